@@ -1,0 +1,44 @@
+"""The ``ckpteval`` console script: one subcommand per program in ``jobs/``.
+
+Each subcommand lives in its own module exposing ``main(argv: list[str]) -> int``; this file only
+routes, and imports the module lazily so ``ckpteval status`` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("jobs.train", "reference trainer (tiny model on CPU) with the eval dispatcher"),
+    "worker": ("jobs.worker", "eval worker: fleet, service (--watch) or --once"),
+    "backfill": ("jobs.backfill", "evaluate every pending unit of a run once (array-task safe)"),
+    "status": ("jobs.status", "show snapshots, units, points and health of a run"),
+    "plot": ("jobs.plot", "plot score vs step (PNG)"),
+    "serve": ("jobs.serve", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
+    "submit": ("jobs.submit", "render and sbatch the batch scripts"),
+    "demo": ("jobs.demo", "the embedded default: trainer + eval fleet on CPU"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ckpteval <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help"}:
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"ckpteval: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The engine interface every eval backend speaks.
+
+An engine holds one set of weights at a time, stamped with a ``weight_version`` string. The only way
+weights change is :meth:`Engine.load`, which swaps weights *and* version together (a reader never sees
+new weights under an old version or the reverse). Every generation carries the version that produced
+it, so a worker can prove which weights a sample measured.
+
+Limits: an engine shared with other clients (an sglang server someone else also reloads) can change
+version between two calls; the worker detects that by re-reading the version after a unit and by the
+per-sample versions, it cannot prevent it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+class EngineError(RuntimeError):
+    """An engine failed in a way the worker should treat as unhealthy (restart, then skip)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k filter (sglang's convention is -1)
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One completion and the weight version of the engine that produced it."""
+
+    text: str
+    weight_version: str | None
+    n_tokens: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker needs from an inference backend."""
+
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        """Load weights from a snapshot dir and stamp ``weight_version`` atomically with the load."""
+
+    def weight_version(self) -> str | None:
+        """The version of the weights currently loaded (``None`` before the first load)."""
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
+        """Complete every prompt; one :class:`Generation` per prompt, in order."""
+
+    def healthy(self) -> bool:
+        """A cheap probe (a one-token generate). Never raises for a dead engine: returns False."""
+
+    def restart(self) -> None:
+        """Bring a dead engine back (re-launch a server, rebuild a model); weights must be reloaded after."""
+
+    def close(self) -> None:
+        """Release every resource (processes, memory). Idempotent."""
