@@ -1,0 +1,109 @@
+"""Atomic files on a shared filesystem.
+
+Guarantee: a reader sees either no file or the complete file written by one writer — never a torn
+one — because every file is written under a temporary name in the *same* directory, fsync'd,
+renamed over the final name, and the directory is fsync'd so the rename survives a crash.
+
+Limits: two writers racing for one name both succeed and the last rename wins (use
+:func:`publish_exclusive` where the *first* writer must win). On NFS/Lustre the rename is atomic
+per client, but another client may see the old name for its attribute-cache lifetime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+TMP_PREFIX = ".tmp-"
+
+
+def tmp_name(final: Path) -> Path:
+    """A unique temporary sibling of ``final`` (readers ignore names starting with ``.tmp-``)."""
+    return final.with_name(f"{TMP_PREFIX}{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creates, renames, unlinks) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp name, fsync, rename, fsync dir)."""
+    path = Path(path)
+    tmp = tmp_name(path)
+    try:
+        _write_synced(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def dumps(obj: Any) -> bytes:
+    """The one JSON encoding used for protocol files (sorted keys, UTF-8, trailing newline)."""
+    return (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically."""
+    write_bytes_atomic(path, dumps(obj))
+
+
+def publish_exclusive(path: Path, data: bytes) -> bool:
+    """Publish ``data`` at ``path`` only if nothing is there yet; True if this call won.
+
+    The file is complete before it becomes visible (written and fsync'd under a temp name, then
+    hard-linked to the final name, which fails if the name exists). The first writer wins; a later
+    one gets False and leaves the first file untouched.
+    """
+    path = Path(path)
+    tmp = tmp_name(path)
+    try:
+        _write_synced(tmp, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON protocol file; a missing file is FileNotFoundError, a malformed one ValueError.
+
+    Both errors name the path. There is never a silent default.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: malformed JSON ({e})") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """Like :func:`read_json` but the top level must be a JSON object."""
+    obj = read_json(path)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj

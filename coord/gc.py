@@ -1,0 +1,163 @@
+"""Garbage collection of a staging root, and the free-space check before export.
+
+Rules (each a guarantee):
+- Only direct children of the staging root that are real directories are candidates; a symlink is
+  never followed or deleted, and a candidate whose *resolved* path is not inside the resolved root is
+  refused. Nothing outside the staging root is ever deleted.
+- Only snapshots whose marker says ``mode == "staging"`` are deleted; reused checkpoints (``reuse``)
+  and foreign ones are never touched, nor are directories without a readable marker (that could be
+  someone's data) — except our own temp dirs (``.tmp-step-*``) older than ``stale_tmp_s``.
+- Only *retired* steps (their point has settled, any outcome) are deleted, and the newest ``keep``
+  retired ones are kept.
+- A snapshot with a live lease on any of its units is never deleted. Liveness is judged like
+  filelock judges it: a lease file counts as live until this collector has seen it unchanged for the
+  lease duration on its own monotonic clock, so clock skew cannot make a live lease look expired.
+  Call :meth:`StagingGC.collect` repeatedly with one instance for those observations to accumulate.
+
+Limits: a worker that loaded a snapshot into memory and released its lease is not protected (it
+no longer needs the files). Free-space checks are advisory: another writer can fill the disk after
+the check.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coord.atomic import TMP_PREFIX
+from coord.snapshot import read_marker
+
+
+@dataclass
+class GCReport:
+    deleted: list[Path] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)
+    refused: list[tuple[Path, str]] = field(default_factory=list)
+    freed_bytes: int = 0
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+@dataclass
+class StagingGC:
+    root: Path
+    leases_dir: Path
+    lease_duration_s: float
+    keep: int = 2
+    stale_tmp_s: float = 3600.0
+    clock: Callable[[], float] = time.monotonic
+    _seen: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.keep < 0:
+            raise ValueError(f"keep must be >= 0, got {self.keep}")
+        self.root = Path(self.root)
+        self.leases_dir = Path(self.leases_dir)
+
+    def _inside_root(self, path: Path) -> bool:
+        return path.resolve().is_relative_to(self.root.resolve()) and path.resolve() != self.root.resolve()
+
+    def live_lease_steps(self) -> set[int]:
+        """Steps with at least one lease this collector cannot yet call expired."""
+        now, live, current = self.clock(), set(), set()
+        try:
+            entries = list(os.scandir(self.leases_dir))
+        except FileNotFoundError:
+            return set()
+        for e in entries:
+            if not e.name.endswith(".lock") or not e.name[:10].isdigit():
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            key = (st.st_ino, st.st_mtime_ns)
+            current.add(e.name)
+            seen = self._seen.get(e.name)
+            if seen is None or seen[0] != key:
+                self._seen[e.name] = (key, now)
+                seen = self._seen[e.name]
+            if now - seen[1] < self.lease_duration_s:
+                live.add(int(e.name[:10]))
+        for gone in set(self._seen) - current:
+            del self._seen[gone]
+        return live
+
+    def collect(self, retired_steps: set[int]) -> GCReport:
+        report = GCReport()
+        live = self.live_lease_steps()
+        candidates: list[tuple[int, Path]] = []
+        for entry in sorted(os.scandir(self.root), key=lambda e: e.name) if self.root.is_dir() else []:
+            path = Path(entry.path)
+            if entry.is_symlink():
+                report.refused.append((path, "symlink: never followed or deleted"))
+                continue
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.name.startswith(TMP_PREFIX):
+                self._collect_stale_tmp(path, report)
+                continue
+            if not self._inside_root(path):
+                report.refused.append((path, "resolves outside the staging root"))
+                continue
+            try:
+                marker = read_marker(path)
+            except (FileNotFoundError, ValueError):
+                report.refused.append((path, "no valid marker: not ours to delete"))
+                continue
+            if marker.mode != "staging":
+                report.refused.append((path, f"mode {marker.mode}: never deleted"))
+                continue
+            if marker.step in retired_steps:
+                candidates.append((marker.step, path))
+        candidates.sort()
+        doomed = candidates[: max(0, len(candidates) - self.keep)]
+        report.kept.extend(p for _, p in candidates[len(doomed) :])
+        for step, path in doomed:
+            if step in live:
+                report.refused.append((path, "under a live lease"))
+                continue
+            self._delete(path, report)
+        return report
+
+    def _collect_stale_tmp(self, path: Path, report: GCReport) -> None:
+        try:
+            age = time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > self.stale_tmp_s and self._inside_root(path):
+            self._delete(path, report)
+
+    def _delete(self, path: Path, report: GCReport) -> None:
+        if not self._inside_root(path) or path.is_symlink():
+            report.refused.append((path, "resolves outside the staging root"))
+            return
+        size = dir_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            report.deleted.append(path)
+            report.freed_bytes += size
+
+
+def has_room(path: Path, nbytes: int, margin_fraction: float = 0.05, margin_bytes: int = 64 << 20) -> bool:
+    """Whether ``nbytes`` fit on ``path``'s filesystem and still leave a safety margin free.
+
+    A full /dev/shm takes the node down, so export refuses to start without room.
+    """
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    total = st.f_blocks * st.f_frsize
+    return free - nbytes >= max(margin_bytes, margin_fraction * total)

@@ -1,0 +1,90 @@
+"""The trainer's ledger, ``ledger.jsonl``: what it dispatched, ingested and retired.
+
+Append-only, one JSON object per line: ``{"event": "dispatched"|"ingested"|"retired", "step": N,
+...}``. Replaying it on restart tells a requeued trainer which points it already logged (so each is
+ingested exactly once) and which are still pending (re-adopted).
+
+Guarantees: each append is one ``write`` of a whole line followed by fsync, and "ingested" is appended
+only *after* the point's metrics were written, so a crash between the two re-ingests at most the
+metrics line the crash interrupted — callers make metric logging idempotent per step (see
+``jobs.metrics``). A torn last line (crash mid-append) is detected on open and cut off (repaired);
+a malformed line anywhere else is an error naming the file and line, never silently skipped.
+
+Limits: one writer per ledger (the trainer); concurrent appenders are not coordinated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EVENTS = ("dispatched", "ingested", "retired")
+
+
+@dataclass
+class LedgerState:
+    dispatched: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> dispatch record
+    ingested: set[int] = field(default_factory=set)
+    retired: set[int] = field(default_factory=set)
+
+    @property
+    def pending(self) -> list[int]:
+        return sorted(set(self.dispatched) - self.ingested)
+
+
+class Ledger:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.repaired_bytes = 0
+        self.state = LedgerState()
+        self._replay()
+
+    def _replay(self) -> None:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        good_end = raw.rfind(b"\n") + 1
+        if good_end < len(raw):  # torn last line: cut it off
+            self.repaired_bytes = len(raw) - good_end
+            with open(self.path, "r+b") as f:
+                f.truncate(good_end)
+                os.fsync(f.fileno())
+            raw = raw[:good_end]
+        for lineno, line in enumerate(raw.splitlines(), start=1):
+            if line.strip():
+                self._apply(self._parse(line, lineno))
+
+    def _parse(self, line: bytes, lineno: int) -> dict[str, Any]:
+        try:
+            rec = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{self.path}:{lineno}: malformed ledger line ({e})") from None
+        if not isinstance(rec, dict) or rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
+            raise ValueError(f"{self.path}:{lineno}: ledger line needs an 'event' in {EVENTS} and an integer 'step'")
+        return rec
+
+    def _apply(self, rec: dict[str, Any]) -> None:
+        step = rec["step"]
+        if rec["event"] == "dispatched":
+            self.state.dispatched[step] = rec
+        elif rec["event"] == "ingested":
+            self.state.ingested.add(step)
+        else:
+            self.state.retired.add(step)
+
+    def append(self, event: str, step: int, **fields: Any) -> None:
+        if event not in EVENTS:
+            raise ValueError(f"unknown ledger event {event!r}; expected one of {EVENTS}")
+        rec = {"event": event, "step": step, **fields}
+        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._apply(rec)

@@ -1,0 +1,118 @@
+"""The run directory: the one place on the shared filesystem through which jobs talk.
+
+Owns the layout (names below) and nothing about their contents, which the other ``coord`` modules
+own. Layout::
+
+    RUN/run.json          manifest (coord.manifest)
+    RUN/snapshots/        default staging root for exported snapshots (coord.snapshot)
+    RUN/leases/           one lease file per claimed work unit (coord.units)
+    RUN/results/          one result JSON per work unit (coord.results)
+    RUN/adopted/          markers of foreign checkpoints admitted after quiescence (coord.discovery)
+    RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (coord.ledger)
+    RUN/metrics.jsonl     every metric the trainer logged
+    RUN/data/             eval-set JSONL files referenced by run.json
+    RUN/TRAINING_DONE     written once when training has finished (final step)
+
+Guarantee: :meth:`RunDir.create` is idempotent and leaves every directory fsync'd. Limits: it does not
+lock the run; two trainers writing one run dir is a user error the protocol does not detect.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coord.atomic import fsync_dir, read_json_object, write_json_atomic
+from coord.manifest import RunManifest, load_manifest, save_manifest
+
+SUBDIRS = ("snapshots", "leases", "results", "adopted", "data")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path).expanduser().resolve())
+
+    # -- names ---------------------------------------------------------------------------------
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.path / "snapshots"
+
+    @property
+    def leases(self) -> Path:
+        return self.path / "leases"
+
+    @property
+    def results(self) -> Path:
+        return self.path / "results"
+
+    @property
+    def adopted(self) -> Path:
+        return self.path / "adopted"
+
+    @property
+    def data(self) -> Path:
+        return self.path / "data"
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.path / "ledger.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def done_path(self) -> Path:
+        return self.path / "TRAINING_DONE"
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, manifest: RunManifest | None = None) -> RunDir:
+        """Create the layout (idempotent) and write ``run.json`` if a manifest is given."""
+        run = cls(path)
+        run.path.mkdir(parents=True, exist_ok=True)
+        for name in SUBDIRS:
+            (run.path / name).mkdir(exist_ok=True)
+        fsync_dir(run.path)
+        if manifest is not None:
+            save_manifest(run.manifest_path, manifest)
+        return run
+
+    @classmethod
+    def open(cls, path: Path) -> RunDir:
+        """Open an existing run; FileNotFoundError names what is missing."""
+        run = cls(path)
+        if not run.manifest_path.is_file():
+            raise FileNotFoundError(f"{run.manifest_path}: not a ckpteval run directory (no run.json)")
+        return run
+
+    def manifest(self) -> RunManifest:
+        return load_manifest(self.manifest_path)
+
+    def resolve_data_path(self, path: str) -> Path:
+        """Dataset paths in run.json are relative to the run dir unless absolute."""
+        p = Path(path)
+        return p if p.is_absolute() else self.path / p
+
+    # -- training done ---------------------------------------------------------------------------
+    def mark_training_done(self, final_step: int) -> None:
+        write_json_atomic(self.done_path, {"final_step": final_step, "time": time.time()})
+
+    def training_done(self) -> int | None:
+        """The final step if training has finished, else None."""
+        try:
+            obj = read_json_object(self.done_path)
+        except FileNotFoundError:
+            return None
+        step = obj.get("final_step")
+        if not isinstance(step, int):
+            raise ValueError(f"{self.done_path}: field final_step must be an integer")
+        return step

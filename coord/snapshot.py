@@ -1,0 +1,296 @@
+"""Snapshots: HF model directories published atomically and marked ``.complete``.
+
+A snapshot is a directory ``AutoModelForCausalLM.from_pretrained`` can load (config.json, safetensors
+shards + index, tokenizer files) plus a ``.complete`` JSON marker written *last*: step, weight_version,
+every file with its byte size and CRC-32, producer, time.
+
+Guarantees:
+- :func:`publish_snapshot` writes into a hidden temp dir (``.tmp-*``), fsyncs every file, writes the
+  marker last, then renames the dir to ``step-<step>`` and fsyncs the root. A crash at any point
+  leaves either nothing under the final name or a complete snapshot; discovery ignores ``.tmp-*``.
+- :func:`mark_complete` turns an existing directory (a trainer's periodic HF checkpoint, reuse mode)
+  into a snapshot by writing the marker into it atomically, after its files are durable.
+- :func:`verify_snapshot` ``fast`` checks the marker, every listed file's presence and size, and parses
+  every safetensors header (offsets inside the file); ``full`` also recomputes checksums.
+
+Why CRC-32 (zlib): it detects the faults that matter here (truncation, torn or bit-flipped pages) and
+runs at ≈3.8 GB/s on these machines vs ≈1.6 GB/s for SHA-256, with tmpfs writes at ≈2 GB/s, so
+computing it on the bytes while they are written does not halve export speed (numbers in
+bench/RESULTS.md). It is not a defence against a malicious writer, which is not in the threat model.
+
+Limits: ``fast`` verification cannot see a bit flip inside tensor data; ``full`` can, at one full read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coord import PROTOCOL_VERSION
+from coord.atomic import TMP_PREFIX, fsync_dir, read_json_object, tmp_name, write_json_atomic
+
+MARKER = ".complete"
+CHUNK = 8 << 20
+FileInfo = dict[str, int]  # {"bytes": n, "crc32": c}
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot cannot be used; ``reason`` is the skip reason the worker records."""
+
+    reason = "ckpt_corrupt"
+
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+class SnapshotMissing(SnapshotError):
+    reason = "ckpt_missing"
+
+
+class SnapshotCorrupt(SnapshotError):
+    reason = "ckpt_corrupt"
+
+
+@dataclass(frozen=True)
+class Marker:
+    step: int
+    weight_version: str
+    files: dict[str, FileInfo]
+    producer: dict[str, Any]
+    mode: str  # staging | reuse | foreign
+    created: float
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f["bytes"] for f in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "checksum": "crc32",
+            "files": self.files,
+            "producer": self.producer,
+            "mode": self.mode,
+            "created": self.created,
+        }
+
+
+def snapshot_dirname(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def producer_identity() -> dict[str, Any]:
+    """Who wrote a snapshot or result: host, pid and any scheduler ids found in the environment."""
+    ident: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    for key in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_PROCID", "SLURM_HET_SIZE"):
+        if key in os.environ:
+            ident[key.lower()] = os.environ[key]
+    return ident
+
+
+# -- checksums ---------------------------------------------------------------------------------------
+def file_info(path: Path) -> FileInfo:
+    """Size and CRC-32 of a file, read in chunks."""
+    crc, n = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            n += len(chunk)
+    return {"bytes": n, "crc32": crc}
+
+
+def _snapshot_files(directory: Path) -> list[str]:
+    """Every regular file of a snapshot, relative, excluding the marker and temp names."""
+    names = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(TMP_PREFIX)]
+        for name in files:
+            if name == MARKER or name.startswith(TMP_PREFIX):
+                continue
+            names.append(os.path.relpath(os.path.join(root, name), directory))
+    return sorted(names)
+
+
+def _fsync_tree(directory: Path, names: list[str]) -> None:
+    for name in names:
+        fd = os.open(directory / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for sub in {Path(n).parent for n in names}:
+        fsync_dir(directory / sub)
+
+
+def describe_files(directory: Path, known: Mapping[str, FileInfo] | None) -> dict[str, FileInfo]:
+    infos = {}
+    for name in _snapshot_files(directory):
+        info = (known or {}).get(name)
+        infos[name] = dict(info) if info is not None else file_info(directory / name)
+    return infos
+
+
+# -- publishing ---------------------------------------------------------------------------------------
+def publish_snapshot(
+    root: Path,
+    step: int,
+    write_files: Callable[[Path], Mapping[str, FileInfo] | None],
+    *,
+    producer: dict[str, Any] | None = None,
+) -> Path:
+    """Publish a staging snapshot of ``step`` under ``root``; returns its final path.
+
+    ``write_files(tmp_dir)`` writes the model files and may return their ``FileInfo`` (computed while
+    writing, so nothing is read twice); files it does not report are checksummed here. Idempotent: if
+    a complete snapshot of the same step already exists (a requeued trainer re-exporting), it is kept
+    and the new copy discarded.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / snapshot_dirname(step)
+    tmp = tmp_name(final)
+    tmp.mkdir()
+    try:
+        infos = describe_files(tmp, write_files(tmp))
+        _fsync_tree(tmp, list(infos))
+        marker = Marker(step, str(step), infos, producer or producer_identity(), "staging", time.time())
+        write_json_atomic(tmp / MARKER, marker.to_json())
+        if (final / MARKER).exists():
+            read_marker(final)  # raises if the existing one is not a valid snapshot
+            shutil.rmtree(tmp)
+            return final
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root)
+    return final
+
+
+def mark_complete(
+    directory: Path,
+    step: int,
+    *,
+    known: Mapping[str, FileInfo] | None = None,
+    producer: dict[str, Any] | None = None,
+    mode: str = "reuse",
+) -> Marker:
+    """Mark an existing checkpoint dir as a snapshot of ``step`` (reuse mode); returns the marker."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
+    infos = describe_files(directory, known)
+    _fsync_tree(directory, list(infos))
+    marker = Marker(step, str(step), infos, producer or producer_identity(), mode, time.time())
+    write_json_atomic(directory / MARKER, marker.to_json())
+    return marker
+
+
+# -- reading -----------------------------------------------------------------------------------------
+def parse_marker(obj: Any, source: Path) -> Marker:
+    """Validate a decoded marker; ValueError names the file and field."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{source}: marker must be a JSON object")
+
+    def need(key: str, kind: type | tuple[type, ...]) -> Any:
+        if key not in obj:
+            raise ValueError(f"{source}: marker field {key} is missing")
+        value = obj[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{source}: marker field {key} has the wrong type ({type(value).__name__})")
+        return value
+
+    step = need("step", int)
+    if step < 0:
+        raise ValueError(f"{source}: marker field step must be >= 0")
+    files = need("files", dict)
+    for name, info in files.items():
+        ok = isinstance(info, dict) and all(
+            isinstance(info.get(k), int) and not isinstance(info.get(k), bool) and info[k] >= 0
+            for k in ("bytes", "crc32")
+        )
+        if not ok or os.path.isabs(name) or ".." in Path(name).parts:
+            raise ValueError(f"{source}: marker field files[{name!r}] is invalid")
+    return Marker(
+        step=step,
+        weight_version=need("weight_version", str),
+        files=files,
+        producer=need("producer", dict),
+        mode=need("mode", str),
+        created=float(need("created", (int, float))),
+    )
+
+
+def read_marker(directory: Path) -> Marker:
+    """The marker of a snapshot dir; FileNotFoundError if absent, ValueError if malformed."""
+    path = Path(directory) / MARKER
+    return parse_marker(read_json_object(path), path)
+
+
+def check_safetensors_header(path: Path, size: int) -> None:
+    """Parse a safetensors header and check every tensor's data lies inside the file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise SnapshotCorrupt(path, "safetensors file shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 << 20:
+            raise SnapshotCorrupt(path, f"safetensors header length {n} does not fit the file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SnapshotCorrupt(path, f"safetensors header is not JSON ({e})") from None
+    data_len = size - 8 - n
+    end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise SnapshotCorrupt(path, f"tensor {name!r} lies outside the file ({offsets}, data {data_len} B)")
+        end = max(end, offsets[1])
+    if end != data_len:
+        raise SnapshotCorrupt(path, f"tensor data ends at {end} but the file holds {data_len} data bytes")
+
+
+def verify_snapshot(directory: Path, mode: str = "fast", marker: Marker | None = None) -> Marker:
+    """Check a snapshot and return its marker, or raise SnapshotMissing / SnapshotCorrupt.
+
+    ``marker`` may be supplied (e.g. an adopted foreign checkpoint's record kept elsewhere).
+    """
+    if mode not in {"fast", "full"}:
+        raise ValueError(f"verify mode must be 'fast' or 'full', got {mode!r}")
+    directory = Path(directory)
+    if marker is None:
+        try:
+            marker = read_marker(directory)
+        except FileNotFoundError:
+            raise SnapshotMissing(directory, "no .complete marker (missing or unfinished snapshot)") from None
+        except ValueError as e:
+            raise SnapshotCorrupt(directory, str(e)) from None
+    for name, expected in marker.files.items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise SnapshotMissing(path, "listed in the marker but missing") from None
+        if size != expected["bytes"]:
+            raise SnapshotCorrupt(path, f"size {size} B, marker says {expected['bytes']} B")
+        if name.endswith(".safetensors"):
+            check_safetensors_header(path, size)
+        if mode == "full" and file_info(path)["crc32"] != expected["crc32"]:
+            raise SnapshotCorrupt(path, "CRC-32 differs from the marker")
+    return marker

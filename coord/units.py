@@ -1,0 +1,145 @@
+"""Work units ``(step, dataset, shard)`` and their leases.
+
+A unit is claimed through a lease file ``leases/<unit>.lock`` held with ``filelock.SoftFileLease``:
+the holder's heartbeat thread refreshes the marker; a contender may take the claim over only after
+observing it *unchanged* for ``lease.duration_s`` on its own monotonic clock, so clock skew between
+nodes cannot expire a live claim. On the same host filelock also takes over at once from a holder
+whose process is dead. If the holder loses its claim (taken over after a stall), ``on_compromise``
+fires and the :class:`Claim` is marked compromised: the holder must abandon the unit.
+
+Guarantee and its limits: a lease is **a hint about who should be working, not a fence**. A stalled
+holder (SIGSTOP, a long GC pause, a partitioned node) can come back after its lease was taken and
+still finish. That is harmless by construction: results are published first-writer-wins
+(:mod:`coord.results`) and readers take the first result per unit, so a rare double evaluation costs
+compute, never correctness, and a lost unit is impossible as long as some worker keeps polling.
+
+Every participant of a run must use the run's :class:`~coord.manifest.LeaseSettings`; filelock raises
+``LeaseSettingsMismatch`` otherwise. A :class:`UnitClaimer` keeps one lease object per unit so that
+its observation of a stale claim accumulates across polls — create it once per worker, not per poll.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import filelock
+
+from coord.manifest import LeaseSettings, RunManifest
+
+
+@dataclass(frozen=True, order=True)
+class WorkUnit:
+    step: int
+    dataset: str
+    shard: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.step:010d}.{self.dataset}.{self.shard:05d}"
+
+    @classmethod
+    def from_id(cls, unit_id: str) -> WorkUnit:
+        parts = unit_id.split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
+            raise ValueError(f"{unit_id!r} is not a unit id (<step>.<dataset>.<shard>)")
+        return cls(int(parts[0]), parts[1], int(parts[2]))
+
+    def to_json(self) -> dict[str, object]:
+        return {"step": self.step, "dataset": self.dataset, "shard": self.shard}
+
+
+def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
+    """Every unit of one eval point: each dataset split into ``ceil(n_prompts / shard_size)`` shards."""
+    return [WorkUnit(step, ds.name, s) for ds in manifest.eval.datasets for s in range(ds.n_shards)]
+
+
+def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
+    """The prompt indices a unit covers."""
+    ds = manifest.dataset(unit.dataset)
+    start = unit.shard * ds.shard_size
+    return range(start, min(start + ds.shard_size, ds.n_prompts))
+
+
+@dataclass
+class Claim:
+    """A held lease on one unit. ``compromised`` is set by the heartbeat thread if the claim is lost."""
+
+    unit: WorkUnit
+    lease: filelock.SoftFileLease
+    token: str
+    attempt: int
+    compromised: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """Give the unit back (at once: a contender needs no expiry wait). Idempotent."""
+        if self.lease.is_locked:
+            self.lease.release(force=True)
+
+
+class UnitClaimer:
+    """Claims units of one run for one worker process."""
+
+    def __init__(self, leases_dir: Path, settings: LeaseSettings) -> None:
+        self.leases_dir = Path(leases_dir)
+        self.settings = settings
+        self._leases: dict[str, filelock.SoftFileLease] = {}
+        self._flags: dict[str, threading.Event] = {}
+
+    def _lease(self, unit: WorkUnit) -> filelock.SoftFileLease:
+        lease = self._leases.get(unit.id)
+        if lease is None:
+            flag = self._flags.setdefault(unit.id, threading.Event())
+            lease = filelock.SoftFileLease(
+                self.leases_dir / f"{unit.id}.lock",
+                lease_duration=self.settings.duration_s,
+                heartbeat_interval=self.settings.heartbeat_s,
+                on_compromise=lambda _c, flag=flag: flag.set(),
+                thread_local=False,
+            )
+            self._leases[unit.id] = lease
+        return lease
+
+    def try_claim(self, unit: WorkUnit) -> Claim | None:
+        """Claim ``unit`` without waiting; None if someone holds a live lease on it."""
+        lease = self._lease(unit)
+        try:
+            lease.acquire(timeout=0, blocking=False)
+        except filelock.Timeout:
+            return None
+        flag = self._flags[unit.id]
+        flag.clear()
+        token = lease.token or ""
+        return Claim(unit, lease, token, self._count_attempt(unit), flag)
+
+    def claim_first(self, candidates: Iterable[WorkUnit]) -> Claim | None:
+        """The first unit of ``candidates`` (already ordered by the caller) that can be claimed."""
+        for unit in candidates:
+            if (claim := self.try_claim(unit)) is not None:
+                return claim
+        return None
+
+    def forget(self, unit: WorkUnit) -> None:
+        """Drop the cached lease object of a unit that has a result (keeps memory bounded)."""
+        lease = self._leases.pop(unit.id, None)
+        if lease is not None and lease.is_locked:
+            lease.release(force=True)
+        self._flags.pop(unit.id, None)
+
+    def _count_attempt(self, unit: WorkUnit) -> int:
+        """Attempt number of this claim: one line per claim appended to ``<unit>.attempts``."""
+        path = self.leases_dir / f"{unit.id}.attempts"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        return max(1, path.read_bytes().count(b"\n"))
+
+
+def order_units(units: Iterable[WorkUnit], newest_first: bool = False) -> list[WorkUnit]:
+    """Claim order: oldest unfinished step first by default, newest first on request."""
+    return sorted(units, key=lambda u: (-u.step if newest_first else u.step, u.dataset, u.shard))
