@@ -1,0 +1,131 @@
+"""Benchmark: ``write_hf_files`` (write + crc32 of every file) vs ``cp`` of the same bytes.
+
+Builds a ~500 MB bf16 state dict shaped like a small LLM, exports it into a fresh directory under
+``--root`` (default /dev/shm) ``--reps`` times and copies the resulting shard with ``cp`` just as
+often, all in the same run, and prints the best GB/s of each and their ratio. Alternatives the
+exporter was chosen over are timed too: ``safetensors.torch.save`` to bytes followed by a chunked
+write + crc32, and ``save_file`` followed by a re-read for the crc32.
+
+Usage: ``.venv/bin/python bench/bench_export.py [--mb 500] [--reps 3] [--root /dev/shm]``.
+Numbers are only comparable on a quiet machine: the load average is printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import safetensors.torch as st
+import torch
+
+from jobs.export.hf_files import CHUNK_BYTES, write_hf_files
+
+HIDDEN = 4096
+EXPORTER = "write_hf_files (zero-copy write + threaded crc32)"
+CP = "cp of the same bytes (no checksum)"
+
+
+def make_state_dict(total_mb: int) -> dict[str, torch.Tensor]:
+    """bf16: one embedding of ~half the bytes, square matrices for the rest, plus norm vectors."""
+    gen = torch.Generator().manual_seed(0)
+    target = total_mb * 1_000_000
+    vocab = max(1, target // 2 // (HIDDEN * 2))
+    sd = {"model.embed_tokens.weight": torch.randn(vocab, HIDDEN, generator=gen, dtype=torch.bfloat16)}
+    used = vocab * HIDDEN * 2
+    i = 0
+    while used + HIDDEN * HIDDEN * 2 <= target:
+        sd[f"model.layers.{i}.mlp.weight"] = torch.randn(HIDDEN, HIDDEN, generator=gen, dtype=torch.bfloat16)
+        sd[f"model.layers.{i}.norm.weight"] = torch.randn(HIDDEN, generator=gen, dtype=torch.bfloat16)
+        used += HIDDEN * HIDDEN * 2 + HIDDEN * 2
+        i += 1
+    return sd
+
+
+def best_seconds(fn: Callable[[Path], object], scratch: Path, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        target = scratch / "target"
+        shutil.rmtree(target, ignore_errors=True)
+        start = time.perf_counter()
+        fn(target)
+        best = min(best, time.perf_counter() - start)
+    shutil.rmtree(scratch / "target", ignore_errors=True)
+    return best
+
+
+def crc_write(path: Path, data: bytes) -> int:
+    value = 0
+    view = memoryview(data)
+    with open(path, "wb", buffering=0) as f:
+        for i in range(0, len(view), CHUNK_BYTES):
+            f.write(view[i : i + CHUNK_BYTES])
+            value = zlib.crc32(view[i : i + CHUNK_BYTES], value)
+    return value
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=500)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--root", type=Path, default=Path("/dev/shm"))
+    args = parser.parse_args()
+
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  cpus: {os.cpu_count()}")
+    sd = make_state_dict(args.mb)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    if shutil.disk_usage(args.root).free < 4 * nbytes:
+        raise SystemExit(f"{args.root}: not enough free space for the benchmark (need {4 * nbytes} bytes)")
+    meta = {"model_type": "llama", "tie_word_embeddings": False}
+    scratch = Path(tempfile.mkdtemp(prefix="ckpteval-bench-", dir=args.root))
+    try:
+        source = scratch / "source"
+        records = write_hf_files(source, sd, None, meta)
+        shard = source / "model.safetensors"
+        file_bytes = records["model.safetensors"]["bytes"]
+
+        def export(target: Path) -> None:
+            write_hf_files(target, sd, None, meta)
+
+        def save_bytes(target: Path) -> None:
+            target.mkdir()
+            crc_write(target / "model.safetensors", st.save(sd, metadata={"format": "pt"}))
+
+        def save_file_reread(target: Path) -> None:
+            target.mkdir()
+            st.save_file(sd, str(target / "model.safetensors"), metadata={"format": "pt"})
+            value = 0
+            with open(target / "model.safetensors", "rb") as f:
+                while block := f.read(CHUNK_BYTES):
+                    value = zlib.crc32(block, value)
+
+        def cp(target: Path) -> None:
+            target.mkdir()
+            subprocess.run(["cp", str(shard), str(target / "model.safetensors")], check=True)
+
+        print(f"state dict: {len(sd)} tensors, {nbytes / 1e6:.0f} MB; shard file {file_bytes / 1e6:.0f} MB")
+        results = {}
+        for name, fn in [
+            (EXPORTER, export),
+            ("safetensors.save -> bytes, write + crc32", save_bytes),
+            ("save_file, then re-read for crc32", save_file_reread),
+            (CP, cp),
+        ]:
+            seconds = best_seconds(fn, scratch, args.reps)
+            results[name] = file_bytes / seconds / 1e9
+            print(f"{name:<52} {seconds * 1e3:8.1f} ms  {results[name]:6.2f} GB/s")
+        exporter, cp_rate = results[EXPORTER], results[CP]
+        print(f"ratio exporter / cp: {exporter / cp_rate:.2f}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

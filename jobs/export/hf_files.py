@@ -1,0 +1,450 @@
+"""Write the *files* of a Hugging Face snapshot into a directory, and copy weights off the trainer.
+
+This module owns two steps of an export:
+
+* :func:`snapshot_host_copy` — the only part that blocks the trainer: one copy of every tensor of a
+  model (or state dict) into host memory (page-locked when the source is on CUDA), so training can
+  go on mutating its weights while the files are written from the copy.
+* :func:`write_hf_files` — writes safetensors shards (``model.safetensors`` or
+  ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``), ``config.json`` and the
+  base model's metadata files (generation config, tokenizer files, chat templates) into a directory,
+  and returns ``{relative_path: {"bytes": n, "crc32": c}}`` for every file it wrote.
+
+Promises:
+
+* The directory is loadable by ``AutoModelForCausalLM.from_pretrained(dir, use_safetensors=True)``;
+  tensors are written bit-exactly (the shards are byte-identical to ``safetensors.torch.save_file``
+  of the same tensors with ``{"format": "pt"}`` metadata).
+* Checksums are computed on the bytes as they are written (no second read of the files): a helper
+  thread checksums chunk *i* while the main thread writes it (``zlib.crc32`` and ``write`` both
+  release the GIL), and tensor bytes are written straight from tensor memory, without a serialized
+  copy. Measured on /dev/shm (see ``bench/bench_export.py``) this beats ``cp`` of the same bytes.
+* Only metadata is taken from ``base_model_dir`` (an allow-list, :data:`METADATA_FILES`); the base's
+  weights (``*.safetensors``, ``*.bin``, ...) and weight index are never copied.
+* Tied embeddings: when the config ties word embeddings, ``lm_head.weight`` is dropped, but only after
+  checking it is the same tensor as (shares storage with, or equals) another tensor of the state
+  dict; otherwise a ``ValueError`` — weights are never lost silently.
+* Files are created exclusively: a file that already exists in ``out_dir`` is an error
+  (``FileExistsError``), never overwritten.
+
+Limits: publishing (the ``.complete`` marker and the atomic rename) is ``coord.snapshot``'s job, not
+this module's. Tensors must be contiguous, dense CPU tensors that nobody mutates while they are
+written (that is what :func:`snapshot_host_copy` is for). Sharded/distributed tensors (DTensor, TP or
+PP shards) must be gathered by the caller first. ``max_shard_bytes`` is a target: a single tensor
+larger than it gets a shard of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+Checksum = Callable[[bytes | memoryview, int], int]
+"""A running checksum with ``zlib.crc32``'s signature: ``checksum(chunk, previous) -> value``."""
+
+FileRecord = dict[str, int]
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+# Metadata files copied from the base model directory (top level only). Anything else — weights,
+# weight indexes, optimizer states, pickles — is never copied.
+METADATA_FILES: frozenset[str] = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "tokenizer.model",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "chat_template.jinja",
+        "chat_template.json",
+        "preprocessor_config.json",
+        "processor_config.json",
+    }
+)
+METADATA_SUFFIXES: tuple[str, ...] = (".tiktoken",)
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # holds ``*.jinja`` files, copied as well
+
+CHUNK_BYTES = 16 * 1024 * 1024  # measured best of 1/4/16/64 MiB on /dev/shm
+_QUEUE_DEPTH = 8
+
+# safetensors dtype names, in the order safetensors itself lays tensors out in a file (larger
+# alignment first, then by name); mirroring it makes our shards byte-identical to save_file's.
+_DTYPES: dict[torch.dtype, str] = {
+    torch.uint64: "U64",
+    torch.int64: "I64",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+    torch.float32: "F32",
+    torch.uint32: "U32",
+    torch.int32: "I32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.uint16: "U16",
+    torch.int16: "I16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_DTYPE_RANK: dict[torch.dtype, int] = {dtype: rank for rank, dtype in enumerate(_DTYPES)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Host copy (the part that blocks the trainer)
+
+
+def snapshot_host_copy(model_or_state_dict: torch.nn.Module | Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Copy every tensor of a model or state dict into fresh, contiguous host memory.
+
+    Host memory use: one full copy of the weights — the sum of the tensors' bytes, with tensors that
+    alias each other (tied embeddings) copied once and still aliased in the result, so
+    :func:`write_hf_files` recognises the tie. When a source tensor is on CUDA its copy is page-locked
+    (pinned) and made with ``non_blocking`` on the current stream, followed by one synchronize per
+    device; torch's caching host allocator keeps freed pinned blocks, so repeated snapshots of the
+    same model reuse them instead of paying ``cudaHostAlloc`` again (that pinned memory stays
+    reserved by the process until ``torch.cuda.empty_cache``-style release or exit).
+
+    Non-tensor entries (e.g. Transformer Engine ``_extra_state`` blobs) are skipped. Meta tensors
+    and DTensors are refused (``ValueError``): gather distributed weights first.
+    """
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        source: Mapping[str, Any] = model_or_state_dict.state_dict()
+    else:
+        source = model_or_state_dict
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+    cuda_devices: set[torch.device] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in source.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        _check_copyable(name, tensor)
+        key = _alias_key(tensor)
+        if key not in copies:
+            copies[key] = _copy_to_host(tensor)
+            if tensor.is_cuda:
+                cuda_devices.add(tensor.device)
+        out[name] = copies[key]
+    for device in cuda_devices:
+        torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def _check_copyable(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_meta:
+        raise ValueError(f"{name}: is a meta tensor (no data to copy)")
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        raise ValueError(f"{name}: is a {type(tensor).__name__}; gather distributed tensors before export")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name}: layout {tensor.layout} is not supported (dense tensors only)")
+
+
+def _alias_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Identity of the *view*: two entries with the same key hold the very same values."""
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
+
+
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    on_cuda = tensor.is_cuda
+    dst = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=on_cuda)
+    dst.copy_(tensor.detach(), non_blocking=on_cuda)
+    return dst
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing files
+
+
+def write_hf_files(
+    out_dir: Path,
+    state_dict: Mapping[str, torch.Tensor],
+    base_model_dir: Path | None,
+    config: PretrainedConfig | dict[str, Any] | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    checksum: Checksum | None = None,
+    *,
+    fsync: bool = False,
+) -> dict[str, FileRecord]:
+    """Write an HF snapshot's files into ``out_dir`` (created if missing); see the module docstring.
+
+    ``config`` overrides the base's ``config.json``; one of them must exist. ``checksum`` replaces
+    ``zlib.crc32`` (same running signature; the result is still reported under ``"crc32"``).
+    ``fsync`` flushes each file to stable storage before returning (not needed on tmpfs).
+    Returns ``{path relative to out_dir: {"bytes": n, "crc32": c}}`` for every file written.
+    """
+    out_dir = Path(out_dir)
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    crc: Checksum = checksum or zlib.crc32
+    config_json = _resolve_config_json(config, base_model_dir)
+    tensors = _drop_tied_lm_head(_validated(state_dict), _ties_word_embeddings(config_json))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records: dict[str, FileRecord] = {}
+    records.update(_write_weights(out_dir, tensors, max_shard_bytes, crc, fsync))
+    records[CONFIG_NAME] = _write_chunks(out_dir / CONFIG_NAME, [config_json.encode()], crc, fsync)
+    if base_model_dir is not None:
+        for rel in _metadata_files(Path(base_model_dir)):
+            if rel != CONFIG_NAME:
+                records[rel] = _copy_file(Path(base_model_dir) / rel, out_dir / rel, crc, fsync)
+    return records
+
+
+def _validated(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not state_dict:
+        raise ValueError("state_dict is empty")
+    bad: list[str] = []
+    for name, tensor in state_dict.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            bad.append(f"{name!r}: not a str -> Tensor entry")
+        elif tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            bad.append(f"{name}: on {tensor.device} ({tensor.layout}); need a dense CPU tensor")
+        elif not tensor.is_contiguous():
+            bad.append(f"{name}: not contiguous")
+        elif tensor.dtype not in _DTYPES:
+            bad.append(f"{name}: dtype {tensor.dtype} not supported by safetensors here")
+    if bad:
+        raise ValueError("state_dict cannot be written: " + "; ".join(bad))
+    return dict(state_dict)
+
+
+# ---- config and ties
+
+
+def _resolve_config_json(config: PretrainedConfig | dict[str, Any] | None, base: Path | None) -> str:
+    if isinstance(config, PretrainedConfig):
+        return config.to_json_string()
+    if isinstance(config, dict):
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+    if config is not None:
+        raise ValueError(f"config must be a PretrainedConfig, a dict or None, not {type(config).__name__}")
+    if base is not None and (Path(base) / CONFIG_NAME).is_file():
+        return (Path(base) / CONFIG_NAME).read_text(encoding="utf-8")
+    raise ValueError("no config: pass config= or a base_model_dir holding config.json")
+
+
+def _ties_word_embeddings(config_json: str) -> bool:
+    """Whether the config ties ``lm_head`` to the input embeddings; ``False`` when unknowable.
+
+    ``False`` is the safe default: ``lm_head.weight`` is then written, never dropped.
+    """
+    data = json.loads(config_json)
+    if "tie_word_embeddings" in data:
+        return bool(data["tie_word_embeddings"])
+    model_type = data.get("model_type")
+    if not model_type:
+        return False
+    try:
+        resolved = AutoConfig.for_model(**data)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return bool(getattr(resolved, "tie_word_embeddings", False))
+
+
+def _drop_tied_lm_head(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    head = tensors.get("lm_head.weight")
+    if not tied or head is None:
+        return tensors
+    for name, other in tensors.items():
+        if name != "lm_head.weight" and _same_values(head, other):
+            return {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    raise ValueError(
+        "config ties word embeddings but lm_head.weight neither shares storage with nor equals any "
+        "other tensor (e.g. model.embed_tokens.weight); refusing to drop it"
+    )
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return torch.equal(a, b)
+
+
+# ---- safetensors shards
+
+
+def _write_weights(
+    out_dir: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, crc: Checksum, fsync: bool
+) -> dict[str, FileRecord]:
+    shards = _plan_shards(tensors, max_shard_bytes)
+    names = _shard_names(len(shards))
+    records: dict[str, FileRecord] = {}
+    weight_map: dict[str, str] = {}
+    for file_name, shard in zip(names, shards, strict=True):
+        records[file_name] = _write_chunks(out_dir / file_name, _safetensors_chunks(shard), crc, fsync)
+        weight_map.update(dict.fromkeys(shard, file_name))
+    if len(shards) > 1:
+        total = sum(_nbytes(t) for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        body = (json.dumps(index, indent=2) + "\n").encode()
+        records[SAFE_WEIGHTS_INDEX_NAME] = _write_chunks(out_dir / SAFE_WEIGHTS_INDEX_NAME, [body], crc, fsync)
+    return records
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Greedy, in state-dict order (as transformers does): a new shard when the next would overflow."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        n = _nbytes(tensor)
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += n
+    return shards
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SAFE_WEIGHTS_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _safetensors_chunks(shard: dict[str, torch.Tensor]) -> Iterator[bytes | memoryview]:
+    """The bytes of one safetensors file: header, then each tensor's memory, zero-copy."""
+    order = sorted(shard, key=lambda name: (_DTYPE_RANK[shard[name].dtype], name))
+    yield _safetensors_header(shard, order)
+    for name in order:
+        data = _tensor_bytes(shard[name])
+        for start in range(0, len(data), CHUNK_BYTES):
+            yield data[start : start + CHUNK_BYTES]
+
+
+def _safetensors_header(shard: dict[str, torch.Tensor], order: list[str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        tensor = shard[name]
+        end = offset + _nbytes(tensor)
+        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+# ---- file writing with on-the-fly checksums
+
+
+class _ChecksumThread:
+    """Checksums chunks in order on a helper thread while the caller writes them."""
+
+    def __init__(self, crc: Checksum) -> None:
+        self._crc = crc
+        self._queue: queue.Queue[bytes | memoryview | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._value = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpteval-checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._value = self._crc(chunk, self._value)
+                except Exception as exc:  # any checksum failure: re-raised in the caller's thread
+                    self._error = exc
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        self._queue.put(chunk)
+
+    def stop(self) -> None:
+        """Let the thread finish the queued chunks and end (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def result(self) -> int:
+        """Stop the thread; the checksum of everything fed (re-raises the checksum's error)."""
+        self.stop()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum, fsync: bool) -> FileRecord:
+    """Create ``path`` exclusively and write ``chunks``, checksumming them on the side."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summer = _ChecksumThread(crc)
+    size = 0
+    try:
+        with open(path, "xb", buffering=0) as f:
+            for chunk in chunks:
+                summer.feed(chunk)
+                size += _write_all(f, chunk)
+            if fsync:
+                os.fsync(f.fileno())
+    except BaseException:
+        summer.stop()
+        raise
+    return {"bytes": size, "crc32": summer.result()}
+
+
+def _write_all(f: Any, chunk: bytes | memoryview) -> int:
+    view = memoryview(chunk)
+    written = 0
+    while written < len(view):
+        written += f.write(view[written:])
+    return written
+
+
+def _copy_file(src: Path, dst: Path, crc: Checksum, fsync: bool) -> FileRecord:
+    def chunks() -> Iterator[bytes]:
+        with open(src, "rb") as f:
+            while block := f.read(CHUNK_BYTES):
+                yield block
+
+    return _write_chunks(dst, chunks(), crc, fsync)
+
+
+def _metadata_files(base: Path) -> list[str]:
+    """Relative paths of the base model's metadata files (see :data:`METADATA_FILES`)."""
+    if not base.is_dir():
+        raise ValueError(f"base_model_dir {base} is not a directory")
+    found = [p.name for p in base.iterdir() if p.is_file() and _is_metadata(p.name)]
+    templates = base / CHAT_TEMPLATES_DIR
+    if templates.is_dir():
+        found += [f"{CHAT_TEMPLATES_DIR}/{p.name}" for p in templates.iterdir() if p.is_file() and p.suffix == ".jinja"]
+    return sorted(found)
+
+
+def _is_metadata(name: str) -> bool:
+    return name in METADATA_FILES or name.endswith(METADATA_SUFFIXES)
