@@ -125,7 +125,7 @@ def write_result(results_dir: Path, result: Result) -> bool:
     if not stamped.worker:
         stamped = Result(**{**stamped.__dict__, "worker": producer_identity()})
     data = dumps(stamped.to_json())
-    if publish_exclusive(results_dir / f"{result.unit.id}.json", data):
+    if publish_exclusive(results_dir / result.unit.result_name, data):
         return True
     dup_dir = results_dir / "duplicates"
     dup_dir.mkdir(exist_ok=True)

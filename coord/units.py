@@ -51,6 +51,11 @@ class WorkUnit:
     def to_json(self) -> dict[str, object]:
         return {"step": self.step, "dataset": self.dataset, "shard": self.shard}
 
+    @property
+    def result_name(self) -> str:
+        """File name of this unit's result under ``results/``."""
+        return f"{self.id}.json"
+
 
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
     """Every unit of one eval point: each dataset split into ``ceil(n_prompts / shard_size)`` shards."""
@@ -83,9 +88,10 @@ class Claim:
 class UnitClaimer:
     """Claims units of one run for one worker process."""
 
-    def __init__(self, leases_dir: Path, settings: LeaseSettings) -> None:
+    def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None) -> None:
         self.leases_dir = Path(leases_dir)
         self.settings = settings
+        self.results_dir = Path(results_dir) if results_dir is not None else None
         self._leases: dict[str, filelock.SoftFileLease] = {}
         self._flags: dict[str, threading.Event] = {}
 
@@ -104,11 +110,19 @@ class UnitClaimer:
         return lease
 
     def try_claim(self, unit: WorkUnit) -> Claim | None:
-        """Claim ``unit`` without waiting; None if someone holds a live lease on it."""
+        """Claim ``unit`` without waiting; None if someone holds a live lease on it or it is done.
+
+        With a ``results_dir``, the result file is checked *after* the lease is acquired (one stat):
+        a caller's view of finished units is always a little old, and without this re-check a unit
+        finished and released just before our claim would be evaluated twice.
+        """
         lease = self._lease(unit)
         try:
             lease.acquire(timeout=0, blocking=False)
         except filelock.Timeout:
+            return None
+        if self.results_dir is not None and (self.results_dir / unit.result_name).exists():
+            lease.release(force=True)
             return None
         flag = self._flags[unit.id]
         flag.clear()

@@ -1,0 +1,161 @@
+"""Leases under real concurrency: racing processes, SIGKILL and SIGSTOP of holders.
+
+Every process here is a real OS process; "another node" is a real process in its own UTS namespace
+(``unshare --uts`` with a different hostname), which is what filelock uses to tell hosts apart.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from coord.manifest import LeaseSettings
+from coord.results import ResultIndex, ok_result, write_result
+from coord.units import UnitClaimer, WorkUnit
+
+ROOT = Path(__file__).parents[1]
+
+
+def _race_worker(leases: str, results: str, units: list[tuple[int, str, int]], seed: int) -> None:
+    import random
+
+    claimer = UnitClaimer(Path(leases), LeaseSettings(30.0, 5.0), results_dir=Path(results))
+    index = ResultIndex(Path(results))
+    todo = [WorkUnit(*u) for u in units]
+    random.Random(seed).shuffle(todo)
+    while todo:
+        done = index.refresh()
+        todo = [u for u in todo if u not in done]
+        for unit in todo:
+            if index.get(unit) is not None:
+                continue
+            claim = claimer.try_claim(unit)
+            if claim is None:
+                continue
+            if not claim.compromised.is_set():
+                write_result(Path(results), ok_result(unit, [1.0], [str(unit.step)], lease_token=claim.token))
+            claim.release()
+            break
+        else:
+            time.sleep(0.01)
+
+
+def test_eight_processes_race_for_200_units(tmp_path: Path) -> None:
+    leases, results = tmp_path / "leases", tmp_path / "results"
+    leases.mkdir()
+    results.mkdir()
+    units = [(step, "ds", shard) for step in range(20) for shard in range(10)]
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_race_worker, args=(str(leases), str(results), units, i)) for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    files = [n for n in os.listdir(results) if n.endswith(".json")]
+    assert len(files) == 200
+    got = ResultIndex(results).refresh()
+    assert sorted((u.step, u.dataset, u.shard) for u in got) == sorted(units)
+    # no lease was compromised (30 s leases, sub-second units), so there is no duplicate either
+    assert not (results / "duplicates").exists()
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from coord.manifest import LeaseSettings
+    from coord.units import UnitClaimer, WorkUnit
+    claimer = UnitClaimer(Path(sys.argv[1]), LeaseSettings(float(sys.argv[2]), float(sys.argv[2]) / 6))
+    claim = claimer.try_claim(WorkUnit(1, "ds", 0))
+    print("held" if claim else "busy", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _start_holder(leases: Path, duration: float, other_host: bool) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", HOLDER, str(leases), str(duration)]
+    if other_host:
+        cmd = ["unshare", "--uts", "sh", "-c", 'hostname other-node && exec "$@"', "sh", *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"held"
+    return proc
+
+
+def _seconds_until_claimed(leases: Path, duration: float, limit: float) -> float:
+    claimer = UnitClaimer(leases, LeaseSettings(duration, duration / 6))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if (claim := claimer.try_claim(WorkUnit(1, "ds", 0))) is not None:
+            claim.release()
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return float("inf")
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare(1) to run a holder as another host")
+def test_sigkilled_holder_on_another_node_is_taken_over_after_expiry_not_before(tmp_path: Path) -> None:
+    duration = 3.0
+    holder = _start_holder(tmp_path, duration, other_host=True)
+    try:
+        claimer = UnitClaimer(tmp_path, LeaseSettings(duration, duration / 6))
+        assert claimer.try_claim(WorkUnit(1, "ds", 0)) is None  # live claim: refused
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        waited = _seconds_until_claimed(tmp_path, duration, limit=30)
+    finally:
+        holder.kill()
+    assert duration * 0.95 <= waited < duration + 10  # not before expiry, but soon after it
+
+
+def test_sigstopped_holder_keeps_claim_until_expiry(tmp_path: Path) -> None:
+    duration = 3.0
+    holder = _start_holder(tmp_path, duration, other_host=False)
+    try:
+        holder.send_signal(signal.SIGSTOP)  # alive but silent: a hung node
+        waited = _seconds_until_claimed(tmp_path, duration, limit=30)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert duration * 0.95 <= waited < duration + 10
+
+
+def test_sigkilled_holder_on_same_host_is_taken_over_at_once(tmp_path: Path) -> None:
+    """filelock sees the holder's pid is dead on this host and does not wait for expiry."""
+    holder = _start_holder(tmp_path, 60.0, other_host=False)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert _seconds_until_claimed(tmp_path, 60.0, limit=20) < 20
+
+
+def test_compromised_claim_is_flagged(tmp_path: Path) -> None:
+    """A holder whose claim was taken over (it stalled past expiry) learns it must abandon the unit."""
+    duration = 2.0
+    settings = LeaseSettings(duration, 0.5)
+    mine = UnitClaimer(tmp_path, settings).try_claim(WorkUnit(3, "ds", 0))
+    assert mine is not None
+    # simulate the stall from the contender's side: replace the marker like a takeover does
+    lock = tmp_path / f"{WorkUnit(3, 'ds', 0).id}.lock"
+    lock.unlink()
+    lock.write_text("someone else")
+    deadline = time.monotonic() + 10
+    while not mine.compromised.is_set() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert mine.compromised.is_set()
+    mine.release()

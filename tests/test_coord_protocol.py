@@ -1,0 +1,275 @@
+"""Discovery, results/points, ledger, GC and config validation — real files, no mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import coord.discovery as discovery_mod
+from coord.config import DispatchConfig, filesystem_type
+from coord.discovery import SnapshotDiscovery
+from coord.gc import StagingGC, has_room
+from coord.ledger import Ledger
+from coord.results import (
+    ResultIndex,
+    derive_point,
+    ok_result,
+    point_metrics,
+    skip_result,
+    write_point_skip,
+    write_result,
+)
+from coord.snapshot import mark_complete, publish_snapshot
+from coord.units import WorkUnit, order_units, units_for_step
+from tests.coordutil import make_run, write_tiny_shards
+
+
+# -- discovery ---------------------------------------------------------------------------------------
+def test_discovery_reads_each_marker_once_and_forgets_deleted(tmp_path: Path, monkeypatch) -> None:
+    for step in (10, 20, 30):
+        publish_snapshot(tmp_path, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    reads: list[Path] = []
+    real = discovery_mod.read_marker
+    monkeypatch.setattr(discovery_mod, "read_marker", lambda p: reads.append(p) or real(p))
+    disc = SnapshotDiscovery(tmp_path)
+    assert [r.step for r in disc.poll()] == [10, 20, 30]
+    assert len(reads) == 3
+    assert [r.step for r in disc.poll()] == [10, 20, 30]
+    assert len(reads) == 3  # idle poll: no marker re-read
+    shutil.rmtree(tmp_path / "step-0000000020")
+    assert [r.step for r in disc.poll()] == [10, 30]
+
+
+def _foreign_checkpoint(root: Path, step: int, shards: int = 2, write_all: bool = True) -> Path:
+    ckpt = root / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    write_tiny_shards(ckpt, n_shards=shards, numel=16)
+    index = {"metadata": {}, "weight_map": {f"w{i}": f"model-{i:05d}.safetensors" for i in range(shards + 1)}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    if write_all:
+        write_tiny_shards_extra(ckpt, shards)
+    return ckpt
+
+
+def write_tiny_shards_extra(ckpt: Path, i: int) -> None:
+    save_file({f"w{i}": torch.zeros(4)}, str(ckpt / f"model-{i:05d}.safetensors"))
+
+
+def test_foreign_checkpoint_admitted_only_after_quiescence_and_all_shards(tmp_path: Path) -> None:
+    now = [0.0]
+    watch, adopted = tmp_path / "ckpts", tmp_path / "adopted"
+    disc = SnapshotDiscovery(watch, admit_foreign=True, quiescence_s=30, adoption_dir=adopted, clock=lambda: now[0])
+    ckpt = _foreign_checkpoint(watch, 500, write_all=False)  # index names a shard not yet written
+    assert disc.poll() == []
+    now[0] = 100.0
+    assert disc.poll() == []  # quiet, but a shard named by the index is missing
+    write_tiny_shards_extra(ckpt, 2)
+    now[0] = 110.0
+    assert disc.poll() == []  # it changed: the quiet window restarts
+    now[0] = 139.0
+    assert disc.poll() == []
+    now[0] = 141.0
+    refs = disc.poll()
+    assert [(r.step, r.foreign) for r in refs] == [(500, True)]
+    assert not (ckpt / ".complete").exists()  # the foreign dir is never written to
+    assert (adopted / "0000000500.json").exists()
+    # a new process finds the adoption record at once, no second quiescence wait
+    assert [r.step for r in SnapshotDiscovery(watch, admit_foreign=True, adoption_dir=adopted).poll()] == [500]
+
+
+def test_foreign_dirs_ignored_without_admission(tmp_path: Path) -> None:
+    _foreign_checkpoint(tmp_path, 7)
+    assert SnapshotDiscovery(tmp_path).poll() == []
+
+
+def test_step_from_trainer_state(tmp_path: Path) -> None:
+    d = tmp_path / "final"
+    d.mkdir()
+    (d / "trainer_state.json").write_text('{"global_step": 321}')
+    assert discovery_mod.step_from_dir(d) == 321
+
+
+# -- results and points ------------------------------------------------------------------------------
+def test_point_is_independent_of_sharding(tmp_path: Path) -> None:
+    scores = [float(i % 3 == 0) for i in range(12)]
+    points = []
+    for shard_size in (1, 5, 12):
+        run = make_run(tmp_path / str(shard_size), n_prompts=12, shard_size=shard_size)
+        manifest = run.manifest()
+        for unit in units_for_step(manifest, 40):
+            lo = unit.shard * shard_size
+            chunk = scores[lo : lo + shard_size]
+            write_result(run.results, ok_result(unit, chunk, ["40"] * len(chunk)))
+        results = ResultIndex(run.results).refresh()
+        points.append(derive_point(manifest, 40, results))
+    assert all(p.complete for p in points)
+    assert {p.datasets["add"].score for p in points} == {sum(scores) / 12}
+    assert points[0].units_total == 12 and points[2].units_total == 1
+
+
+def test_first_result_wins_and_duplicates_are_kept_aside(tmp_path: Path) -> None:
+    run = make_run(tmp_path, n_prompts=2, shard_size=2)
+    unit = WorkUnit(5, "add", 0)
+    assert write_result(run.results, ok_result(unit, [1.0, 1.0], ["5", "5"], lease_token="a"))
+    assert not write_result(run.results, ok_result(unit, [0.0, 0.0], ["5", "5"], lease_token="b"))
+    index = ResultIndex(run.results)
+    assert index.refresh()[unit].lease_token == "a"
+    assert len(os.listdir(run.results / "duplicates")) == 1
+
+
+def test_weight_version_metrics_and_skips(tmp_path: Path) -> None:
+    run = make_run(tmp_path, n_prompts=4, shard_size=2, datasets=("add", "mul"))
+    m = run.manifest()
+    write_result(run.results, ok_result(WorkUnit(9, "add", 0), [1, 0], ["9", "9"]))
+    write_result(run.results, ok_result(WorkUnit(9, "add", 1), [1, 1], ["9", "8"]))
+    write_result(run.results, ok_result(WorkUnit(9, "mul", 0), [1, 1], ["9", "9"]))
+    index = ResultIndex(run.results)
+    assert not derive_point(m, 9, index.refresh()).complete
+    write_result(run.results, skip_result(WorkUnit(9, "mul", 1), "pin_violation", "engine said 8"))
+    point = derive_point(m, 9, index.refresh())
+    metrics = point_metrics(point)
+    assert point.complete and metrics["eval/step"] == 9
+    assert metrics["eval/add"] == 0.75
+    assert metrics["eval/add/weight_version/mean"] == pytest.approx(8.75)
+    assert metrics["eval/add/weight_version/mixed_version_ratio"] == 0.25
+    assert "eval/mul" not in metrics and metrics["eval/skipped_pin_violation"] == 1
+
+
+def test_malformed_result_is_reported_not_trusted(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    (run.results / "0000000001.add.00000.json").write_text('{"unit": {"step": 1}}')
+    index = ResultIndex(run.results)
+    assert index.refresh() == {}
+    assert "malformed result" in index.errors["0000000001.add.00000.json"]
+
+
+def test_point_skip_covers_every_unit(tmp_path: Path) -> None:
+    run = make_run(tmp_path, n_prompts=10, shard_size=3)
+    write_point_skip(run.results, run.manifest(), 50, "busy")
+    point = derive_point(run.manifest(), 50, ResultIndex(run.results).refresh())
+    assert point.complete and point.skips == {"busy": 4} and point.datasets == {}
+
+
+def test_claim_order(tmp_path: Path) -> None:
+    units = [WorkUnit(s, "a", 0) for s in (30, 10, 20)]
+    assert [u.step for u in order_units(units)] == [10, 20, 30]
+    assert [u.step for u in order_units(units, newest_first=True)] == [30, 20, 10]
+
+
+# -- ledger ------------------------------------------------------------------------------------------
+def test_ledger_replay_and_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    led = Ledger(path)
+    led.append("dispatched", 10, snapshot="/x")
+    led.append("ingested", 10)
+    led.append("dispatched", 20, snapshot="/y")
+    with open(path, "ab") as f:
+        f.write(b'{"event": "ingested", "st')  # crash mid-append
+    again = Ledger(path)
+    assert again.repaired_bytes > 0
+    assert again.state.ingested == {10} and again.state.pending == [20]
+    again.append("ingested", 20)
+    assert Ledger(path).state.pending == [] and path.read_bytes().endswith(b"\n")
+
+
+def test_ledger_malformed_middle_line_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    path.write_text('{"event": "dispatched", "step": 1}\nnot json\n{"event": "ingested", "step": 1}\n')
+    with pytest.raises(ValueError, match=r"ledger.jsonl:2: malformed ledger line"):
+        Ledger(path)
+
+
+# -- GC ----------------------------------------------------------------------------------------------
+def test_gc_never_follows_symlinks_outside_and_keeps_newest(tmp_path: Path) -> None:
+    root, leases = tmp_path / "staging", tmp_path / "leases"
+    leases.mkdir()
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "data.bin").write_bytes(b"do not delete")
+    for step in (1, 2, 3, 4):
+        publish_snapshot(root, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    os.symlink(outside, root / "step-0000000099")  # planted link to a dir outside
+    os.symlink(outside, root / "step-0000000003" / "escape")  # and one inside a snapshot
+    gc = StagingGC(root, leases, lease_duration_s=30, keep=1)
+    report = gc.collect(retired_steps={1, 2, 3, 4, 99})
+    assert sorted(p.name for p in report.deleted) == ["step-0000000001", "step-0000000002", "step-0000000003"]
+    assert [p.name for p in report.kept] == ["step-0000000004"]
+    assert (outside / "data.bin").read_bytes() == b"do not delete"
+    assert (root / "step-0000000099").is_symlink()
+
+
+def test_gc_spares_live_leases_until_seen_expired(tmp_path: Path) -> None:
+    root, leases = tmp_path / "staging", tmp_path / "leases"
+    leases.mkdir()
+    publish_snapshot(root, 1, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    (leases / "0000000001.add.00000.lock").write_text("held")
+    now = [0.0]
+    gc = StagingGC(root, leases, lease_duration_s=30, keep=0, clock=lambda: now[0])
+    assert gc.collect({1}).deleted == []
+    now[0] = 29.0
+    assert gc.collect({1}).deleted == []
+    now[0] = 31.0  # unchanged for a whole lease duration on our clock: expired
+    assert [p.name for p in gc.collect({1}).deleted] == ["step-0000000001"]
+
+
+def test_gc_never_touches_reused_or_unmarked(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    reused = root / "checkpoint-10"
+    reused.mkdir(parents=True)
+    write_tiny_shards(reused, n_shards=1, numel=8)
+    mark_complete(reused, 10)
+    (root / "someones-data").mkdir()
+    report = StagingGC(root, tmp_path, lease_duration_s=1, keep=0).collect({10})
+    assert report.deleted == [] and reused.exists() and (root / "someones-data").exists()
+
+
+def test_has_room(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    assert has_room(tmp_path, 1024)
+    assert not has_room(tmp_path, free)
+
+
+# -- config --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"eval_interval": None, "staging_dir": "/tmp/s"}, "positive eval interval"),
+        ({"eval_interval": 10}, "no snapshot source"),
+        ({"eval_interval": 10, "staging_dir": "/tmp/s", "save_hf_dir": "/tmp/h", "save_interval": 5}, "choose"),
+        ({"eval_interval": 10, "staging_dir": "/tmp/s", "max_in_flight": 3, "keep_snapshots": 2}, "keep-snapshots"),
+        ({"eval_interval": 10, "save_hf_dir": "/tmp/h", "save_interval": 4}, "multiple of --save-interval"),
+        ({"eval_interval": 10, "save_hf_dir": "/tmp/h"}, "needs --save-interval"),
+        ({"eval_interval": 10, "staging_dir": "/tmp/s", "overflow_policy": "drop"}, "overflow-policy"),
+        (
+            {"eval_interval": 10, "staging_dir": "/dev/shm/ck", "trainer_nodes": ("n1",), "fleet_nodes": ("n2",)},
+            "node-local",
+        ),
+    ],
+)
+def test_dispatch_config_rejects(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DispatchConfig(**kwargs).validate()
+
+
+def test_dispatch_config_accepts_and_resolves(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = DispatchConfig(eval_interval=10, staging_dir=Path("rel/staging")).validate()
+    assert cfg.staging_dir == tmp_path / "rel" / "staging" and cfg.mode == "staging"
+    same_node = DispatchConfig(eval_interval=10, staging_dir=Path("/dev/shm/ck"), trainer_nodes=("n1",),
+                               fleet_nodes=("n1",))
+    same_node.validate()
+    reuse = DispatchConfig(eval_interval=10, save_hf_dir=tmp_path, save_interval=5).validate()
+    assert reuse.mode == "reuse"
+
+
+def test_filesystem_type_of_dev_shm() -> None:
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    assert filesystem_type(Path("/dev/shm/does/not/exist")) == "tmpfs"
