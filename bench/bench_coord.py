@@ -12,6 +12,7 @@ Usage: python bench/bench_coord.py [--procs 16] [--units 1000] [--gb 1.0] [--dir
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import re
@@ -145,10 +146,9 @@ def bench_idle_poll(base: Path, n: int) -> dict[str, int]:
     for step in range(n):
         d = root / f"step-{step:010d}"
         d.mkdir()
-        (d / ".complete").write_text(
-            '{"step": %d, "weight_version": "%d", "files": {}, "producer": {}, "mode": "staging", "created": 0}'
-            % (step, step)
-        )
+        marker = {"step": step, "weight_version": str(step), "files": {}, "producer": {}, "mode": "staging",
+                  "created": 0}
+        (d / ".complete").write_text(json.dumps(marker))
     if shutil.which("strace") is None:
         raise RuntimeError("strace not found: apt-get install strace")
     trace = base / "trace.txt"
