@@ -45,7 +45,12 @@ def _write_tokenizer(base: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(base / "tokenizer.json"))
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+    }
     (base / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     (base / "special_tokens_map.json").write_text(json.dumps({"unk_token": "<unk>", "eos_token": "</s>"}))
     (base / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -81,13 +86,17 @@ def _files(root: Path) -> set[str]:
 def test_sharded_export_loads_bit_exact(tmp_path: Path, base_dir: Path, tied: bool) -> None:
     model = _model(tied)
     out = tmp_path / "snap"
-    records = write_hf_files(out, snapshot_host_copy(model), base_dir, model.config, max_shard_bytes=SMALL_SHARD)
+    records = write_hf_files(
+        out, snapshot_host_copy(model), base_dir, model.config, max_shard_bytes=SMALL_SHARD
+    )
 
     index = json.loads((out / SAFE_WEIGHTS_INDEX_NAME).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for k, t in model.state_dict().items() if not (tied and k == "lm_head.weight")
+        t.numel() * t.element_size()
+        for k, t in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
     )
     assert ("lm_head.weight" in index["weight_map"]) is not tied
 
@@ -96,7 +105,12 @@ def test_sharded_export_loads_bit_exact(tmp_path: Path, base_dir: Path, tied: bo
 
     # metadata only from the base; the explicit config wins over the base's config.json
     assert _files(out) == set(records)
-    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"} <= set(records)
+    assert {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    } <= set(records)
     assert "model.safetensors" not in records and "pytorch_model.bin" not in records
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 64
     assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 7

@@ -304,7 +304,9 @@ def _write_weights(
         total = sum(_nbytes(t) for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         body = (json.dumps(index, indent=2) + "\n").encode()
-        records[SAFE_WEIGHTS_INDEX_NAME] = _write_chunks(out_dir / SAFE_WEIGHTS_INDEX_NAME, [body], crc, fsync)
+        records[SAFE_WEIGHTS_INDEX_NAME] = _write_chunks(
+            out_dir / SAFE_WEIGHTS_INDEX_NAME, [body], crc, fsync
+        )
     return records
 
 
@@ -348,7 +350,11 @@ def _safetensors_header(shard: dict[str, torch.Tensor], order: list[str]) -> byt
     for name in order:
         tensor = shard[name]
         end = offset + _nbytes(tensor)
-        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, end],
+        }
         offset = end
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     body += b" " * (-len(body) % 8)
@@ -401,21 +407,26 @@ class _ChecksumThread:
 
 
 def _write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum, fsync: bool) -> FileRecord:
-    """Create ``path`` exclusively and write ``chunks``, checksumming them on the side."""
+    """Create ``path`` exclusively and write ``chunks``, checksumming them on the side.
+
+    On failure the partial file is removed (a file that already existed is left alone).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    summer = _ChecksumThread(crc)
     size = 0
-    try:
-        with open(path, "xb", buffering=0) as f:
+    with open(path, "xb", buffering=0) as f:
+        summer = _ChecksumThread(crc)
+        try:
             for chunk in chunks:
                 summer.feed(chunk)
                 size += _write_all(f, chunk)
             if fsync:
                 os.fsync(f.fileno())
-    except BaseException:
-        summer.stop()
-        raise
-    return {"bytes": size, "crc32": summer.result()}
+            value = summer.result()
+        except BaseException:
+            summer.stop()
+            path.unlink(missing_ok=True)
+            raise
+    return {"bytes": size, "crc32": value}
 
 
 def _write_all(f: Any, chunk: bytes | memoryview) -> int:
@@ -442,7 +453,11 @@ def _metadata_files(base: Path) -> list[str]:
     found = [p.name for p in base.iterdir() if p.is_file() and _is_metadata(p.name)]
     templates = base / CHAT_TEMPLATES_DIR
     if templates.is_dir():
-        found += [f"{CHAT_TEMPLATES_DIR}/{p.name}" for p in templates.iterdir() if p.is_file() and p.suffix == ".jinja"]
+        found += [
+            f"{CHAT_TEMPLATES_DIR}/{p.name}"
+            for p in templates.iterdir()
+            if p.is_file() and p.suffix == ".jinja"
+        ]
     return sorted(found)
 
 
