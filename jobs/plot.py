@@ -1,0 +1,90 @@
+"""``ckpteval plot RUN -o curve.png``: score vs step per dataset, skips marked, lag below.
+
+The plotted series are exactly the derived points (coord.results.derive_point) of complete steps;
+:func:`plot_series` returns them so a test can check the picture shows what the run says.
+Matplotlib runs headless (Agg). Limits: incomplete points are not drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from jobs.status import collect_status
+
+
+def plot_series(status: dict[str, Any]) -> dict[str, Any]:
+    """The data the figure draws: per dataset (steps, scores), skipped (step, reasons), lag."""
+    series: dict[str, tuple[list[int], list[float]]] = {ds: ([], []) for ds in status["datasets"]}
+    skipped: list[tuple[int, str]] = []
+    lag: tuple[list[int], list[float]] = ([], [])
+    for p in status["points"]:
+        if not p["complete"]:
+            continue
+        for ds, d in p["datasets"].items():
+            series[ds][0].append(p["step"])
+            series[ds][1].append(d["score"])
+        if p["skips"]:
+            skipped.append((p["step"], ",".join(sorted(p["skips"]))))
+        if p["lag_steps"] is not None:
+            lag[0].append(p["step"])
+            lag[1].append(p["lag_steps"])
+    return {"series": series, "skipped": skipped, "lag": lag}
+
+
+def draw(data: dict[str, Any], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_lag) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for ds, (steps, scores) in data["series"].items():
+        ax.plot(steps, scores, marker="o", label=ds)
+    for step, reasons in data["skipped"]:
+        ax.axvline(step, color="red", alpha=0.3, linestyle="--")
+        ax.annotate(f"skipped: {reasons}", (step, 0.02), rotation=90, fontsize=7, color="red",
+                    xycoords=("data", "axes fraction"))
+    ax.set_ylabel("score")
+    values = [s for _, scores in data["series"].values() for s in scores if not math.isnan(s)]
+    if all(0 <= s <= 1 for s in values):
+        ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax_lag.bar(data["lag"][0], data["lag"][1], width=max(1, _min_gap(data["lag"][0]) * 0.6), color="gray")
+    ax_lag.set_ylabel("lag (steps)")
+    ax_lag.set_xlabel("training step")
+    ax_lag.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _min_gap(steps: list[int]) -> float:
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    return min(gaps) if gaps else 1
+
+
+def plot_run(run_dir: Path, out: Path) -> dict[str, Any]:
+    status = collect_status(run_dir)
+    data = plot_series(status)
+    draw(data, out, f"ckpteval run {status['run_id']}")
+    return data
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ckpteval plot", description="plot score vs step (PNG)")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("-o", "--output", type=Path, default=Path("curve.png"))
+    args = ap.parse_args(argv)
+    try:
+        plot_run(args.run_dir, args.output)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"ckpteval plot: {e}", file=sys.stderr)
+        return 2
+    print(args.output)
+    return 0

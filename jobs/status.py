@@ -1,0 +1,231 @@
+"""``ckpteval status RUN``: what a run's files say, as a table or JSON.
+
+Read-only: it never writes to the run dir, so it is safe to run anywhere, any time, as often as
+you like. Everything is derived from the protocol files (docs/PROTOCOL.md): snapshots from their
+markers, units from results and lease files, points from results, lag from ``metrics.jsonl``.
+
+Limits: lease ages use this machine's wall clock against the lease file's mtime, so a skewed clock
+shifts them; "expired" here is a display hint — the protocol's real expiry is judged by each
+contender on its own monotonic clock (see coord.units).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from coord.discovery import SnapshotDiscovery
+from coord.ledger import Ledger
+from coord.results import ResultIndex, derive_point
+from coord.rundir import RunDir
+from coord.units import units_for_step
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Lines of metrics.jsonl; a torn last line is ignored, any other bad line names the file."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines):
+                break
+            raise ValueError(f"{path}:{i}: malformed metrics line") from None
+    return rows
+
+
+def eval_lags(metrics: list[dict[str, Any]]) -> dict[int, float]:
+    return {int(m["eval/step"]): m["eval/lag_steps"] for m in metrics if "eval/step" in m and "eval/lag_steps" in m}
+
+
+def _lease_info(path: Path, duration: float, now: float) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        text = path.read_text()
+        age = now - path.stat().st_mtime
+    except (FileNotFoundError, UnicodeDecodeError):
+        return {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in {"host", "pid", "token"}:
+            info[key] = value
+    info["age_s"] = round(age, 1)
+    info["expired"] = age > duration
+    return info
+
+
+def _snapshot_rows(run: RunDir, roots: tuple[str, ...], retired: set[int]) -> list[dict[str, Any]]:
+    rows = []
+    for root in roots:
+        for ref in SnapshotDiscovery(Path(root)).poll():
+            rows.append({
+                "step": ref.step,
+                "path": str(ref.path),
+                "bytes": ref.marker.total_bytes,
+                "mode": ref.marker.mode,
+                "complete": True,
+                "retired": ref.step in retired,
+            })
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _unit_rows(run: RunDir, steps: list[int], results: dict, duration: float) -> dict[str, Any]:
+    manifest = run.manifest()
+    now = time.time()
+    pending, done, skipped = [], 0, {}
+    for step in steps:
+        for unit in units_for_step(manifest, step):
+            result = results.get(unit)
+            if result is None:
+                lease = _lease_info(run.leases / f"{unit.id}.lock", duration, now)
+                pending.append({"unit": unit.id, **({"lease": lease} if lease else {})})
+            elif result.ok:
+                done += 1
+            else:
+                skipped[result.skip_reason] = skipped.get(result.skip_reason, 0) + 1
+    return {"pending": pending, "done": done, "skipped": skipped}
+
+
+def _point_rows(run: RunDir, steps: list[int], results: dict, lags: dict[int, float]) -> list[dict[str, Any]]:
+    manifest = run.manifest()
+    rows = []
+    for step in steps:
+        point = derive_point(manifest, step, results)
+        row = asdict(point)
+        row["lag_steps"] = lags.get(step)
+        rows.append(row)
+    return rows
+
+
+def collect_status(run_dir: Path) -> dict[str, Any]:
+    """Everything status shows, as plain data (the ``--json`` output)."""
+    run = RunDir.open(run_dir)
+    manifest = run.manifest()
+    index = ResultIndex(run.results)
+    results = index.refresh()
+    ledger = Ledger(run.ledger_path).state if run.ledger_path.exists() else None
+    retired = ledger.retired if ledger else set()
+    snapshots = _snapshot_rows(run, manifest.snapshot_roots, retired)
+    steps = sorted({s["step"] for s in snapshots} | {u.step for u in results} | set(ledger.dispatched if ledger else ()))
+    units = _unit_rows(run, steps, results, manifest.lease.duration_s)
+    lags = eval_lags(read_metrics(run.metrics_path))
+    points = _point_rows(run, steps, results, lags)
+    expired = [p for p in units["pending"] if p.get("lease", {}).get("expired")]
+    free = {}
+    for root in manifest.snapshot_roots:
+        if os.path.isdir(root):
+            st = os.statvfs(root)
+            free[root] = st.f_bavail * st.f_frsize
+    return {
+        "run_id": manifest.run_id,
+        "run_dir": str(run.path),
+        "training_done": run.training_done(),
+        "datasets": [d.name for d in manifest.eval.datasets],
+        "snapshots": snapshots,
+        "units": units,
+        "points": points,
+        "health": {
+            "expired_leases": len(expired),
+            "stuck_units": [p["unit"] for p in expired],
+            "malformed_results": index.errors,
+            "staging_free_bytes": free,
+            "ledger_pending": ledger.pending if ledger else [],
+        },
+    }
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return "nan" if math.isnan(x) else f"{x:.{digits}f}"
+    return str(x)
+
+
+def points_table(status: dict[str, Any]) -> Any:
+    """The per-point table (also the demo's final table)."""
+    from rich.table import Table
+
+    table = Table(title=f"points of {status['run_id']}")
+    table.add_column("step", justify="right")
+    for ds in status["datasets"]:
+        table.add_column(ds, justify="right")
+        table.add_column("wv/mean", justify="right")
+        table.add_column("mixed", justify="right")
+    for col in ("lag", "units", "skips"):
+        table.add_column(col, justify="right")
+    for p in status["points"]:
+        cells = [str(p["step"])]
+        for ds in status["datasets"]:
+            d = p["datasets"].get(ds)
+            cells += [_fmt(d["score"]), _fmt(d["weight_version_mean"], 1), _fmt(d["mixed_version_ratio"], 2)] if d else ["-"] * 3
+        skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
+        cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
+        table.add_row(*cells)
+    return table
+
+
+def render(status: dict[str, Any]) -> list[Any]:
+    from rich.table import Table
+
+    snaps = Table(title="snapshots")
+    for col in ("step", "MB", "mode", "retired", "path"):
+        snaps.add_column(col)
+    for s in status["snapshots"]:
+        snaps.add_row(str(s["step"]), f"{s['bytes'] / 1e6:.1f}", s["mode"], "yes" if s["retired"] else "", s["path"])
+    units = Table(title="pending units")
+    for col in ("unit", "claimed by", "lease age s", "expired"):
+        units.add_column(col)
+    for p in status["units"]["pending"]:
+        lease = p.get("lease", {})
+        who = f"{lease.get('host', '')}:{lease.get('pid', '')}" if lease else "unclaimed"
+        units.add_row(p["unit"], who, _fmt(lease.get("age_s")), "YES" if lease.get("expired") else "")
+    h = status["health"]
+    free = ", ".join(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items())
+    u = status["units"]
+    health = (
+        f"training {'done at step ' + str(status['training_done']) if status['training_done'] is not None else 'running'}"
+        f" | units done {u['done']}, pending {len(u['pending'])}, skipped {sum(u['skipped'].values())}"
+        f" | expired leases {h['expired_leases']} | malformed results {len(h['malformed_results'])} | {free}"
+    )
+    return [snaps, units, points_table(status), health]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="ckpteval status", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    ap.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, help="refresh every N s")
+    args = ap.parse_args(argv)
+    from rich.console import Console
+
+    console = Console()
+    while True:
+        try:
+            status = collect_status(args.run_dir)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"ckpteval status: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps(status, indent=1, default=str))
+        else:
+            if args.watch:
+                console.clear()
+            for item in render(status):
+                console.print(item)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
