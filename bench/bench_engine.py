@@ -1,0 +1,74 @@
+"""Tokens/s of ``HFEngine``: one batched call over N prompts vs the same prompts one at a time.
+
+Both are measured in the same run, on the reference model (``jobs.model`` defaults: 2-layer Llama,
+hidden 128) saved as a snapshot, with greedy decoding (so both modes generate the same tokens).
+The load average is printed first: on a shared machine, numbers mean little when it is high.
+
+    .venv/bin/python bench/bench_engine.py [--prompts 64] [--max-new-tokens 16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from jobs.engines.base import SamplingParams
+from jobs.engines.hf import HFEngine
+from jobs.model import ModelConfig, build_model, make_addition_examples, save_base_model_dir
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, int]:
+    """Seconds taken by ``fn()`` and the tokens it generated."""
+    start = time.perf_counter()
+    tokens = fn()
+    return time.perf_counter() - start, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="best of N for each mode")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    print(f"load average {os.getloadavg()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")
+    prompts = [ex["prompt"] for ex in make_addition_examples(args.prompts, seed=0)]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_base_model_dir(tmp, ModelConfig(), "llama", model=build_model(seed=0))
+        engine = HFEngine(device=args.device)
+        engine.load(tmp, "0")
+        engine.generate(prompts[:4], params)  # warm-up
+
+        def batched() -> int:
+            return sum(g.n_tokens for g in engine.generate(prompts, params))
+
+        def one_at_a_time() -> int:
+            return sum(engine.generate([p], params)[0].n_tokens for p in prompts)
+
+        runs = {
+            name: [timed(fn) for _ in range(args.repeats)]
+            for name, fn in [("batched", batched), ("single", one_at_a_time)]
+        }
+        engine.close()
+
+    rates = {}
+    for name, results in runs.items():
+        seconds, tokens = min(results)
+        rates[name] = tokens / seconds
+        print(
+            f"{name:>8}: {tokens} tokens in {seconds:.3f}s = {rates[name]:,.0f} tokens/s (best of {args.repeats})"
+        )
+    print(
+        f"   ratio: batched / one-at-a-time = {rates['batched'] / rates['single']:.1f}x ({args.prompts} prompts)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,450 @@
+"""``HFEngine``: the in-process transformers engine (CPU or CUDA) behind ``ckpteval serve``.
+
+What it owns and promises:
+
+- The first :meth:`HFEngine.load` builds the model from the snapshot
+  (``AutoModelForCausalLM.from_pretrained(dir, use_safetensors=True, local_files_only=True)``) and its
+  tokenizer. A later load whose ``config.json`` matches the loaded one (every key except bookkeeping
+  such as ``transformers_version``/``dtype``) copies the snapshot's safetensors shards into the *same*
+  model object (``load_state_dict(strict=True)``; tied weights absent from the file are filled from
+  their partner). Anything else re-instantiates.
+- Weights and ``weight_version`` change together under one lock that every generation also holds, so
+  a generation sees either the old weights with the old version or the new with the new. Shards are
+  read (the slow part) before the lock is taken; keys and shapes are checked before any weight is
+  touched, so a bad snapshot leaves the old weights and version in place. Should a copy still fail
+  midway, the version becomes ``None`` (weights undefined) and :class:`EngineError` is raised.
+- Generation: batched, left-padded, KV cache, greedy when ``temperature == 0`` else sampled with
+  ``top_p``/``top_k``; ``seed`` makes a sampled call reproducible (same prompts, batch and seed) via
+  a forked RNG that leaves the global RNG untouched. Only new tokens are decoded, cut at the first
+  ``eos``; ``n_tokens`` counts generated tokens including that ``eos``.
+- Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused.
+- Several engines in one process (a pool) are safe: model builds, which transformers runs under
+  process-global contexts, take turns on a module lock; in-place reloads and generation do not.
+
+- :meth:`HFEngine.restart` rebuilds the model object from the last snapshot (version kept) or, when
+  that snapshot is gone (GC'd), from the remembered config with version ``None``; a later load then
+  reloads in place as usual.
+
+Limits: the tokenizer is read on (re-)instantiation only, not on in-place reloads (training does not
+change it); the snapshot's ``generation_config.json`` is ignored (every request states its sampling);
+an architecture change holds the old and the new model in memory until the swap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from jobs.engines.base import EngineError, Generation, SamplingParams
+
+# config.json keys that say nothing about the weights' layout: a change here still reloads in place.
+_BOOKKEEPING_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"})
+# transformers builds models under process-global contexts (meta device, skipped init): two builds
+# in different threads corrupt each other ("Cannot copy out of meta tensor"), so builds take turns.
+_BUILD_LOCK = threading.Lock()
+_DTYPES: dict[str, torch.dtype | str] = {
+    "auto": "auto",
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One completion with what a server reports about it (sglang's ``meta_info`` fields)."""
+
+    text: str
+    output_ids: list[int]  # generated ids, including the eos that stopped it, if any
+    finish_reason: dict[str, Any]  # {"type": "stop", "matched": id} | {"type": "length", "length": n}
+    prompt_tokens: int
+    weight_version: str | None
+
+    def generation(self) -> Generation:
+        return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids))
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    """Raise ``ValueError`` for settings no engine can honour."""
+    if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {params.max_new_tokens!r}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if not isinstance(params.top_k, int) or params.top_k < -1:
+        raise ValueError(f"top_k must be an int >= -1 (-1 or 0: off), got {params.top_k!r}")
+    if params.seed is not None and not isinstance(params.seed, int):
+        raise ValueError(f"seed must be an int or None, got {params.seed!r}")
+
+
+def read_config(snapshot: Path) -> dict[str, Any]:
+    """The snapshot's ``config.json`` as a dict; :class:`EngineError` if missing or not JSON."""
+    path = snapshot / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise EngineError(f"cannot read {path}: {e}") from e
+
+
+def arch_signature(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config.json that decides whether weights can be copied in place."""
+    return {k: v for k, v in config.items() if k not in _BOOKKEEPING_KEYS}
+
+
+def weight_files(snapshot: Path) -> list[Path]:
+    """The snapshot's safetensors shards (from the index when sharded); refuses pickled weights."""
+    index = snapshot / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise EngineError(f"unreadable safetensors index {index}: {e}") from e
+    elif (snapshot / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        raise EngineError(f"no safetensors weights in {snapshot} (pickled *.bin checkpoints are refused)")
+    files = [snapshot / name for name in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise EngineError(f"shards named by the index are missing: {missing}")
+    return files
+
+
+def read_state_dict(snapshot: Path, device: str) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard, loaded straight onto ``device``."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(snapshot):
+        try:
+            state.update(load_file(path, device=device))
+        except (OSError, SafetensorError) as e:
+            raise EngineError(f"cannot read {path}: {e}") from e
+    return state
+
+
+def complete_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` plus entries for tied parameters the file left out (e.g. ``lm_head.weight``)."""
+    names_by_param: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names_by_param.setdefault(id(tensor), []).append(name)
+    completed = dict(state)
+    for names in names_by_param.values():
+        present = [n for n in names if n in state]
+        for name in names:
+            if name not in completed and present:
+                completed[name] = state[present[0]]
+    return completed
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`EngineError` unless ``state`` has exactly the model's keys and shapes."""
+    expected = model.state_dict(keep_vars=True)
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    wrong_shape = [
+        f"{k}: {tuple(state[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if missing or unexpected or wrong_shape:
+        raise EngineError(
+            f"snapshot weights do not fit the loaded model: missing={missing[:5]} "
+            f"unexpected={unexpected[:5]} wrong_shape={wrong_shape[:5]}"
+        )
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` with every row right-aligned (padding on the left)."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
+
+
+def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Fix the RNG for the block when ``seed`` is set, restoring the caller's RNG state afterwards."""
+    if seed is None:
+        yield
+        return
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+class HFEngine:
+    """In-process transformers engine; see the module docstring for its guarantees."""
+
+    def __init__(
+        self, device: str = "cpu", dtype: str | torch.dtype = "float32", max_batch_size: int = 256
+    ) -> None:
+        if isinstance(dtype, str) and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._device = torch.device(device)
+        self._dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self._max_batch_size = max_batch_size
+        self._lock = threading.RLock()  # model, tokenizer, version: held by every generation
+        self._load_lock = threading.Lock()  # one load/restart/close at a time
+        self._model: PreTrainedModel | None = None
+        self._tokenizer: Any = None
+        self._config: PretrainedConfig | None = None  # kept across release, for restart
+        self._model_dtype: torch.dtype = torch.float32  # what "auto" resolved to, for restart
+        self._signature: dict[str, Any] | None = None
+        self._version: str | None = None
+        self._snapshot: Path | None = None
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def model(self) -> PreTrainedModel | None:
+        """The live model object (the same object across in-place reloads)."""
+        return self._model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def snapshot_dir(self) -> str | None:
+        """The snapshot the current weights came from."""
+        return None if self._snapshot is None else str(self._snapshot)
+
+    def weight_version(self) -> str | None:
+        with self._lock:
+            return self._version
+
+    # ------------------------------------------------------------------ loading
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        if not isinstance(weight_version, str):
+            raise ValueError(f"weight_version must be a str, got {weight_version!r}")
+        snapshot = Path(snapshot_dir)
+        signature = arch_signature(read_config(snapshot))
+        with self._load_lock:
+            if self._model is not None and signature == self._signature:
+                self._reload_in_place(snapshot, weight_version)
+            else:
+                self._instantiate(snapshot, weight_version, signature)
+
+    def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
+        weight_files(snapshot)  # refuse pickle-only snapshots before transformers looks at them
+        try:
+            with _BUILD_LOCK:
+                model = AutoModelForCausalLM.from_pretrained(
+                    snapshot, dtype=self._dtype, use_safetensors=True, local_files_only=True
+                )
+            tokenizer = AutoTokenizer.from_pretrained(snapshot, local_files_only=True)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            raise EngineError(f"cannot build a model from {snapshot}: {e}") from e
+        tokenizer.padding_side = "left"
+        self._install(model, tokenizer, signature, version, snapshot)
+
+    def _install(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        signature: dict[str, Any],
+        version: str | None,
+        snapshot: Path | None,
+    ) -> None:
+        model = model.to(self._device).eval()
+        # Requests state their own sampling; neutralise the snapshot's defaults so none leak in.
+        model.generation_config = GenerationConfig(
+            bos_token_id=model.config.bos_token_id,
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.pad_token_id,
+        )
+        with self._lock:
+            self._release_model()
+            self._model, self._tokenizer, self._config = model, tokenizer, model.config
+            self._model_dtype = model.dtype
+            self._signature, self._version, self._snapshot = signature, version, snapshot
+
+    def _reload_in_place(self, snapshot: Path, version: str) -> None:
+        model = self._model
+        state = complete_tied(model, read_state_dict(snapshot, str(self._device)))
+        check_state_dict(model, state)
+        with self._lock:
+            try:
+                with torch.no_grad():
+                    model.load_state_dict(state, strict=True)
+            except RuntimeError as e:
+                self._version = None  # some weights may already be overwritten
+                raise EngineError(f"in-place load of {snapshot} failed midway: {e}") from e
+            self._version, self._snapshot = version, snapshot
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
+        return [c.generation() for c in self.complete(prompts, params)]
+
+    def complete(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
+        """Like :meth:`generate`, with output ids, finish reason and prompt length."""
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be a list of str")
+        with self._lock:
+            tokenizer = self._require_loaded()[1]
+            rows = tokenizer(prompts)["input_ids"] if prompts else []
+            return self.generate_ids(rows, params)
+
+    def generate_ids(self, input_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Complete already-tokenized prompts (sglang's ``input_ids`` requests)."""
+        validate_sampling(params)
+        with self._lock:
+            model, tokenizer = self._require_loaded()
+            self._check_ids(input_ids, model.config.vocab_size)
+            results: list[Completion] = []
+            with _seeded(params.seed, self._device):
+                for chunk in _chunks(input_ids, self._max_batch_size):
+                    results.extend(self._generate_chunk(model, tokenizer, chunk, params))
+            return results
+
+    def _generate_chunk(
+        self, model: PreTrainedModel, tokenizer: Any, rows: Sequence[list[int]], params: SamplingParams
+    ) -> list[Completion]:
+        input_ids, attention_mask = left_pad(rows, self._pad_id(tokenizer))
+        try:
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=input_ids.to(self._device),
+                    attention_mask=attention_mask.to(self._device),
+                    generation_config=self._generation_config(params, tokenizer),
+                )
+        except RuntimeError as e:
+            raise EngineError(f"generation failed: {e}") from e
+        new_tokens = out[:, input_ids.shape[1] :].tolist()
+        eos_ids = self._eos_ids(tokenizer)
+        return [
+            self._completion(tokenizer, row, new, eos_ids) for row, new in zip(rows, new_tokens, strict=True)
+        ]
+
+    def _completion(self, tokenizer: Any, prompt: list[int], new: list[int], eos_ids: set[int]) -> Completion:
+        stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
+        if stop is None:
+            output_ids, finish = new, {"type": "length", "length": len(new)}
+        else:
+            output_ids, finish = new[: stop + 1], {"type": "stop", "matched": new[stop]}
+        text_ids = output_ids if stop is None else output_ids[:-1]
+        return Completion(
+            text=tokenizer.decode(text_ids, skip_special_tokens=True),
+            output_ids=output_ids,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            weight_version=self._version,
+        )
+
+    def _generation_config(self, params: SamplingParams, tokenizer: Any) -> GenerationConfig:
+        common = dict(
+            max_new_tokens=params.max_new_tokens,
+            pad_token_id=self._pad_id(tokenizer),
+            eos_token_id=sorted(self._eos_ids(tokenizer)),
+            use_cache=True,
+        )
+        if params.temperature == 0:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,  # 0 disables transformers' top-k filter
+            **common,
+        )
+
+    def _eos_ids(self, tokenizer: Any) -> set[int]:
+        ids = self._model.config.eos_token_id if self._model is not None else None
+        found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if tokenizer.eos_token_id is not None:
+            found.add(tokenizer.eos_token_id)
+        return found
+
+    def _pad_id(self, tokenizer: Any) -> int:
+        if tokenizer.pad_token_id is not None:
+            return tokenizer.pad_token_id
+        return min(self._eos_ids(tokenizer), default=0)
+
+    @staticmethod
+    def _check_ids(input_ids: list[list[int]], vocab_size: int) -> None:
+        if not isinstance(input_ids, list):
+            raise ValueError("input_ids must be a list of lists of int")
+        for row in input_ids:
+            if not isinstance(row, list) or not row:
+                raise ValueError("every prompt needs at least one token id")
+            if not all(isinstance(t, int) and 0 <= t < vocab_size for t in row):
+                raise ValueError(f"token ids must be ints in [0, {vocab_size})")
+
+    def _require_loaded(self) -> tuple[PreTrainedModel, Any]:
+        if self._model is None:
+            raise EngineError("no model loaded: call load() first")
+        return self._model, self._tokenizer
+
+    # ------------------------------------------------------------------ health and lifecycle
+    def healthy(self) -> bool:
+        try:
+            tokenizer = self._require_loaded()[1]
+            probe = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0
+            self.generate_ids([[probe]], SamplingParams(max_new_tokens=1))
+        except (EngineError, RuntimeError, ValueError):
+            return False
+        return True
+
+    def restart(self) -> None:
+        """Rebuild the model object.
+
+        From the last loaded snapshot when it is still on disk (its version kept: weights match it);
+        otherwise from the remembered config with fresh weights and version ``None`` (the next
+        :meth:`load` then reloads in place). A no-op before the first load (nothing to rebuild).
+        """
+        with self._load_lock:
+            snapshot, version, signature = self._snapshot, self._version, self._signature
+            config, tokenizer = self._config, self._tokenizer
+            with self._lock:
+                self._release_model()
+            if config is None or signature is None:
+                return  # never loaded: the next load builds the model
+            if snapshot is not None and snapshot.is_dir():
+                with contextlib.suppress(EngineError):
+                    self._instantiate(snapshot, version, signature)
+                    return
+            with _BUILD_LOCK:
+                model = AutoModelForCausalLM.from_config(config, dtype=self._model_dtype)
+            self._install(model, tokenizer, signature, None, None)
+
+    def close(self) -> None:
+        with self._load_lock, self._lock:
+            self._release_model()
+
+    def _release_model(self) -> None:
+        """Drop the model and its version (caller holds ``_lock``); config and tokenizer stay for restart."""
+        self._version = None
+        if self._model is None:
+            return
+        self._model = None
+        gc.collect()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,241 @@
+"""``SGLangEngine``: an :class:`~jobs.engines.http.HTTPEngine` that launches (or attaches to) sglang.
+
+Launching runs ``python -m sglang.launch_server --model-path DIR --host H --port P --tp-size N
+[--weight-version V] [--base-gpu-id I] [extra args...]`` (flag names from sglang's
+``srt/server_args.py``) in its own process group, output to a log file, and waits — bounded by
+``startup_timeout`` — until ``/health_generate`` answers 200, failing early if the process exits.
+``N`` defaults to the number of GPUs in ``CUDA_VISIBLE_DEVICES`` (else ``torch.cuda.device_count()``),
+or 1 for ``device="cuda:I"``. Given no ``model_path``, the server is launched by the first
+:meth:`SGLangEngine.load`, on that snapshot and version (what the worker's engine factory does).
+
+Promises: :meth:`SGLangEngine.close` terminates the whole process group (SIGTERM, then SIGKILL after
+a grace period) and is idempotent; :meth:`SGLangEngine.restart` tears the server down and relaunches
+it on the same port with the last loaded snapshot and version (so the restarted server's weights and
+version agree). Attached to a ``url`` it never launches anything and ``restart`` raises
+:class:`EngineError`.
+
+Limits: importing this module needs neither sglang nor a GPU (nor torch); launching needs both. A
+port picked automatically is free when picked, not reserved until sglang binds it. ``device="cpu"``
+(the worker's default for in-process engines) is ignored: sglang runs where CUDA_VISIBLE_DEVICES says.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from jobs.engines.base import EngineError
+from jobs.engines.http import HTTPEngine, WeightVersionMismatch
+
+
+def gpu_count(env: Mapping[str, str] | None = None) -> int:
+    """GPUs visible to a child: entries of ``CUDA_VISIBLE_DEVICES``, else what torch sees."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    import torch  # only when nothing says otherwise: keeps this module light
+
+    return torch.cuda.device_count()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_command(
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    weight_version: str | None,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
+    """The ``sglang.launch_server`` command line."""
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host]
+    cmd += ["--port", str(port), "--tp-size", str(tp_size)]
+    if weight_version is not None:
+        cmd += ["--weight-version", weight_version]
+    return cmd + list(extra_args)
+
+
+def device_flags(device: str | None) -> tuple[list[str], int | None]:
+    """sglang flags for an engine ``device`` and the tp size it implies (``None``: all visible GPUs).
+
+    ``None``/``"cpu"`` (the worker's default, meant for in-process engines) and ``"cuda"`` add
+    nothing: sglang runs on the GPUs ``CUDA_VISIBLE_DEVICES`` names. ``"cuda:N"`` pins one GPU.
+    """
+    if device in (None, "cpu", "cuda"):
+        return [], None
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"device must be cuda, cuda:N or cpu (ignored), got {device!r}")
+    return ["--base-gpu-id", index], 1
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How this engine starts its server (fixed for its lifetime; the model path and version vary)."""
+
+    python: str
+    host: str
+    port: int
+    tp_size: int
+    extra_args: tuple[str, ...]
+    log_path: str
+
+
+class SGLangEngine(HTTPEngine):
+    """sglang behind the Engine protocol; launches its own server unless given a ``url``.
+
+    With neither ``model_path`` nor ``url`` the server is launched by the first :meth:`load`, on that
+    snapshot and version; until then :meth:`weight_version` is ``None``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        url: str | None = None,
+        weight_version: str | None = None,
+        device: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        tp_size: int | None = None,
+        extra_args: Sequence[str] = (),
+        python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
+        startup_timeout: float = 900.0,
+        stop_grace: float = 30.0,
+        log_path: str | None = None,
+        timeout: float = 300.0,
+        load_timeout: float = 600.0,
+    ) -> None:
+        if model_path is not None and url is not None:
+            raise ValueError("give model_path (launch a server) or url (attach to one), not both")
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._env = dict(os.environ if env is None else env)
+        self._startup_timeout = startup_timeout
+        self._stop_grace = stop_grace
+        self._model_path, self._version = model_path, weight_version
+        self._launch_settings: LaunchSettings | None = None
+        if url is not None:
+            super().__init__(url, timeout, load_timeout=load_timeout)
+            return
+        flags, implied_tp = device_flags(device)
+        tp = tp_size if tp_size is not None else implied_tp or gpu_count(self._env)
+        if tp < 1:
+            raise EngineError("sglang needs at least one GPU (CUDA_VISIBLE_DEVICES lists none)")
+        port = port if port is not None else free_port(host)
+        super().__init__(f"http://{host}:{port}", timeout, load_timeout=load_timeout)
+        self._launch_settings = LaunchSettings(
+            python, host, port, tp, (*flags, *extra_args), log_path or self._new_log_path()
+        )
+        if model_path is not None:
+            self._launch()
+
+    @property
+    def log_path(self) -> str | None:
+        """Where the launched server's output goes (``None`` when attached)."""
+        return None if self._launch_settings is None else self._launch_settings.log_path
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @staticmethod
+    def _new_log_path() -> str:
+        fd, path = tempfile.mkstemp(prefix="ckpteval-sglang-", suffix=".log")
+        os.close(fd)
+        return path
+
+    # ------------------------------------------------------------------ process lifecycle
+    def _launch(self) -> None:
+        ls = self._launch_settings
+        cmd = launch_command(
+            self._model_path, ls.host, ls.port, ls.tp_size, self._version, ls.extra_args, ls.python
+        )
+        with open(ls.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
+            )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self._startup_timeout
+        while time.monotonic() < deadline:
+            code = self._proc.poll()
+            if code is not None:
+                self._proc = None
+                raise EngineError(f"sglang exited with code {code} while starting; log: {self.log_path}")
+            if self.healthy():
+                return
+            time.sleep(2.0)
+        self._terminate()
+        raise EngineError(f"sglang not healthy after {self._startup_timeout:.0f}s; log: {self.log_path}")
+
+    def _terminate(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        self._signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self._stop_grace)
+        except subprocess.TimeoutExpired:
+            self._signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=self._stop_grace)
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the group id is the child's pid
+        except ProcessLookupError:
+            pass
+
+    @property
+    def _not_launched(self) -> bool:
+        return self._launch_settings is not None and self._proc is None
+
+    # ------------------------------------------------------------------ Engine protocol
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        if self._closed:
+            raise EngineError(f"engine for {self.base_url} is closed")
+        if self._not_launched:  # first load (or after close): start the server on this snapshot
+            self._model_path, self._version = str(snapshot_dir), weight_version
+            self._launch()
+            reported = super().weight_version()
+            if reported != weight_version:
+                raise WeightVersionMismatch(
+                    f"launched with version {weight_version!r}, server reports {reported!r}"
+                )
+            return
+        super().load(snapshot_dir, weight_version)
+        self._model_path, self._version = str(snapshot_dir), weight_version
+
+    def weight_version(self) -> str | None:
+        return None if self._not_launched else super().weight_version()
+
+    def restart(self) -> None:
+        """Relaunch on the last loaded snapshot and version; a no-op before the first load."""
+        if self._launch_settings is None:
+            raise EngineError(
+                f"cannot restart {self.base_url}: attached to a server this engine did not launch"
+            )
+        self._terminate()
+        if self._model_path is not None:
+            self._launch()
+
+    def close(self) -> None:
+        self._terminate()
+        super().close()
