@@ -98,6 +98,15 @@ class SnapshotDiscovery:
         if self.admit_foreign and self.adoption_dir is None:
             raise ValueError("admitting foreign checkpoints needs an adoption_dir to record their checksums")
 
+    @property
+    def awaiting_quiescence(self) -> list[str]:
+        """Names of marker-less dirs seen but not admitted yet (still changing, too fresh, shards missing).
+
+        A one-pass consumer (``--once``, backfill) needs this to know that waiting may still admit one:
+        quiescence is measured from this instance's first observation, so no first poll admits anything.
+        """
+        return sorted(self._pending)
+
     def poll(self) -> list[SnapshotRef]:
         """All complete snapshots now under the root, sorted by step."""
         try:

@@ -1,0 +1,154 @@
+"""Building eval backends from the worker's ``--engine`` spec, and pooling several engines as one.
+
+Specs (what ``--engine`` accepts):
+
+========================  =====================================================================
+``hf``                    :class:`jobs.engines.hf.HFEngine` in this process on ``--device``
+``http:URL``              :class:`jobs.engines.http.HTTPEngine` talking to a server at ``URL``
+                          (sglang's native API: ``ckpteval serve`` or a real sglang server)
+``sglang``                :class:`jobs.engines.sglang.SGLangEngine`: launches its own sglang server
+``fn:module:Class``       a :class:`jobs.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
+========================  =====================================================================
+
+Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
+way): ``eval.engine`` may hold one object per kind, passed as keyword arguments to that kind's
+constructor, e.g. ``{"hf": {"dtype": "bfloat16", "max_batch_size": 64}, "fn": {"k": 1}}``. Keys of other
+kinds are ignored; a key the constructor rejects is a ``ValueError`` naming the spec.
+
+Engine modules are imported lazily, so a worker running an ``fn`` backend never imports torch.
+
+:class:`EnginePool` makes N engines look like one :class:`~jobs.engines.base.Engine`: loads go to all (in turn),
+prompts are split across all (one thread each), and its ``weight_version`` is the common version only
+when *every* engine reports the same one — so the worker's pin checks cover all of them.
+
+Limits: a pool's engines must be interchangeable (same model, same sampling); a pool does not balance
+load beyond an even split of each call's prompts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from jobs.engines.base import Engine, EngineError, Generation, SamplingParams
+from jobs.engines.fn import CheckpointEvalFn, make_fn_backend
+
+KINDS = ("hf", "http", "sglang", "fn")
+
+
+def spec_kind(spec: str) -> str:
+    """The kind of an ``--engine`` spec (``hf``, ``http``, ``sglang`` or ``fn``); ValueError if unknown."""
+    kind, _, rest = spec.partition(":")
+    if kind not in KINDS:
+        raise ValueError(
+            f"--engine {spec!r}: unknown kind {kind!r}; expected hf, http:URL, sglang or fn:module:Class"
+        )
+    if kind in {"http", "fn"} and not rest:
+        raise ValueError(
+            f"--engine {spec!r}: {kind} needs a {'URL' if kind == 'http' else 'module:Class'} after ':'"
+        )
+    if kind in {"hf", "sglang"} and rest:
+        raise ValueError(f"--engine {spec!r}: {kind} takes no argument")
+    return kind
+
+
+def engine_settings(engine_section: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The constructor kwargs for ``kind`` from run.json's ``eval.engine`` section."""
+    settings = engine_section.get(kind, {})
+    if not isinstance(settings, dict):
+        raise ValueError(f"run.json: field eval.engine.{kind} must be an object of constructor settings")
+    return dict(settings)
+
+
+def _construct(spec: str, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return factory(*args, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"--engine {spec!r}: settings {sorted(kwargs)} rejected ({e})") from None
+
+
+def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | CheckpointEvalFn:
+    """Build the backend named by ``spec``; ``extra`` are its constructor settings (see module doc)."""
+    kind = spec_kind(spec)
+    rest = spec.partition(":")[2]
+    if kind == "hf":
+        from jobs.engines.hf import HFEngine
+
+        return _construct(spec, HFEngine, **{"device": device, **extra})
+    if kind == "http":
+        from jobs.engines.http import HTTPEngine
+
+        return _construct(spec, HTTPEngine, rest, **extra)
+    if kind == "sglang":
+        from jobs.engines.sglang import SGLangEngine
+
+        return _construct(spec, SGLangEngine, **{"device": device, **extra})
+    return make_fn_backend(rest, extra)
+
+
+def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``calls`` in threads (inline when there is one); the first engine error is re-raised."""
+    if len(calls) <= 1:
+        return [c() for c in calls]
+    out: list[Any] = [None] * len(calls)
+    errors: list[Exception] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except (EngineError, RuntimeError, ValueError, OSError) as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+class EnginePool:
+    """Several engines behind the :class:`~jobs.engines.base.Engine` interface (see module doc)."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        self.engines = list(engines)
+
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        """Load every engine, one after the other: transformers' model construction is not thread-safe
+        (concurrent ``from_pretrained`` calls share its meta-device init state)."""
+        for e in self.engines:
+            e.load(snapshot_dir, weight_version)
+
+    def weight_version(self) -> str | None:
+        versions = [e.weight_version() for e in self.engines]
+        if len(set(versions)) == 1:
+            return versions[0]
+        return "|".join(str(v) for v in versions)  # never equal to a step: the worker reloads or skips
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
+        """Split ``prompts`` evenly and in order across the engines; outputs keep the prompts' order."""
+        size = max(1, -(-len(prompts) // len(self.engines)))
+        calls = [
+            lambda e=e, part=prompts[i * size : (i + 1) * size]: e.generate(part, params)
+            for i, e in enumerate(self.engines)
+            if prompts[i * size : (i + 1) * size]
+        ]
+        return [g for part in _parallel(calls) for g in part]
+
+    def healthy(self) -> bool:
+        return all(e.healthy() for e in self.engines)
+
+    def restart(self) -> None:
+        """Restart the engines that fail their probe (sequentially, like :meth:`load`)."""
+        for e in self.engines:
+            if not e.healthy():
+                e.restart()
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()

@@ -1,0 +1,151 @@
+"""The ``CheckpointEvalFn`` contract: black-box eval backends that score a whole work unit.
+
+An engine (:mod:`jobs.engines.base`) generates and the worker scores; a ``CheckpointEvalFn`` does
+everything in between claiming a unit and writing its result itself: load the checkpoint however it
+likes (a LoRA adapter on a base model, a vLLM server, a reward model, a harness in a container), run
+the unit's rows, score them. It is loaded by import path with ``ckpteval worker --engine
+fn:package.module:ClassName``; the class is constructed once per worker process with the keyword
+arguments of ``run.json``'s ``eval.engine.fn`` section (``{}`` when absent).
+
+The worker owns claiming, leases, snapshot verification, results and skips around the call; the
+backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
+
+``evaluate_checkpoint(checkpoint_dir, input) -> output``
+
+* ``checkpoint_dir``: a verified snapshot directory (HF layout, read-only: never write into it).
+* ``input`` (JSON-able dict, built by :func:`build_input`)::
+
+      {"run_id": str, "step": int, "weight_version": str,          # str(step): stamp it on samples
+       "unit": {"step", "dataset", "shard"}, "unit_id": str,
+       "dataset": {name, path, n_prompts, scorer, shard_size, n_samples, max_new_tokens,
+                   temperature, top_p, top_k, seed},             # run.json's DatasetSpec
+       "rows": [{"prompt": str, "answer": str}, ...],             # the shard's rows, in order
+       "adapters": [...], "engine": {...}}                        # run.json's eval.adapters / engine
+
+* ``output`` (dict, checked by :func:`parse_output`)::
+
+      {"scores": [float, ...],              # required: len(rows) * n_samples, prompt-major order
+       "weight_versions": [str, ...],        # optional: the version that produced each sample;
+                                             #   omitted means every sample is input["weight_version"]
+       "message": str}                        # optional: kept in the result
+
+  A version differing from ``input["weight_version"]`` on any sample makes the unit a
+  ``pin_violation`` skip. A malformed output is a ``crashed`` skip.
+
+* ``raise EvalSkip(reason)`` to record the unit as skipped with that reason (e.g. ``adapter_missing``);
+  it becomes the metric ``eval/skipped_<reason>`` at the unit's step. Any other exception of the kinds
+  the worker expects (``RuntimeError``, ``ValueError``, ``OSError``) is a ``crashed`` skip.
+
+``dispose()`` is called once when the worker exits (release GPUs, stop servers). Idempotent.
+
+Limits: the call is not interruptible; on SIGTERM the worker releases the unit's lease at once and
+exits without waiting for the call, so a backend must tolerate being killed mid-call. The backend runs
+in the worker's process with its privileges (it is trusted code, like a custom scorer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from coord.manifest import DatasetSpec, RunManifest
+from coord.units import WorkUnit
+
+
+class EvalSkip(Exception):
+    """Raised by a backend to record its unit as skipped with ``reason`` (a metric-name identifier)."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        if not isinstance(reason, str) or not reason or not reason.replace("_", "").isalnum():
+            raise ValueError(
+                f"EvalSkip reason {reason!r} must be a non-empty identifier (it becomes a metric name)"
+            )
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+        self.message = message
+
+
+class CheckpointEvalFn:
+    """Base class of black-box backends; subclass it and override :meth:`evaluate_checkpoint`."""
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: dict[str, Any]) -> dict[str, Any]:  # noqa: A002
+        raise NotImplementedError(f"{type(self).__name__} must implement evaluate_checkpoint")
+
+    def dispose(self) -> None:
+        """Release every resource; called once when the worker exits."""
+
+
+@dataclass(frozen=True)
+class FnOutput:
+    scores: list[float]
+    weight_versions: list[str | None]
+    message: str
+
+
+def load_fn_class(path: str) -> type[CheckpointEvalFn]:
+    """The class named by ``module:Class`` (ValueError when it cannot be imported or is no backend)."""
+    module_name, sep, class_name = path.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"fn backend {path!r} must be 'package.module:ClassName'")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"fn backend {path!r} cannot be imported ({e})") from None
+    if not isinstance(cls, type) or not callable(getattr(cls, "evaluate_checkpoint", None)):
+        raise ValueError(
+            f"fn backend {path!r} is not a class with evaluate_checkpoint(checkpoint_dir, input)"
+        )
+    return cls
+
+
+def make_fn_backend(path: str, extra: dict[str, Any]) -> CheckpointEvalFn:
+    """Construct the backend ``module:Class`` with ``extra`` as keyword arguments."""
+    cls = load_fn_class(path)
+    try:
+        return cls(**extra)
+    except TypeError as e:
+        raise ValueError(
+            f"fn backend {path!r} rejects the settings {sorted(extra)} from run.json ({e})"
+        ) from None
+
+
+def build_input(
+    manifest: RunManifest, spec: DatasetSpec, unit: WorkUnit, rows: list[dict[str, str]]
+) -> dict[str, Any]:
+    """The ``input`` dict of one unit (see the module docstring)."""
+    return {
+        "run_id": manifest.run_id,
+        "step": unit.step,
+        "weight_version": str(unit.step),
+        "unit": unit.to_json(),
+        "unit_id": unit.id,
+        "dataset": asdict(spec),
+        "rows": [dict(r) for r in rows],
+        "adapters": [dict(a) for a in manifest.eval.adapters],
+        "engine": dict(manifest.eval.engine),
+    }
+
+
+def parse_output(output: Any, expected_n: int, weight_version: str) -> FnOutput:
+    """Validate a backend's output; ValueError says what is wrong (the worker records ``crashed``)."""
+    if not isinstance(output, dict):
+        raise ValueError(f"evaluate_checkpoint must return a dict, got {type(output).__name__}")
+    scores = output.get("scores")
+    if not isinstance(scores, list) or len(scores) != expected_n:
+        got = len(scores) if isinstance(scores, list) else type(scores).__name__
+        raise ValueError(f"output 'scores' must be a list of {expected_n} numbers, got {got}")
+    if not all(isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
+        raise ValueError("output 'scores' must hold finite numbers only")
+    versions = output.get("weight_versions")
+    if versions is None:
+        versions = [weight_version] * expected_n
+    if not isinstance(versions, list) or len(versions) != expected_n:
+        raise ValueError(f"output 'weight_versions' must be a list of {expected_n} versions")
+    message = output.get("message", "")
+    return FnOutput(
+        scores=[float(s) for s in scores],
+        weight_versions=[None if v is None else str(v) for v in versions],
+        message=message if isinstance(message, str) else str(message),
+    )

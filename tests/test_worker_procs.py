@@ -1,0 +1,165 @@
+"""Worker processes (``python -m jobs.cli worker``) sharing runs: fleets, kills, stalls, preemption.
+
+Real processes, real leases (filelock SoftFileLease), real snapshots of the tiny model. The backend is
+the real fn backend ``tests.workerutil:SumBackend`` (it reads the snapshot's safetensors), with a per-
+unit delay where a test needs to catch a worker mid-unit; it keeps these tests fast on 2 cores, where
+every HF-engine process would pay ~4 s of torch import.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from coord.manifest import LeaseSettings
+from coord.units import WorkUnit
+from jobs.worker import EXIT_DONE, EXIT_PREEMPTED, EXIT_USAGE
+from tests.workerutil import (
+    claimed_at,
+    duplicates,
+    finish,
+    kill_all,
+    lease_holder_pid,
+    make_eval_run,
+    publish_model,
+    results,
+    spawn,
+    wait_for,
+)
+
+FN = "fn:tests.workerutil:SumBackend"
+
+
+def _worker(run_dir: Path, *extra: str, env: dict[str, str] | None = None):
+    return spawn("worker", "--run-dir", str(run_dir), "--engine", FN, "--poll-interval", "0.1", *extra, env=env)
+
+
+def test_three_workers_share_twenty_snapshots_exactly_once(tmp_path: Path) -> None:
+    run = make_eval_run(tmp_path, n_prompts=8, shard_size=4, engine={"fn": {"delay_s": 0.05}})
+    procs = [_worker(run.path, "--worker-id", f"w{i}") for i in range(3)]
+    try:
+        for step in range(10, 210, 10):  # the trainer publishes while the fleet runs
+            publish_model(tmp_path, run.snapshots, step)
+            time.sleep(0.05)
+        run.mark_training_done(200)
+        outs = [finish(p, timeout=60) for p in procs]
+    finally:
+        kill_all(procs)
+    assert [code for code, _ in outs] == [EXIT_DONE] * 3, outs
+    got = results(run)
+    assert sorted(got) == [WorkUnit(s, "addition", i) for s in range(10, 210, 10) for i in (0, 1)]
+    assert all(r.ok and set(r.weight_versions) == {str(r.unit.step)} for r in got.values())
+    assert duplicates(run) == []  # every unit evaluated exactly once
+    per_worker = Counter(r.worker["worker_id"] for r in got.values())
+    assert sum(per_worker.values()) == 40 and len(per_worker) >= 2, per_worker
+    lines = [line for _, out in outs for line in out.splitlines() if line.startswith("step=")]
+    assert len(lines) == 40  # one line per unit
+
+
+def _wait_mid_unit(run, proc, timeout: float = 20) -> str:
+    """The id of the unit ``proc`` holds a lease on (it is mid-unit)."""
+    def held() -> str | None:
+        return next((u for u, pid in lease_holder_pid(run).items() if pid == proc.pid), None)
+
+    return wait_for(held, timeout, what=f"worker {proc.pid} to claim a unit")
+
+
+def test_sigkilled_worker_loses_nothing(tmp_path: Path) -> None:
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, lease=LeaseSettings(3.0, 0.5),
+                        engine={"fn": {"delay_s": 1.5}})
+    for step in (1, 2):
+        publish_model(tmp_path, run.snapshots, step)
+    a = _worker(run.path, "--once", "--worker-id", "a")
+    procs = [a]
+    try:
+        unit_id = _wait_mid_unit(run, a)
+        a.send_signal(signal.SIGKILL)
+        killed = time.time()
+        a.communicate()
+        b = _worker(run.path, "--once", "--worker-id", "b")
+        procs.append(b)
+        code, out = finish(b, timeout=30)
+    finally:
+        kill_all(procs)
+    assert code == EXIT_DONE, out
+    got = results(run)
+    assert len(got) == 2 and all(r.ok and r.worker["worker_id"] == "b" for r in got.values())
+    taken = got[WorkUnit.from_id(unit_id)]
+    assert taken.attempt == 2  # A's claim was attempt 1
+    # same host, dead pid: filelock takes over at once, no lease expiry wait
+    assert claimed_at(taken) - killed < 3.0, claimed_at(taken) - killed
+    assert duplicates(run) == []
+
+
+def test_stalled_worker_is_taken_over_after_expiry_not_before(tmp_path: Path) -> None:
+    duration = 3.0
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, lease=LeaseSettings(duration, 0.5),
+                        engine={"fn": {"delay_s": 1.5}})
+    publish_model(tmp_path, run.snapshots, 1)
+    a = _worker(run.path, "--once", "--worker-id", "a")
+    procs = [a]
+    try:
+        unit_id = _wait_mid_unit(run, a)
+        a.send_signal(signal.SIGSTOP)  # alive, holding the lease, no heartbeat
+        stopped = time.time()
+        b = _worker(run.path, "--once", "--worker-id", "b")
+        procs.append(b)
+        _wait_mid_unit(run, b, timeout=20)  # b took the unit over
+        took_over = time.time()
+        a.send_signal(signal.SIGCONT)  # a resumes mid-unit, its claim lost
+        time.sleep(0.5)
+        assert lease_holder_pid(run).get(unit_id) == b.pid  # a's release did not remove b's lease
+        code_b, out_b = finish(b, timeout=30)
+        code_a, out_a = finish(a, timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+        kill_all(procs)
+    assert took_over - stopped >= duration, took_over - stopped
+    (r,) = results(run).values()
+    assert r.worker["worker_id"] == "b" and claimed_at(r) - stopped >= duration - 0.05
+    assert code_a == code_b == EXIT_DONE, (out_a, out_b)
+    assert "abandoned: lease lost" in out_a and duplicates(run) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preempted_worker_releases_at_once_and_exits_3(tmp_path: Path, sig: signal.Signals) -> None:
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, lease=LeaseSettings(60.0, 10.0))
+    publish_model(tmp_path, run.snapshots, 1)
+    a = _worker(run.path, "--worker-id", "a", env={"SUMBACKEND_DELAY_S": "30"})
+    procs = [a]
+    try:
+        unit_id = _wait_mid_unit(run, a)
+        sent = time.monotonic()
+        a.send_signal(sig)
+        code_a, out_a = finish(a, timeout=10)
+        exited = time.monotonic() - sent
+        assert unit_id not in lease_holder_pid(run)  # released, not left to expire
+        b = _worker(run.path, "--once", "--worker-id", "b")
+        procs.append(b)
+        code_b, out_b = finish(b, timeout=20)
+        took_over = time.monotonic() - sent
+    finally:
+        kill_all(procs)
+    assert code_a == EXIT_PREEMPTED and "abandoned: stop signal" in out_a, out_a
+    assert exited < 5.0, exited
+    assert code_b == EXIT_DONE, out_b
+    (r,) = results(run).values()
+    assert r.worker["worker_id"] == "b" and r.attempt == 2
+    assert took_over < 20.0  # long before the 60 s lease would have expired
+
+
+def test_cli_usage(tmp_path: Path) -> None:
+    code, out = finish(spawn("worker", "--help"), timeout=20)
+    assert code == 0 and "--catchup" in out and "EXIT_PREEMPTED" not in out
+    code, out = finish(spawn("worker", "--run-dir", str(tmp_path), "--engines", "0"), timeout=20)
+    assert code == EXIT_USAGE and "--engines must be >= 1" in out
+    code, out = finish(spawn("worker", "--run-dir", str(tmp_path / "none"), "--engine", FN), timeout=20)
+    assert code == EXIT_USAGE and "no run.json" in out
+    code, out = finish(spawn("worker", "--run-dir", str(tmp_path), "--engine", "fn:x:Y", "--engines", "2"), 20)
+    assert code == EXIT_USAGE and "exactly one --engine fn" in out

@@ -1,0 +1,260 @@
+"""Shared helpers for the eval-side tests: real runs, real tiny-model snapshots, real fn backends.
+
+Nothing here is a fake of ckpteval: runs are created with :mod:`coord`, snapshots are published with
+``coord.snapshot.publish_snapshot`` around ``jobs.export.hf_files.write_hf_files`` of a tiny
+``jobs.model.build_model`` Llama, and the fn backends below are real ``CheckpointEvalFn`` classes
+(loaded by import path in worker subprocesses) that score from the snapshot's actual safetensors.
+torch is imported lazily so that fn-backend worker processes importing this module stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from coord.manifest import EvalSpec, LeaseSettings, RunManifest
+from coord.results import Result, ResultIndex
+from coord.rundir import RunDir
+from coord.snapshot import publish_snapshot
+from jobs.engines.fn import CheckpointEvalFn, EvalSkip
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+# -- runs --------------------------------------------------------------------------------------------
+def make_eval_run(
+    tmp: Path,
+    *,
+    n_prompts: int = 8,
+    shard_size: int = 4,
+    lease: LeaseSettings | None = None,
+    engine: dict[str, Any] | None = None,
+    scorer: str = "exact",
+    max_new_tokens: int = 4,
+    name: str = "run",
+    snapshot_root: Path | None = None,
+    n_samples: int = 1,
+) -> RunDir:
+    """A run with the built-in addition eval set (``n_prompts`` rows) and one snapshot root."""
+    from dataclasses import replace
+
+    from jobs.evalsets import write_addition_dataset
+
+    run = RunDir.create(tmp / name)
+    spec = write_addition_dataset(run, n=n_prompts, shard_size=shard_size)
+    spec = replace(spec, scorer=scorer, max_new_tokens=max_new_tokens, n_samples=n_samples)
+    manifest = RunManifest(
+        run_id=f"test-{name}",
+        eval=EvalSpec(datasets=(spec,), engine=engine or {}),
+        snapshot_roots=(str(snapshot_root or run.snapshots),),
+        lease=lease or LeaseSettings(30.0, 5.0),
+    )
+    return RunDir.create(run.path, manifest)
+
+
+# -- snapshots of the tiny model ------------------------------------------------------------------------
+_BASE: dict[str, Path] = {}
+
+
+def base_dir(tmp: Path) -> Path:
+    """A base model dir (config, generation config, tokenizer; no weights), made once per tmp dir."""
+    from jobs.model import save_base_model_dir
+
+    key = str(tmp)
+    if key not in _BASE:
+        _BASE[key] = save_base_model_dir(tmp / "base-model")
+    return _BASE[key]
+
+
+def model_writer(tmp: Path, seed: int) -> Callable[[Path], dict[str, dict[str, int]]]:
+    """A ``write_files`` for publish_snapshot: the tiny model with weights drawn from ``seed``."""
+    from jobs.export.hf_files import write_hf_files
+    from jobs.model import build_model
+
+    base = base_dir(tmp)
+
+    def write(d: Path) -> dict[str, dict[str, int]]:
+        model = build_model(seed=seed)
+        return write_hf_files(d, model.state_dict(), base)
+
+    return write
+
+
+def publish_model(tmp: Path, root: Path, step: int, seed: int | None = None) -> Path:
+    """Publish a real HF snapshot of the tiny model for ``step`` under ``root``."""
+    return publish_snapshot(root, step, model_writer(tmp, step if seed is None else seed))
+
+
+def write_foreign_checkpoint(tmp: Path, path: Path, step: int) -> Path:
+    """An HF Trainer style ``checkpoint-N/`` dir: model files + trainer_state.json, no marker."""
+    model_writer(tmp, step)(path)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return path
+
+
+def flip_byte(path: Path, offset_from_end: int = 10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - offset_from_end)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+# -- results --------------------------------------------------------------------------------------------
+def results(run: RunDir) -> dict[Any, Result]:
+    return dict(ResultIndex(run.results).refresh())
+
+
+def duplicates(run: RunDir) -> list[dict[str, Any]]:
+    d = run.results / "duplicates"
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def lease_holder_pid(run: RunDir) -> dict[str, int]:
+    """unit id -> pid of the process holding its lease, from filelock's marker files."""
+    held = {}
+    for p in run.leases.glob("*.lock"):
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("pid="):
+                held[p.name[: -len(".lock")]] = int(line[4:])
+    return held
+
+
+def claimed_at(result: Result) -> float:
+    """Wall-clock time the result's worker started the unit (written_at minus its total time)."""
+    return result.written_at - result.timings.get("total_s", 0.0)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+# -- worker processes ---------------------------------------------------------------------------------
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def spawn(command: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``python -m jobs.cli <command> <args>`` as a real process (stdout+stderr piped as text)."""
+    return subprocess.Popen(
+        [PYTHON, "-m", "jobs.cli", command, *args],
+        cwd=REPO,
+        env={**worker_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
+    """Wait for ``proc``; on timeout kill it (by its own pid) and fail loudly with its output."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"process {proc.args} did not finish in {timeout}s; output:\n{out}") from None
+    return proc.returncode, out
+
+
+def kill_all(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+# -- real fn backends ---------------------------------------------------------------------------------------
+def safetensors_sum(checkpoint_dir: str) -> float:
+    """Sum of every float tensor in the checkpoint's safetensors files (reads the real weights)."""
+    from safetensors.numpy import load_file
+
+    total = 0.0
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        for array in load_file(str(path)).values():
+            total += float(array.astype("float64").sum())
+    return total
+
+
+def row_score(weight_sum: float, prompt: str) -> float:
+    """A deterministic, prompt- and weight-dependent score in [0, 1)."""
+    return (zlib.crc32(f"{weight_sum:.6e}|{prompt}".encode()) % 1000) / 1000
+
+
+class SumBackend(CheckpointEvalFn):
+    """Scores every row from the snapshot's safetensors sum; optional delay per unit (slow evals)."""
+
+    def __init__(self, delay_s: float = 0.0, version_offset: int = 0) -> None:
+        self.delay_s = float(os.environ.get("SUMBACKEND_DELAY_S", delay_s))  # per-process override
+        self.version_offset = version_offset
+        self.disposed = False
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: dict[str, Any]) -> dict[str, Any]:  # noqa: A002
+        weight_sum = safetensors_sum(checkpoint_dir)
+        end = time.monotonic() + self.delay_s
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        n = input["dataset"]["n_samples"]
+        scores = [row_score(weight_sum, r["prompt"]) for r in input["rows"] for _ in range(n)]
+        version = str(input["step"] + self.version_offset)
+        return {"scores": scores, "weight_versions": [version] * len(scores), "message": f"sum={weight_sum:.4f}"}
+
+    def dispose(self) -> None:
+        self.disposed = True
+
+
+class AdapterMissingBackend(SumBackend):
+    """Refuses every unit the way a LoRA backend does when the run's adapter is not there."""
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: dict[str, Any]) -> dict[str, Any]:  # noqa: A002
+        raise EvalSkip("adapter_missing", f"no adapter for step {input['step']}")
+
+
+class BadOutputBackend(SumBackend):
+    """Returns one score too few (a backend bug the worker must record as ``crashed``)."""
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: dict[str, Any]) -> dict[str, Any]:  # noqa: A002
+        out = super().evaluate_checkpoint(checkpoint_dir, input)
+        return {"scores": out["scores"][:-1]}
+
+
+def digit_overlap(completion: str, answer: str) -> float:
+    """A partial-credit scorer (fraction of answer positions matched) so untrained models score > 0."""
+    completion = completion.strip()
+    return sum(a == b for a, b in zip(completion, answer, strict=False)) / len(answer)
+
+
+def completion_hash(completion: str, answer: str) -> float:
+    """A scorer that depends on the exact completion text, so equal scores mean equal generations."""
+    return (zlib.crc32(completion.encode()) % 1000) / 1000
+
+
+def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
+    """Build and run a worker in this process (no signal handlers); returns (exit code, worker)."""
+    from jobs.worker import prepare_worker
+
+    worker = prepare_worker(opts, **kw)
+    try:
+        code = worker.run()
+    finally:
+        worker.evaluator.close()
+    return code, worker
