@@ -22,7 +22,7 @@ import argparse
 
 from tqdm import tqdm
 
-from jobs.worker import EXIT_DONE, add_worker_flags, options_from_args, run_worker
+from jobs.worker import EXIT_CODES_HELP, EXIT_DONE, add_worker_flags, options_from_args, run_worker
 
 
 class Progress:
@@ -54,7 +54,9 @@ class Progress:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ckpteval backfill", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="ckpteval backfill", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP
+    )
     add_worker_flags(parser, pass_flags=False)
     args = parser.parse_args(argv)
     try:

@@ -875,8 +875,17 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) ->
     return code
 
 
+EXIT_CODES_HELP = (
+    f"exit codes: {EXIT_DONE} done, {EXIT_ERROR} unexpected error, {EXIT_USAGE} usage/config error, "
+    f"{EXIT_PREEMPTED} preempted by SIGTERM/SIGUSR1 (lease released: requeue), {EXIT_UNHEALTHY} engine dead "
+    f"(requeue elsewhere), {EXIT_INTERRUPTED} SIGINT"
+)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ckpteval worker", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="ckpteval worker", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP
+    )
     add_worker_flags(parser)
     args = parser.parse_args(argv)
     try:

@@ -279,3 +279,29 @@ def test_lease_settings_come_from_the_run(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=2, shard_size=2, lease=LeaseSettings(4.0, 1.0))
     worker = _engine_worker(run, HFEngine())
     assert worker.claimer.settings == LeaseSettings(4.0, 1.0)
+
+
+def test_http_engine_pins_through_a_real_server(tmp_path: Path) -> None:
+    """``--engine http:URL`` against ``ckpteval serve``: versions read back from the server; a second
+    client reloading the shared server mid-unit makes that unit a pin_violation."""
+    from tests.workerutil import RELOAD, start_serve
+
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
+    first = publish_model(tmp_path, run.snapshots, 1)
+    url, proc = start_serve(first, "0", tmp_path / "serve.log")
+    try:
+        code, _ = run_inprocess(_opts(run.path, engines=(f"http:{url}",)), **QUIET)
+        assert code == EXIT_DONE
+        (ok,) = results(run).values()
+        assert ok.ok and ok.weight_versions == ("1",) * 4 and ok.worker["engine"] == f"http:{url}"
+        publish_model(tmp_path, run.snapshots, 2)
+        obj = json.loads(run.manifest_path.read_text())
+        obj["eval"]["datasets"][0]["scorer"] = "tests.workerutil:reloading_scorer"
+        run.manifest_path.write_text(json.dumps(obj))
+        RELOAD.update(url=url, snapshot=str(first))
+        run_inprocess(_opts(run.path, engines=(f"http:{url}",)), **QUIET)
+        bad = results(run)[WorkUnit(2, "addition", 0)]
+        assert RELOAD["fired"] and bad.skip_reason == "pin_violation" and "'999'" in bad.message
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

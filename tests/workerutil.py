@@ -258,3 +258,34 @@ def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
     finally:
         worker.evaluator.close()
     return code, worker
+
+
+def start_serve(snapshot: Path, version: str, log: Path, timeout: float = 60.0) -> tuple[str, subprocess.Popen[str]]:
+    """Launch ``python -m jobs.cli serve`` (the real HTTP engine) on a free port; (url, process)."""
+    import select
+
+    cmd = [PYTHON, "-m", "jobs.cli", "serve", "--model", str(snapshot), "--port", "0", "--weight-version", version]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready and (line := proc.stdout.readline()).startswith("serving on "):
+            return line.split()[-1], proc
+    proc.kill()
+    raise RuntimeError(f"serve did not start (rc={proc.poll()}): {log.read_text()[-2000:]}")
+
+
+RELOAD: dict[str, Any] = {"url": "", "snapshot": "", "fired": False}
+
+
+def reloading_scorer(completion: str, answer: str) -> float:
+    """A scorer that, on its first call, has *another client* reload the server (``RELOAD["url"]``)
+    under version 999 — what happens when an sglang server is shared with someone else."""
+    if not RELOAD["fired"]:
+        import httpx
+
+        RELOAD["fired"] = True
+        body = {"model_path": RELOAD["snapshot"], "weight_version": "999"}
+        httpx.post(f"{RELOAD['url']}/update_weights_from_disk", json=body, timeout=60).raise_for_status()
+    return 0.0
