@@ -1,0 +1,385 @@
+"""``ckpteval submit {train-eval,backfill,service}``: render the batch scripts in ``sbatch/`` and sbatch them.
+
+What it owns: turning the user's resources (partition, account, QOS, time, nodes, CPUs and GPUs per
+component, workers, run dir, engine flags, extra trainer/worker arguments) into a self-describing
+batch script, and submitting it with ``sbatch --parsable``. The templates stay usable by hand
+(``sbatch sbatch/train_eval.sbatch RUN``); rendering only rewrites two marked blocks:
+
+- ``# >>> ckpteval sbatch options`` … ``# <<<``: the ``#SBATCH`` lines (a heterogeneous job's
+  components separated by ``#SBATCH hetjob``). Every script gets ``--requeue``, ``--open-mode=append``
+  and ``--signal=B:USR1@<signal-before>`` (trapped by ``sbatch/common.sh``: steps are stopped, leases
+  released, the job requeued).
+- ``# >>> ckpteval settings`` … ``# <<<``: ``CKPTEVAL_*`` assignments (the scripts' settings), written
+  as plain assignments so a stray variable in the submitting shell cannot override them.
+
+The rendered script is saved as ``RUN/slurm/<kind>-<time>.sbatch`` (what ran, for the record) and
+output goes to ``RUN/slurm/%x-%j.out`` (``%x-%A_%a.out`` for arrays) unless ``--output`` says
+otherwise. ``--dry-run`` prints the script and the sbatch command and touches nothing.
+
+Python callers (:mod:`jobs.api`) use :func:`prepare` and :func:`submit_prepared`.
+
+Limits: the scripts run ``CKPTEVAL_PYTHON -m jobs.cli`` and source ``sbatch/common.sh`` from this
+checkout, so both must be on a filesystem the compute nodes see (paths are rendered absolute).
+Options are checked for sense (positive counts, workers vs nodes), not against the cluster: sbatch
+reports what the cluster refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SBATCH_DIR = Path(__file__).resolve().parents[1] / "sbatch"
+TEMPLATES = {"train-eval": "train_eval.sbatch", "backfill": "backfill.sbatch", "service": "eval_service.sbatch"}
+OPTIONS_BEGIN, OPTIONS_END = "# >>> ckpteval sbatch options", "# <<< ckpteval sbatch options"
+SETTINGS_BEGIN, SETTINGS_END = "# >>> ckpteval settings", "# <<< ckpteval settings"
+
+
+@dataclass
+class Prepared:
+    """A rendered batch script and where it goes."""
+
+    kind: str
+    script: str
+    run_dirs: list[Path]
+    log_dir: Path
+    dry_run: bool = False
+    sbatch_args: list[str] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run_dirs[0]
+
+
+# ---------------------------------------------------------------------------------------- parsing
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.replace("_", "").isalnum() or key[0].isdigit():
+        raise argparse.ArgumentTypeError(f"--env wants NAME=VALUE, got {text!r}")
+    return key, value
+
+
+def _add_common(p: argparse.ArgumentParser, *, signal_before: int, workers: int) -> None:
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--partition", help="partition (every component unless overridden)")
+    g.add_argument("--account")
+    g.add_argument("--qos")
+    g.add_argument("--time", help="time limit, sbatch syntax (e.g. 4:00:00); USR1 comes --signal-before earlier")
+    g.add_argument("--job-name")
+    g.add_argument("--output", help="log file pattern (default RUN/slurm/%%x-%%j.out)")
+    g.add_argument("--signal-before", type=_positive, default=signal_before, metavar="S",
+                   help=f"USR1 this many seconds before the time limit (default {signal_before})")
+    g.add_argument("--grace", type=_positive, default=60, metavar="S",
+                   help="how long the script waits for its steps after a stop (default 60)")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="OPT",
+                   help="an extra job-wide #SBATCH option, e.g. --mail-type=END (repeatable)")
+    g.add_argument("--env", action="append", type=_env_pair, default=[], metavar="NAME=VALUE",
+                   help="export NAME=VALUE in the job (repeatable)")
+    w = p.add_argument_group("eval workers")
+    w.add_argument("--engine", default="hf", help="worker --engine spec: hf | http:URL | sglang | fn:mod:Class")
+    w.add_argument("--device", help="worker --device (default cuda with GPUs, cpu without)")
+    w.add_argument("--workers", type=_positive, default=workers, help=f"eval workers (default {workers})")
+    w.add_argument("--gpus-per-worker", type=_non_negative, default=1, help="GPUs per worker (0: CPU workers)")
+    w.add_argument("--cpus", type=_positive, default=8, help="CPUs per node for the workers (default 8)")
+    w.add_argument("--mem", help="memory per node for the workers, sbatch syntax")
+    w.add_argument("--constraint")
+    w.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="an extra worker argument (repeatable; e.g. --worker-arg=--verify=full)")
+    x = p.add_argument_group("installation")
+    x.add_argument("--python", default=sys.executable, help="interpreter with ckpteval installed (default: this one)")
+    x.add_argument("--sbatch-dir", type=Path, default=SBATCH_DIR, help="dir holding the templates and common.sh")
+    p.add_argument("--dry-run", action="store_true", help="print the script and the sbatch command; submit nothing")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckpteval submit", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="kind", required=True)
+
+    t = sub.add_parser("train-eval", help="trainer + eval fleet as one heterogeneous job",
+                       description="Trailing arguments after -- go to the trainer.")
+    t.add_argument("--run-dir", type=Path, required=True)
+    _add_common(t, signal_before=300, workers=2)
+    c = t.add_argument_group("trainer (component 0)")
+    c.add_argument("--trainer-partition")
+    c.add_argument("--trainer-cpus", type=_positive, default=8)
+    c.add_argument("--trainer-gpus", type=_non_negative, default=0)
+    c.add_argument("--trainer-mem")
+    c.add_argument("--train-cmd", help="run this trainer instead of `ckpteval train` (flags are yours)")
+    f = t.add_argument_group("fleet (component 1)")
+    f.add_argument("--fleet-partition")
+    f.add_argument("--fleet-nodes", type=_positive, default=1, help="nodes of the eval fleet (default 1)")
+    t.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then arguments for the trainer")
+
+    b = sub.add_parser("backfill", help="array job evaluating every pending unit of finished runs")
+    b.add_argument("--run-dir", type=Path, action="append", required=True,
+                   help="a run to backfill (repeatable: task k takes run k mod #runs)")
+    b.add_argument("--tasks", type=_positive, default=1, help="array tasks (default 1)")
+    b.add_argument("--parallelism", type=_positive, help="at most P tasks at once (--array=0-N%%P)")
+    b.add_argument("--backfill-cmd", choices=("backfill", "worker"), default="backfill",
+                   help="ckpteval backfill (progress bar) or worker --once --catchup all")
+    _add_common(b, signal_before=120, workers=1)
+
+    s = sub.add_parser("service", help="long-running worker(s) watching a checkpoint dir",
+                       description="Trailing arguments after -- go to the worker.")
+    s.add_argument("--run-dir", type=Path, required=True)
+    s.add_argument("--watch", type=Path, action="append", required=True, metavar="DIR",
+                   help="checkpoint dir to watch (repeatable)")
+    s.add_argument("--eval-config", type=Path, help="creates RUN/run.json if missing (worker --eval-config)")
+    s.add_argument("--nodes", type=_positive, default=1)
+    _add_common(s, signal_before=300, workers=1)
+    s.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then extra worker arguments")
+    return parser
+
+
+# -------------------------------------------------------------------------------------- rendering
+def _component(
+    *, partition: str | None, account: str | None, qos: str | None, time_limit: str | None, nodes: int,
+    cpus: int, gpus_per_node: int, mem: str | None, constraint: str | None,
+) -> list[str]:
+    lines = []
+    for opt, value in (("partition", partition), ("account", account), ("qos", qos), ("time", time_limit)):
+        if value:
+            lines.append(f"--{opt}={value}")
+    lines += [f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}"]
+    if gpus_per_node:
+        lines.append(f"--gpus-per-node={gpus_per_node}")
+    if mem:
+        lines.append(f"--mem={mem}")
+    if constraint:
+        lines.append(f"--constraint={constraint}")
+    return lines
+
+
+def _fleet_gpus_per_node(workers: int, nodes: int, gpus_per_worker: int) -> int:
+    if workers < nodes:
+        raise ValueError(f"--workers ({workers}) must be >= the fleet's nodes ({nodes}): a node would idle")
+    per_node = -(-workers // nodes)
+    return per_node * gpus_per_worker
+
+
+def _job_lines(args: argparse.Namespace, default_name: str, output: str) -> list[str]:
+    lines = [f"--job-name={args.job_name or default_name}", "--requeue", "--open-mode=append",
+             f"--output={output}", f"--signal=B:USR1@{args.signal_before}"]
+    for extra in args.sbatch_arg:
+        if not extra.startswith("-"):
+            raise ValueError(f"--sbatch-arg {extra!r}: give an sbatch option such as --mail-type=END")
+        lines.append(extra)
+    return lines
+
+
+def _quote(value: str | Path) -> str:
+    return shlex.quote(str(value))
+
+
+def _settings(args: argparse.Namespace, values: dict[str, str | Path | int | list[str] | None]) -> list[str]:
+    common: dict[str, str | Path | int | list[str] | None] = {
+        "CKPTEVAL_PYTHON": args.python,
+        "CKPTEVAL_SBATCH_DIR": Path(args.sbatch_dir).resolve(),
+        "CKPTEVAL_ENGINE": args.engine,
+        "CKPTEVAL_DEVICE": args.device,
+        "CKPTEVAL_WORKERS": args.workers,
+        "CKPTEVAL_GPUS_PER_WORKER": args.gpus_per_worker,
+        "CKPTEVAL_GRACE_S": args.grace,
+        "CKPTEVAL_WORKER_ARGV": list(args.worker_arg),
+    }
+    common.update(values)
+    lines = []
+    for name, value in common.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            lines.append(f"{name}=({' '.join(_quote(v) for v in value)})")
+        else:
+            lines.append(f"export {name}={_quote(value)}")
+    lines += [f"export {key}={_quote(value)}" for key, value in args.env]
+    return lines
+
+
+def replace_block(text: str, begin: str, end: str, body: list[str]) -> str:
+    """Replace the lines between the marker lines starting with ``begin`` and ``end`` by ``body``."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(begin)]
+    ends = [i for i, line in enumerate(lines) if line.startswith(end)]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise ValueError(f"template: expected one block {begin!r} ... {end!r}")
+    return "\n".join(lines[: starts[0] + 1] + body + lines[ends[0] :]) + "\n"
+
+
+def render(template: str, sbatch_lines: list[list[str]], settings: list[str]) -> str:
+    """The template with its options block set to ``sbatch_lines`` (one list per het component)."""
+    header: list[str] = []
+    for index, component in enumerate(sbatch_lines):
+        if index:
+            header.append("#SBATCH hetjob")
+        header += [f"#SBATCH {line}" for line in component]
+    text = replace_block(template, OPTIONS_BEGIN, OPTIONS_END, header)
+    return replace_block(text, SETTINGS_BEGIN, SETTINGS_END, settings)
+
+
+def _trailing(args: list[str]) -> list[str]:
+    return args[1:] if args and args[0] == "--" else list(args)
+
+
+def _abs(path: Path) -> Path:
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
+def _prepare_train_eval(args: argparse.Namespace) -> Prepared:
+    run = _abs(args.run_dir)
+    log_dir = run / "slurm"
+    output = args.output or str(log_dir / "%x-%j.out")
+    gpn = _fleet_gpus_per_node(args.workers, args.fleet_nodes, args.gpus_per_worker)
+    trainer = _component(
+        partition=args.trainer_partition or args.partition, account=args.account, qos=args.qos,
+        time_limit=args.time, nodes=1, cpus=args.trainer_cpus, gpus_per_node=args.trainer_gpus,
+        mem=args.trainer_mem, constraint=None,
+    )
+    fleet = _component(
+        partition=args.fleet_partition or args.partition, account=args.account, qos=args.qos,
+        time_limit=args.time, nodes=args.fleet_nodes, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem,
+        constraint=args.constraint,
+    )
+    settings = _settings(args, {
+        "CKPTEVAL_RUN_DIR": run,
+        "CKPTEVAL_TRAIN_CMD": args.train_cmd,
+        "CKPTEVAL_TRAIN_ARGV": _trailing(args.trainer_args),
+    })
+    text = _template(args, "train-eval")
+    script = render(text, [_job_lines(args, "ckpteval-train-eval", output) + trainer, fleet], settings)
+    return Prepared("train-eval", script, [run], log_dir)
+
+
+def _prepare_backfill(args: argparse.Namespace) -> Prepared:
+    runs = [_abs(r) for r in args.run_dir]
+    log_dir = runs[0] / "slurm"
+    output = args.output or str(log_dir / "%x-%A_%a.out")
+    array = f"0-{args.tasks - 1}" + (f"%{args.parallelism}" if args.parallelism else "")
+    gpn = args.workers * args.gpus_per_worker
+    comp = _component(
+        partition=args.partition, account=args.account, qos=args.qos, time_limit=args.time, nodes=1,
+        cpus=args.cpus, gpus_per_node=gpn, mem=args.mem, constraint=args.constraint,
+    )
+    settings = _settings(args, {
+        "CKPTEVAL_RUN_DIRS": [str(r) for r in runs],
+        "CKPTEVAL_BACKFILL_CMD": args.backfill_cmd,
+    })
+    lines = _job_lines(args, "ckpteval-backfill", output) + [f"--array={array}"] + comp
+    return Prepared("backfill", render(_template(args, "backfill"), [lines], settings), runs, log_dir)
+
+
+def _prepare_service(args: argparse.Namespace) -> Prepared:
+    run = _abs(args.run_dir)
+    log_dir = run / "slurm"
+    output = args.output or str(log_dir / "%x-%j.out")
+    gpn = _fleet_gpus_per_node(args.workers, args.nodes, args.gpus_per_worker)
+    comp = _component(
+        partition=args.partition, account=args.account, qos=args.qos, time_limit=args.time,
+        nodes=args.nodes, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem, constraint=args.constraint,
+    )
+    worker_argv = list(args.worker_arg) + _trailing(args.worker_args)
+    settings = _settings(args, {
+        "CKPTEVAL_RUN_DIR": run,
+        "CKPTEVAL_WATCH_DIRS": [str(_abs(w)) for w in args.watch],
+        "CKPTEVAL_EVAL_CONFIG": _abs(args.eval_config) if args.eval_config else None,
+        "CKPTEVAL_WORKER_ARGV": worker_argv,
+    })
+    lines = _job_lines(args, "ckpteval-service", output) + comp
+    return Prepared("service", render(_template(args, "service"), [lines], settings), [run], log_dir)
+
+
+def _template(args: argparse.Namespace, kind: str) -> str:
+    path = Path(args.sbatch_dir) / TEMPLATES[kind]
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the template {path}: {e.strerror}") from None
+
+
+PREPARERS = {"train-eval": _prepare_train_eval, "backfill": _prepare_backfill, "service": _prepare_service}
+
+
+def prepare(argv: Sequence[str]) -> Prepared:
+    """Parse ``submit`` arguments (kind first) and render the script; ValueError on bad settings."""
+    args = build_parser().parse_args(list(argv))
+    prepared = PREPARERS[args.kind](args)
+    prepared.dry_run = args.dry_run
+    return prepared
+
+
+# ------------------------------------------------------------------------------------- submitting
+def parse_job_id(sbatch_stdout: str) -> str:
+    """``sbatch --parsable`` prints ``id`` or ``id;cluster``."""
+    line = sbatch_stdout.strip().splitlines()[-1] if sbatch_stdout.strip() else ""
+    job_id = line.split(";")[0].strip()
+    if not job_id.isdigit():
+        raise RuntimeError(f"sbatch did not print a job id: {sbatch_stdout!r}")
+    return job_id
+
+
+def submit_prepared(prepared: Prepared, *, sbatch: str = "sbatch", env: dict[str, str] | None = None) -> str:
+    """Save the script under the run's ``slurm/`` dir, ``sbatch --parsable`` it, return the job id."""
+    prepared.log_dir.mkdir(parents=True, exist_ok=True)
+    path = prepared.log_dir / f"{prepared.kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"
+    path.write_text(prepared.script)
+    path.chmod(0o755)
+    cmd = [sbatch, "--parsable", *prepared.sbatch_args, str(path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=prepared.log_dir, env=env, timeout=120)
+    except FileNotFoundError:
+        raise RuntimeError(f"{sbatch!r} not found: is SLURM installed here?") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return parse_job_id(proc.stdout)
+
+
+def _how_to_watch(prepared: Prepared, job_id: str) -> str:
+    log = "%x-%A_%a.out" if prepared.kind == "backfill" else "%x-%j.out"
+    runs = " ".join(shlex.quote(str(r)) for r in prepared.run_dirs)
+    return "\n".join([
+        f"submitted {prepared.kind} job {job_id}",
+        f"  squeue -j {job_id}            # queue state",
+        f"  ckpteval status {runs}   # points, units, leases",
+        f"  logs: {prepared.log_dir}/ ({log})",
+        f"  scancel {job_id}              # stop it (workers release their leases)",
+    ])
+
+
+def main(argv: list[str]) -> int:
+    try:
+        prepared = prepare(argv)
+    except ValueError as e:
+        print(f"ckpteval submit: {e}", file=sys.stderr)
+        return 2
+    if prepared.dry_run:
+        print(prepared.script, end="")
+        print(f"# would run: sbatch --parsable {prepared.log_dir}/{prepared.kind}-<time>.sbatch", file=sys.stderr)
+        return 0
+    try:
+        job_id = submit_prepared(prepared)
+    except (RuntimeError, OSError) as e:
+        print(f"ckpteval submit: {e}", file=sys.stderr)
+        return 1
+    print(job_id)
+    print(_how_to_watch(prepared, job_id), file=sys.stderr)
+    return 0
