@@ -1,0 +1,383 @@
+"""``EvalDispatcher``: the one object a training loop talks to about evaluation.
+
+The loop calls :meth:`EvalDispatcher.maybe_dispatch` after every optimizer step and
+:meth:`EvalDispatcher.close` once at the end; that is all. Every ``eval_interval`` steps the
+dispatcher makes a snapshot of the step available to the eval fleet and goes on; finished points are
+ingested later, on a later call, and logged at their *dispatch* step.
+
+Snapshot source (from :class:`coord.config.DispatchConfig`, validated at construction — before
+training):
+
+- **staging**: the weights are exported into the staging root by :class:`AsyncExporter` (the loop
+  blocks only for the host copy).
+- **reuse**: the trainer's periodic HF checkpoint ``<save_hf_dir>/checkpoint-<step>`` is marked
+  ``.complete`` in place (:func:`coord.snapshot.mark_complete`): zero extra export. The loop must
+  have saved it before calling :meth:`maybe_dispatch` for that step; a missing one (or one without
+  weights) is a ``ckpt_missing`` skip.
+
+The snapshot root must be listed in ``run.json``'s ``snapshot_roots`` (else ``ValueError``): that is
+where workers look.
+
+Overflow — at most ``max_in_flight`` points dispatched and not yet ingested:
+
+- ``skip``: the step is recorded as skipped ``busy`` (:func:`coord.results.write_point_skip`), nothing
+  is exported, and ``eval/skipped_busy`` is logged at that step.
+- ``backpressure``: the loop waits (ingesting meanwhile) until the oldest pending point lands, for
+  at most ``backpressure_timeout_s``; on timeout the step is skipped ``busy`` as above rather than
+  hang. The wait is logged with the point as ``eval/backpressure_wait_seconds``.
+- the **final** point (:meth:`close`) is never skipped as busy.
+
+Failures never stop training: an export that fails, or finds no room on the staging filesystem, is
+an ``export_failed`` skip at its step.
+
+Ingestion (rate-limited to one results listing per ``poll_interval_s``, never waiting for eval): a
+pending point whose units all have results is derived (:func:`coord.results.derive_point`), its
+metrics (:func:`coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
+step, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
+``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
+(``keep_snapshots`` newest retired kept; reused checkpoints are never deleted).
+
+Restart safety (SLURM requeue): the dispatcher replays ``ledger.jsonl`` on construction. Points
+ingested before are never logged again (the ledger, and the sink's own ``eval/step`` check for a
+crash between metrics line and ledger record); pending points are re-adopted and ingested once
+they finish; a skip recorded in the ledger but not yet written is written again. A pending point
+whose snapshot never got published (the trainer died mid-export, or between ledger and marker) is
+*lost*: it is dispatched again if the resumed loop reaches that step again, else skipped
+``crashed`` as soon as the loop is past it.
+
+:meth:`close` dispatches the final step if needed (waiting for its export), then marks training done
+(``RUN/TRAINING_DONE`` — only after the final snapshot is published, so a fleet that exits on
+"training done and nothing left" cannot miss it), then drains for up to ``drain_timeout_s``. Points
+still unfinished after that are logged with ``eval/skipped_drain_timeout`` = number of units without
+a result (plus the datasets that did finish) and recorded ``ingested`` with ``outcome:
+drain_timeout``. No result is written for them: results are facts, and the units stay open for a
+fleet or a backfill to finish; only the trainer stops waiting. Their snapshots are not retired, so
+GC leaves them for that backfill.
+
+Shared posture: given a :class:`SharedEval` (the trainer's own engine and its :class:`ProducerGate`),
+a dispatch is blocking instead: publish the snapshot, evaluate it with
+:func:`jobs.gate.shared_eval`, ingest it at once (lag 0).
+
+Limits: one dispatcher per run dir. The ledger is re-appended a ``dispatched`` record when a
+staging export finishes (replay keeps the latest record per step), which is how export times
+survive a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coord.config import DispatchConfig
+from coord.discovery import shards_present
+from coord.gc import StagingGC, has_room
+from coord.ledger import Ledger
+from coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
+from coord.rundir import RunDir
+from coord.snapshot import MARKER, mark_complete, snapshot_dirname
+from coord.units import WorkUnit, units_for_step
+from jobs.engines.base import Engine
+from jobs.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
+from jobs.gate import ProducerGate, shared_eval
+from jobs.metrics import MetricsSink
+from jobs.scoring import DatasetCache
+
+Model = torch.nn.Module | Mapping[str, Any]
+WAIT_SLICE_S = 0.1
+
+
+def checkpoint_dirname(step: int) -> str:
+    """Reuse mode: the name of the trainer's periodic HF checkpoint of ``step`` (HF Trainer's)."""
+    return f"checkpoint-{step}"
+
+
+@dataclass
+class SharedEval:
+    """The trainer's own engine and the gate its producers go through (shared posture)."""
+
+    engine: Engine
+    gate: ProducerGate
+    drain_timeout_s: float | None = 600.0
+
+
+class EvalDispatcher:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        config: DispatchConfig,
+        run: RunDir,
+        sink: MetricsSink,
+        base_model_dir: Path | None,
+        *,
+        shared: SharedEval | None = None,
+        poll_interval_s: float = 2.0,
+        backpressure_timeout_s: float = 300.0,
+        drain_timeout_s: float = 300.0,
+        room_check: RoomCheck = has_room,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config.validate()
+        self.run = run
+        self.manifest = run.manifest()
+        self.sink = sink
+        self.shared = shared
+        self.poll_interval_s = poll_interval_s
+        self.backpressure_timeout_s = backpressure_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.clock = clock
+        self.root = self.config.snapshot_root
+        self._check_snapshot_root()
+        self.ledger = Ledger(run.ledger_path)
+        self.index = ResultIndex(run.results)
+        self.exporter: AsyncExporter | None = None
+        self.gc: StagingGC | None = None
+        if self.config.mode == "staging":
+            self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check)
+            self.gc = StagingGC(
+                self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots
+            )
+        self._cache = DatasetCache(run, self.manifest) if shared is not None else None
+        self.step = 0  # the trainer's latest step seen
+        self.landed = len(self.ledger.state.ingested)
+        self._last_poll = -float("inf")
+        self._lost: set[int] = set()
+        self._replay()
+
+    # -- construction ---------------------------------------------------------------------------------
+    def _check_snapshot_root(self) -> None:
+        listed = {Path(r).resolve() for r in self.manifest.snapshot_roots}
+        if self.root.resolve() not in listed:
+            raise ValueError(
+                f"{self.run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {self.root}, "
+                "so no worker would find the snapshots; write the manifest with this root"
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _replay(self) -> None:
+        """Re-adopt what a previous incarnation left pending (see the module docstring)."""
+        for step in self.ledger.state.pending:
+            record = self.ledger.state.dispatched[step]
+            if record.get("skipped"):
+                write_point_skip(
+                    self.run.results, self.manifest, step, record["skipped"], record.get("message", "")
+                )
+            elif not self._snapshot_published(step) and not self._derive(step).complete:
+                self._lost.add(step)
+        # Nothing is ingested here: the lag needs the trainer's step, known at the first call.
+
+    # -- names ---------------------------------------------------------------------------------------
+    def snapshot_dir(self, step: int) -> Path:
+        if self.config.mode == "staging":
+            return self.root / snapshot_dirname(step)
+        return self.root / checkpoint_dirname(step)
+
+    def _snapshot_published(self, step: int) -> bool:
+        return (self.snapshot_dir(step) / MARKER).is_file()
+
+    # -- the training loop's API -----------------------------------------------------------------------
+    @property
+    def pending(self) -> list[int]:
+        """Steps dispatched and not yet ingested (lost ones excluded): what counts as in flight."""
+        return [s for s in self.ledger.state.pending if s not in self._lost]
+
+    def maybe_dispatch(self, step: int, model: Model) -> None:
+        """Call after every optimizer step: ingests what finished; dispatches every ``eval_interval``."""
+        self.step = step
+        self.poll()
+        if step % self.config.eval_interval == 0:
+            self.dispatch(step, model)
+
+    def poll(self, force: bool = False) -> None:
+        """Collect finished exports and ingest finished points (at most once per ``poll_interval_s``)."""
+        now = self.clock()
+        if not force and now - self._last_poll < self.poll_interval_s:
+            return
+        self._last_poll = now
+        self._collect_exports()
+        self._skip_lost(before=self.step)
+        self._ingest_ready()
+
+    def dispatch(self, step: int, model: Model, final: bool = False) -> None:
+        """Make ``step`` evaluable now (unless already dispatched by this run or a previous incarnation)."""
+        if step in self.ledger.state.dispatched and step not in self._lost:
+            return
+        self._lost.discard(step)
+        waited = 0.0
+        if not final and len(self.pending) >= self.config.max_in_flight:
+            if self.config.overflow_policy == "backpressure":
+                waited = self._wait_for_slot()
+            if len(self.pending) >= self.config.max_in_flight:
+                self._skip(
+                    step, "busy", f"{len(self.pending)} points in flight (max {self.config.max_in_flight})"
+                )
+                return
+        self.ledger.append("dispatched", step, mode=self.config.mode, backpressure_wait_seconds=waited)
+        if self.config.mode == "staging":
+            self._export(step, model)
+        else:
+            self._mark_checkpoint(step)
+        if self.shared is not None:
+            self._evaluate_shared(step)
+
+    def close(self, final_step: int, model: Model) -> None:
+        """End of training: dispatch the final point, mark training done, drain (bounded)."""
+        self.step = max(self.step, final_step)
+        self.poll(force=True)
+        self.dispatch(final_step, model, final=True)
+        if self.exporter is not None:
+            self.exporter.wait()
+            self._collect_exports()
+        self.run.mark_training_done(final_step)
+        self._skip_lost(before=final_step + 1)
+        deadline = self.clock() + self.drain_timeout_s
+        while self.pending and self.clock() < deadline:
+            self._sleep_and_poll()
+        for step in self.pending:
+            self._give_up(step)
+
+    def suspend(self, timeout_s: float = 60.0) -> None:
+        """Preemption: let an export in flight publish (bounded) and record it; training is not done."""
+        if self.exporter is not None:
+            self.exporter.wait(timeout_s)
+            self._collect_exports()
+
+    # -- dispatching -----------------------------------------------------------------------------------
+    def _export(self, step: int, model: Model) -> None:
+        if self.exporter is None:
+            raise RuntimeError("staging export without an exporter")
+        self.exporter.submit(step, model)
+        if self.shared is not None:
+            self.exporter.wait()
+        self._collect_exports()
+
+    def _mark_checkpoint(self, step: int) -> None:
+        directory = self.snapshot_dir(step)
+        if self._snapshot_published(step):
+            return  # a resumed trainer re-running the step: marked before
+        names = {p.name for p in directory.iterdir()} if directory.is_dir() else set()
+        if not shards_present(directory, names):
+            self._skip(step, "ckpt_missing", f"{directory}: no checkpoint with weights saved at step {step}")
+            return
+        try:
+            mark_complete(directory, step, mode="reuse")
+        except OSError as e:
+            self._skip(step, "export_failed", f"cannot mark {directory} complete: {e}")
+
+    def _collect_exports(self) -> None:
+        if self.exporter is None:
+            return
+        for outcome in self.exporter.poll():
+            self._record_export(outcome)
+
+    def _record_export(self, outcome: ExportOutcome) -> None:
+        times = {"export_time_seconds": outcome.total_s, "export_blocked_seconds": outcome.blocked_s}
+        record = {
+            k: v
+            for k, v in self.ledger.state.dispatched.get(outcome.step, {}).items()
+            if k not in {"event", "step"}
+        }
+        if outcome.ok:
+            self.ledger.append(
+                "dispatched", outcome.step, **{**record, **times, "snapshot": str(outcome.path)}
+            )
+        else:
+            self._skip(outcome.step, "export_failed", outcome.error, extra={**record, **times})
+
+    def _skip(self, step: int, reason: str, message: str, extra: dict[str, Any] | None = None) -> None:
+        """Record the whole point as skipped for ``reason`` and ingest it at once."""
+        fields = {"mode": self.config.mode, **(extra or {}), "skipped": reason, "message": message}
+        self.ledger.append("dispatched", step, **fields)
+        write_point_skip(self.run.results, self.manifest, step, reason, message)
+        self._ingest_ready(steps=[step])
+
+    def _skip_lost(self, before: int) -> None:
+        for step in sorted(s for s in self._lost if s < before):
+            self._lost.discard(step)
+            self._skip(step, "crashed", "the trainer died before this step's snapshot was published")
+
+    def _evaluate_shared(self, step: int) -> None:
+        if self.shared is None or self._cache is None:
+            raise RuntimeError("shared evaluation without a shared engine")
+        if step not in self.ledger.state.pending or not self._snapshot_published(step):
+            return  # skipped (export failed, checkpoint missing): nothing to evaluate
+        shared_eval(
+            self.shared.engine,
+            self.shared.gate,
+            self.run,
+            step,
+            self.snapshot_dir(step),
+            cache=self._cache,
+            drain_timeout_s=self.shared.drain_timeout_s,
+        )
+        self._ingest_ready(steps=[step])
+
+    def _wait_for_slot(self) -> float:
+        """Backpressure: wait (ingesting) until a slot frees or the timeout passes; returns the wait."""
+        start = self.clock()
+        deadline = start + self.backpressure_timeout_s
+        while len(self.pending) >= self.config.max_in_flight and self.clock() < deadline:
+            self._sleep_and_poll()
+        return self.clock() - start
+
+    def _sleep_and_poll(self) -> None:
+        time.sleep(WAIT_SLICE_S)
+        self.poll(force=True)
+
+    # -- ingestion -------------------------------------------------------------------------------------
+    def _results_for(self, step: int) -> dict[WorkUnit, Result]:
+        found = {}
+        for unit in units_for_step(self.manifest, step):
+            if (result := self.index.get(unit)) is not None:
+                found[unit] = result
+        return found
+
+    def _derive(self, step: int) -> Point:
+        self.index.refresh()
+        return derive_point(self.manifest, step, self._results_for(step))
+
+    def _ingest_ready(self, steps: list[int] | None = None) -> None:
+        exporting = self.exporter.busy_step if self.exporter is not None else None
+        candidates = [s for s in (self.pending if steps is None else steps) if s != exporting]
+        if not candidates:
+            return
+        self.index.refresh()
+        for step in candidates:
+            if step in self.ledger.state.ingested:
+                continue
+            point = derive_point(self.manifest, step, self._results_for(step))
+            if point.complete:
+                self._ingest(step, point, point_metrics(point))
+
+    def _ingest(self, step: int, point: Point, metrics: dict[str, float], outcome: str = "complete") -> None:
+        record = self.ledger.state.dispatched.get(step, {})
+        metrics["eval/lag_steps"] = self.step - step
+        for key in ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds"):
+            if isinstance(record.get(key), int | float):
+                metrics[f"eval/{key}"] = record[key]
+        self.sink.log_eval(metrics)
+        self.ledger.append(
+            "ingested",
+            step,
+            outcome=outcome,
+            lag_steps=self.step - step,
+            units_done=point.units_done,
+            units_total=point.units_total,
+        )
+        self.landed += 1
+        if outcome == "complete":
+            self.ledger.append("retired", step)
+            if self.gc is not None:
+                self.gc.collect(self.ledger.state.retired)
+
+    def _give_up(self, step: int) -> None:
+        """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
+        point = self._derive(step)
+        metrics = point_metrics(point)
+        metrics["eval/skipped_drain_timeout"] = point.units_total - point.units_done
+        self._ingest(step, point, metrics, outcome="drain_timeout")

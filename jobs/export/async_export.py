@@ -1,0 +1,192 @@
+"""Asynchronous snapshot export: the trainer blocks only for the copy off its device.
+
+:meth:`AsyncExporter.submit` does, in the caller's (training) thread:
+
+1. wait for the previous export to finish — at most one export is in flight;
+2. check free space on the staging filesystem for the state dict's bytes (:func:`coord.gc.has_room`;
+   a full /dev/shm takes the node down) — no room is an ``export_failed`` outcome, nothing written;
+3. copy every tensor into host memory (:func:`jobs.export.hf_files.snapshot_host_copy`);
+
+and then returns. A background thread writes the HF files from the host copy
+(:func:`~jobs.export.hf_files.write_hf_files`, checksums computed while writing) and publishes them
+atomically with their ``.complete`` marker (:func:`coord.snapshot.publish_snapshot`, which fsyncs
+every file before the marker).
+
+Times, per export (an :class:`ExportOutcome`): ``blocked_s`` is what the trainer waited (steps 1-3,
+the wait for a previous export included); ``total_s`` runs from the call to the published marker.
+
+Host memory bound: **one extra copy of the weights**. The copy of export *n* is released when its
+thread ends, and export *n+1* copies only after that (step 1), so at most one host copy exists
+(plus, on CUDA, torch's caching host allocator keeping those pinned blocks for reuse).
+
+Failures never reach the training loop as exceptions: ``OSError`` (ENOSPC, EIO), ``ValueError``
+(a state dict that cannot be written) and ``RuntimeError`` become ``ExportOutcome(ok=False)``. Any
+other exception in the background thread is a bug and is re-raised from the next :meth:`poll`.
+
+Limits: tensors must be gathered (no DTensor); the staging root must exist or be creatable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coord.gc import has_room
+from coord.snapshot import publish_snapshot
+from jobs.export.hf_files import snapshot_host_copy, write_hf_files
+
+RoomCheck = Callable[[Path, int], bool]
+
+
+@dataclass(frozen=True)
+class ExportOutcome:
+    step: int
+    ok: bool
+    path: Path | None
+    blocked_s: float
+    total_s: float
+    error: str = ""
+
+
+def state_dict_bytes(model_or_state_dict: torch.nn.Module | Mapping[str, Any]) -> int:
+    """Bytes of the distinct tensors of a model/state dict (tied weights counted once)."""
+    source = (
+        model_or_state_dict.state_dict()
+        if isinstance(model_or_state_dict, torch.nn.Module)
+        else model_or_state_dict
+    )
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+    for tensor in source.values():
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+            continue
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+        )
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+class AsyncExporter:
+    """Exports snapshots into ``staging_root`` with at most one export in flight."""
+
+    def __init__(
+        self,
+        staging_root: Path,
+        base_model_dir: Path | None,
+        *,
+        room_check: RoomCheck = has_room,
+        max_shard_bytes: int = 2 * 1024**3,
+        producer: dict[str, Any] | None = None,
+    ) -> None:
+        self.staging_root = Path(staging_root)
+        self.staging_root.mkdir(parents=True, exist_ok=True)
+        self.base_model_dir = None if base_model_dir is None else Path(base_model_dir)
+        self.room_check = room_check
+        self.max_shard_bytes = max_shard_bytes
+        self.producer = producer
+        self._thread: threading.Thread | None = None
+        self._step: int | None = None
+        self._lock = threading.Lock()
+        self._done: list[ExportOutcome] = []
+        self._bug: BaseException | None = None
+
+    # -- trainer side -------------------------------------------------------------------------------
+    @property
+    def busy_step(self) -> int | None:
+        """The step whose export is being written now, or None."""
+        thread = self._thread
+        return self._step if thread is not None and thread.is_alive() else None
+
+    def submit(self, step: int, model: torch.nn.Module | Mapping[str, Any], config: Any = None) -> None:
+        """Start exporting ``step``; returns after the host copy. The outcome comes from :meth:`poll`."""
+        t0 = time.perf_counter()
+        self._join()
+        nbytes = state_dict_bytes(model)
+        if not self.room_check(self.staging_root, nbytes):
+            self._finish(
+                ExportOutcome(
+                    step,
+                    False,
+                    None,
+                    time.perf_counter() - t0,
+                    time.perf_counter() - t0,
+                    f"no room on {self.staging_root} for {nbytes} bytes (+ safety margin)",
+                )
+            )
+            return
+        if config is None and isinstance(model, torch.nn.Module):
+            config = getattr(model, "config", None)
+        try:
+            host = snapshot_host_copy(model)
+        except (ValueError, RuntimeError) as e:
+            elapsed = time.perf_counter() - t0
+            self._finish(ExportOutcome(step, False, None, elapsed, elapsed, f"host copy failed: {e}"))
+            return
+        blocked = time.perf_counter() - t0
+        self._step = step
+        self._thread = threading.Thread(
+            target=self._write, args=(step, host, config, t0, blocked), name=f"export-{step}", daemon=True
+        )
+        self._thread.start()
+
+    def poll(self) -> list[ExportOutcome]:
+        """Outcomes finished since the last poll (never blocks)."""
+        with self._lock:
+            if self._bug is not None:
+                bug, self._bug = self._bug, None
+                raise RuntimeError("export thread crashed") from bug
+            done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the export in flight (if any); True if none is left running."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _finish(self, outcome: ExportOutcome) -> None:
+        with self._lock:
+            self._done.append(outcome)
+
+    # -- background thread --------------------------------------------------------------------------
+    def _write(
+        self, step: int, host: dict[str, torch.Tensor], config: Any, t0: float, blocked: float
+    ) -> None:
+        def write_files(tmp: Path) -> dict[str, dict[str, int]]:
+            return write_hf_files(
+                tmp, host, self.base_model_dir, config=config, max_shard_bytes=self.max_shard_bytes
+            )
+
+        try:
+            path = publish_snapshot(self.staging_root, step, write_files, producer=self.producer)
+            outcome = ExportOutcome(step, True, path, blocked, time.perf_counter() - t0)
+        except (OSError, ValueError, RuntimeError) as e:
+            outcome = ExportOutcome(
+                step, False, None, blocked, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+            )
+        except BaseException as e:  # a bug: surface it in the training thread
+            with self._lock:
+                self._bug = e
+            return
+        finally:
+            host.clear()  # release the host copy before the next export may start
+        self._finish(outcome)

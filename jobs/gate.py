@@ -1,0 +1,164 @@
+"""The shared-engine posture: evaluate on the trainer's own engine without aborting anything.
+
+With no dedicated eval GPUs, an eval point runs on the engine that serves the trainer's producers
+(rollout generation). :class:`ProducerGate` makes that safe:
+
+- every producer request runs inside ``with gate.submission():``;
+- ``with gate.paused():`` stops *new* submissions from starting (they wait at the gate), waits until
+  the submissions already in flight have finished — none is aborted — and holds the engine for the
+  caller until the block ends; then waiting producers resume.
+
+:func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
+disk into the engine (weights reach an engine only from disk), reads the engine's version back
+(must be ``str(step)``), scores every unit of the step with :func:`jobs.scoring.score_unit`, reads
+the version back again, and writes one result per unit. A version other than ``str(step)`` before or
+after, or on any sample, makes *every* unit of the point a ``pin_violation`` skip: the point did not
+provably measure the intended weights. Pinning comes from call order: nothing else may load weights
+while the gate is paused, and nothing else can submit.
+
+Limits: a producer that calls the engine without ``gate.submission()`` is not gated; the gate is not
+reentrant (a thread must not enter ``submission()`` while it holds ``paused()``: that deadlocks, so
+it raises ``RuntimeError`` instead); an engine reloaded by another *process* is detected (the
+version read-back), not prevented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from coord.results import Result, ok_result, skip_result, write_result
+from coord.rundir import RunDir
+from coord.snapshot import producer_identity
+from coord.units import WorkUnit, units_for_step
+from jobs.engines.base import Engine, EngineError
+from jobs.scoring import DatasetCache, UnitScores, score_unit
+
+
+class ProducerGate:
+    """Blocks new producer submissions while an eval holds the engine; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._paused_by: int | None = None  # thread id holding paused()
+        self._in_flight = 0
+        self.submissions = 0  # started, ever
+        self.pauses = 0
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return self._in_flight
+
+    @property
+    def is_paused(self) -> bool:
+        with self._cond:
+            return self._paused_by is not None
+
+    @contextlib.contextmanager
+    def submission(self) -> Iterator[None]:
+        """Wrap one producer request: waits while the gate is paused, then counts as in flight."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._paused_by == me:
+                raise RuntimeError("this thread holds gate.paused(); a submission here would deadlock")
+            while self._paused_by is not None:
+                self._cond.wait()
+            self._in_flight += 1
+            self.submissions += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def paused(self, drain_timeout_s: float | None = None) -> Iterator[None]:
+        """Hold the engine: no new submission starts; in-flight ones finish first (bounded wait).
+
+        ``TimeoutError`` if in-flight submissions do not finish within ``drain_timeout_s``; the gate
+        is reopened before it is raised.
+        """
+        me = threading.get_ident()
+        deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
+        with self._cond:
+            while self._paused_by is not None:  # another pauser: take turns
+                self._cond.wait()
+            self._paused_by = me
+            self.pauses += 1
+            while self._in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._paused_by = None
+                    self._cond.notify_all()
+                    raise TimeoutError(
+                        f"{self._in_flight} producer submissions still in flight after {drain_timeout_s}s"
+                    )
+                self._cond.wait(left)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused_by = None
+                self._cond.notify_all()
+
+
+def shared_eval(
+    engine: Engine,
+    gate: ProducerGate,
+    run: RunDir,
+    step: int,
+    snapshot_dir: Path,
+    *,
+    cache: DatasetCache | None = None,
+    drain_timeout_s: float | None = None,
+) -> list[Result]:
+    """Evaluate ``step`` on the trainer's engine under the gate; writes and returns one result per unit.
+
+    Engine failures (:class:`EngineError`) become ``unhealthy`` skips. Results are published
+    first-writer-wins (:func:`coord.results.write_result`), so re-running a step is harmless.
+    """
+    manifest = run.manifest() if cache is None else cache.manifest
+    cache = cache or DatasetCache(run, manifest)
+    units = units_for_step(manifest, step)
+    version = str(step)
+    snapshot = str(snapshot_dir)
+    t0 = time.perf_counter()
+    scored: dict[WorkUnit, UnitScores] = {}
+    with gate.paused(drain_timeout_s):
+        try:
+            engine.load(snapshot, version)
+            before = engine.weight_version()
+            if before == version:
+                for unit in units:
+                    scored[unit] = score_unit(engine, cache, unit)
+            after = engine.weight_version()
+        except EngineError as e:
+            return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
+    elapsed = time.perf_counter() - t0
+    samples = {v for s in scored.values() for v in s.weight_versions}
+    if before != version or after != version or samples - {version}:
+        why = f"engine version before={before!r} after={after!r} samples={sorted(map(str, samples))}, wanted {version!r}"
+        return _write_all(run, [skip_result(u, "pin_violation", why, snapshot=snapshot) for u in units])
+    return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()])
+
+
+def _ok(unit: WorkUnit, scores: UnitScores, snapshot: str, elapsed: float) -> Result:
+    return ok_result(
+        unit,
+        scores.scores,
+        scores.weight_versions,
+        snapshot=snapshot,
+        timings={"generate_s": scores.generate_s, "point_s": elapsed},
+        worker={**producer_identity(), "posture": "shared"},
+    )
+
+
+def _write_all(run: RunDir, results: list[Result]) -> list[Result]:
+    for result in results:
+        write_result(run.results, result)
+    return results

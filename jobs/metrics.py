@@ -1,0 +1,142 @@
+"""The trainer's metrics sink: ``metrics.jsonl`` always, wandb optionally.
+
+What this module owns and promises:
+
+- Every metric the trainer logs is appended to ``RUN/metrics.jsonl`` as one JSON object per line
+  with its ``step`` (one ``write`` of the whole line + fsync). ``train/*`` lines carry the trainer
+  step; an eval point's line carries its *dispatch* step (``step == eval/step``), whenever it lands.
+- Eval points are logged **exactly once** per ``eval/step`` in ``metrics.jsonl``: the sink reads the
+  file on open and refuses (returns False for) a second point with an ``eval/step`` already present.
+  That closes the crash window of the ingestion protocol (metrics line written, trainer killed before
+  the ledger's ``ingested`` record): the requeued trainer re-ingests the point and the sink drops the
+  duplicate line. A torn last line (crash mid-write) is cut off on open, as the ledger does.
+- wandb (optional): ``eval/step`` is defined as the step metric of ``eval/*`` and ``train/step`` of
+  ``train/*``, and ``wandb.log`` is never given ``step=``, so a late point lands at its dispatch step
+  on the eval axis and never trips wandb's "step must increase" rule. ``WANDB_MODE=offline`` works
+  without a network (the run is written under ``RUN/wandb/``).
+
+Limits: wandb is at-least-once, not exactly-once: a point is sent to wandb before its jsonl line, so
+a crash between the two sends it again after a restart (it lands on the same ``eval/step``; a
+duplicate there is invisible in charts). ``train/*`` lines are not deduplicated: a trainer resumed
+from its checkpoint at step C re-logs steps C+1.. it had already logged before being killed; readers
+take the last line per step. One writer per run (the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+EVAL_STEP = "eval/step"
+TRAIN_STEP = "train/step"
+
+
+class MetricsSink:
+    """Appends metrics to ``metrics.jsonl`` and, if given a wandb run, logs them there too."""
+
+    def __init__(self, path: Path, wandb_run: Any | None = None) -> None:
+        self.path = Path(path)
+        self.wandb_run = wandb_run
+        self.repaired_bytes = 0
+        self._eval_steps = self._replay()
+        if wandb_run is not None:
+            define_wandb_metrics(wandb_run)
+
+    # -- reading back -------------------------------------------------------------------------------
+    def _replay(self) -> set[int]:
+        """The ``eval/step`` values already in the file (cutting off a torn last line first)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return set()
+        good_end = raw.rfind(b"\n") + 1
+        if good_end < len(raw):
+            self.repaired_bytes = len(raw) - good_end
+            with open(self.path, "r+b") as f:
+                f.truncate(good_end)
+                os.fsync(f.fileno())
+            raw = raw[:good_end]
+        steps: set[int] = set()
+        for lineno, line in enumerate(raw.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{self.path}:{lineno}: malformed metrics line ({e})") from None
+            if isinstance(rec, dict) and EVAL_STEP in rec:
+                steps.add(int(rec[EVAL_STEP]))
+        return steps
+
+    def has_eval_step(self, step: int) -> bool:
+        return step in self._eval_steps
+
+    # -- writing ------------------------------------------------------------------------------------
+    def log_train(self, step: int, metrics: dict[str, float]) -> None:
+        """Trainer metrics of ``step`` (names should start with ``train/``)."""
+        record = {TRAIN_STEP: step, **metrics}
+        if self.wandb_run is not None:
+            self.wandb_run.log(record)
+        self._append({"step": step, **metrics})
+
+    def log_eval(self, metrics: dict[str, float]) -> bool:
+        """One eval point (must hold ``eval/step``); False (and nothing written) if already logged."""
+        if EVAL_STEP not in metrics:
+            raise ValueError(f"an eval point must carry {EVAL_STEP!r}: {sorted(metrics)}")
+        step = int(metrics[EVAL_STEP])
+        if step in self._eval_steps:
+            return False
+        if self.wandb_run is not None:
+            self.wandb_run.log(dict(metrics))
+        self._append({"step": step, **metrics})
+        self._eval_steps.add(step)
+        return True
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(_finite(record), sort_keys=True) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _finite(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf are not JSON: they are written as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def define_wandb_metrics(run: Any) -> None:
+    """Eval metrics are plotted against ``eval/step`` and train metrics against ``train/step``."""
+    run.define_metric(EVAL_STEP)
+    run.define_metric("eval/*", step_metric=EVAL_STEP)
+    run.define_metric(TRAIN_STEP)
+    run.define_metric("train/*", step_metric=TRAIN_STEP)
+
+
+def init_wandb(run_dir: Path, run_id: str, config: dict[str, Any], project: str = "ckpteval") -> Any:
+    """Start (or resume, same ``run_id``) a wandb run writing under ``run_dir/wandb``.
+
+    Honours ``WANDB_MODE`` (``offline`` needs no network). Raises ``RuntimeError`` when wandb is not
+    installed (``pip install 'ckpteval[wandb]'``).
+    """
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("--wandb needs the wandb package: pip install 'ckpteval[wandb]'") from None
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", project),
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        config=config,
+    )

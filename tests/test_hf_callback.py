@@ -1,0 +1,83 @@
+"""EvalDispatchCallback inside a real transformers.Trainer (tiny model, CPU, a few steps)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from coord.snapshot import read_marker, snapshot_dirname
+from jobs.dispatcher import EvalDispatcher
+from jobs.hf_callback import EvalDispatchCallback
+from jobs.metrics import MetricsSink
+from jobs.model import ModelConfig, batch_for_training, build_model, build_tokenizer, make_addition_examples
+from jobs.train import base_model_dir
+from tests.trainutil import InstantFleet, eval_lines, make_train_run
+
+SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
+
+
+class AdditionDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64) -> None:
+        tok = build_tokenizer()
+        self.rows = [{k: v[0] for k, v in batch_for_training([ex], tok).items()}
+                     for ex in make_addition_examples(n, seed=7)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def _trainer(output_dir: Path, dispatcher: EvalDispatcher, max_steps: int, **args) -> Trainer:
+    targs = TrainingArguments(output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=8,
+                              learning_rate=3e-3, report_to=[], use_cpu=True, disable_tqdm=True,
+                              logging_strategy="no", **args)
+    return Trainer(model=build_model(SMALL, "llama").train(), args=targs, train_dataset=AdditionDataset(),
+                   processing_class=build_tokenizer(), callbacks=[EvalDispatchCallback(dispatcher)])
+
+
+def test_staging_mode_dispatches_from_on_step_end(tmp_path: Path) -> None:
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
+    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run),
+                                poll_interval_s=0.0, drain_timeout_s=60)
+    fleet = InstantFleet(run)
+    fleet.start()
+    try:
+        _trainer(tmp_path / "out", dispatcher, max_steps=5, save_strategy="no").train()
+    finally:
+        fleet.stop.set()
+    points = {r["eval/step"]: r for r in eval_lines(run.path)}
+    assert sorted(points) == [2, 4, 5]  # every interval step plus the final one
+    assert all(p["eval/addition/weight_version/mean"] == s for s, p in points.items())
+    assert (run.snapshots / snapshot_dirname(5)).is_dir() and run.training_done() == 5
+
+
+def test_reuse_mode_marks_trainer_checkpoints_from_on_save(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=2,
+                                   eval_max_in_flight=3, eval_keep_snapshots=3)
+    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run),
+                                poll_interval_s=0.0, drain_timeout_s=60)
+    fleet = InstantFleet(run)
+    fleet.start()
+    try:
+        _trainer(out, dispatcher, max_steps=5, save_strategy="steps", save_steps=2).train()
+    finally:
+        fleet.stop.set()
+    for step in (2, 4, 5):  # 5: the final step, saved by the callback since the Trainer did not
+        marker = read_marker(out / f"checkpoint-{step}")
+        assert marker.mode == "reuse" and "model.safetensors" in marker.files
+    assert list(run.snapshots.iterdir()) == []  # zero extra export
+    assert sorted(r["eval/step"] for r in eval_lines(run.path)) == [2, 4, 5]
+
+
+def test_reuse_mode_refuses_a_mismatched_save_schedule(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=2)
+    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run))
+    with pytest.raises(ValueError, match="save every 2 steps"):
+        _trainer(out, dispatcher, max_steps=2, save_strategy="steps", save_steps=3).train()

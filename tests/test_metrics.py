@@ -1,0 +1,92 @@
+"""MetricsSink: metrics.jsonl semantics, and the wandb path offline, read back from wandb's own file."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.metrics import MetricsSink, init_wandb
+from tests.trainutil import read_jsonl
+
+
+def test_jsonl_lines_carry_their_step_and_eval_points_are_logged_once(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    sink = MetricsSink(path)
+    sink.log_train(10, {"train/loss": 1.5})
+    assert sink.log_eval({"eval/step": 5, "eval/addition": 0.25, "eval/addition/weight_version/mean": math.nan})
+    assert not sink.log_eval({"eval/step": 5, "eval/addition": 0.99})  # already there
+    with pytest.raises(ValueError, match="eval/step"):
+        sink.log_eval({"eval/addition": 1.0})
+    rows = read_jsonl(path)
+    assert rows[0] == {"step": 10, "train/loss": 1.5}
+    assert rows[1] == {"step": 5, "eval/step": 5, "eval/addition": 0.25, "eval/addition/weight_version/mean": None}
+    assert len(rows) == 2
+
+
+def test_reopened_sink_skips_points_already_in_the_file_and_repairs_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    MetricsSink(path).log_eval({"eval/step": 4, "eval/addition": 0.5})
+    with open(path, "ab") as f:
+        f.write(b'{"step": 8, "eval/st')  # killed mid-write
+    sink = MetricsSink(path)  # the requeued trainer
+    assert sink.repaired_bytes > 0 and sink.has_eval_step(4) and not sink.has_eval_step(8)
+    assert not sink.log_eval({"eval/step": 4, "eval/addition": 0.5})
+    assert sink.log_eval({"eval/step": 8, "eval/addition": 0.75})
+    assert [r["eval/step"] for r in read_jsonl(path)] == [4, 8]
+
+
+# -- wandb, offline ---------------------------------------------------------------------------------
+BLOCK = 32768  # the .wandb file is a LevelDB-style log: 7-byte header, then records in 32 KiB blocks
+
+
+def wandb_records(path: Path) -> list[Any]:
+    """Every protobuf record of an offline run's ``.wandb`` file (wandb 0.31 has no Python reader)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, buf, out = 7, b"", []
+    while pos + 7 <= len(data):
+        if BLOCK - pos % BLOCK < 7:  # block trailer padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pos += 7
+        chunk, pos = data[pos : pos + length], pos + length
+        if kind in (1, 2):  # full / first
+            buf = chunk
+        elif kind in (3, 4):  # middle / last
+            buf += chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+    return out
+
+
+def test_wandb_offline_eval_points_land_at_their_dispatch_step(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    sink = MetricsSink(tmp_path / "metrics.jsonl", init_wandb(tmp_path, "run-abc", {"x": 1}))
+    for step in range(1, 6):
+        sink.log_train(step, {"train/loss": 1.0 / step})
+    sink.log_eval({"eval/step": 2, "eval/addition": 0.5, "eval/lag_steps": 3})  # lands late
+    sink.close()
+
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-run-abc.wandb")
+    records = wandb_records(wandb_file)
+    metrics = {(r.metric.name or r.metric.glob_name): r.metric.step_metric
+               for r in records if r.WhichOneof("record_type") == "metric"}
+    assert metrics["eval/*"] == "eval/step" and metrics["train/*"] == "train/step"
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    train = [h for h in history if "train/loss" in h]
+    assert [h["train/step"] for h in train] == [1, 2, 3, 4, 5]
+    (point,) = [h for h in history if "eval/addition" in h]
+    assert point["eval/step"] == 2 and point["eval/lag_steps"] == 3

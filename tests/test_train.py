@@ -1,0 +1,187 @@
+"""The reference trainer as users run it: subprocesses, SIGKILL + --resume, preemption, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from coord.rundir import RunDir
+from coord.snapshot import read_marker
+from jobs.model import ModelConfig, build_model, build_tokenizer
+from jobs.train import (
+    PREEMPTED_EXIT,
+    TrainConfig,
+    latest_train_checkpoint,
+    load_train_checkpoint,
+    main,
+    save_train_checkpoint,
+    training_batch,
+)
+from tests.trainutil import (
+    InstantFleet,
+    eval_lines,
+    eval_step_counts,
+    ledger_counts,
+    make_train_run,
+    read_jsonl,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
+
+
+def _train_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.cli", "train", "--run-dir", str(run_dir), "--batch-size", "16",
+            "--eval-n-prompts", "8", "--eval-shard-size", "4", "--log-interval", "5", "--no-progress",
+            "--eval-poll-interval", "0", "--eval-drain-timeout", "120", "--threads", "1", *extra]
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited early ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.05)
+
+
+def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ("--steps", "160", "--eval-interval", "10", "--ckpt-interval", "20", "--eval-max-in-flight", "4",
+            "--eval-keep-snapshots", "4")
+    fleet = subprocess.Popen([sys.executable, "-m", "tests.trainutil", "consume", str(run_dir), "--until-done",
+                              "--timeout", "240"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = subprocess.Popen(_train_cmd(run_dir, *args), cwd=ROOT, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = RunDir(run_dir)
+    _wait_for(lambda: ledger_counts(run_dir, "ingested") and (run_dir / "train_ckpt" / f"step-{40:010d}").exists(),
+              120, first)
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    assert run.training_done() is None
+    killed_at = max(ledger_counts(run_dir, "dispatched"))
+    pending_at_kill = set(ledger_counts(run_dir, "dispatched")) - set(ledger_counts(run_dir, "ingested"))
+    print(f"killed after dispatching {killed_at}; pending then: {sorted(pending_at_kill)}")
+
+    second = subprocess.run(_train_cmd(run_dir, *args, "--resume"), cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["final_step"] == 160 and summary["steps_run"] < 160  # resumed, not restarted
+    out, err = fleet.communicate(timeout=120)
+    assert fleet.returncode == 0, err.decode()[-3000:]
+
+    steps = list(range(10, 161, 10))
+    assert eval_step_counts(run_dir) == {s: 1 for s in steps}, killed_at
+    assert ledger_counts(run_dir, "ingested") == {s: 1 for s in steps}
+    crashed = []
+    for point in eval_lines(run_dir):
+        step = point["eval/step"]
+        assert "eval/skipped_drain_timeout" not in point and "eval/skipped_busy" not in point
+        if "eval/skipped_crashed" in point:  # killed mid-export of the checkpointed step: at most that one
+            crashed.append(step)
+            continue
+        assert point["eval/addition/weight_version/mean"] == step
+        assert point["eval/addition/weight_version/mixed_version_ratio"] == 0
+        assert point["eval/lag_steps"] >= 0
+    assert len(crashed) <= 1
+    assert run.training_done() == 160
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(run_dir, "--steps", "100000", "--eval-interval", "50", "--ckpt-interval",
+                                       "100000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for(lambda: any(r.get("step", 0) >= 10 for r in read_jsonl(run_dir / "metrics.jsonl")), 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == PREEMPTED_EXIT, err[-2000:]
+    ckpt = latest_train_checkpoint(RunDir(run_dir))
+    assert ckpt is not None and int(ckpt.name.split("-")[1]) >= 10
+    assert RunDir(run_dir).training_done() is None
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.safetensors", "state.json"]
+
+
+def test_training_checkpoint_round_trip_continues_identically(tmp_path: Path) -> None:
+    run, _ = make_train_run(tmp_path / "run", eval=False)
+    cfg = TrainConfig(run_dir=run.path, batch_size=8, model=SMALL)
+    tok = build_tokenizer()
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = build_model(SMALL, "llama", seed=0).train()
+        return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            model(**training_batch(cfg, step, tok)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = fresh()
+    steps(model, opt, 1, 2)
+    path = save_train_checkpoint(run, 2, model, opt)
+    steps(model, opt, 3, 4)
+    resumed, opt2 = fresh()
+    assert load_train_checkpoint(path, resumed, opt2) == 2
+    steps(resumed, opt2, 3, 4)
+    for (name, a), (_, b) in zip(model.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_bad_flags_fail_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["--run-dir", str(run_dir), "--save-hf", str(tmp_path / "hf"), "--save-interval", "3",
+                 "--eval-interval", "4"]) == 2
+    assert "multiple of --save-interval" in capsys.readouterr().err
+    assert not run_dir.exists()
+    make_train_run(run_dir)
+    assert main(["--run-dir", str(run_dir), "--steps", "2"]) == 2  # an existing run needs --resume
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_reuse_mode_trainer_marks_its_hf_checkpoints(tmp_path: Path) -> None:
+    run_dir, save = tmp_path / "run", tmp_path / "hf"
+    flags = ["--save-hf", str(save), "--save-interval", "3", "--eval-interval", "3", "--eval-max-in-flight", "3",
+             "--eval-keep-snapshots", "3"]
+    run, _ = make_train_run(run_dir, save_hf_dir=save, save_interval=3, eval_interval=3)
+    fleet = InstantFleet(run)
+    fleet.start()
+    try:
+        code = main(["--run-dir", str(run_dir), "--resume", "--steps", "7", "--batch-size", "8", "--no-progress",
+                     "--eval-poll-interval", "0", "--eval-drain-timeout", "60", "--ckpt-interval", "100", *flags])
+    finally:
+        fleet.stop.set()
+    assert code == 0
+    assert sorted(p.name for p in save.iterdir()) == ["checkpoint-3", "checkpoint-6", "checkpoint-7"]
+    for step in (3, 6, 7):
+        assert read_marker(save / f"checkpoint-{step}").mode == "reuse"
+    assert list(run.snapshots.iterdir()) == []  # nothing exported
+    points = {r["eval/step"]: r for r in eval_lines(run_dir)}
+    assert sorted(points) == [3, 6, 7]  # 7: the final point, saved at the end whatever the save interval
+    assert all(p["eval/addition"] == 1.0 for p in points.values())
+
+
+@pytest.mark.parametrize("arch", ["qwen2"])
+def test_other_arch_trains_and_exports(tmp_path: Path, arch: str) -> None:
+    run_dir = tmp_path / "run"
+    run, _ = make_train_run(run_dir, arch=arch, eval_interval=2)
+    fleet = InstantFleet(run)
+    fleet.start()
+    try:
+        assert main(["--run-dir", str(run_dir), "--resume", "--arch", arch, "--steps", "2", "--batch-size", "8",
+                     "--no-progress", "--eval-interval", "2", "--eval-poll-interval", "0"]) == 0
+    finally:
+        fleet.stop.set()
+    (point,) = eval_lines(run_dir)
+    assert point["eval/step"] == 2 and point["eval/addition"] == 1.0

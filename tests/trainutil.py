@@ -1,0 +1,157 @@
+"""Helpers for the trainer-side tests: a tiny eval-fleet stand-in and metrics readers.
+
+``python -m tests.trainutil consume RUN [--delay S] [--until-done]`` is a minimal consumer that
+speaks only the coord protocol: it discovers complete snapshots under ``run.json``'s snapshot roots,
+claims units with :class:`coord.units.UnitClaimer`, scores them on a real
+:class:`jobs.engines.hf.HFEngine` with :func:`jobs.scoring.score_unit`, and publishes results with
+:func:`coord.results.write_result`. ``--delay`` slows each unit down (to make points overlap);
+``--until-done`` exits once ``TRAINING_DONE`` exists and every dispatched step has all its results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from coord.config import DispatchConfig
+from coord.discovery import SnapshotDiscovery
+from coord.manifest import RunManifest
+from coord.results import ResultIndex, ok_result, write_result
+from coord.rundir import RunDir
+from coord.units import UnitClaimer, shard_range, units_for_step
+
+
+def make_train_run(run_dir: Path, **overrides: Any) -> tuple[RunDir, DispatchConfig | None]:
+    """A run dir as ``ckpteval train`` prepares it (small eval set), and its validated eval config."""
+    from jobs.train import TrainConfig, prepare_run
+
+    settings: dict[str, Any] = {"eval_n_prompts": 4, "eval_shard_size": 2, "eval_interval": 2,
+                                "lease_duration": 5.0, "lease_heartbeat": 1.0}
+    settings.update(overrides)
+    cfg = TrainConfig(run_dir=Path(run_dir), **settings)
+    dispatch = cfg.validate()
+    return prepare_run(cfg, dispatch), dispatch
+
+
+def fill_results(run: RunDir, step: int, score: float = 1.0, version: str | None = None,
+                 manifest: RunManifest | None = None) -> None:
+    """Write an ok result for every unit of ``step`` (an instant eval fleet)."""
+    manifest = manifest or run.manifest()
+    for unit in units_for_step(manifest, step):
+        n = len(shard_range(manifest, unit))
+        write_result(run.results, ok_result(unit, [score] * n, [version or str(step)] * n))
+
+
+class InstantFleet(threading.Thread):
+    """A thread that fills results for every complete snapshot it discovers (engine-free)."""
+
+    def __init__(self, run: RunDir, delay_s: float = 0.0) -> None:
+        super().__init__(daemon=True)
+        self.rundir, self.delay_s = run, delay_s
+        self.manifest = run.manifest()
+        self.stop = threading.Event()
+        self.done: set[int] = set()
+
+    def run(self) -> None:
+        discoveries = [SnapshotDiscovery(Path(root)) for root in self.manifest.snapshot_roots]
+        while not self.stop.is_set():
+            for ref in (r for d in discoveries for r in d.poll()):
+                if ref.step not in self.done:
+                    time.sleep(self.delay_s)
+                    fill_results(self.rundir, ref.step, manifest=self.manifest)
+                    self.done.add(ref.step)
+            self.stop.wait(0.05)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_lines(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "eval/step" in r]
+
+
+def eval_step_counts(run_dir: Path) -> Counter[int]:
+    return Counter(int(r["eval/step"]) for r in eval_lines(run_dir))
+
+
+def ledger_counts(run_dir: Path, event: str) -> Counter[int]:
+    return Counter(r["step"] for r in read_jsonl(Path(run_dir) / "ledger.jsonl") if r["event"] == event)
+
+
+def dispatched_steps(run_dir: Path) -> set[int]:
+    return set(ledger_counts(run_dir, "dispatched"))
+
+
+def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeout_s: float = 300.0) -> int:
+    """Evaluate every unit of every complete snapshot; returns the number of results written."""
+    from jobs.engines.hf import HFEngine
+    from jobs.scoring import DatasetCache, score_unit
+
+    run = RunDir.open(run_dir)
+    manifest = run.manifest()
+    discoveries = [SnapshotDiscovery(Path(root)) for root in manifest.snapshot_roots]
+    index = ResultIndex(run.results)
+    claimer = UnitClaimer(run.leases, manifest.lease)
+    cache = DatasetCache(run, manifest)
+    engine = HFEngine(device="cpu")
+    written = 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        index.refresh()
+        refs = sorted((r for d in discoveries for r in d.poll()), key=lambda r: r.step)
+        todo = [u for ref in refs for u in units_for_step(manifest, ref.step) if index.get(u) is None]
+        claim = claimer.claim_first(todo)
+        if claim is None:
+            if until_done and run.training_done() is not None and _all_dispatched_done(run, manifest, index):
+                break
+            time.sleep(0.1)
+            continue
+        ref = next(r for r in refs if r.step == claim.unit.step)
+        try:
+            if engine.weight_version() != str(ref.step):
+                engine.load(str(ref.path), str(ref.step))
+            scores = score_unit(engine, cache, claim.unit)
+            time.sleep(delay_s)
+            write_result(run.results, ok_result(claim.unit, scores.scores, scores.weight_versions,
+                                                snapshot=str(ref.path), lease_token=claim.token,
+                                                attempt=claim.attempt))
+            written += 1
+        finally:
+            claim.release()
+            claimer.forget(claim.unit)
+    engine.close()
+    return written
+
+
+def _all_dispatched_done(run: RunDir, manifest: Any, index: ResultIndex) -> bool:
+    index.refresh()
+    return all(index.get(u) is not None for s in dispatched_steps(run.path) for u in units_for_step(manifest, s))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.trainutil")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("consume")
+    c.add_argument("run_dir", type=Path)
+    c.add_argument("--delay", type=float, default=0.0)
+    c.add_argument("--until-done", action="store_true")
+    c.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    while not (args.run_dir / "run.json").exists():  # started before the trainer wrote it
+        time.sleep(0.1)
+    n = consume(args.run_dir, args.delay, args.until_done, args.timeout)
+    print(json.dumps({"results_written": n}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
