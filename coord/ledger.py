@@ -10,6 +10,10 @@ metrics line the crash interrupted — callers make metric logging idempotent pe
 ``jobs.metrics``). A torn last line (crash mid-append) is detected on open and cut off (repaired);
 a malformed line anywhere else is an error naming the file and line, never silently skipped.
 
+Only the writer repairs: a reader of a live run (status, a worker) opens it with ``repair=False``,
+which ignores an incomplete last line instead of truncating the file — on a shared filesystem a
+reader can see an append half-arrived, and cutting it off would destroy the writer's record.
+
 Limits: one writer per ledger (the trainer); concurrent appenders are not coordinated.
 """
 
@@ -36,8 +40,9 @@ class LedgerState:
 
 
 class Ledger:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, repair: bool = True) -> None:
         self.path = Path(path)
+        self.repair = repair
         self.repaired_bytes = 0
         self.state = LedgerState()
         self._replay()
@@ -48,7 +53,9 @@ class Ledger:
         except FileNotFoundError:
             return
         good_end = raw.rfind(b"\n") + 1
-        if good_end < len(raw):  # torn last line: cut it off
+        if good_end < len(raw) and not self.repair:  # a reader: ignore the incomplete tail
+            raw = raw[:good_end]
+        elif good_end < len(raw):  # torn last line: cut it off
             self.repaired_bytes = len(raw) - good_end
             with open(self.path, "r+b") as f:
                 f.truncate(good_end)
