@@ -116,7 +116,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     manifest = run.manifest()
     index = ResultIndex(run.results)
     results = index.refresh()
-    ledger = Ledger(run.ledger_path).state if run.ledger_path.exists() else None
+    ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
     retired = ledger.retired if ledger else set()
     snapshots = _snapshot_rows(run, manifest.snapshot_roots, retired)
     steps = sorted({s["step"] for s in snapshots} | {u.step for u in results} | set(ledger.dispatched if ledger else ()))
