@@ -79,10 +79,11 @@ def measure(run: RunDir, n_workers: int, threads: int) -> dict[str, float]:
     results = list(ResultIndex(run.results).refresh().values())
     if not all(r.ok for r in results):
         raise RuntimeError("some units were skipped: " + json.dumps([r.skip_reason for r in results if not r.ok]))
-    return {"units": len(results), "steady": steady_rate(results), "e2e": len(results) / wall}
+    rate, window = steady_rate(results)
+    return {"units": len(results), "steady": rate, "window": window, "e2e": len(results) / wall}
 
 
-def steady_rate(results: list[Result]) -> float:
+def steady_rate(results: list[Result]) -> tuple[float, float]:
     """Units/s while *every* worker was busy: results written between the last worker's first start
     and the first worker's last write, over that window (start-up skew between processes excluded)."""
     by_worker: dict[str, list[Result]] = {}
@@ -93,7 +94,7 @@ def steady_rate(results: list[Result]) -> float:
     inside = [r for r in results if start < r.written_at <= end]
     if end - start <= 0 or not inside:
         raise RuntimeError("workers never ran concurrently: use more --steps or --n-prompts")
-    return len(inside) / (end - start)
+    return len(inside) / (end - start), end - start
 
 
 def main() -> None:
@@ -110,10 +111,10 @@ def main() -> None:
         run = make_run(Path(tmp), args.steps, args.n_prompts, args.shard_size)
         rows = [(int(n), measure(run, int(n), args.threads)) for n in args.workers.split(",")]
     base = rows[0][1]
-    print(f"{'workers':>7} {'units':>5} {'steady u/s':>10} {'ratio':>6} {'e2e u/s':>8} {'ratio':>6}")
+    print(f"{'workers':>7} {'units':>5} {'steady u/s':>10} {'ratio':>6} {'window s':>8} {'e2e u/s':>8} {'ratio':>6}")
     for n, m in rows:
         print(f"{n:>7} {m['units']:>5.0f} {m['steady']:>10.2f} {m['steady'] / base['steady']:>6.2f} "
-              f"{m['e2e']:>8.2f} {m['e2e'] / base['e2e']:>6.2f}")
+              f"{m['window']:>8.1f} {m['e2e']:>8.2f} {m['e2e'] / base['e2e']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def test_sigkilled_worker_loses_nothing(tmp_path: Path) -> None:
 def test_stalled_worker_is_taken_over_after_expiry_not_before(tmp_path: Path) -> None:
     duration = 3.0
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, lease=LeaseSettings(duration, 0.5),
-                        engine={"fn": {"delay_s": 1.5}})
+                        engine={"fn": {"delay_s": 2.5}})
     publish_model(tmp_path, run.snapshots, 1)
     a = _worker(run.path, "--once", "--worker-id", "a")
     procs = [a]
