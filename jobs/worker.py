@@ -87,6 +87,7 @@ from typing import Any, Protocol
 
 from coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
 from coord.discovery import SnapshotDiscovery, SnapshotRef
+from coord.ledger import Ledger
 from coord.manifest import RunManifest, parse_manifest
 from coord.results import Result, ResultIndex, ok_result, skip_result, write_result
 from coord.rundir import RunDir
@@ -527,20 +528,8 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
 
 
 def dispatched_steps(ledger_path: Path) -> set[int]:
-    """Steps the trainer dispatched, read-only (``coord.ledger.Ledger`` repairs, so only the trainer opens it)."""
-    try:
-        raw = ledger_path.read_bytes()
-    except FileNotFoundError:
-        return set()
-    steps = set()
-    for line in raw[: raw.rfind(b"\n") + 1].splitlines():
-        try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue  # the trainer reports malformed lines; a reader only needs the dispatches
-        if isinstance(rec, dict) and rec.get("event") == "dispatched" and isinstance(rec.get("step"), int):
-            steps.add(rec["step"])
-    return steps
+    """Steps the trainer dispatched, read as a reader (``repair=False``: never truncates a live ledger)."""
+    return set(Ledger(ledger_path, repair=False).state.dispatched)
 
 
 def still_holds(claim: Claim) -> bool:
@@ -675,7 +664,10 @@ class Worker:
         self.training_done = self.rundir.training_done() is not None
         steps = set(self.refs)
         if self.training_done:
-            steps |= dispatched_steps(self.rundir.ledger_path)
+            try:
+                steps |= dispatched_steps(self.rundir.ledger_path)
+            except ValueError as e:  # the trainer reports it; the fleet still ends on what it discovered
+                self._warn_once("ledger", f"cannot read the trainer's dispatches: {e}")
         if self.opts.catchup == "latest":
             return {max(steps)} if steps else set()
         return steps
