@@ -38,6 +38,7 @@ from coord.snapshot import (
 )
 
 TRAILING_DIGITS = re.compile(r"(\d+)$")
+FOREIGN_TEMP_PREFIXES = ("tmp-", "tmp_", "temp-")
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,9 @@ class SnapshotDiscovery:
         return self.adoption_dir / f"{step:010d}.json"
 
     def _examine_foreign(self, path: Path) -> SnapshotRef | None:
-        if not path.is_dir() or (step := step_from_dir(path)) is None:
+        if path.name.startswith(FOREIGN_TEMP_PREFIXES) or not path.is_dir():
+            return None  # e.g. HF Trainer's tmp-checkpoint-500/, renamed to checkpoint-500/ when done
+        if (step := step_from_dir(path)) is None:
             return None
         adopted = self._adoption_path(step)
         if adopted.exists():

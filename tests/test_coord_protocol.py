@@ -83,6 +83,19 @@ def test_foreign_checkpoint_admitted_only_after_quiescence_and_all_shards(tmp_pa
     assert [r.step for r in SnapshotDiscovery(watch, admit_foreign=True, adoption_dir=adopted).poll()] == [500]
 
 
+def test_foreign_temp_dirs_never_admitted(tmp_path: Path) -> None:
+    now = [0.0]
+    disc = SnapshotDiscovery(tmp_path, admit_foreign=True, quiescence_s=1, adoption_dir=tmp_path / "a",
+                             clock=lambda: now[0])
+    (tmp_path / "tmp-checkpoint-500").mkdir()
+    write_tiny_shards(tmp_path / "tmp-checkpoint-500", n_shards=1)
+    (tmp_path / "tmp-checkpoint-500" / "model-00000.safetensors").rename(
+        tmp_path / "tmp-checkpoint-500" / "model.safetensors")
+    disc.poll()
+    now[0] = 100.0
+    assert disc.poll() == []
+
+
 def test_foreign_dirs_ignored_without_admission(tmp_path: Path) -> None:
     _foreign_checkpoint(tmp_path, 7)
     assert SnapshotDiscovery(tmp_path).poll() == []

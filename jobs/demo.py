@@ -1,0 +1,286 @@
+"""``ckpteval demo``: the embedded default — a real run on this machine, no SLURM, no GPU.
+
+It starts the reference trainer (``ckpteval train``) and, depending on the posture, an eval fleet of
+worker processes (``ckpteval worker --engine hf``) or a checkpoint-watching service, all as separate
+OS processes talking only through the run directory. It shows live progress (training step, points
+landed / pending), then prints the per-point table, writes a PNG curve and says where everything is.
+
+Postures (DESIGN.md's matrix, each a composition of the same flags):
+
+=================  =====================================================================================
+``fleet-staging``  default: trainer exports snapshots to a staging dir (/dev/shm when it has room, else
+                   RUN/snapshots); ``--workers`` fleet workers evaluate them
+``fleet-reuse``    trainer saves HF checkpoints every ``--eval-interval`` steps into RUN/hf; those *are*
+                   the snapshots (marked ``.complete``, zero extra export); fleet workers evaluate them
+``shared``         no fleet: the trainer pauses its own producer and evaluates in-process
+                   (pause-the-world), version pinned by call order
+``service``        the trainer only saves HF checkpoints (no eval flags at all); a long-running
+                   ``ckpteval worker --watch RUN/hf`` admits them after quiescence and evaluates them
+=================  =====================================================================================
+
+Limits: it is a demonstration, not a launcher — processes are children of this one and end with it;
+on 2 cores the workers and the trainer share CPU (see bench/RESULTS.md for what that costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coord.gc import has_room
+from jobs.plot import draw, plot_series
+from jobs.status import collect_status, points_table, read_metrics
+
+POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
+SHM = Path("/dev/shm")
+
+
+@dataclass
+class DemoConfig:
+    posture: str = "fleet-staging"
+    steps: int = 600
+    eval_interval: int = 50
+    workers: int = 2
+    run_dir: Path | None = None
+    staging: str = "auto"  # auto | shm | run
+    eval_n_prompts: int = 128
+    seed: int = 0
+    extra_train_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+
+def parse_args(argv: list[str]) -> DemoConfig:
+    ap = argparse.ArgumentParser(
+        prog="ckpteval demo", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--posture", choices=POSTURES, default="fleet-staging")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--eval-interval", type=int, default=50)
+    ap.add_argument("--workers", type=int, default=2, help="fleet size (fleet postures)")
+    ap.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<posture>-<time>")
+    ap.add_argument("--staging", choices=("auto", "shm", "run"), default="auto",
+                    help="fleet-staging: /dev/shm (auto: when present with room) or RUN/snapshots")
+    ap.add_argument("--eval-n-prompts", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-arg", action="append", default=[], dest="extra_train_args",
+                    help="extra flag passed to ckpteval train (repeat)")
+    ns = ap.parse_args(argv)
+    cfg = DemoConfig(**vars(ns))
+    if cfg.steps < 1 or cfg.eval_interval < 1 or cfg.workers < 0:
+        raise ValueError("--steps and --eval-interval must be >= 1, --workers >= 0")
+    if cfg.posture.startswith("fleet") and cfg.workers < 1:
+        raise ValueError(f"posture {cfg.posture} needs --workers >= 1")
+    return cfg
+
+
+def _console() -> Any:
+    """Text lines never wrap (logs and tests read them whole); tables fit the terminal."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "jobs.cli"]
+
+
+def staging_dir(cfg: DemoConfig, run_dir: Path) -> Path:
+    """Where fleet-staging exports: /dev/shm when present and roomy (auto), else the run dir."""
+    want_shm = cfg.staging == "shm" or (cfg.staging == "auto" and SHM.is_dir() and has_room(SHM, 256 << 20))
+    return SHM / "ckpteval" / run_dir.name if want_shm else run_dir / "snapshots"
+
+
+def trainer_args(cfg: DemoConfig, run_dir: Path) -> list[str]:
+    args = ["train", "--run-dir", str(run_dir), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
+            "--eval-n-prompts", str(cfg.eval_n_prompts), "--no-progress", "--log-interval", "10",
+            # short leases: a demo worker killed by Ctrl-C is taken over within seconds
+            "--lease-duration", "20", "--lease-heartbeat", "4"]
+    hf_dir = str(run_dir / "hf")
+    if cfg.posture == "fleet-staging":
+        args += ["--eval-interval", str(cfg.eval_interval), "--eval-staging-dir", str(staging_dir(cfg, run_dir))]
+    elif cfg.posture == "fleet-reuse":
+        args += ["--eval-interval", str(cfg.eval_interval), "--save-hf", hf_dir,
+                 "--save-interval", str(cfg.eval_interval)]
+    elif cfg.posture == "shared":
+        args += ["--eval-interval", str(cfg.eval_interval), "--eval-posture", "shared"]
+    else:  # service: the trainer knows nothing of eval, it just saves checkpoints
+        args += ["--no-eval", "--save-hf", hf_dir, "--save-interval", str(cfg.eval_interval)]
+    return args + cfg.extra_train_args
+
+
+def worker_args(cfg: DemoConfig, run_dir: Path, index: int) -> list[str]:
+    args = ["worker", "--run-dir", str(run_dir), "--engine", "hf", "--worker-id", f"demo-w{index}",
+            "--poll-interval", "0.5"]
+    if cfg.posture == "service":
+        args += ["--watch", str(run_dir / "hf"), "--quiescence", "2"]
+    return args
+
+
+def start(name: str, args: list[str], logs: Path, threads: int | None = None) -> Proc:
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    log = logs / f"{name}.log"
+    with open(log, "ab") as f:
+        popen = subprocess.Popen([*_python(), *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+    return Proc(name, popen, log)
+
+
+def wait_for_manifest(run_dir: Path, trainer: Proc, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "run.json").exists():
+        if trainer.popen.poll() is not None:
+            raise RuntimeError(f"the trainer exited with {trainer.popen.returncode}; see {trainer.log}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no run.json after {timeout_s:.0f} s; see {trainer.log}")
+        time.sleep(0.2)
+
+
+def last_train_step(metrics: list[dict[str, Any]]) -> int:
+    return max((int(m["step"]) for m in metrics if "train/loss" in m), default=0)
+
+
+def progress_line(cfg: DemoConfig, run_dir: Path, elapsed: float) -> str:
+    try:
+        status = collect_status(run_dir)
+        step = last_train_step(read_metrics(run_dir / "metrics.jsonl"))
+    except (FileNotFoundError, ValueError) as e:
+        return f"[{elapsed:5.0f}s] waiting for the run ({e})"
+    points = status["points"]
+    landed = [p for p in points if p["complete"]]
+    last = next((p for p in reversed(landed) if p["datasets"]), None)
+    score = ""
+    if last is not None:
+        name, ds = next(iter(last["datasets"].items()))
+        score = f" | last point: step {last['step']} {name}={ds['score']:.3f}"
+    return (f"[{elapsed:5.0f}s] train step {step}/{cfg.steps} | points landed {len(landed)}, "
+            f"pending {len(points) - len(landed)} | units pending {len(status['units']['pending'])}{score}")
+
+
+def service_done(run_dir: Path, trainer_exited: bool) -> bool:
+    """The service posture has no trainer-side drain: done when every saved checkpoint's point landed."""
+    if not trainer_exited:
+        return False
+    saved = {int(p.name.rsplit("-", 1)[-1]) for p in (run_dir / "hf").glob("checkpoint-*")}
+    try:
+        status = collect_status(run_dir)
+    except (FileNotFoundError, ValueError):
+        return False
+    landed = {p["step"] for p in status["points"] if p["complete"]}
+    return bool(saved) and saved <= landed
+
+
+def stop(procs: list[Proc], sig: int = signal.SIGTERM, grace_s: float = 20) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            os.killpg(p.popen.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.popen.pid, signal.SIGKILL)
+            p.popen.wait()
+
+
+def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc], t0: float) -> None:
+    """Print progress until the trainer has finished and the eval side has drained."""
+    console = _console()
+    last_print = 0.0
+    while True:
+        trainer_exited = trainer.popen.poll() is not None
+        if trainer_exited and trainer.popen.returncode != 0:
+            raise RuntimeError(f"the trainer failed (exit {trainer.popen.returncode}); see {trainer.log}")
+        fleet_done = all(w.popen.poll() is not None for w in workers)
+        if cfg.posture == "service":
+            fleet_done = service_done(run_dir, trainer_exited)
+        if trainer_exited and fleet_done:
+            return
+        if time.monotonic() - last_print >= 2.0:
+            console.print(progress_line(cfg, run_dir, time.monotonic() - t0))
+            last_print = time.monotonic()
+        time.sleep(0.25)
+
+
+def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
+    console = _console()
+    status = collect_status(run_dir)
+    console.print(points_table(status))
+    png = run_dir / "curve.png"
+    draw(plot_series(status), png, f"ckpteval demo {status['run_id']}")
+    scored = [p for p in status["points"] if p["complete"] and p["datasets"]]
+    first = next(iter(scored[0]["datasets"].values()))["score"] if scored else None
+    last = next(iter(scored[-1]["datasets"].values()))["score"] if scored else None
+    pinned = all(abs(d["weight_version_mean"] - p["step"]) < 1e-9 and d["mixed_version_ratio"] == 0
+                 for p in scored for d in p["datasets"].values())
+    summary = {
+        "run_dir": str(run_dir),
+        "wall_seconds": round(wall_s, 1),
+        "points": len(status["points"]),
+        "points_scored": len(scored),
+        "first_score": first,
+        "last_score": last,
+        "all_points_pinned": pinned,
+        "skips": {k: v for p in status["points"] for k, v in p["skips"].items()},
+        "curve_png": str(png),
+        "logs": [str(p.log) for p in procs],
+    }
+    console.print(f"\nwall time {wall_s:.0f} s | points {len(scored)} scored of {len(status['points'])} | "
+                  f"score {first} -> {last} | every point pinned to its step: {pinned}")
+    console.print(f"curve: {png}\nrun dir: {run_dir}  (ckpteval status {run_dir})")
+    (run_dir / "demo_summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    run_dir = (cfg.run_dir or Path("runs") / f"demo-{cfg.posture}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if (run_dir / "run.json").exists():
+        raise ValueError(f"{run_dir} already holds a run: pick another --run-dir")
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    where = {"fleet-staging": f"staging snapshots in {staging_dir(cfg, run_dir)}",
+             "fleet-reuse": f"reusing HF checkpoints in {run_dir / 'hf'}",
+             "shared": "evaluating in the trainer's process (pause-the-world)",
+             "service": f"service watching {run_dir / 'hf'}"}[cfg.posture]
+    n_workers = cfg.workers if cfg.posture.startswith("fleet") else (1 if cfg.posture == "service" else 0)
+    print(f"ckpteval demo: posture {cfg.posture}, {cfg.steps} steps, eval every {cfg.eval_interval}, "
+          f"{n_workers} eval worker(s); {where}\nrun dir: {run_dir}", flush=True)
+    t0 = time.monotonic()
+    trainer = start("trainer", trainer_args(cfg, run_dir), logs)
+    workers: list[Proc] = []
+    try:
+        wait_for_manifest(run_dir, trainer)
+        # workers get one thread each so the trainer keeps a core's worth of CPU on this 2-core machine
+        workers = [start(f"worker-{i}", worker_args(cfg, run_dir, i), logs, threads=1) for i in range(n_workers)]
+        supervise(cfg, run_dir, trainer, workers, t0)
+    finally:
+        stop([trainer, *workers])
+        if cfg.posture == "fleet-staging" and staging_dir(cfg, run_dir).is_relative_to(SHM):
+            shutil.rmtree(staging_dir(cfg, run_dir), ignore_errors=True)  # tmpfs is RAM: give it back
+    return report(run_dir, [trainer, *workers], time.monotonic() - t0)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = parse_args(argv)
+        run_demo(cfg)
+    except (ValueError, RuntimeError) as e:
+        print(f"ckpteval demo: {e}", file=sys.stderr)
+        return 1
+    return 0
