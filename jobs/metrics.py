@@ -123,20 +123,37 @@ def define_wandb_metrics(run: Any) -> None:
     run.define_metric("train/*", step_metric=TRAIN_STEP)
 
 
-def init_wandb(run_dir: Path, run_id: str, config: dict[str, Any], project: str = "ckpteval") -> Any:
+WANDB_JOIN_MODES = ("resume", "shared")
+
+
+def init_wandb(
+    run_dir: Path, run_id: str, config: dict[str, Any], project: str = "ckpteval", join: str = "resume",
+    label: str = "trainer",
+) -> Any:
     """Start (or resume, same ``run_id``) a wandb run writing under ``run_dir/wandb``.
 
+    ``join="resume"`` (the trainer, or a service logging after training ended) resumes the run with
+    that id. ``join="shared"`` lets a second process (the eval service) write into a run the trainer
+    is still writing, with wandb's shared mode: this process is a non-primary writer labelled
+    ``label`` and does not mark the run finished. Shared mode needs a wandb server; under
+    ``WANDB_MODE=offline`` it falls back to an offline resume of the same id (synced later).
     Honours ``WANDB_MODE`` (``offline`` needs no network). Raises ``RuntimeError`` when wandb is not
     installed (``pip install 'ckpteval[wandb]'``).
     """
+    if join not in WANDB_JOIN_MODES:
+        raise ValueError(f"wandb join mode must be one of {WANDB_JOIN_MODES}, got {join!r}")
     try:
         import wandb
     except ImportError:
         raise RuntimeError("--wandb needs the wandb package: pip install 'ckpteval[wandb]'") from None
+    kwargs: dict[str, Any] = {"resume": "allow"}
+    if join == "shared" and os.environ.get("WANDB_MODE") != "offline":
+        kwargs = {"settings": wandb.Settings(mode="shared", x_primary=False, x_label=label,
+                                             x_update_finish_state=False)}
     return wandb.init(
         project=os.environ.get("WANDB_PROJECT", project),
         id=run_id,
-        resume="allow",
         dir=str(run_dir),
         config=config,
+        **kwargs,
     )

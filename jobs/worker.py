@@ -132,6 +132,9 @@ class WorkerOptions:
     pin_timeout_s: float = 60.0
     load_timeout_s: float = 600.0
     max_unhealthy: int = 5
+    wandb: bool = False
+    wandb_run_id: str | None = None
+    wandb_mode: str = "shared"
 
     @property
     def service(self) -> bool:
@@ -222,6 +225,12 @@ def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True
         metavar="N",
         help="exit with code 4 after N consecutive unhealthy units (0: never)",
     )
+    w = parser.add_argument_group("service ingestion (external-service posture)")
+    w.add_argument("--wandb", action="store_true",
+                   help="log each finished point into the training run's wandb run (needs --wandb-run-id)")
+    w.add_argument("--wandb-run-id", default=None, help="the training run's wandb id")
+    w.add_argument("--wandb-mode", choices=("resume", "shared"), default="shared",
+                   help="join the run as a shared (concurrent, non-primary) writer, or resume it after training")
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
@@ -243,6 +252,9 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         pin_timeout_s=args.pin_timeout_s,
         load_timeout_s=args.load_timeout_s,
         max_unhealthy=args.max_unhealthy,
+        wandb=getattr(args, "wandb", False),
+        wandb_run_id=getattr(args, "wandb_run_id", None),
+        wandb_mode=getattr(args, "wandb_mode", "shared"),
     )
     validate_options(opts)
     return opts
@@ -260,6 +272,8 @@ def validate_options(opts: WorkerOptions) -> None:
         raise ValueError("--quiescence and --max-unhealthy must be >= 0")
     if opts.catchup not in {"all", "latest"} or opts.verify not in {"fast", "full"}:
         raise ValueError("--catchup must be all|latest and --verify fast|full")
+    if opts.wandb and not opts.wandb_run_id:
+        raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
     fn_specs = [s for s in opts.engines if s.startswith("fn:")]
     if fn_specs and (len(opts.engines) > 1 or opts.replicas > 1):
         raise ValueError(
@@ -571,7 +585,7 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
-        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease)
+        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results)
         self.index = ResultIndex(self.rundir.results)
         self.discoveries = self._make_discoveries()
         self.identity = {
@@ -839,6 +853,30 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     return Worker(run, opts, evaluator, **kw)
 
 
+def service_ingestion(worker: Worker, opts: WorkerOptions) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """The service's own ingestion (jobs.ingest): log finished points into the training run's wandb."""
+    from jobs.ingest import ServiceIngester
+    from jobs.metrics import MetricsSink, init_wandb
+
+    wandb_run = init_wandb(worker.rundir.path, str(opts.wandb_run_id), {"service": worker.identity},
+                           join=opts.wandb_mode, label=f"ckpteval-service-{worker.identity['worker_id']}")
+    ingester = ServiceIngester(worker.rundir, MetricsSink(worker.rundir.path / "service_metrics.jsonl", wandb_run),
+                                lambda: max(worker.refs, default=0))
+    previous = worker.on_poll
+
+    def on_poll(outstanding: int) -> None:
+        for step in ingester.poll():
+            worker.out(f"point step={step} logged to wandb run {opts.wandb_run_id}")
+        if previous is not None:
+            previous(outstanding)
+
+    def finish() -> None:
+        on_poll(0)  # points completed by the last unit
+        ingester.sink.close()
+
+    return on_poll, finish
+
+
 def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) -> int:
     """Build, run and close a worker with signal handling; returns the exit code.
 
@@ -853,9 +891,14 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) ->
     except (ValueError, FileNotFoundError) as e:
         print(f"ckpteval worker: {e}", file=sys.stderr)
         return EXIT_USAGE
+    finish_ingestion: Callable[[], None] | None = None
+    if opts.wandb:
+        worker.on_poll, finish_ingestion = service_ingestion(worker, opts)
     previous = install_signal_handlers(worker)
     try:
         code = worker.run()
+        if finish_ingestion is not None:
+            finish_ingestion()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
