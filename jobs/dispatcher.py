@@ -368,6 +368,7 @@ class EvalDispatcher:
             lag_steps=self.step - step,
             units_done=point.units_done,
             units_total=point.units_total,
+            time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)
         )
         self.landed += 1
         if outcome == "complete":

@@ -1,0 +1,32 @@
+"""The ledger's ``ingested`` record carries the wall clock of the ingestion (bench/bench_trainer.py
+reads it for the result -> ingested latency)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from jobs.dispatcher import EvalDispatcher
+from jobs.metrics import MetricsSink
+from jobs.model import ModelConfig, build_model
+from jobs.train import base_model_dir
+from tests.trainutil import fill_results, make_train_run
+
+SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
+
+
+def test_ingested_record_has_wall_clock_time(tmp_path: Path) -> None:
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
+    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), poll_interval_s=0.0)
+    model = build_model(SMALL, "llama", seed=0)
+    d.maybe_dispatch(2, model)
+    d.exporter.wait()
+    d.poll(force=True)
+    fill_results(run, 2)
+    before = time.time()
+    d.poll(force=True)
+    after = time.time()
+    records = [json.loads(line) for line in run.ledger_path.read_text().splitlines()]
+    (ingested,) = [r for r in records if r["event"] == "ingested"]
+    assert ingested["step"] == 2 and before <= ingested["time"] <= after
