@@ -111,3 +111,23 @@ def test_trainer_death_ends_the_fleet(slurm_cluster, tmp_path: Path) -> None:
     assert not pids_of("jobs.cli", " worker ", str(run))
     assert not list((run / "leases").glob("*.lock"))
     assert not (run / "TRAINING_DONE").exists()
+
+
+def test_tmpfs_staging_refused_across_nodes(slurm_cluster, tmp_path: Path) -> None:
+    """The batch script hands the trainer both components' nodes; a node-local (tmpfs) staging dir the
+    fleet's node cannot see is refused before training starts, and the fleet never starts."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    run = tmp_path / "run"
+    staging = Path("/dev/shm") / f"ckpteval-test-{tmp_path.name}"
+    job = _submit_cli("--run-dir", str(run), "--time", "5", *FLEET, "--",
+                      "--steps", "20", "--eval-interval", "10", "--eval-staging-dir", str(staging), "--threads", "1")
+    try:
+        state = slurm_cluster.wait_job(job, timeout=90, poll=0.5)
+    finally:
+        slurm_cluster.cancel(job)
+    log = job_log(run)
+    assert state == "FAILED", log[-3000:]
+    assert "node-local" in log and "trainer FAILED" in log, log[-3000:]
+    assert "worker j" not in log  # no worker was ever started
+    assert not staging.exists() or not any(staging.iterdir())
