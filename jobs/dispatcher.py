@@ -213,9 +213,8 @@ class EvalDispatcher:
             if self.config.overflow_policy == "backpressure":
                 waited = self._wait_for_slot()
             if len(self.pending) >= self.config.max_in_flight:
-                self._skip(
-                    step, "busy", f"{len(self.pending)} points in flight (max {self.config.max_in_flight})"
-                )
+                message = f"{len(self.pending)} points in flight (max {self.config.max_in_flight})"
+                self._skip(step, "busy", message, extra={"backpressure_wait_seconds": waited})
                 return
         self.ledger.append("dispatched", step, mode=self.config.mode, backpressure_wait_seconds=waited)
         if self.config.mode == "staging":

@@ -182,7 +182,8 @@ def test_backpressure_timeout_skips_busy_instead_of_hanging(tmp_path: Path) -> N
     d.maybe_dispatch(4, model)
     assert 0.3 <= time.monotonic() - t0 < 5
     d.exporter.wait()
-    assert _by_step(run.path)[4]["eval/skipped_busy"] == 2
+    point = _by_step(run.path)[4]
+    assert point["eval/skipped_busy"] == 2 and point["eval/backpressure_wait_seconds"] >= 0.3
 
 
 # -- validation ----------------------------------------------------------------------------------------
