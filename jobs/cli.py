@@ -6,7 +6,10 @@ routes, and imports the module lazily so ``ckpteval status`` never pays for impo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
+import os
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,12 +30,40 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+SUBCOMMAND_HELP_EXTRA: dict[str, list[list[str]]] = {
+    "submit": [["train-eval"], ["backfill"], ["service"]],
+}
+
+
+def _help_text(name: str, extra: list[str]) -> str:
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        module.main([*extra, "--help"])
+    return out.getvalue().rstrip()
+
+
+def flag_reference() -> str:
+    """Every subcommand's ``--help``, as markdown (docs/FLAGS.md is this; a test keeps it current)."""
+    os.environ["COLUMNS"] = "100"
+    parts = ["# ckpteval command reference", "", "Generated from the commands' own `--help` "
+             "(`python -m jobs.cli reference > docs/FLAGS.md`); a test fails when it drifts.", ""]
+    for name in SUBCOMMANDS:
+        for extra in [[], *SUBCOMMAND_HELP_EXTRA.get(name, [])]:
+            title = " ".join(["ckpteval", name, *extra])
+            parts += [f"## `{title}`", "", "```text", _help_text(name, extra), "```", ""]
+    return "\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in {"-h", "--help"}:
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
+    if name == "reference":
+        print(flag_reference())
+        return 0
     if name not in SUBCOMMANDS:
         print(f"ckpteval: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
