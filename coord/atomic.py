@@ -85,6 +85,42 @@ def publish_exclusive(path: Path, data: bytes) -> bool:
     return True
 
 
+def append_line(path: Path, line: bytes) -> None:
+    """Append one whole line with a single ``write`` (O_APPEND) and fsync it.
+
+    On a local filesystem concurrent appenders never interleave within a line; on NFS O_APPEND is
+    not atomic across clients, so protocol files appended this way have one writer each.
+    """
+    if not line.endswith(b"\n"):
+        raise ValueError(f"{path}: an appended line must end with a newline")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_lines_file(path: Path, repair: bool) -> tuple[bytes, int]:
+    """The complete lines of an append-only file and the length of a torn tail (a crash mid-append).
+
+    With ``repair`` (the file's one writer, on open) the tail is truncated away and fsync'd; without
+    it (a reader of a live file, which may see an append half-arrived) the tail is only ignored.
+    A missing file reads as empty.
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return b"", 0
+    good_end = raw.rfind(b"\n") + 1
+    torn = len(raw) - good_end
+    if torn and repair:
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            os.fsync(f.fileno())
+    return raw[:good_end], torn
+
+
 def read_json(path: Path) -> Any:
     """Read a JSON protocol file; a missing file is FileNotFoundError, a malformed one ValueError.
 

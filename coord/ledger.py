@@ -20,10 +20,11 @@ Limits: one writer per ledger (the trainer); concurrent appenders are not coordi
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from coord.atomic import append_line, read_lines_file
 
 EVENTS = ("dispatched", "ingested", "retired")
 
@@ -48,19 +49,9 @@ class Ledger:
         self._replay()
 
     def _replay(self) -> None:
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return
-        good_end = raw.rfind(b"\n") + 1
-        if good_end < len(raw) and not self.repair:  # a reader: ignore the incomplete tail
-            raw = raw[:good_end]
-        elif good_end < len(raw):  # torn last line: cut it off
-            self.repaired_bytes = len(raw) - good_end
-            with open(self.path, "r+b") as f:
-                f.truncate(good_end)
-                os.fsync(f.fileno())
-            raw = raw[:good_end]
+        raw, torn = read_lines_file(self.path, repair=self.repair)
+        if self.repair:
+            self.repaired_bytes = torn
         for lineno, line in enumerate(raw.splitlines(), start=1):
             if line.strip():
                 self._apply(self._parse(line, lineno))
@@ -87,11 +78,5 @@ class Ledger:
         if event not in EVENTS:
             raise ValueError(f"unknown ledger event {event!r}; expected one of {EVENTS}")
         rec = {"event": event, "step": step, **fields}
-        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(self.path, (json.dumps(rec, sort_keys=True) + "\n").encode())
         self._apply(rec)

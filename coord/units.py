@@ -28,6 +28,7 @@ from pathlib import Path
 
 import filelock
 
+from coord.atomic import append_line
 from coord.manifest import LeaseSettings, RunManifest
 
 
@@ -146,11 +147,7 @@ class UnitClaimer:
     def _count_attempt(self, unit: WorkUnit) -> int:
         """Attempt number of this claim: one line per claim appended to ``<unit>.attempts``."""
         path = self.leases_dir / f"{unit.id}.attempts"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, f"{os.getpid()}\n".encode())
-        finally:
-            os.close(fd)
+        append_line(path, f"{os.getpid()}\n".encode())
         return max(1, path.read_bytes().count(b"\n"))
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from jobs import slurm_env, submit
+from tests.workerutil import finish
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "sbatch"
@@ -314,13 +315,7 @@ class Harness:
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"script did not end:\n{out}") from None
-    return proc.returncode, out
+    return finish(proc, timeout)
 
 
 HET_ENV = {"SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "n1", "SLURM_JOB_NODELIST_HET_GROUP_1": "n[2-3]"}

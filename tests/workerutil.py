@@ -24,6 +24,7 @@ from coord.results import Result, ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
 from jobs.engines.fn import CheckpointEvalFn, EvalSkip
+from tests.coordutil import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -98,14 +99,6 @@ def write_foreign_checkpoint(tmp: Path, path: Path, step: int) -> Path:
     model_writer(tmp, step)(path)
     (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     return path
-
-
-def flip_byte(path: Path, offset_from_end: int = 10) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - offset_from_end)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 # -- results --------------------------------------------------------------------------------------------
