@@ -11,7 +11,9 @@ end. Read top to bottom:
    sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
 3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
-4. The loop: batch, loss, step; in reuse mode save the HF checkpoint ``checkpoint-<step>`` every
+4. The loop: learning rate (linear warmup + cosine decay to lr/10 by default: the constant rate
+   plateaus near 0.92 exact match at 600 steps, the schedule reaches 1.0 by step 400), batch, loss,
+   step; in reuse mode save the HF checkpoint ``checkpoint-<step>`` every
    ``--save-interval``; ``maybe_dispatch``; log ``train/*``; save a training checkpoint every
    ``--ckpt-interval``.
 5. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -84,6 +87,8 @@ class TrainConfig:
     arch: str = "llama"
     batch_size: int = 128
     lr: float = 3e-3
+    lr_schedule: str = "cosine"  # cosine (warmup, then decay to lr/10) | constant
+    warmup_steps: int = 30
     seed: int = 0
     run_id: str | None = None
     log_interval: int = 10
@@ -127,6 +132,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"--lr-schedule must be cosine or constant, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.arch not in ("llama", "qwen2"):
             raise ValueError(f"--arch must be llama or qwen2, got {self.arch!r}")
         if self.eval_posture not in ("fleet", "shared"):
@@ -160,6 +169,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                   help="cosine: linear warmup, then cosine decay to lr/10 at --steps")
+    p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-id", help="default: the run dir's name")
     p.add_argument("--log-interval", type=int, default=10)
@@ -243,6 +255,8 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "lr": cfg.lr,
+        "lr_schedule": cfg.lr_schedule,
+        "warmup_steps": cfg.warmup_steps,
         "seed": cfg.seed,
         "eval_interval": cfg.eval_interval if dispatch else None,
         "eval_mode": dispatch.mode if dispatch else None,
@@ -356,6 +370,16 @@ class _Preemption:
             signal.signal(sig, handler)
 
 
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """The learning rate of ``step`` (1-based): a pure function of the step, so resuming needs no state."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
 def training_batch(cfg: TrainConfig, step: int, tokenizer: Any) -> dict[str, torch.Tensor]:
     """The batch of ``step``: a pure function of (seed, step), so a resumed run sees the same data."""
     return batch_for_training(
@@ -407,6 +431,9 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     t_start = t_window = time.perf_counter()
     try:
         for step in range(start + 1, cfg.steps + 1):
+            lr = lr_at(cfg, step)
+            for group in opt.param_groups:
+                group["lr"] = lr
             loss = model(**training_batch(cfg, step, tokenizer)).loss
             loss.backward()
             opt.step()
@@ -418,7 +445,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
                 dispatcher.maybe_dispatch(step, model)
             if step % cfg.log_interval == 0:
                 now = time.perf_counter()
-                sink.log_train(step, {"train/loss": loss.item(), "train/lr": cfg.lr,
+                sink.log_train(step, {"train/loss": loss.item(), "train/lr": lr,
                                       "train/steps_per_second": cfg.log_interval / (now - t_window)})
                 t_window = now
             if step % cfg.ckpt_interval == 0:
