@@ -56,7 +56,9 @@ GC leaves them for that backfill.
 
 Shared posture: given a :class:`SharedEval` (the trainer's own engine and its :class:`ProducerGate`),
 a dispatch is blocking instead: publish the snapshot, evaluate it with
-:func:`jobs.gate.shared_eval`, ingest it at once (lag 0).
+:func:`jobs.gate.shared_eval`, ingest it at once (lag 0). The eval's wall time (what training waited
+on top of the export) is logged as ``eval/shared_eval_seconds``; in-flight producer requests that do
+not finish within ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
 Limits: one dispatcher per run dir. The ledger is re-appended a ``dispatched`` record when a
 staging export finishes (replay keeps the latest record per step), which is how export times
@@ -147,6 +149,7 @@ class EvalDispatcher:
         self.landed = len(self.ledger.state.ingested)
         self._last_poll = -float("inf")
         self._lost: set[int] = set()
+        self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
         self._replay()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -250,6 +253,7 @@ class EvalDispatcher:
     def _export(self, step: int, model: Model) -> None:
         if self.exporter is None:
             raise RuntimeError("staging export without an exporter")
+        self._exporting.add(step)
         self.exporter.submit(step, model)
         if self.shared is not None:
             self.exporter.wait()
@@ -275,6 +279,7 @@ class EvalDispatcher:
             self._record_export(outcome)
 
     def _record_export(self, outcome: ExportOutcome) -> None:
+        self._exporting.discard(outcome.step)
         times = {"export_time_seconds": outcome.total_s, "export_blocked_seconds": outcome.blocked_s}
         record = {
             k: v
@@ -305,15 +310,15 @@ class EvalDispatcher:
             raise RuntimeError("shared evaluation without a shared engine")
         if step not in self.ledger.state.pending or not self._snapshot_published(step):
             return  # skipped (export failed, checkpoint missing): nothing to evaluate
-        shared_eval(
-            self.shared.engine,
-            self.shared.gate,
-            self.run,
-            step,
-            self.snapshot_dir(step),
-            cache=self._cache,
-            drain_timeout_s=self.shared.drain_timeout_s,
-        )
+        t0 = time.perf_counter()
+        try:
+            shared_eval(self.shared.engine, self.shared.gate, self.run, step, self.snapshot_dir(step),
+                        cache=self._cache, drain_timeout_s=self.shared.drain_timeout_s)
+        except TimeoutError as e:  # producers' in-flight requests did not finish: the engine is busy
+            self._skip(step, "busy", str(e))
+            return
+        record = {k: v for k, v in self.ledger.state.dispatched[step].items() if k not in {"event", "step"}}
+        self.ledger.append("dispatched", step, **{**record, "shared_eval_seconds": time.perf_counter() - t0})
         self._ingest_ready(steps=[step])
 
     def _wait_for_slot(self) -> float:
@@ -341,8 +346,7 @@ class EvalDispatcher:
         return derive_point(self.manifest, step, self._results_for(step))
 
     def _ingest_ready(self, steps: list[int] | None = None) -> None:
-        exporting = self.exporter.busy_step if self.exporter is not None else None
-        candidates = [s for s in (self.pending if steps is None else steps) if s != exporting]
+        candidates = [s for s in (self.pending if steps is None else steps) if s not in self._exporting]
         if not candidates:
             return
         self.index.refresh()
@@ -356,7 +360,7 @@ class EvalDispatcher:
     def _ingest(self, step: int, point: Point, metrics: dict[str, float], outcome: str = "complete") -> None:
         record = self.ledger.state.dispatched.get(step, {})
         metrics["eval/lag_steps"] = self.step - step
-        for key in ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds"):
+        for key in ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds"):
             if isinstance(record.get(key), int | float):
                 metrics[f"eval/{key}"] = record[key]
         self.sink.log_eval(metrics)

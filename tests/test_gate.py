@@ -140,4 +140,24 @@ def test_dispatcher_shared_posture_evaluates_at_the_dispatch_step(tmp_path: Path
     for step, p in points.items():
         assert p["eval/lag_steps"] == 0 and p["eval/addition/weight_version/mean"] == step
         assert p["eval/addition/weight_version/mixed_version_ratio"] == 0
+        assert p["eval/shared_eval_seconds"] > 0
     assert gate.pauses == 2
+
+
+def test_paused_gives_up_when_in_flight_work_does_not_finish() -> None:
+    gate = ProducerGate()
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_producer() -> None:
+        with gate.submission():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=stuck_producer)
+    thread.start()
+    entered.wait(5)
+    with pytest.raises(TimeoutError), gate.paused(drain_timeout_s=0.2):
+        pass
+    assert not gate.is_paused  # reopened: producers are not left blocked
+    release.set()
+    thread.join(5)
