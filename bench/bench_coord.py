@@ -6,7 +6,7 @@ Prints, each against a baseline measured in the same run (the machine is shared 
 2. verify_snapshot fast and full on a ~1 GB snapshot (GB/s); baseline: a plain sequential read.
 3. filesystem syscalls of an idle discovery poll over 1,000 snapshots (strace), vs the first poll.
 
-Usage: python bench/bench_coord.py [--procs 16] [--units 1000] [--gb 1.0] [--dir DIR]
+Usage: python bench/bench_coord.py [--procs 16] [--units 1000] [--gb 1.0] [--dir DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -179,14 +179,15 @@ def bench_idle_poll(base: Path, n: int) -> dict[str, int]:
     return counts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--procs", type=int, default=16)
     ap.add_argument("--units", type=int, default=1000)
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--snapshots", type=int, default=1000)
     ap.add_argument("--dir", type=Path, default=None, help="where to run (default: a temp dir on local disk)")
-    args = ap.parse_args()
+    ap.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = ap.parse_args(argv)
     print("uptime:", os.popen("uptime").read().strip())
     base = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckpteval-bench-"))
     try:
@@ -215,6 +216,23 @@ def main() -> None:
               f"(strace; open/stat/getdents/close), {p['idle_poll_us']} us; first poll {p['first_poll_ms']} ms")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+    def lat_ms(xs: list[float]) -> dict[str, float]:
+        return {"median_ms": statistics.median(xs) * 1e3, "p95_ms": pct(xs, .95) * 1e3}
+
+    out = {
+        "procs": args.procs, "units": args.units, "cpus": os.cpu_count(), "dir": str(args.dir or tempfile.gettempdir()),
+        "claims": {"units_per_s": rate, "duplicates": dups, **lat_ms(lat)},
+        "result_only": {"units_per_s": rate_plain, **lat_ms(lat_plain)},
+        "claims_1proc": {"units_per_s": rate1, **lat_ms(lat1)},
+        "verify": {"gb": gb, "plain_read_gb_s": gb / v["plain_read"], "fast_ms": v["fast"] * 1e3,
+                   "full_gb_s": gb / v["full"]},
+        "idle_poll": {"snapshots": args.snapshots, "fs_syscalls": p["idle"], "idle_poll_us": p["idle_poll_us"],
+                      "first_poll_ms": p["first_poll_ms"]},
+    }
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":

@@ -4,16 +4,18 @@ Both are measured in the same run, on the reference model (``jobs.model`` defaul
 hidden 128) saved as a snapshot, with greedy decoding (so both modes generate the same tokens).
 The load average is printed first: on a shared machine, numbers mean little when it is high.
 
-    .venv/bin/python bench/bench_engine.py [--prompts 64] [--max-new-tokens 16] [--repeats 3]
+    .venv/bin/python bench/bench_engine.py [--prompts 64] [--max-new-tokens 16] [--repeats 3] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -29,13 +31,14 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="best of N for each mode")
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args(argv)
 
     print(f"load average {os.getloadavg()}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")
     prompts = [ex["prompt"] for ex in make_addition_examples(args.prompts, seed=0)]
@@ -68,6 +71,13 @@ def main() -> None:
     print(
         f"   ratio: batched / one-at-a-time = {rates['batched'] / rates['single']:.1f}x ({args.prompts} prompts)"
     )
+    out = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+           "torch_threads": torch.get_num_threads(),
+           "batched_tokens_per_s": rates["batched"], "single_tokens_per_s": rates["single"],
+           "ratio": rates["batched"] / rates["single"]}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":

@@ -6,15 +6,22 @@ often, all in the same run, and prints the best GB/s of each and their ratio. Al
 exporter was chosen over are timed too: ``safetensors.torch.save`` to bytes followed by a chunked
 write + crc32, and ``save_file`` followed by a re-read for the crc32.
 
-Usage: ``.venv/bin/python bench/bench_export.py [--mb 500] [--reps 3] [--root /dev/shm]``.
+Then the trainer's view: an :class:`~jobs.export.async_export.AsyncExporter` exports the same state
+dict ``--reps`` times into ``--root``; per export it reports what the caller was blocked for (free-space
+check + host copy: ``eval/export_blocked_seconds``) against the whole export up to the published
+marker (``eval/export_time_seconds``).
+
+Usage: ``.venv/bin/python bench/bench_export.py [--mb 500] [--reps 3] [--root /dev/shm] [--json OUT]``.
 Numbers are only comparable on a quiet machine: the load average is printed first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -25,6 +32,7 @@ from pathlib import Path
 import safetensors.torch as st
 import torch
 
+from jobs.export.async_export import AsyncExporter
 from jobs.export.hf_files import CHUNK_BYTES, write_hf_files
 
 HIDDEN = 4096
@@ -70,12 +78,28 @@ def crc_write(path: Path, data: bytes) -> int:
     return value
 
 
-def main() -> int:
+def async_exports(sd: dict[str, torch.Tensor], meta: dict[str, object], root: Path, reps: int) -> list[dict[str, float]]:
+    """Export ``sd`` ``reps`` times with an AsyncExporter; blocked vs total seconds of each."""
+    exporter = AsyncExporter(root, None)
+    out = []
+    for step in range(1, reps + 1):
+        exporter.submit(step, sd, config=meta)
+        exporter.wait()
+        (outcome,) = exporter.poll()
+        if not outcome.ok:
+            raise RuntimeError(f"async export failed: {outcome.error}")
+        out.append({"blocked_s": outcome.blocked_s, "total_s": outcome.total_s})
+        shutil.rmtree(outcome.path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=500)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--root", type=Path, default=Path("/dev/shm"))
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args(argv)
 
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  cpus: {os.cpu_count()}")
     sd = make_state_dict(args.mb)
@@ -122,6 +146,20 @@ def main() -> int:
             print(f"{name:<52} {seconds * 1e3:8.1f} ms  {results[name]:6.2f} GB/s")
         exporter, cp_rate = results[EXPORTER], results[CP]
         print(f"ratio exporter / cp: {exporter / cp_rate:.2f}")
+
+        exports = async_exports(sd, meta, scratch / "async", args.reps)
+        blocked = statistics.median(e["blocked_s"] for e in exports)
+        total = statistics.median(e["total_s"] for e in exports)
+        print(f"AsyncExporter ({args.reps} exports, median): trainer blocked {blocked * 1e3:.1f} ms "
+              f"(eval/export_blocked_seconds), whole export {total * 1e3:.1f} ms (eval/export_time_seconds), "
+              f"blocked/total {blocked / total:.2f}")
+        if args.json:
+            args.json.write_text(json.dumps({
+                "load_average": os.getloadavg(), "root": str(args.root), "state_dict_bytes": nbytes,
+                "file_bytes": file_bytes, "gb_per_s": results, "exporter": EXPORTER, "cp": CP,
+                "ratio_exporter_cp": exporter / cp_rate, "async_exports": exports,
+                "async_blocked_s_median": blocked, "async_total_s_median": total,
+            }, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

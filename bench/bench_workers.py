@@ -14,7 +14,7 @@ Every worker runs with ``--threads`` intra-op threads (default 1; ``OMP_NUM_THRE
 mean something relative to the machine's cores: the load average and CPU count are printed first.
 
 Usage: ``.venv/bin/python bench/bench_workers.py [--workers 1,2,4] [--steps 8] [--n-prompts 256]
-[--shard-size 32] [--threads 1] [--root /tmp]``.
+[--shard-size 32] [--threads 1] [--root /tmp] [--json OUT]``.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def steady_rate(results: list[Result]) -> tuple[float, float]:
     return len(inside) / (end - start), end - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="1,2,4")
     parser.add_argument("--steps", type=int, default=8)
@@ -105,7 +105,8 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()))
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args(argv)
     print(f"cpus={os.cpu_count()} loadavg={os.getloadavg()} threads/worker={args.threads}")
     with tempfile.TemporaryDirectory(dir=args.root, prefix="bench-workers-") as tmp:
         run = make_run(Path(tmp), args.steps, args.n_prompts, args.shard_size)
@@ -115,6 +116,13 @@ def main() -> None:
     for n, m in rows:
         print(f"{n:>7} {m['units']:>5.0f} {m['steady']:>10.2f} {m['steady'] / base['steady']:>6.2f} "
               f"{m['window']:>8.1f} {m['e2e']:>8.2f} {m['e2e'] / base['e2e']:>6.2f}")
+    out = {"cpus": os.cpu_count(), "threads_per_worker": args.threads, "steps": args.steps,
+           "n_prompts": args.n_prompts, "shard_size": args.shard_size,
+           "rows": [{"workers": n, **m, "steady_ratio": m["steady"] / base["steady"],
+                     "e2e_ratio": m["e2e"] / base["e2e"]} for n, m in rows]}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":
