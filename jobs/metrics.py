@@ -30,6 +30,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from coord.atomic import append_line, read_lines_file
+
 EVAL_STEP = "eval/step"
 TRAIN_STEP = "train/step"
 
@@ -48,17 +50,7 @@ class MetricsSink:
     # -- reading back -------------------------------------------------------------------------------
     def _replay(self) -> set[int]:
         """The ``eval/step`` values already in the file (cutting off a torn last line first)."""
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return set()
-        good_end = raw.rfind(b"\n") + 1
-        if good_end < len(raw):
-            self.repaired_bytes = len(raw) - good_end
-            with open(self.path, "r+b") as f:
-                f.truncate(good_end)
-                os.fsync(f.fileno())
-            raw = raw[:good_end]
+        raw, self.repaired_bytes = read_lines_file(self.path, repair=True)
         steps: set[int] = set()
         for lineno, line in enumerate(raw.splitlines(), start=1):
             if not line.strip():
@@ -97,12 +89,7 @@ class MetricsSink:
 
     def _append(self, record: dict[str, Any]) -> None:
         line = (json.dumps(_finite(record), sort_keys=True) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(self.path, line)
 
     def close(self) -> None:
         if self.wandb_run is not None:
