@@ -199,6 +199,24 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No per-load progress bar or load report in fleet logs (a tied ``lm_head`` is reported "missing"
+    although it is tied correctly); errors still raise."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 class HFEngine:
     """In-process transformers engine; see the module docstring for its guarantees."""
 
@@ -256,7 +274,7 @@ class HFEngine:
     def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
         weight_files(snapshot)  # refuse pickle-only snapshots before transformers looks at them
         try:
-            with _BUILD_LOCK:
+            with _BUILD_LOCK, _quiet_transformers():
                 model = AutoModelForCausalLM.from_pretrained(
                     snapshot, dtype=self._dtype, use_safetensors=True, local_files_only=True
                 )
