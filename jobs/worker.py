@@ -13,7 +13,10 @@ Promises:
   ``ckpt_missing`` / ``ckpt_corrupt`` (snapshot gone or failing ``--verify``), ``pin_violation`` (the
   engine's version differs from the step after the load, after the unit, or on any sample),
   ``unhealthy`` (the engine stays dead after restart + reload + re-probe), ``crashed`` (scoring raised
-  an engine, runtime, value or OS error), or a backend's own ``EvalSkip(reason)``. The worker then
+  an engine, runtime, value or OS error), or a backend's own ``EvalSkip(reason)``. A load or scoring
+  failure is checked against the snapshot once more: if it no longer verifies (deleted or damaged after
+  the first check), the unit is that ``ckpt_missing`` / ``ckpt_corrupt`` skip, not ``unhealthy`` or
+  ``crashed`` (which would blame, restart and eventually retire a healthy engine). The worker then
   moves on to the next unit.
 * **Pinning.** The engine loads ``(snapshot, weight_version=str(step))`` only when its version differs;
   the version is read back (polled up to ``--pin-timeout``), every sample must carry it, and it is read
@@ -458,11 +461,19 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
         ev = evaluator.evaluate(unit, ref, timings)
         return ok_result(unit, ev.scores, ev.weight_versions, message=ev.message, timings=timings)
     except (SnapshotError, WorkerSkip, EvalSkip) as e:
-        return skip_result(unit, e.reason, str(e), timings=timings)
+        reason, message = e.reason, str(e)
     except EngineError as e:
-        return skip_result(unit, "unhealthy", str(e), timings=timings)
+        reason, message = "unhealthy", str(e)
     except SCORING_ERRORS as e:
-        return skip_result(unit, "crashed", f"{type(e).__name__}: {e}", timings=timings)
+        reason, message = "crashed", f"{type(e).__name__}: {e}"
+    if reason in {"unhealthy", "crashed"}:
+        # The snapshot may have gone away (or been damaged) after it was verified: then the load or the
+        # backend failed because of the snapshot, and blaming the engine would restart a healthy one.
+        try:
+            verify_snapshot(ref.path, "fast", marker=ref.marker if ref.foreign else None)
+        except SnapshotError as gone:
+            reason, message = gone.reason, f"{gone} (after verification; the evaluation failed: {message})"
+    return skip_result(unit, reason, message, timings=timings)
 
 
 # -- run setup --------------------------------------------------------------------------------------------
