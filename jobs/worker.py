@@ -35,7 +35,10 @@ Promises:
   does the same and exits with ``EXIT_INTERRUPTED``.
 
 Exit (``EXIT_DONE``): fleet mode (default) once ``TRAINING_DONE`` exists and every unit of every
-dispatched (``ledger.jsonl``) or discovered step has a result; ``--once`` after one pass over what is
+dispatched (``ledger.jsonl``) or discovered step has a result — a dispatched step whose snapshot no
+poll has found for one lease duration after ``TRAINING_DONE`` (deleted before anyone saw it, a wiped
+tmpfs, an unreadable marker) is evaluated against the path it should have, so its units end as
+``ckpt_missing`` / ``ckpt_corrupt`` instead of keeping the fleet waiting forever; ``--once`` after one pass over what is
 there — every unit of the snapshots present has a result, waiting for units other workers hold (and
 taking over expired ones), and for marker-less dirs under ``--watch`` to become quiescent (at most
 ``2 * --quiescence + 5 * --poll-interval`` per dir); ``--max-units N`` after writing N results.
@@ -94,7 +97,14 @@ from coord.ledger import Ledger
 from coord.manifest import RunManifest, parse_manifest
 from coord.results import Result, ResultIndex, ok_result, skip_result, write_result
 from coord.rundir import RunDir
-from coord.snapshot import SnapshotCorrupt, SnapshotError, producer_identity, verify_snapshot
+from coord.snapshot import (
+    Marker,
+    SnapshotCorrupt,
+    SnapshotError,
+    producer_identity,
+    snapshot_dirname,
+    verify_snapshot,
+)
 from coord.units import Claim, UnitClaimer, WorkUnit, order_units, shard_range, units_for_step
 from jobs.engines.base import Engine, EngineError
 from jobs.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
@@ -554,7 +564,12 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
 
 def dispatched_steps(ledger_path: Path) -> set[int]:
     """Steps the trainer dispatched, read as a reader (``repair=False``: never truncates a live ledger)."""
-    return set(Ledger(ledger_path, repair=False).state.dispatched)
+    return set(dispatch_records(ledger_path))
+
+
+def dispatch_records(ledger_path: Path) -> dict[int, dict[str, Any]]:
+    """step -> the trainer's latest ``dispatched`` record (read-only, like :func:`dispatched_steps`)."""
+    return Ledger(ledger_path, repair=False).state.dispatched
 
 
 def still_holds(claim: Claim) -> bool:
@@ -615,6 +630,8 @@ class Worker:
         self._warned: set[str] = set()
         self._pending_since: dict[tuple[str, str], float] = {}
         self._unhealthy_streak = 0
+        self._dispatches: dict[int, dict[str, Any]] = {}  # ledger records, read once training is done
+        self._unfound_since: dict[int, float] = {}
 
     def _make_discoveries(self) -> list[_Discovered]:
         foreign = {
@@ -672,10 +689,35 @@ class Worker:
             for u in self._open_units(s, results)
             if u not in broken  # a human must look at it; re-evaluating could never publish
         ]
+        self._give_up_finding(outstanding)
         claimable = [u for u in outstanding if u.step in self.refs]
         if self.on_poll is not None:
             self.on_poll(len(outstanding))
         return claimable, len(outstanding)
+
+    def _give_up_finding(self, outstanding: list[WorkUnit]) -> None:
+        """Training is done, so every snapshot the trainer will publish is published: a dispatched step no
+        poll has found for one lease duration (on this process's monotonic clock, which also covers a
+        shared filesystem's slow visibility) gets a ref to where its snapshot should be. Its units then
+        take the normal path and verification makes them ``ckpt_missing`` (or ``ckpt_corrupt`` for an
+        unreadable marker) — instead of the fleet waiting forever for a snapshot that is gone."""
+        now = time.monotonic()
+        unfound = {u.step for u in outstanding if u.step not in self.refs and u.step in self._dispatches}
+        for step in set(self._unfound_since) - unfound:
+            del self._unfound_since[step]
+        for step in sorted(unfound):
+            if now - self._unfound_since.setdefault(step, now) < self.manifest.lease.duration_s:
+                continue
+            path = self._expected_snapshot(step)
+            self.refs[step] = SnapshotRef(step, path, Marker(step, str(step), {}, {}, "missing", 0.0))
+            self._warn_once(f"unfound:{step}", f"step {step} was dispatched but its snapshot {path} never appeared")
+
+    def _expected_snapshot(self, step: int) -> Path:
+        record = self._dispatches.get(step, {})
+        if isinstance(record.get("snapshot"), str):
+            return Path(record["snapshot"])
+        root = Path(self.manifest.snapshot_roots[0]) if self.manifest.snapshot_roots else self.rundir.snapshots
+        return root / (f"checkpoint-{step}" if record.get("mode") == "reuse" else snapshot_dirname(step))
 
     def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
         units = [u for u in units_for_step(self.manifest, step) if u not in results]
@@ -690,7 +732,8 @@ class Worker:
         steps = set(self.refs)
         if self.training_done:
             try:
-                steps |= dispatched_steps(self.rundir.ledger_path)
+                self._dispatches = dispatch_records(self.rundir.ledger_path)
+                steps |= set(self._dispatches)
             except ValueError as e:  # the trainer reports it; the fleet still ends on what it discovered
                 self._warn_once("ledger", f"cannot read the trainer's dispatches: {e}")
         if self.opts.catchup == "latest":

@@ -9,12 +9,15 @@ damage is done by a wrapper around the real evaluator, at the one moment a test 
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from coord.discovery import SnapshotDiscovery, SnapshotRef
+from coord.ledger import Ledger
+from coord.manifest import LeaseSettings
 from coord.units import WorkUnit
 from jobs.engines.hf import HFEngine
 from jobs.scoring import DatasetCache
@@ -114,3 +117,62 @@ def test_vanished_snapshots_never_retire_a_healthy_worker(tmp_path: Path) -> Non
         evaluator.close()
     assert code == EXIT_DONE
     assert {r.skip_reason for r in results(run).values()} == {"ckpt_missing"} and len(results(run)) == 5
+
+
+# -- a dispatched snapshot that never shows up ------------------------------------------------------------
+def _fleet_worker(run) -> Worker:
+    opts = WorkerOptions(run_dir=run.path, poll_interval_s=0.05, pin_timeout_s=1.0)
+    return Worker(run, opts, FnEvaluator(StrictSumBackend(), DatasetCache(run, run.manifest())),
+                  out=lambda _line: None)
+
+
+@pytest.mark.parametrize("fault", ["deleted before discovery", "unreadable marker"])
+def test_fleet_ends_when_a_dispatched_snapshot_never_appears(tmp_path: Path, fault: str) -> None:
+    """Training done, step 2 dispatched, its snapshot gone before any worker saw it (or its marker
+    unreadable, so discovery never reports it): after one lease duration the fleet records the documented
+    skip and exits, instead of waiting forever (and the trainer logging it only after its drain timeout)."""
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=2, lease=LeaseSettings(1.0, 0.2))
+    ledger = Ledger(run.ledger_path)
+    for step in (1, 2, 3):
+        path = publish_model(tmp_path, run.snapshots, step)
+        ledger.append("dispatched", step, mode="staging", snapshot=str(path))
+    doomed = run.snapshots / "step-0000000002"
+    if fault == "deleted before discovery":
+        shutil.rmtree(doomed)
+    else:
+        (doomed / ".complete").write_text("{not json")
+    run.mark_training_done(3)
+    done_at = time.monotonic()
+    worker = _fleet_worker(run)
+    try:
+        assert worker.run() == EXIT_DONE
+    finally:
+        worker.evaluator.close()
+    waited = time.monotonic() - done_at
+    want = "ckpt_missing" if fault == "deleted before discovery" else "ckpt_corrupt"
+    got = {u: r.skip_reason for u, r in results(run).items()}
+    assert got == {WorkUnit(s, "addition", i): (want if s == 2 else None) for s in (1, 2, 3) for i in (0, 1)}
+    assert waited >= 1.0  # a lease duration: a slow shared filesystem may still show the snapshot
+
+
+def test_fleet_keeps_waiting_for_a_missing_snapshot_while_training_runs(tmp_path: Path) -> None:
+    """Before TRAINING_DONE a dispatched step without a snapshot is an export in flight: never given up."""
+    run = make_eval_run(tmp_path, n_prompts=2, shard_size=2, lease=LeaseSettings(0.3, 0.1))
+    Ledger(run.ledger_path).append("dispatched", 1, mode="staging")
+    worker = _fleet_worker(run)
+    polls: list[int] = []
+
+    def on_poll(outstanding: int) -> None:
+        polls.append(outstanding)
+        if len(polls) == 20:  # 1 s: three lease durations with no snapshot, training still running
+            assert results(run) == {}
+            publish_model(tmp_path, run.snapshots, 1)
+            run.mark_training_done(1)
+
+    worker.on_poll = on_poll
+    try:
+        assert worker.run() == EXIT_DONE
+    finally:
+        worker.evaluator.close()
+    (r,) = results(run).values()
+    assert r.ok
