@@ -16,6 +16,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,6 +43,7 @@ def _worker(base: str, n_units: int, with_lease: bool, out: mp.Queue) -> None:
     claimer = UnitClaimer(leases, LeaseSettings(60.0, 20.0), results_dir=results)
     index = ResultIndex(results)
     lat: list[float] = []
+    cpu: list[float] = []
     units = [WorkUnit(i // 10, "ds", i % 10) for i in range(n_units)]
     pending = units
     while pending:
@@ -49,6 +51,7 @@ def _worker(base: str, n_units: int, with_lease: bool, out: mp.Queue) -> None:
         pending = [u for u in pending if u not in done]
         for unit in pending:
             t0 = time.perf_counter()
+            c0 = time.process_time()
             if with_lease:
                 claim = claimer.try_claim(unit)
                 if claim is None:
@@ -58,29 +61,37 @@ def _worker(base: str, n_units: int, with_lease: bool, out: mp.Queue) -> None:
                 claim.release()
                 claimer.forget(unit)
             lat.append(time.perf_counter() - t0)
-    out.put(lat)
+            cpu.append(time.process_time() - c0)
+    out.put((lat, cpu))
 
 
-def bench_claims(procs: int, n_units: int, base: Path, with_lease: bool) -> tuple[float, list[float], int]:
+def bench_claims(procs: int, n_units: int, base: Path, with_lease: bool) -> tuple[float, list[float], int, dict]:
+    """units/s, per-unit wall times, duplicates, and CPU: per-unit CPU times of the won units and all
+    processes' CPU seconds (failed claims, listings and start-up included) per unit."""
     d = Path(tempfile.mkdtemp(dir=base))
     (d / "leases").mkdir()
     (d / "results").mkdir()
     ctx = mp.get_context("fork")
     q: mp.Queue = ctx.Queue()
     ps = [ctx.Process(target=_worker, args=(str(d), n_units, with_lease, q)) for _ in range(procs)]
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     for p in ps:
         p.start()
-    lats = [x for _ in ps for x in q.get()]
+    got = [q.get() for _ in ps]
+    lats = [x for lat, _ in got for x in lat]
     for p in ps:
         p.join()
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = {"unit_cpu": [x for _, c in got for x in c],
+           "total_cpu_per_unit": (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / n_units}
     n_results = len([n for n in os.listdir(d / "results") if n.endswith(".json")])
     dups = len(os.listdir(d / "results" / "duplicates")) if (d / "results" / "duplicates").exists() else 0
     shutil.rmtree(d)
     if n_results != n_units:
         raise RuntimeError(f"expected {n_units} results, got {n_results}")
-    return n_units / wall, lats, dups
+    return n_units / wall, lats, dups, cpu
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -191,15 +202,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("uptime:", os.popen("uptime").read().strip())
     base = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckpteval-bench-"))
     try:
-        rate_plain, lat_plain, _ = bench_claims(args.procs, args.units, base, with_lease=False)
-        rate, lat, dups = bench_claims(args.procs, args.units, base, with_lease=True)
+        rate_plain, lat_plain, _, cpu_plain = bench_claims(args.procs, args.units, base, with_lease=False)
+        rate, lat, dups, cpu = bench_claims(args.procs, args.units, base, with_lease=True)
         print(f"\n[claims] {args.procs} procs x {args.units} units, local disk")
         print(f"  lease+result+release: {rate:8.0f} units/s  per unit median {statistics.median(lat)*1e3:.2f} ms"
               f"  p95 {pct(lat, .95)*1e3:.2f} ms  duplicates {dups}")
         print(f"  result only (baseline): {rate_plain:6.0f} units/s  per unit median "
               f"{statistics.median(lat_plain)*1e3:.2f} ms  p95 {pct(lat_plain, .95)*1e3:.2f} ms")
         print(f"  ratio leased/baseline throughput: {rate / rate_plain:.2f}x")
-        rate1, lat1, _ = bench_claims(1, args.units, base, with_lease=True)
+        print(f"  CPU per won unit (process time, no queueing): median {statistics.median(cpu['unit_cpu'])*1e3:.2f} ms"
+              f"  p95 {pct(cpu['unit_cpu'], .95)*1e3:.2f} ms; all processes' CPU / units "
+              f"{cpu['total_cpu_per_unit']*1e3:.2f} ms (baseline {cpu_plain['total_cpu_per_unit']*1e3:.2f} ms)")
+        rate1, lat1, _, cpu1 = bench_claims(1, args.units, base, with_lease=True)
         print(f"  1 process (no CPU queueing): {rate1:.0f} units/s  per unit median "
               f"{statistics.median(lat1)*1e3:.2f} ms  p95 {pct(lat1, .95)*1e3:.2f} ms "
               f"(with {args.procs} procs on {os.cpu_count()} cores, per-unit latency includes waiting for a CPU)")
@@ -217,14 +231,16 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    def lat_ms(xs: list[float]) -> dict[str, float]:
-        return {"median_ms": statistics.median(xs) * 1e3, "p95_ms": pct(xs, .95) * 1e3}
+    def lat_ms(xs: list[float], c: dict) -> dict[str, float]:
+        return {"median_ms": statistics.median(xs) * 1e3, "p95_ms": pct(xs, .95) * 1e3,
+                "cpu_median_ms": statistics.median(c["unit_cpu"]) * 1e3, "cpu_p95_ms": pct(c["unit_cpu"], .95) * 1e3,
+                "total_cpu_per_unit_ms": c["total_cpu_per_unit"] * 1e3}
 
     out = {
         "procs": args.procs, "units": args.units, "cpus": os.cpu_count(), "dir": str(args.dir or tempfile.gettempdir()),
-        "claims": {"units_per_s": rate, "duplicates": dups, **lat_ms(lat)},
-        "result_only": {"units_per_s": rate_plain, **lat_ms(lat_plain)},
-        "claims_1proc": {"units_per_s": rate1, **lat_ms(lat1)},
+        "claims": {"units_per_s": rate, "duplicates": dups, **lat_ms(lat, cpu)},
+        "result_only": {"units_per_s": rate_plain, **lat_ms(lat_plain, cpu_plain)},
+        "claims_1proc": {"units_per_s": rate1, **lat_ms(lat1, cpu1)},
         "verify": {"gb": gb, "plain_read_gb_s": gb / v["plain_read"], "fast_ms": v["fast"] * 1e3,
                    "full_gb_s": gb / v["full"]},
         "idle_poll": {"snapshots": args.snapshots, "fs_syscalls": p["idle"], "idle_poll_us": p["idle_poll_us"],
