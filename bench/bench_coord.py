@@ -35,7 +35,7 @@ from coord.discovery import SnapshotDiscovery  # noqa: E402
 from coord.manifest import LeaseSettings  # noqa: E402
 from coord.results import ResultIndex, ok_result, write_result  # noqa: E402
 from coord.snapshot import publish_snapshot, verify_snapshot  # noqa: E402
-from coord.units import UnitClaimer, WorkUnit  # noqa: E402
+from coord.units import UnitClaimer, WorkUnit, order_units  # noqa: E402
 
 
 def _worker(base: str, n_units: int, with_lease: bool, out: mp.Queue) -> None:
@@ -44,7 +44,7 @@ def _worker(base: str, n_units: int, with_lease: bool, out: mp.Queue) -> None:
     index = ResultIndex(results)
     lat: list[float] = []
     cpu: list[float] = []
-    units = [WorkUnit(i // 10, "ds", i % 10) for i in range(n_units)]
+    units = order_units([WorkUnit(i // 10, "ds", i % 10) for i in range(n_units)], spread=os.getpid())  # as workers do
     pending = units
     while pending:
         done = index.refresh()

@@ -786,7 +786,7 @@ class Worker:
                     return EXIT_DONE
                 self._sleep(self.opts.poll_interval_s)
                 continue
-            claim = self.claimer.claim_first(order_units(claimable, self.opts.newest_first))
+            claim = self.claimer.claim_first(order_units(claimable, self.opts.newest_first, spread=os.getpid()))
             if claim is None:  # all held by other workers: wait, take over expired ones later
                 self._sleep(self.opts.poll_interval_s)
                 continue

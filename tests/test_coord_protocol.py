@@ -173,6 +173,10 @@ def test_claim_order(tmp_path: Path) -> None:
     units = [WorkUnit(s, "a", 0) for s in (30, 10, 20)]
     assert [u.step for u in order_units(units)] == [10, 20, 30]
     assert [u.step for u in order_units(units, newest_first=True)] == [30, 20, 10]
+    shards = [WorkUnit(s, "a", i) for s in (1, 2) for i in range(16)]
+    by_worker = [order_units(shards, spread=pid) for pid in (101, 202)]
+    assert all([u.step for u in order] == [1] * 16 + [2] * 16 for order in by_worker)  # steps still in order
+    assert by_worker[0][0] != by_worker[1][0]  # two workers start a step on different units
 
 
 # -- ledger ------------------------------------------------------------------------------------------
