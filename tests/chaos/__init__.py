@@ -1,0 +1,1 @@
+"""Fault-injection suite: real processes, real signals, real filesystems (see tests/chaos/harness.py)."""
