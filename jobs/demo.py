@@ -109,7 +109,10 @@ def trainer_args(cfg: DemoConfig, run_dir: Path) -> list[str]:
     args = ["train", "--run-dir", str(run_dir), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
             "--eval-n-prompts", str(cfg.eval_n_prompts), "--no-progress", "--log-interval", "10",
             # short leases: a demo worker killed by Ctrl-C is taken over within seconds
-            "--lease-duration", "20", "--lease-heartbeat", "4"]
+            "--lease-duration", "20", "--lease-heartbeat", "4",
+            # one core for training, the other for the fleet: a 2-thread trainer whose OpenMP threads
+            # spin-wait while the workers start up runs ~40x slower on 2 cores
+            "--threads", "1"]
     hf_dir = str(run_dir / "hf")
     if cfg.posture == "fleet-staging":
         args += ["--eval-interval", str(cfg.eval_interval), "--eval-staging-dir", str(staging_dir(cfg, run_dir))]
@@ -202,7 +205,7 @@ def stop(procs: list[Proc], sig: int = signal.SIGTERM, grace_s: float = 20) -> N
 def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc], t0: float) -> None:
     """Print progress until the trainer has finished and the eval side has drained."""
     console = _console()
-    last_print = 0.0
+    last_print, last_line = 0.0, ""
     while True:
         trainer_exited = trainer.popen.poll() is not None
         if trainer_exited and trainer.popen.returncode != 0:
@@ -213,8 +216,10 @@ def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc]
         if trainer_exited and fleet_done:
             return
         if time.monotonic() - last_print >= 2.0:
-            console.print(progress_line(cfg, run_dir, time.monotonic() - t0))
-            last_print = time.monotonic()
+            line = progress_line(cfg, run_dir, time.monotonic() - t0)
+            if line.split("] ", 1)[-1] != last_line or time.monotonic() - last_print >= 30:
+                console.print(line)
+                last_print, last_line = time.monotonic(), line.split("] ", 1)[-1]
         time.sleep(0.25)
 
 
