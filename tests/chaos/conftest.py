@@ -3,7 +3,6 @@ scale), plus fixtures that clean up every process a scenario started."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +13,19 @@ from tests.chaos import harness
 REPORT_PATH = harness.REPO / "bench" / "CHAOS.md"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+_COMPLETE = {"value": False}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    files = set()
     for item in items:
-        if "tests/chaos/" in str(item.fspath).replace(os.sep, "/"):
+        if Path(str(item.fspath)).parent == here:
             item.add_marker(pytest.mark.chaos)
+            files.add(Path(str(item.fspath)).name)
+    # bench/CHAOS.md is the record of the whole suite: a selection (one file, -k, -m) does not overwrite it
+    everything = {p.name for p in here.glob("test_*.py")}
+    _COMPLETE["value"] = files == everything and not config.option.keyword and not config.option.markexpr
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -33,12 +41,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     terminalreporter.write_sep("=", f"chaos summary (scale: {harness.SCALE}, seed {harness.SEED})")
     terminalreporter.write_line(harness.table_markdown(harness.ROWS))
-    if harness.FULL:
+    if harness.FULL and _COMPLETE["value"]:
         terminalreporter.write_line(f"saved to {REPORT_PATH}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if harness.ROWS and harness.FULL:
+    if harness.ROWS and harness.FULL and _COMPLETE["value"]:
         REPORT_PATH.write_text(harness.report_markdown(harness.ROWS))
 
 

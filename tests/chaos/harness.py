@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,21 @@ STALL_S = 3.0  # an in-process trainer's dispatcher call longer than this is a s
 PROC_STALL_S = 6.0  # a subprocess trainer's gap between train/* lines longer than this is a stall
 SUM_FN = "fn:tests.workerutil:SumBackend"
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def ensure_libfaketime() -> str | None:
+    """Install Debian's ``faketime`` when it is missing and we may (root with apt-get): ``make test`` does
+    its own set-up. Returns why it is unavailable, or None."""
+    if LIBFAKETIME.exists():
+        return None
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return "needs Debian's libfaketime (apt-get install faketime) and no root/apt to install it"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "faketime"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if proc.returncode != 0:
+            return f"installing faketime failed: {' '.join(cmd)}: {proc.stderr.strip()[-500:]}"
+    return None if LIBFAKETIME.exists() else f"faketime installed but {LIBFAKETIME} is missing"
 
 
 def scaled(bounded: int, full: int) -> int:

@@ -110,8 +110,10 @@ def _takeover(procs: harness.Procs, run_dir: Path, victim_side: Side, contender_
 
 def test_clock_skew_neither_steals_nor_loses_claims(tmp_path: Path, procs: harness.Procs,
                                                    request: pytest.FixtureRequest) -> None:
-    if shutil.which("unshare") is None or not harness.LIBFAKETIME.exists():
-        pytest.skip("needs unshare (util-linux) and Debian's libfaketime (apt-get install faketime)")
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    if (why := harness.ensure_libfaketime()) is not None:
+        pytest.skip(why)
     if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
         pytest.skip("cannot create a UTS namespace here (needs root)")
     t_start = time.monotonic()

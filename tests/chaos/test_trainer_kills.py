@@ -32,16 +32,20 @@ def test_trainer_sigkill_and_resume(tmp_path: Path, procs: harness.Procs, reques
     torn = 0
     kills = []
     try:
+        last = 0
         for k in range(kills_wanted):
-            # let this incarnation train a random while (it resumes from its last 20-step checkpoint)
-            first, proc = len(monitor.seen), trainer
-            harness.wait_for(lambda f=first, p=proc: len(monitor.seen) > f or p.poll() is not None, 120,
-                             "the trainer to train")
-            time.sleep(rand.uniform(0.5, 3.0))
+            # a random step between the previous kill and the end, spread so every kill happens in training;
+            # the resumed trainer restarts from its last 20-step checkpoint, so it retrains a little first
+            span = max(10, (steps - last) // (kills_wanted - k + 1))
+            target = min(steps - 5, last + rand.randint(5, span))
+            proc = trainer
+            harness.wait_for(lambda t=target, p=proc: monitor.last_step() >= t or p.poll() is not None, 120,
+                             f"the trainer to reach step {target}")
             assert trainer.poll() is None, f"trainer finished before kill {k + 1}: {procs.tail(trainer)}"
             trainer.send_signal(signal.SIGKILL)
             trainer.wait()
             kills.append(monitor.last_step())
+            last = kills[-1]
             if k == 0:  # what a kill in the middle of an append leaves: a torn last line in both logs
                 for name in ("ledger.jsonl", "metrics.jsonl"):
                     with open(run_dir / name, "ab") as f:
@@ -60,7 +64,7 @@ def test_trainer_sigkill_and_resume(tmp_path: Path, procs: harness.Procs, reques
         f"{torn} torn log tails", t, stalls=monitor.stalls(), max_gap_s=monitor.max_gap(),
         outside_deleted=sentinel.deleted_bytes(),
         wall_s=time.monotonic() - t_start,
-        notes="each kill at a random time; resumed from the last training checkpoint (every 20 steps); points "
+        notes="each kill at a random step (the steps are the last train line seen); resumed from the last training checkpoint (every 20 steps); points "
               "whose snapshot was never published are re-dispatched when the resumed loop reaches them again "
               "(or skipped `crashed`, the documented rule); torn ledger/metrics tails are cut on resume",
     )

@@ -19,7 +19,7 @@ def test_sigkill_storm_loses_nothing(tmp_path: Path, procs: harness.Procs, reque
     t_start = time.monotonic()
     trainer = harness.InProcTrainer(tmp_path / "run", eval_interval=8, lease=(3.0, 0.5))
     run = trainer.run
-    fleet = harness.Fleet(procs, run.path, 3, env=harness.base_env(SUMBACKEND_DELAY_S="0.6"))
+    fleet = harness.Fleet(procs, run.path, 3, env=harness.base_env(SUMBACKEND_DELAY_S="1.0"))
     fleet.start_all()
 
     kills = {"total": 0, "mid_unit": 0}
@@ -29,17 +29,12 @@ def test_sigkill_storm_loses_nothing(tmp_path: Path, procs: harness.Procs, reque
     def monkey() -> None:
         try:
             while kills["total"] < kills_wanted and not stop.is_set():
-                time.sleep(rand.uniform(0.2, 0.8))
-                # mostly mid-unit victims (waiting up to 5 s for one), sometimes idle or still starting
-                want_busy = rand.random() < 0.85
-                deadline = time.monotonic() + 5.0
-                while True:
-                    live = fleet.live()
-                    busy = [(i, p) for i, p in live if harness.units_held_by(run, p.pid)]
-                    if busy or not want_busy or time.monotonic() > deadline or stop.is_set():
-                        break
-                    time.sleep(0.05)
-                pool = busy if busy and want_busy else live
+                time.sleep(rand.uniform(0.4, 1.4))
+                # a random moment; the victim is mostly one in the middle of a unit, sometimes an idle one
+                # or one still starting up
+                live = fleet.live()
+                busy = [(i, p) for i, p in live if harness.units_held_by(run, p.pid)]
+                pool = busy if busy and rand.random() < 0.85 else live
                 if not pool:
                     continue
                 i, p = rand.choice(pool)
@@ -75,7 +70,7 @@ def test_sigkill_storm_loses_nothing(tmp_path: Path, procs: harness.Procs, reque
         wall_s=time.monotonic() - t_start,
         notes=f"{fleet.starts} worker starts; lease 3 s / heartbeat 0.5 s; dead holders on the same host are "
               f"taken over at once (filelock checks the pid); units retried after a kill: "
-              f"{_retried_units(run)}",
+              f"{_retried_units(run)}, most attempts on one unit: {_max_attempts(run)}",
     )
     assert kills["total"] >= kills_wanted
     assert codes == [0, 0, 0], fleet.logs()
@@ -89,3 +84,7 @@ def test_sigkill_storm_loses_nothing(tmp_path: Path, procs: harness.Procs, reque
 
 def _retried_units(run) -> int:
     return sum(p.read_text().count("\n") > 1 for p in run.leases.glob("*.attempts"))
+
+
+def _max_attempts(run) -> int:
+    return max((p.read_text().count("\n") for p in run.leases.glob("*.attempts")), default=0)
