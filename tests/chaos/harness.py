@@ -78,12 +78,12 @@ def scaled(bounded: int, full: int) -> int:
     return full if FULL else bounded
 
 
+SEED = int(os.environ.get("CHAOS_SEED", str(int(time.time()) % 100000)))
+
+
 def rng(seed_name: str) -> random.Random:
     """A per-scenario RNG; ``CHAOS_SEED`` reproduces a run's choices (the seed is printed in the table)."""
     return random.Random(f"{SEED}:{seed_name}")
-
-
-SEED = int(os.environ.get("CHAOS_SEED", str(int(time.time()) % 100000)))
 
 
 # -- processes ---------------------------------------------------------------------------------------
