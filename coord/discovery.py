@@ -12,6 +12,10 @@ Guarantees:
   checksums once and records an *adopted* marker in ``adoption_dir`` — the foreign dir is never
   written to — so later verification has something to compare against.
 
+- Never trusted: symlinked entries (a link can point anywhere; publish and checkpoint saves create
+  real directories), and a marked directory whose name's trailing digits disagree with its marker's
+  step (a snapshot copied or moved under another step's name would be scored as the wrong step).
+
 Limits: a directory already reported is not re-verified here (the worker verifies before use); the
 step of a foreign dir comes from trailing digits of its name or ``trainer_state.json``'s
 ``global_step``; dirs with neither are ignored. Pending foreign dirs cost one listing + one stat per
@@ -52,10 +56,16 @@ class SnapshotRef:
         return self.marker.mode == "foreign"
 
 
+def step_from_name(path: Path) -> int | None:
+    """The trailing digits of a dir name (``step-0000000100``, ``checkpoint-100``), if any."""
+    m = TRAILING_DIGITS.search(path.name)
+    return int(m.group(1)) if m else None
+
+
 def step_from_dir(path: Path) -> int | None:
     """Step of a checkpoint dir from its name's trailing digits, else ``trainer_state.json``."""
-    if m := TRAILING_DIGITS.search(path.name):
-        return int(m.group(1))
+    if (step := step_from_name(path)) is not None:
+        return step
     try:
         state = read_json_object(path / "trainer_state.json")
     except (FileNotFoundError, ValueError):
@@ -111,7 +121,9 @@ class SnapshotDiscovery:
     def poll(self) -> list[SnapshotRef]:
         """All complete snapshots now under the root, sorted by step."""
         try:
-            names = {e.name for e in os.scandir(self.root) if not e.name.startswith(".")}
+            names = {
+                e.name for e in os.scandir(self.root) if not e.name.startswith(".") and not e.is_symlink()
+            }
         except FileNotFoundError:
             names = set()
         for gone in set(self._known) - names:
@@ -131,6 +143,8 @@ class SnapshotDiscovery:
             return self._examine_foreign(path) if self.admit_foreign else None
         except ValueError:
             return None  # a malformed marker is never trusted; the worker's verify reports it
+        if (named := step_from_name(path)) is not None and named != marker.step:
+            return None  # a marked dir under another step's name (copied, moved, planted): not trusted
         return SnapshotRef(marker.step, path, marker)
 
     def _adoption_path(self, step: int) -> Path:

@@ -29,6 +29,10 @@ from coord.atomic import append_line, read_lines_file
 EVENTS = ("dispatched", "ingested", "retired")
 
 
+class LedgerError(ValueError):
+    """A ledger line that cannot be trusted (malformed JSON or fields); the message names file and line."""
+
+
 @dataclass
 class LedgerState:
     dispatched: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> dispatch record
@@ -60,9 +64,9 @@ class Ledger:
         try:
             rec = json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{self.path}:{lineno}: malformed ledger line ({e})") from None
+            raise LedgerError(f"{self.path}:{lineno}: malformed ledger line ({e})") from None
         if not isinstance(rec, dict) or rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
-            raise ValueError(f"{self.path}:{lineno}: ledger line needs an 'event' in {EVENTS} and an integer 'step'")
+            raise LedgerError(f"{self.path}:{lineno}: ledger line needs an 'event' in {EVENTS} and an integer 'step'")
         return rec
 
     def _apply(self, rec: dict[str, Any]) -> None:

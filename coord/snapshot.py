@@ -168,7 +168,9 @@ def publish_snapshot(
         marker = Marker(step, str(step), infos, producer or producer_identity(), "staging", time.time())
         write_json_atomic(tmp / MARKER, marker.to_json())
         if (final / MARKER).exists():
-            read_marker(final)  # raises if the existing one is not a valid snapshot
+            existing = read_marker(final)  # raises if the existing one is not a valid snapshot
+            if final.is_symlink() or existing.step != step:
+                raise FileExistsError(f"{final}: occupied by something that is not this run's step {step} snapshot")
             shutil.rmtree(tmp)
             return final
         os.rename(tmp, final)

@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 from coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomic
 from coord.config import OVERFLOW_POLICIES, DispatchConfig
+from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, producer_identity
@@ -493,10 +494,15 @@ def main(argv: list[str]) -> int:
     try:
         dispatch = cfg.validate()  # fail fast: before anything is written or trained
         run = prepare_run(cfg, dispatch)
-    except ValueError as e:
+        run.manifest()  # a malformed run.json (on --resume) is a usage error, not a crash
+    except (ValueError, FileNotFoundError) as e:
         print(f"ckpteval train: {e}", file=sys.stderr)
         return 2
-    return train(cfg, dispatch, run)
+    try:
+        return train(cfg, dispatch, run)
+    except LedgerError as e:  # a malformed ledger line on --resume: named, nothing changed
+        print(f"ckpteval train: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

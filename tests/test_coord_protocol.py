@@ -46,6 +46,17 @@ def test_discovery_reads_each_marker_once_and_forgets_deleted(tmp_path: Path, mo
     assert [r.step for r in disc.poll()] == [10, 30]
 
 
+def test_discovery_never_trusts_links_or_misnamed_snapshots(tmp_path: Path) -> None:
+    elsewhere = publish_snapshot(tmp_path / "elsewhere", 7, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    root = tmp_path / "staging"
+    publish_snapshot(root, 10, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    os.symlink(elsewhere, root / "step-0000000020")  # a link planted under a future step's name
+    shutil.copytree(elsewhere, root / "step-0000000030")  # a step-7 snapshot copied under step 30's name
+    assert [r.step for r in SnapshotDiscovery(root).poll()] == [10]
+    with pytest.raises(FileExistsError, match="not this run's step 20"):
+        publish_snapshot(root, 20, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+
+
 def _foreign_checkpoint(root: Path, step: int, shards: int = 2, write_all: bool = True) -> Path:
     ckpt = root / f"checkpoint-{step}"
     ckpt.mkdir(parents=True)

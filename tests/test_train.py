@@ -185,3 +185,21 @@ def test_other_arch_trains_and_exports(tmp_path: Path, arch: str) -> None:
         fleet.stop.set()
     (point,) = eval_lines(run_dir)
     assert point["eval/step"] == 2 and point["eval/addition"] == 1.0
+
+
+def test_resume_on_a_malformed_ledger_is_a_named_usage_error(tmp_path: Path) -> None:
+    """--resume never trains over a ledger it cannot read: exit 2, the file and line named, nothing changed."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    base = [sys.executable, "-m", "jobs.cli", "train", "--run-dir", str(run), "--eval-interval", "5",
+            "--eval-n-prompts", "8", "--no-progress", "--eval-drain-timeout", "0.5"]
+    subprocess.run([*base, "--steps", "5"], capture_output=True, check=True, cwd=Path(__file__).parents[1])
+    ledger = run / "ledger.jsonl"
+    ledger.write_bytes(ledger.read_bytes() + b"garbage\n")
+    before = ledger.read_bytes()
+    proc = subprocess.run([*base, "--steps", "10", "--resume"], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 2 and "ledger.jsonl:" in proc.stderr and "malformed ledger line" in proc.stderr
+    assert "Traceback" not in proc.stderr and ledger.read_bytes() == before
