@@ -33,7 +33,7 @@ an ``export_failed`` skip at its step.
 Ingestion (rate-limited to one results listing per ``poll_interval_s``, never waiting for eval): a
 pending point whose units all have results is derived (:func:`coord.results.derive_point`), its
 metrics (:func:`coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
-step, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
+step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
 ``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
 (``keep_snapshots`` newest retired kept; reused checkpoints are never deleted).
 
@@ -359,7 +359,10 @@ class EvalDispatcher:
 
     def _ingest(self, step: int, point: Point, metrics: dict[str, float], outcome: str = "complete") -> None:
         record = self.ledger.state.dispatched.get(step, {})
-        metrics["eval/lag_steps"] = self.step - step
+        # a resumed trainer restarts below steps its previous incarnation dispatched: a point that lands
+        # while it re-trains up to its step was there before the trainer got back to it — lag 0, never < 0
+        lag = max(0, self.step - step)
+        metrics["eval/lag_steps"] = lag
         for key in ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds"):
             if isinstance(record.get(key), int | float):
                 metrics[f"eval/{key}"] = record[key]
@@ -368,7 +371,7 @@ class EvalDispatcher:
             "ingested",
             step,
             outcome=outcome,
-            lag_steps=self.step - step,
+            lag_steps=lag,
             units_done=point.units_done,
             units_total=point.units_total,
             time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)

@@ -322,3 +322,19 @@ def test_result_index_sees_skips_from_dispatcher(tmp_path: Path) -> None:
     index = ResultIndex(run.results)
     reasons = {r.skip_reason for r in index.refresh().values()}
     assert reasons == {"busy"}
+
+
+def test_point_landing_while_a_resumed_trainer_retrains_has_lag_zero_not_negative(tmp_path: Path) -> None:
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=3, eval_keep_snapshots=3)
+    model = _model()
+    d1 = _dispatcher(run, dispatch)
+    for step in range(1, 7):
+        d1.maybe_dispatch(step, model)
+    d1.exporter.wait()
+    fill_results(run, 6)  # finished while the trainer is dead
+    del d1
+
+    d2 = _dispatcher(run, dispatch)  # resumed from its checkpoint at step 2
+    d2.maybe_dispatch(3, model)
+    d2.poll(force=True)
+    assert _by_step(run.path)[6]["eval/lag_steps"] == 0
