@@ -387,8 +387,9 @@ def coord_section(rec: dict[str, Any]) -> str:
         f"With {d['procs']} processes on {d['cpus']} cores, each process is runnable about "
         f"{d['cpus'] / d['procs']:.0%} of the time, so a unit's wall time includes waiting for a CPU (often a "
         "whole scheduler slice) between the lease file operations; the 1-process row is the protocol's own "
-        f"cost. Throughput with {d['procs']} also pays for contention: all processes walk the same candidate order, so "
-        "most claim attempts lose to a peer and move on (each failed attempt is a few file syscalls).", "",
+        f"cost. Contention is kept small: like real workers, each process walks a step's units in its own "
+        "order (`order_units(spread=pid)`) and skips units whose result exists before writing a lease; "
+        "a claim that still loses costs a few file syscalls.", "",
         coord_verdict(d), "",
         f"Snapshot verification ({v['gb']:.2f} GB, page cache warm): plain read {v['plain_read_gb_s']:.2f} GB/s; "
         f"`fast` {v['fast_ms']:.2f} ms (sizes + headers, independent of size); `full` {v['full_gb_s']:.2f} GB/s "
