@@ -246,13 +246,19 @@ def test_reuse_mode_marks_checkpoints_exports_nothing_and_gc_never_deletes(tmp_p
 
 
 # -- restart safety ------------------------------------------------------------------------------------
-def test_restart_ingests_finished_points_exactly_once(tmp_path: Path) -> None:
+def _six_steps_dispatched(tmp_path: Path) -> tuple:
+    """A run whose trainer dispatched steps 2, 4, 6 (exports finished), none ingested yet."""
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=3, eval_keep_snapshots=3)
     model = _model()
     d1 = _dispatcher(run, dispatch)
     for step in range(1, 7):
         d1.maybe_dispatch(step, model)
     d1.exporter.wait()
+    return run, dispatch, model, d1
+
+
+def test_restart_ingests_finished_points_exactly_once(tmp_path: Path) -> None:
+    run, dispatch, model, d1 = _six_steps_dispatched(tmp_path)
     d1.poll(force=True)
     fill_results(run, 2)
     d1.poll(force=True)
@@ -325,12 +331,7 @@ def test_result_index_sees_skips_from_dispatcher(tmp_path: Path) -> None:
 
 
 def test_point_landing_while_a_resumed_trainer_retrains_has_lag_zero_not_negative(tmp_path: Path) -> None:
-    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=3, eval_keep_snapshots=3)
-    model = _model()
-    d1 = _dispatcher(run, dispatch)
-    for step in range(1, 7):
-        d1.maybe_dispatch(step, model)
-    d1.exporter.wait()
+    run, dispatch, model, d1 = _six_steps_dispatched(tmp_path)
     fill_results(run, 6)  # finished while the trainer is dead
     del d1
 
