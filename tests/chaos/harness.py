@@ -459,6 +459,16 @@ class Tally:
     def skips_text(self) -> str:
         return ", ".join(f"{r}×{n}" for r, n in sorted(self.skips.items())) or "-"
 
+    def merged(self, other: Tally, step_offset: int) -> Tally:
+        """Two runs' tallies as one row; ``other``'s expected steps are shifted so they stay distinct."""
+        return Tally(
+            expected=self.expected + [s + step_offset for s in other.expected], landed=self.landed + other.landed,
+            ok=self.ok + other.ok, skips=self.skips + other.skips, lost=self.lost + other.lost,
+            dup_ingestions=self.dup_ingestions + other.dup_ingestions, unexpected=self.unexpected + other.unexpected,
+            units_without_result=self.units_without_result + other.units_without_result,
+            units_total=self.units_total + other.units_total, double_evals=self.double_evals + other.double_evals,
+        )
+
 
 def tally(run_dir: Path, expected: Iterable[int]) -> Tally:
     """Points of ``expected`` steps as the trainer logged them, cross-checked against the results."""

@@ -128,13 +128,7 @@ def test_full_staging_filesystem(tmp_path: Path, procs: harness.Procs, tmpfs,
                 if r.get("skipped") == "export_failed"]
     leftovers_b = sorted(p.name for p in small.iterdir() if not p.is_symlink())
 
-    merged = harness.Tally(
-        expected=ta.expected + [s + 100_000 for s in tb.expected], landed=ta.landed + tb.landed,
-        ok=ta.ok + tb.ok, skips=ta.skips + tb.skips, lost=ta.lost + tb.lost,
-        dup_ingestions=ta.dup_ingestions + tb.dup_ingestions, unexpected=ta.unexpected + tb.unexpected,
-        units_without_result=ta.units_without_result + tb.units_without_result,
-        units_total=ta.units_total + tb.units_total, double_evals=ta.double_evals + tb.double_evals,
-    )
+    merged = ta.merged(tb, step_offset=100_000)
     outside = sentinel.deleted_bytes() + inproc.sentinel.deleted_bytes()
     harness.record(
         request.node.nodeid, "full staging filesystem (tmpfs)",

@@ -137,13 +137,7 @@ def test_malformed_protocol_files(tmp_path: Path, procs: harness.Procs, request:
     tb = harness.tally(inproc.run.path, inproc.dispatched())
     untouched = all((results_dir / n).read_bytes() == d for n, d in planted.items())
 
-    merged = harness.Tally(
-        expected=ta.expected + [s + 100_000 for s in tb.expected], landed=ta.landed + tb.landed,
-        ok=ta.ok + tb.ok, skips=ta.skips + tb.skips, lost=ta.lost + tb.lost,
-        dup_ingestions=ta.dup_ingestions + tb.dup_ingestions, unexpected=ta.unexpected + tb.unexpected,
-        units_without_result=ta.units_without_result + tb.units_without_result,
-        units_total=ta.units_total + tb.units_total, double_evals=ta.double_evals + tb.double_evals,
-    )
+    merged = ta.merged(tb, step_offset=100_000)
     harness.record(
         request.node.nodeid, "malformed run.json / ledger lines / results",
         ", ".join(f"{n} {k}" for k, n in faults.items()), merged, stalls=inproc.stalls, max_gap_s=inproc.max_block,

@@ -74,13 +74,7 @@ def test_rogue_reloads_and_lying_engines_are_pin_violations(tmp_path: Path, proc
     tb = harness.tally(liar.run.path, liar.dispatched())
     impure_b = _impure_ok_units(liar.run.path)
 
-    merged = harness.Tally(
-        expected=ta.expected + [s + 10_000 for s in tb.expected], landed=ta.landed + tb.landed,
-        ok=ta.ok + tb.ok, skips=ta.skips + tb.skips, lost=ta.lost + tb.lost,
-        dup_ingestions=ta.dup_ingestions + tb.dup_ingestions, unexpected=ta.unexpected + tb.unexpected,
-        units_without_result=ta.units_without_result + tb.units_without_result,
-        units_total=ta.units_total + tb.units_total, double_evals=ta.double_evals + tb.double_evals,
-    )
+    merged = ta.merged(tb, step_offset=10_000)
     harness.record(
         request.node.nodeid, "engine version changed / wrong",
         f"{reloads['n']} rogue reloads of the shared serve engine + {len(tb.expected)} points on a lying engine",
