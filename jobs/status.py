@@ -23,6 +23,7 @@ from typing import Any
 
 from coord.discovery import SnapshotDiscovery
 from coord.ledger import Ledger
+from coord.manifest import RunManifest
 from coord.results import ResultIndex, derive_point
 from coord.rundir import RunDir
 from coord.units import units_for_step
@@ -67,7 +68,7 @@ def _lease_info(path: Path, duration: float, now: float) -> dict[str, Any]:
     return info
 
 
-def _snapshot_rows(run: RunDir, roots: tuple[str, ...], retired: set[int]) -> list[dict[str, Any]]:
+def _snapshot_rows(roots: tuple[str, ...], retired: set[int]) -> list[dict[str, Any]]:
     rows = []
     for root in roots:
         for ref in SnapshotDiscovery(Path(root)).poll():
@@ -82,8 +83,8 @@ def _snapshot_rows(run: RunDir, roots: tuple[str, ...], retired: set[int]) -> li
     return sorted(rows, key=lambda r: r["step"])
 
 
-def _unit_rows(run: RunDir, steps: list[int], results: dict, duration: float) -> dict[str, Any]:
-    manifest = run.manifest()
+def _unit_rows(run: RunDir, manifest: RunManifest, steps: list[int], results: dict) -> dict[str, Any]:
+    duration = manifest.lease.duration_s
     now = time.time()
     pending, done, skipped = [], 0, {}
     for step in steps:
@@ -99,8 +100,7 @@ def _unit_rows(run: RunDir, steps: list[int], results: dict, duration: float) ->
     return {"pending": pending, "done": done, "skipped": skipped}
 
 
-def _point_rows(run: RunDir, steps: list[int], results: dict, lags: dict[int, float]) -> list[dict[str, Any]]:
-    manifest = run.manifest()
+def _point_rows(manifest: RunManifest, steps: list[int], results: dict, lags: dict[int, float]) -> list[dict[str, Any]]:
     rows = []
     for step in steps:
         point = derive_point(manifest, step, results)
@@ -118,11 +118,11 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     results = index.refresh()
     ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
     retired = ledger.retired if ledger else set()
-    snapshots = _snapshot_rows(run, manifest.snapshot_roots, retired)
+    snapshots = _snapshot_rows(manifest.snapshot_roots, retired)
     steps = sorted({s["step"] for s in snapshots} | {u.step for u in results} | set(ledger.dispatched if ledger else ()))
-    units = _unit_rows(run, steps, results, manifest.lease.duration_s)
+    units = _unit_rows(run, manifest, steps, results)
     lags = eval_lags(read_metrics(run.metrics_path))
-    points = _point_rows(run, steps, results, lags)
+    points = _point_rows(manifest, steps, results, lags)
     expired = [p for p in units["pending"] if p.get("lease", {}).get("expired")]
     free = {}
     for root in manifest.snapshot_roots:
