@@ -12,6 +12,8 @@ import io
 import os
 import sys
 
+from jobs.early_stop import record_early_stops
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("jobs.train", "reference trainer (tiny model on CPU) with the eval dispatcher"),
     "worker": ("jobs.worker", "eval worker: fleet, service (--watch) or --once"),
@@ -29,6 +31,8 @@ def _usage() -> str:
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
+
+PREEMPTIBLE = {"worker", "backfill"}  # may be preempted while still importing torch (see jobs.early_stop)
 
 SUBCOMMAND_HELP_EXTRA: dict[str, list[list[str]]] = {
     "submit": [["train-eval"], ["backfill"], ["service"]],
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"ckpteval: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if name in PREEMPTIBLE:
+        record_early_stops()
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -106,6 +106,7 @@ from coord.snapshot import (
     verify_snapshot,
 )
 from coord.units import Claim, UnitClaimer, WorkUnit, order_units, shard_range, units_for_step
+from jobs.early_stop import early_stop_signal
 from jobs.engines.base import Engine, EngineError
 from jobs.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.scoring import DatasetCache, score_unit
@@ -894,6 +895,8 @@ def install_signal_handlers(worker: Worker) -> dict[int, Any]:
     previous = {}
     for sig in STOP_SIGNALS:
         previous[sig] = signal.signal(sig, lambda signum, _frame: worker.request_stop(signum))
+    if (early := early_stop_signal()) is not None:  # preempted while still starting up
+        worker.request_stop(early)
     return previous
 
 

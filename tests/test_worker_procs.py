@@ -163,3 +163,28 @@ def test_cli_usage(tmp_path: Path) -> None:
     assert code == EXIT_USAGE and "no run.json" in out
     code, out = finish(spawn("worker", "--run-dir", str(tmp_path), "--engine", "fn:x:Y", "--engines", "2"), 20)
     assert code == EXIT_USAGE and "exactly one --engine fn" in out
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler installed for ``sig`` (SigCgt in /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_preempted_while_starting_up_exits_for_requeue(tmp_path: Path, sig: int) -> None:
+    """A stop signal during start-up (imports, engine build: seconds with torch) is not fatal: the worker
+    exits with EXIT_PREEMPTED, as SLURM's requeue logic expects, instead of dying by the signal."""
+    from tests.workerutil import make_eval_run
+
+    run = make_eval_run(tmp_path)
+    proc = spawn("worker", "--run-dir", str(run.path), "--engine", "hf", "--poll-interval", "0.2")
+    try:
+        wait_for(lambda: _catches(proc.pid, sig), 30, interval=0.01, what="the early stop handler")
+        proc.send_signal(sig)
+        code, out = finish(proc, timeout=60)
+    finally:
+        kill_all([proc])
+    assert code == EXIT_PREEMPTED, out
