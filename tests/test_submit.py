@@ -223,10 +223,11 @@ def test_submit_calls_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
 FAKE_SRUN = r"""#!/bin/bash
 # srun stand-in: drop the options, run the command; forward USR1 (srun does), SIGKILL on TERM (srun does)
 while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+child=""
+trap '[[ -n $child ]] && kill -USR1 $child 2>/dev/null' USR1
+trap '[[ -n $child ]] && kill -KILL $child 2>/dev/null' TERM
 "$@" &
 child=$!
-trap 'kill -USR1 $child 2>/dev/null' USR1
-trap 'kill -KILL $child 2>/dev/null' TERM
 while :; do
     wait $child; rc=$?
     kill -0 $child 2>/dev/null || break
@@ -249,17 +250,18 @@ while [[ $# -gt 0 ]]; do
     case $1 in --worker-id) id=$2; shift ;; --run-dir) run=$2; shift ;; esac
     shift
 done
+# handlers before the "started" line the tests wait for, so a signal sent after it is never fatal
+if [[ $sub == train ]]; then trap 'echo "train USR1" >> "$FAKE_LOG"; exit 75' USR1
+else trap 'echo "$sub $id USR1" >> "$FAKE_LOG"; exit 3' USR1; fi
 n=$(ls "$FAKE_DIR" | grep -c "^start-$sub")
 touch "$FAKE_DIR/start-$sub-$id-$n"
 echo "$sub id=$id n=$n cvd=${CUDA_VISIBLE_DEVICES-unset}" >> "$FAKE_LOG"
 if [[ $sub == train ]]; then
     touch "$run/run.json"
-    trap 'echo "train USR1" >> "$FAKE_LOG"; exit 75' USR1
     for ((i = 0; i < ${FAKE_TRAIN_TICKS:-10}; i++)); do sleep 0.1 & wait $!; done
     [[ ${FAKE_TRAIN_RC:-0} == 0 ]] && touch "$run/TRAINING_DONE"
     exit "${FAKE_TRAIN_RC:-0}"
 fi
-trap 'echo "$sub $id USR1" >> "$FAKE_LOG"; exit 3' USR1
 rcs=(${FAKE_WORKER_RCS:-0})
 rc=${rcs[n]:-${rcs[-1]}}
 for ((i = 0; i < ${FAKE_WORKER_TICKS:-5}; i++)); do sleep 0.1 & wait $!; done
