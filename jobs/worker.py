@@ -814,7 +814,8 @@ class Worker:
         try:
             if (self.rundir.results / f"{unit.id}.json").exists():
                 return None  # finished by someone else since the listing
-            if self.stop_signal is not None:
+            if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
+                self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released")
                 return None
             t0 = time.perf_counter()
             result = self._evaluate_interruptibly(unit, self.refs[unit.step])
