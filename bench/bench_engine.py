@@ -1,6 +1,6 @@
 """Tokens/s of ``HFEngine``: one batched call over N prompts vs the same prompts one at a time.
 
-Both are measured in the same run, on the reference model (``jobs.model`` defaults: 2-layer Llama,
+Both are measured in the same run, on the reference model (``jobs.reference.model`` defaults: 2-layer Llama,
 hidden 128) saved as a snapshot, with greedy decoding (so both modes generate the same tokens).
 The load average is printed first: on a shared machine, numbers mean little when it is high.
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from jobs.engines.base import SamplingParams
-from jobs.engines.hf import HFEngine
-from jobs.model import ModelConfig, build_model, make_addition_examples, save_base_model_dir
+from jobs.eval.engines.base import SamplingParams
+from jobs.eval.engines.hf import HFEngine
+from jobs.reference.model import ModelConfig, build_model, make_addition_examples, save_base_model_dir
 
 
 def timed(fn: Callable[[], int]) -> tuple[float, int]:

@@ -6,7 +6,7 @@ often, all in the same run, and prints the best GB/s of each and their ratio. Al
 exporter was chosen over are timed too: ``safetensors.torch.save`` to bytes followed by a chunked
 write + crc32, and ``save_file`` followed by a re-read for the crc32.
 
-Then the trainer's view: an :class:`~jobs.export.async_export.AsyncExporter` exports the same state
+Then the trainer's view: an :class:`~jobs.trainer.export.async_export.AsyncExporter` exports the same state
 dict ``--reps`` times into ``--root``; per export it reports what the caller was blocked for (free-space
 check + host copy: ``eval/export_blocked_seconds``) against the whole export up to the published
 marker (``eval/export_time_seconds``).
@@ -32,8 +32,8 @@ from pathlib import Path
 import safetensors.torch as st
 import torch
 
-from jobs.export.async_export import AsyncExporter
-from jobs.export.hf_files import CHUNK_BYTES, write_hf_files
+from jobs.trainer.export.async_export import AsyncExporter
+from jobs.trainer.export.hf_files import CHUNK_BYTES, write_hf_files
 
 HIDDEN = 4096
 EXPORTER = "write_hf_files (zero-copy write + threaded crc32)"

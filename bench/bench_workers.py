@@ -1,6 +1,6 @@
 """Benchmark: eval throughput (units/s) of 1, 2 and 4 worker processes sharing one run.
 
-Builds a run of ``--steps`` snapshots of the reference tiny model (``jobs.model.build_model``,
+Builds a run of ``--steps`` snapshots of the reference tiny model (``jobs.reference.model.build_model``,
 published with ``coord.snapshot.publish_snapshot``) and the built-in addition eval set, then for each
 worker count starts that many ``python -m jobs.cli worker --once --engine hf`` processes on a fresh
 copy of the run's results and leases, and prints
@@ -33,9 +33,9 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.results import Result, ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
-from jobs.evalsets import write_addition_dataset
-from jobs.export.hf_files import write_hf_files
-from jobs.model import build_model, save_base_model_dir
+from jobs.eval.evalsets import write_addition_dataset
+from jobs.reference.model import build_model, save_base_model_dir
+from jobs.trainer.export.hf_files import write_hf_files
 
 REPO = Path(__file__).resolve().parents[1]
 

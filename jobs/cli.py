@@ -12,17 +12,17 @@ import io
 import os
 import sys
 
-from jobs.early_stop import record_early_stops
+from jobs.lifecycle import record_early_stops
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("jobs.train", "reference trainer (tiny model on CPU) with the eval dispatcher"),
-    "worker": ("jobs.worker", "eval worker: fleet, service (--watch) or --once"),
-    "backfill": ("jobs.backfill", "evaluate every pending unit of a run once (array-task safe)"),
-    "status": ("jobs.status", "show snapshots, units, points and health of a run"),
-    "plot": ("jobs.plot", "plot score vs step (PNG)"),
-    "serve": ("jobs.serve", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
-    "submit": ("jobs.submit", "render and sbatch the batch scripts"),
-    "demo": ("jobs.demo", "the embedded default: trainer + eval fleet on CPU"),
+    "train": ("jobs.reference.train", "reference trainer (tiny model on CPU) with the eval dispatcher"),
+    "worker": ("jobs.eval.worker", "eval worker: fleet, service (--watch) or --once"),
+    "backfill": ("jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
+    "status": ("jobs.views.status", "show snapshots, units, points and health of a run"),
+    "plot": ("jobs.views.plot", "plot score vs step (PNG)"),
+    "serve": ("jobs.reference.serve", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
+    "submit": ("jobs.launch.submit", "render and sbatch the batch scripts"),
+    "demo": ("jobs.reference.demo", "the embedded default: trainer + eval fleet on CPU"),
 }
 
 
@@ -32,7 +32,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-PREEMPTIBLE = {"worker", "backfill"}  # may be preempted while still importing torch (see jobs.early_stop)
+PREEMPTIBLE = {"worker", "backfill"}  # may be preempted while still importing torch (see jobs.lifecycle)
 
 SUBCOMMAND_HELP_EXTRA: dict[str, list[list[str]]] = {
     "submit": [["train-eval"], ["backfill"], ["service"]],

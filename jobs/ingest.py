@@ -1,6 +1,6 @@
 """Ingestion for the external-service posture: log each finished point exactly once.
 
-In the fleet postures the trainer's :class:`~jobs.dispatcher.EvalDispatcher` ingests points. In the
+In the fleet postures the trainer's :class:`~jobs.trainer.dispatcher.EvalDispatcher` ingests points. In the
 service posture the trainer knows nothing of eval, so the service does it: after each poll,
 :class:`ServiceIngester` derives the points of every step that has results and logs each complete
 one once — to ``RUN/service_metrics.jsonl`` and, with ``--wandb``, into the *training* run's wandb

@@ -5,7 +5,7 @@
 # clean stop (leases released, trainer checkpointed) and requeueing the job. Defines functions and
 # defaults only; the scripts decide what to launch.
 #
-# Exit codes of the programs it relies on (jobs/worker.py, jobs/train.py):
+# Exit codes of the programs it relies on (jobs/eval/worker.py, jobs/reference/train.py):
 #   ckpteval worker: 0 done, 3 preempted (lease released: requeue me), 4 engine unhealthy, else error
 #   ckpteval train:  0 done, 75 preempted (training checkpoint saved: rerun with --resume)
 #
@@ -155,7 +155,7 @@ ckpteval_start_worker() {
     ckpteval_log "worker $id: node ${CKPTEVAL_WNODE[i]} slot ${CKPTEVAL_WSLOT[i]} (${CKPTEVAL_GPUS_PER_WORKER} GPU(s))"
     srun "${CKPTEVAL_STEP_ARGS[@]}" --nodes=1 --ntasks=1 --overlap --nodelist="${CKPTEVAL_WNODE[i]}" \
         --job-name="ckpteval-$id" \
-        "$CKPTEVAL_PYTHON" -m jobs.slurm_env exec --slot "${CKPTEVAL_WSLOT[i]}" --gpus "$CKPTEVAL_GPUS_PER_WORKER" -- \
+        "$CKPTEVAL_PYTHON" -m jobs.launch.slurm_env exec --slot "${CKPTEVAL_WSLOT[i]}" --gpus "$CKPTEVAL_GPUS_PER_WORKER" -- \
         "${CKPTEVAL_WORKER_CMD[@]}" --worker-id "$id" &
     CKPTEVAL_WPID[i]=$!
     CKPTEVAL_WRC[i]=""

@@ -1,4 +1,4 @@
-"""jobs.api on submitit's local executor (no SLURM): fleet, array backfill, checkpoint + requeue.
+"""jobs.launch.api on submitit's local executor (no SLURM): fleet, array backfill, checkpoint + requeue.
 
 Real worker processes on real tiny-model snapshots; the backend is the real fn backend
 ``tests.workerutil:SumBackend`` (reads the snapshot's safetensors; ``SUMBACKEND_DELAY_S`` slows each
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import submitit
 
-from jobs import api
+from jobs.launch import api
 from tests.workerutil import (
     REPO,
     duplicates,

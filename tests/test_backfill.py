@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from coord.units import WorkUnit
-from jobs.worker import EXIT_DONE
+from jobs.lifecycle import EXIT_DONE
 from tests.workerutil import duplicates, finish, kill_all, make_eval_run, publish_model, results, spawn
 
 FN = "fn:tests.workerutil:SumBackend"

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import save_file
 
 import coord.discovery as discovery_mod
-from coord.config import DispatchConfig, filesystem_type
 from coord.discovery import SnapshotDiscovery
 from coord.gc import StagingGC, has_room
 from coord.ledger import Ledger
@@ -27,6 +26,7 @@ from coord.results import (
 )
 from coord.snapshot import mark_complete, publish_snapshot
 from coord.units import WorkUnit, order_units, units_for_step
+from jobs.trainer.config import DispatchConfig, filesystem_type
 from tests.coordutil import make_run, write_tiny_shards
 
 

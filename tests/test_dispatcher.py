@@ -11,17 +11,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coord.config import DispatchConfig
 from coord.gc import StagingGC
 from coord.ledger import Ledger
 from coord.results import ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
-from jobs.dispatcher import EvalDispatcher
-from jobs.export.async_export import AsyncExporter
 from jobs.metrics import MetricsSink
-from jobs.model import ModelConfig, build_model
-from jobs.train import TrainConfig, base_model_dir, save_hf_checkpoint
+from jobs.reference.model import ModelConfig, build_model
+from jobs.reference.train import TrainConfig, base_model_dir, save_hf_checkpoint
+from jobs.trainer.config import DispatchConfig
+from jobs.trainer.dispatcher import EvalDispatcher
+from jobs.trainer.export.async_export import AsyncExporter
 from tests.trainutil import eval_lines, eval_step_counts, fill_results, ledger_counts, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from jobs.engines.base import Engine, EngineError, SamplingParams
-from jobs.engines.hf import HFEngine
-from jobs.model import make_addition_examples
+from jobs.eval.engines.base import Engine, EngineError, SamplingParams
+from jobs.eval.engines.hf import HFEngine
+from jobs.reference.model import make_addition_examples
 
 SnapshotFactory = Callable[..., Path]
 

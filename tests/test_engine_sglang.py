@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.engines.base import EngineError, SamplingParams
-from jobs.engines.sglang import SGLangEngine, device_flags, free_port, gpu_count, launch_command
-from jobs.model import ModelConfig, build_model, generation_config, make_addition_examples, save_tokenizer
+from jobs.eval.engines.base import EngineError, SamplingParams
+from jobs.eval.engines.sglang import SGLangEngine, device_flags, free_port, gpu_count, launch_command
+from jobs.reference.model import (
+    ModelConfig,
+    build_model,
+    generation_config,
+    make_addition_examples,
+    save_tokenizer,
+)
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 needs_gpu_and_sglang = pytest.mark.skipif(
@@ -25,7 +31,7 @@ PROMPTS = [ex["prompt"] for ex in make_addition_examples(8, seed=3)]
 
 
 def test_module_imports_without_sglang() -> None:
-    code = "import sys; sys.modules['sglang'] = None; import jobs.engines.sglang"
+    code = "import sys; sys.modules['sglang'] = None; import jobs.eval.engines.sglang"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 

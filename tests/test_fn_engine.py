@@ -13,9 +13,10 @@ import pytest
 
 from coord.results import derive_point, point_metrics
 from coord.units import WorkUnit
-from jobs.engines.factory import engine_settings, make_engine, spec_kind
-from jobs.engines.fn import EvalSkip, load_fn_class, parse_output
-from jobs.worker import EXIT_DONE, WorkerOptions
+from jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
+from jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
+from jobs.eval.options import WorkerOptions
+from jobs.lifecycle import EXIT_DONE
 from tests.workerutil import (
     SumBackend,
     make_eval_run,

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from coord.results import ResultIndex, derive_point
-from jobs.dispatcher import EvalDispatcher, SharedEval
-from jobs.engines.base import SamplingParams
-from jobs.engines.hf import HFEngine
-from jobs.gate import ProducerGate, shared_eval
+from jobs.eval.engines.base import SamplingParams
+from jobs.eval.engines.hf import HFEngine
 from jobs.metrics import MetricsSink
-from jobs.model import ModelConfig, build_model
-from jobs.train import base_model_dir
+from jobs.reference.model import ModelConfig, build_model
+from jobs.reference.train import base_model_dir
+from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
+from jobs.trainer.gate import ProducerGate, shared_eval
 from tests.trainutil import eval_lines, make_train_run
 
 PARAMS = SamplingParams(max_new_tokens=6)

@@ -9,11 +9,17 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from coord.snapshot import read_marker, snapshot_dirname
-from jobs.dispatcher import EvalDispatcher
-from jobs.hf_callback import EvalDispatchCallback
 from jobs.metrics import MetricsSink
-from jobs.model import ModelConfig, batch_for_training, build_model, build_tokenizer, make_addition_examples
-from jobs.train import base_model_dir
+from jobs.reference.model import (
+    ModelConfig,
+    batch_for_training,
+    build_model,
+    build_tokenizer,
+    make_addition_examples,
+)
+from jobs.reference.train import base_model_dir
+from jobs.trainer.dispatcher import EvalDispatcher
+from jobs.trainer.hf_callback import EvalDispatchCallback
 from tests.trainutil import InstantFleet, eval_lines, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)

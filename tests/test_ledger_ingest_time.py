@@ -7,10 +7,10 @@ import json
 import time
 from pathlib import Path
 
-from jobs.dispatcher import EvalDispatcher
 from jobs.metrics import MetricsSink
-from jobs.model import ModelConfig, build_model
-from jobs.train import base_model_dir
+from jobs.reference.model import ModelConfig, build_model
+from jobs.reference.train import base_model_dir
+from jobs.trainer.dispatcher import EvalDispatcher
 from tests.trainutil import fill_results, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from jobs.engines.base import EngineError, SamplingParams
-from jobs.engines.hf import HFEngine
-from jobs.engines.http import HTTPEngine, WeightVersionMismatch
-from jobs.engines.sglang import free_port
-from jobs.model import make_addition_examples
+from jobs.eval.engines.base import EngineError, SamplingParams
+from jobs.eval.engines.hf import HFEngine
+from jobs.eval.engines.http import HTTPEngine, WeightVersionMismatch
+from jobs.eval.engines.sglang import free_port
+from jobs.reference.model import make_addition_examples
 
 REPO = Path(__file__).resolve().parents[1]
 SnapshotFactory = Callable[..., Path]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from coord.rundir import RunDir
 from coord.units import WorkUnit
-from jobs.evalsets import write_jsonl
-from jobs.model import make_addition_examples
-from jobs.worker import EXIT_DONE, EXIT_USAGE
+from jobs.eval.evalsets import write_jsonl
+from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
+from jobs.reference.model import make_addition_examples
 from tests.workerutil import (
     claimed_at,
     finish,

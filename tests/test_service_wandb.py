@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from jobs.worker import EXIT_DONE, EXIT_USAGE
+from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.test_metrics import wandb_records
 from tests.test_service import _eval_config
 from tests.workerutil import finish, spawn, write_foreign_checkpoint

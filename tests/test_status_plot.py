@@ -12,8 +12,8 @@ from coord.ledger import Ledger
 from coord.results import ok_result, write_point_skip, write_result
 from coord.snapshot import publish_snapshot
 from coord.units import UnitClaimer, WorkUnit, units_for_step
-from jobs.plot import plot_run
-from jobs.status import collect_status
+from jobs.views.plot import plot_run
+from jobs.views.status import collect_status
 from tests.coordutil import make_run, write_tiny_shards
 
 ROOT = Path(__file__).parents[1]

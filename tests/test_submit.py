@@ -1,4 +1,4 @@
-"""``ckpteval submit`` rendering, ``jobs.slurm_env``, and the batch scripts' supervision logic.
+"""``ckpteval submit`` rendering, ``jobs.launch.slurm_env``, and the batch scripts' supervision logic.
 
 No SLURM needed: the rendered scripts are checked for their ``#SBATCH`` lines and parsed with
 ``bash -n``; then they are *run* by bash with stand-ins for ``srun`` (drops its options, forwards
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import slurm_env, submit
+from jobs.launch import slurm_env, submit
 from tests.workerutil import finish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,12 +104,12 @@ def test_slurm_env_exec_slices_and_execs() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PYTHONPATH": str(REPO)}
     code = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CKPTEVAL_WORKER_SLOT'])"
     out = subprocess.run(
-        [sys.executable, "-m", "jobs.slurm_env", "exec", "--slot", "1", "--gpus", "2", "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "jobs.launch.slurm_env", "exec", "--slot", "1", "--gpus", "2", "--", sys.executable, "-c", code],
         capture_output=True, text=True, env=env, cwd=REPO, check=True,
     )
     assert out.stdout.split() == ["2,3", "1"]
     cpu = subprocess.run(
-        [sys.executable, "-m", "jobs.slurm_env", "exec", "--slot", "0", "--gpus", "0", "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "jobs.launch.slurm_env", "exec", "--slot", "0", "--gpus", "0", "--", sys.executable, "-c", code],
         capture_output=True, text=True, env=env, cwd=REPO, check=True,
     )
     assert cpu.stdout.split() == ["0"]  # CUDA_VISIBLE_DEVICES emptied for a CPU worker
@@ -239,9 +239,9 @@ FAKE_SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$FAKE_LOG"
 """
 
-# The programs: `-m jobs.slurm_env` is the real one; `-m jobs.cli worker|backfill|train` behave by env.
+# The programs: `-m jobs.launch.slurm_env` is the real one; `-m jobs.cli worker|backfill|train` behave by env.
 FAKE_PYTHON = r"""#!/bin/bash
-if [[ $2 == jobs.slurm_env ]]; then exec "$REAL_PYTHON" "$@"; fi
+if [[ $2 == jobs.launch.slurm_env ]]; then exec "$REAL_PYTHON" "$@"; fi
 sub=$3
 shift 3
 echo "$sub argv: $*" >> "$FAKE_LOG"

@@ -15,8 +15,8 @@ import torch
 
 from coord.rundir import RunDir
 from coord.snapshot import read_marker
-from jobs.model import ModelConfig, build_model, build_tokenizer
-from jobs.train import (
+from jobs.reference.model import ModelConfig, build_model, build_tokenizer
+from jobs.reference.train import (
     PREEMPTED_EXIT,
     TrainConfig,
     latest_train_checkpoint,

@@ -17,19 +17,15 @@ from coord.ledger import Ledger
 from coord.manifest import LeaseSettings
 from coord.results import derive_point, write_point_skip
 from coord.units import WorkUnit
-from jobs.engines.base import EngineError, Generation, SamplingParams
-from jobs.engines.factory import EnginePool
-from jobs.engines.hf import HFEngine
-from jobs.scoring import DatasetCache
-from jobs.worker import (
-    EXIT_DONE,
-    EXIT_UNHEALTHY,
-    EXIT_USAGE,
-    EngineEvaluator,
-    Worker,
-    WorkerOptions,
-    run_worker,
-)
+from jobs.eval.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.factory import EnginePool
+from jobs.eval.engines.hf import HFEngine
+from jobs.eval.evaluators import EngineEvaluator
+from jobs.eval.loop import Worker
+from jobs.eval.options import WorkerOptions
+from jobs.eval.scoring import DatasetCache
+from jobs.eval.worker import run_worker
+from jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY, EXIT_USAGE
 from tests.workerutil import flip_byte, make_eval_run, publish_model, results, run_inprocess
 
 QUIET = {"out": lambda _line: None}

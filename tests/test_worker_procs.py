@@ -17,7 +17,7 @@ import pytest
 
 from coord.manifest import LeaseSettings
 from coord.units import WorkUnit
-from jobs.worker import EXIT_DONE, EXIT_PREEMPTED, EXIT_USAGE
+from jobs.lifecycle import EXIT_DONE, EXIT_PREEMPTED, EXIT_USAGE
 from tests.workerutil import (
     claimed_at,
     duplicates,

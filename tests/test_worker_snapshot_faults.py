@@ -19,17 +19,12 @@ from coord.discovery import SnapshotDiscovery, SnapshotRef
 from coord.ledger import Ledger
 from coord.manifest import LeaseSettings
 from coord.units import WorkUnit
-from jobs.engines.hf import HFEngine
-from jobs.scoring import DatasetCache
-from jobs.worker import (
-    EXIT_DONE,
-    EngineEvaluator,
-    Evaluation,
-    FnEvaluator,
-    Worker,
-    WorkerOptions,
-    evaluate_unit,
-)
+from jobs.eval.engines.hf import HFEngine
+from jobs.eval.evaluators import EngineEvaluator, Evaluation, FnEvaluator, evaluate_unit
+from jobs.eval.loop import Worker
+from jobs.eval.options import WorkerOptions
+from jobs.eval.scoring import DatasetCache
+from jobs.lifecycle import EXIT_DONE
 from tests.workerutil import SumBackend, make_eval_run, publish_model, results
 
 

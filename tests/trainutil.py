@@ -3,7 +3,7 @@
 ``python -m tests.trainutil consume RUN [--delay S] [--until-done]`` is a minimal consumer that
 speaks only the coord protocol: it discovers complete snapshots under ``run.json``'s snapshot roots,
 claims units with :class:`coord.units.UnitClaimer`, scores them on a real
-:class:`jobs.engines.hf.HFEngine` with :func:`jobs.scoring.score_unit`, and publishes results with
+:class:`jobs.eval.engines.hf.HFEngine` with :func:`jobs.eval.scoring.score_unit`, and publishes results with
 :func:`coord.results.write_result`. ``--delay`` slows each unit down (to make points overlap);
 ``--until-done`` exits once ``TRAINING_DONE`` exists and every dispatched step has all its results.
 """
@@ -19,17 +19,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from coord.config import DispatchConfig
 from coord.discovery import SnapshotDiscovery
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, ok_result, write_result
 from coord.rundir import RunDir
 from coord.units import UnitClaimer, shard_range, units_for_step
+from jobs.trainer.config import DispatchConfig
 
 
 def make_train_run(run_dir: Path, **overrides: Any) -> tuple[RunDir, DispatchConfig | None]:
     """A run dir as ``ckpteval train`` prepares it (small eval set), and its validated eval config."""
-    from jobs.train import TrainConfig, prepare_run
+    from jobs.reference.train import TrainConfig, prepare_run
 
     settings: dict[str, Any] = {"eval_n_prompts": 4, "eval_shard_size": 2, "eval_interval": 2,
                                 "lease_duration": 5.0, "lease_heartbeat": 1.0}
@@ -93,8 +93,8 @@ def dispatched_steps(run_dir: Path) -> set[int]:
 
 def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeout_s: float = 300.0) -> int:
     """Evaluate every unit of every complete snapshot; returns the number of results written."""
-    from jobs.engines.hf import HFEngine
-    from jobs.scoring import DatasetCache, score_unit
+    from jobs.eval.engines.hf import HFEngine
+    from jobs.eval.scoring import DatasetCache, score_unit
 
     run = RunDir.open(run_dir)
     manifest = run.manifest()

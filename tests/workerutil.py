@@ -1,8 +1,8 @@
 """Shared helpers for the eval-side tests: real runs, real tiny-model snapshots, real fn backends.
 
 Nothing here is a fake of ckpteval: runs are created with :mod:`coord`, snapshots are published with
-``coord.snapshot.publish_snapshot`` around ``jobs.export.hf_files.write_hf_files`` of a tiny
-``jobs.model.build_model`` Llama, and the fn backends below are real ``CheckpointEvalFn`` classes
+``coord.snapshot.publish_snapshot`` around ``jobs.trainer.export.hf_files.write_hf_files`` of a tiny
+``jobs.reference.model.build_model`` Llama, and the fn backends below are real ``CheckpointEvalFn`` classes
 (loaded by import path in worker subprocesses) that score from the snapshot's actual safetensors.
 torch is imported lazily so that fn-backend worker processes importing this module stay light.
 """
@@ -23,7 +23,7 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.results import Result, ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
-from jobs.engines.fn import CheckpointEvalFn, EvalSkip
+from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
 from tests.coordutil import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def make_eval_run(
     """A run with the built-in addition eval set (``n_prompts`` rows) and one snapshot root."""
     from dataclasses import replace
 
-    from jobs.evalsets import write_addition_dataset
+    from jobs.eval.evalsets import write_addition_dataset
 
     run = RunDir.create(tmp / name)
     spec = write_addition_dataset(run, n=n_prompts, shard_size=shard_size)
@@ -67,7 +67,7 @@ _BASE: dict[str, Path] = {}
 
 def base_dir(tmp: Path) -> Path:
     """A base model dir (config, generation config, tokenizer; no weights), made once per tmp dir."""
-    from jobs.model import save_base_model_dir
+    from jobs.reference.model import save_base_model_dir
 
     key = str(tmp)
     if key not in _BASE:
@@ -77,8 +77,8 @@ def base_dir(tmp: Path) -> Path:
 
 def model_writer(tmp: Path, seed: int) -> Callable[[Path], dict[str, dict[str, int]]]:
     """A ``write_files`` for publish_snapshot: the tiny model with weights drawn from ``seed``."""
-    from jobs.export.hf_files import write_hf_files
-    from jobs.model import build_model
+    from jobs.reference.model import build_model
+    from jobs.trainer.export.hf_files import write_hf_files
 
     base = base_dir(tmp)
 
@@ -243,7 +243,7 @@ def completion_hash(completion: str, answer: str) -> float:
 
 def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
     """Build and run a worker in this process (no signal handlers); returns (exit code, worker)."""
-    from jobs.worker import prepare_worker
+    from jobs.eval.worker import prepare_worker
 
     worker = prepare_worker(opts, **kw)
     try:

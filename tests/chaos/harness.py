@@ -4,7 +4,7 @@ Nothing here fakes ckpteval. Workers are ``python -m jobs.cli worker`` processes
 (:class:`tests.workerutil.SumBackend`, which reads every snapshot's real safetensors; no torch import per
 worker, which keeps the suite affordable on 2 cores), trainers are either ``python -m jobs.cli train``
 processes or :class:`InProcTrainer` — this process acting as a training loop that drives the real
-:class:`jobs.dispatcher.EvalDispatcher` with a real tiny model (real async export into the staging root,
+:class:`jobs.trainer.dispatcher.EvalDispatcher` with a real tiny model (real async export into the staging root,
 real ledger, metrics.jsonl, ingestion and GC). Faults are real signals, real filesystems (tmpfs mounts),
 real clock skew (libfaketime) and real bytes written over the protocol's files.
 
@@ -233,7 +233,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 # -- an in-process training loop over the real EvalDispatcher -------------------------------------------
 class InProcTrainer:
     """This process as a training loop: a real tiny model whose weights change every step, and the real
-    :class:`~jobs.dispatcher.EvalDispatcher` (staging export, ledger, metrics.jsonl, ingestion, GC).
+    :class:`~jobs.trainer.dispatcher.EvalDispatcher` (staging export, ledger, metrics.jsonl, ingestion, GC).
 
     Every dispatcher call is timed; one longer than :data:`STALL_S` counts as a trainer stall.
     """
@@ -244,10 +244,10 @@ class InProcTrainer:
                  drain_timeout: float = 120.0, poll_interval: float = 0.1) -> None:
         import torch
 
-        from jobs.dispatcher import EvalDispatcher
         from jobs.metrics import MetricsSink
-        from jobs.model import ModelConfig, build_model
-        from jobs.train import base_model_dir
+        from jobs.reference.model import ModelConfig, build_model
+        from jobs.reference.train import base_model_dir
+        from jobs.trainer.dispatcher import EvalDispatcher
         from tests.trainutil import make_train_run
 
         self.torch = torch
@@ -575,7 +575,7 @@ def table_markdown(rows: list[Row]) -> str:
 
 
 def machine() -> dict[str, str]:
-    from coord.config import filesystem_type
+    from jobs.trainer.config import filesystem_type
 
     mem = "?"
     try:

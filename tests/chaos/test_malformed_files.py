@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from coord.units import WorkUnit
-from jobs.status import collect_status
-from jobs.worker import EXIT_USAGE
+from jobs.lifecycle import EXIT_USAGE
+from jobs.views.status import collect_status
 from tests.chaos import harness
 
 RUN_JSON_VARIANTS = {

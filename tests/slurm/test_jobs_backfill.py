@@ -11,7 +11,7 @@ import pytest
 import submitit
 
 from coord.results import ResultIndex
-from jobs import api
+from jobs.launch import api
 from tests.slurm.test_jobs_helpers import FN, finished_run, job_log, submit_job
 from tests.workerutil import REPO
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coord.results import ResultIndex
-from jobs import api
+from jobs.launch import api
 from tests.slurm.test_jobs_helpers import JOB_ENV, job_log, pids_of, wait_until
 from tests.workerutil import REPO
 
@@ -80,7 +80,7 @@ def test_het_job_end_to_end_points_pinned(slurm_cluster, tmp_path: Path) -> None
 
 
 def test_trainer_death_ends_the_fleet(slurm_cluster, tmp_path: Path) -> None:
-    """Submitted through the notebook API (jobs.api.submit_train_eval -> rendered sbatch script)."""
+    """Submitted through the notebook API (jobs.launch.api.submit_train_eval -> rendered sbatch script)."""
     run = tmp_path / "run"
     env = [JOB_ENV[i + 1] for i in range(0, len(JOB_ENV), 2)]
     job = api.submit_train_eval(

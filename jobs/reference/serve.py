@@ -45,8 +45,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from jobs.engines.base import EngineError, SamplingParams
-from jobs.engines.hf import Completion, HFEngine
+from jobs.eval.engines.base import EngineError, SamplingParams
+from jobs.eval.engines.hf import Completion, HFEngine
 
 DEFAULT_WEIGHT_VERSION = "default"  # sglang's ServerArgs.weight_version default
 MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -10,7 +10,7 @@ to do, says so and exits 0. Safe as N concurrent SLURM array tasks over one run:
 through leases, so each is evaluated once (a rare double evaluation after a stall lands in
 ``results/duplicates/``); every task ends only when every unit of the snapshots present has a result,
 taking over the units of a dead task once its lease expires. Exit codes are the worker's
-(``jobs.worker``): 0 done, 2 usage, 3 preempted (requeue), 4 engine dead.
+(``jobs.eval.worker``): 0 done, 2 usage, 3 preempted (requeue), 4 engine dead.
 
 Limits: snapshots published while it runs are picked up (a running trainer's backfill chases it), but
 it does not wait for steps that have no snapshot yet.
@@ -22,7 +22,9 @@ import argparse
 
 from tqdm import tqdm
 
-from jobs.worker import EXIT_CODES_HELP, EXIT_DONE, add_worker_flags, options_from_args, run_worker
+from jobs.eval.options import add_worker_flags, options_from_args
+from jobs.eval.worker import run_worker
+from jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
 
 class Progress:

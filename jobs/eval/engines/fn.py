@@ -1,6 +1,6 @@
 """The ``CheckpointEvalFn`` contract: black-box eval backends that score a whole work unit.
 
-An engine (:mod:`jobs.engines.base`) generates and the worker scores; a ``CheckpointEvalFn`` does
+An engine (:mod:`jobs.eval.engines.base`) generates and the worker scores; a ``CheckpointEvalFn`` does
 everything in between claiming a unit and writing its result itself: load the checkpoint however it
 likes (a LoRA adapter on a base model, a vLLM server, a reward model, a harness in a container), run
 the unit's rows, score them. It is loaded by import path with ``ckpteval worker --engine

@@ -1,4 +1,4 @@
-"""``SGLangEngine``: an :class:`~jobs.engines.http.HTTPEngine` that launches (or attaches to) sglang.
+"""``SGLangEngine``: an :class:`~jobs.eval.engines.http.HTTPEngine` that launches (or attaches to) sglang.
 
 Launching runs ``python -m sglang.launch_server --model-path DIR --host H --port P --tp-size N
 [--weight-version V] [--base-gpu-id I] [extra args...]`` (flag names from sglang's
@@ -31,8 +31,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from jobs.engines.base import EngineError
-from jobs.engines.http import HTTPEngine, WeightVersionMismatch
+from jobs.eval.engines.base import EngineError
+from jobs.eval.engines.http import HTTPEngine, WeightVersionMismatch
 
 
 def gpu_count(env: Mapping[str, str] | None = None) -> int:

@@ -3,11 +3,11 @@
 Specs (what ``--engine`` accepts):
 
 ========================  =====================================================================
-``hf``                    :class:`jobs.engines.hf.HFEngine` in this process on ``--device``
-``http:URL``              :class:`jobs.engines.http.HTTPEngine` talking to a server at ``URL``
+``hf``                    :class:`jobs.eval.engines.hf.HFEngine` in this process on ``--device``
+``http:URL``              :class:`jobs.eval.engines.http.HTTPEngine` talking to a server at ``URL``
                           (sglang's native API: ``ckpteval serve`` or a real sglang server)
-``sglang``                :class:`jobs.engines.sglang.SGLangEngine`: launches its own sglang server
-``fn:module:Class``       a :class:`jobs.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
+``sglang``                :class:`jobs.eval.engines.sglang.SGLangEngine`: launches its own sglang server
+``fn:module:Class``       a :class:`jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
 ========================  =====================================================================
 
 Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
@@ -17,7 +17,7 @@ kinds are ignored; a key the constructor rejects is a ``ValueError`` naming the 
 
 Engine modules are imported lazily, so a worker running an ``fn`` backend never imports torch.
 
-:class:`EnginePool` makes N engines look like one :class:`~jobs.engines.base.Engine`: loads go to all (in turn),
+:class:`EnginePool` makes N engines look like one :class:`~jobs.eval.engines.base.Engine`: loads go to all (in turn),
 prompts are split across all (one thread each), and its ``weight_version`` is the common version only
 when *every* engine reports the same one — so the worker's pin checks cover all of them.
 
@@ -31,8 +31,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from jobs.engines.base import Engine, EngineError, Generation, SamplingParams
-from jobs.engines.fn import CheckpointEvalFn, make_fn_backend
+from jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams
+from jobs.eval.engines.fn import CheckpointEvalFn, make_fn_backend
 
 KINDS = ("hf", "http", "sglang", "fn")
 
@@ -73,15 +73,15 @@ def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | Check
     kind = spec_kind(spec)
     rest = spec.partition(":")[2]
     if kind == "hf":
-        from jobs.engines.hf import HFEngine
+        from jobs.eval.engines.hf import HFEngine
 
         return _construct(spec, HFEngine, **{"device": device, **extra})
     if kind == "http":
-        from jobs.engines.http import HTTPEngine
+        from jobs.eval.engines.http import HTTPEngine
 
         return _construct(spec, HTTPEngine, rest, **extra)
     if kind == "sglang":
-        from jobs.engines.sglang import SGLangEngine
+        from jobs.eval.engines.sglang import SGLangEngine
 
         return _construct(spec, SGLangEngine, **{"device": device, **extra})
     return make_fn_backend(rest, extra)
@@ -111,7 +111,7 @@ def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 class EnginePool:
-    """Several engines behind the :class:`~jobs.engines.base.Engine` interface (see module doc)."""
+    """Several engines behind the :class:`~jobs.eval.engines.base.Engine` interface (see module doc)."""
 
     def __init__(self, engines: list[Engine]) -> None:
         if not engines:

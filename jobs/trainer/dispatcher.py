@@ -5,7 +5,7 @@ The loop calls :meth:`EvalDispatcher.maybe_dispatch` after every optimizer step 
 dispatcher makes a snapshot of the step available to the eval fleet and goes on; finished points are
 ingested later, on a later call, and logged at their *dispatch* step.
 
-Snapshot source (from :class:`coord.config.DispatchConfig`, validated at construction — before
+Snapshot source (from :class:`jobs.trainer.config.DispatchConfig`, validated at construction — before
 training):
 
 - **staging**: the weights are exported into the staging root by :class:`AsyncExporter` (the loop
@@ -56,7 +56,7 @@ GC leaves them for that backfill.
 
 Shared posture: given a :class:`SharedEval` (the trainer's own engine and its :class:`ProducerGate`),
 a dispatch is blocking instead: publish the snapshot, evaluate it with
-:func:`jobs.gate.shared_eval`, ingest it at once (lag 0). The eval's wall time (what training waited
+:func:`jobs.trainer.gate.shared_eval`, ingest it at once (lag 0). The eval's wall time (what training waited
 on top of the export) is logged as ``eval/shared_eval_seconds``; in-flight producer requests that do
 not finish within ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
@@ -75,7 +75,6 @@ from typing import Any
 
 import torch
 
-from coord.config import DispatchConfig
 from coord.discovery import shards_present
 from coord.gc import StagingGC, has_room
 from coord.ledger import Ledger
@@ -83,11 +82,12 @@ from coord.results import Point, Result, ResultIndex, derive_point, point_metric
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, mark_complete, snapshot_dirname
 from coord.units import WorkUnit, units_for_step
-from jobs.engines.base import Engine
-from jobs.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
-from jobs.gate import ProducerGate, shared_eval
+from jobs.eval.engines.base import Engine
+from jobs.eval.scoring import DatasetCache
 from jobs.metrics import MetricsSink
-from jobs.scoring import DatasetCache
+from jobs.trainer.config import DispatchConfig
+from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
+from jobs.trainer.gate import ProducerGate, shared_eval
 
 Model = torch.nn.Module | Mapping[str, Any]
 WAIT_SLICE_S = 0.1

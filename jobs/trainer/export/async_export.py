@@ -5,10 +5,10 @@
 1. wait for the previous export to finish — at most one export is in flight;
 2. check free space on the staging filesystem for the state dict's bytes (:func:`coord.gc.has_room`;
    a full /dev/shm takes the node down) — no room is an ``export_failed`` outcome, nothing written;
-3. copy every tensor into host memory (:func:`jobs.export.hf_files.snapshot_host_copy`);
+3. copy every tensor into host memory (:func:`jobs.trainer.export.hf_files.snapshot_host_copy`);
 
 and then returns. A background thread writes the HF files from the host copy
-(:func:`~jobs.export.hf_files.write_hf_files`, checksums computed while writing) and publishes them
+(:func:`~jobs.trainer.export.hf_files.write_hf_files`, checksums computed while writing) and publishes them
 atomically with their ``.complete`` marker (:func:`coord.snapshot.publish_snapshot`, which fsyncs
 every file before the marker).
 
@@ -39,7 +39,7 @@ import torch
 
 from coord.gc import has_room
 from coord.snapshot import publish_snapshot
-from jobs.export.hf_files import snapshot_host_copy, write_hf_files
+from jobs.trainer.export.hf_files import snapshot_host_copy, write_hf_files
 
 RoomCheck = Callable[[Path, int], bool]
 

@@ -10,7 +10,7 @@ With no dedicated eval GPUs, an eval point runs on the engine that serves the tr
 
 :func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
 disk into the engine (weights reach an engine only from disk), reads the engine's version back
-(must be ``str(step)``), scores every unit of the step with :func:`jobs.scoring.score_unit`, reads
+(must be ``str(step)``), scores every unit of the step with :func:`jobs.eval.scoring.score_unit`, reads
 the version back again, and writes one result per unit. A version other than ``str(step)`` before or
 after, or on any sample, makes *every* unit of the point a ``pin_violation`` skip: the point did not
 provably measure the intended weights. Pinning comes from call order: nothing else may load weights
@@ -34,8 +34,8 @@ from coord.results import Result, ok_result, skip_result, write_result
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
-from jobs.engines.base import Engine, EngineError
-from jobs.scoring import DatasetCache, UnitScores, score_unit
+from jobs.eval.engines.base import Engine, EngineError
+from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
 
 
 class ProducerGate:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobs.status import collect_status
+from jobs.views.status import collect_status
 
 
 def plot_series(status: dict[str, Any]) -> dict[str, Any]:

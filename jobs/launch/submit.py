@@ -16,7 +16,7 @@ The rendered script is saved as ``RUN/slurm/<kind>-<time>.sbatch`` (what ran, fo
 output goes to ``RUN/slurm/%x-%j.out`` (``%x-%A_%a.out`` for arrays) unless ``--output`` says
 otherwise. ``--dry-run`` prints the script and the sbatch command and touches nothing.
 
-Python callers (:mod:`jobs.api`) use :func:`prepare` and :func:`submit_prepared`.
+Python callers (:mod:`jobs.launch.api`) use :func:`prepare` and :func:`submit_prepared`.
 
 Limits: the scripts run ``CKPTEVAL_PYTHON -m jobs.cli`` and source ``sbatch/common.sh`` from this
 checkout, so both must be on a filesystem the compute nodes see (paths are rendered absolute).
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SBATCH_DIR = Path(__file__).resolve().parents[1] / "sbatch"
+SBATCH_DIR = Path(__file__).resolve().parents[2] / "sbatch"
 TEMPLATES = {"train-eval": "train_eval.sbatch", "backfill": "backfill.sbatch", "service": "eval_service.sbatch"}
 OPTIONS_BEGIN, OPTIONS_END = "# >>> ckpteval sbatch options", "# <<< ckpteval sbatch options"
 SETTINGS_BEGIN, SETTINGS_END = "# >>> ckpteval settings", "# <<< ckpteval settings"

@@ -1,4 +1,4 @@
-"""``HTTPEngine``: the :class:`~jobs.engines.base.Engine` protocol over sglang's native HTTP API.
+"""``HTTPEngine``: the :class:`~jobs.eval.engines.base.Engine` protocol over sglang's native HTTP API.
 
 Works against any server speaking the subset ``ckpteval serve`` implements (sglang itself, or
 ``ckpteval serve``): ``/update_weights_from_disk``, ``/model_info`` (falling back to the older
@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from jobs.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.base import EngineError, Generation, SamplingParams
 
 
 class WeightVersionMismatch(EngineError):

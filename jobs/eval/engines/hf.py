@@ -52,7 +52,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from jobs.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.base import EngineError, Generation, SamplingParams
 
 # config.json keys that say nothing about the weights' layout: a change here still reloads in place.
 _BOOKKEEPING_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"})

@@ -1,12 +1,12 @@
 """``ckpteval train``: the reference trainer — a tiny decoder learning 2-digit addition on CPU.
 
 It exists to drive the eval machinery with a real model whose score climbs from 0 to ~1, and to
-show how a training loop uses it: build an :class:`~jobs.dispatcher.EvalDispatcher`, call
+show how a training loop uses it: build an :class:`~jobs.trainer.dispatcher.EvalDispatcher`, call
 ``maybe_dispatch(step, model)`` after each optimizer step and ``close(final_step, model)`` at the
 end. Read top to bottom:
 
 1. :class:`TrainConfig` from the command line; the eval flags are validated as one
-   (:meth:`coord.config.DispatchConfig.validate`) before anything is written or trained.
+   (:meth:`jobs.trainer.config.DispatchConfig.validate`) before anything is written or trained.
 2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
    sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
@@ -54,15 +54,13 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from tqdm import tqdm
 
 from coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomic
-from coord.config import OVERFLOW_POLICIES, DispatchConfig
 from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, producer_identity
-from jobs.dispatcher import EvalDispatcher, SharedEval, checkpoint_dirname
-from jobs.evalsets import write_addition_dataset
+from jobs.eval.evalsets import write_addition_dataset
 from jobs.metrics import MetricsSink, init_wandb
-from jobs.model import (
+from jobs.reference.model import (
     ModelConfig,
     batch_for_training,
     build_model,
@@ -71,6 +69,8 @@ from jobs.model import (
     save_base_model_dir,
     save_tokenizer,
 )
+from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
+from jobs.trainer.dispatcher import EvalDispatcher, SharedEval, checkpoint_dirname
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpoint saved, run again with --resume
 KEEP_TRAIN_CKPTS = 2
@@ -395,8 +395,8 @@ def build_dispatcher(
         return None
     shared = None
     if cfg.eval_posture == "shared":
-        from jobs.engines.hf import HFEngine
-        from jobs.gate import ProducerGate
+        from jobs.eval.engines.hf import HFEngine
+        from jobs.trainer.gate import ProducerGate
 
         shared = SharedEval(HFEngine(device="cpu"), ProducerGate())
     return EvalDispatcher(

@@ -105,7 +105,7 @@ def write_addition_dataset(
     run: RunDir, name: str = "addition", n: int = 128, seed: int = 1234, shard_size: int = 64
 ) -> DatasetSpec:
     """The built-in eval set of the reference task, written into the run's ``data/`` dir."""
-    from jobs.model import make_addition_examples
+    from jobs.reference.model import make_addition_examples
 
     rows = make_addition_examples(n, seed)
     write_jsonl(run.data / f"{name}.jsonl", rows)

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from coord.gc import has_room
-from jobs.plot import draw, plot_series
-from jobs.status import collect_status, points_table, read_metrics
+from jobs.views.plot import draw, plot_series
+from jobs.views.status import collect_status, points_table, read_metrics
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
 SHM = Path("/dev/shm")

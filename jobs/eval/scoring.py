@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from coord.manifest import DatasetSpec, RunManifest
 from coord.rundir import RunDir
 from coord.units import WorkUnit, shard_range
-from jobs.engines.base import Engine, SamplingParams
-from jobs.evalsets import Scorer, get_scorer, load_dataset
+from jobs.eval.engines.base import Engine, SamplingParams
+from jobs.eval.evalsets import Scorer, get_scorer, load_dataset
 
 
 @dataclass

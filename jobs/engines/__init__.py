@@ -1,1 +1,0 @@
-"""Inference engines behind one small interface (see :mod:`jobs.engines.base`)."""

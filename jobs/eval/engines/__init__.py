@@ -1,0 +1,1 @@
+"""Inference engines behind one small interface (see :mod:`jobs.eval.engines.base`)."""

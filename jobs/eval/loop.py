@@ -1,0 +1,355 @@
+"""The worker loop: poll, claim, evaluate, publish, release — one :class:`Worker`.
+
+See :mod:`jobs.eval.worker` for the promises (outcomes, leases, preemption, when it exits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coord.discovery import SnapshotDiscovery, SnapshotRef
+from coord.ledger import Ledger
+from coord.results import Result, ResultIndex, write_result
+from coord.rundir import RunDir
+from coord.snapshot import (
+    Marker,
+    producer_identity,
+    snapshot_dirname,
+)
+from coord.units import Claim, UnitClaimer, WorkUnit, order_units, units_for_step
+from jobs.eval.evaluators import Evaluator, evaluate_unit
+from jobs.eval.options import WorkerOptions
+from jobs.lifecycle import (
+    EXIT_DONE,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    EXIT_UNHEALTHY,
+)
+
+WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
+
+
+def dispatched_steps(ledger_path: Path) -> set[int]:
+    """Steps the trainer dispatched, read as a reader (``repair=False``: never truncates a live ledger)."""
+    return set(dispatch_records(ledger_path))
+
+
+def dispatch_records(ledger_path: Path) -> dict[int, dict[str, Any]]:
+    """step -> the trainer's latest ``dispatched`` record (read-only, like :func:`dispatched_steps`)."""
+    return Ledger(ledger_path, repair=False).state.dispatched
+
+
+def still_holds(claim: Claim) -> bool:
+    """Whether ``claim`` is still ours: not reported lost, and the lease file still carries its token.
+
+    The token check reads filelock's marker (``token=<hex>`` line); an unreadable file counts as held
+    (the heartbeat reports real losses).
+    """
+    if claim.compromised.is_set():
+        return False
+    lost = claim.lease.compromise
+    if lost is not None and lost.token == claim.token:
+        return False
+    try:
+        content = Path(claim.lease.lock_file).read_text()
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        return True
+    return f"token={claim.token}\n" in content
+
+
+# -- the loop ---------------------------------------------------------------------------------------------
+@dataclass
+class _Discovered:
+    discovery: SnapshotDiscovery
+    foreign: bool
+
+
+@dataclass
+class Worker:
+    """One worker's state across polls; :meth:`run` may be called again after it returns."""
+
+    rundir: RunDir
+    opts: WorkerOptions
+    evaluator: Evaluator
+    out: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
+    on_poll: Callable[[int], None] | None = None  # called with the number of outstanding units
+
+    def __post_init__(self) -> None:
+        self.manifest = self.rundir.manifest()
+        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results)
+        self.index = ResultIndex(self.rundir.results)
+        self.discoveries = self._make_discoveries()
+        self.identity = {
+            **producer_identity(),
+            "worker_id": self.opts.worker_id or f"{producer_identity()['host']}:{os.getpid()}",
+            "engine": "+".join(self.opts.engines)
+            + (f" x{self.opts.replicas}" if self.opts.replicas > 1 else ""),
+        }
+        self.refs: dict[int, SnapshotRef] = {}
+        self.settled: set[int] = set()
+        self.written = 0
+        self.training_done = False  # as of the last poll
+        self.stop_signal: int | None = None
+        self.unit_thread: threading.Thread | None = None
+        self._tried: set[WorkUnit] = set()
+        self._warned: set[str] = set()
+        self._pending_since: dict[tuple[str, str], float] = {}
+        self._unhealthy_streak = 0
+        self._dispatches: dict[int, dict[str, Any]] = {}  # ledger records, read once training is done
+        self._unfound_since: dict[int, float] = {}
+
+    def _make_discoveries(self) -> list[_Discovered]:
+        foreign = {
+            str(Path(r).resolve())
+            for r in self.manifest.trainer.get("foreign_roots", [])
+            if isinstance(r, str)
+        }
+        foreign |= {str(Path(w).resolve()) for w in self.opts.watch}
+        roots = list(
+            dict.fromkeys([str(Path(r).resolve()) for r in self.manifest.snapshot_roots] + sorted(foreign))
+        )
+        return [
+            _Discovered(
+                SnapshotDiscovery(
+                    Path(r),
+                    admit_foreign=r in foreign,
+                    quiescence_s=self.opts.quiescence_s,
+                    adoption_dir=self.rundir.adopted,
+                ),
+                r in foreign,
+            )
+            for r in roots
+        ]
+
+    # -- stopping ----------------------------------------------------------------------------------
+    def request_stop(self, signum: int) -> None:
+        """Signal-handler safe: only sets a flag, which the main thread acts on within ~50 ms."""
+        self.stop_signal = signum
+
+    def _stop_code(self) -> int:
+        return EXIT_INTERRUPTED if self.stop_signal == signal.SIGINT else EXIT_PREEMPTED
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while self.stop_signal is None and (left := end - time.monotonic()) > 0:
+            time.sleep(min(WAIT_SLICE_S * 2, left))
+
+    # -- polling -----------------------------------------------------------------------------------
+    def poll(self) -> tuple[list[WorkUnit], int]:
+        """(claimable units, number of outstanding units incl. those without a snapshot yet)."""
+        current: dict[int, SnapshotRef] = {}
+        for d in self.discoveries:
+            for ref in d.discovery.poll():
+                current.setdefault(ref.step, ref)
+        self.refs.update(current)  # a vanished snapshot keeps its ref: its units become ckpt_missing
+        results = self.index.refresh()
+        self._forget_finished(results)
+        for name, why in self.index.errors.items():
+            self._warn_once(name, f"unit left alone: its result file is malformed ({why})")
+        broken = {WorkUnit.from_id(n[: -len(".json")]) for n in self.index.errors if self._parsable_id(n)}
+        outstanding = [
+            u
+            for s in sorted(self._steps())
+            if s not in self.settled
+            for u in self._open_units(s, results)
+            if u not in broken  # a human must look at it; re-evaluating could never publish
+        ]
+        self._give_up_finding(outstanding)
+        claimable = [u for u in outstanding if u.step in self.refs]
+        if self.on_poll is not None:
+            self.on_poll(len(outstanding))
+        return claimable, len(outstanding)
+
+    def _give_up_finding(self, outstanding: list[WorkUnit]) -> None:
+        """Training is done, so every snapshot the trainer will publish is published: a dispatched step no
+        poll has found for one lease duration (on this process's monotonic clock, which also covers a
+        shared filesystem's slow visibility) gets a ref to where its snapshot should be. Its units then
+        take the normal path and verification makes them ``ckpt_missing`` (or ``ckpt_corrupt`` for an
+        unreadable marker) — instead of the fleet waiting forever for a snapshot that is gone."""
+        now = time.monotonic()
+        unfound = {u.step for u in outstanding if u.step not in self.refs and u.step in self._dispatches}
+        for step in set(self._unfound_since) - unfound:
+            del self._unfound_since[step]
+        for step in sorted(unfound):
+            if now - self._unfound_since.setdefault(step, now) < self.manifest.lease.duration_s:
+                continue
+            path = self._expected_snapshot(step)
+            self.refs[step] = SnapshotRef(step, path, Marker(step, str(step), {}, {}, "missing", 0.0))
+            self._warn_once(f"unfound:{step}", f"step {step} was dispatched but its snapshot {path} never appeared")
+
+    def _expected_snapshot(self, step: int) -> Path:
+        record = self._dispatches.get(step, {})
+        if isinstance(record.get("snapshot"), str):
+            return Path(record["snapshot"])
+        root = Path(self.manifest.snapshot_roots[0]) if self.manifest.snapshot_roots else self.rundir.snapshots
+        return root / (f"checkpoint-{step}" if record.get("mode") == "reuse" else snapshot_dirname(step))
+
+    def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
+        units = [u for u in units_for_step(self.manifest, step) if u not in results]
+        if not units:
+            self.settled.add(step)
+        return units
+
+    def _steps(self) -> set[int]:
+        # TRAINING_DONE is read once per poll, *before* the ledger: the trainer appends its last dispatch
+        # before writing it, so a worker that sees "done" also sees every dispatched step.
+        self.training_done = self.rundir.training_done() is not None
+        steps = set(self.refs)
+        if self.training_done:
+            try:
+                self._dispatches = dispatch_records(self.rundir.ledger_path)
+                steps |= set(self._dispatches)
+            except ValueError as e:  # the trainer reports it; the fleet still ends on what it discovered
+                self._warn_once("ledger", f"cannot read the trainer's dispatches: {e}")
+        if self.opts.catchup == "latest":
+            return {max(steps)} if steps else set()
+        return steps
+
+    @staticmethod
+    def _parsable_id(name: str) -> bool:
+        try:
+            WorkUnit.from_id(name[: -len(".json")])
+        except ValueError:
+            return False
+        return True
+
+    def _forget_finished(self, results: dict[WorkUnit, Result]) -> None:
+        for unit in [u for u in self._tried if u in results]:
+            self.claimer.forget(unit)
+            self._tried.discard(unit)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            print(f"ckpteval worker: {message}", file=sys.stderr, flush=True)
+
+    def _awaiting_foreign(self) -> bool:
+        """--once: whether a marker-less dir may still become quiescent (bounded wait per dir)."""
+        now, waiting = time.monotonic(), False
+        bound = 2 * self.opts.quiescence_s + 5 * self.opts.poll_interval_s
+        for d in self.discoveries:
+            for name in d.discovery.awaiting_quiescence if d.foreign else ():
+                since = self._pending_since.setdefault((str(d.discovery.root), name), now)
+                waiting |= now - since < bound
+        return waiting
+
+    def _finished(self, outstanding: int) -> bool:
+        if self.opts.once:
+            return outstanding == 0 and not self._awaiting_foreign()
+        if self.opts.service:
+            return False
+        return outstanding == 0 and self.training_done
+
+    # -- units ---------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Work until done (see the module docstring); returns an exit code."""
+        self.written = 0
+        while self.stop_signal is None:
+            claimable, outstanding = self.poll()
+            if not claimable:
+                if self._finished(outstanding):
+                    return EXIT_DONE
+                self._sleep(self.opts.poll_interval_s)
+                continue
+            claim = self.claimer.claim_first(order_units(claimable, self.opts.newest_first, spread=os.getpid()))
+            if claim is None:  # all held by other workers: wait, take over expired ones later
+                self._sleep(self.opts.poll_interval_s)
+                continue
+            self._tried.add(claim.unit)
+            result = self._process(claim)
+            if self.stop_signal is not None:
+                break
+            if result is not None and result.skip_reason == "unhealthy":
+                self._unhealthy_streak += 1
+                if self.opts.max_unhealthy and self._unhealthy_streak >= self.opts.max_unhealthy:
+                    self.out(
+                        f"engine unhealthy for {self._unhealthy_streak} units in a row: exiting for a fresh start"
+                    )
+                    return EXIT_UNHEALTHY
+            elif result is not None:
+                self._unhealthy_streak = 0
+            if self.opts.max_units is not None and self.written >= self.opts.max_units:
+                return EXIT_DONE
+        return self._stop_code()
+
+    def _process(self, claim: Claim) -> Result | None:
+        """Evaluate one claimed unit and publish its result; None when abandoned (nothing written)."""
+        unit = claim.unit
+        try:
+            if (self.rundir.results / f"{unit.id}.json").exists():
+                return None  # finished by someone else since the listing
+            if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
+                self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released")
+                return None
+            t0 = time.perf_counter()
+            result = self._evaluate_interruptibly(unit, self.refs[unit.step])
+            if result is None:
+                self.out(
+                    f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released"
+                )
+                return None
+            if not still_holds(claim):
+                self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: lease lost (taken over)")
+                return None
+            result = dataclasses.replace(
+                result,
+                timings={**result.timings, "total_s": time.perf_counter() - t0},
+                worker=self.identity,
+                lease_token=claim.token,
+                attempt=claim.attempt,
+                snapshot=str(self.refs[unit.step].path),
+            )
+            first = write_result(self.rundir.results, result)
+            self.written += 1
+            self.out(_unit_line(result, first))
+            return result
+        finally:
+            claim.release()
+
+    def _evaluate_interruptibly(self, unit: WorkUnit, ref: SnapshotRef) -> Result | None:
+        """Run the unit in a helper thread so a stop signal can release the lease at once (None then)."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["result"] = evaluate_unit(self.evaluator, unit, ref, self.opts.verify)
+            except BaseException as e:  # noqa: BLE001 — carried to the main thread and re-raised there
+                box["error"] = e
+
+        self.unit_thread = threading.Thread(target=target, name=f"ckpteval-unit-{unit.id}", daemon=True)
+        self.unit_thread.start()
+        while self.unit_thread.is_alive():
+            self.unit_thread.join(WAIT_SLICE_S)
+            if self.stop_signal is not None:
+                return None
+        self.unit_thread = None
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    @property
+    def busy(self) -> bool:
+        """A unit's evaluation is still running (only after an abandoning stop)."""
+        return self.unit_thread is not None and self.unit_thread.is_alive()
+
+
+def _unit_line(result: Result, first: bool) -> str:
+    u, secs = result.unit, result.timings.get("total_s", 0.0)
+    head = f"step={u.step} {u.dataset}[{u.shard}]"
+    dup = "" if first else " (duplicate: another result was first)"
+    if result.ok:
+        n = len(result.scores)
+        score = sum(result.scores) / n if n else float("nan")
+        return f"{head} score={score:.4f} n={n} {secs:.2f}s{dup}"
+    return f"{head} SKIP {result.skip_reason}: {result.message[:120]} {secs:.2f}s{dup}"

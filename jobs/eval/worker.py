@@ -1,0 +1,212 @@
+"""``ckpteval worker``: the eval worker — fleet member, long-running service, or one pass.
+
+What it owns: the loop that turns snapshots into results. Each poll it discovers complete snapshots
+under every root of ``run.json``'s ``snapshot_roots`` (plus ``--watch`` dirs), lists ``results/`` once,
+and claims the first unfinished unit ``(step, dataset, shard)`` (oldest step first; ``--newest-first``
+reverses; ``--catchup latest`` considers only the newest step). For a claimed unit it verifies the
+snapshot, pins the engine to it, scores the unit, writes the result (first writer wins) and releases
+the lease. Everything it evaluates is configured by ``run.json``; flags only say *how* to run.
+
+Promises:
+
+* **Every outcome is a result.** A unit ends as scores or as a skip record with a reason:
+  ``ckpt_missing`` / ``ckpt_corrupt`` (snapshot gone or failing ``--verify``), ``pin_violation`` (the
+  engine's version differs from the step after the load, after the unit, or on any sample),
+  ``unhealthy`` (the engine stays dead after restart + reload + re-probe), ``crashed`` (scoring raised
+  an engine, runtime, value or OS error), or a backend's own ``EvalSkip(reason)``. A load or scoring
+  failure is checked against the snapshot once more: if it no longer verifies (deleted or damaged after
+  the first check), the unit is that ``ckpt_missing`` / ``ckpt_corrupt`` skip, not ``unhealthy`` or
+  ``crashed`` (which would blame, restart and eventually retire a healthy engine). The worker then
+  moves on to the next unit.
+* **Pinning.** The engine loads ``(snapshot, weight_version=str(step))`` only when its version differs;
+  the version is read back (polled up to ``--pin-timeout``), every sample must carry it, and it is read
+  again after the unit. With several engines (``--engines N`` or repeated ``--engine``) all must agree.
+* **Health.** Before each unit the engine is probed (one-token generate); a dead one is restarted,
+  reloaded and re-probed. Loads and restarts are bounded by ``--load-timeout``. After
+  ``--max-unhealthy`` consecutive ``unhealthy`` units the worker exits with ``EXIT_UNHEALTHY`` so the
+  scheduler can give it a fresh node (0 disables this).
+* **Leases.** The claim's heartbeat runs while the unit runs. If the claim was lost (taken over after
+  a stall), the worker writes *nothing* for the unit. Just before writing it also checks that the lease
+  file still carries its token, narrowing the window in which a stalled worker can double-write (a rare
+  double write lands in ``results/duplicates/``; readers take the first result).
+* **Preemption.** SIGTERM or SIGUSR1 (SLURM's pre-timeout signal, ``--signal=USR1@T``): no new work is
+  started, the current unit is abandoned and its lease released at once (a contender takes it over
+  without waiting for expiry), and the worker exits with ``EXIT_PREEMPTED`` ("requeue me"). SIGINT
+  does the same and exits with ``EXIT_INTERRUPTED``.
+
+Exit (``EXIT_DONE``): fleet mode (default) once ``TRAINING_DONE`` exists and every unit of every
+dispatched (``ledger.jsonl``) or discovered step has a result — a dispatched step whose snapshot no
+poll has found for one lease duration after ``TRAINING_DONE`` (deleted before anyone saw it, a wiped
+tmpfs, an unreadable marker) is evaluated against the path it should have, so its units end as
+``ckpt_missing`` / ``ckpt_corrupt`` instead of keeping the fleet waiting forever; ``--once`` after one pass over what is
+there — every unit of the snapshots present has a result, waiting for units other workers hold (and
+taking over expired ones), and for marker-less dirs under ``--watch`` to become quiescent (at most
+``2 * --quiescence + 5 * --poll-interval`` per dir); ``--max-units N`` after writing N results.
+Service mode (``--watch``) never ends otherwise.
+
+Exit codes (``sbatch/`` scripts requeue on 3 and 4):
+
+=====================  ====  =================================================================
+``EXIT_DONE``          0     finished (see above)
+``EXIT_ERROR``         1     unexpected error (a traceback was printed)
+``EXIT_USAGE``         2     bad flags, run dir, run.json, eval set or engine settings
+``EXIT_PREEMPTED``     3     SIGTERM / SIGUSR1: lease released, nothing lost — requeue me
+``EXIT_UNHEALTHY``     4     the engine could not be started or stayed dead — requeue elsewhere
+``EXIT_INTERRUPTED``   130   SIGINT (Ctrl-C): lease released
+=====================  ====  =================================================================
+
+Service mode: ``--watch DIR`` evaluates any trainer's checkpoints in DIR — snapshots with a
+``.complete`` marker at once, marker-less ones (an HF Trainer ``checkpoint-500/``) after
+``--quiescence`` seconds without change and with every indexed shard present; the step comes from the
+dir name's trailing digits or ``trainer_state.json``. Restarting never re-evaluates a unit with a
+result. If ``RUN/run.json`` does not exist, ``--eval-config FILE`` creates the run from a JSON file::
+
+    {"run_id": "my-eval",                                   # optional; default: the run dir's name
+     "eval": {"datasets": [{"name": "gsm8k", "path": "gsm8k.jsonl", "n_prompts": 1319,
+                            "scorer": "math", "shard_size": 64, "max_new_tokens": 256}],
+              "engine": {"hf": {"dtype": "bfloat16"}}},
+     "lease": {"duration_s": 120, "heartbeat_s": 20}}       # optional
+
+Dataset paths are relative to the config file; the files are copied into ``RUN/data/``. The watch
+dirs become the run's ``snapshot_roots`` and ``trainer.foreign_roots`` (so backfill and status see the
+adopted checkpoints too). If run.json exists, the config must describe the same eval, else exit 2.
+
+Limits: one unit at a time per worker process (run more workers, or pool engines, for throughput);
+scoring is not interruptible mid-call — on preemption the worker releases first and does not wait for
+it; adopting a foreign checkpoint checksums all its files once, in the polling thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from coord.rundir import RunDir
+from jobs.eval.engines.base import EngineError
+from jobs.eval.evaluators import Evaluator, build_evaluator, call_with_timeout
+from jobs.eval.loop import Worker
+from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
+from jobs.eval.scoring import DatasetCache
+from jobs.eval.service import create_run_from_config, service_ingestion
+from jobs.lifecycle import (
+    EXIT_CODES_HELP,
+    EXIT_DONE,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    EXIT_UNHEALTHY,
+    EXIT_USAGE,
+    STOP_SIGNALS,
+    early_stop_signal,
+)
+
+
+def open_run(opts: WorkerOptions) -> RunDir:
+    if opts.eval_config is not None:
+        if not opts.watch:
+            raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
+        return create_run_from_config(opts.run_dir, opts.eval_config, opts.watch)
+    return RunDir.open(opts.run_dir)
+
+
+def check_datasets(cache: DatasetCache) -> None:
+    """Load every eval set once so a broken one stops the worker at start, not unit by unit."""
+    for spec in cache.manifest.eval.datasets:
+        cache.rows(spec)
+        cache.scorer(spec)
+
+
+# -- entry points ---------------------------------------------------------------------------------------
+def close_quietly(evaluator: Evaluator, timeout_s: float = 10.0) -> None:
+    """Close the backend, bounded: a unit still running may hold the engine's locks."""
+    try:
+        call_with_timeout(evaluator.close, timeout_s, "engine close")
+    except (EngineError, RuntimeError, ValueError, OSError) as e:
+        print(f"ckpteval worker: closing the engine failed: {e}", file=sys.stderr, flush=True)
+
+
+def install_signal_handlers(worker: Worker) -> dict[int, Any]:
+    """Route SIGTERM/SIGUSR1/SIGINT to ``worker``; returns the previous handlers (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for sig in STOP_SIGNALS:
+        previous[sig] = signal.signal(sig, lambda signum, _frame: worker.request_stop(signum))
+    if (early := early_stop_signal()) is not None:  # preempted while still starting up
+        worker.request_stop(early)
+    return previous
+
+
+def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
+    """Open (or create) the run, check its eval sets, build the backend: everything before the loop."""
+    run = open_run(opts)
+    manifest = run.manifest()
+    cache = DatasetCache(run, manifest)
+    check_datasets(cache)
+    evaluator = build_evaluator(opts, manifest, cache)
+    return Worker(run, opts, evaluator, **kw)
+
+
+def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) -> int:
+    """Build, run and close a worker with signal handling; returns the exit code.
+
+    ``exit_process`` (the CLI): after a stop signal abandoned a unit mid-call, end the process at once
+    with the code instead of returning (the abandoned call would otherwise hold up interpreter exit).
+    """
+    try:
+        worker = prepare_worker(opts, **kw)
+    except EngineError as e:
+        print(f"ckpteval worker: engine failed to start: {e}", file=sys.stderr)
+        return EXIT_UNHEALTHY
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ckpteval worker: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finish_ingestion: Callable[[], None] | None = None
+    if opts.wandb:
+        worker.on_poll, finish_ingestion = service_ingestion(worker, opts)
+    previous = install_signal_handlers(worker)
+    try:
+        code = worker.run()
+        if finish_ingestion is not None:
+            finish_ingestion()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        close_quietly(worker.evaluator, timeout_s=2.0 if worker.busy else 10.0)
+    if worker.busy and exit_process:  # abandoned mid-unit: neither wait for it nor let shutdown wait
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ckpteval worker", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP
+    )
+    add_worker_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        opts = options_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return run_worker(opts, exit_process=True)
+
+
+__all__ = [
+    "EXIT_DONE",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_PREEMPTED",
+    "EXIT_UNHEALTHY",
+    "EXIT_USAGE",
+    "Worker",
+    "WorkerOptions",
+    "main",
+    "run_worker",
+]
