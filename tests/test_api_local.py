@@ -1,7 +1,7 @@
 """jobs.launch.api on submitit's local executor (no SLURM): fleet, array backfill, checkpoint + requeue.
 
 Real worker processes on real tiny-model snapshots; the backend is the real fn backend
-``tests.workerutil:SumBackend`` (reads the snapshot's safetensors; ``SUMBACKEND_DELAY_S`` slows each
+``tests.support.workers:SumBackend`` (reads the snapshot's safetensors; ``SUMBACKEND_DELAY_S`` slows each
 unit down so a preemption lands in the middle of one).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import submitit
 
 from jobs.launch import api
-from tests.workerutil import (
+from tests.support.workers import (
     REPO,
     duplicates,
     lease_holder_pid,
@@ -25,7 +25,7 @@ from tests.workerutil import (
     wait_for,
 )
 
-FN = "fn:tests.workerutil:SumBackend"
+FN = "fn:tests.support.workers:SumBackend"
 
 pytestmark = pytest.mark.timeout(180)
 

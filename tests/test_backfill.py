@@ -1,6 +1,6 @@
 """``ckpteval backfill``: idempotent, and safe as concurrent array tasks over one run.
 
-Real processes on real snapshots; the backend is the real fn backend ``tests.workerutil:SumBackend``
+Real processes on real snapshots; the backend is the real fn backend ``tests.support.workers:SumBackend``
 (one HF-engine backfill runs too, to show the default engine path end to end).
 """
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from coord.units import WorkUnit
 from jobs.lifecycle import EXIT_DONE
-from tests.workerutil import duplicates, finish, kill_all, make_eval_run, publish_model, results, spawn
+from tests.support.workers import duplicates, finish, kill_all, make_eval_run, publish_model, results, spawn
 
-FN = "fn:tests.workerutil:SumBackend"
+FN = "fn:tests.support.workers:SumBackend"
 
 
 def test_backfill_twice_second_finds_nothing(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from coord.snapshot import (
     read_marker,
     verify_snapshot,
 )
-from tests.coordutil import flip_byte, make_run, write_tiny_shards
+from tests.support.runs import flip_byte, make_run, write_tiny_shards
 
 
 def test_atomic_write_leaves_no_temp_and_reads_back(tmp_path: Path) -> None:

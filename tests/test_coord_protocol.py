@@ -27,7 +27,7 @@ from coord.results import (
 from coord.snapshot import mark_complete, publish_snapshot
 from coord.units import WorkUnit, order_units, units_for_step
 from jobs.trainer.config import DispatchConfig, filesystem_type
-from tests.coordutil import make_run, write_tiny_shards
+from tests.support.runs import make_run, write_tiny_shards
 
 
 # -- discovery ---------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from jobs.reference.train import TrainConfig, base_model_dir, save_hf_checkpoint
 from jobs.trainer.config import DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher
 from jobs.trainer.export.async_export import AsyncExporter
-from tests.trainutil import eval_lines, eval_step_counts, fill_results, ledger_counts, make_train_run
+from tests.support.training import eval_lines, eval_step_counts, fill_results, ledger_counts, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 

@@ -1,6 +1,6 @@
 """The CheckpointEvalFn contract, the engine factory, and sharding invariance, with real fn backends.
 
-The backends (tests.workerutil) are real CheckpointEvalFn classes loaded by import path; they read
+The backends (tests.support.workers) are real CheckpointEvalFn classes loaded by import path; they read
 the snapshot's actual safetensors. Workers run in this process (the subprocess paths are covered in
 test_worker_procs.py).
 """
@@ -17,7 +17,7 @@ from jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
 from jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
 from jobs.eval.options import WorkerOptions
 from jobs.lifecycle import EXIT_DONE
-from tests.workerutil import (
+from tests.support.workers import (
     SumBackend,
     make_eval_run,
     publish_model,
@@ -36,7 +36,7 @@ def test_fn_backend_scores_every_unit_with_its_versions(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=6, shard_size=4)
     snaps = {step: publish_model(tmp_path, run.snapshots, step) for step in (5, 10)}
     lines: list[str] = []
-    code, worker = run_inprocess(_opts(run.path, "fn:tests.workerutil:SumBackend", worker_id="w-fn"), out=lines.append)
+    code, worker = run_inprocess(_opts(run.path, "fn:tests.support.workers:SumBackend", worker_id="w-fn"), out=lines.append)
     assert code == EXIT_DONE
     assert worker.evaluator.backend.disposed
     got = results(run)
@@ -58,7 +58,7 @@ def test_fn_backend_scores_every_unit_with_its_versions(tmp_path: Path) -> None:
 def test_eval_skip_becomes_a_skip_result_with_its_reason(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2)
     publish_model(tmp_path, run.snapshots, 7)
-    code, _ = run_inprocess(_opts(run.path, "fn:tests.workerutil:AdapterMissingBackend"), out=lambda _l: None)
+    code, _ = run_inprocess(_opts(run.path, "fn:tests.support.workers:AdapterMissingBackend"), out=lambda _l: None)
     assert code == EXIT_DONE
     got = results(run)
     assert {r.skip_reason for r in got.values()} == {"adapter_missing"} and len(got) == 2
@@ -69,7 +69,7 @@ def test_eval_skip_becomes_a_skip_result_with_its_reason(tmp_path: Path) -> None
 def test_backend_reporting_another_version_is_a_pin_violation(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, engine={"fn": {"version_offset": 1}})
     publish_model(tmp_path, run.snapshots, 3)
-    run_inprocess(_opts(run.path, "fn:tests.workerutil:SumBackend"), out=lambda _l: None)
+    run_inprocess(_opts(run.path, "fn:tests.support.workers:SumBackend"), out=lambda _l: None)
     (r,) = results(run).values()
     assert r.skip_reason == "pin_violation" and "['4']" in r.message
 
@@ -77,7 +77,7 @@ def test_backend_reporting_another_version_is_a_pin_violation(tmp_path: Path) ->
 def test_malformed_backend_output_is_crashed(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
     publish_model(tmp_path, run.snapshots, 3)
-    run_inprocess(_opts(run.path, "fn:tests.workerutil:BadOutputBackend"), out=lambda _l: None)
+    run_inprocess(_opts(run.path, "fn:tests.support.workers:BadOutputBackend"), out=lambda _l: None)
     (r,) = results(run).values()
     assert r.skip_reason == "crashed" and "list of 4" in r.message
 
@@ -90,7 +90,7 @@ def test_sharding_does_not_change_the_point_fn(tmp_path: Path) -> None:
     points = []
     for size in (1, 7, n):
         run = make_eval_run(tmp_path, n_prompts=n, shard_size=size, name=f"run-s{size}", snapshot_root=root)
-        run_inprocess(_opts(run.path, "fn:tests.workerutil:SumBackend"), out=lambda _l: None)
+        run_inprocess(_opts(run.path, "fn:tests.support.workers:SumBackend"), out=lambda _l: None)
         got = results(run)
         assert len(got) == -(-n // size)
         points.append(derive_point(run.manifest(), 42, got))
@@ -108,14 +108,14 @@ def test_factory_specs_and_errors(tmp_path: Path) -> None:
     assert engine_settings({"hf": {"dtype": "float32"}, "fn": {"k": 1}}, "hf") == {"dtype": "float32"}
     with pytest.raises(ValueError, match="eval.engine.hf must be an object"):
         engine_settings({"hf": 3}, "hf")
-    backend = make_engine("fn:tests.workerutil:SumBackend", "cpu", {"delay_s": 0.5})
+    backend = make_engine("fn:tests.support.workers:SumBackend", "cpu", {"delay_s": 0.5})
     assert isinstance(backend, SumBackend) and backend.delay_s == 0.5
     with pytest.raises(ValueError, match="rejects the settings"):
-        make_engine("fn:tests.workerutil:SumBackend", "cpu", {"nope": 1})
+        make_engine("fn:tests.support.workers:SumBackend", "cpu", {"nope": 1})
     with pytest.raises(ValueError, match="cannot be imported"):
-        load_fn_class("tests.workerutil:NoSuchClass")
+        load_fn_class("tests.support.workers:NoSuchClass")
     with pytest.raises(ValueError, match="not a class with evaluate_checkpoint"):
-        load_fn_class("tests.workerutil:row_score")
+        load_fn_class("tests.support.workers:row_score")
     with pytest.raises(ValueError, match="rejected"):
         make_engine("hf", "cpu", {"no_such_setting": 1})
 

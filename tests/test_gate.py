@@ -16,7 +16,7 @@ from jobs.reference.model import ModelConfig, build_model
 from jobs.reference.train import base_model_dir
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 from jobs.trainer.gate import ProducerGate, shared_eval
-from tests.trainutil import eval_lines, make_train_run
+from tests.support.training import eval_lines, make_train_run
 
 PARAMS = SamplingParams(max_new_tokens=6)
 PROMPTS = ["12+34=", "07+35=", "99+01=", "50+50="] * 16

@@ -20,7 +20,7 @@ from jobs.reference.model import (
 from jobs.reference.train import base_model_dir
 from jobs.trainer.dispatcher import EvalDispatcher
 from jobs.trainer.hf_callback import EvalDispatchCallback
-from tests.trainutil import InstantFleet, eval_lines, make_train_run
+from tests.support.training import InstantFleet, eval_lines, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 

@@ -11,7 +11,7 @@ from jobs.metrics import MetricsSink
 from jobs.reference.model import ModelConfig, build_model
 from jobs.reference.train import base_model_dir
 from jobs.trainer.dispatcher import EvalDispatcher
-from tests.trainutil import fill_results, make_train_run
+from tests.support.training import fill_results, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 

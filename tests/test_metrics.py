@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from jobs.metrics import MetricsSink, init_wandb
-from tests.trainutil import read_jsonl
+from tests.support.training import read_jsonl
 
 
 def test_jsonl_lines_carry_their_step_and_eval_points_are_logged_once(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from coord.units import WorkUnit
 from jobs.eval.evalsets import write_jsonl
 from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from jobs.reference.model import make_addition_examples
-from tests.workerutil import (
+from tests.support.workers import (
     claimed_at,
     finish,
     kill_all,
@@ -72,7 +72,7 @@ def test_service_admits_markerless_checkpoint_after_quiescence(tmp_path: Path) -
 
     # restart (same command, one pass): nothing is evaluated again
     again = spawn("worker", "--run-dir", str(run_dir), "--watch", str(watch), "--eval-config",
-                  str(tmp_path / "cfg" / "eval.json"), "--engine", "fn:tests.workerutil:SumBackend", "--once",
+                  str(tmp_path / "cfg" / "eval.json"), "--engine", "fn:tests.support.workers:SumBackend", "--once",
                   "--quiescence", str(QUIESCENCE), "--poll-interval", "0.2")
     code, out = finish(again, timeout=30)
     assert code == EXIT_DONE and "step=" not in out, out
@@ -81,7 +81,7 @@ def test_service_admits_markerless_checkpoint_after_quiescence(tmp_path: Path) -
     # a new checkpoint after the restart: a one-pass worker waits for its quiescence, then evaluates it
     write_foreign_checkpoint(tmp_path, watch / "checkpoint-60", 60)
     once = spawn("worker", "--run-dir", str(run_dir), "--watch", str(watch), "--engine",
-                 "fn:tests.workerutil:SumBackend", "--once", "--quiescence", str(QUIESCENCE), "--poll-interval", "0.2")
+                 "fn:tests.support.workers:SumBackend", "--once", "--quiescence", str(QUIESCENCE), "--poll-interval", "0.2")
     code, out = finish(once, timeout=30)
     assert code == EXIT_DONE, out
     steps = sorted({u.step for u in results(run)})
@@ -92,7 +92,7 @@ def test_eval_config_must_match_an_existing_run(tmp_path: Path) -> None:
     watch, run_dir = tmp_path / "w", tmp_path / "r"
     watch.mkdir()
     cfg_path = _eval_config(tmp_path)
-    args = ["--run-dir", str(run_dir), "--watch", str(watch), "--engine", "fn:tests.workerutil:SumBackend",
+    args = ["--run-dir", str(run_dir), "--watch", str(watch), "--engine", "fn:tests.support.workers:SumBackend",
             "--once", "--quiescence", "0", "--poll-interval", "0.1"]
     code, out = finish(spawn("worker", *args, "--eval-config", str(cfg_path)), timeout=30)
     assert code == EXIT_DONE, out

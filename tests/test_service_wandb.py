@@ -11,15 +11,15 @@ import os
 from pathlib import Path
 
 from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
+from tests.support.workers import finish, spawn, write_foreign_checkpoint
 from tests.test_metrics import wandb_records
 from tests.test_service import _eval_config
-from tests.workerutil import finish, spawn, write_foreign_checkpoint
 
 
 def _service(run_dir: Path, watch: Path, cfg: Path, *extra: str):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     return spawn("worker", "--run-dir", str(run_dir), "--watch", str(watch), "--eval-config", str(cfg),
-                 "--engine", "fn:tests.workerutil:SumBackend", "--once", "--quiescence", "0.5",
+                 "--engine", "fn:tests.support.workers:SumBackend", "--once", "--quiescence", "0.5",
                  "--poll-interval", "0.2", *extra, env=env)
 
 

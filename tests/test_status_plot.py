@@ -14,7 +14,7 @@ from coord.snapshot import publish_snapshot
 from coord.units import UnitClaimer, WorkUnit, units_for_step
 from jobs.views.plot import plot_run
 from jobs.views.status import collect_status
-from tests.coordutil import make_run, write_tiny_shards
+from tests.support.runs import make_run, write_tiny_shards
 
 ROOT = Path(__file__).parents[1]
 

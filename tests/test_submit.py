@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from jobs.launch import slurm_env, submit
-from tests.workerutil import finish
+from tests.support.workers import finish
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "sbatch"

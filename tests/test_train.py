@@ -25,7 +25,7 @@ from jobs.reference.train import (
     save_train_checkpoint,
     training_batch,
 )
-from tests.trainutil import (
+from tests.support.training import (
     InstantFleet,
     eval_lines,
     eval_step_counts,
@@ -59,7 +59,7 @@ def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_
     run_dir = tmp_path / "run"
     args = ("--steps", "160", "--eval-interval", "10", "--ckpt-interval", "20", "--eval-max-in-flight", "4",
             "--eval-keep-snapshots", "4")
-    fleet = subprocess.Popen([sys.executable, "-m", "tests.trainutil", "consume", str(run_dir), "--until-done",
+    fleet = subprocess.Popen([sys.executable, "-m", "tests.support.training", "consume", str(run_dir), "--until-done",
                               "--timeout", "240"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = subprocess.Popen(_train_cmd(run_dir, *args), cwd=ROOT, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

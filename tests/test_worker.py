@@ -26,7 +26,7 @@ from jobs.eval.options import WorkerOptions
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.worker import run_worker
 from jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY, EXIT_USAGE
-from tests.workerutil import flip_byte, make_eval_run, publish_model, results, run_inprocess
+from tests.support.workers import flip_byte, make_eval_run, publish_model, results, run_inprocess
 
 QUIET = {"out": lambda _line: None}
 
@@ -71,7 +71,7 @@ def test_sharding_does_not_change_the_point_hf(tmp_path: Path) -> None:
     points = []
     for size in (1, 7, n):
         run = make_eval_run(tmp_path, n_prompts=n, shard_size=size, name=f"r{size}", snapshot_root=root,
-                            scorer="tests.workerutil:completion_hash", engine={"hf": {"max_batch_size": 1}})
+                            scorer="tests.support.workers:completion_hash", engine={"hf": {"max_batch_size": 1}})
         run_inprocess(_opts(run.path), **QUIET)
         points.append(derive_point(run.manifest(), 3, results(run)))
     assert [p.units_total for p in points] == [9, 2, 1] and all(p.complete for p in points)
@@ -267,7 +267,7 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert run_worker(_opts(run.path)) == EXIT_USAGE
     assert "bare base weights" in capsys.readouterr().err
     (run.data / "addition.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    assert run_worker(_opts(run.path, engines=("fn:tests.workerutil:SumBackend",))) == EXIT_USAGE
+    assert run_worker(_opts(run.path, engines=("fn:tests.support.workers:SumBackend",))) == EXIT_USAGE
     assert "n_prompts=2" in capsys.readouterr().err
 
 
@@ -280,7 +280,7 @@ def test_lease_settings_come_from_the_run(tmp_path: Path) -> None:
 def test_http_engine_pins_through_a_real_server(tmp_path: Path) -> None:
     """``--engine http:URL`` against ``ckpteval serve``: versions read back from the server; a second
     client reloading the shared server mid-unit makes that unit a pin_violation."""
-    from tests.workerutil import RELOAD, start_serve
+    from tests.support.workers import RELOAD, start_serve
 
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
     first = publish_model(tmp_path, run.snapshots, 1)
@@ -292,7 +292,7 @@ def test_http_engine_pins_through_a_real_server(tmp_path: Path) -> None:
         assert ok.ok and ok.weight_versions == ("1",) * 4 and ok.worker["engine"] == f"http:{url}"
         publish_model(tmp_path, run.snapshots, 2)
         obj = json.loads(run.manifest_path.read_text())
-        obj["eval"]["datasets"][0]["scorer"] = "tests.workerutil:reloading_scorer"
+        obj["eval"]["datasets"][0]["scorer"] = "tests.support.workers:reloading_scorer"
         run.manifest_path.write_text(json.dumps(obj))
         RELOAD.update(url=url, snapshot=str(first))
         run_inprocess(_opts(run.path, engines=(f"http:{url}",)), **QUIET)

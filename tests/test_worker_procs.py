@@ -1,7 +1,7 @@
 """Worker processes (``python -m jobs.cli worker``) sharing runs: fleets, kills, stalls, preemption.
 
 Real processes, real leases (filelock SoftFileLease), real snapshots of the tiny model. The backend is
-the real fn backend ``tests.workerutil:SumBackend`` (it reads the snapshot's safetensors), with a per-
+the real fn backend ``tests.support.workers:SumBackend`` (it reads the snapshot's safetensors), with a per-
 unit delay where a test needs to catch a worker mid-unit; it keeps these tests fast on 2 cores, where
 every HF-engine process would pay ~4 s of torch import.
 """
@@ -18,7 +18,7 @@ import pytest
 from coord.manifest import LeaseSettings
 from coord.units import WorkUnit
 from jobs.lifecycle import EXIT_DONE, EXIT_PREEMPTED, EXIT_USAGE
-from tests.workerutil import (
+from tests.support.workers import (
     claimed_at,
     duplicates,
     finish,
@@ -31,7 +31,7 @@ from tests.workerutil import (
     wait_for,
 )
 
-FN = "fn:tests.workerutil:SumBackend"
+FN = "fn:tests.support.workers:SumBackend"
 
 
 def _worker(run_dir: Path, *extra: str, env: dict[str, str] | None = None):
@@ -177,7 +177,7 @@ def _catches(pid: int, sig: int) -> bool:
 def test_preempted_while_starting_up_exits_for_requeue(tmp_path: Path, sig: int) -> None:
     """A stop signal during start-up (imports, engine build: seconds with torch) is not fatal: the worker
     exits with EXIT_PREEMPTED, as SLURM's requeue logic expects, instead of dying by the signal."""
-    from tests.workerutil import make_eval_run
+    from tests.support.workers import make_eval_run
 
     run = make_eval_run(tmp_path)
     proc = spawn("worker", "--run-dir", str(run.path), "--engine", "hf", "--poll-interval", "0.2")

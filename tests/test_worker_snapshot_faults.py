@@ -25,7 +25,7 @@ from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions
 from jobs.eval.scoring import DatasetCache
 from jobs.lifecycle import EXIT_DONE
-from tests.workerutil import SumBackend, make_eval_run, publish_model, results
+from tests.support.workers import SumBackend, make_eval_run, publish_model, results
 
 
 class DamageThenEvaluate:

@@ -1,6 +1,6 @@
 """Real ``CheckpointEvalFn`` backends for the chaos suite, loaded by workers with ``--engine fn:...``.
 
-They extend :class:`tests.workerutil.SumBackend` (scores every row from the snapshot's real
+They extend :class:`tests.support.workers.SumBackend` (scores every row from the snapshot's real
 safetensors), so no torch import is paid per worker process.
 """
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.workerutil import SumBackend, row_score, safetensors_sum
+from tests.support.workers import SumBackend, row_score, safetensors_sum
 
 
 class ReadLateBackend(SumBackend):

@@ -1,7 +1,7 @@
 """Shared machinery of the fault-injection suite: real processes, real runs, outcome counting, the report.
 
 Nothing here fakes ckpteval. Workers are ``python -m jobs.cli worker`` processes with a real fn backend
-(:class:`tests.workerutil.SumBackend`, which reads every snapshot's real safetensors; no torch import per
+(:class:`tests.support.workers.SumBackend`, which reads every snapshot's real safetensors; no torch import per
 worker, which keeps the suite affordable on 2 cores), trainers are either ``python -m jobs.cli train``
 processes or :class:`InProcTrainer` — this process acting as a training loop that drives the real
 :class:`jobs.trainer.dispatcher.EvalDispatcher` with a real tiny model (real async export into the staging root,
@@ -55,7 +55,7 @@ SCALE = "full" if os.environ.get("CKPTEVAL_CHAOS_SCALE", "").lower() == "full" e
 FULL = SCALE == "full"
 STALL_S = 3.0  # an in-process trainer's dispatcher call longer than this is a stall
 PROC_STALL_S = 6.0  # a subprocess trainer's gap between train/* lines longer than this is a stall
-SUM_FN = "fn:tests.workerutil:SumBackend"
+SUM_FN = "fn:tests.support.workers:SumBackend"
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 
@@ -248,7 +248,7 @@ class InProcTrainer:
         from jobs.reference.model import ModelConfig, build_model
         from jobs.reference.train import base_model_dir
         from jobs.trainer.dispatcher import EvalDispatcher
-        from tests.trainutil import make_train_run
+        from tests.support.training import make_train_run
 
         self.torch = torch
         self.run, dispatch = make_train_run(

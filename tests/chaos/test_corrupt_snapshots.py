@@ -15,7 +15,7 @@ import pytest
 from coord.atomic import write_json_atomic
 from coord.snapshot import MARKER, snapshot_dirname
 from tests.chaos import harness
-from tests.workerutil import flip_byte
+from tests.support.workers import flip_byte
 
 WEIGHTS = "model.safetensors"
 

@@ -15,7 +15,7 @@ import pytest
 from coord.results import ResultIndex
 from coord.snapshot import snapshot_dirname
 from tests.chaos import harness
-from tests.workerutil import start_serve
+from tests.support.workers import start_serve
 
 
 def _impure_ok_units(run_dir: Path) -> list[str]:

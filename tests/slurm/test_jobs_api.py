@@ -13,7 +13,7 @@ import submitit
 from coord.results import ResultIndex
 from jobs.launch import api
 from tests.slurm.test_jobs_helpers import FN, finished_run, unit_in_progress, wait_until
-from tests.workerutil import REPO
+from tests.support.workers import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(150)]
 

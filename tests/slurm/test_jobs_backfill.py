@@ -13,7 +13,7 @@ import submitit
 from coord.results import ResultIndex
 from jobs.launch import api
 from tests.slurm.test_jobs_helpers import FN, finished_run, job_log, submit_job
-from tests.workerutil import REPO
+from tests.support.workers import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(150)]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from coord.rundir import RunDir
 from jobs.launch import submit
-from tests.workerutil import REPO, make_eval_run, publish_model
+from tests.support.workers import REPO, make_eval_run, publish_model
 
-FN = "fn:tests.workerutil:SumBackend"
+FN = "fn:tests.support.workers:SumBackend"
 
 # every job: one thread per process (2 shared cores), the repo importable for the test backend
 JOB_ENV = ["--env", "OMP_NUM_THREADS=1", "--env", "MKL_NUM_THREADS=1", "--env", "TOKENIZERS_PARALLELISM=false",

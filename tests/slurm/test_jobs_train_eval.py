@@ -18,7 +18,7 @@ import pytest
 from coord.results import ResultIndex
 from jobs.launch import api
 from tests.slurm.test_jobs_helpers import JOB_ENV, job_log, pids_of, wait_until
-from tests.workerutil import REPO
+from tests.support.workers import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 

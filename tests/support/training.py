@@ -1,6 +1,6 @@
 """Helpers for the trainer-side tests: a tiny eval-fleet stand-in and metrics readers.
 
-``python -m tests.trainutil consume RUN [--delay S] [--until-done]`` is a minimal consumer that
+``python -m tests.support.training consume RUN [--delay S] [--until-done]`` is a minimal consumer that
 speaks only the coord protocol: it discovers complete snapshots under ``run.json``'s snapshot roots,
 claims units with :class:`coord.units.UnitClaimer`, scores them on a real
 :class:`jobs.eval.engines.hf.HFEngine` with :func:`jobs.eval.scoring.score_unit`, and publishes results with
@@ -138,7 +138,7 @@ def _all_dispatched_done(run: RunDir, manifest: Any, index: ResultIndex) -> bool
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.trainutil")
+    p = argparse.ArgumentParser(prog="python -m tests.support.training")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("consume")
     c.add_argument("run_dir", type=Path)

@@ -24,9 +24,9 @@ from coord.results import Result, ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
-from tests.coordutil import flip_byte  # noqa: F401  (re-exported for the worker tests)
+from tests.support.runs import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
