@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from coord.results import ResultIndex
 from coord.units import WorkUnit
 from jobs.lifecycle import EXIT_USAGE
 from jobs.views.status import collect_status
@@ -33,6 +34,11 @@ RUN_JSON_VARIANTS = {
     "no eval section": lambda good: json.dumps({k: v for k, v in json.loads(good).items() if k != "eval"}).encode(),
 }
 LEDGER_GARBAGE = [b'{"event": "ingested", "step": "ten"}\n', b"\x00\x01 not json at all\n"]
+
+
+def _scoring_workers(run_dir: Path) -> set[str]:
+    """The ``worker_id`` of every worker that has written a result."""
+    return {str(r.worker.get("worker_id")) for r in ResultIndex(run_dir / "results").refresh().values()}
 
 
 def _refused(procs: harness.Procs, proc, what: str) -> tuple[int, str]:
@@ -57,6 +63,9 @@ def test_malformed_protocol_files(tmp_path: Path, procs: harness.Procs, request:
     fleet.start_all()
     ingested = lambda: [r for r in harness.read_jsonl_tolerant(run_dir / "ledger.jsonl") if r["event"] == "ingested"]  # noqa: E731
     harness.wait_for(lambda: len(ingested()) >= 3 or trainer.poll() is not None, 120, "three ingested points")
+    # Both workers must be running on the good run.json before it is damaged (under load one may still be
+    # importing torch): wait for a result from each, the event this test relies on, not for a time.
+    harness.wait_for(lambda: len(_scoring_workers(run_dir)) >= len(fleet.live()), 120, "both workers scoring")
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
 
