@@ -47,6 +47,7 @@ from typing import Any
 
 from coord.results import ResultIndex
 from coord.rundir import RunDir
+from coord.units import lease_holders as coord_lease_holders
 from coord.units import units_for_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,17 +205,8 @@ class Fleet:
 
 
 def lease_holders(run: RunDir) -> dict[str, tuple[str, int]]:
-    """unit id -> (host, pid) of its lease holder, from filelock's marker files."""
-    held = {}
-    for p in run.leases.glob("*.lock"):
-        try:
-            text = p.read_text()
-        except (FileNotFoundError, UnicodeDecodeError):
-            continue
-        fields = dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
-        if fields.get("pid", "").isdigit():
-            held[p.name[: -len(".lock")]] = (fields.get("host", ""), int(fields["pid"]))
-    return held
+    """unit id -> (host, pid) of its lease holder (filelock's owner record, via coord.units)."""
+    return {unit: (record.hostname, record.pid) for unit, record in coord_lease_holders(run.leases).items()}
 
 
 def units_held_by(run: RunDir, pid: int) -> list[str]:
