@@ -7,8 +7,9 @@ ingested exactly once) and which are still pending (re-adopted).
 Guarantees: each append is one ``write`` of a whole line followed by fsync, and "ingested" is appended
 only *after* the point's metrics were written, so a crash between the two re-ingests at most the
 metrics line the crash interrupted — callers make metric logging idempotent per step (see
-``jobs.metrics``). A torn last line (crash mid-append) is detected on open and cut off (repaired);
-a malformed line anywhere else is an error naming the file and line, never silently skipped.
+``jobs.metrics``). Read with :func:`coord.atomic.read_jsonl_numbered`: a torn last line (crash
+mid-append) is detected on open and cut off (repaired); a malformed line anywhere else is an error
+naming the file and line, never silently skipped.
 
 Only the writer repairs: a reader of a live run (status, a worker) opens it with ``repair=False``,
 which ignores an incomplete last line instead of truncating the file — on a shared filesystem a
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import append_line, read_lines_file
+from coord.atomic import append_line, read_jsonl_numbered
 
 EVENTS = ("dispatched", "ingested", "retired")
 
@@ -53,19 +54,17 @@ class Ledger:
         self._replay()
 
     def _replay(self) -> None:
-        raw, torn = read_lines_file(self.path, repair=self.repair)
+        try:
+            records, torn = read_jsonl_numbered(self.path, repair=self.repair, what="ledger line")
+        except ValueError as e:
+            raise LedgerError(str(e)) from None
         if self.repair:
             self.repaired_bytes = torn
-        for lineno, line in enumerate(raw.splitlines(), start=1):
-            if line.strip():
-                self._apply(self._parse(line, lineno))
+        for lineno, rec in records:
+            self._apply(self._check(rec, lineno))
 
-    def _parse(self, line: bytes, lineno: int) -> dict[str, Any]:
-        try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise LedgerError(f"{self.path}:{lineno}: malformed ledger line ({e})") from None
-        if not isinstance(rec, dict) or rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
+    def _check(self, rec: dict[str, Any], lineno: int) -> dict[str, Any]:
+        if rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
             raise LedgerError(f"{self.path}:{lineno}: ledger line needs an 'event' in {EVENTS} and an integer 'step'")
         return rec
 

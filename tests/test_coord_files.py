@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from coord.atomic import publish_exclusive, read_json, write_json_atomic
+from coord.atomic import publish_exclusive, read_json, read_jsonl, write_json_atomic
 from coord.discovery import SnapshotDiscovery
 from coord.manifest import load_manifest
 from coord.snapshot import (
@@ -67,6 +67,23 @@ def test_bad_manifest_field_is_named(tmp_path: Path, mutate, field: str) -> None
     run.manifest_path.write_text(json.dumps(obj))
     with pytest.raises(ValueError, match=f"run.json: field {field}"):
         load_manifest(run.manifest_path)
+
+
+def test_jsonl_torn_tail_is_ignored_by_readers_and_cut_by_the_writer(tmp_path: Path) -> None:
+    """One JSONL policy: a missing file is empty, a torn tail is ignored (or repaired), a bad line is named."""
+    path = tmp_path / "log.jsonl"
+    assert read_jsonl(path) == []
+    path.write_bytes(b'{"step": 1}\n\n{"step": 2}\n{"step": 3, "x"')
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
+    assert path.read_bytes().endswith(b'"x"')  # a reader never truncates a live file
+    assert read_jsonl(path, repair=True) == [{"step": 1}, {"step": 2}]
+    assert path.read_bytes() == b'{"step": 1}\n\n{"step": 2}\n'
+    path.write_bytes(b'{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="log.jsonl:2"):
+        read_jsonl(path)
+    path.write_bytes(b'{"step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="log.jsonl:2: expected a JSON object"):
+        read_jsonl(path)
 
 
 def test_publish_verify_fast_and_full(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from coord.atomic import read_jsonl
 from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, spawn, write_foreign_checkpoint
 from tests.test_metrics import wandb_records
@@ -24,7 +25,7 @@ def _service(run_dir: Path, watch: Path, cfg: Path, *extra: str):
 
 
 def _eval_steps(path: Path) -> list[int]:
-    return [json.loads(line)["eval/step"] for line in path.read_text().splitlines() if "eval/step" in line]
+    return [r["eval/step"] for r in read_jsonl(path) if "eval/step" in r]
 
 
 def test_service_logs_points_into_the_training_run_once(tmp_path: Path) -> None:

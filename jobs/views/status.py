@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from coord.atomic import read_jsonl
 from coord.discovery import SnapshotDiscovery
 from coord.ledger import Ledger
 from coord.manifest import RunManifest
@@ -30,22 +31,9 @@ from coord.units import lease_path, read_lease_holder, units_for_step
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Lines of metrics.jsonl; a torn last line is ignored, any other bad line names the file."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    rows = []
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines):
-                break
-            raise ValueError(f"{path}:{i}: malformed metrics line") from None
-    return rows
+    """Lines of metrics.jsonl (:func:`coord.atomic.read_jsonl`: a torn last line is ignored, any other
+    bad line names the file)."""
+    return read_jsonl(path, what="metrics line")
 
 
 def eval_lags(metrics: list[dict[str, Any]]) -> dict[int, float]:

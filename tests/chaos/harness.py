@@ -418,7 +418,11 @@ def guard_outside(staging_root: Path, where: Path) -> Sentinel:
 
 # -- counting outcomes ---------------------------------------------------------------------------------------
 def read_jsonl_tolerant(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a torn last line and malformed lines are skipped (counted by the caller if it cares)."""
+    """JSON lines; a torn last line and malformed lines are skipped (counted by the caller if it cares).
+
+    Deliberately more lenient than the protocol's reader (:func:`coord.atomic.read_jsonl`, which
+    names a malformed line): chaos scenarios write garbage lines on purpose and then count outcomes.
+    """
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from coord.atomic import read_jsonl
 from coord.discovery import SnapshotDiscovery
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, ok_result, write_result
@@ -67,12 +68,6 @@ class InstantFleet(threading.Thread):
                     fill_results(self.rundir, ref.step, manifest=self.manifest)
                     self.done.add(ref.step)
             self.stop.wait(0.05)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def eval_lines(run_dir: Path) -> list[dict[str, Any]]:
