@@ -18,9 +18,13 @@ from coord.manifest import load_manifest
 from coord.snapshot import (
     SnapshotCorrupt,
     SnapshotMissing,
+    checkpoint_dirname,
     mark_complete,
     publish_snapshot,
     read_marker,
+    snapshot_dirname,
+    snapshot_path,
+    step_from_name,
     verify_snapshot,
 )
 from tests.support.runs import flip_byte, make_run, write_tiny_shards
@@ -180,3 +184,13 @@ def test_sigkill_mid_publish_is_never_discovered(tmp_path: Path) -> None:
     proc.wait()
     assert any(p.name.startswith(".tmp-") for p in root.iterdir())  # the torn copy is there...
     assert disc.poll() == [] and SnapshotDiscovery(root).poll() == []  # ...and never discovered
+
+
+def test_snapshot_location_rules_build_and_parse_names_once(tmp_path: Path) -> None:
+    """``step-N`` (staging, zero-padded so names sort by step) and ``checkpoint-N`` (reuse) round-trip."""
+    assert snapshot_path(tmp_path, 7, "staging") == tmp_path / snapshot_dirname(7) == tmp_path / "step-0000000007"
+    assert snapshot_path(tmp_path, 7, "reuse") == tmp_path / checkpoint_dirname(7) == tmp_path / "checkpoint-7"
+    assert step_from_name(tmp_path / snapshot_dirname(120)) == 120
+    assert step_from_name(tmp_path / checkpoint_dirname(5)) == 5
+    assert step_from_name(tmp_path / "final") is None
+    assert sorted(snapshot_dirname(s) for s in (100, 9, 20)) == [snapshot_dirname(s) for s in (9, 20, 100)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from coord.rundir import RunDir
-from coord.snapshot import read_marker
+from coord.snapshot import checkpoint_dirname, read_marker, snapshot_dirname
 from jobs.reference.model import ModelConfig, build_model, build_tokenizer
 from jobs.reference.train import (
     PREEMPTED_EXIT,
@@ -64,7 +64,7 @@ def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_
     first = subprocess.Popen(_train_cmd(run_dir, *args), cwd=ROOT, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = RunDir(run_dir)
-    _wait_for(lambda: ledger_counts(run_dir, "ingested") and (run_dir / "train_ckpt" / f"step-{40:010d}").exists(),
+    _wait_for(lambda: ledger_counts(run_dir, "ingested") and (run_dir / "train_ckpt" / snapshot_dirname(40)).exists(),
               120, first)
     first.send_signal(signal.SIGKILL)
     first.wait(30)
@@ -165,7 +165,7 @@ def test_reuse_mode_trainer_marks_its_hf_checkpoints(tmp_path: Path) -> None:
     assert code == 0
     assert sorted(p.name for p in save.iterdir()) == ["checkpoint-3", "checkpoint-6", "checkpoint-7"]
     for step in (3, 6, 7):
-        assert read_marker(save / f"checkpoint-{step}").mode == "reuse"
+        assert read_marker(save / checkpoint_dirname(step)).mode == "reuse"
     assert list(run.snapshots.iterdir()) == []  # nothing exported
     points = {r["eval/step"]: r for r in eval_lines(run_dir)}
     assert sorted(points) == [3, 6, 7]  # 7: the final point, saved at the end whatever the save interval

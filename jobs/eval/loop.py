@@ -23,7 +23,7 @@ from coord.rundir import RunDir
 from coord.snapshot import (
     Marker,
     producer_identity,
-    snapshot_dirname,
+    snapshot_path,
 )
 from coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
 from jobs.eval.evaluators import Evaluator, evaluate_unit
@@ -194,7 +194,7 @@ class Worker:
         if isinstance(record.get("snapshot"), str):
             return Path(record["snapshot"])
         root = Path(self.manifest.snapshot_roots[0]) if self.manifest.snapshot_roots else self.rundir.snapshots
-        return root / (f"checkpoint-{step}" if record.get("mode") == "reuse" else snapshot_dirname(step))
+        return snapshot_path(root, step, str(record.get("mode", "staging")))
 
     def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
         units = [u for u in units_for_step(self.manifest, step) if u not in results]

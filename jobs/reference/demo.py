@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.gc import has_room
+from coord.snapshot import CHECKPOINT_PREFIX, step_from_name
 from jobs.views.plot import draw, plot_series
 from jobs.views.status import collect_status, points_table, read_metrics
 
@@ -180,7 +181,7 @@ def service_done(run_dir: Path, trainer_exited: bool) -> bool:
     """The service posture has no trainer-side drain: done when every saved checkpoint's point landed."""
     if not trainer_exited:
         return False
-    saved = {int(p.name.rsplit("-", 1)[-1]) for p in (run_dir / "hf").glob("checkpoint-*")}
+    saved = {step_from_name(p) for p in (run_dir / "hf").glob(f"{CHECKPOINT_PREFIX}*")}
     try:
         status = collect_status(run_dir)
     except (FileNotFoundError, ValueError):

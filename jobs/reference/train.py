@@ -57,7 +57,7 @@ from coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomi
 from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
-from coord.snapshot import MARKER, producer_identity
+from coord.snapshot import MARKER, SNAPSHOT_PREFIX, checkpoint_dirname, producer_identity, snapshot_dirname
 from jobs.eval.evalsets import write_addition_dataset
 from jobs.metrics import MetricsSink, init_wandb
 from jobs.reference.model import (
@@ -70,7 +70,7 @@ from jobs.reference.model import (
     save_tokenizer,
 )
 from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
-from jobs.trainer.dispatcher import EvalDispatcher, SharedEval, checkpoint_dirname
+from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpoint saved, run again with --resume
 KEEP_TRAIN_CKPTS = 2
@@ -278,7 +278,7 @@ def save_train_checkpoint(run: RunDir, step: int, model: torch.nn.Module, opt: t
     """Publish ``train_ckpt/step-<N>/`` atomically; keep the newest :data:`KEEP_TRAIN_CKPTS`."""
     root = train_ckpt_root(run)
     root.mkdir(exist_ok=True)
-    final = root / f"step-{step:010d}"
+    final = root / snapshot_dirname(step)
     if final.exists():
         return final
     tmp = tmp_name(final)
@@ -299,13 +299,13 @@ def save_train_checkpoint(run: RunDir, step: int, model: torch.nn.Module, opt: t
     fsync_dir(tmp)
     os.rename(tmp, final)
     fsync_dir(root)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-KEEP_TRAIN_CKPTS]:
+    for old in sorted(p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir())[:-KEEP_TRAIN_CKPTS]:
         shutil.rmtree(old)
     return final
 
 
 def latest_train_checkpoint(run: RunDir) -> Path | None:
-    done = sorted(p for p in train_ckpt_root(run).glob("step-*") if (p / "state.json").is_file())
+    done = sorted(p for p in train_ckpt_root(run).glob(f"{SNAPSHOT_PREFIX}*") if (p / "state.json").is_file())
     return done[-1] if done else None
 
 

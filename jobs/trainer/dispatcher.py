@@ -80,7 +80,7 @@ from coord.gc import StagingGC, has_room
 from coord.ledger import Ledger
 from coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
 from coord.rundir import RunDir
-from coord.snapshot import MARKER, mark_complete, snapshot_dirname
+from coord.snapshot import MARKER, mark_complete, snapshot_path
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
@@ -91,11 +91,6 @@ from jobs.trainer.gate import ProducerGate, shared_eval
 
 Model = torch.nn.Module | Mapping[str, Any]
 WAIT_SLICE_S = 0.1
-
-
-def checkpoint_dirname(step: int) -> str:
-    """Reuse mode: the name of the trainer's periodic HF checkpoint of ``step`` (HF Trainer's)."""
-    return f"checkpoint-{step}"
 
 
 @dataclass
@@ -176,9 +171,7 @@ class EvalDispatcher:
 
     # -- names ---------------------------------------------------------------------------------------
     def snapshot_dir(self, step: int) -> Path:
-        if self.config.mode == "staging":
-            return self.root / snapshot_dirname(step)
-        return self.root / checkpoint_dirname(step)
+        return snapshot_path(self.root, step, self.config.mode)
 
     def _snapshot_published(self, step: int) -> bool:
         return (self.snapshot_dir(step) / MARKER).is_file()
