@@ -32,7 +32,7 @@ class ServiceIngester:
         self.newest_step = newest_step
         self.sink = sink
         self.manifest = run.manifest()
-        self.ledger = Ledger(run.path / "service_ledger.jsonl")
+        self.ledger = Ledger(run.service_ledger_path)
         self.index = ResultIndex(run.results)
 
     def poll(self) -> list[int]:

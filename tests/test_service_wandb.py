@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from coord.atomic import read_jsonl
+from coord.rundir import RunDir
 from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, spawn, write_foreign_checkpoint
 from tests.test_metrics import wandb_records
@@ -37,7 +38,7 @@ def test_service_logs_points_into_the_training_run_once(tmp_path: Path) -> None:
     code, out = finish(_service(run_dir, watch, cfg, "--wandb", "--wandb-run-id", "train-run-1",
                                 "--wandb-mode", "resume"), timeout=90)
     assert code == EXIT_DONE, out
-    assert _eval_steps(run_dir / "service_metrics.jsonl") == [10, 20]
+    assert _eval_steps(RunDir(run_dir).service_metrics_path) == [10, 20]
     assert "logged to wandb run train-run-1" in out
 
     (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-train-run-1.wandb")
@@ -54,7 +55,7 @@ def test_service_logs_points_into_the_training_run_once(tmp_path: Path) -> None:
     # a restarted service (shared mode this time) logs nothing twice
     code, out = finish(_service(run_dir, watch, cfg, "--wandb", "--wandb-run-id", "train-run-1"), timeout=90)
     assert code == EXIT_DONE, out
-    assert _eval_steps(run_dir / "service_metrics.jsonl") == [10, 20] and "logged to wandb" not in out
+    assert _eval_steps(RunDir(run_dir).service_metrics_path) == [10, 20] and "logged to wandb" not in out
 
 
 def test_service_wandb_needs_the_training_run_id(tmp_path: Path) -> None:

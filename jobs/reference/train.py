@@ -240,7 +240,7 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
 
 
 def base_model_dir(run: RunDir) -> Path:
-    return run.path / "base"
+    return run.base
 
 
 def _run_id(path: Path) -> str:
@@ -271,7 +271,7 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
 
 
 def train_ckpt_root(run: RunDir) -> Path:
-    return run.path / "train_ckpt"
+    return run.train_ckpt
 
 
 def save_train_checkpoint(run: RunDir, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Path:
