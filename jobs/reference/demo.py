@@ -5,7 +5,7 @@ worker processes (``ckpteval worker --engine hf``) or a checkpoint-watching serv
 OS processes talking only through the run directory. It shows live progress (training step, points
 landed / pending), then prints the per-point table, writes a PNG curve and says where everything is.
 
-Postures (DESIGN.md's matrix, each a composition of the same flags):
+Postures (docs/USER_GUIDE.md "Postures"; each a composition of the same flags):
 
 =================  =====================================================================================
 ``fleet-staging``  default: trainer exports snapshots to a staging dir (/dev/shm when it has room, else
