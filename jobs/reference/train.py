@@ -59,6 +59,7 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, SNAPSHOT_PREFIX, checkpoint_dirname, producer_identity, snapshot_dirname
 from jobs.eval.evalsets import write_addition_dataset
+from jobs.lifecycle import EXIT_TRAIN_PREEMPTED, PREEMPT_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
 from jobs.reference.model import (
     ModelConfig,
@@ -72,7 +73,7 @@ from jobs.reference.model import (
 from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpoint saved, run again with --resume
+PREEMPTED_EXIT = EXIT_TRAIN_PREEMPTED  # checkpoint saved, run again with --resume
 KEEP_TRAIN_CKPTS = 2
 
 
@@ -357,7 +358,7 @@ def save_hf_checkpoint(save_dir: Path, step: int, model: torch.nn.Module, cfg: T
 class _Preemption:
     """Turns SIGTERM/SIGUSR1 into a flag the loop checks at step boundaries."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = PREEMPT_SIGNALS
 
     def __init__(self) -> None:
         self.signum: int | None = None
