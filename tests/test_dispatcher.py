@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -274,7 +275,7 @@ def test_restart_ingests_finished_points_exactly_once(tmp_path: Path) -> None:
     assert d2.pending == [6]
     for step in range(5, 7):  # re-running 4..6: nothing dispatched twice
         d2.maybe_dispatch(step, model)
-    assert ledger_counts(run.path, "dispatched")[6] == 2  # dispatch + export-times record, not re-exported
+    assert ledger_counts(run.path, "dispatched")[6] == 1 and ledger_counts(run.path, "exported")[6] == 1  # not re-exported
 
     # crash window: metrics line of 6 written, trainer killed before the ledger's "ingested"
     fill_results(run, 6)
@@ -339,3 +340,26 @@ def test_point_landing_while_a_resumed_trainer_retrains_has_lag_zero_not_negativ
     d2.maybe_dispatch(3, model)
     d2.poll(force=True)
     assert _by_step(run.path)[6]["eval/lag_steps"] == 0
+
+
+def test_restart_on_an_old_style_ledger_rewrites_skips_and_logs_export_times(tmp_path: Path) -> None:
+    """A trainer requeued onto a ledger written before the explicit events (facts re-appended as
+    ``dispatched`` records) re-adopts its points the same way: the pending skip is written and logged,
+    the exported point is logged with its export times."""
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=4, eval_keep_snapshots=4)
+    old = [
+        {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
+        {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0,
+         "export_time_seconds": 1.5, "export_blocked_seconds": 0.25, "snapshot": str(run.snapshots / "step-2")},
+        {"event": "dispatched", "step": 4, "mode": "staging", "backpressure_wait_seconds": 0.0,
+         "export_time_seconds": 0.5, "export_blocked_seconds": 0.25, "skipped": "export_failed", "message": "full"},
+    ]
+    run.ledger_path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    fill_results(run, 2)  # step 2's point finished while the trainer was dead
+    d = _dispatcher(run, dispatch)
+    assert d.pending == [2, 4]
+    d.maybe_dispatch(5, _model())
+    points = _by_step(run.path)
+    assert points[2]["eval/export_time_seconds"] == 1.5 and points[2]["eval/export_blocked_seconds"] == 0.25
+    assert points[4]["eval/skipped_export_failed"] == 2 and points[4]["eval/export_time_seconds"] == 0.5
+    assert d.pending == [] and ledger_counts(run.path, "ingested") == {2: 1, 4: 1}

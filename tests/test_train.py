@@ -27,6 +27,7 @@ from jobs.reference.train import (
 )
 from tests.support.training import (
     InstantFleet,
+    dispatched_steps,
     eval_lines,
     eval_step_counts,
     ledger_counts,
@@ -69,8 +70,8 @@ def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_
     first.send_signal(signal.SIGKILL)
     first.wait(30)
     assert run.training_done() is None
-    killed_at = max(ledger_counts(run_dir, "dispatched"))
-    pending_at_kill = set(ledger_counts(run_dir, "dispatched")) - set(ledger_counts(run_dir, "ingested"))
+    killed_at = max(dispatched_steps(run_dir))
+    pending_at_kill = dispatched_steps(run_dir) - set(ledger_counts(run_dir, "ingested"))
     print(f"killed after dispatching {killed_at}; pending then: {sorted(pending_at_kill)}")
 
     second = subprocess.run(_train_cmd(run_dir, *args, "--resume"), cwd=ROOT, env=ENV,

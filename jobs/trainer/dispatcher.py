@@ -60,9 +60,8 @@ a dispatch is blocking instead: publish the snapshot, evaluate it with
 on top of the export) is logged as ``eval/shared_eval_seconds``; in-flight producer requests that do
 not finish within ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
-Limits: one dispatcher per run dir. The ledger is re-appended a ``dispatched`` record when a
-staging export finishes (replay keeps the latest record per step), which is how export times
-survive a restart.
+Limits: one dispatcher per run dir. Export times, the shared eval time and skips survive a restart
+as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`coord.ledger`).
 """
 
 from __future__ import annotations
@@ -160,11 +159,9 @@ class EvalDispatcher:
     def _replay(self) -> None:
         """Re-adopt what a previous incarnation left pending (see the module docstring)."""
         for step in self.ledger.state.pending:
-            record = self.ledger.state.dispatched[step]
-            if record.get("skipped"):
-                write_point_skip(
-                    self.run.results, self.manifest, step, record["skipped"], record.get("message", "")
-                )
+            if step in self.ledger.state.skipped:
+                reason, message = self.ledger.state.skipped[step]
+                write_point_skip(self.run.results, self.manifest, step, reason, message)
             elif not self._snapshot_published(step) and not self._derive(step).complete:
                 self._lost.add(step)
         # Nothing is ingested here: the lag needs the trainer's step, known at the first call.
@@ -274,22 +271,15 @@ class EvalDispatcher:
     def _record_export(self, outcome: ExportOutcome) -> None:
         self._exporting.discard(outcome.step)
         times = {"export_time_seconds": outcome.total_s, "export_blocked_seconds": outcome.blocked_s}
-        record = {
-            k: v
-            for k, v in self.ledger.state.dispatched.get(outcome.step, {}).items()
-            if k not in {"event", "step"}
-        }
         if outcome.ok:
-            self.ledger.append(
-                "dispatched", outcome.step, **{**record, **times, "snapshot": str(outcome.path)}
-            )
+            self.ledger.append("exported", outcome.step, **times, snapshot=str(outcome.path))
         else:
-            self._skip(outcome.step, "export_failed", outcome.error, extra={**record, **times})
+            self._skip(outcome.step, "export_failed", outcome.error, extra=times)
 
     def _skip(self, step: int, reason: str, message: str, extra: dict[str, Any] | None = None) -> None:
         """Record the whole point as skipped for ``reason`` and ingest it at once."""
-        fields = {"mode": self.config.mode, **(extra or {}), "skipped": reason, "message": message}
-        self.ledger.append("dispatched", step, **fields)
+        fields = {"mode": self.config.mode, **(extra or {}), "reason": reason, "message": message}
+        self.ledger.append("skipped", step, **fields)
         write_point_skip(self.run.results, self.manifest, step, reason, message)
         self._ingest_ready(steps=[step])
 
@@ -310,8 +300,7 @@ class EvalDispatcher:
         except TimeoutError as e:  # producers' in-flight requests did not finish: the engine is busy
             self._skip(step, "busy", str(e))
             return
-        record = {k: v for k, v in self.ledger.state.dispatched[step].items() if k not in {"event", "step"}}
-        self.ledger.append("dispatched", step, **{**record, "shared_eval_seconds": time.perf_counter() - t0})
+        self.ledger.append("evaluated_shared", step, shared_eval_seconds=time.perf_counter() - t0)
         self._ingest_ready(steps=[step])
 
     def _wait_for_slot(self) -> float:

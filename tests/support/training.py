@@ -21,6 +21,7 @@ from typing import Any
 
 from coord.atomic import read_jsonl
 from coord.discovery import SnapshotDiscovery
+from coord.ledger import Ledger
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, ok_result, write_result
 from coord.rundir import RunDir
@@ -83,7 +84,8 @@ def ledger_counts(run_dir: Path, event: str) -> Counter[int]:
 
 
 def dispatched_steps(run_dir: Path) -> set[int]:
-    return set(ledger_counts(run_dir, "dispatched"))
+    """Every step the trainer dispatched or skipped (the ledger's replay, as a reader sees it)."""
+    return set(Ledger(RunDir(run_dir).ledger_path, repair=False).state.dispatched)
 
 
 def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeout_s: float = 300.0) -> int:
