@@ -31,7 +31,8 @@ Failures never stop training: an export that fails, or finds no room on the stag
 an ``export_failed`` skip at its step.
 
 Ingestion (rate-limited to one results listing per ``poll_interval_s``, never waiting for eval): a
-pending point whose units all have results is derived (:func:`coord.results.derive_point`), its
+pending point whose units all have results goes through :func:`jobs.ingest.ingest_point` (the
+service's ingestion path too): derived (:func:`coord.results.derive_point`), its
 metrics (:func:`coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
 step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
 ``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
@@ -77,18 +78,20 @@ import torch
 from coord.discovery import shards_present
 from coord.gc import StagingGC, has_room
 from coord.ledger import Ledger
-from coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
+from coord.results import Point, Result, ResultIndex, derive_point, write_point_skip
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, mark_complete, snapshot_path
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
+from jobs.ingest import ingest_point
 from jobs.metrics import MetricsSink
 from jobs.trainer.config import DispatchConfig
 from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 from jobs.trainer.gate import ProducerGate, shared_eval
 
 Model = torch.nn.Module | Mapping[str, Any]
+RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
 WAIT_SLICE_S = 0.1
 
 
@@ -333,40 +336,26 @@ class EvalDispatcher:
             return
         self.index.refresh()
         for step in candidates:
-            if step in self.ledger.state.ingested:
-                continue
-            point = derive_point(self.manifest, step, self._results_for(step))
-            if point.complete:
-                self._ingest(step, point, point_metrics(point))
+            if step not in self.ledger.state.ingested:
+                self._ingest(step)
 
-    def _ingest(self, step: int, point: Point, metrics: dict[str, float], outcome: str = "complete") -> None:
+    def _ingest(self, step: int, give_up: bool = False) -> None:
+        """One point through :func:`jobs.ingest.ingest_point`; then retire it (and collect) if complete."""
         record = self.ledger.state.dispatched.get(step, {})
+        extra = {f"eval/{key}": record[key] for key in RECORDED_TIMES if isinstance(record.get(key), int | float)}
         # a resumed trainer restarts below steps its previous incarnation dispatched: a point that lands
         # while it re-trains up to its step was there before the trainer got back to it — lag 0, never < 0
-        lag = max(0, self.step - step)
-        metrics["eval/lag_steps"] = lag
-        for key in ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds"):
-            if isinstance(record.get(key), int | float):
-                metrics[f"eval/{key}"] = record[key]
-        self.sink.log_eval(metrics)
-        self.ledger.append(
-            "ingested",
-            step,
-            outcome=outcome,
-            lag_steps=lag,
-            units_done=point.units_done,
-            units_total=point.units_total,
-            time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)
-        )
+        point = ingest_point(self.manifest, step, self._results_for(step), sink=self.sink, ledger=self.ledger,
+                             lag_steps=max(0, self.step - step), extra=extra, give_up=give_up)
+        if point is None:
+            return
         self.landed += 1
-        if outcome == "complete":
+        if point.complete and not give_up:
             self.ledger.append("retired", step)
             if self.gc is not None:
                 self.gc.collect(self.ledger.state.retired)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
-        point = self._derive(step)
-        metrics = point_metrics(point)
-        metrics["eval/skipped_drain_timeout"] = point.units_total - point.units_done
-        self._ingest(step, point, metrics, outcome="drain_timeout")
+        self.index.refresh()
+        self._ingest(step, give_up=True)
