@@ -18,8 +18,7 @@ from coord.results import ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
 from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model
-from jobs.reference.train import TrainConfig, base_model_dir, save_hf_checkpoint
+from jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
 from jobs.trainer.config import DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher
 from jobs.trainer.export.async_export import AsyncExporter
@@ -34,7 +33,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 def _dispatcher(run: RunDir, dispatch: DispatchConfig, **kw) -> EvalDispatcher:
     kw.setdefault("poll_interval_s", 0.0)
-    return EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), **kw)
+    return EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, **kw)
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:
@@ -48,7 +47,7 @@ def test_async_export_loads_with_identical_logits_and_blocks_less_than_total(tmp
     ids = torch.tensor([[1, 4, 11, 5, 6, 14, 7, 8, 15]])
     with torch.no_grad():
         want = model(input_ids=ids).logits
-    exporter = AsyncExporter(tmp_path / "staging", base_model_dir(run))
+    exporter = AsyncExporter(tmp_path / "staging", run.base)
     exporter.submit(7, model)
     with torch.no_grad():  # training goes on: the snapshot must hold the weights at submit time
         for p in model.parameters():
@@ -188,26 +187,6 @@ def test_backpressure_timeout_skips_busy_instead_of_hanging(tmp_path: Path) -> N
 
 
 # -- validation ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"eval_interval": 0}, "--eval-interval"),
-        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of --save-interval"),
-        ({"eval_keep_snapshots": 1, "eval_max_in_flight": 2}, "--eval-keep-snapshots"),
-        ({"eval_overflow_policy": "drop"}, "--eval-overflow-policy"),
-        ({"eval_max_in_flight": 0}, "--eval-max-in-flight"),
-        ({"save_hf_dir": "X"}, "--save-interval"),
-        ({"eval_staging_dir": "S", "save_hf_dir": "X", "save_interval": 2}, "choose"),
-    ],
-)
-def test_validation_matrix_fails_at_construction(tmp_path: Path, kwargs: dict, message: str) -> None:
-    for key in ("save_hf_dir", "eval_staging_dir"):
-        if key in kwargs:
-            kwargs[key] = tmp_path / kwargs[key]
-    with pytest.raises(ValueError, match=message):
-        TrainConfig(run_dir=tmp_path / "run", **kwargs).validate()
-
-
 def test_dispatcher_refuses_a_root_missing_from_run_json(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run")
     other = DispatchConfig(eval_interval=2, staging_dir=tmp_path / "elsewhere")
@@ -223,13 +202,12 @@ def test_reuse_mode_marks_checkpoints_exports_nothing_and_gc_never_deletes(tmp_p
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=save, save_interval=2, eval_interval=2,
                                    eval_max_in_flight=3, eval_keep_snapshots=3)
     assert run.manifest().snapshot_roots == (str(save.resolve()),)
-    cfg = TrainConfig(run_dir=run.path, model=SMALL)
     d = _dispatcher(run, dispatch)
     assert d.exporter is None and d.gc is None
     model = _model()
     for step in range(1, 7):
         if step in (2, 4):  # the trainer "forgets" to save 6
-            save_hf_checkpoint(save, step, model, cfg)
+            save_hf_checkpoint(save, step, model)
         d.maybe_dispatch(step, model)
     for step in (2, 4):
         marker = read_marker(save / f"checkpoint-{step}")

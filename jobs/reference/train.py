@@ -57,7 +57,7 @@ from coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomi
 from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
-from coord.snapshot import MARKER, SNAPSHOT_PREFIX, checkpoint_dirname, producer_identity, snapshot_dirname
+from coord.snapshot import SNAPSHOT_PREFIX, producer_identity, snapshot_dirname
 from jobs.eval.evalsets import write_addition_dataset
 from jobs.lifecycle import EXIT_TRAIN_PREEMPTED, PREEMPT_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
@@ -68,7 +68,7 @@ from jobs.reference.model import (
     build_tokenizer,
     make_addition_examples,
     save_base_model_dir,
-    save_tokenizer,
+    save_hf_checkpoint,
 )
 from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
@@ -327,30 +327,6 @@ def load_train_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.O
 
 
 # --------------------------------------------------------------------------------------------------
-# 4. HF checkpoints (reuse mode): the periodic save the eval fleet reuses
-# --------------------------------------------------------------------------------------------------
-
-
-def save_hf_checkpoint(save_dir: Path, step: int, model: torch.nn.Module, cfg: TrainConfig) -> Path:
-    """``save_pretrained`` + tokenizer into ``<save_dir>/checkpoint-<step>`` (atomic rename).
-
-    A checkpoint already marked complete (a resumed run re-running the step) is left alone: the
-    fleet may be reading it.
-    """
-    final = Path(save_dir) / checkpoint_dirname(step)
-    if (final / MARKER).is_file():
-        return final
-    if final.exists():
-        shutil.rmtree(final)  # our own unmarked leftover of a killed save
-    tmp = tmp_name(final)
-    model.save_pretrained(tmp, safe_serialization=True)
-    save_tokenizer(tmp, cfg.model.max_position_embeddings)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    return final
-
-
-# --------------------------------------------------------------------------------------------------
 # 5. The loop
 # --------------------------------------------------------------------------------------------------
 
@@ -442,7 +418,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
             opt.zero_grad(set_to_none=True)
 
             if cfg.save_hf_dir is not None and cfg.save_interval and step % cfg.save_interval == 0:
-                save_hf_checkpoint(cfg.save_hf_dir, step, model, cfg)
+                save_hf_checkpoint(cfg.save_hf_dir, step, model)
             if dispatcher is not None:
                 dispatcher.maybe_dispatch(step, model)
             if step % cfg.log_interval == 0:
@@ -464,7 +440,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
 
     save_train_checkpoint(run, cfg.steps, model, opt)
     if cfg.save_hf_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
-        save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model, cfg)
+        save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model)
     if dispatcher is not None:
         dispatcher.close(cfg.steps, model)
     sink.close()

@@ -238,7 +238,6 @@ class InProcTrainer:
 
         from jobs.metrics import MetricsSink
         from jobs.reference.model import ModelConfig, build_model
-        from jobs.reference.train import base_model_dir
         from jobs.trainer.dispatcher import EvalDispatcher
         from tests.support.training import make_train_run
 
@@ -251,7 +250,7 @@ class InProcTrainer:
         self.sink = MetricsSink(self.run.metrics_path)
         extra = {} if room_check is None else {"room_check": room_check}
         self.dispatcher = EvalDispatcher(
-            dispatch, self.run, self.sink, base_model_dir(self.run), poll_interval_s=poll_interval,
+            dispatch, self.run, self.sink, self.run.base, poll_interval_s=poll_interval,
             drain_timeout_s=drain_timeout, backpressure_timeout_s=600.0, **extra,
         )
         self.eval_interval = eval_interval
