@@ -73,11 +73,17 @@ def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
 
 
 LEASE_SUFFIX = ".lock"
+ATTEMPTS_SUFFIX = ".attempts"
 
 
 def lease_path(leases_dir: Path, unit_id: str) -> Path:
     """The lease file of a unit: ``leases/<unit id>.lock``."""
     return Path(leases_dir) / f"{unit_id}{LEASE_SUFFIX}"
+
+
+def attempts_path(leases_dir: Path, unit_id: str) -> Path:
+    """The claim count of a unit: ``leases/<unit id>.attempts``, one line (the claimer's pid) per claim."""
+    return Path(leases_dir) / f"{unit_id}{ATTEMPTS_SUFFIX}"
 
 
 def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
@@ -189,7 +195,7 @@ class UnitClaimer:
 
     def _count_attempt(self, unit: WorkUnit) -> int:
         """Attempt number of this claim: one line per claim appended to ``<unit>.attempts``."""
-        path = self.leases_dir / f"{unit.id}.attempts"
+        path = attempts_path(self.leases_dir, unit.id)
         append_line(path, f"{os.getpid()}\n".encode())
         return max(1, path.read_bytes().count(b"\n"))
 
