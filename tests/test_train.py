@@ -19,13 +19,11 @@ from jobs.reference.model import ModelConfig, build_model, build_tokenizer
 from jobs.reference.train import (
     PREEMPTED_EXIT,
     TrainConfig,
-    latest_train_checkpoint,
-    load_train_checkpoint,
     main,
     prepare_run,
-    save_train_checkpoint,
     training_batch,
 )
+from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkpoint, save_train_checkpoint
 from tests.support.training import (
     InstantFleet,
     dispatched_steps,

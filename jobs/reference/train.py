@@ -19,11 +19,9 @@ end. Read top to bottom:
 5. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
    save interval), ``dispatcher.close`` (final point, training done, drain).
 
-Training checkpoints (``RUN/train_ckpt/step-<N>/``) hold no pickles: ``model.safetensors``
-(``safetensors.torch.save_model``, tied weights stored once), ``optimizer.safetensors`` (every
-optimizer state tensor plus the torch RNG state), ``state.json`` (step, param groups, config). Each
-is published by an atomic directory rename; the newest two are kept. Batches are a pure function of
-``(seed, step)``, so a resumed run sees exactly the data the killed one would have.
+Training checkpoints (``RUN/train_ckpt/step-<N>/``, no pickles) are :mod:`jobs.reference.train_ckpt`'s.
+Batches are a pure function of ``(seed, step)``, so a resumed run sees exactly the data the killed one
+would have.
 
 Preemption: SIGTERM or SIGUSR1 (SLURM's pre-timeout signal) makes the loop save a training
 checkpoint at the next step boundary, wait (bounded) for an export in flight, and exit with status
@@ -39,9 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -50,14 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
 from tqdm import tqdm
 
-from coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomic
 from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
-from coord.snapshot import SNAPSHOT_PREFIX, producer_identity, snapshot_dirname
+from coord.snapshot import producer_identity
 from jobs.eval.evalsets import write_addition_dataset
 from jobs.lifecycle import EXIT_TRAIN_PREEMPTED, PREEMPT_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
@@ -70,11 +64,11 @@ from jobs.reference.model import (
     save_base_model_dir,
     save_hf_checkpoint,
 )
+from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkpoint, save_train_checkpoint
 from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 
 PREEMPTED_EXIT = EXIT_TRAIN_PREEMPTED  # checkpoint saved, run again with --resume
-KEEP_TRAIN_CKPTS = 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,66 +258,6 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
         "eval_mode": dispatch.mode if dispatch else None,
         "eval_posture": cfg.eval_posture if dispatch else None,
     }
-
-
-# --------------------------------------------------------------------------------------------------
-# 3. Training checkpoints (no pickles)
-# --------------------------------------------------------------------------------------------------
-
-
-def train_ckpt_root(run: RunDir) -> Path:
-    return run.train_ckpt
-
-
-def save_train_checkpoint(run: RunDir, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Path:
-    """Publish ``train_ckpt/step-<N>/`` atomically; keep the newest :data:`KEEP_TRAIN_CKPTS`."""
-    root = train_ckpt_root(run)
-    root.mkdir(exist_ok=True)
-    final = root / snapshot_dirname(step)
-    if final.exists():
-        return final
-    tmp = tmp_name(final)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    state = opt.state_dict()
-    tensors = {"rng.torch": torch.get_rng_state()}
-    for index, slots in state["state"].items():
-        for key, value in slots.items():
-            tensors[f"state.{index}.{key}"] = (
-                value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            )
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "optimizer.safetensors"))
-    write_json_atomic(tmp / "state.json", {"step": step, "param_groups": state["param_groups"]})
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(tmp)
-    os.rename(tmp, final)
-    fsync_dir(root)
-    for old in sorted(p for p in root.glob(f"{SNAPSHOT_PREFIX}*") if p.is_dir())[:-KEEP_TRAIN_CKPTS]:
-        shutil.rmtree(old)
-    return final
-
-
-def latest_train_checkpoint(run: RunDir) -> Path | None:
-    done = sorted(p for p in train_ckpt_root(run).glob(f"{SNAPSHOT_PREFIX}*") if (p / "state.json").is_file())
-    return done[-1] if done else None
-
-
-def load_train_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Restore model, optimizer and RNG from ``path``; returns its step."""
-    missing, unexpected = load_model(model, str(path / "model.safetensors"))
-    if missing or unexpected:
-        raise ValueError(f"{path}: model keys differ (missing {missing}, unexpected {unexpected})")
-    meta = read_json_object(path / "state.json")
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    torch.set_rng_state(tensors.pop("rng.torch"))
-    slots: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
-        _, index, key = name.split(".", 2)
-        slots.setdefault(int(index), {})[key] = value
-    opt.load_state_dict({"state": slots, "param_groups": meta["param_groups"]})
-    return int(meta["step"])
 
 
 # --------------------------------------------------------------------------------------------------
