@@ -33,7 +33,8 @@ import safetensors.torch as st
 import torch
 
 from jobs.trainer.export.async_export import AsyncExporter
-from jobs.trainer.export.hf_files import CHUNK_BYTES, write_hf_files
+from jobs.trainer.export.hf_files import write_hf_files
+from jobs.trainer.export.safetensors_io import CHUNK_BYTES
 
 HIDDEN = 4096
 EXPORTER = "write_hf_files (zero-copy write + threaded crc32)"

@@ -121,6 +121,41 @@ def read_lines_file(path: Path, repair: bool) -> tuple[bytes, int]:
     return raw[:good_end], torn
 
 
+def read_jsonl_numbered(
+    path: Path, *, repair: bool = False, what: str = "JSON line"
+) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """The one JSONL reader of the protocol files (ledgers, metrics): ``([(lineno, record)], torn_bytes)``.
+
+    Policy, the same for every append-only JSONL file:
+
+    - a missing file reads as empty; blank lines are skipped;
+    - the bytes after the last newline are a *torn tail* (a crash mid-append, or an append still
+      arriving on a shared filesystem): never parsed. With ``repair`` (only the file's one writer,
+      on open) the tail is truncated away; a reader only ignores it (:func:`read_lines_file`);
+    - every complete line must be a JSON object: a malformed one, anywhere, is ``ValueError`` naming
+      ``path:line`` and ``what`` it is — never silently skipped, because a complete line was
+      written whole.
+    """
+    raw, torn = read_lines_file(path, repair=repair)
+    records = []
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}:{lineno}: malformed {what} ({e})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        records.append((lineno, rec))
+    return records, torn
+
+
+def read_jsonl(path: Path, *, repair: bool = False, what: str = "JSON line") -> list[dict[str, Any]]:
+    """The records of a JSONL protocol file, under :func:`read_jsonl_numbered`'s torn-tail policy."""
+    return [rec for _lineno, rec in read_jsonl_numbered(path, repair=repair, what=what)[0]]
+
+
 def read_json(path: Path) -> Any:
     """Read a JSON protocol file; a missing file is FileNotFoundError, a malformed one ValueError.
 

@@ -25,7 +25,6 @@ file per poll until admitted.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,9 +38,9 @@ from coord.snapshot import (
     parse_marker,
     producer_identity,
     read_marker,
+    step_from_name,
 )
 
-TRAILING_DIGITS = re.compile(r"(\d+)$")
 FOREIGN_TEMP_PREFIXES = ("tmp-", "tmp_", "temp-")
 
 
@@ -54,12 +53,6 @@ class SnapshotRef:
     @property
     def foreign(self) -> bool:
         return self.marker.mode == "foreign"
-
-
-def step_from_name(path: Path) -> int | None:
-    """The trailing digits of a dir name (``step-0000000100``, ``checkpoint-100``), if any."""
-    m = TRAILING_DIGITS.search(path.name)
-    return int(m.group(1)) if m else None
 
 
 def step_from_dir(path: Path) -> int | None:

@@ -1,14 +1,33 @@
-"""The trainer's ledger, ``ledger.jsonl``: what it dispatched, ingested and retired.
+"""The trainer's ledger, ``ledger.jsonl``: what it dispatched, exported, skipped, ingested and retired.
 
-Append-only, one JSON object per line: ``{"event": "dispatched"|"ingested"|"retired", "step": N,
-...}``. Replaying it on restart tells a requeued trainer which points it already logged (so each is
-ingested exactly once) and which are still pending (re-adopted).
+Append-only, one JSON object per line ``{"event": E, "step": N, ...}``, one event per fact:
+
+- ``dispatched`` — the trainer made ``step`` evaluable (``mode``, ``backpressure_wait_seconds``);
+  starts a fresh record for the step (a lost dispatch that is dispatched again starts over);
+- ``exported`` — a staging export of ``step`` was published (``snapshot``, ``export_time_seconds``,
+  ``export_blocked_seconds``);
+- ``evaluated_shared`` — the shared posture evaluated ``step`` in-process (``shared_eval_seconds``);
+- ``skipped`` — the whole point is skipped (``reason``, ``message``, and what the trainer knew, e.g.
+  export times); a step skipped before any dispatch (``busy``) has only this record;
+- ``ingested`` — the point's metrics were logged (``outcome``, ``lag_steps``, ``time``, ...);
+- ``retired`` — the point is final; its staging snapshot may be collected.
+
+Replaying it on restart tells a requeued trainer which points it already logged (so each is
+ingested exactly once) and which are still pending (re-adopted): :class:`LedgerState` folds every
+event of a step into one record (``dispatched[step]``, the fields of its latest dispatch and of the
+events after it).
+
+Backward compatible: ledgers written before the explicit events carried export times, the shared
+eval time and skips as *re-appended* ``dispatched`` records, each a superset of the previous one
+(``skipped``: the reason). Replay reads them the same way: a ``dispatched`` record replaces the step's
+record, and a ``skipped`` field there is the skip reason.
 
 Guarantees: each append is one ``write`` of a whole line followed by fsync, and "ingested" is appended
 only *after* the point's metrics were written, so a crash between the two re-ingests at most the
 metrics line the crash interrupted — callers make metric logging idempotent per step (see
-``jobs.metrics``). A torn last line (crash mid-append) is detected on open and cut off (repaired);
-a malformed line anywhere else is an error naming the file and line, never silently skipped.
+``jobs.metrics``). Read with :func:`coord.atomic.read_jsonl_numbered`: a torn last line (crash
+mid-append) is detected on open and cut off (repaired); a malformed line anywhere else is an error
+naming the file and line, never silently skipped.
 
 Only the writer repairs: a reader of a live run (status, a worker) opens it with ``repair=False``,
 which ignores an incomplete last line instead of truncating the file — on a shared filesystem a
@@ -24,9 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import append_line, read_lines_file
+from coord.atomic import append_line, read_jsonl_numbered
 
-EVENTS = ("dispatched", "ingested", "retired")
+EVENTS = ("dispatched", "exported", "evaluated_shared", "skipped", "ingested", "retired")
+RECORD_EVENTS = ("exported", "evaluated_shared", "skipped")  # fold their fields into the step's record
 
 
 class LedgerError(ValueError):
@@ -35,13 +55,31 @@ class LedgerError(ValueError):
 
 @dataclass
 class LedgerState:
-    dispatched: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> dispatch record
+    dispatched: dict[int, dict[str, Any]] = field(default_factory=dict)  # step -> its folded record
+    skipped: dict[int, tuple[str, str]] = field(default_factory=dict)  # step -> (reason, message)
     ingested: set[int] = field(default_factory=set)
     retired: set[int] = field(default_factory=set)
 
     @property
     def pending(self) -> list[int]:
         return sorted(set(self.dispatched) - self.ingested)
+
+    def apply(self, rec: dict[str, Any]) -> None:
+        step, event = rec["step"], rec["event"]
+        fields = {k: v for k, v in rec.items() if k not in {"event", "step"}}
+        if event == "dispatched":
+            self.dispatched[step] = fields
+            self.skipped.pop(step, None)
+            if isinstance(fields.get("skipped"), str):  # an old-style ledger's re-appended skip
+                self.skipped[step] = (fields["skipped"], str(fields.get("message", "")))
+        elif event in RECORD_EVENTS:
+            self.dispatched.setdefault(step, {}).update(fields)
+            if event == "skipped":
+                self.skipped[step] = (str(fields.get("reason", "unknown")), str(fields.get("message", "")))
+        elif event == "ingested":
+            self.ingested.add(step)
+        else:
+            self.retired.add(step)
 
 
 class Ledger:
@@ -53,34 +91,23 @@ class Ledger:
         self._replay()
 
     def _replay(self) -> None:
-        raw, torn = read_lines_file(self.path, repair=self.repair)
+        try:
+            records, torn = read_jsonl_numbered(self.path, repair=self.repair, what="ledger line")
+        except ValueError as e:
+            raise LedgerError(str(e)) from None
         if self.repair:
             self.repaired_bytes = torn
-        for lineno, line in enumerate(raw.splitlines(), start=1):
-            if line.strip():
-                self._apply(self._parse(line, lineno))
+        for lineno, rec in records:
+            self.state.apply(self._check(rec, lineno))
 
-    def _parse(self, line: bytes, lineno: int) -> dict[str, Any]:
-        try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise LedgerError(f"{self.path}:{lineno}: malformed ledger line ({e})") from None
-        if not isinstance(rec, dict) or rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
+    def _check(self, rec: dict[str, Any], lineno: int) -> dict[str, Any]:
+        if rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
             raise LedgerError(f"{self.path}:{lineno}: ledger line needs an 'event' in {EVENTS} and an integer 'step'")
         return rec
-
-    def _apply(self, rec: dict[str, Any]) -> None:
-        step = rec["step"]
-        if rec["event"] == "dispatched":
-            self.state.dispatched[step] = rec
-        elif rec["event"] == "ingested":
-            self.state.ingested.add(step)
-        else:
-            self.state.retired.add(step)
 
     def append(self, event: str, step: int, **fields: Any) -> None:
         if event not in EVENTS:
             raise ValueError(f"unknown ledger event {event!r}; expected one of {EVENTS}")
         rec = {"event": event, "step": step, **fields}
         append_line(self.path, (json.dumps(rec, sort_keys=True) + "\n").encode())
-        self._apply(rec)
+        self.state.apply(rec)

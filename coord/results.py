@@ -242,7 +242,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
 
 
 def point_metrics(point: Point) -> dict[str, float]:
-    """The metric names of DESIGN.md for one point (``eval/lag_steps`` is added by the ingester)."""
+    """The metric names of one point (docs/PROTOCOL.md §7; ``eval/lag_steps`` is added by the ingester)."""
     metrics: dict[str, float] = {"eval/step": point.step}
     for name, ds in point.datasets.items():
         metrics[f"eval/{name}"] = ds.score

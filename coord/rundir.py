@@ -12,6 +12,10 @@ own. Layout::
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
     RUN/TRAINING_DONE     written once when training has finished (final step)
+    RUN/service_ledger.jsonl   the checkpoint-watching service's ingest record (coord.ledger)
+    RUN/service_metrics.jsonl  every point the service logged (jobs.metrics)
+    RUN/base/             the base model dir (config, tokenizer) exports copy into each snapshot
+    RUN/train_ckpt/       the reference trainer's resumable checkpoints (step-<N>/), read on --resume
 
 Guarantee: :meth:`RunDir.create` is idempotent and leaves every directory fsync'd. Limits: it does not
 lock the run; two trainers writing one run dir is a user error the protocol does not detect.
@@ -72,6 +76,22 @@ class RunDir:
     @property
     def done_path(self) -> Path:
         return self.path / "TRAINING_DONE"
+
+    @property
+    def service_ledger_path(self) -> Path:
+        return self.path / "service_ledger.jsonl"
+
+    @property
+    def service_metrics_path(self) -> Path:
+        return self.path / "service_metrics.jsonl"
+
+    @property
+    def base(self) -> Path:
+        return self.path / "base"
+
+    @property
+    def train_ckpt(self) -> Path:
+        return self.path / "train_ckpt"
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod

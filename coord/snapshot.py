@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -87,8 +88,31 @@ class Marker:
         }
 
 
+# -- location rules: the one place that builds or parses a snapshot directory's name ----------------
+SNAPSHOT_PREFIX = "step-"
+CHECKPOINT_PREFIX = "checkpoint-"
+TRAILING_DIGITS = re.compile(r"(\d+)$")
+
+
 def snapshot_dirname(step: int) -> str:
-    return f"step-{step:010d}"
+    """A staging snapshot (or reference training checkpoint): ``step-<10 digits>``, so names sort by step."""
+    return f"{SNAPSHOT_PREFIX}{step:010d}"
+
+
+def checkpoint_dirname(step: int) -> str:
+    """Reuse mode: the trainer's periodic HF checkpoint of ``step``, named as HF Trainer names it."""
+    return f"{CHECKPOINT_PREFIX}{step}"
+
+
+def snapshot_path(root: Path, step: int, mode: str) -> Path:
+    """Where the snapshot of ``step`` lives under ``root``: a ``reuse`` checkpoint or a staging export."""
+    return Path(root) / (checkpoint_dirname(step) if mode == "reuse" else snapshot_dirname(step))
+
+
+def step_from_name(path: Path) -> int | None:
+    """The step a dir name says: its trailing digits (``step-0000000100``, ``checkpoint-100``), if any."""
+    m = TRAILING_DIGITS.search(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def producer_identity() -> dict[str, Any]:

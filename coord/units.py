@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import filelock
+from filelock._soft import parse_marker  # filelock's parser of its owner record
 
 from coord.atomic import append_line
 from coord.manifest import LeaseSettings, RunManifest
@@ -71,6 +72,48 @@ def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
     return range(start, min(start + ds.shard_size, ds.n_prompts))
 
 
+LEASE_SUFFIX = ".lock"
+ATTEMPTS_SUFFIX = ".attempts"
+
+
+def lease_path(leases_dir: Path, unit_id: str) -> Path:
+    """The lease file of a unit: ``leases/<unit id>.lock``."""
+    return Path(leases_dir) / f"{unit_id}{LEASE_SUFFIX}"
+
+
+def attempts_path(leases_dir: Path, unit_id: str) -> Path:
+    """The claim count of a unit: ``leases/<unit id>.attempts``, one line (the claimer's pid) per claim."""
+    return Path(leases_dir) / f"{unit_id}{ATTEMPTS_SUFFIX}"
+
+
+def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
+    """filelock's owner record of a lease file (pid, hostname, token, duration), parsed by filelock.
+
+    The one reader of lease files outside filelock (the worker's token check, ``ckpteval status``,
+    tests). ``FileNotFoundError`` when there is no lease file (nobody holds it); None when the file
+    holds no complete record (being written or broken by a contender, or not UTF-8).
+    Other ``OSError`` propagates: the caller decides what an unreadable file means.
+    """
+    raw = Path(path).read_bytes()
+    try:
+        return parse_marker(raw.decode())
+    except UnicodeDecodeError:
+        return None
+
+
+def lease_holders(leases_dir: Path) -> dict[str, filelock.OwnerRecord]:
+    """unit id -> owner record of every lease file that has one right now (a snapshot, racy by nature)."""
+    held = {}
+    for path in Path(leases_dir).glob(f"*{LEASE_SUFFIX}"):
+        try:
+            record = read_lease_holder(path)
+        except FileNotFoundError:
+            continue  # released between listing and reading
+        if record is not None:
+            held[path.name[: -len(LEASE_SUFFIX)]] = record
+    return held
+
+
 @dataclass
 class Claim:
     """A held lease on one unit. ``compromised`` is set by the heartbeat thread if the claim is lost."""
@@ -102,7 +145,7 @@ class UnitClaimer:
         if lease is None:
             flag = self._flags.setdefault(unit.id, threading.Event())
             lease = filelock.SoftFileLease(
-                self.leases_dir / f"{unit.id}.lock",
+                lease_path(self.leases_dir, unit.id),
                 lease_duration=self.settings.duration_s,
                 heartbeat_interval=self.settings.heartbeat_s,
                 on_compromise=lambda _c, flag=flag: flag.set(),
@@ -152,7 +195,7 @@ class UnitClaimer:
 
     def _count_attempt(self, unit: WorkUnit) -> int:
         """Attempt number of this claim: one line per claim appended to ``<unit>.attempts``."""
-        path = self.leases_dir / f"{unit.id}.attempts"
+        path = attempts_path(self.leases_dir, unit.id)
         append_line(path, f"{os.getpid()}\n".encode())
         return max(1, path.read_bytes().count(b"\n"))
 

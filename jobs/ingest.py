@@ -1,4 +1,10 @@
-"""Ingestion for the external-service posture: log each finished point exactly once.
+"""Ingestion: turn a step's results into one logged point, exactly once — the one path for it.
+
+:func:`ingest_point` is what every ingester calls: derive the point (:func:`coord.results.derive_point`),
+its metrics (:func:`coord.results.point_metrics`), add ``eval/lag_steps`` and the caller's extras, log
+it (:class:`jobs.metrics.MetricsSink`, which drops an ``eval/step`` it already has) and only then
+append ``ingested`` to the caller's ledger. The two callers differ only in what lag means and which
+ledger and sink they own.
 
 In the fleet postures the trainer's :class:`~jobs.trainer.dispatcher.EvalDispatcher` ingests points. In the
 service posture the trainer knows nothing of eval, so the service does it: after each poll,
@@ -18,12 +24,56 @@ at-least-once (see jobs.metrics).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 
 from coord.ledger import Ledger
-from coord.results import ResultIndex, derive_point, point_metrics
+from coord.manifest import RunManifest
+from coord.results import Point, Result, ResultIndex, derive_point, point_metrics
 from coord.rundir import RunDir
+from coord.units import WorkUnit
 from jobs.metrics import MetricsSink
+
+DRAIN_TIMEOUT = "drain_timeout"
+
+
+def ingest_point(
+    manifest: RunManifest,
+    step: int,
+    results: Mapping[WorkUnit, Result],
+    *,
+    sink: MetricsSink,
+    ledger: Ledger,
+    lag_steps: int,
+    extra: Mapping[str, float] | None = None,
+    give_up: bool = False,
+) -> Point | None:
+    """Derive the point of ``step`` -> metrics -> lag -> log -> ``ingested``; the point, or None if not done.
+
+    A point with units still open is not ingested (None) unless ``give_up`` (the trainer's drain
+    timeout): then what exists is logged with ``eval/skipped_drain_timeout`` = units without a result,
+    and the ledger records ``outcome: drain_timeout``. ``extra`` metrics (export, backpressure and
+    shared-eval times) are logged with the point.
+    """
+    point = derive_point(manifest, step, dict(results))
+    if not point.complete and not give_up:
+        return None
+    metrics = point_metrics(point)
+    if give_up:
+        metrics["eval/skipped_drain_timeout"] = point.units_total - point.units_done
+    metrics["eval/lag_steps"] = lag_steps
+    metrics.update(extra or {})
+    sink.log_eval(metrics)
+    ledger.append(
+        "ingested",
+        step,
+        outcome=DRAIN_TIMEOUT if give_up else "complete",
+        lag_steps=lag_steps,
+        units_done=point.units_done,
+        units_total=point.units_total,
+        time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)
+    )
+    return point
 
 
 class ServiceIngester:
@@ -32,7 +82,7 @@ class ServiceIngester:
         self.newest_step = newest_step
         self.sink = sink
         self.manifest = run.manifest()
-        self.ledger = Ledger(run.path / "service_ledger.jsonl")
+        self.ledger = Ledger(run.service_ledger_path)
         self.index = ResultIndex(run.results)
 
     def poll(self) -> list[int]:
@@ -42,12 +92,6 @@ class ServiceIngester:
         newest = max(steps | {self.newest_step() if self.newest_step else 0})
         logged = []
         for step in sorted(steps - self.ledger.state.ingested):
-            point = derive_point(self.manifest, step, results)
-            if not point.complete:
-                continue
-            metrics = point_metrics(point)
-            metrics["eval/lag_steps"] = newest - step
-            self.sink.log_eval(metrics)
-            self.ledger.append("ingested", step, lag_steps=newest - step)
-            logged.append(step)
+            if ingest_point(self.manifest, step, results, sink=self.sink, ledger=self.ledger, lag_steps=newest - step):
+                logged.append(step)
         return logged

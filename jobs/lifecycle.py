@@ -1,7 +1,8 @@
 """Exit codes and stop signals: one definition for every ckpteval program and ``sbatch/common.sh``.
 
-The batch scripts requeue on ``EXIT_PREEMPTED`` and ``EXIT_UNHEALTHY``; a test ties
-``sbatch/common.sh``'s numbers to these.
+The batch scripts requeue on ``EXIT_PREEMPTED`` and ``EXIT_UNHEALTHY`` (workers) and rerun the trainer
+with ``--resume`` on ``EXIT_TRAIN_PREEMPTED``; ``tests/test_lifecycle.py`` ties ``sbatch/common.sh``'s
+numbers and the signals it traps and forwards to these.
 
 Early stops: a scheduler may preempt a worker (SIGTERM, or SLURM's pre-timeout SIGUSR1) in the seconds it
 spends importing torch and building its engine, before it installs its own handlers; by default either
@@ -21,9 +22,11 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 3
 EXIT_UNHEALTHY = 4
+EXIT_TRAIN_PREEMPTED = 75  # EX_TEMPFAIL: the trainer saved a training checkpoint; run again with --resume
 EXIT_INTERRUPTED = 130
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # what makes a worker release and exit
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's "stop soon": release / checkpoint, requeue
+STOP_SIGNALS = (*PREEMPT_SIGNALS, signal.SIGINT)  # what makes a worker release and exit
 
 EXIT_CODES_HELP = (
     f"exit codes: {EXIT_DONE} done, {EXIT_ERROR} unexpected error, {EXIT_USAGE} usage/config error, "
@@ -31,7 +34,7 @@ EXIT_CODES_HELP = (
     f"(requeue elsewhere), {EXIT_INTERRUPTED} SIGINT"
 )
 
-EARLY_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EARLY_STOP_SIGNALS = PREEMPT_SIGNALS
 _received: list[int] = []
 
 

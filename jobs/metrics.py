@@ -9,7 +9,8 @@ What this module owns and promises:
   file on open and refuses (returns False for) a second point with an ``eval/step`` already present.
   That closes the crash window of the ingestion protocol (metrics line written, trainer killed before
   the ledger's ``ingested`` record): the requeued trainer re-ingests the point and the sink drops the
-  duplicate line. A torn last line (crash mid-write) is cut off on open, as the ledger does.
+  duplicate line. A torn last line (crash mid-write) is cut off on open, as the ledger does
+  (:func:`coord.atomic.read_jsonl_numbered`, the one JSONL policy).
 - wandb (optional): ``eval/step`` is defined as the step metric of ``eval/*`` and ``train/step`` of
   ``train/*``, and ``wandb.log`` is never given ``step=``, so a late point lands at its dispatch step
   on the eval axis and never trips wandb's "step must increase" rule. ``WANDB_MODE=offline`` works
@@ -30,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import append_line, read_lines_file
+from coord.atomic import append_line, read_jsonl_numbered
 
 EVAL_STEP = "eval/step"
 TRAIN_STEP = "train/step"
@@ -50,18 +51,8 @@ class MetricsSink:
     # -- reading back -------------------------------------------------------------------------------
     def _replay(self) -> set[int]:
         """The ``eval/step`` values already in the file (cutting off a torn last line first)."""
-        raw, self.repaired_bytes = read_lines_file(self.path, repair=True)
-        steps: set[int] = set()
-        for lineno, line in enumerate(raw.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{self.path}:{lineno}: malformed metrics line ({e})") from None
-            if isinstance(rec, dict) and EVAL_STEP in rec:
-                steps.add(int(rec[EVAL_STEP]))
-        return steps
+        records, self.repaired_bytes = read_jsonl_numbered(self.path, repair=True, what="metrics line")
+        return {int(rec[EVAL_STEP]) for _lineno, rec in records if EVAL_STEP in rec}
 
     def has_eval_step(self, step: int) -> bool:
         return step in self._eval_steps

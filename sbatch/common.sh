@@ -5,7 +5,7 @@
 # clean stop (leases released, trainer checkpointed) and requeueing the job. Defines functions and
 # defaults only; the scripts decide what to launch.
 #
-# Exit codes of the programs it relies on (jobs/eval/worker.py, jobs/reference/train.py):
+# Exit codes of the programs it relies on (defined in jobs/lifecycle.py; tests/test_lifecycle.py checks them):
 #   ckpteval worker: 0 done, 3 preempted (lease released: requeue me), 4 engine unhealthy, else error
 #   ckpteval train:  0 done, 75 preempted (training checkpoint saved: rerun with --resume)
 #

@@ -12,15 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from coord.atomic import publish_exclusive, read_json, write_json_atomic
+from coord.atomic import publish_exclusive, read_json, read_jsonl, write_json_atomic
 from coord.discovery import SnapshotDiscovery
 from coord.manifest import load_manifest
 from coord.snapshot import (
     SnapshotCorrupt,
     SnapshotMissing,
+    checkpoint_dirname,
     mark_complete,
     publish_snapshot,
     read_marker,
+    snapshot_dirname,
+    snapshot_path,
+    step_from_name,
     verify_snapshot,
 )
 from tests.support.runs import flip_byte, make_run, write_tiny_shards
@@ -67,6 +71,23 @@ def test_bad_manifest_field_is_named(tmp_path: Path, mutate, field: str) -> None
     run.manifest_path.write_text(json.dumps(obj))
     with pytest.raises(ValueError, match=f"run.json: field {field}"):
         load_manifest(run.manifest_path)
+
+
+def test_jsonl_torn_tail_is_ignored_by_readers_and_cut_by_the_writer(tmp_path: Path) -> None:
+    """One JSONL policy: a missing file is empty, a torn tail is ignored (or repaired), a bad line is named."""
+    path = tmp_path / "log.jsonl"
+    assert read_jsonl(path) == []
+    path.write_bytes(b'{"step": 1}\n\n{"step": 2}\n{"step": 3, "x"')
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
+    assert path.read_bytes().endswith(b'"x"')  # a reader never truncates a live file
+    assert read_jsonl(path, repair=True) == [{"step": 1}, {"step": 2}]
+    assert path.read_bytes() == b'{"step": 1}\n\n{"step": 2}\n'
+    path.write_bytes(b'{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="log.jsonl:2"):
+        read_jsonl(path)
+    path.write_bytes(b'{"step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="log.jsonl:2: expected a JSON object"):
+        read_jsonl(path)
 
 
 def test_publish_verify_fast_and_full(tmp_path: Path) -> None:
@@ -163,3 +184,13 @@ def test_sigkill_mid_publish_is_never_discovered(tmp_path: Path) -> None:
     proc.wait()
     assert any(p.name.startswith(".tmp-") for p in root.iterdir())  # the torn copy is there...
     assert disc.poll() == [] and SnapshotDiscovery(root).poll() == []  # ...and never discovered
+
+
+def test_snapshot_location_rules_build_and_parse_names_once(tmp_path: Path) -> None:
+    """``step-N`` (staging, zero-padded so names sort by step) and ``checkpoint-N`` (reuse) round-trip."""
+    assert snapshot_path(tmp_path, 7, "staging") == tmp_path / snapshot_dirname(7) == tmp_path / "step-0000000007"
+    assert snapshot_path(tmp_path, 7, "reuse") == tmp_path / checkpoint_dirname(7) == tmp_path / "checkpoint-7"
+    assert step_from_name(tmp_path / snapshot_dirname(120)) == 120
+    assert step_from_name(tmp_path / checkpoint_dirname(5)) == 5
+    assert step_from_name(tmp_path / "final") is None
+    assert sorted(snapshot_dirname(s) for s in (100, 9, 20)) == [snapshot_dirname(s) for s in (9, 20, 100)]

@@ -20,7 +20,7 @@ import pytest
 
 from coord.manifest import LeaseSettings
 from coord.results import ResultIndex, ok_result, write_result
-from coord.units import UnitClaimer, WorkUnit
+from coord.units import UnitClaimer, WorkUnit, lease_holders, lease_path, read_lease_holder
 
 ROOT = Path(__file__).parents[1]
 
@@ -159,3 +159,22 @@ def test_compromised_claim_is_flagged(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert mine.compromised.is_set()
     mine.release()
+
+
+def test_lease_holder_is_read_from_filelocks_owner_record(tmp_path: Path) -> None:
+    """The holder (pid, host, token) comes from the marker filelock wrote; no file means nobody holds it."""
+    unit = WorkUnit(4, "ds", 1)
+    claim = UnitClaimer(tmp_path, LeaseSettings(30.0, 5.0)).try_claim(unit)
+    assert claim is not None
+    try:
+        holder = read_lease_holder(lease_path(tmp_path, unit.id))
+        assert holder is not None
+        assert (holder.pid, holder.token) == (os.getpid(), claim.token)
+        assert {u: r.pid for u, r in lease_holders(tmp_path).items()} == {unit.id: os.getpid()}
+    finally:
+        claim.release()
+    with pytest.raises(FileNotFoundError):
+        read_lease_holder(lease_path(tmp_path, unit.id))
+    assert lease_holders(tmp_path) == {}
+    lease_path(tmp_path, unit.id).write_bytes(b"pid=12")  # torn: no complete record
+    assert read_lease_holder(lease_path(tmp_path, unit.id)) is None

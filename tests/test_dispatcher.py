@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -17,8 +18,7 @@ from coord.results import ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
 from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model
-from jobs.reference.train import TrainConfig, base_model_dir, save_hf_checkpoint
+from jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
 from jobs.trainer.config import DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher
 from jobs.trainer.export.async_export import AsyncExporter
@@ -33,7 +33,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 def _dispatcher(run: RunDir, dispatch: DispatchConfig, **kw) -> EvalDispatcher:
     kw.setdefault("poll_interval_s", 0.0)
-    return EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), **kw)
+    return EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, **kw)
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:
@@ -47,7 +47,7 @@ def test_async_export_loads_with_identical_logits_and_blocks_less_than_total(tmp
     ids = torch.tensor([[1, 4, 11, 5, 6, 14, 7, 8, 15]])
     with torch.no_grad():
         want = model(input_ids=ids).logits
-    exporter = AsyncExporter(tmp_path / "staging", base_model_dir(run))
+    exporter = AsyncExporter(tmp_path / "staging", run.base)
     exporter.submit(7, model)
     with torch.no_grad():  # training goes on: the snapshot must hold the weights at submit time
         for p in model.parameters():
@@ -187,26 +187,6 @@ def test_backpressure_timeout_skips_busy_instead_of_hanging(tmp_path: Path) -> N
 
 
 # -- validation ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"eval_interval": 0}, "--eval-interval"),
-        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of --save-interval"),
-        ({"eval_keep_snapshots": 1, "eval_max_in_flight": 2}, "--eval-keep-snapshots"),
-        ({"eval_overflow_policy": "drop"}, "--eval-overflow-policy"),
-        ({"eval_max_in_flight": 0}, "--eval-max-in-flight"),
-        ({"save_hf_dir": "X"}, "--save-interval"),
-        ({"eval_staging_dir": "S", "save_hf_dir": "X", "save_interval": 2}, "choose"),
-    ],
-)
-def test_validation_matrix_fails_at_construction(tmp_path: Path, kwargs: dict, message: str) -> None:
-    for key in ("save_hf_dir", "eval_staging_dir"):
-        if key in kwargs:
-            kwargs[key] = tmp_path / kwargs[key]
-    with pytest.raises(ValueError, match=message):
-        TrainConfig(run_dir=tmp_path / "run", **kwargs).validate()
-
-
 def test_dispatcher_refuses_a_root_missing_from_run_json(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run")
     other = DispatchConfig(eval_interval=2, staging_dir=tmp_path / "elsewhere")
@@ -222,13 +202,12 @@ def test_reuse_mode_marks_checkpoints_exports_nothing_and_gc_never_deletes(tmp_p
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=save, save_interval=2, eval_interval=2,
                                    eval_max_in_flight=3, eval_keep_snapshots=3)
     assert run.manifest().snapshot_roots == (str(save.resolve()),)
-    cfg = TrainConfig(run_dir=run.path, model=SMALL)
     d = _dispatcher(run, dispatch)
     assert d.exporter is None and d.gc is None
     model = _model()
     for step in range(1, 7):
         if step in (2, 4):  # the trainer "forgets" to save 6
-            save_hf_checkpoint(save, step, model, cfg)
+            save_hf_checkpoint(save, step, model)
         d.maybe_dispatch(step, model)
     for step in (2, 4):
         marker = read_marker(save / f"checkpoint-{step}")
@@ -274,7 +253,7 @@ def test_restart_ingests_finished_points_exactly_once(tmp_path: Path) -> None:
     assert d2.pending == [6]
     for step in range(5, 7):  # re-running 4..6: nothing dispatched twice
         d2.maybe_dispatch(step, model)
-    assert ledger_counts(run.path, "dispatched")[6] == 2  # dispatch + export-times record, not re-exported
+    assert ledger_counts(run.path, "dispatched")[6] == 1 and ledger_counts(run.path, "exported")[6] == 1  # not re-exported
 
     # crash window: metrics line of 6 written, trainer killed before the ledger's "ingested"
     fill_results(run, 6)
@@ -339,3 +318,26 @@ def test_point_landing_while_a_resumed_trainer_retrains_has_lag_zero_not_negativ
     d2.maybe_dispatch(3, model)
     d2.poll(force=True)
     assert _by_step(run.path)[6]["eval/lag_steps"] == 0
+
+
+def test_restart_on_an_old_style_ledger_rewrites_skips_and_logs_export_times(tmp_path: Path) -> None:
+    """A trainer requeued onto a ledger written before the explicit events (facts re-appended as
+    ``dispatched`` records) re-adopts its points the same way: the pending skip is written and logged,
+    the exported point is logged with its export times."""
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=4, eval_keep_snapshots=4)
+    old = [
+        {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
+        {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0,
+         "export_time_seconds": 1.5, "export_blocked_seconds": 0.25, "snapshot": str(run.snapshots / "step-2")},
+        {"event": "dispatched", "step": 4, "mode": "staging", "backpressure_wait_seconds": 0.0,
+         "export_time_seconds": 0.5, "export_blocked_seconds": 0.25, "skipped": "export_failed", "message": "full"},
+    ]
+    run.ledger_path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    fill_results(run, 2)  # step 2's point finished while the trainer was dead
+    d = _dispatcher(run, dispatch)
+    assert d.pending == [2, 4]
+    d.maybe_dispatch(5, _model())
+    points = _by_step(run.path)
+    assert points[2]["eval/export_time_seconds"] == 1.5 and points[2]["eval/export_blocked_seconds"] == 0.25
+    assert points[4]["eval/skipped_export_failed"] == 2 and points[4]["eval/export_time_seconds"] == 0.5
+    assert d.pending == [] and ledger_counts(run.path, "ingested") == {2: 1, 4: 1}

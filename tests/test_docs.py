@@ -45,3 +45,29 @@ def test_flags_reference_is_current() -> None:
     current = (ROOT / "docs" / "FLAGS.md").read_text()
     if current.rstrip() != flag_reference().rstrip():
         pytest.fail("docs/FLAGS.md is stale: run `python -m jobs.cli reference > docs/FLAGS.md`")
+
+
+def test_protocol_layout_lists_every_run_dir_name(tmp_path: Path) -> None:
+    """Every name coord.rundir.RunDir defines (what a second process reads) is in PROTOCOL.md §1."""
+    from coord.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    names = {getattr(run, attr).name for attr, value in vars(RunDir).items()
+             if isinstance(value, property) and isinstance(getattr(run, attr), Path) and getattr(run, attr) != run.path}
+    layout = (ROOT / "docs" / "PROTOCOL.md").read_text().split("## 1. Layout", 1)[1].split("## 2.", 1)[0]
+    listed = set(re.findall(r"^RUN/([^/\s]+)", layout, re.M))
+    assert len(names) >= 12 and names <= listed, f"missing from PROTOCOL.md §1: {sorted(names - listed)}"
+
+
+FENCE = re.compile(r"^```[^\n`]*\n(.*?)^```\s*$", re.S | re.M)
+
+
+def empty_fenced_blocks(text: str) -> list[int]:
+    """Line numbers of fenced code blocks with nothing in them (a table or output never pasted in)."""
+    return [text.count("\n", 0, m.start()) + 1 for m in FENCE.finditer(text) if not m.group(1).strip()]
+
+
+def test_no_doc_has_an_empty_fenced_block() -> None:
+    assert empty_fenced_blocks("a\n```text\n\n```\nb\n```bash\nls\n```\n") == [2]  # the check itself works
+    empty = {doc.name: lines for doc in DOCS if (lines := empty_fenced_blocks(doc.read_text()))}
+    assert not empty, f"empty fenced blocks (file: opening lines): {empty}"

@@ -13,7 +13,6 @@ from jobs.eval.engines.base import SamplingParams
 from jobs.eval.engines.hf import HFEngine
 from jobs.metrics import MetricsSink
 from jobs.reference.model import ModelConfig, build_model
-from jobs.reference.train import base_model_dir
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 from jobs.trainer.gate import ProducerGate, shared_eval
 from tests.support.training import eval_lines, make_train_run
@@ -127,7 +126,7 @@ def test_dispatcher_shared_posture_evaluates_at_the_dispatch_step(tmp_path: Path
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
     engine = HFEngine(device="cpu")
     gate = ProducerGate()
-    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run),
+    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base,
                        shared=SharedEval(engine, gate), poll_interval_s=0.0)
     model = build_model(ModelConfig(), "llama")
     for step in range(1, 5):

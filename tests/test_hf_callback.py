@@ -17,7 +17,6 @@ from jobs.reference.model import (
     build_tokenizer,
     make_addition_examples,
 )
-from jobs.reference.train import base_model_dir
 from jobs.trainer.dispatcher import EvalDispatcher
 from jobs.trainer.hf_callback import EvalDispatchCallback
 from tests.support.training import InstantFleet, eval_lines, make_train_run
@@ -48,7 +47,7 @@ def _trainer(output_dir: Path, dispatcher: EvalDispatcher, max_steps: int, **arg
 
 def test_staging_mode_dispatches_from_on_step_end(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
-    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run),
+    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base,
                                 poll_interval_s=0.0, drain_timeout_s=60)
     fleet = InstantFleet(run)
     fleet.start()
@@ -66,7 +65,7 @@ def test_reuse_mode_marks_trainer_checkpoints_from_on_save(tmp_path: Path) -> No
     out = tmp_path / "out"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=2,
                                    eval_max_in_flight=3, eval_keep_snapshots=3)
-    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run),
+    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base,
                                 poll_interval_s=0.0, drain_timeout_s=60)
     fleet = InstantFleet(run)
     fleet.start()
@@ -84,6 +83,6 @@ def test_reuse_mode_marks_trainer_checkpoints_from_on_save(tmp_path: Path) -> No
 def test_reuse_mode_refuses_a_mismatched_save_schedule(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=2)
-    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run))
+    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base)
     with pytest.raises(ValueError, match="save every 2 steps"):
         _trainer(out, dispatcher, max_steps=2, save_strategy="steps", save_steps=3).train()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from jobs.metrics import MetricsSink
 from jobs.reference.model import ModelConfig, build_model
-from jobs.reference.train import base_model_dir
 from jobs.trainer.dispatcher import EvalDispatcher
 from tests.support.training import fill_results, make_train_run
 
@@ -18,7 +17,7 @@ SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, i
 
 def test_ingested_record_has_wall_clock_time(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
-    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), poll_interval_s=0.0)
+    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, poll_interval_s=0.0)
     model = build_model(SMALL, "llama", seed=0)
     d.maybe_dispatch(2, model)
     d.exporter.wait()

@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from coord.atomic import read_jsonl
+from coord.rundir import RunDir
 from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, spawn, write_foreign_checkpoint
 from tests.test_metrics import wandb_records
@@ -24,7 +26,7 @@ def _service(run_dir: Path, watch: Path, cfg: Path, *extra: str):
 
 
 def _eval_steps(path: Path) -> list[int]:
-    return [json.loads(line)["eval/step"] for line in path.read_text().splitlines() if "eval/step" in line]
+    return [r["eval/step"] for r in read_jsonl(path) if "eval/step" in r]
 
 
 def test_service_logs_points_into_the_training_run_once(tmp_path: Path) -> None:
@@ -36,7 +38,7 @@ def test_service_logs_points_into_the_training_run_once(tmp_path: Path) -> None:
     code, out = finish(_service(run_dir, watch, cfg, "--wandb", "--wandb-run-id", "train-run-1",
                                 "--wandb-mode", "resume"), timeout=90)
     assert code == EXIT_DONE, out
-    assert _eval_steps(run_dir / "service_metrics.jsonl") == [10, 20]
+    assert _eval_steps(RunDir(run_dir).service_metrics_path) == [10, 20]
     assert "logged to wandb run train-run-1" in out
 
     (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-train-run-1.wandb")
@@ -53,7 +55,7 @@ def test_service_logs_points_into_the_training_run_once(tmp_path: Path) -> None:
     # a restarted service (shared mode this time) logs nothing twice
     code, out = finish(_service(run_dir, watch, cfg, "--wandb", "--wandb-run-id", "train-run-1"), timeout=90)
     assert code == EXIT_DONE, out
-    assert _eval_steps(run_dir / "service_metrics.jsonl") == [10, 20] and "logged to wandb" not in out
+    assert _eval_steps(RunDir(run_dir).service_metrics_path) == [10, 20] and "logged to wandb" not in out
 
 
 def test_service_wandb_needs_the_training_run_id(tmp_path: Path) -> None:

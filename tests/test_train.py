@@ -14,29 +14,37 @@ import pytest
 import torch
 
 from coord.rundir import RunDir
-from coord.snapshot import read_marker
+from coord.snapshot import checkpoint_dirname, read_marker, snapshot_dirname
 from jobs.reference.model import ModelConfig, build_model, build_tokenizer
 from jobs.reference.train import (
     PREEMPTED_EXIT,
     TrainConfig,
-    latest_train_checkpoint,
-    load_train_checkpoint,
     main,
-    save_train_checkpoint,
+    prepare_run,
     training_batch,
 )
+from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkpoint, save_train_checkpoint
 from tests.support.training import (
     InstantFleet,
+    dispatched_steps,
     eval_lines,
     eval_step_counts,
     ledger_counts,
-    make_train_run,
     read_jsonl,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
+
+
+def _prepared(run_dir: Path, **overrides) -> tuple[RunDir, object]:
+    """A run dir as ``ckpteval train`` prepares it (its own prepare_run; small eval set), and its eval config."""
+    settings = {"eval_n_prompts": 4, "eval_shard_size": 2, "eval_interval": 2, "lease_duration": 5.0,
+                "lease_heartbeat": 1.0, **overrides}
+    cfg = TrainConfig(run_dir=Path(run_dir), **settings)
+    dispatch = cfg.validate()
+    return prepare_run(cfg, dispatch), dispatch
 
 
 def _train_cmd(run_dir: Path, *extra: str) -> list[str]:
@@ -64,13 +72,13 @@ def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_
     first = subprocess.Popen(_train_cmd(run_dir, *args), cwd=ROOT, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = RunDir(run_dir)
-    _wait_for(lambda: ledger_counts(run_dir, "ingested") and (run_dir / "train_ckpt" / f"step-{40:010d}").exists(),
+    _wait_for(lambda: ledger_counts(run_dir, "ingested") and (run_dir / "train_ckpt" / snapshot_dirname(40)).exists(),
               120, first)
     first.send_signal(signal.SIGKILL)
     first.wait(30)
     assert run.training_done() is None
-    killed_at = max(ledger_counts(run_dir, "dispatched"))
-    pending_at_kill = set(ledger_counts(run_dir, "dispatched")) - set(ledger_counts(run_dir, "ingested"))
+    killed_at = max(dispatched_steps(run_dir))
+    pending_at_kill = dispatched_steps(run_dir) - set(ledger_counts(run_dir, "ingested"))
     print(f"killed after dispatching {killed_at}; pending then: {sorted(pending_at_kill)}")
 
     second = subprocess.run(_train_cmd(run_dir, *args, "--resume"), cwd=ROOT, env=ENV,
@@ -114,7 +122,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(tmp_path: Path) -> Non
 
 
 def test_training_checkpoint_round_trip_continues_identically(tmp_path: Path) -> None:
-    run, _ = make_train_run(tmp_path / "run", eval=False)
+    run, _ = _prepared(tmp_path / "run", eval=False)
     cfg = TrainConfig(run_dir=run.path, batch_size=8, model=SMALL)
     tok = build_tokenizer()
 
@@ -145,7 +153,7 @@ def test_bad_flags_fail_before_anything_is_written(tmp_path: Path, capsys) -> No
                  "--eval-interval", "4"]) == 2
     assert "multiple of --save-interval" in capsys.readouterr().err
     assert not run_dir.exists()
-    make_train_run(run_dir)
+    _prepared(run_dir)
     assert main(["--run-dir", str(run_dir), "--steps", "2"]) == 2  # an existing run needs --resume
     assert "--resume" in capsys.readouterr().err
 
@@ -154,7 +162,7 @@ def test_reuse_mode_trainer_marks_its_hf_checkpoints(tmp_path: Path) -> None:
     run_dir, save = tmp_path / "run", tmp_path / "hf"
     flags = ["--save-hf", str(save), "--save-interval", "3", "--eval-interval", "3", "--eval-max-in-flight", "3",
              "--eval-keep-snapshots", "3"]
-    run, _ = make_train_run(run_dir, save_hf_dir=save, save_interval=3, eval_interval=3)
+    run, _ = _prepared(run_dir, save_hf_dir=save, save_interval=3, eval_interval=3)
     fleet = InstantFleet(run)
     fleet.start()
     try:
@@ -165,7 +173,7 @@ def test_reuse_mode_trainer_marks_its_hf_checkpoints(tmp_path: Path) -> None:
     assert code == 0
     assert sorted(p.name for p in save.iterdir()) == ["checkpoint-3", "checkpoint-6", "checkpoint-7"]
     for step in (3, 6, 7):
-        assert read_marker(save / f"checkpoint-{step}").mode == "reuse"
+        assert read_marker(save / checkpoint_dirname(step)).mode == "reuse"
     assert list(run.snapshots.iterdir()) == []  # nothing exported
     points = {r["eval/step"]: r for r in eval_lines(run_dir)}
     assert sorted(points) == [3, 6, 7]  # 7: the final point, saved at the end whatever the save interval
@@ -175,7 +183,7 @@ def test_reuse_mode_trainer_marks_its_hf_checkpoints(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arch", ["qwen2"])
 def test_other_arch_trains_and_exports(tmp_path: Path, arch: str) -> None:
     run_dir = tmp_path / "run"
-    run, _ = make_train_run(run_dir, arch=arch, eval_interval=2)
+    run, _ = _prepared(run_dir, arch=arch, eval_interval=2)
     fleet = InstantFleet(run)
     fleet.start()
     try:
@@ -203,3 +211,24 @@ def test_resume_on_a_malformed_ledger_is_a_named_usage_error(tmp_path: Path) -> 
                           cwd=Path(__file__).parents[1])
     assert proc.returncode == 2 and "ledger.jsonl:" in proc.stderr and "malformed ledger line" in proc.stderr
     assert "Traceback" not in proc.stderr and ledger.read_bytes() == before
+
+
+# -- validation (moved from test_dispatcher: the trainer's flags map onto the dispatch config) ----------
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"eval_interval": 0}, "--eval-interval"),
+        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of --save-interval"),
+        ({"eval_keep_snapshots": 1, "eval_max_in_flight": 2}, "--eval-keep-snapshots"),
+        ({"eval_overflow_policy": "drop"}, "--eval-overflow-policy"),
+        ({"eval_max_in_flight": 0}, "--eval-max-in-flight"),
+        ({"save_hf_dir": "X"}, "--save-interval"),
+        ({"eval_staging_dir": "S", "save_hf_dir": "X", "save_interval": 2}, "choose"),
+    ],
+)
+def test_validation_matrix_fails_at_construction(tmp_path: Path, kwargs: dict, message: str) -> None:
+    for key in ("save_hf_dir", "eval_staging_dir"):
+        if key in kwargs:
+            kwargs[key] = tmp_path / kwargs[key]
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(run_dir=tmp_path / "run", **kwargs).validate()

@@ -2,16 +2,14 @@
 
 An :class:`Evaluator` turns one claimed unit into scores or raises a skip; :func:`evaluate_unit` maps every
 expected failure to a skip reason (``ckpt_missing``/``ckpt_corrupt``/``pin_violation``/``unhealthy``/
-``crashed``/a backend's own). Pinning lives in :meth:`EngineEvaluator._pin`.
+``crashed``/a backend's own). Pinning is :mod:`jobs.eval.pinning`'s (shared with the shared posture).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from coord.discovery import SnapshotRef
 from coord.manifest import RunManifest
@@ -25,6 +23,7 @@ from coord.units import WorkUnit, shard_range
 from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.eval.options import WorkerOptions
+from jobs.eval.pinning import PinViolation, WorkerSkip, call_with_timeout, check_pinned, pin
 from jobs.eval.scoring import DatasetCache, score_unit
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
@@ -34,42 +33,8 @@ SCORING_ERRORS = (RuntimeError, ValueError, OSError, LookupError, TypeError, Ari
 
 
 # -- skips raised while evaluating --------------------------------------------------------------------
-class WorkerSkip(RuntimeError):
-    """A unit outcome that is a skip with :attr:`reason`."""
-
-    reason = "crashed"
-
-
-class PinViolation(WorkerSkip):
-    reason = "pin_violation"
-
-
 class Unhealthy(WorkerSkip):
     reason = "unhealthy"
-
-
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Run ``fn`` in a helper thread; :class:`EngineError` if it has not returned after ``timeout_s``.
-
-    The helper thread cannot be killed: a wedged call keeps running in the background (and the engine
-    typically stays unusable, which the health checks then report).
-    """
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 — carried to the calling thread and re-raised there
-            box["error"] = e
-
-    thread = threading.Thread(target=target, name=f"ckpteval-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise EngineError(f"{what} did not finish within {timeout_s:g}s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 # -- evaluators: the part between claim and result ------------------------------------------------------
@@ -107,12 +72,7 @@ class EngineEvaluator:
             self._heal(ref, want)  # died mid-unit: bring it back, then one more try
             scored = score_unit(self.engine, self.cache, unit)
         timings["generate_s"] = scored.generate_s
-        after = self.engine.weight_version()
-        wrong = sorted({str(v) for v in scored.weight_versions if v != want})
-        if wrong or after != want:
-            raise PinViolation(
-                f"want version {want}; samples carried {wrong or 'it'}, engine reports {after!r} after"
-            )
+        check_pinned(self.engine, want, scored.weight_versions)
         return Evaluation(scored.scores, scored.weight_versions)
 
     def _prepare(self, ref: SnapshotRef, want: str) -> None:
@@ -138,27 +98,14 @@ class EngineEvaluator:
             raise Unhealthy("engine failed its probe after restart and reload")
 
     def _pin(self, ref: SnapshotRef, want: str) -> bool:
-        """Load ``ref`` as version ``want`` unless loaded; read the version back until it matches.
-
-        Returns whether a load happened.
-        """
-        loaded = self.engine.weight_version() != want
-        if loaded:
-            try:
-                call_with_timeout(lambda: self.engine.load(str(ref.path), want), self.load_timeout_s, "weight load")
-            except EngineError as e:
-                if not _is_version_mismatch(e):
-                    raise
-                # loaded, but the engine reads back another version: the read-back below decides
-            self._loaded_once = True
-        deadline, delay = time.monotonic() + self.pin_timeout_s, 0.02
-        while (got := self.engine.weight_version()) != want:
-            if time.monotonic() >= deadline:
-                raise PinViolation(
-                    f"engine reports version {got!r} after loading step {want} (waited {self.pin_timeout_s:g}s)"
-                )
-            time.sleep(delay)
-            delay = min(2 * delay, 1.0)
+        """:func:`jobs.eval.pinning.pin` with the fleet's bounds; returns whether a load happened."""
+        try:
+            loaded = pin(self.engine, str(ref.path), want, load_timeout_s=self.load_timeout_s,
+                         pin_timeout_s=self.pin_timeout_s)
+        except PinViolation:
+            self._loaded_once = True  # the load happened; its read-back failed
+            raise
+        self._loaded_once = self._loaded_once or loaded
         return loaded
 
     def close(self) -> None:
@@ -187,15 +134,6 @@ class FnEvaluator:
 
     def close(self) -> None:
         self.backend.dispose()
-
-
-def _is_version_mismatch(error: EngineError) -> bool:
-    """An HTTP engine's load that succeeded but read back another version (not a dead engine)."""
-    if type(error).__name__ != "WeightVersionMismatch":
-        return False
-    from jobs.eval.engines.http import WeightVersionMismatch
-
-    return isinstance(error, WeightVersionMismatch)
 
 
 def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify: str) -> Result:

@@ -23,9 +23,9 @@ from coord.rundir import RunDir
 from coord.snapshot import (
     Marker,
     producer_identity,
-    snapshot_dirname,
+    snapshot_path,
 )
-from coord.units import Claim, UnitClaimer, WorkUnit, order_units, units_for_step
+from coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
 from jobs.eval.evaluators import Evaluator, evaluate_unit
 from jobs.eval.options import WorkerOptions
 from jobs.lifecycle import (
@@ -51,8 +51,9 @@ def dispatch_records(ledger_path: Path) -> dict[int, dict[str, Any]]:
 def still_holds(claim: Claim) -> bool:
     """Whether ``claim`` is still ours: not reported lost, and the lease file still carries its token.
 
-    The token check reads filelock's marker (``token=<hex>`` line); an unreadable file counts as held
-    (the heartbeat reports real losses).
+    The token is read from filelock's owner record (:func:`coord.units.read_lease_holder`); a file
+    without a complete record, or one that cannot be read, counts as held (the heartbeat reports real
+    losses).
     """
     if claim.compromised.is_set():
         return False
@@ -60,12 +61,12 @@ def still_holds(claim: Claim) -> bool:
     if lost is not None and lost.token == claim.token:
         return False
     try:
-        content = Path(claim.lease.lock_file).read_text()
+        holder = read_lease_holder(Path(claim.lease.lock_file))
     except FileNotFoundError:
         return False
-    except (OSError, UnicodeDecodeError):
+    except OSError:
         return True
-    return f"token={claim.token}\n" in content
+    return holder is None or holder.token == claim.token
 
 
 # -- the loop ---------------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ class Worker:
         if isinstance(record.get("snapshot"), str):
             return Path(record["snapshot"])
         root = Path(self.manifest.snapshot_roots[0]) if self.manifest.snapshot_roots else self.rundir.snapshots
-        return root / (f"checkpoint-{step}" if record.get("mode") == "reuse" else snapshot_dirname(step))
+        return snapshot_path(root, step, str(record.get("mode", "staging")))
 
     def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
         units = [u for u in units_for_step(self.manifest, step) if u not in results]

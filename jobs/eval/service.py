@@ -62,7 +62,7 @@ def service_ingestion(worker: Worker, opts: WorkerOptions) -> tuple[Callable[[in
 
     wandb_run = init_wandb(worker.rundir.path, str(opts.wandb_run_id), {"service": worker.identity},
                            join=opts.wandb_mode, label=f"ckpteval-service-{worker.identity['worker_id']}")
-    ingester = ServiceIngester(worker.rundir, MetricsSink(worker.rundir.path / "service_metrics.jsonl", wandb_run),
+    ingester = ServiceIngester(worker.rundir, MetricsSink(worker.rundir.service_metrics_path, wandb_run),
                                 lambda: max(worker.refs, default=0))
     previous = worker.on_poll
 

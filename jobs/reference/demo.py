@@ -5,7 +5,7 @@ worker processes (``ckpteval worker --engine hf``) or a checkpoint-watching serv
 OS processes talking only through the run directory. It shows live progress (training step, points
 landed / pending), then prints the per-point table, writes a PNG curve and says where everything is.
 
-Postures (DESIGN.md's matrix, each a composition of the same flags):
+Postures (docs/USER_GUIDE.md "Postures"; each a composition of the same flags):
 
 =================  =====================================================================================
 ``fleet-staging``  default: trainer exports snapshots to a staging dir (/dev/shm when it has room, else
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.gc import has_room
+from coord.snapshot import CHECKPOINT_PREFIX, step_from_name
 from jobs.views.plot import draw, plot_series
 from jobs.views.status import collect_status, points_table, read_metrics
 
@@ -180,7 +181,7 @@ def service_done(run_dir: Path, trainer_exited: bool) -> bool:
     """The service posture has no trainer-side drain: done when every saved checkpoint's point landed."""
     if not trainer_exited:
         return False
-    saved = {int(p.name.rsplit("-", 1)[-1]) for p in (run_dir / "hf").glob("checkpoint-*")}
+    saved = {step_from_name(p) for p in (run_dir / "hf").glob(f"{CHECKPOINT_PREFIX}*")}
     try:
         status = collect_status(run_dir)
     except (FileNotFoundError, ValueError):

@@ -11,7 +11,9 @@ What this module owns, top to bottom:
    built from a config (never downloaded). Default: 2 layers, hidden 128, ~0.53 M parameters, tied
    input/output embeddings.
 3. :func:`save_base_model_dir`: the "base model dir" (config.json, generation_config.json,
-   tokenizer files, weights only when a model is passed) that exporters copy metadata from.
+   tokenizer files, weights only when a model is passed) that exporters copy metadata from, and
+   :func:`save_hf_checkpoint`: a trainer's periodic HF checkpoint ``checkpoint-<step>/`` (what reuse
+   mode marks ``.complete`` in place).
 4. The task: ``"07+35="`` -> ``"042"``. Operands are zero-padded to 2 digits and the answer to 3, so
    every example has the same shape and the answer digit at each position is a fixed function of the
    operand digits (without fixed width the tiny model does not learn it). :func:`make_addition_examples`
@@ -25,7 +27,9 @@ eval machinery, not a benchmark.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -42,6 +46,9 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from coord.atomic import fsync_dir, tmp_name
+from coord.snapshot import MARKER, checkpoint_dirname
 
 # --------------------------------------------------------------------------------------------------
 # 1. Tokenizer
@@ -191,6 +198,25 @@ def save_base_model_dir(
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def save_hf_checkpoint(save_dir: str | Path, step: int, model: PreTrainedModel) -> Path:
+    """``save_pretrained`` + tokenizer into ``<save_dir>/checkpoint-<step>`` (atomic rename).
+
+    A checkpoint already marked complete (a resumed run re-running the step) is left alone: the
+    fleet may be reading it.
+    """
+    final = Path(save_dir) / checkpoint_dirname(step)
+    if (final / MARKER).is_file():
+        return final
+    if final.exists():
+        shutil.rmtree(final)  # our own unmarked leftover of a killed save
+    tmp = tmp_name(final)
+    model.save_pretrained(tmp, safe_serialization=True)
+    save_tokenizer(tmp, model.config.max_position_embeddings)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    return final
 
 
 # --------------------------------------------------------------------------------------------------

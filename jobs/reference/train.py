@@ -19,11 +19,9 @@ end. Read top to bottom:
 5. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
    save interval), ``dispatcher.close`` (final point, training done, drain).
 
-Training checkpoints (``RUN/train_ckpt/step-<N>/``) hold no pickles: ``model.safetensors``
-(``safetensors.torch.save_model``, tied weights stored once), ``optimizer.safetensors`` (every
-optimizer state tensor plus the torch RNG state), ``state.json`` (step, param groups, config). Each
-is published by an atomic directory rename; the newest two are kept. Batches are a pure function of
-``(seed, step)``, so a resumed run sees exactly the data the killed one would have.
+Training checkpoints (``RUN/train_ckpt/step-<N>/``, no pickles) are :mod:`jobs.reference.train_ckpt`'s.
+Batches are a pure function of ``(seed, step)``, so a resumed run sees exactly the data the killed one
+would have.
 
 Preemption: SIGTERM or SIGUSR1 (SLURM's pre-timeout signal) makes the loop save a training
 checkpoint at the next step boundary, wait (bounded) for an export in flight, and exit with status
@@ -39,9 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -50,15 +46,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
 from tqdm import tqdm
 
-from coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomic
 from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
-from coord.snapshot import MARKER, producer_identity
+from coord.snapshot import producer_identity
 from jobs.eval.evalsets import write_addition_dataset
+from jobs.lifecycle import EXIT_TRAIN_PREEMPTED, PREEMPT_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
 from jobs.reference.model import (
     ModelConfig,
@@ -67,13 +62,13 @@ from jobs.reference.model import (
     build_tokenizer,
     make_addition_examples,
     save_base_model_dir,
-    save_tokenizer,
+    save_hf_checkpoint,
 )
+from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkpoint, save_train_checkpoint
 from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
-from jobs.trainer.dispatcher import EvalDispatcher, SharedEval, checkpoint_dirname
+from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpoint saved, run again with --resume
-KEEP_TRAIN_CKPTS = 2
+PREEMPTED_EXIT = EXIT_TRAIN_PREEMPTED  # checkpoint saved, run again with --resume
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,7 +235,7 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
 
 
 def base_model_dir(run: RunDir) -> Path:
-    return run.path / "base"
+    return run.base
 
 
 def _run_id(path: Path) -> str:
@@ -266,90 +261,6 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. Training checkpoints (no pickles)
-# --------------------------------------------------------------------------------------------------
-
-
-def train_ckpt_root(run: RunDir) -> Path:
-    return run.path / "train_ckpt"
-
-
-def save_train_checkpoint(run: RunDir, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Path:
-    """Publish ``train_ckpt/step-<N>/`` atomically; keep the newest :data:`KEEP_TRAIN_CKPTS`."""
-    root = train_ckpt_root(run)
-    root.mkdir(exist_ok=True)
-    final = root / f"step-{step:010d}"
-    if final.exists():
-        return final
-    tmp = tmp_name(final)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    state = opt.state_dict()
-    tensors = {"rng.torch": torch.get_rng_state()}
-    for index, slots in state["state"].items():
-        for key, value in slots.items():
-            tensors[f"state.{index}.{key}"] = (
-                value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            )
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "optimizer.safetensors"))
-    write_json_atomic(tmp / "state.json", {"step": step, "param_groups": state["param_groups"]})
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        with open(tmp / name, "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(tmp)
-    os.rename(tmp, final)
-    fsync_dir(root)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-KEEP_TRAIN_CKPTS]:
-        shutil.rmtree(old)
-    return final
-
-
-def latest_train_checkpoint(run: RunDir) -> Path | None:
-    done = sorted(p for p in train_ckpt_root(run).glob("step-*") if (p / "state.json").is_file())
-    return done[-1] if done else None
-
-
-def load_train_checkpoint(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Restore model, optimizer and RNG from ``path``; returns its step."""
-    missing, unexpected = load_model(model, str(path / "model.safetensors"))
-    if missing or unexpected:
-        raise ValueError(f"{path}: model keys differ (missing {missing}, unexpected {unexpected})")
-    meta = read_json_object(path / "state.json")
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    torch.set_rng_state(tensors.pop("rng.torch"))
-    slots: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
-        _, index, key = name.split(".", 2)
-        slots.setdefault(int(index), {})[key] = value
-    opt.load_state_dict({"state": slots, "param_groups": meta["param_groups"]})
-    return int(meta["step"])
-
-
-# --------------------------------------------------------------------------------------------------
-# 4. HF checkpoints (reuse mode): the periodic save the eval fleet reuses
-# --------------------------------------------------------------------------------------------------
-
-
-def save_hf_checkpoint(save_dir: Path, step: int, model: torch.nn.Module, cfg: TrainConfig) -> Path:
-    """``save_pretrained`` + tokenizer into ``<save_dir>/checkpoint-<step>`` (atomic rename).
-
-    A checkpoint already marked complete (a resumed run re-running the step) is left alone: the
-    fleet may be reading it.
-    """
-    final = Path(save_dir) / checkpoint_dirname(step)
-    if (final / MARKER).is_file():
-        return final
-    if final.exists():
-        shutil.rmtree(final)  # our own unmarked leftover of a killed save
-    tmp = tmp_name(final)
-    model.save_pretrained(tmp, safe_serialization=True)
-    save_tokenizer(tmp, cfg.model.max_position_embeddings)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    return final
-
-
-# --------------------------------------------------------------------------------------------------
 # 5. The loop
 # --------------------------------------------------------------------------------------------------
 
@@ -357,7 +268,7 @@ def save_hf_checkpoint(save_dir: Path, step: int, model: torch.nn.Module, cfg: T
 class _Preemption:
     """Turns SIGTERM/SIGUSR1 into a flag the loop checks at step boundaries."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = PREEMPT_SIGNALS
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -441,7 +352,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
             opt.zero_grad(set_to_none=True)
 
             if cfg.save_hf_dir is not None and cfg.save_interval and step % cfg.save_interval == 0:
-                save_hf_checkpoint(cfg.save_hf_dir, step, model, cfg)
+                save_hf_checkpoint(cfg.save_hf_dir, step, model)
             if dispatcher is not None:
                 dispatcher.maybe_dispatch(step, model)
             if step % cfg.log_interval == 0:
@@ -463,7 +374,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
 
     save_train_checkpoint(run, cfg.steps, model, opt)
     if cfg.save_hf_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
-        save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model, cfg)
+        save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model)
     if dispatcher is not None:
         dispatcher.close(cfg.steps, model)
     sink.close()

@@ -31,7 +31,8 @@ Failures never stop training: an export that fails, or finds no room on the stag
 an ``export_failed`` skip at its step.
 
 Ingestion (rate-limited to one results listing per ``poll_interval_s``, never waiting for eval): a
-pending point whose units all have results is derived (:func:`coord.results.derive_point`), its
+pending point whose units all have results goes through :func:`jobs.ingest.ingest_point` (the
+service's ingestion path too): derived (:func:`coord.results.derive_point`), its
 metrics (:func:`coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
 step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
 ``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
@@ -60,9 +61,8 @@ a dispatch is blocking instead: publish the snapshot, evaluate it with
 on top of the export) is logged as ``eval/shared_eval_seconds``; in-flight producer requests that do
 not finish within ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
-Limits: one dispatcher per run dir. The ledger is re-appended a ``dispatched`` record when a
-staging export finishes (replay keeps the latest record per step), which is how export times
-survive a restart.
+Limits: one dispatcher per run dir. Export times, the shared eval time and skips survive a restart
+as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`coord.ledger`).
 """
 
 from __future__ import annotations
@@ -78,24 +78,21 @@ import torch
 from coord.discovery import shards_present
 from coord.gc import StagingGC, has_room
 from coord.ledger import Ledger
-from coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
+from coord.results import Point, Result, ResultIndex, derive_point, write_point_skip
 from coord.rundir import RunDir
-from coord.snapshot import MARKER, mark_complete, snapshot_dirname
+from coord.snapshot import MARKER, mark_complete, snapshot_path
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
+from jobs.ingest import ingest_point
 from jobs.metrics import MetricsSink
 from jobs.trainer.config import DispatchConfig
 from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 from jobs.trainer.gate import ProducerGate, shared_eval
 
 Model = torch.nn.Module | Mapping[str, Any]
+RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
 WAIT_SLICE_S = 0.1
-
-
-def checkpoint_dirname(step: int) -> str:
-    """Reuse mode: the name of the trainer's periodic HF checkpoint of ``step`` (HF Trainer's)."""
-    return f"checkpoint-{step}"
 
 
 @dataclass
@@ -165,20 +162,16 @@ class EvalDispatcher:
     def _replay(self) -> None:
         """Re-adopt what a previous incarnation left pending (see the module docstring)."""
         for step in self.ledger.state.pending:
-            record = self.ledger.state.dispatched[step]
-            if record.get("skipped"):
-                write_point_skip(
-                    self.run.results, self.manifest, step, record["skipped"], record.get("message", "")
-                )
+            if step in self.ledger.state.skipped:
+                reason, message = self.ledger.state.skipped[step]
+                write_point_skip(self.run.results, self.manifest, step, reason, message)
             elif not self._snapshot_published(step) and not self._derive(step).complete:
                 self._lost.add(step)
         # Nothing is ingested here: the lag needs the trainer's step, known at the first call.
 
     # -- names ---------------------------------------------------------------------------------------
     def snapshot_dir(self, step: int) -> Path:
-        if self.config.mode == "staging":
-            return self.root / snapshot_dirname(step)
-        return self.root / checkpoint_dirname(step)
+        return snapshot_path(self.root, step, self.config.mode)
 
     def _snapshot_published(self, step: int) -> bool:
         return (self.snapshot_dir(step) / MARKER).is_file()
@@ -281,22 +274,15 @@ class EvalDispatcher:
     def _record_export(self, outcome: ExportOutcome) -> None:
         self._exporting.discard(outcome.step)
         times = {"export_time_seconds": outcome.total_s, "export_blocked_seconds": outcome.blocked_s}
-        record = {
-            k: v
-            for k, v in self.ledger.state.dispatched.get(outcome.step, {}).items()
-            if k not in {"event", "step"}
-        }
         if outcome.ok:
-            self.ledger.append(
-                "dispatched", outcome.step, **{**record, **times, "snapshot": str(outcome.path)}
-            )
+            self.ledger.append("exported", outcome.step, **times, snapshot=str(outcome.path))
         else:
-            self._skip(outcome.step, "export_failed", outcome.error, extra={**record, **times})
+            self._skip(outcome.step, "export_failed", outcome.error, extra=times)
 
     def _skip(self, step: int, reason: str, message: str, extra: dict[str, Any] | None = None) -> None:
         """Record the whole point as skipped for ``reason`` and ingest it at once."""
-        fields = {"mode": self.config.mode, **(extra or {}), "skipped": reason, "message": message}
-        self.ledger.append("dispatched", step, **fields)
+        fields = {"mode": self.config.mode, **(extra or {}), "reason": reason, "message": message}
+        self.ledger.append("skipped", step, **fields)
         write_point_skip(self.run.results, self.manifest, step, reason, message)
         self._ingest_ready(steps=[step])
 
@@ -317,8 +303,7 @@ class EvalDispatcher:
         except TimeoutError as e:  # producers' in-flight requests did not finish: the engine is busy
             self._skip(step, "busy", str(e))
             return
-        record = {k: v for k, v in self.ledger.state.dispatched[step].items() if k not in {"event", "step"}}
-        self.ledger.append("dispatched", step, **{**record, "shared_eval_seconds": time.perf_counter() - t0})
+        self.ledger.append("evaluated_shared", step, shared_eval_seconds=time.perf_counter() - t0)
         self._ingest_ready(steps=[step])
 
     def _wait_for_slot(self) -> float:
@@ -351,40 +336,26 @@ class EvalDispatcher:
             return
         self.index.refresh()
         for step in candidates:
-            if step in self.ledger.state.ingested:
-                continue
-            point = derive_point(self.manifest, step, self._results_for(step))
-            if point.complete:
-                self._ingest(step, point, point_metrics(point))
+            if step not in self.ledger.state.ingested:
+                self._ingest(step)
 
-    def _ingest(self, step: int, point: Point, metrics: dict[str, float], outcome: str = "complete") -> None:
+    def _ingest(self, step: int, give_up: bool = False) -> None:
+        """One point through :func:`jobs.ingest.ingest_point`; then retire it (and collect) if complete."""
         record = self.ledger.state.dispatched.get(step, {})
+        extra = {f"eval/{key}": record[key] for key in RECORDED_TIMES if isinstance(record.get(key), int | float)}
         # a resumed trainer restarts below steps its previous incarnation dispatched: a point that lands
         # while it re-trains up to its step was there before the trainer got back to it — lag 0, never < 0
-        lag = max(0, self.step - step)
-        metrics["eval/lag_steps"] = lag
-        for key in ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds"):
-            if isinstance(record.get(key), int | float):
-                metrics[f"eval/{key}"] = record[key]
-        self.sink.log_eval(metrics)
-        self.ledger.append(
-            "ingested",
-            step,
-            outcome=outcome,
-            lag_steps=lag,
-            units_done=point.units_done,
-            units_total=point.units_total,
-            time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)
-        )
+        point = ingest_point(self.manifest, step, self._results_for(step), sink=self.sink, ledger=self.ledger,
+                             lag_steps=max(0, self.step - step), extra=extra, give_up=give_up)
+        if point is None:
+            return
         self.landed += 1
-        if outcome == "complete":
+        if point.complete and not give_up:
             self.ledger.append("retired", step)
             if self.gc is not None:
                 self.gc.collect(self.ledger.state.retired)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
-        point = self._derive(step)
-        metrics = point_metrics(point)
-        metrics["eval/skipped_drain_timeout"] = point.units_total - point.units_done
-        self._ingest(step, point, metrics, outcome="drain_timeout")
+        self.index.refresh()
+        self._ingest(step, give_up=True)

@@ -9,9 +9,10 @@ With no dedicated eval GPUs, an eval point runs on the engine that serves the tr
   caller until the block ends; then waiting producers resume.
 
 :func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
-disk into the engine (weights reach an engine only from disk), reads the engine's version back
-(must be ``str(step)``), scores every unit of the step with :func:`jobs.eval.scoring.score_unit`, reads
-the version back again, and writes one result per unit. A version other than ``str(step)`` before or
+disk into the engine (weights reach an engine only from disk) and reads the engine's version back
+(must be ``str(step)``), scores every unit of the step with :func:`jobs.eval.scoring.score_unit`, and
+checks the version again — the fleet's pin routine and check (:mod:`jobs.eval.pinning`, which says why
+the settings differ) — then writes one result per unit. A version other than ``str(step)`` before or
 after, or on any sample, makes *every* unit of the point a ``pin_violation`` skip: the point did not
 provably measure the intended weights. Pinning comes from call order: nothing else may load weights
 while the gate is paused, and nothing else can submit.
@@ -35,6 +36,7 @@ from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine, EngineError
+from jobs.eval.pinning import PinViolation, check_pinned, pin
 from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
 
 
@@ -131,19 +133,15 @@ def shared_eval(
     scored: dict[WorkUnit, UnitScores] = {}
     with gate.paused(drain_timeout_s):
         try:
-            engine.load(snapshot, version)
-            before = engine.weight_version()
-            if before == version:
-                for unit in units:
-                    scored[unit] = score_unit(engine, cache, unit)
-            after = engine.weight_version()
+            pin(engine, snapshot, version, reload=True)
+            for unit in units:
+                scored[unit] = score_unit(engine, cache, unit)
+            check_pinned(engine, version, [v for s in scored.values() for v in s.weight_versions])
+        except PinViolation as e:
+            return _write_all(run, [skip_result(u, "pin_violation", str(e), snapshot=snapshot) for u in units])
         except EngineError as e:
             return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
     elapsed = time.perf_counter() - t0
-    samples = {v for s in scored.values() for v in s.weight_versions}
-    if before != version or after != version or samples - {version}:
-        why = f"engine version before={before!r} after={after!r} samples={sorted(map(str, samples))}, wanted {version!r}"
-        return _write_all(run, [skip_result(u, "pin_violation", why, snapshot=snapshot) for u in units])
     return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()])
 
 

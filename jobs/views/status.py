@@ -21,31 +21,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from coord.atomic import read_jsonl
 from coord.discovery import SnapshotDiscovery
 from coord.ledger import Ledger
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, derive_point
 from coord.rundir import RunDir
-from coord.units import units_for_step
+from coord.units import lease_path, read_lease_holder, units_for_step
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Lines of metrics.jsonl; a torn last line is ignored, any other bad line names the file."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    rows = []
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines):
-                break
-            raise ValueError(f"{path}:{i}: malformed metrics line") from None
-    return rows
+    """Lines of metrics.jsonl (:func:`coord.atomic.read_jsonl`: a torn last line is ignored, any other
+    bad line names the file)."""
+    return read_jsonl(path, what="metrics line")
 
 
 def eval_lags(metrics: list[dict[str, Any]]) -> dict[int, float]:
@@ -53,16 +41,16 @@ def eval_lags(metrics: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def _lease_info(path: Path, duration: float, now: float) -> dict[str, Any]:
-    info: dict[str, Any] = {}
     try:
-        text = path.read_text()
+        holder = read_lease_holder(path)
         age = now - path.stat().st_mtime
-    except (FileNotFoundError, UnicodeDecodeError):
+    except FileNotFoundError:
         return {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key in {"host", "pid", "token"}:
-            info[key] = value
+    info: dict[str, Any] = {}
+    if holder is not None:
+        info.update(host=holder.hostname, pid=str(holder.pid))
+        if holder.token is not None:
+            info["token"] = holder.token
     info["age_s"] = round(age, 1)
     info["expired"] = age > duration
     return info
@@ -91,7 +79,7 @@ def _unit_rows(run: RunDir, manifest: RunManifest, steps: list[int], results: di
         for unit in units_for_step(manifest, step):
             result = results.get(unit)
             if result is None:
-                lease = _lease_info(run.leases / f"{unit.id}.lock", duration, now)
+                lease = _lease_info(lease_path(run.leases, unit.id), duration, now)
                 pending.append({"unit": unit.id, **({"lease": lease} if lease else {})})
             elif result.ok:
                 done += 1

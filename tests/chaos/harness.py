@@ -47,6 +47,7 @@ from typing import Any
 
 from coord.results import ResultIndex
 from coord.rundir import RunDir
+from coord.units import lease_holders as coord_lease_holders
 from coord.units import units_for_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,17 +205,8 @@ class Fleet:
 
 
 def lease_holders(run: RunDir) -> dict[str, tuple[str, int]]:
-    """unit id -> (host, pid) of its lease holder, from filelock's marker files."""
-    held = {}
-    for p in run.leases.glob("*.lock"):
-        try:
-            text = p.read_text()
-        except (FileNotFoundError, UnicodeDecodeError):
-            continue
-        fields = dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
-        if fields.get("pid", "").isdigit():
-            held[p.name[: -len(".lock")]] = (fields.get("host", ""), int(fields["pid"]))
-    return held
+    """unit id -> (host, pid) of its lease holder (filelock's owner record, via coord.units)."""
+    return {unit: (record.hostname, record.pid) for unit, record in coord_lease_holders(run.leases).items()}
 
 
 def units_held_by(run: RunDir, pid: int) -> list[str]:
@@ -246,7 +238,6 @@ class InProcTrainer:
 
         from jobs.metrics import MetricsSink
         from jobs.reference.model import ModelConfig, build_model
-        from jobs.reference.train import base_model_dir
         from jobs.trainer.dispatcher import EvalDispatcher
         from tests.support.training import make_train_run
 
@@ -259,7 +250,7 @@ class InProcTrainer:
         self.sink = MetricsSink(self.run.metrics_path)
         extra = {} if room_check is None else {"room_check": room_check}
         self.dispatcher = EvalDispatcher(
-            dispatch, self.run, self.sink, base_model_dir(self.run), poll_interval_s=poll_interval,
+            dispatch, self.run, self.sink, self.run.base, poll_interval_s=poll_interval,
             drain_timeout_s=drain_timeout, backpressure_timeout_s=600.0, **extra,
         )
         self.eval_interval = eval_interval
@@ -426,7 +417,11 @@ def guard_outside(staging_root: Path, where: Path) -> Sentinel:
 
 # -- counting outcomes ---------------------------------------------------------------------------------------
 def read_jsonl_tolerant(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a torn last line and malformed lines are skipped (counted by the caller if it cares)."""
+    """JSON lines; a torn last line and malformed lines are skipped (counted by the caller if it cares).
+
+    Deliberately more lenient than the protocol's reader (:func:`coord.atomic.read_jsonl`, which
+    names a malformed line): chaos scenarios write garbage lines on purpose and then count outcomes.
+    """
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:

@@ -66,9 +66,9 @@ def free_bytes(path: Path) -> int:
 
 def _export_outcomes(run_dir: Path) -> tuple[list[int], list[int]]:
     """(steps exported, steps skipped export_failed) from the trainer's ledger."""
-    recs = [r for r in harness.read_jsonl_tolerant(run_dir / "ledger.jsonl") if r.get("event") == "dispatched"]
-    return ([r["step"] for r in recs if r.get("snapshot")],
-            [r["step"] for r in recs if r.get("skipped") == "export_failed"])
+    recs = harness.read_jsonl_tolerant(run_dir / "ledger.jsonl")
+    return ([r["step"] for r in recs if r.get("event") == "exported"],
+            [r["step"] for r in recs if r.get("event") == "skipped" and r.get("reason") == "export_failed"])
 
 
 def test_full_staging_filesystem(tmp_path: Path, procs: harness.Procs, tmpfs,
@@ -125,7 +125,7 @@ def test_full_staging_filesystem(tmp_path: Path, procs: harness.Procs, tmpfs,
     inproc.close()
     tb = harness.tally(inproc.run.path, inproc.dispatched())
     messages = [r.get("message", "") for r in harness.read_jsonl_tolerant(inproc.run.ledger_path)
-                if r.get("skipped") == "export_failed"]
+                if r.get("event") == "skipped" and r.get("reason") == "export_failed"]
     leftovers_b = sorted(p.name for p in small.iterdir() if not p.is_symlink())
 
     merged = ta.merged(tb, step_offset=100_000)

@@ -12,31 +12,65 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from coord.atomic import read_jsonl
 from coord.discovery import SnapshotDiscovery
-from coord.manifest import RunManifest
+from coord.ledger import Ledger
+from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.results import ResultIndex, ok_result, write_result
 from coord.rundir import RunDir
+from coord.snapshot import producer_identity
 from coord.units import UnitClaimer, shard_range, units_for_step
 from jobs.trainer.config import DispatchConfig
 
+if TYPE_CHECKING:
+    from jobs.reference.model import ModelConfig
 
-def make_train_run(run_dir: Path, **overrides: Any) -> tuple[RunDir, DispatchConfig | None]:
-    """A run dir as ``ckpteval train`` prepares it (small eval set), and its validated eval config."""
-    from jobs.reference.train import TrainConfig, prepare_run
 
-    settings: dict[str, Any] = {"eval_n_prompts": 4, "eval_shard_size": 2, "eval_interval": 2,
-                                "lease_duration": 5.0, "lease_heartbeat": 1.0}
-    settings.update(overrides)
-    cfg = TrainConfig(run_dir=Path(run_dir), **settings)
-    dispatch = cfg.validate()
-    return prepare_run(cfg, dispatch), dispatch
+def make_train_run(
+    run_dir: Path,
+    *,
+    eval_interval: int = 2,
+    eval_n_prompts: int = 4,
+    eval_shard_size: int = 2,
+    eval_max_in_flight: int = 2,
+    eval_keep_snapshots: int = 2,
+    eval_overflow_policy: str = "backpressure",
+    eval_staging_dir: Path | None = None,
+    save_hf_dir: Path | None = None,
+    save_interval: int | None = None,
+    lease_duration: float = 5.0,
+    lease_heartbeat: float = 1.0,
+    model: ModelConfig | None = None,
+) -> tuple[RunDir, DispatchConfig]:
+    """A trainer's run dir built from the library (what any trainer integrating ckpteval writes):
+    ``base/`` for the toy model, a small addition eval set, ``run.json`` listing the snapshot root; and
+    the validated eval config (staging into ``RUN/snapshots`` unless a staging dir or ``--save-hf``)."""
+    from jobs.eval.evalsets import write_addition_dataset
+    from jobs.reference.model import ModelConfig, save_base_model_dir  # torch: imported only when needed
+
+    run_dir = Path(run_dir)
+    staging = eval_staging_dir if eval_staging_dir is not None or save_hf_dir is not None else run_dir / "snapshots"
+    dispatch = DispatchConfig(
+        eval_interval=eval_interval, staging_dir=staging, save_hf_dir=save_hf_dir, save_interval=save_interval,
+        max_in_flight=eval_max_in_flight, keep_snapshots=eval_keep_snapshots, overflow_policy=eval_overflow_policy,
+    ).validate()
+    run = RunDir.create(run_dir)
+    save_base_model_dir(run.base, model or ModelConfig(), "llama")
+    dataset = write_addition_dataset(run, n=eval_n_prompts, shard_size=eval_shard_size)
+    manifest = RunManifest(
+        run_id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:64], eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
+        snapshot_roots=(str(dispatch.snapshot_root),), trainer={"program": "tests", **producer_identity()},
+        lease=LeaseSettings(lease_duration, lease_heartbeat), created=time.time(),
+    )
+    return RunDir.create(run.path, manifest), dispatch
 
 
 def fill_results(run: RunDir, step: int, score: float = 1.0, version: str | None = None,
@@ -69,12 +103,6 @@ class InstantFleet(threading.Thread):
             self.stop.wait(0.05)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def eval_lines(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "eval/step" in r]
 
@@ -88,7 +116,8 @@ def ledger_counts(run_dir: Path, event: str) -> Counter[int]:
 
 
 def dispatched_steps(run_dir: Path) -> set[int]:
-    return set(ledger_counts(run_dir, "dispatched"))
+    """Every step the trainer dispatched or skipped (the ledger's replay, as a reader sees it)."""
+    return set(Ledger(RunDir(run_dir).ledger_path, repair=False).state.dispatched)
 
 
 def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeout_s: float = 300.0) -> int:

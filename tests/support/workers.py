@@ -23,6 +23,7 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.results import Result, ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
+from coord.units import attempts_path, lease_holders
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
 from tests.support.runs import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
@@ -112,17 +113,16 @@ def duplicates(run: RunDir) -> list[dict[str, Any]]:
 
 
 def lease_holder_pid(run: RunDir) -> dict[str, int]:
-    """unit id -> pid of the process holding its lease, from filelock's marker files."""
-    held = {}
-    for p in run.leases.glob("*.lock"):
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("pid="):
-                held[p.name[: -len(".lock")]] = int(line[4:])
-    return held
+    """unit id -> pid of the process holding its lease (filelock's owner record, via coord.units)."""
+    return {unit: record.pid for unit, record in lease_holders(run.leases).items()}
+
+
+def counted_claimers(run: RunDir, unit_id: str) -> list[int]:
+    """The pids whose claims of ``unit_id`` were counted (``<unit>.attempts``), in claim order."""
+    try:
+        return [int(line) for line in attempts_path(run.leases, unit_id).read_text().split()]
+    except FileNotFoundError:
+        return []
 
 
 def claimed_at(result: Result) -> float:

@@ -17,7 +17,8 @@ What it owns and promises:
   ``top_p``/``top_k``; ``seed`` makes a sampled call reproducible (same prompts, batch and seed) via
   a forked RNG that leaves the global RNG untouched. Only new tokens are decoded, cut at the first
   ``eos``; ``n_tokens`` counts generated tokens including that ``eos``.
-- Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused.
+- Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused (reading and
+  checking a snapshot's weights is :mod:`jobs.eval.engines.hf_weights`'s).
 - Several engines in one process (a pool) are safe: model builds, which transformers runs under
   process-global contexts, take turns on a module lock; in-place reloads and generation do not.
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -53,9 +52,15 @@ from transformers import (
 )
 
 from jobs.eval.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.hf_weights import (
+    arch_signature,
+    check_state_dict,
+    complete_tied,
+    read_config,
+    read_state_dict,
+    weight_files,
+)
 
-# config.json keys that say nothing about the weights' layout: a change here still reloads in place.
-_BOOKKEEPING_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"})
 # transformers builds models under process-global contexts (meta device, skipped init): two builds
 # in different threads corrupt each other ("Cannot copy out of meta tensor"), so builds take turns.
 _BUILD_LOCK = threading.Lock()
@@ -93,81 +98,6 @@ def validate_sampling(params: SamplingParams) -> None:
         raise ValueError(f"top_k must be an int >= -1 (-1 or 0: off), got {params.top_k!r}")
     if params.seed is not None and not isinstance(params.seed, int):
         raise ValueError(f"seed must be an int or None, got {params.seed!r}")
-
-
-def read_config(snapshot: Path) -> dict[str, Any]:
-    """The snapshot's ``config.json`` as a dict; :class:`EngineError` if missing or not JSON."""
-    path = snapshot / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise EngineError(f"cannot read {path}: {e}") from e
-
-
-def arch_signature(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of a config.json that decides whether weights can be copied in place."""
-    return {k: v for k, v in config.items() if k not in _BOOKKEEPING_KEYS}
-
-
-def weight_files(snapshot: Path) -> list[Path]:
-    """The snapshot's safetensors shards (from the index when sharded); refuses pickled weights."""
-    index = snapshot / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise EngineError(f"unreadable safetensors index {index}: {e}") from e
-    elif (snapshot / "model.safetensors").is_file():
-        names = ["model.safetensors"]
-    else:
-        raise EngineError(f"no safetensors weights in {snapshot} (pickled *.bin checkpoints are refused)")
-    files = [snapshot / name for name in names]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise EngineError(f"shards named by the index are missing: {missing}")
-    return files
-
-
-def read_state_dict(snapshot: Path, device: str) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard, loaded straight onto ``device``."""
-    state: dict[str, torch.Tensor] = {}
-    for path in weight_files(snapshot):
-        try:
-            state.update(load_file(path, device=device))
-        except (OSError, SafetensorError) as e:
-            raise EngineError(f"cannot read {path}: {e}") from e
-    return state
-
-
-def complete_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` plus entries for tied parameters the file left out (e.g. ``lm_head.weight``)."""
-    names_by_param: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        names_by_param.setdefault(id(tensor), []).append(name)
-    completed = dict(state)
-    for names in names_by_param.values():
-        present = [n for n in names if n in state]
-        for name in names:
-            if name not in completed and present:
-                completed[name] = state[present[0]]
-    return completed
-
-
-def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Raise :class:`EngineError` unless ``state`` has exactly the model's keys and shapes."""
-    expected = model.state_dict(keep_vars=True)
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    wrong_shape = [
-        f"{k}: {tuple(state[k].shape)} != {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and state[k].shape != v.shape
-    ]
-    if missing or unexpected or wrong_shape:
-        raise EngineError(
-            f"snapshot weights do not fit the loaded model: missing={missing[:5]} "
-            f"unexpected={unexpected[:5]} wrong_shape={wrong_shape[:5]}"
-        )
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

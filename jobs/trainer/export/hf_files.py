@@ -16,9 +16,8 @@ Promises:
   tensors are written bit-exactly (the shards are byte-identical to ``safetensors.torch.save_file``
   of the same tensors with ``{"format": "pt"}`` metadata).
 * Checksums are computed on the bytes as they are written (no second read of the files): a helper
-  thread checksums chunk *i* while the main thread writes it (``zlib.crc32`` and ``write`` both
-  release the GIL), and tensor bytes are written straight from tensor memory, without a serialized
-  copy. Measured on /dev/shm (see ``bench/bench_export.py``) this beats ``cp`` of the same bytes.
+  thread checksums chunk *i* while the main thread writes it, and tensor bytes are written straight
+  from tensor memory, without a serialized copy (:mod:`jobs.trainer.export.safetensors_io`). Measured on /dev/shm (see ``bench/bench_export.py``) this beats ``cp`` of the same bytes.
 * Only metadata is taken from ``base_model_dir`` (an allow-list, :data:`METADATA_FILES`); the base's
   weights (``*.safetensors``, ``*.bin``, ...) and weight index are never copied.
 * Tied embeddings: when the config ties word embeddings, ``lm_head.weight`` is dropped, but only after
@@ -37,22 +36,23 @@ larger than it gets a shard of its own.
 from __future__ import annotations
 
 import json
-import os
-import queue
-import struct
-import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-Checksum = Callable[[bytes | memoryview, int], int]
-"""A running checksum with ``zlib.crc32``'s signature: ``checksum(chunk, previous) -> value``."""
-
-FileRecord = dict[str, int]
+from jobs.trainer.export.safetensors_io import (
+    DTYPES,
+    Checksum,
+    FileRecord,
+    copy_file,
+    nbytes,
+    safetensors_chunks,
+    write_chunks,
+)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -82,32 +82,6 @@ METADATA_FILES: frozenset[str] = frozenset(
 )
 METADATA_SUFFIXES: tuple[str, ...] = (".tiktoken",)
 CHAT_TEMPLATES_DIR = "additional_chat_templates"  # holds ``*.jinja`` files, copied as well
-
-CHUNK_BYTES = 16 * 1024 * 1024  # measured best of 1/4/16/64 MiB on /dev/shm
-_QUEUE_DEPTH = 8
-
-# safetensors dtype names, in the order safetensors itself lays tensors out in a file (larger
-# alignment first, then by name); mirroring it makes our shards byte-identical to save_file's.
-_DTYPES: dict[torch.dtype, str] = {
-    torch.uint64: "U64",
-    torch.int64: "I64",
-    torch.float64: "F64",
-    torch.complex64: "C64",
-    torch.float32: "F32",
-    torch.uint32: "U32",
-    torch.int32: "I32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.uint16: "U16",
-    torch.int16: "I16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_DTYPE_RANK: dict[torch.dtype, int] = {dtype: rank for rank, dtype in enumerate(_DTYPES)}
-
 
 # --------------------------------------------------------------------------------------------------
 # Host copy (the part that blocks the trainer)
@@ -207,11 +181,11 @@ def write_hf_files(
     out_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, FileRecord] = {}
     records.update(_write_weights(out_dir, tensors, max_shard_bytes, crc, fsync))
-    records[CONFIG_NAME] = _write_chunks(out_dir / CONFIG_NAME, [config_json.encode()], crc, fsync)
+    records[CONFIG_NAME] = write_chunks(out_dir / CONFIG_NAME, [config_json.encode()], crc, fsync)
     if base_model_dir is not None:
         for rel in _metadata_files(Path(base_model_dir)):
             if rel != CONFIG_NAME:
-                records[rel] = _copy_file(Path(base_model_dir) / rel, out_dir / rel, crc, fsync)
+                records[rel] = copy_file(Path(base_model_dir) / rel, out_dir / rel, crc, fsync)
     return records
 
 
@@ -226,7 +200,7 @@ def _validated(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
             bad.append(f"{name}: on {tensor.device} ({tensor.layout}); need a dense CPU tensor")
         elif not tensor.is_contiguous():
             bad.append(f"{name}: not contiguous")
-        elif tensor.dtype not in _DTYPES:
+        elif tensor.dtype not in DTYPES:
             bad.append(f"{name}: dtype {tensor.dtype} not supported by safetensors here")
     if bad:
         raise ValueError("state_dict cannot be written: " + "; ".join(bad))
@@ -298,13 +272,13 @@ def _write_weights(
     records: dict[str, FileRecord] = {}
     weight_map: dict[str, str] = {}
     for file_name, shard in zip(names, shards, strict=True):
-        records[file_name] = _write_chunks(out_dir / file_name, _safetensors_chunks(shard), crc, fsync)
+        records[file_name] = write_chunks(out_dir / file_name, safetensors_chunks(shard), crc, fsync)
         weight_map.update(dict.fromkeys(shard, file_name))
     if len(shards) > 1:
-        total = sum(_nbytes(t) for t in tensors.values())
+        total = sum(nbytes(t) for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         body = (json.dumps(index, indent=2) + "\n").encode()
-        records[SAFE_WEIGHTS_INDEX_NAME] = _write_chunks(
+        records[SAFE_WEIGHTS_INDEX_NAME] = write_chunks(
             out_dir / SAFE_WEIGHTS_INDEX_NAME, [body], crc, fsync
         )
     return records
@@ -315,7 +289,7 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
-        n = _nbytes(tensor)
+        n = nbytes(tensor)
         if shards[-1] and size + n > max_shard_bytes:
             shards.append({})
             size = 0
@@ -330,120 +304,7 @@ def _shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _safetensors_chunks(shard: dict[str, torch.Tensor]) -> Iterator[bytes | memoryview]:
-    """The bytes of one safetensors file: header, then each tensor's memory, zero-copy."""
-    order = sorted(shard, key=lambda name: (_DTYPE_RANK[shard[name].dtype], name))
-    yield _safetensors_header(shard, order)
-    for name in order:
-        data = _tensor_bytes(shard[name])
-        for start in range(0, len(data), CHUNK_BYTES):
-            yield data[start : start + CHUNK_BYTES]
-
-
-def _safetensors_header(shard: dict[str, torch.Tensor], order: list[str]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in order:
-        tensor = shard[name]
-        end = offset + _nbytes(tensor)
-        header[name] = {
-            "dtype": _DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    body += b" " * (-len(body) % 8)
-    return struct.pack("<Q", len(body)) + body
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
-
-
 # ---- file writing with on-the-fly checksums
-
-
-class _ChecksumThread:
-    """Checksums chunks in order on a helper thread while the caller writes them."""
-
-    def __init__(self, crc: Checksum) -> None:
-        self._crc = crc
-        self._queue: queue.Queue[bytes | memoryview | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
-        self._value = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ckpteval-checksum", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (chunk := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._value = self._crc(chunk, self._value)
-                except Exception as exc:  # any checksum failure: re-raised in the caller's thread
-                    self._error = exc
-
-    def feed(self, chunk: bytes | memoryview) -> None:
-        self._queue.put(chunk)
-
-    def stop(self) -> None:
-        """Let the thread finish the queued chunks and end (idempotent)."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def result(self) -> int:
-        """Stop the thread; the checksum of everything fed (re-raises the checksum's error)."""
-        self.stop()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def _write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum, fsync: bool) -> FileRecord:
-    """Create ``path`` exclusively and write ``chunks``, checksumming them on the side.
-
-    On failure the partial file is removed (a file that already existed is left alone).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    size = 0
-    with open(path, "xb", buffering=0) as f:
-        summer = _ChecksumThread(crc)
-        try:
-            for chunk in chunks:
-                summer.feed(chunk)
-                size += _write_all(f, chunk)
-            if fsync:
-                os.fsync(f.fileno())
-            value = summer.result()
-        except BaseException:
-            summer.stop()
-            path.unlink(missing_ok=True)
-            raise
-    return {"bytes": size, "crc32": value}
-
-
-def _write_all(f: Any, chunk: bytes | memoryview) -> int:
-    view = memoryview(chunk)
-    written = 0
-    while written < len(view):
-        written += f.write(view[written:])
-    return written
-
-
-def _copy_file(src: Path, dst: Path, crc: Checksum, fsync: bool) -> FileRecord:
-    def chunks() -> Iterator[bytes]:
-        with open(src, "rb") as f:
-            while block := f.read(CHUNK_BYTES):
-                yield block
-
-    return _write_chunks(dst, chunks(), crc, fsync)
 
 
 def _metadata_files(base: Path) -> list[str]:

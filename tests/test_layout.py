@@ -1,0 +1,96 @@
+"""The tree shows the design: imports point one way between the rooms (docs/ARCHITECTURE.md), the
+views and launchers stay light (no torch at import time), no module in jobs/ grows past a page or
+two, and README's Layout table names what is there."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+ROOMS = ("trainer", "eval", "launch", "views", "reference")
+
+# room -> the rooms it may import (coord at the bottom; reference and cli, the composers, at the top)
+ALLOWED = {
+    "coord": set(),
+    "jobs.lifecycle": set(),
+    "jobs.metrics": {"coord"},
+    "jobs.ingest": {"coord", "jobs.metrics"},
+    "jobs.views": {"coord", "jobs.metrics"},
+    "jobs.launch": {"coord", "jobs.lifecycle", "jobs.views"},
+    "jobs.eval": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest"},
+    "jobs.trainer": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.eval"},
+}
+# single module-level exceptions, each with its reason
+EXCEPTIONS = {
+    ("jobs.eval.evalsets", "jobs.reference.model"): "the built-in addition eval set is the reference task's",
+}
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "coord":
+        return "coord"
+    if parts[0] != "jobs" or len(parts) == 1:
+        return None
+    return f"jobs.{parts[1]}"
+
+
+def imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def test_imports_point_one_way_between_rooms() -> None:
+    bad = []
+    for path in sorted([*ROOT.glob("coord/**/*.py"), *ROOT.glob("jobs/**/*.py")]):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        room = room_of(module)
+        if room not in ALLOWED:
+            continue  # jobs.reference and jobs.cli compose everything
+        for target in imports(path):
+            other = room_of(target)
+            if other in (None, room) or other in ALLOWED[room]:
+                continue
+            if not any(module == m and target.startswith(t) for m, t in EXCEPTIONS):
+                bad.append(f"{module} imports {target} ({room} -> {other})")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", ["jobs.views", "jobs.launch"])
+def test_views_and_launchers_import_no_torch(package: str) -> None:
+    """Checked in a fresh interpreter: ``sys.modules`` after importing every module of the room."""
+    modules = [f"{package}.{p.stem}" for p in sorted((ROOT / package.replace(".", "/")).glob("*.py"))]
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(k for k in ('torch', 'transformers', 'safetensors.torch') if k in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.stdout.strip() == "[]", f"{package} pulls in {proc.stdout.strip()} at import time"
+
+
+def test_no_module_in_jobs_is_near_500_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.glob("jobs/**/*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"split these along their seams: {long}"
+
+
+def test_readme_layout_table_matches_the_tree() -> None:
+    """Every path README's Layout table names exists, and every room of jobs/ is named there."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
+    missing = sorted(p for p in named if not (ROOT / p.rstrip("/")).exists())
+    assert not missing, f"README's Layout names paths that do not exist: {missing}"
+    rooms = {f"jobs/{r}/" for r in ROOMS} | {"coord/", "sbatch/", "tests/", "bench/", "docs/"}
+    assert rooms <= named, f"README's Layout does not name {sorted(rooms - named)}"
