@@ -15,7 +15,7 @@ import sys
 from jobs.lifecycle import record_early_stops
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("jobs.reference.train", "reference trainer (tiny model on CPU) with the eval dispatcher"),
+    "train": ("jobs.reference.train_config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
     "worker": ("jobs.eval.worker", "eval worker: fleet, service (--watch) or --once"),
     "backfill": ("jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
     "status": ("jobs.views.status", "show snapshots, units, points and health of a run"),
