@@ -92,6 +92,7 @@ from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.service import create_run_from_config, service_ingestion
+from jobs.eval.trust import check_run_code
 from jobs.flags import Parser, fail
 from jobs.lifecycle import (
     EXIT_CODES_HELP,
@@ -147,6 +148,7 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     run = open_run(opts)
     manifest = run.manifest()
     run.training_done()  # a malformed TRAINING_DONE stops the worker here, named, not mid-loop
+    check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
     cache = DatasetCache(run, manifest)
     check_datasets(cache)
     evaluator = build_evaluator(opts, manifest, cache)
