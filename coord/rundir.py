@@ -95,8 +95,13 @@ class RunDir:
             raise ValueError(f"{run.path}: not a directory (a run directory holds run.json)")
         if run.path.is_dir() and not os.access(run.path, os.R_OK | os.X_OK):
             raise ValueError(f"{run.path}: the run directory is not readable by this user")
+        if run.manifest_path.exists() and not run.manifest_path.is_file():
+            raise ValueError(f"{run.manifest_path}: not a regular file")
         if not run.manifest_path.is_file():
             raise FileNotFoundError(f"{run.manifest_path}: not a ckpteval run directory (no run.json)")
+        for sub in (run.results, run.leases):
+            if sub.exists() and not sub.is_dir():
+                raise ValueError(f"{sub}: not a directory (the run layout needs one here)")
         if not os.access(run.manifest_path, os.R_OK):
             raise ValueError(f"{run.manifest_path}: not readable by this user")
         return run

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(flag_reference())
         return 0
     if name not in SUBCOMMANDS:
-        print(f"ckpteval: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"ckpteval: unknown command {name!r}; commands: {', '.join(SUBCOMMANDS)} (see ckpteval --help)",
+              file=sys.stderr)
         return 2
     if name in PREEMPTIBLE:
         record_early_stops()

@@ -81,6 +81,23 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class RaisingParser(Parser):
+    """A parser whose errors are ValueErrors (for checking another program's arguments without exiting)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{self.prog}: {' '.join(message.split())}")
+
+
+def parse_as(cls: type, argv: Sequence[str], what: str) -> Any:
+    """``argv`` parsed with the flags of options dataclass ``cls`` and bounds-checked; ValueError names
+    ``what`` and the flag (used to check arguments handed on to another program before starting it)."""
+    parser = RaisingParser(prog=what, add_help=False)
+    add_options(parser, cls)
+    obj = from_args(cls, parser.parse_args(list(argv)))
+    check_bounds(obj)
+    return obj
+
+
 def fail(prog: str, error: str | BaseException, code: int = 2) -> int:
     """Print one ``prog: message`` line on stderr and return ``code`` (for errors found after parsing).
 

@@ -85,6 +85,13 @@ def validate_options(opts: WorkerOptions) -> None:
 
     for spec in opts.engines:
         spec_kind(spec)
+    if Path(opts.run_dir).exists() and not Path(opts.run_dir).is_dir():
+        raise ValueError(f"--run-dir {opts.run_dir}: not a directory")
+    for watch in map(Path, opts.watch):
+        if watch.exists() and not watch.is_dir():
+            raise ValueError(f"--watch {watch}: not a directory")
+    if opts.eval_config is not None and not opts.watch:
+        raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
     if opts.wandb and not opts.wandb_run_id:
         raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
     fn_specs = [s for s in opts.engines if s.startswith("fn:")]

@@ -36,9 +36,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
 
-from jobs.flags import Parser, fail, non_negative_int, positive_int
+from jobs.flags import Parser, fail, non_negative_int, parse_as, positive_int
 
 SBATCH_DIR = Path(__file__).resolve().parents[2] / "sbatch"
 TEMPLATES = {"train-eval": "train_eval.sbatch", "backfill": "backfill.sbatch", "service": "eval_service.sbatch"}
@@ -335,7 +334,7 @@ def check_on_submit_host(args: argparse.Namespace) -> None:
     run_dirs = args.run_dir if isinstance(args.run_dir, list) else [args.run_dir]
     extra = list(args.worker_arg) + (_trailing(args.worker_args) if args.kind == "service" else [])
     worker_args = ["--run-dir", str(run_dirs[0]), "--engine", args.engine, *extra]
-    validate_options(_parse_as(WorkerOptions, "worker argument", worker_args))
+    validate_options(parse_as(WorkerOptions, worker_args, "worker argument"))
     if args.kind == "train-eval":
         _check_train_eval(args)
     elif args.kind == "backfill":
@@ -354,28 +353,13 @@ def _check_python(python: str) -> None:
         raise ValueError(f"--python {python}: not executable")
 
 
-def _parse_as(cls: type, what: str, argv: list[str]) -> Any:
-    """Parse ``argv`` with the flags of a program's options dataclass; a bad flag is a ValueError naming it."""
-    from jobs.flags import add_options, from_args
-
-    parser = _RaisingParser(prog=what, add_help=False)
-    add_options(parser, cls)
-    return from_args(cls, parser.parse_args(argv))
-
-
-class _RaisingParser(Parser):
-    def error(self, message: str) -> NoReturn:
-        raise ValueError(f"{self.prog}: {message}")
-
-
 def _check_train_eval(args: argparse.Namespace) -> None:
     run = Path(args.run_dir)
     trainer_args = _trailing(args.trainer_args)
     if args.train_cmd is None:
-        from jobs.flags import check_bounds
         from jobs.reference.train_config import TrainConfig
 
-        check_bounds(_parse_as(TrainConfig, "trainer argument", ["--run-dir", str(run), *trainer_args]))
+        parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument")
         fresh = not (run / "TRAINING_DONE").exists() and "--resume" not in trainer_args
         if (run / "run.json").exists() and fresh:
             raise ValueError(f"--run-dir {run} already holds a run: pass -- --resume to continue it, or pick "

@@ -37,7 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from coord.gc import has_room
-from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
+from jobs.flags import (
+    Parser,
+    add_options,
+    check_bounds,
+    check_dir_creatable,
+    fail,
+    from_args,
+    option,
+    parse_as,
+)
 from jobs.views.plot import draw, plot_series
 from jobs.views.status import collect_status, points_table, read_metrics
 
@@ -87,7 +96,15 @@ def parse_args(argv: list[str]) -> DemoConfig:
         check_dir_creatable("--run-dir", cfg.run_dir)
         if (cfg.run_dir / "run.json").exists():
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run: pick another --run-dir")
+    from jobs.reference.train_config import TrainConfig
+
+    # the trainer's arguments (--train-arg included) are checked here, before the demo creates anything
+    parse_as(TrainConfig, trainer_args(cfg, default_run_dir(cfg))[1:], "--train-arg").validate()
     return cfg
+
+
+def default_run_dir(cfg: DemoConfig) -> Path:
+    return (cfg.run_dir or Path("runs") / f"demo-{cfg.posture}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
 def _console() -> Any:
@@ -256,7 +273,7 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    run_dir = (cfg.run_dir or Path("runs") / f"demo-{cfg.posture}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = default_run_dir(cfg)
     if (run_dir / "run.json").exists():
         raise ValueError(f"{run_dir} already holds a run: pick another --run-dir")
     logs = run_dir / "logs"

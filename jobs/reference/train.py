@@ -63,6 +63,7 @@ from jobs.flags import fail
 from jobs.metrics import MetricsSink, init_wandb
 from jobs.reference import train_config
 from jobs.reference.model import (
+    ModelConfig,
     batch_for_training,
     build_model,
     build_tokenizer,
@@ -101,7 +102,7 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
             raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
         return run
     run = RunDir.create(cfg.run_dir)
-    save_base_model_dir(base_model_dir(run), cfg.model, cfg.arch)  # type: ignore[arg-type]
+    save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch)  # type: ignore[arg-type]
     dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
     roots = (str(dispatch.snapshot_root),) if dispatch is not None else (str(run.snapshots),)
     manifest = RunManifest(
@@ -114,6 +115,11 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
     )
     RunDir.create(run.path, manifest)
     return run
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model's shape: ``cfg.model``, or the reference defaults when not given."""
+    return cfg.model or ModelConfig()
 
 
 def base_model_dir(run: RunDir) -> Path:
@@ -129,7 +135,7 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
         "program": "ckpteval train",
         **producer_identity(),
         "arch": cfg.arch,
-        "model": asdict(cfg.model),
+        "model": asdict(model_config(cfg)),
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "lr": cfg.lr,
@@ -220,7 +226,7 @@ def save_hf_checkpoint(save_dir: Path, step: int, model: torch.nn.Module, cfg: T
         shutil.rmtree(final)  # our own unmarked leftover of a killed save
     tmp = tmp_name(final)
     model.save_pretrained(tmp, safe_serialization=True)
-    save_tokenizer(tmp, cfg.model.max_position_embeddings)
+    save_tokenizer(tmp, model_config(cfg).max_position_embeddings)
     os.rename(tmp, final)
     fsync_dir(final.parent)
     return final
@@ -294,8 +300,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
         torch.set_num_threads(cfg.threads)
     manifest = run.manifest()
 
-    model = build_model(cfg.model, cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]
-    tokenizer = build_tokenizer(cfg.model.max_position_embeddings)
+    model = build_model(model_config(cfg), cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]
+    tokenizer = build_tokenizer(model_config(cfg).max_position_embeddings)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     start = 0
     if cfg.resume and (ckpt := latest_train_checkpoint(run)) is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,12 +20,6 @@ from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
 
 if TYPE_CHECKING:
     from jobs.reference.model import ModelConfig
-
-
-def _model_config() -> ModelConfig:
-    from jobs.reference.model import ModelConfig
-
-    return ModelConfig()
 
 
 EVAL = "evaluation"
@@ -95,7 +89,7 @@ class TrainConfig:
                                                    parse=_node_list, group=EVAL)
     fleet_nodes: tuple[str, ...] | None = option(None, "comma list of the eval fleet's nodes (node-locality "
                                                  "check)", metavar="N1,N2", parse=_node_list, group=EVAL)
-    model: ModelConfig = field(default_factory=_model_config)
+    model: ModelConfig | None = None  # None: the reference defaults (not a flag; importing it needs torch)
 
     def validate(self) -> DispatchConfig | None:
         """Check the training flags and return the validated eval config (None with --no-eval)."""
@@ -149,7 +143,7 @@ def check_existing_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> Non
         return
     if not cfg.resume:
         raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
-    manifest = run.manifest()  # a malformed run.json is a usage error, not a crash
+    manifest = RunDir.open(run.path).manifest()  # an unreadable or malformed run.json: a usage error
     if dispatch is not None:
         listed = {Path(r).resolve() for r in manifest.snapshot_roots}
         if Path(dispatch.snapshot_root).resolve() not in listed:
