@@ -6,13 +6,16 @@ and nowhere else, so they score exactly the same thing — a hand-copied default
 silently score bare base weights.
 
 Guarantee: :func:`load_manifest` returns a fully validated :class:`RunManifest` or raises
-``ValueError`` naming the file and the offending field. Limits: the manifest is written once at run
+``ValueError`` naming the file and the offending field path (``eval.datasets[0].top_p``): sampling
+settings must be finite and in range (temperature >= 0, top_p in (0, 1], top_k >= 1 or -1 for off,
+max_new_tokens >= 1), so a run.json that every engine would refuse is refused before anything runs. Limits: the manifest is written once at run
 creation; changing it under running workers is not detected (workers read it at start).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,11 +138,18 @@ def _parse_dataset(f: _Fields) -> DatasetSpec:
     )
     for key in ("n_prompts", "shard_size", "n_samples", "max_new_tokens"):
         if getattr(ds, key) < 1:
-            raise f.error(key, "must be >= 1")
+            raise f.error(key, f"must be >= 1, got {getattr(ds, key)}")
+    for key in ("temperature", "top_p"):
+        if not math.isfinite(getattr(ds, key)):
+            raise f.error(key, f"must be a finite number, got {getattr(ds, key)}")
     if ds.temperature < 0:
-        raise f.error("temperature", "must be >= 0 (0 means greedy)")
+        raise f.error("temperature", f"must be >= 0 (0 means greedy), got {ds.temperature}")
     if not 0 < ds.top_p <= 1:
-        raise f.error("top_p", "must be in (0, 1]")
+        raise f.error("top_p", f"must be in (0, 1], got {ds.top_p}")
+    if ds.top_k == 0 or ds.top_k < -1:
+        raise f.error("top_k", f"must be >= 1, or -1 for off (engines reject 0), got {ds.top_k}")
+    if ds.seed < 0:
+        raise f.error("seed", f"must be >= 0, got {ds.seed}")
     if ds.scorer not in {"exact", "math"} and ":" not in ds.scorer:
         raise f.error("scorer", f"{ds.scorer!r} must be 'exact', 'math' or 'module:function'")
     return ds
@@ -180,7 +190,7 @@ def parse_manifest(obj: Any, source: Path) -> RunManifest:
         duration_s=float(lease_f.get("duration_s", (int, float), 60.0)),
         heartbeat_s=float(lease_f.get("heartbeat_s", (int, float), 10.0)),
     )
-    if not 0 < lease.heartbeat_s < lease.duration_s:
+    if not (math.isfinite(lease.duration_s) and 0 < lease.heartbeat_s < lease.duration_s):
         raise lease_f.error("heartbeat_s", "must be > 0 and below lease.duration_s")
     return RunManifest(
         run_id=run_id,

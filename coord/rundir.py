@@ -23,6 +23,7 @@ lock the run; two trainers writing one run dir is a user error the protocol does
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,10 +109,21 @@ class RunDir:
 
     @classmethod
     def open(cls, path: Path) -> RunDir:
-        """Open an existing run; FileNotFoundError names what is missing."""
+        """Open an existing run; FileNotFoundError names what is missing, ValueError what is unreadable."""
         run = cls(path)
+        if run.path.exists() and not run.path.is_dir():
+            raise ValueError(f"{run.path}: not a directory (a run directory holds run.json)")
+        if run.path.is_dir() and not os.access(run.path, os.R_OK | os.X_OK):
+            raise ValueError(f"{run.path}: the run directory is not readable by this user")
+        if run.manifest_path.exists() and not run.manifest_path.is_file():
+            raise ValueError(f"{run.manifest_path}: not a regular file")
         if not run.manifest_path.is_file():
             raise FileNotFoundError(f"{run.manifest_path}: not a ckpteval run directory (no run.json)")
+        for sub in (run.results, run.leases):
+            if sub.exists() and not sub.is_dir():
+                raise ValueError(f"{sub}: not a directory (the run layout needs one here)")
+        if not os.access(run.manifest_path, os.R_OK):
+            raise ValueError(f"{run.manifest_path}: not readable by this user")
         return run
 
     def manifest(self) -> RunManifest:

@@ -15,7 +15,7 @@ import sys
 from jobs.lifecycle import record_early_stops
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("jobs.reference.train", "reference trainer (tiny model on CPU) with the eval dispatcher"),
+    "train": ("jobs.reference.train_config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
     "worker": ("jobs.eval.worker", "eval worker: fleet, service (--watch) or --once"),
     "backfill": ("jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
     "status": ("jobs.views.status", "show snapshots, units, points and health of a run"),
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(flag_reference())
         return 0
     if name not in SUBCOMMANDS:
-        print(f"ckpteval: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"ckpteval: unknown command {name!r}; commands: {', '.join(SUBCOMMANDS)} (see ckpteval --help)",
+              file=sys.stderr)
         return 2
     if name in PREEMPTIBLE:
         record_early_stops()

@@ -36,4 +36,4 @@ def test_demo_posture_lands_every_point_pinned(tmp_path: Path, posture: str) -> 
 def test_demo_rejects_bad_options(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "demo", "--posture", "fleet-reuse", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 1 and "needs --workers >= 1" in proc.stderr
+    assert proc.returncode == 2 and "needs --workers >= 1" in proc.stderr

@@ -10,6 +10,7 @@ failure ending the fleet, USR1 -> stop -> requeue. The real thing runs under tes
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -145,6 +146,9 @@ def test_train_eval_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 def test_backfill_dry_run_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a, b = tmp_path / "a b", tmp_path / "b"
+    for run in (a, b):  # backfill scores existing runs: submit checks their run.json is there
+        run.mkdir()
+        (run / "run.json").write_text("{}")
     argv = ["backfill", "--run-dir", str(a), "--run-dir", str(b), "--tasks", "8", "--parallelism", "3",
             "--gpus-per-worker", "1", "--time", "30", "--dry-run"]
     assert submit.main(argv) == 0
@@ -159,6 +163,9 @@ def test_backfill_dry_run_array(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_service_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "qa", "path": "qa.jsonl", "n_prompts": 1}]}}))
     argv = ["service", "--run-dir", str(tmp_path / "svc"), "--watch", str(tmp_path / "ckpts"),
             "--eval-config", str(tmp_path / "eval.json"), "--gpus-per-worker", "0", "--time", "1-00:00:00",
             "--dry-run", "--", "--quiescence", "60"]
@@ -210,6 +217,8 @@ def test_submit_calls_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")  # the service joins an existing run (no --eval-config)
     assert submit.main(["service", "--run-dir", str(run), "--watch", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == "4242"

@@ -18,12 +18,11 @@ it does not wait for steps that have no snapshot yet.
 
 from __future__ import annotations
 
-import argparse
-
 from tqdm import tqdm
 
 from jobs.eval.options import add_worker_flags, options_from_args
 from jobs.eval.worker import run_worker
+from jobs.flags import Parser
 from jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
 
@@ -56,7 +55,7 @@ class Progress:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ckpteval backfill", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP
     )
     add_worker_flags(parser, pass_flags=False)

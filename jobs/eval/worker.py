@@ -78,7 +78,6 @@ it; adopting a foreign checkpoint checksums all its files once, in the polling t
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -93,6 +92,8 @@ from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.service import create_run_from_config, service_ingestion
+from jobs.eval.trust import check_run_code
+from jobs.flags import Parser, fail
 from jobs.lifecycle import (
     EXIT_CODES_HELP,
     EXIT_DONE,
@@ -146,6 +147,8 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     """Open (or create) the run, check its eval sets, build the backend: everything before the loop."""
     run = open_run(opts)
     manifest = run.manifest()
+    run.training_done()  # a malformed TRAINING_DONE stops the worker here, named, not mid-loop
+    check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
     cache = DatasetCache(run, manifest)
     check_datasets(cache)
     evaluator = build_evaluator(opts, manifest, cache)
@@ -163,9 +166,9 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) ->
     except EngineError as e:
         print(f"ckpteval worker: engine failed to start: {e}", file=sys.stderr)
         return EXIT_UNHEALTHY
-    except (ValueError, FileNotFoundError) as e:
-        print(f"ckpteval worker: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError) as e:
+        # bad run dir, run.json, eval set or engine settings; unreadable or misplaced files
+        return fail("ckpteval worker", e, EXIT_USAGE)
     finish_ingestion: Callable[[], None] | None = None
     if opts.wandb:
         worker.on_poll, finish_ingestion = service_ingestion(worker, opts)
@@ -186,7 +189,7 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) ->
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ckpteval worker", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP
     )
     add_worker_flags(parser)

@@ -29,12 +29,15 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from jobs.flags import Parser, fail, non_negative_int, parse_as, positive_int
 
 SBATCH_DIR = Path(__file__).resolve().parents[2] / "sbatch"
 TEMPLATES = {"train-eval": "train_eval.sbatch", "backfill": "backfill.sbatch", "service": "eval_service.sbatch"}
@@ -59,18 +62,7 @@ class Prepared:
 
 
 # ---------------------------------------------------------------------------------------- parsing
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive, _non_negative = positive_int, non_negative_int
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -83,10 +75,10 @@ def _env_pair(text: str) -> tuple[str, str]:
 def _add_common(p: argparse.ArgumentParser, *, signal_before: int, workers: int) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--partition", help="partition (every component unless overridden)")
-    g.add_argument("--account")
-    g.add_argument("--qos")
+    g.add_argument("--account", help="account to charge (sbatch --account)")
+    g.add_argument("--qos", help="quality of service (sbatch --qos)")
     g.add_argument("--time", help="time limit, sbatch syntax (e.g. 4:00:00); USR1 comes --signal-before earlier")
-    g.add_argument("--job-name")
+    g.add_argument("--job-name", help="job name (default ckpteval-<kind>)")
     g.add_argument("--output", help="log file pattern (default RUN/slurm/%%x-%%j.out)")
     g.add_argument("--signal-before", type=_positive, default=signal_before, metavar="S",
                    help=f"USR1 this many seconds before the time limit (default {signal_before})")
@@ -97,56 +89,60 @@ def _add_common(p: argparse.ArgumentParser, *, signal_before: int, workers: int)
     g.add_argument("--env", action="append", type=_env_pair, default=[], metavar="NAME=VALUE",
                    help="export NAME=VALUE in the job (repeatable)")
     w = p.add_argument_group("eval workers")
-    w.add_argument("--engine", default="hf", help="worker --engine spec: hf | http:URL | sglang | fn:mod:Class")
+    w.add_argument("--engine", default="hf", metavar="SPEC",
+                   help="worker --engine spec: hf | http:URL | sglang | fn:mod:Class (default hf)")
     w.add_argument("--device", help="worker --device (default cuda with GPUs, cpu without)")
-    w.add_argument("--workers", type=_positive, default=workers, help=f"eval workers (default {workers})")
-    w.add_argument("--gpus-per-worker", type=_non_negative, default=1, help="GPUs per worker (0: CPU workers)")
-    w.add_argument("--cpus", type=_positive, default=8, help="CPUs per node for the workers (default 8)")
+    w.add_argument("--workers", type=_positive, default=workers, metavar="N", help=f"eval workers (default {workers})")
+    w.add_argument("--gpus-per-worker", type=_non_negative, default=1, metavar="N",
+                   help="GPUs per worker (0: CPU workers; default 1)")
+    w.add_argument("--cpus", type=_positive, default=8, metavar="N", help="CPUs per node for the workers (default 8)")
     w.add_argument("--mem", help="memory per node for the workers, sbatch syntax")
-    w.add_argument("--constraint")
+    w.add_argument("--constraint", help="node features for the workers (sbatch --constraint)")
     w.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="an extra worker argument (repeatable; e.g. --worker-arg=--verify=full)")
     x = p.add_argument_group("installation")
-    x.add_argument("--python", default=sys.executable, help="interpreter with ckpteval installed (default: this one)")
-    x.add_argument("--sbatch-dir", type=Path, default=SBATCH_DIR, help="dir holding the templates and common.sh")
+    x.add_argument("--python", default=sys.executable, metavar="PATH", help="interpreter with ckpteval installed (default: this one)")
+    x.add_argument("--sbatch-dir", type=Path, default=SBATCH_DIR, metavar="DIR",
+                   help="dir holding the templates and common.sh (default: the ones shipped with ckpteval)")
     p.add_argument("--dry-run", action="store_true", help="print the script and the sbatch command; submit nothing")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckpteval submit", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="ckpteval submit", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True)
 
     t = sub.add_parser("train-eval", help="trainer + eval fleet as one heterogeneous job",
                        description="Trailing arguments after -- go to the trainer.")
-    t.add_argument("--run-dir", type=Path, required=True)
+    t.add_argument("--run-dir", type=Path, required=True, metavar="RUN", help="the run directory the trainer creates")
     _add_common(t, signal_before=300, workers=2)
     c = t.add_argument_group("trainer (component 0)")
-    c.add_argument("--trainer-partition")
-    c.add_argument("--trainer-cpus", type=_positive, default=8)
-    c.add_argument("--trainer-gpus", type=_non_negative, default=0)
-    c.add_argument("--trainer-mem")
+    c.add_argument("--trainer-partition", help="the trainer's partition (default --partition)")
+    c.add_argument("--trainer-cpus", type=_positive, default=8, metavar="N", help="CPUs for the trainer (default 8)")
+    c.add_argument("--trainer-gpus", type=_non_negative, default=0, metavar="N", help="GPUs for the trainer (default 0)")
+    c.add_argument("--trainer-mem", help="memory for the trainer, sbatch syntax")
     c.add_argument("--train-cmd", help="run this trainer instead of `ckpteval train` (flags are yours)")
     f = t.add_argument_group("fleet (component 1)")
-    f.add_argument("--fleet-partition")
+    f.add_argument("--fleet-partition", help="the fleet's partition (default --partition)")
     f.add_argument("--fleet-nodes", type=_positive, default=1, help="nodes of the eval fleet (default 1)")
     t.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then arguments for the trainer")
 
     b = sub.add_parser("backfill", help="array job evaluating every pending unit of finished runs")
-    b.add_argument("--run-dir", type=Path, action="append", required=True,
+    b.add_argument("--run-dir", type=Path, action="append", required=True, metavar="RUN",
                    help="a run to backfill (repeatable: task k takes run k mod #runs)")
-    b.add_argument("--tasks", type=_positive, default=1, help="array tasks (default 1)")
-    b.add_argument("--parallelism", type=_positive, help="at most P tasks at once (--array=0-N%%P)")
+    b.add_argument("--tasks", type=_positive, default=1, metavar="N", help="array tasks (default 1)")
+    b.add_argument("--parallelism", type=_positive, metavar="P", help="at most P tasks at once (--array=0-N%%P)")
     b.add_argument("--backfill-cmd", choices=("backfill", "worker"), default="backfill",
                    help="ckpteval backfill (progress bar) or worker --once --catchup all")
     _add_common(b, signal_before=120, workers=1)
 
     s = sub.add_parser("service", help="long-running worker(s) watching a checkpoint dir",
                        description="Trailing arguments after -- go to the worker.")
-    s.add_argument("--run-dir", type=Path, required=True)
+    s.add_argument("--run-dir", type=Path, required=True, metavar="RUN",
+                   help="the service's run directory (created from --eval-config if it has no run.json)")
     s.add_argument("--watch", type=Path, action="append", required=True, metavar="DIR",
                    help="checkpoint dir to watch (repeatable)")
-    s.add_argument("--eval-config", type=Path, help="creates RUN/run.json if missing (worker --eval-config)")
-    s.add_argument("--nodes", type=_positive, default=1)
+    s.add_argument("--eval-config", type=Path, metavar="FILE", help="creates RUN/run.json if missing (worker --eval-config)")
+    s.add_argument("--nodes", type=_positive, default=1, metavar="N", help="nodes of the service (default 1)")
     _add_common(s, signal_before=300, workers=1)
     s.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then extra worker arguments")
     return parser
@@ -316,12 +312,86 @@ def _template(args: argparse.Namespace, kind: str) -> str:
         raise ValueError(f"cannot read the template {path}: {e.strerror}") from None
 
 
+# ------------------------------------------------------------------------------ submit-host checks
+def check_on_submit_host(args: argparse.Namespace) -> None:
+    """What can be checked here before a job is queued (ValueError naming the flag or file).
+
+    The interpreter, the templates, the worker's ``--engine``/``--device``/extra arguments (parsed by the
+    worker's own parser), the trainer's arguments (the trainer's parser), the run dirs, and for a service
+    its ``--eval-config`` (read and validated in full, dataset files included). The compute nodes are
+    assumed to see the same paths (the scripts need that anyway).
+    """
+    _check_python(args.python)
+    for kind in ({args.kind} | {"common"}):
+        name = "common.sh" if kind == "common" else TEMPLATES[kind]
+        path = Path(args.sbatch_dir) / name
+        if not path.is_file() or not os.access(path, os.R_OK):
+            raise ValueError(f"--sbatch-dir {args.sbatch_dir}: no readable {name} there")
+    from jobs.eval.options import DEVICE_RE, WorkerOptions, validate_options
+
+    if args.device is not None and not DEVICE_RE.match(args.device):
+        raise ValueError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+    run_dirs = args.run_dir if isinstance(args.run_dir, list) else [args.run_dir]
+    extra = list(args.worker_arg) + (_trailing(args.worker_args) if args.kind == "service" else [])
+    worker_args = ["--run-dir", str(run_dirs[0]), "--engine", args.engine, *extra]
+    validate_options(parse_as(WorkerOptions, worker_args, "worker argument"))
+    if args.kind == "train-eval":
+        _check_train_eval(args)
+    elif args.kind == "backfill":
+        for run in run_dirs:
+            if not (Path(run) / "run.json").is_file():
+                raise ValueError(f"--run-dir {run}: no run.json there (backfill scores an existing run)")
+    else:
+        _check_service(args, extra)
+
+
+def _check_python(python: str) -> None:
+    found = shutil.which(python) if os.sep not in python else python
+    if found is None or not Path(found).is_file():
+        raise ValueError(f"--python {python}: no such interpreter")
+    if not os.access(found, os.X_OK):
+        raise ValueError(f"--python {python}: not executable")
+
+
+def _check_train_eval(args: argparse.Namespace) -> None:
+    run = Path(args.run_dir)
+    trainer_args = _trailing(args.trainer_args)
+    if args.train_cmd is None:
+        from jobs.reference.train_config import TrainConfig
+
+        parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument")
+        fresh = not (run / "TRAINING_DONE").exists() and "--resume" not in trainer_args
+        if (run / "run.json").exists() and fresh:
+            raise ValueError(f"--run-dir {run} already holds a run: pass -- --resume to continue it, or pick "
+                             "another --run-dir")
+    if run.exists() and not run.is_dir():
+        raise ValueError(f"--run-dir {run}: exists and is not a directory")
+
+
+def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
+    run = Path(args.run_dir)
+    if args.eval_config is not None:
+        from jobs.eval.service import read_eval_config
+
+        try:
+            read_eval_config(run, args.eval_config, tuple(args.watch))
+        except FileNotFoundError as e:
+            raise ValueError(f"--eval-config: {e}") from None
+    elif not (run / "run.json").is_file() and "--wait-for-run" not in " ".join(worker_args):
+        raise ValueError(f"--run-dir {run} has no run.json: give --eval-config FILE to create the run "
+                         "(or start the trainer that creates it first)")
+    for watch in args.watch:
+        if Path(watch).exists() and not Path(watch).is_dir():
+            raise ValueError(f"--watch {watch}: not a directory")
+
+
 PREPARERS = {"train-eval": _prepare_train_eval, "backfill": _prepare_backfill, "service": _prepare_service}
 
 
 def prepare(argv: Sequence[str]) -> Prepared:
-    """Parse ``submit`` arguments (kind first) and render the script; ValueError on bad settings."""
+    """Parse ``submit`` arguments (kind first), check them, render the script; ValueError on bad settings."""
     args = build_parser().parse_args(list(argv))
+    check_on_submit_host(args)
     prepared = PREPARERS[args.kind](args)
     prepared.dry_run = args.dry_run
     return prepared
@@ -341,8 +411,7 @@ def submit_prepared(prepared: Prepared, *, sbatch: str = "sbatch", env: dict[str
     """Save the script under the run's ``slurm/`` dir, ``sbatch --parsable`` it, return the job id."""
     prepared.log_dir.mkdir(parents=True, exist_ok=True)
     path = prepared.log_dir / f"{prepared.kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"
-    path.write_text(prepared.script)
-    path.chmod(0o755)
+    path.write_text(prepared.script)  # mode from the user's umask: sbatch reads it, nothing executes it
     cmd = [sbatch, "--parsable", *prepared.sbatch_args, str(path)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=prepared.log_dir, env=env, timeout=120)
@@ -369,8 +438,7 @@ def main(argv: list[str]) -> int:
     try:
         prepared = prepare(argv)
     except ValueError as e:
-        print(f"ckpteval submit: {e}", file=sys.stderr)
-        return 2
+        return fail("ckpteval submit", e)
     if prepared.dry_run:
         print(prepared.script, end="")
         print(f"# would run: sbatch --parsable {prepared.log_dir}/{prepared.kind}-<time>.sbatch", file=sys.stderr)

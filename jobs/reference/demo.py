@@ -32,12 +32,22 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coord.gc import has_room
 from coord.snapshot import CHECKPOINT_PREFIX, step_from_name
+from jobs.flags import (
+    Parser,
+    add_options,
+    check_bounds,
+    check_dir_creatable,
+    fail,
+    from_args,
+    option,
+    parse_as,
+)
 from jobs.views.plot import draw, plot_series
 from jobs.views.status import collect_status, points_table, read_metrics
 
@@ -47,15 +57,21 @@ SHM = Path("/dev/shm")
 
 @dataclass
 class DemoConfig:
-    posture: str = "fleet-staging"
-    steps: int = 600
-    eval_interval: int = 50
-    workers: int = 2
-    run_dir: Path | None = None
-    staging: str = "auto"  # auto | shm | run
-    eval_n_prompts: int = 128
-    seed: int = 0
-    extra_train_args: list[str] = field(default_factory=list)
+    """The demo's flags (each field is its flag, see :mod:`jobs.flags`)."""
+
+    posture: str = option("fleet-staging", "which eval posture to demonstrate (see the table above)",
+                          choices=POSTURES)
+    steps: int = option(600, "training steps", metavar="N", min=1)
+    eval_interval: int = option(50, "an eval point every N steps", metavar="N", min=1)
+    workers: int = option(2, "eval workers (fleet postures)", metavar="N", min=0)
+    run_dir: Path | None = option(None, "where the run goes (default: runs/demo-<posture>-<time>)", metavar="RUN")
+    staging: str = option("auto", "fleet-staging: /dev/shm (auto: when present with room) or RUN/snapshots",
+                          choices=("auto", "shm", "run"))
+    eval_n_prompts: int = option(128, "prompts in the addition eval set", metavar="N", min=1)
+    seed: int = option(0, "training seed", min=0)
+    extra_train_args: list[str] = option(help="an extra flag passed to ckpteval train (repeatable; "
+                                         "--train-arg=--lr=1e-3)", flag="--train-arg", metavar="ARG",
+                                         default_factory=list)
 
 
 @dataclass
@@ -65,28 +81,31 @@ class Proc:
     log: Path
 
 
+def build_parser() -> Parser:
+    ap = Parser(prog="ckpteval demo", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(ap, DemoConfig)
+    return ap
+
+
 def parse_args(argv: list[str]) -> DemoConfig:
-    ap = argparse.ArgumentParser(
-        prog="ckpteval demo", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--posture", choices=POSTURES, default="fleet-staging")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--eval-interval", type=int, default=50)
-    ap.add_argument("--workers", type=int, default=2, help="fleet size (fleet postures)")
-    ap.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<posture>-<time>")
-    ap.add_argument("--staging", choices=("auto", "shm", "run"), default="auto",
-                    help="fleet-staging: /dev/shm (auto: when present with room) or RUN/snapshots")
-    ap.add_argument("--eval-n-prompts", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-arg", action="append", default=[], dest="extra_train_args",
-                    help="extra flag passed to ckpteval train (repeat)")
-    ns = ap.parse_args(argv)
-    cfg = DemoConfig(**vars(ns))
-    if cfg.steps < 1 or cfg.eval_interval < 1 or cfg.workers < 0:
-        raise ValueError("--steps and --eval-interval must be >= 1, --workers >= 0")
+    cfg: DemoConfig = from_args(DemoConfig, build_parser().parse_args(argv))
+    check_bounds(cfg)
     if cfg.posture.startswith("fleet") and cfg.workers < 1:
-        raise ValueError(f"posture {cfg.posture} needs --workers >= 1")
+        raise ValueError(f"--posture {cfg.posture} needs --workers >= 1")
+    if cfg.run_dir is not None:
+        check_dir_creatable("--run-dir", cfg.run_dir)
+        if (cfg.run_dir / "run.json").exists():
+            raise ValueError(f"--run-dir {cfg.run_dir} already holds a run: pick another --run-dir")
+    from jobs.reference.train_config import TrainConfig
+
+    # the trainer's arguments (--train-arg included) are checked here, before the demo creates anything
+    parse_as(TrainConfig, trainer_args(cfg, default_run_dir(cfg))[1:], "--train-arg").validate()
     return cfg
+
+
+def default_run_dir(cfg: DemoConfig) -> Path:
+    return (cfg.run_dir or Path("runs") / f"demo-{cfg.posture}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
 def _console() -> Any:
@@ -255,7 +274,7 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    run_dir = (cfg.run_dir or Path("runs") / f"demo-{cfg.posture}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = default_run_dir(cfg)
     if (run_dir / "run.json").exists():
         raise ValueError(f"{run_dir} already holds a run: pick another --run-dir")
     logs = run_dir / "logs"
@@ -285,8 +304,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)
+    except ValueError as e:
+        return fail("ckpteval demo", e)
+    try:
         run_demo(cfg)
     except (ValueError, RuntimeError) as e:
-        print(f"ckpteval demo: {e}", file=sys.stderr)
-        return 1
+        return fail("ckpteval demo", e, 1)
     return 0

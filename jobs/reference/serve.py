@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -43,10 +42,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from jobs.eval.engines.base import EngineError, SamplingParams
-from jobs.eval.engines.hf import Completion, HFEngine
+from jobs.eval.options import DEVICE_RE
+from jobs.flags import Parser, bounded, check_file_readable, fail, positive_int
+
+if TYPE_CHECKING:
+    from jobs.eval.engines.hf import Completion, HFEngine
 
 DEFAULT_WEIGHT_VERSION = "default"  # sglang's ServerArgs.weight_version default
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -378,29 +382,68 @@ class EngineHTTPServer(ThreadingHTTPServer):
 # --------------------------------------------------------------------------------------------------
 
 
+def _port(text: str) -> int:
+    port = bounded(int, min=0)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {port}")
+    return port
+
+
+def _device(text: str) -> str:
+    if not DEVICE_RE.match(text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckpteval serve", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="ckpteval serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["hf"], default="hf", help="inference backend (default: hf)")
-    parser.add_argument("--model", required=True, help="HF snapshot dir to load at start")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed)")
-    parser.add_argument("--weight-version", default=DEFAULT_WEIGHT_VERSION)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--model", required=True, metavar="DIR", help="HF snapshot dir to load at start")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=_port, default=30000,
+                        help="port to listen on; 0 picks a free port (printed) (default: 30000)")
+    parser.add_argument("--weight-version", default=DEFAULT_WEIGHT_VERSION, metavar="V",
+                        help=f"version string the loaded model reports (default: {DEFAULT_WEIGHT_VERSION})")
+    parser.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights dtype (default: float32)")
+    parser.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
+                        help="most prompts generated in one batch (default: 256)")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     return parser
 
 
+def _check_start(args: argparse.Namespace) -> str | None:
+    """What is wrong with the model dir or device, checked before anything loads (None if nothing)."""
+    try:
+        check_file_readable("--model", Path(args.model) / "config.json")
+    except (FileNotFoundError, ValueError) as e:
+        return f"{e} (--model must be an HF snapshot dir)"
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"--device {args.device}: CUDA is not available on this machine"
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if (problem := _check_start(args)) is not None:
+        return fail("ckpteval serve", problem)
+    try:  # bind first: a port in use is a usage error, found before a long model load
+        server = EngineHTTPServer((args.host, args.port), None, args.verbose)  # type: ignore[arg-type]
+    except OSError as e:
+        return fail("ckpteval serve", f"--host {args.host} --port {args.port}: cannot listen ({e.strerror or e})")
+    from jobs.eval.engines.hf import HFEngine
+
     engine = HFEngine(device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size)
     try:
         engine.load(args.model, args.weight_version)
     except EngineError as e:
-        print(f"ckpteval serve: cannot load {args.model}: {e}", file=sys.stderr)
-        return 1
-    server = EngineHTTPServer((args.host, args.port), EngineService(engine, args.model), args.verbose)
+        server.server_close()
+        return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
+    server.service = EngineService(engine, args.model)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -5,8 +5,9 @@ show how a training loop uses it: build an :class:`~jobs.trainer.dispatcher.Eval
 ``maybe_dispatch(step, model)`` after each optimizer step and ``close(final_step, model)`` at the
 end. Read top to bottom:
 
-1. :class:`TrainConfig` from the command line; the eval flags are validated as one
-   (:meth:`jobs.trainer.config.DispatchConfig.validate`) before anything is written or trained.
+1. :class:`TrainConfig` from the command line (:mod:`jobs.reference.train_config`, importable without
+   torch); every flag, the eval flags as one (:meth:`jobs.trainer.config.DispatchConfig.validate`),
+   and an existing run are checked before anything is written or trained.
 2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
    sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
@@ -34,14 +35,13 @@ exercised by the tests), it shows the blocking eval path.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,10 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from jobs.eval.evalsets import write_addition_dataset
+from jobs.flags import fail
 from jobs.lifecycle import EXIT_TRAIN_PREEMPTED, PREEMPT_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
+from jobs.reference import train_config
 from jobs.reference.model import (
     ModelConfig,
     batch_for_training,
@@ -65,8 +67,11 @@ from jobs.reference.model import (
     save_hf_checkpoint,
 )
 from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkpoint, save_train_checkpoint
-from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
+from jobs.reference.train_config import TrainConfig, parse_args
+from jobs.trainer.config import DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
+
+__all__ = ["TrainConfig", "main", "parse_args", "prepare_run", "run_training", "train"]
 
 PREEMPTED_EXIT = EXIT_TRAIN_PREEMPTED  # checkpoint saved, run again with --resume
 
@@ -76,134 +81,7 @@ PREEMPTED_EXIT = EXIT_TRAIN_PREEMPTED  # checkpoint saved, run again with --resu
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class TrainConfig:
-    run_dir: Path
-    steps: int = 600
-    arch: str = "llama"
-    batch_size: int = 128
-    lr: float = 3e-3
-    lr_schedule: str = "cosine"  # cosine (warmup, then decay to lr/10) | constant
-    warmup_steps: int = 30
-    seed: int = 0
-    run_id: str | None = None
-    log_interval: int = 10
-    ckpt_interval: int = 100
-    resume: bool = False
-    threads: int | None = None
-    progress: bool = True
-    wandb: bool = False
-    # evaluation
-    eval: bool = True
-    eval_interval: int = 100
-    eval_staging_dir: Path | None = None  # default RUN/snapshots (staging mode)
-    save_hf_dir: Path | None = None  # reuse mode
-    save_interval: int | None = None
-    eval_max_in_flight: int = 2
-    eval_keep_snapshots: int = 2
-    eval_overflow_policy: str = "backpressure"
-    eval_posture: str = "fleet"
-    eval_n_prompts: int = 128
-    eval_shard_size: int = 64
-    eval_poll_interval: float = 2.0
-    eval_backpressure_timeout: float = 300.0
-    eval_drain_timeout: float = 300.0
-    lease_duration: float = 60.0
-    lease_heartbeat: float = 10.0
-    trainer_nodes: tuple[str, ...] | None = None
-    fleet_nodes: tuple[str, ...] | None = None
-    model: ModelConfig = field(default_factory=ModelConfig)
-
-    def validate(self) -> DispatchConfig | None:
-        """Check the training flags and return the validated eval config (None with --no-eval)."""
-        for name in (
-            "steps",
-            "batch_size",
-            "log_interval",
-            "ckpt_interval",
-            "eval_n_prompts",
-            "eval_shard_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"--lr-schedule must be cosine or constant, got {self.lr_schedule!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.arch not in ("llama", "qwen2"):
-            raise ValueError(f"--arch must be llama or qwen2, got {self.arch!r}")
-        if self.eval_posture not in ("fleet", "shared"):
-            raise ValueError(f"--eval-posture must be fleet or shared, got {self.eval_posture!r}")
-        if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id):
-            raise ValueError(f"--run-id {self.run_id!r} must match [A-Za-z0-9_-]{{1,64}}")
-        if self.save_hf_dir is not None and self.save_interval is None:
-            raise ValueError("--save-hf needs --save-interval N")
-        if not self.eval:
-            return None
-        staging = self.eval_staging_dir
-        if staging is None and self.save_hf_dir is None:
-            staging = Path(self.run_dir) / "snapshots"
-        return DispatchConfig(
-            eval_interval=self.eval_interval,
-            staging_dir=staging,
-            save_hf_dir=self.save_hf_dir,
-            save_interval=self.save_interval,
-            max_in_flight=self.eval_max_in_flight,
-            keep_snapshots=self.eval_keep_snapshots,
-            overflow_policy=self.eval_overflow_policy,
-            trainer_nodes=self.trainer_nodes,
-            fleet_nodes=self.fleet_nodes,
-        ).validate()
-
-
-def parse_args(argv: list[str]) -> TrainConfig:
-    p = argparse.ArgumentParser(prog="ckpteval train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
-                   help="cosine: linear warmup, then cosine decay to lr/10 at --steps")
-    p.add_argument("--warmup-steps", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-id", help="default: the run dir's name")
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--ckpt-interval", type=int, default=100, help="training checkpoint every N steps")
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the latest training checkpoint, if any"
-    )
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--wandb", action="store_true", help="also log to wandb (WANDB_MODE=offline works)")
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--no-eval", dest="eval", action="store_false")
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-staging-dir", type=Path, help="export snapshots here (default RUN/snapshots)")
-    g.add_argument("--save-hf", dest="save_hf_dir", type=Path, help="reuse mode: save HF checkpoints here")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument("--eval-max-in-flight", type=int, default=2)
-    g.add_argument("--eval-keep-snapshots", type=int, default=2)
-    g.add_argument("--eval-overflow-policy", choices=OVERFLOW_POLICIES, default="backpressure")
-    g.add_argument("--eval-posture", choices=("fleet", "shared"), default="fleet")
-    g.add_argument("--eval-n-prompts", type=int, default=128)
-    g.add_argument("--eval-shard-size", type=int, default=64)
-    g.add_argument("--eval-poll-interval", type=float, default=2.0, help="seconds between results listings")
-    g.add_argument("--eval-backpressure-timeout", type=float, default=300.0)
-    g.add_argument("--eval-drain-timeout", type=float, default=300.0)
-    g.add_argument("--lease-duration", type=float, default=60.0)
-    g.add_argument("--lease-heartbeat", type=float, default=10.0)
-    g.add_argument(
-        "--trainer-nodes", type=_node_list, help="comma list (node-locality check of the staging dir)"
-    )
-    g.add_argument("--fleet-nodes", type=_node_list, help="comma list")
-    return TrainConfig(**vars(p.parse_args(argv)))
-
-
-def _node_list(text: str) -> tuple[str, ...]:
-    return tuple(n for n in text.split(",") if n)
+# TrainConfig, its flags and its validation live in jobs.reference.train_config (no torch import).
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,7 +97,7 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
             raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
         return run
     run = RunDir.create(cfg.run_dir)
-    save_base_model_dir(base_model_dir(run), cfg.model, cfg.arch)  # type: ignore[arg-type]
+    save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch)  # type: ignore[arg-type]
     dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
     roots = (str(dispatch.snapshot_root),) if dispatch is not None else (str(run.snapshots),)
     manifest = RunManifest(
@@ -232,6 +110,11 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
     )
     RunDir.create(run.path, manifest)
     return run
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model's shape: ``cfg.model``, or the reference defaults when not given."""
+    return cfg.model or ModelConfig()
 
 
 def base_model_dir(run: RunDir) -> Path:
@@ -247,7 +130,7 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
         "program": "ckpteval train",
         **producer_identity(),
         "arch": cfg.arch,
-        "model": asdict(cfg.model),
+        "model": asdict(model_config(cfg)),
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "lr": cfg.lr,
@@ -328,8 +211,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
         torch.set_num_threads(cfg.threads)
     manifest = run.manifest()
 
-    model = build_model(cfg.model, cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]
-    tokenizer = build_tokenizer(cfg.model.max_position_embeddings)
+    model = build_model(model_config(cfg), cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]
+    tokenizer = build_tokenizer(model_config(cfg).max_position_embeddings)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     start = 0
     if cfg.resume and (ckpt := latest_train_checkpoint(run)) is not None:
@@ -400,20 +283,22 @@ def _preempted(run: RunDir, step: int, model: torch.nn.Module, opt: torch.optim.
     return PREEMPTED_EXIT
 
 
-def main(argv: list[str]) -> int:
-    cfg = parse_args(argv)
+def run_training(cfg: TrainConfig, dispatch: DispatchConfig | None) -> int:
+    """Write the run (or reopen it on --resume) and train; ``cfg`` is validated by :mod:`train_config`."""
     try:
-        dispatch = cfg.validate()  # fail fast: before anything is written or trained
         run = prepare_run(cfg, dispatch)
-        run.manifest()  # a malformed run.json (on --resume) is a usage error, not a crash
     except (ValueError, FileNotFoundError) as e:
-        print(f"ckpteval train: {e}", file=sys.stderr)
-        return 2
+        return fail("ckpteval train", e)
+    except PermissionError as e:
+        return fail("ckpteval train", f"{e.filename}: permission denied")
     try:
         return train(cfg, dispatch, run)
     except LedgerError as e:  # a malformed ledger line on --resume: named, nothing changed
-        print(f"ckpteval train: {e}", file=sys.stderr)
-        return 2
+        return fail("ckpteval train", e)
+
+
+def main(argv: list[str]) -> int:
+    return train_config.main(argv)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ from coord.snapshot import MARKER, mark_complete, snapshot_path
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
+from jobs.eval.trust import check_run_code
 from jobs.ingest import ingest_point
 from jobs.metrics import MetricsSink
 from jobs.trainer.config import DispatchConfig
@@ -102,6 +103,7 @@ class SharedEval:
     engine: Engine
     gate: ProducerGate
     drain_timeout_s: float | None = 600.0
+    trust_run_code: bool = False  # import run.json's module:function scorers even from a run others can write
 
 
 class EvalDispatcher:
@@ -141,6 +143,8 @@ class EvalDispatcher:
             self.gc = StagingGC(
                 self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots
             )
+        if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
+            check_run_code(run, self.manifest, trusted=shared.trust_run_code)
         self._cache = DatasetCache(run, self.manifest) if shared is not None else None
         self.step = 0  # the trainer's latest step seen
         self.landed = len(self.ledger.state.ingested)

@@ -7,13 +7,15 @@ Matplotlib runs headless (Agg). Limits: incomplete points are not drawn.
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
+import os
 from pathlib import Path
 from typing import Any
 
+from jobs.flags import Parser, fail
 from jobs.views.status import collect_status
+
+FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
 
 
 def plot_series(status: dict[str, Any]) -> dict[str, Any]:
@@ -76,15 +78,30 @@ def plot_run(run_dir: Path, out: Path) -> dict[str, Any]:
     return data
 
 
+def check_output(out: Path) -> None:
+    """``-o FILE`` is writable and names a format, checked before the run is read."""
+    if out.suffix.lower().lstrip(".") not in FORMATS:
+        raise ValueError(f"--output {out}: unknown image format {out.suffix!r}; use one of {', '.join(FORMATS)}")
+    if out.is_dir():
+        raise ValueError(f"--output {out}: is a directory")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"--output {out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--output {out}: not writable by this user")
+
+
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="ckpteval plot", description="plot score vs step (PNG)")
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("-o", "--output", type=Path, default=Path("curve.png"))
+    ap = Parser(prog="ckpteval plot", description="plot score vs step (PNG)")
+    ap.add_argument("run_dir", type=Path, metavar="RUN", help="the run directory (holds run.json)")
+    ap.add_argument("-o", "--output", type=Path, default=Path("curve.png"), metavar="FILE",
+                    help="image to write; the suffix picks the format: " + ", ".join(FORMATS)
+                    + " (default: curve.png)")
     args = ap.parse_args(argv)
     try:
+        check_output(args.output)
         plot_run(args.run_dir, args.output)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"ckpteval plot: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:  # missing, unreadable or malformed run files; unwritable output
+        return fail("ckpteval plot", e)
     print(args.output)
     return 0

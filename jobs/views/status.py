@@ -11,11 +11,9 @@ contender on its own monotonic clock (see coord.units).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +26,7 @@ from coord.manifest import RunManifest
 from coord.results import ResultIndex, derive_point
 from coord.rundir import RunDir
 from coord.units import lease_path, read_lease_holder, units_for_step
+from jobs.flags import Parser, fail, positive_float
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -193,10 +192,11 @@ def render(status: dict[str, Any]) -> list[Any]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="ckpteval status", description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    ap.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, help="refresh every N s")
+    ap = Parser(prog="ckpteval status", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", type=Path, metavar="RUN", help="the run directory (holds run.json)")
+    ap.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    ap.add_argument("--watch", type=positive_float, nargs="?", const=2.0, default=None, metavar="S",
+                    help="refresh every S seconds until interrupted (S defaults to 2)")
     args = ap.parse_args(argv)
     from rich.console import Console
 
@@ -204,9 +204,8 @@ def main(argv: list[str]) -> int:
     while True:
         try:
             status = collect_status(args.run_dir)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"ckpteval status: {e}", file=sys.stderr)
-            return 2
+        except (OSError, ValueError) as e:  # missing, unreadable or malformed run files
+            return fail("ckpteval status", e)
         if args.json:
             print(json.dumps(status, indent=1, default=str))
         else:

@@ -1,0 +1,306 @@
+"""Command-line options declared once: a dataclass field carries its flag, help text and bounds.
+
+What it owns: the one way every ``ckpteval`` program turns an options dataclass into argparse flags and
+back, and the one-line error convention of every parser.
+
+* :func:`option` declares a field: ``steps: int = option(600, "training steps", min=1)``. The flag
+  name defaults to ``--<field-name-with-dashes>``; the argparse type comes from the annotation (``int``,
+  ``float``, ``str``, ``Path``, ``X | None``; ``bool`` is a switch, ``--no-x`` when the default is True;
+  ``tuple[X, ...]``/``list[X]`` is a repeatable flag unless ``parse`` reads one value). A field without
+  ``option`` metadata (a nested config) is not a flag.
+* :func:`add_options` adds a dataclass's flags to a parser (argument groups by the ``group`` title);
+  :func:`from_args` builds the dataclass from the parsed namespace (a repeatable flag given no times
+  keeps the field's default); :func:`check_bounds` enforces the declared bounds on an instance built in
+  Python (the API path), with the same message the command line gives.
+* :class:`Parser` is ``argparse.ArgumentParser`` whose errors are **one line** on stderr
+  (``ckpteval train: error: argument --steps: must be >= 1, got 0 (see --help)``) and exit 2; every
+  ``ckpteval`` parser is one, so a usage error never prints a usage block or a traceback.
+
+Bounds: ``min`` (>=) and ``gt`` (>) on numbers; every float must be finite (NaN and inf are refused).
+Adding a flag to a program is adding one field. Limits: cross-flag rules (``--save-hf`` needs
+``--save-interval``) stay in the program's own ``validate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+META_KEY = "ckpteval_flag"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    help: str
+    flag: str | None = None
+    metavar: str | None = None
+    choices: tuple[Any, ...] | None = None
+    min: float | None = None
+    gt: float | None = None
+    parse: Callable[[str], Any] | None = None
+    group: str | None = None
+    show_default: bool = True
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    choices: Sequence[Any] | None = None,
+    min: float | None = None,
+    gt: float | None = None,
+    parse: Callable[[str], Any] | None = None,
+    group: str | None = None,
+    show_default: bool = True,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+) -> Any:
+    """A dataclass field that is also a command-line flag (see the module docstring)."""
+    if not help:
+        raise ValueError(f"option {flag or ''}: every flag needs a help text")
+    meta = {META_KEY: Flag(help, flag, metavar, tuple(choices) if choices else None, min, gt, parse, group,
+                           show_default)}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class RaisingParser(Parser):
+    """A parser whose errors are ValueErrors (for checking another program's arguments without exiting)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{self.prog}: {' '.join(message.split())}")
+
+
+def parse_as(cls: type, argv: Sequence[str], what: str) -> Any:
+    """``argv`` parsed with the flags of options dataclass ``cls`` and bounds-checked; ValueError names
+    ``what`` and the flag (used to check arguments handed on to another program before starting it)."""
+    parser = RaisingParser(prog=what, add_help=False)
+    add_options(parser, cls)
+    obj = from_args(cls, parser.parse_args(list(argv)))
+    check_bounds(obj)
+    return obj
+
+
+def fail(prog: str, error: str | BaseException, code: int = 2) -> int:
+    """Print one ``prog: message`` line on stderr and return ``code`` (for errors found after parsing).
+
+    An ``OSError`` with a file name reads ``<file>: <reason>`` (``PermissionError`` from an unreadable
+    run dir names the dir, not a traceback).
+    """
+    message = str(error)
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        message = f"{error.filename}: {error.strerror.lower()}"
+    print(f"{prog}: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return code
+
+
+# ------------------------------------------------------------------------------------------- values
+def bounded(kind: Callable[[str], Any], *, min: float | None = None, gt: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type`` parsing ``kind`` and refusing non-finite floats and values out of bounds."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {_kind_word(kind)} value: {text!r}") from None
+        problem = bound_problem(value, min=min, gt=gt)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = getattr(kind, "__name__", "value")
+    return convert
+
+
+def bound_problem(value: Any, *, min: float | None = None, gt: float | None = None) -> str | None:
+    """Why ``value`` breaks the bounds (None if it does not)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if min is not None and value < min:
+        return f"must be >= {min:g}, got {value}"
+    if gt is not None and value <= gt:
+        return f"must be > {gt:g}, got {value}"
+    return None
+
+
+def _kind_word(kind: Callable[[str], Any]) -> str:
+    return {int: "integer", float: "number", Path: "path"}.get(kind, getattr(kind, "__name__", "value"))  # type: ignore[call-overload]
+
+
+positive_int = bounded(int, min=1)
+non_negative_int = bounded(int, min=0)
+positive_float = bounded(float, gt=0)
+non_negative_float = bounded(float, min=0)
+
+
+# ------------------------------------------------------------------------------------------- fields
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    field: dataclasses.Field[Any]
+    meta: Flag
+    base: Any  # the scalar type (int, float, str, Path, bool)
+    repeat: bool  # tuple/list: a repeatable flag
+    container: type | None
+
+    @property
+    def flag(self) -> str:
+        return self.meta.flag or "--" + self.field.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        f = self.field
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return dataclasses.MISSING
+
+
+def _unwrap(hint: Any) -> tuple[Any, bool, type | None]:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return _unwrap(args[0])
+    origin = typing.get_origin(hint)
+    if origin in (tuple, list):
+        return args[0], True, origin
+    return hint, False, None
+
+
+def specs(cls: type) -> list[_Spec]:
+    """The flag fields of dataclass ``cls``, in declaration order."""
+    namespace = vars(sys.modules[cls.__module__])
+    out = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(META_KEY)
+        if meta is None:
+            continue  # not a flag; its annotation is never evaluated (it may name a torch-side type)
+        hint = eval(f.type, namespace) if isinstance(f.type, str) else f.type  # noqa: S307 (our own source)
+        base, repeat, container = _unwrap(hint)
+        out.append(_Spec(f, meta, base, repeat and meta.parse is None, container))
+    return out
+
+
+def _help(spec: _Spec) -> str:
+    text = spec.meta.help.replace("%", "%%")
+    default = spec.default
+    shown = spec.meta.show_default and not (default is None or isinstance(default, bool) or default in ((), [])
+                                            or default is dataclasses.MISSING)
+    if shown and "default" not in text:
+        value = ",".join(map(str, default)) if isinstance(default, tuple | list) else default
+        text += f" (default: {value})"
+    return text
+
+
+def add_options(
+    parser: argparse.ArgumentParser, cls: type, *, exclude: Sequence[str] = (), only: Sequence[str] | None = None
+) -> None:
+    """Add the flags of dataclass ``cls`` to ``parser`` (fields named in ``exclude`` are left out)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in specs(cls):
+        name = spec.field.name
+        if name in exclude or (only is not None and name not in only):
+            continue
+        meta = spec.meta
+        target: Any = parser
+        if meta.group:
+            target = groups.get(meta.group) or groups.setdefault(meta.group, parser.add_argument_group(meta.group))
+        kw: dict[str, Any] = {"dest": name, "help": _help(spec)}
+        if spec.base is bool and not spec.repeat:
+            kw["action"] = "store_false" if spec.default is True else "store_true"
+            target.add_argument(spec.flag, **kw)
+            continue
+        kind = meta.parse or spec.base
+        kw["type"] = bounded(kind, min=meta.min, gt=meta.gt) if kind in (int, float) else kind
+        if meta.metavar:
+            kw["metavar"] = meta.metavar
+        if meta.choices:
+            kw["choices"] = meta.choices
+        if spec.default is dataclasses.MISSING:
+            kw["required"] = True
+        if spec.repeat:
+            kw["action"] = "append"
+        kw["default"] = None  # from_args fills in the field's own default: declared once
+        target.add_argument(spec.flag, **kw)
+
+
+def from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
+    """Build ``cls`` from parsed flags; a flag not given (or excluded) keeps the field's default."""
+    values: dict[str, Any] = {}
+    for spec in specs(cls):
+        name = spec.field.name
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if spec.container is not None and isinstance(value, list | tuple):
+            value = spec.container(value)
+        values[name] = value
+    values.update(fixed)
+    return cls(**values)
+
+
+def check_bounds(obj: Any) -> None:
+    """Enforce the declared bounds and choices on a dataclass built in Python (ValueError names the flag)."""
+    for spec in specs(type(obj)):
+        value = getattr(obj, spec.field.name)
+        if value is None or isinstance(value, bool):
+            continue
+        values = value if spec.repeat else (value,)
+        for v in values:
+            if spec.meta.choices and v not in spec.meta.choices:
+                raise ValueError(f"{spec.flag} must be one of {', '.join(map(str, spec.meta.choices))}, got {v!r}")
+            if isinstance(v, int | float):
+                problem = bound_problem(v, min=spec.meta.min, gt=spec.meta.gt)
+                if problem:
+                    raise ValueError(f"{spec.flag} {problem}")
+
+
+# ------------------------------------------------------------------------------------- file checks
+def check_dir_creatable(flag: str, path: Path | str) -> None:
+    """``path`` is a directory this user can write, or can be created: ValueError naming ``flag`` if not.
+
+    Checked before a program writes anything, so a bad path fails at start instead of half-way.
+    """
+    import os
+
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    probe = target
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{flag} {path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {probe} is not writable by this user")
+
+
+def check_file_readable(flag: str, path: Path | str) -> None:
+    """``path`` is a regular file this user can read: FileNotFoundError/ValueError naming ``flag`` if not."""
+    import os
+
+    target = Path(path).expanduser()
+    if not target.exists():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    if not target.is_file():
+        raise ValueError(f"{flag} {path}: not a regular file")
+    if not os.access(target, os.R_OK):
+        raise ValueError(f"{flag} {path}: not readable by this user")

@@ -1,0 +1,166 @@
+"""The reference trainer's options and their validation, importable without torch.
+
+``ckpteval train`` parses and validates here (a bad flag costs no torch import and writes nothing),
+then hands the validated :class:`TrainConfig` to :mod:`jobs.reference.train`. Each field of
+:class:`TrainConfig` is its flag (:mod:`jobs.flags`); the eval defaults are declared once, on
+:class:`jobs.trainer.config.DispatchConfig`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coord.rundir import RunDir
+from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
+from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
+
+if TYPE_CHECKING:
+    from jobs.reference.model import ModelConfig
+
+
+EVAL = "evaluation"
+_D = DispatchConfig  # the dispatch defaults are declared once, on DispatchConfig
+
+
+def _node_list(text: str) -> tuple[str, ...]:
+    return tuple(n for n in text.split(",") if n)
+
+
+@dataclass
+class TrainConfig:
+    """The trainer's flags (declared once: each field is its flag, see :mod:`jobs.flags`)."""
+
+    run_dir: Path = option(help="the run directory to create (or continue with --resume)", metavar="RUN")
+    steps: int = option(600, "training steps (optimizer updates)", min=1)
+    arch: str = option("llama", "model architecture of the tiny decoder", choices=("llama", "qwen2"))
+    batch_size: int = option(128, "examples per training step", metavar="N", min=1)
+    lr: float = option(3e-3, "peak learning rate", gt=0)
+    lr_schedule: str = option("cosine", "cosine: linear warmup, then cosine decay to lr/10 at --steps; "
+                              "constant: --lr throughout", choices=("cosine", "constant"))
+    warmup_steps: int = option(30, "linear warmup steps of the cosine schedule", metavar="N", min=0)
+    seed: int = option(0, "seed of the model init and of the training data", min=0)
+    run_id: str | None = option(None, "the run's id in run.json, [A-Za-z0-9_-]{1,64} (default: the run "
+                                "dir's name)", metavar="ID")
+    log_interval: int = option(10, "log train/* metrics every N steps", metavar="N", min=1)
+    ckpt_interval: int = option(100, "training checkpoint (RUN/train_ckpt/) every N steps", metavar="N", min=1)
+    resume: bool = option(False, "continue from the latest training checkpoint, if any")
+    threads: int | None = option(None, "torch CPU threads (default: torch's)", metavar="N", min=1)
+    progress: bool = option(True, "no progress bar on stderr", flag="--no-progress")
+    wandb: bool = option(False, "also log to wandb (WANDB_MODE=offline works)")
+    # evaluation
+    eval: bool = option(True, "train without an eval dispatcher (no snapshots, no points)",
+                        flag="--no-eval", group=EVAL)
+    eval_interval: int = option(100, "dispatch an eval point every N steps (and at the last step)",
+                                metavar="N", min=1, group=EVAL)
+    eval_staging_dir: Path | None = option(None, "staging mode: export snapshots here (default RUN/snapshots)",
+                                           metavar="DIR", group=EVAL)
+    save_hf_dir: Path | None = option(None, "reuse mode: save HF checkpoints here; they are the snapshots "
+                                      "(needs --save-interval)", flag="--save-hf", metavar="DIR", group=EVAL)
+    save_interval: int | None = option(None, "reuse mode: save an HF checkpoint every N steps", metavar="N",
+                                       min=1, group=EVAL)
+    eval_max_in_flight: int = option(_D.max_in_flight, "points dispatched but not yet landed before the "
+                                     "overflow policy applies", metavar="N", min=1, group=EVAL)
+    eval_keep_snapshots: int = option(_D.keep_snapshots, "snapshots kept on disk (>= --eval-max-in-flight)",
+                                      metavar="N", min=1, group=EVAL)
+    eval_overflow_policy: str = option(_D.overflow_policy, "when too many points are in flight: wait for "
+                                       "the fleet (backpressure) or skip the point (skip)",
+                                       choices=OVERFLOW_POLICIES, group=EVAL)
+    eval_posture: str = option("fleet", "fleet: separate eval workers; shared: the trainer evaluates "
+                               "in-process (pause-the-world)", choices=("fleet", "shared"), group=EVAL)
+    eval_n_prompts: int = option(128, "prompts in the built-in addition eval set", metavar="N", min=1,
+                                 group=EVAL)
+    eval_shard_size: int = option(64, "prompts per work unit", metavar="N", min=1, group=EVAL)
+    eval_poll_interval: float = option(2.0, "seconds between listings of results/", metavar="S", gt=0,
+                                       group=EVAL)
+    eval_backpressure_timeout: float = option(300.0, "longest wait for the fleet under backpressure before "
+                                              "the point is skipped", metavar="S", min=0, group=EVAL)
+    eval_drain_timeout: float = option(300.0, "longest wait at the end for outstanding points", metavar="S",
+                                       min=0, group=EVAL)
+    lease_duration: float = option(60.0, "work-unit lease duration written to run.json", metavar="S", gt=0,
+                                   group=EVAL)
+    lease_heartbeat: float = option(10.0, "lease heartbeat interval (< --lease-duration)", metavar="S", gt=0,
+                                    group=EVAL)
+    trainer_nodes: tuple[str, ...] | None = option(None, "comma list of the trainer's nodes (node-locality "
+                                                   "check of the staging dir)", metavar="N1,N2",
+                                                   parse=_node_list, group=EVAL)
+    fleet_nodes: tuple[str, ...] | None = option(None, "comma list of the eval fleet's nodes (node-locality "
+                                                 "check)", metavar="N1,N2", parse=_node_list, group=EVAL)
+    model: ModelConfig | None = None  # None: the reference defaults (not a flag; importing it needs torch)
+
+    def validate(self) -> DispatchConfig | None:
+        """Check the training flags and return the validated eval config (None with --no-eval)."""
+        check_bounds(self)
+        if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id):
+            raise ValueError(f"--run-id {self.run_id!r} must match [A-Za-z0-9_-]{{1,64}}")
+        if self.save_hf_dir is not None and self.save_interval is None:
+            raise ValueError("--save-hf needs --save-interval N")
+        if self.lease_heartbeat >= self.lease_duration:
+            raise ValueError(f"--lease-heartbeat ({self.lease_heartbeat:g}) must be below --lease-duration "
+                             f"({self.lease_duration:g})")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb needs the wandb package: pip install 'ckpteval[wandb]'")
+        check_dir_creatable("--run-dir", self.run_dir)
+        for flag, path in (("--eval-staging-dir", self.eval_staging_dir), ("--save-hf", self.save_hf_dir)):
+            if path is not None:
+                check_dir_creatable(flag, path)
+        if not self.eval:
+            return None
+        staging = self.eval_staging_dir
+        if staging is None and self.save_hf_dir is None:
+            staging = Path(self.run_dir) / "snapshots"
+        return DispatchConfig(
+            eval_interval=self.eval_interval,
+            staging_dir=staging,
+            save_hf_dir=self.save_hf_dir,
+            save_interval=self.save_interval,
+            max_in_flight=self.eval_max_in_flight,
+            keep_snapshots=self.eval_keep_snapshots,
+            overflow_policy=self.eval_overflow_policy,
+            trainer_nodes=self.trainer_nodes,
+            fleet_nodes=self.fleet_nodes,
+        ).validate()
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="ckpteval train", description=__doc__.split("\n\n")[0])
+    add_options(p, TrainConfig)
+    return p
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    cfg: TrainConfig = from_args(TrainConfig, build_parser().parse_args(argv))
+    return cfg
+
+
+def check_existing_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> None:
+    """Refuse, before writing, a run dir that holds a run without --resume, or one this config cannot continue."""
+    run = RunDir(cfg.run_dir)
+    if not run.manifest_path.exists():
+        return
+    if not cfg.resume:
+        raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
+    manifest = RunDir.open(run.path).manifest()  # an unreadable or malformed run.json: a usage error
+    if dispatch is not None:
+        listed = {Path(r).resolve() for r in manifest.snapshot_roots}
+        if Path(dispatch.snapshot_root).resolve() not in listed:
+            raise ValueError(f"{run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list "
+                             f"{dispatch.snapshot_root}: resume with the snapshot flags the run started with")
+
+
+def main(argv: list[str]) -> int:
+    """``ckpteval train``: validate everything, then (and only then) write the run and train."""
+    cfg = parse_args(argv)
+    try:
+        dispatch = cfg.validate()  # fail fast: before anything is written or trained
+        check_existing_run(cfg, dispatch)  # a run already there: checked before anything is written
+    except (ValueError, FileNotFoundError) as e:
+        return fail("ckpteval train", e)
+    except PermissionError as e:
+        return fail("ckpteval train", f"{e.filename}: permission denied")
+    from jobs.reference.train import run_training
+
+    return run_training(cfg, dispatch)

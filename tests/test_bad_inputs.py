@@ -1,0 +1,543 @@
+"""Every bad input is one clear line: a sweep over every subcommand with bad values for every flag.
+
+Each case runs ``python -m jobs.cli ...`` as a real process in its own copy of a sandbox (a valid run,
+broken runs, files where dirs belong, malformed eval configs) and must end with exit 2, exactly one
+line on stderr (the convention of every ``ckpteval`` parser and check: ``prog: what is wrong``; no
+argparse usage block), no traceback anywhere, and the sandbox tree unchanged (nothing created,
+written or touched). Most cases fail in argument parsing, before torch is imported.
+
+Run as a script to count a checkout's behaviour (the figures in bench/CHAOS.md)::
+
+    python -m tests.test_bad_inputs [--repo DIR]
+
+Also here: the manifest's sampling-setting validation, the trust rule for code named by run.json
+(a group-writable run.json), files created under a tight umask, and an unreadable run dir (skipped as
+root, who reads everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from coord.manifest import parse_manifest
+from coord.rundir import RunDir
+from tests.support.workers import REPO, make_eval_run
+
+CASE_TIMEOUT_S = 60.0  # generous: a case that runs this long is a silent accept
+TRUST_SCORER = "tests.support.workers:digit_overlap"
+FN = "fn:tests.support.workers:SumBackend"
+
+# ----------------------------------------------------------------------------------------- sandbox
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def _edit_manifest(run: RunDir, **dataset: object) -> None:
+    obj = json.loads(run.manifest_path.read_text())
+    obj["eval"]["datasets"][0].update(dataset)
+    run.manifest_path.write_text(json.dumps(obj))  # json writes NaN/Infinity literals, as a hand edit would
+
+
+def build_sandbox(root: Path) -> Path:
+    """Everything the cases point at: good and broken runs, files, eval configs."""
+    root.mkdir(parents=True, exist_ok=True)
+    make_eval_run(root, n_prompts=4, shard_size=2, name="run")
+    (root / "empty").mkdir()
+    (root / "file.txt").write_text("not a directory\n")
+    (root / "torn.json").write_text("{torn")
+    _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="nan_run"), temperature=math.nan)
+    _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="inf_run"), temperature=math.inf)
+    _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="topk0_run"), top_k=0)
+    _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="topp_run"), top_p=1.5)
+    _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="tokens_run"), max_new_tokens=-1)
+    (make_eval_run(root, n_prompts=4, shard_size=2, name="done_run").done_path).write_text("{torn")
+    (make_eval_run(root, n_prompts=4, shard_size=2, name="rows_run").data / "addition.jsonl").write_text("{torn\n")
+    trust = make_eval_run(root, n_prompts=4, shard_size=2, name="trust_run", scorer=TRUST_SCORER)
+    trust.manifest_path.chmod(trust.manifest_path.stat().st_mode | stat.S_IWGRP)
+    (root / "dir_manifest_run").mkdir()
+    (root / "dir_manifest_run" / "run.json").mkdir()
+    results_file = make_eval_run(root, n_prompts=4, shard_size=2, name="results_file_run")
+    shutil.rmtree(results_file.results)
+    results_file.results.write_text("not a directory\n")
+    metrics = make_eval_run(root, n_prompts=4, shard_size=2, name="metrics_run")
+    metrics.metrics_path.write_text('{"step": 1}\n{torn\n{"step": 2}\n')
+    # eval configs for --eval-config (worker service and submit service)
+    (root / "qa.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                           for i in range(3)))
+    (root / "bad_rows.jsonl").write_text('{"prompt": 1}\n')
+    ds = {"name": "qa", "path": "qa.jsonl", "n_prompts": 3}
+    _write_json(root / "cfg_ok.json", {"eval": {"datasets": [ds]}})
+    _write_json(root / "cfg_no_eval.json", {"datasets": [ds]})
+    _write_json(root / "cfg_missing_data.json", {"eval": {"datasets": [{**ds, "path": "nope.jsonl"}]}})
+    _write_json(root / "cfg_bad_rows.json", {"eval": {"datasets": [{**ds, "path": "bad_rows.jsonl"}]}})
+    _write_json(root / "cfg_count.json", {"eval": {"datasets": [{**ds, "n_prompts": 5}]}})
+    (root / "cfg_nan.json").write_text(json.dumps({"eval": {"datasets": [{**ds, "temperature": math.nan}]}}))
+    (root / "ckpts").mkdir()
+    (root / "model").mkdir()  # enough for serve to get past its model check to the port and host checks
+    (root / "model" / "config.json").write_text("{}")
+    (root / "sbatch_empty").mkdir()
+    return root
+
+
+# ------------------------------------------------------------------------------------------- cases
+SHAPES = {  # bad values for each kind of flag value (each hits a different check)
+    "int>=1": ["0", "x"],
+    "int>=0": ["-1", "1.5"],
+    "float>0": ["-1", "nan", "x"],
+    "float>=0": ["-5", "inf"],
+}
+
+
+def _flag_cases(prefix: str, flags: dict[str, str]) -> list[str]:
+    return [f"{prefix} {flag} {value}" for flag, shape in flags.items() for value in SHAPES[shape]]
+
+
+def worker_cases(cmd: str) -> list[str]:
+    """``worker`` and ``backfill`` share their flags (backfill fixes --once/--catchup)."""
+    base = f"{cmd} --run-dir {{S}}/run"
+    cases = [
+        f"{cmd}",  # --run-dir missing
+        f"{cmd} --run-dir {{S}}/nope",
+        f"{cmd} --run-dir {{S}}/file.txt",
+        f"{cmd} --run-dir {{S}}/empty",
+        f"{cmd} --run-dir {{S}}/dir_manifest_run",
+        f"{cmd} --run-dir {{S}}/nan_run",
+        f"{cmd} --run-dir {{S}}/inf_run",
+        f"{cmd} --run-dir {{S}}/topk0_run",
+        f"{cmd} --run-dir {{S}}/topp_run",
+        f"{cmd} --run-dir {{S}}/tokens_run",
+        f"{cmd} --run-dir {{S}}/done_run",
+        f"{cmd} --run-dir {{S}}/rows_run",
+        f"{cmd} --run-dir {{S}}/trust_run --engine {FN}",  # group-writable run.json naming a scorer
+        f"{cmd} --run-dir {{S}}/results_file_run --engine {FN}",
+        f"{base} --engine bogus",
+        f"{base} --engine http:",
+        f"{base} --engine fn:",
+        f"{base} --engine hf:extra",
+        f"{base} --engine fn:no_such_module_xyz:Cls",
+        f"{base} --engine {FN} --engines 2",
+        f"{base} --device bogus",
+        f"{base} --device cuda:x",
+        f"{base} --verify bogus",
+        f"{base} --watch {{S}}/file.txt",
+        f"{base} --eval-config {{S}}/cfg_ok.json",  # without --watch
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/nope.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/torn.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_no_eval.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_missing_data.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_bad_rows.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_count.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_nan.json",
+        f"{cmd} --run-dir {{S}}/file.txt --watch {{S}}/ckpts --eval-config {{S}}/cfg_ok.json",
+        f"{base} --wandb",  # without --wandb-run-id
+        f"{base} --wandb-mode bogus",
+        f"{base} --newest-first=yes",
+        f"{base} --trust-run-code=yes",
+        f"{base} --bogus-flag",
+    ]
+    if cmd == "worker":
+        cases += [f"{base} --catchup bogus", f"{base} --once=yes"]
+    else:
+        cases += [f"{base} --once", f"{base} --catchup all"]  # backfill fixes these: not its flags
+    return cases + _flag_cases(base, {
+        "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
+        "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0",
+    })
+
+
+def train_cases() -> list[str]:
+    base = "train --run-dir {S}/new"
+    return [
+        "train",
+        "train --run-dir {S}/file.txt",
+        "train --run-dir {S}/file.txt/sub",
+        "train --run-dir {S}/run",  # holds a run, no --resume
+        "train --run-dir {S}/dir_manifest_run --resume",
+        "train --run-dir {S}/nan_run --resume",
+        f"{base} --arch bogus",
+        f"{base} --lr-schedule bogus",
+        f"{base} --run-id 'bad id!'",
+        f"{base} --resume=yes",
+        f"{base} --no-progress=yes",
+        f"{base} --no-eval=yes",
+        f"{base} --eval-overflow-policy bogus",
+        f"{base} --eval-posture bogus",
+        f"{base} --save-hf {{S}}/new/hf",  # without --save-interval
+        f"{base} --save-hf {{S}}/file.txt --save-interval 5",
+        f"{base} --save-hf {{S}}/new/hf --save-interval 5 --eval-interval 7",
+        f"{base} --eval-staging-dir {{S}}/file.txt",
+        f"{base} --eval-staging-dir {{S}}/new/snaps --save-hf {{S}}/new/hf --save-interval 5",
+        f"{base} --eval-max-in-flight 3 --eval-keep-snapshots 2",
+        f"{base} --lease-heartbeat 100",
+        f"{base} --eval-staging-dir /dev/shm/ckpteval-bad-inputs --trainer-nodes a --fleet-nodes b",
+        f"{base} --bogus-flag",
+    ] + _flag_cases(base, {
+        "--steps": "int>=1", "--batch-size": "int>=1", "--lr": "float>0", "--warmup-steps": "int>=0",
+        "--seed": "int>=0", "--log-interval": "int>=1", "--ckpt-interval": "int>=1", "--threads": "int>=1",
+        "--eval-interval": "int>=1", "--save-interval": "int>=1", "--eval-max-in-flight": "int>=1",
+        "--eval-keep-snapshots": "int>=1", "--eval-n-prompts": "int>=1", "--eval-shard-size": "int>=1",
+        "--eval-poll-interval": "float>0", "--eval-backpressure-timeout": "float>=0",
+        "--eval-drain-timeout": "float>=0", "--lease-duration": "float>0", "--lease-heartbeat": "float>0",
+    })
+
+
+def view_cases() -> list[str]:
+    cases = []
+    for cmd in ("status", "plot -o {S}/out.png"):
+        cases += [f"{cmd} {{S}}/{name}" for name in (
+            "nope", "file.txt", "empty", "dir_manifest_run", "nan_run", "results_file_run", "metrics_run")]
+    return cases + [
+        "status",
+        "status {S}/run --json=yes",
+        "status {S}/run --bogus-flag",
+        "plot {S}/run -o {S}/nope/out.png",
+        "plot {S}/run -o {S}/empty",
+        "plot {S}/run -o {S}/out.xyz",
+        "plot {S}/run -o {S}/file.txt/out.png",
+        "plot",
+    ] + _flag_cases("status {S}/run", {"--watch": "float>0"})
+
+
+def serve_cases() -> list[str]:
+    base = "serve --model {S}/model"
+    return [
+        "serve",
+        "serve --model {S}/nope",
+        "serve --model {S}/file.txt",
+        "serve --model {S}/empty",
+        f"{base} --engine bogus",
+        f"{base} --port -1",
+        f"{base} --port 70000",
+        f"{base} --port x",
+        f"{base} --port {{PORT}}",  # in use
+        f"{base} --host no-such-host.invalid --port 0",
+        f"{base} --device bogus",
+        f"{base} --dtype bogus",
+        f"{base} --verbose=yes",
+        f"{base} --bogus-flag",
+    ] + _flag_cases(base, {"--max-batch-size": "int>=1"})
+
+
+def submit_cases() -> list[str]:
+    kinds = {
+        "train-eval": "submit train-eval --run-dir {S}/new --dry-run",
+        "backfill": "submit backfill --run-dir {S}/run --dry-run",
+        "service": "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/cfg_ok.json --dry-run",
+    }
+    cases = ["submit", "submit bogus-kind"]
+    for base in kinds.values():
+        cases += [
+            f"{base} --python {{S}}/nope/python",
+            f"{base} --python {{S}}/file.txt",
+            f"{base} --python no-such-python-xyz",
+            f"{base} --engine bogus",
+            f"{base} --engine fn:",
+            f"{base} --device bogus",
+            f"{base} --env NOEQUALS",
+            f"{base} --env 1X=2",
+            f"{base} --sbatch-arg nodash",
+            f"{base} --sbatch-dir {{S}}/sbatch_empty",
+            f"{base} --worker-arg=--poll-interval=-1",
+            f"{base} --worker-arg=--bogus-flag",
+            f"{base} --dry-run=yes",
+            f"{base} --bogus-flag",
+        ] + _flag_cases(base, {"--workers": "int>=1", "--gpus-per-worker": "int>=0", "--cpus": "int>=1",
+                               "--signal-before": "int>=1", "--grace": "int>=1"})
+    te, bf, sv = kinds["train-eval"], kinds["backfill"], kinds["service"]
+    cases += [
+        "submit train-eval --dry-run",
+        "submit train-eval --run-dir {S}/run --dry-run",  # holds a run: the trainer would refuse it
+        "submit train-eval --run-dir {S}/file.txt --dry-run",
+        f"{te} -- --steps 0",
+        f"{te} -- --eval-poll-interval -1",
+        f"{te} -- --bogus-flag",
+        f"{te} --workers 1 --fleet-nodes 2",
+        "submit backfill --run-dir {S}/nope --dry-run",
+        "submit backfill --run-dir {S}/empty --dry-run",
+        f"{bf} --backfill-cmd bogus",
+        "submit service --run-dir {S}/new --watch {S}/ckpts --dry-run",  # no run.json, no --eval-config
+        "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/nope.json --dry-run",
+        "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/torn.json --dry-run",
+        "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/cfg_missing_data.json --dry-run",
+        "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/cfg_bad_rows.json --dry-run",
+        "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/cfg_nan.json --dry-run",
+        "submit service --run-dir {S}/new --watch {S}/file.txt --eval-config {S}/cfg_ok.json --dry-run",
+        f"{sv} -- --poll-interval 0",
+        f"{sv} --workers 1 --nodes 2",
+        "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/cfg_nan.json",  # no --dry-run
+    ]
+    cases += _flag_cases(te, {"--trainer-cpus": "int>=1", "--trainer-gpus": "int>=0", "--fleet-nodes": "int>=1"})
+    cases += _flag_cases(bf, {"--tasks": "int>=1", "--parallelism": "int>=1"})
+    return cases + _flag_cases(sv, {"--nodes": "int>=1"})
+
+
+def demo_cases() -> list[str]:
+    base = "demo --run-dir {S}/new"
+    return [
+        f"{base} --posture bogus",
+        f"{base} --posture fleet-reuse --workers 0",
+        f"{base} --staging bogus",
+        "demo --run-dir {S}/file.txt",
+        "demo --run-dir {S}/run",
+        f"{base} --train-arg=--steps=0",
+        f"{base} --train-arg=--bogus-flag",
+        f"{base} --bogus-flag",
+    ] + _flag_cases(base, {"--steps": "int>=1", "--eval-interval": "int>=1", "--workers": "int>=0",
+                           "--eval-n-prompts": "int>=1", "--seed": "int>=0"})
+
+
+def all_cases() -> list[str]:
+    return [
+        "bogus-command",
+        *worker_cases("worker"),
+        *worker_cases("backfill"),
+        *train_cases(),
+        *view_cases(),
+        *serve_cases(),
+        *submit_cases(),
+        *demo_cases(),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ running
+@dataclass
+class Outcome:
+    case: str
+    code: int | None  # None: still running after CASE_TIMEOUT_S (killed): a silent accept
+    stdout: str
+    stderr: str
+    changed: list[str]
+
+    @property
+    def traceback(self) -> bool:
+        return "Traceback" in self.stdout or "Traceback" in self.stderr
+
+    @property
+    def silent(self) -> bool:
+        return self.code is None or self.code == 0
+
+    @property
+    def clean(self) -> bool:
+        lines = self.stderr.strip().splitlines()
+        return self.code == 2 and len(lines) == 1 and not self.traceback and not self.changed
+
+    def why(self) -> str:
+        return f"{self.case!r}: exit {self.code}, changed {self.changed[:3]}, stderr {self.stderr.strip()[-400:]!r}"
+
+
+def tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under ``root`` with (mode, size, mtime_ns): what 'nothing changed' compares."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size if not stat.S_ISDIR(st.st_mode) else 0,
+                                             st.st_mtime_ns)
+    return out
+
+
+def cli(argv: list[str], cwd: Path, repo: Path = REPO) -> tuple[int | None, str, str]:
+    """``python -m jobs.cli argv`` in ``cwd``: (exit code or None if killed at the timeout, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTEVAL_", "SLURM_"))}
+    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *argv], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=CASE_TIMEOUT_S)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # its own session: the case and anything it started
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def run_case(case: str, template: Path, work: Path, repo: Path, port: int) -> Outcome:
+    sandbox = work / f"case-{abs(hash(case)):x}"
+    shutil.copytree(template, sandbox, symlinks=True, copy_function=shutil.copy2)
+    before = tree(sandbox)
+    code, out, err = cli(shlex.split(case.replace("{S}", str(sandbox)).replace("{PORT}", str(port))), sandbox, repo)
+    after = tree(sandbox)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    shutil.rmtree(sandbox, ignore_errors=True)
+    return Outcome(case, code, out, err, changed)
+
+
+def sweep(work: Path, repo: Path = REPO, cases: list[str] | None = None, jobs: int = 4) -> list[Outcome]:
+    template = build_sandbox(work / "template")
+    with socket.socket() as busy:  # a port in use, held for the whole sweep
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(lambda c: run_case(c, template, work, repo, port), cases or all_cases()))
+
+
+def summary(outcomes: list[Outcome]) -> dict[str, int]:
+    return {
+        "cases": len(outcomes),
+        "clean": sum(o.clean for o in outcomes),
+        "tracebacks": sum(o.traceback for o in outcomes),
+        "silent_accepts": sum(o.silent and not o.traceback for o in outcomes),
+        "other_unclean": sum(not (o.clean or o.traceback or o.silent) for o in outcomes),
+    }
+
+
+# -------------------------------------------------------------------------------------------- tests
+def test_every_bad_input_is_one_clear_line(tmp_path: Path) -> None:
+    outcomes = sweep(tmp_path)
+    bad = [o for o in outcomes if not o.clean]
+    assert not bad, f"{summary(outcomes)}\n" + "\n".join(o.why() for o in bad)
+    assert len(outcomes) >= 250  # the sweep covers every flag of every subcommand
+
+
+def test_cases_cover_every_flag_of_every_subcommand() -> None:
+    """Each flag a subcommand's parser declares appears in at least one of its bad cases."""
+    from jobs.cli import SUBCOMMAND_HELP_EXTRA, _help_text
+
+    cases = all_cases()
+    for name in ("worker", "backfill", "train", "status", "plot", "serve", "submit", "demo"):
+        for extra in [[], *SUBCOMMAND_HELP_EXTRA.get(name, [])]:
+            mine = [c for c in cases if shlex.split(c)[: 1 + len(extra)] == [name, *extra]]
+            flags = {w.split("=")[0].strip(",[]") for w in _help_text(name, extra).split() if w.startswith("--")}
+            flags -= {"--help"}
+            missing = sorted(f for f in flags if not any(f in c for c in mine))
+            assert not missing, f"ckpteval {name} {' '.join(extra)}: no bad case for {missing}"
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("temperature", math.nan, "finite"), ("temperature", math.inf, "finite"), ("temperature", -0.5, ">= 0"),
+    ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"), ("top_p", math.nan, "finite"),
+    ("top_k", 0, "-1 for off"), ("top_k", -2, "-1 for off"), ("max_new_tokens", -1, ">= 1"),
+    ("max_new_tokens", 0, ">= 1"), ("n_samples", 0, ">= 1"),
+])
+def test_manifest_rejects_bad_sampling_settings(field: str, value: object, why: str) -> None:
+    obj = {"run_id": "r", "snapshot_roots": ["/snaps"],
+           "eval": {"datasets": [{"name": "a", "path": "a.jsonl", "n_prompts": 1, field: value}]}}
+    with pytest.raises(ValueError) as err:
+        parse_manifest(json.loads(json.dumps(obj)), Path("/runs/r/run.json"))
+    assert f"/runs/r/run.json: field eval.datasets[0].{field} " in str(err.value) and why in str(err.value)
+
+
+def test_group_writable_run_json_refuses_run_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run.json naming a ``module:function`` scorer, writable by the group: the worker refuses to
+    import it (exit 2, one line) and writes nothing; ``--trust-run-code`` lets it proceed; a private
+    run.json with the same scorer needs no opt-in; built-in scorers never need one."""
+    from jobs.eval.options import WorkerOptions
+    from jobs.eval.worker import EXIT_DONE, EXIT_USAGE, run_worker
+
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=2, scorer=TRUST_SCORER)
+    run.manifest_path.chmod(0o664)
+    before = tree(run.path)
+    opts = dict(run_dir=run.path, engines=(FN,), once=True, poll_interval_s=0.05)
+    assert run_worker(WorkerOptions(**opts)) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "writable by group" in err and "--trust-run-code" in err
+    assert tree(run.path) == before
+    assert run_worker(WorkerOptions(**opts, trust_run_code=True)) == EXIT_DONE
+    run.manifest_path.chmod(0o644)
+    run.path.chmod(0o775)
+    assert run_worker(WorkerOptions(**opts)) == EXIT_USAGE  # the run dir (rename over run.json) counts too
+    assert "writable by group" in capsys.readouterr().err
+    run.path.chmod(0o755)
+    assert run_worker(WorkerOptions(**opts)) == EXIT_DONE
+    plain = make_eval_run(tmp_path, n_prompts=4, shard_size=2, name="plain")
+    plain.manifest_path.chmod(0o666)
+    assert run_worker(WorkerOptions(**{**opts, "run_dir": plain.path})) == EXIT_DONE
+
+
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _loose(root: Path) -> list[str]:
+    return [f"{p} {stat.filemode(p.stat().st_mode)}" for p in [root, *root.rglob("*")]
+            if p.stat().st_mode & 0o077]
+
+
+def test_files_ckpteval_creates_follow_a_tight_umask(tmp_path: Path) -> None:
+    """Under umask 077 nothing ckpteval writes (run layout, run.json, results, ledger lines, leases,
+    snapshots, a submitted batch script) is readable or writable by anyone but the user."""
+    from coord.atomic import append_line
+    from coord.results import skip_result, write_result
+    from coord.snapshot import publish_snapshot
+    from coord.units import UnitClaimer, units_for_step
+    from jobs.launch import submit
+
+    with _umask(0o077):
+        run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)
+        append_line(run.ledger_path, b'{"event": "test"}\n')
+        publish_snapshot(run.snapshots, 1, lambda d: (d / "w.bin").write_bytes(b"x") and None)
+        manifest = run.manifest()
+        unit = units_for_step(manifest, 1)[0]
+        claimer = UnitClaimer(run.leases, manifest.lease, results_dir=run.results)
+        claim = claimer.try_claim(unit)
+        assert claim is not None
+        write_result(run.results, skip_result(unit, "test", "umask check"))
+        claim.release()
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "sbatch").write_text("#!/bin/sh\necho 7\n")
+        (bin_dir / "sbatch").chmod(0o700)
+        prepared = submit.prepare(["backfill", "--run-dir", str(run.path), "--gpus-per-worker", "0"])
+        submit.submit_prepared(prepared, sbatch=str(bin_dir / "sbatch"))
+    assert _loose(run.path) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file: an unreadable run dir needs another user")
+def test_unreadable_run_dir_is_one_line(tmp_path: Path) -> None:
+    run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)
+    cases = [["status", str(run.path)], ["plot", str(run.path), "-o", "x.png"],
+             ["worker", "--run-dir", str(run.path)], ["backfill", "--run-dir", str(run.path)]]
+    for mode, target in ((0, run.path), (0, run.results), (0, run.manifest_path)):
+        target.chmod(mode)
+        try:
+            for argv in cases:
+                code, out, err = cli(argv, tmp_path)
+                assert code == 2 and "Traceback" not in out + err and len(err.strip().splitlines()) == 1, (argv, err)
+        finally:
+            target.chmod(0o755 if target.is_dir() else 0o644)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="count how a checkout answers the bad-input sweep")
+    ap.add_argument("--repo", type=Path, default=REPO, help="checkout to test (default: this one)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ckpteval-bad-inputs"), help="scratch dir")
+    ap.add_argument("--show", action="store_true", help="print every case that is not clean")
+    args = ap.parse_args(argv)
+    shutil.rmtree(args.work, ignore_errors=True)
+    outcomes = sweep(args.work, args.repo)
+    if args.show:
+        for o in outcomes:
+            if not o.clean:
+                print(("TRACEBACK " if o.traceback else "SILENT " if o.silent else "UNCLEAN ") + o.why())
+    print(json.dumps(summary(outcomes)))
+    shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
