@@ -29,6 +29,8 @@ class WorkerOptions:
     pin_timeout_s: float = 60.0
     load_timeout_s: float = 600.0
     max_unhealthy: int = 5
+    max_attempts: int = 3
+    wait_for_run_s: float = 0.0
     wandb: bool = False
     wandb_run_id: str | None = None
     wandb_mode: str = "shared"
@@ -122,6 +124,23 @@ def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True
         metavar="N",
         help="exit with code 4 after N consecutive unhealthy units (0: never)",
     )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="a unit whose evaluation fails (engine dead, crashed) is released for another worker; its "
+        "skip is written only by a worker that has scored a unit of this run and after N claims of it, "
+        "or once training is done and N lease durations have passed",
+    )
+    p.add_argument(
+        "--wait-for-run",
+        type=float,
+        default=0.0,
+        dest="wait_for_run_s",
+        metavar="S",
+        help="wait up to S seconds for RUN/run.json to appear (a fleet started before its trainer)",
+    )
     w = parser.add_argument_group("service ingestion (external-service posture)")
     w.add_argument("--wandb", action="store_true",
                    help="log each finished point into the training run's wandb run (needs --wandb-run-id)")
@@ -149,6 +168,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         pin_timeout_s=args.pin_timeout_s,
         load_timeout_s=args.load_timeout_s,
         max_unhealthy=args.max_unhealthy,
+        max_attempts=args.max_attempts,
+        wait_for_run_s=args.wait_for_run_s,
         wandb=getattr(args, "wandb", False),
         wandb_run_id=getattr(args, "wandb_run_id", None),
         wandb_mode=getattr(args, "wandb_mode", "shared"),
@@ -167,6 +188,10 @@ def validate_options(opts: WorkerOptions) -> None:
             raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0")
     if opts.quiescence_s < 0 or opts.max_unhealthy < 0:
         raise ValueError("--quiescence and --max-unhealthy must be >= 0")
+    if opts.max_attempts < 1:
+        raise ValueError(f"--max-attempts must be >= 1, got {opts.max_attempts}")
+    if not 0 <= opts.wait_for_run_s < float("inf"):
+        raise ValueError(f"--wait-for-run must be a finite number >= 0, got {opts.wait_for_run_s}")
     if opts.catchup not in {"all", "latest"} or opts.verify not in {"fast", "full"}:
         raise ValueError("--catchup must be all|latest and --verify fast|full")
     if opts.wandb and not opts.wandb_run_id:

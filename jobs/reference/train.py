@@ -45,7 +45,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from tqdm import tqdm
 
 from coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomic
+from coord.identity import run_key
 from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
@@ -226,15 +227,17 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
     run = RunDir.create(cfg.run_dir)
     save_base_model_dir(base_model_dir(run), cfg.model, cfg.arch)  # type: ignore[arg-type]
     dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
-    roots = (str(dispatch.snapshot_root),) if dispatch is not None else (str(run.snapshots),)
     manifest = RunManifest(
         run_id=cfg.run_id or _run_id(run.path),
         eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
-        snapshot_roots=roots,
+        snapshot_roots=(str(run.snapshots),),
         trainer=trainer_identity(cfg, dispatch),
         lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
         created=time.time(),
     )
+    if dispatch is not None:  # a shared staging dir gets a per-run subdir (named by the run key)
+        root = dispatch.run_snapshot_root(run_key(manifest), run.path)
+        manifest = replace(manifest, snapshot_roots=(str(root),))
     RunDir.create(run.path, manifest)
     return run
 

@@ -42,6 +42,16 @@ class DispatchConfig:
             raise ValueError("no snapshot source configured")
         return root
 
+    def run_snapshot_root(self, key: str, run_dir: Path) -> Path:
+        """Where this run's snapshots go: in staging mode a per-run subdir ``<staging>/<run key>`` (runs
+        sharing a staging dir never share names), unless the staging dir is the run's own
+        ``RUN/snapshots``; in reuse mode the checkpoint dir itself. List it in run.json's
+        ``snapshot_roots``."""
+        root = self.snapshot_root
+        if self.mode == "reuse" or root.resolve() == (Path(run_dir) / "snapshots").resolve():
+            return root
+        return root / key
+
     def validate(self) -> DispatchConfig:
         """Check every rule; returns self with paths resolved to absolute ones."""
         if self.eval_interval is None or self.eval_interval < 1:

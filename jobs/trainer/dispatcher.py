@@ -77,10 +77,11 @@ import torch
 
 from coord.discovery import shards_present
 from coord.gc import StagingGC, has_room
+from coord.identity import run_key
 from coord.ledger import Ledger
 from coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
 from coord.rundir import RunDir
-from coord.snapshot import MARKER, mark_complete, snapshot_dirname
+from coord.snapshot import mark_complete, read_marker, snapshot_dirname
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
@@ -133,16 +134,17 @@ class EvalDispatcher:
         self.backpressure_timeout_s = backpressure_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.clock = clock
-        self.root = self.config.snapshot_root
-        self._check_snapshot_root()
+        self.key = run_key(self.manifest)
+        self.root = self._snapshot_root()
         self.ledger = Ledger(run.ledger_path)
         self.index = ResultIndex(run.results)
         self.exporter: AsyncExporter | None = None
         self.gc: StagingGC | None = None
         if self.config.mode == "staging":
-            self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check)
+            self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(
-                self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots
+                self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
+                run=self.key,
             )
         self._cache = DatasetCache(run, self.manifest) if shared is not None else None
         self.step = 0  # the trainer's latest step seen
@@ -153,14 +155,19 @@ class EvalDispatcher:
         self._replay()
 
     # -- construction ---------------------------------------------------------------------------------
-    def _check_snapshot_root(self) -> None:
+    def _snapshot_root(self) -> Path:
+        """The run-scoped root (:meth:`DispatchConfig.run_snapshot_root`) if run.json lists it, else the
+        configured root itself (a manifest written before run-scoped staging); ValueError if neither."""
         listed = {Path(r).resolve() for r in self.manifest.snapshot_roots}
-        if self.root.resolve() not in listed:
-            raise ValueError(
-                f"{self.run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {self.root}, "
-                "so no worker would find the snapshots; write the manifest with this root"
-            )
-        self.root.mkdir(parents=True, exist_ok=True)
+        scoped = self.config.run_snapshot_root(self.key, self.run.path)
+        for root in (scoped, self.config.snapshot_root):
+            if root.resolve() in listed:
+                root.mkdir(parents=True, exist_ok=True)
+                return root
+        raise ValueError(
+            f"{self.run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {scoped}, "
+            "so no worker would find the snapshots; write the manifest with this root"
+        )
 
     def _replay(self) -> None:
         """Re-adopt what a previous incarnation left pending (see the module docstring)."""
@@ -181,7 +188,12 @@ class EvalDispatcher:
         return self.root / checkpoint_dirname(step)
 
     def _snapshot_published(self, step: int) -> bool:
-        return (self.snapshot_dir(step) / MARKER).is_file()
+        """A marker of *this run* is there (a reused checkpoint dir may hold another run's marker)."""
+        try:
+            marker = read_marker(self.snapshot_dir(step))
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return False
+        return marker.run in {self.key, None}
 
     # -- the training loop's API -----------------------------------------------------------------------
     @property
@@ -268,7 +280,7 @@ class EvalDispatcher:
             self._skip(step, "ckpt_missing", f"{directory}: no checkpoint with weights saved at step {step}")
             return
         try:
-            mark_complete(directory, step, mode="reuse")
+            mark_complete(directory, step, mode="reuse", run=self.key)
         except OSError as e:
             self._skip(step, "export_failed", f"cannot mark {directory} complete: {e}")
 
