@@ -83,6 +83,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -105,13 +106,53 @@ from jobs.lifecycle import (
     early_stop_signal,
 )
 
+RUN_WAIT_SLICE_S = 0.5
+
+
+class StoppedWhileWaiting(RuntimeError):
+    """A stop signal arrived while the worker waited for run.json (nothing claimed: requeue)."""
+
+
+def wait_for_run(opts: WorkerOptions, sleep: Callable[[float], None] = time.sleep) -> None:
+    """``--wait-for-run S``: a fleet started before its trainer waits (bounded) for RUN/run.json.
+
+    Says once on stderr what it waits for; a SIGTERM/SIGUSR1 meanwhile ends the wait
+    (:class:`StoppedWhileWaiting`); at the bound :func:`RunDir.open` reports the missing file."""
+    manifest = RunDir(opts.run_dir).manifest_path
+    if opts.wait_for_run_s <= 0 or opts.eval_config is not None or manifest.is_file():
+        return
+    print(f"ckpteval worker: waiting up to {opts.wait_for_run_s:g}s for {manifest} (trainer not started yet?)",
+          file=sys.stderr, flush=True)
+    deadline = time.monotonic() + opts.wait_for_run_s
+    while not manifest.is_file() and time.monotonic() < deadline:
+        if early_stop_signal() is not None:
+            raise StoppedWhileWaiting(f"stopped while waiting for {manifest}")
+        sleep(min(RUN_WAIT_SLICE_S, max(0.0, deadline - time.monotonic())))
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{manifest}: not there after waiting {opts.wait_for_run_s:g}s (--wait-for-run)")
+
 
 def open_run(opts: WorkerOptions) -> RunDir:
     if opts.eval_config is not None:
         if not opts.watch:
             raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
         return create_run_from_config(opts.run_dir, opts.eval_config, opts.watch)
-    return RunDir.open(opts.run_dir)
+    wait_for_run(opts)
+    run = RunDir.open(opts.run_dir)
+    ensure_protocol_dirs(run)
+    return run
+
+
+def ensure_protocol_dirs(run: RunDir) -> None:
+    """Create ``results/``, ``leases/`` and ``adopted/`` if missing (a copied run whose results were
+    removed to re-score it), before any work: a unit evaluated and then unpublishable is work lost.
+    An unwritable run dir is a one-line usage error (PermissionError is an OSError)."""
+    for path in (run.results, run.leases, run.adopted):
+        if not path.is_dir():
+            try:
+                path.mkdir(exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{path}: missing and cannot be created ({e.strerror or e})") from None
 
 
 def check_datasets(cache: DatasetCache) -> None:
@@ -149,6 +190,11 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     cache = DatasetCache(run, manifest)
     check_datasets(cache)
     evaluator = build_evaluator(opts, manifest, cache)
+    try:  # before the first claim: a broken engine must not write a single result
+        call_with_timeout(evaluator.probe, opts.load_timeout_s, "engine start-up probe")
+    except EngineError:
+        close_quietly(evaluator, timeout_s=2.0)
+        raise
     return Worker(run, opts, evaluator, **kw)
 
 
@@ -160,8 +206,11 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) ->
     """
     try:
         worker = prepare_worker(opts, **kw)
+    except StoppedWhileWaiting as e:
+        print(f"ckpteval worker: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except EngineError as e:
-        print(f"ckpteval worker: engine failed to start: {e}", file=sys.stderr)
+        print(f"ckpteval worker: engine not usable at start, nothing claimed: {e}", file=sys.stderr)
         return EXIT_UNHEALTHY
     except (ValueError, FileNotFoundError) as e:
         print(f"ckpteval worker: {e}", file=sys.stderr)

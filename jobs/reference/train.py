@@ -27,8 +27,9 @@ is published by an atomic directory rename; the newest two are kept. Batches are
 
 Preemption: SIGTERM or SIGUSR1 (SLURM's pre-timeout signal) makes the loop save a training
 checkpoint at the next step boundary, wait (bounded) for an export in flight, and exit with status
-75 (``EX_TEMPFAIL``); run it again with ``--resume`` (a requeued job does). Training is not marked
-done.
+75 (``EX_TEMPFAIL``); run it again with ``--resume`` (a requeued job does). Every wait of the
+dispatcher (backpressure, the final export, the drain) ends at once on the signal. Training is not
+marked done if the signal came before the final snapshot was published.
 
 Limits: CPU only, one process; the shared posture here has no producer of its own (the gate is
 exercised by the tests), it shows the blocking eval path.
@@ -70,7 +71,7 @@ from jobs.reference.model import (
     save_base_model_dir,
     save_tokenizer,
 )
-from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
+from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval, checkpoint_dirname
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpoint saved, run again with --resume
@@ -108,6 +109,7 @@ class TrainConfig:
     eval_max_in_flight: int = 2
     eval_keep_snapshots: int = 2
     eval_overflow_policy: str = "backpressure"
+    eval_fleet: str = "attached"
     eval_posture: str = "fleet"
     eval_n_prompts: int = 128
     eval_shard_size: int = 64
@@ -159,6 +161,7 @@ class TrainConfig:
             max_in_flight=self.eval_max_in_flight,
             keep_snapshots=self.eval_keep_snapshots,
             overflow_policy=self.eval_overflow_policy,
+            fleet=self.eval_fleet,
             trainer_nodes=self.trainer_nodes,
             fleet_nodes=self.fleet_nodes,
         ).validate()
@@ -193,6 +196,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     g.add_argument("--eval-max-in-flight", type=int, default=2)
     g.add_argument("--eval-keep-snapshots", type=int, default=2)
     g.add_argument("--eval-overflow-policy", choices=OVERFLOW_POLICIES, default="backpressure")
+    g.add_argument("--eval-fleet", choices=FLEETS, default="attached",
+                   help="none: no eval fleet runs while training (reuse mode) — never wait for one; points "
+                   "stay pending for a later `ckpteval backfill` (ingested if it lands while training runs)")
     g.add_argument("--eval-posture", choices=("fleet", "shared"), default="fleet")
     g.add_argument("--eval-n-prompts", type=int, default=128)
     g.add_argument("--eval-shard-size", type=int, default=64)
@@ -392,7 +398,8 @@ def training_batch(cfg: TrainConfig, step: int, tokenizer: Any) -> dict[str, tor
 
 
 def build_dispatcher(
-    cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir, sink: MetricsSink
+    cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir, sink: MetricsSink,
+    preempt: _Preemption | None = None,
 ) -> EvalDispatcher | None:
     if dispatch is None:
         return None
@@ -411,6 +418,7 @@ def build_dispatcher(
         poll_interval_s=cfg.eval_poll_interval,
         backpressure_timeout_s=cfg.eval_backpressure_timeout,
         drain_timeout_s=cfg.eval_drain_timeout,
+        should_stop=(lambda: preempt.signum is not None) if preempt is not None else (lambda: False),
     )
 
 
@@ -429,8 +437,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
 
     wandb_run = init_wandb(run.path, manifest.run_id, {"trainer": manifest.trainer}) if cfg.wandb else None
     sink = MetricsSink(run.metrics_path, wandb_run)
-    dispatcher = build_dispatcher(cfg, dispatch, run, sink)
-    preempt = _Preemption()
+    preempt = _Preemption()  # before the dispatcher: a stop signal ends its waits too
+    dispatcher = build_dispatcher(cfg, dispatch, run, sink, preempt)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
     try:
@@ -443,10 +451,11 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-            if cfg.save_hf_dir is not None and cfg.save_interval and step % cfg.save_interval == 0:
+            last = step == cfg.steps  # the final point: dispatched now, never skipped busy
+            if cfg.save_hf_dir is not None and cfg.save_interval and (step % cfg.save_interval == 0 or last):
                 save_hf_checkpoint(cfg.save_hf_dir, step, model, cfg)
             if dispatcher is not None:
-                dispatcher.maybe_dispatch(step, model)
+                dispatcher.maybe_dispatch(step, model, final=last)
             if step % cfg.log_interval == 0:
                 now = time.perf_counter()
                 sink.log_train(step, {"train/loss": loss.item(), "train/lr": lr,
@@ -467,8 +476,15 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     save_train_checkpoint(run, cfg.steps, model, opt)
     if cfg.save_hf_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
         save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model, cfg)
-    if dispatcher is not None:
-        dispatcher.close(cfg.steps, model)
+    preempt = _Preemption()  # the end's waits (final export, drain) end on a stop signal too
+    try:
+        if dispatcher is not None:
+            dispatcher.should_stop = lambda: preempt.signum is not None
+            finished = dispatcher.close(cfg.steps, model)
+            if not finished:  # stopped before the final snapshot was published: requeue finishes it
+                return _preempted(run, cfg.steps, model, opt, dispatcher, sink)
+    finally:
+        preempt.restore()
     sink.close()
     steps_run = cfg.steps - start
     summary = {
