@@ -9,22 +9,32 @@ the lease. Everything it evaluates is configured by ``run.json``; flags only say
 
 Promises:
 
-* **Every outcome is a result.** A unit ends as scores or as a skip record with a reason:
-  ``ckpt_missing`` / ``ckpt_corrupt`` (snapshot gone or failing ``--verify``), ``pin_violation`` (the
-  engine's version differs from the step after the load, after the unit, or on any sample),
-  ``unhealthy`` (the engine stays dead after restart + reload + re-probe), ``crashed`` (scoring raised
-  an engine, runtime, value or OS error), or a backend's own ``EvalSkip(reason)``. A load or scoring
-  failure is checked against the snapshot once more: if it no longer verifies (deleted or damaged after
-  the first check), the unit is that ``ckpt_missing`` / ``ckpt_corrupt`` skip, not ``unhealthy`` or
-  ``crashed`` (which would blame, restart and eventually retire a healthy engine). The worker then
-  moves on to the next unit.
-* **Pinning.** The engine loads ``(snapshot, weight_version=str(step))`` only when its version differs;
+* **Every outcome is a result — but never one for the worker's own fault.** A unit ends as scores or
+  as a skip record with a reason: ``ckpt_missing`` / ``ckpt_corrupt`` (snapshot gone or failing
+  ``--verify``), ``pin_violation`` (the engine's version differs from the step after the load, after
+  the unit, or on any sample), ``unhealthy`` (the engine stays dead after restart + reload + re-probe),
+  ``crashed`` (scoring raised an engine, runtime, value or OS error), or a backend's own
+  ``EvalSkip(reason)``. A load or scoring failure is checked against the snapshot once more: if it no
+  longer verifies (deleted or damaged after the first check), the unit is that ``ckpt_missing`` /
+  ``ckpt_corrupt`` skip, not ``unhealthy`` or ``crashed``. An ``unhealthy`` or ``crashed`` outcome may
+  be this worker's own fault (a dead engine, a setting its backend cannot use), so the unit is
+  *released* with nothing written, for another worker; the skip is written only once the unit is to
+  blame — this worker has scored a unit of the run and the unit's ``.attempts`` reached
+  ``--max-attempts`` — or once no healthy worker can be expected: ``TRAINING_DONE`` seen
+  ``max_attempts × lease duration`` ago and the attempts used up (the step's deadline). The worker
+  then moves on to the next unit.
+* **Pinning.** The engine loads ``(snapshot, weight_version="<run key>@<step>")`` (:mod:`coord.identity`:
+  an engine shared with another run never passes this run's pin) only when its version differs;
   the version is read back (polled up to ``--pin-timeout``), every sample must carry it, and it is read
   again after the unit. With several engines (``--engines N`` or repeated ``--engine``) all must agree.
-* **Health.** Before each unit the engine is probed (one-token generate); a dead one is restarted,
+* **Health.** Before the first claim the engine is probed (:meth:`Evaluator.probe`): not usable → one
+  line on stderr, exit 4, nothing written. Before each unit the engine is probed (one-token generate); a dead one is restarted,
   reloaded and re-probed. Loads and restarts are bounded by ``--load-timeout``. After
-  ``--max-unhealthy`` consecutive ``unhealthy`` units the worker exits with ``EXIT_UNHEALTHY`` so the
-  scheduler can give it a fresh node (0 disables this).
+  ``--max-unhealthy`` consecutive ``unhealthy`` or released units the worker exits with
+  ``EXIT_UNHEALTHY`` so the scheduler can give it a fresh node (0 disables this).
+* **Start order.** ``--wait-for-run S``: a worker started before its trainer wrote ``run.json`` waits
+  for it (bounded; a stop signal ends the wait with exit 3). A run dir without ``results/``,
+  ``leases/`` or ``adopted/`` (a copied run whose results were removed) gets them before any work.
 * **Leases.** The claim's heartbeat runs while the unit runs. If the claim was lost (taken over after
   a stall), the worker writes *nothing* for the unit. Just before writing it also checks that the lease
   file still carries its token, narrowing the window in which a stalled worker can double-write (a rare
