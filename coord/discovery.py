@@ -7,10 +7,18 @@ Guarantees:
   vanished one is dropped from the cache. Metadata calls are the expensive thing on Lustre.
 - Foreign checkpoints without a marker (an HF Trainer ``checkpoint-500/``) are admitted only when
   ``admit_foreign`` is on, after quiescence: no file's size or mtime changed for ``quiescence_s``
-  (measured on this process's monotonic clock) *and* every shard named by
+  (measured on this process's monotonic clock), *subdirectories included* (DeepSpeed's
+  ``global_stepN/`` optimizer shards come after the weights), *and* every shard named by
   ``model.safetensors.index.json`` (or ``model.safetensors``) is present. The admission computes full
-  checksums once and records an *adopted* marker in ``adoption_dir`` — the foreign dir is never
-  written to — so later verification has something to compare against.
+  checksums once, of exactly the files eval loads (:func:`coord.snapshot.is_eval_file`: config,
+  tokenizer, weights + index — not optimizer shards, ``rng_state*.pth``, ``trainer_state.json``), and
+  records an *adopted* marker in ``adoption_dir`` — the foreign dir is never written to — so later
+  verification has something to compare against. A checkpoint that vanishes at any moment (rotation by
+  ``save_total_limit``: before, during or after admission) is silence here, never an exception.
+- Run identity: with ``run`` (this run's key, :mod:`coord.identity`), a snapshot whose marker names
+  another run is never reported as this run's — under a watched (foreign) root it is adopted like any
+  finished checkpoint into this run's own ``adoption_dir``, elsewhere ignored. Legacy markers (no
+  ``run`` field, written before run identity) are reported as before.
 
 - Never trusted: symlinked entries (a link can point anywhere; publish and checkpoint saves create
   real directories), and a marked directory whose name's trailing digits disagree with its marker's
@@ -31,10 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coord.atomic import read_json_object, write_json_atomic
+from coord.identity import weight_version
 from coord.snapshot import (
     MARKER,
     Marker,
     describe_files,
+    is_eval_file,
     parse_marker,
     producer_identity,
     read_marker,
@@ -94,6 +104,7 @@ class SnapshotDiscovery:
     quiescence_s: float = 30.0
     adoption_dir: Path | None = None
     clock: Callable[[], float] = time.monotonic
+    run: str | None = None  # this run's key (coord.identity): another run's marker is not ours
     _known: dict[str, SnapshotRef] = field(default_factory=dict)
     _pending: dict[str, _Pending] = field(default_factory=dict)
 
@@ -138,6 +149,10 @@ class SnapshotDiscovery:
             return None  # a malformed marker is never trusted; the worker's verify reports it
         if (named := step_from_name(path)) is not None and named != marker.step:
             return None  # a marked dir under another step's name (copied, moved, planted): not trusted
+        if self.run is not None and marker.run is not None and marker.run != self.run:
+            # another run's snapshot (a shared staging dir): never ours; under a watched dir it is a
+            # finished checkpoint like any other, adopted into this run's own record
+            return self._adopt_marked(path, marker) if self.admit_foreign else None
         return SnapshotRef(marker.step, path, marker)
 
     def _adoption_path(self, step: int) -> Path:
@@ -145,22 +160,24 @@ class SnapshotDiscovery:
             raise ValueError("no adoption_dir")
         return self.adoption_dir / f"{step:010d}.json"
 
+    def _adopted(self, step: int, path: Path) -> SnapshotRef | None:
+        """This run's record of an already adopted checkpoint of ``step`` (None if none or unreadable)."""
+        adopted = self._adoption_path(step)
+        try:
+            return SnapshotRef(step, path, parse_marker(read_json_object(adopted), adopted))
+        except (FileNotFoundError, ValueError):
+            return None
+
     def _examine_foreign(self, path: Path) -> SnapshotRef | None:
         if path.name.startswith(FOREIGN_TEMP_PREFIXES) or not path.is_dir():
             return None  # e.g. HF Trainer's tmp-checkpoint-500/, renamed to checkpoint-500/ when done
         if (step := step_from_dir(path)) is None:
             return None
-        adopted = self._adoption_path(step)
-        if adopted.exists():
-            try:
-                return SnapshotRef(step, path, parse_marker(read_json_object(adopted), adopted))
-            except ValueError:
-                return None
-        try:
-            signature = tuple(
-                sorted((e.name, st.st_size, st.st_mtime_ns) for e in os.scandir(path) if (st := e.stat()))
-            )
-        except FileNotFoundError:
+        if self._adoption_path(step).exists():
+            return self._adopted(step, path)
+        signature = tree_signature(path)
+        if signature is None:
+            self._pending.pop(path.name, None)  # vanished (rotated away): silence
             return None
         now = self.clock()
         pending = self._pending.get(path.name)
@@ -169,14 +186,57 @@ class SnapshotDiscovery:
             return None
         if now - pending.since < self.quiescence_s or not shards_present(path, {s[0] for s in signature}):
             return None
-        return self._adopt(path, step, adopted)
+        return self._adopt(path, step)
 
-    def _adopt(self, path: Path, step: int, record: Path) -> SnapshotRef:
-        infos = describe_files(path, None)
-        marker = Marker(step, str(step), infos, producer_identity(), "foreign", time.time())
+    def _adopt(self, path: Path, step: int) -> SnapshotRef | None:
+        """Checksum what eval loads (only that: :func:`coord.snapshot.is_eval_file`) and record it.
+
+        A checkpoint that vanishes while it is read (rotation) is silence: None, nothing recorded."""
+        try:
+            infos = describe_files(path, None, eval_only=True)
+        except (FileNotFoundError, NotADirectoryError):
+            self._pending.pop(path.name, None)
+            return None
+        if not shards_present(path, set(infos)):
+            return None  # deleted under us between the listing and the checksums
+        return self._record(path, Marker(step, self._version(step), infos, producer_identity(), "foreign",
+                                         time.time(), self.run))
+
+    def _adopt_marked(self, path: Path, marker: Marker) -> SnapshotRef | None:
+        """Another run's complete snapshot under a watched dir: its checksums, this run's record."""
+        if (ref := self._adopted(marker.step, path)) is not None:
+            return ref
+        files = {n: i for n, i in marker.files.items() if is_eval_file(n)}
+        return self._record(path, Marker(marker.step, self._version(marker.step), files, producer_identity(),
+                                         "foreign", time.time(), self.run))
+
+    def _version(self, step: int) -> str:
+        return str(step) if self.run is None else weight_version(self.run, step)
+
+    def _record(self, path: Path, marker: Marker) -> SnapshotRef:
+        record = self._adoption_path(marker.step)
         record.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(record, {**marker.to_json(), "source": str(path)})
-        return SnapshotRef(step, path, marker)
+        return SnapshotRef(marker.step, path, marker)
 
 
-__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "shards_present", "step_from_dir"]
+def tree_signature(path: Path) -> tuple[tuple[str, int, int], ...] | None:
+    """(relative name, size, mtime) of every file under ``path``, subdirectories included (a trainer's
+    ``global_stepN/`` shards are written after the weights); None if ``path`` itself is gone. A file
+    deleted between the listing and its stat is left out (the next poll sees the change)."""
+    if not path.is_dir():
+        return None
+    found = []
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in files:
+            full = os.path.join(root, name)
+            try:
+                st = os.stat(full, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            found.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(found)) if path.is_dir() else None
+
+
+__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "shards_present", "step_from_dir", "tree_signature"]

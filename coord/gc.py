@@ -7,6 +7,9 @@ Rules (each a guarantee):
 - Only snapshots whose marker says ``mode == "staging"`` are deleted; reused checkpoints (``reuse``)
   and foreign ones are never touched, nor are directories without a readable marker (that could be
   someone's data) — except our own temp dirs (``.tmp-step-*``) older than ``stale_tmp_s``.
+- Only this run's snapshots: with ``run`` (the run's key, :mod:`coord.identity`), a snapshot whose
+  marker names another run — or no run (a legacy marker, which cannot be attributed) — is never
+  deleted, so runs sharing one staging dir never collect each other's snapshots.
 - Only *retired* steps (their point has settled, any outcome) are deleted, and the newest ``keep``
   retired ones are kept.
 - A snapshot with a live lease on any of its units is never deleted. Liveness is judged like
@@ -59,6 +62,7 @@ class StagingGC:
     keep: int = 2
     stale_tmp_s: float = 3600.0
     clock: Callable[[], float] = time.monotonic
+    run: str | None = None  # the run's key: only snapshots marked with it are deleted
     _seen: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,6 +124,9 @@ class StagingGC:
                 continue
             if marker.mode != "staging":
                 report.refused.append((path, f"mode {marker.mode}: never deleted"))
+                continue
+            if self.run is not None and marker.run != self.run:
+                report.refused.append((path, f"run {marker.run}: not this run's ({self.run}) to delete"))
                 continue
             if marker.step in retired_steps:
                 candidates.append((marker.step, path))

@@ -26,6 +26,7 @@ from typing import Any
 
 from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, dumps, publish_exclusive, read_json_object, write_json_atomic
+from coord.identity import run_key, version_matches, version_run, version_step
 from coord.manifest import RunManifest
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
@@ -199,21 +200,27 @@ class Point:
         return bool(self.skips)
 
 
-def _version_stats(step: int, versions: list[str | None]) -> tuple[float, float]:
-    numeric = []
-    for v in versions:
-        try:
-            numeric.append(float(v))  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            pass
+def _version_stats(key: str, step: int, versions: list[str | None]) -> tuple[float, float]:
+    """Mean step the samples' versions name (``<key>@<step>`` or plain), and the share not this step's."""
+    numeric = [float(n) for v in versions if (n := version_step(v)) is not None]
     mean = sum(numeric) / len(numeric) if numeric else math.nan
-    mixed = sum(v != str(step) for v in versions) / len(versions) if versions else 0.0
+    mixed = sum(not version_matches(v, key, step) for v in versions) / len(versions) if versions else 0.0
     return mean, mixed
+
+
+def _attributed(result: Result, key: str) -> Result:
+    """An ok result whose samples name another run's weights is never part of this run's point: it
+    counts as a ``pin_violation`` skip (the file itself is left as it is, a fact for audit)."""
+    if result.ok and any((r := version_run(v)) is not None and r != key for v in result.weight_versions):
+        return skip_result(result.unit, "pin_violation", "samples carry another run's weight version")
+    return result
 
 
 def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> Point:
     """The point of ``step`` from whatever results exist (possibly incomplete)."""
+    key = run_key(manifest)
     units = units_for_step(manifest, step)
+    results = {u: _attributed(results[u], key) for u in units if u in results}
     done = [results[u] for u in units if u in results]
     skips: dict[str, int] = {}
     for r in done:
@@ -226,7 +233,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
             continue
         scores = [s for r in mine if r for s in r.scores]
         versions = [v for r in mine if r for v in r.weight_versions]
-        mean_v, mixed = _version_stats(step, versions)
+        mean_v, mixed = _version_stats(key, step, versions)
         score = sum(scores) / len(scores) if scores else math.nan
         datasets[ds.name] = DatasetScore(score, len(scores), mean_v, mixed)
     complete = len(done) == len(units)

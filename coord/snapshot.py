@@ -2,7 +2,8 @@
 
 A snapshot is a directory ``AutoModelForCausalLM.from_pretrained`` can load (config.json, safetensors
 shards + index, tokenizer files) plus a ``.complete`` JSON marker written *last*: step, weight_version,
-every file with its byte size and CRC-32, producer, time.
+every file with its byte size and CRC-32, producer, time, and ``run``: the key of the run whose trainer
+wrote it (:mod:`coord.identity`; absent in legacy markers, which stay readable).
 
 Guarantees:
 - :func:`publish_snapshot` writes into a hidden temp dir (``.tmp-*``), fsyncs every file, writes the
@@ -38,6 +39,7 @@ from typing import Any
 
 from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, fsync_dir, read_json_object, tmp_name, write_json_atomic
+from coord.identity import weight_version
 
 MARKER = ".complete"
 CHUNK = 8 << 20
@@ -70,6 +72,7 @@ class Marker:
     producer: dict[str, Any]
     mode: str  # staging | reuse | foreign
     created: float
+    run: str | None = None  # run key (coord.identity) of the run that wrote it; None: a legacy marker
 
     @property
     def total_bytes(self) -> int:
@@ -85,6 +88,7 @@ class Marker:
             "producer": self.producer,
             "mode": self.mode,
             "created": self.created,
+            **({"run": self.run} if self.run is not None else {}),
         }
 
 
@@ -135,15 +139,29 @@ def file_info(path: Path) -> FileInfo:
     return {"bytes": n, "crc32": crc}
 
 
-def _snapshot_files(directory: Path) -> list[str]:
-    """Every regular file of a snapshot, relative, excluding the marker and temp names."""
+EVAL_FILE_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tiktoken")
+TRAINER_STATE_FILES = frozenset({"trainer_state.json"})
+
+
+def is_eval_file(name: str) -> bool:
+    """Whether a checkpoint file is one eval loads: a *top-level* config, tokenizer, chat template,
+    weights or weight-index file. Not: a trainer's ``global_stepN/`` optimizer shards, ``latest``,
+    ``rng_state*.pth``, ``optimizer.pt``, ``scheduler.pt``, ``training_args.bin``, ``trainer_state.json``."""
+    return "/" not in name and name.endswith(EVAL_FILE_SUFFIXES) and name not in TRAINER_STATE_FILES
+
+
+def _snapshot_files(directory: Path, eval_only: bool = False) -> list[str]:
+    """Every regular file of a snapshot, relative, excluding the marker and temp names (and, with
+    ``eval_only``, every file :func:`is_eval_file` rejects)."""
     names = []
     for root, dirs, files in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(TMP_PREFIX)]
+        dirs[:] = [] if eval_only else [d for d in dirs if not d.startswith(TMP_PREFIX)]
         for name in files:
             if name == MARKER or name.startswith(TMP_PREFIX):
                 continue
-            names.append(os.path.relpath(os.path.join(root, name), directory))
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if not eval_only or is_eval_file(rel):
+                names.append(rel)
     return sorted(names)
 
 
@@ -158,9 +176,14 @@ def _fsync_tree(directory: Path, names: list[str]) -> None:
         fsync_dir(directory / sub)
 
 
-def describe_files(directory: Path, known: Mapping[str, FileInfo] | None) -> dict[str, FileInfo]:
+def describe_files(
+    directory: Path, known: Mapping[str, FileInfo] | None, *, eval_only: bool = False
+) -> dict[str, FileInfo]:
+    """Size and CRC-32 of every file (``eval_only``: of every file eval loads, see :func:`is_eval_file`).
+
+    FileNotFoundError if a file vanishes while it is read (a rotated checkpoint)."""
     infos = {}
-    for name in _snapshot_files(directory):
+    for name in _snapshot_files(directory, eval_only):
         info = (known or {}).get(name)
         infos[name] = dict(info) if info is not None else file_info(directory / name)
     return infos
@@ -173,13 +196,15 @@ def publish_snapshot(
     write_files: Callable[[Path], Mapping[str, FileInfo] | None],
     *,
     producer: dict[str, Any] | None = None,
+    run: str | None = None,
 ) -> Path:
     """Publish a staging snapshot of ``step`` under ``root``; returns its final path.
 
     ``write_files(tmp_dir)`` writes the model files and may return their ``FileInfo`` (computed while
     writing, so nothing is read twice); files it does not report are checksummed here. Idempotent: if
     a complete snapshot of the same step already exists (a requeued trainer re-exporting), it is kept
-    and the new copy discarded.
+    and the new copy discarded — only if it is this ``run``'s: another run's snapshot under the name
+    (two runs sharing a flat staging root) is ``FileExistsError``, never adopted and never replaced.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -189,11 +214,13 @@ def publish_snapshot(
     try:
         infos = describe_files(tmp, write_files(tmp))
         _fsync_tree(tmp, list(infos))
-        marker = Marker(step, str(step), infos, producer or producer_identity(), "staging", time.time())
+        marker = Marker(
+            step, _marker_version(run, step), infos, producer or producer_identity(), "staging", time.time(), run
+        )
         write_json_atomic(tmp / MARKER, marker.to_json())
         if (final / MARKER).exists():
             existing = read_marker(final)  # raises if the existing one is not a valid snapshot
-            if final.is_symlink() or existing.step != step:
+            if final.is_symlink() or existing.step != step or existing.run != run:
                 raise FileExistsError(f"{final}: occupied by something that is not this run's step {step} snapshot")
             shutil.rmtree(tmp)
             return final
@@ -212,16 +239,24 @@ def mark_complete(
     known: Mapping[str, FileInfo] | None = None,
     producer: dict[str, Any] | None = None,
     mode: str = "reuse",
+    run: str | None = None,
 ) -> Marker:
-    """Mark an existing checkpoint dir as a snapshot of ``step`` (reuse mode); returns the marker."""
+    """Mark an existing checkpoint dir as a snapshot of ``step`` of ``run`` (reuse mode); returns the marker.
+
+    The marker covers exactly the files eval loads (:func:`is_eval_file`): a trainer's optimizer shards
+    and RNG/trainer state, written around the weights, are neither checksummed nor verified."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
-    infos = describe_files(directory, known)
+    infos = describe_files(directory, known, eval_only=True)
     _fsync_tree(directory, list(infos))
-    marker = Marker(step, str(step), infos, producer or producer_identity(), mode, time.time())
+    marker = Marker(step, _marker_version(run, step), infos, producer or producer_identity(), mode, time.time(), run)
     write_json_atomic(directory / MARKER, marker.to_json())
     return marker
+
+
+def _marker_version(run: str | None, step: int) -> str:
+    return str(step) if run is None else weight_version(run, step)
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -256,7 +291,15 @@ def parse_marker(obj: Any, source: Path) -> Marker:
         producer=need("producer", dict),
         mode=need("mode", str),
         created=float(need("created", (int, float))),
+        run=_optional_run(obj, source),
     )
+
+
+def _optional_run(obj: dict[str, Any], source: Path) -> str | None:
+    run = obj.get("run")
+    if run is not None and (not isinstance(run, str) or not run):
+        raise ValueError(f"{source}: marker field run must be a non-empty string")
+    return run
 
 
 def read_marker(directory: Path) -> Marker:

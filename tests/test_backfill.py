@@ -11,7 +11,16 @@ from pathlib import Path
 
 from coord.units import WorkUnit
 from jobs.lifecycle import EXIT_DONE
-from tests.support.workers import duplicates, finish, kill_all, make_eval_run, publish_model, results, spawn
+from tests.support.workers import (
+    duplicates,
+    finish,
+    kill_all,
+    make_eval_run,
+    publish_model,
+    results,
+    spawn,
+    version,
+)
 
 FN = "fn:tests.support.workers:SumBackend"
 
@@ -25,7 +34,7 @@ def test_backfill_twice_second_finds_nothing(tmp_path: Path) -> None:
     assert "backfill: done" in out and "6 units" in out and "100%" in out  # the tqdm bar
     first = results(run)
     assert sorted(first) == [WorkUnit(s, "addition", i) for s in (100, 200, 300) for i in (0, 1)]
-    assert all(r.ok and set(r.weight_versions) == {str(r.unit.step)} for r in first.values())
+    assert all(r.ok and set(r.weight_versions) == {version(run, r.unit.step)} for r in first.values())
     code, out = finish(spawn("backfill", "--run-dir", str(run.path), "--engine", FN, "--poll-interval", "0.1"), 30)
     assert code == EXIT_DONE and "nothing to do" in out and "step=" not in out, out
     assert results(run) == first

@@ -16,7 +16,7 @@ from coord.units import WorkUnit
 from jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
 from jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
 from jobs.eval.options import WorkerOptions
-from jobs.lifecycle import EXIT_DONE
+from jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY
 from tests.support.workers import (
     SumBackend,
     make_eval_run,
@@ -74,12 +74,18 @@ def test_backend_reporting_another_version_is_a_pin_violation(tmp_path: Path) ->
     assert r.skip_reason == "pin_violation" and "['4']" in r.message
 
 
-def test_malformed_backend_output_is_crashed(tmp_path: Path) -> None:
+def test_malformed_backend_output_burns_no_unit(tmp_path: Path) -> None:
+    """A backend whose every output is malformed (``crashed``) is a broken worker: it releases the
+    unit each time (its tries counted) and exits 4 after ``--max-unhealthy`` failures in a row,
+    having written nothing a working worker could not overwrite."""
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
     publish_model(tmp_path, run.snapshots, 3)
-    run_inprocess(_opts(run.path, "fn:tests.support.workers:BadOutputBackend"), out=lambda _l: None)
-    (r,) = results(run).values()
-    assert r.skip_reason == "crashed" and "list of 4" in r.message
+    lines: list[str] = []
+    code, _ = run_inprocess(_opts(run.path, "fn:tests.support.workers:BadOutputBackend"), out=lines.append)
+    assert code == EXIT_UNHEALTHY and results(run) == {}
+    assert any("list of 4" in line and "released" in line for line in lines), lines
+    (attempts,) = run.leases.glob("*.attempts")
+    assert attempts.read_text().count("\n") == 5  # --max-unhealthy (default 5) tries, then out
 
 
 def test_sharding_does_not_change_the_point_fn(tmp_path: Path) -> None:

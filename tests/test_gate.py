@@ -16,6 +16,7 @@ from jobs.reference.model import ModelConfig, build_model
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 from jobs.trainer.gate import ProducerGate, shared_eval
 from tests.support.training import eval_lines, make_train_run
+from tests.support.workers import version
 
 PARAMS = SamplingParams(max_new_tokens=6)
 PROMPTS = ["12+34=", "07+35=", "99+01=", "50+50="] * 16
@@ -88,7 +89,7 @@ def test_shared_eval_pins_and_scores_every_unit_while_producers_wait(tmp_path: P
     producer.stop.set()
     producer.join(10)
     assert [r.status for r in results] == ["ok", "ok"]
-    assert all(v == "5" for r in results for v in r.weight_versions)
+    assert all(v == version(run, 5) for r in results for v in r.weight_versions)
     index = ResultIndex(run.results)
     point = derive_point(run.manifest(), 5, index.refresh())
     assert point.complete and point.datasets["addition"].weight_version_mean == 5.0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coord.discovery import SnapshotRef
+from coord.identity import run_key, weight_version
 from coord.manifest import RunManifest
 from coord.results import Result, ok_result, skip_result
 from coord.snapshot import (
@@ -48,6 +49,9 @@ class Evaluation:
 class Evaluator(Protocol):
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation: ...
 
+    def probe(self) -> None:
+        """Before the first claim: raise :class:`EngineError` if this backend cannot work at all."""
+
     def close(self) -> None: ...
 
 
@@ -58,11 +62,13 @@ class EngineEvaluator:
         self, engine: Engine, cache: DatasetCache, pin_timeout_s: float, load_timeout_s: float
     ) -> None:
         self.engine, self.cache = engine, cache
+        self.key = run_key(cache.manifest)  # versions are <run key>@<step>: a shared engine never
+        # passes one run's pin while holding another run's weights of the same step
         self.pin_timeout_s, self.load_timeout_s = pin_timeout_s, load_timeout_s
         self._loaded_once = False
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
-        want = str(unit.step)
+        want = weight_version(self.key, unit.step)
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
@@ -74,6 +80,13 @@ class EngineEvaluator:
         timings["generate_s"] = scored.generate_s
         check_pinned(self.engine, want, scored.weight_versions)
         return Evaluation(scored.scores, scored.weight_versions)
+
+    def probe(self) -> None:
+        """Start-up probe: the engine answers (a remote one that does not raises EngineError) and, once
+        it holds weights (a server is started with a model), passes a one-token generate. An in-process
+        engine with nothing loaded yet was checked when it was built (its device exists)."""
+        if self.engine.weight_version() is not None and not self.engine.healthy():
+            raise EngineError("the engine failed its start-up probe (one-token generate)")
 
     def _prepare(self, ref: SnapshotRef, want: str) -> None:
         """Probe (when something is loaded), pin, and probe again after a fresh load; heal on failure."""
@@ -131,6 +144,9 @@ class FnEvaluator:
         if wrong:
             raise PinViolation(f"want version {want}; backend reported {wrong}")
         return Evaluation(parsed.scores, parsed.weight_versions, parsed.message)
+
+    def probe(self) -> None:
+        """An fn backend was built (and its constructor ran) at start; nothing more to probe."""
 
     def close(self) -> None:
         self.backend.dispose()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.discovery import SnapshotDiscovery, SnapshotRef
+from coord.identity import run_key
 from coord.ledger import Ledger
 from coord.results import Result, ResultIndex, write_result
 from coord.rundir import RunDir
@@ -36,6 +37,9 @@ from jobs.lifecycle import (
 )
 
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
+# Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
+# result is written only when the unit, not the worker, is to blame (see Worker._leave_for_another).
+RETRYABLE = frozenset({"unhealthy", "crashed"})
 
 
 def dispatched_steps(ledger_path: Path) -> set[int]:
@@ -107,6 +111,9 @@ class Worker:
         self._warned: set[str] = set()
         self._pending_since: dict[tuple[str, str], float] = {}
         self._unhealthy_streak = 0
+        self.proven = False  # this worker has scored a unit of this run: its engine and setup work
+        self.released_last = False  # the last unit was released for another worker, nothing written
+        self._done_seen_at: float | None = None  # monotonic time this worker first saw TRAINING_DONE
         self._dispatches: dict[int, dict[str, Any]] = {}  # ledger records, read once training is done
         self._unfound_since: dict[int, float] = {}
 
@@ -127,6 +134,7 @@ class Worker:
                     admit_foreign=r in foreign,
                     quiescence_s=self.opts.quiescence_s,
                     adoption_dir=self.rundir.adopted,
+                    run=run_key(self.manifest),
                 ),
                 r in foreign,
             )
@@ -206,6 +214,8 @@ class Worker:
         # TRAINING_DONE is read once per poll, *before* the ledger: the trainer appends its last dispatch
         # before writing it, so a worker that sees "done" also sees every dispatched step.
         self.training_done = self.rundir.training_done() is not None
+        if self.training_done and self._done_seen_at is None:
+            self._done_seen_at = time.monotonic()
         steps = set(self.refs)
         if self.training_done:
             try:
@@ -268,14 +278,16 @@ class Worker:
                 self._sleep(self.opts.poll_interval_s)
                 continue
             self._tried.add(claim.unit)
+            self.released_last = False
             result = self._process(claim)
             if self.stop_signal is not None:
                 break
-            if result is not None and result.skip_reason == "unhealthy":
+            if self.released_last or (result is not None and result.skip_reason == "unhealthy"):
                 self._unhealthy_streak += 1
                 if self.opts.max_unhealthy and self._unhealthy_streak >= self.opts.max_unhealthy:
                     self.out(
-                        f"engine unhealthy for {self._unhealthy_streak} units in a row: exiting for a fresh start"
+                        f"engine unhealthy or failing for {self._unhealthy_streak} units in a row: exiting "
+                        "for a fresh start"
                     )
                     return EXIT_UNHEALTHY
             elif result is not None:
@@ -303,6 +315,13 @@ class Worker:
             if not still_holds(claim):
                 self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: lease lost (taken over)")
                 return None
+            if self._leave_for_another(result, claim):
+                self.released_last = True
+                self.out(
+                    f"step={unit.step} {unit.dataset}[{unit.shard}] released after attempt {claim.attempt}: "
+                    f"{result.skip_reason}: {result.message[:120]} (left for another worker, nothing written)"
+                )
+                return None
             result = dataclasses.replace(
                 result,
                 timings={**result.timings, "total_s": time.perf_counter() - t0},
@@ -313,10 +332,26 @@ class Worker:
             )
             first = write_result(self.rundir.results, result)
             self.written += 1
+            self.proven |= result.ok
             self.out(_unit_line(result, first))
             return result
         finally:
             claim.release()
+
+    def _leave_for_another(self, result: Result, claim: Claim) -> bool:
+        """Whether a failed unit is released unwritten: a result is a permanent fact, so a failure that
+        may be this worker's own (:data:`RETRYABLE`) is written only when the unit is to blame — this
+        worker has scored a unit of the run (its engine works) and the unit has been claimed
+        ``--max-attempts`` times — or when no healthy worker can be expected: training is done and
+        ``max_attempts`` lease durations have passed since this worker first saw ``TRAINING_DONE``
+        (the step's deadline), with the unit claimed ``--max-attempts`` times."""
+        if result.skip_reason not in RETRYABLE:
+            return False
+        if claim.attempt < self.opts.max_attempts:
+            return True
+        deadline = self.opts.max_attempts * self.manifest.lease.duration_s
+        past_deadline = self._done_seen_at is not None and time.monotonic() - self._done_seen_at >= deadline
+        return not (self.proven or past_deadline)
 
     def _evaluate_interruptibly(self, unit: WorkUnit, ref: SnapshotRef) -> Result | None:
         """Run the unit in a helper thread so a stop signal can release the lease at once (None then)."""

@@ -51,6 +51,12 @@ class WorkerOptions:
                                    flag="--load-timeout", metavar="S", gt=0)
     max_unhealthy: int = option(5, "exit with code 4 after N consecutive unhealthy units (0: never)",
                                 metavar="N", min=0)
+    max_attempts: int = option(
+        3, "a unit whose evaluation fails (engine dead, crashed) is released for another worker; its skip is "
+        "written only by a worker that has scored a unit of this run and after N claims of it, or once "
+        "training is done and N lease durations have passed", metavar="N", min=1)
+    wait_for_run_s: float = option(0.0, "wait up to S seconds for RUN/run.json to appear (a fleet started "
+                                   "before its trainer)", flag="--wait-for-run", metavar="S", min=0)
     trust_run_code: bool = option(
         False, "import scorer code named by run.json (module:function) even when run.json or the run dir "
         "is writable by other users (see docs/PROTOCOL.md, 'Who may run code in a worker')")

@@ -9,22 +9,32 @@ the lease. Everything it evaluates is configured by ``run.json``; flags only say
 
 Promises:
 
-* **Every outcome is a result.** A unit ends as scores or as a skip record with a reason:
-  ``ckpt_missing`` / ``ckpt_corrupt`` (snapshot gone or failing ``--verify``), ``pin_violation`` (the
-  engine's version differs from the step after the load, after the unit, or on any sample),
-  ``unhealthy`` (the engine stays dead after restart + reload + re-probe), ``crashed`` (scoring raised
-  an engine, runtime, value or OS error), or a backend's own ``EvalSkip(reason)``. A load or scoring
-  failure is checked against the snapshot once more: if it no longer verifies (deleted or damaged after
-  the first check), the unit is that ``ckpt_missing`` / ``ckpt_corrupt`` skip, not ``unhealthy`` or
-  ``crashed`` (which would blame, restart and eventually retire a healthy engine). The worker then
-  moves on to the next unit.
-* **Pinning.** The engine loads ``(snapshot, weight_version=str(step))`` only when its version differs;
+* **Every outcome is a result — but never one for the worker's own fault.** A unit ends as scores or
+  as a skip record with a reason: ``ckpt_missing`` / ``ckpt_corrupt`` (snapshot gone or failing
+  ``--verify``), ``pin_violation`` (the engine's version differs from the step after the load, after
+  the unit, or on any sample), ``unhealthy`` (the engine stays dead after restart + reload + re-probe),
+  ``crashed`` (scoring raised an engine, runtime, value or OS error), or a backend's own
+  ``EvalSkip(reason)``. A load or scoring failure is checked against the snapshot once more: if it no
+  longer verifies (deleted or damaged after the first check), the unit is that ``ckpt_missing`` /
+  ``ckpt_corrupt`` skip, not ``unhealthy`` or ``crashed``. An ``unhealthy`` or ``crashed`` outcome may
+  be this worker's own fault (a dead engine, a setting its backend cannot use), so the unit is
+  *released* with nothing written, for another worker; the skip is written only once the unit is to
+  blame — this worker has scored a unit of the run and the unit's ``.attempts`` reached
+  ``--max-attempts`` — or once no healthy worker can be expected: ``TRAINING_DONE`` seen
+  ``max_attempts × lease duration`` ago and the attempts used up (the step's deadline). The worker
+  then moves on to the next unit.
+* **Pinning.** The engine loads ``(snapshot, weight_version="<run key>@<step>")`` (:mod:`coord.identity`:
+  an engine shared with another run never passes this run's pin) only when its version differs;
   the version is read back (polled up to ``--pin-timeout``), every sample must carry it, and it is read
   again after the unit. With several engines (``--engines N`` or repeated ``--engine``) all must agree.
-* **Health.** Before each unit the engine is probed (one-token generate); a dead one is restarted,
+* **Health.** Before the first claim the engine is probed (:meth:`Evaluator.probe`): not usable → one
+  line on stderr, exit 4, nothing written. Before each unit the engine is probed (one-token generate); a dead one is restarted,
   reloaded and re-probed. Loads and restarts are bounded by ``--load-timeout``. After
-  ``--max-unhealthy`` consecutive ``unhealthy`` units the worker exits with ``EXIT_UNHEALTHY`` so the
-  scheduler can give it a fresh node (0 disables this).
+  ``--max-unhealthy`` consecutive ``unhealthy`` or released units the worker exits with
+  ``EXIT_UNHEALTHY`` so the scheduler can give it a fresh node (0 disables this).
+* **Start order.** ``--wait-for-run S``: a worker started before its trainer wrote ``run.json`` waits
+  for it (bounded; a stop signal ends the wait with exit 3). A run dir without ``results/``,
+  ``leases/`` or ``adopted/`` (a copied run whose results were removed) gets them before any work.
 * **Leases.** The claim's heartbeat runs while the unit runs. If the claim was lost (taken over after
   a stall), the worker writes *nothing* for the unit. Just before writing it also checks that the lease
   file still carries its token, narrowing the window in which a stalled worker can double-write (a rare
@@ -82,6 +92,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -106,13 +117,53 @@ from jobs.lifecycle import (
     early_stop_signal,
 )
 
+RUN_WAIT_SLICE_S = 0.5
+
+
+class StoppedWhileWaiting(RuntimeError):
+    """A stop signal arrived while the worker waited for run.json (nothing claimed: requeue)."""
+
+
+def wait_for_run(opts: WorkerOptions, sleep: Callable[[float], None] = time.sleep) -> None:
+    """``--wait-for-run S``: a fleet started before its trainer waits (bounded) for RUN/run.json.
+
+    Says once on stderr what it waits for; a SIGTERM/SIGUSR1 meanwhile ends the wait
+    (:class:`StoppedWhileWaiting`); at the bound :func:`RunDir.open` reports the missing file."""
+    manifest = RunDir(opts.run_dir).manifest_path
+    if opts.wait_for_run_s <= 0 or opts.eval_config is not None or manifest.is_file():
+        return
+    print(f"ckpteval worker: waiting up to {opts.wait_for_run_s:g}s for {manifest} (trainer not started yet?)",
+          file=sys.stderr, flush=True)
+    deadline = time.monotonic() + opts.wait_for_run_s
+    while not manifest.is_file() and time.monotonic() < deadline:
+        if early_stop_signal() is not None:
+            raise StoppedWhileWaiting(f"stopped while waiting for {manifest}")
+        sleep(min(RUN_WAIT_SLICE_S, max(0.0, deadline - time.monotonic())))
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{manifest}: not there after waiting {opts.wait_for_run_s:g}s (--wait-for-run)")
+
 
 def open_run(opts: WorkerOptions) -> RunDir:
     if opts.eval_config is not None:
         if not opts.watch:
             raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
         return create_run_from_config(opts.run_dir, opts.eval_config, opts.watch)
-    return RunDir.open(opts.run_dir)
+    wait_for_run(opts)
+    run = RunDir.open(opts.run_dir)
+    ensure_protocol_dirs(run)
+    return run
+
+
+def ensure_protocol_dirs(run: RunDir) -> None:
+    """Create ``results/``, ``leases/`` and ``adopted/`` if missing (a copied run whose results were
+    removed to re-score it), before any work: a unit evaluated and then unpublishable is work lost.
+    An unwritable run dir is a one-line usage error (PermissionError is an OSError)."""
+    for path in (run.results, run.leases, run.adopted):
+        if not path.is_dir():
+            try:
+                path.mkdir(exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{path}: missing and cannot be created ({e.strerror or e})") from None
 
 
 def check_datasets(cache: DatasetCache) -> None:
@@ -152,6 +203,11 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     cache = DatasetCache(run, manifest)
     check_datasets(cache)
     evaluator = build_evaluator(opts, manifest, cache)
+    try:  # before the first claim: a broken engine must not write a single result
+        call_with_timeout(evaluator.probe, opts.load_timeout_s, "engine start-up probe")
+    except EngineError:
+        close_quietly(evaluator, timeout_s=2.0)
+        raise
     return Worker(run, opts, evaluator, **kw)
 
 
@@ -163,8 +219,11 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) ->
     """
     try:
         worker = prepare_worker(opts, **kw)
+    except StoppedWhileWaiting as e:
+        print(f"ckpteval worker: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except EngineError as e:
-        print(f"ckpteval worker: engine failed to start: {e}", file=sys.stderr)
+        print(f"ckpteval worker: engine not usable at start, nothing claimed: {e}", file=sys.stderr)
         return EXIT_UNHEALTHY
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError) as e:
         # bad run dir, run.json, eval set or engine settings; unreadable or misplaced files

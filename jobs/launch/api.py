@@ -147,6 +147,9 @@ def _worker_id(task_index: int | None) -> str:
     return f"submitit-{job_id}" if task_index is None else f"submitit-{job_id}-t{task_index}"
 
 
+RUN_WAIT_S = 600  # how long a submitted worker/backfill waits for its run.json (--wait-for-run)
+
+
 def worker_argv(
     run_dir: str | Path, *, engine: str | Sequence[str] = "hf", device: str | None = None,
     extra: Sequence[str] = (),
@@ -155,7 +158,8 @@ def worker_argv(
     engines = [engine] if isinstance(engine, str) else list(engine)
     if not engines:
         raise ValueError("engine: give at least one engine spec (hf, http:URL, sglang, fn:module:Class)")
-    argv = ["--run-dir", str(Path(run_dir).expanduser().resolve())]
+    # a job that starts before its trainer has written run.json waits for it (``extra`` may override)
+    argv = ["--run-dir", str(Path(run_dir).expanduser().resolve()), "--wait-for-run", str(RUN_WAIT_S)]
     for spec in engines:
         argv += ["--engine", spec]
     if device:

@@ -26,8 +26,9 @@ would have.
 
 Preemption: SIGTERM or SIGUSR1 (SLURM's pre-timeout signal) makes the loop save a training
 checkpoint at the next step boundary, wait (bounded) for an export in flight, and exit with status
-75 (``EX_TEMPFAIL``); run it again with ``--resume`` (a requeued job does). Training is not marked
-done.
+75 (``EX_TEMPFAIL``); run it again with ``--resume`` (a requeued job does). Every wait of the
+dispatcher (backpressure, the final export, the drain) ends at once on the signal. Training is not
+marked done if the signal came before the final snapshot was published.
 
 Limits: CPU only, one process; the shared posture here has no producer of its own (the gate is
 exercised by the tests), it shows the blocking eval path.
@@ -41,13 +42,14 @@ import re
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from coord.identity import run_key
 from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
@@ -99,15 +101,17 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
     run = RunDir.create(cfg.run_dir)
     save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch)  # type: ignore[arg-type]
     dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
-    roots = (str(dispatch.snapshot_root),) if dispatch is not None else (str(run.snapshots),)
     manifest = RunManifest(
         run_id=cfg.run_id or _run_id(run.path),
         eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
-        snapshot_roots=roots,
+        snapshot_roots=(str(run.snapshots),),
         trainer=trainer_identity(cfg, dispatch),
         lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
         created=time.time(),
     )
+    if dispatch is not None:  # a shared staging dir gets a per-run subdir (named by the run key)
+        root = dispatch.run_snapshot_root(run_key(manifest), run.path)
+        manifest = replace(manifest, snapshot_roots=(str(root),))
     RunDir.create(run.path, manifest)
     return run
 
@@ -183,7 +187,8 @@ def training_batch(cfg: TrainConfig, step: int, tokenizer: Any) -> dict[str, tor
 
 
 def build_dispatcher(
-    cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir, sink: MetricsSink
+    cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir, sink: MetricsSink,
+    preempt: _Preemption | None = None,
 ) -> EvalDispatcher | None:
     if dispatch is None:
         return None
@@ -202,6 +207,7 @@ def build_dispatcher(
         poll_interval_s=cfg.eval_poll_interval,
         backpressure_timeout_s=cfg.eval_backpressure_timeout,
         drain_timeout_s=cfg.eval_drain_timeout,
+        should_stop=(lambda: preempt.signum is not None) if preempt is not None else (lambda: False),
     )
 
 
@@ -220,8 +226,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
 
     wandb_run = init_wandb(run.path, manifest.run_id, {"trainer": manifest.trainer}) if cfg.wandb else None
     sink = MetricsSink(run.metrics_path, wandb_run)
-    dispatcher = build_dispatcher(cfg, dispatch, run, sink)
-    preempt = _Preemption()
+    preempt = _Preemption()  # before the dispatcher: a stop signal ends its waits too
+    dispatcher = build_dispatcher(cfg, dispatch, run, sink, preempt)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
     try:
@@ -234,10 +240,11 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-            if cfg.save_hf_dir is not None and cfg.save_interval and step % cfg.save_interval == 0:
+            last = step == cfg.steps  # the final point: dispatched now, never skipped busy
+            if cfg.save_hf_dir is not None and cfg.save_interval and (step % cfg.save_interval == 0 or last):
                 save_hf_checkpoint(cfg.save_hf_dir, step, model)
             if dispatcher is not None:
-                dispatcher.maybe_dispatch(step, model)
+                dispatcher.maybe_dispatch(step, model, final=last)
             if step % cfg.log_interval == 0:
                 now = time.perf_counter()
                 sink.log_train(step, {"train/loss": loss.item(), "train/lr": lr,
@@ -258,8 +265,15 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     save_train_checkpoint(run, cfg.steps, model, opt)
     if cfg.save_hf_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
         save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model)
-    if dispatcher is not None:
-        dispatcher.close(cfg.steps, model)
+    preempt = _Preemption()  # the end's waits (final export, drain) end on a stop signal too
+    try:
+        if dispatcher is not None:
+            dispatcher.should_stop = lambda: preempt.signum is not None
+            finished = dispatcher.close(cfg.steps, model)
+            if not finished:  # stopped before the final snapshot was published: requeue finishes it
+                return _preempted(run, cfg.steps, model, opt, dispatcher, sink)
+    finally:
+        preempt.restore()
     sink.close()
     steps_run = cfg.steps - start
     summary = {

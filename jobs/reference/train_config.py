@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from coord.rundir import RunDir
 from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
-from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
+from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 
 if TYPE_CHECKING:
     from jobs.reference.model import ModelConfig
@@ -69,6 +69,9 @@ class TrainConfig:
     eval_overflow_policy: str = option(_D.overflow_policy, "when too many points are in flight: wait for "
                                        "the fleet (backpressure) or skip the point (skip)",
                                        choices=OVERFLOW_POLICIES, group=EVAL)
+    eval_fleet: str = option("attached", "none: no eval fleet runs while training (reuse mode) — never wait "
+                             "for one; points stay pending for a later `ckpteval backfill` (ingested if it "
+                             "lands while training runs)", choices=FLEETS, group=EVAL)
     eval_posture: str = option("fleet", "fleet: separate eval workers; shared: the trainer evaluates "
                                "in-process (pause-the-world)", choices=("fleet", "shared"), group=EVAL)
     eval_n_prompts: int = option(128, "prompts in the built-in addition eval set", metavar="N", min=1,
@@ -120,6 +123,7 @@ class TrainConfig:
             max_in_flight=self.eval_max_in_flight,
             keep_snapshots=self.eval_keep_snapshots,
             overflow_policy=self.eval_overflow_policy,
+            fleet=self.eval_fleet,
             trainer_nodes=self.trainer_nodes,
             fleet_nodes=self.fleet_nodes,
         ).validate()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OVERFLOW_POLICIES = ("backpressure", "skip")
+FLEETS = ("attached", "none")
 NODE_LOCAL_FS = {"tmpfs", "ramfs"}
 
 
@@ -30,6 +31,7 @@ class DispatchConfig:
     overflow_policy: str = "backpressure"
     trainer_nodes: tuple[str, ...] | None = None
     fleet_nodes: tuple[str, ...] | None = None
+    fleet: str = "attached"  # "none": no eval fleet runs during training; points wait for a backfill
 
     @property
     def mode(self) -> str:
@@ -41,6 +43,16 @@ class DispatchConfig:
         if root is None:
             raise ValueError("no snapshot source configured")
         return root
+
+    def run_snapshot_root(self, key: str, run_dir: Path) -> Path:
+        """Where this run's snapshots go: in staging mode a per-run subdir ``<staging>/<run key>`` (runs
+        sharing a staging dir never share names), unless the staging dir is the run's own
+        ``RUN/snapshots``; in reuse mode the checkpoint dir itself. List it in run.json's
+        ``snapshot_roots``."""
+        root = self.snapshot_root
+        if self.mode == "reuse" or root.resolve() == (Path(run_dir) / "snapshots").resolve():
+            return root
+        return root / key
 
     def validate(self) -> DispatchConfig:
         """Check every rule; returns self with paths resolved to absolute ones."""
@@ -62,6 +74,13 @@ class DispatchConfig:
             )
         if self.overflow_policy not in OVERFLOW_POLICIES:
             raise ValueError(f"--eval-overflow-policy must be one of {OVERFLOW_POLICIES}, got {self.overflow_policy!r}")
+        if self.fleet not in FLEETS:
+            raise ValueError(f"--eval-fleet must be one of {FLEETS}, got {self.fleet!r}")
+        if self.fleet == "none" and self.mode != "reuse":
+            raise ValueError(
+                "--eval-fleet none keeps every point pending for a later backfill: use reuse mode "
+                "(--save-hf DIR --save-interval N) so no snapshot piles up in a staging dir"
+            )
         if self.mode == "reuse":
             self._validate_reuse()
         self.staging_dir = _resolve("--eval-staging-dir", self.staging_dir)

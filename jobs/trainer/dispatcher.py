@@ -25,7 +25,15 @@ Overflow — at most ``max_in_flight`` points dispatched and not yet ingested:
 - ``backpressure``: the loop waits (ingesting meanwhile) until the oldest pending point lands, for
   at most ``backpressure_timeout_s``; on timeout the step is skipped ``busy`` as above rather than
   hang. The wait is logged with the point as ``eval/backpressure_wait_seconds``.
-- the **final** point (:meth:`close`) is never skipped as busy.
+- the **final** point is never skipped as busy, whatever ``steps % eval_interval``: the loop passes
+  ``final=True`` to :meth:`maybe_dispatch` at its last step, or :meth:`close` dispatches it.
+- ``fleet == "none"`` (``--eval-fleet none``: "save checkpoints now, backfill later", reuse mode):
+  no limit, no wait, no busy skip; every point stays pending and is ingested if a backfill lands
+  while training runs; :meth:`close` does not drain.
+
+Stop signals: ``should_stop`` (the trainer's SIGTERM/SIGUSR1 flag) ends every wait at once — the
+backpressure wait (the step is then a ``busy`` skip saying so), the final export wait in
+:meth:`close` (which then returns False, training not marked done) and the drain.
 
 Failures never stop training: an export that fails, or finds no room on the staging filesystem, is
 an ``export_failed`` skip at its step.
@@ -77,10 +85,11 @@ import torch
 
 from coord.discovery import shards_present
 from coord.gc import StagingGC, has_room
+from coord.identity import run_key
 from coord.ledger import Ledger
 from coord.results import Point, Result, ResultIndex, derive_point, write_point_skip
 from coord.rundir import RunDir
-from coord.snapshot import MARKER, mark_complete, snapshot_path
+from coord.snapshot import mark_complete, read_marker, snapshot_path
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
@@ -122,8 +131,10 @@ class EvalDispatcher:
         drain_timeout_s: float = 300.0,
         room_check: RoomCheck = has_room,
         clock: Callable[[], float] = time.monotonic,
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         self.config = config.validate()
+        self.should_stop = should_stop  # a stop signal arrived: every wait below ends at once
         self.run = run
         self.manifest = run.manifest()
         self.sink = sink
@@ -132,16 +143,17 @@ class EvalDispatcher:
         self.backpressure_timeout_s = backpressure_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.clock = clock
-        self.root = self.config.snapshot_root
-        self._check_snapshot_root()
+        self.key = run_key(self.manifest)
+        self.root = self._snapshot_root()
         self.ledger = Ledger(run.ledger_path)
         self.index = ResultIndex(run.results)
         self.exporter: AsyncExporter | None = None
         self.gc: StagingGC | None = None
         if self.config.mode == "staging":
-            self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check)
+            self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(
-                self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots
+                self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
+                run=self.key,
             )
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
             check_run_code(run, self.manifest, trusted=shared.trust_run_code)
@@ -154,14 +166,19 @@ class EvalDispatcher:
         self._replay()
 
     # -- construction ---------------------------------------------------------------------------------
-    def _check_snapshot_root(self) -> None:
+    def _snapshot_root(self) -> Path:
+        """The run-scoped root (:meth:`DispatchConfig.run_snapshot_root`) if run.json lists it, else the
+        configured root itself (a manifest written before run-scoped staging); ValueError if neither."""
         listed = {Path(r).resolve() for r in self.manifest.snapshot_roots}
-        if self.root.resolve() not in listed:
-            raise ValueError(
-                f"{self.run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {self.root}, "
-                "so no worker would find the snapshots; write the manifest with this root"
-            )
-        self.root.mkdir(parents=True, exist_ok=True)
+        scoped = self.config.run_snapshot_root(self.key, self.run.path)
+        for root in (scoped, self.config.snapshot_root):
+            if root.resolve() in listed:
+                root.mkdir(parents=True, exist_ok=True)
+                return root
+        raise ValueError(
+            f"{self.run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {scoped}, "
+            "so no worker would find the snapshots; write the manifest with this root"
+        )
 
     def _replay(self) -> None:
         """Re-adopt what a previous incarnation left pending (see the module docstring)."""
@@ -178,7 +195,12 @@ class EvalDispatcher:
         return snapshot_path(self.root, step, self.config.mode)
 
     def _snapshot_published(self, step: int) -> bool:
-        return (self.snapshot_dir(step) / MARKER).is_file()
+        """A marker of *this run* is there (a reused checkpoint dir may hold another run's marker)."""
+        try:
+            marker = read_marker(self.snapshot_dir(step))
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            return False
+        return marker.run in {self.key, None}
 
     # -- the training loop's API -----------------------------------------------------------------------
     @property
@@ -186,12 +208,15 @@ class EvalDispatcher:
         """Steps dispatched and not yet ingested (lost ones excluded): what counts as in flight."""
         return [s for s in self.ledger.state.pending if s not in self._lost]
 
-    def maybe_dispatch(self, step: int, model: Model) -> None:
-        """Call after every optimizer step: ingests what finished; dispatches every ``eval_interval``."""
+    def maybe_dispatch(self, step: int, model: Model, *, final: bool = False) -> None:
+        """Call after every optimizer step: ingests what finished; dispatches every ``eval_interval``.
+
+        ``final``: this is the last step of training (whatever ``step % eval_interval``): its point is
+        dispatched now and never skipped as busy (:meth:`close` then finds it dispatched)."""
         self.step = step
         self.poll()
-        if step % self.config.eval_interval == 0:
-            self.dispatch(step, model)
+        if step % self.config.eval_interval == 0 or final:
+            self.dispatch(step, model, final=final)
 
     def poll(self, force: bool = False) -> None:
         """Collect finished exports and ingest finished points (at most once per ``poll_interval_s``)."""
@@ -209,11 +234,13 @@ class EvalDispatcher:
             return
         self._lost.discard(step)
         waited = 0.0
-        if not final and len(self.pending) >= self.config.max_in_flight:
+        if not final and self.config.fleet != "none" and len(self.pending) >= self.config.max_in_flight:
             if self.config.overflow_policy == "backpressure":
                 waited = self._wait_for_slot()
             if len(self.pending) >= self.config.max_in_flight:
                 message = f"{len(self.pending)} points in flight (max {self.config.max_in_flight})"
+                if self.should_stop():
+                    message += "; a stop signal ended the backpressure wait"
                 self._skip(step, "busy", message, extra={"backpressure_wait_seconds": waited})
                 return
         self.ledger.append("dispatched", step, mode=self.config.mode, backpressure_wait_seconds=waited)
@@ -224,23 +251,35 @@ class EvalDispatcher:
         if self.shared is not None:
             self._evaluate_shared(step)
 
-    def close(self, final_step: int, model: Model) -> None:
-        """End of training: dispatch the final point, mark training done, drain (bounded)."""
+    def close(self, final_step: int, model: Model) -> bool:
+        """End of training: dispatch the final point, mark training done, drain (bounded).
+
+        Returns False if a stop signal (:attr:`should_stop`) ended the wait for the final export:
+        training is then *not* marked done (the final snapshot is not published yet), and a resumed
+        trainer's ``close`` finishes the job. A stop during the drain ends the drain at once (the
+        points left are given up as on a drain timeout). With ``fleet == "none"`` nothing is drained:
+        the points stay pending for a later backfill."""
         self.step = max(self.step, final_step)
         self.poll(force=True)
         self.dispatch(final_step, model, final=True)
         if self.exporter is not None:
-            self.exporter.wait()
+            while not self.exporter.wait(WAIT_SLICE_S):
+                if self.should_stop():
+                    return False
             self._collect_exports()
         self.run.mark_training_done(final_step)
         self._skip_lost(before=final_step + 1)
+        if self.config.fleet == "none":
+            self.poll(force=True)  # a backfill that already landed is logged; the rest stays pending
+            return True
         deadline = self.clock() + self.drain_timeout_s
-        while self.pending and self.clock() < deadline:
+        while self.pending and self.clock() < deadline and not self.should_stop():
             self._sleep_and_poll()
         for step in self.pending:
             self._give_up(step)
+        return True
 
-    def suspend(self, timeout_s: float = 60.0) -> None:
+    def suspend(self, timeout_s: float = 60.0) -> None:  # the exit path: bounded, not interrupted
         """Preemption: let an export in flight publish (bounded) and record it; training is not done."""
         if self.exporter is not None:
             self.exporter.wait(timeout_s)
@@ -265,7 +304,7 @@ class EvalDispatcher:
             self._skip(step, "ckpt_missing", f"{directory}: no checkpoint with weights saved at step {step}")
             return
         try:
-            mark_complete(directory, step, mode="reuse")
+            mark_complete(directory, step, mode="reuse", run=self.key)
         except OSError as e:
             self._skip(step, "export_failed", f"cannot mark {directory} complete: {e}")
 
@@ -314,7 +353,7 @@ class EvalDispatcher:
         """Backpressure: wait (ingesting) until a slot frees or the timeout passes; returns the wait."""
         start = self.clock()
         deadline = start + self.backpressure_timeout_s
-        while len(self.pending) >= self.config.max_in_flight and self.clock() < deadline:
+        while len(self.pending) >= self.config.max_in_flight and self.clock() < deadline and not self.should_stop():
             self._sleep_and_poll()
         return self.clock() - start
 

@@ -10,9 +10,10 @@ With no dedicated eval GPUs, an eval point runs on the engine that serves the tr
 
 :func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
 disk into the engine (weights reach an engine only from disk) and reads the engine's version back
-(must be ``str(step)``), scores every unit of the step with :func:`jobs.eval.scoring.score_unit`, and
-checks the version again — the fleet's pin routine and check (:mod:`jobs.eval.pinning`, which says why
-the settings differ) — then writes one result per unit. A version other than ``str(step)`` before or
+(must be ``<run key>@<step>``, :func:`coord.identity.weight_version`), scores every unit of the step
+with :func:`jobs.eval.scoring.score_unit`, and checks the version again — the fleet's pin routine and
+check (:mod:`jobs.eval.pinning`, which says why the settings differ) — then writes one result per unit.
+A version other than that before or
 after, or on any sample, makes *every* unit of the point a ``pin_violation`` skip: the point did not
 provably measure the intended weights. Pinning comes from call order: nothing else may load weights
 while the gate is paused, and nothing else can submit.
@@ -31,6 +32,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from coord.identity import run_key, weight_version
 from coord.results import Result, ok_result, skip_result, write_result
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
@@ -127,7 +129,7 @@ def shared_eval(
     manifest = run.manifest() if cache is None else cache.manifest
     cache = cache or DatasetCache(run, manifest)
     units = units_for_step(manifest, step)
-    version = str(step)
+    version = weight_version(run_key(manifest), step)
     snapshot = str(snapshot_dir)
     t0 = time.perf_counter()
     scored: dict[WorkUnit, UnitScores] = {}

@@ -62,6 +62,13 @@ def make_eval_run(
     return RunDir.create(run.path, manifest)
 
 
+def version(run: RunDir, step: int) -> str:
+    """The weight version a worker of ``run`` stamps an engine with for ``step`` (coord.identity)."""
+    from coord.identity import run_key, weight_version
+
+    return weight_version(run_key(run.manifest()), step)
+
+
 # -- snapshots of the tiny model ------------------------------------------------------------------------
 _BASE: dict[str, Path] = {}
 

@@ -68,6 +68,21 @@ def _construct(spec: str, factory: Callable[..., Any], *args: Any, **kwargs: Any
         raise ValueError(f"--engine {spec!r}: settings {sorted(kwargs)} rejected ({e})") from None
 
 
+def check_device(device: str) -> None:
+    """EngineError unless ``device`` exists on this machine (``--device cuda`` on a node without CUDA
+    is a broken worker: it must stop at start, not fail unit after unit); ValueError if unparsable."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device!r}: not a torch device ({e})") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (parsed.index or 0) >= count:
+            raise EngineError(f"--device {device}: this machine has {count} usable CUDA device(s)")
+
+
 def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | CheckpointEvalFn:
     """Build the backend named by ``spec``; ``extra`` are its constructor settings (see module doc)."""
     kind = spec_kind(spec)
@@ -75,6 +90,7 @@ def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | Check
     if kind == "hf":
         from jobs.eval.engines.hf import HFEngine
 
+        check_device(str(extra.get("device", device)))
         return _construct(spec, HFEngine, **{"device": device, **extra})
     if kind == "http":
         from jobs.eval.engines.http import HTTPEngine

@@ -89,7 +89,9 @@ class AsyncExporter:
         room_check: RoomCheck = has_room,
         max_shard_bytes: int = 2 * 1024**3,
         producer: dict[str, Any] | None = None,
+        run: str | None = None,
     ) -> None:
+        self.run = run  # the run key stamped into every marker (coord.identity)
         self.staging_root = Path(staging_root)
         self.staging_root.mkdir(parents=True, exist_ok=True)
         self.base_model_dir = None if base_model_dir is None else Path(base_model_dir)
@@ -177,7 +179,7 @@ class AsyncExporter:
             )
 
         try:
-            path = publish_snapshot(self.staging_root, step, write_files, producer=self.producer)
+            path = publish_snapshot(self.staging_root, step, write_files, producer=self.producer, run=self.run)
             outcome = ExportOutcome(step, True, path, blocked, time.perf_counter() - t0)
         except (OSError, ValueError, RuntimeError) as e:
             outcome = ExportOutcome(
