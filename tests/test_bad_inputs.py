@@ -159,7 +159,7 @@ def worker_cases(cmd: str) -> list[str]:
         cases += [f"{base} --once", f"{base} --catchup all"]  # backfill fixes these: not its flags
     return cases + _flag_cases(base, {
         "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
-        "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0",
+        "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0", "--max-attempts": "int>=1", "--wait-for-run": "float>=0",
     })
 
 
@@ -187,6 +187,7 @@ def train_cases() -> list[str]:
         f"{base} --eval-staging-dir {{S}}/new/snaps --save-hf {{S}}/new/hf --save-interval 5",
         f"{base} --eval-max-in-flight 3 --eval-keep-snapshots 2",
         f"{base} --lease-heartbeat 100",
+        f"{base} --eval-fleet bogus",
         f"{base} --eval-staging-dir /dev/shm/ckpteval-bad-inputs --trainer-nodes a --fleet-nodes b",
         f"{base} --bogus-flag",
     ] + _flag_cases(base, {
@@ -194,7 +195,7 @@ def train_cases() -> list[str]:
         "--seed": "int>=0", "--log-interval": "int>=1", "--ckpt-interval": "int>=1", "--threads": "int>=1",
         "--eval-interval": "int>=1", "--save-interval": "int>=1", "--eval-max-in-flight": "int>=1",
         "--eval-keep-snapshots": "int>=1", "--eval-n-prompts": "int>=1", "--eval-shard-size": "int>=1",
-        "--eval-poll-interval": "float>0", "--eval-backpressure-timeout": "float>=0",
+        "--eval-poll-interval": "float>=0", "--eval-backpressure-timeout": "float>=0",
         "--eval-drain-timeout": "float>=0", "--lease-duration": "float>0", "--lease-heartbeat": "float>0",
     })
 
