@@ -25,7 +25,8 @@ from coord.units import WorkUnit, shard_range
 from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.eval.options import WorkerOptions
-from jobs.eval.scoring import DatasetCache, score_unit
+from jobs.eval.prompts import NoChatTemplate
+from jobs.eval.scoring import DatasetCache, score_unit, unit_input
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
 # values, I/O, and the lookup/type/arithmetic errors a custom scorer or fn backend raises on bad input.
@@ -78,6 +79,8 @@ class Evaluation:
     scores: list[float]
     weight_versions: list[str | None]
     message: str = ""
+    answers: list[str | None] | None = None  # the scorer's extracted answers (None: not reported)
+    grader_timeouts: int = 0
 
 
 class Evaluator(Protocol):
@@ -102,10 +105,10 @@ class EngineEvaluator:
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
         try:
-            scored = score_unit(self.engine, self.cache, unit)
+            scored = score_unit(self.engine, self.cache, unit, str(ref.path))
         except EngineError:
             self._heal(ref, want)  # died mid-unit: bring it back, then one more try
-            scored = score_unit(self.engine, self.cache, unit)
+            scored = score_unit(self.engine, self.cache, unit, str(ref.path))
         timings["generate_s"] = scored.generate_s
         after = self.engine.weight_version()
         wrong = sorted({str(v) for v in scored.weight_versions if v != want})
@@ -113,7 +116,8 @@ class EngineEvaluator:
             raise PinViolation(
                 f"want version {want}; samples carried {wrong or 'it'}, engine reports {after!r} after"
             )
-        return Evaluation(scored.scores, scored.weight_versions)
+        return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers,
+                          grader_timeouts=scored.grader_timeouts)
 
     def _prepare(self, ref: SnapshotRef, want: str) -> None:
         """Probe (when something is loaded), pin, and probe again after a fresh load; heal on failure."""
@@ -175,15 +179,18 @@ class FnEvaluator:
         manifest = self.cache.manifest
         spec = manifest.dataset(unit.dataset)
         rows = [self.cache.rows(spec)[i] for i in shard_range(manifest, unit)]
+        work = unit_input(self.cache, unit, str(ref.path))
         want = str(unit.step)
         t0 = time.perf_counter()
-        output = self.backend.evaluate_checkpoint(str(ref.path), build_input(manifest, spec, unit, rows))
+        output = self.backend.evaluate_checkpoint(
+            str(ref.path), build_input(manifest, spec, unit, rows, work.prompts[:: spec.n_samples], work.seeds)
+        )
         timings["generate_s"] = time.perf_counter() - t0
         parsed = parse_output(output, len(rows) * spec.n_samples, want)
         wrong = sorted({str(v) for v in parsed.weight_versions if v != want})
         if wrong:
             raise PinViolation(f"want version {want}; backend reported {wrong}")
-        return Evaluation(parsed.scores, parsed.weight_versions, parsed.message)
+        return Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers)
 
     def close(self) -> None:
         self.backend.dispose()
@@ -208,8 +215,9 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0
         ev = evaluator.evaluate(unit, ref, timings)
-        return ok_result(unit, ev.scores, ev.weight_versions, message=ev.message, timings=timings)
-    except (SnapshotError, WorkerSkip, EvalSkip) as e:
+        return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, timings=timings,
+                         grader_timeouts=ev.grader_timeouts)
+    except (SnapshotError, WorkerSkip, EvalSkip, NoChatTemplate) as e:
         reason, message = e.reason, str(e)
     except EngineError as e:
         reason, message = "unhealthy", str(e)

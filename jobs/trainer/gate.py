@@ -35,6 +35,7 @@ from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine, EngineError
+from jobs.eval.prompts import NoChatTemplate
 from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
 
 
@@ -129,13 +130,17 @@ def shared_eval(
     snapshot = str(snapshot_dir)
     t0 = time.perf_counter()
     scored: dict[WorkUnit, UnitScores] = {}
+    skipped: list[Result] = []
     with gate.paused(drain_timeout_s):
         try:
             engine.load(snapshot, version)
             before = engine.weight_version()
             if before == version:
                 for unit in units:
-                    scored[unit] = score_unit(engine, cache, unit)
+                    try:
+                        scored[unit] = score_unit(engine, cache, unit, snapshot)
+                    except NoChatTemplate as e:  # this dataset only: a skip with its own reason
+                        skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot))
             after = engine.weight_version()
         except EngineError as e:
             return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
@@ -144,7 +149,7 @@ def shared_eval(
     if before != version or after != version or samples - {version}:
         why = f"engine version before={before!r} after={after!r} samples={sorted(map(str, samples))}, wanted {version!r}"
         return _write_all(run, [skip_result(u, "pin_violation", why, snapshot=snapshot) for u in units])
-    return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()])
+    return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()] + skipped)
 
 
 def _ok(unit: WorkUnit, scores: UnitScores, snapshot: str, elapsed: float) -> Result:
@@ -152,6 +157,8 @@ def _ok(unit: WorkUnit, scores: UnitScores, snapshot: str, elapsed: float) -> Re
         unit,
         scores.scores,
         scores.weight_versions,
+        scores.answers,
+        grader_timeouts=scores.grader_timeouts,
         snapshot=snapshot,
         timings={"generate_s": scores.generate_s, "point_s": elapsed},
         worker={**producer_identity(), "posture": "shared"},
