@@ -11,12 +11,14 @@ end. Read top to bottom:
    sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
 3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
-4. The loop: learning rate (linear warmup + cosine decay to lr/10 by default: the constant rate
+4. Step 0 (unless ``--no-eval-at-start``): the initial weights are dispatched as the point of step
+   0 before the first optimizer step (once per run: a resumed run finds it in the ledger).
+5. The loop: learning rate (linear warmup + cosine decay to lr/10 by default: the constant rate
    plateaus near 0.92 exact match at 600 steps, the schedule reaches 1.0 by step 400), batch, loss,
    step; in reuse mode save the HF checkpoint ``checkpoint-<step>`` every
    ``--save-interval``; ``maybe_dispatch``; log ``train/*``; save a training checkpoint every
    ``--ckpt-interval``.
-5. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
+6. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
    save interval), ``dispatcher.close`` (final point, training done, drain).
 
 Training checkpoints (``RUN/train_ckpt/step-<N>/``) hold no pickles: ``model.safetensors``
@@ -72,6 +74,7 @@ from jobs.reference.model import (
 from jobs.trainer.config import OVERFLOW_POLICIES, DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval, checkpoint_dirname
 
+SAMPLED_PROMPTS = 32  # --eval-samples: prompts of the sampled set (the eval set's first ones)
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpoint saved, run again with --resume
 KEEP_TRAIN_CKPTS = 2
 
@@ -100,6 +103,8 @@ class TrainConfig:
     wandb: bool = False
     # evaluation
     eval: bool = True
+    eval_at_start: bool = True
+    eval_samples: int = 0  # > 0: also a sampled copy of the eval set, this many samples per prompt
     eval_interval: int = 100
     eval_staging_dir: Path | None = None  # default RUN/snapshots (staging mode)
     save_hf_dir: Path | None = None  # reuse mode
@@ -131,6 +136,8 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.eval_samples < 0:
+            raise ValueError(f"--eval-samples must be >= 0, got {self.eval_samples}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.lr_schedule not in ("cosine", "constant"):
@@ -185,7 +192,12 @@ def parse_args(argv: list[str]) -> TrainConfig:
     p.add_argument("--wandb", action="store_true", help="also log to wandb (WANDB_MODE=offline works)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--no-eval", dest="eval", action="store_false")
+    g.add_argument("--no-eval-at-start", dest="eval_at_start", action="store_false",
+                   help="do not evaluate the initial weights as step 0 (default: step 0 is a point, once per run)")
     g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-samples", type=int, default=0, metavar="N",
+                   help="also evaluate 'addition-sampled': the eval set's first 32 prompts, N samples each at "
+                        "temperature 1, reporting pass@1, pass@N and maj@N (0: off)")
     g.add_argument("--eval-staging-dir", type=Path, help="export snapshots here (default RUN/snapshots)")
     g.add_argument("--save-hf", dest="save_hf_dir", type=Path, help="reuse mode: save HF checkpoints here")
     g.add_argument("--save-interval", type=int)
@@ -225,11 +237,17 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
         return run
     run = RunDir.create(cfg.run_dir)
     save_base_model_dir(base_model_dir(run), cfg.model, cfg.arch)  # type: ignore[arg-type]
-    dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
+    datasets = [write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)]
+    if cfg.eval_samples > 0:
+        n = min(SAMPLED_PROMPTS, cfg.eval_n_prompts)
+        datasets.append(write_addition_dataset(
+            run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size), n_samples=cfg.eval_samples,
+            temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
+        ))
     roots = (str(dispatch.snapshot_root),) if dispatch is not None else (str(run.snapshots),)
     manifest = RunManifest(
         run_id=cfg.run_id or _run_id(run.path),
-        eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
+        eval=EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}),
         snapshot_roots=roots,
         trainer=trainer_identity(cfg, dispatch),
         lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
@@ -430,6 +448,10 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     preempt = _Preemption()
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
+    if dispatcher is not None and cfg.eval_at_start and start == 0:
+        if cfg.save_hf_dir is not None:  # reuse mode: the initial weights' checkpoint is the snapshot
+            save_hf_checkpoint(cfg.save_hf_dir, 0, model, cfg)
+        dispatcher.dispatch_initial(model)
     try:
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(cfg, step)
