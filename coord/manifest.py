@@ -51,6 +51,7 @@ class DatasetSpec:
     system_prompt: str | None = None
     pass_k: tuple[int, ...] = ()
     every: int = 1
+    grader_timeout_s: float = 10.0  # scorer "math": an answer not graded in time scores 0 and is counted
 
     @property
     def n_shards(self) -> int:
@@ -152,6 +153,7 @@ def _parse_dataset(f: _Fields) -> DatasetSpec:
         system_prompt=f.get("system_prompt", (str, type(None)), None),
         pass_k=tuple(_int_list(f, "pass_k")),
         every=f.get("every", int, 1),
+        grader_timeout_s=float(f.get("grader_timeout_s", num, 10.0)),
     )
     for key in ("n_prompts", "shard_size", "n_samples", "max_new_tokens", "every"):
         if getattr(ds, key) < 1:
@@ -162,6 +164,8 @@ def _parse_dataset(f: _Fields) -> DatasetSpec:
         raise f.error("top_p", "must be in (0, 1]")
     if ds.scorer not in {"exact", "math"} and ":" not in ds.scorer:
         raise f.error("scorer", f"{ds.scorer!r} must be 'exact', 'math' or 'module:function'")
+    if not ds.grader_timeout_s > 0:
+        raise f.error("grader_timeout_s", f"must be > 0 seconds, got {ds.grader_timeout_s}")
     if ds.prompt_format not in PROMPT_FORMATS:
         raise f.error("prompt_format", f"{ds.prompt_format!r} must be one of {', '.join(PROMPT_FORMATS)}")
     if ds.system_prompt is not None and ds.prompt_format != "chat":

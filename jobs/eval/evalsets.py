@@ -131,16 +131,20 @@ class FunctionScorer:
 
 
 class MathScorer:
-    """math-verify in the process's grading pool (:func:`jobs.eval.grader.default_pool`)."""
+    """math-verify in the process's grading pool (:func:`jobs.eval.grader.default_pool`), ``timeout_s`` per answer."""
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self.timeout_s = timeout_s
 
     def score(self, completions: list[str], answers: list[str]) -> list[Scored]:
         from jobs.eval.grader import default_pool
 
-        graded = default_pool().grade(list(zip(completions, answers, strict=True)))
+        graded = default_pool().grade(list(zip(completions, answers, strict=True)), self.timeout_s)
         return [Scored(g.score, g.answer, g.timed_out) for g in graded]
 
 
-def get_scorer(name: str) -> Scorer:
+def get_scorer(name: str, grader_timeout_s: float | None = None) -> Scorer:
+    """The scorer named ``name``; ``grader_timeout_s``: the ``math`` grader's deadline per answer."""
     if name == "exact":
         return FunctionScorer(exact_scorer, name)
     if name == "math":
@@ -148,7 +152,7 @@ def get_scorer(name: str) -> Scorer:
             importlib.import_module("math_verify")
         except ImportError:
             raise ValueError("scorer 'math' needs the math-verify package: pip install math-verify") from None
-        return MathScorer()
+        return MathScorer(grader_timeout_s)
     module_name, _, func_name = name.partition(":")
     if not module_name or not func_name:
         raise ValueError(f"scorer {name!r} must be 'exact', 'math' or 'module:function'")

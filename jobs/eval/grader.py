@@ -16,8 +16,10 @@ What this module owns and promises:
   A pathological answer therefore costs at most ``timeout_s`` plus a pool start, never a hung unit.
 - :func:`grade_inline` grades in the calling thread with no deadline (the bench baseline).
 
-Limits: a pool start costs about a second (spawned processes import sympy); the pool is created on
-first use and kept for the process's life. A grading process that dies (OOM) is treated like a
+Limits: a pool start costs about a second (spawned processes import sympy; an answer's deadline
+starts after that); the pool is created on first use and kept for the process's life. After a
+timeout, answers that were in flight in the killed pool are graded again by the fresh one (answers
+already finished are kept). A grading process that dies (OOM) is treated like a
 timeout. The deadline is per answer, not per unit.
 """
 
@@ -28,6 +30,7 @@ import logging
 import multiprocessing
 import multiprocessing.pool
 import os
+import queue
 import re
 import threading
 from collections.abc import Sequence
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 10.0
+STARTUP_TIMEOUT_S = 120.0
 GSM_ANSWER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 
 
@@ -91,9 +95,11 @@ def _grade_task(completion: str, answer: str) -> tuple[float, str | None]:
     return grade_math(completion, answer)
 
 
-def _warm() -> None:
+def _warm(ready: Any) -> None:
     _quiet()
     import math_verify  # noqa: F401 — import once per grading process, not per answer
+
+    ready.put(os.getpid())  # the deadline of an answer must not include a process start
 
 
 def grade_inline(pairs: Sequence[tuple[str, str]]) -> list[Graded]:
@@ -114,9 +120,19 @@ class GraderPool:
         self._lock = threading.Lock()
 
     def _start(self) -> multiprocessing.pool.Pool:
+        """The pool, started if needed; returns once every grading process has imported math-verify."""
         if self._pool is None:
             ctx = multiprocessing.get_context("spawn")  # never fork a threaded worker
-            self._pool = ctx.Pool(self.processes, initializer=_warm)
+            ready = ctx.Queue()
+            self._pool = ctx.Pool(self.processes, initializer=_warm, initargs=(ready,))
+            try:
+                for _ in range(self.processes):
+                    ready.get(timeout=STARTUP_TIMEOUT_S)
+            except queue.Empty:
+                self._kill()
+                raise RuntimeError(f"math grader processes did not start within {STARTUP_TIMEOUT_S:g}s") from None
+            finally:
+                ready.close()
         return self._pool
 
     def _kill(self) -> None:
@@ -125,8 +141,14 @@ class GraderPool:
             self._pool.join()
             self._pool = None
 
-    def grade(self, pairs: Sequence[tuple[str, str]]) -> list[Graded]:
-        """Grade every ``(completion, gold)`` pair, in order; a timed-out one scores 0 and is marked."""
+    def grade(self, pairs: Sequence[tuple[str, str]], timeout_s: float | None = None) -> list[Graded]:
+        """Grade every ``(completion, gold)`` pair, in order; a timed-out one scores 0 and is marked.
+
+        ``timeout_s``: this call's deadline per answer (default: the pool's).
+        """
+        deadline = self.timeout_s if timeout_s is None else timeout_s
+        if deadline <= 0:
+            raise ValueError(f"grader timeout must be > 0 s, got {deadline}")
         out: list[Graded | None] = [None] * len(pairs)
         with self._lock:
             todo = list(range(len(pairs)))
@@ -138,7 +160,7 @@ class GraderPool:
                     if out[i] is not None:
                         continue
                     try:
-                        out[i] = Graded(*job.get(self.timeout_s))
+                        out[i] = Graded(*job.get(deadline))
                     except multiprocessing.TimeoutError:
                         out[i] = Graded(0.0, None, timed_out=True)
                         self.timeouts += 1

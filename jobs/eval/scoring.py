@@ -68,7 +68,7 @@ class DatasetCache:
 
     def scorer(self, spec: DatasetSpec) -> Scorer:
         if spec.name not in self._scorers:
-            self._scorers[spec.name] = get_scorer(spec.scorer)
+            self._scorers[spec.name] = get_scorer(spec.scorer, spec.grader_timeout_s)
         return self._scorers[spec.name]
 
 
