@@ -56,6 +56,7 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -
 
 
 def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_path: Path) -> None:
+    """Step 0 (the initial weights, evaluated by default) included: logged once across SIGKILL + --resume."""
     run_dir = tmp_path / "run"
     args = ("--steps", "160", "--eval-interval", "10", "--ckpt-interval", "20", "--eval-max-in-flight", "4",
             "--eval-keep-snapshots", "4")
@@ -81,8 +82,9 @@ def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_
     out, err = fleet.communicate(timeout=120)
     assert fleet.returncode == 0, err.decode()[-3000:]
 
-    steps = list(range(10, 161, 10))
+    steps = list(range(0, 161, 10))
     assert eval_step_counts(run_dir) == {s: 1 for s in steps}, killed_at
+    assert ledger_counts(run_dir, "dispatched")[0] >= 1 and eval_lines(run_dir)[0]["eval/step"] == 0
     assert ledger_counts(run_dir, "ingested") == {s: 1 for s in steps}
     crashed = []
     for point in eval_lines(run_dir):

@@ -53,6 +53,7 @@ class DemoConfig:
     run_dir: Path | None = None
     staging: str = "auto"  # auto | shm | run
     eval_n_prompts: int = 128
+    eval_samples: int = 4
     seed: int = 0
     extra_train_args: list[str] = field(default_factory=list)
 
@@ -76,13 +77,16 @@ def parse_args(argv: list[str]) -> DemoConfig:
     ap.add_argument("--staging", choices=("auto", "shm", "run"), default="auto",
                     help="fleet-staging: /dev/shm (auto: when present with room) or RUN/snapshots")
     ap.add_argument("--eval-n-prompts", type=int, default=128)
+    ap.add_argument("--eval-samples", type=int, default=4, metavar="N",
+                    help="samples per prompt of the sampled set 'addition-sampled' (temperature 1; its pass@1, "
+                         "pass@N and maj@N are in the table and the plot); 0: no sampled set")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-arg", action="append", default=[], dest="extra_train_args",
                     help="extra flag passed to ckpteval train (repeat)")
     ns = ap.parse_args(argv)
     cfg = DemoConfig(**vars(ns))
-    if cfg.steps < 1 or cfg.eval_interval < 1 or cfg.workers < 0:
-        raise ValueError("--steps and --eval-interval must be >= 1, --workers >= 0")
+    if cfg.steps < 1 or cfg.eval_interval < 1 or cfg.workers < 0 or cfg.eval_samples < 0:
+        raise ValueError("--steps and --eval-interval must be >= 1, --workers and --eval-samples >= 0")
     if cfg.posture.startswith("fleet") and cfg.workers < 1:
         raise ValueError(f"posture {cfg.posture} needs --workers >= 1")
     return cfg
@@ -107,7 +111,8 @@ def staging_dir(cfg: DemoConfig, run_dir: Path) -> Path:
 
 def trainer_args(cfg: DemoConfig, run_dir: Path) -> list[str]:
     args = ["train", "--run-dir", str(run_dir), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
-            "--eval-n-prompts", str(cfg.eval_n_prompts), "--no-progress", "--log-interval", "10",
+            "--eval-n-prompts", str(cfg.eval_n_prompts), "--eval-samples", str(cfg.eval_samples),
+            "--no-progress", "--log-interval", "10",
             # short leases: a demo worker killed by Ctrl-C is taken over within seconds
             "--lease-duration", "20", "--lease-heartbeat", "4",
             # one core for training, the other for the fleet: a 2-thread trainer whose OpenMP threads
@@ -234,6 +239,8 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
     last = next(iter(scored[-1]["datasets"].values()))["score"] if scored else None
     pinned = all(abs(d["weight_version_mean"] - p["step"]) < 1e-9 and d["mixed_version_ratio"] == 0
                  for p in scored for d in p["datasets"].values())
+    sampled = {k: v for p in scored[-1:] for name, d in p["datasets"].items() if name == "addition-sampled"
+               for k, v in {"score": d["score"], **d["derived"]}.items()}
     summary = {
         "run_dir": str(run_dir),
         "wall_seconds": round(wall_s, 1),
@@ -241,6 +248,7 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
         "points_scored": len(scored),
         "first_score": first,
         "last_score": last,
+        "last_sampled": sampled,  # addition-sampled at the last point: mean@N, pass@1, pass@N, maj@N
         "all_points_pinned": pinned,
         "skips": {k: v for p in status["points"] for k, v in p["skips"].items()},
         "curve_png": str(png),
@@ -248,6 +256,8 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
     }
     console.print(f"\nwall time {wall_s:.0f} s | points {len(scored)} scored of {len(status['points'])} | "
                   f"score {first} -> {last} | every point pinned to its step: {pinned}")
+    if sampled:
+        console.print("sampled set at the last point: " + ", ".join(f"{k} {v:.3f}" for k, v in sampled.items()))
     console.print(f"curve: {png}\nrun dir: {run_dir}  (ckpteval status {run_dir})")
     (run_dir / "demo_summary.json").write_text(json.dumps(summary, indent=1))
     return summary
