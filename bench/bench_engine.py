@@ -1,7 +1,11 @@
-"""Tokens/s of ``HFEngine``: one batched call over N prompts vs the same prompts one at a time.
+"""Tokens/s of ``HFEngine``: one batched call over N prompts vs the same prompts one at a time; and
+the cost of per-sample seeds: a sampled batch with one seed per prompt vs the same batch with one
+seed for the call (today's batched sampling).
 
-Both are measured in the same run, on the reference model (``jobs.reference.model`` defaults: 2-layer Llama,
-hidden 128) saved as a snapshot, with greedy decoding (so both modes generate the same tokens).
+All are measured in the same run, on the reference model (``jobs.reference.model`` defaults: 2-layer Llama,
+hidden 128) saved as a snapshot; batching with greedy decoding (so both modes generate the same
+tokens), seeds at temperature 1 on the untrained model (which rarely emits eos, so both modes run
+about the same number of decoding steps; tokens/s is what is compared).
 The load average is printed first: on a shared machine, numbers mean little when it is high.
 
     .venv/bin/python bench/bench_engine.py [--prompts 64] [--max-new-tokens 16] [--repeats 3] [--json OUT]
@@ -55,10 +59,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         def one_at_a_time() -> int:
             return sum(engine.generate([p], params)[0].n_tokens for p in prompts)
 
+        sampled = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0)
+        seeds = list(range(len(prompts)))
+
+        def one_seed() -> int:
+            return sum(g.n_tokens for g in engine.generate(prompts, sampled))
+
+        def per_sample_seeds() -> int:
+            return sum(g.n_tokens for g in engine.generate(prompts, sampled, seeds=seeds))
+
         runs = {
             name: [timed(fn) for _ in range(args.repeats)]
             for name, fn in [("batched", batched), ("single", one_at_a_time)]
         }
+        runs.update({
+            name: [timed(fn) for _ in range(args.repeats)]
+            for name, fn in [("sampled", one_seed), ("seeded", per_sample_seeds)]
+        })
         engine.close()
 
     rates = {}
@@ -71,10 +88,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(
         f"   ratio: batched / one-at-a-time = {rates['batched'] / rates['single']:.1f}x ({args.prompts} prompts)"
     )
+    print(f"   ratio: per-sample seeds / one seed per call = {rates['seeded'] / rates['sampled']:.2f}x (sampled)")
     out = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
            "torch_threads": torch.get_num_threads(),
            "batched_tokens_per_s": rates["batched"], "single_tokens_per_s": rates["single"],
-           "ratio": rates["batched"] / rates["single"]}
+           "ratio": rates["batched"] / rates["single"],
+           "sampled_tokens_per_s": rates["sampled"], "seeded_tokens_per_s": rates["seeded"],
+           "seeded_ratio": rates["seeded"] / rates["sampled"]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

@@ -25,11 +25,19 @@ from coord import PROTOCOL_VERSION
 from coord.atomic import read_json_object, write_json_atomic
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+PROMPT_FORMATS = ("raw", "chat")
 
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """One eval set: a JSONL file of ``{"prompt", "answer"}`` rows and how to sample and score it."""
+    """One eval set: a JSONL file of ``{"prompt" | "messages", "answer"}`` rows and how to sample and score it.
+
+    ``prompt_format`` ``raw`` sends a row's ``prompt`` as is; ``chat`` renders the row's ``messages``
+    (or its ``prompt`` as one user message), after an optional ``system_prompt``, with the snapshot's
+    own tokenizer chat template. ``pass_k`` lists the k of the ``eval/<ds>/pass@k`` metrics (each
+    ``<= n_samples``). ``every``: the dataset is due at steps that are multiples of it (a multiple of
+    the run's eval interval; 1: every point).
+    """
 
     name: str
     path: str  # JSONL; relative paths are relative to the run directory
@@ -42,10 +50,19 @@ class DatasetSpec:
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 0
+    prompt_format: str = "raw"  # raw | chat
+    system_prompt: str | None = None
+    pass_k: tuple[int, ...] = ()
+    every: int = 1
+    grader_timeout_s: float = 10.0  # scorer "math": an answer not graded in time scores 0 and is counted
 
     @property
     def n_shards(self) -> int:
         return -(-self.n_prompts // self.shard_size)
+
+    def due(self, step: int) -> bool:
+        """Whether this dataset is evaluated at ``step`` (its cadence, ``every``)."""
+        return step % self.every == 0
 
 
 @dataclass(frozen=True)
@@ -135,8 +152,13 @@ def _parse_dataset(f: _Fields) -> DatasetSpec:
         top_p=float(f.get("top_p", num, 1.0)),
         top_k=f.get("top_k", int, -1),
         seed=f.get("seed", int, 0),
+        prompt_format=f.get("prompt_format", str, "raw"),
+        system_prompt=f.get("system_prompt", (str, type(None)), None),
+        pass_k=tuple(_int_list(f, "pass_k")),
+        every=f.get("every", int, 1),
+        grader_timeout_s=float(f.get("grader_timeout_s", num, 10.0)),
     )
-    for key in ("n_prompts", "shard_size", "n_samples", "max_new_tokens"):
+    for key in ("n_prompts", "shard_size", "n_samples", "max_new_tokens", "every"):
         if getattr(ds, key) < 1:
             raise f.error(key, f"must be >= 1, got {getattr(ds, key)}")
     for key in ("temperature", "top_p"):
@@ -152,7 +174,26 @@ def _parse_dataset(f: _Fields) -> DatasetSpec:
         raise f.error("seed", f"must be >= 0, got {ds.seed}")
     if ds.scorer not in {"exact", "math"} and ":" not in ds.scorer:
         raise f.error("scorer", f"{ds.scorer!r} must be 'exact', 'math' or 'module:function'")
+    if not ds.grader_timeout_s > 0:
+        raise f.error("grader_timeout_s", f"must be > 0 seconds, got {ds.grader_timeout_s}")
+    if ds.prompt_format not in PROMPT_FORMATS:
+        raise f.error("prompt_format", f"{ds.prompt_format!r} must be one of {', '.join(PROMPT_FORMATS)}")
+    if ds.system_prompt is not None and ds.prompt_format != "chat":
+        raise f.error("system_prompt", "needs prompt_format 'chat' (a raw prompt has no system turn)")
+    for k in ds.pass_k:
+        if not 1 <= k <= ds.n_samples:
+            raise f.error("pass_k", f"has k={k}; each k must be in 1..n_samples ({ds.n_samples})")
+    if len(set(ds.pass_k)) != len(ds.pass_k):
+        raise f.error("pass_k", f"lists a k twice: {list(ds.pass_k)}")
     return ds
+
+
+def _int_list(f: _Fields, key: str) -> list[int]:
+    values = f.get(key, list, [])
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise f.error(f"{key}[{i}]", f"must be an integer, got {v!r}")
+    return values
 
 
 def _parse_eval(f: _Fields) -> EvalSpec:

@@ -4,12 +4,15 @@ A *result* is one JSON file per work unit, ``results/<unit>.json``, published fi
 file is written and fsync'd under a temp name, then hard-linked to the final name, which fails if a
 result already exists. So readers see at most one result per unit, never a torn one, and a rare
 double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for audit instead.
-A result holds per-sample scores and the weight versions that produced them, timings, the worker's
-identity, the lease token and attempt — or a skip record with a reason.
+A result holds per-sample scores, the scorer's extracted answer of each sample (``answers``, optional:
+results written before it existed have none), the weight versions that produced them, how many samples
+the grader gave up on (``grader_timeouts``), timings, the worker's identity, the lease token and attempt
+— or a skip record with a reason.
 
 A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
 backfill. It is complete when every unit of the step has a result. Sharding does not change a
-point: scores are pooled per sample, not averaged per shard.
+point: every metric is derived from the per-sample data pooled over the shards in prompt order
+(the pooled mean, pass@k, maj@n, the standard error over prompts), never averaged per shard.
 
 Limits: :class:`ResultIndex` caches what it has read; a result file is immutable once published, so
 the cache is never stale, but a result deleted by hand stays in the cache until a new index is built.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +31,9 @@ from typing import Any
 from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, dumps, publish_exclusive, read_json_object, write_json_atomic
 from coord.identity import run_key, version_matches, version_run, version_step
-from coord.manifest import RunManifest
+from coord.manifest import DatasetSpec, RunManifest
 from coord.snapshot import producer_identity
-from coord.units import WorkUnit, units_for_step
+from coord.units import WorkUnit, datasets_due, units_for_step
 
 SKIP_REASONS = ("busy", "export_failed", "ckpt_missing", "ckpt_corrupt", "unhealthy", "pin_violation", "crashed")
 
@@ -40,6 +44,8 @@ class Result:
     status: str  # "ok" | "skipped"
     scores: tuple[float, ...] = ()
     weight_versions: tuple[str | None, ...] = ()
+    answers: tuple[str | None, ...] = ()  # the scorer's extracted answer per sample; () in old results
+    grader_timeouts: int = 0
     skip_reason: str | None = None
     message: str = ""
     timings: dict[str, float] = field(default_factory=dict)
@@ -62,6 +68,8 @@ class Result:
             "score_sum": sum(self.scores),
             "scores": list(self.scores),
             "weight_versions": list(self.weight_versions),
+            **({"answers": list(self.answers)} if self.answers else {}),
+            "grader_timeouts": self.grader_timeouts,
             "skip_reason": self.skip_reason,
             "message": self.message,
             "timings": self.timings,
@@ -73,10 +81,18 @@ class Result:
         }
 
 
-def ok_result(unit: WorkUnit, scores: list[float], versions: list[str | None], **kw: Any) -> Result:
+def ok_result(
+    unit: WorkUnit,
+    scores: list[float],
+    versions: list[str | None],
+    answers: list[str | None] | None = None,
+    **kw: Any,
+) -> Result:
     if len(scores) != len(versions):
         raise ValueError(f"unit {unit.id}: {len(scores)} scores but {len(versions)} weight versions")
-    return Result(unit, "ok", tuple(scores), tuple(versions), **kw)
+    if answers is not None and len(answers) != len(scores):
+        raise ValueError(f"unit {unit.id}: {len(scores)} scores but {len(answers)} extracted answers")
+    return Result(unit, "ok", tuple(scores), tuple(versions), tuple(answers or ()), **kw)
 
 
 def skip_result(unit: WorkUnit, reason: str, message: str = "", **kw: Any) -> Result:
@@ -95,6 +111,8 @@ def parse_result(obj: Any, source: Path) -> Result:
         status = obj["status"]
         scores = tuple(float(s) for s in obj.get("scores", ()))
         versions = tuple(None if v is None else str(v) for v in obj.get("weight_versions", ()))
+        answers = tuple(None if a is None else str(a) for a in obj.get("answers") or ())
+        grader_timeouts = int(obj.get("grader_timeouts", 0))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -103,11 +121,15 @@ def parse_result(obj: Any, source: Path) -> Result:
         raise ValueError(f"{source}: a skipped result needs a skip_reason")
     if len(scores) != len(versions):
         raise ValueError(f"{source}: {len(scores)} scores but {len(versions)} weight_versions")
+    if answers and len(answers) != len(scores):
+        raise ValueError(f"{source}: {len(scores)} scores but {len(answers)} answers")
     return Result(
         unit=unit,
         status=status,
         scores=scores,
         weight_versions=versions,
+        answers=answers,
+        grader_timeouts=grader_timeouts,
         skip_reason=obj.get("skip_reason"),
         message=str(obj.get("message", "")),
         timings=dict(obj.get("timings") or {}),
@@ -179,10 +201,13 @@ class ResultIndex:
 # -- points ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DatasetScore:
-    score: float
-    n: int
+    score: float  # pooled mean over every sample (mean@n)
+    n: int  # samples
     weight_version_mean: float
     mixed_version_ratio: float
+    stderr: float = math.nan  # standard error of the mean over prompts (of per-prompt means)
+    derived: dict[str, float] = field(default_factory=dict)  # "pass@k" for each k, "maj@n" when n > 1
+    grader_timeouts: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,8 +241,78 @@ def _attributed(result: Result, key: str) -> Result:
     return result
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` correct of ``n`` samples: 1 - C(n-c, k) / C(n, k)
+    (Chen et al. 2021), exact in integers."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_score(answers: Sequence[str | None], scores: Sequence[float]) -> float:
+    """maj@n of one prompt: the score of the most frequent extracted answer.
+
+    Samples without an answer (``None``) do not vote; none at all scores 0. Ties go to the answer that
+    appears first in sample order, and the majority answer scores what its first sample scored.
+    """
+    counts: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, answer in enumerate(answers):
+        if answer is not None:
+            counts[answer] = counts.get(answer, 0) + 1
+            first.setdefault(answer, i)
+    if not counts:
+        return 0.0
+    best = max(counts, key=lambda a: (counts[a], -first[a]))
+    return float(scores[first[best]])
+
+
+def correct(score: float) -> bool:
+    """A sample counts as correct for pass@k when it got full credit."""
+    return score >= 1.0
+
+
+def _stderr(values: list[float]) -> float:
+    if len(values) < 2:
+        return math.nan
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return math.sqrt(var / len(values))
+
+
+def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) -> DatasetScore:
+    """Every metric of one dataset at one step from its shards' results (in shard order)."""
+    scores = [s for r in shards for s in r.scores]
+    versions = [v for r in shards for v in r.weight_versions]
+    mean_v, mixed = _version_stats(key, step, versions)
+    n = spec.n_samples
+    prompts = [scores[i : i + n] for i in range(0, len(scores), n)]
+    derived: dict[str, float] = {}
+    if prompts and all(len(p) == n for p in prompts):
+        for k in spec.pass_k:
+            derived[f"pass@{k}"] = sum(pass_at_k(n, sum(map(correct, p)), k) for p in prompts) / len(prompts)
+        if n > 1 and all(len(r.answers) == len(r.scores) for r in shards):  # old results carry no answers
+            answers = [a for r in shards for a in r.answers]
+            votes = [majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)]
+            derived[f"maj@{n}"] = sum(votes) / len(votes)
+    return DatasetScore(
+        score=sum(scores) / len(scores) if scores else math.nan,
+        n=len(scores),
+        weight_version_mean=mean_v,
+        mixed_version_ratio=mixed,
+        stderr=_stderr([sum(p) / len(p) for p in prompts if p]),
+        derived=derived,
+        grader_timeouts=sum(r.grader_timeouts for r in shards),
+    )
+
+
 def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> Point:
-    """The point of ``step`` from whatever results exist (possibly incomplete)."""
+    """The point of ``step`` from whatever results exist (possibly incomplete).
+
+    Only the datasets due at ``step`` (their ``every``) belong to it.
+    """
     key = run_key(manifest)
     units = units_for_step(manifest, step)
     results = {u: _attributed(results[u], key) for u in units if u in results}
@@ -227,15 +322,10 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         if not r.ok:
             skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
     datasets = {}
-    for ds in manifest.eval.datasets:
+    for ds in datasets_due(manifest, step):
         mine = [results.get(WorkUnit(step, ds.name, s)) for s in range(ds.n_shards)]
-        if any(r is None or not r.ok for r in mine):
-            continue
-        scores = [s for r in mine if r for s in r.scores]
-        versions = [v for r in mine if r for v in r.weight_versions]
-        mean_v, mixed = _version_stats(key, step, versions)
-        score = sum(scores) / len(scores) if scores else math.nan
-        datasets[ds.name] = DatasetScore(score, len(scores), mean_v, mixed)
+        if all(r is not None and r.ok for r in mine):
+            datasets[ds.name] = dataset_score(ds, key, step, mine)  # type: ignore[arg-type]
     complete = len(done) == len(units)
     return Point(
         step=step,
@@ -255,6 +345,10 @@ def point_metrics(point: Point) -> dict[str, float]:
         metrics[f"eval/{name}"] = ds.score
         metrics[f"eval/{name}/weight_version/mean"] = ds.weight_version_mean
         metrics[f"eval/{name}/weight_version/mixed_version_ratio"] = ds.mixed_version_ratio
+        metrics[f"eval/{name}/stderr"] = ds.stderr
+        metrics[f"eval/{name}/grader_timeouts"] = ds.grader_timeouts
+        for key, value in ds.derived.items():
+            metrics[f"eval/{name}/{key}"] = value
     for reason, n in point.skips.items():
         metrics[f"eval/skipped_{reason}"] = n
     return metrics

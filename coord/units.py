@@ -31,7 +31,7 @@ import filelock
 from filelock._soft import parse_marker  # filelock's parser of its owner record
 
 from coord.atomic import append_line
-from coord.manifest import LeaseSettings, RunManifest
+from coord.manifest import DatasetSpec, LeaseSettings, RunManifest
 
 
 @dataclass(frozen=True, order=True)
@@ -60,9 +60,16 @@ class WorkUnit:
         return f"{self.id}.json"
 
 
+def datasets_due(manifest: RunManifest, step: int) -> list[DatasetSpec]:
+    """The datasets evaluated at ``step``: those whose ``every`` divides it (all of them at step 0)."""
+    return [ds for ds in manifest.eval.datasets if ds.due(step)]
+
+
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
-    """Every unit of one eval point: each dataset split into ``ceil(n_prompts / shard_size)`` shards."""
-    return [WorkUnit(step, ds.name, s) for ds in manifest.eval.datasets for s in range(ds.n_shards)]
+    """Every unit of one eval point: each dataset due at ``step`` split into ``ceil(n_prompts / shard_size)``
+    shards. A dataset with ``every`` > 1 has no units at the steps it is not due (it is not skipped there:
+    it is simply not part of that point)."""
+    return [WorkUnit(step, ds.name, s) for ds in datasets_due(manifest, step) for s in range(ds.n_shards)]
 
 
 def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from coord.rundir import RunDir
-from coord.snapshot import checkpoint_dirname, read_marker, snapshot_dirname
+from coord.snapshot import read_marker, snapshot_dirname
 from jobs.reference.model import ModelConfig, build_model, build_tokenizer
 from jobs.reference.train import (
     PREEMPTED_EXIT,
@@ -30,6 +30,7 @@ from tests.support.training import (
     eval_lines,
     eval_step_counts,
     ledger_counts,
+    make_train_run,
     read_jsonl,
 )
 
@@ -64,6 +65,7 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -
 
 
 def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_path: Path) -> None:
+    """Step 0 (the initial weights, evaluated by default) included: logged once across SIGKILL + --resume."""
     run_dir = tmp_path / "run"
     args = ("--steps", "160", "--eval-interval", "10", "--ckpt-interval", "20", "--eval-max-in-flight", "4",
             "--eval-keep-snapshots", "4")
@@ -89,8 +91,9 @@ def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_
     out, err = fleet.communicate(timeout=120)
     assert fleet.returncode == 0, err.decode()[-3000:]
 
-    steps = list(range(10, 161, 10))
+    steps = list(range(0, 161, 10))
     assert eval_step_counts(run_dir) == {s: 1 for s in steps}, killed_at
+    assert ledger_counts(run_dir, "dispatched")[0] >= 1 and eval_lines(run_dir)[0]["eval/step"] == 0
     assert ledger_counts(run_dir, "ingested") == {s: 1 for s in steps}
     crashed = []
     for point in eval_lines(run_dir):
@@ -147,6 +150,20 @@ def test_training_checkpoint_round_trip_continues_identically(tmp_path: Path) ->
         assert torch.equal(a, b), name
 
 
+def test_no_eval_at_start_skips_step_zero(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run, _ = make_train_run(run_dir, eval_interval=2)
+    fleet = InstantFleet(run)
+    fleet.start()
+    try:
+        assert main(["--run-dir", str(run_dir), "--resume", "--steps", "2", "--batch-size", "8", "--no-progress",
+                     "--eval-interval", "2", "--eval-poll-interval", "0", "--no-eval-at-start"]) == 0
+    finally:
+        fleet.stop.set()
+    assert [r["eval/step"] for r in eval_lines(run_dir)] == [2]
+    assert 0 not in ledger_counts(run_dir, "dispatched")
+
+
 def test_bad_flags_fail_before_anything_is_written(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
     assert main(["--run-dir", str(run_dir), "--save-hf", str(tmp_path / "hf"), "--save-interval", "3",
@@ -171,12 +188,13 @@ def test_reuse_mode_trainer_marks_its_hf_checkpoints(tmp_path: Path) -> None:
     finally:
         fleet.stop.set()
     assert code == 0
-    assert sorted(p.name for p in save.iterdir()) == ["checkpoint-3", "checkpoint-6", "checkpoint-7"]
-    for step in (3, 6, 7):
-        assert read_marker(save / checkpoint_dirname(step)).mode == "reuse"
+    # 0: the initial weights, saved as a checkpoint of their own; 7: the final point, saved whatever the interval
+    assert sorted(p.name for p in save.iterdir()) == ["checkpoint-0", "checkpoint-3", "checkpoint-6", "checkpoint-7"]
+    for step in (0, 3, 6, 7):
+        assert read_marker(save / f"checkpoint-{step}").mode == "reuse"
     assert list(run.snapshots.iterdir()) == []  # nothing exported
     points = {r["eval/step"]: r for r in eval_lines(run_dir)}
-    assert sorted(points) == [3, 6, 7]  # 7: the final point, saved at the end whatever the save interval
+    assert sorted(points) == [0, 3, 6, 7]
     assert all(p["eval/addition"] == 1.0 for p in points.values())
 
 
@@ -191,8 +209,8 @@ def test_other_arch_trains_and_exports(tmp_path: Path, arch: str) -> None:
                      "--no-progress", "--eval-interval", "2", "--eval-poll-interval", "0"]) == 0
     finally:
         fleet.stop.set()
-    (point,) = eval_lines(run_dir)
-    assert point["eval/step"] == 2 and point["eval/addition"] == 1.0
+    initial, point = eval_lines(run_dir)
+    assert initial["eval/step"] == 0 and point["eval/step"] == 2 and point["eval/addition"] == 1.0
 
 
 def test_resume_on_a_malformed_ledger_is_a_named_usage_error(tmp_path: Path) -> None:

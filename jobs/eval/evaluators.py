@@ -25,7 +25,8 @@ from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.eval.options import WorkerOptions
 from jobs.eval.pinning import PinViolation, WorkerSkip, call_with_timeout, check_pinned, pin
-from jobs.eval.scoring import DatasetCache, score_unit
+from jobs.eval.prompts import NoChatTemplate
+from jobs.eval.scoring import DatasetCache, score_unit, unit_input
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
 # values, I/O, and the lookup/type/arithmetic errors a custom scorer or fn backend raises on bad input.
@@ -44,6 +45,8 @@ class Evaluation:
     scores: list[float]
     weight_versions: list[str | None]
     message: str = ""
+    answers: list[str | None] | None = None  # the scorer's extracted answers (None: not reported)
+    grader_timeouts: int = 0
 
 
 class Evaluator(Protocol):
@@ -73,13 +76,14 @@ class EngineEvaluator:
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
         try:
-            scored = score_unit(self.engine, self.cache, unit)
+            scored = score_unit(self.engine, self.cache, unit, str(ref.path))
         except EngineError:
             self._heal(ref, want)  # died mid-unit: bring it back, then one more try
-            scored = score_unit(self.engine, self.cache, unit)
+            scored = score_unit(self.engine, self.cache, unit, str(ref.path))
         timings["generate_s"] = scored.generate_s
         check_pinned(self.engine, want, scored.weight_versions)
-        return Evaluation(scored.scores, scored.weight_versions)
+        return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers,
+                          grader_timeouts=scored.grader_timeouts)
 
     def probe(self) -> None:
         """Start-up probe: the engine answers (a remote one that does not raises EngineError) and, once
@@ -135,15 +139,18 @@ class FnEvaluator:
         manifest = self.cache.manifest
         spec = manifest.dataset(unit.dataset)
         rows = [self.cache.rows(spec)[i] for i in shard_range(manifest, unit)]
+        work = unit_input(self.cache, unit, str(ref.path))
         want = str(unit.step)
         t0 = time.perf_counter()
-        output = self.backend.evaluate_checkpoint(str(ref.path), build_input(manifest, spec, unit, rows))
+        output = self.backend.evaluate_checkpoint(
+            str(ref.path), build_input(manifest, spec, unit, rows, work.prompts[:: spec.n_samples], work.seeds)
+        )
         timings["generate_s"] = time.perf_counter() - t0
         parsed = parse_output(output, len(rows) * spec.n_samples, want)
         wrong = sorted({str(v) for v in parsed.weight_versions if v != want})
         if wrong:
             raise PinViolation(f"want version {want}; backend reported {wrong}")
-        return Evaluation(parsed.scores, parsed.weight_versions, parsed.message)
+        return Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers)
 
     def probe(self) -> None:
         """An fn backend was built (and its constructor ran) at start; nothing more to probe."""
@@ -162,8 +169,9 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0
         ev = evaluator.evaluate(unit, ref, timings)
-        return ok_result(unit, ev.scores, ev.weight_versions, message=ev.message, timings=timings)
-    except (SnapshotError, WorkerSkip, EvalSkip) as e:
+        return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, timings=timings,
+                         grader_timeouts=ev.grader_timeouts)
+    except (SnapshotError, WorkerSkip, EvalSkip, NoChatTemplate) as e:
         reason, message = e.reason, str(e)
     except EngineError as e:
         reason, message = "unhealthy", str(e)

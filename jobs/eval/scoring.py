@@ -2,14 +2,20 @@
 
 Owns the mapping from a :class:`~coord.units.WorkUnit` to generations and scores; it pins nothing
 and writes nothing (the worker, or the trainer's shared posture, does that around it). Every sample
-keeps the weight version the engine reported for it.
+keeps the weight version the engine reported for it and the answer its scorer extracted.
 
-Determinism: greedy sampling is deterministic; sampled decoding uses ``spec.seed`` so a rerun of the
-same unit on the same engine draws the same samples where the engine honours seeds.
+Prompts are rendered by :func:`jobs.eval.prompts.render_prompts` (raw, or the snapshot's chat
+template), so every engine receives the same text for the same row.
+
+Seeds: greedy decoding (``temperature == 0``) is deterministic and sends no seeds. Sampled decoding
+gives sample ``j`` of prompt row ``i`` (``i`` the row's index in the whole dataset, so sharding never
+changes it) the seed :func:`sample_seed` ``(spec.seed, i, j)``: the ``n_samples`` copies of a prompt
+get distinct seeds, and a rerun draws the same samples wherever the engine honours per-sample seeds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -17,7 +23,23 @@ from coord.manifest import DatasetSpec, RunManifest
 from coord.rundir import RunDir
 from coord.units import WorkUnit, shard_range
 from jobs.eval.engines.base import Engine, SamplingParams
-from jobs.eval.evalsets import Scorer, get_scorer, load_dataset
+from jobs.eval.evalsets import Row, Scored, Scorer, get_scorer, load_dataset
+from jobs.eval.prompts import render_prompts
+
+SEED_MASK = 0x7FFFFFFF  # 31 bits: a non-negative int32 every engine accepts
+
+
+def sample_seed(dataset_seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of one sample: a stable 31-bit hash of (dataset seed, global prompt index, sample index)."""
+    key = f"ckpteval-sample:{dataset_seed}:{prompt_index}:{sample_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & SEED_MASK
+
+
+def unit_seeds(spec: DatasetSpec, prompt_indices: range) -> list[int] | None:
+    """Per-sample seeds of a unit, prompt-major (None for greedy datasets: nothing to seed)."""
+    if spec.temperature == 0:
+        return None
+    return [sample_seed(spec.seed, i, j) for i in prompt_indices for j in range(spec.n_samples)]
 
 
 @dataclass
@@ -27,6 +49,8 @@ class UnitScores:
     completions: list[str]
     generate_s: float
     n_tokens: int
+    answers: list[str | None]
+    grader_timeouts: int = 0
 
 
 class DatasetCache:
@@ -34,17 +58,17 @@ class DatasetCache:
 
     def __init__(self, run: RunDir, manifest: RunManifest) -> None:
         self.run, self.manifest = run, manifest
-        self._rows: dict[str, list[dict[str, str]]] = {}
+        self._rows: dict[str, list[Row]] = {}
         self._scorers: dict[str, Scorer] = {}
 
-    def rows(self, spec: DatasetSpec) -> list[dict[str, str]]:
+    def rows(self, spec: DatasetSpec) -> list[Row]:
         if spec.name not in self._rows:
             self._rows[spec.name] = load_dataset(self.run, spec)
         return self._rows[spec.name]
 
     def scorer(self, spec: DatasetSpec) -> Scorer:
         if spec.name not in self._scorers:
-            self._scorers[spec.name] = get_scorer(spec.scorer)
+            self._scorers[spec.name] = get_scorer(spec.scorer, spec.grader_timeout_s)
         return self._scorers[spec.name]
 
 
@@ -58,22 +82,61 @@ def sampling_params(spec: DatasetSpec) -> SamplingParams:
     )
 
 
-def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit) -> UnitScores:
-    """Generate ``n_samples`` completions per prompt of the unit's shard and score them."""
+@dataclass(frozen=True)
+class UnitInput:
+    """What a unit asks of an engine: the prompt text of each sample, its seed, its gold answer."""
+
+    spec: DatasetSpec
+    prompt_indices: range
+    prompts: list[str]  # one per sample (prompt-major)
+    seeds: list[int] | None
+    answers: list[str]
+
+
+def unit_input(cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None) -> UnitInput:
+    """Render the unit's rows for the snapshot at ``snapshot_dir`` and derive their seeds."""
     spec = cache.manifest.dataset(unit.dataset)
-    rows = [cache.rows(spec)[i] for i in shard_range(cache.manifest, unit)]
-    prompts = [r["prompt"] for r in rows for _ in range(spec.n_samples)]
-    answers = [r["answer"] for r in rows for _ in range(spec.n_samples)]
+    indices = shard_range(cache.manifest, unit)
+    rows = [cache.rows(spec)[i] for i in indices]
+    texts = render_prompts(spec, rows, snapshot_dir)
+    n = spec.n_samples
+    return UnitInput(
+        spec=spec,
+        prompt_indices=indices,
+        prompts=[t for t in texts for _ in range(n)],
+        seeds=unit_seeds(spec, indices),
+        answers=[r["answer"] for r in rows for _ in range(n)],
+    )
+
+
+def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None = None) -> UnitScores:
+    """Generate ``n_samples`` completions per prompt of the unit's shard and score them.
+
+    ``snapshot_dir``: the snapshot being evaluated (its tokenizer renders ``chat`` datasets).
+    """
+    work = unit_input(cache, unit, snapshot_dir)
     t0 = time.perf_counter()
-    generations = engine.generate(prompts, sampling_params(spec))
+    params = sampling_params(work.spec)
+    # greedy: no seeds, so an engine that predates per-sample seeds still serves raw greedy sets
+    generations = (
+        engine.generate(work.prompts, params) if work.seeds is None
+        else engine.generate(work.prompts, params, seeds=work.seeds)
+    )
     elapsed = time.perf_counter() - t0
-    if len(generations) != len(prompts):
-        raise RuntimeError(f"engine returned {len(generations)} generations for {len(prompts)} prompts")
-    scorer = cache.scorer(spec)
+    if len(generations) != len(work.prompts):
+        raise RuntimeError(f"engine returned {len(generations)} generations for {len(work.prompts)} prompts")
+    completions = [g.text for g in generations]
+    scored = cache.scorer(work.spec).score(completions, work.answers)
     return UnitScores(
-        scores=[float(scorer(g.text, a)) for g, a in zip(generations, answers, strict=True)],
+        scores=[s.score for s in scored],
         weight_versions=[g.weight_version for g in generations],
-        completions=[g.text for g in generations],
+        completions=completions,
         generate_s=elapsed,
         n_tokens=sum(g.n_tokens for g in generations),
+        answers=[s.answer for s in scored],
+        grader_timeouts=count_timeouts(scored),
     )
+
+
+def count_timeouts(scored: list[Scored]) -> int:
+    return sum(s.timed_out for s in scored)

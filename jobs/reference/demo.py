@@ -68,6 +68,9 @@ class DemoConfig:
     staging: str = option("auto", "fleet-staging: /dev/shm (auto: when present with room) or RUN/snapshots",
                           choices=("auto", "shm", "run"))
     eval_n_prompts: int = option(128, "prompts in the addition eval set", metavar="N", min=1)
+    eval_samples: int = option(4, "samples per prompt of the sampled set 'addition-sampled' (temperature 1; "
+                               "its pass@1, pass@N and maj@N are in the table and the plot); 0: no sampled set",
+                               metavar="N", min=0)
     seed: int = option(0, "training seed", min=0)
     extra_train_args: list[str] = option(help="an extra flag passed to ckpteval train (repeatable; "
                                          "--train-arg=--lr=1e-3)", flag="--train-arg", metavar="ARG",
@@ -127,7 +130,8 @@ def staging_dir(cfg: DemoConfig, run_dir: Path) -> Path:
 
 def trainer_args(cfg: DemoConfig, run_dir: Path) -> list[str]:
     args = ["train", "--run-dir", str(run_dir), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
-            "--eval-n-prompts", str(cfg.eval_n_prompts), "--no-progress", "--log-interval", "10",
+            "--eval-n-prompts", str(cfg.eval_n_prompts), "--eval-samples", str(cfg.eval_samples),
+            "--no-progress", "--log-interval", "10",
             # short leases: a demo worker killed by Ctrl-C is taken over within seconds
             "--lease-duration", "20", "--lease-heartbeat", "4",
             # one core for training, the other for the fleet: a 2-thread trainer whose OpenMP threads
@@ -254,6 +258,8 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
     last = next(iter(scored[-1]["datasets"].values()))["score"] if scored else None
     pinned = all(abs(d["weight_version_mean"] - p["step"]) < 1e-9 and d["mixed_version_ratio"] == 0
                  for p in scored for d in p["datasets"].values())
+    sampled = {k: v for p in scored[-1:] for name, d in p["datasets"].items() if name == "addition-sampled"
+               for k, v in {"score": d["score"], **d["derived"]}.items()}
     summary = {
         "run_dir": str(run_dir),
         "wall_seconds": round(wall_s, 1),
@@ -261,6 +267,7 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
         "points_scored": len(scored),
         "first_score": first,
         "last_score": last,
+        "last_sampled": sampled,  # addition-sampled at the last point: mean@N, pass@1, pass@N, maj@N
         "all_points_pinned": pinned,
         "skips": {k: v for p in status["points"] for k, v in p["skips"].items()},
         "curve_png": str(png),
@@ -268,6 +275,8 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
     }
     console.print(f"\nwall time {wall_s:.0f} s | points {len(scored)} scored of {len(status['points'])} | "
                   f"score {first} -> {last} | every point pinned to its step: {pinned}")
+    if sampled:
+        console.print("sampled set at the last point: " + ", ".join(f"{k} {v:.3f}" for k, v in sampled.items()))
     console.print(f"curve: {png}\nrun dir: {run_dir}  (ckpteval status {run_dir})")
     (run_dir / "demo_summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -6,7 +6,10 @@ What this module owns, top to bottom:
    ``tokenizer_config.json``) so ``AutoTokenizer.from_pretrained(dir)`` works offline, in
    transformers 5 and (via ``tokenizer_class = PreTrainedTokenizerFast``) in 4.x-based servers.
    Vocabulary: ``<pad> <bos> <eos> <unk>``, the digits, ``+``, ``=``, space and newline. Encoding
-   prepends ``<bos>``; decoding concatenates characters (no spaces inserted).
+   prepends ``<bos>``; decoding concatenates characters (no spaces inserted). By default the
+   tokenizer has **no chat template** (so a ``chat`` dataset is a ``no_chat_template`` skip);
+   ``chat=True`` adds :data:`CHAT_TEMPLATE`, which writes each turn's content on its own line after
+   a role marker (``=`` system, ``+`` user, space assistant), all characters of the vocabulary.
 2. :class:`ModelConfig` and :func:`build_model`: a tiny ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
    built from a config (never downloaded). Default: 2 layers, hidden 128, ~0.53 M parameters, tied
    input/output embeddings.
@@ -62,8 +65,21 @@ PAD_ID, BOS_ID, EOS_ID = VOCAB[PAD], VOCAB[BOS], VOCAB[EOS]
 IGNORE_INDEX = -100  # label value the HF loss ignores
 
 
-def build_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
-    """The character-level tokenizer: one token per character, ``<bos>`` prepended on encode."""
+# role markers from the vocabulary, so a rendered conversation tokenizes without <unk>
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}={% elif m['role'] == 'user' %}+{% else %} {% endif %}"
+    "{{ m['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %} {% endif %}"
+)
+
+
+def build_tokenizer(model_max_length: int = 64, chat: bool = False) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer: one token per character, ``<bos>`` prepended on encode.
+
+    ``chat``: with :data:`CHAT_TEMPLATE` as its chat template (default: none).
+    """
     core = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
     core.decoder = decoders.Fuse()  # join characters back without separators
@@ -71,7 +87,7 @@ def build_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
     )
     core.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=BOS,
         eos_token=EOS,
@@ -81,12 +97,15 @@ def build_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
-def save_tokenizer(path: str | Path, model_max_length: int = 64) -> None:
-    """Write the tokenizer files into ``path`` (created if missing)."""
+def save_tokenizer(path: str | Path, model_max_length: int = 64, chat: bool = False) -> None:
+    """Write the tokenizer files into ``path`` (created if missing); ``chat``: with a chat template."""
     path = Path(path)
-    build_tokenizer(model_max_length).save_pretrained(path)
+    build_tokenizer(model_max_length, chat).save_pretrained(path)
     # transformers 5 records its own backend class name; 4.x (what sglang runs on) knows this one.
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())

@@ -12,12 +12,14 @@ end. Read top to bottom:
    sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
 3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
-4. The loop: learning rate (linear warmup + cosine decay to lr/10 by default: the constant rate
+4. Step 0 (unless ``--no-eval-at-start``): the initial weights are dispatched as the point of step
+   0 before the first optimizer step (once per run: a resumed run finds it in the ledger).
+5. The loop: learning rate (linear warmup + cosine decay to lr/10 by default: the constant rate
    plateaus near 0.92 exact match at 600 steps, the schedule reaches 1.0 by step 400), batch, loss,
    step; in reuse mode save the HF checkpoint ``checkpoint-<step>`` every
    ``--save-interval``; ``maybe_dispatch``; log ``train/*``; save a training checkpoint every
    ``--ckpt-interval``.
-5. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
+6. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
    save interval), ``dispatcher.close`` (final point, training done, drain).
 
 Training checkpoints (``RUN/train_ckpt/step-<N>/``, no pickles) are :mod:`jobs.reference.train_ckpt`'s.
@@ -76,6 +78,7 @@ from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
 __all__ = ["TrainConfig", "main", "parse_args", "prepare_run", "run_training", "train"]
 
 PREEMPTED_EXIT = EXIT_TRAIN_PREEMPTED  # checkpoint saved, run again with --resume
+SAMPLED_PROMPTS = 32  # --eval-samples: prompts of the sampled set (the eval set's first ones)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,10 +103,16 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
         return run
     run = RunDir.create(cfg.run_dir)
     save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch)  # type: ignore[arg-type]
-    dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
+    datasets = [write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)]
+    if cfg.eval_samples > 0:
+        n = min(SAMPLED_PROMPTS, cfg.eval_n_prompts)
+        datasets.append(write_addition_dataset(
+            run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size), n_samples=cfg.eval_samples,
+            temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
+        ))
     manifest = RunManifest(
         run_id=cfg.run_id or _run_id(run.path),
-        eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
+        eval=EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}),
         snapshot_roots=(str(run.snapshots),),
         trainer=trainer_identity(cfg, dispatch),
         lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
@@ -230,6 +239,10 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     dispatcher = build_dispatcher(cfg, dispatch, run, sink, preempt)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
+    if dispatcher is not None and cfg.eval_at_start and start == 0:
+        if cfg.save_hf_dir is not None:  # reuse mode: the initial weights' checkpoint is the snapshot
+            save_hf_checkpoint(cfg.save_hf_dir, 0, model, cfg)
+        dispatcher.dispatch_initial(model)
     try:
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(cfg, step)

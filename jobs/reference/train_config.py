@@ -54,6 +54,11 @@ class TrainConfig:
     # evaluation
     eval: bool = option(True, "train without an eval dispatcher (no snapshots, no points)",
                         flag="--no-eval", group=EVAL)
+    eval_at_start: bool = option(True, "do not evaluate the initial weights as step 0 (default: step 0 is a "
+                                 "point, once per run)", flag="--no-eval-at-start", group=EVAL)
+    eval_samples: int = option(0, "also evaluate 'addition-sampled': the eval set's first 32 prompts, N samples "
+                               "each at temperature 1, reporting pass@1, pass@N and maj@N (0: off)",
+                               metavar="N", min=0, group=EVAL)
     eval_interval: int = option(100, "dispatch an eval point every N steps (and at the last step)",
                                 metavar="N", min=1, group=EVAL)
     eval_staging_dir: Path | None = option(None, "staging mode: export snapshots here (default RUN/snapshots)",

@@ -1,9 +1,16 @@
 """``EvalDispatcher``: the one object a training loop talks to about evaluation.
 
-The loop calls :meth:`EvalDispatcher.maybe_dispatch` after every optimizer step and
-:meth:`EvalDispatcher.close` once at the end; that is all. Every ``eval_interval`` steps the
-dispatcher makes a snapshot of the step available to the eval fleet and goes on; finished points are
-ingested later, on a later call, and logged at their *dispatch* step.
+The loop calls :meth:`EvalDispatcher.dispatch_initial` once before its first optimizer step (the
+initial weights become the point of step 0; skip it to start the curve at the first interval),
+:meth:`EvalDispatcher.maybe_dispatch` after every optimizer step and :meth:`EvalDispatcher.close`
+once at the end; that is all. Every ``eval_interval`` steps the dispatcher makes a snapshot of the
+step available to the eval fleet and goes on; finished points are ingested later, on a later call,
+and logged at their *dispatch* step. Step 0 is dispatched once per run: a resumed trainer calling
+:meth:`dispatch_initial` again finds it in the ledger and does nothing.
+
+Cadence: a dataset with ``every`` > 1 (run.json) is part only of the points at multiples of
+``every``, which must be a multiple of ``eval_interval`` (checked at construction); a step at which
+no dataset is due is not dispatched at all (the final step excepted).
 
 Snapshot source (from :class:`jobs.trainer.config.DispatchConfig`, validated at construction — before
 training):
@@ -145,6 +152,7 @@ class EvalDispatcher:
         self.clock = clock
         self.key = run_key(self.manifest)
         self.root = self._snapshot_root()
+        self._check_cadence()
         self.ledger = Ledger(run.ledger_path)
         self.index = ResultIndex(run.results)
         self.exporter: AsyncExporter | None = None
@@ -179,6 +187,15 @@ class EvalDispatcher:
             f"{self.run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {scoped}, "
             "so no worker would find the snapshots; write the manifest with this root"
         )
+
+    def _check_cadence(self) -> None:
+        interval = self.config.eval_interval or 1
+        for i, ds in enumerate(self.manifest.eval.datasets):
+            if ds.every > 1 and ds.every % interval:
+                raise ValueError(
+                    f"{self.run.manifest_path}: field eval.datasets[{i}].every is {ds.every}, not a multiple of "
+                    f"the eval interval {interval}: dataset {ds.name!r} would never be evaluated on schedule"
+                )
 
     def _replay(self) -> None:
         """Re-adopt what a previous incarnation left pending (see the module docstring)."""
@@ -215,8 +232,15 @@ class EvalDispatcher:
         dispatched now and never skipped as busy (:meth:`close` then finds it dispatched)."""
         self.step = step
         self.poll()
-        if step % self.config.eval_interval == 0 or final:
+        if final or (step % self.config.eval_interval == 0 and units_for_step(self.manifest, step)):
             self.dispatch(step, model, final=final)
+
+    def dispatch_initial(self, model: Model) -> None:
+        """Step 0: make the initial weights a point (call before the first optimizer step).
+
+        Exactly once per run: a step 0 already in the ledger (a resumed trainer) is not dispatched again.
+        """
+        self.dispatch(0, model)
 
     def poll(self, force: bool = False) -> None:
         """Collect finished exports and ingest finished points (at most once per ``poll_interval_s``)."""

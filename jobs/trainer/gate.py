@@ -39,6 +39,7 @@ from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.pinning import PinViolation, check_pinned, pin
+from jobs.eval.prompts import NoChatTemplate
 from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
 
 
@@ -133,18 +134,22 @@ def shared_eval(
     snapshot = str(snapshot_dir)
     t0 = time.perf_counter()
     scored: dict[WorkUnit, UnitScores] = {}
+    skipped: list[Result] = []
     with gate.paused(drain_timeout_s):
         try:
             pin(engine, snapshot, version, reload=True)
             for unit in units:
-                scored[unit] = score_unit(engine, cache, unit)
+                try:
+                    scored[unit] = score_unit(engine, cache, unit, snapshot)
+                except NoChatTemplate as e:  # this dataset only: a skip with its own reason
+                    skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot))
             check_pinned(engine, version, [v for s in scored.values() for v in s.weight_versions])
         except PinViolation as e:
             return _write_all(run, [skip_result(u, "pin_violation", str(e), snapshot=snapshot) for u in units])
         except EngineError as e:
             return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
     elapsed = time.perf_counter() - t0
-    return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()])
+    return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()] + skipped)
 
 
 def _ok(unit: WorkUnit, scores: UnitScores, snapshot: str, elapsed: float) -> Result:
@@ -152,6 +157,8 @@ def _ok(unit: WorkUnit, scores: UnitScores, snapshot: str, elapsed: float) -> Re
         unit,
         scores.scores,
         scores.weight_versions,
+        scores.answers,
+        grader_timeouts=scores.grader_timeouts,
         snapshot=snapshot,
         timings={"generate_s": scores.generate_s, "point_s": elapsed},
         worker={**producer_identity(), "posture": "shared"},

@@ -1,7 +1,10 @@
 """``ckpteval plot RUN -o curve.png``: score vs step per dataset, skips marked, lag below.
 
 The plotted series are exactly the derived points (coord.results.derive_point) of complete steps;
-:func:`plot_series` returns them so a test can check the picture shows what the run says.
+:func:`plot_series` returns them so a test can check the picture shows what the run says. Each
+dataset's pooled mean is drawn with a band of ± its standard error over prompts, and its pass@k /
+maj@n (when it has them) as dashed lines of the same colour. A dataset evaluated every few points
+(its ``every``) is drawn at exactly the steps it was evaluated at.
 Matplotlib runs headless (Agg). Limits: incomplete points are not drawn.
 """
 
@@ -19,8 +22,11 @@ FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
 
 
 def plot_series(status: dict[str, Any]) -> dict[str, Any]:
-    """The data the figure draws: per dataset (steps, scores), skipped (step, reasons), lag."""
+    """The data the figure draws: per dataset (steps, scores), its stderr band (steps, low, high: finite
+    ones only), its derived series ``"<ds> <key>"`` (steps, values), skipped (step, reasons), lag."""
     series: dict[str, tuple[list[int], list[float]]] = {ds: ([], []) for ds in status["datasets"]}
+    bands: dict[str, tuple[list[int], list[float], list[float]]] = {ds: ([], [], []) for ds in status["datasets"]}
+    derived: dict[str, tuple[list[int], list[float]]] = {}
     skipped: list[tuple[int, str]] = []
     lag: tuple[list[int], list[float]] = ([], [])
     for p in status["points"]:
@@ -29,12 +35,21 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
         for ds, d in p["datasets"].items():
             series[ds][0].append(p["step"])
             series[ds][1].append(d["score"])
+            se = d.get("stderr")
+            if isinstance(se, float) and math.isfinite(se):
+                bands[ds][0].append(p["step"])
+                bands[ds][1].append(d["score"] - se)
+                bands[ds][2].append(d["score"] + se)
+            for key, value in d.get("derived", {}).items():
+                steps, values = derived.setdefault(f"{ds} {key}", ([], []))
+                steps.append(p["step"])
+                values.append(value)
         if p["skips"]:
             skipped.append((p["step"], ",".join(sorted(p["skips"]))))
         if p["lag_steps"] is not None:
             lag[0].append(p["step"])
             lag[1].append(p["lag_steps"])
-    return {"series": series, "skipped": skipped, "lag": lag}
+    return {"series": series, "bands": bands, "derived": derived, "skipped": skipped, "lag": lag}
 
 
 def draw(data: dict[str, Any], out: Path, title: str) -> None:
@@ -45,13 +60,20 @@ def draw(data: dict[str, Any], out: Path, title: str) -> None:
 
     fig, (ax, ax_lag) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     for ds, (steps, scores) in data["series"].items():
-        ax.plot(steps, scores, marker="o", label=ds)
+        (line,) = ax.plot(steps, scores, marker="o", label=ds)
+        b_steps, low, high = data.get("bands", {}).get(ds, ([], [], []))
+        if b_steps:
+            ax.fill_between(b_steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        for name, (d_steps, values) in data.get("derived", {}).items():
+            if name.startswith(f"{ds} "):
+                ax.plot(d_steps, values, linestyle="--", marker=".", color=line.get_color(), alpha=0.8, label=name)
     for step, reasons in data["skipped"]:
         ax.axvline(step, color="red", alpha=0.3, linestyle="--")
         ax.annotate(f"skipped: {reasons}", (step, 0.02), rotation=90, fontsize=7, color="red",
                     xycoords=("data", "axes fraction"))
     ax.set_ylabel("score")
-    values = [s for _, scores in data["series"].values() for s in scores if not math.isnan(s)]
+    values = [s for _, scores in [*data["series"].values(), *data.get("derived", {}).values()]
+              for s in scores if not math.isnan(s)]
     if all(0 <= s <= 1 for s in values):
         ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="lower right")

@@ -142,14 +142,40 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
+def derived_keys(status: dict[str, Any]) -> dict[str, list[str]]:
+    """Per dataset, the derived metrics (``pass@k``, ``maj@n``) any of its points has, pass@k first."""
+    keys: dict[str, set[str]] = {ds: set() for ds in status["datasets"]}
+    for p in status["points"]:
+        for ds, d in p["datasets"].items():
+            keys.setdefault(ds, set()).update(d.get("derived", {}))
+
+    def order(key: str) -> tuple[int, int]:
+        name, _, k = key.partition("@")
+        return (0 if name == "pass" else 1, int(k) if k.isdigit() else 0)
+
+    return {ds: sorted(ks, key=order) for ds, ks in keys.items()}
+
+
+def _score_cell(d: dict[str, Any]) -> str:
+    se = d.get("stderr")
+    if isinstance(se, float) and math.isfinite(se):
+        return f"{_fmt(d['score'])}±{se:.3f}"
+    return _fmt(d["score"])
+
+
 def points_table(status: dict[str, Any]) -> Any:
-    """The per-point table (also the demo's final table)."""
+    """The per-point table (also the demo's final table): per dataset the pooled mean ± its standard
+    error over prompts, its pass@k / maj@n when it has them, and the pin columns; ``-`` where a
+    dataset is not part of a point (its cadence) or did not finish."""
     from rich.table import Table
 
     table = Table(title=f"points of {status['run_id']}")
     table.add_column("step", justify="right")
+    extra = derived_keys(status)
     for ds in status["datasets"]:
-        table.add_column(ds, justify="right")
+        table.add_column(f"{ds} (±se)", justify="right")
+        for key in extra[ds]:
+            table.add_column(key, justify="right")
         table.add_column("wv/mean", justify="right")
         table.add_column("mixed", justify="right")
     for col in ("lag", "units", "skips"):
@@ -158,7 +184,11 @@ def points_table(status: dict[str, Any]) -> Any:
         cells = [str(p["step"])]
         for ds in status["datasets"]:
             d = p["datasets"].get(ds)
-            cells += [_fmt(d["score"]), _fmt(d["weight_version_mean"], 1), _fmt(d["mixed_version_ratio"], 2)] if d else ["-"] * 3
+            if d is None:
+                cells += ["-"] * (3 + len(extra[ds]))
+                continue
+            cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds]),
+                      _fmt(d["weight_version_mean"], 1), _fmt(d["mixed_version_ratio"], 2)]
         skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
         cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
         table.add_row(*cells)

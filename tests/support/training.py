@@ -148,9 +148,9 @@ def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeou
         try:
             if engine.weight_version() != str(ref.step):
                 engine.load(str(ref.path), str(ref.step))
-            scores = score_unit(engine, cache, claim.unit)
+            scores = score_unit(engine, cache, claim.unit, str(ref.path))
             time.sleep(delay_s)
-            write_result(run.results, ok_result(claim.unit, scores.scores, scores.weight_versions,
+            write_result(run.results, ok_result(claim.unit, scores.scores, scores.weight_versions, scores.answers,
                                                 snapshot=str(ref.path), lease_token=claim.token,
                                                 attempt=claim.attempt))
             written += 1

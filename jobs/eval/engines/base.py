@@ -3,7 +3,8 @@
 An engine holds one set of weights at a time, stamped with a ``weight_version`` string. The only way
 weights change is :meth:`Engine.load`, which swaps weights *and* version together (a reader never sees
 new weights under an old version or the reverse). Every generation carries the version that produced
-it, so a worker can prove which weights a sample measured.
+it, so a worker can prove which weights a sample measured. Prompts arrive as final text (chat
+templates are rendered before, by :mod:`jobs.eval.prompts`).
 
 Limits: an engine shared with other clients (an sglang server someone else also reloads) can change
 version between two calls; the worker detects that by re-reading the version after a unit and by the
@@ -50,8 +51,17 @@ class Engine(Protocol):
     def weight_version(self) -> str | None:
         """The version of the weights currently loaded (``None`` before the first load)."""
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
-        """Complete every prompt; one :class:`Generation` per prompt, in order."""
+    def generate(
+        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Generation]:
+        """Complete every prompt; one :class:`Generation` per prompt, in order.
+
+        ``seeds[i]`` (when given, one per prompt) is the sampling seed of ``prompts[i]`` and overrides
+        ``params.seed``: identical prompts with distinct seeds draw independent samples, and the same
+        prompt with the same seed draws the same sample again, whatever else is in the batch (where
+        the engine honours seeds). ``None`` keeps ``params.seed`` for the whole call. Greedy decoding
+        ignores seeds.
+        """
 
     def healthy(self) -> bool:
         """A cheap probe (a one-token generate). Never raises for a dead engine: returns False."""

@@ -146,13 +146,24 @@ class EnginePool:
             return versions[0]
         return "|".join(str(v) for v in versions)  # never equal to a step: the worker reloads or skips
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
-        """Split ``prompts`` evenly and in order across the engines; outputs keep the prompts' order."""
+    def generate(
+        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Generation]:
+        """Split ``prompts`` evenly and in order across the engines; outputs keep the prompts' order.
+
+        Each prompt's seed travels with it, so a sample does not depend on which engine drew it.
+        """
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         size = max(1, -(-len(prompts) // len(self.engines)))
+
+        def call(e: Engine, lo: int, hi: int) -> Callable[[], list[Generation]]:
+            if seeds is None:
+                return lambda: e.generate(prompts[lo:hi], params)
+            return lambda: e.generate(prompts[lo:hi], params, seeds=seeds[lo:hi])
+
         calls = [
-            lambda e=e, part=prompts[i * size : (i + 1) * size]: e.generate(part, params)
-            for i, e in enumerate(self.engines)
-            if prompts[i * size : (i + 1) * size]
+            call(e, i * size, (i + 1) * size) for i, e in enumerate(self.engines) if prompts[i * size : (i + 1) * size]
         ]
         return [g for part in _parallel(calls) for g in part]
 

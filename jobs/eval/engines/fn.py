@@ -20,6 +20,13 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
        "dataset": {name, path, n_prompts, scorer, shard_size, n_samples, max_new_tokens,
                    temperature, top_p, top_k, seed},             # run.json's DatasetSpec
        "rows": [{"prompt": str, "answer": str}, ...],             # the shard's rows, in order
+                                                                 #   ({"messages": [...], ...} in chat sets)
+       "prompts": [str, ...],                                     # each row's final prompt text (chat
+                                                                 #   sets rendered with the snapshot's
+                                                                 #   chat template: jobs.eval.prompts)
+       "seeds": [int, ...] | None,                                # per-sample seeds, prompt-major
+                                                                 #   (jobs.eval.scoring.sample_seed);
+                                                                 #   None for greedy sets
        "adapters": [...], "engine": {...}}                        # run.json's eval.adapters / engine
 
 * ``output`` (dict, checked by :func:`parse_output`)::
@@ -27,6 +34,7 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
       {"scores": [float, ...],              # required: len(rows) * n_samples, prompt-major order
        "weight_versions": [str, ...],        # optional: the version that produced each sample;
                                              #   omitted means every sample is input["weight_version"]
+       "answers": [str | None, ...],         # optional: each sample's extracted answer (maj@n)
        "message": str}                        # optional: kept in the result
 
   A version differing from ``input["weight_version"]`` on any sample makes the unit a
@@ -82,6 +90,7 @@ class FnOutput:
     scores: list[float]
     weight_versions: list[str | None]
     message: str
+    answers: list[str | None] | None = None
 
 
 def load_fn_class(path: str) -> type[CheckpointEvalFn]:
@@ -112,9 +121,14 @@ def make_fn_backend(path: str, extra: dict[str, Any]) -> CheckpointEvalFn:
 
 
 def build_input(
-    manifest: RunManifest, spec: DatasetSpec, unit: WorkUnit, rows: list[dict[str, str]]
+    manifest: RunManifest,
+    spec: DatasetSpec,
+    unit: WorkUnit,
+    rows: list[dict[str, Any]],
+    prompts: list[str] | None = None,
+    seeds: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The ``input`` dict of one unit (see the module docstring)."""
+    """The ``input`` dict of one unit (see the module docstring); ``prompts`` default to the raw ones."""
     return {
         "run_id": manifest.run_id,
         "step": unit.step,
@@ -123,6 +137,8 @@ def build_input(
         "unit_id": unit.id,
         "dataset": asdict(spec),
         "rows": [dict(r) for r in rows],
+        "prompts": list(prompts) if prompts is not None else [r.get("prompt") for r in rows],
+        "seeds": None if seeds is None else list(seeds),
         "adapters": [dict(a) for a in manifest.eval.adapters],
         "engine": dict(manifest.eval.engine),
     }
@@ -143,9 +159,13 @@ def parse_output(output: Any, expected_n: int, weight_version: str) -> FnOutput:
         versions = [weight_version] * expected_n
     if not isinstance(versions, list) or len(versions) != expected_n:
         raise ValueError(f"output 'weight_versions' must be a list of {expected_n} versions")
+    answers = output.get("answers")
+    if answers is not None and (not isinstance(answers, list) or len(answers) != expected_n):
+        raise ValueError(f"output 'answers' must be a list of {expected_n} extracted answers (str or null)")
     message = output.get("message", "")
     return FnOutput(
         scores=[float(s) for s in scores],
         weight_versions=[None if v is None else str(v) for v in versions],
         message=message if isinstance(message, str) else str(message),
+        answers=None if answers is None else [None if a is None else str(a) for a in answers],
     )

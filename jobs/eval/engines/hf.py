@@ -15,7 +15,11 @@ What it owns and promises:
   midway, the version becomes ``None`` (weights undefined) and :class:`EngineError` is raised.
 - Generation: batched, left-padded, KV cache, greedy when ``temperature == 0`` else sampled with
   ``top_p``/``top_k``; ``seed`` makes a sampled call reproducible (same prompts, batch and seed) via
-  a forked RNG that leaves the global RNG untouched. Only new tokens are decoded, cut at the first
+  a forked RNG that leaves the global RNG untouched. Per-sample ``seeds`` (one per prompt) keep the
+  batch and give each row its own ``torch.Generator``: a logits processor draws each row's token
+  from the temperature/top-k/top-p distribution with that row's generator and the (then greedy)
+  decoder takes it, so a row's sample depends on its prompt and seed only, not on its batch-mates
+  (up to the float noise of padding), and identical prompts with distinct seeds draw independently. Only new tokens are decoded, cut at the first
   ``eos``; ``n_tokens`` counts generated tokens including that ``eos``.
 - Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused (reading and
   checking a snapshot's weights is :mod:`jobs.eval.engines.hf_weights`'s).
@@ -47,8 +51,13 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
     PretrainedConfig,
     PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from jobs.eval.engines.base import EngineError, Generation, SamplingParams
@@ -100,6 +109,38 @@ def validate_sampling(params: SamplingParams) -> None:
         raise ValueError(f"seed must be an int or None, got {params.seed!r}")
 
 
+def validate_seeds(seeds: list[int] | None, n: int) -> None:
+    """Raise ``ValueError`` unless ``seeds`` is None or one non-negative int per prompt."""
+    if seeds is None:
+        return
+    if not isinstance(seeds, list) or len(seeds) != n:
+        raise ValueError(f"seeds must be a list of one int per prompt ({n}), got {seeds!r}"[:300])
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
+        raise ValueError("seeds must be non-negative ints")
+
+
+class SeededSampler(LogitsProcessor):
+    """Samples each row's next token with that row's own generator (see the module docstring).
+
+    Returns scores that are ``-inf`` everywhere but the drawn token, so a greedy decoder emits it.
+    """
+
+    def __init__(self, seeds: Sequence[int], params: SamplingParams, device: torch.device) -> None:
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
+        if params.top_k > 0:
+            warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1:
+            warpers.append(TopPLogitsWarper(params.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        picks = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(1, picks.unsqueeze(1), 0.0)
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` with every row right-aligned (padding on the left)."""
     width = max(len(r) for r in rows)
@@ -110,11 +151,6 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
             input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
             attention_mask[i, width - len(row) :] = 1
     return input_ids, attention_mask
-
-
-def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 @contextlib.contextmanager
@@ -249,40 +285,61 @@ class HFEngine:
             self._version, self._snapshot = version, snapshot
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
-        return [c.generation() for c in self.complete(prompts, params)]
+    def generate(
+        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Generation]:
+        return [c.generation() for c in self.complete(prompts, params, seeds)]
 
-    def complete(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
+    def complete(
+        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Completion]:
         """Like :meth:`generate`, with output ids, finish reason and prompt length."""
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a list of str")
         with self._lock:
             tokenizer = self._require_loaded()[1]
             rows = tokenizer(prompts)["input_ids"] if prompts else []
-            return self.generate_ids(rows, params)
+            return self.generate_ids(rows, params, seeds)
 
-    def generate_ids(self, input_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Complete already-tokenized prompts (sglang's ``input_ids`` requests)."""
+    def generate_ids(
+        self, input_ids: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Completion]:
+        """Complete already-tokenized prompts (sglang's ``input_ids`` requests); ``seeds``: one per row."""
         validate_sampling(params)
+        validate_seeds(seeds, len(input_ids) if isinstance(input_ids, list) else 0)
+        per_row = seeds is not None and params.temperature > 0
         with self._lock:
             model, tokenizer = self._require_loaded()
             self._check_ids(input_ids, model.config.vocab_size)
             results: list[Completion] = []
-            with _seeded(params.seed, self._device):
-                for chunk in _chunks(input_ids, self._max_batch_size):
-                    results.extend(self._generate_chunk(model, tokenizer, chunk, params))
+            with _seeded(None if per_row else params.seed, self._device):
+                for start in range(0, len(input_ids), self._max_batch_size):
+                    chunk = input_ids[start : start + self._max_batch_size]
+                    row_seeds = seeds[start : start + len(chunk)] if per_row and seeds is not None else None
+                    results.extend(self._generate_chunk(model, tokenizer, chunk, params, row_seeds))
             return results
 
     def _generate_chunk(
-        self, model: PreTrainedModel, tokenizer: Any, rows: Sequence[list[int]], params: SamplingParams
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        rows: Sequence[list[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
         input_ids, attention_mask = left_pad(rows, self._pad_id(tokenizer))
+        config = self._generation_config(params, tokenizer)
+        processors = LogitsProcessorList()
+        if seeds is not None:  # per-row generators draw the token; the decoder itself is greedy
+            config = self._generation_config(SamplingParams(max_new_tokens=params.max_new_tokens), tokenizer)
+            processors.append(SeededSampler(seeds, params, self._device))
         try:
             with torch.inference_mode():
                 out = model.generate(
                     input_ids=input_ids.to(self._device),
                     attention_mask=attention_mask.to(self._device),
-                    generation_config=self._generation_config(params, tokenizer),
+                    generation_config=config,
+                    logits_processor=processors,
                 )
         except RuntimeError as e:
             raise EngineError(f"generation failed: {e}") from e
