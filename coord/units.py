@@ -61,7 +61,14 @@ class WorkUnit:
 
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
     """Every unit of one eval point: each dataset split into ``ceil(n_prompts / shard_size)`` shards."""
-    return [WorkUnit(step, ds.name, s) for ds in manifest.eval.datasets for s in range(ds.n_shards)]
+    return [WorkUnit(step, ds.name, s) for ds in manifest.eval.datasets for s in range(ds.n_shards)] + (
+        harness_units(manifest, step)
+    )
+
+
+def harness_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
+    """The units of the ``lm_eval`` entries at ``step``: shard ``i`` of an entry runs its ``tasks[i]``."""
+    return [WorkUnit(step, h.name, i) for h in manifest.eval.harness for i in range(h.n_shards)]
 
 
 def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
