@@ -17,6 +17,8 @@ from coord.manifest import EvalSpec, HarnessSpec, LeaseSettings, RunManifest, lo
 from coord.results import derive_point, parse_result, point_metrics
 from coord.rundir import RunDir
 from coord.units import WorkUnit, units_for_step
+from jobs.views.plot import plot_series
+from jobs.views.status import collect_status, points_table
 from tests.support.workers import REPO, finish, publish_model, results, spawn
 
 pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
@@ -96,6 +98,10 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
     assert metrics["eval/ckpteval_addition_mc/weight_version/mean"] == 5.0
     assert metrics["eval/ckpteval_addition_mc/weight_version/mixed_version_ratio"] == 0.0
     assert "eval/addition" in metrics  # the JSONL dataset of the same point is untouched
+    status = collect_status(run.path)  # status and plot show the task metrics
+    assert status["harness_metrics"] == ["ckpteval_addition_gen/exact_match", "ckpteval_addition_mc/acc"]
+    assert "ckpteval_addition_mc/acc" in [c.header for c in points_table(status).columns]
+    assert plot_series(status)["series"]["ckpteval_addition_mc/acc"] == ([5], [mc["acc"]])
 
 
 def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from coord.manifest import HarnessSpec, RunManifest
+from coord.manifest import HarnessSpec
 from coord.rundir import RunDir
 
 INSTALL_HINT = "lm_eval datasets need the lm-eval package: pip install 'ckpteval[harness]'"
@@ -66,9 +66,9 @@ def task_manager(run: RunDir, spec: HarnessSpec) -> Any:
     return _task_manager(None if path is None else str(path), spec.include_defaults)
 
 
-def check_harness(run: RunDir, manifest: RunManifest) -> None:
+def check_harness(run: RunDir, specs: tuple[HarnessSpec, ...]) -> None:
     """At worker start: lm-eval importable, every entry's tasks known to the harness."""
-    for spec in manifest.eval.harness:
+    for spec in specs:
         tm = task_manager(run, spec)
         unknown = [t for t in spec.tasks if t not in tm.all_tasks]
         if unknown:

@@ -122,7 +122,7 @@ def check_datasets(cache: DatasetCache) -> None:
     if cache.manifest.eval.harness:
         from jobs.eval.harness import check_harness
 
-        check_harness(cache.run, cache.manifest)
+        check_harness(cache.run, cache.manifest.eval.harness)
 
 
 # -- entry points ---------------------------------------------------------------------------------------

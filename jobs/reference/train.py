@@ -59,6 +59,7 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import MARKER, producer_identity
 from jobs.eval.evalsets import write_addition_dataset
+from jobs.eval.service import install_eval_data, read_eval_config
 from jobs.metrics import MetricsSink, init_wandb
 from jobs.reference.model import (
     ModelConfig,
@@ -108,6 +109,7 @@ class TrainConfig:
     eval_keep_snapshots: int = 2
     eval_overflow_policy: str = "backpressure"
     eval_posture: str = "fleet"
+    eval_config: Path | None = None  # the eval-config file (service format): replaces the built-in set
     eval_n_prompts: int = 128
     eval_shard_size: int = 64
     eval_poll_interval: float = 2.0
@@ -193,6 +195,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     g.add_argument("--eval-keep-snapshots", type=int, default=2)
     g.add_argument("--eval-overflow-policy", choices=OVERFLOW_POLICIES, default="backpressure")
     g.add_argument("--eval-posture", choices=("fleet", "shared"), default="fleet")
+    g.add_argument("--eval-config", type=Path, metavar="FILE",
+                   help="evaluate the datasets of this eval-config file (the format `ckpteval worker --eval-config` "
+                        "takes) instead of the built-in addition set; its lease settings win over --lease-*")
     g.add_argument("--eval-n-prompts", type=int, default=128)
     g.add_argument("--eval-shard-size", type=int, default=64)
     g.add_argument("--eval-poll-interval", type=float, default=2.0, help="seconds between results listings")
@@ -217,22 +222,34 @@ def _node_list(text: str) -> tuple[str, ...]:
 
 
 def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
-    """Create the run dir, or reopen it on --resume; run.json is written last, once."""
+    """Create the run dir, or reopen it on --resume; run.json is written last, once.
+
+    With ``--eval-config`` the file is read and checked (datasets present, fields valid) before anything
+    is written; on ``--resume`` it must describe the run's eval.
+    """
     run = RunDir(cfg.run_dir)
+    config = read_eval_config(cfg.eval_config) if cfg.eval_config is not None else None
     if run.manifest_path.is_file():
         if not cfg.resume:
             raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
+        if config is not None and run.manifest().eval != config.spec:
+            raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
         return run
     run = RunDir.create(cfg.run_dir)
     save_base_model_dir(base_model_dir(run), cfg.model, cfg.arch)  # type: ignore[arg-type]
-    dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
+    if config is None:
+        dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
+        eval_spec = EvalSpec(datasets=(dataset,), engine={"dtype": "float32"})
+    else:
+        install_eval_data(run, config)
+        eval_spec = config.spec
     roots = (str(dispatch.snapshot_root),) if dispatch is not None else (str(run.snapshots),)
     manifest = RunManifest(
-        run_id=cfg.run_id or _run_id(run.path),
-        eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
+        run_id=cfg.run_id or (config.raw.get("run_id") if config else None) or _run_id(run.path),
+        eval=eval_spec,
         snapshot_roots=roots,
         trainer=trainer_identity(cfg, dispatch),
-        lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
+        lease=(config.lease if config and config.lease else LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat)),
         created=time.time(),
     )
     RunDir.create(run.path, manifest)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from coord.results import Result, ok_result, skip_result, write_result
+from coord.results import Result, harness_result, ok_result, skip_result, write_result
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
@@ -128,26 +128,41 @@ def shared_eval(
     version = str(step)
     snapshot = str(snapshot_dir)
     t0 = time.perf_counter()
-    scored: dict[WorkUnit, UnitScores] = {}
+    scored: dict[WorkUnit, UnitScores | dict[str, float]] = {}
     with gate.paused(drain_timeout_s):
         try:
             engine.load(snapshot, version)
             before = engine.weight_version()
             if before == version:
                 for unit in units:
-                    scored[unit] = score_unit(engine, cache, unit)
+                    scored[unit] = _score(engine, cache, unit, snapshot)
             after = engine.weight_version()
         except EngineError as e:
             return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
     elapsed = time.perf_counter() - t0
-    samples = {v for s in scored.values() for v in s.weight_versions}
+    samples = {v for s in scored.values() if isinstance(s, UnitScores) for v in s.weight_versions}
     if before != version or after != version or samples - {version}:
         why = f"engine version before={before!r} after={after!r} samples={sorted(map(str, samples))}, wanted {version!r}"
         return _write_all(run, [skip_result(u, "pin_violation", why, snapshot=snapshot) for u in units])
-    return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()])
+    return _write_all(run, [_ok(u, s, snapshot, elapsed, [before, after]) for u, s in scored.items()])
 
 
-def _ok(unit: WorkUnit, scores: UnitScores, snapshot: str, elapsed: float) -> Result:
+def _score(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot: str) -> UnitScores | dict[str, float]:
+    """A JSONL unit's scores, or an lm-eval task's metrics (:mod:`jobs.eval.harness`)."""
+    spec = cache.manifest.harness_entry(unit.dataset)
+    if spec is None:
+        return score_unit(engine, cache, unit)
+    from jobs.eval.harness import run_task
+
+    return run_task(engine, cache.run, spec, spec.tasks[unit.shard], snapshot)
+
+
+def _ok(
+    unit: WorkUnit, scores: UnitScores | dict[str, float], snapshot: str, elapsed: float, read_backs: list[str | None]
+) -> Result:
+    if isinstance(scores, dict):  # an lm-eval task: its metrics, pinned by the read-backs around the point
+        return harness_result(unit, scores, read_backs, snapshot=snapshot, timings={"point_s": elapsed},
+                              worker={**producer_identity(), "posture": "shared"})
     return ok_result(
         unit,
         scores.scores,

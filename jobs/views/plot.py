@@ -17,8 +17,9 @@ from jobs.views.status import collect_status
 
 
 def plot_series(status: dict[str, Any]) -> dict[str, Any]:
-    """The data the figure draws: per dataset (steps, scores), skipped (step, reasons), lag."""
-    series: dict[str, tuple[list[int], list[float]]] = {ds: ([], []) for ds in status["datasets"]}
+    """The data the figure draws: per dataset and lm-eval metric (steps, values), skipped (step, reasons), lag."""
+    names = list(status["datasets"]) + list(status.get("harness_metrics", []))
+    series: dict[str, tuple[list[int], list[float]]] = {name: ([], []) for name in names}
     skipped: list[tuple[int, str]] = []
     lag: tuple[list[int], list[float]] = ([], [])
     for p in status["points"]:
@@ -27,6 +28,10 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
         for ds, d in p["datasets"].items():
             series[ds][0].append(p["step"])
             series[ds][1].append(d["score"])
+        for name in status.get("harness_metrics", []):  # lm-eval tasks: "<task>/<metric>"
+            if name in p["metrics"]:
+                series[name][0].append(p["step"])
+                series[name][1].append(p["metrics"][name])
         if p["skips"]:
             skipped.append((p["step"], ",".join(sorted(p["skips"]))))
         if p["lag_steps"] is not None:

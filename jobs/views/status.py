@@ -134,6 +134,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "run_dir": str(run.path),
         "training_done": run.training_done(),
         "datasets": [d.name for d in manifest.eval.datasets],
+        "harness_metrics": harness_columns(points),
         "snapshots": snapshots,
         "units": units,
         "points": points,
@@ -145,6 +146,11 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
             "ledger_pending": ledger.pending if ledger else [],
         },
     }
+
+
+def harness_columns(points: list[dict[str, Any]]) -> list[str]:
+    """The lm-eval metrics (``"<task>/<metric>"``) any point carries, pin evidence left out."""
+    return sorted({k for p in points for k in p["metrics"] if "/weight_version/" not in k})
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -165,6 +171,8 @@ def points_table(status: dict[str, Any]) -> Any:
         table.add_column(ds, justify="right")
         table.add_column("wv/mean", justify="right")
         table.add_column("mixed", justify="right")
+    for name in status.get("harness_metrics", []):
+        table.add_column(name, justify="right")
     for col in ("lag", "units", "skips"):
         table.add_column(col, justify="right")
     for p in status["points"]:
@@ -172,6 +180,7 @@ def points_table(status: dict[str, Any]) -> Any:
         for ds in status["datasets"]:
             d = p["datasets"].get(ds)
             cells += [_fmt(d["score"]), _fmt(d["weight_version_mean"], 1), _fmt(d["mixed_version_ratio"], 2)] if d else ["-"] * 3
+        cells += [_fmt(p["metrics"].get(name)) for name in status.get("harness_metrics", [])]
         skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
         cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
         table.add_row(*cells)
