@@ -26,6 +26,7 @@ from coord.ledger import Ledger
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, derive_point
 from coord.rundir import RunDir
+from coord.steps import run_step_selection
 from coord.units import units_for_step
 
 
@@ -120,6 +121,9 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     retired = ledger.retired if ledger else set()
     snapshots = _snapshot_rows(manifest.snapshot_roots, retired)
     steps = sorted({s["step"] for s in snapshots} | {u.step for u in results} | set(ledger.dispatched if ledger else ()))
+    selection = run_step_selection(manifest.trainer, str(run.manifest_path))
+    if selection is not None:  # a re-evaluation run shows only the steps it evaluates
+        steps = [s for s in steps if s in selection]
     units = _unit_rows(run, manifest, steps, results)
     lags = eval_lags(read_metrics(run.metrics_path))
     points = _point_rows(manifest, steps, results, lags)
