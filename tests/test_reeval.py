@@ -176,3 +176,29 @@ def test_step_selection_grammar() -> None:
     assert [s for s in range(20) if s in parse_steps("3,10:")] == [3, *range(10, 20)]
     assert parse_steps("latest").resolve([5, 40, 10]).text == "40"
     assert parse_steps("latest,0").select([0, 5, 9]) == [0, 9]
+
+
+def test_submit_backfill_from_run_validates_on_dry_run_and_creates_the_new_run_before_sbatch(
+    tmp_path: Path, old_run: RunDir, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sbatch`` is a stand-in script here (the real SLURM cluster tests live in tests/slurm/)."""
+    from jobs.launch import submit
+
+    before = fingerprint(old_run.path)
+    new, cfg = tmp_path / "new", eval_config(tmp_path)
+    argv = ["backfill", "--run-dir", str(new), "--from-run", str(old_run.path), "--eval-config", str(cfg),
+            "--steps", "0:40:20", "--tasks", "4"]
+    assert submit.main([*argv[:-2], "--steps", "5:1", "--dry-run"]) == 2
+    assert "STOP 1 is below START 5" in capsys.readouterr().err
+    assert submit.main([*argv, "--dry-run"]) == 0
+    assert f"CKPTEVAL_RUN_DIRS=({new})" in capsys.readouterr().out
+    assert not new.exists()  # a dry run writes nothing
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/bash\necho 77\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert submit.main(argv) == 0
+    manifest = RunDir.open(new).manifest()  # the array tasks find run.json ready
+    assert manifest.trainer["steps"] == "0:40:20" and manifest.eval.datasets[0].name == "bench"
+    assert fingerprint(old_run.path) == before
