@@ -137,6 +137,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "run_id": manifest.run_id,
         "run_dir": str(run.path),
         "training_done": run.training_done(),
+        "reeval": {k: manifest.trainer.get(k) for k in ("from_run", "steps")} if selection is not None else None,
         "datasets": [d.name for d in manifest.eval.datasets],
         "harness_metrics": harness_columns(points),
         "snapshots": snapshots,
@@ -209,8 +210,13 @@ def render(status: dict[str, Any]) -> list[Any]:
     h = status["health"]
     free = ", ".join(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items())
     u = status["units"]
+    reeval = status.get("reeval")
+    training = (
+        f"re-evaluating {reeval['from_run']} (steps {reeval['steps']})" if reeval
+        else f"training {'done at step ' + str(status['training_done']) if status['training_done'] is not None else 'running'}"
+    )
     health = (
-        f"training {'done at step ' + str(status['training_done']) if status['training_done'] is not None else 'running'}"
+        f"{training}"
         f" | units done {u['done']}, pending {len(u['pending'])}, skipped {sum(u['skipped'].values())}"
         f" | expired leases {h['expired_leases']} | malformed results {len(h['malformed_results'])} | {free}"
     )
