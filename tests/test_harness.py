@@ -129,3 +129,56 @@ def test_an_unknown_task_stops_the_worker_at_start_with_one_line(tmp_path: Path)
     code, out = finish(spawn("worker", "--run-dir", str(run.path), "--once", env=OFFLINE), timeout=120)
     assert code == 2, out
     assert "unknown task(s) ['no_such_task']" in out and "Traceback" not in out
+
+
+def test_an_lm_eval_task_runs_through_an_attached_server_with_lm_evals_completions_backend(tmp_path: Path) -> None:
+    """``ckpteval serve`` (the real HTTP engine) with its ``/v1/completions``; the worker pins it through
+    ``/update_weights_from_disk`` and lm-eval's ``local-completions`` adapter generates through it."""
+    from dataclasses import replace
+
+    from tests.support.workers import kill_all, start_serve
+
+    run = harness_run(tmp_path)
+    manifest = run.manifest()
+    only_gen = replace(manifest.eval.harness[0], tasks=(TASKS[0],))
+    run.manifest_path.unlink()
+    RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, harness=(only_gen,))))
+    snap = publish_model(tmp_path, run.snapshots, 5)
+    url, server = start_serve(snap, "0", tmp_path / "serve.log")
+    try:
+        code, out = finish(spawn("worker", "--run-dir", str(run.path), "--once", "--engine", f"http:{url}",
+                                 "--poll-interval", "0.2", env=OFFLINE), timeout=300)
+    finally:
+        kill_all([server])
+    assert code == 0, out
+    r = results(run)[WorkUnit(5, "harness", 0)]
+    assert r.ok, (r.skip_reason, r.message)
+    assert r.weight_versions == ("5", "5") and 0.0 <= r.metrics["exact_match"] <= 1.0
+
+
+def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp_path: Path) -> None:
+    import httpx
+
+    from tests.support.workers import kill_all, start_serve
+
+    snap = publish_model(tmp_path, tmp_path / "snaps", 3)
+    url, server = start_serve(snap, "3", tmp_path / "serve.log")
+    try:
+        native = httpx.post(f"{url}/generate", json={"text": ["12+30=", "07+07="], "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0}}).json()
+        got = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": ["12+30=", "07+07="],
+                                                         "max_tokens": 6, "temperature": 0, "seed": 1}).json()
+        assert [c["index"] for c in got["choices"]] == [0, 1]
+        assert [c["text"] for c in got["choices"]] == [n["text"] for n in native]  # same engine, same greedy text
+        text = native[0]["text"]
+        assert len(text) >= 3, native  # 6 greedy tokens of the tiny model decode to several characters
+        stop = text[2]
+        cut = httpx.post(f"{url}/v1/completions", json={"prompt": "12+30=", "max_tokens": 6, "temperature": 0,
+                                                         "stop": [stop]}).json()["choices"][0]
+        assert cut["text"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "1+1=", "echo": True, "logprobs": 1})
+        assert refused.status_code == 400 and "generates only" in refused.json()["message"]
+        unknown = httpx.post(f"{url}/v1/completions", json={"prompt": "1+1=", "best_of": 2})
+        assert unknown.status_code == 400 and "best_of" in unknown.json()["message"]
+    finally:
+        kill_all([server])

@@ -107,15 +107,18 @@ def completions_lm(base_url: str, snapshot_dir: str, spec: HarnessSpec) -> Any:
     """The harness's ``local-completions`` adapter against ``<base_url>/v1/completions``."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    return LocalCompletionsAPI(
-        base_url=f"{base_url.rstrip('/')}/v1/completions",
-        model=snapshot_dir,
-        tokenizer=snapshot_dir,
-        tokenizer_backend="huggingface",
-        tokenized_requests=False,
-        batch_size=spec.batch_size,
-        max_retries=1,
-    )
+    try:
+        return LocalCompletionsAPI(
+            base_url=f"{base_url.rstrip('/')}/v1/completions",
+            model=snapshot_dir,
+            tokenizer=snapshot_dir,
+            tokenizer_backend="huggingface",
+            tokenized_requests=False,
+            batch_size=spec.batch_size,
+            max_retries=1,
+        )
+    except ImportError as e:  # lm-eval's API models need its [api] extra (ckpteval[harness] has it)
+        raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
 
 
 def evaluate_task(lm: Any, run: RunDir, spec: HarnessSpec, task: str) -> dict[str, float]:
