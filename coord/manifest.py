@@ -51,7 +51,7 @@ class HarnessSpec:
 
     ``include_path`` (a dir or YAML file of local task configs; relative to the run dir unless absolute)
     is scanned in addition to lm-eval's built-in tasks unless ``include_defaults`` is false. The other
-    fields are passed to ``lm_eval.evaluator.evaluate``: ``num_fewshot`` (None: the task's own),
+    fields are passed to ``lm_eval.simple_evaluate``: ``num_fewshot`` (None: the task's own),
     ``limit`` (docs per task, None: all), ``gen_kwargs`` (overrides every task's generation_kwargs),
     ``apply_chat_template``, ``bootstrap_iters`` (stderr bootstraps; 0: none), ``seed``.
     """

@@ -104,10 +104,13 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
     assert plot_series(status)["series"]["ckpteval_addition_mc/acc"] == ([5], [mc["acc"]])
 
 
-def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: Path) -> None:
+def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Running the task on the engine through ckpteval gives what lm-eval's HFLM gives on that model."""
     from jobs.eval.engines.hf import HFEngine
     from jobs.eval.harness import evaluate_task, hf_lm, run_task
+
+    monkeypatch.chdir(REPO)  # the task YAML's data_files path is relative to the working directory
 
     run = harness_run(tmp_path)
     snap = publish_model(tmp_path, run.snapshots, 7)

@@ -26,6 +26,7 @@ working directory (use absolute paths); lm-eval seeds Python's, numpy's and torc
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -100,7 +101,8 @@ def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
     """The harness's in-process adapter around a loaded transformers model."""
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=spec.batch_size)
+    # a copy: HFLM sets a missing pad token on the tokenizer it gets, and the engine's must stay as loaded
+    return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size)
 
 
 def completions_lm(base_url: str, snapshot_dir: str, spec: HarnessSpec) -> Any:
