@@ -66,6 +66,36 @@ class DatasetSpec:
 
 
 @dataclass(frozen=True)
+class HarnessSpec:
+    """An ``lm_eval`` entry of ``eval.datasets``: EleutherAI lm-evaluation-harness tasks, one unit per task.
+
+    ``include_path`` (a dir or YAML file of local task configs; relative to the run dir unless absolute)
+    is scanned in addition to lm-eval's built-in tasks unless ``include_defaults`` is false. The other
+    fields are passed to ``lm_eval.simple_evaluate``: ``num_fewshot`` (None: the task's own),
+    ``limit`` (docs per task, None: all), ``gen_kwargs`` (overrides every task's generation_kwargs),
+    ``apply_chat_template``, ``bootstrap_iters`` (stderr bootstraps; 0: none), ``seed``.
+    """
+
+    name: str
+    tasks: tuple[str, ...]
+    include_path: str | None = None
+    include_defaults: bool = True
+    num_fewshot: int | None = None
+    limit: int | None = None
+    batch_size: int = 16
+    gen_kwargs: dict[str, Any] | None = None
+    apply_chat_template: bool = False
+    bootstrap_iters: int = 0
+    seed: int = 0
+    kind: str = "lm_eval"
+
+    @property
+    def n_shards(self) -> int:
+        """One unit per task: shard ``i`` of the entry is ``tasks[i]``."""
+        return len(self.tasks)
+
+
+@dataclass(frozen=True)
 class LeaseSettings:
     """Lease timing every participant of a run must share (filelock refuses mismatches)."""
 
@@ -78,6 +108,7 @@ class EvalSpec:
     datasets: tuple[DatasetSpec, ...]
     engine: dict[str, Any] = field(default_factory=dict)
     adapters: tuple[dict[str, Any], ...] = ()
+    harness: tuple[HarnessSpec, ...] = ()  # the ``kind: lm_eval`` entries of ``datasets`` on disk
 
 
 @dataclass(frozen=True)
@@ -96,8 +127,14 @@ class RunManifest:
                 return ds
         raise KeyError(f"run {self.run_id}: no dataset named {name!r}")
 
+    def harness_entry(self, name: str) -> HarnessSpec | None:
+        """The ``lm_eval`` entry named ``name``, or None (a JSONL dataset or unknown)."""
+        return next((h for h in self.eval.harness if h.name == name), None)
+
     def to_json(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))  # tuples become lists, as on disk
+        obj = json.loads(json.dumps(asdict(self)))  # tuples become lists, as on disk
+        obj["eval"]["datasets"] += obj["eval"].pop("harness")  # lm_eval entries live in datasets on disk
+        return obj
 
 
 class _Fields:
@@ -196,21 +233,72 @@ def _int_list(f: _Fields, key: str) -> list[int]:
     return values
 
 
+def _parse_harness(f: _Fields) -> HarnessSpec:
+    """A ``{"kind": "lm_eval", "name", "tasks": [...], ...}`` entry of ``eval.datasets``."""
+    name = f.get("name", str)
+    if not NAME_RE.match(name):
+        raise f.error("name", f"{name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
+    tasks = f.get("tasks", list)
+    if not tasks or not all(isinstance(t, str) and t and "/" not in t for t in tasks):
+        raise f.error("tasks", "must be a non-empty list of lm-eval task names (strings without '/')")
+    if len(set(tasks)) != len(tasks):
+        raise f.error("tasks", f"has duplicates: {tasks}")
+    limit, fewshot = f.get("limit", (int, type(None)), None), f.get("num_fewshot", (int, type(None)), None)
+    spec = HarnessSpec(
+        name=name,
+        tasks=tuple(tasks),
+        include_path=f.get("include_path", (str, type(None)), None),
+        include_defaults=f.get("include_defaults", bool, True),
+        num_fewshot=fewshot,
+        limit=limit,
+        batch_size=f.get("batch_size", int, 16),
+        gen_kwargs=f.get("gen_kwargs", (dict, type(None)), None),
+        apply_chat_template=f.get("apply_chat_template", bool, False),
+        bootstrap_iters=f.get("bootstrap_iters", int, 0),
+        seed=f.get("seed", int, 0),
+    )
+    for key, low in (("limit", 1), ("num_fewshot", 0), ("batch_size", 1), ("bootstrap_iters", 0)):
+        value = getattr(spec, key)
+        if value is not None and value < low:
+            raise f.error(key, f"must be >= {low}, got {value}")
+    if not spec.include_defaults and spec.include_path is None:
+        raise f.error("include_defaults", "is false but no include_path is given: no task could be found")
+    unknown = sorted(set(f.obj) - {k for k in HarnessSpec.__dataclass_fields__})
+    if unknown:
+        raise f.error(unknown[0], f"is not a field of an lm_eval entry (fields: {sorted(HarnessSpec.__dataclass_fields__)})")
+    return spec
+
+
+def _split_datasets(f: _Fields, raw: list[Any]) -> tuple[tuple[DatasetSpec, ...], tuple[HarnessSpec, ...]]:
+    """JSONL datasets and ``kind: lm_eval`` entries of ``eval.datasets``, each validated."""
+    datasets, harness = [], []
+    for i, d in enumerate(raw):
+        sub = _Fields(f.source, d, f"{f._path('datasets')}[{i}]")
+        kind = sub.get("kind", str, "jsonl")
+        if kind == "lm_eval":
+            harness.append(_parse_harness(sub))
+        elif kind == "jsonl":
+            datasets.append(_parse_dataset(sub))
+        else:
+            raise sub.error("kind", f"{kind!r} must be 'jsonl' (the default) or 'lm_eval'")
+    return tuple(datasets), tuple(harness)
+
+
 def _parse_eval(f: _Fields) -> EvalSpec:
     raw_datasets = f.get("datasets", list)
     if not raw_datasets:
         raise f.error("datasets", "must list at least one dataset")
-    datasets = tuple(
-        _parse_dataset(_Fields(f.source, d, f"{f._path('datasets')}[{i}]")) for i, d in enumerate(raw_datasets)
-    )
-    names = [d.name for d in datasets]
+    datasets, harness = _split_datasets(f, raw_datasets)
+    names = [d.name for d in datasets] + [h.name for h in harness]
     if len(set(names)) != len(names):
         raise f.error("datasets", f"has duplicate names: {names}")
     adapters = f.get("adapters", list, [])
     for i, a in enumerate(adapters):
         if not isinstance(a, dict):
             raise f.error(f"adapters[{i}]", "must be an object")
-    return EvalSpec(datasets=datasets, engine=f.get("engine", dict, {}), adapters=tuple(adapters))
+    return EvalSpec(
+        datasets=datasets, engine=f.get("engine", dict, {}), adapters=tuple(adapters), harness=harness
+    )
 
 
 def parse_manifest(obj: Any, source: Path) -> RunManifest:

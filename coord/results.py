@@ -54,6 +54,7 @@ class Result:
     attempt: int = 0
     snapshot: str | None = None
     written_at: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # harness units: the task's metrics
 
     @property
     def ok(self) -> bool:
@@ -78,6 +79,7 @@ class Result:
             "attempt": self.attempt,
             "snapshot": self.snapshot,
             "written_at": self.written_at,
+            **({"metrics": self.metrics} if self.metrics else {}),
         }
 
 
@@ -93,6 +95,27 @@ def ok_result(
     if answers is not None and len(answers) != len(scores):
         raise ValueError(f"unit {unit.id}: {len(scores)} scores but {len(answers)} extracted answers")
     return Result(unit, "ok", tuple(scores), tuple(versions), tuple(answers or ()), **kw)
+
+
+def harness_result(unit: WorkUnit, metrics: dict[str, float], versions: list[str | None], **kw: Any) -> Result:
+    """An lm-eval task's unit: its metrics, and the engine's version read back before and after it.
+
+    lm-eval's adapters do not report a version per sample, so ``weight_versions`` holds the unit's
+    read-backs (no ``scores``); the pin check around the unit is what makes them the unit's version.
+    """
+    if not metrics or not versions:
+        raise ValueError(f"unit {unit.id}: a harness result needs metrics and the versions read back")
+    return Result(unit, "ok", (), tuple(versions), metrics=dict(metrics), **kw)
+
+
+def _parse_metrics(obj: Any, source: Path) -> dict[str, float]:
+    """The optional ``metrics`` object of a result: metric name -> number."""
+    raw = obj.get("metrics") or {}
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) for k, v in raw.items()
+    ):
+        raise ValueError(f"{source}: field metrics must be an object of metric name -> number")
+    return {k: float(v) for k, v in raw.items()}
 
 
 def skip_result(unit: WorkUnit, reason: str, message: str = "", **kw: Any) -> Result:
@@ -119,7 +142,8 @@ def parse_result(obj: Any, source: Path) -> Result:
         raise ValueError(f"{source}: field status must be 'ok' or 'skipped', got {status!r}")
     if status == "skipped" and not obj.get("skip_reason"):
         raise ValueError(f"{source}: a skipped result needs a skip_reason")
-    if len(scores) != len(versions):
+    metrics = _parse_metrics(obj, source)
+    if len(scores) != len(versions) and not (metrics and not scores):  # harness: versions read back per unit
         raise ValueError(f"{source}: {len(scores)} scores but {len(versions)} weight_versions")
     if answers and len(answers) != len(scores):
         raise ValueError(f"{source}: {len(scores)} scores but {len(answers)} answers")
@@ -138,6 +162,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         attempt=int(obj.get("attempt", 0)),
         snapshot=obj.get("snapshot"),
         written_at=float(obj.get("written_at", 0.0)),
+        metrics=metrics,
     )
 
 
@@ -219,6 +244,7 @@ class Point:
     units_total: int
     units_done: int
     completed_at: float | None
+    metrics: dict[str, float] = field(default_factory=dict)  # lm-eval tasks: "<task>/<metric>" -> value
 
     @property
     def skipped(self) -> bool:
@@ -328,6 +354,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
             datasets[ds.name] = dataset_score(ds, key, step, mine)  # type: ignore[arg-type]
     complete = len(done) == len(units)
     return Point(
+        metrics=harness_point_metrics(manifest, step, results),
         step=step,
         complete=complete,
         datasets=datasets,
@@ -336,6 +363,21 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         units_done=len(done),
         completed_at=max((r.written_at for r in done), default=None) if complete else None,
     )
+
+
+def harness_point_metrics(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> dict[str, float]:
+    """``"<task>/<metric>"`` for every lm-eval task of ``step`` with an ok result, plus its pin evidence."""
+    out: dict[str, float] = {}
+    for spec in manifest.eval.harness:
+        for i, task in enumerate(spec.tasks):
+            r = results.get(WorkUnit(step, spec.name, i))
+            if r is None or not r.ok:
+                continue
+            out.update({f"{task}/{name}": value for name, value in r.metrics.items()})
+            mean_v, mixed = _version_stats(step, list(r.weight_versions))
+            out[f"{task}/weight_version/mean"] = mean_v
+            out[f"{task}/weight_version/mixed_version_ratio"] = mixed
+    return out
 
 
 def point_metrics(point: Point) -> dict[str, float]:
@@ -349,6 +391,7 @@ def point_metrics(point: Point) -> dict[str, float]:
         metrics[f"eval/{name}/grader_timeouts"] = ds.grader_timeouts
         for key, value in ds.derived.items():
             metrics[f"eval/{name}/{key}"] = value
+    metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})
     for reason, n in point.skips.items():
         metrics[f"eval/skipped_{reason}"] = n
     return metrics

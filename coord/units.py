@@ -67,9 +67,16 @@ def datasets_due(manifest: RunManifest, step: int) -> list[DatasetSpec]:
 
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
     """Every unit of one eval point: each dataset due at ``step`` split into ``ceil(n_prompts / shard_size)``
-    shards. A dataset with ``every`` > 1 has no units at the steps it is not due (it is not skipped there:
-    it is simply not part of that point)."""
-    return [WorkUnit(step, ds.name, s) for ds in datasets_due(manifest, step) for s in range(ds.n_shards)]
+    shards, plus one unit per task of each ``lm_eval`` entry. A dataset with ``every`` > 1 has no units at
+    the steps it is not due (it is not skipped there: it is simply not part of that point)."""
+    return [WorkUnit(step, ds.name, s) for ds in datasets_due(manifest, step) for s in range(ds.n_shards)] + (
+        harness_units(manifest, step)
+    )
+
+
+def harness_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
+    """The units of the ``lm_eval`` entries at ``step``: shard ``i`` of an entry runs its ``tasks[i]``."""
+    return [WorkUnit(step, h.name, i) for h in manifest.eval.harness for i in range(h.n_shards)]
 
 
 def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:

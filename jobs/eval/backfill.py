@@ -12,17 +12,27 @@ through leases, so each is evaluated once (a rare double evaluation after a stal
 taking over the units of a dead task once its lease expires. Exit codes are the worker's
 (``jobs.eval.worker``): 0 done, 2 usage, 3 preempted (requeue), 4 engine dead.
 
+Re-evaluating another run on a new benchmark: ``--from-run OLD --eval-config FILE [--steps S]`` first
+creates ``--run-dir`` as a new run over OLD's snapshots (:mod:`jobs.eval.reeval`; OLD is never written
+to), then backfills it; ``--wandb`` then logs into OLD's wandb run (its run id unless
+``--wandb-run-id``). ``--steps``: ``all`` (default), ``latest``, ``N``, ``START:STOP[:EVERY]`` (inclusive),
+or a comma list of those.
+
 Limits: snapshots published while it runs are picked up (a running trainer's backfill chases it), but
 it does not wait for steps that have no snapshot yet.
 """
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 from tqdm import tqdm
 
 from jobs.eval.options import add_worker_flags, options_from_args
+from jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
 from jobs.eval.worker import run_worker
-from jobs.flags import Parser
+from jobs.flags import Parser, fail
 from jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
 
@@ -54,16 +64,54 @@ class Progress:
             self.bar.close()
 
 
+def add_reeval_flags(parser: argparse.ArgumentParser) -> None:
+    """``--from-run`` and ``--steps`` (with the worker's ``--eval-config``): re-evaluate another run."""
+    g = parser.add_argument_group("re-evaluating another run (creates --run-dir over its snapshots)")
+    g.add_argument("--from-run", type=Path, metavar="OLD",
+                   help="evaluate OLD's snapshots with --eval-config into the new run --run-dir (OLD is only read)")
+    g.add_argument("--steps", metavar="S",
+                   help="with --from-run: all (default), latest, N, START:STOP[:EVERY] (inclusive), or a comma list")
+
+
+def reeval_plan_from_args(args: argparse.Namespace) -> ReevalPlan | None:
+    """The validated re-evaluation of ``--from-run`` (None without it); fills in OLD's wandb run id."""
+    if args.from_run is None:
+        if args.steps is not None:
+            raise ValueError("--steps selects steps of another run: use it with --from-run OLD --eval-config FILE")
+        if args.eval_config is not None and not args.watch:
+            raise ValueError("--eval-config needs --from-run OLD (re-evaluate OLD's snapshots) or --watch DIR")
+        return None
+    if args.eval_config is None:
+        raise ValueError("--from-run needs --eval-config FILE: the benchmark to evaluate OLD's snapshots on")
+    if args.watch:
+        raise ValueError("--from-run evaluates OLD's snapshots: --watch does not apply")
+    plan = plan_reeval(args.run_dir, args.from_run, args.eval_config, "all" if args.steps is None else args.steps)
+    if args.wandb and not args.wandb_run_id:
+        args.wandb_run_id = plan.old_manifest.run_id  # the reference trainer's wandb id is its run id
+    return plan
+
+
 def main(argv: list[str]) -> int:
     parser = Parser(
         prog="ckpteval backfill", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP
     )
     add_worker_flags(parser, pass_flags=False)
+    add_reeval_flags(parser)
     args = parser.parse_args(argv)
+    try:
+        plan = reeval_plan_from_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        return fail("ckpteval backfill", e)
+    if plan is not None:
+        args.eval_config = None  # consumed by the plan: the worker opens the run it creates
     try:
         opts = options_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if plan is not None:
+        create_reeval_run(plan)
+        print(f"backfill: re-evaluating {len(plan.selected)} step(s) of {plan.old.path} into {plan.new.path}",
+              flush=True)
     opts.once, opts.catchup = True, "all"
     progress = Progress()
     try:

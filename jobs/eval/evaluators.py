@@ -13,8 +13,8 @@ from typing import Protocol
 
 from coord.discovery import SnapshotRef
 from coord.identity import run_key, weight_version
-from coord.manifest import RunManifest
-from coord.results import Result, ok_result, skip_result
+from coord.manifest import HarnessSpec, RunManifest
+from coord.results import Result, harness_result, ok_result, skip_result
 from coord.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
@@ -47,6 +47,7 @@ class Evaluation:
     message: str = ""
     answers: list[str | None] | None = None  # the scorer's extracted answers (None: not reported)
     grader_timeouts: int = 0
+    metrics: dict[str, float] | None = None  # an lm-eval task's metrics (weight_versions: the read-backs)
 
 
 class Evaluator(Protocol):
@@ -75,6 +76,8 @@ class EngineEvaluator:
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
+        if (harness := self.cache.manifest.harness_entry(unit.dataset)) is not None:
+            return self._evaluate_harness(harness, unit, ref, want, timings)
         try:
             scored = score_unit(self.engine, self.cache, unit, str(ref.path))
         except EngineError:
@@ -91,6 +94,21 @@ class EngineEvaluator:
         engine with nothing loaded yet was checked when it was built (its device exists)."""
         if self.engine.weight_version() is not None and not self.engine.healthy():
             raise EngineError("the engine failed its start-up probe (one-token generate)")
+
+    def _evaluate_harness(
+        self, spec: HarnessSpec, unit: WorkUnit, ref: SnapshotRef, want: str, timings: dict[str, float]
+    ) -> Evaluation:
+        """One lm-eval task on the pinned engine; the version is read back before and after it."""
+        from jobs.eval.harness import run_task
+
+        before = self.engine.weight_version()
+        t0 = time.perf_counter()
+        metrics = run_task(self.engine, self.cache.run, spec, spec.tasks[unit.shard], str(ref.path))
+        timings["generate_s"] = time.perf_counter() - t0
+        after = self.engine.weight_version()
+        if before != want or after != want:
+            raise PinViolation(f"want version {want}; engine reported {before!r} before the task, {after!r} after")
+        return Evaluation([], [before, after], metrics=metrics)
 
     def _prepare(self, ref: SnapshotRef, want: str) -> None:
         """Probe (when something is loaded), pin, and probe again after a fresh load; heal on failure."""
@@ -169,6 +187,8 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0
         ev = evaluator.evaluate(unit, ref, timings)
+        if ev.metrics is not None:
+            return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, timings=timings)
         return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, timings=timings,
                          grader_timeouts=ev.grader_timeouts)
     except (SnapshotError, WorkerSkip, EvalSkip, NoChatTemplate) as e:
@@ -187,10 +207,21 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
     return skip_result(unit, reason, message, timings=timings)
 
 
+def check_harness_engines(manifest: RunManifest, kinds: list[str], replicas: int) -> None:
+    """lm_eval entries run through lm-eval's own adapters: one hf, http or sglang engine, no pool."""
+    if manifest.eval.harness and (len(kinds) != 1 or replicas != 1 or kinds[0] == "fn"):
+        names = [h.name for h in manifest.eval.harness]
+        raise ValueError(
+            f"run {manifest.run_id} has lm_eval entries {names}: they need exactly one hf, http:URL or sglang "
+            f"engine (got --engine {'+'.join(kinds)} x{replicas})"
+        )
+
+
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
     from jobs.eval.engines.factory import EnginePool, engine_settings, make_engine, spec_kind
 
     kinds = [spec_kind(s) for s in opts.engines]
+    check_harness_engines(manifest, kinds, opts.replicas)
     if kinds == ["fn"]:
         backend = make_engine(opts.engines[0], opts.device, engine_settings(manifest.eval.engine, "fn"))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]

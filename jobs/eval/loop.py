@@ -26,6 +26,7 @@ from coord.snapshot import (
     producer_identity,
     snapshot_path,
 )
+from coord.steps import run_step_selection
 from coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
 from jobs.eval.evaluators import Evaluator, evaluate_unit
 from jobs.eval.options import WorkerOptions
@@ -92,6 +93,7 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
+        self.selection = run_step_selection(self.manifest.trainer, str(self.rundir.manifest_path))
         self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results)
         self.index = ResultIndex(self.rundir.results)
         self.discoveries = self._make_discoveries()
@@ -223,6 +225,8 @@ class Worker:
                 steps |= set(self._dispatches)
             except ValueError as e:  # the trainer reports it; the fleet still ends on what it discovered
                 self._warn_once("ledger", f"cannot read the trainer's dispatches: {e}")
+        if self.selection is not None:  # a re-evaluation run: only its selected steps
+            steps = {s for s in steps if s in self.selection}
         if self.opts.catchup == "latest":
             return {max(steps)} if steps else set()
         return steps

@@ -1,5 +1,11 @@
 """The external-service posture's two extras: creating a run from ``--eval-config`` and
 logging finished points into the training run's wandb (through :mod:`jobs.ingest`).
+
+The eval-config file (format in :mod:`jobs.eval.worker`) is read in one place, :func:`read_eval_config`,
+by every command that takes one: ``ckpteval worker --eval-config``, ``ckpteval train --eval-config``
+and ``ckpteval backfill --from-run ... --eval-config``. Paths in it are relative to the file: JSONL
+datasets are copied into ``RUN/data/<name>.jsonl`` (:func:`install_eval_data`), an ``lm_eval`` entry's
+``include_path`` is made absolute (its task configs stay where they are).
 """
 
 from __future__ import annotations
@@ -7,23 +13,33 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
-from coord.manifest import RunManifest, parse_manifest
+from coord.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
 from coord.rundir import RunDir
 from jobs.eval.evalsets import load_rows
 from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions
 
 
-def read_eval_config(run_dir: Path, config_path: Path, roots: tuple[Path, ...]) -> tuple[RunManifest, dict[str, Path]]:
-    """Validate an eval-config file without writing anything: the manifest it makes and its dataset files.
+@dataclass(frozen=True)
+class EvalConfig:
+    """An eval-config file, read and checked: the run.json ``eval`` section it yields, and its data files."""
 
-    Every dataset file is read and checked (rows, count against ``n_prompts``), so a bad config fails
-    here, before ``create_run_from_config`` writes run.json or copies any data. Used by the worker and,
-    on the submit host, by ``ckpteval submit service --eval-config``.
-    """
+    path: Path
+    raw: dict[str, Any]  # the whole file (run_id, lease, ... as given)
+    eval: dict[str, Any]  # dataset paths rewritten to data/<name>.jsonl, include_path made absolute
+    sources: dict[str, Path]  # dataset name -> the file install_eval_data copies into RUN/data/
+    spec: EvalSpec  # the validated eval section
+    lease: LeaseSettings | None  # the file's lease settings, None when it gives none
+
+
+def read_eval_config(config_path: Path) -> EvalConfig:
+    """Read and validate an eval-config file and its dataset files (nothing is written); errors name the
+    file and field. Also run on the submit host by ``ckpteval submit ... --eval-config``."""
     config_path = Path(config_path)
     cfg = read_json_object(config_path)
     if not isinstance(cfg.get("eval"), dict):
@@ -31,46 +47,62 @@ def read_eval_config(run_dir: Path, config_path: Path, roots: tuple[Path, ...]) 
     sources: dict[str, Path] = {}
     eval_section = json.loads(json.dumps(cfg["eval"]))
     for ds in eval_section.get("datasets") or []:
-        if isinstance(ds, dict) and isinstance(ds.get("path"), str) and isinstance(ds.get("name"), str):
+        if not isinstance(ds, dict):
+            continue
+        if isinstance(ds.get("path"), str) and isinstance(ds.get("name"), str):
             src = Path(ds["path"])
             sources[ds["name"]] = src if src.is_absolute() else config_path.parent / src
             ds["path"] = f"data/{ds['name']}.jsonl"
-    root_list = [str(Path(r).expanduser().resolve()) for r in roots]
-    obj = {
-        "run_id": cfg.get("run_id", RunDir(run_dir).path.name),
-        "eval": eval_section,
-        "snapshot_roots": root_list,
-        "trainer": {"kind": "external", "foreign_roots": root_list},
-        "lease": cfg.get("lease", {}),
-        "created": time.time(),
-    }
-    manifest = parse_manifest(obj, config_path)
-    for name, src in sources.items():
+        if isinstance(ds.get("include_path"), str):  # an lm_eval entry's task configs stay in place
+            ds["include_path"] = str((config_path.parent / ds["include_path"]).resolve())
+    checked = parse_manifest(
+        {"run_id": cfg.get("run_id", "eval-config"), "snapshot_roots": [], "eval": eval_section, "lease": cfg.get("lease", {})},
+        config_path,
+    )
+    for name, src in sources.items():  # every row is read now, so a bad file fails before anything is written
         if not src.is_file():
             raise FileNotFoundError(f"{config_path}: dataset {name!r} file {src} not found")
-        rows = load_rows(src)
-        want = manifest.dataset(name).n_prompts
+        rows, want = load_rows(src), checked.dataset(name).n_prompts
         if len(rows) != want:
             raise ValueError(f"{config_path}: dataset {name!r} file {src} has {len(rows)} rows, n_prompts says {want}")
-    return manifest, sources
+    return EvalConfig(config_path, cfg, eval_section, sources, checked.eval, checked.lease if "lease" in cfg else None)
+
+
+def install_eval_data(run: RunDir, config: EvalConfig) -> None:
+    """Copy the config's JSONL datasets into ``RUN/data/<name>.jsonl`` (atomic per file)."""
+    for name, src in config.sources.items():
+        write_bytes_atomic(run.data / f"{name}.jsonl", src.read_bytes())
 
 
 def create_run_from_config(run_dir: Path, config_path: Path, roots: tuple[Path, ...]) -> RunDir:
-    """Create (or check) a run from an eval-config file; see :mod:`jobs.eval.worker` for the format.
+    """Create (or check) a run from an eval-config file; see the module docstring for the format.
 
     Everything is validated first (:func:`read_eval_config`); only then are the run dir, the dataset
     copies and run.json written (run.json last), so a rejected config leaves nothing behind.
     """
-    manifest, sources = read_eval_config(run_dir, config_path, roots)
+    config = read_eval_config(config_path)
+    root_list = [str(Path(r).expanduser().resolve()) for r in roots]
+    obj = {
+        "run_id": config.raw.get("run_id", RunDir(run_dir).path.name),
+        "eval": config.eval,
+        "snapshot_roots": root_list,
+        "trainer": {"kind": "external", "foreign_roots": root_list},
+        "lease": config.raw.get("lease", {}),
+        "created": time.time(),
+    }
+    return publish_run(run_dir, parse_manifest(obj, config.path), config)
+
+
+def publish_run(run_dir: Path, manifest: RunManifest, config: EvalConfig) -> RunDir:
+    """Create the run dir, its data files and ``run.json`` (first creator wins); an existing run must
+    have the same eval, else ValueError."""
     run = RunDir(run_dir)
     if run.manifest_path.exists():
-        existing = run.manifest()
-        if existing.eval != manifest.eval:
-            raise ValueError(f"{run.manifest_path} exists with a different eval config than {config_path}")
+        if run.manifest().eval != manifest.eval:
+            raise ValueError(f"{run.manifest_path} exists with a different eval config than {config.path}")
         return run
     run = RunDir.create(run_dir)
-    for name, src in sources.items():
-        write_bytes_atomic(run.data / f"{name}.jsonl", src.read_bytes())
+    install_eval_data(run, config)
     publish_exclusive(
         run.manifest_path, dumps(manifest.to_json())
     )  # a concurrent creator may win: same content

@@ -171,6 +171,10 @@ def check_datasets(cache: DatasetCache) -> None:
     for spec in cache.manifest.eval.datasets:
         cache.rows(spec)
         cache.scorer(spec)
+    if cache.manifest.eval.harness:
+        from jobs.eval.harness import check_harness
+
+        check_harness(cache.run, cache.manifest.eval.harness)
 
 
 # -- entry points ---------------------------------------------------------------------------------------

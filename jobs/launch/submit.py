@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +55,7 @@ class Prepared:
     log_dir: Path
     dry_run: bool = False
     sbatch_args: list[str] = field(default_factory=list)
+    before_submit: Callable[[], object] | None = None  # writes what the job needs (not on --dry-run)
 
     @property
     def run_dir(self) -> Path:
@@ -133,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--parallelism", type=_positive, metavar="P", help="at most P tasks at once (--array=0-N%%P)")
     b.add_argument("--backfill-cmd", choices=("backfill", "worker"), default="backfill",
                    help="ckpteval backfill (progress bar) or worker --once --catchup all")
+    r = b.add_argument_group("re-evaluating another run (ckpteval backfill --from-run)")
+    r.add_argument("--from-run", type=Path, metavar="OLD",
+                   help="create the one --run-dir as a re-evaluation of OLD's snapshots before submitting")
+    r.add_argument("--eval-config", type=Path, metavar="FILE", help="with --from-run: the benchmark to evaluate")
+    r.add_argument("--steps", metavar="S", help="with --from-run: all, latest, N, START:STOP[:EVERY], comma list")
     _add_common(b, signal_before=120, workers=1)
 
     s = sub.add_parser("service", help="long-running worker(s) watching a checkpoint dir",
@@ -266,7 +272,22 @@ def _prepare_train_eval(args: argparse.Namespace) -> Prepared:
     return Prepared("train-eval", script, [run], log_dir)
 
 
+def _reeval_step(args: argparse.Namespace) -> Callable[[], object] | None:
+    """With ``--from-run``: validate the re-evaluation now, and create its run just before sbatch."""
+    if args.from_run is None:
+        if args.eval_config is not None or args.steps is not None:
+            raise ValueError("--eval-config and --steps re-evaluate another run: give --from-run OLD")
+        return None
+    if len(args.run_dir) != 1 or args.eval_config is None:
+        raise ValueError("--from-run needs exactly one --run-dir (the new run) and --eval-config FILE")
+    from jobs.eval.reeval import create_reeval_run, plan_reeval
+
+    plan = plan_reeval(args.run_dir[0], args.from_run, args.eval_config, "all" if args.steps is None else args.steps)
+    return lambda: create_reeval_run(plan)
+
+
 def _prepare_backfill(args: argparse.Namespace) -> Prepared:
+    create = _reeval_step(args)
     runs = [_abs(r) for r in args.run_dir]
     log_dir = runs[0] / "slurm"
     output = args.output or str(log_dir / "%x-%A_%a.out")
@@ -281,7 +302,8 @@ def _prepare_backfill(args: argparse.Namespace) -> Prepared:
         "CKPTEVAL_BACKFILL_CMD": args.backfill_cmd,
     })
     lines = _job_lines(args, "ckpteval-backfill", output) + [f"--array={array}"] + comp
-    return Prepared("backfill", render(_template(args, "backfill"), [lines], settings), runs, log_dir)
+    script = render(_template(args, "backfill"), [lines], settings)
+    return Prepared("backfill", script, runs, log_dir, before_submit=create)
 
 
 def _prepare_service(args: argparse.Namespace) -> Prepared:
@@ -374,7 +396,7 @@ def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
         from jobs.eval.service import read_eval_config
 
         try:
-            read_eval_config(run, args.eval_config, tuple(args.watch))
+            read_eval_config(args.eval_config)
         except FileNotFoundError as e:
             raise ValueError(f"--eval-config: {e}") from None
     elif not (run / "run.json").is_file() and "--wait-for-run" not in " ".join(worker_args):
@@ -437,13 +459,15 @@ def _how_to_watch(prepared: Prepared, job_id: str) -> str:
 def main(argv: list[str]) -> int:
     try:
         prepared = prepare(argv)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         return fail("ckpteval submit", e)
     if prepared.dry_run:
         print(prepared.script, end="")
         print(f"# would run: sbatch --parsable {prepared.log_dir}/{prepared.kind}-<time>.sbatch", file=sys.stderr)
         return 0
     try:
+        if prepared.before_submit is not None:
+            prepared.before_submit()
         job_id = submit_prepared(prepared)
     except (RuntimeError, OSError) as e:
         print(f"ckpteval submit: {e}", file=sys.stderr)

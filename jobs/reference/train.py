@@ -57,6 +57,7 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from jobs.eval.evalsets import write_addition_dataset
+from jobs.eval.service import install_eval_data, read_eval_config
 from jobs.flags import fail
 from jobs.lifecycle import EXIT_TRAIN_PREEMPTED, PREEMPT_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
@@ -95,27 +96,39 @@ SAMPLED_PROMPTS = 32  # --eval-samples: prompts of the sampled set (the eval set
 
 
 def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
-    """Create the run dir, or reopen it on --resume; run.json is written last, once."""
+    """Create the run dir, or reopen it on --resume; run.json is written last, once.
+
+    With ``--eval-config`` the file is read and checked (datasets present, fields valid) before anything
+    is written; on ``--resume`` it must describe the run's eval.
+    """
     run = RunDir(cfg.run_dir)
+    config = read_eval_config(cfg.eval_config) if cfg.eval_config is not None else None
     if run.manifest_path.is_file():
         if not cfg.resume:
             raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
+        if config is not None and run.manifest().eval != config.spec:
+            raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
         return run
     run = RunDir.create(cfg.run_dir)
     save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch)  # type: ignore[arg-type]
-    datasets = [write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)]
-    if cfg.eval_samples > 0:
-        n = min(SAMPLED_PROMPTS, cfg.eval_n_prompts)
-        datasets.append(write_addition_dataset(
-            run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size), n_samples=cfg.eval_samples,
-            temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
-        ))
+    if config is None:
+        datasets = [write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)]
+        if cfg.eval_samples > 0:
+            n = min(SAMPLED_PROMPTS, cfg.eval_n_prompts)
+            datasets.append(write_addition_dataset(
+                run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size),
+                n_samples=cfg.eval_samples, temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
+            ))
+        eval_spec = EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"})
+    else:
+        install_eval_data(run, config)
+        eval_spec = config.spec
     manifest = RunManifest(
-        run_id=cfg.run_id or _run_id(run.path),
-        eval=EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}),
+        run_id=cfg.run_id or (config.raw.get("run_id") if config else None) or _run_id(run.path),
+        eval=eval_spec,
         snapshot_roots=(str(run.snapshots),),
         trainer=trainer_identity(cfg, dispatch),
-        lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
+        lease=(config.lease if config and config.lease else LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat)),
         created=time.time(),
     )
     if dispatch is not None:  # a shared staging dir gets a per-run subdir (named by the run key)

@@ -77,6 +77,9 @@ class TrainConfig:
     eval_fleet: str = option("attached", "none: no eval fleet runs while training (reuse mode) — never wait "
                              "for one; points stay pending for a later `ckpteval backfill` (ingested if it "
                              "lands while training runs)", choices=FLEETS, group=EVAL)
+    eval_config: Path | None = option(None, "evaluate the datasets of this eval-config file (the format "
+                                      "`ckpteval worker --eval-config` takes) instead of the built-in addition "
+                                      "set; its lease settings win over --lease-*", metavar="FILE", group=EVAL)
     eval_posture: str = option("fleet", "fleet: separate eval workers; shared: the trainer evaluates "
                                "in-process (pause-the-world)", choices=("fleet", "shared"), group=EVAL)
     eval_n_prompts: int = option(128, "prompts in the built-in addition eval set", metavar="N", min=1,

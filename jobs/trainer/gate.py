@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from coord.identity import run_key, weight_version
-from coord.results import Result, ok_result, skip_result, write_result
+from coord.results import Result, harness_result, ok_result, skip_result, write_result
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
@@ -133,26 +133,43 @@ def shared_eval(
     version = weight_version(run_key(manifest), step)
     snapshot = str(snapshot_dir)
     t0 = time.perf_counter()
-    scored: dict[WorkUnit, UnitScores] = {}
+    scored: dict[WorkUnit, UnitScores | dict[str, float]] = {}
     skipped: list[Result] = []
     with gate.paused(drain_timeout_s):
         try:
             pin(engine, snapshot, version, reload=True)
             for unit in units:
                 try:
-                    scored[unit] = score_unit(engine, cache, unit, snapshot)
+                    scored[unit] = _score(engine, cache, unit, snapshot)
                 except NoChatTemplate as e:  # this dataset only: a skip with its own reason
                     skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot))
-            check_pinned(engine, version, [v for s in scored.values() for v in s.weight_versions])
+            samples = [v for s in scored.values() if isinstance(s, UnitScores) for v in s.weight_versions]
+            check_pinned(engine, version, samples)
         except PinViolation as e:
             return _write_all(run, [skip_result(u, "pin_violation", str(e), snapshot=snapshot) for u in units])
         except EngineError as e:
             return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
     elapsed = time.perf_counter() - t0
-    return _write_all(run, [_ok(u, s, snapshot, elapsed) for u, s in scored.items()] + skipped)
+    read_backs: list[str | None] = [version, version]  # pinned before and checked after, by check_pinned
+    return _write_all(run, [_ok(u, s, snapshot, elapsed, read_backs) for u, s in scored.items()] + skipped)
 
 
-def _ok(unit: WorkUnit, scores: UnitScores, snapshot: str, elapsed: float) -> Result:
+def _score(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot: str) -> UnitScores | dict[str, float]:
+    """A JSONL unit's scores, or an lm-eval task's metrics (:mod:`jobs.eval.harness`)."""
+    spec = cache.manifest.harness_entry(unit.dataset)
+    if spec is None:
+        return score_unit(engine, cache, unit, snapshot)
+    from jobs.eval.harness import run_task
+
+    return run_task(engine, cache.run, spec, spec.tasks[unit.shard], snapshot)
+
+
+def _ok(
+    unit: WorkUnit, scores: UnitScores | dict[str, float], snapshot: str, elapsed: float, read_backs: list[str | None]
+) -> Result:
+    if isinstance(scores, dict):  # an lm-eval task: its metrics, pinned by the read-backs around the point
+        return harness_result(unit, scores, read_backs, snapshot=snapshot, timings={"point_s": elapsed},
+                              worker={**producer_identity(), "posture": "shared"})
     return ok_result(
         unit,
         scores.scores,

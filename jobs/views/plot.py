@@ -22,9 +22,10 @@ FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
 
 
 def plot_series(status: dict[str, Any]) -> dict[str, Any]:
-    """The data the figure draws: per dataset (steps, scores), its stderr band (steps, low, high: finite
-    ones only), its derived series ``"<ds> <key>"`` (steps, values), skipped (step, reasons), lag."""
-    series: dict[str, tuple[list[int], list[float]]] = {ds: ([], []) for ds in status["datasets"]}
+    """The data the figure draws: per dataset and lm-eval metric (steps, values), its stderr band (steps, low,
+    high: finite ones only), its derived series ``"<ds> <key>"`` (steps, values), skipped (step, reasons), lag."""
+    names = list(status["datasets"]) + list(status.get("harness_metrics", []))
+    series: dict[str, tuple[list[int], list[float]]] = {name: ([], []) for name in names}
     bands: dict[str, tuple[list[int], list[float], list[float]]] = {ds: ([], [], []) for ds in status["datasets"]}
     derived: dict[str, tuple[list[int], list[float]]] = {}
     skipped: list[tuple[int, str]] = []
@@ -44,6 +45,10 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
                 steps, values = derived.setdefault(f"{ds} {key}", ([], []))
                 steps.append(p["step"])
                 values.append(value)
+        for name in status.get("harness_metrics", []):  # lm-eval tasks: "<task>/<metric>"
+            if name in p["metrics"]:
+                series[name][0].append(p["step"])
+                series[name][1].append(p["metrics"][name])
         if p["skips"]:
             skipped.append((p["step"], ",".join(sorted(p["skips"]))))
         if p["lag_steps"] is not None:

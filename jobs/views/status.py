@@ -25,6 +25,7 @@ from coord.ledger import Ledger
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, derive_point
 from coord.rundir import RunDir
+from coord.steps import run_step_selection
 from coord.units import lease_path, read_lease_holder, units_for_step
 from jobs.flags import Parser, fail, positive_float
 
@@ -107,6 +108,9 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     retired = ledger.retired if ledger else set()
     snapshots = _snapshot_rows(manifest.snapshot_roots, retired)
     steps = sorted({s["step"] for s in snapshots} | {u.step for u in results} | set(ledger.dispatched if ledger else ()))
+    selection = run_step_selection(manifest.trainer, str(run.manifest_path))
+    if selection is not None:  # a re-evaluation run shows only the steps it evaluates
+        steps = [s for s in steps if s in selection]
     units = _unit_rows(run, manifest, steps, results)
     lags = eval_lags(read_metrics(run.metrics_path))
     points = _point_rows(manifest, steps, results, lags)
@@ -120,7 +124,9 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "run_id": manifest.run_id,
         "run_dir": str(run.path),
         "training_done": run.training_done(),
+        "reeval": {k: manifest.trainer.get(k) for k in ("from_run", "steps")} if selection is not None else None,
         "datasets": [d.name for d in manifest.eval.datasets],
+        "harness_metrics": harness_columns(points),
         "snapshots": snapshots,
         "units": units,
         "points": points,
@@ -132,6 +138,11 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
             "ledger_pending": ledger.pending if ledger else [],
         },
     }
+
+
+def harness_columns(points: list[dict[str, Any]]) -> list[str]:
+    """The lm-eval metrics (``"<task>/<metric>"``) any point carries, pin evidence left out."""
+    return sorted({k for p in points for k in p["metrics"] if "/weight_version/" not in k})
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -178,6 +189,8 @@ def points_table(status: dict[str, Any]) -> Any:
             table.add_column(key, justify="right")
         table.add_column("wv/mean", justify="right")
         table.add_column("mixed", justify="right")
+    for name in status.get("harness_metrics", []):
+        table.add_column(name, justify="right")
     for col in ("lag", "units", "skips"):
         table.add_column(col, justify="right")
     for p in status["points"]:
@@ -189,6 +202,7 @@ def points_table(status: dict[str, Any]) -> Any:
                 continue
             cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds]),
                       _fmt(d["weight_version_mean"], 1), _fmt(d["mixed_version_ratio"], 2)]
+        cells += [_fmt(p["metrics"].get(name)) for name in status.get("harness_metrics", [])]
         skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
         cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
         table.add_row(*cells)
@@ -213,8 +227,13 @@ def render(status: dict[str, Any]) -> list[Any]:
     h = status["health"]
     free = ", ".join(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items())
     u = status["units"]
+    reeval = status.get("reeval")
+    training = (
+        f"re-evaluating {reeval['from_run']} (steps {reeval['steps']})" if reeval
+        else f"training {'done at step ' + str(status['training_done']) if status['training_done'] is not None else 'running'}"
+    )
     health = (
-        f"training {'done at step ' + str(status['training_done']) if status['training_done'] is not None else 'running'}"
+        f"{training}"
         f" | units done {u['done']}, pending {len(u['pending'])}, skipped {sum(u['skipped'].values())}"
         f" | expired leases {h['expired_leases']} | malformed results {len(h['malformed_results'])} | {free}"
     )

@@ -225,6 +225,16 @@ class HFEngine:
         with self._lock:
             return self._version
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[tuple[PreTrainedModel, Any]]:
+        """The loaded model and tokenizer, for a caller that drives the model itself (lm-eval's HFLM).
+
+        Holds the engine's lock for the block, so no load, restart or generation swaps the weights (or
+        the version) underneath; :class:`EngineError` if nothing is loaded.
+        """
+        with self._lock:
+            yield self._require_loaded()
+
     # ------------------------------------------------------------------ loading
     def load(self, snapshot_dir: str, weight_version: str) -> None:
         if not isinstance(weight_version, str):

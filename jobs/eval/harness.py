@@ -1,0 +1,167 @@
+"""lm-evaluation-harness tasks as work units: the glue between a pinned engine and ``lm_eval``.
+
+A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`coord.manifest.HarnessSpec`) has one unit per
+task (shard ``i`` runs ``tasks[i]``). The worker pins its engine to the step exactly as for any unit
+(:meth:`jobs.eval.evaluators.EngineEvaluator._pin`), then :func:`run_task` runs the task through the
+harness's *own* model adapters — nothing of the harness is re-implemented here:
+
+* ``hf`` engine: ``lm_eval.models.huggingface.HFLM`` wrapping the engine's already-loaded model and
+  tokenizer (:meth:`jobs.eval.engines.hf.HFEngine.held`, which also keeps loads out while it runs);
+* an HTTP engine (``http:URL``, ``sglang``): the harness's ``local-completions`` backend
+  (``LocalCompletionsAPI``) against the server's OpenAI-compatible ``/v1/completions``, with the
+  snapshot's tokenizer.
+
+The metrics come back as ``{"<metric>": value}`` (``"<metric>/<filter>"`` for a task's named filters,
+``"<metric>_stderr"`` when bootstrapped); non-numeric values (``"N/A"``) are dropped. The worker logs
+them as ``eval/<task>/<metric>``.
+
+Guarantees: the harness runs offline when the task's data is local (``HF_DATASETS_OFFLINE`` /
+``HF_HUB_OFFLINE`` are honoured as set); a missing ``lm-eval`` or an unknown task is a ``ValueError``
+naming the entry at worker start (:func:`check_harness`), not a crash per unit. Limits: lm-eval's
+adapters report no weight version per sample, so the pin is checked before and after the whole task
+(the result's ``weight_versions`` are those read-backs); an engine pool is not supported (one engine per
+worker); relative ``data_files`` paths in a task YAML are resolved by the harness against the worker's
+working directory (use absolute paths); lm-eval seeds Python's, numpy's and torch's global RNGs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from coord.manifest import HarnessSpec
+from coord.rundir import RunDir
+
+INSTALL_HINT = "lm_eval datasets need the lm-eval package: pip install 'ckpteval[harness]'"
+
+
+def require_lm_eval() -> None:
+    """ValueError (with the install hint) unless ``lm_eval`` is importable."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"{INSTALL_HINT} ({e})") from None
+
+
+def include_path(run: RunDir, spec: HarnessSpec) -> Path | None:
+    """The entry's local task configs (relative to the run dir unless absolute)."""
+    return None if spec.include_path is None else run.resolve_data_path(spec.include_path)
+
+
+@lru_cache(maxsize=16)
+def _task_manager(path: str | None, include_defaults: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=path, include_defaults=include_defaults)
+
+
+def task_manager(run: RunDir, spec: HarnessSpec) -> Any:
+    """The harness's task index for this entry (built once per process per include path)."""
+    require_lm_eval()
+    path = include_path(run, spec)
+    if path is not None and not path.exists():
+        raise FileNotFoundError(f"lm_eval entry {spec.name!r}: include_path {path} not found")
+    return _task_manager(None if path is None else str(path), spec.include_defaults)
+
+
+def check_harness(run: RunDir, specs: tuple[HarnessSpec, ...]) -> None:
+    """At worker start: lm-eval importable, every entry's tasks known to the harness."""
+    for spec in specs:
+        tm = task_manager(run, spec)
+        unknown = [t for t in spec.tasks if t not in tm.all_tasks]
+        if unknown:
+            where = f"include_path {include_path(run, spec)}" if spec.include_path else "lm-eval's built-in tasks"
+            raise ValueError(f"lm_eval entry {spec.name!r}: unknown task(s) {unknown} (looked in {where})")
+
+
+def metric_name(key: str) -> str | None:
+    """lm-eval's ``"<metric>,<filter>"`` result key as ckpteval's metric name (None: not a metric)."""
+    metric, sep, filt = key.partition(",")
+    if not sep:
+        return None  # alias, name, sample_len, ...
+    return metric if filt == "none" else f"{metric}/{filt}"
+
+
+def flatten_metrics(task_results: dict[str, Any]) -> dict[str, float]:
+    """One task's ``results[task]`` block as ``{metric name: float}``; non-numbers are dropped."""
+    out: dict[str, float] = {}
+    for key, value in task_results.items():
+        name = metric_name(key)
+        if name is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isnan(float(value)):
+            out[name] = float(value)
+    return out
+
+
+def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
+    """The harness's in-process adapter around a loaded transformers model."""
+    from lm_eval.models.huggingface import HFLM
+
+    # a copy: HFLM sets a missing pad token on the tokenizer it gets, and the engine's must stay as loaded
+    return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size)
+
+
+def completions_lm(base_url: str, snapshot_dir: str, spec: HarnessSpec) -> Any:
+    """The harness's ``local-completions`` adapter against ``<base_url>/v1/completions``."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    try:
+        return LocalCompletionsAPI(
+            base_url=f"{base_url.rstrip('/')}/v1/completions",
+            model=snapshot_dir,
+            tokenizer=snapshot_dir,
+            tokenizer_backend="huggingface",
+            tokenized_requests=False,
+            batch_size=spec.batch_size,
+            max_retries=1,
+        )
+    except ImportError as e:  # lm-eval's API models need its [api] extra (ckpteval[harness] has it)
+        raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
+
+
+def evaluate_task(lm: Any, run: RunDir, spec: HarnessSpec, task: str) -> dict[str, float]:
+    """Run one task of ``spec`` on ``lm`` with lm-eval's ``simple_evaluate``; its flattened metrics."""
+    from lm_eval import simple_evaluate
+
+    out = simple_evaluate(
+        model=lm,
+        tasks=[task],
+        task_manager=task_manager(run, spec),
+        num_fewshot=spec.num_fewshot,
+        limit=spec.limit,
+        gen_kwargs=spec.gen_kwargs,
+        apply_chat_template=spec.apply_chat_template,
+        bootstrap_iters=spec.bootstrap_iters,
+        log_samples=False,
+        random_seed=spec.seed,
+        numpy_random_seed=spec.seed,
+        torch_random_seed=spec.seed,
+        fewshot_random_seed=spec.seed,
+        verbosity="ERROR",
+    )
+    if out is None or task not in out.get("results", {}):
+        raise RuntimeError(f"lm-eval returned no results for task {task!r}")
+    metrics = flatten_metrics(out["results"][task])
+    if not metrics:
+        raise RuntimeError(f"lm-eval task {task!r} produced no numeric metric: {out['results'][task]}")
+    return metrics
+
+
+def run_task(engine: Any, run: RunDir, spec: HarnessSpec, task: str, snapshot_dir: str) -> dict[str, float]:
+    """Run ``task`` on ``engine`` (already pinned by the caller) through the matching lm-eval adapter."""
+    from jobs.eval.engines.hf import HFEngine
+    from jobs.eval.engines.http import HTTPEngine
+
+    if isinstance(engine, HFEngine):
+        with engine.held() as (model, tokenizer):
+            return evaluate_task(hf_lm(model, tokenizer, spec), run, spec, task)
+    if isinstance(engine, HTTPEngine):
+        return evaluate_task(completions_lm(engine.base_url, snapshot_dir, spec), run, spec, task)
+    raise ValueError(
+        f"lm_eval entry {spec.name!r}: engine {type(engine).__name__} has no lm-eval adapter "
+        "(use one hf, http:URL or sglang engine, no --engines N pool)"
+    )

@@ -1,0 +1,107 @@
+"""The example eval sets in ``examples/`` and the reference trainer's ``--eval-config`` (issue 10 §7).
+
+Real processes: the reference trainer (``ckpteval train``) runs as a subprocess with an eval-config
+file naming the shipped GSM8K-format example set and an lm-eval task over ``tests/lmeval_task/``; its
+shared posture evaluates both on its own engine. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coord.rundir import RunDir
+from jobs.eval.evalsets import load_rows
+from jobs.eval.service import read_eval_config
+from tests.support.training import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_generator_reproduces_the_committed_example_sets(tmp_path: Path) -> None:
+    copy = tmp_path / "evalsets"
+    shutil.copytree(EXAMPLES / "evalsets", copy)
+    subprocess.run([sys.executable, str(copy / "generate.py")], check=True, capture_output=True, timeout=60)
+    for name in ("gsm8k_style.jsonl", "latex_answers.jsonl", "chat.jsonl"):
+        assert (copy / name).read_bytes() == (EXAMPLES / "evalsets" / name).read_bytes(), name
+
+
+def test_example_sets_have_the_formats_they_claim() -> None:
+    gsm = load_rows(EXAMPLES / "evalsets" / "gsm8k_style.jsonl")
+    assert len(gsm) == 32 and all(r["answer"].rsplit("\n", 1)[-1].startswith("#### ") for r in gsm)
+    latex = load_rows(EXAMPLES / "evalsets" / "latex_answers.jsonl")
+    assert any("\\frac{" in r["answer"] for r in latex) and any("\\sqrt{" in r["answer"] for r in latex)
+    assert any("\\pi" in r["answer"] for r in latex)
+    chat = [json.loads(line) for line in (EXAMPLES / "evalsets" / "chat.jsonl").read_text().splitlines()]
+    assert all(isinstance(r["messages"], list) and r["messages"][-1]["role"] == "user" for r in chat)
+    assert any(len(r["messages"]) > 1 for r in chat)
+
+
+@pytest.mark.parametrize("name", ["gsm8k_style.eval.json", "latex_answers.eval.json", "chat.eval.json"])
+def test_example_eval_configs_are_valid_eval_configs(name: str) -> None:
+    config = read_eval_config(EXAMPLES / "evalsets" / name)
+    assert [d.n_prompts for d in config.spec.datasets] == [32]
+    assert all(src.is_file() for src in config.sources.values())
+
+
+def test_example_lm_eval_config_names_a_task_in_its_include_path() -> None:
+    pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
+    from jobs.eval.harness import check_harness
+
+    config = read_eval_config(EXAMPLES / "lmeval" / "eval.json")
+    assert config.spec.harness[0].include_path == str((EXAMPLES / "lmeval").resolve())
+    run = RunDir(ROOT)  # include_path is absolute: the run dir does not matter
+    check_harness(run, config.spec.harness)
+
+
+def test_trainer_eval_config_replaces_the_builtin_set_and_logs_every_dataset_and_task(tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
+    config = tmp_path / "eval.json"
+    config.write_text(json.dumps({
+        "run_id": "from-config",
+        "eval": {"datasets": [
+            {"name": "gsm", "path": str(EXAMPLES / "evalsets" / "gsm8k_style.jsonl"), "n_prompts": 32,
+             "shard_size": 16, "scorer": "math", "max_new_tokens": 4},
+            {"kind": "lm_eval", "name": "harness", "tasks": ["ckpteval_addition_mc"],
+             "include_path": str(ROOT / "tests" / "lmeval_task"), "include_defaults": False},
+        ]},
+        "lease": {"duration_s": 20, "heartbeat_s": 4},
+    }))
+    run_dir = tmp_path / "run"
+    proc = cli("train", "--run-dir", str(run_dir), "--steps", "20", "--eval-interval", "10", "--no-progress",
+               "--eval-posture", "shared", "--eval-config", str(config), "--threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = RunDir.open(run_dir).manifest()
+    assert manifest.run_id == "from-config" and manifest.lease.duration_s == 20
+    assert [d.name for d in manifest.eval.datasets] == ["gsm"]  # the built-in addition set is not there
+    assert (run_dir / "data" / "gsm.jsonl").read_bytes() == (EXAMPLES / "evalsets" / "gsm8k_style.jsonl").read_bytes()
+    points = {m["eval/step"]: m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/step" in m}
+    assert sorted(points) == [10, 20]
+    for m in points.values():
+        assert 0.0 <= m["eval/gsm"] <= 1.0
+        assert 0.0 <= m["eval/ckpteval_addition_mc/acc"] <= 1.0
+        assert m["eval/ckpteval_addition_mc/weight_version/mean"] == m["eval/step"]
+
+
+def test_trainer_rejects_a_bad_eval_config_before_writing_anything(tmp_path: Path) -> None:
+    config = tmp_path / "eval.json"
+    config.write_text(json.dumps({"eval": {"datasets": [{"name": "gsm", "path": "missing.jsonl", "n_prompts": 3}]}}))
+    run_dir = tmp_path / "run"
+    proc = cli("train", "--run-dir", str(run_dir), "--steps", "5", "--eval-config", str(config))
+    assert proc.returncode == 2
+    assert "missing.jsonl not found" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run_dir.exists()

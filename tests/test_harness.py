@@ -1,0 +1,187 @@
+"""lm-eval tasks as work units (issue 10 §6), end to end and offline.
+
+A real run with a ``kind: lm_eval`` entry over the task YAMLs shipped in ``tests/lmeval_task/`` (a local
+JSONL, nothing downloaded; ``HF_HUB_OFFLINE=1``, ``HF_DATASETS_OFFLINE=1``), a real snapshot of the tiny
+reference model, and a real ``ckpteval worker`` process on the hf engine: the harness's own HFLM adapter
+wraps the engine's loaded model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from coord.manifest import EvalSpec, HarnessSpec, LeaseSettings, RunManifest, load_manifest, parse_manifest
+from coord.results import derive_point, parse_result, point_metrics
+from coord.rundir import RunDir
+from coord.units import WorkUnit, units_for_step
+from jobs.views.plot import plot_series
+from jobs.views.status import collect_status, points_table
+from tests.support.workers import REPO, finish, publish_model, results, spawn
+
+pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
+
+TASK_DIR = REPO / "tests" / "lmeval_task"
+TASKS = ("ckpteval_addition_gen", "ckpteval_addition_mc")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def harness_run(tmp: Path, **fields: object) -> RunDir:
+    from jobs.eval.evalsets import write_addition_dataset
+
+    run = RunDir.create(tmp / "run")
+    spec = write_addition_dataset(run, n=4, shard_size=4)
+    harness = HarnessSpec(name="harness", tasks=TASKS, include_path=str(TASK_DIR), include_defaults=False,
+                          batch_size=4, **fields)  # type: ignore[arg-type]
+    manifest = RunManifest(
+        run_id="harness-run",
+        eval=EvalSpec(datasets=(spec,), harness=(harness,)),
+        snapshot_roots=(str(run.snapshots),),
+        lease=LeaseSettings(30.0, 5.0),
+    )
+    return RunDir.create(run.path, manifest)
+
+
+def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path: Path) -> None:
+    run = harness_run(tmp_path)
+    on_disk = json.loads(run.manifest_path.read_text())
+    kinds = [d.get("kind", "jsonl") for d in on_disk["eval"]["datasets"]]
+    assert kinds == ["jsonl", "lm_eval"]
+    manifest = load_manifest(run.manifest_path)
+    assert manifest.eval.harness[0].tasks == TASKS
+    assert [u.dataset for u in units_for_step(manifest, 5)] == ["addition", "harness", "harness"]
+    assert [u.shard for u in units_for_step(manifest, 5) if u.dataset == "harness"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        ({"tasks": []}, "tasks must be a non-empty list"),
+        ({"tasks": ["a", "a"]}, "has duplicates"),
+        ({"tasks": ["a"], "limit": 0}, "limit must be >= 1"),
+        ({"tasks": ["a"], "include_defaults": False}, "no include_path"),
+        ({"tasks": ["a"], "fewshots": 3}, "fewshots is not a field"),
+        ({"tasks": ["a"], "kind": "lmeval"}, "kind 'lmeval' must be"),
+    ],
+)
+def test_bad_lm_eval_entries_are_one_error_naming_the_field(entry: dict, why: str) -> None:
+    obj = {"run_id": "r", "snapshot_roots": ["/tmp/x"],
+           "eval": {"datasets": [{"kind": "lm_eval", "name": "h", **entry}]}}
+    with pytest.raises(ValueError, match=why):
+        parse_manifest(obj, Path("run.json"))
+
+
+def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_hf_engine(tmp_path: Path) -> None:
+    run = harness_run(tmp_path)
+    publish_model(tmp_path, run.snapshots, 5)
+    proc = spawn("worker", "--run-dir", str(run.path), "--once", "--poll-interval", "0.2", env=OFFLINE)
+    code, out = finish(proc, timeout=300)
+    assert code == 0, out
+    got = results(run)
+    for i, task in enumerate(TASKS):
+        r = got[WorkUnit(5, "harness", i)]
+        assert r.ok, (task, r.skip_reason, r.message)
+        assert r.weight_versions == ("5", "5")  # read back before and after the task
+        assert r.scores == ()
+        raw = json.loads((run.results / r.unit.result_name).read_text())
+        assert parse_result(raw, Path("x")).metrics == r.metrics  # the file carries them
+    gen, mc = got[WorkUnit(5, "harness", 0)].metrics, got[WorkUnit(5, "harness", 1)].metrics
+    assert set(gen) == {"exact_match"} and 0.0 <= gen["exact_match"] <= 1.0
+    assert "acc" in mc and mc["acc"] in {i / 8 for i in range(9)}  # 8 docs in the shipped JSONL
+    point = derive_point(run.manifest(), 5, got)
+    assert point.complete
+    metrics = point_metrics(point)
+    assert metrics["eval/ckpteval_addition_gen/exact_match"] == gen["exact_match"]
+    assert metrics["eval/ckpteval_addition_mc/acc"] == mc["acc"]
+    assert metrics["eval/ckpteval_addition_mc/weight_version/mean"] == 5.0
+    assert metrics["eval/ckpteval_addition_mc/weight_version/mixed_version_ratio"] == 0.0
+    assert "eval/addition" in metrics  # the JSONL dataset of the same point is untouched
+    status = collect_status(run.path)  # status and plot show the task metrics
+    assert status["harness_metrics"] == ["ckpteval_addition_gen/exact_match", "ckpteval_addition_mc/acc"]
+    assert "ckpteval_addition_mc/acc" in [c.header for c in points_table(status).columns]
+    assert plot_series(status)["series"]["ckpteval_addition_mc/acc"] == ([5], [mc["acc"]])
+
+
+def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Running the task on the engine through ckpteval gives what lm-eval's HFLM gives on that model."""
+    from jobs.eval.engines.hf import HFEngine
+    from jobs.eval.harness import evaluate_task, hf_lm, run_task
+
+    monkeypatch.chdir(REPO)  # the task YAML's data_files path is relative to the working directory
+
+    run = harness_run(tmp_path)
+    snap = publish_model(tmp_path, run.snapshots, 7)
+    spec = run.manifest().eval.harness[0]
+    engine = HFEngine(device="cpu")
+    engine.load(str(snap), "7")
+    via_engine = run_task(engine, run, spec, TASKS[1], str(snap))
+    direct = evaluate_task(hf_lm(engine.model, engine.tokenizer, spec), run, spec, TASKS[1])
+    assert via_engine == direct
+    engine.close()
+
+
+def test_an_unknown_task_stops_the_worker_at_start_with_one_line(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path / "bad")
+    obj = harness_run(tmp_path).manifest().to_json()
+    obj["eval"]["datasets"] = [{"kind": "lm_eval", "name": "h", "tasks": ["no_such_task"],
+                                "include_path": str(TASK_DIR), "include_defaults": False}]
+    run.manifest_path.write_text(json.dumps(obj))
+    code, out = finish(spawn("worker", "--run-dir", str(run.path), "--once", env=OFFLINE), timeout=120)
+    assert code == 2, out
+    assert "unknown task(s) ['no_such_task']" in out and "Traceback" not in out
+
+
+def test_an_lm_eval_task_runs_through_an_attached_server_with_lm_evals_completions_backend(tmp_path: Path) -> None:
+    """``ckpteval serve`` (the real HTTP engine) with its ``/v1/completions``; the worker pins it through
+    ``/update_weights_from_disk`` and lm-eval's ``local-completions`` adapter generates through it."""
+    from dataclasses import replace
+
+    from tests.support.workers import kill_all, start_serve
+
+    run = harness_run(tmp_path)
+    manifest = run.manifest()
+    only_gen = replace(manifest.eval.harness[0], tasks=(TASKS[0],))
+    run.manifest_path.unlink()
+    RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, harness=(only_gen,))))
+    snap = publish_model(tmp_path, run.snapshots, 5)
+    url, server = start_serve(snap, "0", tmp_path / "serve.log")
+    try:
+        code, out = finish(spawn("worker", "--run-dir", str(run.path), "--once", "--engine", f"http:{url}",
+                                 "--poll-interval", "0.2", env=OFFLINE), timeout=300)
+    finally:
+        kill_all([server])
+    assert code == 0, out
+    r = results(run)[WorkUnit(5, "harness", 0)]
+    assert r.ok, (r.skip_reason, r.message)
+    assert r.weight_versions == ("5", "5") and 0.0 <= r.metrics["exact_match"] <= 1.0
+
+
+def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp_path: Path) -> None:
+    import httpx
+
+    from tests.support.workers import kill_all, start_serve
+
+    snap = publish_model(tmp_path, tmp_path / "snaps", 3)
+    url, server = start_serve(snap, "3", tmp_path / "serve.log")
+    try:
+        native = httpx.post(f"{url}/generate", json={"text": ["12+30=", "07+07="], "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0}}).json()
+        got = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": ["12+30=", "07+07="],
+                                                         "max_tokens": 6, "temperature": 0, "seed": 1}).json()
+        assert [c["index"] for c in got["choices"]] == [0, 1]
+        assert [c["text"] for c in got["choices"]] == [n["text"] for n in native]  # same engine, same greedy text
+        text = native[0]["text"]
+        assert len(text) >= 3, native  # 6 greedy tokens of the tiny model decode to several characters
+        stop = text[2]
+        cut = httpx.post(f"{url}/v1/completions", json={"prompt": "12+30=", "max_tokens": 6, "temperature": 0,
+                                                         "stop": [stop]}).json()["choices"][0]
+        assert cut["text"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "1+1=", "echo": True, "logprobs": 1})
+        assert refused.status_code == 400 and "generates only" in refused.json()["message"]
+        unknown = httpx.post(f"{url}/v1/completions", json={"prompt": "1+1=", "best_of": 2})
+        assert unknown.status_code == 400 and "best_of" in unknown.json()["message"]
+    finally:
+        kill_all([server])
