@@ -2,7 +2,9 @@
 
 An :class:`Evaluator` turns one claimed unit into scores or raises a skip; :func:`evaluate_unit` maps every
 expected failure to a skip reason (``ckpt_missing``/``ckpt_corrupt``/``pin_violation``/``unhealthy``/
-``crashed``/a backend's own). Pinning lives in :meth:`EngineEvaluator._pin`.
+``rejected``/``aborted``/``crashed``/a backend's own). Pinning lives in :meth:`EngineEvaluator._pin`. A
+request the engine refuses (``rejected``) or samples it aborts (``aborted``) never restart the engine; an
+engine whose last load failed reports no version, so the next unit reloads it.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ class EngineEvaluator:
         timings["load_s"] = time.perf_counter() - t0
         try:
             scored = score_unit(self.engine, self.cache, unit)
-        except EngineError:
+        except EngineError as e:
+            if not e.restart_helps:  # a rejected request, aborted samples: the engine is fine
+                raise
             self._heal(ref, want)  # died mid-unit: bring it back, then one more try
             scored = score_unit(self.engine, self.cache, unit)
         timings["generate_s"] = scored.generate_s
@@ -211,8 +215,8 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
         return ok_result(unit, ev.scores, ev.weight_versions, message=ev.message, timings=timings)
     except (SnapshotError, WorkerSkip, EvalSkip) as e:
         reason, message = e.reason, str(e)
-    except EngineError as e:
-        reason, message = "unhealthy", str(e)
+    except EngineError as e:  # unhealthy; or rejected/aborted (RequestRejected, SamplesAborted)
+        reason, message = e.reason, str(e)
     except SCORING_ERRORS as e:
         reason, message = "crashed", f"{type(e).__name__}: {e}"
     if reason in {"unhealthy", "crashed"}:
@@ -225,12 +229,23 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
     return skip_result(unit, reason, message, timings=timings)
 
 
+def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
+    """run.json's settings for ``kind``; an sglang server is launched deterministic when any dataset
+    samples (sglang honours per-sample seeds only with ``--enable-deterministic-inference``)."""
+    from jobs.eval.engines.factory import engine_settings
+
+    settings = engine_settings(manifest.eval.engine, kind)
+    if kind == "sglang":
+        settings.setdefault("deterministic", any(d.temperature > 0 for d in manifest.eval.datasets))
+    return settings
+
+
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
-    from jobs.eval.engines.factory import EnginePool, engine_settings, make_engine, spec_kind
+    from jobs.eval.engines.factory import EnginePool, make_engine, spec_kind
 
     kinds = [spec_kind(s) for s in opts.engines]
     if kinds == ["fn"]:
-        backend = make_engine(opts.engines[0], opts.device, engine_settings(manifest.eval.engine, "fn"))
+        backend = make_engine(opts.engines[0], opts.device, _settings(manifest, "fn"))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]
     if manifest.eval.adapters:
         raise ValueError(
@@ -238,7 +253,7 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
             "bare base weights — use an fn: backend that applies them"
         )
     engines = [
-        make_engine(spec, opts.device, engine_settings(manifest.eval.engine, kind))
+        make_engine(spec, opts.device, _settings(manifest, kind))
         for spec, kind in zip(opts.engines, kinds, strict=True)
         for _ in range(opts.replicas)
     ]
