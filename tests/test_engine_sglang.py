@@ -1,4 +1,8 @@
-"""SGLangEngine: the launch contract everywhere; a real sglang server where a GPU and sglang exist."""
+"""SGLangEngine: the launch contract everywhere; a real sglang server where a GPU and sglang exist.
+
+Without sglang installed, the version check reads a fake ``sglang-<version>.dist-info`` put on the launch
+interpreter's ``PYTHONPATH``: the same metadata ``importlib.metadata`` reads from a real install.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.eval.engines.base import EngineError, SamplingParams
-from jobs.eval.engines.sglang import SGLangEngine, device_flags, free_port, gpu_count, launch_command
+from jobs.eval.engines.base import EngineError, RequestRejected, SamplingParams
+from jobs.eval.engines.http import UnsupportedServer
+from jobs.eval.engines.sglang import (
+    DETERMINISTIC_FLAG,
+    SGLangEngine,
+    determinism_flags,
+    device_flags,
+    free_port,
+    gpu_count,
+    installed_sglang_version,
+    launch_command,
+)
 from jobs.reference.model import (
     ModelConfig,
     build_model,
@@ -23,7 +37,8 @@ from jobs.reference.model import (
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 needs_gpu_and_sglang = pytest.mark.skipif(
-    not (HAVE_SGLANG and torch.cuda.is_available()), reason="needs a GPU and sglang"
+    not (HAVE_SGLANG and torch.cuda.is_available()),
+    reason=f"needs a CUDA GPU (available: {torch.cuda.is_available()}) and sglang installed (found: {HAVE_SGLANG})",
 )
 # head_dim 64: a size every sglang attention backend supports.
 SGLANG_CFG = ModelConfig(num_heads=2, num_kv_heads=2, initializer_range=0.2)
@@ -67,10 +82,57 @@ def test_attached_engine_cannot_restart() -> None:
     engine.close()
 
 
-def test_lazy_engine_launches_nothing_before_the_first_load() -> None:
+def fake_sglang(root: Path, version: str) -> dict[str, str]:
+    """An env whose python sees an ``sglang`` distribution of ``version`` (metadata only, no code)."""
+    info = root / f"sglang-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    return {"PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_determinism_flags() -> None:
+    assert determinism_flags(True, []) == [DETERMINISTIC_FLAG] == ["--enable-deterministic-inference"]
+    assert determinism_flags(True, [DETERMINISTIC_FLAG]) == [] and determinism_flags(False, []) == []
+
+
+@pytest.mark.parametrize("version", ["0.4.10", "0.5.3", "0.6.1"])
+def test_an_sglang_install_outside_the_pin_is_refused_before_launch(tmp_path: Path, version: str) -> None:
+    env = fake_sglang(tmp_path, version)
+    assert installed_sglang_version(sys.executable, env) == version
+    with pytest.raises(UnsupportedServer, match=rf"runs sglang {version}; ckpteval needs sglang>=0\.5\.19,<0\.6"):
+        SGLangEngine(env=env)
+
+
+@pytest.mark.skipif(HAVE_SGLANG, reason="checks the message for a python without sglang")
+def test_a_python_without_sglang_is_refused_before_launch() -> None:
+    with pytest.raises(UnsupportedServer, match="sglang is not installed"):
+        SGLangEngine(env={"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_deterministic_engines_launch_with_the_flag(tmp_path: Path) -> None:
+    env = fake_sglang(tmp_path, "0.5.23")
+    assert DETERMINISTIC_FLAG in SGLangEngine(env=env, deterministic=True)._launch_settings.extra_args
+    assert DETERMINISTIC_FLAG not in SGLangEngine(env=env)._launch_settings.extra_args
+
+
+def test_the_worker_launches_sglang_deterministic_when_a_dataset_samples(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from jobs.eval.evaluators import _settings
+    from tests.support.workers import make_eval_run
+
+    manifest = make_eval_run(tmp_path).manifest()
+    assert _settings(manifest, "sglang")["deterministic"] is False  # greedy only
+    sampled = replace(manifest.eval.datasets[0], temperature=0.6)
+    manifest = replace(manifest, eval=replace(manifest.eval, datasets=(sampled,)))
+    assert _settings(manifest, "sglang")["deterministic"] is True
+    assert "deterministic" not in _settings(manifest, "hf")
+
+
+def test_lazy_engine_launches_nothing_before_the_first_load(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="at least one GPU"):
         SGLangEngine("/snap", env={"CUDA_VISIBLE_DEVICES": ""})
-    engine = SGLangEngine(device="cpu", env={"CUDA_VISIBLE_DEVICES": "0"})
+    engine = SGLangEngine(device="cpu", env=fake_sglang(tmp_path, "0.5.23"))
     assert engine.pid is None and engine.weight_version() is None and engine.healthy() is False
     engine.restart()  # nothing loaded yet: nothing to relaunch
     assert engine.pid is None
@@ -94,6 +156,7 @@ def test_real_sglang_server_pins_weight_versions(tmp_path: Path) -> None:
         extra_args=["--disable-cuda-graph", "--mem-fraction-static", "0.2"],
         log_path=str(tmp_path / "sglang.log"),
         startup_timeout=600,
+        deterministic=True,
     )
     assert engine.weight_version() is None
     pid = last = None
@@ -107,6 +170,18 @@ def test_real_sglang_server_pins_weight_versions(tmp_path: Path) -> None:
         assert engine.weight_version() == "2"
         gens = engine.generate(PROMPTS, greedy)
         assert {g.weight_version for g in gens} == {"2"} and all(g.n_tokens >= 1 for g in gens)
+        info = engine.server_info()  # the version floor passed; the flag reached the server
+        assert info["enable_deterministic_inference"] is True
+        hot = SamplingParams(max_new_tokens=8, temperature=1.5)
+        copies = [PROMPTS[0]] * 4
+        same = engine.generate(copies, hot, seeds=[5] * 4)
+        drawn = engine.generate(copies, hot, seeds=[1, 2, 3, 4])
+        assert len({g.text for g in same}) == 1  # one seed: one sample, whatever the batch
+        assert len({g.text for g in drawn}) > 1  # per-sample seeds: independent samples
+        assert engine.generate([PROMPTS[0]], hot, seeds=[3])[0].text == drawn[2].text
+        with pytest.raises(RequestRejected, match="context length"):  # a 4xx, and the server lives on
+            engine.generate(["1+" * 4000], greedy)
+        assert engine.healthy()
         engine.restart()  # relaunched with the last loaded snapshot and its version
         assert engine.pid != pid and engine.weight_version() == "2" and engine.healthy()
     finally:

@@ -2,7 +2,9 @@
 
 An :class:`Evaluator` turns one claimed unit into scores or raises a skip; :func:`evaluate_unit` maps every
 expected failure to a skip reason (``ckpt_missing``/``ckpt_corrupt``/``pin_violation``/``unhealthy``/
-``crashed``/a backend's own). Pinning is :mod:`jobs.eval.pinning`'s (shared with the shared posture).
+``rejected``/``aborted``/``crashed``/a backend's own). Pinning is :mod:`jobs.eval.pinning`'s (shared with
+the shared posture). A request the engine refuses (``rejected``) or samples it aborts (``aborted``) never
+restart the engine; an engine whose last load failed reports no version, so the next unit reloads it.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ class EngineEvaluator:
             return self._evaluate_harness(harness, unit, ref, want, timings)
         try:
             scored = score_unit(self.engine, self.cache, unit, str(ref.path))
-        except EngineError:
+        except EngineError as e:
+            if not e.restart_helps:  # a rejected request, aborted samples: the engine is fine
+                raise
             self._heal(ref, want)  # died mid-unit: bring it back, then one more try
             scored = score_unit(self.engine, self.cache, unit, str(ref.path))
         timings["generate_s"] = scored.generate_s
@@ -193,8 +197,8 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
                          grader_timeouts=ev.grader_timeouts)
     except (SnapshotError, WorkerSkip, EvalSkip, NoChatTemplate) as e:
         reason, message = e.reason, str(e)
-    except EngineError as e:
-        reason, message = "unhealthy", str(e)
+    except EngineError as e:  # unhealthy; or rejected/aborted (RequestRejected, SamplesAborted)
+        reason, message = e.reason, str(e)
     except SCORING_ERRORS as e:
         reason, message = "crashed", f"{type(e).__name__}: {e}"
     if reason in {"unhealthy", "crashed"}:
@@ -217,13 +221,24 @@ def check_harness_engines(manifest: RunManifest, kinds: list[str], replicas: int
         )
 
 
+def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
+    """run.json's settings for ``kind``; an sglang server is launched deterministic when any dataset
+    samples (sglang honours per-sample seeds only with ``--enable-deterministic-inference``)."""
+    from jobs.eval.engines.factory import engine_settings
+
+    settings = engine_settings(manifest.eval.engine, kind)
+    if kind == "sglang":
+        settings.setdefault("deterministic", any(d.temperature > 0 for d in manifest.eval.datasets))
+    return settings
+
+
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
-    from jobs.eval.engines.factory import EnginePool, engine_settings, make_engine, spec_kind
+    from jobs.eval.engines.factory import EnginePool, make_engine, spec_kind
 
     kinds = [spec_kind(s) for s in opts.engines]
     check_harness_engines(manifest, kinds, opts.replicas)
     if kinds == ["fn"]:
-        backend = make_engine(opts.engines[0], opts.device, engine_settings(manifest.eval.engine, "fn"))
+        backend = make_engine(opts.engines[0], opts.device, _settings(manifest, "fn"))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]
     if manifest.eval.adapters:
         raise ValueError(
@@ -231,7 +246,7 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
             "bare base weights — use an fn: backend that applies them"
         )
     engines = [
-        make_engine(spec, opts.device, engine_settings(manifest.eval.engine, kind))
+        make_engine(spec, opts.device, _settings(manifest, kind))
         for spec, kind in zip(opts.engines, kinds, strict=True)
         for _ in range(opts.replicas)
     ]

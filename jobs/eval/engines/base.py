@@ -20,6 +20,26 @@ from typing import Protocol, runtime_checkable
 class EngineError(RuntimeError):
     """An engine failed in a way the worker should treat as unhealthy (restart, then skip)."""
 
+    reason = "unhealthy"  # the skip reason of a unit that ends on this error
+    restart_helps = True  # whether restarting the engine is a sensible reaction
+
+
+class RequestRejected(EngineError):
+    """The engine refused a request as invalid (an HTTP 4xx from sglang: a prompt longer than the
+    context, a bad sampling setting): the request's fault, not a dead engine. No restart; the unit is
+    skipped ``rejected`` with the engine's message."""
+
+    reason = "rejected"
+    restart_helps = False
+
+
+class SamplesAborted(EngineError):
+    """Samples came back aborted (sglang's ``finish_reason.type == "abort"``) and stayed aborted after
+    the bounded retries. Aborted samples are never scored; the unit is skipped ``aborted``."""
+
+    reason = "aborted"
+    restart_helps = False
+
 
 @dataclass(frozen=True)
 class SamplingParams:

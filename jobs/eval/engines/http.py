@@ -1,50 +1,133 @@
 """``HTTPEngine``: the :class:`~jobs.eval.engines.base.Engine` protocol over sglang's native HTTP API.
 
-Works against any server speaking the subset ``ckpteval serve`` implements (sglang itself, or
-``ckpteval serve``): ``/update_weights_from_disk``, ``/model_info`` (falling back to the older
-``/get_model_info``), ``/generate`` and ``/health_generate``.
+Written against the sglang source (0.5.19 .. 0.5.23, the range ``ckpteval[sglang]`` pins; file
+names below are inside the sglang wheel) and ``ckpteval serve``, which mirrors 0.5.23. Routes used:
+``/update_weights_from_disk``, ``/model_info`` (``/get_model_info`` on servers that 404 it),
+``/server_info`` (``/get_server_info`` likewise), ``/generate`` and ``/health_generate``.
 
 Promises:
 
+- **Version floor**: before its first request (other than the health probe) the engine reads the
+  server's sglang version from ``/server_info`` ``"version"`` (``srt/entrypoints/http_server.py``
+  ``server_info``) and refuses a server outside :data:`SUPPORTED_SGLANG` with
+  :class:`UnsupportedServer` (a ``ValueError``: a configuration error, not a dead engine).
 - :meth:`HTTPEngine.load` asks the server to load the snapshot and stamp ``weight_version``, then
-  reads the version back; a failed update raises :class:`EngineError`, a read-back that differs
-  raises :class:`WeightVersionMismatch` (an ``EngineError``: another client reloaded the server).
-- :meth:`HTTPEngine.generate` sends each batch (up to ``max_batch_size`` prompts) as one request
-  with a list of texts, and returns every sample with the ``meta_info.weight_version`` the server
-  stamped on it, so mixed versions are visible per sample.
-- Every network failure, timeout, non-2xx reply or malformed reply becomes :class:`EngineError`;
-  :meth:`HTTPEngine.healthy` returns False instead, catching only httpx transport errors.
+  reads the version back; a read-back that differs raises :class:`WeightVersionMismatch`. A load that
+  fails in any way (HTTP 400 ``success: false``, a timeout, a dropped connection) raises
+  :class:`EngineError` **and leaves the engine's version unknown**: sglang loads in place and its
+  "rollback" re-reads the new checkpoint (``srt/model_executor/model_runner_components/
+  weight_updater.py`` ``update_weights_from_disk``), while the label the server reports stays the old
+  one (``srt/managers/tokenizer_manager.py`` only sets it on success). Until the next successful load
+  :meth:`HTTPEngine.weight_version` answers ``None``, so the worker reloads before the next unit
+  whatever label the server reports.
+- :meth:`HTTPEngine.generate` sends each batch (up to ``max_batch_size`` prompts) as one request.
+  ``seeds`` (one per prompt, sampled decoding only) go as ``sampling_params[i]["sampling_seed"]``, a
+  list of one dict per prompt (``srt/managers/io_struct.py`` ``_normalize_sampling_params``); sglang
+  applies them only when launched with ``--enable-deterministic-inference``
+  (``srt/sampling/sampling_batch_info.py``), which the engine reports once on stderr when missing.
+- **Aborts are never scored**: sglang answers HTTP 200 with ``meta_info.finish_reason.type ==
+  "abort"`` and partial text for requests cut by ``/abort_request``, ``/pause_generation`` (abort
+  mode), a weight update with ``abort_all_requests`` or ``/update_weight_version``
+  (``tokenizer_manager.py`` ``_handle_abort_finish_reason`` turns only aborts carrying a status code
+  into errors). Aborted samples are resent (``abort_retries`` times, same seeds); still aborted, the
+  call raises :class:`~jobs.eval.engines.base.SamplesAborted`.
+- **Versions per sample**: a sample's version is its ``meta_info.weight_versions`` spans (sglang
+  >= 0.5.19, ``srt/utils/weight_versions.py``) when present: one version if every span has it, else
+  the span versions joined by ``|`` (``"3|4"``), which equals no pin and no step, so a sample that
+  spans a weight update fails the pin check and counts as mixed. Without spans, ``weight_version``.
+- **Rejected is not dead**: a 4xx from ``/generate`` (other than 408/429) is the request's fault
+  (too long a prompt, a bad setting: ``tokenizer_manager.py`` ``_validate_one_request``,
+  ``srt/sampling/sampling_params.py`` ``verify``) and raises
+  :class:`~jobs.eval.engines.base.RequestRejected` with the server's message; transport errors,
+  timeouts and 5xx raise plain :class:`EngineError` (restart). Error bodies are read in the three
+  shapes sglang uses: ``{"error": "<str>"}`` (the 0.5.22+ schema gate), ``{"error": {"message"}}``
+  (``_create_error_response``) and ``{"object": "error", "message"}`` (``ErrorResponse``).
+- :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
+  ``HEALTH_CHECK_TIMEOUT`` for ``/health_generate`` (which polls once a second), and returns False
+  instead of raising, catching only httpx transport errors.
 
 Limits: an attached server cannot be restarted (:meth:`HTTPEngine.restart` raises) unless a
-``launcher`` callback is given; sampling settings are validated by the server, so a bad one comes
-back as :class:`EngineError` carrying the server's message.
+``launcher`` callback is given; sampling settings are validated by the server. Another client
+reloading a shared server is detected (per-sample versions, read-back), not prevented.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from jobs.eval.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.base import EngineError, Generation, RequestRejected, SamplesAborted, SamplingParams
+
+MIN_SGLANG = (0, 5, 19)  # first release with meta_info.weight_versions spans
+NEXT_BREAKING_SGLANG = (0, 6)
+SUPPORTED_SGLANG = ">=0.5.19,<0.6"  # keep equal to pyproject's sglang extra
+# sglang's health_generate gives up after HEALTH_CHECK_TIMEOUT = 20 s (SGLANG_HEALTH_CHECK_TIMEOUT),
+# polling once a second (srt/entrypoints/http_server.py): wait past that before calling it dead.
+HEALTH_TIMEOUT_S = 30.0
+TRANSIENT_4XX = (408, 429)  # timeouts and rate limits: the server's state, not the request's fault
+FINISH_TYPES = ("stop", "length", "abort")
 
 
 class WeightVersionMismatch(EngineError):
     """The server reports a different ``weight_version`` than the one just loaded."""
 
 
+class UnsupportedServer(ValueError):
+    """The server (or the sglang install a launcher would start) is outside :data:`SUPPORTED_SGLANG`."""
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``"0.5.23"``/``"0.5.19.post1"``/``"0.5.21rc0"`` -> ``(0, 5, 23)``; ValueError if not a version."""
+    match = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if match is None:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(g) for g in match.groups() if g is not None)
+
+
+def check_sglang_version(version: Any, where: str) -> None:
+    """Raise :class:`UnsupportedServer` unless ``version`` is in :data:`SUPPORTED_SGLANG`."""
+    try:
+        parsed = parse_version(version)
+    except ValueError:
+        raise UnsupportedServer(
+            f"{where} reports sglang version {version!r}, not a version; ckpteval needs sglang{SUPPORTED_SGLANG}"
+        ) from None
+    if not MIN_SGLANG <= parsed < NEXT_BREAKING_SGLANG:
+        raise UnsupportedServer(
+            f"{where} runs sglang {version}; ckpteval needs sglang{SUPPORTED_SGLANG} (weight_versions spans "
+            "arrived in 0.5.19): pip install 'ckpteval[sglang]'"
+        )
+
+
 def sampling_json(params: SamplingParams) -> dict[str, Any]:
-    """sglang ``sampling_params`` for :class:`SamplingParams` (``sampling_seed`` only when set)."""
+    """sglang ``sampling_params`` for :class:`SamplingParams` (``sampling_seed`` only when set).
+
+    Only keys sglang knows (0.5.22+ rejects unknown ones), ints as JSON ints; ``top_k`` 0 (our "off")
+    becomes sglang's -1, since sglang answers ``top_k: 0`` with a 400 (``sampling_params.py`` verify).
+    """
     body: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_new_tokens": int(params.max_new_tokens),
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k > 0 else -1,
     }
     if params.seed is not None:
-        body["sampling_seed"] = params.seed
+        body["sampling_seed"] = int(params.seed)
     return body
+
+
+def request_sampling(params: SamplingParams, seeds: list[int] | None) -> dict[str, Any] | list[dict[str, Any]]:
+    """One dict for the batch, or one per prompt carrying its ``sampling_seed`` (sampled decoding only)."""
+    base = sampling_json(params)
+    if seeds is None or params.temperature == 0:
+        return base
+    return [base | {"sampling_seed": int(s)} for s in seeds]
 
 
 def error_message(response: httpx.Response) -> str:
@@ -55,6 +138,8 @@ def error_message(response: httpx.Response) -> str:
         return f"HTTP {response.status_code}: {response.text[:500]}"
     if isinstance(body, dict):
         nested = body.get("error")
+        if isinstance(nested, str):
+            return f"HTTP {response.status_code}: {nested}"
         if isinstance(nested, dict) and "message" in nested:
             return f"HTTP {response.status_code}: {nested['message']}"
         if "message" in body:
@@ -62,16 +147,63 @@ def error_message(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {body!r}"[:600]
 
 
-def parse_generation(item: Any) -> Generation:
-    """One ``/generate`` result -> :class:`Generation`; :class:`EngineError` if malformed."""
+def sample_version(meta: dict[str, Any]) -> str | None:
+    """The version that produced a sample: its ``weight_versions`` spans when present (``"a|b"`` when they
+    differ), else ``weight_version``; :class:`EngineError` for malformed spans."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        version = meta.get("weight_version")
+        return None if version is None else str(version)
+    if not isinstance(spans, list) or not spans:
+        raise EngineError(f"malformed meta_info.weight_versions {str(spans)[:200]}")
+    versions = []
+    for span in spans:
+        if not isinstance(span, dict) or span.get("version") is None:
+            raise EngineError(f"malformed meta_info.weight_versions span {str(span)[:200]}")
+        versions.append(str(span["version"]))
+    return versions[0] if len(set(versions)) == 1 else "|".join(versions)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One parsed ``/generate`` result: a generation, or why the server aborted it."""
+
+    generation: Generation
+    abort_message: str | None = None
+
+
+def parse_generation(item: Any) -> Sample:
+    """One ``/generate`` result -> :class:`Sample`; :class:`EngineError` if malformed.
+
+    An aborted result (``finish_reason.type == "abort"``) may lack ``prompt_tokens`` and carries
+    partial text (``tokenizer_manager.py`` ``_handle_abort_req``): it is returned as an abort, never as
+    a generation to score.
+    """
     try:
         meta = item["meta_info"]
-        text, version, n_tokens = item["text"], meta.get("weight_version"), meta["completion_tokens"]
-    except (KeyError, TypeError) as e:
+        finish = meta.get("finish_reason")
+    except (KeyError, TypeError, AttributeError) as e:
         raise EngineError(f"malformed /generate result {str(item)[:200]}: missing {e}") from e
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind not in FINISH_TYPES:
+        raise EngineError(f"/generate result without a finish_reason type in {FINISH_TYPES}: {str(item)[:200]}")
+    version = sample_version(meta)
+    if kind == "abort":
+        message = str(finish.get("message") or "Aborted")
+        return Sample(Generation(text="", weight_version=version, n_tokens=0), message)
+    text, n_tokens = item.get("text"), meta.get("completion_tokens")
     if not isinstance(text, str) or not isinstance(n_tokens, int):
         raise EngineError(f"malformed /generate result {str(item)[:200]}")
-    return Generation(text=text, weight_version=None if version is None else str(version), n_tokens=n_tokens)
+    return Sample(Generation(text=text, weight_version=version, n_tokens=n_tokens))
+
+
+def check_seeds(seeds: list[int] | None, n: int) -> None:
+    if seeds is None:
+        return
+    if not isinstance(seeds, list) or len(seeds) != n:
+        raise ValueError(f"seeds must be a list of one int per prompt ({n})")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and -(2**63) <= s < 2**63 for s in seeds):
+        raise ValueError("seeds must be ints in sglang's sampling_seed range [-2**63, 2**63-1]")
 
 
 class HTTPEngine:
@@ -83,19 +215,27 @@ class HTTPEngine:
         timeout: float = 300.0,
         *,
         load_timeout: float = 600.0,
-        health_timeout: float = 20.0,
+        health_timeout: float = HEALTH_TIMEOUT_S,
         max_batch_size: int = 512,
+        abort_retries: int = 2,
+        abort_retry_delay: float = 1.0,
         launcher: Callable[[], None] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if abort_retries < 0:
+            raise ValueError(f"abort_retries must be >= 0, got {abort_retries}")
         self._base_url = base_url.rstrip("/")
         self._load_timeout = load_timeout
         self._health_timeout = health_timeout
         self._max_batch_size = max_batch_size
+        self._abort_retries, self._abort_retry_delay = abort_retries, abort_retry_delay
         self._launcher = launcher
         self._client = httpx.Client(base_url=self._base_url, timeout=timeout)
         self._model_info_path = "/model_info"
+        self._server_info: dict[str, Any] | None = None  # read once, by the version check
+        self._weights_unknown = False  # a load failed: weights may be partly replaced
+        self._warned_nondeterministic = False
         self._closed = False
 
     @property
@@ -111,25 +251,48 @@ class HTTPEngine:
         except httpx.TransportError as e:
             raise EngineError(f"{method} {self._base_url}{path} failed: {type(e).__name__}: {e}") from e
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self._request(method, path, **kwargs)
-        if response.status_code != 200:
-            raise EngineError(f"{method} {path}: {error_message(response)}")
-        try:
-            return response.json()
-        except ValueError as e:
-            raise EngineError(f"{method} {path}: reply is not JSON: {response.text[:200]}") from e
+    def _get_json(self, paths: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+        """GET the first of ``paths`` the server does not 404 (newer route first); its JSON object."""
+        for path in paths:
+            response = self._request("GET", path)
+            if response.status_code == 404 and path != paths[-1]:
+                continue
+            if response.status_code != 200:
+                raise EngineError(f"GET {path}: {error_message(response)}")
+            try:
+                body = response.json()
+            except ValueError as e:
+                raise EngineError(f"GET {path}: reply is not JSON: {response.text[:200]}") from e
+            if not isinstance(body, dict):
+                raise EngineError(f"GET {path}: expected an object, got {str(body)[:200]}")
+            return path, body
+        raise EngineError(f"none of {paths} answered")  # unreachable: the last path returns or raises
+
+    def server_info(self) -> dict[str, Any]:
+        """``/server_info`` (``/get_server_info`` on servers that 404 it), checked against the version
+        floor once (:class:`UnsupportedServer`)."""
+        if self._server_info is None:
+            _, info = self._get_json(("/server_info", "/get_server_info"))
+            check_sglang_version(info.get("version"), f"the server at {self._base_url}")
+            self._server_info = info
+        return self._server_info
 
     # ------------------------------------------------------------------ Engine protocol
     def load(self, snapshot_dir: str, weight_version: str) -> None:
-        body = {"model_path": str(snapshot_dir), "weight_version": weight_version}
+        self.server_info()
+        body = {"model_path": str(snapshot_dir), "weight_version": weight_version, "abort_all_requests": False}
+        self._weights_unknown = True  # until the server confirms the load
         response = self._request("POST", "/update_weights_from_disk", json=body, timeout=self._load_timeout)
         try:
             reply = response.json()
         except ValueError:
             reply = None
         if response.status_code != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
-            raise EngineError(f"update_weights_from_disk({snapshot_dir}) failed: {error_message(response)}")
+            raise EngineError(
+                f"update_weights_from_disk({snapshot_dir}) failed: {error_message(response)}; the server's "
+                "weights are now unknown (a failed sglang load can leave them partly replaced)"
+            )
+        self._weights_unknown = False
         reported = self.weight_version()
         if reported != weight_version:
             raise WeightVersionMismatch(
@@ -138,34 +301,78 @@ class HTTPEngine:
 
     def model_info(self) -> dict[str, Any]:
         """The server's model info (``/model_info``, or ``/get_model_info`` on older servers)."""
-        response = self._request("GET", self._model_info_path)
-        if response.status_code == 404 and self._model_info_path == "/model_info":
-            self._model_info_path = "/get_model_info"
-            response = self._request("GET", self._model_info_path)
-        if response.status_code != 200:
-            raise EngineError(f"GET {self._model_info_path}: {error_message(response)}")
-        try:
-            info = response.json()
-        except ValueError as e:
-            raise EngineError(f"GET {self._model_info_path}: reply is not JSON") from e
-        if not isinstance(info, dict):
-            raise EngineError(f"GET {self._model_info_path}: expected an object, got {info!r}")
+        self.server_info()
+        paths = ("/model_info", "/get_model_info") if self._model_info_path == "/model_info" else ("/get_model_info",)
+        self._model_info_path, info = self._get_json(paths)
         return info
 
     def weight_version(self) -> str | None:
+        """The server's label; ``None`` after a failed load (weights unknown until the next good load)."""
+        if self._weights_unknown:
+            return None
         version = self.model_info().get("weight_version")
         return None if version is None else str(version)
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Generation]:
-        results: list[Generation] = []
-        for start in range(0, len(prompts), self._max_batch_size):
-            chunk = prompts[start : start + self._max_batch_size]
-            body = {"text": chunk, "sampling_params": sampling_json(params)}
-            reply = self._json("POST", "/generate", json=body)
-            if not isinstance(reply, list) or len(reply) != len(chunk):
-                raise EngineError(f"/generate returned {str(reply)[:200]} for {len(chunk)} prompts")
-            results.extend(parse_generation(item) for item in reply)
-        return results
+    def generate(
+        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Generation]:
+        check_seeds(seeds, len(prompts))
+        self._warn_if_seeds_ignored(params, seeds)
+        out: list[Generation | None] = [None] * len(prompts)
+        pending = list(range(len(prompts)))
+        last_abort = ""
+        for attempt in range(self._abort_retries + 1):
+            if attempt:
+                time.sleep(self._abort_retry_delay * attempt)
+            aborted = []
+            for start in range(0, len(pending), self._max_batch_size):
+                chunk = pending[start : start + self._max_batch_size]
+                chunk_seeds = None if seeds is None else [seeds[i] for i in chunk]
+                samples = self._generate_batch([prompts[i] for i in chunk], params, chunk_seeds)
+                for i, sample in zip(chunk, samples, strict=True):
+                    if sample.abort_message is None:
+                        out[i] = sample.generation
+                    else:
+                        aborted.append(i)
+                        last_abort = sample.abort_message
+            if not aborted:
+                return [g for g in out if g is not None]
+            pending = aborted
+        raise SamplesAborted(
+            f"{len(pending)} of {len(prompts)} samples came back aborted from {self._base_url} "
+            f"{self._abort_retries + 1} times (last: {last_abort!r}); aborted samples are never scored"
+        )
+
+    def _generate_batch(
+        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None
+    ) -> list[Sample]:
+        self.server_info()
+        body = {"text": prompts, "sampling_params": request_sampling(params, seeds)}
+        response = self._request("POST", "/generate", json=body)
+        if response.status_code != 200:
+            message = f"POST /generate: {error_message(response)}"
+            if 400 <= response.status_code < 500 and response.status_code not in TRANSIENT_4XX:
+                raise RequestRejected(f"{message} (the server refused the request; no restart)")
+            raise EngineError(message)
+        try:
+            reply = response.json()
+        except ValueError as e:
+            raise EngineError(f"POST /generate: reply is not JSON: {response.text[:200]}") from e
+        if not isinstance(reply, list) or len(reply) != len(prompts):
+            raise EngineError(f"/generate returned {str(reply)[:200]} for {len(prompts)} prompts")
+        return [parse_generation(item) for item in reply]
+
+    def _warn_if_seeds_ignored(self, params: SamplingParams, seeds: list[int] | None) -> None:
+        if seeds is None or params.temperature == 0 or self._warned_nondeterministic:
+            return
+        if self.server_info().get("enable_deterministic_inference") is False:
+            self._warned_nondeterministic = True
+            print(
+                f"ckpteval: sglang at {self._base_url} runs without --enable-deterministic-inference: it ignores "
+                "per-sample seeds (samples are independent but not reproducible)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def healthy(self) -> bool:
         if self._closed:

@@ -14,6 +14,18 @@ it on the same port with the last loaded snapshot and version (so the restarted 
 version agree). Attached to a ``url`` it never launches anything and ``restart`` raises
 :class:`EngineError`.
 
+Version floor: an engine that will launch sglang first reads the installed sglang's version in the
+launch interpreter (``importlib.metadata``, no import of sglang) and refuses one outside
+:data:`~jobs.eval.engines.http.SUPPORTED_SGLANG` with
+:class:`~jobs.eval.engines.http.UnsupportedServer` at construction, i.e. at worker start (0.4.x
+rejects ``--weight-version`` at start, 0.5.1/0.5.2 know no ``sampling_seed``, spans need 0.5.19);
+the running server's ``/server_info`` version is checked again on first contact (also when attached).
+
+Seeds: ``deterministic=True`` adds ``--enable-deterministic-inference`` (the worker sets it when a
+dataset of the run samples): sglang applies ``sampling_seed`` only in that mode
+(``srt/sampling/sampling_batch_info.py``), and there an unseeded request uses seed 42, which is why
+the client sends one seed per sample.
+
 Limits: importing this module needs neither sglang nor a GPU (nor torch); launching needs both. A
 port picked automatically is free when picked, not reserved until sglang binds it. ``device="cpu"``
 (the worker's default for in-process engines) is ignored: sglang runs where CUDA_VISIBLE_DEVICES says.
@@ -32,7 +44,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from jobs.eval.engines.base import EngineError
-from jobs.eval.engines.http import HTTPEngine, WeightVersionMismatch
+from jobs.eval.engines.http import (
+    HEALTH_TIMEOUT_S,
+    HTTPEngine,
+    UnsupportedServer,
+    WeightVersionMismatch,
+    check_sglang_version,
+)
+
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # sglang arg_groups/fields/exec_.py
 
 
 def gpu_count(env: Mapping[str, str] | None = None) -> int:
@@ -68,6 +88,28 @@ def launch_command(
     if weight_version is not None:
         cmd += ["--weight-version", weight_version]
     return cmd + list(extra_args)
+
+
+def installed_sglang_version(python: str, env: Mapping[str, str], timeout: float = 120.0) -> str:
+    """The version of the sglang distribution ``python`` would run (read from its metadata, not imported);
+    :class:`UnsupportedServer` when it has none."""
+    code = "import importlib.metadata as m; print(m.version('sglang'))"
+    try:
+        done = subprocess.run(
+            [python, "-c", code], env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UnsupportedServer(f"cannot ask {python} for its sglang version: {e}") from e
+    if done.returncode != 0:
+        raise UnsupportedServer(
+            f"sglang is not installed for {python} (pip install 'ckpteval[sglang]'): {done.stderr.strip()[-300:]}"
+        )
+    return done.stdout.strip()
+
+
+def determinism_flags(deterministic: bool, extra_args: Sequence[str]) -> list[str]:
+    """``--enable-deterministic-inference`` when asked for and not already among ``extra_args``."""
+    return [DETERMINISTIC_FLAG] if deterministic and DETERMINISTIC_FLAG not in extra_args else []
 
 
 def device_flags(device: str | None) -> tuple[list[str], int | None]:
@@ -121,6 +163,8 @@ class SGLangEngine(HTTPEngine):
         log_path: str | None = None,
         timeout: float = 300.0,
         load_timeout: float = 600.0,
+        health_timeout: float = HEALTH_TIMEOUT_S,
+        deterministic: bool = False,
     ) -> None:
         if model_path is not None and url is not None:
             raise ValueError("give model_path (launch a server) or url (attach to one), not both")
@@ -131,14 +175,16 @@ class SGLangEngine(HTTPEngine):
         self._model_path, self._version = model_path, weight_version
         self._launch_settings: LaunchSettings | None = None
         if url is not None:
-            super().__init__(url, timeout, load_timeout=load_timeout)
+            super().__init__(url, timeout, load_timeout=load_timeout, health_timeout=health_timeout)
             return
         flags, implied_tp = device_flags(device)
         tp = tp_size if tp_size is not None else implied_tp or gpu_count(self._env)
         if tp < 1:
             raise EngineError("sglang needs at least one GPU (CUDA_VISIBLE_DEVICES lists none)")
+        check_sglang_version(installed_sglang_version(python, self._env), f"the sglang installed for {python}")
         port = port if port is not None else free_port(host)
-        super().__init__(f"http://{host}:{port}", timeout, load_timeout=load_timeout)
+        super().__init__(f"http://{host}:{port}", timeout, load_timeout=load_timeout, health_timeout=health_timeout)
+        flags += determinism_flags(deterministic, extra_args)
         self._launch_settings = LaunchSettings(
             python, host, port, tp, (*flags, *extra_args), log_path or self._new_log_path()
         )
@@ -171,6 +217,7 @@ class SGLangEngine(HTTPEngine):
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
             )
         self._wait_ready()
+        self._weights_unknown = False  # a fresh server holds the snapshot it was launched on
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self._startup_timeout
