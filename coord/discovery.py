@@ -8,7 +8,8 @@ Guarantees:
 - Foreign checkpoints without a marker (an HF Trainer ``checkpoint-500/``) are admitted only when
   ``admit_foreign`` is on, after quiescence: no file's size or mtime changed for ``quiescence_s``
   (measured on this process's monotonic clock) *and* every shard named by
-  ``model.safetensors.index.json`` (or ``model.safetensors``) is present. The admission computes full
+  ``model.safetensors.index.json`` (or ``model.safetensors``; for a LoRA adapter checkpoint
+  ``adapter_model.safetensors`` + ``adapter_config.json``) is present. The admission computes full
   checksums once and records an *adopted* marker in ``adoption_dir`` — the foreign dir is never
   written to — so later verification has something to compare against.
 
@@ -33,6 +34,8 @@ from pathlib import Path
 
 from coord.atomic import read_json_object, write_json_atomic
 from coord.snapshot import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     MARKER,
     Marker,
     describe_files,
@@ -75,7 +78,10 @@ def step_from_dir(path: Path) -> int | None:
 
 
 def shards_present(path: Path, names: set[str]) -> bool:
-    """Every weight file the checkpoint promises is there (index-named shards or a single file)."""
+    """Every weight file the checkpoint promises is there (index-named shards or a single file; for a
+    LoRA adapter checkpoint, its weights and its config)."""
+    if ADAPTER_WEIGHTS in names:
+        return ADAPTER_CONFIG in names
     index = path / "model.safetensors.index.json"
     if "model.safetensors.index.json" in names:
         try:

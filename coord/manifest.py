@@ -58,6 +58,9 @@ class EvalSpec:
     datasets: tuple[DatasetSpec, ...]
     engine: dict[str, Any] = field(default_factory=dict)
     adapters: tuple[dict[str, Any], ...] = ()
+    # Absolute path of the fixed base model (an HF model dir) when every snapshot of the run is a LoRA
+    # adapter (``adapter_config.json`` + ``adapter_model.safetensors``); None: snapshots are full models.
+    base_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,12 @@ def _parse_eval(f: _Fields) -> EvalSpec:
     for i, a in enumerate(adapters):
         if not isinstance(a, dict):
             raise f.error(f"adapters[{i}]", "must be an object")
-    return EvalSpec(datasets=datasets, engine=f.get("engine", dict, {}), adapters=tuple(adapters))
+    base_model = f.get("base_model", (str, type(None)), None)
+    if base_model is not None and not Path(base_model).is_absolute():
+        raise f.error("base_model", f"must be an absolute path (the base model dir), got {base_model!r}")
+    return EvalSpec(
+        datasets=datasets, engine=f.get("engine", dict, {}), adapters=tuple(adapters), base_model=base_model
+    )
 
 
 def parse_manifest(obj: Any, source: Path) -> RunManifest:

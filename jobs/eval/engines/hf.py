@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
@@ -109,6 +110,62 @@ def arch_signature(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in _BOOKKEEPING_KEYS}
 
 
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+}
+_CONFIG_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+}
+
+
+def snapshot_dtype(snapshot: Path, config: dict[str, Any]) -> torch.dtype:
+    """The dtype a snapshot holds: ``config.json``'s ``dtype``/``torch_dtype``, else the dtype of the first
+    floating-point tensor of its first shard, else float32."""
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(config.get(key), str) and config[key] in _CONFIG_DTYPES:
+            return _CONFIG_DTYPES[config[key]]
+    with contextlib.suppress(EngineError, OSError, ValueError):
+        header = read_safetensors_header(weight_files(snapshot)[0])
+        for name, meta in header.items():
+            if name != "__metadata__" and isinstance(meta, dict) and meta.get("dtype") in _SAFETENSORS_DTYPES:
+                return _SAFETENSORS_DTYPES[meta["dtype"]]
+    return torch.float32
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (no tensor data read)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+_CPU_DTYPE_OK: dict[torch.dtype, bool] = {}
+
+
+def cpu_supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU build runs a matmul in ``dtype`` (cached probe; float32/float64 always do)."""
+    if dtype in (torch.float32, torch.float64):
+        return True
+    if dtype not in _CPU_DTYPE_OK:
+        try:
+            x = torch.ones(4, 4, dtype=dtype)
+            _CPU_DTYPE_OK[dtype] = bool(torch.isfinite((x @ x).float()).all())
+        except RuntimeError:
+            _CPU_DTYPE_OK[dtype] = False
+    return _CPU_DTYPE_OK[dtype]
+
+
+def resolve_dtype(requested: torch.dtype | str, snapshot: Path, config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """``requested`` as a dtype: ``"auto"`` is the snapshot's own dtype, float32 on a CPU whose torch
+    cannot run that dtype's kernels."""
+    if requested != "auto":
+        return requested  # type: ignore[return-value]
+    dtype = snapshot_dtype(snapshot, config)
+    if device.type == "cpu" and not cpu_supports(dtype):
+        return torch.float32
+    return dtype
+
+
 def weight_files(snapshot: Path) -> list[Path]:
     """The snapshot's safetensors shards (from the index when sharded); refuses pickled weights."""
     index = snapshot / "model.safetensors.index.json"
@@ -129,7 +186,7 @@ def weight_files(snapshot: Path) -> list[Path]:
 
 
 def read_state_dict(snapshot: Path, device: str) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard, loaded straight onto ``device``."""
+    """Every tensor of every shard, loaded straight onto ``device`` (the bench's whole-file baseline)."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(snapshot):
         try:
@@ -139,7 +196,50 @@ def read_state_dict(snapshot: Path, device: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def complete_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+TensorIndex = dict[str, tuple[Path, tuple[int, ...]]]  # tensor name -> (shard, shape)
+
+
+def index_tensors(files: Sequence[Path]) -> TensorIndex:
+    """Name -> (file, shape) for every tensor of ``files``, from the safetensors headers only."""
+    index: TensorIndex = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 — safe_open is not a mapping
+                    index[name] = (path, tuple(f.get_slice(name).get_shape()))
+        except (OSError, SafetensorError) as e:
+            raise EngineError(f"cannot read {path}: {e}") from e
+    return index
+
+
+def resident_targets(model: torch.nn.Module, index: TensorIndex) -> dict[str, torch.Tensor]:
+    """The model's parameters/buffers by the file's names, checked before anything is touched.
+
+    Every resident tensor must be covered by a file tensor of the same shape (a tied partner absent
+    from the file is covered through the tensor it shares storage with); file tensors the model lacks
+    are an error. :class:`EngineError` otherwise, naming up to five offenders of each kind.
+    """
+    resident = model.state_dict(keep_vars=True)
+    shapes = {name: torch.Size(shape) for name, (_, shape) in index.items()}
+    check_state_dict(model, complete_tied(model, shapes))  # type: ignore[arg-type]
+    return {name: resident[name] for name in index}
+
+
+def copy_into_resident(targets: dict[str, torch.Tensor], index: TensorIndex, device: torch.device) -> None:
+    """Read each tensor from its shard and copy it into its resident parameter, one tensor at a time
+    (no second copy of the model: peak extra memory is the largest tensor)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, (path, _) in index.items():
+        by_file.setdefault(path, []).append(name)
+    read_device = "cpu" if device.type == "cpu" else str(device)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt", device=read_device) as f:
+                for name in names:
+                    targets[name].data.copy_(f.get_tensor(name))
+
+
+def complete_tied(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` plus entries for tied parameters the file left out (e.g. ``lm_head.weight``)."""
     names_by_param: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -153,21 +253,26 @@ def complete_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dic
     return completed
 
 
-def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Raise :class:`EngineError` unless ``state`` has exactly the model's keys and shapes."""
+def check_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Raise :class:`EngineError` unless ``state`` has exactly the model's keys and shapes (values may
+    be tensors or shapes)."""
     expected = model.state_dict(keep_vars=True)
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     wrong_shape = [
-        f"{k}: {tuple(state[k].shape)} != {tuple(v.shape)}"
+        f"{k}: {tuple(_shape(state[k]))} != {tuple(v.shape)}"
         for k, v in expected.items()
-        if k in state and state[k].shape != v.shape
+        if k in state and _shape(state[k]) != v.shape
     ]
     if missing or unexpected or wrong_shape:
         raise EngineError(
             f"snapshot weights do not fit the loaded model: missing={missing[:5]} "
             f"unexpected={unexpected[:5]} wrong_shape={wrong_shape[:5]}"
         )
+
+
+def _shape(value: Any) -> torch.Size:
+    return value.shape if isinstance(value, torch.Tensor) else torch.Size(value)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +326,7 @@ class HFEngine:
     """In-process transformers engine; see the module docstring for its guarantees."""
 
     def __init__(
-        self, device: str = "cpu", dtype: str | torch.dtype = "float32", max_batch_size: int = 256
+        self, device: str = "cpu", dtype: str | torch.dtype = "auto", max_batch_size: int = 256
     ) -> None:
         if isinstance(dtype, str) and dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
@@ -272,17 +377,23 @@ class HFEngine:
                 self._instantiate(snapshot, weight_version, signature)
 
     def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
+        model, tokenizer = self._build(snapshot)
+        self._install(model, tokenizer, signature, version, snapshot)
+
+    def _build(self, snapshot: Path) -> tuple[PreTrainedModel, Any]:
+        """A model (in the resolved dtype, still on CPU) and its tokenizer from an HF model dir."""
         weight_files(snapshot)  # refuse pickle-only snapshots before transformers looks at them
+        dtype = resolve_dtype(self._dtype, snapshot, read_config(snapshot), self._device)
         try:
             with _BUILD_LOCK, _quiet_transformers():
                 model = AutoModelForCausalLM.from_pretrained(
-                    snapshot, dtype=self._dtype, use_safetensors=True, local_files_only=True
+                    snapshot, dtype=dtype, use_safetensors=True, local_files_only=True
                 )
             tokenizer = AutoTokenizer.from_pretrained(snapshot, local_files_only=True)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise EngineError(f"cannot build a model from {snapshot}: {e}") from e
         tokenizer.padding_side = "left"
-        self._install(model, tokenizer, signature, version, snapshot)
+        return model, tokenizer
 
     def _install(
         self,
@@ -307,13 +418,12 @@ class HFEngine:
 
     def _reload_in_place(self, snapshot: Path, version: str) -> None:
         model = self._model
-        state = complete_tied(model, read_state_dict(snapshot, str(self._device)))
-        check_state_dict(model, state)
+        index = index_tensors(weight_files(snapshot))
+        targets = resident_targets(model, index)  # names and shapes checked: nothing touched yet
         with self._lock:
             try:
-                with torch.no_grad():
-                    model.load_state_dict(state, strict=True)
-            except RuntimeError as e:
+                copy_into_resident(targets, index, self._device)
+            except (RuntimeError, OSError, SafetensorError) as e:
                 self._version = None  # some weights may already be overwritten
                 raise EngineError(f"in-place load of {snapshot} failed midway: {e}") from e
             self._version, self._snapshot = version, snapshot
