@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from coord.discovery import SnapshotRef
@@ -235,10 +236,14 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
     if manifest.eval.adapters:
         raise ValueError(
             f"run {manifest.run_id} evaluates adapters {list(manifest.eval.adapters)}; engines here would score the "
-            "bare base weights — use an fn: backend that applies them"
+            "bare base weights — use an fn: backend that applies them (a run whose snapshots are LoRA adapters "
+            "names its base in eval.base_model instead)"
         )
+    base_model = manifest.eval.base_model
+    if base_model is not None and not Path(base_model).is_dir():
+        raise FileNotFoundError(f"run {manifest.run_id}: eval.base_model {base_model} is not a directory")
     engines = [
-        make_engine(spec, opts.device, engine_settings(manifest.eval.engine, kind))
+        make_engine(spec, opts.device, engine_settings(manifest.eval.engine, kind), base_model)
         for spec, kind in zip(opts.engines, kinds, strict=True)
         for _ in range(opts.replicas)
     ]

@@ -30,6 +30,11 @@ checkpoint at the next step boundary, wait (bounded) for an export in flight, an
 75 (``EX_TEMPFAIL``); run it again with ``--resume`` (a requeued job does). Training is not marked
 done.
 
+``--lora``: the same loop trains only a LoRA adapter (peft, rank ``--lora-rank`` on every linear layer)
+on the fixed seed-initialised base, which is written with its weights to ``RUN/base`` and named in
+run.json ``eval.base_model``; exported snapshots are then adapters (``adapter_config.json`` +
+``adapter_model.safetensors``) and reuse-mode checkpoints are peft's ``save_pretrained`` output.
+
 Limits: CPU only, one process; the shared posture here has no producer of its own (the gate is
 exercised by the tests), it shows the blocking eval path.
 """
@@ -98,6 +103,8 @@ class TrainConfig:
     threads: int | None = None
     progress: bool = True
     wandb: bool = False
+    lora: bool = False  # train a LoRA adapter on the fixed (seed-initialised) base; snapshots are adapters
+    lora_rank: int = 16
     # evaluation
     eval: bool = True
     eval_interval: int = 100
@@ -123,6 +130,7 @@ class TrainConfig:
         """Check the training flags and return the validated eval config (None with --no-eval)."""
         for name in (
             "steps",
+            "lora_rank",
             "batch_size",
             "log_interval",
             "ckpt_interval",
@@ -183,6 +191,14 @@ def parse_args(argv: list[str]) -> TrainConfig:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--wandb", action="store_true", help="also log to wandb (WANDB_MODE=offline works)")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="train only a LoRA adapter (peft) on the fixed seed-initialised base, saved to RUN/base and "
+        "named in run.json eval.base_model; snapshots are adapters (adapter_config.json + "
+        "adapter_model.safetensors)",
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (alpha = 2r) with --lora")
     g = p.add_argument_group("evaluation")
     g.add_argument("--no-eval", dest="eval", action="store_false")
     g.add_argument("--eval-interval", type=int, default=100)
@@ -224,12 +240,15 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
             raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
         return run
     run = RunDir.create(cfg.run_dir)
-    save_base_model_dir(base_model_dir(run), cfg.model, cfg.arch)  # type: ignore[arg-type]
+    # --lora: the base's weights are part of the run (the adapters are trained on exactly them)
+    base_weights = build_model(cfg.model, cfg.arch, seed=cfg.seed) if cfg.lora else None  # type: ignore[arg-type]
+    save_base_model_dir(base_model_dir(run), cfg.model, cfg.arch, model=base_weights)  # type: ignore[arg-type]
     dataset = write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)
     roots = (str(dispatch.snapshot_root),) if dispatch is not None else (str(run.snapshots),)
+    base_model = str(base_model_dir(run).resolve()) if cfg.lora else None
     manifest = RunManifest(
         run_id=cfg.run_id or _run_id(run.path),
-        eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
+        eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}, base_model=base_model),
         snapshot_roots=roots,
         trainer=trainer_identity(cfg, dispatch),
         lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
@@ -262,6 +281,7 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
         "eval_interval": cfg.eval_interval if dispatch else None,
         "eval_mode": dispatch.mode if dispatch else None,
         "eval_posture": cfg.eval_posture if dispatch else None,
+        "lora_rank": cfg.lora_rank if cfg.lora else None,
     }
 
 
@@ -398,7 +418,12 @@ def build_dispatcher(
         from jobs.eval.engines.hf import HFEngine
         from jobs.trainer.gate import ProducerGate
 
-        shared = SharedEval(HFEngine(device="cpu"), ProducerGate())
+        engine = HFEngine(device="cpu")
+        if cfg.lora:
+            from jobs.eval.engines.hf_lora import HFLoRAEngine
+
+            engine = HFLoRAEngine(str(base_model_dir(run)), device="cpu")
+        shared = SharedEval(engine, ProducerGate())
     return EvalDispatcher(
         dispatch,
         run,
@@ -411,6 +436,18 @@ def build_dispatcher(
     )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` wrapped as a peft LoRA model (rank ``rank``, alpha ``2 * rank``, every linear layer of
+    the decoder): only the adapter trains, the base stays the seed-initialised weights in RUN/base."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, config)
+
+
 def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int:
     """The training loop; ``dispatch`` and ``run`` come from :func:`main`'s validation and set-up."""
     if cfg.threads:
@@ -418,8 +455,10 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     manifest = run.manifest()
 
     model = build_model(cfg.model, cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]
+    if cfg.lora:
+        model = with_lora(model, cfg.lora_rank)
     tokenizer = build_tokenizer(cfg.model.max_position_embeddings)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     start = 0
     if cfg.resume and (ckpt := latest_train_checkpoint(run)) is not None:
         start = load_train_checkpoint(ckpt, model, opt)

@@ -15,6 +15,9 @@ way): ``eval.engine`` may hold one object per kind, passed as keyword arguments 
 constructor, e.g. ``{"hf": {"dtype": "bfloat16", "max_batch_size": 64}, "fn": {"k": 1}}``. Keys of other
 kinds are ignored; a key the constructor rejects is a ``ValueError`` naming the spec.
 
+A run whose ``run.json`` names ``eval.base_model`` has LoRA adapter snapshots: each kind then builds
+its LoRA variant (see :func:`make_engine`).
+
 Engine modules are imported lazily, so a worker running an ``fn`` backend never imports torch.
 
 :class:`EnginePool` makes N engines look like one :class:`~jobs.eval.engines.base.Engine`: loads go to all (in turn),
@@ -68,10 +71,21 @@ def _construct(spec: str, factory: Callable[..., Any], *args: Any, **kwargs: Any
         raise ValueError(f"--engine {spec!r}: settings {sorted(kwargs)} rejected ({e})") from None
 
 
-def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | CheckpointEvalFn:
-    """Build the backend named by ``spec``; ``extra`` are its constructor settings (see module doc)."""
+def make_engine(
+    spec: str, device: str, extra: dict[str, Any], base_model: str | None = None
+) -> Engine | CheckpointEvalFn:
+    """Build the backend named by ``spec``; ``extra`` are its constructor settings (see module doc).
+
+    ``base_model`` (run.json ``eval.base_model``) makes the run's snapshots LoRA adapters on that base:
+    ``hf`` becomes :class:`~jobs.eval.engines.hf_lora.HFLoRAEngine`, ``http:URL``/``sglang`` their
+    LoRA-serving variants in :mod:`jobs.eval.engines.sglang_lora`; an ``fn`` backend reads it from its input.
+    """
     kind = spec_kind(spec)
     rest = spec.partition(":")[2]
+    if kind == "fn":
+        return make_fn_backend(rest, extra)
+    if base_model is not None:
+        return _make_lora_engine(spec, kind, rest, device, extra, base_model)
     if kind == "hf":
         from jobs.eval.engines.hf import HFEngine
 
@@ -80,11 +94,25 @@ def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | Check
         from jobs.eval.engines.http import HTTPEngine
 
         return _construct(spec, HTTPEngine, rest, **extra)
-    if kind == "sglang":
-        from jobs.eval.engines.sglang import SGLangEngine
+    from jobs.eval.engines.sglang import SGLangEngine
 
-        return _construct(spec, SGLangEngine, **{"device": device, **extra})
-    return make_fn_backend(rest, extra)
+    return _construct(spec, SGLangEngine, **{"device": device, **extra})
+
+
+def _make_lora_engine(
+    spec: str, kind: str, rest: str, device: str, extra: dict[str, Any], base_model: str
+) -> Engine:
+    if kind == "hf":
+        from jobs.eval.engines.hf_lora import HFLoRAEngine
+
+        return _construct(spec, HFLoRAEngine, **{"base_model": base_model, "device": device, **extra})
+    if kind == "http":
+        from jobs.eval.engines.sglang_lora import HTTPLoRAEngine
+
+        return _construct(spec, HTTPLoRAEngine, rest, **extra)
+    from jobs.eval.engines.sglang_lora import SGLangLoRAEngine
+
+    return _construct(spec, SGLangLoRAEngine, **{"base_model": base_model, "device": device, **extra})
 
 
 def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:

@@ -20,7 +20,8 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
        "dataset": {name, path, n_prompts, scorer, shard_size, n_samples, max_new_tokens,
                    temperature, top_p, top_k, seed},             # run.json's DatasetSpec
        "rows": [{"prompt": str, "answer": str}, ...],             # the shard's rows, in order
-       "adapters": [...], "engine": {...}}                        # run.json's eval.adapters / engine
+       "adapters": [...], "engine": {...},                        # run.json's eval.adapters / engine
+       "base_model": str | None}                                  # eval.base_model: set = LoRA snapshots
 
 * ``output`` (dict, checked by :func:`parse_output`)::
 
@@ -124,6 +125,7 @@ def build_input(
         "dataset": asdict(spec),
         "rows": [dict(r) for r in rows],
         "adapters": [dict(a) for a in manifest.eval.adapters],
+        "base_model": manifest.eval.base_model,  # set: the checkpoint is a LoRA adapter on this base
         "engine": dict(manifest.eval.engine),
     }
 
