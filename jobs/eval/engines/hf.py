@@ -6,13 +6,24 @@ What it owns and promises:
   (``AutoModelForCausalLM.from_pretrained(dir, use_safetensors=True, local_files_only=True)``) and its
   tokenizer. A later load whose ``config.json`` matches the loaded one (every key except bookkeeping
   such as ``transformers_version``/``dtype``) copies the snapshot's safetensors shards into the *same*
-  model object (``load_state_dict(strict=True)``; tied weights absent from the file are filled from
-  their partner). Anything else re-instantiates.
-- Weights and ``weight_version`` change together under one lock that every generation also holds, so
-  a generation sees either the old weights with the old version or the new with the new. Shards are
-  read (the slow part) before the lock is taken; keys and shapes are checked before any weight is
-  touched, so a bad snapshot leaves the old weights and version in place. Should a copy still fail
-  midway, the version becomes ``None`` (weights undefined) and :class:`EngineError` is raised.
+  model object; anything else re-instantiates.
+- ``dtype="auto"`` (the default) builds the model in the snapshot's own dtype (config.json's
+  ``dtype``/``torch_dtype``, else the first shard's tensor dtype): a bf16 checkpoint stays bf16 (half
+  the memory of an upcast). On CPU a dtype whose matmul kernels this torch build lacks (probed once
+  with a 4x4 matmul) falls back to float32; torch 2.13's CPU build runs bf16 and fp16, so there a
+  bf16 snapshot is served in bf16 (measured on the tiny model: same speed as float32 on this CPU).
+  ``"float32"``/``"bfloat16"``/``"float16"`` force a dtype.
+- In-place reloads read straight into the resident parameters: the safetensors headers are indexed
+  first (names and shapes checked against the model, tied partners absent from the file covered by
+  the tensor they share storage with) so a bad snapshot leaves the old weights and version in place;
+  then each tensor's bytes are read from the file straight into its parameter (``readinto`` the
+  parameter's memory when it is a CPU tensor of the file's dtype, else through one reused host buffer
+  and one ``copy_``; no intermediate state dict: peak extra memory is one tensor), under the lock every
+  generation holds, so a generation sees either the old weights with the old version or the new with
+  the new (a reload therefore pauses generation for the read; the worker never overlaps them). Should
+  a copy fail midway (a file truncated after verification), the version becomes ``None`` (weights
+  undefined) and :class:`EngineError` is raised. ``make bench`` reports the reload's GB/s next to a
+  plain read of the same bytes (``bench/bench_reload.py``).
 - Generation: batched, left-padded, KV cache, greedy when ``temperature == 0`` else sampled with
   ``top_p``/``top_k``; ``seed`` makes a sampled call reproducible (same prompts, batch and seed) via
   a forked RNG that leaves the global RNG untouched. Only new tokens are decoded, cut at the first
@@ -43,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
@@ -196,19 +207,49 @@ def read_state_dict(snapshot: Path, device: str) -> dict[str, torch.Tensor]:
     return state
 
 
-TensorIndex = dict[str, tuple[Path, tuple[int, ...]]]  # tensor name -> (shard, shape)
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in a safetensors file (absolute byte offsets) and what it is."""
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    begin: int
+    end: int
+
+
+TensorIndex = dict[str, TensorEntry]
 
 
 def index_tensors(files: Sequence[Path]) -> TensorIndex:
-    """Name -> (file, shape) for every tensor of ``files``, from the safetensors headers only."""
+    """Every tensor of ``files`` from the safetensors headers only (no tensor data read).
+
+    :class:`EngineError` for an unreadable header, a dtype this engine does not load, or a byte range
+    that does not match the shape (the file is never trusted beyond its header)."""
     index: TensorIndex = {}
     for path in files:
         try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 — safe_open is not a mapping
-                    index[name] = (path, tuple(f.get_slice(name).get_shape()))
-        except (OSError, SafetensorError) as e:
-            raise EngineError(f"cannot read {path}: {e}") from e
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise EngineError(f"cannot read the safetensors header of {path}: {e}") from e
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _LOADABLE_DTYPES[meta["dtype"]]
+                shape = tuple(int(d) for d in meta["shape"])
+                begin, end = (8 + n + int(o) for o in meta["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise EngineError(f"{path}: tensor {name!r} has an unusable header entry ({e})") from e
+            numel = 1
+            for d in shape:
+                numel *= d
+            if end - begin != numel * dtype.itemsize or end > size:
+                raise EngineError(f"{path}: tensor {name!r} bytes [{begin}, {end}) do not hold shape {shape}")
+            index[name] = TensorEntry(path, shape, dtype, begin, end)
     return index
 
 
@@ -220,23 +261,71 @@ def resident_targets(model: torch.nn.Module, index: TensorIndex) -> dict[str, to
     are an error. :class:`EngineError` otherwise, naming up to five offenders of each kind.
     """
     resident = model.state_dict(keep_vars=True)
-    shapes = {name: torch.Size(shape) for name, (_, shape) in index.items()}
-    check_state_dict(model, complete_tied(model, shapes))  # type: ignore[arg-type]
+    shapes = {name: entry.shape for name, entry in index.items()}
+    check_state_dict(model, complete_tied(model, shapes))
     return {name: resident[name] for name in index}
 
 
 def copy_into_resident(targets: dict[str, torch.Tensor], index: TensorIndex, device: torch.device) -> None:
-    """Read each tensor from its shard and copy it into its resident parameter, one tensor at a time
-    (no second copy of the model: peak extra memory is the largest tensor)."""
+    """Read each tensor's bytes from its file into its resident parameter, in file order.
+
+    A CPU parameter of the file's dtype is filled by ``readinto`` straight into its memory (one copy,
+    page cache -> parameter, as a plain file read); otherwise the bytes go through a reused host buffer
+    (page-locked for CUDA) and one ``copy_`` (dtype conversion and/or host-to-device). No state dict is
+    built: peak extra memory is one tensor. ``OSError``/``RuntimeError`` escape (the caller marks the
+    weights undefined)."""
     by_file: dict[Path, list[str]] = {}
-    for name, (path, _) in index.items():
-        by_file.setdefault(path, []).append(name)
-    read_device = "cpu" if device.type == "cpu" else str(device)
+    for name in sorted(index, key=lambda k: (str(index[k].path), index[k].begin)):
+        by_file.setdefault(index[name].path, []).append(name)
+    buffer = _HostBuffer(pinned=device.type == "cuda")
     with torch.no_grad():
         for path, names in by_file.items():
-            with safe_open(path, framework="pt", device=read_device) as f:
+            with open(path, "rb", buffering=0) as f:
                 for name in names:
-                    targets[name].data.copy_(f.get_tensor(name))
+                    entry, target = index[name], targets[name]
+                    f.seek(entry.begin)
+                    direct = target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
+                    if direct:
+                        _read_exact(f, _byte_view(target.data), path)
+                    else:
+                        staged = buffer.get(entry.end - entry.begin)
+                        _read_exact(f, _byte_view(staged), path)
+                        source = staged.view(entry.dtype).view(entry.shape)
+                        target.data.copy_(source, non_blocking=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+_LOADABLE_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _HostBuffer:
+    """One growable host byte buffer reused for every staged tensor."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned, self._buf = pinned, torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return self._buf[:nbytes]
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+
+
+def _read_exact(f: Any, view: memoryview, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise OSError(f"{path}: file ended {len(view) - done} bytes early")
+        done += n
 
 
 def complete_tied(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:

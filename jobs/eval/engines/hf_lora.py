@@ -37,6 +37,7 @@ from coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from jobs.eval.engines.base import EngineError
 from jobs.eval.engines.hf import (
     HFEngine,
+    TensorIndex,
     arch_signature,
     copy_into_resident,
     index_tensors,
@@ -116,13 +117,13 @@ class HFLoRAEngine(HFEngine):
         self._install(model, tokenizer, arch_signature(read_config(self._base)), version, snapshot)
         self._adapter_signature = adapter_signature(config)
 
-    def _targets(self, model: torch.nn.Module, snapshot: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    def _targets(self, model: torch.nn.Module, snapshot: Path) -> tuple[dict[str, torch.Tensor], TensorIndex]:
         """LoRA parameters by file name, checked against the adapter file's names and shapes."""
         index = index_tensors([snapshot / ADAPTER_WEIGHTS])
         params = lora_parameters(model)
         missing, unexpected = sorted(params.keys() - index.keys()), sorted(index.keys() - params.keys())
-        wrong = [f"{k}: {index[k][1]} != {tuple(params[k].shape)}" for k in index.keys() & params.keys()
-                 if tuple(index[k][1]) != tuple(params[k].shape)]
+        wrong = [f"{k}: {index[k].shape} != {tuple(params[k].shape)}" for k in index.keys() & params.keys()
+                 if index[k].shape != tuple(params[k].shape)]
         if missing or unexpected or wrong:
             raise EngineError(
                 f"{snapshot / ADAPTER_WEIGHTS} does not fit the injected adapter: missing={missing[:5]} "
