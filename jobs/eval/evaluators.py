@@ -227,11 +227,14 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
 
 
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
-    from jobs.eval.engines.factory import EnginePool, engine_settings, make_engine, spec_kind
+    from jobs.eval.engines.factory import EnginePool, engine_settings, make_engine, resolve_specs, spec_kind
 
-    kinds = [spec_kind(s) for s in opts.engines]
+    specs = resolve_specs(opts.engines, opts.device)  # --engine auto: decided here, on the node
+    if list(specs) != list(opts.engines):
+        print(f"ckpteval worker: --engine auto -> {', '.join(specs)} (device {opts.device})", file=sys.stderr)
+    kinds = [spec_kind(s) for s in specs]
     if kinds == ["fn"]:
-        backend = make_engine(opts.engines[0], opts.device, engine_settings(manifest.eval.engine, "fn"))
+        backend = make_engine(specs[0], opts.device, engine_settings(manifest.eval.engine, "fn"))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]
     if manifest.eval.adapters:
         raise ValueError(
@@ -244,7 +247,7 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
         raise FileNotFoundError(f"run {manifest.run_id}: eval.base_model {base_model} is not a directory")
     engines = [
         make_engine(spec, opts.device, engine_settings(manifest.eval.engine, kind), base_model)
-        for spec, kind in zip(opts.engines, kinds, strict=True)
+        for spec, kind in zip(specs, kinds, strict=True)
         for _ in range(opts.replicas)
     ]
     engine: Engine = engines[0] if len(engines) == 1 else EnginePool(engines)  # type: ignore[assignment,arg-type]

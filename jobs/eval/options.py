@@ -47,7 +47,8 @@ def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True
         action="append",
         dest="engines",
         metavar="SPEC",
-        help="hf | http:URL | sglang | fn:module:Class (repeat for several engines; default hf)",
+        help="hf | http:URL | sglang | fn:module:Class | auto (sglang if importable and --device cuda "
+        "has GPUs, else hf; decided at start) (repeat for several engines; default hf)",
     )
     p.add_argument(
         "--engines",

@@ -8,6 +8,9 @@ Specs (what ``--engine`` accepts):
                           (sglang's native API: ``ckpteval serve`` or a real sglang server)
 ``sglang``                :class:`jobs.eval.engines.sglang.SGLangEngine`: launches its own sglang server
 ``fn:module:Class``       a :class:`jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
+``auto``                  resolved on the node when the worker starts (:func:`resolve_auto`): ``sglang`` when
+                          sglang is importable and the worker has GPUs (``--device cuda*`` and at least one
+                          GPU in ``CUDA_VISIBLE_DEVICES``), else ``hf``. The sbatch scripts' default.
 ========================  =====================================================================
 
 Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
@@ -31,7 +34,9 @@ load beyond an even split of each call's prompts.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import importlib.util
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams
@@ -40,12 +45,34 @@ from jobs.eval.engines.fn import CheckpointEvalFn, make_fn_backend
 KINDS = ("hf", "http", "sglang", "fn")
 
 
+AUTO = "auto"
+
+
+def resolve_auto(device: str, env: Mapping[str, str] | None = None) -> str:
+    """What ``--engine auto`` means on this node: ``sglang`` when it is importable and this worker has
+    GPUs allocated (``device`` is ``cuda``/``cuda:N`` and ``CUDA_VISIBLE_DEVICES``, else torch, shows at
+    least one), otherwise ``hf``."""
+    if not device.startswith("cuda") or importlib.util.find_spec("sglang") is None:
+        return "hf"
+    from jobs.eval.engines.sglang import gpu_count
+
+    return "sglang" if gpu_count(os.environ if env is None else env) > 0 else "hf"
+
+
+def resolve_specs(specs: tuple[str, ...] | list[str], device: str) -> list[str]:
+    """``specs`` with every ``auto`` resolved by :func:`resolve_auto`."""
+    return [resolve_auto(device) if s == AUTO else s for s in specs]
+
+
 def spec_kind(spec: str) -> str:
-    """The kind of an ``--engine`` spec (``hf``, ``http``, ``sglang`` or ``fn``); ValueError if unknown."""
+    """The kind of an ``--engine`` spec (``hf``, ``http``, ``sglang``, ``fn`` or ``auto``); ValueError if
+    unknown."""
+    if spec == AUTO:
+        return AUTO
     kind, _, rest = spec.partition(":")
     if kind not in KINDS:
         raise ValueError(
-            f"--engine {spec!r}: unknown kind {kind!r}; expected hf, http:URL, sglang or fn:module:Class"
+            f"--engine {spec!r}: unknown kind {kind!r}; expected hf, http:URL, sglang, fn:module:Class or auto"
         )
     if kind in {"http", "fn"} and not rest:
         raise ValueError(
