@@ -7,6 +7,7 @@ expected failure to a skip reason (``ckpt_missing``/``ckpt_corrupt``/``pin_viola
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable

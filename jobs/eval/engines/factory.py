@@ -33,9 +33,9 @@ load beyond an even split of each call's prompts.
 
 from __future__ import annotations
 
-import threading
 import importlib.util
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
