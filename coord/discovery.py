@@ -9,7 +9,8 @@ Guarantees:
   ``admit_foreign`` is on, after quiescence: no file's size or mtime changed for ``quiescence_s``
   (measured on this process's monotonic clock), *subdirectories included* (DeepSpeed's
   ``global_stepN/`` optimizer shards come after the weights), *and* every shard named by
-  ``model.safetensors.index.json`` (or ``model.safetensors``) is present. The admission computes full
+  ``model.safetensors.index.json`` (or ``model.safetensors``; for a LoRA adapter checkpoint
+  ``adapter_model.safetensors`` + ``adapter_config.json``) is present. The admission computes full
   checksums once, of exactly the files eval loads (:func:`coord.snapshot.is_eval_file`: config,
   tokenizer, weights + index — not optimizer shards, ``rng_state*.pth``, ``trainer_state.json``), and
   records an *adopted* marker in ``adoption_dir`` — the foreign dir is never written to — so later
@@ -41,6 +42,8 @@ from pathlib import Path
 from coord.atomic import read_json_object, write_json_atomic
 from coord.identity import weight_version
 from coord.snapshot import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     MARKER,
     Marker,
     describe_files,
@@ -78,7 +81,10 @@ def step_from_dir(path: Path) -> int | None:
 
 
 def shards_present(path: Path, names: set[str]) -> bool:
-    """Every weight file the checkpoint promises is there (index-named shards or a single file)."""
+    """Every weight file the checkpoint promises is there (index-named shards or a single file; for a
+    LoRA adapter checkpoint, its weights and its config)."""
+    if ADAPTER_WEIGHTS in names:
+        return ADAPTER_CONFIG in names
     index = path / "model.safetensors.index.json"
     if "model.safetensors.index.json" in names:
         try:

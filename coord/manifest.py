@@ -109,6 +109,9 @@ class EvalSpec:
     engine: dict[str, Any] = field(default_factory=dict)
     adapters: tuple[dict[str, Any], ...] = ()
     harness: tuple[HarnessSpec, ...] = ()  # the ``kind: lm_eval`` entries of ``datasets`` on disk
+    # Absolute path of the fixed base model (an HF model dir) when every snapshot of the run is a LoRA
+    # adapter (``adapter_config.json`` + ``adapter_model.safetensors``); None: snapshots are full models.
+    base_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -296,8 +299,12 @@ def _parse_eval(f: _Fields) -> EvalSpec:
     for i, a in enumerate(adapters):
         if not isinstance(a, dict):
             raise f.error(f"adapters[{i}]", "must be an object")
+    base_model = f.get("base_model", (str, type(None)), None)
+    if base_model is not None and not Path(base_model).is_absolute():
+        raise f.error("base_model", f"must be an absolute path (the base model dir), got {base_model!r}")
     return EvalSpec(
-        datasets=datasets, engine=f.get("engine", dict, {}), adapters=tuple(adapters), harness=harness
+        datasets=datasets, engine=f.get("engine", dict, {}), adapters=tuple(adapters), harness=harness,
+        base_model=base_model,
     )
 
 

@@ -12,7 +12,9 @@ Guarantees:
 - :func:`mark_complete` turns an existing directory (a trainer's periodic HF checkpoint, reuse mode)
   into a snapshot by writing the marker into it atomically, after its files are durable.
 - :func:`verify_snapshot` ``fast`` checks the marker, every listed file's presence and size, and parses
-  every safetensors header (offsets inside the file); ``full`` also recomputes checksums.
+  every safetensors header (offsets inside the file); ``full`` also recomputes checksums. It checks
+  what the marker lists, never that a model's config.json is there, so a LoRA adapter snapshot
+  (``adapter_config.json`` + ``adapter_model.safetensors``, no config.json) verifies like any other.
 
 Why CRC-32 (zlib): it detects the faults that matter here (truncation, torn or bit-flipped pages) and
 runs at ≈3.8 GB/s on these machines vs ≈1.6 GB/s for SHA-256, with tmpfs writes at ≈2 GB/s, so
@@ -42,6 +44,10 @@ from coord.atomic import TMP_PREFIX, fsync_dir, read_json_object, tmp_name, writ
 from coord.identity import weight_version
 
 MARKER = ".complete"
+# A LoRA adapter snapshot (a run whose run.json names ``eval.base_model``) holds these two files instead
+# of config.json + model weights; PEFT's own names, which sglang's LoRA loader also reads.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 CHUNK = 8 << 20
 FileInfo = dict[str, int]  # {"bytes": n, "crc32": c}
 
@@ -335,10 +341,17 @@ def check_safetensors_header(path: Path, size: int) -> None:
         raise SnapshotCorrupt(path, f"tensor data ends at {end} but the file holds {data_len} data bytes")
 
 
+def is_adapter_snapshot(files: Mapping[str, Any]) -> bool:
+    """Whether a snapshot's file list is a LoRA adapter's (it names :data:`ADAPTER_WEIGHTS`)."""
+    return ADAPTER_WEIGHTS in files
+
+
 def verify_snapshot(directory: Path, mode: str = "fast", marker: Marker | None = None) -> Marker:
     """Check a snapshot and return its marker, or raise SnapshotMissing / SnapshotCorrupt.
 
-    ``marker`` may be supplied (e.g. an adopted foreign checkpoint's record kept elsewhere).
+    ``marker`` may be supplied (e.g. an adopted foreign checkpoint's record kept elsewhere). Full
+    models and LoRA adapters verify alike (every listed file, safetensors headers parsed); an adapter
+    snapshot (its marker lists :data:`ADAPTER_WEIGHTS`) must also list :data:`ADAPTER_CONFIG`.
     """
     if mode not in {"fast", "full"}:
         raise ValueError(f"verify mode must be 'fast' or 'full', got {mode!r}")
@@ -350,6 +363,8 @@ def verify_snapshot(directory: Path, mode: str = "fast", marker: Marker | None =
             raise SnapshotMissing(directory, "no .complete marker (missing or unfinished snapshot)") from None
         except ValueError as e:
             raise SnapshotCorrupt(directory, str(e)) from None
+    if is_adapter_snapshot(marker.files) and ADAPTER_CONFIG not in marker.files:
+        raise SnapshotCorrupt(directory, f"adapter snapshot without {ADAPTER_CONFIG} in its marker")
     for name, expected in marker.files.items():
         path = directory / name
         try:

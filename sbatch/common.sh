@@ -42,7 +42,8 @@ ckpteval_init() {
     : "${CKPTEVAL_WORKER_RESTARTS:=2}"
     : "${CKPTEVAL_RESTART_PAUSE_S:=5}"
     : "${CKPTEVAL_MAX_REQUEUES:=20}"
-    : "${CKPTEVAL_ENGINE:=hf}"
+    # auto: each worker picks sglang when it is importable and the worker has GPUs, else hf (at start, on its node)
+    : "${CKPTEVAL_ENGINE:=auto}"
     : "${CKPTEVAL_WORKERS:=1}"
     : "${CKPTEVAL_GPUS_PER_WORKER:=1}"
     if [[ -z ${CKPTEVAL_DEVICE:-} ]]; then

@@ -144,6 +144,34 @@ def test_train_eval_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert not run.exists()  # a dry run touches nothing
 
 
+def test_default_engine_is_auto_and_help_says_what_it_resolves_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert submit.main(["backfill", "--run-dir", str(tmp_path / "run"), "--dry-run"]) == 0
+    assert "export CKPTEVAL_ENGINE=auto" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        submit.main(["backfill", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: auto" in text and "sglang where it is importable and the worker has GPUs allocated" in text
+
+
+def test_auto_engine_follows_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang is not installed here: an empty package named ``sglang`` on sys.path stands in for an
+    importable one (only its presence is looked up; nothing is launched)."""
+    from jobs.eval.engines.factory import resolve_auto, resolve_specs
+
+    gpus, no_gpus = {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": ""}
+    assert resolve_auto("cpu", gpus) == "hf"
+    assert resolve_auto("cuda", gpus) == "hf"  # sglang not importable
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_auto("cuda", gpus) == "sglang" and resolve_auto("cuda:1", gpus) == "sglang"
+    assert resolve_auto("cuda", no_gpus) == "hf" and resolve_auto("cpu", gpus) == "hf"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert resolve_specs(("auto", "http:http://x"), "cuda") == ["sglang", "http:http://x"]
+
+
 def test_backfill_dry_run_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a, b = tmp_path / "a b", tmp_path / "b"
     for run in (a, b):  # backfill scores existing runs: submit checks their run.json is there
@@ -399,7 +427,8 @@ def test_unhealthy_worker_restarts_in_place_then_job_requeues(tmp_path: Path) ->
     starts = [line for line in h.lines() if line.startswith("backfill id=")]
     assert [line.split()[1:3] for line in starts] == [["id=j900_0-w0", "n=0"], ["id=j900_0-w0", "n=1"]]
     assert starts[0].endswith("cvd=")  # CPU worker: no GPUs
-    assert "--once" not in h.lines()[0] and f"--run-dir {h.run_dir} --engine hf --device cpu" in h.lines()[0]
+    # the default engine is auto: the worker resolves it on its node (hf for a CPU worker, see below)
+    assert "--once" not in h.lines()[0] and f"--run-dir {h.run_dir} --engine auto --device cpu" in h.lines()[0]
     # always unhealthy: 1 + 2 restarts, then the task requeues itself
     h.log.unlink()
     for f in h.fake.iterdir():

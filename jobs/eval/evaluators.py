@@ -9,9 +9,11 @@ restart the engine; an engine whose last load failed reports no version, so the 
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from coord.discovery import SnapshotRef
 from coord.identity import run_key, weight_version
@@ -233,21 +235,28 @@ def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
 
 
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
-    from jobs.eval.engines.factory import EnginePool, make_engine, spec_kind
+    from jobs.eval.engines.factory import EnginePool, make_engine, resolve_specs, spec_kind
 
-    kinds = [spec_kind(s) for s in opts.engines]
+    specs = resolve_specs(opts.engines, opts.device)  # --engine auto: decided here, on the node
+    if list(specs) != list(opts.engines):
+        print(f"ckpteval worker: --engine auto -> {', '.join(specs)} (device {opts.device})", file=sys.stderr)
+    kinds = [spec_kind(s) for s in specs]
     check_harness_engines(manifest, kinds, opts.replicas)
     if kinds == ["fn"]:
-        backend = make_engine(opts.engines[0], opts.device, _settings(manifest, "fn"))
+        backend = make_engine(specs[0], opts.device, _settings(manifest, "fn"))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]
     if manifest.eval.adapters:
         raise ValueError(
             f"run {manifest.run_id} evaluates adapters {list(manifest.eval.adapters)}; engines here would score the "
-            "bare base weights — use an fn: backend that applies them"
+            "bare base weights — use an fn: backend that applies them (a run whose snapshots are LoRA adapters "
+            "names its base in eval.base_model instead)"
         )
+    base_model = manifest.eval.base_model
+    if base_model is not None and not Path(base_model).is_dir():
+        raise FileNotFoundError(f"run {manifest.run_id}: eval.base_model {base_model} is not a directory")
     engines = [
-        make_engine(spec, opts.device, _settings(manifest, kind))
-        for spec, kind in zip(opts.engines, kinds, strict=True)
+        make_engine(spec, opts.device, _settings(manifest, kind), base_model)
+        for spec, kind in zip(specs, kinds, strict=True)
         for _ in range(opts.replicas)
     ]
     engine: Engine = engines[0] if len(engines) == 1 else EnginePool(engines)  # type: ignore[assignment,arg-type]

@@ -22,7 +22,8 @@ DEVICE_RE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 class WorkerOptions:
     run_dir: Path = option(help="the run directory (holds run.json)", metavar="RUN")
     engines: tuple[str, ...] = option(
-        ("hf",), "engine backend: hf | http:URL | sglang | fn:module:Class (repeat for several engines)",
+        ("hf",), "engine backend: hf | http:URL | sglang | fn:module:Class | auto (sglang if importable and "
+        "--device cuda has GPUs, else hf; decided at start) (repeat for several engines)",
         flag="--engine", metavar="SPEC")
     replicas: int = option(1, "instances of each --engine, pooled as one (all must report the version)",
                            flag="--engines", metavar="N", min=1)

@@ -90,8 +90,10 @@ def _add_common(p: argparse.ArgumentParser, *, signal_before: int, workers: int)
     g.add_argument("--env", action="append", type=_env_pair, default=[], metavar="NAME=VALUE",
                    help="export NAME=VALUE in the job (repeatable)")
     w = p.add_argument_group("eval workers")
-    w.add_argument("--engine", default="hf", metavar="SPEC",
-                   help="worker --engine spec: hf | http:URL | sglang | fn:mod:Class (default hf)")
+    w.add_argument("--engine", default="auto", metavar="SPEC",
+                   help="worker --engine spec: hf | http:URL | sglang | fn:mod:Class | auto (default: auto, "
+                   "resolved by each worker on its node: sglang where it is importable and the worker has GPUs "
+                   "allocated, hf otherwise, e.g. with --gpus-per-worker 0)")
     w.add_argument("--device", help="worker --device (default cuda with GPUs, cpu without)")
     w.add_argument("--workers", type=_positive, default=workers, metavar="N", help=f"eval workers (default {workers})")
     w.add_argument("--gpus-per-worker", type=_non_negative, default=1, metavar="N",

@@ -32,6 +32,11 @@ checkpoint at the next step boundary, wait (bounded) for an export in flight, an
 dispatcher (backpressure, the final export, the drain) ends at once on the signal. Training is not
 marked done if the signal came before the final snapshot was published.
 
+``--lora``: the same loop trains only a LoRA adapter (peft, rank ``--lora-rank`` on every linear layer)
+on the fixed seed-initialised base, which is written with its weights to ``RUN/base`` and named in
+run.json ``eval.base_model``; exported snapshots are then adapters (``adapter_config.json`` +
+``adapter_model.safetensors``) and reuse-mode checkpoints are peft's ``save_pretrained`` output.
+
 Limits: CPU only, one process; the shared posture here has no producer of its own (the gate is
 exercised by the tests), it shows the blocking eval path.
 """
@@ -110,7 +115,10 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
             raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
         return run
     run = RunDir.create(cfg.run_dir)
-    save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch)  # type: ignore[arg-type]
+    # --lora: the base's weights are part of the run (the adapters are trained on exactly them)
+    base_weights = build_model(model_config(cfg), cfg.arch, seed=cfg.seed) if cfg.lora else None  # type: ignore[arg-type]
+    save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch, model=base_weights)  # type: ignore[arg-type]
+    base_model = str(base_model_dir(run).resolve()) if cfg.lora else None
     if config is None:
         datasets = [write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)]
         if cfg.eval_samples > 0:
@@ -119,10 +127,10 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
                 run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size),
                 n_samples=cfg.eval_samples, temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
             ))
-        eval_spec = EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"})
+        eval_spec = EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
     else:
         install_eval_data(run, config)
-        eval_spec = config.spec
+        eval_spec = replace(config.spec, base_model=base_model) if base_model else config.spec
     manifest = RunManifest(
         run_id=cfg.run_id or (config.raw.get("run_id") if config else None) or _run_id(run.path),
         eval=eval_spec,
@@ -166,6 +174,7 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
         "eval_interval": cfg.eval_interval if dispatch else None,
         "eval_mode": dispatch.mode if dispatch else None,
         "eval_posture": cfg.eval_posture if dispatch else None,
+        "lora_rank": cfg.lora_rank if cfg.lora else None,
     }
 
 
@@ -219,7 +228,12 @@ def build_dispatcher(
         from jobs.eval.engines.hf import HFEngine
         from jobs.trainer.gate import ProducerGate
 
-        shared = SharedEval(HFEngine(device="cpu"), ProducerGate())
+        engine = HFEngine(device="cpu")
+        if cfg.lora:
+            from jobs.eval.engines.hf_lora import HFLoRAEngine
+
+            engine = HFLoRAEngine(str(base_model_dir(run)), device="cpu")
+        shared = SharedEval(engine, ProducerGate())
     return EvalDispatcher(
         dispatch,
         run,
@@ -233,6 +247,18 @@ def build_dispatcher(
     )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` wrapped as a peft LoRA model (rank ``rank``, alpha ``2 * rank``, every linear layer of
+    the decoder): only the adapter trains, the base stays the seed-initialised weights in RUN/base."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, config)
+
+
 def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int:
     """The training loop; ``dispatch`` and ``run`` come from :func:`main`'s validation and set-up."""
     if cfg.threads:
@@ -240,8 +266,10 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     manifest = run.manifest()
 
     model = build_model(model_config(cfg), cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]
+    if cfg.lora:
+        model = with_lora(model, cfg.lora_rank)
     tokenizer = build_tokenizer(model_config(cfg).max_position_embeddings)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     start = 0
     if cfg.resume and (ckpt := latest_train_checkpoint(run)) is not None:
         start = load_train_checkpoint(ckpt, model, opt)

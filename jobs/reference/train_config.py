@@ -51,6 +51,10 @@ class TrainConfig:
     threads: int | None = option(None, "torch CPU threads (default: torch's)", metavar="N", min=1)
     progress: bool = option(True, "no progress bar on stderr", flag="--no-progress")
     wandb: bool = option(False, "also log to wandb (WANDB_MODE=offline works)")
+    lora: bool = option(False, "train only a LoRA adapter (peft) on the fixed seed-initialised base, saved to "
+                        "RUN/base and named in run.json eval.base_model; snapshots are adapters "
+                        "(adapter_config.json + adapter_model.safetensors)")
+    lora_rank: int = option(16, "LoRA rank r (alpha = 2r) with --lora", metavar="R", min=1)
     # evaluation
     eval: bool = option(True, "train without an eval dispatcher (no snapshots, no points)",
                         flag="--no-eval", group=EVAL)

@@ -8,12 +8,18 @@ Specs (what ``--engine`` accepts):
                           (sglang's native API: ``ckpteval serve`` or a real sglang server)
 ``sglang``                :class:`jobs.eval.engines.sglang.SGLangEngine`: launches its own sglang server
 ``fn:module:Class``       a :class:`jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
+``auto``                  resolved on the node when the worker starts (:func:`resolve_auto`): ``sglang`` when
+                          sglang is importable and the worker has GPUs (``--device cuda*`` and at least one
+                          GPU in ``CUDA_VISIBLE_DEVICES``), else ``hf``. The sbatch scripts' default.
 ========================  =====================================================================
 
 Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
 way): ``eval.engine`` may hold one object per kind, passed as keyword arguments to that kind's
 constructor, e.g. ``{"hf": {"dtype": "bfloat16", "max_batch_size": 64}, "fn": {"k": 1}}``. Keys of other
 kinds are ignored; a key the constructor rejects is a ``ValueError`` naming the spec.
+
+A run whose ``run.json`` names ``eval.base_model`` has LoRA adapter snapshots: each kind then builds
+its LoRA variant (see :func:`make_engine`).
 
 Engine modules are imported lazily, so a worker running an ``fn`` backend never imports torch.
 
@@ -27,8 +33,10 @@ load beyond an even split of each call's prompts.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams
@@ -37,12 +45,34 @@ from jobs.eval.engines.fn import CheckpointEvalFn, make_fn_backend
 KINDS = ("hf", "http", "sglang", "fn")
 
 
+AUTO = "auto"
+
+
+def resolve_auto(device: str, env: Mapping[str, str] | None = None) -> str:
+    """What ``--engine auto`` means on this node: ``sglang`` when it is importable and this worker has
+    GPUs allocated (``device`` is ``cuda``/``cuda:N`` and ``CUDA_VISIBLE_DEVICES``, else torch, shows at
+    least one), otherwise ``hf``."""
+    if not device.startswith("cuda") or importlib.util.find_spec("sglang") is None:
+        return "hf"
+    from jobs.eval.engines.sglang import gpu_count
+
+    return "sglang" if gpu_count(os.environ if env is None else env) > 0 else "hf"
+
+
+def resolve_specs(specs: tuple[str, ...] | list[str], device: str) -> list[str]:
+    """``specs`` with every ``auto`` resolved by :func:`resolve_auto`."""
+    return [resolve_auto(device) if s == AUTO else s for s in specs]
+
+
 def spec_kind(spec: str) -> str:
-    """The kind of an ``--engine`` spec (``hf``, ``http``, ``sglang`` or ``fn``); ValueError if unknown."""
+    """The kind of an ``--engine`` spec (``hf``, ``http``, ``sglang``, ``fn`` or ``auto``); ValueError if
+    unknown."""
+    if spec == AUTO:
+        return AUTO
     kind, _, rest = spec.partition(":")
     if kind not in KINDS:
         raise ValueError(
-            f"--engine {spec!r}: unknown kind {kind!r}; expected hf, http:URL, sglang or fn:module:Class"
+            f"--engine {spec!r}: unknown kind {kind!r}; expected hf, http:URL, sglang, fn:module:Class or auto"
         )
     if kind in {"http", "fn"} and not rest:
         raise ValueError(
@@ -83,10 +113,21 @@ def check_device(device: str) -> None:
             raise EngineError(f"--device {device}: this machine has {count} usable CUDA device(s)")
 
 
-def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | CheckpointEvalFn:
-    """Build the backend named by ``spec``; ``extra`` are its constructor settings (see module doc)."""
+def make_engine(
+    spec: str, device: str, extra: dict[str, Any], base_model: str | None = None
+) -> Engine | CheckpointEvalFn:
+    """Build the backend named by ``spec``; ``extra`` are its constructor settings (see module doc).
+
+    ``base_model`` (run.json ``eval.base_model``) makes the run's snapshots LoRA adapters on that base:
+    ``hf`` becomes :class:`~jobs.eval.engines.hf_lora.HFLoRAEngine`, ``http:URL``/``sglang`` their
+    LoRA-serving variants in :mod:`jobs.eval.engines.sglang_lora`; an ``fn`` backend reads it from its input.
+    """
     kind = spec_kind(spec)
     rest = spec.partition(":")[2]
+    if kind == "fn":
+        return make_fn_backend(rest, extra)
+    if base_model is not None:
+        return _make_lora_engine(spec, kind, rest, device, extra, base_model)
     if kind == "hf":
         from jobs.eval.engines.hf import HFEngine
 
@@ -96,11 +137,25 @@ def make_engine(spec: str, device: str, extra: dict[str, Any]) -> Engine | Check
         from jobs.eval.engines.http import HTTPEngine
 
         return _construct(spec, HTTPEngine, rest, **extra)
-    if kind == "sglang":
-        from jobs.eval.engines.sglang import SGLangEngine
+    from jobs.eval.engines.sglang import SGLangEngine
 
-        return _construct(spec, SGLangEngine, **{"device": device, **extra})
-    return make_fn_backend(rest, extra)
+    return _construct(spec, SGLangEngine, **{"device": device, **extra})
+
+
+def _make_lora_engine(
+    spec: str, kind: str, rest: str, device: str, extra: dict[str, Any], base_model: str
+) -> Engine:
+    if kind == "hf":
+        from jobs.eval.engines.hf_lora import HFLoRAEngine
+
+        return _construct(spec, HFLoRAEngine, **{"base_model": base_model, "device": device, **extra})
+    if kind == "http":
+        from jobs.eval.engines.sglang_lora import HTTPLoRAEngine
+
+        return _construct(spec, HTTPLoRAEngine, rest, **extra)
+    from jobs.eval.engines.sglang_lora import SGLangLoRAEngine
+
+    return _construct(spec, SGLangLoRAEngine, **{"base_model": base_model, "device": device, **extra})
 
 
 def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:

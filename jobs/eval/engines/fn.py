@@ -27,7 +27,8 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
        "seeds": [int, ...] | None,                                # per-sample seeds, prompt-major
                                                                  #   (jobs.eval.scoring.sample_seed);
                                                                  #   None for greedy sets
-       "adapters": [...], "engine": {...}}                        # run.json's eval.adapters / engine
+       "adapters": [...], "engine": {...},                        # run.json's eval.adapters / engine
+       "base_model": str | None}                                  # eval.base_model: set = LoRA snapshots
 
 * ``output`` (dict, checked by :func:`parse_output`)::
 
@@ -140,6 +141,7 @@ def build_input(
         "prompts": list(prompts) if prompts is not None else [r.get("prompt") for r in rows],
         "seeds": None if seeds is None else list(seeds),
         "adapters": [dict(a) for a in manifest.eval.adapters],
+        "base_model": manifest.eval.base_model,  # set: the checkpoint is a LoRA adapter on this base
         "engine": dict(manifest.eval.engine),
     }
 

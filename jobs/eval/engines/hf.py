@@ -6,13 +6,24 @@ What it owns and promises:
   (``AutoModelForCausalLM.from_pretrained(dir, use_safetensors=True, local_files_only=True)``) and its
   tokenizer. A later load whose ``config.json`` matches the loaded one (every key except bookkeeping
   such as ``transformers_version``/``dtype``) copies the snapshot's safetensors shards into the *same*
-  model object (``load_state_dict(strict=True)``; tied weights absent from the file are filled from
-  their partner). Anything else re-instantiates.
-- Weights and ``weight_version`` change together under one lock that every generation also holds, so
-  a generation sees either the old weights with the old version or the new with the new. Shards are
-  read (the slow part) before the lock is taken; keys and shapes are checked before any weight is
-  touched, so a bad snapshot leaves the old weights and version in place. Should a copy still fail
-  midway, the version becomes ``None`` (weights undefined) and :class:`EngineError` is raised.
+  model object; anything else re-instantiates.
+- ``dtype="auto"`` (the default) builds the model in the snapshot's own dtype (config.json's
+  ``dtype``/``torch_dtype``, else the first shard's tensor dtype): a bf16 checkpoint stays bf16 (half
+  the memory of an upcast). On CPU a dtype whose matmul kernels this torch build lacks (probed once
+  with a 4x4 matmul) falls back to float32; torch 2.13's CPU build runs bf16 and fp16, so there a
+  bf16 snapshot is served in bf16 (measured on the tiny model: same speed as float32 on this CPU).
+  ``"float32"``/``"bfloat16"``/``"float16"`` force a dtype.
+- In-place reloads read straight into the resident parameters: the safetensors headers are indexed
+  first (names and shapes checked against the model, tied partners absent from the file covered by
+  the tensor they share storage with) so a bad snapshot leaves the old weights and version in place;
+  then each tensor's bytes are read from the file straight into its parameter (``readinto`` the
+  parameter's memory when it is a CPU tensor of the file's dtype, else through one reused host buffer
+  and one ``copy_``; no intermediate state dict: peak extra memory is one tensor), under the lock every
+  generation holds, so a generation sees either the old weights with the old version or the new with
+  the new (a reload therefore pauses generation for the read; the worker never overlaps them). Should
+  a copy fail midway (a file truncated after verification), the version becomes ``None`` (weights
+  undefined) and :class:`EngineError` is raised. ``make bench`` reports the reload's GB/s next to a
+  plain read of the same bytes (``bench/bench_reload.py``).
 - Generation: batched, left-padded, KV cache, greedy when ``temperature == 0`` else sampled with
   ``top_p``/``top_k``; ``seed`` makes a sampled call reproducible (same prompts, batch and seed) via
   a forked RNG that leaves the global RNG untouched. Per-sample ``seeds`` (one per prompt) keep the
@@ -63,10 +74,11 @@ from transformers import (
 from jobs.eval.engines.base import EngineError, Generation, SamplingParams
 from jobs.eval.engines.hf_weights import (
     arch_signature,
-    check_state_dict,
-    complete_tied,
+    copy_into_resident,
+    index_tensors,
     read_config,
-    read_state_dict,
+    resident_targets,
+    resolve_dtype,
     weight_files,
 )
 
@@ -141,6 +153,8 @@ class SeededSampler(LogitsProcessor):
         return out.scatter_(1, picks.unsqueeze(1), 0.0)
 
 
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` with every row right-aligned (padding on the left)."""
     width = max(len(r) for r in rows)
@@ -187,7 +201,7 @@ class HFEngine:
     """In-process transformers engine; see the module docstring for its guarantees."""
 
     def __init__(
-        self, device: str = "cpu", dtype: str | torch.dtype = "float32", max_batch_size: int = 256
+        self, device: str = "cpu", dtype: str | torch.dtype = "auto", max_batch_size: int = 256
     ) -> None:
         if isinstance(dtype, str) and dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
@@ -248,17 +262,23 @@ class HFEngine:
                 self._instantiate(snapshot, weight_version, signature)
 
     def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
+        model, tokenizer = self._build(snapshot)
+        self._install(model, tokenizer, signature, version, snapshot)
+
+    def _build(self, snapshot: Path) -> tuple[PreTrainedModel, Any]:
+        """A model (in the resolved dtype, still on CPU) and its tokenizer from an HF model dir."""
         weight_files(snapshot)  # refuse pickle-only snapshots before transformers looks at them
+        dtype = resolve_dtype(self._dtype, snapshot, read_config(snapshot), self._device)
         try:
             with _BUILD_LOCK, _quiet_transformers():
                 model = AutoModelForCausalLM.from_pretrained(
-                    snapshot, dtype=self._dtype, use_safetensors=True, local_files_only=True
+                    snapshot, dtype=dtype, use_safetensors=True, local_files_only=True
                 )
             tokenizer = AutoTokenizer.from_pretrained(snapshot, local_files_only=True)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise EngineError(f"cannot build a model from {snapshot}: {e}") from e
         tokenizer.padding_side = "left"
-        self._install(model, tokenizer, signature, version, snapshot)
+        return model, tokenizer
 
     def _install(
         self,
@@ -283,13 +303,12 @@ class HFEngine:
 
     def _reload_in_place(self, snapshot: Path, version: str) -> None:
         model = self._model
-        state = complete_tied(model, read_state_dict(snapshot, str(self._device)))
-        check_state_dict(model, state)
+        index = index_tensors(weight_files(snapshot))
+        targets = resident_targets(model, index)  # names and shapes checked: nothing touched yet
         with self._lock:
             try:
-                with torch.no_grad():
-                    model.load_state_dict(state, strict=True)
-            except RuntimeError as e:
+                copy_into_resident(targets, index, self._device)
+            except (RuntimeError, OSError, SafetensorError) as e:
                 self._version = None  # some weights may already be overwritten
                 raise EngineError(f"in-place load of {snapshot} failed midway: {e}") from e
             self._version, self._snapshot = version, snapshot

@@ -23,6 +23,10 @@ Failures never reach the training loop as exceptions: ``OSError`` (ENOSPC, EIO),
 (a state dict that cannot be written) and ``RuntimeError`` become ``ExportOutcome(ok=False)``. Any
 other exception in the background thread is a bug and is re-raised from the next :meth:`poll`.
 
+A PEFT model (``peft.PeftModel``, a LoRA run) exports its active adapter only: the host copy and
+the files are ``adapter_model.safetensors`` + ``adapter_config.json``
+(:func:`~jobs.trainer.export.hf_files.write_adapter_files`), published with the same marker.
+
 Limits: tensors must be gathered (no DTensor); the staging root must exist or be creatable.
 """
 
@@ -39,7 +43,8 @@ import torch
 
 from coord.gc import has_room
 from coord.snapshot import publish_snapshot
-from jobs.trainer.export.hf_files import snapshot_host_copy, write_hf_files
+from jobs.trainer.export.adapter import adapter_state, is_peft_model
+from jobs.trainer.export.hf_files import snapshot_host_copy, write_adapter_files, write_hf_files
 
 RoomCheck = Callable[[Path, int], bool]
 
@@ -115,6 +120,14 @@ class AsyncExporter:
         """Start exporting ``step``; returns after the host copy. The outcome comes from :meth:`poll`."""
         t0 = time.perf_counter()
         self._join()
+        adapter_config: dict[str, Any] | None = None
+        if is_peft_model(model):  # a LoRA run: export the adapter only, never the (fixed) base
+            try:
+                model, adapter_config = adapter_state(model)
+            except ValueError as e:
+                elapsed = time.perf_counter() - t0
+                self._finish(ExportOutcome(step, False, None, elapsed, elapsed, f"adapter export: {e}"))
+                return
         nbytes = state_dict_bytes(model)
         if not self.room_check(self.staging_root, nbytes):
             self._finish(
@@ -128,7 +141,9 @@ class AsyncExporter:
                 )
             )
             return
-        if config is None and isinstance(model, torch.nn.Module):
+        if adapter_config is not None:
+            config = adapter_config
+        elif config is None and isinstance(model, torch.nn.Module):
             config = getattr(model, "config", None)
         try:
             host = snapshot_host_copy(model)
@@ -139,7 +154,10 @@ class AsyncExporter:
         blocked = time.perf_counter() - t0
         self._step = step
         self._thread = threading.Thread(
-            target=self._write, args=(step, host, config, t0, blocked), name=f"export-{step}", daemon=True
+            target=self._write,
+            args=(step, host, config, t0, blocked, adapter_config is not None),
+            name=f"export-{step}",
+            daemon=True,
         )
         self._thread.start()
 
@@ -171,9 +189,11 @@ class AsyncExporter:
 
     # -- background thread --------------------------------------------------------------------------
     def _write(
-        self, step: int, host: dict[str, torch.Tensor], config: Any, t0: float, blocked: float
+        self, step: int, host: dict[str, torch.Tensor], config: Any, t0: float, blocked: float, adapter: bool
     ) -> None:
         def write_files(tmp: Path) -> dict[str, dict[str, int]]:
+            if adapter:
+                return write_adapter_files(tmp, host, config)
             return write_hf_files(
                 tmp, host, self.base_model_dir, config=config, max_shard_bytes=self.max_shard_bytes
             )

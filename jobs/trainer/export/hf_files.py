@@ -324,3 +324,37 @@ def _metadata_files(base: Path) -> list[str]:
 
 def _is_metadata(name: str) -> bool:
     return name in METADATA_FILES or name.endswith(METADATA_SUFFIXES)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA adapter snapshots
+
+
+def write_adapter_files(
+    out_dir: Path,
+    state_dict: Mapping[str, torch.Tensor],
+    adapter_config: Mapping[str, Any],
+    checksum: Checksum | None = None,
+    *,
+    fsync: bool = False,
+) -> dict[str, FileRecord]:
+    """Write a LoRA adapter snapshot's files: ``adapter_model.safetensors`` (PEFT's key names, e.g.
+    ``base_model.model.<module>.lora_A.weight``) and ``adapter_config.json``, with the same writer,
+    on-the-fly checksums and exclusive creation as :func:`write_hf_files`; returns their records.
+
+    ``adapter_config`` must be JSON-serialisable and say ``"peft_type": "LORA"``; its ``r`` and
+    ``target_modules`` are what an sglang server sizes its LoRA memory pool from.
+    """
+    from coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    if adapter_config.get("peft_type") != "LORA":
+        raise ValueError(f"adapter_config must have peft_type 'LORA', got {adapter_config.get('peft_type')!r}")
+    crc: Checksum = checksum or zlib.crc32
+    tensors = _validated(state_dict)
+    body = (json.dumps(dict(adapter_config), indent=2, sort_keys=True) + "\n").encode()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        ADAPTER_WEIGHTS: write_chunks(out_dir / ADAPTER_WEIGHTS, safetensors_chunks(tensors), crc, fsync),
+        ADAPTER_CONFIG: write_chunks(out_dir / ADAPTER_CONFIG, [body], crc, fsync),
+    }
