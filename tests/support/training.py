@@ -11,6 +11,7 @@ claims units with :class:`coord.units.UnitClaimer`, scores them on a real
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from coord.atomic import read_jsonl
 from coord.discovery import SnapshotDiscovery
+from coord.identity import run_key
 from coord.ledger import Ledger
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.results import ResultIndex, ok_result, write_result
@@ -43,6 +45,7 @@ def make_train_run(
     eval_max_in_flight: int = 2,
     eval_keep_snapshots: int = 2,
     eval_overflow_policy: str = "backpressure",
+    eval_fleet: str = "attached",
     eval_staging_dir: Path | None = None,
     save_hf_dir: Path | None = None,
     save_interval: int | None = None,
@@ -61,15 +64,18 @@ def make_train_run(
     dispatch = DispatchConfig(
         eval_interval=eval_interval, staging_dir=staging, save_hf_dir=save_hf_dir, save_interval=save_interval,
         max_in_flight=eval_max_in_flight, keep_snapshots=eval_keep_snapshots, overflow_policy=eval_overflow_policy,
+        fleet=eval_fleet,
     ).validate()
     run = RunDir.create(run_dir)
     save_base_model_dir(run.base, model or ModelConfig(), "llama")
     dataset = write_addition_dataset(run, n=eval_n_prompts, shard_size=eval_shard_size)
     manifest = RunManifest(
         run_id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:64], eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
-        snapshot_roots=(str(dispatch.snapshot_root),), trainer={"program": "tests", **producer_identity()},
+        snapshot_roots=(), trainer={"program": "tests", **producer_identity()},
         lease=LeaseSettings(lease_duration, lease_heartbeat), created=time.time(),
     )
+    root = dispatch.run_snapshot_root(run_key(manifest), run.path)  # per-run subdir of a shared staging dir
+    manifest = dataclasses.replace(manifest, snapshot_roots=(str(root),))
     return RunDir.create(run.path, manifest), dispatch
 
 
