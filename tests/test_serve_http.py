@@ -268,7 +268,7 @@ def test_routes_sglang_0_5_23_lacks_are_404(server: Server) -> None:
 # Aborts, pause, seeds
 # --------------------------------------------------------------------------------------------------
 
-SLOW = {"text": [f"{i}+{i}=" for i in range(16)], "sampling_params": {"max_new_tokens": 40, "temperature": 1.0}}
+SLOW = {"text": [f"{i}+{i}=" for i in range(8)], "sampling_params": {"max_new_tokens": 32, "temperature": 1.0}}
 
 
 def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -286,7 +286,7 @@ def test_abort_request_answers_200_with_abort_finish_reasons(server: Server) -> 
     reply = box["value"]
     assert reply.status_code == 200
     items = reply.json()
-    assert [i["meta_info"]["id"] for i in items] == [f"slow_{i}" for i in range(16)]  # prefix match
+    assert [i["meta_info"]["id"] for i in items] == [f"slow_{i}" for i in range(8)]  # prefix match
     for item in items:
         meta = item["meta_info"]
         assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["status_code"] is None

@@ -352,6 +352,7 @@ class EngineService:
         self.label = label if label is not None else engine.weight_version() or DEFAULT_WEIGHT_VERSION
         self.launch_label = self.label
         self.lock = threading.Lock()  # the engine: generation and loads
+        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
         self.state = threading.Condition()  # live requests, pause, generation count
         self.live: dict[str, Live] = {}
         self.paused = False
@@ -368,7 +369,8 @@ class EngineService:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise EngineError("no model loaded")
-        return tokenizer(req.texts)["input_ids"]
+        with self.tokenizer_lock:
+            return tokenizer(req.texts)["input_ids"]
 
     def check_lengths(self, rows: list[list[int]], req: GenerateRequest) -> None:
         """tokenizer_manager.py ``_validate_one_request`` (no auto-truncation)."""
