@@ -149,6 +149,8 @@ def worker_cases(cmd: str) -> list[str]:
         f"{cmd} --run-dir {{S}}/file.txt --watch {{S}}/ckpts --eval-config {{S}}/cfg_ok.json",
         f"{base} --wandb",  # without --wandb-run-id
         f"{base} --wandb-mode bogus",
+        f"{base} --wandb-run-id",  # no value
+        f"{base} --worker-id",  # no value
         f"{base} --newest-first=yes",
         f"{base} --trust-run-code=yes",
         f"{base} --bogus-flag",
@@ -156,7 +158,9 @@ def worker_cases(cmd: str) -> list[str]:
     if cmd == "worker":
         cases += [f"{base} --catchup bogus", f"{base} --once=yes"]
     else:
-        cases += [f"{base} --once", f"{base} --catchup all"]  # backfill fixes these: not its flags
+        cases += [f"{base} --once", f"{base} --catchup all",  # backfill fixes these: not its flags
+                  f"{base} --steps 5",  # --steps without --from-run
+                  f"backfill --run-dir {{S}}/new --from-run {{S}}/nope --eval-config {{S}}/file.txt"]
     return cases + _flag_cases(base, {
         "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
         "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0", "--max-attempts": "int>=1", "--wait-for-run": "float>=0",
@@ -187,6 +191,12 @@ def train_cases() -> list[str]:
         f"{base} --eval-staging-dir {{S}}/new/snaps --save-hf {{S}}/new/hf --save-interval 5",
         f"{base} --eval-max-in-flight 3 --eval-keep-snapshots 2",
         f"{base} --lease-heartbeat 100",
+        f"{base} --eval-config {{S}}/nope.json",
+        f"{base} --eval-samples -1",
+        f"{base} --lora-rank 0",
+        f"{base} --lora=yes",
+        f"{base} --no-eval-at-start=yes",
+        f"{base} --wandb=yes",
         f"{base} --eval-fleet bogus",
         f"{base} --eval-staging-dir /dev/shm/ckpteval-bad-inputs --trainer-nodes a --fleet-nodes b",
         f"{base} --bogus-flag",
@@ -211,7 +221,7 @@ def view_cases() -> list[str]:
         "status {S}/run --bogus-flag",
         "plot {S}/run -o {S}/nope/out.png",
         "plot {S}/run -o {S}/empty",
-        "plot {S}/run -o {S}/out.xyz",
+        "plot {S}/run --output {S}/out.xyz",
         "plot {S}/run -o {S}/file.txt/out.png",
         "plot",
     ] + _flag_cases("status {S}/run", {"--watch": "float>0"})
@@ -233,6 +243,8 @@ def serve_cases() -> list[str]:
         f"{base} --device bogus",
         f"{base} --dtype bogus",
         f"{base} --verbose=yes",
+        f"{base} --enable-deterministic-inference=yes",
+        f"{base} --weight-version",  # no value
         f"{base} --bogus-flag",
     ] + _flag_cases(base, {"--max-batch-size": "int>=1"})
 
@@ -418,7 +430,8 @@ def test_cases_cover_every_flag_of_every_subcommand() -> None:
     for name in ("worker", "backfill", "train", "status", "plot", "serve", "submit", "demo"):
         for extra in [[], *SUBCOMMAND_HELP_EXTRA.get(name, [])]:
             mine = [c for c in cases if shlex.split(c)[: 1 + len(extra)] == [name, *extra]]
-            flags = {w.split("=")[0].strip(",[]") for w in _help_text(name, extra).split() if w.startswith("--")}
+            flags = {w.split("=")[0].strip(",[]():;`") for w in _help_text(name, extra).split() if w.startswith("--")}
+            flags = {f for f in flags if "*" not in f}  # "--lease-*" in prose names a family, not a flag
             flags -= {"--help"}
             missing = sorted(f for f in flags if not any(f in c for c in mine))
             assert not missing, f"ckpteval {name} {' '.join(extra)}: no bad case for {missing}"
