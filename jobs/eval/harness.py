@@ -27,6 +27,7 @@ working directory (use absolute paths); lm-eval seeds Python's, numpy's and torc
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -97,10 +98,16 @@ def flatten_metrics(task_results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _quiet() -> None:
+    """lm-eval's per-call warnings (e.g. about a model passed as an object) would flood fleet logs."""
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+
 def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
     """The harness's in-process adapter around a loaded transformers model."""
     from lm_eval.models.huggingface import HFLM
 
+    _quiet()
     # a copy: HFLM sets a missing pad token on the tokenizer it gets, and the engine's must stay as loaded
     return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size)
 
@@ -109,6 +116,7 @@ def completions_lm(base_url: str, snapshot_dir: str, spec: HarnessSpec) -> Any:
     """The harness's ``local-completions`` adapter against ``<base_url>/v1/completions``."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
+    _quiet()
     try:
         return LocalCompletionsAPI(
             base_url=f"{base_url.rstrip('/')}/v1/completions",
@@ -127,6 +135,7 @@ def evaluate_task(lm: Any, run: RunDir, spec: HarnessSpec, task: str) -> dict[st
     """Run one task of ``spec`` on ``lm`` with lm-eval's ``simple_evaluate``; its flattened metrics."""
     from lm_eval import simple_evaluate
 
+    _quiet()
     out = simple_evaluate(
         model=lm,
         tasks=[task],
