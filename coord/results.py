@@ -5,7 +5,8 @@ file is written and fsync'd under a temp name, then hard-linked to the final nam
 result already exists. So readers see at most one result per unit, never a torn one, and a rare
 double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for audit instead.
 A result holds per-sample scores and the weight versions that produced them, timings, the worker's
-identity, the lease token and attempt — or a skip record with a reason.
+identity, the lease token and attempt — or a skip record with a reason. A unit of an ``lm_eval`` entry
+holds the task's ``metrics`` instead of per-sample scores, with the version read back before and after.
 
 A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
 backfill. It is complete when every unit of the step has a result. Sharding does not change a

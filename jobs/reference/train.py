@@ -8,7 +8,9 @@ end. Read top to bottom:
 1. :class:`TrainConfig` from the command line; the eval flags are validated as one
    (:meth:`jobs.trainer.config.DispatchConfig.validate`) before anything is written or trained.
 2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
-   sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
+   or the datasets and lm-eval tasks of ``--eval-config FILE`` (read by
+   :func:`jobs.eval.service.read_eval_config`, the service's reader, and checked before anything is
+   written), sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
 3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
 4. The loop: learning rate (linear warmup + cosine decay to lr/10 by default: the constant rate
