@@ -16,7 +16,8 @@ The metrics come back as ``{"<metric>": value}`` (``"<metric>/<filter>"`` for a 
 them as ``eval/<task>/<metric>``.
 
 Guarantees: the harness runs offline when the task's data is local (``HF_DATASETS_OFFLINE`` /
-``HF_HUB_OFFLINE`` are honoured as set); a missing ``lm-eval`` or an unknown task is a ``ValueError``
+``HF_HUB_OFFLINE`` are honoured as set; ``HF_UPDATE_DOWNLOAD_COUNTS`` defaults to 0 so a local task
+costs no Hub ping); a missing ``lm-eval`` or an unknown task is a ``ValueError``
 naming the entry at worker start (:func:`check_harness`), not a crash per unit. Limits: lm-eval's
 adapters report no weight version per sample, so the pin is checked before and after the whole task
 (the result's ``weight_versions`` are those read-backs); an engine pool is not supported (one engine per
@@ -29,6 +30,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,9 @@ from coord.manifest import HarnessSpec
 from coord.rundir import RunDir
 
 INSTALL_HINT = "lm_eval datasets need the lm-eval package: pip install 'ckpteval[harness]'"
+# datasets pings the Hub ("download count", 3 s timeout) on every load, even of a local JSON file, unless
+# told not to; it reads this at import, and this module is imported before lm_eval (and datasets) are.
+os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 
 
 def require_lm_eval() -> None:
