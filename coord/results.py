@@ -7,7 +7,8 @@ double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for 
 A result holds per-sample scores, the scorer's extracted answer of each sample (``answers``, optional:
 results written before it existed have none), the weight versions that produced them, how many samples
 the grader gave up on (``grader_timeouts``), timings, the worker's identity, the lease token and attempt
-— or a skip record with a reason.
+— or a skip record with a reason. A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
+per-sample scores, with the version read back before and after.
 
 A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
 backfill. It is complete when every unit of the step has a result. Sharding does not change a

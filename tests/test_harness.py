@@ -185,3 +185,13 @@ def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp
         assert unknown.status_code == 400 and "best_of" in unknown.json()["message"]
     finally:
         kill_all([server])
+
+
+def test_lm_eval_entries_refuse_engines_without_an_lm_eval_adapter(tmp_path: Path) -> None:
+    from jobs.eval.evaluators import check_harness_engines
+
+    manifest = harness_run(tmp_path).manifest()
+    for kinds, replicas in ((["fn"], 1), (["hf"], 2), (["hf", "http"], 1)):
+        with pytest.raises(ValueError, match="need exactly one hf, http:URL or sglang engine"):
+            check_harness_engines(manifest, kinds, replicas)
+    check_harness_engines(manifest, ["http"], 1)  # one engine with an adapter: accepted

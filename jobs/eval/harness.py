@@ -16,7 +16,8 @@ The metrics come back as ``{"<metric>": value}`` (``"<metric>/<filter>"`` for a 
 them as ``eval/<task>/<metric>``.
 
 Guarantees: the harness runs offline when the task's data is local (``HF_DATASETS_OFFLINE`` /
-``HF_HUB_OFFLINE`` are honoured as set); a missing ``lm-eval`` or an unknown task is a ``ValueError``
+``HF_HUB_OFFLINE`` are honoured as set; ``HF_UPDATE_DOWNLOAD_COUNTS`` defaults to 0 so a local task
+costs no Hub ping); a missing ``lm-eval`` or an unknown task is a ``ValueError``
 naming the entry at worker start (:func:`check_harness`), not a crash per unit. Limits: lm-eval's
 adapters report no weight version per sample, so the pin is checked before and after the whole task
 (the result's ``weight_versions`` are those read-backs); an engine pool is not supported (one engine per
@@ -27,7 +28,9 @@ working directory (use absolute paths); lm-eval seeds Python's, numpy's and torc
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,9 @@ from coord.manifest import HarnessSpec
 from coord.rundir import RunDir
 
 INSTALL_HINT = "lm_eval datasets need the lm-eval package: pip install 'ckpteval[harness]'"
+# datasets pings the Hub ("download count", 3 s timeout) on every load, even of a local JSON file, unless
+# told not to; it reads this at import, and this module is imported before lm_eval (and datasets) are.
+os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 
 
 def require_lm_eval() -> None:
@@ -97,10 +103,16 @@ def flatten_metrics(task_results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _quiet() -> None:
+    """lm-eval's per-call warnings (e.g. about a model passed as an object) would flood fleet logs."""
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+
 def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
     """The harness's in-process adapter around a loaded transformers model."""
     from lm_eval.models.huggingface import HFLM
 
+    _quiet()
     # a copy: HFLM sets a missing pad token on the tokenizer it gets, and the engine's must stay as loaded
     return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size)
 
@@ -109,6 +121,7 @@ def completions_lm(base_url: str, snapshot_dir: str, spec: HarnessSpec) -> Any:
     """The harness's ``local-completions`` adapter against ``<base_url>/v1/completions``."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
+    _quiet()
     try:
         return LocalCompletionsAPI(
             base_url=f"{base_url.rstrip('/')}/v1/completions",
@@ -127,6 +140,7 @@ def evaluate_task(lm: Any, run: RunDir, spec: HarnessSpec, task: str) -> dict[st
     """Run one task of ``spec`` on ``lm`` with lm-eval's ``simple_evaluate``; its flattened metrics."""
     from lm_eval import simple_evaluate
 
+    _quiet()
     out = simple_evaluate(
         model=lm,
         tasks=[task],

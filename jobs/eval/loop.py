@@ -388,6 +388,9 @@ def _unit_line(result: Result, first: bool) -> str:
     u, secs = result.unit, result.timings.get("total_s", 0.0)
     head = f"step={u.step} {u.dataset}[{u.shard}]"
     dup = "" if first else " (duplicate: another result was first)"
+    if result.ok and result.metrics:  # an lm-eval task
+        shown = " ".join(f"{k}={v:.4f}" for k, v in sorted(result.metrics.items()))
+        return f"{head} {shown} {secs:.2f}s{dup}"
     if result.ok:
         n = len(result.scores)
         score = sum(result.scores) / n if n else float("nan")

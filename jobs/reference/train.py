@@ -9,7 +9,9 @@ end. Read top to bottom:
    torch); every flag, the eval flags as one (:meth:`jobs.trainer.config.DispatchConfig.validate`),
    and an existing run are checked before anything is written or trained.
 2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
-   sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
+   or the datasets and lm-eval tasks of ``--eval-config FILE`` (read by
+   :func:`jobs.eval.service.read_eval_config`, the service's reader, and checked before anything is
+   written), sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
 3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
 4. Step 0 (unless ``--no-eval-at-start``): the initial weights are dispatched as the point of step
