@@ -368,6 +368,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
 
 def harness_point_metrics(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> dict[str, float]:
     """``"<task>/<metric>"`` for every lm-eval task of ``step`` with an ok result, plus its pin evidence."""
+    key = run_key(manifest)
     out: dict[str, float] = {}
     for spec in manifest.eval.harness:
         for i, task in enumerate(spec.tasks):
@@ -375,7 +376,7 @@ def harness_point_metrics(manifest: RunManifest, step: int, results: dict[WorkUn
             if r is None or not r.ok:
                 continue
             out.update({f"{task}/{name}": value for name, value in r.metrics.items()})
-            mean_v, mixed = _version_stats(step, list(r.weight_versions))
+            mean_v, mixed = _version_stats(key, step, list(r.weight_versions))
             out[f"{task}/weight_version/mean"] = mean_v
             out[f"{task}/weight_version/mixed_version_ratio"] = mixed
     return out

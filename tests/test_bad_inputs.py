@@ -160,7 +160,7 @@ def worker_cases(cmd: str) -> list[str]:
     else:
         cases += [f"{base} --once", f"{base} --catchup all",  # backfill fixes these: not its flags
                   f"{base} --steps 5",  # --steps without --from-run
-                  f"backfill --run-dir {{S}}/new --from-run {{S}}/nope --eval-config {{S}}/file.txt"]
+                  "backfill --run-dir {S}/new --from-run {S}/nope --eval-config {S}/file.txt"]
     return cases + _flag_cases(base, {
         "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
         "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0", "--max-attempts": "int>=1", "--wait-for-run": "float>=0",
