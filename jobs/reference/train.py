@@ -284,7 +284,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     t_start = t_window = time.perf_counter()
     if dispatcher is not None and cfg.eval_at_start and start == 0:
         if cfg.save_hf_dir is not None:  # reuse mode: the initial weights' checkpoint is the snapshot
-            save_hf_checkpoint(cfg.save_hf_dir, 0, model, cfg)
+            save_hf_checkpoint(cfg.save_hf_dir, 0, model)
         dispatcher.dispatch_initial(model)
     try:
         for step in range(start + 1, cfg.steps + 1):
