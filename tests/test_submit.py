@@ -390,7 +390,8 @@ def test_unhealthy_worker_restarts_in_place_then_job_requeues(tmp_path: Path) ->
     starts = [line for line in h.lines() if line.startswith("backfill id=")]
     assert [line.split()[1:3] for line in starts] == [["id=j900_0-w0", "n=0"], ["id=j900_0-w0", "n=1"]]
     assert starts[0].endswith("cvd=")  # CPU worker: no GPUs
-    assert "--once" not in h.lines()[0] and f"--run-dir {h.run_dir} --engine hf --device cpu" in h.lines()[0]
+    assert "--once" not in h.lines()[0]
+    assert f"--run-dir {h.run_dir} --wait-for-run 600 --engine hf --device cpu" in h.lines()[0]
     # always unhealthy: 1 + 2 restarts, then the task requeues itself
     h.log.unlink()
     for f in h.fake.iterdir():
