@@ -428,7 +428,8 @@ def test_unhealthy_worker_restarts_in_place_then_job_requeues(tmp_path: Path) ->
     assert [line.split()[1:3] for line in starts] == [["id=j900_0-w0", "n=0"], ["id=j900_0-w0", "n=1"]]
     assert starts[0].endswith("cvd=")  # CPU worker: no GPUs
     # the default engine is auto: the worker resolves it on its node (hf for a CPU worker, see below)
-    assert "--once" not in h.lines()[0] and f"--run-dir {h.run_dir} --engine auto --device cpu" in h.lines()[0]
+    assert "--once" not in h.lines()[0]
+    assert f"--run-dir {h.run_dir} --wait-for-run 600 --engine auto --device cpu" in h.lines()[0]
     # always unhealthy: 1 + 2 restarts, then the task requeues itself
     h.log.unlink()
     for f in h.fake.iterdir():

@@ -155,3 +155,31 @@ def test_a_stop_signal_ends_the_final_export_wait_and_training_is_not_marked_don
         pytest.skip("the final export finished before the signal arrived")
     assert run.training_done() is None
     assert d.exporter is not None and d.exporter.wait(120)
+
+
+def test_a_stop_signal_ends_the_shared_postures_wait_for_producers(tmp_path: Path) -> None:
+    """Shared posture: a producer request stays in flight (a real thread inside ``gate.submission()``);
+    ``paused`` waiting for it (bound 600 s) ends as soon as the stop flag is set, and reopens the gate."""
+    import threading
+
+    from jobs.trainer.gate import ProducerGate, StopRequested
+
+    gate = ProducerGate()
+    release, started = threading.Event(), threading.Event()
+
+    def producer() -> None:
+        with gate.submission():
+            started.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(StopRequested):
+        with gate.paused(600.0, should_stop=stop.is_set):
+            raise AssertionError("the gate was taken while a producer was in flight")
+    assert not gate.is_paused
+    release.set()
+    thread.join(10)

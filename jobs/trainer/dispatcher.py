@@ -39,8 +39,9 @@ Overflow — at most ``max_in_flight`` points dispatched and not yet ingested:
   while training runs; :meth:`close` does not drain.
 
 Stop signals: ``should_stop`` (the trainer's SIGTERM/SIGUSR1 flag) ends every wait at once — the
-backpressure wait (the step is then a ``busy`` skip saying so), the final export wait in
-:meth:`close` (which then returns False, training not marked done) and the drain.
+backpressure wait (the step is then a ``busy`` skip saying so), the shared posture's wait for
+in-flight producer requests (nothing is written: the point stays open for a backfill), the final
+export wait in :meth:`close` (which then returns False, training not marked done) and the drain.
 
 Failures never stop training: an export that fails, or finds no room on the staging filesystem, is
 an ``export_failed`` skip at its step.
@@ -105,7 +106,7 @@ from jobs.ingest import ingest_point
 from jobs.metrics import MetricsSink
 from jobs.trainer.config import DispatchConfig
 from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
-from jobs.trainer.gate import ProducerGate, shared_eval
+from jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
 Model = torch.nn.Module | Mapping[str, Any]
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
@@ -366,7 +367,10 @@ class EvalDispatcher:
         t0 = time.perf_counter()
         try:
             shared_eval(self.shared.engine, self.shared.gate, self.run, step, self.snapshot_dir(step),
-                        cache=self._cache, drain_timeout_s=self.shared.drain_timeout_s)
+                        cache=self._cache, drain_timeout_s=self.shared.drain_timeout_s,
+                        should_stop=self.should_stop)
+        except StopRequested:  # preempted while producers drained: nothing written, the point stays open
+            return
         except TimeoutError as e:  # producers' in-flight requests did not finish: the engine is busy
             self._skip(step, "busy", str(e))
             return

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from coord.identity import run_key, weight_version
@@ -41,6 +41,12 @@ from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.pinning import PinViolation, check_pinned, pin
 from jobs.eval.prompts import NoChatTemplate
 from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
+
+STOP_SLICE_S = 0.1  # how often a paused() drain looks at its stop flag
+
+
+class StopRequested(TimeoutError):
+    """A stop signal ended the wait for in-flight producer submissions."""
 
 
 class ProducerGate:
@@ -82,11 +88,14 @@ class ProducerGate:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def paused(self, drain_timeout_s: float | None = None) -> Iterator[None]:
+    def paused(
+        self, drain_timeout_s: float | None = None, should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[None]:
         """Hold the engine: no new submission starts; in-flight ones finish first (bounded wait).
 
-        ``TimeoutError`` if in-flight submissions do not finish within ``drain_timeout_s``; the gate
-        is reopened before it is raised.
+        ``TimeoutError`` if in-flight submissions do not finish within ``drain_timeout_s``, and
+        :class:`StopRequested` (a ``TimeoutError``) as soon as ``should_stop()`` (the trainer's stop
+        signal, looked at every :data:`STOP_SLICE_S`) says so; the gate is reopened before either.
         """
         me = threading.get_ident()
         deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
@@ -97,12 +106,16 @@ class ProducerGate:
             self.pauses += 1
             while self._in_flight:
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                stop = should_stop is not None and should_stop()
+                if stop or (left is not None and left <= 0):
                     self._paused_by = None
                     self._cond.notify_all()
-                    raise TimeoutError(
-                        f"{self._in_flight} producer submissions still in flight after {drain_timeout_s}s"
-                    )
+                    n = self._in_flight
+                    if stop:
+                        raise StopRequested(f"stop signal while {n} producer submissions were in flight")
+                    raise TimeoutError(f"{n} producer submissions still in flight after {drain_timeout_s}s")
+                if should_stop is not None:
+                    left = STOP_SLICE_S if left is None else min(left, STOP_SLICE_S)
                 self._cond.wait(left)
         try:
             yield
@@ -121,6 +134,7 @@ def shared_eval(
     *,
     cache: DatasetCache | None = None,
     drain_timeout_s: float | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[Result]:
     """Evaluate ``step`` on the trainer's engine under the gate; writes and returns one result per unit.
 
@@ -135,7 +149,7 @@ def shared_eval(
     t0 = time.perf_counter()
     scored: dict[WorkUnit, UnitScores | dict[str, float]] = {}
     skipped: list[Result] = []
-    with gate.paused(drain_timeout_s):
+    with gate.paused(drain_timeout_s, should_stop):
         try:
             pin(engine, snapshot, version, reload=True)
             for unit in units:

@@ -9,6 +9,8 @@ events:
   ``<output_dir>/checkpoint-<step>``, which is then marked ``.complete`` in place (zero extra
   export); ``on_step_end`` only ingests. ``on_train_begin`` checks (before the first step) that the
   dispatcher's save dir is ``args.output_dir`` and its save interval ``args.save_steps``.
+- the last step (``global_step >= max_steps``) is dispatched as the final point (never skipped as
+  busy, whatever ``max_steps % eval_interval``).
 - ``on_train_end`` → ``close(global_step, model)``: the final point. In reuse mode a final step the
   Trainer did not save is saved here first (``save_pretrained`` + the processing class), so the final
   point is never lost to a save schedule.
@@ -59,12 +61,12 @@ class EvalDispatchCallback(TrainerCallback):
             self.dispatcher.step = state.global_step
             self.dispatcher.poll()
         else:
-            self.dispatcher.maybe_dispatch(state.global_step, model)
+            self.dispatcher.maybe_dispatch(state.global_step, model, final=_last_step(state))
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 model: Any = None, **kwargs: Any) -> None:
         if self.reuse and state.is_world_process_zero:
-            self.dispatcher.maybe_dispatch(state.global_step, model)
+            self.dispatcher.maybe_dispatch(state.global_step, model, final=_last_step(state))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: Any = None, processing_class: Any = None, **kwargs: Any) -> None:
@@ -81,3 +83,8 @@ class EvalDispatchCallback(TrainerCallback):
         model.save_pretrained(directory, safe_serialization=True)
         if processing_class is not None:
             processing_class.save_pretrained(directory)
+
+
+def _last_step(state: TrainerState) -> bool:
+    """The Trainer's last step: its point is the final one, never skipped as busy."""
+    return state.max_steps > 0 and state.global_step >= state.max_steps

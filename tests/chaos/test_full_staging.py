@@ -115,7 +115,7 @@ def test_full_staging_filesystem(tmp_path: Path, procs: harness.Procs, tmpfs,
     exported, failed = _export_outcomes(run_dir)
     expected_a = list(range(10, steps + 1, 10))
     ta = harness.tally(run_dir, expected_a)
-    leftovers_a = [p.name for p in staging.iterdir() if p.name.startswith(".tmp-")]
+    leftovers_a = [p.name for p in staging.rglob(".tmp-*")]  # snapshots live in staging/<run key>/
 
     # -- (b) the room check passes, the write hits ENOSPC ------------------------------------------------
     small = tmpfs("small", "2m")
@@ -126,7 +126,8 @@ def test_full_staging_filesystem(tmp_path: Path, procs: harness.Procs, tmpfs,
     tb = harness.tally(inproc.run.path, inproc.dispatched())
     messages = [r.get("message", "") for r in harness.read_jsonl_tolerant(inproc.run.ledger_path)
                 if r.get("event") == "skipped" and r.get("reason") == "export_failed"]
-    leftovers_b = sorted(p.name for p in small.iterdir() if not p.is_symlink())
+    leftovers_b = sorted(p.name for p in small.rglob("*")  # the run-scoped subdir itself is no leftover
+                         if not p.is_symlink() and (p.is_file() or p.name.startswith(".tmp-")))
 
     merged = ta.merged(tb, step_offset=100_000)
     outside = sentinel.deleted_bytes() + inproc.sentinel.deleted_bytes()
