@@ -93,7 +93,9 @@ def plan_reeval(new_dir: Path, old_dir: Path, config_path: Path, steps_text: str
             f"--steps {steps_text!r} selects none of the steps with a snapshot in {old.path} "
             f"({_summary(present) or 'none'})"
         )
-    foreign = _foreign_roots(old_manifest)
+    # OLD's snapshots carry OLD's run key: NEW adopts them as foreign checkpoints (into its own adopted/,
+    # never writing to OLD), so its pin and points speak NEW's key (docs/PROTOCOL.md, run identity).
+    foreign = list(dict.fromkeys(_roots(old_manifest) + _foreign_roots(old_manifest)))
     obj = {
         "run_id": config.raw.get("run_id", new.path.name),
         "eval": config.eval,
