@@ -361,7 +361,7 @@ def check_on_submit_host(args: argparse.Namespace) -> None:
     validate_options(parse_as(WorkerOptions, worker_args, "worker argument"))
     if args.kind == "train-eval":
         _check_train_eval(args)
-    elif args.kind == "backfill":
+    elif args.kind == "backfill" and getattr(args, "from_run", None) is None:  # --from-run: NEW is created later
         for run in run_dirs:
             if not (Path(run) / "run.json").is_file():
                 raise ValueError(f"--run-dir {run}: no run.json there (backfill scores an existing run)")
