@@ -156,3 +156,14 @@ def test_launch_flags_size_the_lora_pool_from_the_adapter(tmp_path: Path) -> Non
     assert flags == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]
     with pytest.raises(EngineError, match="cannot size"):
         lora_launch_flags(str(tmp_path))
+
+
+def test_sglang_lora_engine_launches_nothing_before_the_first_adapter(tmp_path: Path) -> None:
+    """Built by the factory for a LoRA run (no GPU needed until the first load launches sglang)."""
+    from jobs.eval.engines.sglang_lora import SGLangLoRAEngine
+
+    engine = make_engine("sglang", "cpu", {"tp_size": 1}, base_model=str(tmp_path / "base"))
+    assert isinstance(engine, SGLangLoRAEngine) and engine.pid is None and engine.weight_version() is None
+    with pytest.raises(EngineError, match="no adapter loaded"):
+        engine.generate(["x"], SamplingParams())
+    engine.close()
