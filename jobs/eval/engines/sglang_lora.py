@@ -1,0 +1,179 @@
+"""LoRA adapter snapshots over sglang's LoRA serving: ``HTTPLoRAEngine`` (attach) and ``SGLangLoRAEngine``.
+
+A run with ``eval.base_model`` publishes adapter snapshots on one fixed base. The server holds the base
+(launched with ``--enable-lora``); each snapshot is registered as an adapter whose *name carries the
+step* and every request names it. Contract read from sglang 0.5.23's source:
+
+- ``POST /load_lora_adapter {"lora_name", "lora_path", "pinned"}`` -> ``{"success", "error_message",
+  "loaded_adapters": {name: path}}``, 200 on success, 400 on failure; a name already loaded fails
+  ("already loaded") — sglang/srt/entrypoints/http_server.py ``load_lora_adapter`` and
+  sglang/srt/managers/tokenizer_control_mixin.py ``load_lora_adapter``;
+  ``POST /unload_lora_adapter {"lora_name"}`` likewise (same files).
+- ``/generate`` ``lora_path`` is the adapter *name* (io_struct.py ``GenerateReqInput.lora_path``); an
+  unknown name is a 400 "Got LoRA adapter that has never been loaded" (tokenizer_manager.py
+  ``_resolve_lora_path``), so a 200 answer was produced by exactly the adapter registered under it.
+- ``GET /v1/models`` lists loaded adapters as cards ``{"id": name, "root": path, "parent": base}``
+  (http_server.py ``available_models``): the read-back of which weights a name holds.
+- Dynamic loads need ``--enable-lora --max-lora-rank R --lora-target-modules ...`` at launch
+  (sglang/srt/arg_groups/fields/lora.py); :func:`lora_launch_flags` derives them from the first adapter.
+
+Promises: :func:`adapter_name` is ``step-<step>-<crc32 of the path>``, so a name identifies one
+snapshot; ``load(dir, version)`` registers it (or finds it registered under the same path), checks the
+read-back, then unloads the previous adapter; ``weight_version()`` is the step of the current adapter
+only while ``/v1/models`` lists its name with its path; every sample is stamped with that version when
+the server's own ``meta_info.weight_version`` is the base's label (the base unchanged), otherwise with
+``"<label>+<version>"`` (never equal to a step: the worker's pin check rejects it).
+
+Limits: sglang cannot be run here (no GPU): the tests drive these classes against a small real HTTP
+stub that implements the routes above as the source describes them, not against sglang itself.
+Another client unloading our name and loading other weights under it between two of our requests is
+not detected (names are unique per snapshot path, so that takes deliberate reuse). ``lora_path`` is
+injected into ``/generate`` bodies by overriding ``HTTPEngine._request`` (the base client's single
+request path); the base client's rewrite must keep that method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+from coord.snapshot import ADAPTER_CONFIG
+from jobs.eval.engines.base import EngineError, Generation
+from jobs.eval.engines.http import HTTPEngine, error_message
+from jobs.eval.engines.sglang import SGLangEngine
+
+BASE_LABEL = "base"  # the base model's weight_version on a LoRA server this engine launches
+
+
+def adapter_name(step_version: str, path: str) -> str:
+    """The adapter name for a snapshot: carries the step, unique per snapshot path."""
+    return f"step-{step_version}-{zlib.crc32(str(Path(path)).encode()):08x}"
+
+
+def lora_launch_flags(adapter_dir: str) -> list[str]:
+    """``--enable-lora --max-lora-rank R --lora-target-modules M...`` from an adapter's config."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+        rank, modules = int(config["r"]), config["target_modules"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise EngineError(f"cannot size sglang's LoRA pool from {path}: {e}") from e
+    modules = [modules] if isinstance(modules, str) else sorted(modules)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules]
+
+
+class _LoRAClient:
+    """The LoRA half shared by the attached and the launching engine (mixed into an HTTPEngine)."""
+
+    _adapter: tuple[str, str, str] | None = None  # (name, path, version) of the current adapter
+    _base_label: str | None = None
+
+    # -- requests: every /generate names the current adapter ----------------------------------------
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        if path == "/generate" and self._adapter is not None and isinstance(kwargs.get("json"), dict):
+            kwargs["json"] = {**kwargs["json"], "lora_path": self._adapter[0]}
+        return super()._request(method, path, **kwargs)  # type: ignore[misc]
+
+    def _lora_call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = self._request("POST", route, json=body)
+        try:
+            reply = response.json()
+        except ValueError:
+            reply = None
+        if response.status_code != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
+            message = reply.get("error_message") if isinstance(reply, dict) else None
+            raise EngineError(f"{route} {body.get('lora_name')}: {message or error_message(response)}")
+        return reply
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """Adapter name -> path, as ``GET /v1/models`` lists them."""
+        reply = self._json("GET", "/v1/models")  # type: ignore[attr-defined]
+        cards = reply.get("data") if isinstance(reply, dict) else None
+        if not isinstance(cards, list):
+            raise EngineError(f"GET /v1/models: unexpected reply {str(reply)[:200]}")
+        return {c["id"]: c.get("root") for c in cards if isinstance(c, dict) and c.get("parent") is not None}
+
+    # -- Engine protocol ------------------------------------------------------------------------------
+    def _load_adapter(self, snapshot_dir: str, weight_version: str) -> None:
+        if self._base_label is None:
+            self._base_label = super().weight_version()  # type: ignore[misc]
+        name, path = adapter_name(weight_version, snapshot_dir), str(snapshot_dir)
+        previous, self._adapter = self._adapter, None  # unknown until the read-back below
+        if self.loaded_adapters().get(name) != path:
+            self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": False})
+        if self.loaded_adapters().get(name) != path:
+            raise EngineError(f"/v1/models does not list adapter {name} at {path} after loading it")
+        self._adapter = (name, path, weight_version)
+        if previous is not None and previous[0] != name:
+            try:
+                self._lora_call("/unload_lora_adapter", {"lora_name": previous[0]})
+            except EngineError:
+                pass  # a stale adapter only costs memory; sglang evicts unpinned ones when full
+
+    def _adapter_version(self) -> str | None:
+        if self._adapter is None:
+            return None
+        name, path, version = self._adapter
+        return version if self.loaded_adapters().get(name) == path else None
+
+    def _stamp(self, generations: list[Generation]) -> list[Generation]:
+        """Samples answered under the base's own label carry the adapter's version."""
+        version = None if self._adapter is None else self._adapter[2]
+        out = []
+        for g in generations:
+            stamped = version if g.weight_version == self._base_label else f"{g.weight_version}+{version}"
+            out.append(dataclasses.replace(g, weight_version=stamped))
+        return out
+
+
+class HTTPLoRAEngine(_LoRAClient, HTTPEngine):
+    """An attached sglang server started with ``--enable-lora`` (and a LoRA pool large enough)."""
+
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        self._load_adapter(snapshot_dir, weight_version)
+
+    def weight_version(self) -> str | None:
+        return self._adapter_version()
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
+        if self._adapter is None:
+            raise EngineError("no adapter loaded: call load() first")
+        return self._stamp(super().generate(*args, **kwargs))
+
+
+class SGLangLoRAEngine(_LoRAClient, SGLangEngine):
+    """Launches sglang on ``base_model`` with LoRA enabled (sized from the first adapter), labelled
+    :data:`BASE_LABEL`, then serves every snapshot as an adapter; see the module docstring."""
+
+    def __init__(self, base_model: str, *, extra_args: tuple[str, ...] | list[str] = (), **kwargs: Any) -> None:
+        kwargs.pop("model_path", None)
+        if kwargs.get("url") is not None:
+            raise ValueError("SGLangLoRAEngine launches its own server; attach with http:URL instead")
+        self._base_model, self._user_args = str(base_model), tuple(extra_args)
+        super().__init__(None, extra_args=extra_args, **kwargs)
+
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        if self._not_launched:  # first load: the server starts on the base, sized from this adapter
+            flags = [] if "--enable-lora" in self._user_args else lora_launch_flags(snapshot_dir)
+            ls = self._launch_settings
+            self._launch_settings = dataclasses.replace(ls, extra_args=(*ls.extra_args, *flags))
+            self._model_path, self._version = self._base_model, BASE_LABEL
+            self._launch()
+            self._base_label = BASE_LABEL
+        self._load_adapter(snapshot_dir, weight_version)
+
+    def weight_version(self) -> str | None:
+        return None if self._not_launched else self._adapter_version()
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
+        if self._adapter is None:
+            raise EngineError("no adapter loaded: call load() first")
+        return self._stamp(super().generate(*args, **kwargs))
+
+    def restart(self) -> None:
+        """Relaunch on the base; the adapter must be loaded again (version ``None`` until then)."""
+        self._adapter = None
+        super().restart()

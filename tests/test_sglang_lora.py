@@ -1,0 +1,169 @@
+"""The sglang LoRA client against a small real HTTP server.
+
+sglang needs a GPU, so the server here is a stub (a real ``ThreadingHTTPServer``) that implements the
+LoRA routes as sglang 0.5.23's source describes them (see :mod:`jobs.eval.engines.sglang_lora`):
+``/load_lora_adapter`` / ``/unload_lora_adapter`` (200/400 with ``success``, ``error_message``,
+``loaded_adapters``; duplicate names refused), ``/v1/models`` adapter cards, ``/generate`` answering only
+for a registered ``lora_path`` name (400 otherwise) with the base's ``weight_version``."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.eval.engines.base import EngineError, SamplingParams
+from jobs.eval.engines.factory import make_engine
+from jobs.eval.engines.sglang_lora import HTTPLoRAEngine, adapter_name, lora_launch_flags
+
+
+class LoRAStub(ThreadingHTTPServer):
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.label = "base"
+        self.adapters: dict[str, str] = {}
+        self.generate_bodies: list[dict[str, Any]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: LoRAStub
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _reply(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        s = self.server
+        if self.path in ("/model_info", "/get_model_info"):
+            self._reply(200, {"model_path": "/base", "weight_version": s.label})
+        elif self.path == "/health_generate":
+            self._reply(200, {})
+        elif self.path == "/v1/models":
+            cards = [{"id": "/base", "root": "/base", "parent": None}]
+            cards += [{"id": n, "root": p, "parent": "/base"} for n, p in s.adapters.items()]
+            self._reply(200, {"object": "list", "data": cards})
+        else:
+            self._reply(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        s = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/load_lora_adapter":
+            name, path = body["lora_name"], body["lora_path"]
+            if name in s.adapters:
+                error = f"Failed to load LoRA adapter {name} because it is already loaded"
+            elif not Path(path, "adapter_config.json").is_file():
+                error = f"Failed to load LoRA adapter {name}: no adapter_config.json in {path}"
+            else:
+                s.adapters[name] = path
+                return self._reply(200, {"success": True, "error_message": None, "loaded_adapters": s.adapters})
+            return self._reply(400, {"success": False, "error_message": error, "loaded_adapters": s.adapters})
+        if self.path == "/unload_lora_adapter":
+            if s.adapters.pop(body["lora_name"], None) is None:
+                return self._reply(400, {"success": False, "error_message": f"LoRA with name {body['lora_name']} "
+                                         "does not exist.", "loaded_adapters": s.adapters})
+            return self._reply(200, {"success": True, "error_message": None, "loaded_adapters": s.adapters})
+        if self.path == "/generate":
+            s.generate_bodies.append(body)
+            name = body.get("lora_path")
+            if name not in s.adapters:
+                return self._reply(400, {"error": {"message": f"Got LoRA adapter that has never been loaded: {name}"}})
+            texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
+            out = [{"text": name, "output_ids": [5], "meta_info": {
+                "id": str(i), "weight_version": s.label, "completion_tokens": 1, "prompt_tokens": 3,
+                "finish_reason": {"type": "stop", "matched": 2},
+                "weight_versions": [{"version": s.label, "start": 0, "end": 1}]}} for i, _ in enumerate(texts)]
+            return self._reply(200, out if isinstance(body["text"], list) else out[0])
+        self._reply(404, {"detail": "Not Found"})
+
+
+@pytest.fixture
+def stub() -> Iterator[LoRAStub]:
+    server = LoRAStub()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _adapter(tmp: Path, step: int) -> Path:
+    d = tmp / f"step-{step:010d}"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8,
+                                                       "target_modules": ["v_proj", "q_proj"]}))
+    return d
+
+
+def test_adapter_per_snapshot_named_by_step_and_pinned(stub: LoRAStub, tmp_path: Path) -> None:
+    engine = make_engine(f"http:{stub.url}", "cpu", {}, base_model="/base")
+    assert isinstance(engine, HTTPLoRAEngine)
+    first, second = _adapter(tmp_path, 10), _adapter(tmp_path, 20)
+    engine.load(str(first), "10")
+    assert engine.weight_version() == "10"
+    gens = engine.generate(["1+1=", "2+2="], SamplingParams(max_new_tokens=2))
+    name = adapter_name("10", str(first))
+    assert name.startswith("step-10-") and [g.weight_version for g in gens] == ["10", "10"]
+    assert [g.text for g in gens] == [name, name] and stub.generate_bodies[-1]["lora_path"] == name
+
+    engine.load(str(second), "20")
+    assert list(stub.adapters) == [adapter_name("20", str(second))]  # the previous adapter was unloaded
+    assert [g.weight_version for g in engine.generate(["3+3="], SamplingParams())] == ["20"]
+
+    engine.load(str(second), "20")  # already registered under its name and path: no duplicate load
+    assert engine.weight_version() == "20"
+
+    stub.label = "update-7"  # someone replaced the base weights: samples can no longer be step 20
+    assert [g.weight_version for g in engine.generate(["3+3="], SamplingParams())] == ["update-7+20"]
+    stub.label = "base"
+
+    stub.adapters.clear()  # unloaded behind our back: the version is unknown, and generation is refused
+    assert engine.weight_version() is None
+    with pytest.raises(EngineError, match="never been loaded"):
+        engine.generate(["3+3="], SamplingParams())
+    engine.close()
+
+
+def test_a_failed_adapter_load_leaves_no_version(stub: LoRAStub, tmp_path: Path) -> None:
+    engine = HTTPLoRAEngine(stub.url)
+    engine.load(str(_adapter(tmp_path, 1)), "1")
+    with pytest.raises(EngineError, match="no adapter_config.json"):
+        engine.load(str(tmp_path / "missing"), "2")
+    assert engine.weight_version() is None
+    with pytest.raises(EngineError, match="no adapter loaded"):
+        engine.generate(["x"], SamplingParams())
+    engine.close()
+
+
+def test_launch_flags_size_the_lora_pool_from_the_adapter(tmp_path: Path) -> None:
+    flags = lora_launch_flags(str(_adapter(tmp_path, 1)))
+    assert flags == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]
+    with pytest.raises(EngineError, match="cannot size"):
+        lora_launch_flags(str(tmp_path))
+
+
+def test_sglang_lora_engine_launches_nothing_before_the_first_adapter(tmp_path: Path) -> None:
+    """Built by the factory for a LoRA run (no GPU needed until the first load launches sglang)."""
+    from jobs.eval.engines.sglang_lora import SGLangLoRAEngine
+
+    engine = make_engine("sglang", "cpu", {"tp_size": 1}, base_model=str(tmp_path / "base"))
+    assert isinstance(engine, SGLangLoRAEngine) and engine.pid is None and engine.weight_version() is None
+    with pytest.raises(EngineError, match="no adapter loaded"):
+        engine.generate(["x"], SamplingParams())
+    engine.close()
