@@ -395,7 +395,8 @@ def test_usr1_stops_everything_and_requeues(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     script = h.render(["train-eval", "--run-dir", str(h.run_dir), "--workers", "2"])
     proc = h.start(script, FAKE_TRAIN_TICKS="1000", FAKE_WORKER_RCS="wait", **HET_ENV)
-    h.wait_for("worker id=j900-w1", proc)
+    for worker in ("j900-w0", "j900-w1"):  # both started (they are launched concurrently): both must get USR1
+        h.wait_for(f"worker id={worker}", proc)
     proc.send_signal(signal.SIGUSR1)
     rc, out = _finish(proc)
     assert rc == 0, out
@@ -447,7 +448,8 @@ def test_term_stops_without_requeue(tmp_path: Path) -> None:
     (h.run_dir / "run.json").write_text("{}")
     script = h.render(["service", "--run-dir", str(h.run_dir), "--watch", str(tmp_path), "--workers", "2"])
     proc = h.start(script, FAKE_WORKER_RCS="wait")
-    h.wait_for("worker id=j900-w1", proc)
+    for worker in ("j900-w0", "j900-w1"):  # both started (they are launched concurrently)
+        h.wait_for(f"worker id={worker}", proc)
     proc.send_signal(signal.SIGTERM)
     rc, out = _finish(proc)
     assert rc == 143, out

@@ -18,8 +18,9 @@ otherwise. ``--dry-run`` prints the script and the sbatch command and touches no
 
 Python callers (:mod:`jobs.launch.api`) use :func:`prepare` and :func:`submit_prepared`.
 
-Limits: the scripts run ``CKPTEVAL_PYTHON -m jobs.cli`` and source ``sbatch/common.sh`` from this
-checkout, so both must be on a filesystem the compute nodes see (paths are rendered absolute).
+Limits: the scripts run ``CKPTEVAL_PYTHON -m jobs.cli`` and source ``common.sh`` from :func:`sbatch_dir`
+(this checkout's ``sbatch/``, or the copy an installed wheel ships), so both must be on a filesystem the
+compute nodes see (paths are rendered absolute).
 Options are checked for sense (positive counts, workers vs nodes), not against the cluster: sbatch
 reports what the cluster refuses.
 """
@@ -39,7 +40,18 @@ from pathlib import Path
 
 from jobs.flags import Parser, fail, non_negative_int, parse_as, positive_int
 
-SBATCH_DIR = Path(__file__).resolve().parents[2] / "sbatch"
+
+def sbatch_dir() -> Path:
+    """Where the batch scripts are: the copy shipped inside an installed wheel (``jobs/launch/sbatch/``,
+    put there by setup.py's build hook), else ``sbatch/`` of this checkout (editable install, PYTHONPATH)."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parent / "sbatch", here.parents[2] / "sbatch"):
+        if (candidate / "common.sh").is_file():
+            return candidate
+    return here.parents[2] / "sbatch"  # named in the error when a template cannot be read
+
+
+SBATCH_DIR = sbatch_dir()
 TEMPLATES = {"train-eval": "train_eval.sbatch", "backfill": "backfill.sbatch", "service": "eval_service.sbatch"}
 OPTIONS_BEGIN, OPTIONS_END = "# >>> ckpteval sbatch options", "# <<< ckpteval sbatch options"
 SETTINGS_BEGIN, SETTINGS_END = "# >>> ckpteval settings", "# <<< ckpteval settings"
