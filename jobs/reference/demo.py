@@ -41,6 +41,7 @@ from jobs.views.plot import draw, plot_series
 from jobs.views.status import collect_status, points_table, read_metrics
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
+TABLE_WIDTH = 120
 SHM = Path("/dev/shm")
 
 
@@ -93,10 +94,14 @@ def parse_args(argv: list[str]) -> DemoConfig:
 
 
 def _console() -> Any:
-    """Text lines never wrap (logs and tests read them whole); tables fit the terminal."""
+    """Text lines never wrap (logs and tests read them whole); tables get at least 120 columns, so the
+    final table stays readable in a log or a narrow terminal."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True)
+    if console.width < TABLE_WIDTH:
+        console = Console(highlight=False, soft_wrap=True, width=TABLE_WIDTH)
+    return console
 
 
 def _python() -> list[str]:
