@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -110,6 +111,11 @@ def _flag_cases(prefix: str, flags: dict[str, str]) -> list[str]:
     return [f"{prefix} {flag} {value}" for flag, shape in flags.items() for value in SHAPES[shape]]
 
 
+def _no_value(prefix: str, *flags: str) -> list[str]:
+    """Free-form flags (any string is a valid value; sbatch judges its own): given without a value."""
+    return [f"{prefix} {flag}" for flag in flags]
+
+
 def worker_cases(cmd: str) -> list[str]:
     """``worker`` and ``backfill`` share their flags (backfill fixes --once/--catchup)."""
     base = f"{cmd} --run-dir {{S}}/run"
@@ -153,6 +159,7 @@ def worker_cases(cmd: str) -> list[str]:
         f"{base} --trust-run-code=yes",
         f"{base} --bogus-flag",
     ]
+    cases += _no_value(base, "--worker-id", "--wandb-run-id", "--engine", "--watch", "--eval-config")
     if cmd == "worker":
         cases += [f"{base} --catchup bogus", f"{base} --once=yes"]
     else:
@@ -189,6 +196,8 @@ def train_cases() -> list[str]:
         f"{base} --lease-heartbeat 100",
         f"{base} --eval-staging-dir /dev/shm/ckpteval-bad-inputs --trainer-nodes a --fleet-nodes b",
         f"{base} --bogus-flag",
+        f"{base} --wandb=yes",
+        *_no_value(base, "--run-id", "--eval-staging-dir", "--trainer-nodes"),
     ] + _flag_cases(base, {
         "--steps": "int>=1", "--batch-size": "int>=1", "--lr": "float>0", "--warmup-steps": "int>=0",
         "--seed": "int>=0", "--log-interval": "int>=1", "--ckpt-interval": "int>=1", "--threads": "int>=1",
@@ -233,6 +242,7 @@ def serve_cases() -> list[str]:
         f"{base} --dtype bogus",
         f"{base} --verbose=yes",
         f"{base} --bogus-flag",
+        *_no_value(base, "--weight-version", "--host"),
     ] + _flag_cases(base, {"--max-batch-size": "int>=1"})
 
 
@@ -259,6 +269,8 @@ def submit_cases() -> list[str]:
             f"{base} --worker-arg=--bogus-flag",
             f"{base} --dry-run=yes",
             f"{base} --bogus-flag",
+            *_no_value(base, "--partition", "--account", "--qos", "--time", "--job-name", "--output", "--mem",
+                       "--constraint"),
         ] + _flag_cases(base, {"--workers": "int>=1", "--gpus-per-worker": "int>=0", "--cpus": "int>=1",
                                "--signal-before": "int>=1", "--grace": "int>=1"})
     te, bf, sv = kinds["train-eval"], kinds["backfill"], kinds["service"]
@@ -270,6 +282,7 @@ def submit_cases() -> list[str]:
         f"{te} -- --eval-poll-interval -1",
         f"{te} -- --bogus-flag",
         f"{te} --workers 1 --fleet-nodes 2",
+        *_no_value(te, "--train-cmd", "--trainer-mem", "--trainer-partition", "--fleet-partition"),
         "submit backfill --run-dir {S}/nope --dry-run",
         "submit backfill --run-dir {S}/empty --dry-run",
         f"{bf} --backfill-cmd bogus",
@@ -417,9 +430,8 @@ def test_cases_cover_every_flag_of_every_subcommand() -> None:
     for name in ("worker", "backfill", "train", "status", "plot", "serve", "submit", "demo"):
         for extra in [[], *SUBCOMMAND_HELP_EXTRA.get(name, [])]:
             mine = [c for c in cases if shlex.split(c)[: 1 + len(extra)] == [name, *extra]]
-            flags = {w.split("=")[0].strip(",[]") for w in _help_text(name, extra).split() if w.startswith("--")}
-            flags -= {"--help"}
-            missing = sorted(f for f in flags if not any(f in c for c in mine))
+            flags = set(re.findall(r"^  (?:-\w, )?(--[\w-]+)", _help_text(name, extra), re.M)) - {"--help"}
+            missing = sorted(f for f in flags if not any(re.search(re.escape(f) + r"(?![\w-])", c) for c in mine))
             assert not missing, f"ckpteval {name} {' '.join(extra)}: no bad case for {missing}"
 
 
