@@ -535,11 +535,14 @@ def test_unreadable_run_dir_is_one_line(tmp_path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    global CASE_TIMEOUT_S
     ap = argparse.ArgumentParser(description="count how a checkout answers the bad-input sweep")
     ap.add_argument("--repo", type=Path, default=REPO, help="checkout to test (default: this one)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckpteval-bad-inputs"), help="scratch dir")
     ap.add_argument("--show", action="store_true", help="print every case that is not clean")
+    ap.add_argument("--timeout", type=float, default=CASE_TIMEOUT_S, help="seconds before a case counts as accepted")
     args = ap.parse_args(argv)
+    CASE_TIMEOUT_S = args.timeout
     shutil.rmtree(args.work, ignore_errors=True)
     outcomes = sweep(args.work, args.repo)
     if args.show:
