@@ -435,6 +435,19 @@ def test_cases_cover_every_flag_of_every_subcommand() -> None:
             assert not missing, f"ckpteval {name} {' '.join(extra)}: no bad case for {missing}"
 
 
+def test_every_flag_says_what_it_does() -> None:
+    """Each option line of every ``--help`` carries a description (on its line or the next)."""
+    from jobs.cli import flag_reference
+
+    lines = flag_reference().splitlines()
+    blank = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^  (-\S.*?)(\s{2,}\S.*)?$", line)
+        if m and not m.group(2) and not re.match(r"^\s{20,}\S", lines[i + 1] if i + 1 < len(lines) else ""):
+            blank.append(line.strip())
+    assert not blank, f"flags without help: {blank}"
+
+
 @pytest.mark.parametrize(("field", "value", "why"), [
     ("temperature", math.nan, "finite"), ("temperature", math.inf, "finite"), ("temperature", -0.5, ">= 0"),
     ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"), ("top_p", math.nan, "finite"),
