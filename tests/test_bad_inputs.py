@@ -203,7 +203,7 @@ def train_cases() -> list[str]:
         "--seed": "int>=0", "--log-interval": "int>=1", "--ckpt-interval": "int>=1", "--threads": "int>=1",
         "--eval-interval": "int>=1", "--save-interval": "int>=1", "--eval-max-in-flight": "int>=1",
         "--eval-keep-snapshots": "int>=1", "--eval-n-prompts": "int>=1", "--eval-shard-size": "int>=1",
-        "--eval-poll-interval": "float>0", "--eval-backpressure-timeout": "float>=0",
+        "--eval-poll-interval": "float>=0", "--eval-backpressure-timeout": "float>=0",
         "--eval-drain-timeout": "float>=0", "--lease-duration": "float>0", "--lease-heartbeat": "float>0",
     })
 
