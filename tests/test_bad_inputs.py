@@ -299,6 +299,9 @@ def submit_cases() -> list[str]:
         "submit backfill --run-dir {S}/nope --dry-run",
         "submit backfill --run-dir {S}/empty --dry-run",
         f"{bf} --backfill-cmd bogus",
+        f"{bf} --steps 5",  # --steps without --from-run
+        f"{bf} --eval-config {{S}}/cfg_ok.json",  # --eval-config without --from-run
+        "submit backfill --run-dir {S}/new --from-run {S}/nope --eval-config {S}/cfg_ok.json --dry-run",
         "submit service --run-dir {S}/new --watch {S}/ckpts --dry-run",  # no run.json, no --eval-config
         "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/nope.json --dry-run",
         "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/torn.json --dry-run",
@@ -327,7 +330,7 @@ def demo_cases() -> list[str]:
         f"{base} --train-arg=--bogus-flag",
         f"{base} --bogus-flag",
     ] + _flag_cases(base, {"--steps": "int>=1", "--eval-interval": "int>=1", "--workers": "int>=0",
-                           "--eval-n-prompts": "int>=1", "--seed": "int>=0"})
+                           "--eval-n-prompts": "int>=1", "--seed": "int>=0", "--eval-samples": "int>=0"})
 
 
 def all_cases() -> list[str]:
