@@ -155,8 +155,6 @@ def worker_cases(cmd: str) -> list[str]:
         f"{cmd} --run-dir {{S}}/file.txt --watch {{S}}/ckpts --eval-config {{S}}/cfg_ok.json",
         f"{base} --wandb",  # without --wandb-run-id
         f"{base} --wandb-mode bogus",
-        f"{base} --wandb-run-id",  # no value
-        f"{base} --worker-id",  # no value
         f"{base} --newest-first=yes",
         f"{base} --trust-run-code=yes",
         f"{base} --bogus-flag",
@@ -203,7 +201,6 @@ def train_cases() -> list[str]:
         f"{base} --lora-rank 0",
         f"{base} --lora=yes",
         f"{base} --no-eval-at-start=yes",
-        f"{base} --wandb=yes",
         f"{base} --eval-fleet bogus",
         f"{base} --eval-staging-dir /dev/shm/ckpteval-bad-inputs --trainer-nodes a --fleet-nodes b",
         f"{base} --bogus-flag",
@@ -253,7 +250,6 @@ def serve_cases() -> list[str]:
         f"{base} --dtype bogus",
         f"{base} --verbose=yes",
         f"{base} --enable-deterministic-inference=yes",
-        f"{base} --weight-version",  # no value
         f"{base} --bogus-flag",
         *_no_value(base, "--weight-version", "--host"),
     ] + _flag_cases(base, {"--max-batch-size": "int>=1"})

@@ -373,8 +373,10 @@ def check_on_submit_host(args: argparse.Namespace) -> None:
     validate_options(parse_as(WorkerOptions, worker_args, "worker argument"))
     if args.kind == "train-eval":
         _check_train_eval(args)
-    elif args.kind == "backfill" and getattr(args, "from_run", None) is None:  # --from-run: NEW is created later
+    elif args.kind == "backfill":
         for run in run_dirs:
+            if args.from_run is not None:  # re-evaluation: the new run is created just before sbatch
+                continue
             if not (Path(run) / "run.json").is_file() and not _waits_for_a_job(args):
                 raise ValueError(f"--run-dir {run}: no run.json there (backfill scores an existing run; for one "
                                  "a queued job creates, add --sbatch-arg=--dependency=afterany:JOBID)")
