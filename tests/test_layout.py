@@ -19,16 +19,23 @@ ROOMS = ("trainer", "eval", "launch", "views", "reference")
 ALLOWED = {
     "coord": set(),
     "jobs.lifecycle": set(),
+    "jobs.flags": set(),  # the one option mechanism every program's parser uses
     "jobs.metrics": {"coord"},
     "jobs.ingest": {"coord", "jobs.metrics"},
-    "jobs.views": {"coord", "jobs.metrics"},
-    "jobs.launch": {"coord", "jobs.lifecycle", "jobs.views"},
-    "jobs.eval": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest"},
-    "jobs.trainer": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.eval"},
+    "jobs.views": {"coord", "jobs.metrics", "jobs.flags"},
+    "jobs.launch": {"coord", "jobs.lifecycle", "jobs.views", "jobs.flags"},
+    "jobs.eval": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.flags"},
+    "jobs.trainer": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.eval", "jobs.flags"},
 }
 # single module-level exceptions, each with its reason
 EXCEPTIONS = {
     ("jobs.eval.evalsets", "jobs.reference.model"): "the built-in addition eval set is the reference task's",
+    # submit checks on the submit host what the job would refuse, with the programs' own parsers and
+    # readers (imported lazily: no torch at import time, see test_views_and_launchers_import_no_torch)
+    ("jobs.launch.submit", "jobs.eval.options"): "the worker's own option checks",
+    ("jobs.launch.submit", "jobs.eval.service"): "the one eval-config reader",
+    ("jobs.launch.submit", "jobs.eval.reeval"): "the re-evaluation plan (validated before sbatch)",
+    ("jobs.launch.submit", "jobs.reference.train_config"): "the reference trainer's own flag checks",
 }
 
 
