@@ -19,7 +19,7 @@ from coord.rundir import RunDir
 from coord.units import WorkUnit, units_for_step
 from jobs.views.plot import plot_series
 from jobs.views.status import collect_status, points_table
-from tests.support.workers import REPO, finish, publish_model, results, spawn
+from tests.support.workers import REPO, finish, publish_model, results, spawn, version
 
 pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
 
@@ -83,7 +83,7 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
     for i, task in enumerate(TASKS):
         r = got[WorkUnit(5, "harness", i)]
         assert r.ok, (task, r.skip_reason, r.message)
-        assert r.weight_versions == ("5", "5")  # read back before and after the task
+        assert r.weight_versions == (version(run, 5),) * 2  # read back before and after the task
         assert r.scores == ()
         raw = json.loads((run.results / r.unit.result_name).read_text())
         assert parse_result(raw, Path("x")).metrics == r.metrics  # the file carries them
@@ -156,7 +156,7 @@ def test_an_lm_eval_task_runs_through_an_attached_server_with_lm_evals_completio
     assert code == 0, out
     r = results(run)[WorkUnit(5, "harness", 0)]
     assert r.ok, (r.skip_reason, r.message)
-    assert r.weight_versions == ("5", "5") and 0.0 <= r.metrics["exact_match"] <= 1.0
+    assert r.weight_versions == (version(run, 5),) * 2 and 0.0 <= r.metrics["exact_match"] <= 1.0
 
 
 def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp_path: Path) -> None:
