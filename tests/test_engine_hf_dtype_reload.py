@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jobs.eval.engines import hf
+from jobs.eval.engines import hf, hf_weights
 from jobs.eval.engines.base import EngineError, SamplingParams
 from jobs.eval.engines.hf import HFEngine
 from jobs.eval.engines.hf_weights import cpu_supports, snapshot_dtype
@@ -56,15 +56,15 @@ def test_auto_dtype_falls_back_to_float32_where_cpu_kernels_are_missing(tmp_path
     """This CPU has bf16 kernels, so the missing-kernel case is simulated by the probe's cached answer
     (the only fake here); the rest is the real load path."""
     snap = _snapshot(tmp_path / "bf16", 0, torch.bfloat16)
-    saved = dict(hf._CPU_DTYPE_OK)
-    hf._CPU_DTYPE_OK[torch.bfloat16] = False
+    saved = dict(hf_weights._CPU_DTYPE_OK)
+    hf_weights._CPU_DTYPE_OK[torch.bfloat16] = False
     try:
         engine = HFEngine()
         engine.load(str(snap), "1")
         assert engine.model.dtype == torch.float32
     finally:
-        hf._CPU_DTYPE_OK.clear()
-        hf._CPU_DTYPE_OK.update(saved)
+        hf_weights._CPU_DTYPE_OK.clear()
+        hf_weights._CPU_DTYPE_OK.update(saved)
 
 
 def test_dtype_from_the_safetensors_header_when_config_has_none(tmp_path: Path) -> None:
