@@ -306,7 +306,7 @@ def openai_completions(service: EngineService, body: Any) -> tuple[HTTPStatus, d
         choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish})
     used = sum(it["meta_info"]["prompt_tokens"] for it in items), sum(it["meta_info"]["completion_tokens"] for it in items)
     return HTTPStatus.OK, {
-        "id": f"cmpl-{req.rid}", "object": "text_completion", "created": int(time.time()),
+        "id": f"cmpl-{req.rids[0]}", "object": "text_completion", "created": int(time.time()),
         "model": service.model_path, "choices": choices,
         "usage": {"prompt_tokens": used[0], "completion_tokens": used[1], "total_tokens": sum(used)},
     }

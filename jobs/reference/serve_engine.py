@@ -168,6 +168,8 @@ class EngineService:
             return
         params = todo[0].params
         if params.max_new_tokens == 0:  # prefill only: nothing generated (schedule_batch.py FINISH_LENGTH)
+            from jobs.eval.engines.hf import Completion  # at run time: importing this module stays torch-free
+
             done = [Completion("", [], {"type": "length", "length": 0}, len(r.ids), label) for r in todo]
         elif params.seed is not None:
             once = self.engine.generate_ids([todo[0].ids], params)[0]
