@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 import types
 import typing
@@ -77,15 +78,21 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line on stderr and exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        message = " ".join(message.split())
+        message = _bound_message(" ".join(message.split()))
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _bound_message(message: str) -> str:
+    """argparse's ``argument --x: must be >= 1, got 0`` reads as ``--x must be >= 1, got 0`` (as check_bounds says)."""
+    m = re.match(r"^argument (-\S+?)(?:/\S+)?: (must .*)$", message)
+    return f"{m.group(1)} {m.group(2)}" if m else message
 
 
 class RaisingParser(Parser):
     """A parser whose errors are ValueErrors (for checking another program's arguments without exiting)."""
 
     def error(self, message: str) -> NoReturn:
-        raise ValueError(f"{self.prog}: {' '.join(message.split())}")
+        raise ValueError(f"{self.prog}: {_bound_message(' '.join(message.split()))}")
 
 
 def parse_as(cls: type, argv: Sequence[str], what: str) -> Any:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -110,6 +111,11 @@ def _flag_cases(prefix: str, flags: dict[str, str]) -> list[str]:
     return [f"{prefix} {flag} {value}" for flag, shape in flags.items() for value in SHAPES[shape]]
 
 
+def _no_value(prefix: str, *flags: str) -> list[str]:
+    """Free-form flags (any string is a valid value; sbatch judges its own): given without a value."""
+    return [f"{prefix} {flag}" for flag in flags]
+
+
 def worker_cases(cmd: str) -> list[str]:
     """``worker`` and ``backfill`` share their flags (backfill fixes --once/--catchup)."""
     base = f"{cmd} --run-dir {{S}}/run"
@@ -149,12 +155,11 @@ def worker_cases(cmd: str) -> list[str]:
         f"{cmd} --run-dir {{S}}/file.txt --watch {{S}}/ckpts --eval-config {{S}}/cfg_ok.json",
         f"{base} --wandb",  # without --wandb-run-id
         f"{base} --wandb-mode bogus",
-        f"{base} --wandb-run-id",  # no value
-        f"{base} --worker-id",  # no value
         f"{base} --newest-first=yes",
         f"{base} --trust-run-code=yes",
         f"{base} --bogus-flag",
     ]
+    cases += _no_value(base, "--worker-id", "--wandb-run-id", "--engine", "--watch", "--eval-config")
     if cmd == "worker":
         cases += [f"{base} --catchup bogus", f"{base} --once=yes"]
     else:
@@ -196,10 +201,11 @@ def train_cases() -> list[str]:
         f"{base} --lora-rank 0",
         f"{base} --lora=yes",
         f"{base} --no-eval-at-start=yes",
-        f"{base} --wandb=yes",
         f"{base} --eval-fleet bogus",
         f"{base} --eval-staging-dir /dev/shm/ckpteval-bad-inputs --trainer-nodes a --fleet-nodes b",
         f"{base} --bogus-flag",
+        f"{base} --wandb=yes",
+        *_no_value(base, "--run-id", "--eval-staging-dir", "--trainer-nodes"),
     ] + _flag_cases(base, {
         "--steps": "int>=1", "--batch-size": "int>=1", "--lr": "float>0", "--warmup-steps": "int>=0",
         "--seed": "int>=0", "--log-interval": "int>=1", "--ckpt-interval": "int>=1", "--threads": "int>=1",
@@ -244,8 +250,8 @@ def serve_cases() -> list[str]:
         f"{base} --dtype bogus",
         f"{base} --verbose=yes",
         f"{base} --enable-deterministic-inference=yes",
-        f"{base} --weight-version",  # no value
         f"{base} --bogus-flag",
+        *_no_value(base, "--weight-version", "--host"),
     ] + _flag_cases(base, {"--max-batch-size": "int>=1"})
 
 
@@ -272,6 +278,8 @@ def submit_cases() -> list[str]:
             f"{base} --worker-arg=--bogus-flag",
             f"{base} --dry-run=yes",
             f"{base} --bogus-flag",
+            *_no_value(base, "--partition", "--account", "--qos", "--time", "--job-name", "--output", "--mem",
+                       "--constraint"),
         ] + _flag_cases(base, {"--workers": "int>=1", "--gpus-per-worker": "int>=0", "--cpus": "int>=1",
                                "--signal-before": "int>=1", "--grace": "int>=1"})
     te, bf, sv = kinds["train-eval"], kinds["backfill"], kinds["service"]
@@ -283,9 +291,13 @@ def submit_cases() -> list[str]:
         f"{te} -- --eval-poll-interval -1",
         f"{te} -- --bogus-flag",
         f"{te} --workers 1 --fleet-nodes 2",
+        *_no_value(te, "--train-cmd", "--trainer-mem", "--trainer-partition", "--fleet-partition"),
         "submit backfill --run-dir {S}/nope --dry-run",
         "submit backfill --run-dir {S}/empty --dry-run",
         f"{bf} --backfill-cmd bogus",
+        f"{bf} --steps 5",  # --steps without --from-run
+        f"{bf} --eval-config {{S}}/cfg_ok.json",  # --eval-config without --from-run
+        "submit backfill --run-dir {S}/new --from-run {S}/nope --eval-config {S}/cfg_ok.json --dry-run",
         "submit service --run-dir {S}/new --watch {S}/ckpts --dry-run",  # no run.json, no --eval-config
         "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/nope.json --dry-run",
         "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/torn.json --dry-run",
@@ -314,7 +326,7 @@ def demo_cases() -> list[str]:
         f"{base} --train-arg=--bogus-flag",
         f"{base} --bogus-flag",
     ] + _flag_cases(base, {"--steps": "int>=1", "--eval-interval": "int>=1", "--workers": "int>=0",
-                           "--eval-n-prompts": "int>=1", "--seed": "int>=0"})
+                           "--eval-n-prompts": "int>=1", "--seed": "int>=0", "--eval-samples": "int>=0"})
 
 
 def all_cases() -> list[str]:
@@ -430,11 +442,22 @@ def test_cases_cover_every_flag_of_every_subcommand() -> None:
     for name in ("worker", "backfill", "train", "status", "plot", "serve", "submit", "demo"):
         for extra in [[], *SUBCOMMAND_HELP_EXTRA.get(name, [])]:
             mine = [c for c in cases if shlex.split(c)[: 1 + len(extra)] == [name, *extra]]
-            flags = {w.split("=")[0].strip(",[]():;`") for w in _help_text(name, extra).split() if w.startswith("--")}
-            flags = {f for f in flags if "*" not in f}  # "--lease-*" in prose names a family, not a flag
-            flags -= {"--help"}
-            missing = sorted(f for f in flags if not any(f in c for c in mine))
+            flags = set(re.findall(r"^  (?:-\w, )?(--[\w-]+)", _help_text(name, extra), re.M)) - {"--help"}
+            missing = sorted(f for f in flags if not any(re.search(re.escape(f) + r"(?![\w-])", c) for c in mine))
             assert not missing, f"ckpteval {name} {' '.join(extra)}: no bad case for {missing}"
+
+
+def test_every_flag_says_what_it_does() -> None:
+    """Each option line of every ``--help`` carries a description (on its line or the next)."""
+    from jobs.cli import flag_reference
+
+    lines = flag_reference().splitlines()
+    blank = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^  (-\S.*?)(\s{2,}\S.*)?$", line)
+        if m and not m.group(2) and not re.match(r"^\s{20,}\S", lines[i + 1] if i + 1 < len(lines) else ""):
+            blank.append(line.strip())
+    assert not blank, f"flags without help: {blank}"
 
 
 @pytest.mark.parametrize(("field", "value", "why"), [
@@ -537,11 +560,14 @@ def test_unreadable_run_dir_is_one_line(tmp_path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    global CASE_TIMEOUT_S
     ap = argparse.ArgumentParser(description="count how a checkout answers the bad-input sweep")
     ap.add_argument("--repo", type=Path, default=REPO, help="checkout to test (default: this one)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ckpteval-bad-inputs"), help="scratch dir")
     ap.add_argument("--show", action="store_true", help="print every case that is not clean")
+    ap.add_argument("--timeout", type=float, default=CASE_TIMEOUT_S, help="seconds before a case counts as accepted")
     args = ap.parse_args(argv)
+    CASE_TIMEOUT_S = args.timeout
     shutil.rmtree(args.work, ignore_errors=True)
     outcomes = sweep(args.work, args.repo)
     if args.show:

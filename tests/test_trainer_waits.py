@@ -18,8 +18,7 @@ from coord.results import ResultIndex
 from coord.rundir import RunDir
 from coord.units import units_for_step
 from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model
-from jobs.reference.train import TrainConfig, base_model_dir, save_hf_checkpoint
+from jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
 from jobs.reference.train import main as train_main
 from jobs.trainer.dispatcher import EvalDispatcher
 from tests.support.training import eval_lines, fill_results, make_train_run
@@ -33,7 +32,7 @@ def _reuse_argv(tmp: Path, steps: int, *extra: str) -> list[str]:
             "--no-progress", "--ckpt-interval", "1000", "--eval-interval", "2", "--save-hf", str(tmp / "hf"),
             "--save-interval", "2", "--eval-max-in-flight", "1", "--eval-keep-snapshots", "1",
             "--eval-n-prompts", "4", "--eval-shard-size", "2", "--eval-poll-interval", "0.05",
-            "--lease-duration", "5", "--lease-heartbeat", "1", *extra]
+            "--lease-duration", "5", "--lease-heartbeat", "1", "--no-eval-at-start", *extra]  # waits, not step 0
 
 
 @pytest.mark.parametrize("steps", [4, 5], ids=["steps%interval==0", "steps%interval!=0"])
@@ -70,13 +69,12 @@ def test_a_backfill_landing_while_training_runs_is_ingested_without_a_fleet(tmp_
     save = tmp_path / "hf"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=save, save_interval=2, eval_interval=2,
                                    eval_max_in_flight=1, eval_keep_snapshots=1, eval_fleet="none")
-    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), poll_interval_s=0.0,
+    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, poll_interval_s=0.0,
                        backpressure_timeout_s=600.0)
-    cfg = TrainConfig(run_dir=run.path, model=SMALL)
     model = build_model(SMALL, "llama")
     for step in range(1, 5):
         if step % 2 == 0:
-            save_hf_checkpoint(save, step, model, cfg)
+            save_hf_checkpoint(save, step, model)
         d.maybe_dispatch(step, model)
     fill_results(run, 2)  # a backfill finished step 2 meanwhile
     d.maybe_dispatch(5, model)
@@ -88,7 +86,7 @@ def _spawn_trainer(tmp: Path, *extra: str):
     return spawn("train", "--run-dir", str(tmp / "run"), "--batch-size", "8", "--threads", "1", "--no-progress",
                  "--ckpt-interval", "1000", "--eval-interval", "2", "--eval-max-in-flight", "1",
                  "--eval-keep-snapshots", "1", "--eval-n-prompts", "4", "--eval-shard-size", "2",
-                 "--eval-poll-interval", "0.05", *extra)
+                 "--eval-poll-interval", "0.05", "--no-eval-at-start", *extra)  # waits, not step 0
 
 
 WAITS = {
@@ -140,7 +138,7 @@ def test_a_stop_signal_ends_the_final_export_wait_and_training_is_not_marked_don
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
     got: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, _frame: got.append(signum))
-    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), poll_interval_s=0.0,
+    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, poll_interval_s=0.0,
                        should_stop=lambda: bool(got))
     model = build_model(big, "llama")
     timer = threading.Timer(0.05, lambda: __import__("os").kill(__import__("os").getpid(), signal.SIGUSR1))

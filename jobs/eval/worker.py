@@ -59,7 +59,8 @@ Exit codes (``sbatch/`` scripts requeue on 3 and 4):
 =====================  ====  =================================================================
 ``EXIT_DONE``          0     finished (see above)
 ``EXIT_ERROR``         1     unexpected error (a traceback was printed)
-``EXIT_USAGE``         2     bad flags, run dir, run.json, eval set or engine settings
+``EXIT_USAGE``         2     bad flags, run dir, run.json, eval set or engine settings; run.json code
+                             others could have written (see ``--trust-run-code``)
 ``EXIT_PREEMPTED``     3     SIGTERM / SIGUSR1: lease released, nothing lost — requeue me
 ``EXIT_UNHEALTHY``     4     the engine could not be started or stayed dead — requeue elsewhere
 ``EXIT_INTERRUPTED``   130   SIGINT (Ctrl-C): lease released

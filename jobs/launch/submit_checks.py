@@ -52,12 +52,20 @@ def check_on_submit_host(args: argparse.Namespace, templates: Mapping[str, str])
     validate_options(parse_as(WorkerOptions, worker_args, "worker argument"))
     if args.kind == "train-eval":
         _check_train_eval(args)
-    elif args.kind == "backfill" and getattr(args, "from_run", None) is None:  # --from-run: NEW is created later
+    elif args.kind == "backfill":
         for run in run_dirs:
-            if not (Path(run) / "run.json").is_file():
-                raise ValueError(f"--run-dir {run}: no run.json there (backfill scores an existing run)")
+            if args.from_run is not None:  # re-evaluation: the new run is created just before sbatch
+                continue
+            if not (Path(run) / "run.json").is_file() and not _waits_for_a_job(args):
+                raise ValueError(f"--run-dir {run}: no run.json there (backfill scores an existing run; for one "
+                                 "a queued job creates, add --sbatch-arg=--dependency=afterany:JOBID)")
     else:
         _check_service(args, extra)
+
+
+def _waits_for_a_job(args: argparse.Namespace) -> bool:
+    """Whether the job starts only after another (which may create the run): an sbatch --dependency."""
+    return any(a.startswith(("--dependency", "-d")) for a in args.sbatch_arg)
 
 
 def _check_python(python: str) -> None:
@@ -92,9 +100,9 @@ def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
             read_eval_config(args.eval_config)
         except FileNotFoundError as e:
             raise ValueError(f"--eval-config: {e}") from None
-    elif not (run / "run.json").is_file() and "--wait-for-run" not in " ".join(worker_args):
-        raise ValueError(f"--run-dir {run} has no run.json: give --eval-config FILE to create the run "
-                         "(or start the trainer that creates it first)")
+    elif not (run / "run.json").is_file() and not (_waits_for_a_job(args) or "--wait-for-run" in worker_args):
+        raise ValueError(f"--run-dir {run} has no run.json: give --eval-config FILE to create the run (for one "
+                         "a queued job creates, add --sbatch-arg=--dependency=afterany:JOBID)")
     for watch in args.watch:
         if Path(watch).exists() and not Path(watch).is_dir():
             raise ValueError(f"--watch {watch}: not a directory")

@@ -52,6 +52,7 @@ from jobs.views.plot import draw, plot_series
 from jobs.views.status import collect_status, points_table, read_metrics
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
+TABLE_WIDTH = 120
 SHM = Path("/dev/shm")
 
 
@@ -112,10 +113,14 @@ def default_run_dir(cfg: DemoConfig) -> Path:
 
 
 def _console() -> Any:
-    """Text lines never wrap (logs and tests read them whole); tables fit the terminal."""
+    """Text lines never wrap (logs and tests read them whole); tables get at least 120 columns, so the
+    final table stays readable in a log or a narrow terminal."""
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=True)
+    console = Console(highlight=False, soft_wrap=True)
+    if console.width < TABLE_WIDTH:
+        console = Console(highlight=False, soft_wrap=True, width=TABLE_WIDTH)
+    return console
 
 
 def _python() -> list[str]:

@@ -89,7 +89,8 @@ class TrainConfig:
     eval_n_prompts: int = option(128, "prompts in the built-in addition eval set", metavar="N", min=1,
                                  group=EVAL)
     eval_shard_size: int = option(64, "prompts per work unit", metavar="N", min=1, group=EVAL)
-    eval_poll_interval: float = option(2.0, "seconds between listings of results/", metavar="S", min=0,
+    eval_poll_interval: float = option(2.0, "seconds between listings of results/ (0: at every step)",
+                                       metavar="S", min=0,
                                        group=EVAL)
     eval_backpressure_timeout: float = option(300.0, "longest wait for the fleet under backpressure before "
                                               "the point is skipped", metavar="S", min=0, group=EVAL)

@@ -19,6 +19,8 @@ from jobs.flags import Parser, fail
 from jobs.views.status import collect_status
 
 FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
+_STYLES = ("--", ":", "-.")
+_MARKERS = ("^", "v", "s")
 
 
 def plot_series(status: dict[str, Any]) -> dict[str, Any]:
@@ -69,9 +71,10 @@ def draw(data: dict[str, Any], out: Path, title: str) -> None:
         b_steps, low, high = data.get("bands", {}).get(ds, ([], [], []))
         if b_steps:
             ax.fill_between(b_steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-        for name, (d_steps, values) in data.get("derived", {}).items():
-            if name.startswith(f"{ds} "):
-                ax.plot(d_steps, values, linestyle="--", marker=".", color=line.get_color(), alpha=0.8, label=name)
+        mine = [(name, xy) for name, xy in data.get("derived", {}).items() if name.startswith(f"{ds} ")]
+        for i, (name, (d_steps, values)) in enumerate(mine):
+            ax.plot(d_steps, values, linestyle=_STYLES[i % len(_STYLES)], marker=_MARKERS[i % len(_MARKERS)],
+                    markersize=4, color=line.get_color(), alpha=0.8, label=name)
     for step, reasons in data["skipped"]:
         ax.axvline(step, color="red", alpha=0.3, linestyle="--")
         ax.annotate(f"skipped: {reasons}", (step, 0.02), rotation=90, fontsize=7, color="red",

@@ -174,35 +174,44 @@ def _score_cell(d: dict[str, Any]) -> str:
     return _fmt(d["score"])
 
 
+def _pin_cells(datasets: list[dict[str, Any]]) -> list[str]:
+    """One wv/mean and one mixed cell for all datasets of a point: the common version (each dataset's,
+    comma-separated, if they differ) and the largest mixed-version ratio."""
+    if not datasets:
+        return ["-", "-"]
+    means = list(dict.fromkeys(_fmt(d["weight_version_mean"], 1) for d in datasets))
+    return [",".join(means), _fmt(max(d["mixed_version_ratio"] for d in datasets), 2)]
+
+
 def points_table(status: dict[str, Any]) -> Any:
     """The per-point table (also the demo's final table): per dataset the pooled mean ± its standard
-    error over prompts, its pass@k / maj@n when it has them, and the pin columns; ``-`` where a
-    dataset is not part of a point (its cadence) or did not finish."""
+    error over prompts and its pass@k / maj@n when it has them (``-`` where a dataset is not part of
+    a point, by its cadence, or did not finish); then the pin proof over all datasets of the point
+    (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
+    largest fraction of samples from another version, which must be 0)."""
     from rich.table import Table
 
     table = Table(title=f"points of {status['run_id']}")
     table.add_column("step", justify="right")
     extra = derived_keys(status)
     for ds in status["datasets"]:
-        table.add_column(f"{ds} (±se)", justify="right")
+        table.add_column(f"{ds} ±se", justify="right")
         for key in extra[ds]:
             table.add_column(key, justify="right")
-        table.add_column("wv/mean", justify="right")
-        table.add_column("mixed", justify="right")
     for name in status.get("harness_metrics", []):
         table.add_column(name, justify="right")
-    for col in ("lag", "units", "skips"):
+    for col in ("wv/mean", "mixed", "lag", "units", "skips"):
         table.add_column(col, justify="right")
     for p in status["points"]:
         cells = [str(p["step"])]
         for ds in status["datasets"]:
             d = p["datasets"].get(ds)
             if d is None:
-                cells += ["-"] * (3 + len(extra[ds]))
-                continue
-            cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds]),
-                      _fmt(d["weight_version_mean"], 1), _fmt(d["mixed_version_ratio"], 2)]
+                cells += ["-"] * (1 + len(extra[ds]))
+            else:
+                cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds])]
         cells += [_fmt(p["metrics"].get(name)) for name in status.get("harness_metrics", [])]
+        cells += _pin_cells(list(p["datasets"].values()))
         skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
         cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
         table.add_row(*cells)

@@ -45,9 +45,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"saved to {REPORT_PATH}")
 
 
+KEEP_MARKER = "<!-- sections below are written by other reports and kept when the chaos table is regenerated -->"
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if harness.ROWS and harness.FULL and _COMPLETE["value"]:
-        REPORT_PATH.write_text(harness.report_markdown(harness.ROWS))
+        old = REPORT_PATH.read_text() if REPORT_PATH.exists() else ""
+        kept = old[old.index(KEEP_MARKER):] if KEEP_MARKER in old else ""
+        REPORT_PATH.write_text(harness.report_markdown(harness.ROWS) + ("\n" + kept if kept else ""))
 
 
 @pytest.fixture
