@@ -21,8 +21,8 @@ Python callers (:mod:`jobs.launch.api`) use :func:`prepare` and :func:`submit_pr
 Limits: the scripts run ``CKPTEVAL_PYTHON -m jobs.cli`` and source ``common.sh`` from :func:`sbatch_dir`
 (this checkout's ``sbatch/``, or the copy an installed wheel ships), so both must be on a filesystem the
 compute nodes see (paths are rendered absolute).
-Options are checked for sense (positive counts, workers vs nodes), not against the cluster: sbatch
-reports what the cluster refuses.
+Options are checked for sense (positive counts, workers vs nodes; the submit-host checks are
+:mod:`jobs.launch.submit_checks`'s), not against the cluster: sbatch reports what the cluster refuses.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -38,7 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.flags import Parser, fail, non_negative_int, parse_as, positive_int
+from jobs.flags import Parser, fail, non_negative_int, positive_int
+from jobs.launch.submit_checks import check_on_submit_host, trailing
 
 
 def sbatch_dir() -> Path:
@@ -253,10 +253,6 @@ def render(template: str, sbatch_lines: list[list[str]], settings: list[str]) ->
     return replace_block(text, SETTINGS_BEGIN, SETTINGS_END, settings)
 
 
-def _trailing(args: list[str]) -> list[str]:
-    return args[1:] if args and args[0] == "--" else list(args)
-
-
 def _abs(path: Path) -> Path:
     return Path(os.path.abspath(Path(path).expanduser()))
 
@@ -279,7 +275,7 @@ def _prepare_train_eval(args: argparse.Namespace) -> Prepared:
     settings = _settings(args, {
         "CKPTEVAL_RUN_DIR": run,
         "CKPTEVAL_TRAIN_CMD": args.train_cmd,
-        "CKPTEVAL_TRAIN_ARGV": _trailing(args.trainer_args),
+        "CKPTEVAL_TRAIN_ARGV": trailing(args.trainer_args),
     })
     text = _template(args, "train-eval")
     script = render(text, [_job_lines(args, "ckpteval-train-eval", output) + trainer, fleet], settings)
@@ -329,7 +325,7 @@ def _prepare_service(args: argparse.Namespace) -> Prepared:
         partition=args.partition, account=args.account, qos=args.qos, time_limit=args.time,
         nodes=args.nodes, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem, constraint=args.constraint,
     )
-    worker_argv = list(args.worker_arg) + _trailing(args.worker_args)
+    worker_argv = list(args.worker_arg) + trailing(args.worker_args)
     settings = _settings(args, {
         "CKPTEVAL_RUN_DIR": run,
         "CKPTEVAL_WATCH_DIRS": [str(_abs(w)) for w in args.watch],
@@ -348,94 +344,13 @@ def _template(args: argparse.Namespace, kind: str) -> str:
         raise ValueError(f"cannot read the template {path}: {e.strerror}") from None
 
 
-# ------------------------------------------------------------------------------ submit-host checks
-def check_on_submit_host(args: argparse.Namespace) -> None:
-    """What can be checked here before a job is queued (ValueError naming the flag or file).
-
-    The interpreter, the templates, the worker's ``--engine``/``--device``/extra arguments (parsed by the
-    worker's own parser), the trainer's arguments (the trainer's parser), the run dirs, and for a service
-    its ``--eval-config`` (read and validated in full, dataset files included). The compute nodes are
-    assumed to see the same paths (the scripts need that anyway).
-    """
-    _check_python(args.python)
-    for kind in ({args.kind} | {"common"}):
-        name = "common.sh" if kind == "common" else TEMPLATES[kind]
-        path = Path(args.sbatch_dir) / name
-        if not path.is_file() or not os.access(path, os.R_OK):
-            raise ValueError(f"--sbatch-dir {args.sbatch_dir}: no readable {name} there")
-    from jobs.eval.options import DEVICE_RE, WorkerOptions, validate_options
-
-    if args.device is not None and not DEVICE_RE.match(args.device):
-        raise ValueError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
-    run_dirs = args.run_dir if isinstance(args.run_dir, list) else [args.run_dir]
-    extra = list(args.worker_arg) + (_trailing(args.worker_args) if args.kind == "service" else [])
-    worker_args = ["--run-dir", str(run_dirs[0]), "--engine", args.engine, *extra]
-    validate_options(parse_as(WorkerOptions, worker_args, "worker argument"))
-    if args.kind == "train-eval":
-        _check_train_eval(args)
-    elif args.kind == "backfill":
-        for run in run_dirs:
-            if args.from_run is not None:  # re-evaluation: the new run is created just before sbatch
-                continue
-            if not (Path(run) / "run.json").is_file() and not _waits_for_a_job(args):
-                raise ValueError(f"--run-dir {run}: no run.json there (backfill scores an existing run; for one "
-                                 "a queued job creates, add --sbatch-arg=--dependency=afterany:JOBID)")
-    else:
-        _check_service(args, extra)
-
-
-def _waits_for_a_job(args: argparse.Namespace) -> bool:
-    """Whether the job starts only after another (which may create the run): an sbatch --dependency."""
-    return any(a.startswith(("--dependency", "-d")) for a in args.sbatch_arg)
-
-
-def _check_python(python: str) -> None:
-    found = shutil.which(python) if os.sep not in python else python
-    if found is None or not Path(found).is_file():
-        raise ValueError(f"--python {python}: no such interpreter")
-    if not os.access(found, os.X_OK):
-        raise ValueError(f"--python {python}: not executable")
-
-
-def _check_train_eval(args: argparse.Namespace) -> None:
-    run = Path(args.run_dir)
-    trainer_args = _trailing(args.trainer_args)
-    if args.train_cmd is None:
-        from jobs.reference.train_config import TrainConfig
-
-        parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument")
-        fresh = not (run / "TRAINING_DONE").exists() and "--resume" not in trainer_args
-        if (run / "run.json").exists() and fresh:
-            raise ValueError(f"--run-dir {run} already holds a run: pass -- --resume to continue it, or pick "
-                             "another --run-dir")
-    if run.exists() and not run.is_dir():
-        raise ValueError(f"--run-dir {run}: exists and is not a directory")
-
-
-def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
-    run = Path(args.run_dir)
-    if args.eval_config is not None:
-        from jobs.eval.service import read_eval_config
-
-        try:
-            read_eval_config(args.eval_config)
-        except FileNotFoundError as e:
-            raise ValueError(f"--eval-config: {e}") from None
-    elif not (run / "run.json").is_file() and not (_waits_for_a_job(args) or "--wait-for-run" in worker_args):
-        raise ValueError(f"--run-dir {run} has no run.json: give --eval-config FILE to create the run (for one "
-                         "a queued job creates, add --sbatch-arg=--dependency=afterany:JOBID)")
-    for watch in args.watch:
-        if Path(watch).exists() and not Path(watch).is_dir():
-            raise ValueError(f"--watch {watch}: not a directory")
-
-
 PREPARERS = {"train-eval": _prepare_train_eval, "backfill": _prepare_backfill, "service": _prepare_service}
 
 
 def prepare(argv: Sequence[str]) -> Prepared:
     """Parse ``submit`` arguments (kind first), check them, render the script; ValueError on bad settings."""
     args = build_parser().parse_args(list(argv))
-    check_on_submit_host(args)
+    check_on_submit_host(args, TEMPLATES)
     prepared = PREPARERS[args.kind](args)
     prepared.dry_run = args.dry_run
     return prepared

@@ -30,8 +30,9 @@ What it owns and promises:
   batch and give each row its own ``torch.Generator``: a logits processor draws each row's token
   from the temperature/top-k/top-p distribution with that row's generator and the (then greedy)
   decoder takes it, so a row's sample depends on its prompt and seed only, not on its batch-mates
-  (up to the float noise of padding), and identical prompts with distinct seeds draw independently. Only new tokens are decoded, cut at the first
-  ``eos``; ``n_tokens`` counts generated tokens including that ``eos``.
+  (up to the float noise of padding), and identical prompts with distinct seeds draw independently
+  (the checks, the seeded RNG and the per-row sampler are :mod:`jobs.eval.engines.hf_sampling`'s). Only
+  new tokens are decoded, cut at the first ``eos``; ``n_tokens`` counts generated tokens including that ``eos``.
 - Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused (reading and
   checking a snapshot's weights is :mod:`jobs.eval.engines.hf_weights`'s).
 - Several engines in one process (a pool) are safe: model builds, which transformers runs under
@@ -62,16 +63,19 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    LogitsProcessor,
     LogitsProcessorList,
     PretrainedConfig,
     PreTrainedModel,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from jobs.eval.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.hf_sampling import (
+    SeededSampler,
+    left_pad,
+    seeded_rng,
+    validate_sampling,
+    validate_seeds,
+)
 from jobs.eval.engines.hf_weights import (
     arch_signature,
     copy_into_resident,
@@ -105,78 +109,6 @@ class Completion:
 
     def generation(self) -> Generation:
         return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids))
-
-
-def validate_sampling(params: SamplingParams) -> None:
-    """Raise ``ValueError`` for settings no engine can honour."""
-    if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {params.max_new_tokens!r}")
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if not isinstance(params.top_k, int) or params.top_k < -1:
-        raise ValueError(f"top_k must be an int >= -1 (-1 or 0: off), got {params.top_k!r}")
-    if params.seed is not None and not isinstance(params.seed, int):
-        raise ValueError(f"seed must be an int or None, got {params.seed!r}")
-
-
-def validate_seeds(seeds: list[int] | None, n: int) -> None:
-    """Raise ``ValueError`` unless ``seeds`` is None or one non-negative int per prompt."""
-    if seeds is None:
-        return
-    if not isinstance(seeds, list) or len(seeds) != n:
-        raise ValueError(f"seeds must be a list of one int per prompt ({n}), got {seeds!r}"[:300])
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
-        raise ValueError("seeds must be non-negative ints")
-
-
-class SeededSampler(LogitsProcessor):
-    """Samples each row's next token with that row's own generator (see the module docstring).
-
-    Returns scores that are ``-inf`` everywhere but the drawn token, so a greedy decoder emits it.
-    """
-
-    def __init__(self, seeds: Sequence[int], params: SamplingParams, device: torch.device) -> None:
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
-        if params.top_k > 0:
-            warpers.append(TopKLogitsWarper(params.top_k))
-        if params.top_p < 1:
-            warpers.append(TopPLogitsWarper(params.top_p))
-        self.warpers = LogitsProcessorList(warpers)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
-        picks = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.generators)])
-        out = torch.full_like(scores, -float("inf"))
-        return out.scatter_(1, picks.unsqueeze(1), 0.0)
-
-
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` with every row right-aligned (padding on the left)."""
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, width - len(row) :] = 1
-    return input_ids, attention_mask
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
-    """Fix the RNG for the block when ``seed`` is set, restoring the caller's RNG state afterwards."""
-    if seed is None:
-        yield
-        return
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 @contextlib.contextmanager
@@ -341,7 +273,7 @@ class HFEngine:
             model, tokenizer = self._require_loaded()
             self._check_ids(input_ids, model.config.vocab_size)
             results: list[Completion] = []
-            with _seeded(None if per_row else params.seed, self._device):
+            with seeded_rng(None if per_row else params.seed, self._device):
                 for start in range(0, len(input_ids), self._max_batch_size):
                     chunk = input_ids[start : start + self._max_batch_size]
                     row_seeds = seeds[start : start + len(chunk)] if per_row and seeds is not None else None

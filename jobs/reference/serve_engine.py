@@ -1,0 +1,317 @@
+"""The engine service behind ``ckpteval serve``: generation, aborts, pause, weight versions and spans.
+
+Owns what the HTTP handlers of ``jobs.reference.serve`` call: the :class:`~jobs.eval.engines.hf.HFEngine`,
+the served label and model path, the requests in flight, and the pause gate. Promises, as sglang 0.5.23
+behaves: length checks against the model's context (``tokenizer_manager.py``), the scheduler's
+``max_new_tokens`` cap, seeds applied only in deterministic mode (unseeded: 42), rid-prefix aborts,
+``weight_versions`` spans, and the label and model path changing only on a successful load.
+
+Limits (stand-in, not sglang): one engine lock serializes generation and loads, so weights never change
+under a running generation and a relabel during one is attributed to its last token; an abort of a
+running request takes effect when its batch finishes (the output is kept, marked aborted).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from jobs.eval.engines.base import EngineError, SamplingParams
+from jobs.reference.serve_requests import GenerateRequest, Refused
+
+if TYPE_CHECKING:
+    from jobs.eval.engines.hf import Completion, HFEngine
+
+EMULATED_SGLANG_VERSION = "0.5.23"
+DEFAULT_WEIGHT_VERSION = "default"  # sglang's ServerArgs.weight_version default
+DETERMINISTIC_DEFAULT_SEED = 42  # sampling_batch_info.py: the seed of unseeded requests in deterministic mode
+
+
+def health_check_timeout() -> float:
+    """sglang's ``HEALTH_CHECK_TIMEOUT`` (``SGLANG_HEALTH_CHECK_TIMEOUT``, default 20 s)."""
+    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+
+
+@dataclass
+class Live:
+    """A request the server holds (registered after the pause gate, as sglang's ``rid_to_state``)."""
+
+    aborted: bool = False
+
+
+@dataclass
+class Row:
+    """One prompt of a request on its way through the engine."""
+
+    index: int
+    rid: str
+    ids: list[int]
+    params: SamplingParams
+    completion: Completion | None = None
+    label_before: str = ""
+    aborted: str | None = None  # the abort message
+
+
+class EngineService:
+    """What the HTTP handlers call; owns the engine, the served label and path, live requests, pause."""
+
+    def __init__(
+        self, engine: HFEngine, model_path: str, deterministic: bool = False, label: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.model_path = self.launch_model_path = model_path
+        self.deterministic = deterministic
+        self.label = label if label is not None else engine.weight_version() or DEFAULT_WEIGHT_VERSION
+        self.launch_label = self.label
+        self.lock = threading.Lock()  # the engine: generation and loads
+        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
+        self.state = threading.Condition()  # live requests, pause, generation count
+        self.live: dict[str, Live] = {}
+        self.paused = False
+        self.generating = 0
+
+    # ---------------------------------------------------------------- generation
+    def context_length(self) -> int:
+        model = self.engine.model
+        return int(getattr(model.config, "max_position_embeddings", 1 << 30)) if model is not None else 1 << 30
+
+    def tokenize(self, req: GenerateRequest) -> list[list[int]]:
+        if req.input_ids is not None:
+            return req.input_ids
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise EngineError("no model loaded")
+        with self.tokenizer_lock:
+            return tokenizer(req.texts)["input_ids"]
+
+    def check_lengths(self, rows: list[list[int]], req: GenerateRequest) -> None:
+        """tokenizer_manager.py ``_validate_one_request`` (no auto-truncation)."""
+        context = self.context_length()
+        for ids, sampling in zip(rows, req.sampling, strict=True):
+            if len(ids) >= context:
+                raise Refused(
+                    f"The input ({len(ids)} tokens) is longer than the model's context length ({context} tokens)."
+                )
+            if sampling.max_new_tokens is not None and sampling.max_new_tokens + len(ids) > context:
+                total = sampling.max_new_tokens + len(ids)
+                raise Refused(
+                    f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                    f"You requested a total of {total} tokens: {len(ids)} tokens from the input messages and "
+                    f"{sampling.max_new_tokens} tokens for the completion. Please reduce the number of tokens "
+                    "in the input messages or the completion to fit within the limit."
+                )
+        vocab = getattr(getattr(self.engine.model, "config", None), "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for ids in rows for t in ids):
+            raise Refused(f"ckpteval serve: input_ids must be in [0, {vocab})")
+
+    def generate(self, req: GenerateRequest) -> list[dict[str, Any]]:
+        start = time.perf_counter()
+        ids = self.tokenize(req)
+        self.check_lengths(ids, req)
+        context = self.context_length()
+        rows = [
+            Row(i, rid, row, self._effective(s.params, len(row), context))
+            for i, (rid, row, s) in enumerate(zip(req.rids, ids, req.sampling, strict=True))
+        ]
+        with self.state:
+            while self.paused:  # tokenizer_manager.py: new requests wait on is_pause before registering
+                self.state.wait()
+            for row in rows:
+                self.live[row.rid] = Live()
+        try:
+            with self.lock:
+                with self.state:
+                    self.generating += 1
+                try:
+                    for group in self._groups(rows):
+                        self._run(group)
+                finally:
+                    with self.state:
+                        self.generating -= 1
+        finally:
+            with self.state:
+                for row in rows:
+                    self.live.pop(row.rid, None)
+                self.state.notify_all()
+        latency = time.perf_counter() - start
+        return [self._item(row, latency) for row in rows]
+
+    def _effective(self, params: SamplingParams, prompt_len: int, context: int) -> SamplingParams:
+        """scheduler.py ``init_req_max_new_tokens``: at most context - 1 - prompt - 1 new tokens; seeds
+        apply in deterministic mode only (sampling_batch_info.py), unseeded ones then use 42."""
+        budget = max(0, min(params.max_new_tokens, context - prompt_len - 2))
+        seed = None
+        if self.deterministic and params.temperature > 0:
+            seed = params.seed if params.seed is not None else DETERMINISTIC_DEFAULT_SEED
+        return replace(params, max_new_tokens=budget, seed=seed)
+
+    def _groups(self, rows: list[Row]) -> list[list[Row]]:
+        """Rows that can share one engine call. A seeded (deterministic) row runs alone, once per distinct
+        prompt, so its sample depends on prompt, settings and seed only, never on its batch-mates."""
+        groups: dict[Any, list[Row]] = {}
+        for row in rows:
+            key = (row.params, tuple(row.ids)) if row.params.seed is not None else (row.params,)
+            groups.setdefault(key, []).append(row)
+        return list(groups.values())
+
+    def _run(self, group: list[Row]) -> None:
+        with self.state:
+            for row in group:
+                if self.live[row.rid].aborted:  # aborted before it ran: tokenizer_manager _handle_abort_req
+                    row.aborted = "Abort in waiting queue"
+            todo = [r for r in group if r.aborted is None]
+            label = self.label
+        if not todo:
+            return
+        params = todo[0].params
+        if params.max_new_tokens == 0:  # prefill only: nothing generated (schedule_batch.py FINISH_LENGTH)
+            from jobs.eval.engines.hf import Completion  # at run time: importing this module stays torch-free
+
+            done = [Completion("", [], {"type": "length", "length": 0}, len(r.ids), label) for r in todo]
+        elif params.seed is not None:
+            once = self.engine.generate_ids([todo[0].ids], params)[0]
+            done = [once] * len(todo)
+        else:
+            done = self.engine.generate_ids([r.ids for r in todo], params)
+        with self.state:
+            for row, completion in zip(todo, done, strict=True):
+                row.completion, row.label_before = completion, label
+                if self.live[row.rid].aborted:  # aborted while running: FINISH_ABORT with the output so far
+                    row.aborted = "Aborted"
+
+    def _item(self, row: Row, latency: float) -> dict[str, Any]:
+        c = row.completion
+        output_ids = [] if c is None else c.output_ids
+        label = self.label
+        spans = self._spans(row.label_before or label, label, len(output_ids))
+        meta: dict[str, Any] = {"id": row.rid}
+        if row.aborted is not None:
+            meta |= {
+                "finish_reason": {"type": "abort", "message": row.aborted, "status_code": None, "err_type": None},
+                "weight_version": spans[-1]["version"],
+                "e2e_latency": latency,
+                "completion_tokens": len(output_ids),
+                "weight_versions": spans,
+            }
+        else:
+            meta |= {
+                "finish_reason": c.finish_reason,
+                "prompt_tokens": c.prompt_tokens,
+                "weight_version": spans[-1]["version"],
+                "num_retractions": 0,
+                "completion_tokens": len(output_ids),
+                "cached_tokens": 0,
+                "e2e_latency": latency,
+                "weight_versions": spans,
+            }
+        return {"text": "" if c is None else c.text, "output_ids": output_ids, "meta_info": meta}
+
+    @staticmethod
+    def _spans(before: str, after: str, n: int) -> list[dict[str, Any]]:
+        """weight_versions.py spans; a relabel during the run is attributed to the last token."""
+        if before == after or n < 2:
+            return [{"version": after, "start": 0, "end": n}]
+        return [{"version": before, "start": 0, "end": n - 1}, {"version": after, "start": n - 1, "end": n}]
+
+    # ---------------------------------------------------------------- control
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """tokenizer_manager.py ``abort_request``; the scheduler matches rids by prefix."""
+        if not abort_all and not rid:
+            return
+        with self.state:
+            for live_rid, live in self.live.items():
+                if abort_all or live_rid.startswith(rid):
+                    live.aborted = True
+
+    def pause(self, mode: str) -> None:
+        """tokenizer_manager.py ``pause_generation``: abort mode aborts everything in flight until none is."""
+        with self.state:
+            self.paused = True
+            if mode != "abort":
+                return
+            while self.live:
+                for live in self.live.values():
+                    live.aborted = True
+                self.state.wait(1.0)
+
+    def resume(self) -> None:
+        with self.state:
+            self.paused = False
+            self.state.notify_all()
+
+    def relabel(self, version: str, abort_all: bool) -> None:
+        if abort_all:
+            self.abort(abort_all=True)
+        with self.state:
+            self.label = version
+
+    def update(self, path: str, version: str | None, abort_all: bool) -> tuple[bool, str]:
+        if abort_all:
+            self.abort(abort_all=True)
+        with self.lock:
+            try:
+                self.engine.load(path, version if version is not None else self.label)
+            except (EngineError, ValueError, OSError) as e:
+                return False, f"Failed to update weights: {e}."  # label and model_path stay (sglang)
+            with self.state:
+                self.model_path = path
+                if version is not None:
+                    self.label = version
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return True, message
+
+    # ---------------------------------------------------------------- info and health
+    def model_info(self) -> dict[str, Any]:
+        model = self.engine.model
+        config = model.config if model is not None else None
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.model_path,
+            "tokenizer_path": self.launch_model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.label,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.launch_model_path,
+            "served_model_name": self.launch_model_path,
+            "weight_version": self.launch_label,
+            "enable_deterministic_inference": self.deterministic,
+            "enable_lora": False,
+            "load_format": "auto",
+            "context_length": None,
+            "internal_states": [{}],
+            "version": EMULATED_SGLANG_VERSION,
+            "frontend": "python",
+        }
+
+    def healthy(self) -> bool:
+        """http_server.py ``health_generate``: 200 once any output arrives within the health budget."""
+        deadline = time.monotonic() + health_check_timeout()
+        with self.state:
+            if self.generating:  # busy: its output is the answer
+                return True
+            while self.paused:
+                if not self.state.wait(max(0.0, deadline - time.monotonic())):
+                    return False
+        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            return self.engine.healthy()
+        finally:
+            self.lock.release()
