@@ -53,6 +53,16 @@ def version_run(version: str | None) -> str | None:
     return version.rpartition(VERSION_SEP)[0]
 
 
+MIXED_SEP = "|"  # a sample produced across a weight update: its versions joined, e.g. "3|4" (PROTOCOL.md)
+
+
+def version_runs(version: str | None) -> set[str]:
+    """The run keys of every version a sample names (one, or several for a mixed ``a|b`` sample)."""
+    if version is None:
+        return set()
+    return {r for part in version.split(MIXED_SEP) if (r := version_run(part)) is not None}
+
+
 def version_matches(version: str | None, key: str, step: int) -> bool:
     """Whether a sample's version is this run's ``step``: ``<key>@<step>``, or a plain ``<step>``.
 
@@ -62,4 +72,4 @@ def version_matches(version: str | None, key: str, step: int) -> bool:
     return version in {weight_version(key, step), str(step)}
 
 
-__all__ = ["run_key", "version_matches", "version_run", "version_step", "weight_version"]
+__all__ = ["MIXED_SEP", "run_key", "version_matches", "version_run", "version_runs", "version_step", "weight_version"]

@@ -31,7 +31,7 @@ from typing import Any
 
 from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, dumps, publish_exclusive, read_json_object, write_json_atomic
-from coord.identity import run_key, version_matches, version_run, version_step
+from coord.identity import run_key, version_matches, version_runs, version_step
 from coord.manifest import DatasetSpec, RunManifest
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, datasets_due, units_for_step
@@ -263,7 +263,7 @@ def _version_stats(key: str, step: int, versions: list[str | None]) -> tuple[flo
 def _attributed(result: Result, key: str) -> Result:
     """An ok result whose samples name another run's weights is never part of this run's point: it
     counts as a ``pin_violation`` skip (the file itself is left as it is, a fact for audit)."""
-    if result.ok and any((r := version_run(v)) is not None and r != key for v in result.weight_versions):
+    if result.ok and any(version_runs(v) - {key} for v in result.weight_versions):
         return skip_result(result.unit, "pin_violation", "samples carry another run's weight version")
     return result
 

@@ -90,7 +90,7 @@ def test_trainer_eval_config_replaces_the_builtin_set_and_logs_every_dataset_and
     assert [d.name for d in manifest.eval.datasets] == ["gsm"]  # the built-in addition set is not there
     assert (run_dir / "data" / "gsm.jsonl").read_bytes() == (EXAMPLES / "evalsets" / "gsm8k_style.jsonl").read_bytes()
     points = {m["eval/step"]: m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/step" in m}
-    assert sorted(points) == [10, 20]
+    assert sorted(points) == [0, 10, 20]  # step 0: the initial weights (on by default)
     for m in points.values():
         assert 0.0 <= m["eval/gsm"] <= 1.0
         assert 0.0 <= m["eval/ckpteval_addition_mc/acc"] <= 1.0

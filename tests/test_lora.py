@@ -214,7 +214,7 @@ def test_reference_trainer_lora_with_a_worker_fleet_pins_every_point(tmp_path: P
     snaps = sorted((run_dir / "snapshots").glob("step-*"))
     assert snaps and all({p.name for p in s.iterdir()} == {MARKER, ADAPTER_CONFIG, ADAPTER_WEIGHTS} for s in snaps)
     points = {p["eval/step"]: p for p in eval_lines(run_dir)}
-    assert sorted(points) == [10, 20, 30]
+    assert sorted(points) == [0, 10, 20, 30]  # step 0: the initial weights (base + untrained adapter)
     for step, point in points.items():
         assert point["eval/addition/weight_version/mean"] == step, point
         assert point["eval/addition/weight_version/mixed_version_ratio"] == 0

@@ -62,6 +62,7 @@ from typing import Any
 
 import httpx
 
+from coord.identity import MIXED_SEP
 from jobs.eval.engines.base import EngineError, Generation, RequestRejected, SamplesAborted, SamplingParams
 
 MIN_SGLANG = (0, 5, 19)  # first release with meta_info.weight_versions spans
@@ -161,7 +162,7 @@ def sample_version(meta: dict[str, Any]) -> str | None:
         if not isinstance(span, dict) or span.get("version") is None:
             raise EngineError(f"malformed meta_info.weight_versions span {str(span)[:200]}")
         versions.append(str(span["version"]))
-    return versions[0] if len(set(versions)) == 1 else "|".join(versions)
+    return versions[0] if len(set(versions)) == 1 else MIXED_SEP.join(versions)
 
 
 @dataclass(frozen=True)
