@@ -147,6 +147,8 @@ def test_train_eval_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_default_engine_is_auto_and_help_says_what_it_resolves_to(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")  # backfill scores an existing run
     assert submit.main(["backfill", "--run-dir", str(tmp_path / "run"), "--dry-run"]) == 0
     assert "export CKPTEVAL_ENGINE=auto" in capsys.readouterr().out
     with pytest.raises(SystemExit):
