@@ -54,6 +54,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, {"model_path": "/base", "weight_version": s.label})
         elif self.path == "/health_generate":
             self._reply(200, {})
+        elif self.path in ("/server_info", "/get_server_info"):  # the client checks the pinned range
+            self._reply(200, {"version": "0.5.23"})
         elif self.path == "/v1/models":
             cards = [{"id": "/base", "root": "/base", "parent": None}]
             cards += [{"id": n, "root": p, "parent": "/base"} for n, p in s.adapters.items()]
@@ -158,9 +160,15 @@ def test_launch_flags_size_the_lora_pool_from_the_adapter(tmp_path: Path) -> Non
         lora_launch_flags(str(tmp_path))
 
 
-def test_sglang_lora_engine_launches_nothing_before_the_first_adapter(tmp_path: Path) -> None:
-    """Built by the factory for a LoRA run (no GPU needed until the first load launches sglang)."""
+def test_sglang_lora_engine_launches_nothing_before_the_first_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built by the factory for a LoRA run (no GPU needed until the first load launches sglang).
+    sglang is not installed here: its installed-version check answers a version inside the pin."""
+    from jobs.eval.engines import sglang as sglang_engine
     from jobs.eval.engines.sglang_lora import SGLangLoRAEngine
+
+    monkeypatch.setattr(sglang_engine, "installed_sglang_version", lambda *_a, **_k: "0.5.23")
 
     engine = make_engine("sglang", "cpu", {"tp_size": 1}, base_model=str(tmp_path / "base"))
     assert isinstance(engine, SGLangLoRAEngine) and engine.pid is None and engine.weight_version() is None

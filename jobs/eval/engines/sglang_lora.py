@@ -90,7 +90,7 @@ class _LoRAClient:
 
     def loaded_adapters(self) -> dict[str, str]:
         """Adapter name -> path, as ``GET /v1/models`` lists them."""
-        reply = self._json("GET", "/v1/models")  # type: ignore[attr-defined]
+        _, reply = self._get_json(("/v1/models",))
         cards = reply.get("data") if isinstance(reply, dict) else None
         if not isinstance(cards, list):
             raise EngineError(f"GET /v1/models: unexpected reply {str(reply)[:200]}")
