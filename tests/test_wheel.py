@@ -68,16 +68,18 @@ def test_installed_wheel_imports_itself_and_ships_the_batch_scripts(installed: P
 
 
 def test_installed_wheel_submit_dry_run_from_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")  # backfill scores an existing run (checked on submit)
     out = _run([str(installed / "ckpteval"), "submit", "backfill", "--run-dir", str(tmp_path / "run"), "--tasks", "2",
                 "--dry-run"], tmp_path, 60, _outside_env())
     (line,) = [x for x in out.splitlines() if x.startswith("export CKPTEVAL_SBATCH_DIR=")]
     shipped = Path(line.split("=", 1)[1])
     assert shipped.is_relative_to(installed.parent) and (shipped / "common.sh").is_file(), line
-    assert "#SBATCH --array=0-1" in out and not (tmp_path / "run").exists()
+    assert "#SBATCH --array=0-1" in out and [p.name for p in (tmp_path / "run").iterdir()] == ["run.json"]
 
 
 def test_installed_wheel_runs_a_short_demo_from_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
     out = _run([str(installed / "ckpteval"), "demo", "--steps", "2", "--eval-interval", "2", "--eval-n-prompts", "4",
                 "--workers", "1", "--staging", "run", "--run-dir", str(tmp_path / "demo")], tmp_path, 240,
                _outside_env())
-    assert "points 1 scored of 1" in out and "every point pinned to its step: True" in out, out[-2000:]
+    assert "points 2 scored of 2" in out and "every point pinned to its step: True" in out, out[-2000:]
