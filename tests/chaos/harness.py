@@ -366,11 +366,14 @@ class ProgressMonitor(threading.Thread):
 
 
 def train_argv(run_dir: Path, *extra: str) -> list[str]:
-    """``ckpteval train`` with the tiny eval set and settings that keep backpressure out of reach."""
+    """``ckpteval train`` with the tiny eval set and settings that keep backpressure out of reach. The
+    tallies count the points of the eval interval; step 0 (exactly once across SIGKILL + ``--resume``)
+    is tests/test_train.py's."""
     return [
         "train", "--run-dir", str(run_dir), "--batch-size", "16", "--threads", "1", "--no-progress",
         "--eval-n-prompts", "8", "--eval-shard-size", "4", "--log-interval", "5", "--eval-poll-interval", "0.2",
-        "--lease-duration", "3", "--lease-heartbeat", "0.5", "--eval-drain-timeout", "180", *extra,
+        "--lease-duration", "3", "--lease-heartbeat", "0.5", "--eval-drain-timeout", "180", "--no-eval-at-start",
+        *extra,
     ]
 
 
