@@ -60,13 +60,13 @@ def test_het_job_end_to_end_points_pinned(slurm_cluster, tmp_path: Path) -> None
 
     # every point landed, pinned to its step
     points = _eval_points(run)
-    assert sorted(points) == [10, 20], log[-3000:]
+    assert sorted(points) == [0, 10, 20], log[-3000:]  # step 0: the initial weights
     for step, row in points.items():
         assert row["eval/addition/weight_version/mean"] == step
         assert row["eval/addition/weight_version/mixed_version_ratio"] == 0
     # every unit exactly once, by the fleet's two workers
     results = ResultIndex(run / "results").refresh()
-    assert len(results) == 4 and all(r.ok for r in results.values())
+    assert len(results) == 6 and all(r.ok for r in results.values())  # 3 points x 2 shards
     assert not list((run / "results" / "duplicates").glob("*.json"))
     assert {r.worker["worker_id"] for r in results.values()} <= {f"j{job}-w0", f"j{job}-w1"}
     assert {r.worker.get("slurm_job_id") for r in results.values()} <= {job, str(int(job) + 1)}
