@@ -32,10 +32,10 @@ EXCEPTIONS = {
     ("jobs.eval.evalsets", "jobs.reference.model"): "the built-in addition eval set is the reference task's",
     # submit checks on the submit host what the job would refuse, with the programs' own parsers and
     # readers (imported lazily: no torch at import time, see test_views_and_launchers_import_no_torch)
-    ("jobs.launch.submit", "jobs.eval.options"): "the worker's own option checks",
-    ("jobs.launch.submit", "jobs.eval.service"): "the one eval-config reader",
+    ("jobs.launch.submit_checks", "jobs.eval.options"): "the worker's own option checks",
+    ("jobs.launch.submit_checks", "jobs.eval.service"): "the one eval-config reader",
     ("jobs.launch.submit", "jobs.eval.reeval"): "the re-evaluation plan (validated before sbatch)",
-    ("jobs.launch.submit", "jobs.reference.train_config"): "the reference trainer's own flag checks",
+    ("jobs.launch.submit_checks", "jobs.reference.train_config"): "the reference trainer's own flag checks",
 }
 
 
