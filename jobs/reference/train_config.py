@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coord.identity import run_key
 from coord.rundir import RunDir
 from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
 from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
@@ -161,11 +162,8 @@ def check_existing_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> Non
     if not cfg.resume:
         raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
     manifest = RunDir.open(run.path).manifest()  # an unreadable or malformed run.json: a usage error
-    if dispatch is not None:
-        listed = {Path(r).resolve() for r in manifest.snapshot_roots}
-        if Path(dispatch.snapshot_root).resolve() not in listed:
-            raise ValueError(f"{run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list "
-                             f"{dispatch.snapshot_root}: resume with the snapshot flags the run started with")
+    if dispatch is not None:  # the same check the dispatcher makes, before anything is written
+        dispatch.listed_snapshot_root(manifest.snapshot_roots, run_key(manifest), run.path, run.manifest_path)
 
 
 def main(argv: list[str]) -> int:

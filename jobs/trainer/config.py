@@ -54,6 +54,22 @@ class DispatchConfig:
             return root
         return root / key
 
+    def listed_snapshot_root(self, listed_roots: tuple[str, ...] | list[str], key: str, run_dir: Path,
+                             manifest_path: Path) -> Path:
+        """The root of this run's snapshots that run.json lists: the run-scoped root
+        (:meth:`run_snapshot_root`), or the configured root itself (a manifest written before run-scoped
+        staging). ``ValueError`` naming ``manifest_path`` if it lists neither (the flags differ from the
+        ones the run started with). The one check behind ``--resume`` and the dispatcher."""
+        listed = {Path(r).resolve() for r in listed_roots}
+        scoped = self.run_snapshot_root(key, run_dir)
+        for root in (scoped, self.snapshot_root):
+            if root.resolve() in listed:
+                return root
+        raise ValueError(
+            f"{manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {scoped}: "
+            "continue the run with the snapshot flags it started with (--eval-staging-dir / --save-hf)"
+        )
+
     def validate(self) -> DispatchConfig:
         """Check every rule; returns self with paths resolved to absolute ones."""
         if self.eval_interval is None or self.eval_interval < 1:

@@ -176,18 +176,11 @@ class EvalDispatcher:
 
     # -- construction ---------------------------------------------------------------------------------
     def _snapshot_root(self) -> Path:
-        """The run-scoped root (:meth:`DispatchConfig.run_snapshot_root`) if run.json lists it, else the
-        configured root itself (a manifest written before run-scoped staging); ValueError if neither."""
-        listed = {Path(r).resolve() for r in self.manifest.snapshot_roots}
-        scoped = self.config.run_snapshot_root(self.key, self.run.path)
-        for root in (scoped, self.config.snapshot_root):
-            if root.resolve() in listed:
-                root.mkdir(parents=True, exist_ok=True)
-                return root
-        raise ValueError(
-            f"{self.run.manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {scoped}, "
-            "so no worker would find the snapshots; write the manifest with this root"
-        )
+        """This run's snapshot root as run.json lists it (:meth:`DispatchConfig.listed_snapshot_root`)."""
+        root = self.config.listed_snapshot_root(self.manifest.snapshot_roots, self.key, self.run.path,
+                                                self.run.manifest_path)
+        root.mkdir(parents=True, exist_ok=True)
+        return root
 
     def _check_cadence(self) -> None:
         interval = self.config.eval_interval or 1
