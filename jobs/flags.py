@@ -300,6 +300,26 @@ def check_dir_creatable(flag: str, path: Path | str) -> None:
         raise ValueError(f"{flag} {path}: {probe} is not writable by this user")
 
 
+def make_dir_writable(flag: str, path: Path | str) -> Path:
+    """Create ``path`` (and its parents) and prove a file can be written in it: ValueError naming ``flag``
+    if not. For a directory a program is about to fill: run once every check has passed and before the
+    first file that names it is written, so a filesystem that refuses it (``/proc``, read-only, full)
+    fails in one line with nothing else written. :func:`check_dir_creatable` cannot see this as root,
+    whom ``access()`` lets write everywhere. Limit: a created dir stays, empty."""
+    import os
+    import tempfile
+
+    target = Path(path).expanduser()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ckpteval-probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create or write it ({e.strerror or e})") from None
+    return target
+
+
 def check_file_readable(flag: str, path: Path | str) -> None:
     """``path`` is a regular file this user can read: FileNotFoundError/ValueError naming ``flag`` if not."""
     import os

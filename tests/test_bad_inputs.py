@@ -11,8 +11,9 @@ Run as a script to count a checkout's behaviour (the figures in bench/CHAOS.md):
     python -m tests.test_bad_inputs [--repo DIR]
 
 Also here: the manifest's sampling-setting validation, the trust rule for code named by run.json
-(a group-writable run.json), files created under a tight umask, and an unreadable run dir (skipped as
-root, who reads everything).
+(a group-writable run.json), files created under a tight umask, an unreadable and a read-only run dir
+(run as user nobody: the tests run as root, who reads and writes everything), and a staging dir the
+filesystem refuses (``/proc``).
 """
 
 from __future__ import annotations
@@ -380,11 +381,12 @@ def tree(root: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def cli(argv: list[str], cwd: Path, repo: Path = REPO) -> tuple[int | None, str, str]:
-    """``python -m jobs.cli argv`` in ``cwd``: (exit code or None if killed at the timeout, stdout, stderr)."""
+def cli(argv: list[str], cwd: Path, repo: Path = REPO, prefix: list[str] | None = None) -> tuple[int | None, str, str]:
+    """``python -m jobs.cli argv`` in ``cwd`` (behind ``prefix``, e.g. :func:`unprivileged`): (exit code or
+    None if killed at the timeout, stdout, stderr)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTEVAL_", "SLURM_"))}
     env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *argv], cwd=cwd, env=env, text=True,
+    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "jobs.cli", *argv], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=CASE_TIMEOUT_S)
@@ -544,19 +546,103 @@ def test_files_ckpteval_creates_follow_a_tight_umask(tmp_path: Path) -> None:
     assert _loose(run.path) == []
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file: an unreadable run dir needs another user")
-def test_unreadable_run_dir_is_one_line(tmp_path: Path) -> None:
-    run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)
+NOBODY = 65534
+# In a private mount namespace: the first directory on the interpreter's path that others may not enter
+# (/root, where pyenv lives) is covered by a world-enterable tmpfs holding the one subdir on the path, bound
+# back from the original; then the command runs as nobody. The host's directories are never changed.
+_UNPRIVILEGED_SH = (
+    'set -e; keep=$(mktemp -d); mount --bind "$1/$2" "$keep"; mount -t tmpfs -o mode=755 tmpfs "$1"; '
+    'mkdir "$1/$2"; mount --bind "$keep" "$1/$2"; shift 2; '
+    f'exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups env HOME=/nonexistent "$@"'
+)
+
+
+def _closed_ancestor(path: Path) -> tuple[Path, str] | None:
+    """(the first ancestor of ``path`` others may not enter, its child on the way), or None if all are open."""
+    path = path.resolve()
+    for parent in reversed(path.parents):
+        if parent != path and not parent.stat().st_mode & stat.S_IXOTH:
+            return parent, path.relative_to(parent).parts[0]
+    return None
+
+
+def unprivileged() -> list[str]:
+    """A command prefix that runs a ``ckpteval`` process as user nobody (uid 65534), or ``pytest.skip``
+    with the reason. As a non-root user: no prefix (the test already is unprivileged)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None or shutil.which("unshare") is None:
+        pytest.skip("needs setpriv and unshare (util-linux) to run a case as an unprivileged user")
+    blocked = [c for c in (_closed_ancestor(Path(sys.base_prefix)), _closed_ancestor(REPO)) if c is not None]
+    if len({c[0] for c in blocked}) > 1 or any(c[0] == REPO or c[0] == Path(sys.base_prefix) for c in blocked):
+        pytest.skip(f"the interpreter or checkout is not readable by others ({blocked}): cannot run as nobody")
+    if not blocked:
+        return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env", "HOME=/nonexistent"]
+    top, child = blocked[0]
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --mount is not permitted here: {probe.stderr.decode().strip()}")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", _UNPRIVILEGED_SH, "sh", str(top), child]
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A scratch dir others may enter (pytest's tmp dirs are private to root), removed afterwards."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="ckpteval-bad-inputs-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_unreadable_run_dir_is_one_line(open_tmp: Path) -> None:
+    """As an unprivileged user (root reads everything): a run dir, results/ or run.json it cannot read."""
+    prefix = unprivileged()
+    run = make_eval_run(open_tmp, n_prompts=2, shard_size=2)
     cases = [["status", str(run.path)], ["plot", str(run.path), "-o", "x.png"],
              ["worker", "--run-dir", str(run.path)], ["backfill", "--run-dir", str(run.path)]]
     for mode, target in ((0, run.path), (0, run.results), (0, run.manifest_path)):
         target.chmod(mode)
         try:
             for argv in cases:
-                code, out, err = cli(argv, tmp_path)
+                code, out, err = cli(argv, open_tmp, prefix=prefix)
                 assert code == 2 and "Traceback" not in out + err and len(err.strip().splitlines()) == 1, (argv, err)
         finally:
             target.chmod(0o755 if target.is_dir() else 0o644)
+
+
+def test_worker_on_a_run_dir_it_cannot_write_is_one_line(open_tmp: Path) -> None:
+    """A run dir the user may read but not write (root's 0755 dirs, 0644 files; a snapshot waiting): the
+    worker and backfill stop at start with one line naming the dir — before, a PermissionError traceback
+    on the first lease file — and nothing in the run changes."""
+    from tests.support.workers import publish_model
+
+    prefix = unprivileged()
+    run = make_eval_run(open_tmp, n_prompts=2, shard_size=2)
+    publish_model(open_tmp, run.snapshots, 10)
+    for p in [run.path, *run.path.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    before = tree(run.path)
+    for argv in (["worker", "--run-dir", str(run.path), "--engine", FN, "--once"],
+                 ["backfill", "--run-dir", str(run.path), "--engine", FN]):
+        code, out, err = cli(argv, open_tmp, prefix=prefix)
+        assert code == 2 and "Traceback" not in out + err and len(err.strip().splitlines()) == 1, (argv, out, err)
+        assert "not writable by this user" in err and str(run.path) in err, err
+    assert tree(run.path) == before
+
+
+def test_staging_dir_the_filesystem_refuses_is_one_line_and_leaves_no_run(tmp_path: Path) -> None:
+    """``--eval-staging-dir /proc/...``: access() lets root write anywhere, the kernel refuses the mkdir.
+    One line naming the flag, and no run dir at all, so the corrected command starts the run."""
+    run_dir = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run_dir), "--steps", "2", "--eval-staging-dir", "/proc/ckpteval-staging"]
+    code, out, err = cli(argv, tmp_path)
+    assert code == 2 and "Traceback" not in out + err and len(err.strip().splitlines()) == 1, (out, err)
+    assert "--eval-staging-dir /proc/ckpteval-staging" in err, err
+    assert not run_dir.exists() and not Path("/proc/ckpteval-staging").exists()
 
 
 def main(argv: list[str]) -> int:

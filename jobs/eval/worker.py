@@ -158,13 +158,18 @@ def open_run(opts: WorkerOptions) -> RunDir:
 def ensure_protocol_dirs(run: RunDir) -> None:
     """Create ``results/``, ``leases/`` and ``adopted/`` if missing (a copied run whose results were
     removed to re-score it), before any work: a unit evaluated and then unpublishable is work lost.
-    An unwritable run dir is a one-line usage error (PermissionError is an OSError)."""
+    An unwritable run dir is a one-line usage error (PermissionError is an OSError), and so is one
+    whose dirs exist but are not writable by this user (a run dir it may read but not write): the worker
+    would fail at its first lease or result."""
     for path in (run.results, run.leases, run.adopted):
         if not path.is_dir():
             try:
                 path.mkdir(exist_ok=True)
             except OSError as e:
                 raise ValueError(f"{path}: missing and cannot be created ({e.strerror or e})") from None
+        elif not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{path}: not writable by this user; a worker writes its leases and results "
+                             "in the run dir (run it as the run's owner or a member of its group)")
 
 
 def check_datasets(cache: DatasetCache) -> None:

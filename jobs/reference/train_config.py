@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING
 
 from coord.identity import run_key
 from coord.rundir import RunDir
-from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
+from jobs.flags import (
+    Parser,
+    add_options,
+    check_bounds,
+    check_dir_creatable,
+    fail,
+    from_args,
+    make_dir_writable,
+    option,
+)
 from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 
 if TYPE_CHECKING:
@@ -166,12 +175,23 @@ def check_existing_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> Non
         dispatch.listed_snapshot_root(manifest.snapshot_roots, run_key(manifest), run.path, run.manifest_path)
 
 
+def make_output_dirs(cfg: TrainConfig) -> None:
+    """Create the snapshot dirs the flags name (``--eval-staging-dir``, ``--save-hf``) and prove them
+    writable, after every check and before run.json: ValueError naming the flag otherwise."""
+    if not cfg.eval:
+        return
+    for flag, path in (("--eval-staging-dir", cfg.eval_staging_dir), ("--save-hf", cfg.save_hf_dir)):
+        if path is not None:
+            make_dir_writable(flag, path)
+
+
 def main(argv: list[str]) -> int:
     """``ckpteval train``: validate everything, then (and only then) write the run and train."""
     cfg = parse_args(argv)
     try:
         dispatch = cfg.validate()  # fail fast: before anything is written or trained
         check_existing_run(cfg, dispatch)  # a run already there: checked before anything is written
+        make_output_dirs(cfg)  # the first write: a staging dir the filesystem refuses fails here, no run.json
     except (ValueError, FileNotFoundError) as e:
         return fail("ckpteval train", e)
     except PermissionError as e:
