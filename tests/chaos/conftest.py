@@ -14,6 +14,7 @@ REPORT_PATH = harness.REPO / "bench" / "CHAOS.md"
 
 
 _COMPLETE = {"value": False}
+_MATRIX_WHOLE = {"value": False}  # every cell of the requeue matrix selected
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -25,7 +26,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             files.add(Path(str(item.fspath)).name)
     # bench/CHAOS.md is the record of the whole suite: a selection (one file, -k, -m) does not overwrite it
     everything = {p.name for p in here.glob("test_*.py")}
-    _COMPLETE["value"] = files == everything and not config.option.keyword and not config.option.markexpr
+    unfiltered = not config.option.keyword and not config.option.markexpr
+    _COMPLETE["value"] = files == everything and unfiltered
+    _MATRIX_WHOLE["value"] = MATRIX_FILE in files and unfiltered
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -48,11 +51,37 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 KEEP_MARKER = "<!-- sections below are written by other reports and kept when the chaos table is regenerated -->"
 
 
+MATRIX_FILE = "test_requeue_matrix.py"
+MATRIX_HEADING = "## Requeue matrix (issue 16)"
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if harness.ROWS and harness.FULL and _COMPLETE["value"]:
-        old = REPORT_PATH.read_text() if REPORT_PATH.exists() else ""
+    """At full scale: the whole suite rewrites the main table; the requeue matrix (run whole, alone or
+    with the rest) rewrites its own section below :data:`KEEP_MARKER`."""
+    if not harness.FULL:
+        return
+    matrix = [r for r in harness.ROWS if MATRIX_FILE in r.nodeid]
+    others = [r for r in harness.ROWS if MATRIX_FILE not in r.nodeid]
+    old = REPORT_PATH.read_text() if REPORT_PATH.exists() else ""
+    if others and _COMPLETE["value"]:
         kept = old[old.index(KEEP_MARKER):] if KEEP_MARKER in old else ""
-        REPORT_PATH.write_text(harness.report_markdown(harness.ROWS) + ("\n" + kept if kept else ""))
+        old = harness.report_markdown(others) + ("\n" + kept if kept else "")
+    if matrix and _MATRIX_WHOLE["value"]:
+        old = replace_section(old if KEEP_MARKER in old else old + "\n" + KEEP_MARKER + "\n", MATRIX_HEADING,
+                              harness.matrix_markdown(MATRIX_HEADING, matrix))
+    if (others and _COMPLETE["value"]) or (matrix and _MATRIX_WHOLE["value"]):
+        REPORT_PATH.write_text(old)
+
+
+def replace_section(text: str, heading: str, section: str) -> str:
+    """``text`` with the ``heading`` section (up to the next ``## `` heading) replaced by ``section``, or
+    ``section`` appended below the keep marker when it is not there yet."""
+    if heading in text:
+        start = text.index(heading)
+        end = text.find("\n## ", start + len(heading))
+        return text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    at = text.index(KEEP_MARKER) + len(KEEP_MARKER)
+    return text[:at] + "\n\n" + section + text[at:]
 
 
 @pytest.fixture

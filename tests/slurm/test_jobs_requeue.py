@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from coord.results import ResultIndex
+from coord.rundir import RunDir
 from tests.slurm.test_jobs_helpers import FN, finished_run, job_log, submit_job, unit_in_progress, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(170)]
@@ -63,3 +64,81 @@ def test_usr1_before_time_limit_releases_and_requeues(slurm_cluster, tmp_path: P
     assert f"scontrol requeue {job}" in first_run
     assert restarted and restarted[0].get("Restarts") == "1"
     assert not list((run.results / "duplicates").glob("*.json"))
+
+
+# -- the heterogeneous train+eval job with an explicit staging dir (issue 16) -------------------------------
+HET = ["--trainer-cpus", "1", "--cpus", "2", "--workers", "2", "--gpus-per-worker", "1", "--device", "cpu",
+       "--engine", FN, "--env", "SUMBACKEND_DELAY_S=1.0"]
+STEPS, INTERVAL = 60, 10
+
+
+def _het_job(tmp_path: Path) -> tuple[Path, Path, str]:
+    """A train+eval job whose snapshots go to an explicit ``--eval-staging-dir`` (shared: all nodes are this
+    host); one point in flight at a time and 1 s units keep training going for a while."""
+    run, staging = tmp_path / "run", tmp_path / "staging"
+    job, _ = submit_job(
+        "train-eval", "--run-dir", str(run), "--time", "10", *HET, "--",
+        "--steps", str(STEPS), "--eval-interval", str(INTERVAL), "--eval-staging-dir", str(staging),
+        "--eval-n-prompts", "8", "--eval-shard-size", "4", "--eval-max-in-flight", "1", "--ckpt-interval", "5",
+        "--threads", "1", "--no-progress", "--lease-duration", "20", "--lease-heartbeat", "4",
+    )
+    return run, staging, job
+
+
+def _every_point_once(run: Path, staging: Path, log: str) -> None:
+    from tests.chaos.harness import tally
+
+    manifest = RunDir.open(run).manifest()
+    assert [Path(r).parent for r in manifest.snapshot_roots] == [staging.resolve()], manifest.snapshot_roots
+    assert RunDir(run).training_done() == STEPS, log[-4000:]
+    t = tally(run, range(0, STEPS + 1, INTERVAL))
+    assert t.lost == [] and t.unexpected == [] and t.dup_ingestions == 0, (t, log[-3000:])
+    assert t.units_without_result == [] and set(t.skips) <= {"crashed"}, (t, log[-3000:])
+    assert "does not list" not in log and "trainer FAILED" not in log, log[-4000:]
+
+
+def _training_in_progress(run: Path) -> bool:
+    """A result landed and training is not done: the trainer is mid-run."""
+    return (run / "results").is_dir() and any((run / "results").glob("*.json")) \
+        and not (run / "TRAINING_DONE").exists()
+
+
+@pytest.mark.timeout(300)
+def test_het_job_with_staging_dir_requeued_resumes_and_drains(slurm_cluster, tmp_path: Path) -> None:
+    """``scontrol requeue`` mid-training: the batch script stops every step (TERM), SLURM requeues the
+    job, the trainer resumes with ``--resume`` and the same explicit ``--eval-staging-dir`` (refused
+    before the fix: "snapshot_roots ... does not list"), the fleet drains, every point is logged once."""
+    run, staging, job = _het_job(tmp_path)
+    try:
+        wait_until(lambda: _training_in_progress(run), 150, "a result while training runs")
+        slurm_cluster.run("scontrol", "requeue", job)
+        wait_until(lambda: "restart 1 on" in job_log(run), 90, "the requeued job to start again")
+        state = slurm_cluster.wait_job(job, timeout=200, poll=1.0)
+        records = slurm_cluster.job_records(job)
+    finally:
+        slurm_cluster.cancel(job)
+    log = job_log(run)
+    assert state == "COMPLETED", log[-4000:]
+    assert records and records[0].get("Restarts") == "1", records
+    _every_point_once(run, staging, log)
+
+
+@pytest.mark.timeout(300)
+def test_het_job_with_staging_dir_usr1_requeues_itself_and_finishes(slurm_cluster, tmp_path: Path) -> None:
+    """The pre-timeout USR1 (what ``--signal=B:USR1@T`` sends the batch shell; sent here with ``scancel
+    --batch --signal=USR1`` so it lands mid-training on a loaded machine): the trainer checkpoints and exits
+    75, the workers release their leases, the job requeues itself, resumes and finishes; every point once."""
+    run, staging, job = _het_job(tmp_path)
+    try:
+        wait_until(lambda: _training_in_progress(run), 150, "a result while training runs")
+        slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)
+        wait_until(lambda: "restart 1 on" in job_log(run), 120, "the job to requeue itself and restart")
+        state = slurm_cluster.wait_job(job, timeout=200, poll=1.0)
+    finally:
+        slurm_cluster.cancel(job)
+    log = job_log(run)
+    first_run = log.split("restart 1 on")[0]
+    assert "USR1 (time limit near" in first_run and f"scontrol requeue {job}" in first_run, first_run[-3000:]
+    assert "trainer preempted" in first_run, first_run[-3000:]  # exit 75: checkpoint saved
+    assert state == "COMPLETED", log[-4000:]
+    _every_point_once(run, staging, log)
