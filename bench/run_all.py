@@ -23,8 +23,13 @@ workers            bench_workers.py: units/s with 1, 2, 4 workers               
 Usage: ``.venv/bin/python bench/run_all.py [--quick] [--only stall,export,...] [--out bench/RESULTS.md]``
 (``--quick``: small sizes, a smoke test of the whole pipeline in about two minutes; it writes to
 ``--out`` too, so point that elsewhere). The raw numbers go to ``RESULTS.json`` next to ``--out``;
-``--render RESULTS.json`` rewrites the markdown from them without measuring again. The full run takes
-about 9 minutes on 2 cores.
+``--render RESULTS.json`` rewrites the markdown from them without measuring again; ``--only stall --merge``
+re-measures only those benchmarks and replaces their sections (the others keep theirs; the page says
+which sections were re-measured when, at which load). The full run takes about 9 minutes on 2 cores.
+
+Smoke mode: :data:`SMOKE` holds every ``bench_*.py``'s seconds-long arguments; ``tests/test_bench_smoke.py``
+runs each with them in ``make test`` (exit 0 and a ratio line; numbers not asserted), so a benchmark that
+no longer runs fails CI.
 """
 
 from __future__ import annotations
@@ -60,6 +65,23 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
                     ["--hidden", "256", "--layers", "2", "--repeats", "1", "--device", "cuda"]),
     "workers": ("bench_workers.py", ["--steps", "16", "--n-prompts", "512"],
                 ["--workers", "1,2", "--steps", "2", "--n-prompts", "64"]),
+}
+
+# script -> arguments of its smoke run (seconds, numbers not asserted): tests/test_bench_smoke.py runs every
+# bench/bench_*.py with these in `make test`, so a benchmark that no longer runs fails CI. Adding a benchmark:
+# add its smoke arguments here (the test fails for a script without them); it must print a line with "ratio".
+SMOKE: dict[str, list[str]] = {
+    "bench_stall.py": ["--steps", "20", "--eval-interval", "10", "--batch-size", "8", "--workers", "1",
+                       "--repeats", "1", "--no-pinned", "--poll", "0.2", "--only", "no-eval,fleet-staging"],
+    "bench_export.py": ["--mb", "4", "--reps", "1"],
+    "bench_coord.py": ["--procs", "2", "--units", "10", "--gb", "0.005", "--snapshots", "10"],
+    "bench_engine.py": ["--prompts", "4", "--max-new-tokens", "4", "--repeats", "1"],
+    "bench_grader.py": ["--answers", "8", "--repeats", "1"],
+    "bench_reload.py": ["--hidden", "64", "--layers", "1", "--repeats", "1"],
+    "bench_workers.py": ["--workers", "1", "--steps", "1", "--n-prompts", "8", "--shard-size", "4"],
+    "bench_trainer.py": ["--steps", "10", "--eval-interval", "5", "--batch-size", "8", "--n-prompts", "8",
+                         "--shard-size", "4"],
+    "bench_stop.py": ["--waits", "backpressure", "--signals", "SIGUSR1", "--bound", "60", "--settle", "0.2"],
 }
 
 
@@ -538,6 +560,10 @@ def report(mach: dict[str, Any], results: dict[str, dict[str, Any]], crc: dict[s
            ]), "",
            "The machine is shared with other engineers' test runs; each section's load average at its start is "
            "listed with it. Numbers on a loaded 2-core machine are noisy: read ratios, not absolutes.", "",
+           *[f"Re-measured with `--only {m['names']} --merge` on {m['date']}, commit {m['commit']}"
+             f"{' + uncommitted changes' if m.get('dirty') else ''} (load average {load_str(m['load_at_start'])} at "
+             f"start, {load_str(m['load_at_end'])} at end): those sections; the machine table above is the full "
+             "run's.\n" for m in mach.get("merged", [])],
            "## Goals", "",
            table(["measure", "result", "baseline", "ratio", "goal", ""], goals(results))]
     for name, (title, fn) in SECTIONS.items():
@@ -557,6 +583,19 @@ def report(mach: dict[str, Any], results: dict[str, dict[str, Any]], crc: dict[s
     return "\n".join(out) + "\n"
 
 
+def merged(old: dict[str, Any], new: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``old`` raw results with ``names`` replaced by ``new``'s; the re-measurement is noted in the machine."""
+    out = {**old, "results": {**old["results"], **{n: new["results"][n] for n in names}}}
+    if "export" in names:
+        out["crc"] = new["crc"]
+    m = new["machine"]
+    note = {"names": ",".join(names), "date": m["date"], "commit": m["commit"], "dirty": m.get("dirty"),
+            "load_at_start": m["load_at_start"], "load_at_end": m["load_at_end"]}
+    kept = [n for n in old["machine"].get("merged", []) if n["names"] != note["names"]]
+    out["machine"] = {**old["machine"], "merged": [*kept, note]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the pipeline")
@@ -564,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=BENCH / "RESULTS.md")
     ap.add_argument("--run-root", type=Path, default=Path(tempfile.gettempdir()),
                     help="where benchmark run dirs go (local disk; staging always on /dev/shm)")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --only: replace only those benchmarks' results in the existing RESULTS.json next to "
+                         "--out (the others keep theirs) and rewrite --out from it")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="only rewrite --out from the raw results a previous run saved (RESULTS.json)")
     args = ap.parse_args(argv)
@@ -577,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
+    if args.merge and (not args.only or not args.out.with_suffix(".json").is_file()):
+        ap.error(f"--merge needs --only and an earlier {args.out.with_suffix('.json')}")
     if shutil.which("strace") is None and "coord" in names:
         print("strace not found (make bench installs it): the idle-poll count will fail", file=sys.stderr)
     mach = machine(args.run_root)
@@ -591,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     mach["load_at_end"] = os.getloadavg()
     total = time.perf_counter() - t0
     raw = {"machine": mach, "results": results, "crc": crc, "total_s": total, "quick": args.quick}
+    if args.merge:
+        raw = merged(json.loads(args.out.with_suffix(".json").read_text()), raw, names)
+        mach, results, crc, total = raw["machine"], raw["results"], raw["crc"], raw["total_s"]
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     args.out.write_text(report(mach, results, crc, total, args.quick))
     print("\n=== goals")

@@ -1,0 +1,34 @@
+"""Every benchmark still runs (issue 16): each ``bench/bench_*.py`` in its smoke mode (``bench.run_all.SMOKE``:
+tiny sizes, seconds each) as a real subprocess must exit 0 and print its ratio line. The numbers are not
+asserted (no timing asserts; the machine is shared) — this is what makes a benchmark that no longer runs
+(``bench_stall.py`` once died on the resume of an explicit staging dir) fail CI instead of ``make bench``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.run_all import SMOKE
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("bench_*.py"))
+
+
+def test_every_benchmark_has_a_smoke_mode() -> None:
+    assert sorted(SMOKE) == SCRIPTS, "add the new benchmark's smoke arguments to bench/run_all.py SMOKE"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *SMOKE.get(script, [])], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out[-4000:]}"
+    assert re.search(r"\bratio\b", proc.stdout, re.IGNORECASE), f"{script} printed no ratio line:\n{out[-4000:]}"
