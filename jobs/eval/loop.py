@@ -39,7 +39,8 @@ from jobs.lifecycle import (
 
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
 # Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
-# result is written only when the unit, not the worker, is to blame (see Worker._leave_for_another).
+# result is written only when the unit, not the worker, is to blame (see Worker._leave_for_another) —
+# at once when the result names user code to blame (a scorer, a library task raised).
 RETRYABLE = frozenset({"unhealthy", "crashed"})
 
 
@@ -349,7 +350,7 @@ class Worker:
         ``--max-attempts`` times — or when no healthy worker can be expected: training is done and
         ``max_attempts`` lease durations have passed since this worker first saw ``TRAINING_DONE``
         (the step's deadline), with the unit claimed ``--max-attempts`` times."""
-        if result.skip_reason not in RETRYABLE:
+        if result.skip_reason not in RETRYABLE or result.blame is not None:  # user code failed: the unit's
             return False
         if claim.attempt < self.opts.max_attempts:
             return True

@@ -8,13 +8,18 @@ join several flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from jobs.flags import add_options, check_bounds, from_args, option
+from jobs.flags import META_KEY, add_options, check_bounds, from_args, option
 
 INGESTION = "service ingestion (external-service posture)"
+# Flags of this group are the scorers' (a sandbox's concurrency, a judge URL override): handed to every
+# scorer in ScorerContext.options by field name (:func:`scorer_options`); add a field with group=SCORING.
+SCORING = "scoring (settings the scorers read)"
 DEVICE_RE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 
 
@@ -22,7 +27,7 @@ DEVICE_RE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 class WorkerOptions:
     run_dir: Path = option(help="the run directory (holds run.json)", metavar="RUN")
     engines: tuple[str, ...] = option(
-        ("hf",), "engine backend: hf | http:URL | sglang | fn:module:Class | auto (sglang if importable and "
+        ("hf",), "engine backend: hf | http:URL (or http://HOST:PORT) | sglang | fn:module:Class | auto (sglang if importable and "
         "--device cuda has GPUs, else hf; decided at start) (repeat for several engines)",
         flag="--engine", metavar="SPEC")
     replicas: int = option(1, "instances of each --engine, pooled as one (all must report the version)",
@@ -72,6 +77,21 @@ class WorkerOptions:
         return bool(self.watch)
 
 
+def scorer_options(opts: WorkerOptions | None = None) -> dict[str, Any]:
+    """The :data:`SCORING` group's fields by name: ``opts``' values, or (None: the trainer's shared
+    posture, which has no worker flags) their defaults."""
+    out = {}
+    for f in dataclasses.fields(WorkerOptions):
+        meta = f.metadata.get(META_KEY)
+        if meta is None or meta.group != SCORING:
+            continue
+        if opts is not None:
+            out[f.name] = getattr(opts, f.name)
+        else:
+            out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return out
+
+
 def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True) -> None:
     """The worker's flags; ``pass_flags=False`` leaves out --once/--catchup (backfill fixes them)."""
     add_options(parser, WorkerOptions, exclude=() if pass_flags else ("once", "catchup"))
@@ -88,8 +108,9 @@ def validate_options(opts: WorkerOptions) -> None:
     check_bounds(opts)
     if not DEVICE_RE.match(opts.device):
         raise ValueError(f"--device {opts.device!r}: expected cpu, cuda, cuda:N (or mps, xpu)")
-    from jobs.eval.engines.factory import spec_kind  # light: engine modules are imported lazily
+    from jobs.eval.engines.factory import ENGINES, normalize_spec, spec_kind  # light: engines imported lazily
 
+    opts.engines = tuple(normalize_spec(spec) for spec in opts.engines)  # http://HOST:PORT -> http:http://...
     for spec in opts.engines:
         spec_kind(spec)
     if Path(opts.run_dir).exists() and not Path(opts.run_dir).is_dir():
@@ -101,8 +122,8 @@ def validate_options(opts: WorkerOptions) -> None:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
     if opts.wandb and not opts.wandb_run_id:
         raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
-    fn_specs = [s for s in opts.engines if s.startswith("fn:")]
-    if fn_specs and (len(opts.engines) > 1 or opts.replicas > 1):
+    unit_backends = [s for s in opts.engines if s != "auto" and ENGINES[spec_kind(s)].unit_backend]
+    if unit_backends and (len(opts.engines) > 1 or opts.replicas > 1):
         raise ValueError(
             "an fn: backend scores whole units: give exactly one --engine fn:... and no --engines N"
         )

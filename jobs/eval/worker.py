@@ -14,7 +14,10 @@ Promises:
   ``--verify``), ``pin_violation`` (the engine's version differs from the step after the load, after
   the unit, or on any sample), ``unhealthy`` (the engine stays dead after restart + reload + re-probe),
   ``crashed`` (scoring raised an engine, runtime, value or OS error), or a backend's own
-  ``EvalSkip(reason)``. A load or scoring failure is checked against the snapshot once more: if it no
+  ``EvalSkip(reason)``. User code that raises — a scorer, an lm-eval task — is that unit's ``crashed``
+  skip with the exception's last line and a ``blame``, written at once (another worker would fail the
+  same way; the engine is not restarted and its health not counted); a scorer's
+  ``ScorerInfraError`` (a judge, a sandbox) is a skip with its own reason, also written at once. A load or scoring failure is checked against the snapshot once more: if it no
   longer verifies (deleted or damaged after the first check), the unit is that ``ckpt_missing`` /
   ``ckpt_corrupt`` skip, not ``unhealthy`` or ``crashed``. An ``unhealthy`` or ``crashed`` outcome may
   be this worker's own fault (a dead engine, a setting its backend cannot use), so the unit is
@@ -100,8 +103,10 @@ from typing import Any
 from coord.rundir import RunDir
 from jobs.eval.engines.base import EngineError
 from jobs.eval.evaluators import Evaluator, build_evaluator, call_with_timeout
+from jobs.eval.kinds import check_entries
 from jobs.eval.loop import Worker
-from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
+from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args, scorer_options
+from jobs.eval.scorers import ScorerContext
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.service import create_run_from_config, service_ingestion
 from jobs.eval.trust import check_run_code
@@ -173,14 +178,9 @@ def ensure_protocol_dirs(run: RunDir) -> None:
 
 
 def check_datasets(cache: DatasetCache) -> None:
-    """Load every eval set once so a broken one stops the worker at start, not unit by unit."""
-    for spec in cache.manifest.eval.datasets:
-        cache.rows(spec)
-        cache.scorer(spec)
-    if cache.manifest.eval.harness:
-        from jobs.eval.harness import check_harness
-
-        check_harness(cache.run, cache.manifest.eval.harness)
+    """Check every eval set once (:func:`jobs.eval.kinds.check_entries`: rows, scorers, library tasks) so
+    a broken one stops the worker at start, not unit by unit."""
+    check_entries(cache)
 
 
 # -- entry points ---------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     manifest = run.manifest()
     run.training_done()  # a malformed TRAINING_DONE stops the worker here, named, not mid-loop
     check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
-    cache = DatasetCache(run, manifest)
+    cache = DatasetCache(run, manifest, ScorerContext(run.path, scorer_options(opts)))
     check_datasets(cache)
     evaluator = build_evaluator(opts, manifest, cache)
     try:  # before the first claim: a broken engine must not write a single result
