@@ -317,16 +317,16 @@ class Sandbox:
         self._slot_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ckpteval-sandbox")
 
-    def run_many(self, jobs: Sequence[tuple[str, bytes]]) -> list[Outcome]:
-        """Run ``(source, stdin)`` programs in the pool; outcomes in order. :class:`SandboxUnavailable`
-        if any could not run after its retries."""
-        return list(self._pool.map(lambda job: self.run(*job), jobs))
+    def run_many(self, jobs: Sequence[tuple[str, bytes]], limits: Limits | None = None) -> list[Outcome]:
+        """Run ``(source, stdin)`` programs in the pool (``limits``: this call's, default the pool's);
+        outcomes in order. :class:`SandboxUnavailable` if any could not run after its retries."""
+        return list(self._pool.map(lambda job: self.run(job[0], job[1], limits), jobs))
 
-    def run(self, source: str, stdin: bytes = b"") -> Outcome:
+    def run(self, source: str, stdin: bytes = b"", limits: Limits | None = None) -> Outcome:
         """Run one program (blocks until it ends); retries a sandbox that could not start."""
         for attempt in range(self.retries + 1):
             try:
-                return self._run_once(source, stdin)
+                return self._run_once(source, stdin, limits or self.limits)
             except SandboxUnavailable:
                 if attempt == self.retries:
                     raise
@@ -337,7 +337,7 @@ class Sandbox:
         with self._slot_lock:
             return self._slots.pop() if self._slots else self.concurrency + threading.get_ident() % 1000
 
-    def _run_once(self, source: str, stdin: bytes) -> Outcome:
+    def _run_once(self, source: str, stdin: bytes, limits: Limits) -> Outcome:
         slot = self._take_slot()
         tmp = tempfile.mkdtemp(prefix="ckpteval-sandbox-")
         try:
@@ -348,21 +348,21 @@ class Sandbox:
             uid = SANDBOX_UID_BASE + (os.getpid() % 100_000) * 16 + slot % 16 if self.as_root else -1
             ready_r, ready_w = os.pipe()
             if self.mode == "bwrap":
-                cmd = bwrap_command(program, self.limits, self.label, self.as_root)
-                cmd += launcher_args(self.limits, uid, ready_w, PROGRAM)
-                run = _Run(cmd, self.limits, tmp, None, stdin_path, ready_w, ready_r)
+                cmd = bwrap_command(program, limits, self.label, self.as_root)
+                cmd += launcher_args(limits, uid, ready_w, PROGRAM)
+                run = _Run(cmd, limits, tmp, None, stdin_path, ready_w, ready_r)
             else:
                 work = os.path.join(tmp, "work")
                 os.mkdir(work, 0o700)
                 env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
-                cmd = [interpreter()[0], "-I", "-c", LAUNCHER, *launcher_args(self.limits, -1, ready_w, program)]
-                run = _Run(cmd, self.limits, work, env, stdin_path, ready_w, ready_r)
+                cmd = [interpreter()[0], "-I", "-c", LAUNCHER, *launcher_args(limits, -1, ready_w, program)]
+                run = _Run(cmd, limits, work, env, stdin_path, ready_w, ready_r)
             rc, wall = run.wait()
             if not run.ready and not run.timed_out:
                 why = bytes(run.out["stderr"]).decode(errors="replace").strip().splitlines()
                 raise SandboxUnavailable(why[-1] if why else f"the sandbox exited {rc} before the program started")
             if not run.ready:
-                raise SandboxUnavailable(f"the sandbox did not start within {self.limits.wall_s:g} s")
+                raise SandboxUnavailable(f"the sandbox did not start within {limits.wall_s:g} s")
             return _classify(run, rc, wall, self.mode == "bwrap")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -372,3 +372,17 @@ class Sandbox:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+_SHARED: dict[tuple[str, int], Sandbox] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_sandbox(mode: str = "bwrap", concurrency: int | None = None) -> Sandbox:
+    """The process's pool for ``mode`` (one per mode and size: every code set of a worker shares it, so
+    the node runs at most ``concurrency`` programs at once per worker)."""
+    key = (mode, concurrency or default_concurrency())
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = Sandbox(mode=mode, concurrency=key[1])
+        return _SHARED[key]
