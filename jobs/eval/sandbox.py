@@ -2,9 +2,9 @@
 
 :class:`Sandbox` runs a program's source (with optional stdin bytes) and returns an :class:`Outcome`
 whose ``status`` is the program's own ending: ``passed`` (exit 0), ``failed`` (a non-zero exit),
-``timeout`` (the wall-clock deadline or the CPU limit), ``oom`` (``MemoryError`` under the address-space
-limit, or killed by the kernel's OOM killer) or ``crashed`` (killed by another signal, or stdout/stderr
-over the output cap). Those are the model's failures. When the sandbox itself cannot start (bwrap
+``timeout`` (the wall-clock deadline or the CPU limit's SIGXCPU), ``oom`` (``MemoryError`` under the
+address-space limit) or ``crashed`` (killed by any other signal, the kernel's OOM killer's SIGKILL
+included, or stdout/stderr over the output cap). Those are the model's failures. When the sandbox itself cannot start (bwrap
 refused, no process could be forked) it is retried, then :class:`SandboxUnavailable` is raised: an
 infrastructure failure the caller must never score as 0.
 
@@ -287,8 +287,8 @@ def _classify(run: _Run, rc: int, wall: float, bwrap: bool) -> Outcome:
         return outcome("crashed", run.overflow)
     if sig == signal.SIGXCPU:
         return outcome("timeout", f"over the {run.limits.cpu_s} s CPU limit")
-    if sig == signal.SIGKILL:
-        return outcome("oom", "killed (SIGKILL: the OOM killer or the CPU hard limit)")
+    if sig == signal.SIGKILL:  # not ours: the CPU hard limit, the kernel's OOM killer, or itself
+        return outcome("crashed", "killed by SIGKILL")
     if sig is not None:
         return outcome("crashed", f"killed by {signal.Signals(sig).name}" if sig in signal.valid_signals() else f"signal {sig}")
     if code == 0:
