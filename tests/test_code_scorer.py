@@ -189,8 +189,11 @@ def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None
 
 
 def hostile_programs(run_path: Path, workdir: Path, listen_port: int) -> dict[str, tuple[str, dict[str, int]]]:
-    """name -> (completion, expected counters). Every program prints "pwned" only if its attack worked."""
+    """name -> (completion, expected counters). Every program prints "pwned" only if its attack worked (the
+    writers check for the run's snapshots/ dir, which no program creates: inside the sandbox the run's
+    path, under the test's /tmp, lands in the program's own private /tmp)."""
     r, res, wd = str(run_path), str(run_path / "results"), str(workdir)
+    seen = f"import os\nprint('pwned' if os.path.isdir({str(run_path / 'snapshots')!r}) else 'contained')"
     timeout, error, neither = {"code_timeouts": 1, "code_errors": 0}, {"code_timeouts": 0, "code_errors": 1}, \
         {"code_timeouts": 0, "code_errors": 0}
     return {
@@ -203,8 +206,10 @@ def hostile_programs(run_path: Path, workdir: Path, listen_port: int) -> dict[st
         "network": (f"import socket\nsocket.create_connection(('127.0.0.1', {listen_port}), timeout=1)\nprint('pwned')\n",
                     error),
         "read_run_dir": (f"print(open({r + '/run.json'!r}).read())\nprint('pwned')\n", error),
-        "write_results": (f"import os\nos.makedirs({res!r}, exist_ok=True)\nopen({res + '/pwned.json'!r}, 'w').write('{{}}')\n"
-                          f"open({r + '/run.json'!r}, 'a').write('pwned')\nprint('pwned')\n", error),
+        "write_results": (f"import os\nfor path in ({res + '/pwned.json'!r}, {r + '/run.json'!r}):\n"
+                          "    try:\n        os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+                          "        open(path, 'a').write('pwned')\n    except OSError:\n        pass\n"
+                          f"{seen}\n", neither),
         "kill_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)\n"
                         "print('pwned')\n", error),
         "setsid_escape": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
@@ -213,7 +218,7 @@ def hostile_programs(run_path: Path, workdir: Path, listen_port: int) -> dict[st
                          "    shutil.rmtree(d, ignore_errors=True)\n"
                          "    for f in (os.listdir(d) if os.path.isdir(d) else []):\n"
                          "        try:\n            os.remove(os.path.join(d, f))\n        except OSError:\n            pass\n"
-                         f"print('pwned' if not os.path.exists({r!r}) else 'kept')\n", neither),
+                         f"{seen}\n", neither),
     }
 
 
@@ -273,5 +278,5 @@ def test_a_sandbox_failing_mid_run_skips_the_unit_sandbox_failed(tmp_path: Path,
     with CannedEngine({row["prompt"]: [fenced(row["solution"])]}) as url:
         code, out, _ = run_worker(run, url, tmp_path / "cwd", "--max-attempts", "1", timeout=120)
     r = results(run).get(WorkUnit(1, "code", 0))
-    assert r is not None and r.status == "skipped" and r.reason == "sandbox_failed", out
+    assert r is not None and r.status == "skipped" and r.skip_reason == "sandbox_failed", out
     assert not r.scores
