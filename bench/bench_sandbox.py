@@ -3,7 +3,7 @@ plain subprocesses, in the same run.
 
 The programs are the example code set's reference solutions with their tests
 (``examples/evalsets/code.jsonl``: assert-style rows run solution + asserts, stdin/stdout rows run the
-solution once per case with that case's input), all passing. *Plain* runs each as ``python -I -c
+solution once per case with that case's input), all passing. *Plain* runs each as ``python -I -S -c
 PROGRAM`` with the same stdin, no isolation, no limits; *sandboxed* runs it through
 :class:`jobs.eval.sandbox.Sandbox` (a fresh bwrap namespace set, the rlimits launcher, the outside
 deadline). Both use a thread pool of the same size (``--concurrency``). The load average is printed
@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jobs.eval.sandbox import Limits, Sandbox, interpreter, probe_bwrap
+from jobs.eval.sandbox import INTERPRETER_FLAGS, Limits, Sandbox, interpreter, probe_bwrap
 
 CODE_SET = Path(__file__).resolve().parents[1] / "examples" / "evalsets" / "code.jsonl"
 
@@ -41,7 +41,7 @@ def programs() -> list[tuple[str, bytes]]:
 
 
 def plain(job: tuple[str, bytes]) -> int:
-    return subprocess.run([interpreter()[0], "-I", "-c", job[0]], input=job[1], capture_output=True,
+    return subprocess.run([interpreter()[0], *INTERPRETER_FLAGS, "-c", job[0]], input=job[1], capture_output=True,
                           timeout=60, check=False).returncode
 
 

@@ -480,7 +480,7 @@ def sandbox_section(rec: dict[str, Any]) -> str:
         f"`bench_sandbox.py` — the example code set's reference programs ({d['programs']} runs: solutions with "
         f"their asserts, or one run per stdin case), all passing; best of {d['repeats']}, {d['concurrency']} at "
         f"once, {d['cpus']} cores.", "",
-        table(["mode", "programs/s"], [["plain subprocess (`python -I -c`, no isolation, no limits)",
+        table(["mode", "programs/s"], [["plain subprocess (`python -I -S -c`, no isolation, no limits)",
                                         f"{d['plain_per_s']:.1f}"],
                                        ["sandboxed (bwrap namespaces + rlimits launcher + outside deadline)",
                                         f"{d['sandboxed_per_s']:.1f}"]]), "",

@@ -17,6 +17,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,15 @@ def run_worker(run: RunDir, url: str, cwd: Path, *flags: str, env: dict[str, str
 
 
 def leftovers(worker_pid: int) -> list[int]:
-    """Live processes started by that worker's sandboxes (their environment carries its label)."""
+    """Live processes started by that worker's sandboxes (their environment carries its label), after
+    giving the kernel up to 30 s to tear killed PID namespaces down (it does so asynchronously)."""
+    gone_by = time.monotonic() + 30
+    while (found := _labelled(worker_pid)) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    return found
+
+
+def _labelled(worker_pid: int) -> list[int]:
     mark = f"{ENV_LABEL}=ckpteval-{worker_pid}".encode()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -39,7 +39,9 @@ def sandbox(request: pytest.FixtureRequest) -> Sandbox:
     box = Sandbox(TIGHT, concurrency=2, label=f"test-sandbox-{os.getpid()}-{request.node.name}")
     yield box
     box.close()
-    time.sleep(0.2)  # the kernel reaps a killed namespace's processes asynchronously
+    gone_by = time.monotonic() + 30  # the kernel tears a killed PID namespace down asynchronously
+    while leftovers(box.label) and time.monotonic() < gone_by:
+        time.sleep(0.1)
     assert leftovers(box.label) == [], "a sandboxed process outlived its sandbox"
 
 

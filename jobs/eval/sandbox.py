@@ -20,7 +20,7 @@ Isolation (``mode="bwrap"``, the default): each program runs under bubblewrap (`
 - a private writable tmpfs ``/tmp`` (size-capped) as the working directory. Nothing else of the host
   is visible: no run dir, results, leases, home directory or environment (``--clearenv``).
 
-Inside, a trusted launcher (``python -I -c LAUNCHER``) sets the rlimits (CPU seconds, address space,
+Inside, a trusted launcher (``python -I -S -c LAUNCHER``) sets the rlimits (CPU seconds, address space,
 file size, process count, open files), drops to an unprivileged uid when it runs as root (RLIMIT_NPROC
 is never enforced for uid 0: a fork bomb needs another uid), tells the host it is up (one byte on an
 inherited pipe), closes that pipe and runs the program in its own interpreter. A wall-clock deadline is
@@ -35,11 +35,11 @@ isolate: the program can read and write whatever the worker's user can, open net
 a process that leaves the process group outlives the deadline; RLIMIT_NPROC is not enforced for root.
 Results record the mode (the code scorer's identity), so such points are never pooled with sandboxed ones.
 
-Limits: programs are Python source run by the worker's own base interpreter (its stdlib and base
-site-packages, not the worker's virtualenv); the CPU limit is per process (a program that forks many
-CPU-bound children is stopped by the wall clock, not the CPU limit); memory is bounded per process
-(address space) and by the tmpfs size, not per sandbox as a cgroup would; concurrent sandboxes run in a
-bounded pool (:attr:`Sandbox.concurrency`).
+Limits: programs are Python source run by the worker's own base interpreter with its standard library
+only (``-I -S``: no site-packages, neither the base installation's nor the worker's virtualenv); the CPU
+limit is per process (a program that forks many CPU-bound children is stopped by the wall clock, not the
+CPU limit); memory is bounded per process (address space) and by the tmpfs size, not per sandbox as a
+cgroup would; concurrent sandboxes run in a bounded pool (:attr:`Sandbox.concurrency`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ STATUSES = ("passed", "failed", "timeout", "oom", "crashed")
 SANDBOX_UID_BASE = 200_000  # root only: each pool slot runs as its own unprivileged uid (RLIMIT_NPROC per uid)
 ENV_LABEL = "CKPTEVAL_SANDBOX"  # set in every sandboxed process's environment: who started it
 PROGRAM = "/sandbox/main.py"
+# -I: no environment, no user site, no script dir on sys.path; -S: no site-packages (and none of their
+# .pth start-up hooks): programs get the standard library only, and start faster.
+INTERPRETER_FLAGS = ("-I", "-S")
 
 # Runs inside the sandbox (argv: cpu_s memory_bytes file_bytes nproc nofile uid ready_fd program). Trusted
 # code: set the limits, drop root, report "up" on ready_fd, then run the program as __main__ here.
@@ -173,7 +176,7 @@ def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) 
         "--perms", "0755", "--dir", "/sandbox", "--ro-bind", program_file, PROGRAM,
         "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
         "--setenv", "HOME", "/tmp", "--setenv", ENV_LABEL, label,
-        exe, "-I", "-c", LAUNCHER,
+        exe, *INTERPRETER_FLAGS, "-c", LAUNCHER,
     ]
 
 
@@ -355,7 +358,7 @@ class Sandbox:
                 work = os.path.join(tmp, "work")
                 os.mkdir(work, 0o700)
                 env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
-                cmd = [interpreter()[0], "-I", "-c", LAUNCHER, *launcher_args(limits, -1, ready_w, program)]
+                cmd = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER, *launcher_args(limits, -1, ready_w, program)]
                 run = _Run(cmd, limits, work, env, stdin_path, ready_w, ready_r)
             rc, wall = run.wait()
             if not run.ready and not run.timed_out:
