@@ -219,8 +219,8 @@ def hostile_programs(run_path: Path, workdir: Path, listen_port: int) -> dict[st
                           "    try:\n        os.makedirs(os.path.dirname(path), exist_ok=True)\n"
                           "        open(path, 'a').write('pwned')\n    except OSError:\n        pass\n"
                           f"{seen}\n", neither),
-        "kill_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)\n"
-                        "print('pwned')\n", error),
+        "kill_parent": ("import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n    pass\n"
+                        "os.killpg(0, signal.SIGKILL)\nprint('pwned')\n", error),  # killpg: its own group only
         "setsid_escape": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                           "        time.sleep(120)\n        print('pwned')\n    os._exit(0)\nprint('escaped?')\n", neither),
         "delete_files": (f"import os, shutil\nfor d in ('.', {wd!r}, {r!r}, '/sandbox'):\n"
