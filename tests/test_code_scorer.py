@@ -31,6 +31,7 @@ from jobs.eval.evalsets import write_jsonl
 from jobs.eval.sandbox import ENV_LABEL, probe_bwrap
 from jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
 from jobs.eval.scorers.code import extract_code, row_tests, same_output
+from jobs.eval.service import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.workers import PYTHON, REPO, finish, results, worker_env
@@ -58,6 +59,18 @@ def test_row_formats_and_their_errors() -> None:
     for bad in ({"tests": []}, {"inputs": ["1"], "outputs": []}, {"prompt": "x"}, {"tests": "x", "entry_point": "a b"}):
         with pytest.raises(ValueError, match="^data.jsonl:3: "):
             row_tests(bad, "data.jsonl:3")
+
+
+def test_a_malformed_code_row_is_refused_when_the_eval_config_is_read(tmp_path: Path) -> None:
+    (tmp_path / "code.jsonl").write_text(json.dumps(EXAMPLE[0]) + "\n" + json.dumps({"prompt": "p", "inputs": ["1"]}) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "code", "path": "code.jsonl", "n_prompts": 2, "scorer": "code", "scorer_options": {"timeout_s": 3}}]}}))
+    with pytest.raises(ValueError, match=r"code.jsonl:2: a code row needs 'tests'"):
+        read_eval_config(tmp_path / "eval.json")
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "code", "path": "code.jsonl", "n_prompts": 2, "scorer": "code", "scorer_options": {"timeout": 3}}]}}))
+    with pytest.raises(ValueError, match="timeout_s"):  # an unknown option is refused naming the closest
+        read_eval_config(tmp_path / "eval.json")
 
 
 def test_outputs_compare_line_by_line_ignoring_surrounding_whitespace() -> None:

@@ -23,6 +23,7 @@ from coord.rundir import RunDir
 from jobs.eval.evalsets import load_rows
 from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions
+from jobs.eval.scorers import scorer_class
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ def read_eval_config(config_path: Path) -> EvalConfig:
     for name, src in sources.items():  # every row is read now, so a bad file fails before anything is written
         if not src.is_file():
             raise FileNotFoundError(f"{config_path}: dataset {name!r} file {src} not found")
-        rows, want = load_rows(src), checked.dataset(name).n_prompts
+        spec = checked.dataset(name)
+        rows, want = load_rows(src, scorer_class(spec.scorer)), spec.n_prompts  # the rows its scorer needs
         if len(rows) != want:
             raise ValueError(f"{config_path}: dataset {name!r} file {src} has {len(rows)} rows, n_prompts says {want}")
     return EvalConfig(config_path, cfg, eval_section, sources, checked.eval, checked.lease if "lease" in cfg else None)

@@ -155,6 +155,11 @@ class CodeScorer(BaseScorer):
     def parse_options(cls, f: Fields) -> CodeOptions:
         return parse_dataclass(f, CodeOptions, what="scorer 'code'")
 
+    @classmethod
+    def check_row(cls, row: dict[str, Any], where: str) -> None:
+        """When rows load: one of the two test formats, well formed (ValueError naming ``where``)."""
+        row_tests(row, where)
+
     def __init__(self, spec: Any, ctx: ScorerContext) -> None:
         from jobs.eval.sandbox import Limits, probe_bwrap, shared_sandbox
 
