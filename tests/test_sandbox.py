@@ -8,6 +8,7 @@ cannot start here the bwrap tests are skipped with the probe's reason (the rlimi
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -141,3 +142,19 @@ def test_rlimits_only_mode_bounds_a_program_without_bwrap(tmp_path: Path, monkey
     assert box.run("while True: pass").status == "timeout"
     assert box.run("x = bytearray(10**10)").status == "oom"
     assert not (tmp_path / "calls").exists()
+
+
+@needs_bwrap
+def test_bwrap_killed_under_a_running_program_is_an_infra_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real bwrap, SIGKILLed from outside a second after it starts (what the OOM killer or an operator
+    does): not the program's failure."""
+    real = shutil.which("bwrap")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "bwrap"
+    script.write_text(f"#!/bin/sh\n(sleep 1; kill -9 $$) &\nexec {real} \"$@\"\n")  # $$: bwrap after the exec
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    box = Sandbox(Limits(wall_s=20.0), concurrency=1, retries=1)
+    with pytest.raises(SandboxUnavailable, match="bwrap was killed by signal 9"):
+        box.run("import time; time.sleep(15)")

@@ -5,8 +5,9 @@ whose ``status`` is the program's own ending: ``passed`` (exit 0), ``failed`` (a
 ``timeout`` (the wall-clock deadline or the CPU limit's SIGXCPU), ``oom`` (``MemoryError`` under the
 address-space limit) or ``crashed`` (killed by any other signal, the kernel's OOM killer's SIGKILL
 included, or stdout/stderr over the output cap). Those are the model's failures. When the sandbox itself cannot start (bwrap
-refused, no process could be forked) it is retried, then :class:`SandboxUnavailable` is raised: an
-infrastructure failure the caller must never score as 0.
+refused, no process could be forked) or bwrap is killed by a signal it was not sent by this module, it is
+retried, then :class:`SandboxUnavailable` is raised: an infrastructure failure the caller must never
+score as 0.
 
 Isolation (``mode="bwrap"``, the default): each program runs under bubblewrap (``bwrap``) with
 
@@ -366,6 +367,10 @@ class Sandbox:
                 raise SandboxUnavailable(why[-1] if why else f"the sandbox exited {rc} before the program started")
             if not run.ready:
                 raise SandboxUnavailable(f"the sandbox did not start within {limits.wall_s:g} s")
+            if self.mode == "bwrap" and rc < 0 and not (run.timed_out or run.overflow):
+                # bwrap reports the program's signals as 128 + n; bwrap itself killed by a signal we did not
+                # send is the sandbox dying under the program (the OOM killer, an operator), not its fault
+                raise SandboxUnavailable(f"bwrap was killed by signal {-rc} while the program ran")
             return _classify(run, rc, wall, self.mode == "bwrap")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
