@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
+from coord.identity import run_key
 from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from coord.results import dataset_score
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
 from coord.units import WorkUnit
@@ -207,6 +209,10 @@ def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None
         assert r.counters == {"code_timeouts": 0, "code_errors": 0}
         assert r.extras["tests_passed_fraction"] == {"sum": 6.0, "n": 8}
         assert r.scorer["sandbox"] == "bwrap" and r.scorer["name"] == "code"
+    (ds,) = run.manifest().eval.datasets
+    point = dataset_score(ds, run_key(run.manifest()), 1, [got[WorkUnit(1, "code", i)] for i in (0, 1)])
+    assert (point.score, point.derived["pass@1"], point.derived["pass@2"]) == (0.75, 0.75, 1.0)
+    assert point.extras == {"tests_passed_fraction": 0.75} and point.counters["code_errors"] == 0
     assert leftovers(pid) == []
 
 
