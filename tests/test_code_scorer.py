@@ -120,6 +120,18 @@ def test_timeouts_and_errors_are_counted_and_printing_a_fake_pass_does_not_count
                                             {"code_timeouts": 0, "code_errors": 1}, {"code_timeouts": 0, "code_errors": 1}]
 
 
+@needs_bwrap
+def test_prepend_prompt_scores_humaneval_style_continuations(tmp_path: Path) -> None:
+    row = {"prompt": "def gcd(a, b):\n", "tests": "def check(candidate):\n    assert candidate(12, 18) == 6\n",
+           "entry_point": "gcd"}
+    body = "    while b:\n        a, b = b, a % b\n    return a\n"
+    with_prompt = make_scorer(spec([row], {**FAST, "prepend_prompt": True}), ScorerContext(tmp_path, {}))
+    without = make_scorer(spec([row]), ScorerContext(tmp_path, {}))
+    assert [s.score for s in with_prompt.score([Sample(body, row, row["prompt"])])] == [1.0]
+    assert [s.score for s in without.score([Sample(body, row, row["prompt"])])] == [0.0]  # a bare body does not load
+    assert with_prompt.identity() != without.identity()
+
+
 def bwrap_failing_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, good_calls: int) -> Path:
     """A real ``bwrap`` wrapper on PATH: the first ``good_calls`` calls run the real bwrap, later ones fail as
     bwrap does when it cannot create namespaces."""

@@ -15,6 +15,8 @@ parser all go through this registry):
        class MyScorer(BaseScorer):
            required_row_fields = ("tests",)   # checked when rows load; the error names file:line
            needs_answer = False               # rows may then omit "answer"
+           # optional: @classmethod check_row(cls, row, where) -> None, raising ValueError(f"{where}: ...")
+           # for row checks a list of fields cannot say (the code scorer: "tests" OR "inputs"/"outputs")
 
            @classmethod
            def parse_options(cls, f: Fields) -> MyOptions:   # f: the "scorer_options" block

@@ -40,7 +40,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from coord.manifest import FieldError, Fields, parse_dataclass
+from coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from jobs.eval.sandbox import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
 from jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 
 HARNESS_VERSION = "1"
@@ -160,9 +161,7 @@ class CodeScorer(BaseScorer):
         """When rows load: one of the two test formats, well formed (ValueError naming ``where``)."""
         row_tests(row, where)
 
-    def __init__(self, spec: Any, ctx: ScorerContext) -> None:
-        from jobs.eval.sandbox import Limits, probe_bwrap, shared_sandbox
-
+    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
         super().__init__(spec, ctx)
         self.mode = "rlimits-only" if ctx.option("unsafe_code_rlimits_only", False) else "bwrap"
         if self.mode == "bwrap" and (why := _probe(probe_bwrap)) is not None:
@@ -179,15 +178,13 @@ class CodeScorer(BaseScorer):
                 "prepend_prompt": opts.prepend_prompt, "harness": HARNESS_VERSION}
 
     def score(self, samples: list[Sample]) -> list[Scored]:
-        from jobs.eval.sandbox import SandboxUnavailable
-
         jobs: list[tuple[str, bytes]] = []
         plans = [self._plan(s, i, jobs) for i, s in enumerate(samples)]
         try:
             outcomes = self.sandbox.run_many(jobs, self.limits)
         except SandboxUnavailable as e:
             raise ScorerInfraError("sandbox_failed", f"the code sandbox could not run a program: {e}") from None
-        return [judge(outcomes[lo:hi], plan) for (lo, hi), plan in zip(_spans(plans), plans, strict=True)]
+        return [verdict(outcomes[lo:hi], plan) for (lo, hi), plan in zip(_spans(plans), plans, strict=True)]
 
     def _plan(self, sample: Sample, index: int, jobs: list[tuple[str, bytes]]) -> Plan:
         code = extract_code(sample.completion)
@@ -223,7 +220,7 @@ def _spans(plans: list[Plan]) -> list[tuple[int, int]]:
     return spans
 
 
-def judge(outcomes: list[Any], plan: Plan) -> Scored:
+def verdict(outcomes: list[Outcome], plan: Plan) -> Scored:
     """One sample's :class:`Scored` from its programs' outcomes."""
     timeouts = any(o.status == "timeout" for o in outcomes)
     errors = any(o.status in MODEL_ERRORS for o in outcomes)
