@@ -11,6 +11,8 @@ ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	# bubblewrap: the code scorer's sandbox (jobs/eval/sandbox.py).
+	command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	# CPU torch first: a local wheel on these machines; pyproject keeps a range so GPU clusters keep their build.

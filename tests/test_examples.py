@@ -18,6 +18,7 @@ import pytest
 
 from coord.rundir import RunDir
 from jobs.eval.evalsets import load_rows
+from jobs.eval.scorers import scorer_class
 from jobs.eval.service import read_eval_config
 from tests.support.training import read_jsonl
 
@@ -36,7 +37,7 @@ def test_the_generator_reproduces_the_committed_example_sets(tmp_path: Path) -> 
     copy = tmp_path / "evalsets"
     shutil.copytree(EXAMPLES / "evalsets", copy)
     subprocess.run([sys.executable, str(copy / "generate.py")], check=True, capture_output=True, timeout=60)
-    for name in ("gsm8k_style.jsonl", "latex_answers.jsonl", "chat.jsonl"):
+    for name in ("gsm8k_style.jsonl", "latex_answers.jsonl", "chat.jsonl", "code.jsonl", "code_tiny.jsonl"):
         assert (copy / name).read_bytes() == (EXAMPLES / "evalsets" / name).read_bytes(), name
 
 
@@ -49,6 +50,18 @@ def test_example_sets_have_the_formats_they_claim() -> None:
     chat = [json.loads(line) for line in (EXAMPLES / "evalsets" / "chat.jsonl").read_text().splitlines()]
     assert all(isinstance(r["messages"], list) and r["messages"][-1]["role"] == "user" for r in chat)
     assert any(len(r["messages"]) > 1 for r in chat)
+
+
+def test_example_code_set_has_both_test_formats_and_a_valid_config() -> None:
+    """20 problems: assert-style (MBPP lists and HumanEval check/entry_point) and stdin/stdout cases;
+    that their reference solutions pass is tests/test_code_scorer.py's."""
+    config = read_eval_config(EXAMPLES / "evalsets" / "code.eval.json")
+    (spec,) = config.spec.datasets
+    assert (spec.scorer, spec.n_prompts, spec.pass_k) == ("code", 20, (1, 4))
+    rows = load_rows(EXAMPLES / "evalsets" / "code.jsonl", scorer_class("code"))
+    assert sum(isinstance(r.get("tests"), list) for r in rows) >= 5
+    assert sum(isinstance(r.get("tests"), str) and "entry_point" in r for r in rows) >= 3
+    assert sum(len(r.get("inputs", ())) == len(r.get("outputs", ())) > 0 for r in rows) == 10
 
 
 @pytest.mark.parametrize("name", ["gsm8k_style.eval.json", "latex_answers.eval.json", "chat.eval.json"])

@@ -66,6 +66,13 @@ class WorkerOptions:
     trust_run_code: bool = option(
         False, "import scorer code named by run.json (module:function) even when run.json or the run dir "
         "is writable by other users (see docs/PROTOCOL.md, 'Who may run code in a worker')")
+    sandbox_concurrency: int = option(
+        0, "code sets: programs run at once in this worker's sandbox pool (0: min(4, this process's CPUs))",
+        metavar="N", min=0, group=SCORING)
+    unsafe_code_rlimits_only: bool = option(
+        False, "code sets on a node where bwrap cannot start: run programs with rlimits and a deadline only, "
+        "WITHOUT isolation (they can read/write what this user can, open connections); recorded in every "
+        "result", group=SCORING)
     wandb: bool = option(False, "log each finished point into the training run's wandb run (needs "
                          "--wandb-run-id)", group=INGESTION)
     wandb_run_id: str | None = option(None, "the training run's wandb id", metavar="ID", group=INGESTION)

@@ -15,6 +15,8 @@ parser all go through this registry):
        class MyScorer(BaseScorer):
            required_row_fields = ("tests",)   # checked when rows load; the error names file:line
            needs_answer = False               # rows may then omit "answer"
+           # optional: @classmethod check_row(cls, row, where) -> None, raising ValueError(f"{where}: ...")
+           # for row checks a list of fields cannot say (the code scorer: "tests" OR "inputs"/"outputs")
 
            @classmethod
            def parse_options(cls, f: Fields) -> MyOptions:   # f: the "scorer_options" block
@@ -206,11 +208,14 @@ def make_scorer(spec: DatasetSpec, ctx: ScorerContext) -> Scorer:
 
 
 def check_row(scorer: type, row: dict[str, Any], where: str) -> None:
-    """A row has what its scorer needs (``answer`` unless ``needs_answer`` is false, ``required_row_fields``)."""
+    """A row has what its scorer needs (``answer`` unless ``needs_answer`` is false, ``required_row_fields``,
+    and whatever the scorer's optional classmethod ``check_row(row, where)`` checks: ValueError naming ``where``)."""
     missing = [k for k in (("answer",) if scorer.needs_answer else ()) + tuple(scorer.required_row_fields)
                if row.get(k) is None]
     if missing:
         raise ValueError(f"{where}: the row has no {', '.join(repr(k) for k in missing)} (needed by its scorer)")
+    if (own_check := getattr(scorer, "check_row", None)) is not None:
+        own_check(row, where)
 
 
 def last_line(error: BaseException) -> str:

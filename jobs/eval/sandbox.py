@@ -1,0 +1,396 @@
+"""Run an untrusted Python program and report how it ended: the one place ckpteval executes model code.
+
+:class:`Sandbox` runs a program's source (with optional stdin bytes) and returns an :class:`Outcome`
+whose ``status`` is the program's own ending: ``passed`` (exit 0), ``failed`` (a non-zero exit),
+``timeout`` (the wall-clock deadline or the CPU limit's SIGXCPU), ``oom`` (``MemoryError`` under the
+address-space limit) or ``crashed`` (killed by any other signal, the kernel's OOM killer's SIGKILL
+included, or stdout/stderr over the output cap). Those are the model's failures. When the sandbox itself cannot start (bwrap
+refused, no process could be forked) or bwrap is killed by a signal it was not sent by this module, it is
+retried, then :class:`SandboxUnavailable` is raised: an infrastructure failure the caller must never
+score as 0.
+
+Isolation (``mode="bwrap"``, the default): each program runs under bubblewrap (``bwrap``) with
+
+- new PID, network, IPC and UTS namespaces (``--unshare-all`` when not root; as root the same list
+  without the user namespace, so that the launcher can drop to an unprivileged uid, see below), no
+  network at all (an empty network namespace), ``--die-with-parent`` and ``--new-session``;
+- a root made of read-only binds of only what the interpreter needs: ``/usr`` (and the ``/bin``,
+  ``/lib*`` links or dirs), the interpreter's own prefix (``sys.base_prefix``; e.g. a pyenv build
+  under ``/root``, whose parent dirs are created empty), ``/etc/ld.so.cache``; a fresh ``/proc`` of the
+  PID namespace and a minimal ``/dev``; the program at ``/sandbox/main.py`` (read-only);
+- a private writable tmpfs ``/tmp`` (size-capped) as the working directory. Nothing else of the host
+  is visible: no run dir, results, leases, home directory or environment (``--clearenv``).
+
+Inside, a trusted launcher (``python -I -S -c LAUNCHER``) sets the rlimits (CPU seconds, address space,
+file size, process count, open files), drops to an unprivileged uid when it runs as root (RLIMIT_NPROC
+is never enforced for uid 0: a fork bomb needs another uid), tells the host it is up (one byte on an
+inherited pipe), closes that pipe and runs the program in its own interpreter. A wall-clock deadline is
+enforced from outside: the host SIGKILLs bwrap, whose PID namespace dies with it (every process the
+program forked, daemonized or ``setsid``-ed included). stdout and stderr are read as they come and
+capped (``output_bytes``): a program that writes more is killed, never buffered whole.
+
+``mode="rlimits-only"`` (the worker's ``--unsafe-code-rlimits-only`` opt-in, for nodes that cannot
+start bwrap) runs the same launcher as a plain subprocess in a new session, in a private temp dir, with
+an empty environment and the same rlimits and deadline (the process group is killed). It does NOT
+isolate: the program can read and write whatever the worker's user can, open network connections, and
+a process that leaves the process group outlives the deadline; RLIMIT_NPROC is not enforced for root.
+Results record the mode (the code scorer's identity), so such points are never pooled with sandboxed ones.
+
+Limits: programs are Python source run by the worker's own base interpreter with its standard library
+only (``-I -S``: no site-packages, neither the base installation's nor the worker's virtualenv); the CPU
+limit is per process (a program that forks many CPU-bound children is stopped by the wall clock, not the
+CPU limit); memory is bounded per process (address space) and by the tmpfs size, not per sandbox as a
+cgroup would; concurrent sandboxes run in a bounded pool (:attr:`Sandbox.concurrency`).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("bwrap", "rlimits-only")
+STATUSES = ("passed", "failed", "timeout", "oom", "crashed")
+SANDBOX_UID_BASE = 200_000  # root only: each pool slot runs as its own unprivileged uid (RLIMIT_NPROC per uid)
+ENV_LABEL = "CKPTEVAL_SANDBOX"  # set in every sandboxed process's environment: who started it
+PROGRAM = "/sandbox/main.py"
+# -I: no environment, no user site, no script dir on sys.path; -S: no site-packages (and none of their
+# .pth start-up hooks): programs get the standard library only, and start faster.
+INTERPRETER_FLAGS = ("-I", "-S")
+
+# Runs inside the sandbox (argv: cpu_s memory_bytes file_bytes nproc nofile uid ready_fd program). Trusted
+# code: set the limits, drop root, report "up" on ready_fd, then run the program as __main__ here.
+LAUNCHER = r"""
+import os, resource, runpy, sys
+cpu, mem, fsize, nproc, nofile, uid, ready = (int(a) for a in sys.argv[1:8])
+program = sys.argv[8]
+for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
+                        (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
+                        (resource.RLIMIT_CORE, 0, 0)):
+    resource.setrlimit(res, (soft, hard))
+if uid >= 0 and os.getuid() == 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+os.write(ready, b"R"); os.close(ready)
+sys.argv = [program]
+sys.path.insert(0, os.path.dirname(program))
+runpy.run_path(program, run_name="__main__")
+"""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox could not run the program (bwrap refused to start, no process could be forked): an
+    infrastructure failure, never the program's."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one program may use."""
+
+    wall_s: float = 10.0
+    """Wall-clock deadline, enforced from outside (the whole sandbox is killed)."""
+    cpu_s: int = 10
+    """RLIMIT_CPU per process (SIGXCPU, then SIGKILL a second later)."""
+    memory_mb: int = 1024
+    """RLIMIT_AS per process, MiB (Python raises MemoryError)."""
+    file_mb: int = 16
+    """RLIMIT_FSIZE (largest file) and the size of the private /tmp, MiB."""
+    nproc: int = 32
+    """RLIMIT_NPROC: processes (and threads) of the sandbox's uid (not enforced for root, see module doc)."""
+    nofile: int = 64
+    """RLIMIT_NOFILE: open file descriptors."""
+    output_bytes: int = 1 << 20
+    """stdout and stderr are each kept up to this many bytes; more kills the program (``crashed``)."""
+
+    def __post_init__(self) -> None:
+        if not (self.wall_s > 0 and self.wall_s < float("inf")):
+            raise ValueError(f"sandbox wall_s must be a positive number of seconds, got {self.wall_s}")
+        for key in ("cpu_s", "memory_mb", "file_mb", "nproc", "nofile", "output_bytes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"sandbox {key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one program ended (``status`` in :data:`STATUSES`; see the module docstring)."""
+
+    status: str
+    exit_code: int | None  # the program's exit status (None: killed by a signal)
+    signal: int | None  # the signal that ended it (None: it exited)
+    stdout: bytes
+    stderr: bytes
+    wall_s: float
+    detail: str = ""  # why, in words, when not "passed"/"failed"
+
+
+def default_concurrency() -> int:
+    """Sandboxes run at once by default: min(4, the CPUs this process may use)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def interpreter() -> tuple[str, str]:
+    """The base interpreter (not a venv's wrapper) and its installation prefix."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    return exe, os.path.realpath(sys.base_prefix)
+
+
+def _root_binds(prefix: str) -> list[str]:
+    """bwrap arguments for the read-only root: /usr, the top-level links/dirs into it, the prefix."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    if os.path.exists("/etc/ld.so.cache"):
+        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    if not (prefix + "/").startswith(("/usr/", "/bin/", "/lib")):
+        parts = Path(prefix).parts[1:]
+        for i in range(1, len(parts)):  # parents created world-traversable (e.g. /root is 0700)
+            args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) -> list[str]:
+    """The full bwrap command line that runs ``program_file`` (a host path) under the launcher."""
+    exe, prefix = interpreter()
+    # root: no user namespace (uid 0 in one is still uid 0 to RLIMIT_NPROC; the launcher drops to a
+    # real unprivileged uid instead); others: --unshare-all, whose user namespace they need.
+    unshare = (["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+               if as_root else ["--unshare-all"])
+    return [
+        "bwrap", *unshare, "--die-with-parent", "--new-session",
+        *_root_binds(prefix),
+        "--proc", "/proc", "--dev", "/dev",
+        "--perms", "1777", "--size", str(limits.file_mb << 20), "--tmpfs", "/tmp",
+        "--perms", "0755", "--dir", "/sandbox", "--ro-bind", program_file, PROGRAM,
+        "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+        "--setenv", "HOME", "/tmp", "--setenv", ENV_LABEL, label,
+        exe, *INTERPRETER_FLAGS, "-c", LAUNCHER,
+    ]
+
+
+def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str) -> list[str]:
+    return [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.file_mb << 20), str(limits.nproc),
+            str(limits.nofile), str(uid), str(ready_fd), program]
+
+
+def probe_bwrap() -> str | None:
+    """None when bwrap can start a sandbox here; else one line saying why not."""
+    if shutil.which("bwrap") is None:
+        return "bwrap (bubblewrap) is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    try:
+        outcome = Sandbox(Limits(wall_s=30.0), concurrency=1, retries=0).run("print('ok')")
+    except SandboxUnavailable as e:
+        return f"bwrap cannot start a sandbox on this node ({e}); are unprivileged user namespaces disabled?"
+    if outcome.status != "passed" or outcome.stdout.strip() != b"ok":
+        return f"bwrap started but a trivial program ended {outcome.status} ({outcome.stderr[-200:]!r})"
+    return None
+
+
+class _Run:
+    """One program's process and the reading of its pipes until it ends or the deadline passes."""
+
+    def __init__(self, cmd: list[str], limits: Limits, workdir: str, env: dict[str, str] | None,
+                 stdin_path: str, ready_w: int, ready_r: int) -> None:
+        self.limits = limits
+        try:
+            with open(stdin_path, "rb") as stdin:
+                self.proc = subprocess.Popen(
+                    cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
+                    pass_fds=(ready_w,), start_new_session=True, close_fds=True,
+                )
+        except OSError as e:
+            os.close(ready_r)
+            raise SandboxUnavailable(f"cannot start {cmd[0]}: {e}") from None
+        finally:
+            os.close(ready_w)
+        self.ready_fd = ready_r
+        self.ready = False
+        self.out = {"stdout": bytearray(), "stderr": bytearray()}
+        self.overflow = ""
+        self.timed_out = False
+
+    def wait(self) -> tuple[int, float]:
+        start = time.monotonic()
+        deadline = start + self.limits.wall_s
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ, "stdout")  # type: ignore[arg-type]
+        sel.register(self.proc.stderr, selectors.EVENT_READ, "stderr")  # type: ignore[arg-type]
+        sel.register(self.ready_fd, selectors.EVENT_READ, "ready")
+        try:
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.timed_out = True
+                    self.kill()
+                    break
+                for key, _ in sel.select(timeout=min(left, 0.5)):
+                    self._read(sel, key)
+                if self.overflow:
+                    self.kill()
+                    break
+            rc = self.proc.wait()
+        finally:
+            sel.close()
+            os.close(self.ready_fd)
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                pipe.close()  # type: ignore[union-attr]
+        return rc, time.monotonic() - start
+
+    def _read(self, sel: selectors.BaseSelector, key: selectors.SelectorKey) -> None:
+        data = os.read(key.fd, 1 << 16)
+        if not data:
+            sel.unregister(key.fileobj)
+            return
+        if key.data == "ready":
+            self.ready = self.ready or data.startswith(b"R")
+            return
+        buf = self.out[key.data]
+        buf += data[: self.limits.output_bytes + 1 - len(buf)]
+        if len(buf) > self.limits.output_bytes:
+            del buf[self.limits.output_bytes:]
+            self.overflow = f"{key.data} over {self.limits.output_bytes} bytes"
+
+    def kill(self) -> None:
+        """SIGKILL the process group of bwrap (or of the rlimits-only launcher): bwrap's PID namespace,
+        and with it every process of the program, dies with it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _classify(run: _Run, rc: int, wall: float, bwrap: bool) -> Outcome:
+    """The program's outcome from how its process ended (bwrap reports a signal as 128 + signal)."""
+    out, err = bytes(run.out["stdout"]), bytes(run.out["stderr"])
+    sig: int | None = None
+    code: int | None = rc
+    if rc < 0:
+        sig, code = -rc, None
+    elif bwrap and rc > 128:
+        sig, code = rc - 128, None
+
+    def outcome(status: str, detail: str = "") -> Outcome:
+        return Outcome(status, code, sig, out, err, wall, detail)
+
+    if run.timed_out:
+        return outcome("timeout", f"over the {run.limits.wall_s:g} s deadline")
+    if run.overflow:
+        return outcome("crashed", run.overflow)
+    if sig == signal.SIGXCPU:
+        return outcome("timeout", f"over the {run.limits.cpu_s} s CPU limit")
+    if sig == signal.SIGKILL:  # not ours: the CPU hard limit, the kernel's OOM killer, or itself
+        return outcome("crashed", "killed by SIGKILL")
+    if sig is not None:
+        return outcome("crashed", f"killed by {signal.Signals(sig).name}" if sig in signal.valid_signals() else f"signal {sig}")
+    if code == 0:
+        return outcome("passed")
+    if b"MemoryError" in err[-2048:]:
+        return outcome("oom", f"MemoryError under the {run.limits.memory_mb} MiB address-space limit")
+    return outcome("failed", f"exit status {code}")
+
+
+class Sandbox:
+    """A bounded pool that runs untrusted programs (see the module docstring for the guarantee)."""
+
+    def __init__(self, limits: Limits | None = None, *, mode: str = "bwrap", concurrency: int | None = None,
+                 retries: int = 2, label: str | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"sandbox mode {mode!r} must be one of {', '.join(MODES)}")
+        self.limits = limits or Limits()
+        self.mode = mode
+        self.concurrency = concurrency or default_concurrency()
+        if self.concurrency < 1:
+            raise ValueError(f"sandbox concurrency must be >= 1, got {self.concurrency}")
+        self.retries = retries
+        self.label = label or f"ckpteval-{os.getpid()}"
+        self.as_root = os.geteuid() == 0
+        self._slots: list[int] = list(range(self.concurrency))
+        self._slot_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ckpteval-sandbox")
+
+    def run_many(self, jobs: Sequence[tuple[str, bytes]], limits: Limits | None = None) -> list[Outcome]:
+        """Run ``(source, stdin)`` programs in the pool (``limits``: this call's, default the pool's);
+        outcomes in order. :class:`SandboxUnavailable` if any could not run after its retries."""
+        return list(self._pool.map(lambda job: self.run(job[0], job[1], limits), jobs))
+
+    def run(self, source: str, stdin: bytes = b"", limits: Limits | None = None) -> Outcome:
+        """Run one program (blocks until it ends); retries a sandbox that could not start."""
+        for attempt in range(self.retries + 1):
+            try:
+                return self._run_once(source, stdin, limits or self.limits)
+            except SandboxUnavailable:
+                if attempt == self.retries:
+                    raise
+                time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _take_slot(self) -> int:
+        with self._slot_lock:
+            return self._slots.pop() if self._slots else self.concurrency + threading.get_ident() % 1000
+
+    def _run_once(self, source: str, stdin: bytes, limits: Limits) -> Outcome:
+        slot = self._take_slot()
+        tmp = tempfile.mkdtemp(prefix="ckpteval-sandbox-")
+        try:
+            program, stdin_path = os.path.join(tmp, "main.py"), os.path.join(tmp, "stdin")
+            Path(program).write_text(source)
+            os.chmod(program, 0o644)
+            Path(stdin_path).write_bytes(stdin)
+            uid = SANDBOX_UID_BASE + (os.getpid() % 100_000) * 16 + slot % 16 if self.as_root else -1
+            ready_r, ready_w = os.pipe()
+            if self.mode == "bwrap":
+                cmd = bwrap_command(program, limits, self.label, self.as_root)
+                cmd += launcher_args(limits, uid, ready_w, PROGRAM)
+                run = _Run(cmd, limits, tmp, None, stdin_path, ready_w, ready_r)
+            else:
+                work = os.path.join(tmp, "work")
+                os.mkdir(work, 0o700)
+                env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
+                cmd = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER, *launcher_args(limits, -1, ready_w, program)]
+                run = _Run(cmd, limits, work, env, stdin_path, ready_w, ready_r)
+            rc, wall = run.wait()
+            if not run.ready and not run.timed_out:
+                why = bytes(run.out["stderr"]).decode(errors="replace").strip().splitlines()
+                raise SandboxUnavailable(why[-1] if why else f"the sandbox exited {rc} before the program started")
+            if not run.ready:
+                raise SandboxUnavailable(f"the sandbox did not start within {limits.wall_s:g} s")
+            if self.mode == "bwrap" and rc < 0 and not (run.timed_out or run.overflow):
+                # bwrap reports the program's signals as 128 + n; bwrap itself killed by a signal we did not
+                # send is the sandbox dying under the program (the OOM killer, an operator), not its fault
+                raise SandboxUnavailable(f"bwrap was killed by signal {-rc} while the program ran")
+            return _classify(run, rc, wall, self.mode == "bwrap")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            with self._slot_lock:
+                if slot < self.concurrency:
+                    self._slots.append(slot)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+_SHARED: dict[tuple[str, int], Sandbox] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_sandbox(mode: str = "bwrap", concurrency: int | None = None) -> Sandbox:
+    """The process's pool for ``mode`` (one per mode and size: every code set of a worker shares it, so
+    the node runs at most ``concurrency`` programs at once per worker)."""
+    key = (mode, concurrency or default_concurrency())
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = Sandbox(mode=mode, concurrency=key[1])
+        return _SHARED[key]

@@ -1,0 +1,248 @@
+"""Scorer ``code``: run the completion's program against the row's tests in the sandbox.
+
+Rows (JSONL; ``answer`` is not needed) carry their tests in one of two formats:
+
+- **assert-style** (HumanEval, MBPP): ``tests`` — a string of Python, or a list of strings, each one
+  test (e.g. ``"assert add(2, 3) == 5"``); optional ``entry_point`` — when the ``tests`` string
+  defines ``check(candidate)`` (HumanEval), the one test is ``check(<entry_point>)``. The program is
+  the extracted code, then each test in turn in the same namespace (a harness counts which passed).
+- **stdin/stdout** (LiveCodeBench, APPS): ``inputs`` and ``outputs`` — equal-length lists of strings.
+  The code runs once per case as ``__main__`` with the input on stdin; a case passes when it exits 0
+  and its stdout equals the expected output, compared line by line with surrounding whitespace
+  stripped and trailing blank lines ignored.
+
+The code is taken from the completion as follows: the last fenced block tagged ``python`` (or ``py``,
+``python3``), else the last fenced block of any tag, else the whole completion. With the option
+``prepend_prompt`` (HumanEval-style continuations) the row's prompt text is put before it.
+
+A sample scores 1 when every test passes, else 0; ``tests_passed_fraction`` (an extra, averaged per
+point) is the fraction of its tests that passed. The model's failures are scored 0 and counted per
+sample: ``code_timeouts`` (a program over its deadline or CPU limit) and ``code_errors`` (out of
+memory, killed by a signal, over the output cap, code that does not load, or a stdin/stdout program
+exiting non-zero). A sandbox that cannot run is an infrastructure failure: :class:`ScorerInfraError`
+``sandbox_failed`` (after the sandbox's own retries), never a score. The extracted answer is ``None``
+(no ``maj@n`` for code sets); ``pass@k`` works as for any set with ``n_samples``.
+
+Options (the dataset's ``scorer_options``): :class:`CodeOptions`. Worker settings
+(``ScorerContext.options``): ``sandbox_concurrency`` (programs at once; 0 = min(4, CPUs)) and
+``unsafe_code_rlimits_only`` (run without bwrap where it cannot start; recorded in the identity).
+
+Limits: a program runs in the same interpreter as its tests, so a completion that deliberately inspects
+the harness can forge its own report (a random per-program nonce defeats printing a fake one, not
+introspection); it cannot leave the sandbox (:mod:`jobs.eval.sandbox`). Programs are Python only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from jobs.eval.sandbox import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
+from jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
+
+HARNESS_VERSION = "1"
+FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+PYTHON_TAGS = ("python", "py", "python3")
+MODEL_ERRORS = ("oom", "crashed")
+
+# The assert-style program: the solution, then each test, reporting on stdout with a nonce the
+# solution cannot know in advance (so printing a fake "pass" does not count).
+HARNESS = """\
+import os as _os, traceback as _tb
+def _report(_line):
+    _os.write(1, ("\\n" + {nonce!r} + " " + _line + "\\n").encode())
+_g = {{"__name__": "__solution__"}}
+try:
+    exec(compile({code!r}, "solution.py", "exec"), _g)
+except BaseException:
+    _tb.print_exc()
+    _report("load-error")
+    raise SystemExit(1)
+for _i, _test in enumerate({tests!r}):
+    try:
+        exec(compile(_test, "test_%d.py" % _i, "exec"), _g)
+    except BaseException:
+        _tb.print_exc()
+    else:
+        _report("pass %d" % _i)
+_report("done")
+"""
+
+
+@dataclass(frozen=True)
+class CodeOptions:
+    """The ``code`` scorer's settings (a dataset's ``scorer_options``)."""
+
+    timeout_s: float = 10.0
+    """Wall-clock deadline of one program (one per case for stdin/stdout rows); also its CPU limit."""
+    memory_mb: int = 1024
+    """Address-space limit of each process of a program, MiB."""
+    prepend_prompt: bool = False
+    """Put the row's prompt text before the extracted code (HumanEval-style continuations)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise FieldError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s}")
+        if self.memory_mb < 64:
+            raise FieldError("memory_mb", f"must be >= 64 (the interpreter needs it), got {self.memory_mb}")
+
+
+def extract_code(completion: str) -> str:
+    """The program in a completion (see the module docstring for the rule)."""
+    blocks = FENCE_RE.findall(completion)
+    python = [body for tag, body in blocks if tag.lower() in PYTHON_TAGS]
+    if python:
+        return python[-1]
+    if blocks:
+        return blocks[-1][1]
+    return completion
+
+
+def row_tests(row: dict[str, Any], where: str) -> list[str] | tuple[list[str], list[str]]:
+    """An assert-style row's tests (a list of sources), or a stdin/stdout row's ``(inputs, outputs)``."""
+    if "tests" in row:
+        tests, entry = row["tests"], row.get("entry_point")
+        if isinstance(tests, str):
+            if entry is not None and not (isinstance(entry, str) and entry.isidentifier()):
+                raise ValueError(f"{where}: 'entry_point' must be a Python identifier, got {entry!r}")
+            return [f"{tests}\ncheck({entry})\n" if entry and re.search(r"^def check\(", tests, re.M) else tests]
+        if isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests):
+            return list(tests)
+        raise ValueError(f"{where}: 'tests' must be a string or a non-empty list of strings")
+    inputs, outputs = row.get("inputs"), row.get("outputs")
+    if (isinstance(inputs, list) and isinstance(outputs, list) and inputs and len(inputs) == len(outputs)
+            and all(isinstance(x, str) for x in inputs + outputs)):
+        return inputs, outputs
+    raise ValueError(f"{where}: a code row needs 'tests' (asserts) or equal-length non-empty string lists "
+                     "'inputs' and 'outputs'")
+
+
+def same_output(got: bytes, want: str) -> bool:
+    """stdout equals the expected output, line by line, surrounding whitespace and trailing blank lines aside."""
+    return [line.strip() for line in got.decode(errors="replace").strip().splitlines()] == \
+        [line.strip() for line in want.strip().splitlines()]
+
+
+def harness_program(code: str, tests: list[str], nonce: str) -> str:
+    return HARNESS.format(nonce=nonce, code=code, tests=tests)
+
+
+def harness_report(stdout: bytes, nonce: str) -> tuple[set[int], bool, bool]:
+    """From an assert-style program's stdout: the tests that passed, whether it finished, whether the
+    solution failed to load."""
+    passed: set[int] = set()
+    done = load_error = False
+    for line in stdout.decode(errors="replace").splitlines():
+        if not line.startswith(nonce + " "):
+            continue
+        word = line[len(nonce) + 1:]
+        if word.startswith("pass ") and word[5:].isdigit():
+            passed.add(int(word[5:]))
+        done = done or word == "done"
+        load_error = load_error or word == "load-error"
+    return passed, done, load_error
+
+
+class CodeScorer(BaseScorer):
+    """Runs each completion's program against its row's tests in :mod:`jobs.eval.sandbox` (module doc)."""
+
+    needs_answer = False
+
+    @classmethod
+    def parse_options(cls, f: Fields) -> CodeOptions:
+        return parse_dataclass(f, CodeOptions, what="scorer 'code'")
+
+    @classmethod
+    def check_row(cls, row: dict[str, Any], where: str) -> None:
+        """When rows load: one of the two test formats, well formed (ValueError naming ``where``)."""
+        row_tests(row, where)
+
+    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+        super().__init__(spec, ctx)
+        self.mode = "rlimits-only" if ctx.option("unsafe_code_rlimits_only", False) else "bwrap"
+        if self.mode == "bwrap" and (why := _probe(probe_bwrap)) is not None:
+            raise ValueError(f"dataset {spec.name!r} (scorer 'code'): {why}; this worker refuses code sets "
+                             "(--unsafe-code-rlimits-only runs them with rlimits only, without isolation)")
+        self.sandbox = shared_sandbox(self.mode, int(ctx.option("sandbox_concurrency", 0) or 0) or None)
+        opts: CodeOptions = self.options
+        self.limits = Limits(wall_s=opts.timeout_s, cpu_s=max(1, math.ceil(opts.timeout_s)),
+                             memory_mb=opts.memory_mb)
+
+    def identity(self) -> dict[str, Any]:
+        opts: CodeOptions = self.options
+        return {"name": "code", "sandbox": self.mode, "timeout_s": opts.timeout_s, "memory_mb": opts.memory_mb,
+                "prepend_prompt": opts.prepend_prompt, "harness": HARNESS_VERSION}
+
+    def score(self, samples: list[Sample]) -> list[Scored]:
+        jobs: list[tuple[str, bytes]] = []
+        plans = [self._plan(s, i, jobs) for i, s in enumerate(samples)]
+        try:
+            outcomes = self.sandbox.run_many(jobs, self.limits)
+        except SandboxUnavailable as e:
+            raise ScorerInfraError("sandbox_failed", f"the code sandbox could not run a program: {e}") from None
+        return [verdict(outcomes[lo:hi], plan) for (lo, hi), plan in zip(_spans(plans), plans, strict=True)]
+
+    def _plan(self, sample: Sample, index: int, jobs: list[tuple[str, bytes]]) -> Plan:
+        code = extract_code(sample.completion)
+        if self.options.prepend_prompt:
+            code = sample.prompt + code
+        tests = row_tests(sample.row, f"dataset {self.spec.name!r} sample {index}")
+        if isinstance(tests, tuple):
+            jobs.extend((code, i.encode()) for i in tests[0])
+            return Plan(len(tests[0]), outputs=tests[1])
+        nonce = secrets.token_hex(16)
+        jobs.append((harness_program(code, tests, nonce), b""))
+        return Plan(len(tests), nonce=nonce)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one sample's programs check: ``n_tests`` tests; a nonce (assert-style) or the outputs."""
+
+    n_tests: int
+    nonce: str | None = None
+    outputs: list[str] | None = None
+
+    @property
+    def n_programs(self) -> int:
+        return 1 if self.nonce is not None else self.n_tests
+
+
+def _spans(plans: list[Plan]) -> list[tuple[int, int]]:
+    spans, lo = [], 0
+    for plan in plans:
+        spans.append((lo, lo + plan.n_programs))
+        lo += plan.n_programs
+    return spans
+
+
+def verdict(outcomes: list[Outcome], plan: Plan) -> Scored:
+    """One sample's :class:`Scored` from its programs' outcomes."""
+    timeouts = any(o.status == "timeout" for o in outcomes)
+    errors = any(o.status in MODEL_ERRORS for o in outcomes)
+    if plan.nonce is not None:
+        passed, done, load_error = harness_report(outcomes[0].stdout, plan.nonce)
+        n_passed = len(passed & set(range(plan.n_tests)))
+        ok = done and n_passed == plan.n_tests and outcomes[0].status == "passed"
+        errors = errors or load_error
+    else:
+        wants = plan.outputs or []
+        verdicts = [o.status == "passed" and same_output(o.stdout, w) for o, w in zip(outcomes, wants, strict=True)]
+        n_passed, ok = sum(verdicts), all(verdicts)
+        errors = errors or any(o.status == "failed" for o in outcomes)
+    return Scored(float(ok), None, counters={"code_timeouts": int(timeouts), "code_errors": int(errors)},
+                  extras={"tests_passed_fraction": n_passed / plan.n_tests})
+
+
+_PROBED: dict[str, str | None] = {}
+
+
+def _probe(probe: Any) -> str | None:
+    """bwrap's start-up check, once per process."""
+    if "bwrap" not in _PROBED:
+        _PROBED["bwrap"] = probe()
+    return _PROBED["bwrap"]

@@ -1,0 +1,324 @@
+"""Scorer ``code`` (jobs/eval/scorers/code.py) through a real worker: canned completions, known scores.
+
+Real processes throughout: ``ckpteval worker --engine http:URL`` against
+:class:`tests.support.canned_engine.CannedEngine` (a real HTTP server replaying canned completions, so
+expected scores are known), real snapshots, programs run by the real sandbox (bwrap). The adversarial
+sweep sends hostile completions (fork bomb, infinite loop, memory bomb, a 10 GB write, 100 MB of
+stdout, a network connect, reading and writing the run dir and results/, killing the parent, setsid
+escapes, deleting files) and checks, for each: the worker survives, the unit's result is what it must
+be, nothing in the run dir changes, no sandboxed process is left behind. Tests that need bwrap are
+skipped, with the probe's reason, where it cannot start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coord.identity import run_key
+from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from coord.results import dataset_score, derive_point, point_metrics
+from coord.rundir import RunDir
+from coord.snapshot import publish_snapshot
+from coord.units import WorkUnit
+from jobs.eval.evalsets import write_jsonl
+from jobs.eval.sandbox import ENV_LABEL, probe_bwrap
+from jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
+from jobs.eval.scorers.code import extract_code, row_tests, same_output
+from jobs.eval.service import read_eval_config
+from tests.support.canned_engine import CannedEngine
+from tests.support.runs import write_tiny_shards
+from tests.support.workers import PYTHON, REPO, finish, results, worker_env
+
+WHY_NOT = probe_bwrap()
+needs_bwrap = pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
+EXAMPLE = [json.loads(line) for line in (REPO / "examples/evalsets/code.jsonl").read_text().splitlines()]
+FAST = {"timeout_s": 2.0, "memory_mb": 256}
+
+
+# -- pure parts ------------------------------------------------------------------------------------------
+def test_code_is_the_last_python_block_else_any_block_else_the_whole_text() -> None:
+    two = "Try:\n```python\nx = 1\n```\nBetter:\n```py\nx = 2\n```\n"
+    assert extract_code(two) == "x = 2\n"
+    assert extract_code("```python\na = 1\n```\n```text\nout\n```") == "a = 1\n"
+    assert extract_code("see\n```\nb = 2\n```") == "b = 2\n"
+    assert extract_code("print(3)") == "print(3)"
+
+
+def test_row_formats_and_their_errors() -> None:
+    assert row_tests({"tests": ["assert f()"]}, "r") == ["assert f()"]
+    humaneval = row_tests({"tests": "def check(candidate):\n    assert candidate()\n", "entry_point": "f"}, "r")
+    assert humaneval == ["def check(candidate):\n    assert candidate()\n\ncheck(f)\n"]
+    assert row_tests({"inputs": ["1"], "outputs": ["2"]}, "r") == (["1"], ["2"])
+    for bad in ({"tests": []}, {"inputs": ["1"], "outputs": []}, {"prompt": "x"}, {"tests": "x", "entry_point": "a b"}):
+        with pytest.raises(ValueError, match="^data.jsonl:3: "):
+            row_tests(bad, "data.jsonl:3")
+
+
+def test_a_malformed_code_row_is_refused_when_the_eval_config_is_read(tmp_path: Path) -> None:
+    (tmp_path / "code.jsonl").write_text(json.dumps(EXAMPLE[0]) + "\n" + json.dumps({"prompt": "p", "inputs": ["1"]}) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "code", "path": "code.jsonl", "n_prompts": 2, "scorer": "code", "scorer_options": {"timeout_s": 3}}]}}))
+    with pytest.raises(ValueError, match=r"code.jsonl:2: a code row needs 'tests'"):
+        read_eval_config(tmp_path / "eval.json")
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "code", "path": "code.jsonl", "n_prompts": 2, "scorer": "code", "scorer_options": {"timeout": 3}}]}}))
+    with pytest.raises(ValueError, match="timeout_s"):  # an unknown option is refused naming the closest
+        read_eval_config(tmp_path / "eval.json")
+
+
+def test_outputs_compare_line_by_line_ignoring_surrounding_whitespace() -> None:
+    assert same_output(b"1 2 \n3\n\n", "1 2\n3")
+    assert not same_output(b"1 2\n", "1 2\n3\n")
+
+
+# -- in process: the scorer on the example set ----------------------------------------------------------
+def spec(rows: list[dict[str, Any]], options: dict[str, Any] | None = None, **kw: Any) -> DatasetSpec:
+    return DatasetSpec(name="code", path="data/code.jsonl", n_prompts=len(rows), scorer="code",
+                       scorer_options=dict(options or FAST), **kw)
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution.\n```python\n{code}```\nIt reads the input as specified."
+
+
+def wrong(row: dict[str, Any]) -> str:
+    return fenced("pass\n") if "tests" in row else fenced("print('wrong')\n")
+
+
+@needs_bwrap
+def test_reference_solutions_score_1_and_wrong_ones_0(tmp_path: Path) -> None:
+    scorer = make_scorer(spec(EXAMPLE), ScorerContext(tmp_path, {"sandbox_concurrency": 2}))
+    samples = [Sample(fenced(r["solution"]), r, r["prompt"]) for r in EXAMPLE]
+    samples += [Sample(wrong(r), r, r["prompt"]) for r in EXAMPLE]
+    add = EXAMPLE[0]  # add(a, b): a - b passes one of its three asserts
+    samples.append(Sample(fenced("def add(a, b):\n    return a - b\n"), add, add["prompt"]))
+    scored = scorer.score(samples)
+    assert [s.score for s in scored] == [1.0] * 20 + [0.0] * 21
+    assert [s.extras["tests_passed_fraction"] for s in scored] == [1.0] * 20 + [0.0] * 20 + [1 / 3]
+    assert all(s.counters == {"code_timeouts": 0, "code_errors": 0} for s in scored[:20])
+    assert scorer.identity()["sandbox"] == "bwrap"
+
+
+@needs_bwrap
+def test_timeouts_and_errors_are_counted_and_printing_a_fake_pass_does_not_count(tmp_path: Path) -> None:
+    row = EXAMPLE[0]
+    scorer = make_scorer(spec([row], {"timeout_s": 1.0, "memory_mb": 128}), ScorerContext(tmp_path, {}))
+    completions = ["while True: pass", "x = bytearray(10**10)", "def add(a, b) return",
+                   "import sys\nprint('pass 0\\npass 1\\npass 2\\ndone')\nsys.exit(0)"]
+    scored = scorer.score([Sample(c, row, "") for c in completions])
+    assert [s.score for s in scored] == [0.0] * 4
+    assert [s.counters for s in scored] == [{"code_timeouts": 1, "code_errors": 0}, {"code_timeouts": 0, "code_errors": 1},
+                                            {"code_timeouts": 0, "code_errors": 1}, {"code_timeouts": 0, "code_errors": 1}]
+
+
+@needs_bwrap
+def test_prepend_prompt_scores_humaneval_style_continuations(tmp_path: Path) -> None:
+    row = {"prompt": "def gcd(a, b):\n", "tests": "def check(candidate):\n    assert candidate(12, 18) == 6\n",
+           "entry_point": "gcd"}
+    body = "    while b:\n        a, b = b, a % b\n    return a\n"
+    with_prompt = make_scorer(spec([row], {**FAST, "prepend_prompt": True}), ScorerContext(tmp_path, {}))
+    without = make_scorer(spec([row]), ScorerContext(tmp_path, {}))
+    assert [s.score for s in with_prompt.score([Sample(body, row, row["prompt"])])] == [1.0]
+    assert [s.score for s in without.score([Sample(body, row, row["prompt"])])] == [0.0]  # a bare body does not load
+    assert with_prompt.identity() != without.identity()
+
+
+def bwrap_failing_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, good_calls: int) -> Path:
+    """A real ``bwrap`` wrapper on PATH: the first ``good_calls`` calls run the real bwrap, later ones fail as
+    bwrap does when it cannot create namespaces."""
+    real = subprocess.run(["sh", "-c", "command -v bwrap"], capture_output=True, text=True, check=True).stdout.strip()
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    count = tmp_path / "bwrap-calls"
+    count.write_text("0")
+    script = bindir / "bwrap"
+    script.write_text(f"#!/bin/sh\nn=$(cat {count}); echo $((n + 1)) > {count}\n"
+                      f"if [ $n -ge {good_calls} ]; then echo 'bwrap: setting up uid map: Permission denied' >&2; exit 1; fi\n"
+                      f"exec {real} \"$@\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return count
+
+
+@needs_bwrap
+def test_a_sandbox_that_stops_starting_is_an_infra_failure_never_a_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    row = EXAMPLE[0]
+    scorer = make_scorer(spec([row]), ScorerContext(tmp_path, {}))
+    bwrap_failing_after(tmp_path, monkeypatch, good_calls=0)
+    with pytest.raises(ScorerInfraError) as info:
+        scorer.score([Sample(fenced(row["solution"]), row, "")])
+    assert info.value.reason == "sandbox_failed" and "uid map" in str(info.value)
+
+
+# -- through a real worker ------------------------------------------------------------------------------
+def code_run(tmp: Path, rows: list[dict[str, Any]], **kw: Any) -> RunDir:
+    run = RunDir.create(tmp / "run")
+    write_jsonl(run.data / "code.jsonl", rows)
+    manifest = RunManifest(run_id="test-code", eval=EvalSpec(datasets=(spec(rows, **kw),)),
+                           snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0))
+    run = RunDir.create(run.path, manifest)
+    publish_snapshot(run.snapshots, 1, lambda d: write_tiny_shards(d))
+    return run
+
+
+def run_worker(run: RunDir, url: str, cwd: Path, *flags: str, env: dict[str, str] | None = None,
+               timeout: float = 240) -> tuple[int, str, int]:
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.Popen([PYTHON, "-m", "jobs.cli", "worker", "--run-dir", str(run.path), "--once",
+                             "--engine", f"http:{url}", "--poll-interval", "0.05", *flags],
+                            cwd=cwd, env={**worker_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    code, out = finish(proc, timeout)
+    return code, out, proc.pid
+
+
+def leftovers(worker_pid: int) -> list[int]:
+    """Live processes started by that worker's sandboxes (their environment carries its label), after
+    giving the kernel up to 30 s to tear killed PID namespaces down (it does so asynchronously)."""
+    gone_by = time.monotonic() + 30
+    while (found := _labelled(worker_pid)) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    return found
+
+
+def _labelled(worker_pid: int) -> list[int]:
+    mark = f"{ENV_LABEL}=ckpteval-{worker_pid}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@needs_bwrap
+def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None:
+    rows = EXAMPLE[:4] + EXAMPLE[10:14]  # two of each assert kind and four stdin/stdout problems
+    run = code_run(tmp_path, rows, shard_size=4, n_samples=2, temperature=0.7, pass_k=(1, 2), max_new_tokens=64)
+    # sample 0 right for every row; sample 1 right for odd rows only
+    canned = {r["prompt"]: [fenced(r["solution"]), fenced(r["solution"]) if i % 2 else wrong(r)]
+              for i, r in enumerate(rows)}
+    with CannedEngine(canned) as url:
+        code, out, pid = run_worker(run, url, tmp_path / "cwd", "--sandbox-concurrency", "2")
+    assert code == 0, out
+    got = results(run)
+    assert sorted(got) == [WorkUnit(1, "code", 0), WorkUnit(1, "code", 1)]
+    scores = [s for shard in (0, 1) for s in got[WorkUnit(1, "code", shard)].scores]
+    assert scores == [1.0, 0.0, 1.0, 1.0] * 4
+    for shard in (0, 1):
+        r = got[WorkUnit(1, "code", shard)]
+        assert r.counters == {"code_timeouts": 0, "code_errors": 0}
+        assert r.extras["tests_passed_fraction"] == {"sum": 6.0, "n": 8}
+        assert r.scorer["sandbox"] == "bwrap" and r.scorer["name"] == "code"
+    (ds,) = run.manifest().eval.datasets
+    point = dataset_score(ds, run_key(run.manifest()), 1, [got[WorkUnit(1, "code", i)] for i in (0, 1)])
+    assert (point.score, point.derived["pass@1"], point.derived["pass@2"]) == (0.75, 0.75, 1.0)
+    assert point.extras == {"tests_passed_fraction": 0.75} and point.counters["code_errors"] == 0
+    assert leftovers(pid) == []
+
+
+def hostile_programs(run_path: Path, workdir: Path, listen_port: int) -> dict[str, tuple[str, dict[str, int]]]:
+    """name -> (completion, expected counters). Every program prints "pwned" only if its attack worked (the
+    writers check for the run's snapshots/ dir, which no program creates: inside the sandbox the run's
+    path, under the test's /tmp, lands in the program's own private /tmp)."""
+    r, res, wd = str(run_path), str(run_path / "results"), str(workdir)
+    seen = f"import os\nprint('pwned' if os.path.isdir({str(run_path / 'snapshots')!r}) else 'contained')"
+    timeout, error, neither = {"code_timeouts": 1, "code_errors": 0}, {"code_timeouts": 0, "code_errors": 1}, \
+        {"code_timeouts": 0, "code_errors": 0}
+    return {
+        "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", timeout),
+        "infinite_loop": ("while True:\n    pass\n", timeout),
+        "memory_bomb": ("x = bytearray(1 << 34)\nprint('pwned')\n", error),
+        "write_10gb": ("with open('big', 'wb') as f:\n    for _ in range(10240):\n        f.write(b'x' * (1 << 20))\n"
+                       "print('pwned')\n", error),
+        "stdout_100mb": ("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\nprint('pwned')\n", error),
+        "network": (f"import socket\nsocket.create_connection(('127.0.0.1', {listen_port}), timeout=1)\nprint('pwned')\n",
+                    error),
+        "read_run_dir": (f"print(open({r + '/run.json'!r}).read())\nprint('pwned')\n", error),
+        "write_results": (f"import os\nfor path in ({res + '/pwned.json'!r}, {r + '/run.json'!r}):\n"
+                          "    try:\n        os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+                          "        open(path, 'a').write('pwned')\n    except OSError:\n        pass\n"
+                          f"{seen}\n", neither),
+        "kill_parent": ("import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n    pass\n"
+                        "os.killpg(0, signal.SIGKILL)\nprint('pwned')\n", error),  # killpg: its own group only
+        "setsid_escape": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                          "        time.sleep(120)\n        print('pwned')\n    os._exit(0)\nprint('escaped?')\n", neither),
+        "delete_files": (f"import os, shutil\nfor d in ('.', {wd!r}, {r!r}, '/sandbox'):\n"
+                         "    shutil.rmtree(d, ignore_errors=True)\n"
+                         "    for f in (os.listdir(d) if os.path.isdir(d) else []):\n"
+                         "        try:\n            os.remove(os.path.join(d, f))\n        except OSError:\n            pass\n"
+                         f"{seen}\n", neither),
+    }
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@needs_bwrap
+def test_adversarial_sweep_worker_survives_and_nothing_leaks(tmp_path: Path) -> None:
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    (workdir / "canary.txt").write_text("the worker's working directory")
+    canned: dict[str, list[str]] = {}
+    with CannedEngine(canned) as url:  # the network program dials this server's port
+        programs = hostile_programs(tmp_path / "run", workdir, int(url.rsplit(":", 1)[1]))
+        rows = [{"prompt": f"Problem {name}: print pwned.\n", "inputs": [""], "outputs": ["pwned"]} for name in programs]
+        canned.update({row["prompt"]: [fenced(programs[name][0])] for row, name in zip(rows, programs, strict=True)})
+        run = code_run(tmp_path, rows, shard_size=1)
+        before = tree_digest(run.path)
+        code, out, pid = run_worker(run, url, workdir, "--sandbox-concurrency", "2")
+    assert code == 0, out  # the worker survived every program
+    got = results(run)
+    for shard, (name, (_, counters)) in enumerate(programs.items()):
+        r = got[WorkUnit(1, "code", shard)]
+        assert (r.status, r.scores, r.counters) == ("ok", (0.0,), counters), f"{name}: {r}"
+    metrics = point_metrics(derive_point(run.manifest(), 1, got))  # what the trainer logs for the point
+    assert (metrics["eval/code"], metrics["eval/code/code_timeouts"], metrics["eval/code/code_errors"]) == (0.0, 2, 6)
+    after = tree_digest(run.path)
+    assert {k: v for k, v in after.items() if k in before} == before, "a file of the run dir changed"
+    assert not [p for p in run.path.rglob("*") if "pwned" in p.name]
+    assert (workdir / "canary.txt").read_text() == "the worker's working directory"
+    assert leftovers(pid) == [], "a sandboxed process outlived its unit"
+
+
+# -- the worker's start-up check --------------------------------------------------------------------------
+@needs_bwrap
+def test_worker_refuses_code_sets_where_bwrap_cannot_start_unless_opted_in(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    row = EXAMPLE[0]
+    run = code_run(tmp_path, [row], shard_size=1)
+    bwrap_failing_after(tmp_path, monkeypatch, good_calls=0)
+    with CannedEngine({row["prompt"]: [fenced(row["solution"])]}) as url:
+        code, out, _ = run_worker(run, url, tmp_path / "cwd", timeout=120)
+        assert code == 2 and "Traceback" not in out, out
+        assert "bwrap cannot start a sandbox" in out and "--unsafe-code-rlimits-only" in out, out
+        assert results(run) == {}
+        code, out, _ = run_worker(run, url, tmp_path / "cwd", "--unsafe-code-rlimits-only", timeout=120)
+    assert code == 0, out
+    r = results(run)[WorkUnit(1, "code", 0)]
+    assert r.scores == (1.0,) and r.scorer["sandbox"] == "rlimits-only"
+
+
+@needs_bwrap
+def test_a_sandbox_failing_mid_run_skips_the_unit_sandbox_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    row = EXAMPLE[0]
+    run = code_run(tmp_path, [row], shard_size=1)
+    bwrap_failing_after(tmp_path, monkeypatch, good_calls=1)  # the worker's start-up probe passes
+    with CannedEngine({row["prompt"]: [fenced(row["solution"])]}) as url:
+        code, out, _ = run_worker(run, url, tmp_path / "cwd", "--max-attempts", "1", timeout=120)
+    r = results(run).get(WorkUnit(1, "code", 0))
+    assert r is not None and r.status == "skipped" and r.skip_reason == "sandbox_failed", out
+    assert not r.scores

@@ -1,0 +1,185 @@
+"""The code sandbox (jobs/eval/sandbox.py): real programs under real bwrap, real rlimits, real signals.
+
+Each test runs real processes; outcomes are how the program really ended. Limits are tight (a 2 s
+deadline, 1 s of CPU, 192 MiB) so the file stays fast. bwrap is installed by ``make setup``; where it
+cannot start here the bwrap tests are skipped with the probe's reason (the rlimits-only tests still run).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.eval.sandbox import ENV_LABEL, Limits, Sandbox, SandboxUnavailable, probe_bwrap
+
+WHY_NOT = probe_bwrap()
+needs_bwrap = pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
+TIGHT = Limits(wall_s=2.0, cpu_s=1, memory_mb=192, file_mb=4, nproc=16, nofile=32, output_bytes=1 << 16)
+
+
+def leftovers(label: str) -> list[int]:
+    """Pids of live processes whose environment carries the sandbox label ``label``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"{ENV_LABEL}={label}".encode() in env.split(b"\0"):
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def sandbox(request: pytest.FixtureRequest) -> Sandbox:
+    box = Sandbox(TIGHT, concurrency=2, label=f"test-sandbox-{os.getpid()}-{request.node.name}")
+    yield box
+    box.close()
+    gone_by = time.monotonic() + 30  # the kernel tears a killed PID namespace down asynchronously
+    while leftovers(box.label) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert leftovers(box.label) == [], "a sandboxed process outlived its sandbox"
+
+
+@needs_bwrap
+@pytest.mark.parametrize(("source", "stdin", "status", "stdout"), [
+    ("print('hi')", b"", "passed", b"hi\n"),
+    ("import sys; print(sys.stdin.read().upper(), end='')", b"abc", "passed", b"ABC"),
+    ("assert 1 == 2", b"", "failed", b""),
+    ("raise SystemExit(3)", b"", "failed", b""),
+    ("while True: pass", b"", "timeout", b""),
+    ("import time; time.sleep(60)", b"", "timeout", b""),
+    ("x = bytearray(10**10)", b"", "oom", b""),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", b"", "crashed", b""),
+], ids=["ok", "stdin", "assert", "exit3", "busy-loop", "sleep", "memory", "segv"])
+def test_outcomes_are_how_the_program_ended(sandbox: Sandbox, source: str, stdin: bytes, status: str,
+                                            stdout: bytes) -> None:
+    outcome = sandbox.run(source, stdin)
+    assert (outcome.status, outcome.stdout) == (status, stdout), outcome
+
+
+@needs_bwrap
+def test_output_over_the_cap_kills_the_program_without_buffering_it(sandbox: Sandbox) -> None:
+    outcome = sandbox.run("import sys\nwhile True: sys.stdout.write('x' * 65536)")
+    assert outcome.status == "crashed" and "stdout over" in outcome.detail
+    assert len(outcome.stdout) == TIGHT.output_bytes
+
+
+@needs_bwrap
+def test_the_program_sees_no_host_files_no_network_and_no_environment(sandbox: Sandbox, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host data")
+    os.environ["CKPTEVAL_TEST_SECRET"] = "leak"
+    try:
+        probe = f"""
+import os, socket
+print(os.path.exists({str(secret)!r}), os.path.exists({str(Path.home())!r} + '/.bashrc'), os.path.exists('/work'))
+print('CKPTEVAL_TEST_SECRET' in os.environ, os.getcwd(), os.getuid() != 0 or {os.geteuid()} != 0)
+try:
+    socket.create_connection(('127.0.0.1', 22), timeout=1); print('connected')
+except OSError as e:
+    print('no network')
+"""
+        outcome = sandbox.run(probe)
+    finally:
+        del os.environ["CKPTEVAL_TEST_SECRET"]
+    assert outcome.status == "passed", outcome
+    assert outcome.stdout.decode().split("\n")[:3] == ["False False False", "False /tmp True", "no network"]
+
+
+@needs_bwrap
+def test_a_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox: Sandbox) -> None:
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    outcome = sandbox.run(bomb)
+    assert outcome.status == "timeout"
+    # the sandbox fixture asserts no process carrying its label survives
+
+
+@needs_bwrap
+def test_a_daemon_that_leaves_the_session_dies_with_the_sandbox(sandbox: Sandbox) -> None:
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+              "    os._exit(0)\nprint('parent exits')")
+    assert sandbox.run(daemon).stdout == b"parent exits\n"
+
+
+@needs_bwrap
+def test_pool_runs_programs_in_order_and_isolated_from_each_other(sandbox: Sandbox) -> None:
+    jobs = [(f"open('/tmp/f', 'a').write('{i}'); print(open('/tmp/f').read())", b"") for i in range(4)]
+    assert [o.stdout for o in sandbox.run_many(jobs)] == [f"{i}\n".encode() for i in range(4)]
+
+
+def fake_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A real executable named bwrap on PATH that fails as bwrap does on a node without user namespaces."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "calls"
+    script = bindir / "bwrap"
+    script.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return calls
+
+
+def test_a_sandbox_that_cannot_start_is_retried_then_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_bwrap(tmp_path, monkeypatch)
+    box = Sandbox(TIGHT, concurrency=1, retries=2)
+    with pytest.raises(SandboxUnavailable, match="No permissions to creating new namespace"):
+        box.run("print('never runs')")
+    assert len(calls.read_text().split()) == 3  # the first try and two retries
+    why = probe_bwrap()
+    assert why is not None and "cannot start a sandbox" in why and "user namespaces" in why
+
+
+def test_rlimits_only_mode_bounds_a_program_without_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_bwrap(tmp_path, monkeypatch)  # never called in this mode
+    box = Sandbox(TIGHT, mode="rlimits-only", concurrency=1, label=f"test-rlimits-{os.getpid()}")
+    assert box.run("print(2 + 2)").stdout == b"4\n"
+    assert box.run("while True: pass").status == "timeout"
+    assert box.run("x = bytearray(10**10)").status == "oom"
+    assert not (tmp_path / "calls").exists()
+
+
+@needs_bwrap
+def test_bwrap_killed_under_a_running_program_is_an_infra_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real bwrap, SIGKILLed from outside a second after it starts (what the OOM killer or an operator
+    does): not the program's failure."""
+    real = shutil.which("bwrap")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "bwrap"
+    script.write_text(f"#!/bin/sh\n(sleep 1; kill -9 $$) &\nexec {real} \"$@\"\n")  # $$: bwrap after the exec
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    box = Sandbox(Limits(wall_s=20.0), concurrency=1, retries=1)
+    with pytest.raises(SandboxUnavailable, match="bwrap was killed by signal 9"):
+        box.run("import time; time.sleep(15)")
+
+
+@needs_bwrap
+def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> None:
+    """A real process running a sandboxed program (which forked a child) is SIGKILLed, as a preempted or
+    OOM-killed worker is: bwrap's --die-with-parent ends the sandbox and every process in it."""
+    label = f"test-killed-worker-{os.getpid()}"
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
+              "from jobs.eval.sandbox import Limits, Sandbox\n"
+              f"Sandbox(Limits(wall_s=60), label={label!r}).run('import os, time\\nos.fork()\\ntime.sleep(60)')\n")
+    worker = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 30
+        while len(leftovers(label)) < 2 and time.monotonic() < deadline:  # the program and its child
+            time.sleep(0.1)
+        assert len(leftovers(label)) == 2
+    finally:
+        worker.kill()
+        worker.wait()
+    gone_by = time.monotonic() + 30
+    while leftovers(label) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert leftovers(label) == []
