@@ -168,15 +168,16 @@ def _as_score(value: Any, values: dict[str, float] | None) -> float | None:
 
 
 def _last_json_object(text: str) -> dict[str, Any] | None:
-    """The last decodable JSON object in ``text`` (a fenced block's, or a bare one)."""
-    decoder, found = json.JSONDecoder(), None
+    """The last top-level JSON object in ``text`` (a fenced block's, or a bare one)."""
+    decoder, found, end = json.JSONDecoder(), None, 0
     for start in (m.start() for m in re.finditer(r"\{", text)):
+        if start < end:
+            continue  # inside the object just decoded
         try:
-            obj, _ = decoder.raw_decode(text, start)
+            obj, end = decoder.raw_decode(text, start)
         except ValueError:
             continue
-        if isinstance(obj, dict):
-            found = obj
+        found = obj
     return found
 
 

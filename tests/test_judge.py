@@ -1,0 +1,174 @@
+"""The judge and reward-model scorers against a real HTTP judge: ``ckpteval serve --judge MODE`` (the judge
+stand-in, a real server process) answering a verdict the test can compute, or failing in each way a judge
+fails (connection refused: a killed server; 5xx; a timeout; an unreadable verdict)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coord.manifest import DatasetSpec
+from coord.rundir import RunDir
+from coord.verdicts import VerdictCache, cache_key, publish_judge
+from jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError
+from jobs.eval.scorers.judge import JudgeOptions, JudgeScorer, RewardModelScorer, read_verdict
+from tests.support.workers import start_judge
+
+pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def exact_judge(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    log = tmp_path_factory.mktemp("judge") / "judge.log"
+    url, proc = start_judge("exact", log, "--served-model-name", "judge-a")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def stats(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/judge_stats", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def scorer(tmp: Path, options: dict[str, Any], cls: type = JudgeScorer, **ctx: Any) -> JudgeScorer:
+    run = RunDir.create(tmp / "run")
+    spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, scorer="judge",
+                       scorer_options={"retries": 0, "timeout_s": 5.0, **options})
+    return cls(spec, ScorerContext(run_dir=run.path, options=ctx))
+
+
+def samples(pairs: list[tuple[str, str]]) -> list[Sample]:
+    return [Sample(completion=c, row={"prompt": f"what is {a}?", "answer": a}, prompt=f"what is {a}?")
+            for c, a in pairs]
+
+
+PAIRS = [("4", "4"), ("5", "4"), (" 7 ", "7"), ("x", "9")]
+EXPECTED = [1.0, 0.0, 1.0, 0.0]  # the stand-in's exact rule: stripped response == reference
+
+
+def test_verdicts_are_the_judges_and_identity_is_read_from_the_judge(tmp_path: Path, exact_judge: str) -> None:
+    s = scorer(tmp_path, {"url": exact_judge})
+    scored = s.score(samples(PAIRS))
+    assert [x.score for x in scored] == EXPECTED
+    assert all(x.counters == {"judge_cache_hits": 0, "judge_unparsed": 0} for x in scored)
+    ident = s.identity()
+    assert ident["model"] == "judge-a"  # from /v1/models, not from config (the dataset names no model)
+    assert ident["template_sha256"] and ident["sampling"]["temperature"] == 0.0
+
+
+def test_cache_pays_each_distinct_question_once(tmp_path: Path, exact_judge: str) -> None:
+    """A second unit (a retry, a backfill) and identical completions are answered from RUN/judge_cache."""
+    before = stats(exact_judge)["chat_completions"]
+    s = scorer(tmp_path, {"url": exact_judge})
+    first = s.score(samples(PAIRS + [("4", "4")]))  # the last repeats the first: not paid twice
+    assert stats(exact_judge)["chat_completions"] - before == 4
+    assert [x.counters["judge_cache_hits"] for x in first] == [0, 0, 0, 0, 1]
+    again = scorer(tmp_path, {"url": exact_judge}).score(samples(PAIRS))  # a fresh scorer: same run dir
+    assert stats(exact_judge)["chat_completions"] - before == 4
+    assert [x.score for x in again] == EXPECTED and all(x.counters["judge_cache_hits"] == 1 for x in again)
+    entries = sorted((tmp_path / "run" / "judge_cache").glob("*/*.json"))
+    assert len(entries) == 4
+
+
+def test_a_changed_template_is_a_different_judge(tmp_path: Path, exact_judge: str) -> None:
+    template = "Grade this.\n<response>{response}</response>\n<reference>{reference}</reference>"
+    a = scorer(tmp_path, {"url": exact_judge})
+    b = scorer(tmp_path, {"url": exact_judge, "template": template})
+    a.score(samples(PAIRS[:1]))
+    before = stats(exact_judge)["chat_completions"]
+    assert [x.score for x in b.score(samples(PAIRS[:1]))] == [1.0]
+    assert stats(exact_judge)["chat_completions"] == before + 1
+    assert a.identity()["template_sha256"] != b.identity()["template_sha256"]
+
+
+def test_a_killed_judge_is_judge_failed(tmp_path: Path) -> None:
+    """Connection refused (the server process killed with SIGKILL) is an infra skip, never a score."""
+    url, proc = start_judge("exact", tmp_path / "j.log")
+    s = scorer(tmp_path, {"url": url, "retries": 1})
+    assert [x.score for x in s.score(samples(PAIRS[:1]))] == [1.0]
+    proc.kill()
+    proc.wait(timeout=30)
+    with pytest.raises(ScorerInfraError) as e:
+        s.score(samples(PAIRS[1:]))
+    assert e.value.reason == "judge_failed" and "Connection error" in str(e.value)
+
+
+@pytest.mark.parametrize(("mode", "options", "says"), [
+    ("error", {}, "HTTP 500"),
+    ("slow", {"timeout_s": 0.5}, "timed out"),
+    ("garbage", {}, "unreadable by the verdict rule (judge_unparsed=2)"),
+])
+def test_each_judge_failure_is_judge_failed_with_its_message(
+    tmp_path: Path, mode: str, options: dict[str, Any], says: str
+) -> None:
+    url, proc = start_judge(mode, tmp_path / "j.log", "--judge-delay", "5")
+    try:
+        with pytest.raises(ScorerInfraError) as e:
+            scorer(tmp_path, {"url": url, **options}).score(samples(PAIRS[:2]))
+        assert e.value.reason == "judge_failed" and says in str(e.value)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_unparsed_zero_scores_and_counts_instead_of_skipping(tmp_path: Path) -> None:
+    url, proc = start_judge("garbage", tmp_path / "j.log")
+    try:
+        scored = scorer(tmp_path, {"url": url, "on_unparsed": "zero"}).score(samples(PAIRS[:2]))
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert [x.score for x in scored] == [0.0, 0.0]
+    assert [x.counters["judge_unparsed"] for x in scored] == [1, 1]
+
+
+def test_the_url_comes_from_the_flag_then_the_published_file(tmp_path: Path, exact_judge: str) -> None:
+    s = scorer(tmp_path, {"wait_s": 0.2})
+    with pytest.raises(ScorerInfraError, match="no judge URL"):
+        s.score(samples(PAIRS[:1]))
+    publish_judge(RunDir(tmp_path / "run").judge_path, exact_judge, "judge-a")
+    assert [x.score for x in s.score(samples(PAIRS[:1]))] == [1.0]
+    flagged = scorer(tmp_path, {}, judge_url="http://127.0.0.1:9/v1")  # the worker's --judge-url wins
+    with pytest.raises(ScorerInfraError, match="127.0.0.1:9"):
+        flagged.score(samples(PAIRS[:1]))
+
+
+def test_a_model_the_judge_does_not_serve_is_judge_failed(tmp_path: Path, exact_judge: str) -> None:
+    with pytest.raises(ScorerInfraError, match=r"serves \['judge-a'\], not the model 'gpt-x'"):
+        scorer(tmp_path, {"url": exact_judge, "model": "gpt-x"}).score(samples(PAIRS[:1]))
+
+
+def test_reward_model_scores_what_classify_answers(tmp_path: Path, exact_judge: str) -> None:
+    """sglang's /classify answers {"embedding": [reward]} per text; the stand-in's reward is len(text)/1000."""
+    rows = samples([("abc", "x"), ("abcdef", "y")])
+    rm = scorer(tmp_path, {"url": exact_judge, "template": "{question}|{response}"}, RewardModelScorer)
+    assert [x.score for x in rm.score(rows)] == [len(f"{r.row['prompt']}|{r.completion}") / 1000 for r in rows]
+    binary = scorer(tmp_path, {"url": exact_judge, "template": "{response}", "threshold": 0.005}, RewardModelScorer)
+    assert [x.score for x in binary.score(rows)] == [0.0, 1.0]
+    assert binary.identity()["kind"] == "reward_model" and binary.identity()["threshold"] == 0.005
+
+
+@pytest.mark.parametrize(("options", "reply", "want"), [
+    ({}, "reasoning... VERDICT: 0 ... no wait. VERDICT: 1", 1.0),  # the last match
+    ({}, "no verdict here", None),
+    ({"verdict_regex": r"Grade:\s*(\w+)", "verdict_values": {"Correct": 1, "wrong": 0}}, "Grade: CORRECT", 1.0),
+    ({"verdict_regex": None, "verdict_json_field": "result.score"}, 'ok ```json\n{"result": {"score": 0.5}}\n```', 0.5),
+    ({"verdict_regex": None, "verdict_json_field": "correct"}, '{"correct": true}', 1.0),
+    ({"verdict_regex": None, "verdict_json_field": "correct"}, '{"correct": "maybe"}', None),
+])
+def test_verdict_rules(options: dict[str, Any], reply: str, want: float | None) -> None:
+    assert read_verdict(JudgeOptions(**options), reply) == want
+
+
+def test_cache_entries_are_first_writer_wins(tmp_path: Path) -> None:
+    cache = VerdictCache(tmp_path / "judge_cache")
+    key = cache_key({"q": 1})
+    assert cache.put(key, {"reply": "VERDICT: 1"}, {"q": 1}) is True
+    assert cache.put(key, {"reply": "VERDICT: 0"}, {"q": 1}) is False
+    assert cache.get(key) == {"reply": "VERDICT: 1"} and cache.get(cache_key({"q": 2})) is None
