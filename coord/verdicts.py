@@ -14,7 +14,8 @@ per-unit file would not let a *different* unit (a backfill, two identical comple
 shards) find a verdict. With a file per key, a writer never modifies anything another wrote: it links a
 complete, fsync'd file under the final name or finds one already there (the same question judged twice
 at once pays twice, once, and the first reply stays). The 256 two-hex-digit subdirectories keep
-directories small (a 100k-verdict run has ~400 files per dir).
+directories small (a 100k-verdict run has ~400 files per dir). Each entry costs one fsync (of the file,
+before it is linked; the directory is not fsync'd: a name lost in a crash is only a cache miss).
 
 Guarantee: a reader sees no entry or a complete one written by one writer; an entry never changes once
 written. Limits: nothing is ever evicted (a verdict is a few hundred bytes; delete the dir to drop the
@@ -74,7 +75,8 @@ class VerdictCache:
         if not path.parent.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)
             fsync_dir(path.parent.parent)
-        return publish_exclusive(path, dumps({"key": key, "answer": answer, "parts": parts, "written_at": time.time()}))
+        entry = dumps({"key": key, "answer": answer, "parts": parts, "written_at": time.time()})
+        return publish_exclusive(path, entry, sync_dir=False)  # a name lost in a crash is only a miss
 
 
 def publish_judge(path: Path, url: str, model: str | None, **extra: Any) -> None:

@@ -23,6 +23,7 @@ accepted and ignored (the verdict is deterministic).
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from http import HTTPStatus
@@ -62,6 +63,12 @@ class JudgeHTTPServer(ThreadingHTTPServer):
 
 class JudgeHandler(Handler):
     server: JudgeHTTPServer  # type: ignore[assignment]
+
+    def setup(self) -> None:
+        super().setup()
+        # headers and body go out as two writes: without NODELAY a keep-alive client (the openai client)
+        # waits out the peer's delayed ACK (~40 ms) on every request
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_GET(self) -> None:
         self._route({"/v1/models": self._models, "/judge_stats": self._stats})

@@ -311,6 +311,12 @@ class JudgeScorer(BaseScorer):
         messages.append({"role": "user", "content": self.template.format(**texts)})
         return {"reply": endpoint.chat(self._model or "", messages, self.opts.sampling())}
 
+    def _ask_and_cache(self, endpoint: JudgeEndpoint, key: str, parts: dict[str, Any]) -> dict[str, Any]:
+        """One judge request, its answer published in the cache (in the pool: cache fsyncs overlap too)."""
+        answer = self._ask(endpoint, {k: parts[k] for k in self.fields})
+        self.cache.put(key, answer, parts)
+        return answer
+
     def _answers(self, samples: list[Sample]) -> tuple[list[str], _Unit]:
         """Each sample's cache key, and the answer of every distinct key: from the cache, else the judge."""
         endpoint = self._infra(self._connect)
@@ -327,11 +333,10 @@ class JudgeScorer(BaseScorer):
             else:
                 todo[key] = parts
         with ThreadPoolExecutor(max_workers=self.opts.concurrency, thread_name_prefix="judge") as pool:
-            futures = {key: pool.submit(self._ask, endpoint, parts) for key, parts in todo.items()}
+            futures = {key: pool.submit(self._ask_and_cache, endpoint, key, parts) for key, parts in todo.items()}
             try:
                 for key, fut in futures.items():
                     unit.answers[key] = self._infra(fut.result)
-                    self.cache.put(key, unit.answers[key], todo[key])
             finally:
                 for fut in futures.values():
                     fut.cancel()  # after a failure: requests not started yet are not sent
