@@ -351,15 +351,17 @@ class JudgeScorer(BaseScorer):
         return float(value >= self.opts.threshold)
 
     def score(self, samples: list[Sample]) -> list[Scored]:
+        """One :class:`Scored` per sample: the verdict, and the stripped completion as the extracted answer
+        (``maj@n`` votes over identical responses; the result keeps them for audit)."""
         keys, unit = self._answers(samples)
         out, unparsed, seen = [], [], set()
-        for key in keys:
+        for sample, key in zip(samples, keys, strict=True):
             value = self._score_of(unit.answers[key])
             hit = key in unit.hits or key in seen  # a repeat within the unit was not paid for either
             seen.add(key)
             if value is None:
                 unparsed.append(unit.answers[key])
-            out.append(Scored(0.0 if value is None else value, None,
+            out.append(Scored(0.0 if value is None else value, sample.completion.strip(),
                               counters={"judge_cache_hits": int(hit), "judge_unparsed": int(value is None)}))
         if unparsed and self.opts.on_unparsed == "skip":
             reply = str(unparsed[0].get("reply", ""))[:200]
