@@ -56,6 +56,9 @@ class WorkerOptions:
         3, "a unit whose evaluation fails (engine dead, crashed) is released for another worker; its skip is "
         "written only by a worker that has scored a unit of this run and after N claims of it, or once "
         "training is done and N lease durations have passed", metavar="N", min=1)
+    retry_infra_skips: bool = option(
+        False, "re-evaluate units skipped for an outside service's failure (judge_failed, sandbox_failed, "
+        "env_failed), once each, superseding the skip (ckpteval backfill always does)")
     wait_for_run_s: float = option(0.0, "wait up to S seconds for RUN/run.json to appear (a fleet started "
                                    "before its trainer)", flag="--wait-for-run", metavar="S", min=0)
     trust_run_code: bool = option(
@@ -73,8 +76,9 @@ class WorkerOptions:
 
 
 def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True) -> None:
-    """The worker's flags; ``pass_flags=False`` leaves out --once/--catchup (backfill fixes them)."""
-    add_options(parser, WorkerOptions, exclude=() if pass_flags else ("once", "catchup"))
+    """The worker's flags; ``pass_flags=False`` leaves out --once/--catchup/--retry-infra-skips (backfill
+    fixes them)."""
+    add_options(parser, WorkerOptions, exclude=() if pass_flags else ("once", "catchup", "retry_infra_skips"))
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
