@@ -8,15 +8,31 @@ silently score bare base weights.
 Guarantee: :func:`load_manifest` returns a fully validated :class:`RunManifest` or raises
 ``ValueError`` naming the file and the offending field path (``eval.datasets[0].top_p``): sampling
 settings must be finite and in range (temperature >= 0, top_p in (0, 1], top_k >= 1 or -1 for off,
-max_new_tokens >= 1), so a run.json that every engine would refuse is refused before anything runs. Limits: the manifest is written once at run
-creation; changing it under running workers is not detected (workers read it at start).
+max_new_tokens >= 1), so a run.json that every engine would refuse is refused before anything runs;
+an unknown key of a dataset entry (``temprature``) is refused naming the closest valid one. Each
+dataset setting and its default is declared once, on :class:`DatasetSpec`'s fields; the parser
+(:func:`parse_dataclass`) derives from them.
+
+Scorers: coord knows no scorer (it imports nothing from ``jobs/``). The scorer registry
+(:mod:`jobs.eval.scorers`) installs a pure function with :func:`set_scorer_check` when it is imported
+(``import jobs`` imports it, so every ckpteval program has it before it reads a run.json); the parser
+calls it with a dataset's ``scorer`` name and its ``scorer_options`` block, so a scorer added to the
+registry is accepted — and its settings validated, unknown keys refused — wherever run.json is parsed.
+Limits: a process that imports only ``coord`` (no ``jobs``) checks scorer names and options
+structurally only (a non-empty name, an object); the manifest is written once at run creation;
+changing it under running workers is not detected (workers read it at start).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import math
 import re
+import types
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,33 +44,98 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 PROMPT_FORMATS = ("raw", "chat")
 
 
+class FieldError(ValueError):
+    """A dataclass's own check (``__post_init__``) failing on field ``key``; the parser names the file
+    and the field path (``run.json: field eval.datasets[0].top_p must be ...``)."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key} {why}")
+        self.key, self.why = key, why
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
-    """One eval set: a JSONL file of ``{"prompt" | "messages", "answer"}`` rows and how to sample and score it.
+    """One ``generate`` eval set: a JSONL file of ``{"prompt" | "messages", "answer", ...}`` rows and how
+    to sample and score it.
 
-    ``prompt_format`` ``raw`` sends a row's ``prompt`` as is; ``chat`` renders the row's ``messages``
-    (or its ``prompt`` as one user message), after an optional ``system_prompt``, with the snapshot's
-    own tokenizer chat template. ``pass_k`` lists the k of the ``eval/<ds>/pass@k`` metrics (each
-    ``<= n_samples``). ``every``: the dataset is due at steps that are multiples of it (a multiple of
-    the run's eval interval; 1: every point).
+    Every setting and its default is declared here, once: the run.json parser
+    (:func:`parse_dataclass`) derives the accepted keys, their types and defaults from these fields, and
+    unknown keys are refused with the closest valid one. The checks are in ``__post_init__``.
     """
 
     name: str
-    path: str  # JSONL; relative paths are relative to the run directory
+    """``[A-Za-z0-9_-]{1,64}``: used in file and metric names."""
+    path: str
+    """The JSONL file; relative paths are relative to the run directory."""
     n_prompts: int
-    scorer: str = "exact"  # exact | math | module:function
+    """Rows in the file (checked when loaded)."""
+    kind: str = "generate"
+    """The dataset kind (``generate``; ``jsonl`` is the old name of the same kind)."""
+    scorer: str = "exact"
+    """A name of the scorer registry (:mod:`jobs.eval.scorers`: exact, math, ...) or ``module:function``."""
+    scorer_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The scorer's own settings, validated by its ``parse_options`` (unknown keys refused)."""
     shard_size: int = 64
+    """Prompts per work unit."""
     n_samples: int = 1
+    """Completions per prompt."""
     max_new_tokens: int = 16
+    """Generation budget per completion (>= 1)."""
     temperature: float = 0.0
+    """Sampling temperature (>= 0; 0 is greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling, in (0, 1]."""
     top_k: int = -1
+    """Top-k sampling (>= 1, or -1 for off; engines reject 0)."""
     seed: int = 0
-    prompt_format: str = "raw"  # raw | chat
+    """The dataset's sampling seed (>= 0; per-sample seeds derive from it)."""
+    prompt_format: str = "raw"
+    """``raw`` sends a row's ``prompt`` as is; ``chat`` renders the row's ``messages`` (or its ``prompt``
+    as one user message), after an optional ``system_prompt``, with the snapshot's chat template."""
     system_prompt: str | None = None
+    """``chat`` only: a system turn put first."""
     pass_k: tuple[int, ...] = ()
+    """The k of the ``eval/<ds>/pass@k`` metrics (each in 1..n_samples)."""
     every: int = 1
-    grader_timeout_s: float = 10.0  # scorer "math": an answer not graded in time scores 0 and is counted
+    """Due at steps that are multiples of it (a multiple of the run's eval interval; 1: every point)."""
+    grader_timeout_s: float = 10.0
+    """Scorer ``math``: an answer not graded in time scores 0 and is counted (``grader_timeouts``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "jsonl":  # the old name of the default kind: accepted, written as generate
+            object.__setattr__(self, "kind", "generate")
+        if self.kind != "generate":
+            raise FieldError("kind", f"{self.kind!r} is not the kind of a generate dataset")
+        if not NAME_RE.match(self.name):
+            raise FieldError("name", f"{self.name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
+        object.__setattr__(self, "pass_k", tuple(self.pass_k))
+        for key in ("n_prompts", "shard_size", "n_samples", "max_new_tokens", "every"):
+            if getattr(self, key) < 1:
+                raise FieldError(key, f"must be >= 1, got {getattr(self, key)}")
+        for key in ("temperature", "top_p", "grader_timeout_s"):
+            if not math.isfinite(getattr(self, key)):
+                raise FieldError(key, f"must be a finite number, got {getattr(self, key)}")
+        if self.temperature < 0:
+            raise FieldError("temperature", f"must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise FieldError("top_k", f"must be >= 1, or -1 for off (engines reject 0), got {self.top_k}")
+        if self.seed < 0:
+            raise FieldError("seed", f"must be >= 0, got {self.seed}")
+        if not self.scorer:
+            raise FieldError("scorer", "must name a scorer")
+        if not self.grader_timeout_s > 0:
+            raise FieldError("grader_timeout_s", f"must be > 0 seconds, got {self.grader_timeout_s}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise FieldError("prompt_format", f"{self.prompt_format!r} must be one of {', '.join(PROMPT_FORMATS)}")
+        if self.system_prompt is not None and self.prompt_format != "chat":
+            raise FieldError("system_prompt", "needs prompt_format 'chat' (a raw prompt has no system turn)")
+        for k in self.pass_k:
+            if not 1 <= k <= self.n_samples:
+                raise FieldError("pass_k", f"has k={k}; each k must be in 1..n_samples ({self.n_samples})")
+        if len(set(self.pass_k)) != len(self.pass_k):
+            raise FieldError("pass_k", f"lists a k twice: {list(self.pass_k)}")
 
     @property
     def n_shards(self) -> int:
@@ -140,8 +221,12 @@ class RunManifest:
         return obj
 
 
-class _Fields:
-    """Typed field access that names the file and the field path in every error."""
+class Fields:
+    """Typed field access that names the file and the field path in every error.
+
+    What a scorer's ``parse_options`` receives (its settings block, ``...scorer_options``): use
+    :meth:`get`/:meth:`sub`/:meth:`error`, :meth:`reject_unknown`, or :func:`parse_dataclass`.
+    """
 
     def __init__(self, source: Path, obj: Any, where: str) -> None:
         if not isinstance(obj, dict):
@@ -159,15 +244,29 @@ class _Fields:
             if default is ...:
                 raise self.error(key, "is missing")
             return default
-        value = self.obj[key]
+        return self.check(key, self.obj[key], kind)
+
+    def check(self, key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+        """``value`` (of field ``key``) if it is of ``kind`` (a bool is not an int); else ValueError."""
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
             raise self.error(key, f"must be {_kind_name(kind)}, got a boolean")
         if not isinstance(value, kind):
             raise self.error(key, f"must be {_kind_name(kind)}, got {type(value).__name__}")
         return value
 
-    def sub(self, key: str, default: Any = ...) -> _Fields:
-        return _Fields(self.source, self.get(key, dict, default), self._path(key))
+    def sub(self, key: str, default: Any = ...) -> Fields:
+        return Fields(self.source, self.get(key, dict, default), self._path(key))
+
+    def reject_unknown(self, allowed: Iterable[str], what: str = "") -> None:
+        """ValueError naming the first key not in ``allowed`` and the closest valid one (a typo such as
+        ``temprature`` must not run silently with the default)."""
+        allowed = sorted(allowed)
+        for key in sorted(self.obj):
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.error(key, f"is not a setting{' of ' + what if what else ''} ({hint}valid: "
+                                      f"{', '.join(allowed) or 'none'})")
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -175,68 +274,80 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def _parse_dataset(f: _Fields) -> DatasetSpec:
-    name = f.get("name", str)
-    if not NAME_RE.match(name):
-        raise f.error("name", f"{name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
-    num = (int, float)
-    ds = DatasetSpec(
-        name=name,
-        path=f.get("path", str),
-        n_prompts=f.get("n_prompts", int),
-        scorer=f.get("scorer", str, "exact"),
-        shard_size=f.get("shard_size", int, 64),
-        n_samples=f.get("n_samples", int, 1),
-        max_new_tokens=f.get("max_new_tokens", int, 16),
-        temperature=float(f.get("temperature", num, 0.0)),
-        top_p=float(f.get("top_p", num, 1.0)),
-        top_k=f.get("top_k", int, -1),
-        seed=f.get("seed", int, 0),
-        prompt_format=f.get("prompt_format", str, "raw"),
-        system_prompt=f.get("system_prompt", (str, type(None)), None),
-        pass_k=tuple(_int_list(f, "pass_k")),
-        every=f.get("every", int, 1),
-        grader_timeout_s=float(f.get("grader_timeout_s", num, 10.0)),
-    )
-    for key in ("n_prompts", "shard_size", "n_samples", "max_new_tokens", "every"):
-        if getattr(ds, key) < 1:
-            raise f.error(key, f"must be >= 1, got {getattr(ds, key)}")
-    for key in ("temperature", "top_p"):
-        if not math.isfinite(getattr(ds, key)):
-            raise f.error(key, f"must be a finite number, got {getattr(ds, key)}")
-    if ds.temperature < 0:
-        raise f.error("temperature", f"must be >= 0 (0 means greedy), got {ds.temperature}")
-    if not 0 < ds.top_p <= 1:
-        raise f.error("top_p", f"must be in (0, 1], got {ds.top_p}")
-    if ds.top_k == 0 or ds.top_k < -1:
-        raise f.error("top_k", f"must be >= 1, or -1 for off (engines reject 0), got {ds.top_k}")
-    if ds.seed < 0:
-        raise f.error("seed", f"must be >= 0, got {ds.seed}")
-    if ds.scorer not in {"exact", "math"} and ":" not in ds.scorer:
-        raise f.error("scorer", f"{ds.scorer!r} must be 'exact', 'math' or 'module:function'")
-    if not ds.grader_timeout_s > 0:
-        raise f.error("grader_timeout_s", f"must be > 0 seconds, got {ds.grader_timeout_s}")
-    if ds.prompt_format not in PROMPT_FORMATS:
-        raise f.error("prompt_format", f"{ds.prompt_format!r} must be one of {', '.join(PROMPT_FORMATS)}")
-    if ds.system_prompt is not None and ds.prompt_format != "chat":
-        raise f.error("system_prompt", "needs prompt_format 'chat' (a raw prompt has no system turn)")
-    for k in ds.pass_k:
-        if not 1 <= k <= ds.n_samples:
-            raise f.error("pass_k", f"has k={k}; each k must be in 1..n_samples ({ds.n_samples})")
-    if len(set(ds.pass_k)) != len(ds.pass_k):
-        raise f.error("pass_k", f"lists a k twice: {list(ds.pass_k)}")
-    return ds
+def _convert(f: Fields, key: str, value: Any, hint: Any) -> Any:
+    """``value`` checked (and converted: int -> float, list -> tuple) against the type hint ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"parse_dataclass: unsupported type {hint} for {key}")
+        return _convert(f, key, value, rest[0])
+    if origin is tuple:
+        items = f.check(key, value, (list, tuple))
+        return tuple(_convert(f, f"{key}[{i}]", v, args[0]) for i, v in enumerate(items))
+    if origin is list:
+        items = f.check(key, value, list)
+        return [_convert(f, f"{key}[{i}]", v, args[0]) for i, v in enumerate(items)]
+    if origin is dict or hint is dict:
+        return dict(f.check(key, value, dict))
+    if hint is float:
+        return float(f.check(key, value, (int, float)))
+    if hint in (int, str, bool):
+        return f.check(key, value, hint)
+    raise TypeError(f"parse_dataclass: unsupported type {hint} for {key}")
 
 
-def _int_list(f: _Fields, key: str) -> list[int]:
-    values = f.get(key, list, [])
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise f.error(f"{key}[{i}]", f"must be an integer, got {v!r}")
-    return values
+T = typing.TypeVar("T")
 
 
-def _parse_harness(f: _Fields) -> HarnessSpec:
+def parse_dataclass(f: Fields, cls: type[T], *, what: str = "", exclude: Iterable[str] = ()) -> T:
+    """An instance of dataclass ``cls`` from the object ``f``: the keys, their types and defaults are
+    the dataclass's fields (declared once, there); unknown keys are refused naming the closest valid
+    one; a missing required field, a wrong type or a :class:`FieldError` from the class's
+    ``__post_init__`` is a ValueError naming the file and the field path. ``exclude``: fields the
+    object may not set (left at their defaults)."""
+    hints = typing.get_type_hints(cls)
+    settable = [fl for fl in dataclasses.fields(cls) if fl.init and fl.name not in set(exclude)]  # type: ignore[arg-type]
+    f.reject_unknown([fl.name for fl in settable], what)
+    kwargs = {}
+    for fl in settable:
+        if fl.name in f.obj:
+            kwargs[fl.name] = _convert(f, fl.name, f.obj[fl.name], hints[fl.name])
+        elif fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
+            raise f.error(fl.name, "is missing")
+    try:
+        return cls(**kwargs)
+    except FieldError as e:
+        raise f.error(e.key, e.why) from None
+
+
+# -- the scorer registry's hook (coord knows no scorer; see the module docstring) ------------------------
+ScorerCheck = Callable[[str, Fields], None]
+_scorer_check: list[ScorerCheck] = []
+
+
+def set_scorer_check(check: ScorerCheck) -> None:
+    """Install the scorer registry's check of a dataset's ``scorer`` and ``scorer_options``
+    (``check(name, options_fields)`` raises ValueError). :mod:`jobs.eval.scorers` installs its own when
+    it is imported (``import jobs`` does that)."""
+    _scorer_check[:] = [check]
+
+
+def _parse_dataset(f: Fields) -> DatasetSpec:
+    spec = parse_dataclass(f, DatasetSpec, what="a generate dataset")
+    if _scorer_check:
+        try:
+            _scorer_check[0](spec.scorer, f.sub("scorer_options", {}))
+        except FieldError as e:  # the registry's verdict on the name itself (key "scorer")
+            raise f.error(e.key, e.why) from None
+    return spec
+
+
+def _parse_harness(f: Fields) -> HarnessSpec:
     """A ``{"kind": "lm_eval", "name", "tasks": [...], ...}`` entry of ``eval.datasets``."""
     name = f.get("name", str)
     if not NAME_RE.match(name):
@@ -272,22 +383,22 @@ def _parse_harness(f: _Fields) -> HarnessSpec:
     return spec
 
 
-def _split_datasets(f: _Fields, raw: list[Any]) -> tuple[tuple[DatasetSpec, ...], tuple[HarnessSpec, ...]]:
+def _split_datasets(f: Fields, raw: list[Any]) -> tuple[tuple[DatasetSpec, ...], tuple[HarnessSpec, ...]]:
     """JSONL datasets and ``kind: lm_eval`` entries of ``eval.datasets``, each validated."""
     datasets, harness = [], []
     for i, d in enumerate(raw):
-        sub = _Fields(f.source, d, f"{f._path('datasets')}[{i}]")
-        kind = sub.get("kind", str, "jsonl")
+        sub = Fields(f.source, d, f"{f._path('datasets')}[{i}]")
+        kind = sub.get("kind", str, "generate")
         if kind == "lm_eval":
             harness.append(_parse_harness(sub))
-        elif kind == "jsonl":
+        elif kind in ("generate", "jsonl"):
             datasets.append(_parse_dataset(sub))
         else:
-            raise sub.error("kind", f"{kind!r} must be 'jsonl' (the default) or 'lm_eval'")
+            raise sub.error("kind", f"{kind!r} must be 'generate' (the default; 'jsonl' is its old name) or 'lm_eval'")
     return tuple(datasets), tuple(harness)
 
 
-def _parse_eval(f: _Fields) -> EvalSpec:
+def _parse_eval(f: Fields) -> EvalSpec:
     raw_datasets = f.get("datasets", list)
     if not raw_datasets:
         raise f.error("datasets", "must list at least one dataset")
@@ -310,7 +421,7 @@ def _parse_eval(f: _Fields) -> EvalSpec:
 
 def parse_manifest(obj: Any, source: Path) -> RunManifest:
     """Validate a decoded ``run.json``; every error names ``source`` and the field."""
-    f = _Fields(source, obj, "")
+    f = Fields(source, obj, "")
     protocol = f.get("protocol", int, PROTOCOL_VERSION)
     if protocol != PROTOCOL_VERSION:
         raise f.error("protocol", f"is {protocol}; this ckpteval speaks protocol {PROTOCOL_VERSION}")

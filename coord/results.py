@@ -6,8 +6,10 @@ result already exists. So readers see at most one result per unit, never a torn 
 double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for audit instead.
 A result holds per-sample scores, the scorer's extracted answer of each sample (``answers``, optional:
 results written before it existed have none), the weight versions that produced them, how many samples
-the grader gave up on (``grader_timeouts``), timings, the worker's identity, the lease token and attempt
-— or a skip record with a reason. A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
+the grader gave up on (``grader_timeouts``), the scorer's per-sample ``counters`` summed and ``extras``
+as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judge's model id), timings,
+the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
+``"scorer"`` when the scorer itself raised, so the skip was written at once). A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.
 
 A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
@@ -28,6 +30,7 @@ the cache is never stale, but a result deleted by hand stays in the cache until 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -66,6 +69,10 @@ class Result:
     snapshot: str | None = None
     written_at: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)  # harness units: the task's metrics
+    counters: dict[str, int] = field(default_factory=dict)  # the scorer's per-sample counts, summed
+    extras: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {"sum": s, "n": samples}
+    scorer: dict[str, Any] = field(default_factory=dict)  # the scorer's identity() ({}: not recorded)
+    blame: str | None = None  # a skip's culprit when known ("scorer": the scorer raised)
 
     @property
     def ok(self) -> bool:
@@ -91,6 +98,10 @@ class Result:
             "snapshot": self.snapshot,
             "written_at": self.written_at,
             **({"metrics": self.metrics} if self.metrics else {}),
+            **({"counters": self.counters} if self.counters else {}),
+            **({"extras": self.extras} if self.extras else {}),
+            **({"scorer": self.scorer} if self.scorer else {}),
+            **({"blame": self.blame} if self.blame else {}),
         }
 
 
@@ -147,7 +158,10 @@ def parse_result(obj: Any, source: Path) -> Result:
         versions = tuple(None if v is None else str(v) for v in obj.get("weight_versions", ()))
         answers = tuple(None if a is None else str(a) for a in obj.get("answers") or ())
         grader_timeouts = int(obj.get("grader_timeouts", 0))
-    except (KeyError, TypeError, ValueError) as e:
+        counters = {str(k): int(v) for k, v in (obj.get("counters") or {}).items()}
+        extras = {str(k): {"sum": float(v["sum"]), "n": int(v["n"])} for k, v in (obj.get("extras") or {}).items()}
+        scorer = dict(obj.get("scorer") or {})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
         raise ValueError(f"{source}: field status must be 'ok' or 'skipped', got {status!r}")
@@ -174,6 +188,10 @@ def parse_result(obj: Any, source: Path) -> Result:
         snapshot=obj.get("snapshot"),
         written_at=float(obj.get("written_at", 0.0)),
         metrics=metrics,
+        counters=counters,
+        extras=extras,
+        scorer=scorer,
+        blame=obj.get("blame"),
     )
 
 
@@ -260,6 +278,8 @@ class DatasetScore:
     stderr: float = math.nan  # standard error of the mean over prompts (of per-prompt means)
     derived: dict[str, float] = field(default_factory=dict)  # "pass@k" for each k, "maj@n" when n > 1
     grader_timeouts: int = 0
+    counters: dict[str, int] = field(default_factory=dict)  # the scorer's counts, summed over the shards
+    extras: dict[str, float] = field(default_factory=dict)  # the scorer's per-sample numbers, averaged
 
 
 @dataclass(frozen=True)
@@ -272,6 +292,7 @@ class Point:
     units_done: int
     completed_at: float | None
     metrics: dict[str, float] = field(default_factory=dict)  # lm-eval tasks: "<task>/<metric>" -> value
+    mixed_scorers: tuple[str, ...] = ()  # datasets whose units disagree on the scorer identity: not pooled
 
     @property
     def skipped(self) -> bool:
@@ -358,7 +379,33 @@ def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) 
         stderr=_stderr([sum(p) / len(p) for p in prompts if p]),
         derived=derived,
         grader_timeouts=sum(r.grader_timeouts for r in shards),
+        counters=_sum_counters(shards),
+        extras=_mean_extras(shards),
     )
+
+
+def _sum_counters(shards: list[Result]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in shards:
+        for name, n in r.counters.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+def _mean_extras(shards: list[Result]) -> dict[str, float]:
+    sums: dict[str, list[float]] = {}
+    for r in shards:
+        for name, acc in r.extras.items():
+            total = sums.setdefault(name, [0.0, 0.0])
+            total[0] += acc["sum"]
+            total[1] += acc["n"]
+    return {name: s / n for name, (s, n) in sums.items() if n}
+
+
+def scorers_agree(shards: list[Result]) -> bool:
+    """Whether every shard that recorded a scorer identity recorded the same one."""
+    ids = {json.dumps(r.scorer, sort_keys=True) for r in shards if r.scorer}
+    return len(ids) <= 1
 
 
 def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> Point:
@@ -374,10 +421,13 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
     for r in done:
         if not r.ok:
             skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
-    datasets = {}
+    datasets, mixed = {}, []
     for ds in datasets_due(manifest, step):
         mine = [results.get(WorkUnit(step, ds.name, s)) for s in range(ds.n_shards)]
         if all(r is not None and r.ok for r in mine):
+            if not scorers_agree(mine):  # type: ignore[arg-type]
+                mixed.append(ds.name)
+                continue
             datasets[ds.name] = dataset_score(ds, key, step, mine)  # type: ignore[arg-type]
     complete = len(done) == len(units)
     return Point(
@@ -389,6 +439,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         units_total=len(units),
         units_done=len(done),
         completed_at=max((r.written_at for r in done), default=None) if complete else None,
+        mixed_scorers=tuple(mixed),
     )
 
 
@@ -417,8 +468,10 @@ def point_metrics(point: Point) -> dict[str, float]:
         metrics[f"eval/{name}/weight_version/mixed_version_ratio"] = ds.mixed_version_ratio
         metrics[f"eval/{name}/stderr"] = ds.stderr
         metrics[f"eval/{name}/grader_timeouts"] = ds.grader_timeouts
-        for key, value in ds.derived.items():
+        for key, value in {**ds.derived, **ds.counters, **ds.extras}.items():
             metrics[f"eval/{name}/{key}"] = value
+    for name in point.mixed_scorers:
+        metrics[f"eval/{name}/scorer_mixed"] = 1.0
     metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})
     for reason, n in point.skips.items():
         metrics[f"eval/skipped_{reason}"] = n

@@ -13,8 +13,9 @@ from coord.results import ResultIndex, derive_point, ok_result, point_metrics, w
 from coord.rundir import RunDir
 from coord.units import units_for_step
 from jobs.eval.engines.hf import HFEngine
-from jobs.eval.evalsets import get_scorer, write_jsonl
+from jobs.eval.evalsets import write_jsonl
 from jobs.eval.grader import GraderPool, grade_math
+from jobs.eval.scorers import Sample, ScorerContext, make_scorer
 from jobs.eval.scoring import DatasetCache, score_unit
 
 # sympy tries to evaluate a power tower this tall and never comes back
@@ -45,8 +46,9 @@ def test_math_verify_rejects_wrong_answers_and_extracts_nothing_from_prose() -> 
 def test_math_scorer_grades_in_the_pool_from_a_non_main_thread() -> None:
     """math-verify's own timeouts need the main thread; the pool works from the worker's unit thread."""
     out: dict[str, object] = {}
-    scorer = get_scorer("math")
-    thread = threading.Thread(target=lambda: out.update(r=scorer.score([r"\boxed{\frac{1}{2}}", "7"], ["0.5", "8"])))
+    scorer = make_scorer(DatasetSpec("m", "m.jsonl", n_prompts=2, scorer="math"), ScorerContext(Path(".")))
+    samples = [Sample(r"\boxed{\frac{1}{2}}", {"answer": "0.5"}, ""), Sample("7", {"answer": "8"}, "")]
+    thread = threading.Thread(target=lambda: out.update(r=scorer.score(samples)))
     thread.start()
     thread.join(120)
     assert [(s.score, s.answer, s.timed_out) for s in out["r"]] == [(1.0, "0.5", False), (0.0, "7", False)]
@@ -85,8 +87,8 @@ def test_grader_timeouts_are_counted_in_the_result_and_the_point(tmp_path: Path,
     finally:
         engine.close()
     assert any(c.isdigit() for c in scored.completions[0] + scored.completions[2]), scored.completions
-    assert scored.grader_timeouts == 2 and scored.scores[0] == scored.scores[2] == 0.0
+    assert scored.tally.grader_timeouts == 2 and scored.scores[0] == scored.scores[2] == 0.0
     write_result(run.results, ok_result(unit, scored.scores, scored.weight_versions, scored.answers,
-                                        grader_timeouts=scored.grader_timeouts))
+                                        **scored.result_fields()))
     metrics = point_metrics(derive_point(manifest, 4, ResultIndex(run.results).refresh()))
     assert metrics["eval/mathy/grader_timeouts"] == 2

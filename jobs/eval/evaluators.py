@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +30,7 @@ from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_
 from jobs.eval.options import WorkerOptions
 from jobs.eval.pinning import PinViolation, WorkerSkip, call_with_timeout, check_pinned, pin
 from jobs.eval.prompts import NoChatTemplate
+from jobs.eval.scorers import ScorerCrashed
 from jobs.eval.scoring import DatasetCache, score_unit, unit_input
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
@@ -50,7 +51,7 @@ class Evaluation:
     weight_versions: list[str | None]
     message: str = ""
     answers: list[str | None] | None = None  # the scorer's extracted answers (None: not reported)
-    grader_timeouts: int = 0
+    scored: dict[str, Any] = field(default_factory=dict)  # UnitScores.result_fields(): counters, scorer, ...
     metrics: dict[str, float] | None = None  # an lm-eval task's metrics (weight_versions: the read-backs)
 
 
@@ -92,7 +93,7 @@ class EngineEvaluator:
         timings["generate_s"] = scored.generate_s
         check_pinned(self.engine, want, scored.weight_versions)
         return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers,
-                          grader_timeouts=scored.grader_timeouts)
+                          scored=scored.result_fields())
 
     def probe(self) -> None:
         """Start-up probe: the engine answers (a remote one that does not raises EngineError) and, once
@@ -196,7 +197,9 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
         if ev.metrics is not None:
             return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, timings=timings)
         return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, timings=timings,
-                         grader_timeouts=ev.grader_timeouts)
+                         **ev.scored)
+    except ScorerCrashed as e:  # the scorer's own failure: written at once, the engine is not to blame
+        return skip_result(unit, e.reason, str(e), timings=timings, blame=e.blame)
     except (SnapshotError, WorkerSkip, EvalSkip, NoChatTemplate) as e:
         reason, message = e.reason, str(e)
     except EngineError as e:  # unhealthy; or rejected/aborted (RequestRejected, SamplesAborted)

@@ -8,13 +8,18 @@ join several flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from jobs.flags import add_options, check_bounds, from_args, option
+from jobs.flags import META_KEY, add_options, check_bounds, from_args, option
 
 INGESTION = "service ingestion (external-service posture)"
+# Flags of this group are the scorers' (a sandbox's concurrency, a judge URL override): handed to every
+# scorer in ScorerContext.options by field name (:func:`scorer_options`); add a field with group=SCORING.
+SCORING = "scoring (settings the scorers read)"
 DEVICE_RE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 
 
@@ -73,6 +78,21 @@ class WorkerOptions:
     @property
     def service(self) -> bool:
         return bool(self.watch)
+
+
+def scorer_options(opts: WorkerOptions | None = None) -> dict[str, Any]:
+    """The :data:`SCORING` group's fields by name: ``opts``' values, or (None: the trainer's shared
+    posture, which has no worker flags) their defaults."""
+    out = {}
+    for f in dataclasses.fields(WorkerOptions):
+        meta = f.metadata.get(META_KEY)
+        if meta is None or meta.group != SCORING:
+            continue
+        if opts is not None:
+            out[f.name] = getattr(opts, f.name)
+        else:
+            out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return out
 
 
 def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True) -> None:

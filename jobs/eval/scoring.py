@@ -18,13 +18,16 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from coord.manifest import DatasetSpec, RunManifest
 from coord.rundir import RunDir
 from coord.units import WorkUnit, shard_range
 from jobs.eval.engines.base import Engine, SamplingParams
-from jobs.eval.evalsets import Row, Scored, Scorer, get_scorer, load_dataset
+from jobs.eval.evalsets import Row, load_dataset
+from jobs.eval.options import scorer_options
 from jobs.eval.prompts import render_prompts
+from jobs.eval.scorers import Sample, Scorer, ScorerContext, UnitTally, make_scorer, score_samples
 
 SEED_MASK = 0x7FFFFFFF  # 31 bits: a non-negative int32 every engine accepts
 
@@ -50,14 +53,21 @@ class UnitScores:
     generate_s: float
     n_tokens: int
     answers: list[str | None]
-    grader_timeouts: int = 0
+    tally: UnitTally
+    scorer: dict[str, Any]  # the scorer's identity()
+
+    def result_fields(self) -> dict[str, Any]:
+        """The result fields besides scores/versions/answers (:func:`coord.results.ok_result` keywords)."""
+        return {**self.tally.as_result_fields(), "scorer": self.scorer}
 
 
 class DatasetCache:
-    """Rows and scorers of a run's datasets, loaded once per process."""
+    """Rows and scorers of a run's datasets, loaded once per process. ``ctx``: what the scorers are told
+    of this process (default: the run dir and the scoring options' defaults)."""
 
-    def __init__(self, run: RunDir, manifest: RunManifest) -> None:
+    def __init__(self, run: RunDir, manifest: RunManifest, ctx: ScorerContext | None = None) -> None:
         self.run, self.manifest = run, manifest
+        self.ctx = ctx or ScorerContext(run.path, scorer_options())
         self._rows: dict[str, list[Row]] = {}
         self._scorers: dict[str, Scorer] = {}
 
@@ -68,7 +78,7 @@ class DatasetCache:
 
     def scorer(self, spec: DatasetSpec) -> Scorer:
         if spec.name not in self._scorers:
-            self._scorers[spec.name] = get_scorer(spec.scorer, spec.grader_timeout_s)
+            self._scorers[spec.name] = make_scorer(spec, self.ctx)
         return self._scorers[spec.name]
 
 
@@ -90,7 +100,7 @@ class UnitInput:
     prompt_indices: range
     prompts: list[str]  # one per sample (prompt-major)
     seeds: list[int] | None
-    answers: list[str]
+    rows: list[Row]  # one per sample (prompt-major)
 
 
 def unit_input(cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None) -> UnitInput:
@@ -105,7 +115,7 @@ def unit_input(cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None) ->
         prompt_indices=indices,
         prompts=[t for t in texts for _ in range(n)],
         seeds=unit_seeds(spec, indices),
-        answers=[r["answer"] for r in rows for _ in range(n)],
+        rows=[r for r in rows for _ in range(n)],
     )
 
 
@@ -126,7 +136,9 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
     if len(generations) != len(work.prompts):
         raise RuntimeError(f"engine returned {len(generations)} generations for {len(work.prompts)} prompts")
     completions = [g.text for g in generations]
-    scored = cache.scorer(work.spec).score(completions, work.answers)
+    scorer = cache.scorer(work.spec)
+    samples = [Sample(c, r, p) for c, r, p in zip(completions, work.rows, work.prompts, strict=True)]
+    scored = score_samples(scorer, samples)
     return UnitScores(
         scores=[s.score for s in scored],
         weight_versions=[g.weight_version for g in generations],
@@ -134,9 +146,6 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
         generate_s=elapsed,
         n_tokens=sum(g.n_tokens for g in generations),
         answers=[s.answer for s in scored],
-        grader_timeouts=count_timeouts(scored),
+        tally=UnitTally.of(scored),
+        scorer=scorer.identity(),
     )
-
-
-def count_timeouts(scored: list[Scored]) -> int:
-    return sum(s.timed_out for s in scored)

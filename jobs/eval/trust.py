@@ -8,7 +8,8 @@ run dir are owned by this process's user and writable by nobody else (no group/o
 when the process was started with an explicit opt-in (``--trust-run-code``, or
 ``SharedEval(trust_run_code=True)`` for a trainer's shared posture).
 
-The built-in scorers (``exact``, ``math``) are not code named by run.json and always pass. Limits:
+The registered scorers (:data:`jobs.eval.scorers.SCORERS`: ``exact``, ``math``, ...) are not code named
+by run.json and always pass. Limits:
 POSIX mode bits and owners only (ACLs, a writable parent dir and the module's own file on sys.path are
 not inspected); the check runs once, at start, against the files as they are then.
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 
 from coord.manifest import RunManifest
 from coord.rundir import RunDir
+from jobs.eval.scorers import SCORERS
 
-BUILTIN_SCORERS = frozenset({"exact", "math"})
 OPT_IN = "--trust-run-code"
 
 
@@ -32,7 +33,7 @@ class UntrustedRunCode(ValueError):
 
 def run_code(manifest: RunManifest) -> list[str]:
     """The ``module:function`` names run.json asks this process to import (empty: nothing to trust)."""
-    return sorted({d.scorer for d in manifest.eval.datasets if d.scorer not in BUILTIN_SCORERS})
+    return sorted({d.scorer for d in manifest.eval.datasets if d.scorer not in SCORERS})
 
 
 def foreign_writers(paths: list[Path]) -> list[str]:

@@ -101,7 +101,8 @@ from coord.rundir import RunDir
 from jobs.eval.engines.base import EngineError
 from jobs.eval.evaluators import Evaluator, build_evaluator, call_with_timeout
 from jobs.eval.loop import Worker
-from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
+from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args, scorer_options
+from jobs.eval.scorers import ScorerContext
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.service import create_run_from_config, service_ingestion
 from jobs.eval.trust import check_run_code
@@ -205,7 +206,7 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     manifest = run.manifest()
     run.training_done()  # a malformed TRAINING_DONE stops the worker here, named, not mid-loop
     check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
-    cache = DatasetCache(run, manifest)
+    cache = DatasetCache(run, manifest, ScorerContext(run.path, scorer_options(opts)))
     check_datasets(cache)
     evaluator = build_evaluator(opts, manifest, cache)
     try:  # before the first claim: a broken engine must not write a single result

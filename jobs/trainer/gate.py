@@ -40,6 +40,7 @@ from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.pinning import PinViolation, check_pinned, pin
 from jobs.eval.prompts import NoChatTemplate
+from jobs.eval.scorers import ScorerCrashed, ScorerInfraError
 from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
 
 STOP_SLICE_S = 0.1  # how often a paused() drain looks at its stop flag
@@ -155,8 +156,10 @@ def shared_eval(
             for unit in units:
                 try:
                     scored[unit] = _score(engine, cache, unit, snapshot)
-                except NoChatTemplate as e:  # this dataset only: a skip with its own reason
+                except (NoChatTemplate, ScorerInfraError) as e:  # this unit only: a skip with its own reason
                     skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot))
+                except ScorerCrashed as e:  # the scorer raised: this unit's crashed skip, training goes on
+                    skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot, blame=e.blame))
             samples = [v for s in scored.values() if isinstance(s, UnitScores) for v in s.weight_versions]
             check_pinned(engine, version, samples)
         except PinViolation as e:
@@ -189,7 +192,7 @@ def _ok(
         scores.scores,
         scores.weight_versions,
         scores.answers,
-        grader_timeouts=scores.grader_timeouts,
+        **scores.result_fields(),
         snapshot=snapshot,
         timings={"generate_s": scores.generate_s, "point_s": elapsed},
         worker={**producer_identity(), "posture": "shared"},

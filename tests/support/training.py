@@ -52,6 +52,7 @@ def make_train_run(
     lease_duration: float = 5.0,
     lease_heartbeat: float = 1.0,
     model: ModelConfig | None = None,
+    eval_scorer: str = "exact",
 ) -> tuple[RunDir, DispatchConfig]:
     """A trainer's run dir built from the library (what any trainer integrating ckpteval writes):
     ``base/`` for the toy model, a small addition eval set, ``run.json`` listing the snapshot root; and
@@ -68,7 +69,8 @@ def make_train_run(
     ).validate()
     run = RunDir.create(run_dir)
     save_base_model_dir(run.base, model or ModelConfig(), "llama")
-    dataset = write_addition_dataset(run, n=eval_n_prompts, shard_size=eval_shard_size)
+    dataset = dataclasses.replace(write_addition_dataset(run, n=eval_n_prompts, shard_size=eval_shard_size),
+                                  scorer=eval_scorer)
     manifest = RunManifest(
         run_id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:64], eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
         snapshot_roots=(), trainer={"program": "tests", **producer_identity()},

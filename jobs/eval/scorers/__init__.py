@@ -1,0 +1,261 @@
+"""The scorer registry: name -> lazily imported scorer class, and the interface every scorer speaks.
+
+A dataset's ``scorer`` (run.json ``eval.datasets[i].scorer``) is a name of :data:`SCORERS`, or
+``module:function`` — a per-sample ``(completion, answer) -> float | (float, answer)`` function
+(:class:`jobs.eval.scorers.basic.FunctionScorer`). Its settings are the dataset entry's
+``scorer_options`` object, validated by the scorer class's ``parse_options`` wherever run.json is parsed
+(:func:`check_scorer`, installed into :mod:`coord.manifest` at import: coord imports nothing from jobs).
+
+Adding a scorer (nothing else to edit; the worker, the shared posture, backfill and the run.json
+parser all go through this registry):
+
+1. Write a class in a module of this package (or anywhere importable), import-light (heavy imports
+   inside methods: the run.json parser imports the module to validate settings)::
+
+       class MyScorer(BaseScorer):
+           required_row_fields = ("tests",)   # checked when rows load; the error names file:line
+           needs_answer = False               # rows may then omit "answer"
+
+           @classmethod
+           def parse_options(cls, f: Fields) -> MyOptions:   # f: the "scorer_options" block
+               return parse_dataclass(f, MyOptions, what="scorer 'mine'")   # unknown keys refused
+
+           def score(self, samples: list[Sample]) -> list[Scored]: ...
+           def identity(self) -> dict[str, Any]: ...          # what scored (model id, hashes, mode)
+
+   ``__init__(spec, ctx)`` (:class:`BaseScorer`'s) sets ``self.spec``, ``self.ctx`` (a
+   :class:`ScorerContext`) and ``self.options`` (``parse_options``' value).
+2. Add one line to :data:`SCORERS`: ``"mine": "jobs.eval.scorers.mine:MyScorer"``.
+
+Failures: raise :class:`ScorerInfraError` (reason e.g. ``judge_failed``) when something the scorer
+depends on failed (a judge server, a sandbox): the unit is skipped with that reason, never scored 0,
+never blamed on the engine. Any other exception out of ``score`` is the scorer's own failure
+(:func:`score_samples`): the unit's ``crashed`` skip is written at once with the exception's last line,
+the engine is not restarted and its health is not counted.
+
+Counters and extras: ``Scored.counters`` (per-sample counts) are summed per unit into the result's
+``counters`` and per point into ``eval/<ds>/<counter>``; ``Scored.extras`` (per-sample numbers) are
+averaged per point into ``eval/<ds>/<name>``. ``identity()`` is recorded in every unit's result
+(``scorer``); a point whose units disagree on it is not pooled (:mod:`coord.results`).
+
+Limits: a scorer runs in the worker's process with its privileges (``module:function`` code is imported
+only under the trust rule, :mod:`jobs.eval.trust`); scoring is synchronous per unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from coord.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
+from jobs.eval.pinning import WorkerSkip
+
+SCORERS: dict[str, str] = {
+    "exact": "jobs.eval.scorers.basic:ExactScorer",
+    "math": "jobs.eval.scorers.basic:MathScorer",
+    "code": "jobs.eval.scorers.code:CodeScorer",
+    "judge": "jobs.eval.scorers.judge:JudgeScorer",
+    "reward_model": "jobs.eval.scorers.judge:RewardModelScorer",
+}
+FUNCTION_SCORER = "jobs.eval.scorers.basic:FunctionScorer"  # every "module:function" name
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion to score: the completion, the dataset row (with all its fields, e.g. ``tests``,
+    ``entry_point``, ``inputs``/``outputs``, ``question``; ``answer`` as a string when the row has one)
+    and the prompt text the engine was sent."""
+
+    completion: str
+    row: dict[str, Any]
+    prompt: str
+
+    @property
+    def answer(self) -> str | None:
+        answer = self.row.get("answer")
+        return None if answer is None else str(answer)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One sample's score and what the scorer extracted (None: nothing; majority voting keys on it).
+
+    ``timed_out``: the ``math`` grader gave up (counted as ``grader_timeouts``). ``counters``: per-sample
+    counts summed per unit and point (``eval/<ds>/<counter>``, e.g. ``code_timeouts``). ``extras``:
+    per-sample numbers averaged per point (``eval/<ds>/<name>``, e.g. ``tests_passed_fraction``).
+    """
+
+    score: float
+    answer: str | None
+    timed_out: bool = False
+    counters: dict[str, int] = field(default_factory=dict)
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScorerContext:
+    """What a scorer may know of where it runs: the run dir (for caches, e.g. ``RUN/judge_cache/``) and
+    the process's scorer-related options (the worker's ``--...`` flags of the "scoring" group in
+    :class:`jobs.eval.options.WorkerOptions`, by field name; their defaults in the shared posture)."""
+
+    run_dir: Path
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return self.options.get(name, default)
+
+
+class ScorerInfraError(WorkerSkip):
+    """Something a scorer depends on failed (a judge server, a sandbox): the unit is skipped with
+    ``reason`` and ``message``; never a score of 0, never counted against the engine."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ScorerCrashed(WorkerSkip):
+    """The scorer itself raised: the unit's ``crashed`` skip, written at once (the engine is not to
+    blame, another worker would crash the same way)."""
+
+    reason = "crashed"
+    blame = "scorer"
+
+
+class Scorer(Protocol):
+    required_row_fields: ClassVar[tuple[str, ...]]
+    needs_answer: ClassVar[bool]
+
+    @classmethod
+    def parse_options(cls, f: Fields) -> Any: ...
+
+    def score(self, samples: list[Sample]) -> list[Scored]: ...
+
+    def identity(self) -> dict[str, Any]: ...
+
+
+class BaseScorer:
+    """Defaults for a scorer: no options (an empty ``scorer_options`` only), rows need an ``answer``,
+    identity ``{"name": <scorer>}``."""
+
+    required_row_fields: ClassVar[tuple[str, ...]] = ()
+    needs_answer: ClassVar[bool] = True
+
+    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+        self.spec, self.ctx = spec, ctx
+        self.options = type(self).parse_options(options_fields(spec))
+
+    @classmethod
+    def parse_options(cls, f: Fields) -> Any:
+        f.reject_unknown((), "this scorer (it takes no scorer_options)")
+        return None
+
+    def score(self, samples: list[Sample]) -> list[Scored]:
+        raise NotImplementedError
+
+    def identity(self) -> dict[str, Any]:
+        return {"name": self.spec.scorer}
+
+
+def options_fields(spec: DatasetSpec) -> Fields:
+    """A dataset's ``scorer_options`` for its scorer's ``parse_options``, errors naming run.json."""
+    return Fields(Path("run.json"), dict(spec.scorer_options), f"dataset {spec.name!r}: scorer_options")
+
+
+def _import(target: str, name: str) -> type:
+    module_name, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except ImportError as e:
+        raise FieldError("scorer", f"{name!r} is registered but its module cannot be imported ({e})") from None
+    except AttributeError:
+        raise FieldError("scorer", f"{name!r} is registered as {target}, which does not exist") from None
+
+
+def scorer_class(name: str) -> type:
+    """The class of scorer ``name`` (a ``module:function`` name: the function wrapper; the function
+    itself is not imported here). :class:`FieldError` (key ``scorer``) for an unknown name."""
+    if name in SCORERS:
+        return _import(SCORERS[name], name)
+    module_name, _, func_name = name.partition(":")
+    if module_name and func_name:
+        return _import(FUNCTION_SCORER, name)
+    close = difflib.get_close_matches(name, list(SCORERS), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise FieldError("scorer", f"{name!r} is not a scorer ({hint}known: {', '.join(SCORERS)}, or module:function)")
+
+
+def check_scorer(name: str, options: Fields) -> None:
+    """The run.json parser's check (:func:`coord.manifest.set_scorer_check`): a known name, valid options."""
+    scorer_class(name).parse_options(options)
+
+
+def make_scorer(spec: DatasetSpec, ctx: ScorerContext) -> Scorer:
+    """The scorer of ``spec`` (its ``module:function`` imported now: call after the trust check)."""
+    try:
+        cls = scorer_class(spec.scorer)
+    except FieldError as e:
+        raise ValueError(f"dataset {spec.name!r}: {e}") from None
+    return cls(spec, ctx)  # type: ignore[no-any-return]
+
+
+def check_row(scorer: type, row: dict[str, Any], where: str) -> None:
+    """A row has what its scorer needs (``answer`` unless ``needs_answer`` is false, ``required_row_fields``)."""
+    missing = [k for k in (("answer",) if scorer.needs_answer else ()) + tuple(scorer.required_row_fields)
+               if row.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: the row has no {', '.join(repr(k) for k in missing)} (needed by its scorer)")
+
+
+def last_line(error: BaseException) -> str:
+    """``Type: message`` of an exception, one line (what a ``crashed`` skip says)."""
+    text = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
+    return text[-1] if text else type(error).__name__
+
+
+def score_samples(scorer: Scorer, samples: list[Sample]) -> list[Scored]:
+    """``scorer.score(samples)``, checked; the scorer's own exception becomes :class:`ScorerCrashed`."""
+    try:
+        scored = scorer.score(samples)
+    except WorkerSkip:  # ScorerInfraError and friends: the scorer's verdict on the unit
+        raise
+    except Exception as e:  # noqa: BLE001 — user code: the scorer's failure is the unit's crashed skip
+        name = getattr(getattr(scorer, "spec", None), "scorer", type(scorer).__name__)
+        raise ScorerCrashed(f"scorer {name!r} raised: {last_line(e)}") from e
+    if not isinstance(scored, list) or len(scored) != len(samples) or not all(isinstance(s, Scored) for s in scored):
+        raise ScorerCrashed(f"scorer returned {type(scored).__name__} of {len(scored) if isinstance(scored, list) else '?'} "
+                            f"items for {len(samples)} samples; expected one Scored per sample")
+    return scored
+
+
+@dataclass
+class UnitTally:
+    """A unit's sums over its samples' :class:`Scored`: grader timeouts, counters, and extras (sum, n)."""
+
+    grader_timeouts: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+    extras: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {"sum": s, "n": k}
+
+    @classmethod
+    def of(cls, scored: list[Scored]) -> UnitTally:
+        tally = cls(grader_timeouts=sum(s.timed_out for s in scored))
+        for s in scored:
+            for name, n in s.counters.items():
+                tally.counters[name] = tally.counters.get(name, 0) + int(n)
+            for name, value in s.extras.items():
+                acc = tally.extras.setdefault(name, {"sum": 0.0, "n": 0})
+                acc["sum"] += float(value)
+                acc["n"] += 1
+        return tally
+
+    def as_result_fields(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+set_scorer_check(check_scorer)
