@@ -69,6 +69,9 @@ class WorkerOptions:
     trust_run_code: bool = option(
         False, "import scorer code named by run.json (module:function) even when run.json or the run dir "
         "is writable by other users (see docs/PROTOCOL.md, 'Who may run code in a worker')")
+    judge_url: str | None = option(
+        None, "the judge of judged datasets that name no url of their own: an OpenAI base URL "
+        "(http://host:port/v1); overrides RUN/judge.json", metavar="URL", group=SCORING)
     wandb: bool = option(False, "log each finished point into the training run's wandb run (needs "
                          "--wandb-run-id)", group=INGESTION)
     wandb_run_id: str | None = option(None, "the training run's wandb id", metavar="ID", group=INGESTION)
@@ -123,6 +126,8 @@ def validate_options(opts: WorkerOptions) -> None:
             raise ValueError(f"--watch {watch}: not a directory")
     if opts.eval_config is not None and not opts.watch:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
+    if opts.judge_url is not None and not opts.judge_url.startswith(("http://", "https://")):
+        raise ValueError(f"--judge-url {opts.judge_url!r}: expected an http(s) URL such as http://host:8000/v1")
     if opts.wandb and not opts.wandb_run_id:
         raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
     fn_specs = [s for s in opts.engines if s.startswith("fn:")]
