@@ -3,7 +3,9 @@
 Real processes throughout: the reference trainer (``ckpteval train``) with ``--eval-config`` naming a judged
 set, one fleet worker (``ckpteval worker --engine hf``, the real tiny model), and the judge stand-in
 (``ckpteval serve --judge exact``: ``VERDICT: 1`` when the completion equals the reference). The judge is
-SIGKILLed once the first point is judged. Every point that was judged is pinned and logs the verdicts'
+SIGKILLed once the first point is judged. The run is in reuse mode (its HF checkpoints are the snapshots
+and are never deleted), so the backfill finds every snapshot; a staging snapshot is retired once its point
+settles. Every point that was judged is pinned and logs the verdicts'
 mean; every unit after the kill is a ``judge_failed`` skip (never a 0); a judge started again on the same
 address and ``ckpteval backfill`` then supersede those skips (``results/<unit>.retry1.json``), answering
 what was judged before from ``RUN/judge_cache/`` and paying the judge only for the rest.
@@ -59,8 +61,9 @@ def test_judged_run_judge_killed_mid_run_then_backfilled(tmp_path: Path) -> None
          "scorer": "judge", "scorer_options": {"url": url, "retries": 1, "timeout_s": 5}}]}}))
     run = tmp_path / "run"
     _, judge = start_judge("exact", tmp_path / "judge1.log", "--port", str(port))
-    trainer = spawn("train", "--run-dir", str(run), "--steps", "40", "--eval-interval", "10", "--eval-config",
-                    str(tmp_path / "eval.json"), "--eval-n-prompts", "8", "--threads", "1", "--no-progress")
+    trainer = spawn("train", "--run-dir", str(run), "--steps", "30", "--eval-interval", "10", "--eval-config",
+                    str(tmp_path / "eval.json"), "--threads", "1", "--no-progress",
+                    "--save-hf", str(tmp_path / "hf"), "--save-interval", "10")  # reuse: checkpoints stay for the backfill
     worker = spawn("worker", "--run-dir", str(run), "--engine", "hf", "--poll-interval", "0.2", "--wait-for-run", "120")
     procs = [trainer, worker, judge]
     try:
@@ -79,7 +82,7 @@ def test_judged_run_judge_killed_mid_run_then_backfilled(tmp_path: Path) -> None
 
     # during the run: judged units carry the judge's verdicts, the rest are judge_failed skips (never a 0)
     results = ResultIndex(run / "results").refresh()
-    assert len(results) == 10  # 5 points x 2 shards
+    assert len(results) == 8  # 4 points x 2 shards
     ok = [r for r in results.values() if r.ok]
     failed = [r for r in results.values() if not r.ok]
     assert {u.step for u in results if results[u].ok} >= {0} and failed
@@ -89,7 +92,7 @@ def test_judged_run_judge_killed_mid_run_then_backfilled(tmp_path: Path) -> None
         assert r.scorer["model"] == "ckpteval-judge"  # read from the judge's /v1/models
     logged = {int(m["eval/step"]): m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if "eval/step" in m}
-    assert sorted(logged) == [0, 10, 20, 30, 40]
+    assert sorted(logged) == [0, 10, 20, 30]
     for step, m in logged.items():
         units = [r for r in results.values() if r.unit.step == step]
         if all(r.ok for r in units):

@@ -275,7 +275,7 @@ def start_judge(mode: str, log: Path, *extra: str, timeout: float = 60.0) -> tup
 def _start_listening(args: list[str], log: Path, timeout: float) -> tuple[str, subprocess.Popen[str]]:
     import select
 
-    cmd = [PYTHON, "-m", "jobs.cli", "serve", *args, "--port", "0"]
+    cmd = [PYTHON, "-m", "jobs.cli", "serve", *args, *([] if "--port" in args else ["--port", "0"])]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     deadline = time.monotonic() + timeout
