@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,34 @@ def test_cache_entries_are_first_writer_wins(tmp_path: Path) -> None:
     assert cache.put(key, {"reply": "VERDICT: 1"}, {"q": 1}) is True
     assert cache.put(key, {"reply": "VERDICT: 0"}, {"q": 1}) is False
     assert cache.get(key) == {"reply": "VERDICT: 1"} and cache.get(cache_key({"q": 2})) is None
+
+
+def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb offline (read back from its own .wandb file): ingesting a judged point records the judge's
+    identity, as its units recorded it, under ``eval/scorer/<ds>`` in the run's config."""
+    pytest.importorskip("wandb")
+    from coord.ledger import Ledger
+    from coord.manifest import EvalSpec, RunManifest
+    from coord.results import ok_result
+    from coord.units import units_for_step
+    from jobs.ingest import ingest_point
+    from jobs.metrics import MetricsSink, init_wandb
+    from tests.test_metrics import wandb_records
+
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=2, scorer="judge", shard_size=1)
+    manifest = RunManifest(run_id="judged", eval=EvalSpec(datasets=(spec,)), snapshot_roots=())
+    ident = {"kind": "judge", "model": "judge-a", "template_sha256": "ab" * 32}
+    results = {u: ok_result(u, [1.0], [f"{u.step}"], scorer=ident) for u in units_for_step(manifest, 0)}
+    sink = MetricsSink(tmp_path / "metrics.jsonl", init_wandb(tmp_path, "run-judged", {"x": 1}))
+    ingest_point(manifest, 0, results, sink=sink, ledger=Ledger(tmp_path / "ledger.jsonl"), lag_steps=0)
+    sink.close()
+    (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-run-judged.wandb")
+    deadline = time.monotonic() + 30  # wandb's writer may still be flushing after finish() returned
+    while "exit" not in (kinds := [r.WhichOneof("record_type") for r in wandb_records(wandb_file)]):
+        assert time.monotonic() < deadline, kinds
+        time.sleep(0.2)
+    config = {i.key: json.loads(i.value_json) for r in wandb_records(wandb_file)
+              if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    assert config["eval/scorer/qa"] == ident
