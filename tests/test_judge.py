@@ -204,3 +204,44 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
     config = {i.key: json.loads(i.value_json) for r in wandb_records(wandb_file)
               if r.WhichOneof("record_type") == "config" for i in r.config.update}
     assert config["eval/scorer/qa"] == ident
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"temprature": 0}, "temprature is not a setting of scorer 'judge' (did you mean 'temperature'?"),
+    ({"template": "{question} {answer}"}, "template names ['answer']"),
+    ({"template": "no response here"}, "template must contain {response}"),
+    ({"verdict_regex": "VERDICT: (1"}, "verdict_regex 'VERDICT: (1' does not compile"),
+    ({"verdict_regex": "VERDICT"}, "needs a group"),
+    ({"on_unparsed": "ignore"}, "on_unparsed 'ignore' must be one of skip, zero"),
+    ({"url": "judge:8000"}, "url 'judge:8000' must start with http"),
+    ({"timeout_s": 0}, "timeout_s"),
+])
+def test_judge_settings_are_checked_where_run_json_is_parsed(
+    tmp_path: Path, options: dict[str, Any], says: str
+) -> None:
+    from jobs.eval.service import read_eval_config
+
+    (tmp_path / "qa.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = tmp_path / "eval.json"
+    cfg.write_text(json.dumps({"eval": {"datasets": [
+        {"name": "qa", "path": "qa.jsonl", "n_prompts": 1, "scorer": "judge", "scorer_options": options}]}}))
+    with pytest.raises(ValueError) as e:
+        read_eval_config(cfg)
+    assert str(e.value).startswith(str(cfg)) and says in str(e.value)
+
+
+def test_a_reward_model_template_has_no_reference(tmp_path: Path) -> None:
+    from coord.manifest import Fields
+    from jobs.eval.scorers import scorer_class
+
+    fields = Fields(tmp_path / "run.json", {"template": "{question}{response}{reference}"}, "scorer_options")
+    with pytest.raises(ValueError, match=r"names \['reference'\]"):
+        scorer_class("reward_model").parse_options(fields)
+
+
+@pytest.mark.parametrize("name", ["judged.eval.json", "reward_model.eval.json"])
+def test_example_judge_configs_are_valid(name: str) -> None:
+    from jobs.eval.service import read_eval_config
+
+    config = read_eval_config(Path(__file__).resolve().parents[1] / "examples" / "judge" / name)
+    assert [d.scorer for d in config.spec.datasets] == [name.split(".")[0].replace("judged", "judge")]
