@@ -399,10 +399,19 @@ def main(argv: list[str]) -> int:
         server.server_close()
         return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
     server.service = EngineService(engine, args.model, args.enable_deterministic_inference)
+    try:
+        serve_until_signalled(server, "ckpteval-serve")
+    finally:
+        engine.close()
+    return 0
+
+
+def serve_until_signalled(server: ThreadingHTTPServer, name: str) -> None:
+    """Serve on a thread until SIGTERM/SIGINT; prints ``serving on http://HOST:PORT`` once it listens."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    thread = threading.Thread(target=server.serve_forever, name="ckpteval-serve", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()
     host, port = server.server_address[:2]
     print(f"serving on http://{host}:{port}", flush=True)
@@ -413,19 +422,16 @@ def main(argv: list[str]) -> int:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
-        engine.close()
-    return 0
 
 
 def _main_judge(args: argparse.Namespace) -> int:
     """``--judge MODE``: the judge stand-in (:mod:`jobs.reference.serve_judge`) until SIGTERM/SIGINT."""
-    from jobs.reference.serve_judge import serve_judge
+    from jobs.reference.serve_judge import JudgeHTTPServer
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        return serve_judge(args.host, args.port, args.judge, args.served_model_name, args.judge_delay,
-                           args.verbose, stop)
+        server = JudgeHTTPServer((args.host, args.port), args.judge, args.served_model_name, args.judge_delay,
+                                 args.verbose)
     except OSError as e:
         return fail("ckpteval serve", f"--host {args.host} --port {args.port}: cannot listen ({e.strerror or e})")
+    serve_until_signalled(server, "ckpteval-judge")
+    return 0

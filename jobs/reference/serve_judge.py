@@ -124,21 +124,3 @@ class JudgeHandler(Handler):
         items = [{"embedding": [len(t) / 1000], "meta_info": {"id": str(i), "prompt_tokens": len(t)}}
                  for i, t in enumerate(texts)]
         self._json(HTTPStatus.OK, items if isinstance(text, list) else items[0])
-
-
-def serve_judge(host: str, port: int, mode: str, name: str, delay_s: float, verbose: bool,
-                stop: threading.Event) -> int:
-    """Run the stand-in until ``stop`` is set; prints ``serving on URL`` once it listens."""
-    server = JudgeHTTPServer((host, port), mode, name, delay_s, verbose)
-    thread = threading.Thread(target=server.serve_forever, name="ckpteval-judge", daemon=True)
-    thread.start()
-    bound_host, bound_port = server.server_address[:2]
-    print(f"serving on http://{bound_host}:{bound_port}", flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
-    return 0

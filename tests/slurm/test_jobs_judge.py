@@ -18,6 +18,7 @@ import pytest
 from coord.results import ResultIndex
 from coord.verdicts import read_judge
 from tests.slurm.test_jobs_helpers import job_log, submit_job
+from tests.slurm.test_jobs_train_eval import _eval_points
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
@@ -38,7 +39,7 @@ def test_het_job_with_a_judge_component(slurm_cluster, tmp_path: Path) -> None:
         "--gpus-per-worker", "1", "--device", "cpu", "--judge-cmd", judge_cmd, "--judge-cpus", "1",
         "--", "--steps", "20", "--eval-interval", "10", "--eval-config", str(tmp_path / "judged.json"),
         "--threads", "1", "--no-progress", "--lease-duration", "20", "--lease-heartbeat", "4")
-    assert prepared.script.count("#SBATCH hetjob") == 2
+    assert prepared.script.splitlines().count("#SBATCH hetjob") == 2  # three components
     try:
         state = slurm_cluster.wait_job(job, timeout=200, poll=1.0)
     finally:
@@ -52,11 +53,7 @@ def test_het_job_with_a_judge_component(slurm_cluster, tmp_path: Path) -> None:
 
     results = ResultIndex(run / "results").refresh()
     assert len(results) == 6 and all(r.ok for r in results.values()), [r.message for r in results.values()]
-    points = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "eval/step" in row:
-            points[int(row["eval/step"])] = row
+    points = _eval_points(run)
     assert sorted(points) == [0, 10, 20], log[-3000:]
     for step, row in points.items():
         units = [r for r in results.values() if r.unit.step == step]
