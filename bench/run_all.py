@@ -18,6 +18,7 @@ grader             bench_grader.py: math answers/s, pool vs inline             (
 reload             bench_reload.py: hf in-place reload GB/s vs a plain read     (reported)
                    (``--device cuda`` too where a GPU is visible, else skipped)
 workers            bench_workers.py: units/s with 1, 2, 4 workers               (reported)
+judge              bench_judge.py: judged samples/s, verdict cache warm vs cold (reported)
 =================  =========================================================  ==================
 
 Usage: ``.venv/bin/python bench/run_all.py [--quick] [--only stall,export,...] [--out bench/RESULTS.md]``
@@ -60,6 +61,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
                     ["--hidden", "256", "--layers", "2", "--repeats", "1", "--device", "cuda"]),
     "workers": ("bench_workers.py", ["--steps", "16", "--n-prompts", "512"],
                 ["--workers", "1,2", "--steps", "2", "--n-prompts", "64"]),
+    "judge": ("bench_judge.py", ["--samples", "256", "--delay-ms", "200"], ["--smoke"]),
 }
 
 
@@ -508,6 +510,24 @@ def workers_section(rec: dict[str, Any]) -> str:
     ])
 
 
+def judge_section(rec: dict[str, Any]) -> str:
+    d = rec["data"]
+    rows = [["cold (empty RUN/judge_cache/)", f"{d['cold_per_s']:,.1f}", d["judge_requests"]["cold"]],
+            ["warm (every sample cached)", f"{d['warm_per_s']:,.1f}", d["judge_requests"]["warm"]]]
+    return "\n".join([
+        f"`bench_judge.py` — {d['samples']} distinct samples judged through `JudgeScorer` (the `openai` client, "
+        f"{d['concurrency']} requests in flight) by the judge stand-in (`ckpteval serve --judge slow`, a real HTTP "
+        f"server process whose {d['delay_ms']:g} ms per request stands in for an LLM judge's latency), twice in "
+        "one run dir: cold, then warm with a fresh scorer. Baseline: cold, in the same run.", "",
+        table(["cache", "samples/s", "judge requests"], rows), "",
+        f"Ratio warm / cold: **{d['ratio']:.1f}x**. Cold is bounded by the judge ({d['concurrency']} in flight / "
+        f"{d['delay_ms']:g} ms = {d['concurrency'] * 1000 / d['delay_ms']:.0f}/s at most) plus one fsync per cache "
+        "entry (overlapped across the request pool); warm costs a key hash and one small file read per sample, "
+        "and the judge is not called (its `/judge_stats` is checked). A backfill or a retried unit pays the judge "
+        "only for what was not judged before; with a real LLM judge (seconds per verdict) the ratio is larger still.",
+    ])
+
+
 SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "stall": ("Trainer stall and latency", stall_section),
     "export": ("Export", export_section),
@@ -517,6 +537,7 @@ SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "reload": ("Engine reload", reload_section),
     "reload_cuda": ("Engine reload on CUDA", reload_section),
     "workers": ("Eval workers", workers_section),
+    "judge": ("Judge throughput, verdict cache cold vs warm", judge_section),
 }
 
 
