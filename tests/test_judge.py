@@ -245,3 +245,28 @@ def test_example_judge_configs_are_valid(name: str) -> None:
 
     config = read_eval_config(Path(__file__).resolve().parents[1] / "examples" / "judge" / name)
     assert [d.scorer for d in config.spec.datasets] == [name.split(".")[0].replace("judged", "judge")]
+
+
+def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact_judge: str) -> None:
+    """Two real judges serving different models score the two shards of one point: each unit records the
+    model its judge reported, and the point logs no eval/qa for the mix (eval/qa/scorer_mixed instead)."""
+    from coord.manifest import EvalSpec, RunManifest
+    from coord.results import derive_point, ok_result, point_metrics
+    from coord.units import units_for_step
+
+    other_url, other = start_judge("exact", tmp_path / "other.log", "--served-model-name", "judge-b")
+    try:
+        spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
+        manifest = RunManifest(run_id="r", eval=EvalSpec(datasets=(spec,)), snapshot_roots=())
+        results = {}
+        for unit, url, pairs in zip(units_for_step(manifest, 0), (exact_judge, other_url), (PAIRS[:2], PAIRS[2:]),
+                                    strict=True):
+            s = scorer(tmp_path, {"url": url})
+            scored = s.score(samples(pairs))
+            results[unit] = ok_result(unit, [x.score for x in scored], ["0", "0"], scorer=s.identity())
+    finally:
+        other.kill()
+        other.wait()
+    assert [r.scorer["model"] for r in results.values()] == ["judge-a", "judge-b"]
+    metrics = point_metrics(derive_point(manifest, 0, results))
+    assert "eval/qa" not in metrics and metrics["eval/qa/scorer_mixed"] == 1.0
