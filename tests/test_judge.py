@@ -270,3 +270,26 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
     assert [r.scorer["model"] for r in results.values()] == ["judge-a", "judge-b"]
     metrics = point_metrics(derive_point(manifest, 0, results))
     assert "eval/qa" not in metrics and metrics["eval/qa/scorer_mixed"] == 1.0
+
+
+def test_an_infra_skip_is_superseded_by_the_next_generation_never_overwritten(tmp_path: Path) -> None:
+    from coord.manifest import LeaseSettings
+    from coord.results import ResultIndex, ok_result, skip_result, write_result
+    from coord.units import UnitClaimer, WorkUnit
+
+    results = tmp_path / "results"
+    results.mkdir()
+    unit = WorkUnit(10, "qa", 0)
+    assert write_result(results, skip_result(unit, "judge_failed", "judge at ...: Connection error."))
+    claimer = UnitClaimer(tmp_path / "leases", LeaseSettings(30.0, 5.0), results_dir=results)
+    (tmp_path / "leases").mkdir()
+    assert claimer.try_claim(unit) is None  # generation 0 is done
+    claim = claimer.try_claim(unit, generation=1)
+    assert claim is not None and claim.generation == 1
+    assert write_result(results, ok_result(unit, [1.0], ["10"]), generation=1)
+    claim.release()
+    assert not write_result(results, ok_result(unit, [0.0], ["10"]), generation=1)  # first writer won
+    index = ResultIndex(results)
+    assert index.refresh()[unit].ok and index.generation(unit) == 1
+    assert sorted(p.name for p in results.glob("*.json")) == [unit.result_name, unit.result_name_at(1)]
+    assert ResultIndex(results).refresh()[unit].scores == (1.0,)
