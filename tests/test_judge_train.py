@@ -99,6 +99,7 @@ def test_judged_run_judge_killed_mid_run_then_backfilled(tmp_path: Path) -> None
             flat = [v for r in sorted(units, key=lambda r: r.unit.shard) for v in verdicts(run, r)]
             assert m["eval/qa"] == pytest.approx(sum(flat) / len(flat))
             assert m["eval/qa/weight_version/mean"] == step and m["eval/qa/weight_version/mixed_version_ratio"] == 0
+            assert m["eval/qa/judge_unparsed"] == 0 and 0 <= m["eval/qa/judge_cache_hit_rate"] <= 1
         else:
             assert "eval/qa" not in m and m["eval/skipped_judge_failed"] >= 1
 

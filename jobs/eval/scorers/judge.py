@@ -22,7 +22,8 @@ Promises:
 - **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`coord.verdicts`) keyed by (model id,
   template hash, sampling, question, response, reference): a retry, a backfill, or identical
   completions (in this unit or any other) never pay the judge twice; hits are counted
-  (``judge_cache_hits``). Replies, not verdicts, are cached, so a changed verdict rule re-reads them.
+  (``judge_cache_hits``; their share of the point's samples is ``judge_cache_hit_rate``). Replies, not
+  verdicts, are cached, so a changed verdict rule re-reads them.
 
 Where the judge is (first that applies): the dataset's ``url`` (a fixed endpoint, e.g. a hosted API);
 the worker's ``--judge-url``; ``RUN/judge.json`` published by the run's own judge server (waited for up
@@ -362,7 +363,8 @@ class JudgeScorer(BaseScorer):
             if value is None:
                 unparsed.append(unit.answers[key])
             out.append(Scored(0.0 if value is None else value, sample.completion.strip(),
-                              counters={"judge_cache_hits": int(hit), "judge_unparsed": int(value is None)}))
+                              counters={"judge_cache_hits": int(hit), "judge_unparsed": int(value is None)},
+                              extras={"judge_cache_hit_rate": float(hit)}))  # averaged per point: the rate
         if unparsed and self.opts.on_unparsed == "skip":
             reply = str(unparsed[0].get("reply", ""))[:200]
             raise ScorerInfraError("judge_failed", f"{len(unparsed)} of {len(keys)} judge replies unreadable by the "
