@@ -101,3 +101,15 @@ def test_judge_server_that_never_answers_fails_without_publishing(tmp_path: Path
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "did not answer" in proc.stderr
     assert read_judge(run.judge_path) is None
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["-m", "jobs.cli", "serve"], "--model DIR is required (unless --judge MODE)"),
+    (["-m", "jobs.cli", "serve", "--judge", "nope"], "invalid choice: 'nope'"),
+    (["-m", "jobs.cli", "worker", "--run-dir", "RUN", "--judge-url", "judge:80"], "--judge-url 'judge:80'"),
+    (["-m", "jobs.launch.judge_server", "--run-dir", "RUN"], "give the server command after --"),
+])
+def test_bad_judge_flags_are_one_line_exit_2(argv: list[str], says: str, tmp_path: Path) -> None:
+    argv = [str(tmp_path) if a == "RUN" else a for a in argv]
+    proc = subprocess.run([PYTHON, *argv], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
