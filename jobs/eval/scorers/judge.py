@@ -218,22 +218,19 @@ class _Unit:
 class JudgeScorer(BaseScorer):
     """``scorer: "judge"``: an LLM judge's verdict on each completion (see the module docstring)."""
 
+    name = "judge"
     needs_answer = True  # the reference; a template without {reference} still needs rows with an answer
     fields: tuple[str, ...] = FIELDS
     default_template = DEFAULT_TEMPLATE
 
     @classmethod
     def parse_options(cls, f: Fields) -> JudgeOptions:
-        opts = parse_dataclass(f, JudgeOptions, what=f"scorer {cls.kind()!r}")
+        opts = parse_dataclass(f, JudgeOptions, what=f"scorer {cls.name!r}")
         try:
             _check_template(opts.template or cls.default_template, cls.fields)
         except FieldError as e:
             raise f.error(e.key, e.why) from None
         return opts
-
-    @classmethod
-    def kind(cls) -> str:
-        return "reward_model" if cls.fields != FIELDS else "judge"
 
     def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
         super().__init__(spec, ctx)
@@ -292,7 +289,7 @@ class JudgeScorer(BaseScorer):
 
     def _judge_id(self) -> dict[str, Any]:
         """What makes a judge's answer: model id (as the judge reported it), prompt hashes, sampling."""
-        return {"kind": self.kind(), "model": self._model, "template_sha256": sha256(self.template),
+        return {"kind": self.name, "model": self._model, "template_sha256": sha256(self.template),
                 "system_prompt_sha256": sha256(self.opts.system_prompt), "sampling": self._sampling()}
 
     def identity(self) -> dict[str, Any]:
@@ -376,6 +373,7 @@ class RewardModelScorer(JudgeScorer):
     """``scorer: "reward_model"``: a reward model's reward for each (question, response), via sglang's
     ``/classify``; the raw reward, or 1/0 against ``threshold``."""
 
+    name = "reward_model"
     needs_answer = False
     fields = ("question", "response")
     default_template = "{question}\n{response}"
