@@ -119,6 +119,20 @@ def test_each_judge_failure_is_judge_failed_with_its_message(
         proc.wait(timeout=30)
 
 
+def test_an_unreadable_reply_is_not_cached_so_a_retry_asks_again(tmp_path: Path, exact_judge: str) -> None:
+    url, proc = start_judge("garbage", tmp_path / "j.log", "--served-model-name", "judge-a")
+    try:
+        with pytest.raises(ScorerInfraError, match="judge_unparsed=1"):
+            scorer(tmp_path, {"url": url}).score(samples(PAIRS[:1]))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not list((tmp_path / "run" / "judge_cache").glob("*/*.json"))
+    before = stats(exact_judge)["chat_completions"]  # the same judge model, now answering usably
+    assert [x.score for x in scorer(tmp_path, {"url": exact_judge}).score(samples(PAIRS[:1]))] == [1.0]
+    assert stats(exact_judge)["chat_completions"] == before + 1
+
+
 def test_unparsed_zero_scores_and_counts_instead_of_skipping(tmp_path: Path) -> None:
     url, proc = start_judge("garbage", tmp_path / "j.log")
     try:

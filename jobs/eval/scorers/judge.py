@@ -23,7 +23,8 @@ Promises:
   template hash, sampling, question, response, reference): a retry, a backfill, or identical
   completions (in this unit or any other) never pay the judge twice; hits are counted
   (``judge_cache_hits``; their share of the point's samples is ``judge_cache_hit_rate``). Replies, not
-  verdicts, are cached, so a changed verdict rule re-reads them.
+  verdicts, are cached, so a changed verdict rule re-reads them; a reply the rule cannot read is not
+  cached (the unit's retry or a backfill asks the judge again).
 
 Where the judge is (first that applies): the dataset's ``url`` (a fixed endpoint, e.g. a hosted API);
 the worker's ``--judge-url``; ``RUN/judge.json`` published by the run's own judge server (waited for up
@@ -310,9 +311,11 @@ class JudgeScorer(BaseScorer):
         return {"reply": endpoint.chat(self._model or "", messages, self.opts.sampling())}
 
     def _ask_and_cache(self, endpoint: JudgeEndpoint, key: str, parts: dict[str, Any]) -> dict[str, Any]:
-        """One judge request, its answer published in the cache (in the pool: cache fsyncs overlap too)."""
+        """One judge request, its answer published in the cache (in the pool: cache fsyncs overlap too) —
+        unless the verdict rule cannot read it: that one is asked again by the unit's retry or backfill."""
         answer = self._ask(endpoint, {k: parts[k] for k in self.fields})
-        self.cache.put(key, answer, parts)
+        if self._score_of(answer) is not None:
+            self.cache.put(key, answer, parts)
         return answer
 
     def _answers(self, samples: list[Sample]) -> tuple[list[str], _Unit]:
