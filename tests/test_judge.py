@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -200,7 +199,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
     from coord.units import units_for_step
     from jobs.ingest import ingest_point
     from jobs.metrics import MetricsSink, init_wandb
-    from tests.test_metrics import wandb_records
+    from tests.test_metrics import finished_wandb_records
 
     for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(k, v)
@@ -212,11 +211,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
     ingest_point(manifest, 0, results, sink=sink, ledger=Ledger(tmp_path / "ledger.jsonl"), lag_steps=0)
     sink.close()
     (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-run-judged.wandb")
-    deadline = time.monotonic() + 30  # wandb's writer may still be flushing after finish() returned
-    while "exit" not in (kinds := [r.WhichOneof("record_type") for r in wandb_records(wandb_file)]):
-        assert time.monotonic() < deadline, kinds
-        time.sleep(0.2)
-    config = {i.key: json.loads(i.value_json) for r in wandb_records(wandb_file)
+    config = {i.key: json.loads(i.value_json) for r in finished_wandb_records(wandb_file)
               if r.WhichOneof("record_type") == "config" for i in r.config.update}
     assert config["eval/scorer/qa"] == ident
 
