@@ -19,6 +19,7 @@ reload             bench_reload.py: hf in-place reload GB/s vs a plain read     
                    (``--device cuda`` too where a GPU is visible, else skipped)
 workers            bench_workers.py: units/s with 1, 2, 4 workers               (reported)
 judge              bench_judge.py: judged samples/s, verdict cache warm vs cold (reported)
+                   bench_judge.py: trainer steps/s, judged set vs no-eval       (reported)
 =================  =========================================================  ==================
 
 Usage: ``.venv/bin/python bench/run_all.py [--quick] [--only stall,export,...] [--out bench/RESULTS.md]``
@@ -61,7 +62,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
                     ["--hidden", "256", "--layers", "2", "--repeats", "1", "--device", "cuda"]),
     "workers": ("bench_workers.py", ["--steps", "16", "--n-prompts", "512"],
                 ["--workers", "1,2", "--steps", "2", "--n-prompts", "64"]),
-    "judge": ("bench_judge.py", ["--samples", "256", "--delay-ms", "200"], ["--smoke"]),
+    "judge": ("bench_judge.py", ["--samples", "256", "--delay-ms", "200", "--trainer-steps", "400"], ["--smoke"]),
 }
 
 
@@ -525,7 +526,22 @@ def judge_section(rec: dict[str, Any]) -> str:
         "entry (overlapped across the request pool); warm costs a key hash and one small file read per sample, "
         "and the judge is not called (its `/judge_stats` is checked). A backfill or a retried unit pays the judge "
         "only for what was not judged before; with a real LLM judge (seconds per verdict) the ratio is larger still.",
+        *judge_trainer_lines(d.get("trainer")),
     ])
+
+
+def judge_trainer_lines(t: dict[str, Any] | None) -> list[str]:
+    if not t:
+        return []
+    return ["", f"The reference trainer, {t['steps']} steps, a point every {t['eval_interval']} on a judged set (32 "
+            "addition prompts, `scorer: judge`, the same stand-in; fleet reuse, one `hf` worker) vs its no-eval "
+            "baseline (`--save-hf` at the same interval), `bench_stall.py`'s measurement (steps/s of the training "
+            "loop):", "",
+            table(["run", "steps/s", "ratio"], [["no-eval + save-hf", f"{t['no_eval_steps_per_s']:.2f}", "1.00"],
+                                                ["fleet reuse, judged set", f"{t['judged_steps_per_s']:.2f}",
+                                                 f"{t['ratio']:.2f}"]]), "",
+            f"{t['points']} points logged, skipped: {t['skipped_points'] or 'none'}. The worker and the judge share "
+            "the trainer's two cores here; on a cluster they hold their own GPUs."]
 
 
 SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
