@@ -17,7 +17,7 @@ import pytest
 
 from coord.results import ResultIndex
 from coord.verdicts import read_judge
-from tests.slurm.test_jobs_helpers import job_log, submit_job
+from tests.slurm.test_jobs_helpers import completed_job_log, submit_job
 from tests.slurm.test_jobs_train_eval import _eval_points
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
@@ -40,13 +40,7 @@ def test_het_job_with_a_judge_component(slurm_cluster, tmp_path: Path) -> None:
         "--", "--steps", "20", "--eval-interval", "10", "--eval-config", str(tmp_path / "judged.json"),
         "--threads", "1", "--no-progress", "--lease-duration", "20", "--lease-heartbeat", "4")
     assert prepared.script.splitlines().count("#SBATCH hetjob") == 2  # three components
-    try:
-        state = slurm_cluster.wait_job(job, timeout=200, poll=1.0)
-    finally:
-        slurm_cluster.cancel(job)
-    log = job_log(run)
-    print(f"\n[het job + judge] submit -> {state} in {time.monotonic() - t0:.1f}s")
-    assert state == "COMPLETED", log[-4000:]
+    log = completed_job_log(slurm_cluster, job, run, 200, "het job + judge", t0)
     assert "judge_server:" in log and "published" in log and "stopping the judge server" in log, log[-4000:]
     published = read_judge(run / "judge.json")
     assert published is not None and published["model"] == "judge-on-slurm"
