@@ -101,6 +101,8 @@ def train_argv(cfg: Config, run_dir: Path, staging: Path, args: argparse.Namespa
         argv += ["--save-hf", str(run_dir / "hf"), "--save-interval", str(args.eval_interval)]
     if cfg.mode == "none":
         return [*argv, "--no-eval"]
+    if getattr(args, "eval_config", None):  # bench_judge.py: a judged set instead of the addition set
+        argv += ["--eval-config", str(args.eval_config)]
     argv += ["--eval-interval", str(args.eval_interval), "--eval-poll-interval", str(args.poll),
              "--eval-keep-snapshots", "100000"]  # keep every marker: the latency reads them
     if args.eval_config is not None:
@@ -157,7 +159,7 @@ def run_one(cfg: Config, base: Path, staging_base: Path, args: argparse.Namespac
         with open(logs / f"w{i}.out", "w") as log:
             workers.append(subprocess.Popen(
                 [*worker_pin, sys.executable, "-m", "jobs.cli", "worker", "--run-dir", str(run_dir), "--engine",
-                 "hf", "--poll-interval", str(args.poll), "--worker-id", f"w{i}"],
+                 "hf", "--poll-interval", str(args.poll), "--worker-id", f"w{i}", *getattr(args, "worker_args", ())],
                 env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             ))
     try:

@@ -19,6 +19,8 @@ sandbox            bench_sandbox.py: code programs/s, bwrap vs plain subprocess 
 reload             bench_reload.py: hf in-place reload GB/s vs a plain read     (reported)
                    (``--device cuda`` too where a GPU is visible, else skipped)
 workers            bench_workers.py: units/s with 1, 2, 4 workers               (reported)
+judge              bench_judge.py: judged samples/s, verdict cache warm vs cold (reported)
+                   bench_judge.py: trainer steps/s, judged set vs no-eval       (reported)
 =================  =========================================================  ==================
 
 Usage: ``.venv/bin/python bench/run_all.py [--quick] [--only stall,export,...] [--out bench/RESULTS.md]``
@@ -67,6 +69,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
                     ["--hidden", "256", "--layers", "2", "--repeats", "1", "--device", "cuda"]),
     "workers": ("bench_workers.py", ["--steps", "16", "--n-prompts", "512"],
                 ["--workers", "1,2", "--steps", "2", "--n-prompts", "64"]),
+    "judge": ("bench_judge.py", ["--samples", "256", "--delay-ms", "200", "--trainer-steps", "400"], ["--smoke"]),
 }
 
 # script -> arguments of its smoke run (seconds, numbers not asserted): tests/test_bench_smoke.py runs every
@@ -550,6 +553,39 @@ def workers_section(rec: dict[str, Any]) -> str:
     ])
 
 
+def judge_section(rec: dict[str, Any]) -> str:
+    d = rec["data"]
+    rows = [["cold (empty RUN/judge_cache/)", f"{d['cold_per_s']:,.1f}", d["judge_requests"]["cold"]],
+            ["warm (every sample cached)", f"{d['warm_per_s']:,.1f}", d["judge_requests"]["warm"]]]
+    return "\n".join([
+        f"`bench_judge.py` — {d['samples']} distinct samples judged through `JudgeScorer` (the `openai` client, "
+        f"{d['concurrency']} requests in flight) by the judge stand-in (`ckpteval serve --judge slow`, a real HTTP "
+        f"server process whose {d['delay_ms']:g} ms per request stands in for an LLM judge's latency), twice in "
+        "one run dir: cold, then warm with a fresh scorer. Baseline: cold, in the same run.", "",
+        table(["cache", "samples/s", "judge requests"], rows), "",
+        f"Ratio warm / cold: **{d['ratio']:.1f}x**. Cold is bounded by the judge ({d['concurrency']} in flight / "
+        f"{d['delay_ms']:g} ms = {d['concurrency'] * 1000 / d['delay_ms']:.0f}/s at most) plus one fsync per cache "
+        "entry (overlapped across the request pool); warm costs a key hash and one small file read per sample, "
+        "and the judge is not called (its `/judge_stats` is checked). A backfill or a retried unit pays the judge "
+        "only for what was not judged before; with a real LLM judge (seconds per verdict) the ratio is larger still.",
+        *judge_trainer_lines(d.get("trainer")),
+    ])
+
+
+def judge_trainer_lines(t: dict[str, Any] | None) -> list[str]:
+    if not t:
+        return []
+    return ["", f"The reference trainer, {t['steps']} steps, a point every {t['eval_interval']} on a judged set (32 "
+            "addition prompts, `scorer: judge`, the same stand-in; fleet reuse, one `hf` worker) vs its no-eval "
+            "baseline (`--save-hf` at the same interval), `bench_stall.py`'s measurement (steps/s of the training "
+            "loop):", "",
+            table(["run", "steps/s", "ratio"], [["no-eval + save-hf", f"{t['no_eval_steps_per_s']:.2f}", "1.00"],
+                                                ["fleet reuse, judged set", f"{t['judged_steps_per_s']:.2f}",
+                                                 f"{t['ratio']:.2f}"]]), "",
+            f"{t['points']} points logged, skipped: {t['skipped_points'] or 'none'}. The worker and the judge share "
+            "the trainer's two cores here; on a cluster they hold their own GPUs."]
+
+
 SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "stall": ("Trainer stall and latency", stall_section),
     "export": ("Export", export_section),
@@ -560,6 +596,7 @@ SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "reload": ("Engine reload", reload_section),
     "reload_cuda": ("Engine reload on CUDA", reload_section),
     "workers": ("Eval workers", workers_section),
+    "judge": ("Judge throughput, verdict cache cold vs warm", judge_section),
 }
 
 

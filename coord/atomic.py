@@ -64,12 +64,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, dumps(obj))
 
 
-def publish_exclusive(path: Path, data: bytes) -> bool:
+def publish_exclusive(path: Path, data: bytes, *, sync_dir: bool = True) -> bool:
     """Publish ``data`` at ``path`` only if nothing is there yet; True if this call won.
 
     The file is complete before it becomes visible (written and fsync'd under a temp name, then
     hard-linked to the final name, which fails if the name exists). The first writer wins; a later
-    one gets False and leaves the first file untouched.
+    one gets False and leaves the first file untouched. ``sync_dir=False`` skips the directory fsync:
+    for a cache, whose entry lost in a crash is only a miss (the name never points to a torn file).
     """
     path = Path(path)
     tmp = tmp_name(path)
@@ -81,7 +82,8 @@ def publish_exclusive(path: Path, data: bytes) -> bool:
             return False
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
     return True
 
 

@@ -17,6 +17,13 @@ backfill. It is complete when every unit of the step has a result. Sharding does
 point: every metric is derived from the per-sample data pooled over the shards in prompt order
 (the pooled mean, pass@k, maj@n, the standard error over prompts), never averaged per shard.
 
+**Infrastructure skips are superseded, never overwritten.** A skip whose reason is in
+:data:`INFRA_SKIPS` (a judge, a sandbox, an environment server failed — not the unit, not the engine)
+may be followed by a re-evaluation of the unit (``ckpteval backfill``, ``worker --retry-infra-skips``),
+published first-writer-wins as ``results/<unit>.retry<k>.json`` with ``k`` one more than the generation
+it supersedes. The unit's result is the one of its highest generation; earlier files stay (the record
+of what failed). Every file is still written once and never changed.
+
 Limits: :class:`ResultIndex` caches what it has read; a result file is immutable once published, so
 the cache is never stale, but a result deleted by hand stays in the cache until a new index is built.
 """
@@ -39,6 +46,9 @@ from coord.manifest import DatasetSpec, RunManifest
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, datasets_due, units_for_step
 
+# Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
+# may supersede them with a result of the next generation (module docstring).
+INFRA_SKIPS = frozenset({"judge_failed", "sandbox_failed", "env_failed"})
 SKIP_REASONS = ("busy", "export_failed", "ckpt_missing", "ckpt_corrupt", "unhealthy", "pin_violation", "crashed")
 
 
@@ -185,19 +195,27 @@ def parse_result(obj: Any, source: Path) -> Result:
     )
 
 
-def write_result(results_dir: Path, result: Result) -> bool:
-    """Publish a unit's result; True if it is *the* result, False if one existed (kept as duplicate)."""
+def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool:
+    """Publish a unit's result of ``generation`` (0, or k > 0 superseding an infrastructure skip of k - 1);
+    True if it is *the* result of that generation, False if one existed (kept as duplicate)."""
     results_dir = Path(results_dir)
     stamped = Result(**{**result.__dict__, "written_at": result.written_at or time.time()})
     if not stamped.worker:
         stamped = Result(**{**stamped.__dict__, "worker": producer_identity()})
     data = dumps(stamped.to_json())
-    if publish_exclusive(results_dir / result.unit.result_name, data):
+    if publish_exclusive(results_dir / result.unit.result_name_at(generation), data):
         return True
     dup_dir = results_dir / "duplicates"
     dup_dir.mkdir(exist_ok=True)
     write_json_atomic(dup_dir / f"{result.unit.id}.{os.getpid()}.{time.time_ns()}.json", stamped.to_json())
     return False
+
+
+def result_generation(name: str) -> int:
+    """The generation of a result file name: ``<unit>.json`` is 0, ``<unit>.retry<k>.json`` is k."""
+    stem = name[: -len(".json")] if name.endswith(".json") else name
+    tail = stem.rsplit(".", 1)[-1]
+    return int(tail[len("retry"):]) if tail.startswith("retry") and tail[len("retry"):].isdigit() else 0
 
 
 class ResultIndex:
@@ -210,6 +228,7 @@ class ResultIndex:
     def __init__(self, results_dir: Path) -> None:
         self.results_dir = Path(results_dir)
         self._by_unit: dict[WorkUnit, Result] = {}
+        self._generation: dict[WorkUnit, int] = {}
         self._seen: set[str] = set()
         self.errors: dict[str, str] = {}
 
@@ -229,11 +248,18 @@ class ResultIndex:
                 continue
             self._seen.add(name)
             self.errors.pop(name, None)
-            self._by_unit[result.unit] = result
+            generation = result_generation(name)
+            if generation >= self._generation.get(result.unit, 0):  # the highest generation is the result
+                self._by_unit[result.unit] = result
+                self._generation[result.unit] = generation
         return self._by_unit
 
     def get(self, unit: WorkUnit) -> Result | None:
         return self._by_unit.get(unit)
+
+    def generation(self, unit: WorkUnit) -> int:
+        """The generation of the unit's current result (0 when it has none or only the first)."""
+        return self._generation.get(unit, 0)
 
     def for_step(self, step: int) -> dict[WorkUnit, Result]:
         return {u: r for u, r in self._by_unit.items() if u.step == step}

@@ -16,6 +16,8 @@ own. Layout::
     RUN/service_metrics.jsonl  every point the service logged (jobs.metrics)
     RUN/base/             the base model dir (config, tokenizer) exports copy into each snapshot
     RUN/train_ckpt/       the reference trainer's resumable checkpoints (step-<N>/), read on --resume
+    RUN/judge_cache/      judge verdicts, one file per (judge, template, question, response, reference) (coord.verdicts)
+    RUN/judge.json        the judge server launched for this run: its URL (coord.verdicts)
 
 Guarantee: :meth:`RunDir.create` is idempotent and leaves every directory fsync'd. Limits: it does not
 lock the run; two trainers writing one run dir is a user error the protocol does not detect.
@@ -93,6 +95,14 @@ class RunDir:
     @property
     def train_ckpt(self) -> Path:
         return self.path / "train_ckpt"
+
+    @property
+    def judge_cache(self) -> Path:
+        return self.path / "judge_cache"
+
+    @property
+    def judge_path(self) -> Path:
+        return self.path / "judge.json"
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod

@@ -59,6 +59,11 @@ class WorkUnit:
         """File name of this unit's result under ``results/``."""
         return f"{self.id}.json"
 
+    def result_name_at(self, generation: int) -> str:
+        """File name of the unit's result of ``generation`` (0: :attr:`result_name`; k > 0: a re-evaluation
+        after an infrastructure skip, ``<id>.retry<k>.json``, see :mod:`coord.results`)."""
+        return self.result_name if generation == 0 else f"{self.id}.retry{generation}.json"
+
 
 def datasets_due(manifest: RunManifest, step: int) -> list[DatasetSpec]:
     """The datasets evaluated at ``step``: those whose ``every`` divides it (all of them at step 0)."""
@@ -137,6 +142,7 @@ class Claim:
     token: str
     attempt: int
     compromised: threading.Event = field(default_factory=threading.Event)
+    generation: int = 0  # the result generation this claim writes (> 0: re-evaluating an infra skip)
 
     def release(self) -> None:
         """Give the unit back (at once: a contender needs no expiry wait). Idempotent."""
@@ -168,35 +174,37 @@ class UnitClaimer:
             self._leases[unit.id] = lease
         return lease
 
-    def try_claim(self, unit: WorkUnit) -> Claim | None:
-        """Claim ``unit`` without waiting; None if someone holds a live lease on it or it is done.
+    def try_claim(self, unit: WorkUnit, generation: int = 0) -> Claim | None:
+        """Claim ``unit`` without waiting; None if someone holds a live lease on it or it is done (has a
+        result of ``generation``: 0, or k > 0 to re-evaluate an infrastructure skip of generation k - 1).
 
         With a ``results_dir``, the result file is checked *after* the lease is acquired (one stat):
         a caller's view of finished units is always a little old, and without this re-check a unit
         finished and released just before our claim would be evaluated twice.
         """
-        if self._has_result(unit):  # cheap (one stat): spares a lease write for a unit finished meanwhile
+        if self._has_result(unit, generation):  # cheap (one stat): spares a lease write for a unit finished
             return None
         lease = self._lease(unit)
         try:
             lease.acquire(timeout=0, blocking=False)
         except filelock.Timeout:
             return None
-        if self._has_result(unit):
+        if self._has_result(unit, generation):
             lease.release(force=True)
             return None
         flag = self._flags[unit.id]
         flag.clear()
         token = lease.token or ""
-        return Claim(unit, lease, token, self._count_attempt(unit), flag)
+        return Claim(unit, lease, token, self._count_attempt(unit), flag, generation)
 
-    def _has_result(self, unit: WorkUnit) -> bool:
-        return self.results_dir is not None and (self.results_dir / unit.result_name).exists()
+    def _has_result(self, unit: WorkUnit, generation: int = 0) -> bool:
+        return self.results_dir is not None and (self.results_dir / unit.result_name_at(generation)).exists()
 
-    def claim_first(self, candidates: Iterable[WorkUnit]) -> Claim | None:
-        """The first unit of ``candidates`` (already ordered by the caller) that can be claimed."""
+    def claim_first(self, candidates: Iterable[WorkUnit], generations: dict[WorkUnit, int] | None = None) -> Claim | None:
+        """The first unit of ``candidates`` (already ordered by the caller) that can be claimed, each at its
+        generation in ``generations`` (default 0)."""
         for unit in candidates:
-            if (claim := self.try_claim(unit)) is not None:
+            if (claim := self.try_claim(unit, (generations or {}).get(unit, 0))) is not None:
                 return claim
         return None
 

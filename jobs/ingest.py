@@ -2,8 +2,8 @@
 
 :func:`ingest_point` is what every ingester calls: derive the point (:func:`coord.results.derive_point`),
 its metrics (:func:`coord.results.point_metrics`), add ``eval/lag_steps`` and the caller's extras, log
-it (:class:`jobs.metrics.MetricsSink`, which drops an ``eval/step`` it already has) and only then
-append ``ingested`` to the caller's ledger. The two callers differ only in what lag means and which
+it (:class:`jobs.metrics.MetricsSink`, which drops an ``eval/step`` it already has; the scorers' identities
+go into the wandb config as ``eval/scorer/<ds>``) and only then append ``ingested`` to the caller's ledger. The two callers differ only in what lag means and which
 ledger and sink they own.
 
 In the fleet postures the trainer's :class:`~jobs.trainer.dispatcher.EvalDispatcher` ingests points. In the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from coord.ledger import Ledger
 from coord.manifest import RunManifest
@@ -63,7 +64,8 @@ def ingest_point(
         metrics["eval/skipped_drain_timeout"] = point.units_total - point.units_done
     metrics["eval/lag_steps"] = lag_steps
     metrics.update(extra or {})
-    sink.log_eval(metrics)
+    if sink.log_eval(metrics):
+        sink.record_config(scorer_config(step, results))
     ledger.append(
         "ingested",
         step,
@@ -74,6 +76,16 @@ def ingest_point(
         time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)
     )
     return point
+
+
+def scorer_config(step: int, results: Mapping[WorkUnit, Result]) -> dict[str, Any]:
+    """``{"eval/scorer/<ds>": identity}`` of the step's units that recorded one (the wandb config's record of
+    what scored each dataset: a judge's model id as the judge reported it, its template hash, sampling)."""
+    out: dict[str, Any] = {}
+    for unit, result in sorted(results.items()):
+        if unit.step == step and result.scorer:
+            out.setdefault(f"eval/scorer/{unit.dataset}", result.scorer)
+    return out
 
 
 class ServiceIngester:

@@ -78,6 +78,12 @@ class MetricsSink:
         self._eval_steps.add(step)
         return True
 
+    def record_config(self, values: dict[str, Any]) -> None:
+        """Put ``values`` into the wandb run's config (latest wins), e.g. ``eval/scorer/<ds>``: what scored a
+        dataset (a judge's model id, template hash, sampling) — learned only once a point is scored."""
+        if self.wandb_run is not None and values:
+            self.wandb_run.config.update(values, allow_val_change=True)
+
     def _append(self, record: dict[str, Any]) -> None:
         line = (json.dumps(_finite(record), sort_keys=True) + "\n").encode()
         append_line(self.path, line)

@@ -55,6 +55,7 @@ ckpteval_init() {
     CKPTEVAL_STOP_DEADLINE=0
     CKPTEVAL_FAIL_RC=0
     CKPTEVAL_TRAINER_PID=""
+    CKPTEVAL_JUDGE_PID=""   # the judge server's step (train_eval with a judge component)
     CKPTEVAL_WPID=()        # per worker: srun pid ("" once ended)
     CKPTEVAL_WRC=()         # per worker: last exit code ("" while running)
     CKPTEVAL_WRESTARTS=()
@@ -70,6 +71,7 @@ ckpteval_init() {
 _ckpteval_pids() {
     local p
     [[ -n $CKPTEVAL_TRAINER_PID ]] && printf '%s\n' "$CKPTEVAL_TRAINER_PID"
+    [[ -n $CKPTEVAL_JUDGE_PID ]] && printf '%s\n' "$CKPTEVAL_JUDGE_PID"
     for p in "${CKPTEVAL_WPID[@]}"; do [[ -n $p ]] && printf '%s\n' "$p"; done
     return 0
 }
@@ -165,6 +167,29 @@ ckpteval_start_worker() {
 ckpteval_start_workers() {
     local i
     for ((i = 0; i < ${#CKPTEVAL_WNODE[@]}; i++)); do ckpteval_start_worker "$i"; done
+}
+
+# ckpteval_start_judge HETGROUP CMD...: the judge server as one job step (python -m jobs.launch.judge_server
+# picks a port for CMD's {port}, waits for /v1/models, writes RUN/judge.json). The stale judge.json of an
+# earlier start is removed first, so workers never call a judge that is gone. Not supervised: the job
+# ends with its trainer and workers, then ckpteval_stop_judge stops it.
+ckpteval_start_judge() {
+    local group=$1
+    shift
+    rm -f "$RUN/judge.json"
+    ckpteval_log "judge server (het group $group): $*"
+    srun --het-group="$group" --nodes=1 --ntasks=1 --job-name=ckpteval-judge \
+        "$CKPTEVAL_PYTHON" -m jobs.launch.judge_server --run-dir "$RUN" -- "$@" &
+    CKPTEVAL_JUDGE_PID=$!
+}
+
+ckpteval_stop_judge() {
+    _ckpteval_alive "$CKPTEVAL_JUDGE_PID" || return 0
+    ckpteval_log "stopping the judge server"
+    kill -USR1 "$CKPTEVAL_JUDGE_PID" 2>/dev/null || true
+    local deadline=$((SECONDS + CKPTEVAL_GRACE_S))
+    while _ckpteval_alive "$CKPTEVAL_JUDGE_PID" && ((SECONDS < deadline)); do _ckpteval_nap 1; done
+    CKPTEVAL_JUDGE_PID=""
 }
 
 _ckpteval_trainer_ended() {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,19 @@ def wandb_records(path: Path) -> list[Any]:
     return out
 
 
+def finished_wandb_records(path: Path, timeout_s: float = 30.0) -> list[Any]:
+    """:func:`wandb_records` once the run's ``exit`` record is there: wandb's writer may still be flushing
+    the file after ``finish()`` returned (seen on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: no exit record after {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
 def test_wandb_offline_eval_points_land_at_their_dispatch_step(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -80,7 +94,7 @@ def test_wandb_offline_eval_points_land_at_their_dispatch_step(tmp_path: Path, m
     sink.close()
 
     (wandb_file,) = tmp_path.glob("wandb/offline-run-*/run-run-abc.wandb")
-    records = wandb_records(wandb_file)
+    records = finished_wandb_records(wandb_file)
     metrics = {(r.metric.name or r.metric.glob_name): r.metric.step_metric
                for r in records if r.WhichOneof("record_type") == "metric"}
     assert metrics["eval/*"] == "eval/step" and metrics["train/*"] == "train/step"

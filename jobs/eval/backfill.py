@@ -6,7 +6,9 @@ never from flags. It takes every worker flag except ``--once`` and ``--catchup``
 ``--watch``, ``--verify``, ``--max-units``, ...).
 
 Promises: idempotent — a unit with a result is never evaluated again, so a second run finds nothing
-to do, says so and exits 0. Safe as N concurrent SLURM array tasks over one run: units are claimed
+to do, says so and exits 0; except a unit skipped because an outside service failed (``judge_failed``,
+``sandbox_failed``, ``env_failed``: :data:`coord.results.INFRA_SKIPS`), which each backfill evaluates
+once more, superseding the skip (``results/<unit>.retry<k>.json``) — a judge that came back fills it. Safe as N concurrent SLURM array tasks over one run: units are claimed
 through leases, so each is evaluated once (a rare double evaluation after a stall lands in
 ``results/duplicates/``); every task ends only when every unit of the snapshots present has a result,
 taking over the units of a dead task once its lease expires. Exit codes are the worker's
@@ -112,7 +114,7 @@ def main(argv: list[str]) -> int:
         create_reeval_run(plan)
         print(f"backfill: re-evaluating {len(plan.selected)} step(s) of {plan.old.path} into {plan.new.path}",
               flush=True)
-    opts.once, opts.catchup = True, "all"
+    opts.once, opts.catchup, opts.retry_infra_skips = True, "all", True
     progress = Progress()
     try:
         code = run_worker(opts, exit_process=True, out=progress.write, on_poll=progress)

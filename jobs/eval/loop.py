@@ -19,7 +19,7 @@ from typing import Any
 from coord.discovery import SnapshotDiscovery, SnapshotRef
 from coord.identity import run_key
 from coord.ledger import Ledger
-from coord.results import Result, ResultIndex, write_result
+from coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
 from coord.rundir import RunDir
 from coord.snapshot import (
     Marker,
@@ -111,6 +111,7 @@ class Worker:
         self.stop_signal: int | None = None
         self.unit_thread: threading.Thread | None = None
         self._tried: set[WorkUnit] = set()
+        self._retried: set[WorkUnit] = set()  # infra skips re-evaluated by this process (once each)
         self._warned: set[str] = set()
         self._pending_since: dict[tuple[str, str], float] = {}
         self._unhealthy_streak = 0
@@ -208,10 +209,19 @@ class Worker:
         return snapshot_path(root, step, str(record.get("mode", "staging")))
 
     def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
-        units = [u for u in units_for_step(self.manifest, step) if u not in results]
+        units = [u for u in units_for_step(self.manifest, step) if u not in results or self._to_retry(u, results[u])]
         if not units:
             self.settled.add(step)
         return units
+
+    def _to_retry(self, unit: WorkUnit, result: Result) -> bool:
+        """With ``--retry-infra-skips``: an infrastructure skip this process has not re-evaluated yet."""
+        return (self.opts.retry_infra_skips and result.skip_reason in INFRA_SKIPS
+                and unit not in self._retried)
+
+    def _generations(self, units: list[WorkUnit]) -> dict[WorkUnit, int]:
+        """The result generation a claim of each unit writes: one past its current result, if it has one."""
+        return {u: self.index.generation(u) + 1 for u in units if self.index.get(u) is not None}
 
     def _steps(self) -> set[int]:
         # TRAINING_DONE is read once per poll, *before* the ledger: the trainer appends its last dispatch
@@ -278,7 +288,8 @@ class Worker:
                     return EXIT_DONE
                 self._sleep(self.opts.poll_interval_s)
                 continue
-            claim = self.claimer.claim_first(order_units(claimable, self.opts.newest_first, spread=os.getpid()))
+            claim = self.claimer.claim_first(order_units(claimable, self.opts.newest_first, spread=os.getpid()),
+                                             self._generations(claimable))
             if claim is None:  # all held by other workers: wait, take over expired ones later
                 self._sleep(self.opts.poll_interval_s)
                 continue
@@ -305,7 +316,9 @@ class Worker:
         """Evaluate one claimed unit and publish its result; None when abandoned (nothing written)."""
         unit = claim.unit
         try:
-            if (self.rundir.results / f"{unit.id}.json").exists():
+            if claim.generation:
+                self._retried.add(unit)
+            if (self.rundir.results / unit.result_name_at(claim.generation)).exists():
                 return None  # finished by someone else since the listing
             if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
                 self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released")
@@ -335,7 +348,7 @@ class Worker:
                 attempt=claim.attempt,
                 snapshot=str(self.refs[unit.step].path),
             )
-            first = write_result(self.rundir.results, result)
+            first = write_result(self.rundir.results, result, claim.generation)
             self.written += 1
             self.proven |= result.ok
             self.out(_unit_line(result, first))

@@ -61,6 +61,9 @@ class WorkerOptions:
         3, "a unit whose evaluation fails (engine dead, crashed) is released for another worker; its skip is "
         "written only by a worker that has scored a unit of this run and after N claims of it, or once "
         "training is done and N lease durations have passed", metavar="N", min=1)
+    retry_infra_skips: bool = option(
+        False, "re-evaluate units skipped for an outside service's failure (judge_failed, sandbox_failed, "
+        "env_failed), once each, superseding the skip (ckpteval backfill always does)")
     wait_for_run_s: float = option(0.0, "wait up to S seconds for RUN/run.json to appear (a fleet started "
                                    "before its trainer)", flag="--wait-for-run", metavar="S", min=0)
     trust_run_code: bool = option(
@@ -73,6 +76,9 @@ class WorkerOptions:
         False, "code sets on a node where bwrap cannot start: run programs with rlimits and a deadline only, "
         "WITHOUT isolation (they can read/write what this user can, open connections); recorded in every "
         "result", group=SCORING)
+    judge_url: str | None = option(
+        None, "the judge of judged datasets that name no url of their own: an OpenAI base URL "
+        "(http://host:port/v1); overrides RUN/judge.json", metavar="URL", group=SCORING)
     wandb: bool = option(False, "log each finished point into the training run's wandb run (needs "
                          "--wandb-run-id)", group=INGESTION)
     wandb_run_id: str | None = option(None, "the training run's wandb id", metavar="ID", group=INGESTION)
@@ -100,8 +106,9 @@ def scorer_options(opts: WorkerOptions | None = None) -> dict[str, Any]:
 
 
 def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True) -> None:
-    """The worker's flags; ``pass_flags=False`` leaves out --once/--catchup (backfill fixes them)."""
-    add_options(parser, WorkerOptions, exclude=() if pass_flags else ("once", "catchup"))
+    """The worker's flags; ``pass_flags=False`` leaves out --once/--catchup/--retry-infra-skips (backfill
+    fixes them)."""
+    add_options(parser, WorkerOptions, exclude=() if pass_flags else ("once", "catchup", "retry_infra_skips"))
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
@@ -127,6 +134,8 @@ def validate_options(opts: WorkerOptions) -> None:
             raise ValueError(f"--watch {watch}: not a directory")
     if opts.eval_config is not None and not opts.watch:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
+    if opts.judge_url is not None and not opts.judge_url.startswith(("http://", "https://")):
+        raise ValueError(f"--judge-url {opts.judge_url!r}: expected an http(s) URL such as http://host:8000/v1")
     if opts.wandb and not opts.wandb_run_id:
         raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
     unit_backends = [s for s in opts.engines if s != "auto" and ENGINES[spec_kind(s)].unit_backend]

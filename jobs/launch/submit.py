@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.flags import Parser, fail, non_negative_int, positive_int
+from jobs.launch.judge_server import judge_command
 from jobs.launch.submit_checks import check_on_submit_host, trailing
 
 
@@ -115,6 +116,9 @@ def _add_common(p: argparse.ArgumentParser, *, signal_before: int, workers: int)
     w.add_argument("--constraint", help="node features for the workers (sbatch --constraint)")
     w.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="an extra worker argument (repeatable; e.g. --worker-arg=--verify=full)")
+    w.add_argument("--judge-url", metavar="URL",
+                   help="the judge of judged datasets without their own url: an OpenAI base URL "
+                   "(http://host:port/v1), handed to every worker as --judge-url")
     x = p.add_argument_group("installation")
     x.add_argument("--python", default=sys.executable, metavar="PATH", help="interpreter with ckpteval installed (default: this one)")
     x.add_argument("--sbatch-dir", type=Path, default=SBATCH_DIR, metavar="DIR",
@@ -139,6 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     f = t.add_argument_group("fleet (component 1)")
     f.add_argument("--fleet-partition", help="the fleet's partition (default --partition)")
     f.add_argument("--fleet-nodes", type=_positive, default=1, help="nodes of the eval fleet (default 1)")
+    j = t.add_argument_group("judge server (component 2, with --judge-model or --judge-cmd)")
+    j.add_argument("--judge-model", metavar="PATH",
+                   help="serve this model with sglang as the run's judge; its URL is published in RUN/judge.json")
+    j.add_argument("--judge-gpus", type=_positive, default=1, metavar="N",
+                   help="GPUs of the judge server (sglang --tp N; default 1)")
+    j.add_argument("--judge-partition", help="the judge's partition (default --partition)")
+    j.add_argument("--judge-cpus", type=_positive, default=8, metavar="N", help="CPUs for the judge (default 8)")
+    j.add_argument("--judge-mem", help="memory for the judge, sbatch syntax")
+    j.add_argument("--judge-cmd", metavar="CMD",
+                   help="run this judge server instead of sglang ({port} is replaced by a free port; it must "
+                   "answer /v1/models there), e.g. 'ckpteval serve --judge exact --host 0.0.0.0 --port {port}'")
     t.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then arguments for the trainer")
 
     b = sub.add_parser("backfill", help="array job evaluating every pending unit of finished runs")
@@ -217,7 +232,7 @@ def _settings(args: argparse.Namespace, values: dict[str, str | Path | int | lis
         "CKPTEVAL_WORKERS": args.workers,
         "CKPTEVAL_GPUS_PER_WORKER": args.gpus_per_worker,
         "CKPTEVAL_GRACE_S": args.grace,
-        "CKPTEVAL_WORKER_ARGV": list(args.worker_arg),
+        "CKPTEVAL_WORKER_ARGV": _worker_argv(args),
     }
     common.update(values)
     lines = []
@@ -230,6 +245,10 @@ def _settings(args: argparse.Namespace, values: dict[str, str | Path | int | lis
             lines.append(f"export {name}={_quote(value)}")
     lines += [f"export {key}={_quote(value)}" for key, value in args.env]
     return lines
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    return list(args.worker_arg) + (["--judge-url", args.judge_url] if args.judge_url else [])
 
 
 def replace_block(text: str, begin: str, end: str, body: list[str]) -> str:
@@ -272,13 +291,21 @@ def _prepare_train_eval(args: argparse.Namespace) -> Prepared:
         time_limit=args.time, nodes=args.fleet_nodes, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem,
         constraint=args.constraint,
     )
+    judge_cmd = judge_command(args)
     settings = _settings(args, {
         "CKPTEVAL_RUN_DIR": run,
         "CKPTEVAL_TRAIN_CMD": args.train_cmd,
         "CKPTEVAL_TRAIN_ARGV": trailing(args.trainer_args),
+        "CKPTEVAL_JUDGE_CMD": judge_cmd,
     })
-    text = _template(args, "train-eval")
-    script = render(text, [_job_lines(args, "ckpteval-train-eval", output) + trainer, fleet], settings)
+    components = [_job_lines(args, "ckpteval-train-eval", output) + trainer, fleet]
+    if judge_cmd is not None:
+        components.append(_component(
+            partition=args.judge_partition or args.partition, account=args.account, qos=args.qos,
+            time_limit=args.time, nodes=1, cpus=args.judge_cpus, gpus_per_node=args.judge_gpus if args.judge_model
+            else 0, mem=args.judge_mem, constraint=None,
+        ))
+    script = render(_template(args, "train-eval"), components, settings)
     return Prepared("train-eval", script, [run], log_dir)
 
 
@@ -325,7 +352,7 @@ def _prepare_service(args: argparse.Namespace) -> Prepared:
         partition=args.partition, account=args.account, qos=args.qos, time_limit=args.time,
         nodes=args.nodes, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem, constraint=args.constraint,
     )
-    worker_argv = list(args.worker_arg) + trailing(args.worker_args)
+    worker_argv = _worker_argv(args) + trailing(args.worker_args)
     settings = _settings(args, {
         "CKPTEVAL_RUN_DIR": run,
         "CKPTEVAL_WATCH_DIRS": [str(_abs(w)) for w in args.watch],

@@ -332,9 +332,11 @@ def _device(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jobs.reference.serve_judge import JUDGE_MODES  # it imports this module's Handler
+
     parser = Parser(prog="ckpteval serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["hf"], default="hf", help="inference backend (default: hf)")
-    parser.add_argument("--model", required=True, metavar="DIR", help="HF snapshot dir to load at start")
+    parser.add_argument("--model", metavar="DIR", help="HF snapshot dir to load at start (required unless --judge)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=30000,
                         help="port to listen on; 0 picks a free port (printed) (default: 30000)")
@@ -351,11 +353,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply each request's sampling_params.sampling_seed (unseeded: 42), as sglang does with this flag",
     )
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    j = parser.add_argument_group("judge stand-in (jobs/reference/serve_judge.py; no model is loaded)")
+    j.add_argument("--judge", choices=JUDGE_MODES, metavar="MODE",
+                   help="serve a judge stand-in instead: /v1/models, /v1/chat/completions, /classify; MODE "
+                   f"{'|'.join(JUDGE_MODES)} (exact: VERDICT 1 when <response> equals <reference>)")
+    j.add_argument("--served-model-name", default="ckpteval-judge", metavar="NAME",
+                   help="the model id /v1/models reports (default: ckpteval-judge)")
+    j.add_argument("--judge-delay", type=bounded(float, min=0), default=30.0, metavar="S",
+                   help="--judge slow: seconds before each chat answer (default: 30)")
     return parser
 
 
 def _check_start(args: argparse.Namespace) -> str | None:
     """What is wrong with the model dir or device, checked before anything loads (None if nothing)."""
+    if args.model is None:
+        return "--model DIR is required (unless --judge MODE)"
     try:
         check_file_readable("--model", Path(args.model) / "config.json")
     except (FileNotFoundError, ValueError) as e:
@@ -370,6 +382,8 @@ def _check_start(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.judge is not None:
+        return _main_judge(args)
     if (problem := _check_start(args)) is not None:
         return fail("ckpteval serve", problem)
     try:  # bind first: a port in use is a usage error, found before a long model load
@@ -385,10 +399,19 @@ def main(argv: list[str]) -> int:
         server.server_close()
         return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
     server.service = EngineService(engine, args.model, args.enable_deterministic_inference)
+    try:
+        serve_until_signalled(server, "ckpteval-serve")
+    finally:
+        engine.close()
+    return 0
+
+
+def serve_until_signalled(server: ThreadingHTTPServer, name: str) -> None:
+    """Serve on a thread until SIGTERM/SIGINT; prints ``serving on http://HOST:PORT`` once it listens."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    thread = threading.Thread(target=server.serve_forever, name="ckpteval-serve", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()
     host, port = server.server_address[:2]
     print(f"serving on http://{host}:{port}", flush=True)
@@ -399,5 +422,16 @@ def main(argv: list[str]) -> int:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
-        engine.close()
+
+
+def _main_judge(args: argparse.Namespace) -> int:
+    """``--judge MODE``: the judge stand-in (:mod:`jobs.reference.serve_judge`) until SIGTERM/SIGINT."""
+    from jobs.reference.serve_judge import JudgeHTTPServer
+
+    try:
+        server = JudgeHTTPServer((args.host, args.port), args.judge, args.served_model_name, args.judge_delay,
+                                 args.verbose)
+    except OSError as e:
+        return fail("ckpteval serve", f"--host {args.host} --port {args.port}: cannot listen ({e.strerror or e})")
+    serve_until_signalled(server, "ckpteval-judge")
     return 0

@@ -44,6 +44,18 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, poll: fl
         time.sleep(poll)
 
 
+def completed_job_log(cluster: Any, job: str, run: Path | RunDir, timeout: float, label: str, t0: float) -> str:
+    """Wait for ``job`` (cancelled whatever happens), print how long it took, require COMPLETED; its log."""
+    try:
+        state = cluster.wait_job(job, timeout=timeout, poll=1.0)
+    finally:
+        cluster.cancel(job)
+    log = job_log(run)
+    print(f"\n[{label}] submit -> {state} in {time.monotonic() - t0:.1f}s")
+    assert state == "COMPLETED", log[-4000:]
+    return log
+
+
 def job_log(run: Path | RunDir) -> str:
     """Everything the run's jobs wrote to RUN/slurm/*.out."""
     path = run.path if isinstance(run, RunDir) else Path(run)

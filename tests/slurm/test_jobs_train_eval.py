@@ -17,7 +17,7 @@ import pytest
 
 from coord.results import ResultIndex
 from jobs.launch import api
-from tests.slurm.test_jobs_helpers import JOB_ENV, job_log, pids_of, wait_until
+from tests.slurm.test_jobs_helpers import JOB_ENV, completed_job_log, job_log, pids_of, wait_until
 from tests.support.workers import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
@@ -50,13 +50,7 @@ def test_het_job_end_to_end_points_pinned(slurm_cluster, tmp_path: Path) -> None
     job = _submit_cli("--run-dir", str(run), "--time", "10", *FLEET, "--",
                       "--steps", "20", "--eval-interval", "10", "--eval-n-prompts", "16", "--eval-shard-size", "8",
                       "--threads", "1", "--no-progress", "--lease-duration", "20", "--lease-heartbeat", "4")
-    try:
-        state = slurm_cluster.wait_job(job, timeout=150, poll=1.0)
-    finally:
-        slurm_cluster.cancel(job)
-    log = job_log(run)
-    print(f"\n[het job] submit -> {state} in {time.monotonic() - t0:.1f}s")
-    assert state == "COMPLETED", log[-4000:]
+    log = completed_job_log(slurm_cluster, job, run, 150, "het job", t0)
 
     # every point landed, pinned to its step
     points = _eval_points(run)

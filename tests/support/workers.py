@@ -262,9 +262,20 @@ def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
 
 def start_serve(snapshot: Path, version: str, log: Path, timeout: float = 60.0) -> tuple[str, subprocess.Popen[str]]:
     """Launch ``python -m jobs.cli serve`` (the real HTTP engine) on a free port; (url, process)."""
+    return _start_listening(["--model", str(snapshot), "--weight-version", version], log, timeout)
+
+
+def start_judge(mode: str, log: Path, *extra: str, timeout: float = 60.0) -> tuple[str, subprocess.Popen[str]]:
+    """Launch ``python -m jobs.cli serve --judge MODE`` (the judge stand-in) on a free port; (its OpenAI
+    base URL ``http://h:p/v1``, process)."""
+    url, proc = _start_listening(["--judge", mode, *extra], log, timeout)
+    return f"{url}/v1", proc
+
+
+def _start_listening(args: list[str], log: Path, timeout: float) -> tuple[str, subprocess.Popen[str]]:
     import select
 
-    cmd = [PYTHON, "-m", "jobs.cli", "serve", "--model", str(snapshot), "--port", "0", "--weight-version", version]
+    cmd = [PYTHON, "-m", "jobs.cli", "serve", *args, *([] if "--port" in args else ["--port", "0"])]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     deadline = time.monotonic() + timeout

@@ -1,0 +1,394 @@
+"""Scorers ``judge`` (an LLM judge behind an OpenAI-compatible chat endpoint) and ``reward_model`` (a
+reward model served by sglang's ``/classify``).
+
+Generation happens on the pinned engine as for every set; judging happens after, in the same unit.
+What this module owns: the dataset's judge settings (:class:`JudgeOptions`, parsed and checked where
+run.json is parsed), rendering the judge prompt, reading the verdict, the verdict cache, the judge's
+identity, and turning every judge failure into an infrastructure skip.
+
+Promises:
+
+- **A judge failure is never a score.** Connection refused, 5xx, a timeout (each retried by the client,
+  :mod:`jobs.eval.scorers.judge_http`), or a judge that answers no usable ``/v1/models`` raise
+  :class:`~jobs.eval.scorers.ScorerInfraError` ``judge_failed`` with the judge's message: the unit is
+  skipped, and a later retry or backfill judges it again (cached verdicts are not paid twice).
+- **An unreadable verdict** (the rule finds nothing) is counted per sample (``judge_unparsed``), and
+  ``on_unparsed`` decides: ``skip`` (default) skips the unit ``judge_failed`` naming the count and a
+  reply; ``zero`` scores that sample 0 (counted).
+- **Identity.** The judge's model id is read from its ``GET /v1/models`` at every unit (never trusted
+  from config: a requested ``model`` must be one it lists); with the template's SHA-256, the system
+  prompt's, the sampling settings and the verdict rule it is :meth:`JudgeScorer.identity`, recorded in
+  every unit result and the wandb config; units judged differently are never pooled into one point.
+- **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`coord.verdicts`) keyed by (model id,
+  template hash, sampling, question, response, reference): a retry, a backfill, or identical
+  completions (in this unit or any other) never pay the judge twice; hits are counted
+  (``judge_cache_hits``; their share of the point's samples is ``judge_cache_hit_rate``). Replies, not
+  verdicts, are cached, so a changed verdict rule re-reads them; a reply the rule cannot read is not
+  cached (the unit's retry or a backfill asks the judge again).
+
+Where the judge is (first that applies): the dataset's ``url`` (a fixed endpoint, e.g. a hosted API);
+the worker's ``--judge-url``; ``RUN/judge.json`` published by the run's own judge server (waited for up
+to ``wait_s``, since a judge launched beside the workers takes minutes to load).
+
+Limits: the question shown to the judge is the row's ``question``, else its ``prompt``, else the last
+user message of its ``messages`` (not the chat-templated text); the reference is the row's ``answer``.
+A reward model sees ``question`` and ``response`` only, rendered by ``template`` (sglang's
+``/classify`` applies no chat template: render the reward model's own format there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import string
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from coord.rundir import RunDir
+from coord.verdicts import VerdictCache, cache_key, read_judge
+from jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
+from jobs.eval.scorers.judge_http import JudgeEndpoint, JudgeUnavailable
+
+DEFAULT_TEMPLATE = (
+    "You are grading a response to a question against a reference answer.\n"
+    "<question>{question}</question>\n<response>{response}</response>\n<reference>{reference}</reference>\n"
+    "Is the response correct? Answer with one line: VERDICT: 1 if it is correct, VERDICT: 0 if it is not."
+)
+DEFAULT_VERDICT_REGEX = r"VERDICT:\s*([-+]?\d+(?:\.\d+)?)"
+FIELDS = ("question", "response", "reference")
+ON_UNPARSED = ("skip", "zero")
+
+
+def _check_template(template: str, allowed: tuple[str, ...]) -> None:
+    """The template names only ``allowed`` fields and at least ``{response}``; FieldError says which."""
+    try:
+        names = {n for _, n, _, _ in string.Formatter().parse(template) if n is not None}
+    except ValueError as e:
+        raise FieldError("template", f"is not a format string ({e}); write literal braces as {{{{ }}}}") from None
+    if unknown := sorted(names - set(allowed)):
+        raise FieldError("template", f"names {unknown}; allowed: {', '.join('{' + a + '}' for a in allowed)}")
+    if "response" not in names:
+        raise FieldError("template", "must contain {response}")
+
+
+@dataclass(frozen=True)
+class JudgeOptions:
+    """A judged dataset's ``scorer_options`` (``"scorer": "judge"`` or ``"reward_model"``); checks in
+    ``__post_init__``, each failure a :class:`~coord.manifest.FieldError` naming the setting."""
+
+    url: str | None = None
+    """The judge's OpenAI base URL (``http://host:port/v1``); None: ``--judge-url``, else ``RUN/judge.json``."""
+    model: str | None = None
+    """The model to ask; it must be one the judge's ``/v1/models`` lists. None: the one it lists."""
+    template: str | None = None
+    """The judge's prompt (one user message) with ``{question}``, ``{response}``, ``{reference}``
+    (a reward model: ``{question}``, ``{response}``). None: the scorer's default."""
+    system_prompt: str | None = None
+    """A system message put before the prompt (chat judges)."""
+    verdict_regex: str | None = DEFAULT_VERDICT_REGEX
+    """The verdict is the first group of the rule's *last* match in the reply (a number, or a key of
+    ``verdict_values``). Exactly one of ``verdict_regex`` / ``verdict_json_field`` is set."""
+    verdict_json_field: str | None = None
+    """Instead of a regex: the reply's last JSON object (or a fenced ```json block); a dotted field path."""
+    verdict_values: dict[str, float] | None = None
+    """Words the verdict may be, mapped to scores (e.g. {"correct": 1, "incorrect": 0}); case-insensitive."""
+    on_unparsed: str = "skip"
+    """A reply the rule cannot read: ``skip`` the unit (judge_failed) or score the sample ``zero``."""
+    temperature: float = 0.0
+    max_tokens: int = 256
+    top_p: float = 1.0
+    seed: int | None = 0
+    """Sampling settings sent with every judge request (part of the judge's identity and cache key)."""
+    timeout_s: float = 60.0
+    """Per-request timeout."""
+    retries: int = 4
+    """Retries per request (backoff 0.5 s doubling to 8 s): a request costs ``<= (retries+1)*timeout_s``."""
+    wait_s: float = 300.0
+    """With no URL set: how long to wait for ``RUN/judge.json`` before the unit is skipped."""
+    concurrency: int = 8
+    """Judge requests in flight per unit."""
+    api_key_env: str | None = None
+    """The environment variable holding the API key (never put a key in run.json)."""
+    threshold: float | None = None
+    """Score 1.0 when the verdict (a reward model's reward) is >= this, else 0.0 (None: the value itself)."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise FieldError("url", f"{self.url!r} must start with http:// or https://")
+        if (self.verdict_regex is None) == (self.verdict_json_field is None):
+            raise FieldError("verdict_regex", "and verdict_json_field: set exactly one (the other null)")
+        if self.verdict_regex is not None:
+            try:
+                groups = re.compile(self.verdict_regex).groups
+            except re.error as e:
+                raise FieldError("verdict_regex", f"{self.verdict_regex!r} does not compile ({e})") from None
+            if groups < 1:
+                raise FieldError("verdict_regex", f"{self.verdict_regex!r} needs a group holding the verdict")
+        if self.verdict_values is not None:
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in self.verdict_values.values()):
+                raise FieldError("verdict_values", "must map words to numbers")
+            object.__setattr__(self, "verdict_values", {str(k).lower(): float(v) for k, v in self.verdict_values.items()})
+        if self.on_unparsed not in ON_UNPARSED:
+            raise FieldError("on_unparsed", f"{self.on_unparsed!r} must be one of {', '.join(ON_UNPARSED)}")
+        for key in ("temperature", "timeout_s", "wait_s", "top_p"):
+            if not math.isfinite(getattr(self, key)) or getattr(self, key) < 0:
+                raise FieldError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
+        if self.timeout_s == 0 or not 0 < self.top_p <= 1:
+            raise FieldError("timeout_s" if self.timeout_s == 0 else "top_p", "timeout_s > 0 and top_p in (0, 1]")
+        for key, low in (("max_tokens", 1), ("concurrency", 1), ("retries", 0)):
+            if getattr(self, key) < low:
+                raise FieldError(key, f"must be >= {low}, got {getattr(self, key)}")
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            raise FieldError("api_key_env", f"{self.api_key_env!r} must be an environment variable name")
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+                **({"seed": self.seed} if self.seed is not None else {})}
+
+
+# -- the verdict rule -----------------------------------------------------------------------------------
+def _as_score(value: Any, values: dict[str, float] | None) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value) if math.isfinite(value) else None
+    if not isinstance(value, str):
+        return None
+    if values is not None:
+        return values.get(value.strip().lower())
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _last_json_object(text: str) -> dict[str, Any] | None:
+    """The last top-level JSON object in ``text`` (a fenced block's, or a bare one)."""
+    decoder, found, end = json.JSONDecoder(), None, 0
+    for start in (m.start() for m in re.finditer(r"\{", text)):
+        if start < end:
+            continue  # inside the object just decoded
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        found = obj
+    return found
+
+
+def read_verdict(opts: JudgeOptions, reply: str) -> float | None:
+    """The score the rule reads from ``reply`` (None: unreadable)."""
+    if opts.verdict_regex is not None:
+        matches = list(re.finditer(opts.verdict_regex, reply))
+        return _as_score(matches[-1].group(1), opts.verdict_values) if matches else None
+    obj: Any = _last_json_object(reply)
+    for part in (opts.verdict_json_field or "").split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return _as_score(obj, opts.verdict_values)
+
+
+# -- the scorers ----------------------------------------------------------------------------------------
+def question_of(sample: Sample) -> str:
+    row = sample.row
+    for key in ("question", "prompt"):
+        if isinstance(row.get(key), str):
+            return row[key]
+    users = [m["content"] for m in row.get("messages") or () if isinstance(m, dict) and m.get("role") == "user"]
+    return users[-1] if users else sample.prompt
+
+
+def sha256(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class _Unit:
+    """One score() call's bookkeeping: answer per distinct cache key, hits."""
+
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hits: set[str] = field(default_factory=set)
+
+
+class JudgeScorer(BaseScorer):
+    """``scorer: "judge"``: an LLM judge's verdict on each completion (see the module docstring)."""
+
+    name = "judge"
+    needs_answer = True  # the reference; a template without {reference} still needs rows with an answer
+    fields: tuple[str, ...] = FIELDS
+    default_template = DEFAULT_TEMPLATE
+
+    @classmethod
+    def parse_options(cls, f: Fields) -> JudgeOptions:
+        opts = parse_dataclass(f, JudgeOptions, what=f"scorer {cls.name!r}")
+        try:
+            _check_template(opts.template or cls.default_template, cls.fields)
+        except FieldError as e:
+            raise f.error(e.key, e.why) from None
+        return opts
+
+    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+        super().__init__(spec, ctx)
+        self.opts: JudgeOptions = self.options
+        self.template = self.opts.template or self.default_template
+        self.run = RunDir(ctx.run_dir)
+        self.cache = VerdictCache(self.run.judge_cache)
+        self._model: str | None = None
+        self._endpoint: JudgeEndpoint | None = None
+
+    # -- where and who the judge is
+    def _url(self) -> str:
+        if self.opts.url is not None:
+            return self.opts.url
+        if flag := self.ctx.option("judge_url"):
+            return str(flag)
+        deadline = time.monotonic() + self.opts.wait_s
+        while True:
+            published = read_judge(self.run.judge_path)
+            if published is not None:
+                return str(published["url"])
+            if time.monotonic() >= deadline:
+                raise ScorerInfraError("judge_failed", f"no judge URL: dataset {self.spec.name!r} sets no url, the "
+                                       f"worker has no --judge-url, and {self.run.judge_path} did not appear "
+                                       f"within wait_s={self.opts.wait_s:g}")
+            time.sleep(min(2.0, max(0.05, deadline - time.monotonic())))
+
+    def _connect(self) -> JudgeEndpoint:
+        """The endpoint, with the model id read from its ``/v1/models`` now (every unit)."""
+        url = self._url()
+        if self._endpoint is None or self._endpoint.base_url != url.rstrip("/"):
+            key = os.environ.get(self.opts.api_key_env) if self.opts.api_key_env else None
+            self._endpoint = JudgeEndpoint(url, key, self.opts.timeout_s, self.opts.retries)
+        ids = self._endpoint.model_ids()
+        if self.opts.model is not None and self.opts.model not in ids:
+            raise JudgeUnavailable(f"judge at {url} serves {ids}, not the model {self.opts.model!r} this dataset "
+                                   "asks for")
+        if self.opts.model is None and len(ids) != 1:
+            raise JudgeUnavailable(f"judge at {url} serves {ids}: set the dataset's scorer_options.model to one")
+        self._model = self.opts.model or ids[0]
+        return self._endpoint
+
+    def _infra(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except JudgeUnavailable as e:
+            raise ScorerInfraError("judge_failed", str(e)) from None
+
+    def _sampling(self) -> dict[str, Any] | None:
+        return self.opts.sampling()
+
+    def _rule(self) -> dict[str, Any] | None:
+        o = self.opts
+        rule = {"regex": o.verdict_regex} if o.verdict_regex is not None else {"json_field": o.verdict_json_field}
+        return {**rule, "values": o.verdict_values, "on_unparsed": o.on_unparsed}
+
+    def _judge_id(self) -> dict[str, Any]:
+        """What makes a judge's answer: model id (as the judge reported it), prompt hashes, sampling."""
+        return {"kind": self.name, "model": self._model, "template_sha256": sha256(self.template),
+                "system_prompt_sha256": sha256(self.opts.system_prompt), "sampling": self._sampling()}
+
+    def identity(self) -> dict[str, Any]:
+        """:meth:`_judge_id` plus how a score is read from the answer (the verdict rule, the threshold)."""
+        if self._model is None:
+            self._infra(self._connect)
+        return {**self._judge_id(), "verdict": self._rule(), "threshold": self.opts.threshold}
+
+    # -- scoring
+    def _texts(self, sample: Sample) -> dict[str, str]:
+        texts = {"question": question_of(sample), "response": sample.completion, "reference": sample.answer or ""}
+        return {k: texts[k] for k in self.fields}
+
+    def _ask(self, endpoint: JudgeEndpoint, texts: dict[str, str]) -> dict[str, Any]:
+        """The judge's answer for one distinct input (not cached yet)."""
+        messages = [{"role": "system", "content": self.opts.system_prompt}] if self.opts.system_prompt else []
+        messages.append({"role": "user", "content": self.template.format(**texts)})
+        return {"reply": endpoint.chat(self._model or "", messages, self.opts.sampling())}
+
+    def _ask_and_cache(self, endpoint: JudgeEndpoint, key: str, parts: dict[str, Any]) -> dict[str, Any]:
+        """One judge request, its answer published in the cache (in the pool: cache fsyncs overlap too) —
+        unless the verdict rule cannot read it: that one is asked again by the unit's retry or backfill."""
+        answer = self._ask(endpoint, {k: parts[k] for k in self.fields})
+        if self._score_of(answer) is not None:
+            self.cache.put(key, answer, parts)
+        return answer
+
+    def _answers(self, samples: list[Sample]) -> tuple[list[str], _Unit]:
+        """Each sample's cache key, and the answer of every distinct key: from the cache, else the judge."""
+        endpoint = self._infra(self._connect)
+        keys, todo, unit = [], {}, _Unit()
+        for s in samples:
+            parts = {**self._judge_id(), **self._texts(s)}
+            key = cache_key(parts)
+            keys.append(key)
+            if key in unit.answers or key in todo:
+                continue
+            if (cached := self.cache.get(key)) is not None:
+                unit.answers[key] = cached
+                unit.hits.add(key)
+            else:
+                todo[key] = parts
+        with ThreadPoolExecutor(max_workers=self.opts.concurrency, thread_name_prefix="judge") as pool:
+            futures = {key: pool.submit(self._ask_and_cache, endpoint, key, parts) for key, parts in todo.items()}
+            try:
+                for key, fut in futures.items():
+                    unit.answers[key] = self._infra(fut.result)
+            finally:
+                for fut in futures.values():
+                    fut.cancel()  # after a failure: requests not started yet are not sent
+        return keys, unit
+
+    def _score_of(self, answer: dict[str, Any]) -> float | None:
+        return self._thresholded(read_verdict(self.opts, str(answer.get("reply", ""))))
+
+    def _thresholded(self, value: float | None) -> float | None:
+        if value is None or self.opts.threshold is None:
+            return value
+        return float(value >= self.opts.threshold)
+
+    def score(self, samples: list[Sample]) -> list[Scored]:
+        """One :class:`Scored` per sample: the verdict, and the stripped completion as the extracted answer
+        (``maj@n`` votes over identical responses; the result keeps them for audit)."""
+        keys, unit = self._answers(samples)
+        out, unparsed, seen = [], [], set()
+        for sample, key in zip(samples, keys, strict=True):
+            value = self._score_of(unit.answers[key])
+            hit = key in unit.hits or key in seen  # a repeat within the unit was not paid for either
+            seen.add(key)
+            if value is None:
+                unparsed.append(unit.answers[key])
+            out.append(Scored(0.0 if value is None else value, sample.completion.strip(),
+                              counters={"judge_cache_hits": int(hit), "judge_unparsed": int(value is None)},
+                              extras={"judge_cache_hit_rate": float(hit)}))  # averaged per point: the rate
+        if unparsed and self.opts.on_unparsed == "skip":
+            reply = str(unparsed[0].get("reply", ""))[:200]
+            raise ScorerInfraError("judge_failed", f"{len(unparsed)} of {len(keys)} judge replies unreadable by the "
+                                   f"verdict rule (judge_unparsed={len(unparsed)}); first: {reply!r}")
+        return out
+
+
+class RewardModelScorer(JudgeScorer):
+    """``scorer: "reward_model"``: a reward model's reward for each (question, response), via sglang's
+    ``/classify``; the raw reward, or 1/0 against ``threshold``."""
+
+    name = "reward_model"
+    needs_answer = False
+    fields = ("question", "response")
+    default_template = "{question}\n{response}"
+
+    def _sampling(self) -> dict[str, Any] | None:
+        return None  # a reward model does not sample
+
+    def _rule(self) -> dict[str, Any] | None:
+        return None
+
+    def _ask(self, endpoint: JudgeEndpoint, texts: dict[str, str]) -> dict[str, Any]:
+        return {"reward": endpoint.classify(self._model or "", [self.template.format(**texts)])[0]}
+
+    def _score_of(self, answer: dict[str, Any]) -> float | None:
+        return self._thresholded(float(answer["reward"]))
