@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from coord.atomic import write_bytes_atomic
+from coord.atomic import read_jsonl_file, write_bytes_atomic
 from coord.manifest import DatasetSpec
 from coord.rundir import RunDir
 
@@ -74,21 +74,12 @@ def _parse_row(row: Any, where: str) -> Row:
 
 
 def load_rows(path: Path) -> list[Row]:
-    """Read a JSONL eval set; every error names the file and line."""
-    rows = []
+    """Read a JSONL eval set (:func:`coord.atomic.read_jsonl_file`); every error names the file and line."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = read_jsonl_file(path, what="eval-set row (JSON)")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: eval set not found") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: malformed JSON ({e})") from None
-        rows.append(_parse_row(row, f"{path}:{lineno}"))
-    return rows
+    return [_parse_row(row, f"{path}:{lineno}") for lineno, row in lines]
 
 
 def load_dataset(run: RunDir, spec: DatasetSpec) -> list[Row]:
