@@ -311,3 +311,24 @@ def check_file_readable(flag: str, path: Path | str) -> None:
         raise ValueError(f"{flag} {path}: not a regular file")
     if not os.access(target, os.R_OK):
         raise ValueError(f"{flag} {path}: not readable by this user")
+
+
+# ---------------------------------------------------------------------------------------- the run dir
+RUN_DIR_HELP = "the run directory (holds run.json)"
+
+
+def add_run_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """The run dir of a reading command, given either way: positional ``RUN`` or ``--run-dir RUN``
+    (every other command takes ``--run-dir``); :func:`run_dir_from_args` checks exactly one was given."""
+    parser.add_argument("run_dir_pos", nargs="?", type=Path, metavar="RUN", help=RUN_DIR_HELP)
+    parser.add_argument("--run-dir", type=Path, metavar="RUN", help="the same, as a flag")
+
+
+def run_dir_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """The one run dir :func:`add_run_dir_argument` parsed (a usage error when none or two differ)."""
+    given = [p for p in (args.run_dir_pos, args.run_dir) if p is not None]
+    if not given:
+        parser.error("the run directory is required: give RUN or --run-dir RUN")
+    if len(given) == 2 and given[0] != given[1]:
+        parser.error(f"two run directories given ({given[0]} and --run-dir {given[1]}): give one")
+    return given[0]

@@ -124,6 +124,23 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(tmp_path: Path) -> Non
     assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.safetensors", "state.json"]
 
 
+def test_ctrl_c_saves_a_checkpoint_and_says_so_in_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) to ``ckpteval train``: the same checkpoint as SIGTERM, one line, exit 130, no traceback."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(run_dir, "--steps", "100000", "--eval-interval", "50", "--ckpt-interval",
+                                       "100000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for(lambda: any(r.get("step", 0) >= 10 for r in read_jsonl(run_dir / "metrics.jsonl")), 120, proc)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert [line for line in err.splitlines() if "ckpteval train" in line] == [err.strip().splitlines()[-1]]
+    assert "interrupted at step" in err and "--resume" in err
+    ckpt = latest_train_checkpoint(RunDir(run_dir))
+    assert ckpt is not None and int(ckpt.name.split("-")[1]) >= 10
+
+
 def test_training_checkpoint_round_trip_continues_identically(tmp_path: Path) -> None:
     run, _ = _prepared(tmp_path / "run", eval=False)
     cfg = TrainConfig(run_dir=run.path, batch_size=8, model=SMALL)

@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     opts.once, opts.catchup = True, "all"
     progress = Progress()
     try:
-        code = run_worker(opts, exit_process=True, out=progress.write, on_poll=progress)
+        code = run_worker(opts, exit_process=True, prog="ckpteval backfill", out=progress.write, on_poll=progress)
     finally:
         progress.close()
     if code == EXIT_DONE:

@@ -213,9 +213,10 @@ class Worker:
         return units
 
     def _steps(self) -> set[int]:
-        # TRAINING_DONE is read once per poll, *before* the ledger: the trainer appends its last dispatch
-        # before writing it, so a worker that sees "done" also sees every dispatched step.
-        self.training_done = self.rundir.training_done() is not None
+        # TRAINING_DONE (or INTERRUPTED: a supervisor stopped the run) is read once per poll, *before* the
+        # ledger: the trainer appends its last dispatch before either, so a worker that sees the run ended
+        # also sees every dispatched step.
+        self.training_done = self.rundir.ended()
         if self.training_done and self._done_seen_at is None:
             self._done_seen_at = time.monotonic()
         steps = set(self.refs)
