@@ -90,6 +90,7 @@ class Worker:
     evaluator: Evaluator
     out: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
     on_poll: Callable[[int], None] | None = None  # called with the number of outstanding units
+    on_result: Callable[[Result], None] | None = None  # called with each result this worker published first
 
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
@@ -337,6 +338,8 @@ class Worker:
             )
             first = write_result(self.rundir.results, result)
             self.written += 1
+            if first and self.on_result is not None:
+                self.on_result(result)
             self.proven |= result.ok
             self.out(_unit_line(result, first))
             return result
