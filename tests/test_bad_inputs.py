@@ -230,6 +230,12 @@ def view_cases() -> list[str]:
         "plot {S}/run --output {S}/out.xyz",
         "plot {S}/run -o {S}/file.txt/out.png",
         "plot",
+        "status --run-dir {S}/nope",
+        "status {S}/run --run-dir {S}/empty",  # two different run dirs
+        "plot --run-dir {S}/file.txt -o {S}/out.png",
+        "plot -o {S}/out.png",  # no run dir either way
+        *_no_value("status", "--run-dir"),
+        *_no_value("plot -o {S}/out.png", "--run-dir"),
     ] + _flag_cases("status {S}/run", {"--watch": "float>0"})
 
 
@@ -307,6 +313,13 @@ def submit_cases() -> list[str]:
         "submit service --run-dir {S}/new --watch {S}/file.txt --eval-config {S}/cfg_ok.json --dry-run",
         f"{sv} -- --poll-interval 0",
         f"{sv} --workers 1 --nodes 2",
+        "submit train-eval --run-dir '{S}/my run' --dry-run",  # sbatch would split its #SBATCH --output line
+        f"{bf} --output '{{S}}/my logs/%j.out'",
+        f"{sv} --job-name 'my job'",
+        f"{te} --partition 'a b'",
+        f"{te} --time banana",
+        f"{te} --time 00:04:00",  # not longer than the default --signal-before 300: a requeue loop
+        f"{bf} --time 1:00 --signal-before 120",
         "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/cfg_nan.json",  # no --dry-run
     ]
     cases += _flag_cases(te, {"--trainer-cpus": "int>=1", "--trainer-gpus": "int>=0", "--fleet-nodes": "int>=1"})
