@@ -37,7 +37,7 @@ from coord.results import Result, harness_result, ok_result, skip_result, write_
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
-from jobs.eval.engines.base import Engine, EngineError
+from jobs.eval.engines.base import Engine, EngineError, RequestRejected, SamplesAborted
 from jobs.eval.pinning import PinViolation, check_pinned, pin
 from jobs.eval.prompts import NoChatTemplate
 from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
@@ -138,7 +138,8 @@ def shared_eval(
 ) -> list[Result]:
     """Evaluate ``step`` on the trainer's engine under the gate; writes and returns one result per unit.
 
-    Engine failures (:class:`EngineError`) become ``unhealthy`` skips. Results are published
+    Engine failures (:class:`EngineError`) become ``unhealthy`` skips of every unit; a unit the engine refused
+    (``rejected``: a prompt over the model's context) or aborted is that unit's skip alone. Results are published
     first-writer-wins (:func:`coord.results.write_result`), so re-running a step is harmless.
     """
     manifest = run.manifest() if cache is None else cache.manifest
@@ -155,7 +156,8 @@ def shared_eval(
             for unit in units:
                 try:
                     scored[unit] = _score(engine, cache, unit, snapshot)
-                except NoChatTemplate as e:  # this dataset only: a skip with its own reason
+                except (NoChatTemplate, RequestRejected, SamplesAborted) as e:  # this unit's own fault (a
+                    # prompt over the context, no chat template): its skip, as a worker writes it; no restart
                     skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot))
             samples = [v for s in scored.values() if isinstance(s, UnitScores) for v in s.weight_versions]
             check_pinned(engine, version, samples)
