@@ -75,7 +75,13 @@ def option(
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr and exit 2."""
+    """An ArgumentParser whose usage errors are one line on stderr and exit 2; a description taken from a
+    module docstring loses its reStructuredText quotes (````ckpteval x````) in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("description"), str):
+            kwargs["description"] = kwargs["description"].replace("``", "")
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         message = _bound_message(" ".join(message.split()))

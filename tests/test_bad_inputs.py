@@ -473,6 +473,18 @@ def test_every_flag_says_what_it_does() -> None:
     assert not blank, f"flags without help: {blank}"
 
 
+def test_help_texts_read_as_help_for_users() -> None:
+    """No ``--help`` refers to a table or text that is not there, quotes reStructuredText, describes the
+    code instead of the command, or files its wandb flags under a posture the command is not."""
+    from jobs.cli import flag_reference
+
+    text = "\n".join(line for line in flag_reference().splitlines() if not line.startswith("```"))
+    for phrase in ("table above", "see above", "``", "importable without", "options and their validation"):
+        assert phrase not in text, phrase
+    backfill = text.split("## `ckpteval backfill`")[1].split("## ")[0]
+    assert "service ingestion" not in backfill and "external-service posture" not in backfill
+
+
 @pytest.mark.parametrize(("field", "value", "why"), [
     ("temperature", math.nan, "finite"), ("temperature", math.inf, "finite"), ("temperature", -0.5, ">= 0"),
     ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"), ("top_p", math.nan, "finite"),

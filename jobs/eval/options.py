@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jobs.flags import add_options, check_bounds, from_args, option
 
-INGESTION = "service ingestion (external-service posture)"
+INGESTION = "logging finished points into the training run's wandb run"
 DEVICE_RE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 
 

@@ -143,8 +143,12 @@ class TrainConfig:
         ).validate()
 
 
+DESCRIPTION = ("ckpteval train: the reference trainer — a tiny addition model on CPU, with the eval dispatcher "
+               "(snapshots for an eval fleet, or in-process evaluation with --eval-posture shared).")
+
+
 def build_parser() -> Parser:
-    p = Parser(prog="ckpteval train", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="ckpteval train", description=DESCRIPTION)
     add_options(p, TrainConfig)
     return p
 
