@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -266,10 +267,21 @@ def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
+def silence_library_progress_bars() -> None:
+    """``--no-progress`` means no bar at all: also transformers' ("Writing model shards" on every
+    ``--save-hf`` checkpoint, "Loading weights") and huggingface_hub's."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+
 def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int:
     """The training loop; ``dispatch`` and ``run`` come from :func:`main`'s validation and set-up."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if not cfg.progress:
+        silence_library_progress_bars()
     manifest = run.manifest()
 
     model = build_model(model_config(cfg), cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]

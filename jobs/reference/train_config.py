@@ -50,7 +50,8 @@ class TrainConfig:
     ckpt_interval: int = option(100, "training checkpoint (RUN/train_ckpt/) every N steps", metavar="N", min=1)
     resume: bool = option(False, "continue from the latest training checkpoint, if any")
     threads: int | None = option(None, "torch CPU threads (default: torch's)", metavar="N", min=1)
-    progress: bool = option(True, "no progress bar on stderr", flag="--no-progress")
+    progress: bool = option(True, "no progress bars on stderr (the training bar, and transformers' while saving "
+                            "or loading checkpoints)", flag="--no-progress")
     wandb: bool = option(False, "also log to wandb (WANDB_MODE=offline works)")
     lora: bool = option(False, "train only a LoRA adapter (peft) on the fixed seed-initialised base, saved to "
                         "RUN/base and named in run.json eval.base_model; snapshots are adapters "
