@@ -330,11 +330,22 @@ def add_run_dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, metavar="RUN", help="the same, as a flag")
 
 
+def accept_positional_run_dir(parser: argparse.ArgumentParser) -> None:
+    """A command declaring ``--run-dir`` (an options dataclass field) also takes the run dir positionally,
+    as ``status RUN`` and ``plot RUN`` do; call :func:`run_dir_from_args` after parsing."""
+    action = next(a for a in parser._actions if "--run-dir" in a.option_strings)
+    parser.set_defaults(run_dir_required=action.required)
+    action.required = False
+    parser.add_argument("run_dir_pos", nargs="?", type=Path, metavar="RUN", help="the same as --run-dir RUN")
+
+
 def run_dir_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
-    """The one run dir :func:`add_run_dir_argument` parsed (a usage error when none or two differ)."""
-    given = [p for p in (args.run_dir_pos, args.run_dir) if p is not None]
-    if not given:
+    """The one run dir given positionally or as ``--run-dir`` (a usage error when two differ, or none is
+    given and the command needs one); also stored as ``args.run_dir``."""
+    given = [Path(p) for p in (args.run_dir_pos, args.run_dir) if p is not None]
+    if not given and getattr(args, "run_dir_required", True):
         parser.error("the run directory is required: give RUN or --run-dir RUN")
     if len(given) == 2 and given[0] != given[1]:
         parser.error(f"two run directories given ({given[0]} and --run-dir {given[1]}): give one")
-    return given[0]
+    args.run_dir = given[0] if given else None
+    return args.run_dir

@@ -230,6 +230,10 @@ def view_cases() -> list[str]:
         "plot {S}/run --output {S}/out.xyz",
         "plot {S}/run -o {S}/file.txt/out.png",
         "plot",
+        "worker {S}/run --run-dir {S}/empty --engine hf",  # two different run dirs
+        "backfill {S}/run --run-dir {S}/empty",
+        "train {S}/new --run-dir {S}/new2",
+        "demo {S}/new --run-dir {S}/new2",
         "status --run-dir {S}/nope",
         "status {S}/run --run-dir {S}/empty",  # two different run dirs
         "plot --run-dir {S}/file.txt -o {S}/out.png",
@@ -471,6 +475,26 @@ def test_every_flag_says_what_it_does() -> None:
         if m and not m.group(2) and not re.match(r"^\s{20,}\S", lines[i + 1] if i + 1 < len(lines) else ""):
             blank.append(line.strip())
     assert not blank, f"flags without help: {blank}"
+
+
+def test_every_run_command_takes_the_run_dir_positionally_or_as_a_flag(tmp_path: Path) -> None:
+    """``ckpteval status RUN`` and ``ckpteval worker --run-dir RUN`` both work: so do the other forms."""
+    from jobs.eval import backfill, worker
+    from jobs.flags import Parser, run_dir_from_args
+    from jobs.reference import demo, train_config
+
+    run = tmp_path / "run"
+    for module in (worker, backfill):
+        parser = Parser(prog="p")
+        from jobs.eval.options import add_worker_flags
+
+        add_worker_flags(parser, pass_flags=module is worker)
+        for argv in ([str(run)], ["--run-dir", str(run)]):
+            args = parser.parse_args(argv)
+            assert run_dir_from_args(parser, args) == run and args.run_dir == run
+    assert train_config.parse_args([str(run)]).run_dir == run == train_config.parse_args(["--run-dir", str(run)]).run_dir
+    assert demo.parse_args([str(run), "--steps", "5"]).run_dir == run
+    assert demo.parse_args(["--steps", "5"]).run_dir is None  # the demo's run dir stays optional
 
 
 def test_help_texts_read_as_help_for_users() -> None:

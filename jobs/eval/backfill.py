@@ -33,7 +33,7 @@ from coord.results import Result
 from jobs.eval.options import add_worker_flags, options_from_args
 from jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
 from jobs.eval.worker import run_worker
-from jobs.flags import Parser, fail
+from jobs.flags import Parser, fail, run_dir_from_args
 from jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
 
@@ -99,6 +99,7 @@ def main(argv: list[str]) -> int:
     add_worker_flags(parser, pass_flags=False)
     add_reeval_flags(parser)
     args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
     try:
         plan = reeval_plan_from_args(args)
     except (ValueError, FileNotFoundError) as e:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.flags import add_options, check_bounds, from_args, option
+from jobs.flags import accept_positional_run_dir, add_options, check_bounds, from_args, option
 
 INGESTION = "logging finished points into the training run's wandb run"
 DEVICE_RE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
@@ -75,6 +75,7 @@ class WorkerOptions:
 def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True) -> None:
     """The worker's flags; ``pass_flags=False`` leaves out --once/--catchup (backfill fixes them)."""
     add_options(parser, WorkerOptions, exclude=() if pass_flags else ("once", "catchup"))
+    accept_positional_run_dir(parser)
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:

@@ -105,7 +105,7 @@ from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.service import create_run_from_config, service_ingestion
 from jobs.eval.trust import check_run_code
-from jobs.flags import Parser, fail
+from jobs.flags import Parser, fail, run_dir_from_args
 from jobs.lifecycle import (
     EXIT_CODES_HELP,
     EXIT_DONE,
@@ -262,6 +262,7 @@ def main(argv: list[str]) -> int:
     )
     add_worker_flags(parser)
     args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
     try:
         opts = options_from_args(args)
     except ValueError as e:

@@ -52,6 +52,7 @@ from coord.settle import settle_vanished
 from coord.snapshot import CHECKPOINT_PREFIX, step_from_name
 from jobs.flags import (
     Parser,
+    accept_positional_run_dir,
     add_options,
     check_bounds,
     check_dir_creatable,
@@ -59,6 +60,7 @@ from jobs.flags import (
     from_args,
     option,
     parse_as,
+    run_dir_from_args,
 )
 from jobs.lifecycle import EXIT_INTERRUPTED
 from jobs.views.plot import draw, plot_series
@@ -104,11 +106,15 @@ def build_parser() -> Parser:
     ap = Parser(prog="ckpteval demo", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(ap, DemoConfig)
+    accept_positional_run_dir(ap)
     return ap
 
 
 def parse_args(argv: list[str]) -> DemoConfig:
-    cfg: DemoConfig = from_args(DemoConfig, build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
+    cfg: DemoConfig = from_args(DemoConfig, args)
     check_bounds(cfg)
     if cfg.posture.startswith("fleet") and cfg.workers < 1:
         raise ValueError(f"--posture {cfg.posture} needs --workers >= 1")

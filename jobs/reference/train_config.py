@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING
 
 from coord.identity import run_key
 from coord.rundir import RunDir
-from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
+from jobs.flags import (
+    Parser,
+    accept_positional_run_dir,
+    add_options,
+    check_bounds,
+    check_dir_creatable,
+    fail,
+    from_args,
+    option,
+    run_dir_from_args,
+)
 from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 
 if TYPE_CHECKING:
@@ -151,11 +161,15 @@ DESCRIPTION = ("ckpteval train: the reference trainer — a tiny addition model 
 def build_parser() -> Parser:
     p = Parser(prog="ckpteval train", description=DESCRIPTION)
     add_options(p, TrainConfig)
+    accept_positional_run_dir(p)
     return p
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    cfg: TrainConfig = from_args(TrainConfig, build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
+    cfg: TrainConfig = from_args(TrainConfig, args)
     return cfg
 
 
