@@ -304,7 +304,7 @@ def main(argv: list[str]) -> int:
                 if interval:
                     console.clear()
                 for item in render(status):
-                    console.print(item)
+                    console.print(item, soft_wrap=isinstance(item, str))  # the health line stays one line
             if not interval:
                 return 0
             time.sleep(interval)
