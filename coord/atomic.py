@@ -123,6 +123,31 @@ def read_lines_file(path: Path, repair: bool) -> tuple[bytes, int]:
     return raw[:good_end], torn
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def parse_jsonl(raw: bytes, path: Path, what: str = "JSON line") -> list[tuple[int, dict[str, Any]]]:
+    """``[(lineno, record)]`` of JSONL bytes: blank lines skipped, a leading UTF-8 BOM (what some editors
+    write) ignored, every other line a JSON object or ``ValueError`` naming ``path:line`` — a file that is
+    one JSON array (``[{...}, {...}]``) is named as such, with the fix."""
+    if raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM):]
+    records = []
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if lineno == 1 and line.lstrip().startswith(b"["):
+            raise ValueError(f"{path}: a JSON array, not JSONL: write one JSON object per line, no brackets")
+        try:
+            rec = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}:{lineno}: malformed {what} ({e})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        records.append((lineno, rec))
+    return records
+
+
 def read_jsonl_numbered(
     path: Path, *, repair: bool = False, what: str = "JSON line"
 ) -> tuple[list[tuple[int, dict[str, Any]]], int]:
@@ -134,23 +159,23 @@ def read_jsonl_numbered(
     - the bytes after the last newline are a *torn tail* (a crash mid-append, or an append still
       arriving on a shared filesystem): never parsed. With ``repair`` (only the file's one writer,
       on open) the tail is truncated away; a reader only ignores it (:func:`read_lines_file`);
-    - every complete line must be a JSON object: a malformed one, anywhere, is ``ValueError`` naming
-      ``path:line`` and ``what`` it is — never silently skipped, because a complete line was
-      written whole.
+    - every complete line must be a JSON object (:func:`parse_jsonl`): a malformed one, anywhere, is
+      ``ValueError`` naming ``path:line`` and ``what`` it is — never silently skipped, because a
+      complete line was written whole.
     """
     raw, torn = read_lines_file(path, repair=repair)
-    records = []
-    for lineno, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}:{lineno}: malformed {what} ({e})") from None
-        if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        records.append((lineno, rec))
-    return records, torn
+    return parse_jsonl(raw, path, what), torn
+
+
+def read_jsonl_file(path: Path, what: str = "JSON line") -> list[tuple[int, dict[str, Any]]]:
+    """A complete JSONL file a person wrote (an eval set): like :func:`read_jsonl_numbered` but the last
+    line needs no newline (no writer is appending, so nothing is torn) and a missing file is
+    ``FileNotFoundError`` naming it."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    return parse_jsonl(raw, path, what)
 
 
 def read_jsonl(path: Path, *, repair: bool = False, what: str = "JSON line") -> list[dict[str, Any]]:

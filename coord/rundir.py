@@ -12,6 +12,7 @@ own. Layout::
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
     RUN/TRAINING_DONE     written once when training has finished (final step)
+    RUN/INTERRUPTED       written when a supervisor (``ckpteval demo``) stopped the run early; removed on --resume
     RUN/service_ledger.jsonl   the checkpoint-watching service's ingest record (coord.ledger)
     RUN/service_metrics.jsonl  every point the service logged (jobs.metrics)
     RUN/base/             the base model dir (config, tokenizer) exports copy into each snapshot
@@ -79,6 +80,10 @@ class RunDir:
     @property
     def done_path(self) -> Path:
         return self.path / "TRAINING_DONE"
+
+    @property
+    def interrupted_path(self) -> Path:
+        return self.path / "INTERRUPTED"
 
     @property
     def service_ledger_path(self) -> Path:
@@ -158,3 +163,24 @@ class RunDir:
         if not isinstance(step, int):
             raise ValueError(f"{self.done_path}: field final_step must be an integer")
         return step
+
+    # -- interrupted -----------------------------------------------------------------------------
+    def mark_interrupted(self, by: str, signal_name: str) -> None:
+        """Record that the run was stopped early (a Ctrl-C or SIGTERM to its supervisor): readers then know
+        no trainer will publish more snapshots, as after ``TRAINING_DONE``."""
+        write_json_atomic(self.interrupted_path, {"by": by, "signal": signal_name, "time": time.time()})
+
+    def interrupted(self) -> dict | None:
+        """The INTERRUPTED record (``by``, ``signal``, ``time``) if the run was stopped early, else None."""
+        try:
+            return read_json_object(self.interrupted_path)
+        except FileNotFoundError:
+            return None
+
+    def clear_interrupted(self) -> None:
+        """A resumed run is running again (``ckpteval train --resume``)."""
+        self.interrupted_path.unlink(missing_ok=True)
+
+    def ended(self) -> bool:
+        """No trainer will publish another snapshot: training is done or the run was interrupted."""
+        return self.training_done() is not None or self.interrupted() is not None

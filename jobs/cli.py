@@ -12,7 +12,7 @@ import io
 import os
 import sys
 
-from jobs.lifecycle import record_early_stops
+from jobs.lifecycle import EXIT_INTERRUPTED, record_early_stops
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("jobs.reference.train_config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
@@ -74,8 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if name in PREEMPTIBLE:
         record_early_stops()
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C where the command has no handler of its own (e.g. importing torch)
+        print(f"ckpteval {name}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `ckpteval status --json | head`: the reader has what it wanted
+        _stdout_to_devnull()
+        return 0
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail on the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

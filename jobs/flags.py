@@ -75,7 +75,13 @@ def option(
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr and exit 2."""
+    """An ArgumentParser whose usage errors are one line on stderr and exit 2; a description taken from a
+    module docstring loses its reStructuredText quotes (````ckpteval x````) in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("description"), str):
+            kwargs["description"] = kwargs["description"].replace("``", "")
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         message = _bound_message(" ".join(message.split()))
@@ -331,3 +337,35 @@ def check_file_readable(flag: str, path: Path | str) -> None:
         raise ValueError(f"{flag} {path}: not a regular file")
     if not os.access(target, os.R_OK):
         raise ValueError(f"{flag} {path}: not readable by this user")
+
+
+# ---------------------------------------------------------------------------------------- the run dir
+RUN_DIR_HELP = "the run directory (holds run.json)"
+
+
+def add_run_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """The run dir of a reading command, given either way: positional ``RUN`` or ``--run-dir RUN``
+    (every other command takes ``--run-dir``); :func:`run_dir_from_args` checks exactly one was given."""
+    parser.add_argument("run_dir_pos", nargs="?", type=Path, metavar="RUN", help=RUN_DIR_HELP)
+    parser.add_argument("--run-dir", type=Path, metavar="RUN", help="the same, as a flag")
+
+
+def accept_positional_run_dir(parser: argparse.ArgumentParser) -> None:
+    """A command declaring ``--run-dir`` (an options dataclass field) also takes the run dir positionally,
+    as ``status RUN`` and ``plot RUN`` do; call :func:`run_dir_from_args` after parsing."""
+    action = next(a for a in parser._actions if "--run-dir" in a.option_strings)
+    parser.set_defaults(run_dir_required=action.required)
+    action.required = False
+    parser.add_argument("run_dir_pos", nargs="?", type=Path, metavar="RUN", help="the same as --run-dir RUN")
+
+
+def run_dir_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """The one run dir given positionally or as ``--run-dir`` (a usage error when two differ, or none is
+    given and the command needs one); also stored as ``args.run_dir``."""
+    given = [Path(p) for p in (args.run_dir_pos, args.run_dir) if p is not None]
+    if not given and getattr(args, "run_dir_required", True):
+        parser.error("the run directory is required: give RUN or --run-dir RUN")
+    if len(given) == 2 and given[0] != given[1]:
+        parser.error(f"two run directories given ({given[0]} and --run-dir {given[1]}): give one")
+    args.run_dir = given[0] if given else None
+    return args.run_dir

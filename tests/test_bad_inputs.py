@@ -240,6 +240,16 @@ def view_cases() -> list[str]:
         "plot {S}/run --output {S}/out.xyz",
         "plot {S}/run -o {S}/file.txt/out.png",
         "plot",
+        "worker {S}/run --run-dir {S}/empty --engine hf",  # two different run dirs
+        "backfill {S}/run --run-dir {S}/empty",
+        "train {S}/new --run-dir {S}/new2",
+        "demo {S}/new --run-dir {S}/new2",
+        "status --run-dir {S}/nope",
+        "status {S}/run --run-dir {S}/empty",  # two different run dirs
+        "plot --run-dir {S}/file.txt -o {S}/out.png",
+        "plot -o {S}/out.png",  # no run dir either way
+        *_no_value("status", "--run-dir"),
+        *_no_value("plot -o {S}/out.png", "--run-dir"),
     ] + _flag_cases("status {S}/run", {"--watch": "float>0"})
 
 
@@ -317,6 +327,13 @@ def submit_cases() -> list[str]:
         "submit service --run-dir {S}/new --watch {S}/file.txt --eval-config {S}/cfg_ok.json --dry-run",
         f"{sv} -- --poll-interval 0",
         f"{sv} --workers 1 --nodes 2",
+        "submit train-eval --run-dir '{S}/my run' --dry-run",  # sbatch would split its #SBATCH --output line
+        f"{bf} --output '{{S}}/my logs/%j.out'",
+        f"{sv} --job-name 'my job'",
+        f"{te} --partition 'a b'",
+        f"{te} --time banana",
+        f"{te} --time 00:04:00",  # not longer than the default --signal-before 300: a requeue loop
+        f"{bf} --time 1:00 --signal-before 120",
         "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/cfg_nan.json",  # no --dry-run
     ]
     cases += _flag_cases(te, {"--trainer-cpus": "int>=1", "--trainer-gpus": "int>=0", "--fleet-nodes": "int>=1"})
@@ -469,6 +486,38 @@ def test_every_flag_says_what_it_does() -> None:
         if m and not m.group(2) and not re.match(r"^\s{20,}\S", lines[i + 1] if i + 1 < len(lines) else ""):
             blank.append(line.strip())
     assert not blank, f"flags without help: {blank}"
+
+
+def test_every_run_command_takes_the_run_dir_positionally_or_as_a_flag(tmp_path: Path) -> None:
+    """``ckpteval status RUN`` and ``ckpteval worker --run-dir RUN`` both work: so do the other forms."""
+    from jobs.eval import backfill, worker
+    from jobs.flags import Parser, run_dir_from_args
+    from jobs.reference import demo, train_config
+
+    run = tmp_path / "run"
+    for module in (worker, backfill):
+        parser = Parser(prog="p")
+        from jobs.eval.options import add_worker_flags
+
+        add_worker_flags(parser, pass_flags=module is worker)
+        for argv in ([str(run)], ["--run-dir", str(run)]):
+            args = parser.parse_args(argv)
+            assert run_dir_from_args(parser, args) == run and args.run_dir == run
+    assert train_config.parse_args([str(run)]).run_dir == run == train_config.parse_args(["--run-dir", str(run)]).run_dir
+    assert demo.parse_args([str(run), "--steps", "5"]).run_dir == run
+    assert demo.parse_args(["--steps", "5"]).run_dir is None  # the demo's run dir stays optional
+
+
+def test_help_texts_read_as_help_for_users() -> None:
+    """No ``--help`` refers to a table or text that is not there, quotes reStructuredText, describes the
+    code instead of the command, or files its wandb flags under a posture the command is not."""
+    from jobs.cli import flag_reference
+
+    text = "\n".join(line for line in flag_reference().splitlines() if not line.startswith("```"))
+    for phrase in ("table above", "see above", "``", "importable without", "options and their validation"):
+        assert phrase not in text, phrase
+    backfill = text.split("## `ckpteval backfill`")[1].split("## ")[0]
+    assert "service ingestion" not in backfill and "external-service posture" not in backfill
 
 
 @pytest.mark.parametrize(("field", "value", "why"), [

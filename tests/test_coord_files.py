@@ -90,6 +90,24 @@ def test_jsonl_torn_tail_is_ignored_by_readers_and_cut_by_the_writer(tmp_path: P
         read_jsonl(path)
 
 
+def test_jsonl_utf8_bom_is_accepted_and_a_json_array_is_named(tmp_path: Path) -> None:
+    """Editors (Notepad, Excel exports) write a UTF-8 BOM: it is not data. A file that is one JSON array
+    is named as such (not "malformed JSON line 1"), for protocol files and eval sets alike."""
+    from jobs.eval.evalsets import load_rows
+
+    path = tmp_path / "set.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}')
+    assert [r["answer"] for r in load_rows(path)] == ["2", "4"]  # no trailing newline: an eval set is whole
+    path.write_bytes(b'\xef\xbb\xbf{"step": 1}\n')
+    assert read_jsonl(path) == [{"step": 1}]
+    for array in (b'[{"prompt": "1+1=", "answer": "2"}]\n', b'[\n {"prompt": "1+1=", "answer": "2"}\n]\n'):
+        path.write_bytes(array)
+        with pytest.raises(ValueError, match=r"set.jsonl: a JSON array, not JSONL: write one JSON object per line"):
+            load_rows(path)
+        with pytest.raises(ValueError, match="a JSON array, not JSONL"):
+            read_jsonl(path)
+
+
 def test_publish_verify_fast_and_full(tmp_path: Path) -> None:
     root = tmp_path / "staging"
     snap = publish_snapshot(root, 100, lambda d: write_tiny_shards(d))

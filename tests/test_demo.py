@@ -8,11 +8,16 @@ set's pass@k is in the table, and a PNG curve is written — not learning; the R
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from coord.atomic import read_jsonl
+from tests.support.workers import wait_for
 
 ROOT = Path(__file__).parents[1]
 
@@ -41,3 +46,75 @@ def test_demo_rejects_bad_options(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "demo", "--posture", "fleet-reuse", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "needs --workers >= 1" in proc.stderr
+
+
+# -- stopping the demo: Ctrl-C (SIGINT) and SIGTERM --------------------------------------------------------
+def _processes_naming(text: str) -> list[int]:
+    """PIDs of live processes whose command line mentions ``text`` (the run dir: trainer and workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(line for line in (entry / "status").read_text().splitlines() if line.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if text in cmdline and "zombie" not in state:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _exported_steps(run_dir: Path) -> set[int]:
+    path = run_dir / "ledger.jsonl"
+    if not path.exists():
+        return set()
+    return {rec["step"] for rec in read_jsonl(path) if rec.get("event") == "exported"}
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm: the tmpfs staging is what is under test")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_stopped_by_a_signal_leaves_no_process_no_staging_and_no_unit_pending(tmp_path: Path, sig: int) -> None:
+    """A stop signal mid-run (a snapshot exported, its units not all evaluated): one line, exit 128+N, the
+    trainer and both workers stopped (no orphan process names the run dir), the run's tmpfs staging
+    removed, the run marked INTERRUPTED, and every unit of a step whose snapshot went with the staging a
+    ``ckpt_missing`` result — so status shows nothing pending and backfill agrees there is nothing to do."""
+    run_dir = tmp_path / f"run-{signal.Signals(sig).name}"
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "jobs.cli", "demo", "--steps", "400", "--eval-interval", "10", "--eval-n-prompts",
+         "16", "--eval-samples", "0", "--run-dir", str(run_dir), "--staging", "shm"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        wait_for(lambda: _exported_steps(run_dir) or demo.poll() is not None, 240, what="a first exported snapshot")
+        assert demo.poll() is None, demo.communicate()
+        children = _processes_naming(str(run_dir))
+        assert len(children) >= 3, children  # trainer + 2 workers
+        demo.send_signal(sig)
+        out, err = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.communicate()
+    assert demo.returncode == 128 + sig, err
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert err.strip().splitlines() == [err.strip()] and "interrupted" in err and str(run_dir) in err, err
+    wait_for(lambda: not _processes_naming(str(run_dir)), 10, what="no process of the run left")
+    assert not list((Path("/dev/shm") / "ckpteval" / run_dir.name).glob("*")), "tmpfs staging left behind"
+    marker = json.loads((run_dir / "INTERRUPTED").read_text())
+    assert marker["signal"] == signal.Signals(sig).name and marker["by"] == "ckpteval demo"
+
+    status = subprocess.run([sys.executable, "-m", "jobs.cli", "status", "--json", str(run_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert state["units"]["pending"] == [], state["units"]
+    assert state["units"]["skipped"].get("ckpt_missing", 0) >= 1, state["units"]  # the exported step's units
+    assert state["interrupted"]["signal"] == signal.Signals(sig).name
+    table = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert "training interrupted" in table.stdout and "pending 0" in table.stdout, table.stdout[-2000:]
+    backfill = subprocess.run([sys.executable, "-m", "jobs.cli", "backfill", "--run-dir", str(run_dir), "--engine",
+                               "hf"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert backfill.returncode == 0, backfill.stderr[-2000:]
+    assert "nothing to do" in backfill.stdout, backfill.stdout

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
 import struct
 import subprocess
 import sys
@@ -12,9 +15,10 @@ from coord.ledger import Ledger
 from coord.results import ok_result, write_point_skip, write_result
 from coord.snapshot import publish_snapshot
 from coord.units import UnitClaimer, WorkUnit, units_for_step
-from jobs.views.plot import plot_run
-from jobs.views.status import collect_status
+from jobs.views.plot import figure, plot_run, plot_series
+from jobs.views.status import collect_status, health_line
 from tests.support.runs import make_run, write_tiny_shards
+from tests.support.workers import wait_for
 
 ROOT = Path(__file__).parents[1]
 
@@ -81,3 +85,85 @@ def test_plot_is_a_png_of_the_derived_points(tmp_path: Path) -> None:
     assert data["series"]["add"] == ([10, 20], [0.25, 0.75])
     assert data["skipped"] == [(30, "busy")]
     assert data["lag"] == ([10, 20], [3, 3])
+
+
+def _status_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.cli", "status", *args]
+
+
+def test_status_watch_takes_run_either_way_and_ends_quietly_on_ctrl_c_or_sigterm(tmp_path: Path) -> None:
+    """``status --watch RUN`` reads RUN as the run dir (not as a bad interval); Ctrl-C and SIGTERM end a
+    watch without a traceback."""
+    run, claim = _build_run(tmp_path)
+    claim.release()
+    for argv, sig in ((["--watch", str(run.path)], signal.SIGINT),
+                      (["--watch", "0.2", "--run-dir", str(run.path)], signal.SIGTERM)):
+        proc = subprocess.Popen(_status_cmd(*argv), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "COLUMNS": "200"})
+        try:
+            wait_for(lambda p=proc: p.poll() is not None or _printed(run.path, p), 60, what="a first refresh")
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert proc.returncode == (0 if sig == signal.SIGINT else 128 + sig), err
+        assert "points of test-run" in out
+
+
+def _printed(run_dir: Path, proc: subprocess.Popen) -> bool:
+    """The watch has drawn once: the process's status table reached its stdout pipe (peeked without reading)."""
+    import select
+
+    return bool(select.select([proc.stdout], [], [], 0)[0])
+
+
+def test_status_json_into_head_has_no_traceback(tmp_path: Path) -> None:
+    """``status --json | head``: the reader closes the pipe early; status ends quietly (no BrokenPipeError)."""
+    run = make_run(tmp_path, n_prompts=3000, shard_size=1)  # 3000 pending units: JSON far beyond a pipe buffer
+    publish_snapshot(run.snapshots, 10, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    err = tmp_path / "stderr"
+    proc = subprocess.run(f"{shlex.join(_status_cmd('--json', str(run.path)))} 2>{shlex.quote(str(err))} | head -n 3",
+                          shell=True, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert len(proc.stdout.splitlines()) == 3
+    assert err.read_text() == ""
+
+
+def test_status_and_plot_take_run_dir_as_flag_too_and_health_line_has_no_dangling_separator(tmp_path: Path) -> None:
+    run, claim = _build_run(tmp_path)
+    claim.release()
+    positional = subprocess.run(_status_cmd("--json", str(run.path)), cwd=ROOT, capture_output=True, text=True)
+    flag = subprocess.run(_status_cmd("--json", "--run-dir", str(run.path)), cwd=ROOT, capture_output=True, text=True)
+    assert flag.returncode == 0 and json.loads(flag.stdout)["run_id"] == json.loads(positional.stdout)["run_id"]
+    two = subprocess.run(_status_cmd(str(run.path), "--run-dir", str(tmp_path)), cwd=ROOT, capture_output=True,
+                         text=True)
+    assert two.returncode == 2 and "two run directories" in two.stderr and "Traceback" not in two.stderr
+    none = subprocess.run(_status_cmd("--json"), cwd=ROOT, capture_output=True, text=True)
+    assert none.returncode == 2 and "give RUN or --run-dir RUN" in none.stderr
+    png = tmp_path / "c.png"
+    plot = subprocess.run([sys.executable, "-m", "jobs.cli", "plot", "--run-dir", str(run.path), "-o", str(png)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert plot.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", plot.stderr
+    status = collect_status(run.path)
+    status["health"]["staging_free_bytes"] = {}  # a staging root that does not exist (yet)
+    line = health_line(status)
+    assert not line.rstrip().endswith("|") and line.startswith("training running | units done 4"), line
+
+
+def test_plot_legend_is_off_the_data_and_the_lag_panel_only_when_there_is_lag(tmp_path: Path) -> None:
+    """The legend sits outside the score axes (it cannot cover a point); a run without lag (service,
+    backfill: no trainer ingested its points) gets no empty lag panel."""
+    run, claim = _build_run(tmp_path)
+    claim.release()
+    data = plot_series(collect_status(run.path))
+    fig = figure(data, "t")
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    assert not legend.overlaps(ax.get_window_extent()), (legend, ax.get_window_extent())
+    assert len(fig.axes) == 2  # a trainer run: scores + lag
+    data["lag"] = ([], [])
+    assert len(figure(data, "t").axes) == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.launch import slurm_env, submit
+from jobs.launch import slurm_env, submit, submit_checks
 from tests.support.workers import finish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,15 +180,15 @@ def test_backfill_dry_run_array(tmp_path: Path, capsys: pytest.CaptureFixture[st
     for run in (a, b):  # backfill scores existing runs: submit checks their run.json is there
         run.mkdir()
         (run / "run.json").write_text("{}")
-    argv = ["backfill", "--run-dir", str(a), "--run-dir", str(b), "--tasks", "8", "--parallelism", "3",
+    argv = ["backfill", "--run-dir", str(b), "--run-dir", str(a), "--tasks", "8", "--parallelism", "3",
             "--gpus-per-worker", "1", "--time", "30", "--dry-run"]
     assert submit.main(argv) == 0
     script = capsys.readouterr().out
     lines = sbatch_lines(script)
     assert "--array=0-7%3" in lines and "--gpus-per-node=1" in lines and "--time=30" in lines
-    assert f"--output={a}/slurm/%x-%A_%a.out" in lines
+    assert f"--output={b}/slurm/%x-%A_%a.out" in lines
     assert "--signal=B:USR1@120" in lines and "--requeue" in lines and "--open-mode=append" in lines
-    assert f"CKPTEVAL_RUN_DIRS=('{a}' {b})" in script
+    assert f"CKPTEVAL_RUN_DIRS=({b} '{a}')" in script
     assert "hetjob" not in lines
     bash_n(script, tmp_path)
 
@@ -218,6 +219,76 @@ def test_submit_rejects_nonsense(tmp_path: Path, capsys: pytest.CaptureFixture[s
         submit.main(["backfill", "--run-dir", str(tmp_path), "--tasks", "0"])
     with pytest.raises(SystemExit):
         submit.main(["service", "--run-dir", str(tmp_path)])  # --watch is required
+
+
+def test_run_dir_with_spaces_is_refused_for_sbatch_lines_and_the_printed_command_pastes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sbatch splits ``#SBATCH --output=/x/my run/...`` at the space: such a log path is refused in one line
+    naming the flag to change; with ``--output`` elsewhere the run dir may have spaces, and the printed
+    sbatch command is shell-quoted (it pastes as one argument)."""
+    run = tmp_path / "my run"
+    assert submit.main(["train-eval", "--run-dir", str(run), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--run-dir" in err and "splits at whitespace" in err and "--output" in err
+    assert submit.main(["train-eval", "--run-dir", str(run), "--output", str(tmp_path / "my logs" / "%j.out"),
+                        "--dry-run"]) == 2
+    assert "--output" in capsys.readouterr().err
+    assert submit.main(["train-eval", "--run-dir", str(tmp_path / "run"), "--job-name", "my job", "--dry-run"]) == 2
+    assert "--job-name" in capsys.readouterr().err
+    logs = tmp_path / "logs"
+    assert submit.main(["train-eval", "--run-dir", str(run), "--output", f"{logs}/%x-%j.out", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"export CKPTEVAL_RUN_DIR='{run}'" in out.out
+    assert all(" " not in line for line in sbatch_lines(out.out) if line != "hetjob")
+    command = shlex.split(out.err.strip().split(" and run: ", 1)[1])
+    assert command[:2] == ["sbatch", "--parsable"] and Path(command[2]).parent == run / "slurm"
+    assert not run.exists()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30", 1800), ("4:00:00", 14400), ("00:04:00", 240), ("5:30", 330),
+                                               ("1-12", 129600), ("2-0:30", 174600), ("1-00:00:10", 86410)])
+def test_time_limit_syntax(text: str, seconds: int) -> None:
+    assert submit_checks.time_seconds(text) == seconds
+
+
+def test_time_limit_is_checked_and_must_outlast_the_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        submit.main(["train-eval", "--run-dir", str(run), "--time", "banana", "--dry-run"])
+    assert e.value.code == 2 and "invalid time limit 'banana'" in capsys.readouterr().err
+    assert submit.main(["train-eval", "--run-dir", str(run), "--time", "00:04:00", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--time 00:04:00 (240 s) is not longer than --signal-before 300" in err and err.count("\n") == 1
+    assert submit.main(["train-eval", "--run-dir", str(run), "--time", "00:04:00", "--signal-before", "60",
+                        "--dry-run"]) == 0
+    assert "--time=00:04:00" in sbatch_lines(capsys.readouterr().out)
+
+
+def test_backfill_of_a_finished_run_with_nothing_left_submits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coord.results import write_point_skip
+    from tests.support.workers import make_eval_run
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/bash\ntouch "$(dirname "$0")/called"\necho 1\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    done = make_eval_run(tmp_path, name="done")
+    write_point_skip(done.results, done.manifest(), 10, "busy")
+    (done.ledger_path).write_text(json.dumps({"event": "dispatched", "step": 10}) + "\n")
+    done.mark_training_done(10)
+    assert submit.main(["backfill", "--run-dir", str(done.path), "--gpus-per-worker", "0"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and "nothing to do" in out.err and "nothing submitted" in out.err
+    assert not (bin_dir / "called").exists() and not (done.path / "slurm").exists()
+    running = make_eval_run(tmp_path, name="running")  # no TRAINING_DONE: snapshots may still come
+    assert submit.main(["backfill", "--run-dir", str(done.path), "--run-dir", str(running.path),
+                        "--gpus-per-worker", "0", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"CKPTEVAL_RUN_DIRS=({running.path})" in out.out and "left out of the array" in out.err
 
 
 def test_templates_parse_and_carry_the_contract(tmp_path: Path) -> None:

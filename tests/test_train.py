@@ -109,19 +109,50 @@ def test_sigkilled_trainer_resumes_and_every_point_is_ingested_exactly_once(tmp_
     assert run.training_done() == 160
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def _signal_after_step_10(run_dir: Path, sig: int) -> tuple[subprocess.Popen, str]:
+    """Start a long training run, send ``sig`` once step 10 is logged; (the ended process, its stderr)."""
     proc = subprocess.Popen(_train_cmd(run_dir, "--steps", "100000", "--eval-interval", "50", "--ckpt-interval",
                                        "100000"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     _wait_for(lambda: any(r.get("step", 0) >= 10 for r in read_jsonl(run_dir / "metrics.jsonl")), 120, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _out, err = proc.communicate(timeout=60)
+    return proc, err
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc, err = _signal_after_step_10(run_dir, signal.SIGTERM)
     assert proc.returncode == PREEMPTED_EXIT, err[-2000:]
     ckpt = latest_train_checkpoint(RunDir(run_dir))
     assert ckpt is not None and int(ckpt.name.split("-")[1]) >= 10
     assert RunDir(run_dir).training_done() is None
     assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.safetensors", "state.json"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_so_in_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) to ``ckpteval train``: the same checkpoint as SIGTERM, one line, exit 130, no traceback."""
+    run_dir = tmp_path / "run"
+    proc, err = _signal_after_step_10(run_dir, signal.SIGINT)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert [line for line in err.splitlines() if "ckpteval train" in line] == [err.strip().splitlines()[-1]]
+    assert "interrupted at step" in err and "--resume" in err
+    ckpt = latest_train_checkpoint(RunDir(run_dir))
+    assert ckpt is not None and int(ckpt.name.split("-")[1]) >= 10
+
+
+def test_no_progress_silences_transformers_bars_too(tmp_path: Path) -> None:
+    """``--no-progress`` with ``--save-hf``: transformers' "Writing model shards" bar (one per checkpoint) is
+    gone too — stderr holds no progress bar at all."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(_train_cmd(run_dir, "--steps", "4", "--no-eval", "--save-hf", str(tmp_path / "hf"),
+                                     "--save-interval", "2"), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [f"checkpoint-{s}" for s in (2, 4)]
+    assert "Writing model shards" not in proc.stderr and "it/s]" not in proc.stderr and "\r" not in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_training_checkpoint_round_trip_continues_identically(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from coord.manifest import LeaseSettings
 from coord.units import WorkUnit
-from jobs.lifecycle import EXIT_DONE, EXIT_PREEMPTED, EXIT_USAGE
+from jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.support.workers import (
     claimed_at,
     counted_claimers,
@@ -159,6 +159,31 @@ def test_preempted_worker_releases_at_once_and_exits_3(tmp_path: Path, sig: sign
     (r,) = results(run).values()
     assert r.worker["worker_id"] == "b" and r.attempt == 2
     assert took_over < 20.0  # long before the 60 s lease would have expired
+
+
+@pytest.mark.parametrize(("command", "sig", "code"), [
+    ("worker", signal.SIGINT, EXIT_INTERRUPTED), ("backfill", signal.SIGINT, EXIT_INTERRUPTED),
+    ("backfill", signal.SIGTERM, EXIT_PREEMPTED),
+])
+def test_stop_signal_mid_unit_says_so_in_one_line(tmp_path: Path, command: str, sig: int, code: int) -> None:
+    """Ctrl-C (or SIGTERM) to a worker or backfill mid-unit: the lease is released, the exit code says which
+    signal, one line says it stopped and how to continue, and no traceback (KeyboardInterrupt) is printed."""
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, lease=LeaseSettings(60.0, 10.0))
+    publish_model(tmp_path, run.snapshots, 1)
+    proc = spawn(command, "--run-dir", str(run.path), "--engine", FN, "--poll-interval", "0.1",
+                 env={"SUMBACKEND_DELAY_S": "30"})
+    try:
+        _wait_mid_unit(run, proc)
+        proc.send_signal(sig)
+        got, out = finish(proc, timeout=25)
+    finally:
+        kill_all([proc])
+    assert got == code, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    name = signal.Signals(sig).name
+    assert [line for line in out.splitlines() if "stopped by" in line] == [
+        f"ckpteval {command}: stopped by {name}: leases released, nothing lost; run it again to continue"], out
+    assert lease_holder_pid(run) == {}  # released, not left to expire
 
 
 def test_cli_usage(tmp_path: Path) -> None:

@@ -31,10 +31,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from coord.results import Result
 from jobs.eval.options import add_worker_flags, options_from_args
 from jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
 from jobs.eval.worker import run_worker
-from jobs.flags import Parser, fail
+from jobs.flags import Parser, fail, run_dir_from_args
 from jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
 
@@ -100,6 +101,7 @@ def main(argv: list[str]) -> int:
     add_worker_flags(parser, pass_flags=False)
     add_reeval_flags(parser)
     args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
     try:
         plan = reeval_plan_from_args(args)
     except (ValueError, FileNotFoundError) as e:
@@ -116,13 +118,45 @@ def main(argv: list[str]) -> int:
               flush=True)
     opts.once, opts.catchup, opts.retry_infra_skips = True, "all", True
     progress = Progress()
+    tally = Tally()
     try:
-        code = run_worker(opts, exit_process=True, out=progress.write, on_poll=progress)
+        code = run_worker(opts, exit_process=True, prog="ckpteval backfill", out=progress.write, on_poll=progress,
+                          on_result=tally)
     finally:
         progress.close()
     if code == EXIT_DONE:
-        if not progress.total:
+        if not progress.total and not tally.results:
             print(f"backfill: nothing to do — every unit of {opts.run_dir} already has a result", flush=True)
         else:
-            print(f"backfill: done — {progress.total} units had no result when it started", flush=True)
+            print(f"backfill: done — {progress.total} units had no result when it started; {tally.summary()}",
+                  flush=True)
     return code
+
+
+class Tally:
+    """What this backfill's own results were: how many scored, how many skipped and why."""
+
+    def __init__(self) -> None:
+        self.results = 0
+        self.ok = 0
+        self.skipped: dict[str, tuple[int, str]] = {}  # reason -> (count, first message)
+
+    def __call__(self, result: Result) -> None:
+        self.results += 1
+        if result.ok:
+            self.ok += 1
+            return
+        reason = result.skip_reason or "skipped"
+        count, message = self.skipped.get(reason, (0, result.message))
+        self.skipped[reason] = (count + 1, message)
+
+    def summary(self) -> str:
+        """``"6 evaluated here: 2 scored, 4 skipped (ckpt_missing x4: <first message>)"``."""
+        if not self.results:
+            return "other workers evaluated them"
+        text = f"{self.results} evaluated here: {self.ok} scored"
+        if self.skipped:
+            n = sum(count for count, _ in self.skipped.values())
+            why = "; ".join(f"{reason} x{count}: {message[:100]}" for reason, (count, message) in self.skipped.items())
+            text += f", {n} skipped ({why})"
+        return text

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import write_bytes_atomic
+from coord.atomic import read_jsonl_file, write_bytes_atomic
 from coord.manifest import DatasetSpec, subset_rows
 from coord.rundir import RunDir
 from jobs.eval.scorers import check_row, scorer_class
@@ -53,21 +53,16 @@ def _parse_row(row: Any, where: str) -> Row:
 
 
 def load_rows(path: Path, scorer: type | None = None) -> list[Row]:
-    """Read a JSONL eval set; every error names the file and line. ``scorer``: a scorer class whose
-    row needs (:func:`jobs.eval.scorers.check_row`) each row must meet (default: an ``answer``)."""
-    rows = []
+    """Read a JSONL eval set (:func:`coord.atomic.read_jsonl_file`); every error names the file and line.
+    ``scorer``: a scorer class whose row needs (:func:`jobs.eval.scorers.check_row`) each row must meet
+    (default: an ``answer``)."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = read_jsonl_file(path, what="eval-set row (JSON)")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: eval set not found") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: malformed JSON ({e})") from None
-        rows.append(_parse_row(row, f"{path}:{lineno}"))
+    rows = []
+    for lineno, raw in lines:
+        rows.append(_parse_row(raw, f"{path}:{lineno}"))
         if scorer is not None:
             check_row(scorer, rows[-1], f"{path}:{lineno}")
         elif "answer" not in rows[-1]:

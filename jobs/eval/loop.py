@@ -91,6 +91,7 @@ class Worker:
     evaluator: Evaluator
     out: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
     on_poll: Callable[[int], None] | None = None  # called with the number of outstanding units
+    on_result: Callable[[Result], None] | None = None  # called with each result this worker published first
 
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
@@ -224,9 +225,10 @@ class Worker:
         return {u: self.index.generation(u) + 1 for u in units if self.index.get(u) is not None}
 
     def _steps(self) -> set[int]:
-        # TRAINING_DONE is read once per poll, *before* the ledger: the trainer appends its last dispatch
-        # before writing it, so a worker that sees "done" also sees every dispatched step.
-        self.training_done = self.rundir.training_done() is not None
+        # TRAINING_DONE (or INTERRUPTED: a supervisor stopped the run) is read once per poll, *before* the
+        # ledger: the trainer appends its last dispatch before either, so a worker that sees the run ended
+        # also sees every dispatched step.
+        self.training_done = self.rundir.ended()
         if self.training_done and self._done_seen_at is None:
             self._done_seen_at = time.monotonic()
         steps = set(self.refs)
@@ -350,6 +352,8 @@ class Worker:
             )
             first = write_result(self.rundir.results, result, claim.generation)
             self.written += 1
+            if first and self.on_result is not None:
+                self.on_result(result)
             self.proven |= result.ok
             self.out(_unit_line(result, first))
             return result

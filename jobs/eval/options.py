@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.flags import META_KEY, add_options, check_bounds, from_args, option
+from jobs.flags import META_KEY, accept_positional_run_dir, add_options, check_bounds, from_args, option
 
-INGESTION = "service ingestion (external-service posture)"
+INGESTION = "logging finished points into the training run's wandb run"
 # Flags of this group are the scorers' (a sandbox's concurrency, a judge URL override): handed to every
 # scorer in ScorerContext.options by field name (:func:`scorer_options`); add a field with group=SCORING.
 SCORING = "scoring (settings the scorers read)"
@@ -109,6 +109,7 @@ def add_worker_flags(parser: argparse.ArgumentParser, *, pass_flags: bool = True
     """The worker's flags; ``pass_flags=False`` leaves out --once/--catchup/--retry-infra-skips (backfill
     fixes them)."""
     add_options(parser, WorkerOptions, exclude=() if pass_flags else ("once", "catchup", "retry_infra_skips"))
+    accept_positional_run_dir(parser)
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:

@@ -110,7 +110,7 @@ from jobs.eval.scorers import ScorerContext
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.service import create_run_from_config, service_ingestion
 from jobs.eval.trust import check_run_code
-from jobs.flags import Parser, fail
+from jobs.flags import Parser, fail, run_dir_from_args
 from jobs.lifecycle import (
     EXIT_CODES_HELP,
     EXIT_DONE,
@@ -208,7 +208,7 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     """Open (or create) the run, check its eval sets, build the backend: everything before the loop."""
     run = open_run(opts)
     manifest = run.manifest()
-    run.training_done()  # a malformed TRAINING_DONE stops the worker here, named, not mid-loop
+    run.ended()  # a malformed TRAINING_DONE or INTERRUPTED stops the worker here, named, not mid-loop
     check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
     cache = DatasetCache(run, manifest, ScorerContext(run.path, scorer_options(opts)))
     check_datasets(cache)
@@ -221,11 +221,12 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     return Worker(run, opts, evaluator, **kw)
 
 
-def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) -> int:
+def run_worker(opts: WorkerOptions, *, exit_process: bool = False, prog: str = "ckpteval worker", **kw: Any) -> int:
     """Build, run and close a worker with signal handling; returns the exit code.
 
     ``exit_process`` (the CLI): after a stop signal abandoned a unit mid-call, end the process at once
     with the code instead of returning (the abandoned call would otherwise hold up interpreter exit).
+    A stop signal ends with one line (the worker's ``out``), named ``prog``.
     """
     try:
         worker = prepare_worker(opts, **kw)
@@ -250,6 +251,9 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, **kw: Any) ->
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         close_quietly(worker.evaluator, timeout_s=2.0 if worker.busy else 10.0)
+    if worker.stop_signal is not None:
+        worker.out(f"{prog}: stopped by {signal.Signals(worker.stop_signal).name}: leases released, nothing lost; "
+                   "run it again to continue")
     if worker.busy and exit_process:  # abandoned mid-unit: neither wait for it nor let shutdown wait
         sys.stdout.flush()
         sys.stderr.flush()
@@ -263,6 +267,7 @@ def main(argv: list[str]) -> int:
     )
     add_worker_flags(parser)
     args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
     try:
         opts = options_from_args(args)
     except ValueError as e:

@@ -39,7 +39,15 @@ from pathlib import Path
 
 from jobs.flags import Parser, fail, non_negative_int, positive_int
 from jobs.launch.judge_server import judge_command
-from jobs.launch.submit_checks import check_on_submit_host, trailing
+from jobs.launch.submit_checks import (
+    NothingToDo,
+    check_on_submit_host,
+    check_sbatch_line,
+    check_time_vs_signal,
+    runs_with_work,
+    time_limit,
+    trailing,
+)
 
 
 def sbatch_dir() -> Path:
@@ -91,7 +99,9 @@ def _add_common(p: argparse.ArgumentParser, *, signal_before: int, workers: int)
     g.add_argument("--partition", help="partition (every component unless overridden)")
     g.add_argument("--account", help="account to charge (sbatch --account)")
     g.add_argument("--qos", help="quality of service (sbatch --qos)")
-    g.add_argument("--time", help="time limit, sbatch syntax (e.g. 4:00:00); USR1 comes --signal-before earlier")
+    g.add_argument("--time", type=time_limit, metavar="T",
+                   help="time limit, sbatch syntax (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]], e.g. 4:00:00); must be "
+                   "longer than --signal-before, which is when USR1 comes")
     g.add_argument("--job-name", help="job name (default ckpteval-<kind>)")
     g.add_argument("--output", help="log file pattern (default RUN/slurm/%%x-%%j.out)")
     g.add_argument("--signal-before", type=_positive, default=signal_before, metavar="S",
@@ -191,13 +201,16 @@ def _component(
     lines = []
     for opt, value in (("partition", partition), ("account", account), ("qos", qos), ("time", time_limit)):
         if value:
+            check_sbatch_line(value, f"--{opt}")
             lines.append(f"--{opt}={value}")
     lines += [f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}"]
     if gpus_per_node:
         lines.append(f"--gpus-per-node={gpus_per_node}")
     if mem:
+        check_sbatch_line(mem, "--mem")
         lines.append(f"--mem={mem}")
     if constraint:
+        check_sbatch_line(constraint, "--constraint")
         lines.append(f"--constraint={constraint}")
     return lines
 
@@ -210,11 +223,15 @@ def _fleet_gpus_per_node(workers: int, nodes: int, gpus_per_worker: int) -> int:
 
 
 def _job_lines(args: argparse.Namespace, default_name: str, output: str) -> list[str]:
+    check_time_vs_signal(args)
+    check_sbatch_line(output, "--output" if args.output else "--run-dir")
+    check_sbatch_line(args.job_name or default_name, "--job-name")
     lines = [f"--job-name={args.job_name or default_name}", "--requeue", "--open-mode=append",
              f"--output={output}", f"--signal=B:USR1@{args.signal_before}"]
     for extra in args.sbatch_arg:
         if not extra.startswith("-"):
             raise ValueError(f"--sbatch-arg {extra!r}: give an sbatch option such as --mail-type=END")
+        check_sbatch_line(extra, "--sbatch-arg")
         lines.append(extra)
     return lines
 
@@ -325,7 +342,7 @@ def _reeval_step(args: argparse.Namespace) -> Callable[[], object] | None:
 
 def _prepare_backfill(args: argparse.Namespace) -> Prepared:
     create = _reeval_step(args)
-    runs = [_abs(r) for r in args.run_dir]
+    runs = [_abs(r) for r in runs_with_work(args)]
     log_dir = runs[0] / "slurm"
     output = args.output or str(log_dir / "%x-%A_%a.out")
     array = f"0-{args.tasks - 1}" + (f"%{args.parallelism}" if args.parallelism else "")
@@ -393,12 +410,21 @@ def parse_job_id(sbatch_stdout: str) -> str:
     return job_id
 
 
+def script_path(prepared: Prepared) -> Path:
+    """Where the rendered script is saved (``RUN/slurm/<kind>-<time>-<pid>.sbatch``)."""
+    return prepared.log_dir / f"{prepared.kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"
+
+
+def sbatch_command(prepared: Prepared, path: Path, sbatch: str = "sbatch") -> list[str]:
+    return [sbatch, "--parsable", *prepared.sbatch_args, str(path)]
+
+
 def submit_prepared(prepared: Prepared, *, sbatch: str = "sbatch", env: dict[str, str] | None = None) -> str:
     """Save the script under the run's ``slurm/`` dir, ``sbatch --parsable`` it, return the job id."""
     prepared.log_dir.mkdir(parents=True, exist_ok=True)
-    path = prepared.log_dir / f"{prepared.kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.sbatch"
+    path = script_path(prepared)
     path.write_text(prepared.script)  # mode from the user's umask: sbatch reads it, nothing executes it
-    cmd = [sbatch, "--parsable", *prepared.sbatch_args, str(path)]
+    cmd = sbatch_command(prepared, path, sbatch)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=prepared.log_dir, env=env, timeout=120)
     except FileNotFoundError:
@@ -423,11 +449,15 @@ def _how_to_watch(prepared: Prepared, job_id: str) -> str:
 def main(argv: list[str]) -> int:
     try:
         prepared = prepare(argv)
+    except NothingToDo as e:
+        print(f"ckpteval submit: {e}", file=sys.stderr)
+        return 0
     except (ValueError, FileNotFoundError) as e:
         return fail("ckpteval submit", e)
     if prepared.dry_run:
         print(prepared.script, end="")
-        print(f"# would run: sbatch --parsable {prepared.log_dir}/{prepared.kind}-<time>.sbatch", file=sys.stderr)
+        print(f"# would save the script above as {shlex.quote(str(script_path(prepared)))} and run: "
+              f"{shlex.join(sbatch_command(prepared, script_path(prepared)))}", file=sys.stderr)
         return 0
     try:
         if prepared.before_submit is not None:

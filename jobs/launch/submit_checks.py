@@ -5,7 +5,9 @@ Owns :func:`check_on_submit_host`: the interpreter (``--python``), the batch-scr
 worker's own parser), the trainer's arguments (the trainer's parser), the run dirs, and for a service its
 ``--eval-config`` (read and validated in full, dataset files included). Every problem is a
 ``ValueError`` naming the flag or file; nothing is written. Also :func:`trailing`, the arguments after
-a ``--``.
+a ``--``; the ``--time`` syntax and its margin over ``--signal-before``; ``#SBATCH`` values without
+whitespace (sbatch splits its lines there); and :func:`runs_with_work`, which leaves out of a backfill
+the runs with nothing left to do (:class:`NothingToDo` when that is all of them).
 
 Limits: the compute nodes are assumed to see the same paths (the scripts need that anyway); nothing is
 checked against the cluster (partitions, accounts, GPUs): sbatch reports what the cluster refuses. The
@@ -15,8 +17,12 @@ eval and trainer parsers are imported only when a check needs them, so launchers
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
+import shlex
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -106,3 +112,91 @@ def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
     for watch in args.watch:
         if Path(watch).exists() and not Path(watch).is_dir():
             raise ValueError(f"--watch {watch}: not a directory")
+
+
+# -- time limit, #SBATCH values, backfill with nothing to do -------------------------------------------
+_TIME_RE = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                      r"|(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)$")
+UNLIMITED = ("unlimited", "infinite")
+
+
+def time_seconds(text: str) -> float:
+    """Seconds of an sbatch ``--time`` (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``;
+    ``UNLIMITED``/``INFINITE``: inf); ValueError for anything else."""
+    if text.lower() in UNLIMITED:
+        return math.inf
+    m = _TIME_RE.match(text.strip())
+    if m is None:
+        raise ValueError(f"invalid time limit {text!r}: use sbatch syntax, e.g. 30 (minutes), 4:00:00, 1-12:00:00")
+    if m["d"] is not None:
+        return int(m["d"]) * 86400 + int(m["dh"]) * 3600 + int(m["dm"] or 0) * 60 + int(m["ds"] or 0)
+    parts = [int(x) for x in (m["a"], m["b"], m["c"]) if x is not None]
+    if len(parts) == 3:
+        return parts[0] * 3600 + parts[1] * 60 + parts[2]
+    return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+
+
+def time_limit(text: str) -> str:
+    """argparse type of ``--time``: the text as given, once it parses (:func:`time_seconds`)."""
+    try:
+        time_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def check_time_vs_signal(args: argparse.Namespace) -> None:
+    """The USR1 ``--signal-before`` the limit must come after the job started working: a job signalled at
+    (or before) its start stops, requeues, and does it again."""
+    if args.time is None:
+        return
+    limit = time_seconds(args.time)
+    if limit <= args.signal_before:
+        raise ValueError(f"--time {args.time} ({limit:.0f} s) is not longer than --signal-before {args.signal_before}: "
+                         "the job would be told to stop before it starts working (a requeue loop); give a longer "
+                         "--time or a smaller --signal-before")
+
+
+def check_sbatch_line(line: str, flag: str) -> None:
+    """An ``#SBATCH`` value must not hold whitespace: sbatch splits the line there and quoting it in the
+    script is not portable across SLURM versions — refuse, naming the flag to change."""
+    if any(ch.isspace() for ch in line):
+        raise ValueError(f"{flag}: {line!r} would go into an #SBATCH line, which sbatch splits at whitespace; "
+                         "use a path or value without spaces" + (" (or give --output PATH without spaces)"
+                                                                  if flag == "--run-dir" else ""))
+
+
+class NothingToDo(Exception):
+    """``submit backfill`` for runs with nothing left to evaluate: say so, submit nothing (exit 0)."""
+
+
+def finished_without_work(run: Path) -> bool:
+    """Whether a backfill of ``run`` could only find nothing: no trainer will publish more (training done,
+    interrupted, or a re-evaluation run) and every unit of it has a result. A run status cannot read is
+    left to the job (which reports it); a service run, fed by a watched dir, never counts as finished."""
+    from jobs.views.status import collect_status
+
+    try:
+        status = collect_status(run)
+    except (OSError, ValueError):
+        return False
+    ended = status["training_done"] is not None or status["interrupted"] or status["reeval"]
+    return bool(ended) and not status["units"]["pending"]
+
+
+def runs_with_work(args: argparse.Namespace) -> list[Path]:
+    """The ``--run-dir`` runs a backfill job can still do something for (all of them while another job
+    may produce work: ``--from-run`` or an ``--sbatch-arg=--dependency``); NothingToDo when none."""
+    runs = [Path(os.path.abspath(Path(r).expanduser())) for r in args.run_dir]
+    if args.from_run is not None or _waits_for_a_job(args):
+        return runs
+    busy = [r for r in runs if not finished_without_work(r)]
+    if not busy:
+        names = ", ".join(shlex.quote(str(r)) for r in runs)
+        raise NothingToDo(f"nothing to do — training has ended and every unit of {names} already has a result; "
+                          "nothing submitted")
+    for r in runs:
+        if r not in busy:
+            print(f"ckpteval submit: {r}: every unit already has a result; left out of the array",
+                  file=sys.stderr)
+    return busy

@@ -18,13 +18,22 @@ Postures (docs/USER_GUIDE.md "Postures"; each a composition of the same flags):
                    ``ckpteval worker --watch RUN/hf`` admits them after quiescence and evaluates them
 =================  =====================================================================================
 
+Stopping it: Ctrl-C (SIGINT) or SIGTERM stops the trainer and every worker (SIGTERM to each process
+group, SIGKILL after a grace period: no orphans), removes this run's tmpfs staging, marks the run
+``RUN/INTERRUPTED`` and makes each unit whose snapshot is gone a ``ckpt_missing`` result
+(:mod:`coord.settle`), so ``ckpteval status`` and ``ckpteval backfill`` agree on what is left; then it
+prints one line and exits 130 (SIGINT) or 143 (SIGTERM). Snapshots kept in ``RUN/snapshots``
+(``--staging run``) stay pending: ``ckpteval backfill --run-dir RUN`` evaluates them.
+
 Limits: it is a demonstration, not a launcher — processes are children of this one and end with it;
 on 2 cores the workers and the trainer share CPU (see bench/RESULTS.md for what that costs).
+A SIGKILL to the demo itself cannot be caught: its children then keep running.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -37,9 +46,13 @@ from pathlib import Path
 from typing import Any
 
 from coord.gc import has_room
+from coord.identity import run_key
+from coord.rundir import RunDir
+from coord.settle import settle_vanished
 from coord.snapshot import CHECKPOINT_PREFIX, step_from_name
 from jobs.flags import (
     Parser,
+    accept_positional_run_dir,
     add_options,
     check_bounds,
     check_dir_creatable,
@@ -47,7 +60,9 @@ from jobs.flags import (
     from_args,
     option,
     parse_as,
+    run_dir_from_args,
 )
+from jobs.lifecycle import EXIT_INTERRUPTED
 from jobs.views.plot import draw, plot_series
 from jobs.views.status import collect_status, points_table, read_metrics
 
@@ -60,7 +75,9 @@ SHM = Path("/dev/shm")
 class DemoConfig:
     """The demo's flags (each field is its flag, see :mod:`jobs.flags`)."""
 
-    posture: str = option("fleet-staging", "which eval posture to demonstrate (see the table above)",
+    posture: str = option("fleet-staging", "which eval posture to demonstrate: fleet-staging (workers "
+                          "evaluate exported snapshots), fleet-reuse (workers evaluate the saved HF checkpoints), "
+                          "shared (the trainer evaluates in-process), service (a watcher evaluates saved checkpoints)",
                           choices=POSTURES)
     steps: int = option(600, "training steps", metavar="N", min=1)
     eval_interval: int = option(50, "an eval point every N steps", metavar="N", min=1)
@@ -89,11 +106,15 @@ def build_parser() -> Parser:
     ap = Parser(prog="ckpteval demo", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(ap, DemoConfig)
+    accept_positional_run_dir(ap)
     return ap
 
 
 def parse_args(argv: list[str]) -> DemoConfig:
-    cfg: DemoConfig = from_args(DemoConfig, build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
+    cfg: DemoConfig = from_args(DemoConfig, args)
     check_bounds(cfg)
     if cfg.posture.startswith("fleet") and cfg.workers < 1:
         raise ValueError(f"--posture {cfg.posture} needs --workers >= 1")
@@ -174,9 +195,10 @@ def start(name: str, args: list[str], logs: Path, threads: int | None = None) ->
     return Proc(name, popen, log)
 
 
-def wait_for_manifest(run_dir: Path, trainer: Proc, timeout_s: float = 120) -> None:
+def wait_for_manifest(run_dir: Path, trainer: Proc, flag: StopFlag, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not (run_dir / "run.json").exists():
+        flag.check()
         if trainer.popen.poll() is not None:
             raise RuntimeError(f"the trainer exited with {trainer.popen.returncode}; see {trainer.log}")
         if time.monotonic() > deadline:
@@ -218,6 +240,37 @@ def service_done(run_dir: Path, trainer_exited: bool) -> bool:
     return bool(saved) and saved <= landed
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the demo (raised by the supervising loops, not the signal handler)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopFlag:
+    """SIGINT/SIGTERM handlers that only record the signal; the loops call :meth:`check` between sleeps, so
+    no child is ever half-started or half-stopped when the demo starts cleaning up."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def stop(procs: list[Proc], sig: int = signal.SIGTERM, grace_s: float = 20) -> None:
     for p in procs:
         if p.popen.poll() is None:
@@ -231,11 +284,12 @@ def stop(procs: list[Proc], sig: int = signal.SIGTERM, grace_s: float = 20) -> N
             p.popen.wait()
 
 
-def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc], t0: float) -> None:
-    """Print progress until the trainer has finished and the eval side has drained."""
+def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc], t0: float, flag: StopFlag) -> None:
+    """Print progress until the trainer has finished and the eval side has drained (or a stop signal)."""
     console = _console()
     last_print, last_line = 0.0, ""
     while True:
+        flag.check()
         trainer_exited = trainer.popen.poll() is not None
         if trainer_exited and trainer.popen.returncode != 0:
             raise RuntimeError(f"the trainer failed (exit {trainer.popen.returncode}); see {trainer.log}")
@@ -288,7 +342,7 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    run_dir = default_run_dir(cfg)
+    run_dir = cfg.run_dir = default_run_dir(cfg)  # fixed now: messages after an interrupt name this dir
     if (run_dir / "run.json").exists():
         raise ValueError(f"{run_dir} already holds a run: pick another --run-dir")
     logs = run_dir / "logs"
@@ -301,18 +355,51 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print(f"ckpteval demo: posture {cfg.posture}, {cfg.steps} steps, eval every {cfg.eval_interval}, "
           f"{n_workers} eval worker(s); {where}\nrun dir: {run_dir}", flush=True)
     t0 = time.monotonic()
-    trainer = start("trainer", trainer_args(cfg, run_dir), logs)
-    workers: list[Proc] = []
+    flag = StopFlag()
     try:
-        wait_for_manifest(run_dir, trainer)
-        # workers get one thread each so the trainer keeps a core's worth of CPU on this 2-core machine
-        workers = [start(f"worker-{i}", worker_args(cfg, run_dir, i), logs, threads=1) for i in range(n_workers)]
-        supervise(cfg, run_dir, trainer, workers, t0)
+        trainer = start("trainer", trainer_args(cfg, run_dir), logs)
+        workers: list[Proc] = []
+        try:
+            wait_for_manifest(run_dir, trainer, flag)
+            # workers get one thread each so the trainer keeps a core's worth of CPU on this 2-core machine
+            workers = [start(f"worker-{i}", worker_args(cfg, run_dir, i), logs, threads=1) for i in range(n_workers)]
+            supervise(cfg, run_dir, trainer, workers, t0, flag)
+        except Interrupted:
+            stop([trainer, *workers])
+            end_interrupted(cfg, run_dir, flag.signum or signal.SIGINT)
+            raise
+        finally:
+            stop([trainer, *workers])
+            remove_shm_staging(cfg, run_dir)
     finally:
-        stop([trainer, *workers])
-        if cfg.posture == "fleet-staging" and staging_dir(cfg, run_dir).is_relative_to(SHM):
-            shutil.rmtree(staging_dir(cfg, run_dir), ignore_errors=True)  # tmpfs is RAM: give it back
+        flag.restore()
     return report(run_dir, [trainer, *workers], time.monotonic() - t0)
+
+
+def remove_shm_staging(cfg: DemoConfig, run_dir: Path) -> None:
+    """tmpfs is RAM: give this run's staging back (only its own run-key dir; the shared parent only when empty)."""
+    root = staging_dir(cfg, run_dir)
+    if cfg.posture != "fleet-staging" or not root.is_relative_to(SHM) or not root.is_dir():
+        return
+    try:
+        key = run_key(RunDir.open(run_dir).manifest())
+    except (FileNotFoundError, ValueError):
+        key = None  # no run.json yet: the trainer exported nothing
+    if key is not None:
+        shutil.rmtree(root / key, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        root.rmdir()  # only when empty: another run may share it
+
+
+def end_interrupted(cfg: DemoConfig, run_dir: Path, signum: int) -> None:
+    """After the children stopped: mark the run interrupted, drop the tmpfs staging, and settle every unit
+    whose snapshot is now gone as ``ckpt_missing`` (:mod:`coord.settle`), so no tool reports it pending."""
+    run = RunDir(run_dir)
+    if not run.manifest_path.is_file():
+        return  # the trainer never wrote run.json: there is no run to mark
+    run.mark_interrupted("ckpteval demo", signal.Signals(signum).name)
+    remove_shm_staging(cfg, run_dir)
+    settle_vanished(run, f"the demo was interrupted ({signal.Signals(signum).name})")
 
 
 def main(argv: list[str]) -> int:
@@ -322,6 +409,13 @@ def main(argv: list[str]) -> int:
         return fail("ckpteval demo", e)
     try:
         run_demo(cfg)
+    except Interrupted as e:
+        print(f"ckpteval demo: interrupted ({e}); trainer and workers stopped; run dir at {cfg.run_dir} "
+              "(ckpteval status shows what landed)", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C while the final table is drawn: the children are already stopped
+        print(f"ckpteval demo: interrupted; run dir at {cfg.run_dir}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except (ValueError, RuntimeError) as e:
         return fail("ckpteval demo", e, 1)
     return 0

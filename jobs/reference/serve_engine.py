@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from jobs.eval.engines.base import EngineError, SamplingParams
+from jobs.eval.engines.base import EngineError, SamplingParams, context_problem
 from jobs.reference.serve_requests import GenerateRequest, Refused
 
 if TYPE_CHECKING:
@@ -91,18 +91,8 @@ class EngineService:
         """tokenizer_manager.py ``_validate_one_request`` (no auto-truncation)."""
         context = self.context_length()
         for ids, sampling in zip(rows, req.sampling, strict=True):
-            if len(ids) >= context:
-                raise Refused(
-                    f"The input ({len(ids)} tokens) is longer than the model's context length ({context} tokens)."
-                )
-            if sampling.max_new_tokens is not None and sampling.max_new_tokens + len(ids) > context:
-                total = sampling.max_new_tokens + len(ids)
-                raise Refused(
-                    f"Requested token count exceeds the model's maximum context length of {context} tokens. "
-                    f"You requested a total of {total} tokens: {len(ids)} tokens from the input messages and "
-                    f"{sampling.max_new_tokens} tokens for the completion. Please reduce the number of tokens "
-                    "in the input messages or the completion to fit within the limit."
-                )
+            if (problem := context_problem(len(ids), sampling.max_new_tokens, context)) is not None:
+                raise Refused(problem)
         vocab = getattr(getattr(self.engine.model, "config", None), "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for ids in rows for t in ids):
             raise Refused(f"ckpteval serve: input_ids must be in [0, {vocab})")

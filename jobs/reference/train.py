@@ -32,7 +32,9 @@ Preemption: SIGTERM or SIGUSR1 (SLURM's pre-timeout signal) makes the loop save 
 checkpoint at the next step boundary, wait (bounded) for an export in flight, and exit with status
 75 (``EX_TEMPFAIL``); run it again with ``--resume`` (a requeued job does). Every wait of the
 dispatcher (backpressure, the final export, the drain) ends at once on the signal. Training is not
-marked done if the signal came before the final snapshot was published.
+marked done if the signal came before the final snapshot was published. Ctrl-C (SIGINT) does the same and
+exits 130 with one line; a second Ctrl-C while the checkpoint is being saved stops at once (the last
+complete training checkpoint still resumes).
 
 ``--lora``: the same loop trains only a LoRA adapter (peft, rank ``--lora-rank`` on every linear layer)
 on the fixed seed-initialised base, which is written with its weights to ``RUN/base`` and named in
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -66,7 +69,7 @@ from coord.snapshot import producer_identity
 from jobs.eval.evalsets import write_addition_dataset
 from jobs.eval.service import install_eval_data, read_eval_config
 from jobs.flags import fail
-from jobs.lifecycle import EXIT_TRAIN_PREEMPTED, PREEMPT_SIGNALS
+from jobs.lifecycle import EXIT_INTERRUPTED, EXIT_TRAIN_PREEMPTED, STOP_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
 from jobs.reference import train_config
 from jobs.reference.model import (
@@ -115,6 +118,7 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
             raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
         if config is not None and run.manifest().eval != config.spec:
             raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
+        run.clear_interrupted()  # running again: readers must not take it as ended
         return run
     run = RunDir.create(cfg.run_dir)
     # --lora: the base's weights are part of the run (the adapters are trained on exactly them)
@@ -186,15 +190,17 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
 
 
 class _Preemption:
-    """Turns SIGTERM/SIGUSR1 into a flag the loop checks at step boundaries."""
+    """Turns SIGTERM/SIGUSR1/SIGINT into a flag the loop checks at step boundaries (a second SIGINT: stop now)."""
 
-    SIGNALS = PREEMPT_SIGNALS
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: the user will not wait for the checkpoint
         self.signum = signum
 
     def restore(self) -> None:
@@ -261,10 +267,21 @@ def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
+def silence_library_progress_bars() -> None:
+    """``--no-progress`` means no bar at all: also transformers' ("Writing model shards" on every
+    ``--save-hf`` checkpoint, "Loading weights") and huggingface_hub's."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+
 def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int:
     """The training loop; ``dispatch`` and ``run`` come from :func:`main`'s validation and set-up."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if not cfg.progress:
+        silence_library_progress_bars()
     manifest = run.manifest()
 
     model = build_model(model_config(cfg), cfg.arch, seed=cfg.seed).train()  # type: ignore[arg-type]
@@ -312,7 +329,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
             bar.set_postfix(loss=f"{loss.item():.3f}", pending=len(dispatcher.pending) if dispatcher else 0,
                             landed=dispatcher.landed if dispatcher else 0)
             if preempt.signum is not None:
-                return _preempted(run, step, model, opt, dispatcher, sink)
+                return _preempted(run, step, model, opt, dispatcher, sink, preempt.signum)
     finally:
         bar.close()
         preempt.restore()
@@ -327,7 +344,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
             dispatcher.should_stop = lambda: preempt.signum is not None
             finished = dispatcher.close(cfg.steps, model)
             if not finished:  # stopped before the final snapshot was published: requeue finishes it
-                return _preempted(run, cfg.steps, model, opt, dispatcher, sink)
+                return _preempted(run, cfg.steps, model, opt, dispatcher, sink, preempt.signum)
     finally:
         preempt.restore()
     sink.close()
@@ -344,11 +361,14 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
 
 
 def _preempted(run: RunDir, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
-               dispatcher: EvalDispatcher | None, sink: MetricsSink) -> int:
+               dispatcher: EvalDispatcher | None, sink: MetricsSink, signum: int | None = None) -> int:
     save_train_checkpoint(run, step, model, opt)
     if dispatcher is not None:
         dispatcher.suspend(timeout_s=60.0)
     sink.close()
+    if signum == signal.SIGINT:
+        print(f"ckpteval train: interrupted at step {step}; checkpoint saved, rerun with --resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"ckpteval train: preempted at step {step}; checkpoint saved, rerun with --resume", file=sys.stderr)
     return PREEMPTED_EXIT
 

@@ -18,6 +18,7 @@ from coord.identity import run_key
 from coord.rundir import RunDir
 from jobs.flags import (
     Parser,
+    accept_positional_run_dir,
     add_options,
     check_bounds,
     check_dir_creatable,
@@ -25,6 +26,7 @@ from jobs.flags import (
     from_args,
     make_dir_writable,
     option,
+    run_dir_from_args,
 )
 from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 
@@ -59,7 +61,8 @@ class TrainConfig:
     ckpt_interval: int = option(100, "training checkpoint (RUN/train_ckpt/) every N steps", metavar="N", min=1)
     resume: bool = option(False, "continue from the latest training checkpoint, if any")
     threads: int | None = option(None, "torch CPU threads (default: torch's)", metavar="N", min=1)
-    progress: bool = option(True, "no progress bar on stderr", flag="--no-progress")
+    progress: bool = option(True, "no progress bars on stderr (the training bar, and transformers' while saving "
+                            "or loading checkpoints)", flag="--no-progress")
     wandb: bool = option(False, "also log to wandb (WANDB_MODE=offline works)")
     lora: bool = option(False, "train only a LoRA adapter (peft) on the fixed seed-initialised base, saved to "
                         "RUN/base and named in run.json eval.base_model; snapshots are adapters "
@@ -152,14 +155,22 @@ class TrainConfig:
         ).validate()
 
 
+DESCRIPTION = ("ckpteval train: the reference trainer — a tiny addition model on CPU, with the eval dispatcher "
+               "(snapshots for an eval fleet, or in-process evaluation with --eval-posture shared).")
+
+
 def build_parser() -> Parser:
-    p = Parser(prog="ckpteval train", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="ckpteval train", description=DESCRIPTION)
     add_options(p, TrainConfig)
+    accept_positional_run_dir(p)
     return p
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    cfg: TrainConfig = from_args(TrainConfig, build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run_dir_from_args(parser, args)
+    cfg: TrainConfig = from_args(TrainConfig, args)
     return cfg
 
 

@@ -141,7 +141,8 @@ def shared_eval(
 ) -> list[Result]:
     """Evaluate ``step`` on the trainer's engine under the gate; writes and returns one result per unit.
 
-    Engine failures (:class:`EngineError`) become ``unhealthy`` skips. Results are published
+    Engine failures (:class:`EngineError`) become ``unhealthy`` skips of every unit; a unit the engine refused
+    (``rejected``: a prompt over the model's context) or aborted is that unit's skip alone. Results are published
     first-writer-wins (:func:`coord.results.write_result`), so re-running a step is harmless.
     """
     manifest = run.manifest() if cache is None else cache.manifest

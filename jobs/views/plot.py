@@ -1,4 +1,4 @@
-"""``ckpteval plot RUN -o curve.png``: score vs step per dataset, skips marked, lag below.
+"""``ckpteval plot RUN -o curve.png``: score vs step per dataset, skips marked, lag below (when there is lag).
 
 The plotted series are exactly the derived points (coord.results.derive_point) of complete steps;
 :func:`plot_series` returns them so a test can check the picture shows what the run says. Each
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jobs.flags import Parser, fail
+from jobs.flags import Parser, add_run_dir_argument, fail, run_dir_from_args
 from jobs.views.status import collect_status
 
 FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
@@ -59,13 +59,20 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
     return {"series": series, "bands": bands, "derived": derived, "skipped": skipped, "lag": lag}
 
 
-def draw(data: dict[str, Any], out: Path, title: str) -> None:
+def figure(data: dict[str, Any], title: str) -> Any:
+    """The matplotlib figure of :func:`plot_series`'s data: scores on top (legend outside the axes, so it
+    never covers a point), the lag panel below only when the run has lag (a trainer ingested its points;
+    service and backfill runs have none)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax_lag) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    has_lag = bool(data["lag"][0])
+    if has_lag:
+        fig, (ax, ax_lag) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    else:
+        fig, ax = plt.subplots(1, 1, figsize=(9, 4.5))
     for ds, (steps, scores) in data["series"].items():
         (line,) = ax.plot(steps, scores, marker="o", label=ds)
         b_steps, low, high = data.get("bands", {}).get(ds, ([], [], []))
@@ -84,14 +91,22 @@ def draw(data: dict[str, Any], out: Path, title: str) -> None:
               for s in scores if not math.isnan(s)]
     if all(0 <= s <= 1 for s in values):
         ax.set_ylim(-0.02, 1.02)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax_lag.bar(data["lag"][0], data["lag"][1], width=max(1, _min_gap(data["lag"][0]) * 0.6), color="gray")
-    ax_lag.set_ylabel("lag (steps)")
-    ax_lag.set_xlabel("training step")
-    ax_lag.grid(alpha=0.3)
+    if has_lag:
+        ax_lag.bar(data["lag"][0], data["lag"][1], width=max(1, _min_gap(data["lag"][0]) * 0.6), color="gray")
+        ax_lag.set_ylabel("lag (steps)")
+        ax_lag.grid(alpha=0.3)
+    (ax_lag if has_lag else ax).set_xlabel("training step")
     fig.tight_layout()
+    return fig
+
+
+def draw(data: dict[str, Any], out: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(data, title)
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
@@ -122,15 +137,16 @@ def check_output(out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = Parser(prog="ckpteval plot", description="plot score vs step (PNG)")
-    ap.add_argument("run_dir", type=Path, metavar="RUN", help="the run directory (holds run.json)")
+    ap = Parser(prog="ckpteval plot", description="plot score vs step per dataset (PNG, PDF, SVG, ...)")
+    add_run_dir_argument(ap)
     ap.add_argument("-o", "--output", type=Path, default=Path("curve.png"), metavar="FILE",
                     help="image to write; the suffix picks the format: " + ", ".join(FORMATS)
                     + " (default: curve.png)")
     args = ap.parse_args(argv)
+    run_dir = run_dir_from_args(ap, args)
     try:
         check_output(args.output)
-        plot_run(args.run_dir, args.output)
+        plot_run(run_dir, args.output)
     except (OSError, ValueError) as e:  # missing, unreadable or malformed run files; unwritable output
         return fail("ckpteval plot", e)
     print(args.output)

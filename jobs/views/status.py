@@ -11,9 +11,12 @@ contender on its own monotonic clock (see coord.units).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +30,9 @@ from coord.results import ResultIndex, derive_point
 from coord.rundir import RunDir
 from coord.steps import run_step_selection
 from coord.units import lease_path, read_lease_holder, units_for_step
-from jobs.flags import Parser, fail, positive_float
+from jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dir_from_args
+
+DEFAULT_WATCH_S = 2.0
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -124,6 +129,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "run_id": manifest.run_id,
         "run_dir": str(run.path),
         "training_done": run.training_done(),
+        "interrupted": run.interrupted(),
         "reeval": {k: manifest.trainer.get(k) for k in ("from_run", "steps")} if selection is not None else None,
         "datasets": [d.name for d in manifest.eval.datasets],
         "harness_metrics": harness_columns(points),
@@ -233,44 +239,77 @@ def render(status: dict[str, Any]) -> list[Any]:
         lease = p.get("lease", {})
         who = f"{lease.get('host', '')}:{lease.get('pid', '')}" if lease else "unclaimed"
         units.add_row(p["unit"], who, _fmt(lease.get("age_s")), "YES" if lease.get("expired") else "")
-    h = status["health"]
-    free = ", ".join(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items())
-    u = status["units"]
-    reeval = status.get("reeval")
-    training = (
-        f"re-evaluating {reeval['from_run']} (steps {reeval['steps']})" if reeval
-        else f"training {'done at step ' + str(status['training_done']) if status['training_done'] is not None else 'running'}"
-    )
-    health = (
-        f"{training}"
-        f" | units done {u['done']}, pending {len(u['pending'])}, skipped {sum(u['skipped'].values())}"
-        f" | expired leases {h['expired_leases']} | malformed results {len(h['malformed_results'])} | {free}"
-    )
-    return [snaps, units, points_table(status), health]
+    return [snaps, units, points_table(status), health_line(status)]
+
+
+def _training_state(status: dict[str, Any]) -> str:
+    reeval, stopped = status.get("reeval"), status.get("interrupted")
+    if reeval:
+        return f"re-evaluating {reeval['from_run']} (steps {reeval['steps']})"
+    if status["training_done"] is not None:
+        return f"training done at step {status['training_done']}"
+    if stopped:
+        return f"training interrupted ({stopped.get('signal', '?')} to {stopped.get('by', '?')})"
+    return "training running"
+
+
+def health_line(status: dict[str, Any]) -> str:
+    """One line: training state, unit counts, expired leases, malformed results, free staging space."""
+    h, u = status["health"], status["units"]
+    parts = [
+        _training_state(status),
+        f"units done {u['done']}, pending {len(u['pending'])}, skipped {sum(u['skipped'].values())}",
+        f"expired leases {h['expired_leases']}",
+        f"malformed results {len(h['malformed_results'])}",
+        *(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items()),
+    ]
+    return " | ".join(parts)
+def watch_interval(ap: Parser, args: Any) -> float | None:
+    """``--watch [S]``: the refresh interval, or None. ``status --watch RUN`` reads RUN as the run dir
+    (argparse hands the optional value to ``--watch``), not as a malformed interval."""
+    if args.watch is None:
+        return None
+    try:
+        return positive_float(args.watch)
+    except argparse.ArgumentTypeError as e:
+        if args.run_dir_pos is None and args.run_dir is None and not args.watch[:1].isdigit():
+            args.run_dir_pos = Path(args.watch)
+            return DEFAULT_WATCH_S
+        ap.error(f"--watch {args.watch}: {e}")
 
 
 def main(argv: list[str]) -> int:
     ap = Parser(prog="ckpteval status", description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir", type=Path, metavar="RUN", help="the run directory (holds run.json)")
+    add_run_dir_argument(ap)
     ap.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
-    ap.add_argument("--watch", type=positive_float, nargs="?", const=2.0, default=None, metavar="S",
-                    help="refresh every S seconds until interrupted (S defaults to 2)")
+    ap.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), default=None, metavar="S",
+                    help=f"refresh every S seconds until Ctrl-C (S defaults to {DEFAULT_WATCH_S:g})")
     args = ap.parse_args(argv)
+    interval = watch_interval(ap, args)
+    run_dir = run_dir_from_args(ap, args)
     from rich.console import Console
 
     console = Console()
-    while True:
-        try:
-            status = collect_status(args.run_dir)
-        except (OSError, ValueError) as e:  # missing, unreadable or malformed run files
-            return fail("ckpteval status", e)
-        if args.json:
-            print(json.dumps(status, indent=1, default=str))
-        else:
-            if args.watch:
-                console.clear()
-            for item in render(status):
-                console.print(item)
-        if not args.watch:
-            return 0
-        time.sleep(args.watch)
+    if interval is not None:  # SIGTERM (kill, timeout) ends a watch as quietly as Ctrl-C
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        while True:
+            try:
+                status = collect_status(run_dir)
+            except (OSError, ValueError) as e:  # missing, unreadable or malformed run files
+                return fail("ckpteval status", e)
+            if args.json:
+                print(json.dumps(status, indent=1, default=str), flush=True)
+            else:
+                if interval:
+                    console.clear()
+                for item in render(status):
+                    console.print(item, soft_wrap=isinstance(item, str))  # the health line stays one line
+            if not interval:
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        if not interval:
+            raise  # a one-shot status: the CLI's one line (jobs.cli)
+        print(file=sys.stderr)  # Ctrl-C is the way out of --watch: a clean end
+        return 0

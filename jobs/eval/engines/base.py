@@ -41,6 +41,26 @@ class SamplesAborted(EngineError):
     restart_helps = False
 
 
+def context_problem(prompt_tokens: int, max_new_tokens: int | None, context: int | None) -> str | None:
+    """Why a prompt of ``prompt_tokens`` asking ``max_new_tokens`` does not fit a model of ``context``
+    positions, in sglang's words (``tokenizer_manager.py`` ``_validate_one_request``: no auto-truncation),
+    or None when it fits. The one length rule of every engine here: ``ckpteval serve`` answers it with
+    HTTP 400, the hf engine with :class:`RequestRejected` — either way the unit is skipped ``rejected``."""
+    if context is None:
+        return None
+    if prompt_tokens >= context:
+        return f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context} tokens)."
+    if max_new_tokens is not None and max_new_tokens + prompt_tokens > context:
+        total = max_new_tokens + prompt_tokens
+        return (
+            f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+            f"You requested a total of {total} tokens: {prompt_tokens} tokens from the input messages and "
+            f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens "
+            "in the input messages or the completion to fit within the limit."
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; ``temperature == 0`` means greedy."""

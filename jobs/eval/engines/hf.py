@@ -24,6 +24,9 @@ What it owns and promises:
   a copy fail midway (a file truncated after verification), the version becomes ``None`` (weights
   undefined) and :class:`EngineError` is raised. ``make bench`` reports the reload's GB/s next to a
   plain read of the same bytes (``bench/bench_reload.py``).
+- A prompt that does not fit the model's context (``max_position_embeddings``: prompt tokens at or over it,
+  or prompt + ``max_new_tokens`` over it) is refused with :class:`RequestRejected` and sglang's message,
+  the same rule ``ckpteval serve`` answers with HTTP 400, so a unit ends ``rejected`` on either path.
 - Generation: batched, left-padded, KV cache, greedy when ``temperature == 0`` else sampled with
   ``top_p``/``top_k``; ``seed`` makes a sampled call reproducible (same prompts, batch and seed) via
   a forked RNG that leaves the global RNG untouched. Per-sample ``seeds`` (one per prompt) keep the
@@ -68,7 +71,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from jobs.eval.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.base import EngineError, Generation, RequestRejected, SamplingParams, context_problem
 from jobs.eval.engines.hf_sampling import (
     SeededSampler,
     left_pad,
@@ -272,6 +275,7 @@ class HFEngine:
         with self._lock:
             model, tokenizer = self._require_loaded()
             self._check_ids(input_ids, model.config.vocab_size)
+            self._check_context(input_ids, params.max_new_tokens, model.config)
             results: list[Completion] = []
             with seeded_rng(None if per_row else params.seed, self._device):
                 for start in range(0, len(input_ids), self._max_batch_size):
@@ -353,6 +357,15 @@ class HFEngine:
         if tokenizer.pad_token_id is not None:
             return tokenizer.pad_token_id
         return min(self._eos_ids(tokenizer), default=0)
+
+    @staticmethod
+    def _check_context(input_ids: list[list[int]], max_new_tokens: int, config: PretrainedConfig) -> None:
+        """A prompt that does not fit the model's context is refused as ``ckpteval serve`` and sglang refuse it
+        (:func:`~jobs.eval.engines.base.context_problem`), never truncated or run past the position table."""
+        context = getattr(config, "max_position_embeddings", None)
+        for row in input_ids:
+            if (problem := context_problem(len(row), max_new_tokens, context)) is not None:
+                raise RequestRejected(f"{problem} (the hf engine refused the request; no restart)")
 
     @staticmethod
     def _check_ids(input_ids: list[list[int]], vocab_size: int) -> None:
