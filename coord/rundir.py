@@ -8,6 +8,8 @@ own. Layout::
     RUN/leases/           one lease file per claimed work unit (coord.units)
     RUN/results/          one result JSON per work unit (coord.results)
     RUN/adopted/          markers of foreign checkpoints admitted after quiescence (coord.discovery)
+    RUN/lost/             <step>.json per foreign save seen but rotated away before admission (coord.discovery)
+    RUN/best.json         the best step and the steps not distinguishable from it (jobs.decide)
     RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (coord.ledger)
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
@@ -61,6 +63,14 @@ class RunDir:
     @property
     def adopted(self) -> Path:
         return self.path / "adopted"
+
+    @property
+    def lost(self) -> Path:
+        return self.path / "lost"
+
+    @property
+    def best_path(self) -> Path:
+        return self.path / "best.json"
 
     @property
     def data(self) -> Path:

@@ -18,6 +18,7 @@ from typing import Any
 
 from coord.discovery import SnapshotDiscovery, SnapshotRef
 from coord.identity import run_key
+from coord.layouts import FALLBACK
 from coord.ledger import Ledger
 from coord.results import Result, ResultIndex, write_result
 from coord.rundir import RunDir
@@ -137,6 +138,8 @@ class Worker:
                     quiescence_s=self.opts.quiescence_s,
                     adoption_dir=self.rundir.adopted,
                     run=run_key(self.manifest),
+                    layout=self.opts.layout if r in foreign else FALLBACK,
+                    lost_dir=self.rundir.lost,
                 ),
                 r in foreign,
             )
@@ -163,6 +166,8 @@ class Worker:
         for d in self.discoveries:
             for ref in d.discovery.poll():
                 current.setdefault(ref.step, ref)
+            for key, line in d.discovery.problems.items():
+                self._warn_once(f"{d.discovery.root}:{key}", line)
         self.refs.update(current)  # a vanished snapshot keeps its ref: its units become ckpt_missing
         results = self.index.refresh()
         self._forget_finished(results)

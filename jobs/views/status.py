@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.atomic import read_jsonl
-from coord.discovery import SnapshotDiscovery
+from coord.discovery import SnapshotDiscovery, lost_steps
 from coord.ledger import Ledger
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, derive_point
@@ -136,6 +136,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
             "malformed_results": index.errors,
             "staging_free_bytes": free,
             "ledger_pending": ledger.pending if ledger else [],
+            "lost_before_admission": lost_steps(run.lost),
         },
     }
 
@@ -246,6 +247,8 @@ def render(status: dict[str, Any]) -> list[Any]:
         f" | units done {u['done']}, pending {len(u['pending'])}, skipped {sum(u['skipped'].values())}"
         f" | expired leases {h['expired_leases']} | malformed results {len(h['malformed_results'])} | {free}"
     )
+    if lost := h.get("lost_before_admission"):
+        health += f" | LOST to rotation before admission: {len(lost)} (steps {', '.join(map(str, lost))})"
     return [snaps, units, points_table(status), health]
 
 
