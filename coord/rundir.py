@@ -10,6 +10,7 @@ own. Layout::
     RUN/adopted/          markers of foreign checkpoints admitted after quiescence (coord.discovery)
     RUN/lost/             <step>.json per foreign save seen but rotated away before admission (coord.discovery)
     RUN/best.json         the best step and the steps not distinguishable from it (jobs.decide)
+    RUN/until.json        backfill --until: the condition, the first passing step, the steps evaluated
     RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (coord.ledger)
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
@@ -71,6 +72,10 @@ class RunDir:
     @property
     def best_path(self) -> Path:
         return self.path / "best.json"
+
+    @property
+    def until_path(self) -> Path:
+        return self.path / "until.json"
 
     @property
     def data(self) -> Path:

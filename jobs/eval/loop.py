@@ -91,6 +91,8 @@ class Worker:
     evaluator: Evaluator
     out: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
     on_poll: Callable[[int], None] | None = None  # called with the number of outstanding units
+    # no unit of a step above this (from the results) is started: backfill --until's first passing step
+    step_limit: Callable[[dict[WorkUnit, Result]], int | None] | None = None
 
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
@@ -181,6 +183,8 @@ class Worker:
             for u in self._open_units(s, results)
             if u not in broken  # a human must look at it; re-evaluating could never publish
         ]
+        if self.step_limit is not None and (limit := self.step_limit(results)) is not None:
+            outstanding = [u for u in outstanding if u.step <= limit]
         self._give_up_finding(outstanding)
         claimable = [u for u in outstanding if u.step in self.refs]
         if self.on_poll is not None:

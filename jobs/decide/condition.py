@@ -1,0 +1,64 @@
+"""Targets on a point: ``'eval/<ds>[/pass@k] >= X'`` (``backfill --until``, ``train --eval-stop-when``).
+
+Grammar: a logged point metric name (``eval/...``), one of ``>= > <= <``, a number; spaces optional.
+Guarantee: :func:`parse_condition` accepts exactly that and raises one ValueError naming the flag
+otherwise; :func:`first_passing` judges only *complete* points (every unit has a result), with the
+metrics the point is logged with (:func:`coord.results.point_metrics`). Limits: a metric the point
+does not have (a dataset not due at that step, a skipped dataset) never passes.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from coord.manifest import RunManifest
+from coord.results import Result, derive_point, point_metrics
+from coord.units import WorkUnit
+
+OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,
+                                                 "<": operator.lt}
+PATTERN = re.compile(r"^\s*(eval/\S+?)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class Condition:
+    metric: str  # a point metric name, e.g. eval/gsm8k or eval/gsm8k/pass@4
+    op: str  # one of OPS
+    threshold: float
+
+    @property
+    def text(self) -> str:
+        return f"{self.metric} {self.op} {self.threshold:g}"
+
+    def holds(self, metrics: Mapping[str, float]) -> bool:
+        value = metrics.get(self.metric)
+        return value is not None and not math.isnan(value) and OPS[self.op](float(value), self.threshold)
+
+
+def parse_condition(text: str, flag: str) -> Condition:
+    """``'eval/<ds> >= 0.8'`` -> Condition; ValueError (one line, naming ``flag``) otherwise."""
+    m = PATTERN.match(text)
+    if m is None:
+        raise ValueError(f"{flag} {text!r}: expected 'eval/<dataset>[/pass@k] OP NUMBER' with OP one of >= > <= <")
+    return Condition(m.group(1), m.group(2), float(m.group(3)))
+
+
+def check_metric(condition: Condition, manifest: RunManifest, flag: str) -> None:
+    """ValueError when the condition's metric names no dataset of the run."""
+    names = {d.name for d in manifest.eval.datasets} | {t for h in manifest.eval.harness for t in h.tasks}
+    if condition.metric.split("/")[1] not in names:
+        raise ValueError(f"{flag} {condition.text!r}: no dataset or task {condition.metric.split('/')[1]!r} in "
+                         f"this run (has: {', '.join(sorted(names))})")
+
+
+def first_passing(manifest: RunManifest, results: Mapping[WorkUnit, Result], condition: Condition) -> int | None:
+    """The lowest step whose complete point satisfies ``condition`` (None: none yet)."""
+    for step in sorted({u.step for u in results}):
+        point = derive_point(manifest, step, dict(results))
+        if point.complete and condition.holds(point_metrics(point)):
+            return step
+    return None
