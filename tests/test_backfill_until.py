@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from jobs.lifecycle import EXIT_DONE
-from tests.support.workers import SumBackend, claimed_at, finish, kill_all, make_eval_run, publish_model, results, spawn
+from tests.support.workers import (
+    SumBackend,
+    claimed_at,
+    finish,
+    kill_all,
+    make_eval_run,
+    publish_model,
+    results,
+    spawn,
+)
 
 FN = "fn:tests.test_backfill_until:StepBackend"
 
