@@ -76,6 +76,10 @@ class TrainConfig:
                                      "overflow policy applies", metavar="N", min=1, group=EVAL)
     eval_keep_snapshots: int = option(_D.keep_snapshots, "snapshots kept on disk (>= --eval-max-in-flight)",
                                       metavar="N", min=1, group=EVAL)
+    eval_keep_best: int = option(0, "GC never deletes a snapshot currently among the best K points by "
+                                 "--eval-best-metric (0: off)", metavar="K", min=0, group=EVAL)
+    eval_best_metric: str | None = option(None, "the point metric ranking --eval-keep-best, higher is better "
+                                          "(default eval/<first dataset>)", metavar="M", group=EVAL)
     eval_overflow_policy: str = option(_D.overflow_policy, "when too many points are in flight: wait for "
                                        "the fleet (backpressure) or skip the point (skip)",
                                        choices=OVERFLOW_POLICIES, group=EVAL)
@@ -136,6 +140,8 @@ class TrainConfig:
             save_interval=self.save_interval,
             max_in_flight=self.eval_max_in_flight,
             keep_snapshots=self.eval_keep_snapshots,
+            keep_best=self.eval_keep_best,
+            best_metric=self.eval_best_metric,
             overflow_policy=self.eval_overflow_policy,
             fleet=self.eval_fleet,
             trainer_nodes=self.trainer_nodes,
