@@ -63,6 +63,7 @@ from coord.ledger import LedgerError
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
+from jobs.decide.condition import check_metric, parse_condition
 from jobs.eval.evalsets import write_addition_dataset
 from jobs.eval.service import install_eval_data, read_eval_config
 from jobs.flags import fail
@@ -280,6 +281,9 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     sink = MetricsSink(run.metrics_path, wandb_run)
     preempt = _Preemption()  # before the dispatcher: a stop signal ends its waits too
     dispatcher = build_dispatcher(cfg, dispatch, run, sink, preempt)
+    if dispatcher is not None and cfg.eval_stop_when is not None:
+        dispatcher.stop_when = parse_condition(cfg.eval_stop_when, "--eval-stop-when")
+    final_step = cfg.steps
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
     if dispatcher is not None and cfg.eval_at_start and start == 0:
@@ -313,32 +317,38 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
                             landed=dispatcher.landed if dispatcher else 0)
             if preempt.signum is not None:
                 return _preempted(run, step, model, opt, dispatcher, sink)
+            if dispatcher is not None and dispatcher.stop_requested is not None:
+                final_step = step  # --eval-stop-when met: finish here (final snapshot, final point)
+                break
     finally:
         bar.close()
         preempt.restore()
     train_seconds = time.perf_counter() - t_start
 
-    save_train_checkpoint(run, cfg.steps, model, opt)
+    save_train_checkpoint(run, final_step, model, opt)
     if cfg.save_hf_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
-        save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model)
+        save_hf_checkpoint(cfg.save_hf_dir, final_step, model)
     preempt = _Preemption()  # the end's waits (final export, drain) end on a stop signal too
     try:
         if dispatcher is not None:
             dispatcher.should_stop = lambda: preempt.signum is not None
-            finished = dispatcher.close(cfg.steps, model)
+            finished = dispatcher.close(final_step, model)
             if not finished:  # stopped before the final snapshot was published: requeue finishes it
-                return _preempted(run, cfg.steps, model, opt, dispatcher, sink)
+                return _preempted(run, final_step, model, opt, dispatcher, sink)
     finally:
         preempt.restore()
     sink.close()
-    steps_run = cfg.steps - start
+    steps_run = final_step - start
     summary = {
-        "final_step": cfg.steps,
+        "final_step": final_step,
         "steps_run": steps_run,
         "train_seconds": round(train_seconds, 3),
         "steps_per_second": round(steps_run / train_seconds, 3) if steps_run else None,
         "points_landed": dispatcher.landed if dispatcher else 0,
     }
+    if dispatcher is not None and dispatcher.stop_requested is not None:
+        summary["stopped"] = {"reason": f"--eval-stop-when {cfg.eval_stop_when}",
+                              "point_step": dispatcher.stop_requested}
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -357,6 +367,8 @@ def run_training(cfg: TrainConfig, dispatch: DispatchConfig | None) -> int:
     """Write the run (or reopen it on --resume) and train; ``cfg`` is validated by :mod:`train_config`."""
     try:
         run = prepare_run(cfg, dispatch)
+        if cfg.eval_stop_when is not None:  # its metric must name a dataset of the run (known only now)
+            check_metric(parse_condition(cfg.eval_stop_when, "--eval-stop-when"), run.manifest(), "--eval-stop-when")
     except (ValueError, FileNotFoundError) as e:
         return fail("ckpteval train", e)
     except PermissionError as e:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from coord.identity import run_key
 from coord.rundir import RunDir
+from jobs.decide.condition import parse_condition
 from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
 from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 
@@ -80,6 +81,9 @@ class TrainConfig:
                                  "--eval-best-metric (0: off)", metavar="K", min=0, group=EVAL)
     eval_best_metric: str | None = option(None, "the point metric ranking --eval-keep-best, higher is better "
                                           "(default eval/<first dataset>)", metavar="M", group=EVAL)
+    eval_stop_when: str | None = option(None, "finish training cleanly (final snapshot, final point) once an "
+                                        "ingested point meets COND, e.g. 'eval/addition >= 0.9'", metavar="COND",
+                                        group=EVAL)
     eval_overflow_policy: str = option(_D.overflow_policy, "when too many points are in flight: wait for "
                                        "the fleet (backpressure) or skip the point (skip)",
                                        choices=OVERFLOW_POLICIES, group=EVAL)
@@ -128,6 +132,10 @@ class TrainConfig:
         for flag, path in (("--eval-staging-dir", self.eval_staging_dir), ("--save-hf", self.save_hf_dir)):
             if path is not None:
                 check_dir_creatable(flag, path)
+        if self.eval_stop_when is not None:
+            if not self.eval:
+                raise ValueError("--eval-stop-when needs the eval dispatcher: drop --no-eval")
+            parse_condition(self.eval_stop_when, "--eval-stop-when")
         if not self.eval:
             return None
         staging = self.eval_staging_dir

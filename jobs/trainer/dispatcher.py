@@ -101,6 +101,7 @@ from coord.results import Point, Result, ResultIndex, derive_point, point_metric
 from coord.rundir import RunDir
 from coord.snapshot import mark_complete, read_marker, snapshot_path
 from coord.units import WorkUnit, units_for_step
+from jobs.decide.condition import Condition
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.trust import check_run_code
@@ -175,6 +176,8 @@ class EvalDispatcher:
         self._lost: set[int] = set()
         self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
         self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
+        self.stop_when: Condition | None = None  # --eval-stop-when: a point meeting it asks training to end
+        self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
         self._replay()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -418,9 +421,19 @@ class EvalDispatcher:
             return
         self.landed += 1
         if point.complete and not give_up:
+            self._check_stop_when(step, point)
             self.ledger.append("retired", step)
             if self.gc is not None:
                 self.gc.collect(self.ledger.state.retired, self._best_steps())
+
+    def _check_stop_when(self, step: int, point: Point) -> None:
+        """``--eval-stop-when``: record (ledger ``stop_requested``) the first point that meets it."""
+        if self.stop_when is None or self.stop_requested is not None:
+            return
+        if self.stop_when.holds(point_metrics(point)):
+            self.stop_requested = step
+            self.ledger.append("stop_requested", step, condition=self.stop_when.text, at_step=self.step,
+                               time=time.time())
 
     def _best_steps(self) -> set[int]:
         """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""
