@@ -132,3 +132,21 @@ def test_bad_input_is_one_line(decided_run: RunDir, tmp_path: Path, argv: list[s
     args = [a.format(run=decided_run.path, missing=tmp_path / "nope") for a in argv]
     code, out = finish(spawn(*args), 60)
     assert code == 2 and says in out and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_best_writes_the_wandb_summary(decided_run: RunDir) -> None:
+    """wandb offline (``WANDB_MODE=offline``), read back from wandb's own ``.wandb`` file."""
+    import os
+
+    from tests.test_metrics import wandb_records
+
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    code, out = finish(spawn("best", str(decided_run.path), "--metric", "eval/add", "--wandb-run-id", "train-7",
+                             env=env), 120)
+    assert code == 0, out
+    (wandb_file,) = decided_run.path.glob("wandb/offline-run-*/run-train-7.wandb")
+    summary = {i.key: json.loads(i.value_json) for r in wandb_records(wandb_file)
+               if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
+    rec = json.loads(decided_run.best_path.read_text())
+    assert summary["best/step"] == rec["best_step"] and summary["best/not_distinguishable"] == [200, 300]
+    assert summary["best/metric"] == "eval/add"

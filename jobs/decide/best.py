@@ -4,7 +4,9 @@ The best step by the metric (``--higher-is-better``, the default, or ``--lower-i
 interval, and every step *not distinguishable from it*: each other step's paired difference to the
 best (per-prompt differences, paired t interval), Bonferroni-corrected for the number of steps
 compared, contains 0 (:func:`jobs.decide.stats.best_step`). Written to ``RUN/best.json`` (atomic) and
-printed; ``--json`` prints the file's content.
+printed; ``--json`` prints the file's content; ``--wandb-run-id ID`` also writes it into that wandb
+run's summary (``best/step``, ``best/mean``, ``best/low``, ``best/high``, ``best/not_distinguishable``,
+``best/metric``) as a shared writer (:func:`jobs.metrics.init_wandb`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main(argv: list[str]) -> int:
     way.add_argument("--lower-is-better", dest="higher", action="store_false")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="family confidence level (default 0.95)")
     parser.add_argument("--json", action="store_true", help="print RUN/best.json's content")
+    parser.add_argument("--wandb-run-id", metavar="ID", help="also write the result into this wandb run's summary")
     args = parser.parse_args(argv)
     if not 0.0 < args.level < 1.0:
         parser.error(f"--level must be in (0, 1), got {args.level}")
@@ -67,5 +70,22 @@ def main(argv: list[str]) -> int:
         return fail(PROG, e)
     rec = best_record(best, metric.name, args.higher, {s: float(v.mean()) for s, v in values.items()})
     write_json_atomic(side.run.best_path, rec)
+    if args.wandb_run_id:
+        try:
+            write_wandb_summary(side.run.path, args.wandb_run_id, rec)
+        except RuntimeError as e:
+            return fail(PROG, e)
     print(json.dumps(rec) if args.json else render(rec))
     return 0
+
+
+def write_wandb_summary(run_dir: Path, run_id: str, rec: dict[str, Any]) -> None:
+    """The decision into the training run's wandb summary (RuntimeError without wandb installed)."""
+    from jobs.metrics import init_wandb
+
+    wb = init_wandb(run_dir, run_id, {}, join="shared", label="ckpteval-best")
+    iv = rec["interval"]
+    wb.summary.update({"best/step": rec["best_step"], "best/metric": rec["metric"], "best/mean": iv["estimate"],
+                       "best/low": iv["low"], "best/high": iv["high"],
+                       "best/not_distinguishable": rec["not_distinguishable"]})
+    wb.finish()
