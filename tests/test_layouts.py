@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 
 from coord.discovery import SnapshotDiscovery
 from coord.layouts import LAYOUTS, detect_layouts, resolve_layout
+from coord.rundir import RunDir
 from coord.snapshot import verify_snapshot
 
 Action = Callable[[], None]
@@ -296,3 +298,83 @@ def test_status_shows_saves_lost_before_admission(tmp_path: Path) -> None:
     status = collect_status(run.path)
     assert status["health"]["lost_before_admission"] == [3]
     assert "LOST to rotation before admission: 1 (steps 3)" in str(render(status)[-1])
+
+
+def test_worker_watching_a_real_rotating_trainer_sees_every_save(tmp_path: Path) -> None:
+    """The issue's scenario, end to end: a real ``transformers.Trainer`` saving every step (0.3 s apart)
+    with ``save_total_limit=2`` into a dir a ``ckpteval worker --watch`` process serves at the default
+    30 s quiescence, while each unit takes 0.6 s (the fn backend's delay). The worker polls the watched
+    dir while a unit runs and admits each save on HF Trainer's own signal, so every one of the six
+    saves (and the start point, ``checkpoint-0``) gets its unit's result — scored, or ``ckpt_missing`` if rotated away before its turn — and none
+    is lost or silently absent."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from coord.results import ResultIndex
+    from jobs.reference.model import ModelConfig, build_model, build_tokenizer, make_addition_examples
+    from tests.support.workers import finish, spawn, wait_for, write_foreign_checkpoint
+    from tests.test_hf_callback import AdditionDataset
+
+    out, run_dir = tmp_path / "trainer-out", tmp_path / "svc"
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_addition_examples(2, 5)))
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "addition", "path": "rows.jsonl", "n_prompts": 2, "scorer": "exact", "shard_size": 2}],
+        "engine": {"fn": {"delay_s": 0.6}}}}))
+    out.mkdir()
+    worker = spawn("worker", "--run-dir", str(run_dir), "--watch", str(out), "--eval-config",
+                   str(tmp_path / "eval.json"), "--engine", "fn:tests.support.workers:SumBackend",
+                   "--poll-interval", "0.05", "--max-units", "7")
+    try:
+        write_foreign_checkpoint(tmp_path, out / "checkpoint-0", 0)  # the start point, already saved
+        wait_for(lambda: (run_dir / "adopted" / f"{0:010d}.json").exists(), 120, what="the service to poll")
+
+        class Slow(TrainerCallback):
+            def on_save(self, args, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
+                time.sleep(0.3)
+
+        small = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
+        targs = TrainingArguments(output_dir=str(out), max_steps=6, save_steps=1, save_total_limit=2,
+                                  per_device_train_batch_size=8, report_to=[], use_cpu=True, disable_tqdm=True,
+                                  logging_strategy="no")
+        Trainer(model=build_model(small, "llama").train(), args=targs, train_dataset=AdditionDataset(16),
+                processing_class=build_tokenizer(), callbacks=[Slow()]).train()
+        code, log = finish(worker, 120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert code == 0, log
+    got = ResultIndex(RunDir(run_dir).results).refresh()
+    assert sorted(u.step for u in got) == list(range(7)), log
+    assert all(r.ok or r.skip_reason == "ckpt_missing" for r in got.values()), log
+    assert any(r.ok for r in got.values()) and not (run_dir / "lost").exists()
+
+
+def test_worker_polls_watched_dirs_while_a_unit_runs(tmp_path: Path) -> None:
+    """A save that appears and is rotated away while a (3 s) unit runs is admitted during that unit
+    (within 2 s), so it is evaluated — here ``ckpt_missing``, since it was deleted before its turn —
+    instead of never having been seen."""
+    from tests.support.workers import finish, spawn, wait_for, write_foreign_checkpoint
+
+    out, run_dir = tmp_path / "trainer-out", tmp_path / "svc"
+    out.mkdir()
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "addition", "path": "rows.jsonl", "n_prompts": 1, "scorer": "exact", "shard_size": 1}],
+        "engine": {"fn": {"delay_s": 3.0}}}}))
+    worker = spawn("worker", "--run-dir", str(run_dir), "--watch", str(out), "--eval-config",
+                   str(tmp_path / "eval.json"), "--engine", "fn:tests.support.workers:SumBackend",
+                   "--poll-interval", "0.05", "--max-units", "2")
+    try:
+        write_foreign_checkpoint(tmp_path, out / "checkpoint-0", 0)
+        wait_for(lambda: (run_dir / "adopted" / f"{0:010d}.json").exists(), 120, what="step 0 admitted")
+        write_foreign_checkpoint(tmp_path, out / "checkpoint-1", 1)  # while step 0's unit runs
+        wait_for(lambda: (run_dir / "adopted" / f"{1:010d}.json").exists(), 2.0, what="step 1 admitted mid-unit")
+        shutil.rmtree(out / "checkpoint-1")  # rotated away before its unit's turn
+        code, log = finish(worker, 60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert code == 0, log
+    from coord.results import ResultIndex
+
+    got = {u.step: r for u, r in ResultIndex(RunDir(run_dir).results).refresh().items()}
+    assert got[0].ok and got[1].skip_reason == "ckpt_missing", log

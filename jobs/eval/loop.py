@@ -378,14 +378,26 @@ class Worker:
 
         self.unit_thread = threading.Thread(target=target, name=f"ckpteval-unit-{unit.id}", daemon=True)
         self.unit_thread.start()
+        next_watch = time.monotonic() + self.opts.poll_interval_s
         while self.unit_thread.is_alive():
             self.unit_thread.join(WAIT_SLICE_S)
             if self.stop_signal is not None:
                 return None
+            if time.monotonic() >= next_watch:
+                self._watch_foreign()
+                next_watch = time.monotonic() + self.opts.poll_interval_s
         self.unit_thread = None
         if "error" in box:
             raise box["error"]
         return box["result"]
+
+    def _watch_foreign(self) -> None:
+        """While a unit runs, keep polling the watched (foreign) roots: a trainer that rotates its saves
+        faster than units finish still has every save seen — admitted, or counted lost — never missed."""
+        for d in self.discoveries:
+            if d.foreign:
+                for ref in d.discovery.poll():
+                    self.refs.setdefault(ref.step, ref)
 
     @property
     def busy(self) -> bool:
