@@ -15,6 +15,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -225,10 +226,7 @@ def test_unknown_layout_is_one_line(tmp_path: Path) -> None:
 def _train_with_watcher(tmp: Path, layout: str) -> SnapshotDiscovery:
     """A real ``transformers.Trainer`` saving every step with ``save_total_limit=2``; a watcher polls the
     output dir after every save (``on_save`` runs after the save and its rotation)."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from jobs.reference.model import ModelConfig, build_model, build_tokenizer
-    from tests.test_hf_callback import AdditionDataset
+    from transformers import TrainerCallback
 
     out = tmp / "trainer-out"
     disc = SnapshotDiscovery(out, admit_foreign=True, quiescence_s=QUIET_S, adoption_dir=tmp / "adopted",
@@ -238,14 +236,24 @@ def _train_with_watcher(tmp: Path, layout: str) -> SnapshotDiscovery:
         def on_save(self, args, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
             disc.poll()
 
+    _rotating_trainer(out, 5, Watch())
+    disc.poll()
+    return disc
+
+
+def _rotating_trainer(out: Path, steps: int, callback: object) -> None:
+    """A real ``transformers.Trainer`` on the tiny model saving every step with ``save_total_limit=2``."""
+    from transformers import Trainer, TrainingArguments
+
+    from jobs.reference.model import ModelConfig, build_model, build_tokenizer
+    from tests.test_hf_callback import AdditionDataset
+
     small = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
-    targs = TrainingArguments(output_dir=str(out), max_steps=5, save_steps=1, save_total_limit=2,
+    targs = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=1, save_total_limit=2,
                               per_device_train_batch_size=8, report_to=[], use_cpu=True, disable_tqdm=True,
                               logging_strategy="no")
     Trainer(model=build_model(small, "llama").train(), args=targs, train_dataset=AdditionDataset(16),
-            processing_class=build_tokenizer(), callbacks=[Watch()]).train()
-    disc.poll()
-    return disc
+            processing_class=build_tokenizer(), callbacks=[callback]).train()
 
 
 def test_real_hf_trainer_saves_are_admitted_at_once_despite_rotation(tmp_path: Path) -> None:
@@ -307,64 +315,63 @@ def test_worker_watching_a_real_rotating_trainer_sees_every_save(tmp_path: Path)
     dir while a unit runs and admits each save on HF Trainer's own signal, so every one of the six
     saves (and the start point, ``checkpoint-0``) gets its unit's result — scored, or ``ckpt_missing`` if rotated away before its turn — and none
     is lost or silently absent."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
-    from coord.results import ResultIndex
-    from jobs.reference.model import ModelConfig, build_model, build_tokenizer, make_addition_examples
-    from tests.support.workers import finish, spawn, wait_for, write_foreign_checkpoint
-    from tests.test_hf_callback import AdditionDataset
+    from tests.support.workers import finish, wait_for
 
     out, run_dir = tmp_path / "trainer-out", tmp_path / "svc"
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_addition_examples(2, 5)))
-    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
-        {"name": "addition", "path": "rows.jsonl", "n_prompts": 2, "scorer": "exact", "shard_size": 2}],
-        "engine": {"fn": {"delay_s": 0.6}}}}))
-    out.mkdir()
-    worker = spawn("worker", "--run-dir", str(run_dir), "--watch", str(out), "--eval-config",
-                   str(tmp_path / "eval.json"), "--engine", "fn:tests.support.workers:SumBackend",
-                   "--poll-interval", "0.05", "--max-units", "7")
+    worker = _service(tmp_path, out, run_dir, delay_s=0.6, max_units=7)
     try:
-        write_foreign_checkpoint(tmp_path, out / "checkpoint-0", 0)  # the start point, already saved
         wait_for(lambda: (run_dir / "adopted" / f"{0:010d}.json").exists(), 120, what="the service to poll")
 
         class Slow(TrainerCallback):
             def on_save(self, args, state, control, **kw):  # noqa: ANN001, ANN003, ANN201
                 time.sleep(0.3)
 
-        small = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
-        targs = TrainingArguments(output_dir=str(out), max_steps=6, save_steps=1, save_total_limit=2,
-                                  per_device_train_batch_size=8, report_to=[], use_cpu=True, disable_tqdm=True,
-                                  logging_strategy="no")
-        Trainer(model=build_model(small, "llama").train(), args=targs, train_dataset=AdditionDataset(16),
-                processing_class=build_tokenizer(), callbacks=[Slow()]).train()
+        _rotating_trainer(out, 6, Slow())
         code, log = finish(worker, 120)
     finally:
         if worker.poll() is None:
             worker.kill()
     assert code == 0, log
-    got = ResultIndex(RunDir(run_dir).results).refresh()
-    assert sorted(u.step for u in got) == list(range(7)), log
+    got = _results(run_dir)
+    assert sorted(got) == list(range(7)), log
     assert all(r.ok or r.skip_reason == "ckpt_missing" for r in got.values()), log
     assert any(r.ok for r in got.values()) and not (run_dir / "lost").exists()
+
+
+def _service(tmp: Path, out: Path, run_dir: Path, delay_s: float, max_units: int) -> Any:
+    """``ckpteval worker --watch out`` (a service run over one 2-prompt unit per step, the fn backend
+    taking ``delay_s`` per unit), with ``out/checkpoint-0`` already saved as the start point."""
+    from jobs.reference.model import make_addition_examples
+    from tests.support.workers import spawn, write_foreign_checkpoint
+
+    out.mkdir()
+    (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make_addition_examples(2, 5)))
+    (tmp / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "addition", "path": "rows.jsonl", "n_prompts": 2, "scorer": "exact", "shard_size": 2}],
+        "engine": {"fn": {"delay_s": delay_s}}}}))
+    write_foreign_checkpoint(tmp, out / "checkpoint-0", 0)
+    return spawn("worker", "--run-dir", str(run_dir), "--watch", str(out), "--eval-config", str(tmp / "eval.json"),
+                 "--engine", "fn:tests.support.workers:SumBackend", "--poll-interval", "0.05",
+                 "--max-units", str(max_units))
+
+
+def _results(run_dir: Path) -> dict[int, Any]:
+    from coord.results import ResultIndex
+
+    return {u.step: r for u, r in ResultIndex(RunDir(run_dir).results).refresh().items()}
 
 
 def test_worker_polls_watched_dirs_while_a_unit_runs(tmp_path: Path) -> None:
     """A save that appears and is rotated away while a (3 s) unit runs is admitted during that unit
     (within 2 s), so it is evaluated — here ``ckpt_missing``, since it was deleted before its turn —
     instead of never having been seen."""
-    from tests.support.workers import finish, spawn, wait_for, write_foreign_checkpoint
+    from tests.support.workers import finish, wait_for, write_foreign_checkpoint
 
     out, run_dir = tmp_path / "trainer-out", tmp_path / "svc"
-    out.mkdir()
-    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
-        {"name": "addition", "path": "rows.jsonl", "n_prompts": 1, "scorer": "exact", "shard_size": 1}],
-        "engine": {"fn": {"delay_s": 3.0}}}}))
-    worker = spawn("worker", "--run-dir", str(run_dir), "--watch", str(out), "--eval-config",
-                   str(tmp_path / "eval.json"), "--engine", "fn:tests.support.workers:SumBackend",
-                   "--poll-interval", "0.05", "--max-units", "2")
+    worker = _service(tmp_path, out, run_dir, delay_s=3.0, max_units=2)
     try:
-        write_foreign_checkpoint(tmp_path, out / "checkpoint-0", 0)
         wait_for(lambda: (run_dir / "adopted" / f"{0:010d}.json").exists(), 120, what="step 0 admitted")
         write_foreign_checkpoint(tmp_path, out / "checkpoint-1", 1)  # while step 0's unit runs
         wait_for(lambda: (run_dir / "adopted" / f"{1:010d}.json").exists(), 2.0, what="step 1 admitted mid-unit")
@@ -374,7 +381,5 @@ def test_worker_polls_watched_dirs_while_a_unit_runs(tmp_path: Path) -> None:
         if worker.poll() is None:
             worker.kill()
     assert code == 0, log
-    from coord.results import ResultIndex
-
-    got = {u.step: r for u, r in ResultIndex(RunDir(run_dir).results).refresh().items()}
+    got = _results(run_dir)
     assert got[0].ok and got[1].skip_reason == "ckpt_missing", log
