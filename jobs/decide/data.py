@@ -67,11 +67,15 @@ class RunValues:
     def __post_init__(self) -> None:
         self.manifest = self.run.manifest()
         self.results = ResultIndex(self.run.results).refresh()
+        self._steps: dict[str, list[int]] = {}
 
     def steps_with(self, dataset: str) -> list[int]:
-        """Steps whose point has ``dataset`` (every shard ok and this run's)."""
-        steps = sorted({u.step for u in self.results if u.dataset == dataset})
-        return [s for s in steps if dataset in derive_point(self.manifest, s, self.results).datasets]
+        """Steps whose point has ``dataset`` (every shard ok and this run's); computed once per dataset."""
+        if dataset not in self._steps:
+            steps = sorted({u.step for u in self.results if u.dataset == dataset})
+            self._steps[dataset] = [s for s in steps
+                                    if dataset in derive_point(self.manifest, s, self.results).datasets]
+        return self._steps[dataset]
 
     def values(self, step: int, metric: Metric) -> np.ndarray:
         """Per-prompt values of ``metric`` at ``step``; ValueError when the step has no such point."""

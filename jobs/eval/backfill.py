@@ -21,7 +21,7 @@ or a comma list of those.
 First passing checkpoint (MLPerf-style "evaluate saved checkpoints in order until one passes"):
 ``--until 'eval/<ds>[/pass@k] >= X'`` (``--order ascending``, the default, required) claims units oldest
 step first and starts no unit of a step above the lowest step whose complete point passes
-(:func:`jobs.decide.condition.first_passing`), in every array task, since each reads the shared
+(:func:`coord.conditions.first_passing`), in every array task, since each reads the shared
 results; units already running finish, and earlier steps still running are finished (one of them may
 pass first). When it ends it writes ``RUN/until.json`` (condition, passing step or null, the steps
 evaluated) and prints the passing step. ``--order descending`` is ``--newest-first``.
@@ -40,9 +40,9 @@ from typing import Any
 from tqdm import tqdm
 
 from coord.atomic import write_json_atomic
+from coord.conditions import Condition, check_metric, first_passing, parse_condition
 from coord.results import ResultIndex
 from coord.rundir import RunDir
-from jobs.decide.condition import Condition, check_metric, first_passing, parse_condition
 from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
 from jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
 from jobs.eval.worker import run_worker

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coord.conditions import parse_condition
 from coord.identity import run_key
 from coord.rundir import RunDir
-from jobs.decide.condition import parse_condition
 from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
 from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 

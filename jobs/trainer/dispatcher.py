@@ -84,7 +84,6 @@ as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mo
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -93,6 +92,7 @@ from typing import Any
 
 import torch
 
+from coord.conditions import Condition, point_value, top_steps
 from coord.discovery import shards_present
 from coord.gc import StagingGC, has_room
 from coord.identity import run_key
@@ -101,7 +101,6 @@ from coord.results import Point, Result, ResultIndex, derive_point, point_metric
 from coord.rundir import RunDir
 from coord.snapshot import mark_complete, read_marker, snapshot_path
 from coord.units import WorkUnit, units_for_step
-from jobs.decide.condition import Condition
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.trust import check_run_code
@@ -428,9 +427,7 @@ class EvalDispatcher:
 
     def _check_stop_when(self, step: int, point: Point) -> None:
         """``--eval-stop-when``: record (ledger ``stop_requested``) the first point that meets it."""
-        if self.stop_when is None or self.stop_requested is not None:
-            return
-        if self.stop_when.holds(point_metrics(point)):
+        if self.stop_when is not None and self.stop_requested is None and self.stop_when.holds(point_metrics(point)):
             self.stop_requested = step
             self.ledger.append("stop_requested", step, condition=self.stop_when.text, at_step=self.step,
                                time=time.time())
@@ -442,10 +439,8 @@ class EvalDispatcher:
         metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
         results = self.index.refresh()
         for step in self.ledger.state.retired - set(self._ranked):
-            value = point_metrics(derive_point(self.manifest, step, results)).get(metric)
-            self._ranked[step] = value if value is not None and not math.isnan(value) else -math.inf
-        ranked = sorted(self._ranked, key=lambda s: (self._ranked[s], s), reverse=True)
-        return {s for s in ranked[: self.config.keep_best] if self._ranked[s] > -math.inf}
+            self._ranked[step] = point_value(self.manifest, results, step, metric)
+        return top_steps(self._ranked, self.config.keep_best)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""

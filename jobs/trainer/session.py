@@ -37,11 +37,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from coord.conditions import check_metric, parse_condition
 from coord.identity import run_key
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
-from jobs.decide.condition import check_metric, parse_condition
 from jobs.eval.service import EvalConfig, install_eval_data, read_eval_config
 from jobs.flags import check_dir_creatable
 from jobs.metrics import MetricsSink

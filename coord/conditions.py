@@ -1,10 +1,11 @@
-"""Targets on a point: ``'eval/<ds>[/pass@k] >= X'`` (``backfill --until``, ``train --eval-stop-when``).
+"""Targets on points: ``'eval/<ds>[/pass@k] >= X'`` (``backfill --until``, ``train --eval-stop-when``) and
+the ranking of points by a metric (``--eval-keep-best``).
 
 Grammar: a logged point metric name (``eval/...``), one of ``>= > <= <``, a number; spaces optional.
 Guarantee: :func:`parse_condition` accepts exactly that and raises one ValueError naming the flag
 otherwise; :func:`first_passing` judges only *complete* points (every unit has a result), with the
-metrics the point is logged with (:func:`coord.results.point_metrics`). Limits: a metric the point
-does not have (a dataset not due at that step, a skipped dataset) never passes.
+metrics the point is logged with (:func:`coord.results.point_metrics`). :func:`top_steps` ranks steps by a metric value, best first. Limits: a metric
+the point does not have (a dataset not due at that step, a skipped dataset) never passes nor ranks.
 """
 
 from __future__ import annotations
@@ -62,3 +63,17 @@ def first_passing(manifest: RunManifest, results: Mapping[WorkUnit, Result], con
         if point.complete and condition.holds(point_metrics(point)):
             return step
     return None
+
+
+def point_value(manifest: RunManifest, results: Mapping[WorkUnit, Result], step: int, metric: str) -> float:
+    """``metric`` of ``step``'s point as logged (NaN when the point does not have it)."""
+    value = point_metrics(derive_point(manifest, step, dict(results))).get(metric)
+    return math.nan if value is None else float(value)
+
+
+def top_steps(values: Mapping[int, float], k: int, higher_is_better: bool = True) -> set[int]:
+    """The ``k`` steps with the best values (NaN never ranks; ties go to the newer step)."""
+    sign = 1.0 if higher_is_better else -1.0
+    ranked = sorted((s for s, v in values.items() if not math.isnan(v)), key=lambda s: (sign * values[s], s),
+                    reverse=True)
+    return set(ranked[:k])
