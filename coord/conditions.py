@@ -48,9 +48,13 @@ def parse_condition(text: str, flag: str) -> Condition:
     return Condition(m.group(1), m.group(2), float(m.group(3)))
 
 
-def check_metric(condition: Condition, manifest: RunManifest, flag: str) -> None:
-    """ValueError when the condition's metric names no dataset of the run."""
-    names = {d.name for d in manifest.eval.datasets} | {t for h in manifest.eval.harness for t in h.tasks}
+def eval_names(manifest: RunManifest) -> set[str]:
+    """The dataset and lm-eval task names a point metric ``eval/<name>/...`` can start with."""
+    return {d.name for d in manifest.eval.datasets} | {t for h in manifest.eval.harness for t in h.tasks}
+
+
+def check_metric(condition: Condition, names: set[str], flag: str) -> None:
+    """ValueError when the condition's metric names none of ``names`` (:func:`eval_names`)."""
     if condition.metric.split("/")[1] not in names:
         raise ValueError(f"{flag} {condition.text!r}: no dataset or task {condition.metric.split('/')[1]!r} in "
                          f"this run (has: {', '.join(sorted(names))})")

@@ -51,8 +51,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run", type=Path, metavar="RUN")
     parser.add_argument("--metric", required=True, metavar="M", help="eval/<dataset>[/pass@k|/maj@n]")
     way = parser.add_mutually_exclusive_group()
-    way.add_argument("--higher-is-better", dest="higher", action="store_true", default=True, help="(default)")
-    way.add_argument("--lower-is-better", dest="higher", action="store_false")
+    way.add_argument("--higher-is-better", dest="higher", action="store_true", default=True,
+                     help="the largest mean is best (default)")
+    way.add_argument("--lower-is-better", dest="higher", action="store_false", help="the smallest mean is best")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="family confidence level (default 0.95)")
     parser.add_argument("--json", action="store_true", help="print RUN/best.json's content")
     parser.add_argument("--wandb-run-id", metavar="ID", help="also write the result into this wandb run's summary")

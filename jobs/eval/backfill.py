@@ -40,7 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from coord.atomic import write_json_atomic
-from coord.conditions import Condition, check_metric, first_passing, parse_condition
+from coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
 from coord.results import ResultIndex
 from coord.rundir import RunDir
 from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
     extra: dict[str, Any] = {}
     if condition is not None:
         try:
-            check_metric(condition, RunDir.open(opts.run_dir).manifest(), "--until")
+            check_metric(condition, eval_names(RunDir.open(opts.run_dir).manifest()), "--until")
         except (ValueError, FileNotFoundError) as e:
             return fail("ckpteval backfill", e)
         manifest = RunDir(opts.run_dir).manifest()

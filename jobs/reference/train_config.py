@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coord.conditions import parse_condition
+from coord.conditions import check_metric, parse_condition
 from coord.identity import run_key
 from coord.rundir import RunDir
 from jobs.flags import Parser, add_options, check_bounds, check_dir_creatable, fail, from_args, option
@@ -135,7 +135,10 @@ class TrainConfig:
         if self.eval_stop_when is not None:
             if not self.eval:
                 raise ValueError("--eval-stop-when needs the eval dispatcher: drop --no-eval")
-            parse_condition(self.eval_stop_when, "--eval-stop-when")
+            condition = parse_condition(self.eval_stop_when, "--eval-stop-when")
+            if self.eval_config is None:  # the built-in sets: checked before anything is written
+                check_metric(condition, {"addition"} | ({"addition-sampled"} if self.eval_samples else set()),
+                             "--eval-stop-when")
         if not self.eval:
             return None
         staging = self.eval_staging_dir

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from coord.conditions import check_metric, parse_condition
+from coord.conditions import check_metric, eval_names, parse_condition
 from coord.identity import run_key
 from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.rundir import RunDir
@@ -148,7 +148,7 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
 
 def _check_stop_when(spec: EvalRun, manifest: RunManifest) -> None:
     if spec.stop_when is not None:
-        check_metric(parse_condition(spec.stop_when, "--eval-stop-when"), manifest, "--eval-stop-when")
+        check_metric(parse_condition(spec.stop_when, "--eval-stop-when"), eval_names(manifest), "--eval-stop-when")
 
 
 def _run_id(path: Path) -> str:
