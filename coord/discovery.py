@@ -25,9 +25,19 @@ Guarantees:
   real directories), and a marked directory whose name's trailing digits disagree with its marker's
   step (a snapshot copied or moved under another step's name would be scored as the wrong step).
 
-Limits: a directory already reported is not re-verified here (the worker verifies before use); the
-step of a foreign dir comes from trailing digits of its name or ``trainer_state.json``'s
-``global_step``; dirs with neither are ignored. Pending foreign dirs cost one listing + one stat per
+- Layouts (:mod:`coord.layouts`, ``layout``): under a foreign root, *which* entries are saves, their
+  step, where their HF weights are and whether the trainer's own completion signal is there (HF
+  Trainer's ``trainer_state.json``, prime-rl's ``STABLE``, verl's tracker, NeMo-RL's rename, miles'
+  ``.complete``). A save with the signal is admitted at once (every indexed shard present, no
+  quiescence wait); a save whose trainer gives no signal waits for quiescence as above. ``auto`` uses
+  the layout the dir reveals (:func:`coord.layouts.resolve_layout`), ``plain`` until one does.
+- Never silently absent: a save seen but gone before admission (rotated by ``save_total_limit``,
+  ``max_ckpt_num``, ``keep_last``...) is counted (:attr:`SnapshotDiscovery.lost`) and, with ``lost_dir``,
+  recorded there as ``<step>.json`` for ``ckpteval status``; a finished save without HF weights, or an
+  ambiguous ``auto``, is reported once in :attr:`SnapshotDiscovery.problems` (the worker prints it).
+
+Limits: a directory already reported is not re-verified here (the worker verifies before use); a save
+its layout cannot place (no step) is ignored. Pending foreign dirs cost one listing + one stat per
 file per poll until admitted.
 """
 
@@ -41,6 +51,8 @@ from pathlib import Path
 
 from coord.atomic import read_json_object, write_json_atomic
 from coord.identity import weight_version
+from coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
+from coord.layouts.plain import step_from_dir
 from coord.snapshot import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -68,18 +80,6 @@ class SnapshotRef:
         return self.marker.mode == "foreign"
 
 
-def step_from_dir(path: Path) -> int | None:
-    """Step of a checkpoint dir from its name's trailing digits, else ``trainer_state.json``."""
-    if (step := step_from_name(path)) is not None:
-        return step
-    try:
-        state = read_json_object(path / "trainer_state.json")
-    except (FileNotFoundError, ValueError):
-        return None
-    step = state.get("global_step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
 def shards_present(path: Path, names: set[str]) -> bool:
     """Every weight file the checkpoint promises is there (index-named shards or a single file; for a
     LoRA adapter checkpoint, its weights and its config)."""
@@ -99,6 +99,7 @@ def shards_present(path: Path, names: set[str]) -> bool:
 class _Pending:
     signature: tuple[tuple[str, int, int], ...]
     since: float
+    step: int
 
 
 @dataclass
@@ -111,13 +112,29 @@ class SnapshotDiscovery:
     adoption_dir: Path | None = None
     clock: Callable[[], float] = time.monotonic
     run: str | None = None  # this run's key (coord.identity): another run's marker is not ours
+    layout: str = FALLBACK  # coord.layouts name, or "auto": how foreign saves under root are laid out
+    lost_dir: Path | None = None  # where a save lost to rotation before admission is recorded (<step>.json)
     _known: dict[str, SnapshotRef] = field(default_factory=dict)
     _pending: dict[str, _Pending] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)  # entry -> step of saves seen, gone before admission
+    problems: dict[str, str] = field(default_factory=dict)  # key -> one line, for the consumer to print once
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         if self.admit_foreign and self.adoption_dir is None:
             raise ValueError("admitting foreign checkpoints needs an adoption_dir to record their checksums")
+        self._layout: Layout | None = None if self.layout == AUTO else get_layout(self.layout)
+
+    @property
+    def active_layout(self) -> Layout:
+        """The layout in effect: the one given or detected, else ``plain`` (``auto`` not decided yet)."""
+        if self._layout is None and self.admit_foreign:
+            try:
+                self._layout = resolve_layout(self.root, AUTO)
+            except ValueError as e:
+                self.problems.setdefault("layout", str(e))  # admit nothing through a guessed layout
+                return get_layout(FALLBACK)
+        return self._layout or get_layout(FALLBACK)
 
     @property
     def awaiting_quiescence(self) -> list[str]:
@@ -130,21 +147,42 @@ class SnapshotDiscovery:
 
     def poll(self) -> list[SnapshotRef]:
         """All complete snapshots now under the root, sorted by step."""
-        try:
-            names = {
-                e.name for e in os.scandir(self.root) if not e.name.startswith(".") and not e.is_symlink()
-            }
-        except FileNotFoundError:
-            names = set()
-        for gone in set(self._known) - names:
+        listing = self._listing()
+        for gone in set(self._known) - set(listing):
             del self._known[gone]
-        for gone in set(self._pending) - names:
-            del self._pending[gone]
-        for name in names - set(self._known):
-            if (ref := self._examine(self.root / name)) is not None:
+        for gone in set(self._pending) - set(listing):
+            self._lose(gone, self._pending.pop(gone).step)
+        for name in set(listing) - set(self._known):
+            if (ref := self._examine(listing[name])) is not None:
                 self._known[name] = ref
                 self._pending.pop(name, None)
         return sorted(self._known.values(), key=lambda r: r.step)
+
+    def _listing(self) -> dict[str, Path]:
+        """Entry key (path relative to root) -> path, over the layout's containers (foreign roots)."""
+        containers = self.active_layout.containers(self.root) if self.admit_foreign else [self.root]
+        found: dict[str, Path] = {}
+        for container in containers:
+            try:
+                scan = list(os.scandir(container))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for e in scan:
+                if not e.name.startswith(".") and not e.is_symlink():
+                    path = Path(e.path)
+                    found[str(path.relative_to(self.root))] = path
+        return found
+
+    def _lose(self, name: str, step: int) -> None:
+        """A save seen but gone before admission: counted and recorded, unless someone adopted it."""
+        if self.adoption_dir is not None and self._adoption_path(step).exists():
+            return
+        self.lost[name] = step
+        if self.lost_dir is not None:
+            self.lost_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.lost_dir / f"{step:010d}.json",
+                              {"step": step, "source": str(self.root / name), "layout": self.active_layout.name,
+                               "time": time.time()})
 
     def _examine(self, path: Path) -> SnapshotRef | None:
         try:
@@ -152,6 +190,8 @@ class SnapshotDiscovery:
         except (FileNotFoundError, NotADirectoryError):
             return self._examine_foreign(path) if self.admit_foreign else None
         except ValueError:
+            if self.admit_foreign and self.active_layout.owns_marker_name:
+                return self._examine_foreign(path)  # the trainer's own .complete (miles), not ours
             return None  # a malformed marker is never trusted; the worker's verify reports it
         if (named := step_from_name(path)) is not None and named != marker.step:
             return None  # a marked dir under another step's name (copied, moved, planted): not trusted
@@ -177,31 +217,51 @@ class SnapshotDiscovery:
     def _examine_foreign(self, path: Path) -> SnapshotRef | None:
         if path.name.startswith(FOREIGN_TEMP_PREFIXES) or not path.is_dir():
             return None  # e.g. HF Trainer's tmp-checkpoint-500/, renamed to checkpoint-500/ when done
-        if (step := step_from_dir(path)) is None:
+        if (found := self.active_layout.locate(path)) is None:
             return None
-        if self._adoption_path(step).exists():
-            return self._adopted(step, path)
+        key = str(path.relative_to(self.root))
+        if self._adoption_path(found.step).exists():
+            return self._adopted(found.step, found.weights)
+        if found.complete is None:
+            return self._quiesced(key, path, found)
+        self._pending.setdefault(key, _Pending((), self.clock(), found.step))
+        if not found.complete:
+            return None  # the trainer has not said it is finished yet
+        if not path.is_dir():
+            self._lose(key, self._pending.pop(key).step)
+            return None
+        if not shards_present(found.weights, _names(found.weights)):
+            self.problems.setdefault(f"noweights:{key}", f"{path}: the {self.active_layout.name} save is finished "
+                                     f"but {found.weights} holds no HF weights ({self.active_layout.no_weights_hint})")
+            return None
+        return self._adopt(found.weights, found.step, key)
+
+    def _quiesced(self, key: str, path: Path, found: Located) -> SnapshotRef | None:
+        """A save whose trainer gives no completion signal: admitted once quiet with every shard present."""
         signature = tree_signature(path)
         if signature is None:
-            self._pending.pop(path.name, None)  # vanished (rotated away): silence
+            if key in self._pending:
+                self._lose(key, self._pending.pop(key).step)  # vanished (rotated away) before admission
             return None
         now = self.clock()
-        pending = self._pending.get(path.name)
+        pending = self._pending.get(key)
         if pending is None or pending.signature != signature:
-            self._pending[path.name] = _Pending(signature, now)
+            self._pending[key] = _Pending(signature, now, found.step)
             return None
-        if now - pending.since < self.quiescence_s or not shards_present(path, {s[0] for s in signature}):
+        if now - pending.since < self.quiescence_s or not shards_present(found.weights, _names(found.weights)):
             return None
-        return self._adopt(path, step)
+        return self._adopt(found.weights, found.step, key)
 
-    def _adopt(self, path: Path, step: int) -> SnapshotRef | None:
+    def _adopt(self, path: Path, step: int, key: str | None = None) -> SnapshotRef | None:
         """Checksum what eval loads (only that: :func:`coord.snapshot.is_eval_file`) and record it.
 
-        A checkpoint that vanishes while it is read (rotation) is silence: None, nothing recorded."""
+        A checkpoint that vanishes while it is read (rotation) is counted lost, nothing recorded."""
+        key = path.name if key is None else key
         try:
             infos = describe_files(path, None, eval_only=True)
         except (FileNotFoundError, NotADirectoryError):
-            self._pending.pop(path.name, None)
+            if key in self._pending:
+                self._lose(key, self._pending.pop(key).step)
             return None
         if not shards_present(path, set(infos)):
             return None  # deleted under us between the listing and the checksums
@@ -226,6 +286,23 @@ class SnapshotDiscovery:
         return SnapshotRef(marker.step, path, marker)
 
 
+def lost_steps(lost_dir: Path) -> list[int]:
+    """The steps recorded in ``lost_dir`` (``RUN/lost/``) as seen but rotated away before admission."""
+    try:
+        names = os.listdir(lost_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+
+def _names(path: Path) -> set[str]:
+    """File names directly in ``path`` (empty if it is gone)."""
+    try:
+        return {e.name for e in os.scandir(path) if e.is_file(follow_symlinks=False)}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
 def tree_signature(path: Path) -> tuple[tuple[str, int, int], ...] | None:
     """(relative name, size, mtime) of every file under ``path``, subdirectories included (a trainer's
     ``global_stepN/`` shards are written after the weights); None if ``path`` itself is gone. A file
@@ -245,4 +322,4 @@ def tree_signature(path: Path) -> tuple[tuple[str, int, int], ...] | None:
     return tuple(sorted(found)) if path.is_dir() else None
 
 
-__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "shards_present", "step_from_dir", "tree_signature"]
+__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "lost_steps", "shards_present", "step_from_dir", "tree_signature"]

@@ -11,7 +11,8 @@ Rules (each a guarantee):
   marker names another run — or no run (a legacy marker, which cannot be attributed) — is never
   deleted, so runs sharing one staging dir never collect each other's snapshots.
 - Only *retired* steps (their point has settled, any outcome) are deleted, and the newest ``keep``
-  retired ones are kept.
+  retired ones are kept; so is every step in ``protected`` (the trainer's best ``--eval-keep-best K``),
+  on top of those ``keep``.
 - A snapshot with a live lease on any of its units is never deleted. Liveness is judged like
   filelock judges it: a lease file counts as live until this collector has seen it unchanged for the
   lease duration on its own monotonic clock, so clock skew cannot make a live lease look expired.
@@ -100,7 +101,8 @@ class StagingGC:
             del self._seen[gone]
         return live
 
-    def collect(self, retired_steps: set[int]) -> GCReport:
+    def collect(self, retired_steps: set[int], protected: frozenset[int] | set[int] = frozenset()) -> GCReport:
+        """Delete retired staging snapshots beyond the newest ``keep``, never one of ``protected``."""
         report = GCReport()
         live = self.live_lease_steps()
         candidates: list[tuple[int, Path]] = []
@@ -128,7 +130,9 @@ class StagingGC:
             if self.run is not None and marker.run != self.run:
                 report.refused.append((path, f"run {marker.run}: not this run's ({self.run}) to delete"))
                 continue
-            if marker.step in retired_steps:
+            if marker.step in protected:
+                report.kept.append(path)
+            elif marker.step in retired_steps:
                 candidates.append((marker.step, path))
         candidates.sort()
         doomed = candidates[: max(0, len(candidates) - self.keep)]

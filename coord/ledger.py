@@ -45,7 +45,7 @@ from typing import Any
 
 from coord.atomic import append_line, read_jsonl_numbered
 
-EVENTS = ("dispatched", "exported", "evaluated_shared", "skipped", "ingested", "retired")
+EVENTS = ("dispatched", "exported", "evaluated_shared", "skipped", "ingested", "retired", "stop_requested")
 RECORD_EVENTS = ("exported", "evaluated_shared", "skipped")  # fold their fields into the step's record
 
 
@@ -59,6 +59,7 @@ class LedgerState:
     skipped: dict[int, tuple[str, str]] = field(default_factory=dict)  # step -> (reason, message)
     ingested: set[int] = field(default_factory=set)
     retired: set[int] = field(default_factory=set)
+    stop_requested: dict[int, dict[str, Any]] = field(default_factory=dict)  # step whose point met --eval-stop-when
 
     @property
     def pending(self) -> list[int]:
@@ -78,6 +79,8 @@ class LedgerState:
                 self.skipped[step] = (str(fields.get("reason", "unknown")), str(fields.get("message", "")))
         elif event == "ingested":
             self.ingested.add(step)
+        elif event == "stop_requested":
+            self.stop_requested[step] = fields
         else:
             self.retired.add(step)
 

@@ -8,6 +8,9 @@ own. Layout::
     RUN/leases/           one lease file per claimed work unit (coord.units)
     RUN/results/          one result JSON per work unit (coord.results)
     RUN/adopted/          markers of foreign checkpoints admitted after quiescence (coord.discovery)
+    RUN/lost/             <step>.json per foreign save seen but rotated away before admission (coord.discovery)
+    RUN/best.json         the best step and the steps not distinguishable from it (jobs.decide)
+    RUN/until.json        backfill --until: the condition, the first passing step, the steps evaluated
     RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (coord.ledger)
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
@@ -64,6 +67,18 @@ class RunDir:
     @property
     def adopted(self) -> Path:
         return self.path / "adopted"
+
+    @property
+    def lost(self) -> Path:
+        return self.path / "lost"
+
+    @property
+    def best_path(self) -> Path:
+        return self.path / "best.json"
+
+    @property
+    def until_path(self) -> Path:
+        return self.path / "until.json"
 
     @property
     def data(self) -> Path:

@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "backfill": ("jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
     "status": ("jobs.views.status", "show snapshots, units, points and health of a run"),
     "plot": ("jobs.views.plot", "plot score vs step (PNG)"),
+    "compare": ("jobs.decide.compare", "paired difference of two steps or runs, with its interval"),
+    "best": ("jobs.decide.best", "best step by a metric and the steps not distinguishable from it"),
     "serve": ("jobs.reference.serve", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
     "submit": ("jobs.launch.submit", "render and sbatch the batch scripts"),
     "demo": ("jobs.reference.demo", "the embedded default: trainer + eval fleet on CPU"),

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from coord.discovery import lost_steps
 from coord.ledger import Ledger
 from coord.manifest import RunManifest
 from coord.results import Point, Result, ResultIndex, derive_point, point_metrics
@@ -103,7 +104,10 @@ class ServiceIngester:
         steps = self.index.steps()
         newest = max(steps | {self.newest_step() if self.newest_step else 0})
         logged = []
+        lost = len(lost_steps(self.run.lost))  # saves the watcher saw but lost to rotation: never silent
+        extra = {"eval/ckpt_lost_before_admission": float(lost)} if lost else None
         for step in sorted(steps - self.ledger.state.ingested):
-            if ingest_point(self.manifest, step, results, sink=self.sink, ledger=self.ledger, lag_steps=newest - step):
+            if ingest_point(self.manifest, step, results, sink=self.sink, ledger=self.ledger, lag_steps=newest - step,
+                            extra=extra):
                 logged.append(step)
         return logged

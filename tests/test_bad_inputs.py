@@ -174,7 +174,11 @@ def worker_cases(cmd: str) -> list[str]:
     else:
         cases += [f"{base} --once", f"{base} --catchup all",  # backfill fixes these: not its flags
                   f"{base} --steps 5",  # --steps without --from-run
-                  "backfill --run-dir {S}/new --from-run {S}/nope --eval-config {S}/file.txt"]
+                  "backfill --run-dir {S}/new --from-run {S}/nope --eval-config {S}/file.txt",
+                  f"{base} --order bogus", f"{base} --until 'eval/addition => 1'",
+                  f"{base} --until 'eval/nope >= 1'", f"{base} --until 'eval/addition >= 1' --order descending",
+                  f"{base} --until 'eval/addition >= 1' --newest-first", f"{base} --until"]
+    cases += [f"{base} --layout bogus", f"{base} --layout"]
     return cases + _flag_cases(base, {
         "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
         "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0", "--max-attempts": "int>=1", "--wait-for-run": "float>=0",
@@ -215,7 +219,12 @@ def train_cases() -> list[str]:
         f"{base} --eval-staging-dir /dev/shm/ckpteval-bad-inputs --trainer-nodes a --fleet-nodes b",
         f"{base} --bogus-flag",
         f"{base} --wandb=yes",
-        *_no_value(base, "--run-id", "--eval-staging-dir", "--trainer-nodes"),
+        f"{base} --eval-best-metric loss",
+        f"{base} --eval-stop-when 'loss < 1'",
+        f"{base} --eval-stop-when 'eval/nope >= 1'",
+        f"{base} --no-eval --eval-stop-when 'eval/addition >= 1'",
+        *_no_value(base, "--run-id", "--eval-staging-dir", "--trainer-nodes", "--eval-best-metric",
+                   "--eval-stop-when"),
     ] + _flag_cases(base, {
         "--steps": "int>=1", "--batch-size": "int>=1", "--lr": "float>0", "--warmup-steps": "int>=0",
         "--seed": "int>=0", "--log-interval": "int>=1", "--ckpt-interval": "int>=1", "--threads": "int>=1",
@@ -223,7 +232,24 @@ def train_cases() -> list[str]:
         "--eval-keep-snapshots": "int>=1", "--eval-n-prompts": "int>=1", "--eval-shard-size": "int>=1",
         "--eval-poll-interval": "float>=0", "--eval-backpressure-timeout": "float>=0",
         "--eval-drain-timeout": "float>=0", "--lease-duration": "float>0", "--lease-heartbeat": "float>0",
+        "--eval-keep-best": "int>=0",
     })
+
+
+def decide_cases() -> list[str]:
+    """``compare`` and ``best`` over runs without (complete) points, and bad flags."""
+    best = "best {S}/run --metric eval/addition"
+    return [
+        "compare", "compare {S}/nope --steps 1 2", "compare {S}/file.txt --steps 1 2", "compare {S}/run --steps 1",
+        "compare {S}/run --steps 1 2", "compare {S}/run {S}/run --step x", "compare {S}/run {S}/run --step 1",
+        "compare {S}/run {S}/run --best", "compare {S}/run {S}/run --best --metric bogus",
+        "compare {S}/run --steps 1 2 --level 2", "compare {S}/run --steps 1 2 --json=yes",
+        "compare {S}/run {S}/run {S}/run", "compare {S}/run --steps 1 2 --metric",
+        "best", "best {S}/run", "best {S}/nope --metric eval/addition", "best {S}/run --metric eval/nope",
+        "best {S}/run --metric eval/addition/pass@3", best, f"{best} --higher-is-better --lower-is-better",
+        f"{best} --level 0", f"{best} --json=yes", f"{best} --wandb-run-id", f"{best} --higher-is-better=yes",
+        f"{best} --lower-is-better=yes",
+    ]
 
 
 def view_cases() -> list[str]:
@@ -366,6 +392,7 @@ def all_cases() -> list[str]:
         *serve_cases(),
         *submit_cases(),
         *demo_cases(),
+        *decide_cases(),
     ]
 
 
@@ -467,7 +494,7 @@ def test_cases_cover_every_flag_of_every_subcommand() -> None:
     from jobs.cli import SUBCOMMAND_HELP_EXTRA, _help_text
 
     cases = all_cases()
-    for name in ("worker", "backfill", "train", "status", "plot", "serve", "submit", "demo"):
+    for name in ("worker", "backfill", "train", "status", "plot", "serve", "submit", "demo", "compare", "best"):
         for extra in [[], *SUBCOMMAND_HELP_EXTRA.get(name, [])]:
             mine = [c for c in cases if shlex.split(c)[: 1 + len(extra)] == [name, *extra]]
             flags = set(re.findall(r"^  (?:-\w, )?(--[\w-]+)", _help_text(name, extra), re.M)) - {"--help"}

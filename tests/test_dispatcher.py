@@ -341,3 +341,22 @@ def test_restart_on_an_old_style_ledger_rewrites_skips_and_logs_export_times(tmp
     assert points[2]["eval/export_time_seconds"] == 1.5 and points[2]["eval/export_blocked_seconds"] == 0.25
     assert points[4]["eval/skipped_export_failed"] == 2 and points[4]["eval/export_time_seconds"] == 0.5
     assert d.pending == [] and ledger_counts(run.path, "ingested") == {2: 1, 4: 1}
+
+
+def test_gc_keeps_the_best_k_points_snapshots(tmp_path: Path) -> None:
+    """``--eval-keep-best 1``: the best point's snapshot survives GC beyond the newest ``keep``; once a
+    better point lands, the old best becomes an ordinary retired snapshot and is collected."""
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=1, eval_keep_snapshots=1)
+    dispatch.keep_best = 1
+    d = _dispatcher(run, dispatch, drain_timeout_s=0.2)
+    model = _model()
+    scores = {2: 0.9, 4: 0.5, 6: 0.3, 8: 0.95, 10: 0.1}
+    for step in range(1, 12):
+        if step % 2 == 1 and step > 1:
+            d.exporter.wait()
+            fill_results(run, step - 1, score=scores[step - 1])
+        d.maybe_dispatch(step, model)
+        if step == 7:  # points 2, 4, 6 retired: keep the newest (6) and the best (2)
+            assert sorted(p.name for p in run.snapshots.iterdir()) == [snapshot_dirname(s) for s in (2, 6)]
+    d.close(12, model)
+    assert sorted(p.name for p in run.snapshots.iterdir()) == [snapshot_dirname(s) for s in (8, 10, 12)]

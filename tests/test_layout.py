@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-ROOMS = ("trainer", "eval", "launch", "views", "reference")
+ROOMS = ("trainer", "eval", "launch", "views", "decide", "reference")
 
 # room -> the rooms it may import (coord at the bottom; reference and cli, the composers, at the top)
 ALLOWED = {
@@ -23,6 +23,7 @@ ALLOWED = {
     "jobs.metrics": {"coord"},
     "jobs.ingest": {"coord", "jobs.metrics"},
     "jobs.views": {"coord", "jobs.metrics", "jobs.flags"},
+    "jobs.decide": {"coord", "jobs.metrics", "jobs.flags"},  # decisions from points: read-only, like views
     "jobs.launch": {"coord", "jobs.lifecycle", "jobs.views", "jobs.flags"},
     "jobs.eval": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.flags"},
     "jobs.trainer": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.eval", "jobs.flags"},
@@ -74,7 +75,7 @@ def test_imports_point_one_way_between_rooms() -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("package", ["jobs.views", "jobs.launch"])
+@pytest.mark.parametrize("package", ["jobs.views", "jobs.launch", "jobs.decide"])
 def test_views_and_launchers_import_no_torch(package: str) -> None:
     """Checked in a fresh interpreter: ``sys.modules`` after importing every module of the room."""
     modules = [f"{package}.{p.stem}" for p in sorted((ROOT / package.replace(".", "/")).glob("*.py"))]

@@ -49,7 +49,7 @@ def test_service_admits_markerless_checkpoint_after_quiescence(tmp_path: Path) -
     ckpt = write_foreign_checkpoint(tmp_path, watch / "checkpoint-30", 30)
     (watch / "runs").mkdir()  # HF Trainer's tensorboard dir: no step, never a checkpoint
     proc = spawn("worker", "--run-dir", str(run_dir), "--watch", str(watch), "--eval-config",
-                 str(_eval_config(tmp_path)), "--quiescence", str(QUIESCENCE), "--engine", "hf",
+                 str(_eval_config(tmp_path)), "--quiescence", str(QUIESCENCE), "--engine", "hf", "--layout", "plain",
                  "--max-units", "2", "--poll-interval", "0.2")
     try:
         wait_for(lambda: (run_dir / "run.json").exists(), 30, what="the service to create the run")

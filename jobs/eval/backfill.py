@@ -20,6 +20,14 @@ to), then backfills it; ``--wandb`` then logs into OLD's wandb run (its run id u
 ``--wandb-run-id``). ``--steps``: ``all`` (default), ``latest``, ``N``, ``START:STOP[:EVERY]`` (inclusive),
 or a comma list of those.
 
+First passing checkpoint (MLPerf-style "evaluate saved checkpoints in order until one passes"):
+``--until 'eval/<ds>[/pass@k] >= X'`` (``--order ascending``, the default, required) claims units oldest
+step first and starts no unit of a step above the lowest step whose complete point passes
+(:func:`coord.conditions.first_passing`), in every array task, since each reads the shared
+results; units already running finish, and earlier steps still running are finished (one of them may
+pass first). When it ends it writes ``RUN/until.json`` (condition, passing step or null, the steps
+evaluated) and prints the passing step. ``--order descending`` is ``--newest-first``.
+
 Limits: snapshots published while it runs are picked up (a running trainer's backfill chases it), but
 it does not wait for steps that have no snapshot yet.
 """
@@ -27,12 +35,17 @@ it does not wait for steps that have no snapshot yet.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from coord.results import Result
-from jobs.eval.options import add_worker_flags, options_from_args
+from coord.atomic import write_json_atomic
+from coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
+from coord.results import Result, ResultIndex
+from coord.rundir import RunDir
+from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
 from jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
 from jobs.eval.worker import run_worker
 from jobs.flags import Parser, fail, run_dir_from_args
@@ -94,16 +107,50 @@ def reeval_plan_from_args(args: argparse.Namespace) -> ReevalPlan | None:
     return plan
 
 
+def add_until_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("first passing checkpoint")
+    g.add_argument("--order", choices=("ascending", "descending"), default="ascending",
+                   help="claim order by step (descending: same as --newest-first)")
+    g.add_argument("--until", metavar="COND",
+                   help="stop at the first step whose point passes COND, e.g. 'eval/gsm8k >= 0.8' (ascending only)")
+
+
+def until_plan(args: argparse.Namespace) -> Condition | None:
+    """The --until condition (None without it); ValueError for a bad one or with --order descending."""
+    if args.order == "descending":
+        if args.until is not None:
+            raise ValueError("--until evaluates steps in order to find the first passing one: use --order ascending")
+        args.newest_first = True
+    if args.until is not None and args.newest_first:
+        raise ValueError("--until evaluates steps oldest first to find the first passing one: drop --newest-first")
+    return None if args.until is None else parse_condition(args.until, "--until")
+
+
+def write_until_record(opts: WorkerOptions, condition: Condition) -> int | None:
+    """``RUN/until.json``: the condition, the first passing step (or None) and the steps evaluated."""
+    run = RunDir(opts.run_dir)
+    manifest, results = run.manifest(), ResultIndex(run.results).refresh()
+    passing = first_passing(manifest, results, condition)
+    evaluated = sorted({u.step for u in results if passing is None or u.step <= passing})
+    write_json_atomic(run.until_path, {"condition": condition.text, "order": "ascending", "passing_step": passing,
+                                       "evaluated_steps": evaluated,
+                                       "also_evaluated_above": sorted({u.step for u in results} - set(evaluated)),
+                                       "time": time.time()})
+    return passing
+
+
 def main(argv: list[str]) -> int:
     parser = Parser(
         prog="ckpteval backfill", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES_HELP
     )
     add_worker_flags(parser, pass_flags=False)
     add_reeval_flags(parser)
+    add_until_flags(parser)
     args = parser.parse_args(argv)
     run_dir_from_args(parser, args)
     try:
         plan = reeval_plan_from_args(args)
+        condition = until_plan(args)
     except (ValueError, FileNotFoundError) as e:
         return fail("ckpteval backfill", e)
     if plan is not None:
@@ -117,13 +164,25 @@ def main(argv: list[str]) -> int:
         print(f"backfill: re-evaluating {len(plan.selected)} step(s) of {plan.old.path} into {plan.new.path}",
               flush=True)
     opts.once, opts.catchup, opts.retry_infra_skips = True, "all", True
+    extra: dict[str, Any] = {}
+    if condition is not None:
+        try:
+            check_metric(condition, eval_names(RunDir.open(opts.run_dir).manifest()), "--until")
+        except (ValueError, FileNotFoundError) as e:
+            return fail("ckpteval backfill", e)
+        manifest = RunDir(opts.run_dir).manifest()
+        extra["step_limit"] = lambda results: first_passing(manifest, results, condition)
     progress = Progress()
     tally = Tally()
     try:
         code = run_worker(opts, exit_process=True, prog="ckpteval backfill", out=progress.write, on_poll=progress,
-                          on_result=tally)
+                          on_result=tally, **extra)
     finally:
         progress.close()
+    if condition is not None and code == EXIT_DONE:
+        passing = write_until_record(opts, condition)
+        print(f"backfill: first step passing {condition.text}: "
+              f"{passing if passing is not None else 'none of the steps evaluated'}", flush=True)
     if code == EXIT_DONE:
         if not progress.total and not tally.results:
             print(f"backfill: nothing to do — every unit of {opts.run_dir} already has a result", flush=True)

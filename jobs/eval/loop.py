@@ -18,6 +18,7 @@ from typing import Any
 
 from coord.discovery import SnapshotDiscovery, SnapshotRef
 from coord.identity import run_key
+from coord.layouts import FALLBACK
 from coord.ledger import Ledger
 from coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
 from coord.rundir import RunDir
@@ -92,6 +93,8 @@ class Worker:
     out: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
     on_poll: Callable[[int], None] | None = None  # called with the number of outstanding units
     on_result: Callable[[Result], None] | None = None  # called with each result this worker published first
+    # no unit of a step above this (from the results) is started: backfill --until's first passing step
+    step_limit: Callable[[dict[WorkUnit, Result]], int | None] | None = None
 
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
@@ -140,6 +143,8 @@ class Worker:
                     quiescence_s=self.opts.quiescence_s,
                     adoption_dir=self.rundir.adopted,
                     run=run_key(self.manifest),
+                    layout=self.opts.layout if r in foreign else FALLBACK,
+                    lost_dir=self.rundir.lost,
                 ),
                 r in foreign,
             )
@@ -166,6 +171,8 @@ class Worker:
         for d in self.discoveries:
             for ref in d.discovery.poll():
                 current.setdefault(ref.step, ref)
+            for key, line in d.discovery.problems.items():
+                self._warn_once(f"{d.discovery.root}:{key}", line)
         self.refs.update(current)  # a vanished snapshot keeps its ref: its units become ckpt_missing
         results = self.index.refresh()
         self._forget_finished(results)
@@ -179,6 +186,8 @@ class Worker:
             for u in self._open_units(s, results)
             if u not in broken  # a human must look at it; re-evaluating could never publish
         ]
+        if self.step_limit is not None and (limit := self.step_limit(results)) is not None:
+            outstanding = [u for u in outstanding if u.step <= limit]
         self._give_up_finding(outstanding)
         claimable = [u for u in outstanding if u.step in self.refs]
         if self.on_poll is not None:
@@ -387,14 +396,26 @@ class Worker:
 
         self.unit_thread = threading.Thread(target=target, name=f"ckpteval-unit-{unit.id}", daemon=True)
         self.unit_thread.start()
+        next_watch = time.monotonic() + self.opts.poll_interval_s
         while self.unit_thread.is_alive():
             self.unit_thread.join(WAIT_SLICE_S)
             if self.stop_signal is not None:
                 return None
+            if time.monotonic() >= next_watch:
+                self._watch_foreign()
+                next_watch = time.monotonic() + self.opts.poll_interval_s
         self.unit_thread = None
         if "error" in box:
             raise box["error"]
         return box["result"]
+
+    def _watch_foreign(self) -> None:
+        """While a unit runs, keep polling the watched (foreign) roots: a trainer that rotates its saves
+        faster than units finish still has every save seen — admitted, or counted lost — never missed."""
+        for d in self.discoveries:
+            if d.foreign:
+                for ref in d.discovery.poll():
+                    self.refs.setdefault(ref.step, ref)
 
     @property
     def busy(self) -> bool:

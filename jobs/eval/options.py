@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coord.layouts import layout_choices, resolve_layout
 from jobs.flags import META_KEY, accept_positional_run_dir, add_options, check_bounds, from_args, option
 
 INGESTION = "logging finished points into the training run's wandb run"
@@ -40,6 +41,10 @@ class WorkerOptions:
     watch: tuple[Path, ...] = option(
         (), "service mode: also evaluate any trainer's checkpoints in DIR (marker-less after quiescence; "
         "repeatable)", metavar="DIR")
+    layout: str = option(
+        "auto", "how the trainer lays out its saves under --watch / foreign roots: where the HF weights are and "
+        "its own 'save finished' signal (auto: detected; refused when ambiguous; see docs/USER_GUIDE.md)",
+        choices=layout_choices(), metavar="NAME")
     quiescence_s: float = option(30.0, "seconds a marker-less checkpoint must stay unchanged before it is "
                                  "admitted", flag="--quiescence", metavar="S", min=0)
     eval_config: Path | None = option(None, "create RUN/run.json from this JSON eval config if the run does "
@@ -133,6 +138,7 @@ def validate_options(opts: WorkerOptions) -> None:
     for watch in map(Path, opts.watch):
         if watch.exists() and not watch.is_dir():
             raise ValueError(f"--watch {watch}: not a directory")
+        resolve_layout(watch, opts.layout)  # --layout auto over a dir holding saves of two trainers: refused
     if opts.eval_config is not None and not opts.watch:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
     if opts.judge_url is not None and not opts.judge_url.startswith(("http://", "https://")):

@@ -72,8 +72,11 @@ Exit codes (``sbatch/`` scripts requeue on 3 and 4):
 Service mode: ``--watch DIR`` evaluates any trainer's checkpoints in DIR — snapshots with a
 ``.complete`` marker at once, marker-less ones (an HF Trainer ``checkpoint-500/``) after
 ``--quiescence`` seconds without change and with every indexed shard present; the step comes from the
-dir name's trailing digits or ``trainer_state.json``. Restarting never re-evaluates a unit with a
-result. If ``RUN/run.json`` does not exist, ``--eval-config FILE`` creates the run from a JSON file::
+dir name's trailing digits or ``trainer_state.json``; ``--layout`` says where a trainer's HF weights
+and its own completion signal are (:mod:`coord.layouts`; a save with its signal is admitted without
+the quiescence wait). Watched dirs are polled every ``--poll-interval`` even while a unit runs, so a
+trainer rotating saves faster than units finish has each one seen — admitted, or recorded in
+``RUN/lost/`` — never silently missed. Restarting never re-evaluates a unit with a result. If ``RUN/run.json`` does not exist, ``--eval-config FILE`` creates the run from a JSON file::
 
     {"run_id": "my-eval",                                   # optional; default: the run dir's name
      "eval": {"datasets": [{"name": "gsm8k", "path": "gsm8k.jsonl", "n_prompts": 1319,

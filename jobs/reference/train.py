@@ -50,7 +50,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -61,13 +60,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from coord.identity import run_key
 from coord.ledger import LedgerError
-from coord.manifest import EvalSpec, LeaseSettings, RunManifest
+from coord.manifest import EvalSpec, LeaseSettings
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from jobs.eval.evalsets import write_addition_dataset
-from jobs.eval.service import install_eval_data, read_eval_config
+from jobs.eval.service import EvalConfig, install_eval_data
 from jobs.flags import fail
 from jobs.lifecycle import EXIT_INTERRUPTED, EXIT_TRAIN_PREEMPTED, STOP_SIGNALS
 from jobs.metrics import MetricsSink, init_wandb
@@ -85,6 +83,7 @@ from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkp
 from jobs.reference.train_config import TrainConfig, parse_args
 from jobs.trainer.config import DispatchConfig
 from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
+from jobs.trainer.session import EvalRun, open_dispatcher, prepare_eval_run
 
 __all__ = ["TrainConfig", "main", "parse_args", "prepare_run", "run_training", "train"]
 
@@ -105,51 +104,41 @@ SAMPLED_PROMPTS = 32  # --eval-samples: prompts of the sampled set (the eval set
 # --------------------------------------------------------------------------------------------------
 
 
-def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
-    """Create the run dir, or reopen it on --resume; run.json is written last, once.
+def eval_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> EvalRun:
+    """The trainer's run and eval flags as the library's :class:`~jobs.trainer.session.EvalRun`."""
+    return EvalRun(
+        run_dir=cfg.run_dir, dispatch=dispatch, eval_config=cfg.eval_config, resume=cfg.resume, run_id=cfg.run_id,
+        trainer=trainer_identity(cfg, dispatch), lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
+        poll_interval_s=cfg.eval_poll_interval, backpressure_timeout_s=cfg.eval_backpressure_timeout,
+        drain_timeout_s=cfg.eval_drain_timeout, stop_when=cfg.eval_stop_when,
+    )
 
-    With ``--eval-config`` the file is read and checked (datasets present, fields valid) before anything
-    is written; on ``--resume`` it must describe the run's eval.
-    """
-    run = RunDir(cfg.run_dir)
-    config = read_eval_config(cfg.eval_config) if cfg.eval_config is not None else None
-    if run.manifest_path.is_file():
-        if not cfg.resume:
-            raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
-        if config is not None and run.manifest().eval != config.spec:
-            raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
-        run.clear_interrupted()  # running again: readers must not take it as ended
-        return run
-    run = RunDir.create(cfg.run_dir)
+
+def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
+    """Create the run dir, or reopen it on --resume, through the library's
+    :func:`~jobs.trainer.session.prepare_eval_run` (every check before anything is written; run.json
+    last, once); this trainer adds its own base dir and, without ``--eval-config``, its built-in set."""
+    return prepare_eval_run(eval_run(cfg, dispatch), build_eval=lambda run, config: reference_eval(cfg, run, config))
+
+
+def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> EvalSpec:
+    """RUN/base (the reference model's config and tokenizer; with --lora its weights too) and the eval
+    section: the eval-config file's datasets, or the built-in addition set."""
     # --lora: the base's weights are part of the run (the adapters are trained on exactly them)
     base_weights = build_model(model_config(cfg), cfg.arch, seed=cfg.seed) if cfg.lora else None  # type: ignore[arg-type]
     save_base_model_dir(base_model_dir(run), model_config(cfg), cfg.arch, model=base_weights)  # type: ignore[arg-type]
     base_model = str(base_model_dir(run).resolve()) if cfg.lora else None
-    if config is None:
-        datasets = [write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)]
-        if cfg.eval_samples > 0:
-            n = min(SAMPLED_PROMPTS, cfg.eval_n_prompts)
-            datasets.append(write_addition_dataset(
-                run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size),
-                n_samples=cfg.eval_samples, temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
-            ))
-        eval_spec = EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
-    else:
+    if config is not None:
         install_eval_data(run, config)
-        eval_spec = replace(config.spec, base_model=base_model) if base_model else config.spec
-    manifest = RunManifest(
-        run_id=cfg.run_id or (config.raw.get("run_id") if config else None) or _run_id(run.path),
-        eval=eval_spec,
-        snapshot_roots=(str(run.snapshots),),
-        trainer=trainer_identity(cfg, dispatch),
-        lease=(config.lease if config and config.lease else LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat)),
-        created=time.time(),
-    )
-    if dispatch is not None:  # a shared staging dir gets a per-run subdir (named by the run key)
-        root = dispatch.run_snapshot_root(run_key(manifest), run.path)
-        manifest = replace(manifest, snapshot_roots=(str(root),))
-    RunDir.create(run.path, manifest)
-    return run
+        return replace(config.spec, base_model=base_model) if base_model else config.spec
+    datasets = [write_addition_dataset(run, n=cfg.eval_n_prompts, shard_size=cfg.eval_shard_size)]
+    if cfg.eval_samples > 0:
+        n = min(SAMPLED_PROMPTS, cfg.eval_n_prompts)
+        datasets.append(write_addition_dataset(
+            run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size),
+            n_samples=cfg.eval_samples, temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
+        ))
+    return EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -159,10 +148,6 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 def base_model_dir(run: RunDir) -> Path:
     return run.base
-
-
-def _run_id(path: Path) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "-", path.name)[:64] or "run"
 
 
 def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[str, Any]:
@@ -242,15 +227,8 @@ def build_dispatcher(
 
             engine = HFLoRAEngine(str(base_model_dir(run)), device="cpu")
         shared = SharedEval(engine, ProducerGate())
-    return EvalDispatcher(
-        dispatch,
-        run,
-        sink,
-        base_model_dir(run),
-        shared=shared,
-        poll_interval_s=cfg.eval_poll_interval,
-        backpressure_timeout_s=cfg.eval_backpressure_timeout,
-        drain_timeout_s=cfg.eval_drain_timeout,
+    return open_dispatcher(
+        eval_run(cfg, dispatch), run, sink, shared=shared,
         should_stop=(lambda: preempt.signum is not None) if preempt is not None else (lambda: False),
     )
 
@@ -297,6 +275,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     sink = MetricsSink(run.metrics_path, wandb_run)
     preempt = _Preemption()  # before the dispatcher: a stop signal ends its waits too
     dispatcher = build_dispatcher(cfg, dispatch, run, sink, preempt)
+    final_step = cfg.steps
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
     if dispatcher is not None and cfg.eval_at_start and start == 0:
@@ -330,32 +309,38 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
                             landed=dispatcher.landed if dispatcher else 0)
             if preempt.signum is not None:
                 return _preempted(run, step, model, opt, dispatcher, sink, preempt.signum)
+            if dispatcher is not None and dispatcher.stop_requested is not None:
+                final_step = step  # --eval-stop-when met: finish here (final snapshot, final point)
+                break
     finally:
         bar.close()
         preempt.restore()
     train_seconds = time.perf_counter() - t_start
 
-    save_train_checkpoint(run, cfg.steps, model, opt)
+    save_train_checkpoint(run, final_step, model, opt)
     if cfg.save_hf_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
-        save_hf_checkpoint(cfg.save_hf_dir, cfg.steps, model)
+        save_hf_checkpoint(cfg.save_hf_dir, final_step, model)
     preempt = _Preemption()  # the end's waits (final export, drain) end on a stop signal too
     try:
         if dispatcher is not None:
             dispatcher.should_stop = lambda: preempt.signum is not None
-            finished = dispatcher.close(cfg.steps, model)
+            finished = dispatcher.close(final_step, model)
             if not finished:  # stopped before the final snapshot was published: requeue finishes it
-                return _preempted(run, cfg.steps, model, opt, dispatcher, sink, preempt.signum)
+                return _preempted(run, final_step, model, opt, dispatcher, sink, preempt.signum)
     finally:
         preempt.restore()
     sink.close()
-    steps_run = cfg.steps - start
+    steps_run = final_step - start
     summary = {
-        "final_step": cfg.steps,
+        "final_step": final_step,
         "steps_run": steps_run,
         "train_seconds": round(train_seconds, 3),
         "steps_per_second": round(steps_run / train_seconds, 3) if steps_run else None,
         "points_landed": dispatcher.landed if dispatcher else 0,
     }
+    if dispatcher is not None and dispatcher.stop_requested is not None:
+        summary["stopped"] = {"reason": f"--eval-stop-when {cfg.eval_stop_when}",
+                              "point_step": dispatcher.stop_requested}
     print(json.dumps(summary), flush=True)
     return 0
 

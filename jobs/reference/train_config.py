@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coord.conditions import check_metric, parse_condition
 from coord.identity import run_key
 from coord.rundir import RunDir
 from jobs.flags import (
@@ -88,6 +89,13 @@ class TrainConfig:
                                      "overflow policy applies", metavar="N", min=1, group=EVAL)
     eval_keep_snapshots: int = option(_D.keep_snapshots, "snapshots kept on disk (>= --eval-max-in-flight)",
                                       metavar="N", min=1, group=EVAL)
+    eval_keep_best: int = option(0, "GC never deletes a snapshot currently among the best K points by "
+                                 "--eval-best-metric (0: off)", metavar="K", min=0, group=EVAL)
+    eval_best_metric: str | None = option(None, "the point metric ranking --eval-keep-best, higher is better "
+                                          "(default eval/<first dataset>)", metavar="M", group=EVAL)
+    eval_stop_when: str | None = option(None, "finish training cleanly (final snapshot, final point) once an "
+                                        "ingested point meets COND, e.g. 'eval/addition >= 0.9'", metavar="COND",
+                                        group=EVAL)
     eval_overflow_policy: str = option(_D.overflow_policy, "when too many points are in flight: wait for "
                                        "the fleet (backpressure) or skip the point (skip)",
                                        choices=OVERFLOW_POLICIES, group=EVAL)
@@ -136,6 +144,13 @@ class TrainConfig:
         for flag, path in (("--eval-staging-dir", self.eval_staging_dir), ("--save-hf", self.save_hf_dir)):
             if path is not None:
                 check_dir_creatable(flag, path)
+        if self.eval_stop_when is not None:
+            if not self.eval:
+                raise ValueError("--eval-stop-when needs the eval dispatcher: drop --no-eval")
+            condition = parse_condition(self.eval_stop_when, "--eval-stop-when")
+            if self.eval_config is None:  # the built-in sets: checked before anything is written
+                check_metric(condition, {"addition"} | ({"addition-sampled"} if self.eval_samples else set()),
+                             "--eval-stop-when")
         if not self.eval:
             return None
         staging = self.eval_staging_dir
@@ -148,6 +163,8 @@ class TrainConfig:
             save_interval=self.save_interval,
             max_in_flight=self.eval_max_in_flight,
             keep_snapshots=self.eval_keep_snapshots,
+            keep_best=self.eval_keep_best,
+            best_metric=self.eval_best_metric,
             overflow_policy=self.eval_overflow_policy,
             fleet=self.eval_fleet,
             trainer_nodes=self.trainer_nodes,

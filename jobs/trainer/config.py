@@ -32,6 +32,8 @@ class DispatchConfig:
     trainer_nodes: tuple[str, ...] | None = None
     fleet_nodes: tuple[str, ...] | None = None
     fleet: str = "attached"  # "none": no eval fleet runs during training; points wait for a backfill
+    keep_best: int = 0  # GC never deletes a snapshot currently among the best K points (0: off)
+    best_metric: str | None = None  # what ranks them: a point metric (None: eval/<first dataset>), higher better
 
     @property
     def mode(self) -> str:
@@ -88,6 +90,10 @@ class DispatchConfig:
                 f"--eval-keep-snapshots ({self.keep_snapshots}) must be >= --eval-max-in-flight "
                 f"({self.max_in_flight}); raise keep or lower in-flight"
             )
+        if self.keep_best < 0:
+            raise ValueError(f"--eval-keep-best must be >= 0, got {self.keep_best}")
+        if self.best_metric is not None and not self.best_metric.startswith("eval/"):
+            raise ValueError(f"--eval-best-metric {self.best_metric!r}: expected a point metric eval/<dataset>[/...]")
         if self.overflow_policy not in OVERFLOW_POLICIES:
             raise ValueError(f"--eval-overflow-policy must be one of {OVERFLOW_POLICIES}, got {self.overflow_policy!r}")
         if self.fleet not in FLEETS:

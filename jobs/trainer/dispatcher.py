@@ -52,7 +52,8 @@ service's ingestion path too): derived (:func:`coord.results.derive_point`), its
 metrics (:func:`coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
 step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
 ``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
-(``keep_snapshots`` newest retired kept; reused checkpoints are never deleted).
+(``keep_snapshots`` newest retired kept, plus the best ``keep_best`` points by ``best_metric``; reused
+checkpoints are never deleted).
 
 Restart safety (SLURM requeue): the dispatcher replays ``ledger.jsonl`` on construction. Points
 ingested before are never logged again (the ledger, and the sink's own ``eval/step`` check for a
@@ -91,11 +92,12 @@ from typing import Any
 
 import torch
 
+from coord.conditions import Condition, point_value, top_steps
 from coord.discovery import shards_present
 from coord.gc import StagingGC, has_room
 from coord.identity import run_key
 from coord.ledger import Ledger
-from coord.results import Point, Result, ResultIndex, derive_point, write_point_skip
+from coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
 from coord.rundir import RunDir
 from coord.snapshot import mark_complete, read_marker, snapshot_path
 from coord.units import WorkUnit, units_for_step
@@ -172,6 +174,9 @@ class EvalDispatcher:
         self._last_poll = -float("inf")
         self._lost: set[int] = set()
         self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
+        self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
+        self.stop_when: Condition | None = None  # --eval-stop-when: a point meeting it asks training to end
+        self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
         self._replay()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -415,9 +420,27 @@ class EvalDispatcher:
             return
         self.landed += 1
         if point.complete and not give_up:
+            self._check_stop_when(step, point)
             self.ledger.append("retired", step)
             if self.gc is not None:
-                self.gc.collect(self.ledger.state.retired)
+                self.gc.collect(self.ledger.state.retired, self._best_steps())
+
+    def _check_stop_when(self, step: int, point: Point) -> None:
+        """``--eval-stop-when``: record (ledger ``stop_requested``) the first point that meets it."""
+        if self.stop_when is not None and self.stop_requested is None and self.stop_when.holds(point_metrics(point)):
+            self.stop_requested = step
+            self.ledger.append("stop_requested", step, condition=self.stop_when.text, at_step=self.step,
+                               time=time.time())
+
+    def _best_steps(self) -> set[int]:
+        """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""
+        if self.config.keep_best < 1:
+            return set()
+        metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
+        results = self.index.refresh()
+        for step in self.ledger.state.retired - set(self._ranked):
+            self._ranked[step] = point_value(self.manifest, results, step, metric)
+        return top_steps(self._ranked, self.config.keep_best)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""

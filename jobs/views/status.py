@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.atomic import read_jsonl
-from coord.discovery import SnapshotDiscovery
+from coord.discovery import SnapshotDiscovery, lost_steps
 from coord.ledger import Ledger
 from coord.manifest import RunManifest
 from coord.results import ResultIndex, derive_point
@@ -142,6 +142,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
             "malformed_results": index.errors,
             "staging_free_bytes": free,
             "ledger_pending": ledger.pending if ledger else [],
+            "lost_before_admission": lost_steps(run.lost),
         },
     }
 
@@ -263,7 +264,11 @@ def health_line(status: dict[str, Any]) -> str:
         f"malformed results {len(h['malformed_results'])}",
         *(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items()),
     ]
+    if lost := h.get("lost_before_admission"):
+        parts.append(f"LOST to rotation before admission: {len(lost)} (steps {', '.join(map(str, lost))})")
     return " | ".join(parts)
+
+
 def watch_interval(ap: Parser, args: Any) -> float | None:
     """``--watch [S]``: the refresh interval, or None. ``status --watch RUN`` reads RUN as the run dir
     (argparse hands the optional value to ``--watch``), not as a malformed interval."""

@@ -1,0 +1,83 @@
+"""Targets on points: ``'eval/<ds>[/pass@k] >= X'`` (``backfill --until``, ``train --eval-stop-when``) and
+the ranking of points by a metric (``--eval-keep-best``).
+
+Grammar: a logged point metric name (``eval/...``), one of ``>= > <= <``, a number; spaces optional.
+Guarantee: :func:`parse_condition` accepts exactly that and raises one ValueError naming the flag
+otherwise; :func:`first_passing` judges only *complete* points (every unit has a result), with the
+metrics the point is logged with (:func:`coord.results.point_metrics`). :func:`top_steps` ranks steps by a metric value, best first. Limits: a metric
+the point does not have (a dataset not due at that step, a skipped dataset) never passes nor ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from coord.manifest import RunManifest
+from coord.results import Result, derive_point, point_metrics
+from coord.units import WorkUnit
+
+OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,
+                                                 "<": operator.lt}
+PATTERN = re.compile(r"^\s*(eval/\S+?)\s*(>=|<=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class Condition:
+    metric: str  # a point metric name, e.g. eval/gsm8k or eval/gsm8k/pass@4
+    op: str  # one of OPS
+    threshold: float
+
+    @property
+    def text(self) -> str:
+        return f"{self.metric} {self.op} {self.threshold:g}"
+
+    def holds(self, metrics: Mapping[str, float]) -> bool:
+        value = metrics.get(self.metric)
+        return value is not None and not math.isnan(value) and OPS[self.op](float(value), self.threshold)
+
+
+def parse_condition(text: str, flag: str) -> Condition:
+    """``'eval/<ds> >= 0.8'`` -> Condition; ValueError (one line, naming ``flag``) otherwise."""
+    m = PATTERN.match(text)
+    if m is None:
+        raise ValueError(f"{flag} {text!r}: expected 'eval/<dataset>[/pass@k] OP NUMBER' with OP one of >= > <= <")
+    return Condition(m.group(1), m.group(2), float(m.group(3)))
+
+
+def eval_names(manifest: RunManifest) -> set[str]:
+    """The dataset and lm-eval task names a point metric ``eval/<name>/...`` can start with."""
+    return {d.name for d in manifest.eval.datasets} | {t for h in manifest.eval.harness for t in h.tasks}
+
+
+def check_metric(condition: Condition, names: set[str], flag: str) -> None:
+    """ValueError when the condition's metric names none of ``names`` (:func:`eval_names`)."""
+    if condition.metric.split("/")[1] not in names:
+        raise ValueError(f"{flag} {condition.text!r}: no dataset or task {condition.metric.split('/')[1]!r} in "
+                         f"this run (has: {', '.join(sorted(names))})")
+
+
+def first_passing(manifest: RunManifest, results: Mapping[WorkUnit, Result], condition: Condition) -> int | None:
+    """The lowest step whose complete point satisfies ``condition`` (None: none yet)."""
+    for step in sorted({u.step for u in results}):
+        point = derive_point(manifest, step, dict(results))
+        if point.complete and condition.holds(point_metrics(point)):
+            return step
+    return None
+
+
+def point_value(manifest: RunManifest, results: Mapping[WorkUnit, Result], step: int, metric: str) -> float:
+    """``metric`` of ``step``'s point as logged (NaN when the point does not have it)."""
+    value = point_metrics(derive_point(manifest, step, dict(results))).get(metric)
+    return math.nan if value is None else float(value)
+
+
+def top_steps(values: Mapping[int, float], k: int, higher_is_better: bool = True) -> set[int]:
+    """The ``k`` steps with the best values (NaN never ranks; ties go to the newer step)."""
+    sign = 1.0 if higher_is_better else -1.0
+    ranked = sorted((s for s, v in values.items() if not math.isnan(v)), key=lambda s: (sign * values[s], s),
+                    reverse=True)
+    return set(ranked[:k])

@@ -1,0 +1,90 @@
+"""What a checkpoint layout is: the contract every module in :mod:`coord.layouts` implements.
+
+A layout answers three questions about one entry of a watched directory (a trainer's save): its step,
+the directory holding its Hugging Face weights (what eval loads: ``config.json``, tokenizer,
+``*.safetensors`` + index, or a PEFT adapter), and whether the trainer has said the save is finished.
+Guarantee: :meth:`Layout.locate` only reads (names, small JSON/text files); it never writes, never
+raises for a vanished or half-written entry (it answers None or "not finished"). Limits: a layout
+does not check the weights themselves — discovery checks every indexed shard is present and the
+worker verifies headers before use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from coord.atomic import read_json_object
+
+WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+
+
+@dataclass(frozen=True)
+class Located:
+    """One trainer save, as its layout reads it."""
+
+    step: int  # the training step the save holds
+    weights: Path  # the directory eval loads (HF config + weights, or a PEFT adapter)
+    complete: bool | None  # the trainer's own signal: True finished, False not yet, None the trainer gives none
+
+
+class Layout:
+    """Base class: override :meth:`locate` and :meth:`looks_like`; set the class attributes."""
+
+    name: ClassVar[str] = ""
+    signal: ClassVar[str] = ""  # the trainer's completion signal, in words (docs, `ckpteval worker --help`)
+    no_weights_hint: ClassVar[str] = ""  # what to do when a finished save holds no HF weights
+    owns_marker_name: ClassVar[bool] = False  # the trainer itself writes a file named like our .complete
+
+    def containers(self, root: Path) -> list[Path]:
+        """The directories whose entries are saves (default: the watched dir itself)."""
+        return [root]
+
+    def locate(self, entry: Path) -> Located | None:
+        """The save in ``entry`` (a directory inside a container), or None if it is not one of this layout."""
+        raise NotImplementedError
+
+    def looks_like(self, root: Path) -> bool:
+        """Whether ``root`` holds at least one save that only this trainer writes (auto-detection)."""
+        raise NotImplementedError
+
+
+def entries(directory: Path) -> list[Path]:
+    """Real (non-symlink, non-dot) subdirectories of ``directory``; empty if it is gone."""
+    try:
+        return [Path(e.path) for e in os.scandir(directory)
+                if not e.name.startswith(".") and not e.is_symlink() and e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def name_step(pattern: re.Pattern[str], entry: Path) -> int | None:
+    """The step in ``entry``'s name when the whole name matches ``pattern`` (one group: the digits)."""
+    m = pattern.fullmatch(entry.name)
+    return int(m.group(1)) if m else None
+
+
+def json_int(path: Path, key: str) -> int | None:
+    """``key`` of the JSON object in ``path`` when it is an int; None if absent, torn or not an int."""
+    try:
+        value = read_json_object(path).get(key)
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def text_int(path: Path) -> int | None:
+    """The integer a small text file holds (a tracker file); None if absent or not an integer."""
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def any_entry(root: Path, test: object) -> bool:
+    """Whether some entry of ``root`` passes ``test`` (a callable on the entry path)."""
+    return any(test(e) for e in entries(root))  # type: ignore[operator]

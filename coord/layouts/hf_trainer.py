@@ -1,0 +1,40 @@
+"""Hugging Face ``transformers.Trainer`` and every trainer built on it (TRL's SFT/DPO/GRPO/PPO trainers).
+
+Read in huggingface/transformers ``src/transformers/trainer.py`` (``Trainer._save_checkpoint``) and
+``trainer_utils.py`` (``PREFIX_CHECKPOINT_DIR = "checkpoint"``): a save is ``OUTPUT_DIR/checkpoint-<global_step>/``;
+``_save_checkpoint`` writes the model (``save_model``: config, weights, tokenizer), then — unless
+``save_only_model`` — optimizer, scheduler, scaler and RNG state (with DeepSpeed its ``global_step<N>/``
+ZeRO shards), and only then ``trainer_state.json``; after that ``_rotate_checkpoints`` deletes the
+oldest saves beyond ``save_total_limit``. Some versions stage the save in ``tmp-checkpoint-<N>/`` and
+rename it (never looked at here).
+
+Completion signal: ``trainer_state.json`` present, readable, and its ``global_step`` equal to the dir's
+step — written last, so the save is admissible at once, with no quiescence wait.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from coord.layouts.base import Layout, Located, any_entry, json_int, name_step
+
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+STATE = "trainer_state.json"
+
+
+class HFTrainerLayout(Layout):
+    name = "hf-trainer"
+    signal = "trainer_state.json (written last by Trainer._save_checkpoint) with the dir's global_step"
+    no_weights_hint = ("a DeepSpeed ZeRO-3 or FSDP SHARDED_STATE_DICT save without a gathered model: set "
+                       "stage3_gather_16bit_weights_on_model_save=true / fsdp_state_dict_type=FULL_STATE_DICT, "
+                       "or convert with zero_to_fp32.py (DeepSpeed) or accelerate merge-weights (FSDP)")
+
+    def locate(self, entry: Path) -> Located | None:
+        step = name_step(CHECKPOINT, entry)
+        if step is None:
+            return None
+        return Located(step, entry, json_int(entry / STATE, "global_step") == step)
+
+    def looks_like(self, root: Path) -> bool:
+        return any_entry(root, lambda e: name_step(CHECKPOINT, e) is not None and (e / STATE).is_file())

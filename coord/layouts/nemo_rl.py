@@ -1,0 +1,46 @@
+"""NeMo-RL (NVIDIA-NeMo/RL): GRPO/DPO/SFT with the DTensor (automodel) or Megatron policy.
+
+Read in ``nemo_rl/utils/checkpoint.py`` (``CheckpointManager``): each save is written into
+``checkpoint_dir/tmp_step_<N>/`` (``training_info.json`` and ``config.yaml`` first, then the policy's
+``policy/weights/``, ``policy/optimizer/``, ``policy/tokenizer/``) and renamed to ``step_<N>/`` only when
+every writer has finished (``_rename_checkpoint``, after ``wait_fn`` for async saves);
+``remove_old_checkpoints`` keeps ``keep_top_k`` / ``ft_keep_latest_k``. In
+``nemo_rl/utils/automodel_checkpoint.py`` the DTensor policy saves through nemo-automodel: DCP shards by
+default, HF safetensors with ``model_save_format: safetensors``, and a consolidated HF export
+(``policy/weights/model/consolidated/``) with ``save_consolidated: true`` (both under
+``policy.dtensor_cfg``).
+
+Completion signal: the rename — a ``step_<N>/`` dir (with its ``training_info.json``) is finished.
+Weights: the first of ``policy/weights/model/consolidated``, ``policy/weights/consolidated``,
+``policy/weights/model``, ``policy/weights`` that exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from coord.layouts.base import Layout, Located, any_entry, name_step
+
+STEP = re.compile(r"step_(\d+)")
+INFO = "training_info.json"
+WEIGHT_DIRS = ("policy/weights/model/consolidated", "policy/weights/consolidated", "policy/weights/model",
+               "policy/weights")
+
+
+class NemoRLLayout(Layout):
+    name = "nemo-rl"
+    signal = "the rename of tmp_step_N/ to step_N/ (done after every writer finished)"
+    no_weights_hint = ("the policy saved torch DCP shards: set policy.dtensor_cfg.save_consolidated=true "
+                       "(and model_save_format=safetensors), or convert with "
+                       "examples/converters/convert_dcp_to_hf.py (Megatron: convert_megatron_to_hf.py)")
+
+    def locate(self, entry: Path) -> Located | None:
+        step = name_step(STEP, entry)
+        if step is None:
+            return None
+        weights = next((entry / d for d in WEIGHT_DIRS if (entry / d).is_dir()), entry / WEIGHT_DIRS[-1])
+        return Located(step, weights, (entry / INFO).is_file())
+
+    def looks_like(self, root: Path) -> bool:
+        return any_entry(root, lambda e: name_step(STEP, e) is not None and (e / INFO).is_file())

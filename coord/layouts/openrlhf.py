@@ -1,0 +1,33 @@
+"""OpenRLHF (OpenRLHF/OpenRLHF): PPO/GRPO (Ray), SFT, DPO, RM trainers with ``--save_hf_ckpt``.
+
+Read in ``openrlhf/trainer/ppo_trainer.py`` (``_save_checkpoint``) and ``openrlhf/trainer/sft_trainer.py``:
+every ``--save_steps`` the tag is ``global_step<N>``; DeepSpeed's resumable state goes to
+``--ckpt_path/_actor/<tag>/`` (ZeRO partitions, not HF weights; rotated by ``--max_ckpt_num`` /
+``--max_ckpt_mem``; off with ``--disable_ds_ckpt``), and with ``--save_hf_ckpt`` the HF model is written by
+``strategy.save_model`` to ``--ckpt_path/<tag>_hf/`` (config, tokenizer, safetensors).
+
+Completion signal: none — quiescence and every indexed shard present. Point ``--watch`` at ``--ckpt_path``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from coord.layouts.base import Layout, Located, any_entry, name_step
+
+HF_TAG = re.compile(r"global_step(\d+)_hf")
+
+
+class OpenRLHFLayout(Layout):
+    name = "openrlhf"
+    signal = "none: quiescence and every indexed shard present"
+    no_weights_hint = ("run with --save_hf_ckpt; DeepSpeed _actor/global_stepN/ partitions convert with "
+                       "zero_to_fp32.py")
+
+    def locate(self, entry: Path) -> Located | None:
+        step = name_step(HF_TAG, entry)
+        return None if step is None else Located(step, entry, None)
+
+    def looks_like(self, root: Path) -> bool:
+        return any_entry(root, lambda e: name_step(HF_TAG, e) is not None)

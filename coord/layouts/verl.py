@@ -1,0 +1,42 @@
+"""verl (volcengine/verl): FSDP and Megatron PPO/GRPO trainers.
+
+Read in ``verl/trainer/ppo/ray_trainer.py`` (``_save_checkpoint``) and
+``verl/utils/checkpoint/fsdp_checkpoint_manager.py`` (``FSDPCheckpointManager.save_checkpoint``): a save is
+``trainer.default_local_dir/global_step_<N>/`` with ``actor/`` (and ``critic/``) inside; the actor's
+per-rank sharded ``model_world_size_<W>_rank_<r>.pt`` files are not HF weights. ``actor/huggingface/``
+always gets config and tokenizer; it gets the full HF model only when
+``actor_rollout_ref.actor.checkpoint.save_contents`` includes ``hf_model``. After every part of the save the
+trainer writes ``latest_checkpointed_iteration.txt`` (the step) into ``default_local_dir``; old saves
+beyond ``trainer.max_actor_ckpt_to_keep`` are deleted when the next save starts.
+
+Completion signal: the tracker file holds a step >= N. Weights: ``global_step_<N>/actor/huggingface/``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from coord.layouts.base import Layout, Located, any_entry, name_step, text_int
+
+GLOBAL_STEP = re.compile(r"global_step_(\d+)")
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class VerlLayout(Layout):
+    name = "verl"
+    signal = f"{TRACKER} in the save root holds a step >= N (written after the whole save)"
+    no_weights_hint = ("verl saved only sharded FSDP/Megatron state: add hf_model to "
+                       "actor_rollout_ref.actor.checkpoint.save_contents, or convert with "
+                       "python -m verl.model_merger merge --backend fsdp --local_dir global_step_N/actor "
+                       "--target_dir global_step_N/actor/huggingface")
+
+    def locate(self, entry: Path) -> Located | None:
+        step = name_step(GLOBAL_STEP, entry)
+        if step is None:
+            return None
+        tracked = text_int(entry.parent / TRACKER)
+        return Located(step, entry / "actor" / "huggingface", tracked is not None and tracked >= step)
+
+    def looks_like(self, root: Path) -> bool:
+        return any_entry(root, lambda e: name_step(GLOBAL_STEP, e) is not None and (e / "actor").is_dir())

@@ -1,0 +1,120 @@
+"""``ckpteval compare``: is one step (or run) better than another, or is the difference noise?
+
+Two forms: ``ckpteval compare RUN --steps A B`` (two steps of one run) and ``ckpteval compare RUN_A
+RUN_B [--step S | --best --metric M]`` (the same step of two runs — the newest step both have by
+default — or each run's best step by ``M``). For every dataset both sides have, it prints the
+difference ``B - A`` of the mean score with a paired confidence interval over prompts
+(:func:`jobs.decide.stats.paired_interval`: per-prompt differences, paired t interval, two-sided)
+and says "not distinguishable from noise" when the interval contains 0. ``--json`` prints the same
+as JSON. Bad input (unknown step, a dataset that is not paired) is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
+from jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
+from jobs.flags import Parser, fail
+
+PROG = "ckpteval compare"
+
+
+def verdict(low: float, high: float) -> str:
+    if low > 0:
+        return "B better"
+    if high < 0:
+        return "A better"
+    return "not distinguishable from noise"
+
+
+def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float) -> list[dict[str, Any]]:
+    """Per dataset both sides have at their steps: the paired difference B - A and its verdict."""
+    rows = []
+    for spec in a.manifest.eval.datasets:
+        name = spec.name
+        if name not in {d.name for d in b.manifest.eval.datasets}:
+            continue
+        if step_a not in a.steps_with(name) or step_b not in b.steps_with(name):
+            continue
+        if a is not b:
+            check_paired(a, b, name)
+        metric = Metric(name, "mean")
+        va, vb = a.values(step_a, metric), b.values(step_b, metric)
+        iv = paired_interval(va, vb, level)
+        rows.append({"dataset": name, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
+                     "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
+                     "verdict": verdict(iv.low, iv.high)})
+    if not rows:
+        raise ValueError(f"no dataset has a complete point at step {step_a} of {a.run.path} and step {step_b} "
+                         f"of {b.run.path}")
+    return rows
+
+
+def _common_newest(a: RunValues, b: RunValues) -> int:
+    steps = {s for d in a.manifest.eval.datasets for s in a.steps_with(d.name)}
+    steps &= {s for d in b.manifest.eval.datasets for s in b.steps_with(d.name)}
+    if not steps:
+        raise ValueError(f"{a.run.path} and {b.run.path} have no step with a complete point in common; give --step")
+    return max(steps)
+
+
+def _best_of(side: RunValues, metric_text: str | None, level: float) -> int:
+    if metric_text is None:
+        raise ValueError("--best needs --metric eval/<dataset>[/pass@k]: best by which metric")
+    metric: Metric = parse_metric(metric_text, side.manifest)
+    values = {s: side.values(s, metric) for s in side.steps_with(metric.dataset)}
+    return best_step(values, level=level).step
+
+
+def plan(args: Any) -> tuple[RunValues, int, RunValues, int]:
+    """(side A, its step, side B, its step) from the parsed flags."""
+    if len(args.runs) == 1:
+        if args.steps is None or args.step is not None or args.best:
+            raise ValueError("one run: give --steps A B (two steps of it); --step/--best compare two runs")
+        side = open_run(args.runs[0])
+        return side, args.steps[0], side, args.steps[1]
+    if len(args.runs) != 2:
+        raise ValueError(f"give one run (with --steps A B) or two runs, got {len(args.runs)}")
+    if args.steps is not None:
+        raise ValueError("--steps A B compares two steps of one run; for two runs give --step S or --best")
+    a, b = open_run(args.runs[0]), open_run(args.runs[1])
+    if args.best:
+        return a, _best_of(a, args.metric, args.level), b, _best_of(b, args.metric, args.level)
+    step = args.step if args.step is not None else _common_newest(a, b)
+    return a, step, b, step
+
+
+def render(rows: list[dict[str, Any]], a: str, b: str) -> str:
+    lines = [f"A = {a}", f"B = {b}",
+             f"{'dataset':<16} {'A':>8} {'B':>8} {'B - A':>9}  {'interval':<21} {'prompts':>7}  verdict"]
+    for r in rows:
+        span = f"[{r['low']:+.4f}, {r['high']:+.4f}]"
+        lines.append(f"{r['dataset']:<16} {r['a']:8.4f} {r['b']:8.4f} {r['diff']:+9.4f}  {span:<21} "
+                     f"{r['n_prompts']:>7}  {r['verdict']}")
+    lines.append(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="one run (with --steps) or two runs")
+    parser.add_argument("--steps", nargs=2, type=int, metavar=("A", "B"), help="two steps of one run")
+    parser.add_argument("--step", type=int, metavar="S", help="two runs: this step of each (default: newest in common)")
+    parser.add_argument("--best", action="store_true", help="two runs: each run's best step by --metric")
+    parser.add_argument("--metric", metavar="M", help="with --best: eval/<dataset>[/pass@k|/maj@n]")
+    parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="confidence level (default 0.95)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if not 0.0 < args.level < 1.0:
+        parser.error(f"--level must be in (0, 1), got {args.level}")
+    try:
+        a, step_a, b, step_b = plan(args)
+        rows = compare_sides(a, step_a, b, step_b, args.level)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
+    label_a, label_b = f"{a.run.path} step {step_a}", f"{b.run.path} step {step_b}"
+    print(json.dumps({"a": label_a, "b": label_b, "datasets": rows}) if args.json else render(rows, label_a, label_b))
+    return 0

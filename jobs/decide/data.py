@@ -1,0 +1,117 @@
+"""Per-prompt values of a run's points: what the paired statistics of :mod:`jobs.decide.stats` compare.
+
+A metric name is ``eval/<ds>`` (mean over the prompt's samples), ``eval/<ds>/pass@k`` (the unbiased
+pass@k of each prompt) or ``eval/<ds>/maj@n`` (majority vote), the same per-prompt quantities whose
+average is the logged point (:func:`coord.results.dataset_score`). Prompts are the dataset's rows in
+order; shard results are concatenated in shard order, so index ``i`` is the same prompt at every step.
+
+Guarantee: a step is used only when its point has this dataset (every shard an ok result of this
+run's weights, :func:`coord.results.derive_point`); values come from the results files as written.
+Limits: two runs are paired only when their eval sets are the same bytes with the same sampling
+(:func:`check_paired`); lm-eval harness tasks carry no per-sample scores and cannot be compared here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coord.manifest import DatasetSpec, RunManifest
+from coord.results import ResultIndex, correct, derive_point, majority_score, pass_at_k
+from coord.rundir import RunDir
+from coord.units import WorkUnit
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A parsed ``eval/<ds>[/pass@k|/maj@n]`` name."""
+
+    dataset: str
+    kind: str  # "mean", "pass" or "maj"
+    k: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"eval/{self.dataset}" + {"mean": "", "pass": f"/pass@{self.k}", "maj": f"/maj@{self.k}"}[self.kind]
+
+
+def parse_metric(text: str, manifest: RunManifest) -> Metric:
+    """``eval/<ds>[/pass@k|/maj@n]`` checked against the run's datasets; ValueError names what is wrong."""
+    parts = text.split("/")
+    if parts[0] != "eval" or len(parts) not in (2, 3):
+        raise ValueError(f"--metric {text!r}: expected eval/<dataset>, eval/<dataset>/pass@k or eval/<dataset>/maj@n")
+    names = [d.name for d in manifest.eval.datasets]
+    if parts[1] not in names:
+        raise ValueError(f"--metric {text!r}: no dataset {parts[1]!r} in this run (datasets: {', '.join(names)})")
+    spec = manifest.dataset(parts[1])
+    if len(parts) == 2:
+        return Metric(parts[1], "mean")
+    kind, _, k = parts[2].partition("@")
+    if kind == "pass" and k.isdigit() and int(k) in spec.pass_k:
+        return Metric(parts[1], "pass", int(k))
+    if kind == "maj" and k == str(spec.n_samples) and spec.n_samples > 1:
+        return Metric(parts[1], "maj", spec.n_samples)
+    raise ValueError(f"--metric {text!r}: {parts[2]!r} is not logged for {parts[1]} "
+                     f"(pass_k {list(spec.pass_k)}, n_samples {spec.n_samples})")
+
+
+@dataclass
+class RunValues:
+    """One run's results, read once: per-prompt values of any step and metric."""
+
+    run: RunDir
+
+    def __post_init__(self) -> None:
+        self.manifest = self.run.manifest()
+        self.results = ResultIndex(self.run.results).refresh()
+        self._steps: dict[str, list[int]] = {}
+
+    def steps_with(self, dataset: str) -> list[int]:
+        """Steps whose point has ``dataset`` (every shard ok and this run's); computed once per dataset."""
+        if dataset not in self._steps:
+            steps = sorted({u.step for u in self.results if u.dataset == dataset})
+            self._steps[dataset] = [s for s in steps
+                                    if dataset in derive_point(self.manifest, s, self.results).datasets]
+        return self._steps[dataset]
+
+    def values(self, step: int, metric: Metric) -> np.ndarray:
+        """Per-prompt values of ``metric`` at ``step``; ValueError when the step has no such point."""
+        if step not in self.steps_with(metric.dataset):
+            raise ValueError(f"{self.run.path}: step {step} has no complete {metric.dataset} point "
+                             f"(steps with one: {self.steps_with(metric.dataset) or 'none'})")
+        spec = self.manifest.dataset(metric.dataset)
+        shards = [self.results[WorkUnit(step, spec.name, s)] for s in range(spec.n_shards)]
+        scores = [x for r in shards for x in r.scores]
+        answers = [a for r in shards for a in r.answers]
+        n = spec.n_samples
+        groups = [scores[i : i + n] for i in range(0, len(scores), n)]
+        if metric.kind == "pass":
+            return np.array([pass_at_k(n, sum(map(correct, g)), metric.k) for g in groups])
+        if metric.kind == "maj":
+            if len(answers) != len(scores):
+                raise ValueError(f"{self.run.path}: step {step} results carry no extracted answers for maj@{n}")
+            return np.array([majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)])
+        return np.array([sum(g) / len(g) for g in groups])
+
+
+def _data_digest(run: RunDir, spec: DatasetSpec) -> str:
+    try:
+        return hashlib.sha256(run.resolve_data_path(spec.path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return ""
+
+
+def check_paired(a: RunValues, b: RunValues, dataset: str) -> None:
+    """ValueError unless both runs evaluate ``dataset`` on the same rows with the same sampling."""
+    sa, sb = a.manifest.dataset(dataset), b.manifest.dataset(dataset)
+    same = (sa.n_prompts, sa.n_samples, sa.seed, sa.temperature) == (sb.n_prompts, sb.n_samples, sb.seed, sb.temperature)
+    if not same or _data_digest(a.run, sa) != _data_digest(b.run, sb):
+        raise ValueError(f"{a.run.path} and {b.run.path}: dataset {dataset!r} differs (rows, n_samples, seed or "
+                         "temperature): the scores are not paired prompt by prompt")
+
+
+def open_run(path: Path) -> RunValues:
+    return RunValues(RunDir.open(path))

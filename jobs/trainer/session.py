@@ -1,0 +1,176 @@
+"""Your trainer, in a few lines: create (or resume) an eval run and get its dispatcher.
+
+What ``ckpteval train`` does for its own run, as a library call any training loop can make — the
+reference trainer itself goes through it::
+
+    from jobs.trainer.config import DispatchConfig
+    from jobs.trainer.session import EvalRun, start_eval
+
+    dispatcher = start_eval(EvalRun(
+        run_dir="runs/r1", eval_config="eval.json", base_model_dir="my-hf-model-dir",
+        dispatch=DispatchConfig(eval_interval=100), resume=True))  # staging into RUN/snapshots
+    dispatcher.dispatch_initial(model)               # optional: step 0 is a point
+    for step in range(1, steps + 1):
+        ...                                          # forward, backward, optimizer step
+        dispatcher.maybe_dispatch(step, model, final=step == steps)
+    dispatcher.close(steps, model)                   # final point, TRAINING_DONE, drain
+
+With an HF ``Trainer``, pass the dispatcher to :class:`jobs.trainer.hf_callback.EvalDispatchCallback`.
+:class:`EvalRun` is the trainer's ``--eval-*`` and run flags as one object (the same names and
+defaults: ``dispatch`` is :class:`~jobs.trainer.config.DispatchConfig`).
+
+Guarantee (the same checks as ``ckpteval train``): everything is validated before anything is
+written — the eval flags as one (:meth:`DispatchConfig.validate`), the eval-config file and every row
+of its datasets (:func:`jobs.eval.service.read_eval_config`), ``stop_when`` against the run's datasets;
+an existing run is continued only with ``resume=True`` and only with the same eval; ``run.json`` is
+written last, once. Limits: the caller's model dir must hold ``config.json`` and the tokenizer files
+(exports copy them into each snapshot; weights are not needed); one trainer per run dir.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from coord.conditions import check_metric, eval_names, parse_condition
+from coord.identity import run_key
+from coord.manifest import EvalSpec, LeaseSettings, RunManifest
+from coord.rundir import RunDir
+from coord.snapshot import producer_identity
+from jobs.eval.service import EvalConfig, install_eval_data, read_eval_config
+from jobs.flags import check_dir_creatable
+from jobs.metrics import MetricsSink
+from jobs.trainer.config import DispatchConfig
+from jobs.trainer.dispatcher import EvalDispatcher
+
+# a trainer-specific builder of the eval section and RUN/base (the reference trainer's built-in set);
+# called only when the run is created, with the eval-config file if one was given
+BuildEval = Callable[[RunDir, EvalConfig | None], EvalSpec]
+
+
+@dataclass
+class EvalRun:
+    """A trainer's eval settings, as ``ckpteval train`` takes them on its command line."""
+
+    run_dir: Path  # the run directory (--run-dir)
+    dispatch: DispatchConfig | None  # the --eval-* snapshot flags (no snapshot dir: RUN/snapshots); None: --no-eval
+    eval_config: Path | None = None  # the datasets: an eval-config file (the format `worker --eval-config` takes)
+    base_model_dir: Path | None = None  # config.json + tokenizer files, copied into RUN/base when the run is created
+    resume: bool = False  # continue an existing run (--resume); without it an existing run.json is refused
+    run_id: str | None = None  # default: the eval-config's run_id, else the run dir's name
+    trainer: dict[str, Any] = field(default_factory=dict)  # who trains: recorded in run.json's trainer section
+    lease: LeaseSettings = field(default_factory=lambda: LeaseSettings(60.0, 10.0))  # --lease-duration/-heartbeat
+    poll_interval_s: float = 2.0  # --eval-poll-interval: seconds between listings of results/
+    backpressure_timeout_s: float = 300.0  # --eval-backpressure-timeout
+    drain_timeout_s: float = 300.0  # --eval-drain-timeout: longest wait at the end for outstanding points
+    stop_when: str | None = None  # --eval-stop-when: a point meeting it sets dispatcher.stop_requested
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.eval_config = None if self.eval_config is None else Path(self.eval_config)
+        self.base_model_dir = None if self.base_model_dir is None else Path(self.base_model_dir)
+        check_dir_creatable("--run-dir", self.run_dir)
+        if self.dispatch is not None:
+            if self.dispatch.staging_dir is None and self.dispatch.save_hf_dir is None:  # as ckpteval train
+                self.dispatch = replace(self.dispatch, staging_dir=self.run_dir / "snapshots")
+            self.dispatch = self.dispatch.validate()
+        if self.base_model_dir is not None and not (self.base_model_dir / "config.json").is_file():
+            raise ValueError(f"base_model_dir {self.base_model_dir}: no config.json (an HF model dir: config + tokenizer)")
+        if self.stop_when is not None:
+            parse_condition(self.stop_when, "--eval-stop-when")
+        for name in ("poll_interval_s", "backpressure_timeout_s", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def _copy_base(run: RunDir, base: Path) -> None:
+    """``base``'s small files (config, generation config, tokenizer) into RUN/base; weights are left out."""
+    run.base.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json")):
+            shutil.copy2(f, run.base / f.name)
+
+
+def _default_eval(spec: EvalRun) -> BuildEval:
+    def build(run: RunDir, config: EvalConfig | None) -> EvalSpec:
+        if config is None:
+            raise ValueError("no datasets: give eval_config")
+        if spec.base_model_dir is not None:
+            _copy_base(run, spec.base_model_dir)
+        install_eval_data(run, config)
+        return config.spec
+    return build
+
+
+def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunDir:
+    """Create the run (or reopen it with ``resume``); ``run.json`` is written last, once.
+
+    ``build_eval`` writes RUN/base and the datasets of a new run and returns its eval section
+    (default: the eval-config file's, and ``base_model_dir`` copied). ValueError names what is wrong."""
+    run = RunDir(spec.run_dir)
+    config = read_eval_config(spec.eval_config) if spec.eval_config is not None else None
+    if run.manifest_path.is_file():
+        if not spec.resume:
+            raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
+        if config is not None and run.manifest().eval != config.spec:
+            raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
+        _check_stop_when(spec, run.manifest())
+        run.clear_interrupted()  # running again: readers must not take it as ended
+        return run
+    if config is None and build_eval is None:
+        raise ValueError("no datasets: give eval_config (an eval-config file, the format `ckpteval worker "
+                         "--eval-config` takes)")
+    if spec.base_model_dir is None and build_eval is None:
+        raise ValueError("base_model_dir: exports copy its config and tokenizer into every snapshot; give the "
+                         "HF model dir the trainer started from")
+    if config is not None:  # checked before anything is written
+        _check_stop_when(spec, RunManifest(run_id="check", eval=config.spec, snapshot_roots=()))
+    run = RunDir.create(spec.run_dir)
+    eval_spec = (build_eval or _default_eval(spec))(run, config)
+    manifest = RunManifest(
+        run_id=spec.run_id or (config.raw.get("run_id") if config else None) or _run_id(run.path),
+        eval=eval_spec,
+        snapshot_roots=(str(run.snapshots),),
+        trainer={"program": "library", **producer_identity(), **spec.trainer},
+        lease=config.lease if config is not None and config.lease else spec.lease,
+        created=time.time(),
+    )
+    _check_stop_when(spec, manifest)
+    if spec.dispatch is not None:  # a shared staging dir gets a per-run subdir (named by the run key)
+        manifest = replace(manifest, snapshot_roots=(str(spec.dispatch.run_snapshot_root(run_key(manifest), run.path)),))
+    RunDir.create(run.path, manifest)
+    return run
+
+
+def _check_stop_when(spec: EvalRun, manifest: RunManifest) -> None:
+    if spec.stop_when is not None:
+        check_metric(parse_condition(spec.stop_when, "--eval-stop-when"), eval_names(manifest), "--eval-stop-when")
+
+
+def _run_id(path: Path) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", path.name)[:64] or "run"
+
+
+def open_dispatcher(spec: EvalRun, run: RunDir, sink: MetricsSink | None = None, **kw: Any) -> EvalDispatcher:
+    """The run's :class:`EvalDispatcher` with ``spec``'s timeouts and ``stop_when``; ``sink`` defaults to
+    ``RUN/metrics.jsonl`` alone (give a :class:`MetricsSink` with a wandb run to log there too); ``kw``
+    goes to the dispatcher (``shared``, ``should_stop``)."""
+    if spec.dispatch is None:
+        raise ValueError("no dispatch config: this run trains without evaluation")
+    dispatcher = EvalDispatcher(spec.dispatch, run, sink or MetricsSink(run.metrics_path), run.base,
+                                poll_interval_s=spec.poll_interval_s,
+                                backpressure_timeout_s=spec.backpressure_timeout_s,
+                                drain_timeout_s=spec.drain_timeout_s, **kw)
+    if spec.stop_when is not None:
+        dispatcher.stop_when = parse_condition(spec.stop_when, "--eval-stop-when")
+    return dispatcher
+
+
+def start_eval(spec: EvalRun, sink: MetricsSink | None = None, **kw: Any) -> EvalDispatcher:
+    """:func:`prepare_eval_run` then :func:`open_dispatcher`: the one call a training loop needs."""
+    return open_dispatcher(spec, prepare_eval_run(spec), sink, **kw)

@@ -1,0 +1,152 @@
+"""Decisions from points (jobs.decide): paired intervals, the best step, ``ckpteval compare`` / ``best``.
+
+The statistics are checked against simulations where the truth is known (fixed seeds): the paired
+interval covers the true difference at its nominal rate, and the best step's "not distinguishable"
+set keeps every truly-best step at the family level. The commands run on real run dirs with results
+files written as workers write them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coord.results import ok_result, write_result
+from coord.rundir import RunDir
+from coord.units import shard_range, units_for_step
+from jobs.decide.stats import best_step, paired_interval, t_quantile
+from tests.support.runs import make_run
+from tests.support.workers import finish, spawn
+
+
+def test_t_quantile_matches_tables() -> None:
+    for df, want in ((5, 2.570582), (10, 2.228139), (30, 2.042272), (200, 1.971896)):
+        assert t_quantile(0.975, df) == pytest.approx(want, abs=2e-3)
+
+
+def _paired_draw(rng: np.random.Generator, n_prompts: int, n_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-prompt means of two steps on prompts drawn from a population: step B's success probability is
+    step A's plus d_i ~ U(-0.05, 0.15), so the true mean difference is exactly 0.05."""
+    p = rng.uniform(0.1, 0.8, n_prompts)
+    q = p + rng.uniform(-0.05, 0.15, n_prompts)
+    return rng.binomial(n_samples, p) / n_samples, rng.binomial(n_samples, q) / n_samples
+
+
+@pytest.mark.parametrize("level", [0.9, 0.95])
+def test_paired_interval_covers_the_true_difference_at_its_nominal_rate(level: float) -> None:
+    rng = np.random.default_rng(21)
+    reps = 4000
+    hits = 0
+    for _ in range(reps):
+        iv = paired_interval(*_paired_draw(rng, 150, 4), level=level)
+        hits += iv.low <= 0.05 <= iv.high
+    assert abs(hits / reps - level) < 0.015, f"coverage {hits / reps:.3f} at nominal {level}"
+
+
+def test_paired_interval_is_narrower_than_unpaired_and_says_noise() -> None:
+    rng = np.random.default_rng(3)
+    a, b = _paired_draw(rng, 300, 4)
+    iv = paired_interval(a, b)
+    unpaired_half = 1.96 * np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
+    assert iv.high - iv.low < 2 * unpaired_half  # pairing removes the prompt-difficulty variance
+    same = paired_interval(a, a + rng.normal(0, 0.01, a.size))
+    assert not same.distinguishable
+
+
+def test_best_set_keeps_every_truly_best_step_at_the_family_level() -> None:
+    """Five steps, steps 3 and 4 equally best: both stay in the set in >= 95% of replicates (Bonferroni)."""
+    rng = np.random.default_rng(5)
+    shift = {0: -0.15, 1: -0.08, 2: -0.04, 3: 0.0, 4: 0.0}
+    reps, kept, found_best = 600, 0, 0
+    for _ in range(reps):
+        p = rng.uniform(0.2, 0.7, 120)
+        values = {s: rng.binomial(4, np.clip(p + d, 0, 1)) / 4 for s, d in shift.items()}
+        best = best_step(values)
+        kept += {3, 4} <= set(best.tied)
+        found_best += best.step in (3, 4)
+    assert kept / reps >= 0.94 and found_best / reps > 0.8
+
+
+def _write_step(run: RunDir, step: int, per_prompt: np.ndarray) -> None:
+    """Results of every unit of ``step``, prompt ``i`` scoring ``per_prompt[i]`` (one sample per prompt)."""
+    manifest = run.manifest()
+    for unit in units_for_step(manifest, step):
+        idx = list(shard_range(manifest, unit))
+        write_result(run.results, ok_result(unit, [float(per_prompt[i]) for i in idx], [str(step)] * len(idx)))
+
+
+@pytest.fixture
+def decided_run(tmp_path: Path) -> RunDir:
+    """Steps 100 (p=0.3), 200 and 300 (both p=0.8, 300 = 200 with two prompts flipped), 40 prompts."""
+    run = make_run(tmp_path / "a", n_prompts=40, shard_size=10)
+    rng = np.random.default_rng(7)
+    _write_step(run, 100, (rng.random(40) < 0.3).astype(float))
+    s200 = (rng.random(40) < 0.8).astype(float)
+    _write_step(run, 200, s200)
+    s300 = s200.copy()
+    s300[[0, 1]] = 1 - s300[[0, 1]]
+    _write_step(run, 300, s300)
+    return run
+
+
+def test_compare_two_steps_says_better_and_noise(decided_run: RunDir) -> None:
+    code, out = finish(spawn("compare", str(decided_run.path), "--steps", "100", "200", "--json"), 60)
+    assert code == 0, out
+    (row,) = json.loads(out.strip().splitlines()[-1])["datasets"]
+    assert row["verdict"] == "B better" and row["low"] > 0 and row["n_prompts"] == 40
+    code, out = finish(spawn("compare", str(decided_run.path), "--steps", "200", "300"), 60)
+    assert code == 0 and "not distinguishable from noise" in out and "paired t interval" in out, out
+
+
+def test_compare_two_runs_pairs_prompt_by_prompt(decided_run: RunDir, tmp_path: Path) -> None:
+    other = make_run(tmp_path / "b", n_prompts=40, shard_size=10)
+    _write_step(other, 200, np.zeros(40))
+    code, out = finish(spawn("compare", str(decided_run.path), str(other.path), "--json"), 60)
+    assert code == 0, out
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["a"].endswith("step 200") and rec["datasets"][0]["verdict"] == "A better"
+
+
+def test_best_writes_best_json_with_the_indistinguishable_steps(decided_run: RunDir) -> None:
+    code, out = finish(spawn("best", str(decided_run.path), "--metric", "eval/add"), 60)
+    assert code == 0, out
+    rec = json.loads(decided_run.best_path.read_text())
+    assert rec["best_step"] in (200, 300) and rec["not_distinguishable"] == [200, 300]
+    assert "Bonferroni" in rec["correction"] and rec["steps"]["100"]["diff_to_best"]["high"] < 0
+    assert f"best step by eval/add (higher is better): {rec['best_step']}" in out
+    code, out = finish(spawn("best", str(decided_run.path), "--metric", "eval/add", "--lower-is-better", "--json"), 60)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["best_step"] == 100
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["compare", "{run}", "--steps", "100", "999"], "no dataset has a complete point at step 100"),
+    (["compare", "{run}"], "give --steps A B"),
+    (["best", "{run}", "--metric", "eval/nope"], "no dataset 'nope'"),
+    (["best", "{run}", "--metric", "eval/add/pass@3"], "is not logged for add"),
+    (["best", "{missing}", "--metric", "eval/add"], "no run.json"),
+])
+def test_bad_input_is_one_line(decided_run: RunDir, tmp_path: Path, argv: list[str], says: str) -> None:
+    args = [a.format(run=decided_run.path, missing=tmp_path / "nope") for a in argv]
+    code, out = finish(spawn(*args), 60)
+    assert code == 2 and says in out and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_best_writes_the_wandb_summary(decided_run: RunDir) -> None:
+    """wandb offline (``WANDB_MODE=offline``), read back from wandb's own ``.wandb`` file."""
+    import os
+
+    from tests.test_metrics import wandb_records
+
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    code, out = finish(spawn("best", str(decided_run.path), "--metric", "eval/add", "--wandb-run-id", "train-7",
+                             env=env), 120)
+    assert code == 0, out
+    (wandb_file,) = decided_run.path.glob("wandb/offline-run-*/run-train-7.wandb")
+    summary = {i.key: json.loads(i.value_json) for r in wandb_records(wandb_file)
+               if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
+    rec = json.loads(decided_run.best_path.read_text())
+    assert summary["best/step"] == rec["best_step"] and summary["best/not_distinguishable"] == [200, 300]
+    assert summary["best/metric"] == "eval/add"
