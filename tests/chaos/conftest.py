@@ -81,7 +81,7 @@ def replace_section(text: str, heading: str, section: str) -> str:
         end = text.find("\n## ", start + len(heading))
         return text[:start] + section + (text[end + 1:] if end >= 0 else "")
     at = text.index(KEEP_MARKER) + len(KEEP_MARKER)
-    return text[:at] + "\n\n" + section + text[at:]
+    return text[:at] + "\n\n" + section + text[at:].lstrip("\n")
 
 
 @pytest.fixture

@@ -641,4 +641,7 @@ def matrix_markdown(heading: str, rows: list[Row]) -> str:
         f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (shared machine)\n"
         f"- machine: {m['cores']} cores, {m['ram']} RAM, {m['run-dir filesystem']}, Linux {m['kernel']}\n\n"
         + "\n".join(lines) + "\n\n"
+        f"Totals: {len(rows)} cells, {sum(r.faults.count(';') + 1 for r in rows if r.faults != '-')} faults, "
+        f"{sum(r.expected for r in rows)} points expected, {sum(r.landed for r in rows)} logged, "
+        f"{sum(r.lost for r in rows)} lost, {sum(r.dup_ingestions for r in rows)} logged twice.\n\n"
     )
