@@ -36,7 +36,7 @@ from pathlib import Path
 
 from coord.rundir import RunDir
 from coord.verdicts import publish_judge
-from jobs.flags import Parser, bounded, fail
+from jobs.flags import Parser, bounded, fail, positive_int
 
 PROG = "python -m jobs.launch.judge_server"
 
@@ -55,6 +55,21 @@ def served_models(url: str, timeout_s: float = 5.0) -> list[str] | None:
     except (OSError, urllib.error.URLError, ValueError, AttributeError):
         return None
     return [str(m.get("id")) for m in data if isinstance(m, dict)] if isinstance(data, list) else None
+
+
+def add_judge_flags(parser: argparse.ArgumentParser) -> None:
+    """``ckpteval submit train-eval``'s judge component flags (read by :func:`judge_command`)."""
+    j = parser.add_argument_group("judge server (component 2, with --judge-model or --judge-cmd)")
+    j.add_argument("--judge-model", metavar="PATH",
+                   help="serve this model with sglang as the run's judge; its URL is published in RUN/judge.json")
+    j.add_argument("--judge-gpus", type=positive_int, default=1, metavar="N",
+                   help="GPUs of the judge server (sglang --tp N; default 1)")
+    j.add_argument("--judge-partition", help="the judge's partition (default --partition)")
+    j.add_argument("--judge-cpus", type=positive_int, default=8, metavar="N", help="CPUs for the judge (default 8)")
+    j.add_argument("--judge-mem", help="memory for the judge, sbatch syntax")
+    j.add_argument("--judge-cmd", metavar="CMD",
+                   help="run this judge server instead of sglang ({port} is replaced by a free port; it must "
+                   "answer /v1/models there), e.g. 'ckpteval serve --judge exact --host 0.0.0.0 --port {port}'")
 
 
 def judge_command(args: argparse.Namespace) -> list[str] | None:

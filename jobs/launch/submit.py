@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.flags import Parser, fail, non_negative_int, positive_int
-from jobs.launch.judge_server import judge_command
+from jobs.launch.judge_server import add_judge_flags, judge_command
+from jobs.launch.sbatch_template import render
 from jobs.launch.submit_checks import (
     NothingToDo,
     check_on_submit_host,
@@ -62,8 +63,6 @@ def sbatch_dir() -> Path:
 
 SBATCH_DIR = sbatch_dir()
 TEMPLATES = {"train-eval": "train_eval.sbatch", "backfill": "backfill.sbatch", "service": "eval_service.sbatch"}
-OPTIONS_BEGIN, OPTIONS_END = "# >>> ckpteval sbatch options", "# <<< ckpteval sbatch options"
-SETTINGS_BEGIN, SETTINGS_END = "# >>> ckpteval settings", "# <<< ckpteval settings"
 
 
 @dataclass
@@ -153,17 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = t.add_argument_group("fleet (component 1)")
     f.add_argument("--fleet-partition", help="the fleet's partition (default --partition)")
     f.add_argument("--fleet-nodes", type=_positive, default=1, help="nodes of the eval fleet (default 1)")
-    j = t.add_argument_group("judge server (component 2, with --judge-model or --judge-cmd)")
-    j.add_argument("--judge-model", metavar="PATH",
-                   help="serve this model with sglang as the run's judge; its URL is published in RUN/judge.json")
-    j.add_argument("--judge-gpus", type=_positive, default=1, metavar="N",
-                   help="GPUs of the judge server (sglang --tp N; default 1)")
-    j.add_argument("--judge-partition", help="the judge's partition (default --partition)")
-    j.add_argument("--judge-cpus", type=_positive, default=8, metavar="N", help="CPUs for the judge (default 8)")
-    j.add_argument("--judge-mem", help="memory for the judge, sbatch syntax")
-    j.add_argument("--judge-cmd", metavar="CMD",
-                   help="run this judge server instead of sglang ({port} is replaced by a free port; it must "
-                   "answer /v1/models there), e.g. 'ckpteval serve --judge exact --host 0.0.0.0 --port {port}'")
+    add_judge_flags(t)
     t.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then arguments for the trainer")
 
     b = sub.add_parser("backfill", help="array job evaluating every pending unit of finished runs")
@@ -266,27 +255,6 @@ def _settings(args: argparse.Namespace, values: dict[str, str | Path | int | lis
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
     return list(args.worker_arg) + (["--judge-url", args.judge_url] if args.judge_url else [])
-
-
-def replace_block(text: str, begin: str, end: str, body: list[str]) -> str:
-    """Replace the lines between the marker lines starting with ``begin`` and ``end`` by ``body``."""
-    lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith(begin)]
-    ends = [i for i, line in enumerate(lines) if line.startswith(end)]
-    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
-        raise ValueError(f"template: expected one block {begin!r} ... {end!r}")
-    return "\n".join(lines[: starts[0] + 1] + body + lines[ends[0] :]) + "\n"
-
-
-def render(template: str, sbatch_lines: list[list[str]], settings: list[str]) -> str:
-    """The template with its options block set to ``sbatch_lines`` (one list per het component)."""
-    header: list[str] = []
-    for index, component in enumerate(sbatch_lines):
-        if index:
-            header.append("#SBATCH hetjob")
-        header += [f"#SBATCH {line}" for line in component]
-    text = replace_block(template, OPTIONS_BEGIN, OPTIONS_END, header)
-    return replace_block(text, SETTINGS_BEGIN, SETTINGS_END, settings)
 
 
 def _abs(path: Path) -> Path:
