@@ -29,6 +29,7 @@ def test_docs_have_runnable_blocks() -> None:
     assert {"README.md", "USER_GUIDE.md"} <= names
 
 
+@pytest.mark.timeout(1200)  # every runnable block of every doc, demos included: minutes on a loaded 2-core box
 def test_doc_commands_run_on_cpu(tmp_path: Path) -> None:
     """All blocks in order, in one directory: later blocks may use what earlier ones made."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
