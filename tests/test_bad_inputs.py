@@ -167,11 +167,12 @@ def worker_cases(cmd: str) -> list[str]:
         f"{base} --newest-first=yes",
         f"{base} --trust-run-code=yes",
         f"{base} --unsafe-code-rlimits-only=yes",
+        f"{base} --judge-url ftp://judge:8000/v1",
         f"{base} --bogus-flag",
     ]
-    cases += _no_value(base, "--worker-id", "--wandb-run-id", "--engine", "--watch", "--eval-config")
+    cases += _no_value(base, "--worker-id", "--wandb-run-id", "--engine", "--watch", "--eval-config", "--judge-url")
     if cmd == "worker":
-        cases += [f"{base} --catchup bogus", f"{base} --once=yes"]
+        cases += [f"{base} --catchup bogus", f"{base} --once=yes", f"{base} --retry-infra-skips=yes"]
     else:
         cases += [f"{base} --once", f"{base} --catchup all",  # backfill fixes these: not its flags
                   f"{base} --steps 5",  # --steps without --from-run
@@ -299,7 +300,11 @@ def serve_cases() -> list[str]:
         f"{base} --verbose=yes",
         f"{base} --enable-deterministic-inference=yes",
         f"{base} --bogus-flag",
+        "serve --judge bogus",
+        "serve --judge exact --judge-delay -1",
+        "serve --judge exact --judge-delay x",
         *_no_value(base, "--weight-version", "--host"),
+        *_no_value("serve --judge exact", "--served-model-name"),
     ] + _flag_cases(base, {"--max-batch-size": "int>=1"})
 
 
@@ -325,6 +330,7 @@ def submit_cases() -> list[str]:
             f"{base} --worker-arg=--poll-interval=-1",
             f"{base} --worker-arg=--bogus-flag",
             f"{base} --dry-run=yes",
+            f"{base} --judge-url ftp://judge/v1",
             f"{base} --bogus-flag",
             *_no_value(base, "--partition", "--account", "--qos", "--time", "--job-name", "--output", "--mem",
                        "--constraint"),
@@ -340,6 +346,12 @@ def submit_cases() -> list[str]:
         f"{te} -- --bogus-flag",
         f"{te} --workers 1 --fleet-nodes 2",
         *_no_value(te, "--train-cmd", "--trainer-mem", "--trainer-partition", "--fleet-partition"),
+        f"{te} --judge-model /m --judge-cmd 'x --port {{{{port}}}}'",  # two judge servers
+        f"{te} --judge-model /m --judge-url http://j:1/v1",  # launch one and attach to another
+        f"{te} --judge-cmd 'serve-something'",  # no {port}
+        f"{te} --judge-model /m --judge-gpus 0",
+        f"{te} --judge-model /m --judge-cpus x",
+        *_no_value(te, "--judge-model", "--judge-cmd", "--judge-mem", "--judge-partition", "--judge-url"),
         "submit backfill --run-dir {S}/nope --dry-run",
         "submit backfill --run-dir {S}/empty --dry-run",
         f"{bf} --backfill-cmd bogus",
