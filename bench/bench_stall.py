@@ -203,8 +203,14 @@ def run_one(cfg: Config, base: Path, staging_base: Path, args: argparse.Namespac
 
 
 def snapshot_dir_fn(mode: str, staging: Path, run_dir: Path) -> Callable[[int], Path]:
+    """Where a step's snapshot (and its marker) is: in staging mode under the root run.json lists (the
+    staging dir's per-run subdir), in reuse mode the HF checkpoint."""
     if mode == "staging":
-        return lambda step: staging / f"step-{step:010d}"
+        from coord.rundir import RunDir
+        from coord.snapshot import snapshot_dirname
+
+        root = Path(RunDir(run_dir).manifest().snapshot_roots[0])
+        return lambda step: root / snapshot_dirname(step)
     return lambda step: run_dir / "hf" / f"checkpoint-{step}"
 
 
@@ -255,7 +261,9 @@ def latency(run_dir: Path, snap_dir: Callable[[int], Path]) -> dict[str, Any]:
     for step, t_ingest in sorted(ingested.items()):
         marker = snap_dir(step) / ".complete"
         rs = [r for r in results.get(step, []) if r["status"] == "ok"]
-        if not marker.exists() or not rs:
+        if not marker.exists():  # every marker is kept (--eval-keep-snapshots): a wrong path, not a skip
+            raise RuntimeError(f"{marker}: no marker for the ingested step {step}: latency cannot be measured")
+        if not rs:
             continue
         created = json.loads(marker.read_text())["created"]
         last = max(r["written_at"] for r in rs)
