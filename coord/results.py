@@ -63,6 +63,8 @@ class Result:
     extras: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {"sum": s, "n": samples}
     scorer: dict[str, Any] = field(default_factory=dict)  # the scorer's identity() ({}: not recorded)
     blame: str | None = None  # a skip's culprit when known ("scorer": the scorer raised)
+    attest: dict[str, Any] = field(default_factory=dict)  # {"attested", "how", "detail", "seconds"}; {}: not recorded
+    cost: dict[str, float] = field(default_factory=dict)  # what the unit cost (tokens, engine seconds, GPUs)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +94,8 @@ class Result:
             **({"extras": self.extras} if self.extras else {}),
             **({"scorer": self.scorer} if self.scorer else {}),
             **({"blame": self.blame} if self.blame else {}),
+            **({"attest": self.attest} if self.attest else {}),
+            **({"cost": self.cost} if self.cost else {}),
         }
 
 
@@ -151,6 +155,8 @@ def parse_result(obj: Any, source: Path) -> Result:
         counters = {str(k): int(v) for k, v in (obj.get("counters") or {}).items()}
         extras = {str(k): {"sum": float(v["sum"]), "n": int(v["n"])} for k, v in (obj.get("extras") or {}).items()}
         scorer = dict(obj.get("scorer") or {})
+        attest = dict(obj.get("attest") or {})
+        cost = {str(k): float(v) for k, v in (obj.get("cost") or {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -182,6 +188,8 @@ def parse_result(obj: Any, source: Path) -> Result:
         extras=extras,
         scorer=scorer,
         blame=obj.get("blame"),
+        attest=attest,
+        cost=cost,
     )
 
 
@@ -254,6 +262,7 @@ class DatasetScore:
     grader_timeouts: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # the scorer's counts, summed over the shards
     extras: dict[str, float] = field(default_factory=dict)  # the scorer's per-sample numbers, averaged
+    attested: float = math.nan  # fraction of the shards whose weights were attested (nan: none recorded)
 
 
 @dataclass(frozen=True)
@@ -267,6 +276,7 @@ class Point:
     completed_at: float | None
     metrics: dict[str, float] = field(default_factory=dict)  # lm-eval tasks: "<task>/<metric>" -> value
     mixed_scorers: tuple[str, ...] = ()  # datasets whose units disagree on the scorer identity: not pooled
+    cost: dict[str, float] = field(default_factory=dict)  # every unit's cost summed (eval/cost/*)
 
     @property
     def skipped(self) -> bool:
@@ -355,7 +365,25 @@ def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) 
         grader_timeouts=sum(r.grader_timeouts for r in shards),
         counters=_sum_counters(shards),
         extras=_mean_extras(shards),
+        attested=_attested(shards),
     )
+
+
+def _attested(shards: list[Result]) -> float:
+    """The fraction of shards whose result says its weights were attested; nan if none says either way."""
+    known = [bool(r.attest.get("attested")) for r in shards if r.attest]
+    return sum(known) / len(known) if known else math.nan
+
+
+def point_cost(done: list[Result]) -> dict[str, float]:
+    """Every unit's ``cost`` summed (``gpus``: the largest engine seen), plus the verification seconds."""
+    total: dict[str, float] = {}
+    for r in done:
+        for name, value in r.cost.items():
+            total[name] = max(total.get(name, 0.0), value) if name == "gpus" else total.get(name, 0.0) + value
+    if total:
+        total["verify_s"] = sum(r.timings.get("verify_s", 0.0) for r in done)
+    return total
 
 
 def _sum_counters(shards: list[Result]) -> dict[str, int]:
@@ -414,6 +442,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         units_done=len(done),
         completed_at=max((r.written_at for r in done), default=None) if complete else None,
         mixed_scorers=tuple(mixed),
+        cost=point_cost(done),
     )
 
 
@@ -444,6 +473,10 @@ def point_metrics(point: Point) -> dict[str, float]:
         metrics[f"eval/{name}/grader_timeouts"] = ds.grader_timeouts
         for key, value in {**ds.derived, **ds.counters, **ds.extras}.items():
             metrics[f"eval/{name}/{key}"] = value
+        if not math.isnan(ds.attested):
+            metrics[f"eval/{name}/attested"] = ds.attested
+    for key, value in point.cost.items():
+        metrics[f"eval/cost/{key}"] = value
     for name in point.mixed_scorers:
         metrics[f"eval/{name}/scorer_mixed"] = 1.0
     metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +25,8 @@ from coord.snapshot import (
     verify_snapshot,
 )
 from coord.units import WorkUnit, shard_range
-from jobs.eval.engines.base import Engine, EngineError
+from jobs.eval.attest import NOT_ATTESTED, Attestation, AttestFailed, attest
+from jobs.eval.engines.base import Engine, EngineError, engine_gpus
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from jobs.eval.options import WorkerOptions
@@ -65,21 +67,42 @@ class EngineEvaluator:
         # passes one run's pin while holding another run's weights of the same step
         self.pin_timeout_s, self.load_timeout_s = pin_timeout_s, load_timeout_s
         self._loaded_once = False
+        self._attested: tuple[str, Attestation] | None = None  # (version, its attestation) since the last load
+        self._distrusted: set[str] = set()  # versions whose attestation failed: reloaded before the next try
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
         want = weight_version(self.key, unit.step)
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
+        attestation = self._attest(ref, want, timings)
         try:
             ev = evaluate_pinned(self.engine, self.cache, unit, str(ref.path), want)
         except EngineError as e:
             if not e.restart_helps:  # a rejected request, aborted samples: the engine is fine
                 raise
-            self._heal(ref, want)  # died mid-unit: bring it back, then one more try
+            self._heal(ref, want)  # died mid-unit: bring it back, attest the reload, then one more try
+            attestation = self._attest(ref, want, timings)
             ev = evaluate_pinned(self.engine, self.cache, unit, str(ref.path), want)
         timings["generate_s"] = ev.generate_s
-        return ev
+        return replace(ev, attest=attestation.to_json(), cost=unit_cost(ev, timings, engine_gpus(self.engine)))
+
+    def _attest(self, ref: SnapshotRef, want: str, timings: dict[str, float]) -> Attestation:
+        """The attestation of the weights held for ``want``: made after each load, and before the first
+        unit of a version this evaluator did not load (a label set by someone else proves nothing)."""
+        if self._attested is not None and self._attested[0] == want:
+            timings["attest_s"] = 0.0
+            return self._attested[1]
+        marker = verify_snapshot(ref.path, "fast", marker=ref.marker if ref.foreign else None)
+        try:
+            attestation = attest(self.engine, ref.path, marker, self.cache.run)
+        except AttestFailed:
+            self._distrusted.add(want)
+            raise
+        self._distrusted.discard(want)
+        self._attested = (want, attestation)
+        timings["attest_s"] = attestation.seconds
+        return attestation
 
     def probe(self) -> None:
         """Start-up probe: the engine answers (a remote one that does not raises EngineError) and, once
@@ -114,15 +137,30 @@ class EngineEvaluator:
         """:func:`jobs.eval.pinning.pin` with the fleet's bounds; returns whether a load happened."""
         try:
             loaded = pin(self.engine, str(ref.path), want, load_timeout_s=self.load_timeout_s,
-                         pin_timeout_s=self.pin_timeout_s)
+                         pin_timeout_s=self.pin_timeout_s, reload=want in self._distrusted)
         except PinViolation:
-            self._loaded_once = True  # the load happened; its read-back failed
+            self._loaded_once, self._attested = True, None  # the load happened; its read-back failed
             raise
+        except EngineError:
+            self._attested = None  # the held weights are unknown: attested again after the next load
+            raise
+        if loaded:
+            self._attested = None  # new weights: attested before they score
         self._loaded_once = self._loaded_once or loaded
         return loaded
 
     def close(self) -> None:
         self.engine.close()
+
+
+def unit_cost(ev: Evaluation, timings: dict[str, float], gpus: int) -> dict[str, float]:
+    """What a unit cost (``eval/cost/*``): the kind's own counts (tokens, scorer seconds) plus the
+    engine's generation seconds, its GPU count, the load and attestation seconds, and GPU-seconds:
+    (generation + load + attestation) x GPUs (idle time between units is not a unit's cost)."""
+    load_s, attest_s = timings.get("load_s", 0.0), timings.get("attest_s", 0.0)
+    busy = ev.generate_s + load_s + attest_s
+    return {**ev.cost, "engine_s": ev.generate_s, "gpus": float(gpus), "gpu_s": busy * gpus,
+            "load_s": load_s, "attest_s": attest_s}
 
 
 class FnEvaluator:
@@ -146,7 +184,9 @@ class FnEvaluator:
         wrong = sorted({str(v) for v in parsed.weight_versions if v != want})
         if wrong:
             raise PinViolation(f"want version {want}; backend reported {wrong}")
-        return Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers)
+        ev = Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers,
+                        attest=NOT_ATTESTED.to_json(), generate_s=timings["generate_s"])
+        return replace(ev, cost=unit_cost(ev, timings, 0))
 
     def probe(self) -> None:
         """An fn backend was built (and its constructor ran) at start; nothing more to probe."""

@@ -68,7 +68,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from jobs.eval.engines.base import EngineError, Generation, SamplingParams
+from jobs.eval.engines.base import EngineError, Generation, SamplingParams, WeightDigests
 from jobs.eval.engines.hf_sampling import (
     SeededSampler,
     left_pad,
@@ -80,6 +80,7 @@ from jobs.eval.engines.hf_weights import (
     arch_signature,
     copy_into_resident,
     index_tensors,
+    param_digests,
     read_config,
     resident_targets,
     resolve_dtype,
@@ -108,7 +109,8 @@ class Completion:
     weight_version: str | None
 
     def generation(self) -> Generation:
-        return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids))
+        return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids),
+                          prompt_tokens=self.prompt_tokens)
 
 
 @contextlib.contextmanager
@@ -170,6 +172,11 @@ class HFEngine:
     def weight_version(self) -> str | None:
         with self._lock:
             return self._version
+
+    @property
+    def gpus(self) -> int:
+        """GPUs this engine occupies: 1 on a CUDA device, else 0."""
+        return 1 if self._device.type == "cuda" else 0
 
     @contextlib.contextmanager
     def held(self) -> Iterator[tuple[PreTrainedModel, Any]]:
@@ -244,6 +251,13 @@ class HFEngine:
                 self._version = None  # some weights may already be overwritten
                 raise EngineError(f"in-place load of {snapshot} failed midway: {e}") from e
             self._version, self._snapshot = version, snapshot
+
+    def weight_digests(self, dtypes: dict[str, str]) -> WeightDigests:
+        """Digests of the weights held now, in the snapshot's dtypes and names
+        (:func:`~jobs.eval.engines.hf_weights.param_digests`), under the lock (no load interleaves)."""
+        with self._lock:
+            model = self._require_loaded()[0]
+            return param_digests(model, dtypes)
 
     # ------------------------------------------------------------------ generation
     def generate(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from jobs.eval.engines.base import EngineError
+from jobs.eval.engines.base import EngineError, WeightDigests
 
 # config.json keys that say nothing about the weights' layout: a change here still reloads in place.
 _BOOKKEEPING_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"})
@@ -222,6 +223,41 @@ def copy_into_resident(targets: dict[str, torch.Tensor], index: TensorIndex, dev
                         target.data.copy_(source, non_blocking=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def param_digests(model: torch.nn.Module, dtypes: dict[str, str]) -> WeightDigests:
+    """Digests of every tensor the model holds (its state dict), each cast to the snapshot's dtype
+    ``dtypes[name]`` (a safetensors dtype name; names absent keep their own dtype), CRC-32 of the
+    bytes (:mod:`coord.digests`). Tensors sharing storage are digested once and reported as aliases of
+    the first of them that ``dtypes`` names. A tensor held in a dtype that cannot hold the snapshot's
+    values exactly (bf16 held for an F32 file) is listed in ``lossy``."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    state = model.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        groups.setdefault(key, []).append(name)
+    digests: dict[str, int] = {}
+    aliases: dict[str, str] = {}
+    lossy: list[str] = []
+    with torch.no_grad():
+        for names in groups.values():
+            head = next((n for n in names if n in dtypes), names[0])
+            tensor = state[head].detach()
+            target = _LOADABLE_DTYPES.get(dtypes.get(head, ""), tensor.dtype)
+            if not _holds_exactly(tensor.dtype, target):
+                lossy.append(head)
+            value = zlib.crc32(_byte_view(tensor.to(device="cpu", dtype=target).contiguous()))
+            for name in names:
+                digests[name] = value
+                if name != head:
+                    aliases[name] = head
+    return WeightDigests(digests, aliases, tuple(sorted(lossy)))
+
+
+def _holds_exactly(held: torch.dtype, file: torch.dtype) -> bool:
+    """Whether every value of ``file``'s dtype survives a round trip through ``held``."""
+    wider = {torch.float64: {torch.float32, torch.bfloat16, torch.float16}, torch.float32: {torch.bfloat16, torch.float16}}
+    return held == file or file in wider.get(held, set())
 
 
 _LOADABLE_DTYPES: dict[str, torch.dtype] = {
