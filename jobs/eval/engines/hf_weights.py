@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import struct
 import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,32 +227,33 @@ def copy_into_resident(targets: dict[str, torch.Tensor], index: TensorIndex, dev
         torch.cuda.synchronize(device)
 
 
+DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
 def param_digests(model: torch.nn.Module, dtypes: dict[str, str]) -> WeightDigests:
     """Digests of every tensor the model holds (its state dict), each cast to the snapshot's dtype
     ``dtypes[name]`` (a safetensors dtype name; names absent keep their own dtype), CRC-32 of the
     bytes (:mod:`coord.digests`). Tensors sharing storage are digested once and reported as aliases of
     the first of them that ``dtypes`` names. A tensor held in a dtype that cannot hold the snapshot's
-    values exactly (bf16 held for an F32 file) is listed in ``lossy``."""
+    values exactly (bf16 held for an F32 file) is listed in ``lossy``. Tensors are digested on
+    :data:`DIGEST_THREADS` threads (one tensor each at a time: at most that many host copies exist)."""
     groups: dict[tuple[Any, ...], list[str]] = {}
     state = model.state_dict(keep_vars=True)
     for name, tensor in state.items():
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         groups.setdefault(key, []).append(name)
-    digests: dict[str, int] = {}
-    aliases: dict[str, str] = {}
-    lossy: list[str] = []
-    with torch.no_grad():
-        for names in groups.values():
-            head = next((n for n in names if n in dtypes), names[0])
-            tensor = state[head].detach()
-            target = _LOADABLE_DTYPES.get(dtypes.get(head, ""), tensor.dtype)
-            if not _holds_exactly(tensor.dtype, target):
-                lossy.append(head)
-            value = zlib.crc32(_byte_view(tensor.to(device="cpu", dtype=target).contiguous()))
-            for name in names:
-                digests[name] = value
-                if name != head:
-                    aliases[name] = head
+    heads = {next((n for n in names if n in dtypes), names[0]): names for names in groups.values()}
+    targets = {h: _LOADABLE_DTYPES.get(dtypes.get(h, ""), state[h].dtype) for h in heads}
+    lossy = [h for h in heads if not _holds_exactly(state[h].dtype, targets[h])]
+
+    def digest(head: str) -> int:
+        with torch.no_grad():
+            return zlib.crc32(_byte_view(state[head].detach().to(device="cpu", dtype=targets[head]).contiguous()))
+
+    with ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="ckpteval-digest") as pool:
+        values = dict(zip(heads, pool.map(digest, heads), strict=True))  # crc32 and copies release the GIL
+    digests = {name: values[head] for head, names in heads.items() for name in names}
+    aliases = {name: head for head, names in heads.items() for name in names if name != head}
     return WeightDigests(digests, aliases, tuple(sorted(lossy)))
 
 
