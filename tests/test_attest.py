@@ -201,3 +201,33 @@ def test_the_stand_in_answers_weights_checker_as_sglang_does(served: Any) -> Non
     assert not any("inv_freq" in n for n in rank["checksums"])
     bad = httpx.post(f"{url}/weights_checker", json={"action": "snapshot"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["success"] is False
+
+
+# -- what a point cost (#19 §3) ---------------------------------------------------------------------------
+def test_units_record_their_cost_and_the_point_and_status_sum_it(tmp_path: Path) -> None:
+    from coord.results import derive_point, point_metrics, write_result
+    from jobs.views.status import collect_status, cost_line
+
+    run, refs = _run_with_steps(tmp_path, (1,))
+    engine = HFEngine()
+    try:
+        results = _evaluate(engine, run, refs, [WorkUnit(1, "addition", 0), WorkUnit(1, "addition", 1)])
+    finally:
+        engine.close()
+    for r in results:
+        assert r.ok, r.message
+        assert r.cost["prompt_tokens"] > 0 and 0 < r.cost["generated_tokens"] <= 2 * 2  # 2 prompts x 2 tokens
+        assert r.cost["gpus"] == 0 and r.cost["gpu_s"] == 0  # the hf engine on CPU holds no GPU
+        assert r.cost["engine_s"] == r.timings["generate_s"] and r.cost["load_s"] == r.timings["load_s"]
+        write_result(run.results, r)
+    manifest = run.manifest()
+    metrics = point_metrics(derive_point(manifest, 1, {r.unit: r for r in results}))
+    assert metrics["eval/addition/attested"] == 1.0
+    assert metrics["eval/cost/generated_tokens"] == sum(r.cost["generated_tokens"] for r in results)
+    assert metrics["eval/cost/prompt_tokens"] == sum(r.cost["prompt_tokens"] for r in results)
+    status = collect_status(run.path)
+    (point,) = status["points"]
+    assert point["cost"]["attest_s"] == sum(r.cost["attest_s"] for r in results)
+    (rate,) = status["cost"]["tokens_per_s"].values()  # one engine (this process) wrote both units
+    assert rate == pytest.approx(metrics["eval/cost/generated_tokens"] / metrics["eval/cost/engine_s"])
+    assert status["cost"]["eval_gpu_hours"] == 0.0 and "GPU-h" in cost_line(status["cost"])

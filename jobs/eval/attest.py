@@ -41,7 +41,7 @@ from typing import Any
 from coord.atomic import dumps, publish_exclusive, read_json_object
 from coord.digests import compare_digests
 from coord.rundir import RunDir
-from coord.snapshot import Marker, is_adapter_snapshot, producer_identity
+from coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
 from jobs.eval.engines.base import Engine, EngineChecksum, EngineError
 from jobs.eval.pinning import WorkerSkip
 
@@ -82,6 +82,16 @@ def attest(engine: Engine, snapshot: Path, marker: Marker, run: RunDir) -> Attes
     weakest = next((a for a in results if not a.attested), results[0])
     detail = weakest.detail if len(results) == 1 else f"{len(results)} engines: {weakest.detail}"
     return Attestation(weakest.attested, weakest.how, detail, time.perf_counter() - t0)
+
+
+def attest_dir(engine: Engine, snapshot: Path, run: RunDir) -> Attestation:
+    """:func:`attest` against the marker in ``snapshot``; a directory without a readable marker (a
+    caller evaluating a bare model dir) is recorded as not attested (how ``none``)."""
+    try:
+        marker = read_marker(snapshot)
+    except (FileNotFoundError, ValueError) as e:
+        return Attestation(False, "none", f"no readable .complete marker to attest against: {e}")
+    return attest(engine, snapshot, marker, run)
 
 
 def _attest_one(engine: Any, snapshot: Path, marker: Marker, run: RunDir) -> Attestation:
