@@ -65,6 +65,7 @@ class Result:
     blame: str | None = None  # a skip's culprit when known ("scorer": the scorer raised)
     attest: dict[str, Any] = field(default_factory=dict)  # {"attested", "how", "detail", "seconds"}; {}: not recorded
     cost: dict[str, float] = field(default_factory=dict)  # what the unit cost (tokens, engine seconds, GPUs)
+    fidelity: dict[str, float] = field(default_factory=dict)  # the canary's comparison; {}: no canary
 
     @property
     def ok(self) -> bool:
@@ -96,6 +97,7 @@ class Result:
             **({"blame": self.blame} if self.blame else {}),
             **({"attest": self.attest} if self.attest else {}),
             **({"cost": self.cost} if self.cost else {}),
+            **({"fidelity": self.fidelity} if self.fidelity else {}),
         }
 
 
@@ -157,6 +159,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         scorer = dict(obj.get("scorer") or {})
         attest = dict(obj.get("attest") or {})
         cost = {str(k): float(v) for k, v in (obj.get("cost") or {}).items()}
+        fidelity = {str(k): float(v) for k, v in (obj.get("fidelity") or {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -190,6 +193,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         blame=obj.get("blame"),
         attest=attest,
         cost=cost,
+        fidelity=fidelity,
     )
 
 
@@ -277,6 +281,7 @@ class Point:
     metrics: dict[str, float] = field(default_factory=dict)  # lm-eval tasks: "<task>/<metric>" -> value
     mixed_scorers: tuple[str, ...] = ()  # datasets whose units disagree on the scorer identity: not pooled
     cost: dict[str, float] = field(default_factory=dict)  # every unit's cost summed (eval/cost/*)
+    fidelity: dict[str, float] = field(default_factory=dict)  # the worst canary comparison (eval/fidelity/*)
 
     @property
     def skipped(self) -> bool:
@@ -375,6 +380,16 @@ def _attested(shards: list[Result]) -> float:
     return sum(known) / len(known) if known else math.nan
 
 
+def point_fidelity(done: list[Result]) -> dict[str, float]:
+    """The worst canary comparison of a point's units: the largest ``max_abs_logprob_diff``, the smallest
+    ``argmax_agreement`` ({} when no unit compared a canary)."""
+    compared = [r.fidelity for r in done if r.fidelity]
+    if not compared:
+        return {}
+    return {"max_abs_logprob_diff": max(f["max_abs_logprob_diff"] for f in compared),
+            "argmax_agreement": min(f["argmax_agreement"] for f in compared)}
+
+
 def point_cost(done: list[Result]) -> dict[str, float]:
     """Every unit's ``cost`` summed (``gpus``: the largest engine seen), plus the verification seconds."""
     total: dict[str, float] = {}
@@ -443,6 +458,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         completed_at=max((r.written_at for r in done), default=None) if complete else None,
         mixed_scorers=tuple(mixed),
         cost=point_cost(done),
+        fidelity=point_fidelity(done),
     )
 
 
@@ -477,6 +493,8 @@ def point_metrics(point: Point) -> dict[str, float]:
             metrics[f"eval/{name}/attested"] = ds.attested
     for key, value in point.cost.items():
         metrics[f"eval/cost/{key}"] = value
+    for key, value in point.fidelity.items():
+        metrics[f"eval/fidelity/{key}"] = value
     for name in point.mixed_scorers:
         metrics[f"eval/{name}/scorer_mixed"] = 1.0
     metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})

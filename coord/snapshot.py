@@ -49,6 +49,8 @@ MARKER = ".complete"
 # of config.json + model weights; PEFT's own names, which sglang's LoRA loader also reads.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The canary a trainer may store with a snapshot (jobs.eval.canary): teacher-forced log-probs of a probe.
+CANARY = "canary.json"
 CHUNK = 8 << 20
 FileInfo = dict[str, Any]  # {"bytes": n, "crc32": c} (+ "tensors": {name: TensorDigest} for a safetensors file)
 

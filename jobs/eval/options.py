@@ -16,6 +16,10 @@ from typing import Any
 
 from jobs.flags import META_KEY, add_options, check_bounds, from_args, option
 
+# --canary-max-diff's default: above the bf16-engine vs fp32-trainer difference measured on the reference
+# model (bench/RESULTS.md "Canary"), far below a changed tokenizer (infinite) or a rescaled layer
+DEFAULT_MAX_ABS_DIFF = 0.25
+
 INGESTION = "service ingestion (external-service posture)"
 # Flags of this group are the scorers' (a sandbox's concurrency, a judge URL override): handed to every
 # scorer in ScorerContext.options by field name (:func:`scorer_options`); add a field with group=SCORING.
@@ -55,6 +59,10 @@ class WorkerOptions:
                                   flag="--pin-timeout", metavar="S", gt=0)
     load_timeout_s: float = option(600.0, "bound on one weight load or engine restart",
                                    flag="--load-timeout", metavar="S", gt=0)
+    canary_max_diff: float = option(
+        DEFAULT_MAX_ABS_DIFF, "skip a unit canary_failed when the snapshot's canary (teacher-forced log-probs the "
+        "trainer stored) differs from the engine's by more than S (0: record eval/fidelity/* only)",
+        flag="--canary-max-diff", metavar="S", min=0)
     max_unhealthy: int = option(5, "exit with code 4 after N consecutive unhealthy units (0: never)",
                                 metavar="N", min=0)
     max_attempts: int = option(

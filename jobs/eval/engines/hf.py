@@ -259,6 +259,15 @@ class HFEngine:
             model = self._require_loaded()[0]
             return param_digests(model, dtypes)
 
+    def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """The canary's recomputation (:func:`jobs.eval.canary.teacher_forced`) of each ``(prompt,
+        continuation)`` with the held model and the tokenizer it generates with, under the lock."""
+        from jobs.eval.canary import teacher_forced
+
+        with self._lock:
+            model, tokenizer = self._require_loaded()
+            return [teacher_forced(model, tokenizer, p, c) for p, c in pairs]
+
     # ------------------------------------------------------------------ generation
     def generate(
         self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
