@@ -7,7 +7,9 @@ double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for 
 A result holds per-sample scores, the scorer's extracted answer of each sample (``answers``, optional:
 results written before it existed have none), the weight versions that produced them, how many samples
 the grader gave up on (``grader_timeouts``), the scorer's per-sample ``counters`` summed and ``extras``
-as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judge's model id), timings,
+as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judge's model id), how the
+engine's weights were attested (``attest``), the canary's comparison (``fidelity``), what the unit cost
+(``cost``: tokens, engine/load/attestation seconds, GPUs; summed per point as ``eval/cost/*``), timings,
 the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
 ``"scorer"`` when the scorer itself raised, so the skip was written at once). A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.

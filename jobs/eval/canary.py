@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,6 +110,43 @@ def canary_bytes(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> by
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     probes = [teacher_forced(model, tokenizer, p, c) for p, c in pairs]
     return (json.dumps({"dtype": dtype, "probes": probes}) + "\n").encode()
+
+
+class TrainerCanary:
+    """The canary a trainer stores with each export (:meth:`__call__`): the probe from the run's first
+    eval set, tokenized with the base dir's tokenizer (both read once). None — no canary, reported
+    absent, never guessed — for anything but an HF-style model, or without a tokenizer or probe."""
+
+    def __init__(self, run: Any, manifest: Any, base: Path | None) -> None:
+        self.run, self.manifest, self.base = run, manifest, base
+        self._probe: tuple[Any, list[tuple[str, str]]] | None = None
+
+    def __call__(self, model: Any) -> bytes | None:
+        if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+            return None
+        tokenizer, pairs = self._probe = self._probe or self._load()
+        if not pairs:
+            return None
+        was_training = model.training
+        model.eval()
+        try:
+            return canary_bytes(model, tokenizer, pairs)
+        finally:
+            model.train(was_training)
+
+    def _load(self) -> tuple[Any, list[tuple[str, str]]]:
+        if self.base is None or not self.manifest.eval.datasets:
+            return None, []
+        from transformers import AutoTokenizer
+
+        from jobs.eval.evalsets import load_dataset
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.base, local_files_only=True)
+            return tokenizer, probe_rows(load_dataset(self.run, self.manifest.eval.datasets[0]))
+        except (OSError, ValueError) as e:
+            print(f"ckpteval: no canary for this run ({e})", file=sys.stderr)
+            return None, []
 
 
 def compare(stored: dict[str, Any], recomputed: list[dict[str, Any]]) -> Fidelity:

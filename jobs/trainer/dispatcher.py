@@ -83,7 +83,6 @@ as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mo
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -100,9 +99,8 @@ from coord.results import Point, Result, ResultIndex, derive_point, write_point_
 from coord.rundir import RunDir
 from coord.snapshot import mark_complete, read_marker, snapshot_path
 from coord.units import WorkUnit, units_for_step
-from jobs.eval.canary import canary_bytes, probe_rows
+from jobs.eval.canary import TrainerCanary
 from jobs.eval.engines.base import Engine
-from jobs.eval.evalsets import load_dataset
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.trust import check_run_code
 from jobs.ingest import ingest_point
@@ -113,21 +111,6 @@ from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomC
 from jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
 Model = torch.nn.Module | Mapping[str, Any]
-
-
-def _load_probe(run: RunDir, manifest: Any, base: Path | None) -> tuple[Any, list[tuple[str, str]]]:
-    """The canary's tokenizer (the base dir's) and probe (the run's first eval set); no probe when either
-    is missing or unreadable (the canary is then absent, never guessed)."""
-    if base is None or not manifest.eval.datasets:
-        return None, []
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
-        return tokenizer, probe_rows(load_dataset(run, manifest.eval.datasets[0]))
-    except (OSError, ValueError) as e:
-        print(f"ckpteval: no canary for this run ({e})", file=sys.stderr)
-        return None, []
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
 WAIT_SLICE_S = 0.1
 
@@ -176,8 +159,7 @@ class EvalDispatcher:
         self.ledger = Ledger(run.ledger_path)
         self.index = ResultIndex(run.results)
         self.exporter: AsyncExporter | None = None
-        self.base_model_dir = base_model_dir
-        self._probe: tuple[Any, list[tuple[str, str]]] | None = None  # (tokenizer, probe rows), loaded once
+        self._canary = TrainerCanary(run, self.manifest, base_model_dir)
         self.gc: StagingGC | None = None
         if self.config.mode == "staging":
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
@@ -329,26 +311,10 @@ class EvalDispatcher:
         if self.exporter is None:
             raise RuntimeError("staging export without an exporter")
         self._exporting.add(step)
-        self.exporter.submit(step, model, canary=self._canary(model))
+        self.exporter.submit(step, model, canary=None if is_peft_model(model) else self._canary(model))
         if self.shared is not None:
             self.exporter.wait()
         self._collect_exports()
-
-    def _canary(self, model: Model) -> bytes | None:
-        """The canary of an HF-style model (:mod:`jobs.eval.canary`): the probe from the run's first eval
-        set, tokenized with the base dir's tokenizer; None when there is no such model, tokenizer or probe."""
-        if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None or is_peft_model(model):
-            return None
-        if self._probe is None:
-            self._probe = _load_probe(self.run, self.manifest, self.base_model_dir)
-        if not self._probe[1]:
-            return None
-        was_training = model.training
-        model.eval()
-        try:
-            return canary_bytes(model, self._probe[0], self._probe[1])
-        finally:
-            model.train(was_training)
 
     def _mark_checkpoint(self, step: int) -> None:
         directory = self.snapshot_dir(step)
