@@ -89,26 +89,33 @@ def probe_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 @torch.no_grad()
-def teacher_forced(model: Any, tokenizer: Any, prompt: str, continuation: str) -> dict[str, Any]:
-    """Token ids, continuation log-probabilities and argmax of one probe row under ``model``."""
-    prompt_ids = tokenizer(prompt)["input_ids"]
-    full_ids = tokenizer(prompt + continuation)["input_ids"]
+def teacher_forced(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Token ids, continuation log-probabilities and argmax of each ``(prompt, continuation)`` under
+    ``model``: one forward pass over the rows right-padded (causal attention: a row's positions never
+    see its padding)."""
+    rows = [(list(tokenizer(p + c)["input_ids"]), len(tokenizer(p)["input_ids"])) for p, c in pairs]
+    if not rows:
+        return []
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in rows])
+    mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in rows])
     device = next(model.parameters()).device
-    logits = model(input_ids=torch.tensor([full_ids], device=device)).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    start = len(prompt_ids)
-    positions = range(max(start, 1), len(full_ids))
-    return {
-        "prompt": prompt, "continuation": continuation, "ids": list(full_ids), "start": start,
-        "logprobs": [float(logprobs[i - 1, full_ids[i]]) for i in positions],
-        "argmax": [int(logprobs[i - 1].argmax()) for i in positions],
-    }
+    logprobs = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+    out = []
+    for row, ((full, start), (prompt, continuation)) in enumerate(zip(rows, pairs, strict=True)):
+        positions = range(max(start, 1), len(full))
+        out.append({
+            "prompt": prompt, "continuation": continuation, "ids": full, "start": start,
+            "logprobs": [float(logprobs[row, i - 1, full[i]]) for i in positions],
+            "argmax": [int(logprobs[row, i - 1].argmax()) for i in positions],
+        })
+    return out
 
 
 def canary_bytes(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> bytes:
     """The :data:`coord.snapshot.CANARY` file a trainer stores with a snapshot."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    probes = [teacher_forced(model, tokenizer, p, c) for p, c in pairs]
+    probes = teacher_forced(model, tokenizer, pairs)
     return (json.dumps({"dtype": dtype, "probes": probes}) + "\n").encode()
 
 

@@ -266,7 +266,7 @@ class HFEngine:
 
         with self._lock:
             model, tokenizer = self._require_loaded()
-            return [teacher_forced(model, tokenizer, p, c) for p, c in pairs]
+            return teacher_forced(model, tokenizer, pairs)
 
     # ------------------------------------------------------------------ generation
     def generate(
