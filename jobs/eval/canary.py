@@ -55,10 +55,11 @@ class CanaryFailed(WorkerSkip):
     reason = "canary_failed"
 
 
-def check_canary(engine: Any, snapshot: Path, marker: Marker, max_abs_diff: float) -> Fidelity | None:
+def check_canary(engine: Any, snapshot: Path, marker: Marker, max_abs_diff: float | None) -> Fidelity | None:
     """Recompute ``snapshot``'s canary on every engine behind ``engine`` that can (the worst is kept);
     None when the snapshot has no canary or no engine can teacher-force. :class:`CanaryFailed` when
-    ``max_abs_diff`` > 0 and the difference exceeds it (0: record only). ValueError for an unreadable
+    ``max_abs_diff`` > 0 and the difference exceeds it (0: record only; None: the measured default for
+    the engine's dtype against the trainer's, :func:`default_bound`). ValueError for an unreadable
     canary file."""
     members = [e for e in (getattr(engine, "engines", None) or [engine]) if hasattr(e, "teacher_forced")]
     if CANARY not in marker.files or not members:
@@ -72,6 +73,8 @@ def check_canary(engine: Any, snapshot: Path, marker: Marker, max_abs_diff: floa
     results = [compare(stored, e.teacher_forced(pairs)) for e in members]
     worst = max(results, key=lambda f: (f.max_abs_logprob_diff, -f.argmax_agreement))
     fidelity = Fidelity(worst.max_abs_logprob_diff, worst.argmax_agreement, worst.tokens, time.perf_counter() - t0)
+    if max_abs_diff is None:
+        max_abs_diff = max(default_bound(getattr(e, "compute_dtype", None), stored.get("dtype")) for e in members)
     if 0 < max_abs_diff < fidelity.max_abs_logprob_diff:
         raise CanaryFailed(
             f"canary: max |Δ log-prob| {fidelity.max_abs_logprob_diff:.4g} over {fidelity.tokens} probe tokens "
@@ -79,6 +82,14 @@ def check_canary(engine: Any, snapshot: Path, marker: Marker, max_abs_diff: floa
             f"dtype or kernel than the trainer's ({stored.get('dtype')})"
         )
     return fidelity
+
+
+def default_bound(engine_dtype: str | None, trainer_dtype: str | None) -> float:
+    """``--canary-max-diff``'s default: the same-dtype bound when the engine computes in the trainer's
+    dtype, else the narrower-dtype one (jobs.eval.options, measured in bench/RESULTS.md "Canary")."""
+    from jobs.eval.options import CANARY_MAX_DIFF_NARROWER, CANARY_MAX_DIFF_SAME_DTYPE
+
+    return CANARY_MAX_DIFF_SAME_DTYPE if engine_dtype == trainer_dtype else CANARY_MAX_DIFF_NARROWER
 
 
 def probe_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ from jobs.eval.canary import CanaryFailed, check_canary
 from jobs.eval.engines.base import Engine, EngineError, engine_gpus
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
-from jobs.eval.options import DEFAULT_MAX_ABS_DIFF, WorkerOptions
+from jobs.eval.options import WorkerOptions
 from jobs.eval.pinning import PinViolation, WorkerSkip, call_with_timeout, pin
 from jobs.eval.prompts import NoChatTemplate
 from jobs.eval.scoring import DatasetCache, unit_input
@@ -62,7 +62,7 @@ class EngineEvaluator:
 
     def __init__(
         self, engine: Engine, cache: DatasetCache, pin_timeout_s: float, load_timeout_s: float,
-        canary_max_diff: float = DEFAULT_MAX_ABS_DIFF,
+        canary_max_diff: float | None = None,
     ) -> None:
         self.engine, self.cache = engine, cache
         self.key = run_key(cache.manifest)  # versions are <run key>@<step>: a shared engine never

@@ -174,6 +174,12 @@ class HFEngine:
             return self._version
 
     @property
+    def compute_dtype(self) -> str | None:
+        """The dtype the held model computes in (``"float32"``, ``"bfloat16"``, ...); None before a load."""
+        model = self._model
+        return None if model is None else str(model.dtype).removeprefix("torch.")
+
+    @property
     def gpus(self) -> int:
         """GPUs this engine occupies: 1 on a CUDA device, else 0."""
         return 1 if self._device.type == "cuda" else 0
