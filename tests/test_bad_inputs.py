@@ -177,6 +177,7 @@ def worker_cases(cmd: str) -> list[str]:
     return cases + _flag_cases(base, {
         "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
         "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0", "--max-attempts": "int>=1", "--wait-for-run": "float>=0",
+        "--canary-max-diff": "float>=0",
     })
 
 
