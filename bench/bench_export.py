@@ -11,7 +11,13 @@ dict ``--reps`` times into ``--root``; per export it reports what the caller was
 check + host copy: ``eval/export_blocked_seconds``) against the whole export up to the published
 marker (``eval/export_time_seconds``).
 
-Usage: ``.venv/bin/python bench/bench_export.py [--mb 500] [--reps 3] [--root /dev/shm] [--json OUT]``.
+Then the cost of the per-tensor digests the marker records (#19), against the write itself, same run:
+the same shard written with no checksum at all (the write), with the file CRC-32 only (the writer
+before per-tensor digests) and by the exporter (file CRC-32 combined from per-tensor CRC-32s);
+printed as ratios to the write.
+
+Usage: ``.venv/bin/python bench/bench_export.py [--mb 500] [--reps 3] [--root /dev/shm] [--json OUT]``;
+``--smoke``: 100 MB, one rep, digests only (seconds; a check that the pipeline runs, not a measurement).
 Numbers are only comparable on a quiet machine: the load average is printed first.
 """
 
@@ -34,7 +40,7 @@ import torch
 
 from jobs.trainer.export.async_export import AsyncExporter
 from jobs.trainer.export.hf_files import write_hf_files
-from jobs.trainer.export.safetensors_io import CHUNK_BYTES
+from jobs.trainer.export.safetensors_io import CHUNK_BYTES, _tagged_chunks, write_chunks, write_safetensors
 
 HIDDEN = 4096
 EXPORTER = "write_hf_files (zero-copy write + threaded crc32)"
@@ -94,13 +100,47 @@ def async_exports(sd: dict[str, torch.Tensor], meta: dict[str, object], root: Pa
     return out
 
 
+def digest_costs(sd: dict[str, torch.Tensor], scratch: Path, reps: int) -> dict[str, float]:
+    """Best seconds of one shard: written plain, with its file CRC-32, with file CRC + tensor digests."""
+
+    def plain(target: Path) -> None:
+        target.mkdir()
+        with open(target / "model.safetensors", "xb", buffering=0) as f:
+            for _segment, chunk in _tagged_chunks(sd):
+                f.write(chunk)
+
+    def file_crc(target: Path) -> None:
+        write_chunks(target / "model.safetensors", (c for _s, c in _tagged_chunks(sd)), zlib.crc32, fsync=False)
+
+    def digests(target: Path) -> None:
+        write_safetensors(target / "model.safetensors", sd, zlib.crc32, fsync=False)
+
+    contenders = [("write", plain), ("write + file crc32", file_crc), ("write + file crc32 + tensor digests", digests)]
+    best: dict[str, float] = {}
+    for _ in range(reps):  # interleaved, so a change in the machine's load hits every contender alike
+        for name, fn in contenders:
+            best[name] = min(best.get(name, float("inf")), best_seconds(fn, scratch, 1))
+    return best
+
+
+def report_digests(costs: dict[str, float], file_bytes: int) -> dict[str, float]:
+    base = costs["write"]
+    for name, seconds in costs.items():
+        print(f"{name:<52} {seconds * 1e3:8.1f} ms  {file_bytes / seconds / 1e9:6.2f} GB/s  "
+              f"ratio to the write {seconds / base:.2f}")
+    return {name: seconds / base for name, seconds in costs.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=500)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--root", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument("--smoke", action="store_true", help="100 MB, one rep, the digest costs only")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.mb, args.reps = 100, 1
 
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  cpus: {os.cpu_count()}")
     sd = make_state_dict(args.mb)
@@ -135,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["cp", str(shard), str(target / "model.safetensors")], check=True)
 
         print(f"state dict: {len(sd)} tensors, {nbytes / 1e6:.0f} MB; shard file {file_bytes / 1e6:.0f} MB")
+        digest_ratios = report_digests(digest_costs(sd, scratch, args.reps), file_bytes)
+        if args.smoke:
+            return 0
         results = {}
         for name, fn in [
             (EXPORTER, export),
@@ -160,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "file_bytes": file_bytes, "gb_per_s": results, "exporter": EXPORTER, "cp": CP,
                 "ratio_exporter_cp": exporter / cp_rate, "async_exports": exports,
                 "async_blocked_s_median": blocked, "async_total_s_median": total,
+                "digest_ratios_to_write": digest_ratios,
             }, indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -7,7 +7,9 @@ double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for 
 A result holds per-sample scores, the scorer's extracted answer of each sample (``answers``, optional:
 results written before it existed have none), the weight versions that produced them, how many samples
 the grader gave up on (``grader_timeouts``), the scorer's per-sample ``counters`` summed and ``extras``
-as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judge's model id), timings,
+as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judge's model id), how the
+engine's weights were attested (``attest``), the canary's comparison (``fidelity``), what the unit cost
+(``cost``: tokens, engine/load/attestation seconds, GPUs; summed per point as ``eval/cost/*``), timings,
 the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
 ``"scorer"`` when the scorer itself raised, so the skip was written at once). A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.
@@ -73,6 +75,9 @@ class Result:
     extras: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {"sum": s, "n": samples}
     scorer: dict[str, Any] = field(default_factory=dict)  # the scorer's identity() ({}: not recorded)
     blame: str | None = None  # a skip's culprit when known ("scorer": the scorer raised)
+    attest: dict[str, Any] = field(default_factory=dict)  # {"attested", "how", "detail", "seconds"}; {}: not recorded
+    cost: dict[str, float] = field(default_factory=dict)  # what the unit cost (tokens, engine seconds, GPUs)
+    fidelity: dict[str, float] = field(default_factory=dict)  # the canary's comparison; {}: no canary
 
     @property
     def ok(self) -> bool:
@@ -102,6 +107,9 @@ class Result:
             **({"extras": self.extras} if self.extras else {}),
             **({"scorer": self.scorer} if self.scorer else {}),
             **({"blame": self.blame} if self.blame else {}),
+            **({"attest": self.attest} if self.attest else {}),
+            **({"cost": self.cost} if self.cost else {}),
+            **({"fidelity": self.fidelity} if self.fidelity else {}),
         }
 
 
@@ -161,6 +169,9 @@ def parse_result(obj: Any, source: Path) -> Result:
         counters = {str(k): int(v) for k, v in (obj.get("counters") or {}).items()}
         extras = {str(k): {"sum": float(v["sum"]), "n": int(v["n"])} for k, v in (obj.get("extras") or {}).items()}
         scorer = dict(obj.get("scorer") or {})
+        attest = dict(obj.get("attest") or {})
+        cost = {str(k): float(v) for k, v in (obj.get("cost") or {}).items()}
+        fidelity = {str(k): float(v) for k, v in (obj.get("fidelity") or {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -192,6 +203,9 @@ def parse_result(obj: Any, source: Path) -> Result:
         extras=extras,
         scorer=scorer,
         blame=obj.get("blame"),
+        attest=attest,
+        cost=cost,
+        fidelity=fidelity,
     )
 
 
@@ -280,6 +294,7 @@ class DatasetScore:
     grader_timeouts: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # the scorer's counts, summed over the shards
     extras: dict[str, float] = field(default_factory=dict)  # the scorer's per-sample numbers, averaged
+    attested: float = math.nan  # fraction of the shards whose weights were attested (nan: none recorded)
 
 
 @dataclass(frozen=True)
@@ -293,6 +308,8 @@ class Point:
     completed_at: float | None
     metrics: dict[str, float] = field(default_factory=dict)  # lm-eval tasks: "<task>/<metric>" -> value
     mixed_scorers: tuple[str, ...] = ()  # datasets whose units disagree on the scorer identity: not pooled
+    cost: dict[str, float] = field(default_factory=dict)  # every unit's cost summed (eval/cost/*)
+    fidelity: dict[str, float] = field(default_factory=dict)  # the worst canary comparison (eval/fidelity/*)
 
     @property
     def skipped(self) -> bool:
@@ -381,7 +398,35 @@ def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) 
         grader_timeouts=sum(r.grader_timeouts for r in shards),
         counters=_sum_counters(shards),
         extras=_mean_extras(shards),
+        attested=_attested(shards),
     )
+
+
+def _attested(shards: list[Result]) -> float:
+    """The fraction of shards whose result says its weights were attested; nan if none says either way."""
+    known = [bool(r.attest.get("attested")) for r in shards if r.attest]
+    return sum(known) / len(known) if known else math.nan
+
+
+def point_fidelity(done: list[Result]) -> dict[str, float]:
+    """The worst canary comparison of a point's units: the largest ``max_abs_logprob_diff``, the smallest
+    ``argmax_agreement`` ({} when no unit compared a canary)."""
+    compared = [r.fidelity for r in done if r.fidelity]
+    if not compared:
+        return {}
+    return {"max_abs_logprob_diff": max(f["max_abs_logprob_diff"] for f in compared),
+            "argmax_agreement": min(f["argmax_agreement"] for f in compared)}
+
+
+def point_cost(done: list[Result]) -> dict[str, float]:
+    """Every unit's ``cost`` summed (``gpus``: the largest engine seen), plus the verification seconds."""
+    total: dict[str, float] = {}
+    for r in done:
+        for name, value in r.cost.items():
+            total[name] = max(total.get(name, 0.0), value) if name == "gpus" else total.get(name, 0.0) + value
+    if total:
+        total["verify_s"] = sum(r.timings.get("verify_s", 0.0) for r in done)
+    return total
 
 
 def _sum_counters(shards: list[Result]) -> dict[str, int]:
@@ -440,6 +485,8 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         units_done=len(done),
         completed_at=max((r.written_at for r in done), default=None) if complete else None,
         mixed_scorers=tuple(mixed),
+        cost=point_cost(done),
+        fidelity=point_fidelity(done),
     )
 
 
@@ -470,6 +517,12 @@ def point_metrics(point: Point) -> dict[str, float]:
         metrics[f"eval/{name}/grader_timeouts"] = ds.grader_timeouts
         for key, value in {**ds.derived, **ds.counters, **ds.extras}.items():
             metrics[f"eval/{name}/{key}"] = value
+        if not math.isnan(ds.attested):
+            metrics[f"eval/{name}/attested"] = ds.attested
+    for key, value in point.cost.items():
+        metrics[f"eval/cost/{key}"] = value
+    for key, value in point.fidelity.items():
+        metrics[f"eval/fidelity/{key}"] = value
     for name in point.mixed_scorers:
         metrics[f"eval/{name}/scorer_mixed"] = 1.0
     metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})

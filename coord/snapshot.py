@@ -41,6 +41,7 @@ from typing import Any
 
 from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, fsync_dir, read_json_object, tmp_name, write_json_atomic
+from coord.digests import TensorDigest, safetensors_digests
 from coord.identity import weight_version
 
 MARKER = ".complete"
@@ -48,8 +49,10 @@ MARKER = ".complete"
 # of config.json + model weights; PEFT's own names, which sglang's LoRA loader also reads.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The canary a trainer may store with a snapshot (jobs.eval.canary): teacher-forced log-probs of a probe.
+CANARY = "canary.json"
 CHUNK = 8 << 20
-FileInfo = dict[str, int]  # {"bytes": n, "crc32": c}
+FileInfo = dict[str, Any]  # {"bytes": n, "crc32": c} (+ "tensors": {name: TensorDigest} for a safetensors file)
 
 
 class SnapshotError(RuntimeError):
@@ -83,6 +86,15 @@ class Marker:
     @property
     def total_bytes(self) -> int:
         return sum(f["bytes"] for f in self.files.values())
+
+    @property
+    def tensors(self) -> dict[str, TensorDigest] | None:
+        """Every tensor's digest with its ``file``; None unless every safetensors file lists them (a
+        legacy marker, or a writer that reported file checksums only: nothing to attest against)."""
+        shards = {n: f for n, f in self.files.items() if n.endswith(".safetensors")}
+        if not shards or any(not isinstance(f.get("tensors"), dict) for f in shards.values()):
+            return None
+        return {t: {**d, "file": n} for n, f in shards.items() for t, d in f["tensors"].items()}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -191,8 +203,20 @@ def describe_files(
     infos = {}
     for name in _snapshot_files(directory, eval_only):
         info = (known or {}).get(name)
-        infos[name] = dict(info) if info is not None else file_info(directory / name)
+        infos[name] = dict(info) if info is not None else _describe(directory / name)
     return infos
+
+
+def _describe(path: Path) -> FileInfo:
+    """A file's size and CRC-32; a safetensors file's tensor digests too, from the same single read (an
+    unparsable one gets its checksum only: verification reports it)."""
+    if path.name.endswith(".safetensors"):
+        try:
+            info, tensors = safetensors_digests(path)
+            return {**info, "tensors": tensors}
+        except ValueError:
+            pass
+    return file_info(path)
 
 
 # -- publishing ---------------------------------------------------------------------------------------
@@ -284,11 +308,8 @@ def parse_marker(obj: Any, source: Path) -> Marker:
         raise ValueError(f"{source}: marker field step must be >= 0")
     files = need("files", dict)
     for name, info in files.items():
-        ok = isinstance(info, dict) and all(
-            isinstance(info.get(k), int) and not isinstance(info.get(k), bool) and info[k] >= 0
-            for k in ("bytes", "crc32")
-        )
-        if not ok or os.path.isabs(name) or ".." in Path(name).parts:
+        ok = isinstance(info, dict) and all(_is_count(info.get(k)) for k in ("bytes", "crc32"))
+        if not ok or os.path.isabs(name) or ".." in Path(name).parts or not _valid_tensors(info.get("tensors")):
             raise ValueError(f"{source}: marker field files[{name!r}] is invalid")
     return Marker(
         step=step,
@@ -298,6 +319,21 @@ def parse_marker(obj: Any, source: Path) -> Marker:
         mode=need("mode", str),
         created=float(need("created", (int, float))),
         run=_optional_run(obj, source),
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _valid_tensors(tensors: Any) -> bool:
+    """A file's optional ``tensors``: name -> {"dtype": str, "shape": [int], "crc32": int}."""
+    if tensors is None:
+        return True
+    return isinstance(tensors, dict) and all(
+        isinstance(d, dict) and isinstance(d.get("dtype"), str) and _is_count(d.get("crc32"))
+        and isinstance(d.get("shape"), list) and all(_is_count(x) for x in d["shape"])
+        for d in tensors.values()
     )
 
 

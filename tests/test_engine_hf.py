@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,7 @@ def test_health_restart_and_close(engine: HFEngine, tiny_snapshot: Path, tmp_pat
     engine.restart()  # snapshot gone: fresh weights, honest version None, still serving
     assert engine.healthy() and engine.weight_version() is None
     engine.load(str(tiny_snapshot), "6")
-    assert engine.generate(PROMPTS, GREEDY) == [g.__class__(g.text, "6", g.n_tokens) for g in before]
+    assert engine.generate(PROMPTS, GREEDY) == [replace(g, weight_version="6") for g in before]
 
     engine.close()
     engine.close()  # idempotent

@@ -118,7 +118,8 @@ def test_sharded_export_loads_bit_exact(tmp_path: Path, base_dir: Path, tied: bo
 
     for rel, rec in records.items():
         data = (out / rel).read_bytes()
-        assert rec == {"bytes": len(data), "crc32": zlib.crc32(data)}, rel
+        assert {k: rec[k] for k in ("bytes", "crc32")} == {"bytes": len(data), "crc32": zlib.crc32(data)}, rel
+        assert ("tensors" in rec) is rel.endswith(".safetensors"), rel  # per-tensor digests (#19)
 
 
 def test_single_shard_is_byte_identical_to_safetensors(tmp_path: Path) -> None:

@@ -90,6 +90,8 @@ def test_shared_eval_pins_and_scores_every_unit_while_producers_wait(tmp_path: P
     producer.join(10)
     assert [r.status for r in results] == ["ok", "ok"]
     assert all(v == version(run, 5) for r in results for v in r.weight_versions)
+    assert all(r.attest["how"] == "none" and "no readable .complete marker" in r.attest["detail"]
+               for r in results)  # a bare model dir: nothing to attest against (#19)
     index = ResultIndex(run.results)
     point = derive_point(run.manifest(), 5, index.refresh())
     assert point.complete and point.datasets["addition"].weight_version_mean == 5.0
@@ -141,6 +143,7 @@ def test_dispatcher_shared_posture_evaluates_at_the_dispatch_step(tmp_path: Path
         assert p["eval/lag_steps"] == 0 and p["eval/addition/weight_version/mean"] == step
         assert p["eval/addition/weight_version/mixed_version_ratio"] == 0
         assert p["eval/shared_eval_seconds"] > 0
+        assert p["eval/addition/attested"] == 1.0  # the exported snapshot's digests matched (#19)
     assert gate.pauses == 2
 
 

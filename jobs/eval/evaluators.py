@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +25,9 @@ from coord.snapshot import (
     verify_snapshot,
 )
 from coord.units import WorkUnit, shard_range
-from jobs.eval.engines.base import Engine, EngineError
+from jobs.eval.attest import NOT_ATTESTED, Attestation, AttestFailed, attest
+from jobs.eval.canary import CanaryFailed, check_canary
+from jobs.eval.engines.base import Engine, EngineError, engine_gpus
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from jobs.eval.options import WorkerOptions
@@ -58,28 +61,56 @@ class EngineEvaluator:
     (:func:`jobs.eval.kinds.evaluate_pinned`, which checks the pin again)."""
 
     def __init__(
-        self, engine: Engine, cache: DatasetCache, pin_timeout_s: float, load_timeout_s: float
+        self, engine: Engine, cache: DatasetCache, pin_timeout_s: float, load_timeout_s: float,
+        canary_max_diff: float | None = None,
     ) -> None:
         self.engine, self.cache = engine, cache
         self.key = run_key(cache.manifest)  # versions are <run key>@<step>: a shared engine never
         # passes one run's pin while holding another run's weights of the same step
         self.pin_timeout_s, self.load_timeout_s = pin_timeout_s, load_timeout_s
         self._loaded_once = False
+        self.canary_max_diff = canary_max_diff
+        self._attested: tuple[str, Attestation, dict[str, float]] | None = None  # (version, attestation,
+        # canary fidelity) since the last load
+        self._distrusted: set[str] = set()  # versions whose attestation failed: reloaded before the next try
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
         want = weight_version(self.key, unit.step)
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
+        attestation, fidelity = self._attest(ref, want, timings)
         try:
             ev = evaluate_pinned(self.engine, self.cache, unit, str(ref.path), want)
         except EngineError as e:
             if not e.restart_helps:  # a rejected request, aborted samples: the engine is fine
                 raise
-            self._heal(ref, want)  # died mid-unit: bring it back, then one more try
+            self._heal(ref, want)  # died mid-unit: bring it back, attest the reload, then one more try
+            attestation, fidelity = self._attest(ref, want, timings)
             ev = evaluate_pinned(self.engine, self.cache, unit, str(ref.path), want)
         timings["generate_s"] = ev.generate_s
-        return ev
+        return replace(ev, attest=attestation.to_json(), fidelity=fidelity,
+                       cost=unit_cost(ev, timings, engine_gpus(self.engine)))
+
+    def _attest(self, ref: SnapshotRef, want: str, timings: dict[str, float]) -> tuple[Attestation, dict[str, float]]:
+        """The attestation of the weights held for ``want`` and the canary's fidelity (:mod:`jobs.eval.canary`;
+        ``{}``: no canary): made after each load, and before the first unit of a version this evaluator did
+        not load (a label set by someone else proves nothing)."""
+        if self._attested is not None and self._attested[0] == want:
+            timings["attest_s"] = timings["canary_s"] = 0.0
+            return self._attested[1], self._attested[2]
+        marker = verify_snapshot(ref.path, "fast", marker=ref.marker if ref.foreign else None)
+        try:
+            attestation = attest(self.engine, ref.path, marker, self.cache.run)
+            fidelity = check_canary(self.engine, ref.path, marker, self.canary_max_diff)
+        except (AttestFailed, CanaryFailed):
+            self._distrusted.add(want)
+            raise
+        self._distrusted.discard(want)
+        record = {} if fidelity is None else fidelity.to_json()
+        self._attested = (want, attestation, record)
+        timings["attest_s"], timings["canary_s"] = attestation.seconds, record.get("seconds", 0.0)
+        return attestation, record
 
     def probe(self) -> None:
         """Start-up probe: the engine answers (a remote one that does not raises EngineError) and, once
@@ -114,15 +145,30 @@ class EngineEvaluator:
         """:func:`jobs.eval.pinning.pin` with the fleet's bounds; returns whether a load happened."""
         try:
             loaded = pin(self.engine, str(ref.path), want, load_timeout_s=self.load_timeout_s,
-                         pin_timeout_s=self.pin_timeout_s)
+                         pin_timeout_s=self.pin_timeout_s, reload=want in self._distrusted)
         except PinViolation:
-            self._loaded_once = True  # the load happened; its read-back failed
+            self._loaded_once, self._attested = True, None  # the load happened; its read-back failed
             raise
+        except EngineError:
+            self._attested = None  # the held weights are unknown: attested again after the next load
+            raise
+        if loaded:
+            self._attested = None  # new weights: attested before they score
         self._loaded_once = self._loaded_once or loaded
         return loaded
 
     def close(self) -> None:
         self.engine.close()
+
+
+def unit_cost(ev: Evaluation, timings: dict[str, float], gpus: int) -> dict[str, float]:
+    """What a unit cost (``eval/cost/*``): the kind's own counts (tokens, scorer seconds) plus the
+    engine's generation seconds, its GPU count, the load and attestation seconds, and GPU-seconds:
+    (generation + load + attestation) x GPUs (idle time between units is not a unit's cost)."""
+    load_s, attest_s = timings.get("load_s", 0.0), timings.get("attest_s", 0.0)
+    busy = ev.generate_s + load_s + attest_s
+    return {**ev.cost, "engine_s": ev.generate_s, "gpus": float(gpus), "gpu_s": busy * gpus,
+            "load_s": load_s, "attest_s": attest_s, "canary_s": timings.get("canary_s", 0.0)}
 
 
 class FnEvaluator:
@@ -146,7 +192,9 @@ class FnEvaluator:
         wrong = sorted({str(v) for v in parsed.weight_versions if v != want})
         if wrong:
             raise PinViolation(f"want version {want}; backend reported {wrong}")
-        return Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers)
+        ev = Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers,
+                        attest=NOT_ATTESTED.to_json(), generate_s=timings["generate_s"])
+        return replace(ev, cost=unit_cost(ev, timings, 0))
 
     def probe(self) -> None:
         """An fn backend was built (and its constructor ran) at start; nothing more to probe."""
@@ -234,4 +282,4 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
         for _ in range(opts.replicas)
     ]
     engine: Engine = engines[0] if len(engines) == 1 else EnginePool(engines)  # type: ignore[assignment,arg-type]
-    return EngineEvaluator(engine, cache, opts.pin_timeout_s, opts.load_timeout_s)
+    return EngineEvaluator(engine, cache, opts.pin_timeout_s, opts.load_timeout_s, opts.canary_max_diff)

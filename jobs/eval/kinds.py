@@ -59,6 +59,9 @@ class Evaluation:
     scored: dict[str, Any] = field(default_factory=dict)  # UnitScores.result_fields(): counters, scorer, ...
     metrics: dict[str, float] | None = None  # a library task's metrics (weight_versions: the read-backs)
     generate_s: float = 0.0
+    attest: dict[str, Any] = field(default_factory=dict)  # jobs.eval.attest.Attestation.to_json()
+    cost: dict[str, float] = field(default_factory=dict)  # tokens, busy seconds: what the unit cost
+    fidelity: dict[str, float] = field(default_factory=dict)  # jobs.eval.canary.Fidelity.to_json(); {}: no canary
 
 
 class UserCodeFailed(WorkerSkip):
@@ -92,6 +95,7 @@ def check_entries(cache: Any) -> None:
 
 def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:
     """The ok result of an evaluation (``kw``: timings, worker, snapshot, ...)."""
+    kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, **kw}
     if ev.metrics is not None:
         return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, **kw)
     return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, **kw, **ev.scored)

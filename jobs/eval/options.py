@@ -17,6 +17,12 @@ from typing import Any
 from coord.layouts import layout_choices, resolve_layout
 from jobs.flags import META_KEY, accept_positional_run_dir, add_options, check_bounds, from_args, option
 
+# --canary-max-diff's defaults (None: by the engine's dtype), from the bounds measured on the reference
+# model (bench/RESULTS.md "Canary"): an engine computing in the trainer's dtype gave 0 on CPU (the margin
+# covers another device's kernels); a bf16 engine vs the fp32 trainer gave at most 0.015, x3 here
+CANARY_MAX_DIFF_SAME_DTYPE = 1e-3
+CANARY_MAX_DIFF_NARROWER = 0.05
+
 INGESTION = "logging finished points into the training run's wandb run"
 # Flags of this group are the scorers' (a sandbox's concurrency, a judge URL override): handed to every
 # scorer in ScorerContext.options by field name (:func:`scorer_options`); add a field with group=SCORING.
@@ -60,6 +66,11 @@ class WorkerOptions:
                                   flag="--pin-timeout", metavar="S", gt=0)
     load_timeout_s: float = option(600.0, "bound on one weight load or engine restart",
                                    flag="--load-timeout", metavar="S", gt=0)
+    canary_max_diff: float | None = option(
+        None, "skip a unit canary_failed when the snapshot's canary (teacher-forced log-probs the trainer "
+        f"stored) differs from the engine's by more than S (0: record eval/fidelity/* only; default: "
+        f"{CANARY_MAX_DIFF_SAME_DTYPE:g} for an engine in the trainer's dtype, {CANARY_MAX_DIFF_NARROWER:g} for a "
+        "narrower one)", flag="--canary-max-diff", metavar="S", min=0)
     max_unhealthy: int = option(5, "exit with code 4 after N consecutive unhealthy units (0: never)",
                                 metavar="N", min=0)
     max_attempts: int = option(

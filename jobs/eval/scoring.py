@@ -54,6 +54,8 @@ class UnitScores:
     completions: list[str]
     generate_s: float
     n_tokens: int
+    prompt_tokens: int
+    score_s: float  # the scorer's seconds (a judge's or a sandbox's time included)
     answers: list[str | None]
     tally: UnitTally
     scorer: dict[str, Any]  # the scorer's identity()
@@ -140,13 +142,17 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
     completions = [g.text for g in generations]
     scorer = cache.scorer(work.spec)
     samples = [Sample(c, r, p) for c, r, p in zip(completions, work.rows, work.prompts, strict=True)]
+    t1 = time.perf_counter()
     scored = score_samples(scorer, samples)
+    score_s = time.perf_counter() - t1
     return UnitScores(
         scores=[s.score for s in scored],
         weight_versions=[g.weight_version for g in generations],
         completions=completions,
         generate_s=elapsed,
         n_tokens=sum(g.n_tokens for g in generations),
+        prompt_tokens=sum(g.prompt_tokens or 0 for g in generations),
+        score_s=score_s,
         answers=[s.answer for s in scored],
         tally=UnitTally.of(scored),
         scorer=scorer.identity(),
@@ -159,8 +165,10 @@ def evaluate_generate(
     """The ``generate`` kind (:mod:`jobs.eval.kinds`): score the unit, then check every sample's version."""
     scored = score_unit(engine, cache, unit, snapshot)
     check_pinned(engine, want, scored.weight_versions)
+    cost = {"generated_tokens": float(scored.n_tokens), "prompt_tokens": float(scored.prompt_tokens),
+            "score_s": scored.score_s}
     return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers, scored=scored.result_fields(),
-                      generate_s=scored.generate_s)
+                      generate_s=scored.generate_s, cost=cost)
 
 
 def check_generate(cache: DatasetCache, spec: DatasetSpec) -> None:

@@ -21,6 +21,9 @@ Routes (``srt/entrypoints/http_server.py``; nothing that release lacks, e.g. no
   ``model_path`` change only on success (``srt/managers/tokenizer_manager.py``).
 - ``POST /update_weight_version`` ``{"new_version", "abort_all_requests"?: true}``: relabels without
   touching weights, aborting in-flight requests by default (``srt/managers/io_struct.py``).
+- ``GET|POST /weights_checker`` ``{"action": "checksum"}``: per-tensor checksums of the weights held
+  (``srt/utils/weight_checker.py``), ``{"success", "message", "ranks": [{"checksums", "per_gpu_checksum",
+  "parallelism_info"}], "per_engine_checksum"}``; other actions 400 ``{"success": false, "message"}``.
 - ``POST /abort_request`` ``{"rid", "abort_all"?}`` (rid prefix match, as the scheduler does),
   ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (abort: aborts everything in
   flight, waits for it to end; new requests wait until ``POST /continue_generation``).
@@ -109,6 +112,7 @@ class Handler(BaseHTTPRequestHandler):
                 "/get_model_info": self._model_info,
                 "/server_info": self._server_info,
                 "/get_server_info": self._server_info,
+                "/weights_checker": self._weights_checker,
             }
         )
 
@@ -118,6 +122,7 @@ class Handler(BaseHTTPRequestHandler):
                 "/generate": self._generate,
                 "/update_weights_from_disk": self._update,
                 "/update_weight_version": self._relabel,
+                "/weights_checker": self._weights_checker,
                 "/abort_request": self._abort,
                 "/pause_generation": self._pause,
                 "/continue_generation": self._continue,
@@ -170,6 +175,16 @@ class Handler(BaseHTTPRequestHandler):
         self._json(
             HTTPStatus.OK, {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
         )
+
+    def _weights_checker(self) -> None:
+        body = self._body(default={"action": "checksum"})
+        action = body.get("action", "checksum") if isinstance(body, dict) else None
+        if not isinstance(action, str):
+            raise BadRequest("'action' must be a string")
+        try:
+            self._json(HTTPStatus.OK, self.server.service.check_weights(action))
+        except Refused as e:  # sglang: success false, HTTP 400
+            self._json(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(e)})
 
     def _abort(self) -> None:
         body = self._body()

@@ -13,6 +13,7 @@ running request takes effect when its batch finishes (the output is kept, marked
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ from jobs.reference.serve_requests import GenerateRequest, Refused
 if TYPE_CHECKING:
     from jobs.eval.engines.hf import Completion, HFEngine
 
+# sglang 0.5.23 srt/utils/weight_checker.py: buffers recomputed from shapes, never checksummed
+NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
 EMULATED_SGLANG_VERSION = "0.5.23"
 DEFAULT_WEIGHT_VERSION = "default"  # sglang's ServerArgs.weight_version default
 DETERMINISTIC_DEFAULT_SEED = 42  # sampling_batch_info.py: the seed of unseeded requests in deterministic mode
@@ -255,6 +258,36 @@ class EngineService:
             message += f" Weight version updated to {version}."
         return True, message
 
+    def check_weights(self, action: str) -> dict[str, Any]:
+        """``/weights_checker`` as sglang 0.5.23 answers ``action: "checksum"`` on one GPU
+        (``srt/utils/weight_checker.py`` ``_compute_checksum``, ``srt/managers/tokenizer_control_mixin.py``
+        ``check_weights``): per tensor (parameters, then buffers; non-persistent ones skipped) the first
+        8 bytes of SHA-256 of its bytes as 16 hex digits, ``per_gpu_checksum`` the SHA-256 over the
+        sorted names and checksums, ``per_engine_checksum`` the SHA-256 of the ranks' per-GPU checksums.
+        Other actions (``snapshot``, ``compare``, ``reset_tensors``) are refused (:class:`Refused`)."""
+        if action != "checksum":
+            raise Refused(f"Unsupported action={action!r} (the stand-in answers 'checksum' only)")
+        with self.lock:
+            model = self.engine.model
+            if model is None:
+                raise Refused("no model loaded")
+            tensors = [*model.named_parameters(), *model.named_buffers()]
+            checksums = {
+                name: hashlib.sha256(_raw_bytes(t)).digest()[:8].hex()
+                for name, t in tensors
+                if not any(p in name for p in NON_PERSISTENT_BUFFER_PATTERNS)
+            }
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        per_gpu = overall.hexdigest()
+        placement = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+        rank = {"checksums": checksums, "per_gpu_checksum": per_gpu,
+                "parallelism_info": [{"role": "target", **placement}]}
+        return {"success": True, "message": "Success.", "ranks": [rank],
+                "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()}
+
     # ---------------------------------------------------------------- info and health
     def model_info(self) -> dict[str, Any]:
         model = self.engine.model
@@ -305,3 +338,10 @@ class EngineService:
             return self.engine.healthy()
         finally:
             self.lock.release()
+
+
+def _raw_bytes(tensor: Any) -> bytes:
+    import torch  # the engine already imported it; kept out of this module's import time
+
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

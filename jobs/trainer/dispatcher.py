@@ -101,12 +101,14 @@ from coord.results import Point, Result, ResultIndex, derive_point, point_metric
 from coord.rundir import RunDir
 from coord.snapshot import mark_complete, read_marker, snapshot_path
 from coord.units import WorkUnit, units_for_step
+from jobs.eval.canary import TrainerCanary
 from jobs.eval.engines.base import Engine
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.trust import check_run_code
 from jobs.ingest import ingest_point
 from jobs.metrics import MetricsSink
 from jobs.trainer.config import DispatchConfig
+from jobs.trainer.export.adapter import is_peft_model
 from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 from jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
@@ -159,6 +161,7 @@ class EvalDispatcher:
         self.ledger = Ledger(run.ledger_path)
         self.index = ResultIndex(run.results)
         self.exporter: AsyncExporter | None = None
+        self._canary = TrainerCanary(run, self.manifest, base_model_dir)
         self.gc: StagingGC | None = None
         if self.config.mode == "staging":
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
@@ -313,7 +316,7 @@ class EvalDispatcher:
         if self.exporter is None:
             raise RuntimeError("staging export without an exporter")
         self._exporting.add(step)
-        self.exporter.submit(step, model)
+        self.exporter.submit(step, model, canary=None if is_peft_model(model) else self._canary(model))
         if self.shared is not None:
             self.exporter.wait()
         self._collect_exports()

@@ -39,6 +39,7 @@ from coord.results import Result, skip_result, write_result
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
+from jobs.eval.attest import AttestFailed, attest_dir
 from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from jobs.eval.pinning import PinViolation, WorkerSkip, pin
@@ -156,19 +157,21 @@ def shared_eval(
     with gate.paused(drain_timeout_s, should_stop):
         try:
             pin(engine, snapshot, version, reload=True)
+            attestation = attest_dir(engine, Path(snapshot_dir), run)
             for unit in units:
                 try:
                     done.append((unit, evaluate_pinned(engine, cache, unit, snapshot, version)))
                 except UNIT_SKIPS as e:  # this unit only: a skip with its own reason
                     done.append((unit, _unit_skip(unit, e, snapshot)))
-        except PinViolation as e:
-            return _write_all(run, [skip_result(u, "pin_violation", str(e), snapshot=snapshot) for u in units])
+        except (PinViolation, AttestFailed) as e:  # every unit of the point: one reason
+            return _write_all(run, [skip_result(u, e.reason, str(e), snapshot=snapshot) for u in units])
         except EngineError as e:
             return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
     elapsed = time.perf_counter() - t0
     return _write_all(run, [
         out if isinstance(out, Result) else unit_result(
-            u, out, snapshot=snapshot, worker=worker, timings={"generate_s": out.generate_s, "point_s": elapsed})
+            u, out, snapshot=snapshot, worker=worker, attest=attestation.to_json(),
+            timings={"generate_s": out.generate_s, "attest_s": attestation.seconds, "point_s": elapsed})
         for u, out in done
     ])
 

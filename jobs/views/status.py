@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import read_jsonl
+from coord.atomic import read_json_object, read_jsonl
 from coord.discovery import SnapshotDiscovery, lost_steps
 from coord.ledger import Ledger
 from coord.manifest import RunManifest
@@ -103,6 +103,32 @@ def _point_rows(manifest: RunManifest, steps: list[int], results: dict, lags: di
     return rows
 
 
+def cost_summary(run: RunDir, results: dict, points: list[dict[str, Any]]) -> dict[str, Any]:
+    """What evaluation cost next to what training took: total eval GPU-hours (every unit's ``cost``),
+    GPU-seconds per complete point, tokens/s per engine (per worker ``host:pid``: its generated tokens
+    over its engine seconds), and training's wall time — ``TRAINING_DONE``'s time (now while it runs)
+    minus ``run.json``'s modification time, so an approximation (a re-written run.json moves it)."""
+    per_engine: dict[str, list[float]] = {}
+    for r in results.values():
+        if r.cost:
+            key = f"{r.worker.get('host', '?')}:{r.worker.get('pid', '?')}"
+            acc = per_engine.setdefault(key, [0.0, 0.0])
+            acc[0] += r.cost.get("generated_tokens", 0.0)
+            acc[1] += r.cost.get("engine_s", 0.0)
+    gpu_s = sum(r.cost.get("gpu_s", 0.0) for r in results.values())
+    complete = [p["cost"].get("gpu_s", 0.0) for p in points if p["complete"] and p.get("cost")]
+    try:
+        done_at = float(read_json_object(run.done_path).get("time", time.time()))
+    except FileNotFoundError:
+        done_at = time.time()
+    return {
+        "eval_gpu_hours": gpu_s / 3600,
+        "gpu_s_per_point": sum(complete) / len(complete) if complete else None,
+        "training_wall_hours": max(0.0, done_at - run.manifest_path.stat().st_mtime) / 3600,
+        "tokens_per_s": {k: (tok / s if s > 0 else None) for k, (tok, s) in sorted(per_engine.items())},
+    }
+
+
 def collect_status(run_dir: Path) -> dict[str, Any]:
     """Everything status shows, as plain data (the ``--json`` output)."""
     run = RunDir.open(run_dir)
@@ -136,6 +162,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "snapshots": snapshots,
         "units": units,
         "points": points,
+        "cost": cost_summary(run, results, points),
         "health": {
             "expired_leases": len(expired),
             "stuck_units": [p["unit"] for p in expired],
@@ -240,7 +267,7 @@ def render(status: dict[str, Any]) -> list[Any]:
         lease = p.get("lease", {})
         who = f"{lease.get('host', '')}:{lease.get('pid', '')}" if lease else "unclaimed"
         units.add_row(p["unit"], who, _fmt(lease.get("age_s")), "YES" if lease.get("expired") else "")
-    return [snaps, units, points_table(status), health_line(status)]
+    return [snaps, units, points_table(status), health_line(status), cost_line(status["cost"])]
 
 
 def _training_state(status: dict[str, Any]) -> str:
@@ -281,6 +308,13 @@ def watch_interval(ap: Parser, args: Any) -> float | None:
             args.run_dir_pos = Path(args.watch)
             return DEFAULT_WATCH_S
         ap.error(f"--watch {args.watch}: {e}")
+
+
+def cost_line(cost: dict[str, Any]) -> str:
+    """One line: eval GPU-hours beside training's wall time, GPU-s per point, tokens/s per engine."""
+    rates = ", ".join(f"{k} {_fmt(v, 1)}" for k, v in cost["tokens_per_s"].items()) or "-"
+    return (f"eval cost {cost['eval_gpu_hours']:.3f} GPU-h (training wall {cost['training_wall_hours']:.2f} h)"
+            f" | {_fmt(cost['gpu_s_per_point'], 1)} GPU-s per point | tokens/s per engine: {rates}")
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ per-sample versions, it cannot prevent it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
@@ -79,6 +79,31 @@ class Generation:
     text: str
     weight_version: str | None
     n_tokens: int
+    prompt_tokens: int | None = None  # the prompt's length in tokens, when the engine reports it
+
+
+@dataclass(frozen=True)
+class WeightDigests:
+    """What an in-process engine reports about the weights it holds (:mod:`jobs.eval.attest`).
+
+    ``digests``: name -> CRC-32 of the tensor's bytes cast to the snapshot's dtype
+    (:mod:`coord.digests`); ``aliases``: a name -> the name it shares storage with (tied weights);
+    ``lossy``: names held in a dtype narrower than the snapshot's, whose digest cannot match."""
+
+    digests: dict[str, int]
+    aliases: dict[str, str] = field(default_factory=dict)
+    lossy: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineChecksum:
+    """sglang's ``/weights_checker`` ``checksum`` answer, reduced: ``checksum`` (its
+    ``per_engine_checksum``) and ``layout`` (the parallel layout it was computed under, e.g.
+    ``tp1-dp1-pp1-ranks1``): equal only between engines of the same layout holding the same weights."""
+
+    checksum: str
+    layout: str
+    tensors: int
 
 
 @runtime_checkable
@@ -111,3 +136,12 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release every resource (processes, memory). Idempotent."""
+
+
+def engine_gpus(engine: object) -> int:
+    """How many GPUs an engine occupies (its ``gpus`` attribute; a pool: the sum; unknown: 0), for
+    GPU-seconds in the cost of a unit."""
+    members = getattr(engine, "engines", None)
+    if members:
+        return sum(engine_gpus(e) for e in members)
+    return int(getattr(engine, "gpus", 0) or 0)

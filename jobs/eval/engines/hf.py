@@ -71,7 +71,14 @@ from transformers import (
     PreTrainedModel,
 )
 
-from jobs.eval.engines.base import EngineError, Generation, RequestRejected, SamplingParams, context_problem
+from jobs.eval.engines.base import (
+    EngineError,
+    Generation,
+    RequestRejected,
+    SamplingParams,
+    WeightDigests,
+    context_problem,
+)
 from jobs.eval.engines.hf_sampling import (
     SeededSampler,
     left_pad,
@@ -83,6 +90,7 @@ from jobs.eval.engines.hf_weights import (
     arch_signature,
     copy_into_resident,
     index_tensors,
+    param_digests,
     read_config,
     resident_targets,
     resolve_dtype,
@@ -111,7 +119,8 @@ class Completion:
     weight_version: str | None
 
     def generation(self) -> Generation:
-        return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids))
+        return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids),
+                          prompt_tokens=self.prompt_tokens)
 
 
 @contextlib.contextmanager
@@ -173,6 +182,17 @@ class HFEngine:
     def weight_version(self) -> str | None:
         with self._lock:
             return self._version
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The dtype the held model computes in (``"float32"``, ``"bfloat16"``, ...); None before a load."""
+        model = self._model
+        return None if model is None else str(model.dtype).removeprefix("torch.")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs this engine occupies: 1 on a CUDA device, else 0."""
+        return 1 if self._device.type == "cuda" else 0
 
     @contextlib.contextmanager
     def held(self) -> Iterator[tuple[PreTrainedModel, Any]]:
@@ -247,6 +267,22 @@ class HFEngine:
                 self._version = None  # some weights may already be overwritten
                 raise EngineError(f"in-place load of {snapshot} failed midway: {e}") from e
             self._version, self._snapshot = version, snapshot
+
+    def weight_digests(self, dtypes: dict[str, str]) -> WeightDigests:
+        """Digests of the weights held now, in the snapshot's dtypes and names
+        (:func:`~jobs.eval.engines.hf_weights.param_digests`), under the lock (no load interleaves)."""
+        with self._lock:
+            model = self._require_loaded()[0]
+            return param_digests(model, dtypes)
+
+    def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """The canary's recomputation (:func:`jobs.eval.canary.teacher_forced`) of each ``(prompt,
+        continuation)`` with the held model and the tokenizer it generates with, under the lock."""
+        from jobs.eval.canary import teacher_forced
+
+        with self._lock:
+            model, tokenizer = self._require_loaded()
+            return teacher_forced(model, tokenizer, pairs)
 
     # ------------------------------------------------------------------ generation
     def generate(

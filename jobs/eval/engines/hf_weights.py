@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import struct
+import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from jobs.eval.engines.base import EngineError
+from jobs.eval.engines.base import EngineError, WeightDigests
 
 # config.json keys that say nothing about the weights' layout: a change here still reloads in place.
 _BOOKKEEPING_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"})
@@ -222,6 +225,42 @@ def copy_into_resident(targets: dict[str, torch.Tensor], index: TensorIndex, dev
                         target.data.copy_(source, non_blocking=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def param_digests(model: torch.nn.Module, dtypes: dict[str, str]) -> WeightDigests:
+    """Digests of every tensor the model holds (its state dict), each cast to the snapshot's dtype
+    ``dtypes[name]`` (a safetensors dtype name; names absent keep their own dtype), CRC-32 of the
+    bytes (:mod:`coord.digests`). Tensors sharing storage are digested once and reported as aliases of
+    the first of them that ``dtypes`` names. A tensor held in a dtype that cannot hold the snapshot's
+    values exactly (bf16 held for an F32 file) is listed in ``lossy``. Tensors are digested on
+    :data:`DIGEST_THREADS` threads (one tensor each at a time: at most that many host copies exist)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    state = model.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        groups.setdefault(key, []).append(name)
+    heads = {next((n for n in names if n in dtypes), names[0]): names for names in groups.values()}
+    targets = {h: _LOADABLE_DTYPES.get(dtypes.get(h, ""), state[h].dtype) for h in heads}
+    lossy = [h for h in heads if not _holds_exactly(state[h].dtype, targets[h])]
+
+    def digest(head: str) -> int:
+        with torch.no_grad():
+            return zlib.crc32(_byte_view(state[head].detach().to(device="cpu", dtype=targets[head]).contiguous()))
+
+    with ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="ckpteval-digest") as pool:
+        values = dict(zip(heads, pool.map(digest, heads), strict=True))  # crc32 and copies release the GIL
+    digests = {name: values[head] for head, names in heads.items() for name in names}
+    aliases = {name: head for head, names in heads.items() for name in names if name != head}
+    return WeightDigests(digests, aliases, tuple(sorted(lossy)))
+
+
+def _holds_exactly(held: torch.dtype, file: torch.dtype) -> bool:
+    """Whether every value of ``file``'s dtype survives a round trip through ``held``."""
+    wider = {torch.float64: {torch.float32, torch.bfloat16, torch.float16}, torch.float32: {torch.bfloat16, torch.float16}}
+    return held == file or file in wider.get(held, set())
 
 
 _LOADABLE_DTYPES: dict[str, torch.dtype] = {

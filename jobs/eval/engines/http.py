@@ -63,7 +63,14 @@ from typing import Any
 import httpx
 
 from coord.identity import MIXED_SEP
-from jobs.eval.engines.base import EngineError, Generation, RequestRejected, SamplesAborted, SamplingParams
+from jobs.eval.engines.base import (
+    EngineChecksum,
+    EngineError,
+    Generation,
+    RequestRejected,
+    SamplesAborted,
+    SamplingParams,
+)
 
 MIN_SGLANG = (0, 5, 19)  # first release with meta_info.weight_versions spans
 NEXT_BREAKING_SGLANG = (0, 6)
@@ -195,7 +202,19 @@ def parse_generation(item: Any) -> Sample:
     text, n_tokens = item.get("text"), meta.get("completion_tokens")
     if not isinstance(text, str) or not isinstance(n_tokens, int):
         raise EngineError(f"malformed /generate result {str(item)[:200]}")
-    return Sample(Generation(text=text, weight_version=version, n_tokens=n_tokens))
+    prompt = meta.get("prompt_tokens")
+    return Sample(Generation(text=text, weight_version=version, n_tokens=n_tokens,
+                             prompt_tokens=prompt if isinstance(prompt, int) else None))
+
+
+def checksum_layout(ranks: list[Any]) -> str:
+    """``tp<T>-dp<D>-pp<P>-ranks<N>-roles<r1+r2>`` from ``/weights_checker`` ranks' ``parallelism_info``
+    (a list of roles per rank in 0.5.23): the checksum is comparable only between equal layouts."""
+    infos = [i for r in ranks if isinstance(r, dict) for i in (r.get("parallelism_info") or []) if isinstance(i, dict)]
+    target = next((i for i in infos if i.get("role") == "target"), infos[0] if infos else {})
+    roles = "+".join(sorted({str(i.get("role")) for i in infos}))
+    return (f"tp{target.get('tp_size', '?')}-dp{target.get('dp_size', '?')}-pp{target.get('pp_size', '?')}"
+            f"-ranks{len(ranks)}-roles{roles or '?'}")
 
 
 def check_seeds(seeds: list[int] | None, n: int) -> None:
@@ -306,6 +325,34 @@ class HTTPEngine:
         paths = ("/model_info", "/get_model_info") if self._model_info_path == "/model_info" else ("/get_model_info",)
         self._model_info_path, info = self._get_json(paths)
         return info
+
+    @property
+    def gpus(self) -> int:
+        """GPUs behind the server: ``tp_size * dp_size`` from ``/server_info`` (sglang's server args);
+        0 when it does not say (the CPU stand-in)."""
+        try:
+            info = self.server_info()
+        except (EngineError, ValueError):
+            return 0
+        tp, dp = info.get("tp_size"), info.get("dp_size") or 1
+        return tp * dp if isinstance(tp, int) and isinstance(dp, int) else 0
+
+    def weights_checksum(self) -> EngineChecksum:
+        """sglang's ``POST /weights_checker {"action": "checksum"}`` (0.5.23:
+        ``srt/entrypoints/http_server.py`` ``check_weights``, ``srt/utils/weight_checker.py``): the
+        ``per_engine_checksum`` and the parallel layout of its ``ranks``. :class:`EngineError` when the
+        server cannot answer (an older sglang 404s the route; ``success: false``)."""
+        response = self._request("POST", "/weights_checker", json={"action": "checksum"}, timeout=self._load_timeout)
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code != 200 or not isinstance(body, dict) or body.get("success") is not True:
+            raise EngineError(f"POST /weights_checker: {error_message(response)}")
+        ranks, checksum = body.get("ranks"), body.get("per_engine_checksum")
+        if not isinstance(ranks, list) or not ranks or not isinstance(checksum, str):
+            raise EngineError(f"POST /weights_checker: no ranks or per_engine_checksum in {str(body)[:200]}")
+        return EngineChecksum(checksum, checksum_layout(ranks), sum(len(r.get("checksums") or {}) for r in ranks))
 
     def weight_version(self) -> str | None:
         """The server's label; ``None`` after a failed load (weights unknown until the next good load)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +43,10 @@ from typing import Any
 import torch
 
 from coord.gc import has_room
-from coord.snapshot import publish_snapshot
+from coord.snapshot import CANARY, publish_snapshot
 from jobs.trainer.export.adapter import adapter_state, is_peft_model
 from jobs.trainer.export.hf_files import snapshot_host_copy, write_adapter_files, write_hf_files
+from jobs.trainer.export.safetensors_io import write_chunks
 
 RoomCheck = Callable[[Path, int], bool]
 
@@ -116,8 +118,13 @@ class AsyncExporter:
         thread = self._thread
         return self._step if thread is not None and thread.is_alive() else None
 
-    def submit(self, step: int, model: torch.nn.Module | Mapping[str, Any], config: Any = None) -> None:
-        """Start exporting ``step``; returns after the host copy. The outcome comes from :meth:`poll`."""
+    def submit(
+        self, step: int, model: torch.nn.Module | Mapping[str, Any], config: Any = None, canary: bytes | None = None
+    ) -> None:
+        """Start exporting ``step``; returns after the host copy. The outcome comes from :meth:`poll`.
+
+        ``canary``: the bytes of the snapshot's :data:`coord.snapshot.CANARY` (:mod:`jobs.eval.canary`),
+        written with the weights and listed in the marker."""
         t0 = time.perf_counter()
         self._join()
         adapter_config: dict[str, Any] | None = None
@@ -155,7 +162,7 @@ class AsyncExporter:
         self._step = step
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, host, config, t0, blocked, adapter_config is not None),
+            args=(step, host, config, t0, blocked, adapter_config is not None, canary),
             name=f"export-{step}",
             daemon=True,
         )
@@ -189,14 +196,19 @@ class AsyncExporter:
 
     # -- background thread --------------------------------------------------------------------------
     def _write(
-        self, step: int, host: dict[str, torch.Tensor], config: Any, t0: float, blocked: float, adapter: bool
+        self, step: int, host: dict[str, torch.Tensor], config: Any, t0: float, blocked: float, adapter: bool,
+        canary: bytes | None,
     ) -> None:
-        def write_files(tmp: Path) -> dict[str, dict[str, int]]:
+        def write_files(tmp: Path) -> dict[str, dict[str, Any]]:
             if adapter:
-                return write_adapter_files(tmp, host, config)
-            return write_hf_files(
-                tmp, host, self.base_model_dir, config=config, max_shard_bytes=self.max_shard_bytes
-            )
+                records = write_adapter_files(tmp, host, config)
+            else:
+                records = write_hf_files(
+                    tmp, host, self.base_model_dir, config=config, max_shard_bytes=self.max_shard_bytes
+                )
+            if canary is not None:
+                records[CANARY] = write_chunks(tmp / CANARY, [canary], zlib.crc32, fsync=False)
+            return records
 
         try:
             path = publish_snapshot(self.staging_root, step, write_files, producer=self.producer, run=self.run)

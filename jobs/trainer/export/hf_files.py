@@ -8,7 +8,9 @@ This module owns two steps of an export:
 * :func:`write_hf_files` — writes safetensors shards (``model.safetensors`` or
   ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``), ``config.json`` and the
   base model's metadata files (generation config, tokenizer files, chat templates) into a directory,
-  and returns ``{relative_path: {"bytes": n, "crc32": c}}`` for every file it wrote.
+  and returns ``{relative_path: {"bytes": n, "crc32": c}}`` for every file it wrote, each shard's
+  record also holding ``"tensors"``: every tensor's dtype, shape and digest (:mod:`coord.digests`),
+  computed on the bytes as they are written (the marker's attestation record).
 
 Promises:
 
@@ -50,8 +52,8 @@ from jobs.trainer.export.safetensors_io import (
     FileRecord,
     copy_file,
     nbytes,
-    safetensors_chunks,
     write_chunks,
+    write_safetensors,
 )
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -272,7 +274,7 @@ def _write_weights(
     records: dict[str, FileRecord] = {}
     weight_map: dict[str, str] = {}
     for file_name, shard in zip(names, shards, strict=True):
-        records[file_name] = write_chunks(out_dir / file_name, safetensors_chunks(shard), crc, fsync)
+        records[file_name] = write_safetensors(out_dir / file_name, shard, crc, fsync)
         weight_map.update(dict.fromkeys(shard, file_name))
     if len(shards) > 1:
         total = sum(nbytes(t) for t in tensors.values())
@@ -355,6 +357,6 @@ def write_adapter_files(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return {
-        ADAPTER_WEIGHTS: write_chunks(out_dir / ADAPTER_WEIGHTS, safetensors_chunks(tensors), crc, fsync),
+        ADAPTER_WEIGHTS: write_safetensors(out_dir / ADAPTER_WEIGHTS, tensors, crc, fsync),
         ADAPTER_CONFIG: write_chunks(out_dir / ADAPTER_CONFIG, [body], crc, fsync),
     }

@@ -2,12 +2,16 @@
 
 What :mod:`jobs.trainer.export.hf_files` builds a snapshot's weight files from:
 
-* :func:`safetensors_chunks` — the bytes of one safetensors file (header, then each tensor's memory,
+* :func:`_tagged_chunks` — the bytes of one safetensors file (header, then each tensor's memory,
   zero-copy, in :data:`CHUNK_BYTES` slices), laid out as ``safetensors.torch.save_file`` lays them out
   (byte-identical files for the same tensors with ``{"format": "pt"}`` metadata);
 * :func:`write_chunks` / :func:`copy_file` — create a file exclusively and write chunks, a helper thread
   computing the running checksum of chunk *i* while the main thread writes it (``zlib.crc32`` and
-  ``write`` both release the GIL); returns ``{"bytes": n, "crc32": c}``.
+  ``write`` both release the GIL); returns ``{"bytes": n, "crc32": c}``;
+* :func:`write_safetensors` — the same for one shard, also returning each tensor's digest
+  (:mod:`coord.digests`: CRC-32 of its bytes) under ``"tensors"``. With the default ``zlib.crc32``
+  nothing is checksummed twice: the helper thread checksums the header and each tensor separately
+  and the file's CRC is combined from those (:func:`coord.digests.crc32_combine`).
 
 Limits: tensors must be contiguous dense CPU tensors of a dtype in :data:`DTYPES`; nobody may mutate
 them while they are written. A failed write removes its partial file; an existing file is never
@@ -21,16 +25,19 @@ import os
 import queue
 import struct
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from coord.digests import TensorDigest, crc32_combine
+
 Checksum = Callable[[bytes | memoryview, int], int]
 """A running checksum with ``zlib.crc32``'s signature: ``checksum(chunk, previous) -> value``."""
 
-FileRecord = dict[str, int]
+FileRecord = dict[str, Any]  # {"bytes": n, "crc32": c} (+ "tensors": {name: TensorDigest} for a shard)
 
 CHUNK_BYTES = 16 * 1024 * 1024  # measured best of 1/4/16/64 MiB on /dev/shm
 _QUEUE_DEPTH = 8
@@ -62,14 +69,18 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def safetensors_chunks(shard: dict[str, torch.Tensor]) -> Iterator[bytes | memoryview]:
-    """The bytes of one safetensors file: header, then each tensor's memory, zero-copy."""
-    order = sorted(shard, key=lambda name: (DTYPE_RANK[shard[name].dtype], name))
-    yield _safetensors_header(shard, order)
-    for name in order:
+def _tagged_chunks(shard: dict[str, torch.Tensor]) -> Iterator[tuple[int, bytes | memoryview]]:
+    """``(segment, chunk)``: segment 0 is the header, segment ``i`` the ``i``-th tensor in file order."""
+    order = _file_order(shard)
+    yield 0, _safetensors_header(shard, order)
+    for segment, name in enumerate(order, start=1):
         data = _tensor_bytes(shard[name])
         for start in range(0, len(data), CHUNK_BYTES):
-            yield data[start : start + CHUNK_BYTES]
+            yield segment, data[start : start + CHUNK_BYTES]
+
+
+def _file_order(shard: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(shard, key=lambda name: (DTYPE_RANK[shard[name].dtype], name))
 
 
 def _safetensors_header(shard: dict[str, torch.Tensor], order: list[str]) -> bytes:
@@ -99,26 +110,42 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class _ChecksumThread:
-    """Checksums chunks in order on a helper thread while the caller writes them."""
+    """Checksums chunks in order on a helper thread while the caller writes them.
+
+    Chunks come tagged with a segment number (the header, each tensor): each segment gets its own
+    CRC-32 (:meth:`segments`). The file's checksum is combined from them when ``crc`` is
+    ``zlib.crc32``; another checksum runs over every chunk as well."""
 
     def __init__(self, crc: Checksum) -> None:
         self._crc = crc
-        self._queue: queue.Queue[bytes | memoryview | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._combine = crc is zlib.crc32
+        self._queue: queue.Queue[tuple[int, bytes | memoryview] | None] = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._value = 0
+        self._crcs: list[int] = []
+        self._lengths: list[int] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckpteval-checksum", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (chunk := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
             if self._error is None:
                 try:
-                    self._value = self._crc(chunk, self._value)
+                    self._add(*item)
                 except Exception as exc:  # any checksum failure: re-raised in the caller's thread
                     self._error = exc
 
-    def feed(self, chunk: bytes | memoryview) -> None:
-        self._queue.put(chunk)
+    def _add(self, segment: int, chunk: bytes | memoryview) -> None:
+        while len(self._crcs) <= segment:
+            self._crcs.append(0)
+            self._lengths.append(0)
+        self._crcs[segment] = zlib.crc32(chunk, self._crcs[segment])
+        self._lengths[segment] += len(chunk)
+        if not self._combine:
+            self._value = self._crc(chunk, self._value)
+
+    def feed(self, chunk: bytes | memoryview, segment: int = 0) -> None:
+        self._queue.put((segment, chunk))
 
     def stop(self) -> None:
         """Let the thread finish the queued chunks and end (idempotent)."""
@@ -131,7 +158,16 @@ class _ChecksumThread:
         self.stop()
         if self._error is not None:
             raise self._error
-        return self._value
+        if not self._combine:
+            return self._value
+        value = 0
+        for crc, length in zip(self._crcs, self._lengths, strict=True):
+            value = crc32_combine(value, crc, length)
+        return value
+
+    def segments(self) -> list[int]:
+        """The CRC-32 of each segment (after :meth:`result`); empty segments are 0."""
+        return list(self._crcs)
 
 
 def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum, fsync: bool) -> FileRecord:
@@ -139,13 +175,34 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum
 
     On failure the partial file is removed (a file that already existed is left alone).
     """
+    return _write_tagged(path, ((0, chunk) for chunk in chunks), crc, fsync)[0]
+
+
+def write_safetensors(path: Path, shard: dict[str, torch.Tensor], crc: Checksum, fsync: bool) -> FileRecord:
+    """Write one safetensors shard like :func:`write_chunks`; the record also holds ``"tensors"``:
+    each tensor's dtype, shape and digest (CRC-32 of its bytes, :mod:`coord.digests`)."""
+    record, crcs = _write_tagged(path, _tagged_chunks(shard), crc, fsync)
+    crcs += [0] * (len(shard) + 1 - len(crcs))  # trailing empty tensors fed no chunk
+    record["tensors"] = {
+        name: _digest(shard[name], crcs[segment]) for segment, name in enumerate(_file_order(shard), start=1)
+    }
+    return record
+
+
+def _digest(tensor: torch.Tensor, crc: int) -> TensorDigest:
+    return {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "crc32": crc}
+
+
+def _write_tagged(
+    path: Path, chunks: Iterable[tuple[int, bytes | memoryview]], crc: Checksum, fsync: bool
+) -> tuple[FileRecord, list[int]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     size = 0
     with open(path, "xb", buffering=0) as f:
         summer = _ChecksumThread(crc)
         try:
-            for chunk in chunks:
-                summer.feed(chunk)
+            for segment, chunk in chunks:
+                summer.feed(chunk, segment)
                 size += _write_all(f, chunk)
             if fsync:
                 os.fsync(f.fileno())
@@ -154,7 +211,7 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum
             summer.stop()
             path.unlink(missing_ok=True)
             raise
-    return {"bytes": size, "crc32": value}
+    return {"bytes": size, "crc32": value}, summer.segments()
 
 
 def _write_all(f: Any, chunk: bytes | memoryview) -> int:

@@ -1,0 +1,121 @@
+"""Attestation seconds vs the load they follow (#19), same run.
+
+Two snapshots of a reference-architecture model (Llama; ``--hidden``/``--layers``, ``--dtype``) are
+exported with :func:`jobs.trainer.export.hf_files.write_hf_files` and published (markers with
+per-tensor digests) under ``--dir`` (default /dev/shm). Then, best of ``--repeats`` each:
+
+* ``first load (from_pretrained)``: a fresh :class:`HFEngine` builds the model from snapshot A;
+* ``reload in place``: the engine loads B, then A, as new versions (what a fleet worker does per step);
+* ``attest (tensor digests)``: :func:`jobs.eval.attest.attest` of the engine against the marker — every
+  tensor cast to the snapshot dtype and CRC-32'd, compared with the marker (what the worker adds after
+  each load);
+* ``stand-in /weights_checker checksum``: the sglang-style per-tensor SHA-256 the stand-in server
+  computes (:meth:`jobs.reference.serve_engine.EngineService.check_weights`, no HTTP), for scale.
+
+Printed: seconds and the ratio of each attestation to the in-place reload (goal: under 0.10).
+``--device cuda`` runs the engine on the GPU. ``--smoke``: a tiny model, one repeat (a check that it
+runs, not a measurement). Numbers are only comparable on a quiet machine: the load average is printed.
+
+    .venv/bin/python bench/bench_attest.py [--hidden 1024] [--layers 8] [--dtype float32] [--repeats 3] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coord.rundir import RunDir
+from coord.snapshot import publish_snapshot, read_marker
+from jobs.eval.attest import attest
+from jobs.eval.engines.hf import HFEngine
+from jobs.reference.model import ModelConfig, build_model, save_base_model_dir
+from jobs.reference.serve_engine import EngineService
+from jobs.trainer.export.hf_files import write_hf_files
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def best(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def publish(root: Path, base: Path, cfg: ModelConfig, step: int, dtype: torch.dtype) -> Path:
+    sd = {k: v.to(dtype).contiguous() for k, v in build_model(cfg, seed=step).state_dict().items()}
+    return publish_snapshot(root, step, lambda d: write_hf_files(d, sd, base))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, one repeat")
+    ap.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.layers, args.repeats = 128, 2, 1
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device here: skipped")
+        return 0
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}  cpus: {os.cpu_count()}")
+    cfg = ModelConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=16, num_kv_heads=16,
+                      intermediate_size=4 * args.hidden, tie_word_embeddings=False)
+    dtype = DTYPES[args.dtype]
+    with tempfile.TemporaryDirectory(prefix="ckpteval-attest-", dir=args.dir) as tmp:
+        root, run = Path(tmp) / "snapshots", RunDir.create(Path(tmp) / "run")
+        base = save_base_model_dir(Path(tmp) / "base", cfg)
+        a, b = publish(root, base, cfg, 1, dtype), publish(root, base, cfg, 2, dtype)
+        marker = read_marker(a)
+        nbytes = sum(f["bytes"] for n, f in marker.files.items() if n.endswith(".safetensors"))
+        engines: list[HFEngine] = []
+
+        def first_load() -> None:
+            engine = HFEngine(device=args.device)
+            engine.load(str(a), "a")
+            engines.append(engine)
+
+        seconds = {"first load (from_pretrained)": best(first_load, args.repeats)}
+        engine = engines[-1]
+        for e in engines[:-1]:
+            e.close()
+        versions = iter(range(10**6))
+
+        def reload() -> None:
+            engine.load(str(b), f"b{next(versions)}")
+            engine.load(str(a), f"a{next(versions)}")
+
+        seconds["reload in place"] = best(reload, args.repeats) / 2
+        seconds["attest (tensor digests)"] = best(lambda: attest(engine, a, marker, run), args.repeats)
+        service = EngineService(engine, str(a))
+        seconds["stand-in /weights_checker checksum"] = best(lambda: service.check_weights("checksum"), args.repeats)
+        engine.close()
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.dtype}, {nbytes / 1e6:.0f} MB of weights, "
+          f"device {args.device}")
+    ratios = {}
+    for name, s in seconds.items():
+        ratios[name] = s / seconds["reload in place"]
+        print(f"{name:<40} {s * 1e3:9.1f} ms  ratio to the in-place reload {ratios[name]:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "bytes": nbytes, "seconds": seconds,
+                                         "ratio_to_reload": ratios, "args": vars(args)}, default=str, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
