@@ -133,7 +133,8 @@ def canary_bytes(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> by
 class TrainerCanary:
     """The canary a trainer stores with each export (:meth:`__call__`): the probe from the run's first
     eval set, tokenized with the base dir's tokenizer (both read once). None — no canary, reported
-    absent, never guessed — for anything but an HF-style model, or without a tokenizer or probe."""
+    absent, never guessed — for anything but an HF-style model (a peft model exports only its adapter:
+    none either), or without a tokenizer or probe."""
 
     def __init__(self, run: Any, manifest: Any, base: Path | None) -> None:
         self.run, self.manifest, self.base = run, manifest, base
@@ -141,6 +142,8 @@ class TrainerCanary:
 
     def __call__(self, model: Any) -> bytes | None:
         if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+            return None
+        if getattr(model, "peft_config", None) is not None:
             return None
         tokenizer, pairs = self._probe = self._probe or self._load()
         if not pairs:

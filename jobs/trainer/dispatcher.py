@@ -108,7 +108,6 @@ from jobs.eval.trust import check_run_code
 from jobs.ingest import ingest_point
 from jobs.metrics import MetricsSink
 from jobs.trainer.config import DispatchConfig
-from jobs.trainer.export.adapter import is_peft_model
 from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 from jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
@@ -316,7 +315,7 @@ class EvalDispatcher:
         if self.exporter is None:
             raise RuntimeError("staging export without an exporter")
         self._exporting.add(step)
-        self.exporter.submit(step, model, canary=None if is_peft_model(model) else self._canary(model))
+        self.exporter.submit(step, model, canary=self._canary(model))
         if self.shared is not None:
             self.exporter.wait()
         self._collect_exports()

@@ -71,16 +71,11 @@ from transformers import (
     PreTrainedModel,
 )
 
-from jobs.eval.engines.base import (
-    EngineError,
-    Generation,
-    RequestRejected,
-    SamplingParams,
-    WeightDigests,
-    context_problem,
-)
+from jobs.eval.engines.base import EngineError, Generation, SamplingParams, WeightDigests
 from jobs.eval.engines.hf_sampling import (
     SeededSampler,
+    check_context,
+    check_ids,
     left_pad,
     seeded_rng,
     validate_sampling,
@@ -310,8 +305,8 @@ class HFEngine:
         per_row = seeds is not None and params.temperature > 0
         with self._lock:
             model, tokenizer = self._require_loaded()
-            self._check_ids(input_ids, model.config.vocab_size)
-            self._check_context(input_ids, params.max_new_tokens, model.config)
+            check_ids(input_ids, model.config.vocab_size)
+            check_context(input_ids, params.max_new_tokens, model.config)
             results: list[Completion] = []
             with seeded_rng(None if per_row else params.seed, self._device):
                 for start in range(0, len(input_ids), self._max_batch_size):
@@ -393,25 +388,6 @@ class HFEngine:
         if tokenizer.pad_token_id is not None:
             return tokenizer.pad_token_id
         return min(self._eos_ids(tokenizer), default=0)
-
-    @staticmethod
-    def _check_context(input_ids: list[list[int]], max_new_tokens: int, config: PretrainedConfig) -> None:
-        """A prompt that does not fit the model's context is refused as ``ckpteval serve`` and sglang refuse it
-        (:func:`~jobs.eval.engines.base.context_problem`), never truncated or run past the position table."""
-        context = getattr(config, "max_position_embeddings", None)
-        for row in input_ids:
-            if (problem := context_problem(len(row), max_new_tokens, context)) is not None:
-                raise RequestRejected(f"{problem} (the hf engine refused the request; no restart)")
-
-    @staticmethod
-    def _check_ids(input_ids: list[list[int]], vocab_size: int) -> None:
-        if not isinstance(input_ids, list):
-            raise ValueError("input_ids must be a list of lists of int")
-        for row in input_ids:
-            if not isinstance(row, list) or not row:
-                raise ValueError("every prompt needs at least one token id")
-            if not all(isinstance(t, int) and 0 <= t < vocab_size for t in row):
-                raise ValueError(f"token ids must be ints in [0, {vocab_size})")
 
     def _require_loaded(self) -> tuple[PreTrainedModel, Any]:
         if self._model is None:

@@ -5,7 +5,9 @@ and :func:`validate_seeds` (``ValueError`` for settings no engine can honour), :
 call-wide ``seed`` fixes a forked RNG, leaving the caller's global RNG untouched), :class:`SeededSampler`
 (per-prompt ``seeds``: each row draws its token from the temperature/top-k/top-p distribution with its
 own ``torch.Generator``, so its sample depends on its prompt and seed only, not on its batch-mates, up
-to the float noise of padding) and :func:`left_pad` (the batch layout the decoder expects).
+to the float noise of padding) and :func:`left_pad` (the batch layout the decoder expects); and which requests it takes at all:
+:func:`check_ids` (token ids inside the vocabulary) and :func:`check_context` (a prompt that does not fit
+the model's context is :class:`~jobs.eval.engines.base.RequestRejected`, sglang's rule).
 
 Limits: reproducibility holds for the same torch build and device; the sampler returns ``-inf`` scores
 everywhere but the drawn token, so it must run last, before a greedy decoder.
@@ -20,12 +22,13 @@ import torch
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
+    PretrainedConfig,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from jobs.eval.engines.base import SamplingParams
+from jobs.eval.engines.base import RequestRejected, SamplingParams, context_problem
 
 
 def validate_sampling(params: SamplingParams) -> None:
@@ -96,3 +99,23 @@ def seeded_rng(seed: int | None, device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+def check_context(input_ids: list[list[int]], max_new_tokens: int, config: PretrainedConfig) -> None:
+    """A prompt that does not fit the model's context is refused as ``ckpteval serve`` and sglang refuse it
+    (:func:`~jobs.eval.engines.base.context_problem`), never truncated or run past the position table."""
+    context = getattr(config, "max_position_embeddings", None)
+    for row in input_ids:
+        if (problem := context_problem(len(row), max_new_tokens, context)) is not None:
+            raise RequestRejected(f"{problem} (the hf engine refused the request; no restart)")
+
+
+def check_ids(input_ids: list[list[int]], vocab_size: int) -> None:
+    """Token ids a request may carry: non-empty rows of ints inside the vocabulary (ValueError else)."""
+    if not isinstance(input_ids, list):
+        raise ValueError("input_ids must be a list of lists of int")
+    for row in input_ids:
+        if not isinstance(row, list) or not row:
+            raise ValueError("every prompt needs at least one token id")
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in row):
+            raise ValueError(f"token ids must be ints in [0, {vocab_size})")
