@@ -87,6 +87,10 @@ SMOKE: dict[str, list[str]] = {
     "bench_trainer.py": ["--steps", "10", "--eval-interval", "5", "--batch-size", "8", "--n-prompts", "8",
                          "--shard-size", "4"],
     "bench_stop.py": ["--waits", "backpressure", "--signals", "SIGUSR1", "--bound", "60", "--settle", "0.2"],
+    "bench_sandbox.py": ["--smoke"],
+    "bench_judge.py": ["--smoke"],
+    "bench_attest.py": ["--smoke", "--dir", os.environ.get("TMPDIR", tempfile.gettempdir())],
+    "bench_canary.py": ["--smoke"],
 }
 
 
