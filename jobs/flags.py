@@ -163,6 +163,14 @@ positive_float = bounded(float, gt=0)
 non_negative_float = bounded(float, min=0)
 
 
+def http_url(text: str) -> str:
+    """An argparse ``type`` for a service's base URL (a judge's): ``http://`` or ``https://`` with a host."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("http", "https") or not rest.split("/", 1)[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an http(s) URL such as http://host:8000/v1")
+    return text
+
+
 # ------------------------------------------------------------------------------------------- fields
 @dataclasses.dataclass(frozen=True)
 class _Spec:

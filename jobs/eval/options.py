@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from coord.layouts import layout_choices, resolve_layout
-from jobs.flags import META_KEY, accept_positional_run_dir, add_options, check_bounds, from_args, option
+from jobs.flags import (
+    META_KEY,
+    accept_positional_run_dir,
+    add_options,
+    check_bounds,
+    from_args,
+    http_url,
+    option,
+)
 
 # --canary-max-diff's defaults (None: by the engine's dtype), from the bounds measured on the reference
 # model (bench/RESULTS.md "Canary"): an engine computing in the trainer's dtype gave 0 on CPU (the margin
@@ -94,7 +102,7 @@ class WorkerOptions:
         "result", group=SCORING)
     judge_url: str | None = option(
         None, "the judge of judged datasets that name no url of their own: an OpenAI base URL "
-        "(http://host:port/v1); overrides RUN/judge.json", metavar="URL", group=SCORING)
+        "(http://host:port/v1); overrides RUN/judge.json", metavar="URL", parse=http_url, group=SCORING)
     wandb: bool = option(False, "log each finished point into the training run's wandb run (needs "
                          "--wandb-run-id)", group=INGESTION)
     wandb_run_id: str | None = option(None, "the training run's wandb id", metavar="ID", group=INGESTION)
@@ -152,8 +160,6 @@ def validate_options(opts: WorkerOptions) -> None:
         resolve_layout(watch, opts.layout)  # --layout auto over a dir holding saves of two trainers: refused
     if opts.eval_config is not None and not opts.watch:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
-    if opts.judge_url is not None and not opts.judge_url.startswith(("http://", "https://")):
-        raise ValueError(f"--judge-url {opts.judge_url!r}: expected an http(s) URL such as http://host:8000/v1")
     if opts.wandb and not opts.wandb_run_id:
         raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
     unit_backends = [s for s in opts.engines if s != "auto" and ENGINES[spec_kind(s)].unit_backend]

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.flags import Parser, fail, non_negative_int, positive_int
+from jobs.flags import Parser, fail, http_url, non_negative_int, positive_int
 from jobs.launch.judge_server import add_judge_flags, judge_command
 from jobs.launch.sbatch_template import render
 from jobs.launch.submit_checks import (
@@ -125,7 +125,7 @@ def _add_common(p: argparse.ArgumentParser, *, signal_before: int, workers: int)
     w.add_argument("--constraint", help="node features for the workers (sbatch --constraint)")
     w.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="an extra worker argument (repeatable; e.g. --worker-arg=--verify=full)")
-    w.add_argument("--judge-url", metavar="URL",
+    w.add_argument("--judge-url", metavar="URL", type=http_url,
                    help="the judge of judged datasets without their own url: an OpenAI base URL "
                    "(http://host:port/v1), handed to every worker as --judge-url")
     x = p.add_argument_group("installation")
