@@ -106,7 +106,7 @@ def test_judge_server_that_never_answers_fails_without_publishing(tmp_path: Path
 @pytest.mark.parametrize(("argv", "says"), [
     (["-m", "jobs.cli", "serve"], "--model DIR is required (unless --judge MODE)"),
     (["-m", "jobs.cli", "serve", "--judge", "nope"], "invalid choice: 'nope'"),
-    (["-m", "jobs.cli", "worker", "--run-dir", "RUN", "--judge-url", "judge:80"], "--judge-url 'judge:80'"),
+    (["-m", "jobs.cli", "worker", "--run-dir", "RUN", "--judge-url", "judge:80"], "--judge-url: 'judge:80': expected an http(s) URL"),
     (["-m", "jobs.launch.judge_server", "--run-dir", "RUN"], "give the server command after --"),
 ])
 def test_bad_judge_flags_are_one_line_exit_2(argv: list[str], says: str, tmp_path: Path) -> None:
