@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import re
@@ -68,7 +69,8 @@ class DatasetSpec:
     path: str
     """The JSONL file; relative paths are relative to the run directory."""
     n_prompts: int
-    """Rows in the file (checked when loaded)."""
+    """Rows evaluated: the file's row count, or ``subset``. Required in run.json; an eval config may leave
+    it out (it is filled from the file when the run is created)."""
     kind: str = "generate"
     """The dataset kind (``generate``; ``jsonl`` is the old name of the same kind)."""
     scorer: str = "exact"
@@ -100,6 +102,10 @@ class DatasetSpec:
     """Due at steps that are multiples of it (a multiple of the run's eval interval; 1: every point)."""
     grader_timeout_s: float = 10.0
     """Scorer ``math``: an answer not graded in time scores 0 and is counted (``grader_timeouts``)."""
+    subset: int | None = None
+    """Evaluate only N rows of the file: the first N, or a seeded sample of N (``subset_seed``)."""
+    subset_seed: int | None = None
+    """With ``subset``: pick the N rows by this seed (:func:`subset_rows`; kept in file order); None: the first N."""
 
     def __post_init__(self) -> None:
         if self.kind == "jsonl":  # the old name of the default kind: accepted, written as generate
@@ -136,6 +142,12 @@ class DatasetSpec:
                 raise FieldError("pass_k", f"has k={k}; each k must be in 1..n_samples ({self.n_samples})")
         if len(set(self.pass_k)) != len(self.pass_k):
             raise FieldError("pass_k", f"lists a k twice: {list(self.pass_k)}")
+        if self.subset is not None and self.subset < 1:
+            raise FieldError("subset", f"must be >= 1 rows, got {self.subset}")
+        if self.subset is not None and self.subset != self.n_prompts:
+            raise FieldError("n_prompts", f"is {self.n_prompts} but subset is {self.subset}: they must agree")
+        if self.subset_seed is not None and self.subset is None:
+            raise FieldError("subset_seed", "needs subset (the number of rows to sample)")
 
     @property
     def n_shards(self) -> int:
@@ -150,30 +162,78 @@ class DatasetSpec:
 class HarnessSpec:
     """An ``lm_eval`` entry of ``eval.datasets``: EleutherAI lm-evaluation-harness tasks, one unit per task.
 
-    ``include_path`` (a dir or YAML file of local task configs; relative to the run dir unless absolute)
-    is scanned in addition to lm-eval's built-in tasks unless ``include_defaults`` is false. The other
-    fields are passed to ``lm_eval.simple_evaluate``: ``num_fewshot`` (None: the task's own),
-    ``limit`` (docs per task, None: all), ``gen_kwargs`` (overrides every task's generation_kwargs),
-    ``apply_chat_template``, ``bootstrap_iters`` (stderr bootstraps; 0: none), ``seed``.
+    The fields other than ``name``, ``tasks``, ``include_path`` and ``include_defaults`` are passed to
+    ``lm_eval.simple_evaluate``.
     """
 
     name: str
+    """``[A-Za-z0-9_-]{1,64}``: the units' dataset name."""
     tasks: tuple[str, ...]
-    include_path: str | None = None
-    include_defaults: bool = True
-    num_fewshot: int | None = None
-    limit: int | None = None
-    batch_size: int = 16
-    gen_kwargs: dict[str, Any] | None = None
-    apply_chat_template: bool = False
-    bootstrap_iters: int = 0
-    seed: int = 0
+    """lm-eval task names; shard ``i`` of the entry runs ``tasks[i]``."""
     kind: str = "lm_eval"
+    """The dataset kind."""
+    include_path: str | None = None
+    """A dir or YAML file of local task configs (relative to the run dir unless absolute)."""
+    include_defaults: bool = True
+    """Also index lm-eval's built-in tasks (about 10 s of CPU at worker start)."""
+    num_fewshot: int | None = None
+    """Few-shot examples (None: the task's own)."""
+    limit: int | None = None
+    """Docs per task (None: all)."""
+    batch_size: int = 16
+    """lm-eval's batch size."""
+    gen_kwargs: dict[str, Any] | None = None
+    """Overrides every task's ``generation_kwargs``."""
+    apply_chat_template: bool = False
+    """Render prompts with the snapshot's chat template."""
+    bootstrap_iters: int = 0
+    """Stderr bootstraps (0: none)."""
+    seed: int = 0
+    """lm-eval's random, numpy, torch and few-shot seeds."""
+
+    def __post_init__(self) -> None:
+        if self.kind != "lm_eval":
+            raise FieldError("kind", f"{self.kind!r} is not the kind of an lm_eval entry")
+        if not NAME_RE.match(self.name):
+            raise FieldError("name", f"{self.name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        if not self.tasks or not all(isinstance(t, str) and t and "/" not in t for t in self.tasks):
+            raise FieldError("tasks", "must be a non-empty list of lm-eval task names (strings without '/')")
+        if len(set(self.tasks)) != len(self.tasks):
+            raise FieldError("tasks", f"has duplicates: {list(self.tasks)}")
+        for key, low in (("limit", 1), ("num_fewshot", 0), ("batch_size", 1), ("bootstrap_iters", 0)):
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise FieldError(key, f"must be >= {low}, got {value}")
+        if not self.include_defaults and self.include_path is None:
+            raise FieldError("include_defaults", "is false but no include_path is given: no task could be found")
 
     @property
     def n_shards(self) -> int:
         """One unit per task: shard ``i`` of the entry is ``tasks[i]``."""
         return len(self.tasks)
+
+
+def subset_rows(n_rows: int, spec: DatasetSpec) -> list[int]:
+    """The file rows (0-based, in file order) a dataset evaluates: all, the first ``subset``, or the
+    ``subset`` rows whose ``blake2b(f"ckpteval-subset:{subset_seed}:{i}")`` sort first. Every worker
+    derives the same rows from run.json and the run's copy of the file. ValueError if the file is short."""
+    if spec.subset is None:
+        return list(range(n_rows))
+    if spec.subset > n_rows:
+        raise ValueError(f"dataset {spec.name!r}: subset {spec.subset} but the file has {n_rows} rows")
+    if spec.subset_seed is None:
+        return list(range(spec.subset))
+
+    def key(i: int) -> bytes:
+        return hashlib.blake2b(f"ckpteval-subset:{spec.subset_seed}:{i}".encode(), digest_size=8).digest()
+
+    return sorted(sorted(range(n_rows), key=key)[: spec.subset])
+
+
+# kind -> its settings dataclass (see :mod:`jobs.eval.kinds` for how a kind is evaluated; adding one)
+DATASET_KINDS: dict[str, type] = {"generate": DatasetSpec, "lm_eval": HarnessSpec}
+KIND_ALIASES = {"jsonl": "generate"}  # old names still accepted in run.json and eval configs
 
 
 @dataclass(frozen=True)
@@ -209,6 +269,16 @@ class RunManifest:
         for ds in self.eval.datasets:
             if ds.name == name:
                 return ds
+        raise KeyError(f"run {self.run_id}: no dataset named {name!r}")
+
+    def entries(self) -> tuple[DatasetSpec | HarnessSpec, ...]:
+        """Every entry of ``eval.datasets``, of any kind (each has ``name``, ``kind``, ``n_shards``)."""
+        return (*self.eval.datasets, *self.eval.harness)
+
+    def entry(self, name: str) -> DatasetSpec | HarnessSpec:
+        for spec in self.entries():
+            if spec.name == name:
+                return spec
         raise KeyError(f"run {self.run_id}: no dataset named {name!r}")
 
     def harness_entry(self, name: str) -> HarnessSpec | None:
@@ -347,58 +417,27 @@ def _parse_dataset(f: Fields) -> DatasetSpec:
     return spec
 
 
-def _parse_harness(f: Fields) -> HarnessSpec:
-    """A ``{"kind": "lm_eval", "name", "tasks": [...], ...}`` entry of ``eval.datasets``."""
-    name = f.get("name", str)
-    if not NAME_RE.match(name):
-        raise f.error("name", f"{name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
-    tasks = f.get("tasks", list)
-    if not tasks or not all(isinstance(t, str) and t and "/" not in t for t in tasks):
-        raise f.error("tasks", "must be a non-empty list of lm-eval task names (strings without '/')")
-    if len(set(tasks)) != len(tasks):
-        raise f.error("tasks", f"has duplicates: {tasks}")
-    limit, fewshot = f.get("limit", (int, type(None)), None), f.get("num_fewshot", (int, type(None)), None)
-    spec = HarnessSpec(
-        name=name,
-        tasks=tuple(tasks),
-        include_path=f.get("include_path", (str, type(None)), None),
-        include_defaults=f.get("include_defaults", bool, True),
-        num_fewshot=fewshot,
-        limit=limit,
-        batch_size=f.get("batch_size", int, 16),
-        gen_kwargs=f.get("gen_kwargs", (dict, type(None)), None),
-        apply_chat_template=f.get("apply_chat_template", bool, False),
-        bootstrap_iters=f.get("bootstrap_iters", int, 0),
-        seed=f.get("seed", int, 0),
-    )
-    for key, low in (("limit", 1), ("num_fewshot", 0), ("batch_size", 1), ("bootstrap_iters", 0)):
-        value = getattr(spec, key)
-        if value is not None and value < low:
-            raise f.error(key, f"must be >= {low}, got {value}")
-    if not spec.include_defaults and spec.include_path is None:
-        raise f.error("include_defaults", "is false but no include_path is given: no task could be found")
-    unknown = sorted(set(f.obj) - {k for k in HarnessSpec.__dataclass_fields__})
-    if unknown:
-        raise f.error(unknown[0], f"is not a field of an lm_eval entry (fields: {sorted(HarnessSpec.__dataclass_fields__)})")
-    return spec
-
-
 def _split_datasets(f: Fields, raw: list[Any]) -> tuple[tuple[DatasetSpec, ...], tuple[HarnessSpec, ...]]:
-    """JSONL datasets and ``kind: lm_eval`` entries of ``eval.datasets``, each validated."""
+    """``generate`` datasets and ``lm_eval`` entries of ``eval.datasets``, each validated by its kind."""
     datasets, harness = [], []
     for i, d in enumerate(raw):
         sub = Fields(f.source, d, f"{f._path('datasets')}[{i}]")
         kind = sub.get("kind", str, "generate")
-        if kind == "lm_eval":
-            harness.append(_parse_harness(sub))
-        elif kind in ("generate", "jsonl"):
+        kind = KIND_ALIASES.get(kind, kind)
+        if kind not in DATASET_KINDS:
+            close = difflib.get_close_matches(kind, [*DATASET_KINDS, *KIND_ALIASES], n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise sub.error("kind", f"{kind!r} must be one of {', '.join(DATASET_KINDS)} ({hint}default generate; "
+                                    "'jsonl' is the old name of generate)")
+        if kind == "generate":
             datasets.append(_parse_dataset(sub))
         else:
-            raise sub.error("kind", f"{kind!r} must be 'generate' (the default; 'jsonl' is its old name) or 'lm_eval'")
+            harness.append(parse_dataclass(sub, DATASET_KINDS[kind], what=f"a dataset of kind {kind!r}"))
     return tuple(datasets), tuple(harness)
 
 
 def _parse_eval(f: Fields) -> EvalSpec:
+    f.reject_unknown(["datasets", "engine", "adapters", "base_model"], "the eval section")
     raw_datasets = f.get("datasets", list)
     if not raw_datasets:
         raise f.error("datasets", "must list at least one dataset")
@@ -422,6 +461,7 @@ def _parse_eval(f: Fields) -> EvalSpec:
 def parse_manifest(obj: Any, source: Path) -> RunManifest:
     """Validate a decoded ``run.json``; every error names ``source`` and the field."""
     f = Fields(source, obj, "")
+    f.reject_unknown([fl.name for fl in dataclasses.fields(RunManifest)], "run.json")
     protocol = f.get("protocol", int, PROTOCOL_VERSION)
     if protocol != PROTOCOL_VERSION:
         raise f.error("protocol", f"is {protocol}; this ckpteval speaks protocol {PROTOCOL_VERSION}")
@@ -433,6 +473,7 @@ def parse_manifest(obj: Any, source: Path) -> RunManifest:
         if not isinstance(r, str) or not Path(r).is_absolute():
             raise f.error(f"snapshot_roots[{i}]", f"must be an absolute path, got {r!r}")
     lease_f = f.sub("lease", {})
+    lease_f.reject_unknown([fl.name for fl in dataclasses.fields(LeaseSettings)], "lease")
     lease = LeaseSettings(
         duration_s=float(lease_f.get("duration_s", (int, float), 60.0)),
         heartbeat_s=float(lease_f.get("heartbeat_s", (int, float), 10.0)),

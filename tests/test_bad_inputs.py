@@ -69,6 +69,7 @@ def build_sandbox(root: Path) -> Path:
     _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="topk0_run"), top_k=0)
     _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="topp_run"), top_p=1.5)
     _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="tokens_run"), max_new_tokens=-1)
+    _edit_manifest(make_eval_run(root, n_prompts=4, shard_size=2, name="typo_run"), temprature=0.7)  # issue 22 §4
     (make_eval_run(root, n_prompts=4, shard_size=2, name="done_run").done_path).write_text("{torn")
     (make_eval_run(root, n_prompts=4, shard_size=2, name="rows_run").data / "addition.jsonl").write_text("{torn\n")
     trust = make_eval_run(root, n_prompts=4, shard_size=2, name="trust_run", scorer=TRUST_SCORER)
@@ -91,6 +92,8 @@ def build_sandbox(root: Path) -> Path:
     _write_json(root / "cfg_bad_rows.json", {"eval": {"datasets": [{**ds, "path": "bad_rows.jsonl"}]}})
     _write_json(root / "cfg_count.json", {"eval": {"datasets": [{**ds, "n_prompts": 5}]}})
     (root / "cfg_nan.json").write_text(json.dumps({"eval": {"datasets": [{**ds, "temperature": math.nan}]}}))
+    _write_json(root / "cfg_typo.json", {"eval": {"datasets": [{**ds, "max_new_token": 4}]}})  # issue 22 §4
+    _write_json(root / "cfg_top_typo.json", {"eval": {"datasets": [ds]}, "leases": {}})
     (root / "ckpts").mkdir()
     (root / "model").mkdir()  # enough for serve to get past its model check to the port and host checks
     (root / "model" / "config.json").write_text("{}")
@@ -130,12 +133,15 @@ def worker_cases(cmd: str) -> list[str]:
         f"{cmd} --run-dir {{S}}/topk0_run",
         f"{cmd} --run-dir {{S}}/topp_run",
         f"{cmd} --run-dir {{S}}/tokens_run",
+        f"{cmd} --run-dir {{S}}/typo_run",
         f"{cmd} --run-dir {{S}}/done_run",
         f"{cmd} --run-dir {{S}}/rows_run",
         f"{cmd} --run-dir {{S}}/trust_run --engine {FN}",  # group-writable run.json naming a scorer
         f"{cmd} --run-dir {{S}}/results_file_run --engine {FN}",
         f"{base} --engine bogus",
         f"{base} --engine http:",
+        f"{base} --engine http://",  # issue 22 §2: a URL without a host
+        f"{base} --engine http:host:port",
         f"{base} --engine fn:",
         f"{base} --engine hf:extra",
         f"{base} --engine fn:no_such_module_xyz:Cls",
@@ -152,6 +158,8 @@ def worker_cases(cmd: str) -> list[str]:
         f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_bad_rows.json",
         f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_count.json",
         f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_nan.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_typo.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_top_typo.json",
         f"{cmd} --run-dir {{S}}/file.txt --watch {{S}}/ckpts --eval-config {{S}}/cfg_ok.json",
         f"{base} --wandb",  # without --wandb-run-id
         f"{base} --wandb-mode bogus",
@@ -197,6 +205,7 @@ def train_cases() -> list[str]:
         f"{base} --eval-max-in-flight 3 --eval-keep-snapshots 2",
         f"{base} --lease-heartbeat 100",
         f"{base} --eval-config {{S}}/nope.json",
+        f"{base} --eval-config {{S}}/cfg_typo.json",  # issue 22 §4: checked before training starts
         f"{base} --eval-samples -1",
         f"{base} --lora-rank 0",
         f"{base} --lora=yes",

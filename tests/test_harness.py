@@ -47,8 +47,8 @@ def harness_run(tmp: Path, **fields: object) -> RunDir:
 def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path: Path) -> None:
     run = harness_run(tmp_path)
     on_disk = json.loads(run.manifest_path.read_text())
-    kinds = [d.get("kind", "jsonl") for d in on_disk["eval"]["datasets"]]
-    assert kinds == ["jsonl", "lm_eval"]
+    kinds = [d.get("kind") for d in on_disk["eval"]["datasets"]]
+    assert kinds == ["generate", "lm_eval"]
     manifest = load_manifest(run.manifest_path)
     assert manifest.eval.harness[0].tasks == TASKS
     assert [u.dataset for u in units_for_step(manifest, 5)] == ["addition", "harness", "harness"]
@@ -62,8 +62,8 @@ def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path:
         ({"tasks": ["a", "a"]}, "has duplicates"),
         ({"tasks": ["a"], "limit": 0}, "limit must be >= 1"),
         ({"tasks": ["a"], "include_defaults": False}, "no include_path"),
-        ({"tasks": ["a"], "fewshots": 3}, "fewshots is not a field"),
-        ({"tasks": ["a"], "kind": "lmeval"}, "kind 'lmeval' must be"),
+        ({"tasks": ["a"], "fewshots": 3}, "fewshots is not a setting of a dataset of kind 'lm_eval' .*did you mean 'num_fewshot'"),
+        ({"tasks": ["a"], "kind": "lmeval"}, "kind 'lmeval' must be one of generate, lm_eval \\(did you mean 'lm_eval'"),
     ],
 )
 def test_bad_lm_eval_entries_are_one_error_naming_the_field(entry: dict, why: str) -> None:
@@ -195,3 +195,33 @@ def test_lm_eval_entries_refuse_engines_without_an_lm_eval_adapter(tmp_path: Pat
         with pytest.raises(ValueError, match="need exactly one hf, http:URL or sglang engine"):
             check_harness_engines(manifest, kinds, replicas)
     check_harness_engines(manifest, ["http"], 1)  # one engine with an adapter: accepted
+
+
+def test_a_task_lm_eval_cannot_run_on_the_model_is_that_unit_s_skip_with_lm_evals_message(tmp_path: Path) -> None:
+    """256 generation tokens on the tiny model's 64-token context: lm-eval raises inside its adapter. The
+    unit is a ``crashed`` skip written at once with lm-eval's message; the worker goes on and exits 0
+    (before: the exception ended the worker with a traceback and left the unit pending)."""
+    run = harness_run(tmp_path, gen_kwargs={"max_gen_toks": 256, "until": ["\n"]})
+    publish_model(tmp_path, run.snapshots, 5)
+    code, out = finish(spawn("worker", "--run-dir", str(run.path), "--once", "--poll-interval", "0.2",
+                             env=OFFLINE), timeout=300)
+    assert code == 0, out
+    got = results(run)
+    gen = got[WorkUnit(5, "harness", 0)]
+    assert (gen.skip_reason, gen.blame, gen.attempt) == ("crashed", "lm_eval", 1), gen
+    assert gen.message.startswith("lm-eval task 'ckpteval_addition_gen' failed: "), gen.message
+    assert "Traceback" not in out, out
+    assert got[WorkUnit(5, "addition", 0)].ok  # the other units of the point are scored
+
+
+def test_the_shipped_lm_eval_example_runs_on_the_demo_model(tmp_path: Path) -> None:
+    """``examples/lmeval/eval.json`` as the guide shows it, on a snapshot of the demo (reference) model."""
+    from jobs.eval.service import create_run_from_config
+
+    publish_model(tmp_path, tmp_path / "snaps", 5)
+    run = create_run_from_config(tmp_path / "run", REPO / "examples" / "lmeval" / "eval.json", (tmp_path / "snaps",))
+    code, out = finish(spawn("worker", "--run-dir", str(run.path), "--once", "--poll-interval", "0.2",
+                             env=OFFLINE), timeout=300)
+    assert code == 0, out
+    (r,) = results(run).values()
+    assert r.ok and set(r.metrics) == {"exact_match"}, (r.skip_reason, r.message)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.atomic import write_bytes_atomic
-from coord.manifest import DatasetSpec
+from coord.manifest import DatasetSpec, subset_rows
 from coord.rundir import RunDir
 from jobs.eval.scorers import check_row, scorer_class
 
@@ -76,13 +76,18 @@ def load_rows(path: Path, scorer: type | None = None) -> list[Row]:
 
 
 def load_dataset(run: RunDir, spec: DatasetSpec) -> list[Row]:
-    """The rows of a dataset, checked against its scorer's needs; their count must match ``n_prompts``."""
+    """The rows a dataset evaluates (its ``subset`` of the file, :func:`coord.manifest.subset_rows`),
+    checked against its scorer's needs; their count must match ``n_prompts``."""
     path = run.resolve_data_path(spec.path)
     try:
         scorer = scorer_class(spec.scorer)
     except ValueError as e:
         raise ValueError(f"dataset {spec.name!r}: {e}") from None
     rows = load_rows(path, scorer)
+    try:
+        rows = [rows[i] for i in subset_rows(len(rows), spec)]
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     if len(rows) != spec.n_prompts:
         raise ValueError(f"{path}: {len(rows)} rows but run.json says n_prompts={spec.n_prompts} for {spec.name!r}")
     if spec.prompt_format == "raw" and any("messages" in r for r in rows):

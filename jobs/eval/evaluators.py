@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from coord.discovery import SnapshotRef
 from coord.identity import run_key, weight_version
-from coord.manifest import HarnessSpec, RunManifest
-from coord.results import Result, harness_result, ok_result, skip_result
+from coord.manifest import RunManifest
+from coord.results import Result, skip_result
 from coord.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
@@ -27,11 +26,11 @@ from coord.snapshot import (
 from coord.units import WorkUnit, shard_range
 from jobs.eval.engines.base import Engine, EngineError
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
+from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from jobs.eval.options import WorkerOptions
-from jobs.eval.pinning import PinViolation, WorkerSkip, call_with_timeout, check_pinned, pin
+from jobs.eval.pinning import PinViolation, WorkerSkip, call_with_timeout, pin
 from jobs.eval.prompts import NoChatTemplate
-from jobs.eval.scorers import ScorerCrashed
-from jobs.eval.scoring import DatasetCache, score_unit, unit_input
+from jobs.eval.scoring import DatasetCache, unit_input
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
 # values, I/O, and the lookup/type/arithmetic errors a custom scorer or fn backend raises on bad input.
@@ -45,16 +44,6 @@ class Unhealthy(WorkerSkip):
 
 
 # -- evaluators: the part between claim and result ------------------------------------------------------
-@dataclass
-class Evaluation:
-    scores: list[float]
-    weight_versions: list[str | None]
-    message: str = ""
-    answers: list[str | None] | None = None  # the scorer's extracted answers (None: not reported)
-    scored: dict[str, Any] = field(default_factory=dict)  # UnitScores.result_fields(): counters, scorer, ...
-    metrics: dict[str, float] | None = None  # an lm-eval task's metrics (weight_versions: the read-backs)
-
-
 class Evaluator(Protocol):
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation: ...
 
@@ -65,7 +54,8 @@ class Evaluator(Protocol):
 
 
 class EngineEvaluator:
-    """Engines (:class:`~jobs.eval.engines.base.Engine`): probe, heal, pin, score, check the pin again."""
+    """Engines (:class:`~jobs.eval.engines.base.Engine`): probe, heal, pin, then the one unit path
+    (:func:`jobs.eval.kinds.evaluate_pinned`, which checks the pin again)."""
 
     def __init__(
         self, engine: Engine, cache: DatasetCache, pin_timeout_s: float, load_timeout_s: float
@@ -81,19 +71,15 @@ class EngineEvaluator:
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
-        if (harness := self.cache.manifest.harness_entry(unit.dataset)) is not None:
-            return self._evaluate_harness(harness, unit, ref, want, timings)
         try:
-            scored = score_unit(self.engine, self.cache, unit, str(ref.path))
+            ev = evaluate_pinned(self.engine, self.cache, unit, str(ref.path), want)
         except EngineError as e:
             if not e.restart_helps:  # a rejected request, aborted samples: the engine is fine
                 raise
             self._heal(ref, want)  # died mid-unit: bring it back, then one more try
-            scored = score_unit(self.engine, self.cache, unit, str(ref.path))
-        timings["generate_s"] = scored.generate_s
-        check_pinned(self.engine, want, scored.weight_versions)
-        return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers,
-                          scored=scored.result_fields())
+            ev = evaluate_pinned(self.engine, self.cache, unit, str(ref.path), want)
+        timings["generate_s"] = ev.generate_s
+        return ev
 
     def probe(self) -> None:
         """Start-up probe: the engine answers (a remote one that does not raises EngineError) and, once
@@ -101,21 +87,6 @@ class EngineEvaluator:
         engine with nothing loaded yet was checked when it was built (its device exists)."""
         if self.engine.weight_version() is not None and not self.engine.healthy():
             raise EngineError("the engine failed its start-up probe (one-token generate)")
-
-    def _evaluate_harness(
-        self, spec: HarnessSpec, unit: WorkUnit, ref: SnapshotRef, want: str, timings: dict[str, float]
-    ) -> Evaluation:
-        """One lm-eval task on the pinned engine; the version is read back before and after it."""
-        from jobs.eval.harness import run_task
-
-        before = self.engine.weight_version()
-        t0 = time.perf_counter()
-        metrics = run_task(self.engine, self.cache.run, spec, spec.tasks[unit.shard], str(ref.path))
-        timings["generate_s"] = time.perf_counter() - t0
-        after = self.engine.weight_version()
-        if before != want or after != want:
-            raise PinViolation(f"want version {want}; engine reported {before!r} before the task, {after!r} after")
-        return Evaluation([], [before, after], metrics=metrics)
 
     def _prepare(self, ref: SnapshotRef, want: str) -> None:
         """Probe (when something is loaded), pin, and probe again after a fresh load; heal on failure."""
@@ -193,14 +164,12 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
         if marker.step != unit.step:
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0
-        ev = evaluator.evaluate(unit, ref, timings)
-        if ev.metrics is not None:
-            return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, timings=timings)
-        return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, timings=timings,
-                         **ev.scored)
-    except ScorerCrashed as e:  # the scorer's own failure: written at once, the engine is not to blame
-        return skip_result(unit, e.reason, str(e), timings=timings, blame=e.blame)
-    except (SnapshotError, WorkerSkip, EvalSkip, NoChatTemplate) as e:
+        return unit_result(unit, evaluator.evaluate(unit, ref, timings), timings=timings)
+    except WorkerSkip as e:  # blame: user code failed (a scorer, a library task), written at once
+        if e.blame is not None:
+            return skip_result(unit, e.reason, str(e), timings=timings, blame=e.blame)
+        reason, message = e.reason, str(e)
+    except (SnapshotError, EvalSkip, NoChatTemplate) as e:
         reason, message = e.reason, str(e)
     except EngineError as e:  # unhealthy; or rejected/aborted (RequestRejected, SamplesAborted)
         reason, message = e.reason, str(e)
@@ -218,7 +187,9 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
 
 def check_harness_engines(manifest: RunManifest, kinds: list[str], replicas: int) -> None:
     """lm_eval entries run through lm-eval's own adapters: one hf, http or sglang engine, no pool."""
-    if manifest.eval.harness and (len(kinds) != 1 or replicas != 1 or kinds[0] == "fn"):
+    from jobs.eval.engines.factory import ENGINES
+
+    if manifest.eval.harness and (len(kinds) != 1 or replicas != 1 or ENGINES[kinds[0]].unit_backend):
         names = [h.name for h in manifest.eval.harness]
         raise ValueError(
             f"run {manifest.run_id} has lm_eval entries {names}: they need exactly one hf, http:URL or sglang "
@@ -238,15 +209,15 @@ def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
 
 
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
-    from jobs.eval.engines.factory import EnginePool, make_engine, resolve_specs, spec_kind
+    from jobs.eval.engines.factory import ENGINES, EnginePool, make_engine, resolve_specs, spec_kind
 
     specs = resolve_specs(opts.engines, opts.device)  # --engine auto: decided here, on the node
     if list(specs) != list(opts.engines):
         print(f"ckpteval worker: --engine auto -> {', '.join(specs)} (device {opts.device})", file=sys.stderr)
     kinds = [spec_kind(s) for s in specs]
     check_harness_engines(manifest, kinds, opts.replicas)
-    if kinds == ["fn"]:
-        backend = make_engine(specs[0], opts.device, _settings(manifest, "fn"))
+    if len(kinds) == 1 and ENGINES[kinds[0]].unit_backend:
+        backend = make_engine(specs[0], opts.device, _settings(manifest, kinds[0]))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]
     if manifest.eval.adapters:
         raise ValueError(

@@ -31,12 +31,16 @@ import copy
 import logging
 import math
 import os
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from coord.manifest import HarnessSpec
 from coord.rundir import RunDir
+from coord.units import WorkUnit
+from jobs.eval.kinds import Evaluation, user_code
+from jobs.eval.pinning import PinViolation
 
 INSTALL_HINT = "lm_eval datasets need the lm-eval package: pip install 'ckpteval[harness]'"
 # datasets pings the Hub ("download count", 3 s timeout) on every load, even of a local JSON file, unless
@@ -179,3 +183,24 @@ def run_task(engine: Any, run: RunDir, spec: HarnessSpec, task: str, snapshot_di
         f"lm_eval entry {spec.name!r}: engine {type(engine).__name__} has no lm-eval adapter "
         "(use one hf, http:URL or sglang engine, no --engines N pool)"
     )
+
+
+def evaluate_harness(engine: Any, cache: Any, spec: HarnessSpec, unit: WorkUnit, snapshot: str, want: str) -> Evaluation:
+    """The ``lm_eval`` kind (:mod:`jobs.eval.kinds`): one task on the pinned engine, the version read back
+    before and after it. The library's own failure (an assertion, a task that cannot run on this model)
+    is the unit's ``crashed`` skip with lm-eval's message."""
+    before = engine.weight_version()
+    t0 = time.perf_counter()
+    task = spec.tasks[unit.shard]
+    with user_code(f"lm-eval task {task!r}", "lm_eval"):
+        metrics = run_task(engine, cache.run, spec, task, snapshot)
+    elapsed = time.perf_counter() - t0
+    after = engine.weight_version()
+    if before != want or after != want:
+        raise PinViolation(f"want version {want}; engine reported {before!r} before the task, {after!r} after")
+    return Evaluation([], [before, after], metrics=metrics, generate_s=elapsed)
+
+
+def check_harness_entry(cache: Any, spec: HarnessSpec) -> None:
+    """At start: lm-eval importable and the entry's tasks known (:func:`check_harness`)."""
+    check_harness(cache.run, (spec,))

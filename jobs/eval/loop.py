@@ -349,7 +349,7 @@ class Worker:
         ``--max-attempts`` times — or when no healthy worker can be expected: training is done and
         ``max_attempts`` lease durations have passed since this worker first saw ``TRAINING_DONE``
         (the step's deadline), with the unit claimed ``--max-attempts`` times."""
-        if result.skip_reason not in RETRYABLE or result.blame == "scorer":  # a scorer's crash is the unit's
+        if result.skip_reason not in RETRYABLE or result.blame is not None:  # user code failed: the unit's
             return False
         if claim.attempt < self.opts.max_attempts:
             return True

@@ -27,7 +27,7 @@ DEVICE_RE = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 class WorkerOptions:
     run_dir: Path = option(help="the run directory (holds run.json)", metavar="RUN")
     engines: tuple[str, ...] = option(
-        ("hf",), "engine backend: hf | http:URL | sglang | fn:module:Class | auto (sglang if importable and "
+        ("hf",), "engine backend: hf | http:URL (or http://HOST:PORT) | sglang | fn:module:Class | auto (sglang if importable and "
         "--device cuda has GPUs, else hf; decided at start) (repeat for several engines)",
         flag="--engine", metavar="SPEC")
     replicas: int = option(1, "instances of each --engine, pooled as one (all must report the version)",
@@ -115,8 +115,9 @@ def validate_options(opts: WorkerOptions) -> None:
     check_bounds(opts)
     if not DEVICE_RE.match(opts.device):
         raise ValueError(f"--device {opts.device!r}: expected cpu, cuda, cuda:N (or mps, xpu)")
-    from jobs.eval.engines.factory import spec_kind  # light: engine modules are imported lazily
+    from jobs.eval.engines.factory import normalize_spec, spec_kind  # light: engines are imported lazily
 
+    opts.engines = tuple(normalize_spec(spec) for spec in opts.engines)  # http://HOST:PORT -> http:http://...
     for spec in opts.engines:
         spec_kind(spec)
     if Path(opts.run_dir).exists() and not Path(opts.run_dir).is_dir():

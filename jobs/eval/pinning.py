@@ -31,9 +31,11 @@ from jobs.eval.engines.base import Engine, EngineError
 
 
 class WorkerSkip(RuntimeError):
-    """A unit outcome that is a skip with :attr:`reason`."""
+    """A unit outcome that is a skip with :attr:`reason`; :attr:`blame` names user code that failed
+    (a scorer, a library task): such a skip is written at once, never retried elsewhere."""
 
     reason = "crashed"
+    blame: str | None = None
 
 
 class PinViolation(WorkerSkip):

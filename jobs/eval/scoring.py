@@ -25,7 +25,9 @@ from coord.rundir import RunDir
 from coord.units import WorkUnit, shard_range
 from jobs.eval.engines.base import Engine, SamplingParams
 from jobs.eval.evalsets import Row, load_dataset
+from jobs.eval.kinds import Evaluation
 from jobs.eval.options import scorer_options
+from jobs.eval.pinning import check_pinned
 from jobs.eval.prompts import render_prompts
 from jobs.eval.scorers import Sample, Scorer, ScorerContext, UnitTally, make_scorer, score_samples
 
@@ -149,3 +151,19 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
         tally=UnitTally.of(scored),
         scorer=scorer.identity(),
     )
+
+
+def evaluate_generate(
+    engine: Engine, cache: DatasetCache, spec: DatasetSpec, unit: WorkUnit, snapshot: str, want: str
+) -> Evaluation:
+    """The ``generate`` kind (:mod:`jobs.eval.kinds`): score the unit, then check every sample's version."""
+    scored = score_unit(engine, cache, unit, snapshot)
+    check_pinned(engine, want, scored.weight_versions)
+    return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers, scored=scored.result_fields(),
+                      generate_s=scored.generate_s)
+
+
+def check_generate(cache: DatasetCache, spec: DatasetSpec) -> None:
+    """At start: the rows load (and meet the scorer's needs) and the scorer builds."""
+    cache.rows(spec)
+    cache.scorer(spec)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
-from coord.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from coord.manifest import EvalSpec, Fields, LeaseSettings, RunManifest, parse_manifest, subset_rows
 from coord.rundir import RunDir
 from jobs.eval.evalsets import load_rows
 from jobs.eval.loop import Worker
@@ -38,22 +38,30 @@ class EvalConfig:
     lease: LeaseSettings | None  # the file's lease settings, None when it gives none
 
 
+CONFIG_KEYS = ("run_id", "eval", "lease")  # the keys of an eval-config file
+
+
 def read_eval_config(config_path: Path) -> EvalConfig:
     """Read and validate an eval-config file and its dataset files (nothing is written); errors name the
-    file and field. Also run on the submit host by ``ckpteval submit ... --eval-config``."""
+    file and field (unknown keys too, with the closest valid one). A generate dataset's ``n_prompts``
+    may be left out: it is filled from the file (or its ``subset``). Also run on the submit host by
+    ``ckpteval submit ... --eval-config``."""
     config_path = Path(config_path)
     cfg = read_json_object(config_path)
+    Fields(config_path, cfg, "").reject_unknown(CONFIG_KEYS, "an eval config")
     if not isinstance(cfg.get("eval"), dict):
         raise ValueError(f"{config_path}: field eval must be an object (the eval section of run.json)")
     sources: dict[str, Path] = {}
     eval_section = json.loads(json.dumps(cfg["eval"]))
-    for ds in eval_section.get("datasets") or []:
+    for i, ds in enumerate(eval_section.get("datasets") or []):
         if not isinstance(ds, dict):
             continue
         if isinstance(ds.get("path"), str) and isinstance(ds.get("name"), str):
             src = Path(ds["path"])
-            sources[ds["name"]] = src if src.is_absolute() else config_path.parent / src
+            sources[ds["name"]] = src = src if src.is_absolute() else config_path.parent / src
             ds["path"] = f"data/{ds['name']}.jsonl"
+            if "n_prompts" not in ds:
+                ds["n_prompts"] = _rows_of(config_path, i, ds, src)
         if isinstance(ds.get("include_path"), str):  # an lm_eval entry's task configs stay in place
             ds["include_path"] = str((config_path.parent / ds["include_path"]).resolve())
     checked = parse_manifest(
@@ -61,13 +69,34 @@ def read_eval_config(config_path: Path) -> EvalConfig:
         config_path,
     )
     for name, src in sources.items():  # every row is read now, so a bad file fails before anything is written
-        if not src.is_file():
-            raise FileNotFoundError(f"{config_path}: dataset {name!r} file {src} not found")
         spec = checked.dataset(name)
-        rows, want = load_rows(src, scorer_class(spec.scorer)), spec.n_prompts  # the rows its scorer needs
-        if len(rows) != want:
-            raise ValueError(f"{config_path}: dataset {name!r} file {src} has {len(rows)} rows, n_prompts says {want}")
+        rows = load_rows(_existing(config_path, name, src), scorer_class(spec.scorer))
+        try:
+            want = len(subset_rows(len(rows), spec))
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e} ({src})") from None
+        if want != spec.n_prompts:
+            raise ValueError(f"{config_path}: dataset {name!r} file {src} has {len(rows)} rows, n_prompts says "
+                             f"{spec.n_prompts}{'' if spec.subset is None else f' (subset {spec.subset})'}")
     return EvalConfig(config_path, cfg, eval_section, sources, checked.eval, checked.lease if "lease" in cfg else None)
+
+
+def _existing(config_path: Path, name: str, src: Path) -> Path:
+    if not src.is_file():
+        raise FileNotFoundError(f"{config_path}: dataset {name!r} file {src} not found")
+    return src
+
+
+def _rows_of(config_path: Path, i: int, ds: dict[str, Any], src: Path) -> Any:
+    """What ``n_prompts`` is when the config leaves it out: ``subset``, else the file's row count (the rows
+    themselves are checked after the entry is parsed)."""
+    if ds.get("subset") is not None:
+        return ds["subset"]
+    path = _existing(config_path, str(ds["name"]), src)
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: field eval.datasets[{i}].path: cannot read {path} ({e})") from None
 
 
 def install_eval_data(run: RunDir, config: EvalConfig) -> None:

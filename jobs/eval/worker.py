@@ -100,6 +100,7 @@ from typing import Any
 from coord.rundir import RunDir
 from jobs.eval.engines.base import EngineError
 from jobs.eval.evaluators import Evaluator, build_evaluator, call_with_timeout
+from jobs.eval.kinds import check_entries
 from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args, scorer_options
 from jobs.eval.scorers import ScorerContext
@@ -169,14 +170,9 @@ def ensure_protocol_dirs(run: RunDir) -> None:
 
 
 def check_datasets(cache: DatasetCache) -> None:
-    """Load every eval set once so a broken one stops the worker at start, not unit by unit."""
-    for spec in cache.manifest.eval.datasets:
-        cache.rows(spec)
-        cache.scorer(spec)
-    if cache.manifest.eval.harness:
-        from jobs.eval.harness import check_harness
-
-        check_harness(cache.run, cache.manifest.eval.harness)
+    """Check every eval set once (:func:`jobs.eval.kinds.check_entries`: rows, scorers, library tasks) so
+    a broken one stops the worker at start, not unit by unit."""
+    check_entries(cache)
 
 
 # -- entry points ---------------------------------------------------------------------------------------

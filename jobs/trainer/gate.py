@@ -11,8 +11,10 @@ With no dedicated eval GPUs, an eval point runs on the engine that serves the tr
 :func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
 disk into the engine (weights reach an engine only from disk) and reads the engine's version back
 (must be ``<run key>@<step>``, :func:`coord.identity.weight_version`), scores every unit of the step
-with :func:`jobs.eval.scoring.score_unit`, and checks the version again — the fleet's pin routine and
-check (:mod:`jobs.eval.pinning`, which says why the settings differ) — then writes one result per unit.
+with the one unit path, :func:`jobs.eval.kinds.evaluate_pinned` (which checks the version again) — the
+fleet's pin routine and check (:mod:`jobs.eval.pinning`, which says why the settings differ) — then
+writes one result per unit. A unit whose scorer or library task fails is that unit's skip; training
+goes on.
 A version other than that before or
 after, or on any sample, makes *every* unit of the point a ``pin_violation`` skip: the point did not
 provably measure the intended weights. Pinning comes from call order: nothing else may load weights
@@ -33,15 +35,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from coord.identity import run_key, weight_version
-from coord.results import Result, harness_result, ok_result, skip_result, write_result
+from coord.results import Result, skip_result, write_result
 from coord.rundir import RunDir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, units_for_step
 from jobs.eval.engines.base import Engine, EngineError
-from jobs.eval.pinning import PinViolation, check_pinned, pin
+from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
+from jobs.eval.pinning import PinViolation, WorkerSkip, pin
 from jobs.eval.prompts import NoChatTemplate
-from jobs.eval.scorers import ScorerCrashed, ScorerInfraError
-from jobs.eval.scoring import DatasetCache, UnitScores, score_unit
+from jobs.eval.scoring import DatasetCache
 
 STOP_SLICE_S = 0.1  # how often a paused() drain looks at its stop flag
 
@@ -147,56 +149,40 @@ def shared_eval(
     units = units_for_step(manifest, step)
     version = weight_version(run_key(manifest), step)
     snapshot = str(snapshot_dir)
+    worker = {**producer_identity(), "posture": "shared"}
     t0 = time.perf_counter()
-    scored: dict[WorkUnit, UnitScores | dict[str, float]] = {}
-    skipped: list[Result] = []
+    done: list[tuple[WorkUnit, Evaluation | Result]] = []
     with gate.paused(drain_timeout_s, should_stop):
         try:
             pin(engine, snapshot, version, reload=True)
             for unit in units:
                 try:
-                    scored[unit] = _score(engine, cache, unit, snapshot)
-                except (NoChatTemplate, ScorerInfraError) as e:  # this unit only: a skip with its own reason
-                    skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot))
-                except ScorerCrashed as e:  # the scorer raised: this unit's crashed skip, training goes on
-                    skipped.append(skip_result(unit, e.reason, str(e), snapshot=snapshot, blame=e.blame))
-            samples = [v for s in scored.values() if isinstance(s, UnitScores) for v in s.weight_versions]
-            check_pinned(engine, version, samples)
+                    done.append((unit, evaluate_pinned(engine, cache, unit, snapshot, version)))
+                except UNIT_SKIPS as e:  # this unit only: a skip with its own reason
+                    done.append((unit, _unit_skip(unit, e, snapshot)))
         except PinViolation as e:
             return _write_all(run, [skip_result(u, "pin_violation", str(e), snapshot=snapshot) for u in units])
         except EngineError as e:
             return _write_all(run, [skip_result(u, "unhealthy", str(e), snapshot=snapshot) for u in units])
     elapsed = time.perf_counter() - t0
-    read_backs: list[str | None] = [version, version]  # pinned before and checked after, by check_pinned
-    return _write_all(run, [_ok(u, s, snapshot, elapsed, read_backs) for u, s in scored.items()] + skipped)
+    return _write_all(run, [
+        out if isinstance(out, Result) else unit_result(
+            u, out, snapshot=snapshot, worker=worker, timings={"generate_s": out.generate_s, "point_s": elapsed})
+        for u, out in done
+    ])
 
 
-def _score(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot: str) -> UnitScores | dict[str, float]:
-    """A JSONL unit's scores, or an lm-eval task's metrics (:mod:`jobs.eval.harness`)."""
-    spec = cache.manifest.harness_entry(unit.dataset)
-    if spec is None:
-        return score_unit(engine, cache, unit, snapshot)
-    from jobs.eval.harness import run_task
-
-    return run_task(engine, cache.run, spec, spec.tasks[unit.shard], snapshot)
+# What ends one unit of a shared point, not the point: no chat template, a scorer's or a library task's own
+# failure or its infrastructure (judge, sandbox), a request the engine refused. A pin violation or a dead
+# engine ends every unit of the point.
+UNIT_SKIPS = (NoChatTemplate, WorkerSkip, EngineError)
 
 
-def _ok(
-    unit: WorkUnit, scores: UnitScores | dict[str, float], snapshot: str, elapsed: float, read_backs: list[str | None]
-) -> Result:
-    if isinstance(scores, dict):  # an lm-eval task: its metrics, pinned by the read-backs around the point
-        return harness_result(unit, scores, read_backs, snapshot=snapshot, timings={"point_s": elapsed},
-                              worker={**producer_identity(), "posture": "shared"})
-    return ok_result(
-        unit,
-        scores.scores,
-        scores.weight_versions,
-        scores.answers,
-        **scores.result_fields(),
-        snapshot=snapshot,
-        timings={"generate_s": scores.generate_s, "point_s": elapsed},
-        worker={**producer_identity(), "posture": "shared"},
-    )
+def _unit_skip(unit: WorkUnit, error: Exception, snapshot: str) -> Result:
+    if isinstance(error, PinViolation) or (isinstance(error, EngineError) and error.restart_helps):
+        raise error
+    return skip_result(unit, error.reason, str(error), snapshot=snapshot,  # type: ignore[attr-defined]
+                       blame=getattr(error, "blame", None))
 
 
 def _write_all(run: RunDir, results: list[Result]) -> list[Result]:

@@ -1,11 +1,14 @@
-"""Building eval backends from the worker's ``--engine`` spec, and pooling several engines as one.
+"""Building eval backends from the worker's ``--engine`` spec (the engine registry), and pooling several
+engines as one.
 
-Specs (what ``--engine`` accepts):
+Specs (what ``--engine`` accepts) are ``KIND`` or ``KIND:ARG``, ``KIND`` a name of :data:`ENGINES`:
 
 ========================  =====================================================================
 ``hf``                    :class:`jobs.eval.engines.hf.HFEngine` in this process on ``--device``
 ``http:URL``              :class:`jobs.eval.engines.http.HTTPEngine` talking to a server at ``URL``
-                          (sglang's native API: ``ckpteval serve`` or a real sglang server)
+                          (sglang's native API: ``ckpteval serve`` or a real sglang server). Also
+                          written ``http://HOST:PORT``, ``https://HOST:PORT`` or ``http:HOST:PORT``
+                          (:func:`normalize_spec`)
 ``sglang``                :class:`jobs.eval.engines.sglang.SGLangEngine`: launches its own sglang server
 ``fn:module:Class``       a :class:`jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
 ``auto``                  resolved on the node when the worker starts (:func:`resolve_auto`): ``sglang`` when
@@ -13,13 +16,19 @@ Specs (what ``--engine`` accepts):
                           GPU in ``CUDA_VISIBLE_DEVICES``), else ``hf``. The sbatch scripts' default.
 ========================  =====================================================================
 
+Adding an engine: write ``jobs/eval/engines/<name>.py`` with a class implementing
+:class:`~jobs.eval.engines.base.Engine` (import-light at module level), then add one line to
+:data:`ENGINES`: ``"<name>": EngineKind("jobs.eval.engines.<name>:MyEngine", arg=..., device=...,
+lora=...)``. Nothing else: ``--engine <name>`` is parsed, checked, built, pooled and pinned from there
+(an engine that subclasses :class:`~jobs.eval.engines.http.HTTPEngine` also runs lm-eval tasks).
+
 Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
 way): ``eval.engine`` may hold one object per kind, passed as keyword arguments to that kind's
 constructor, e.g. ``{"hf": {"dtype": "bfloat16", "max_batch_size": 64}, "fn": {"k": 1}}``. Keys of other
 kinds are ignored; a key the constructor rejects is a ``ValueError`` naming the spec.
 
 A run whose ``run.json`` names ``eval.base_model`` has LoRA adapter snapshots: each kind then builds
-its LoRA variant (see :func:`make_engine`).
+its LoRA variant (:attr:`EngineKind.lora`; a kind without one refuses such a run).
 
 Engine modules are imported lazily, so a worker running an ``fn`` backend never imports torch.
 
@@ -33,16 +42,50 @@ load beyond an even split of each call's prompts.
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import importlib.util
 import os
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams
-from jobs.eval.engines.fn import CheckpointEvalFn, make_fn_backend
+from jobs.eval.engines.fn import CheckpointEvalFn
 
-KINDS = ("hf", "http", "sglang", "fn")
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One engine kind of the registry: how ``--engine KIND[:ARG]`` is built."""
+
+    target: str
+    """``module:Class`` (or ``module:function``) called with ``ARG`` first (if any), ``device=`` (if
+    :attr:`device`), ``base_model=`` (LoRA variants that take it) and run.json's settings as keywords."""
+    arg: str | None = None
+    """What follows ``KIND:`` (``"URL"``, ``"module:Class"``); None: the kind takes no argument."""
+    device: bool = False
+    """Gets the worker's ``--device`` (``device=``)."""
+    check_device: bool = False
+    """Runs on that device in this process: the device must exist before building."""
+    lora: str | None = None
+    """``module:Class`` of the variant serving LoRA-adapter snapshots on ``eval.base_model``; None: none."""
+    lora_takes_base: bool = True
+    """The LoRA variant gets ``base_model=`` (a server attached by URL already has its base)."""
+    unit_backend: bool = False
+    """Scores whole units itself (a :class:`~jobs.eval.engines.fn.CheckpointEvalFn`), not an Engine."""
+
+
+ENGINES: dict[str, EngineKind] = {
+    "hf": EngineKind("jobs.eval.engines.hf:HFEngine", device=True, check_device=True, lora="jobs.eval.engines.hf_lora:HFLoRAEngine"),
+    "http": EngineKind("jobs.eval.engines.http:HTTPEngine", arg="URL", lora="jobs.eval.engines.sglang_lora:HTTPLoRAEngine",
+                       lora_takes_base=False),
+    "sglang": EngineKind("jobs.eval.engines.sglang:SGLangEngine", device=True,
+                         lora="jobs.eval.engines.sglang_lora:SGLangLoRAEngine"),
+    "fn": EngineKind("jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True),
+}
+KINDS = tuple(ENGINES)
 
 
 AUTO = "auto"
@@ -64,21 +107,44 @@ def resolve_specs(specs: tuple[str, ...] | list[str], device: str) -> list[str]:
     return [resolve_auto(device) if s == AUTO else s for s in specs]
 
 
+def _forms() -> str:
+    return ", ".join(f"{k}:{e.arg}" if e.arg else k for k, e in ENGINES.items()) + f" or {AUTO}"
+
+
+def normalize_spec(spec: str) -> str:
+    """The canonical form of an ``--engine`` spec: ``http://HOST:PORT`` and ``https://...`` (a URL as
+    people type it) become ``http:http://HOST:PORT`` / ``http:https://...``, ``http:HOST:PORT`` becomes
+    ``http:http://HOST:PORT``; an ``http`` spec whose URL has no host is a ValueError with the right form."""
+    typed = spec
+    if spec.startswith(("http://", "https://")):
+        spec = f"http:{spec}"
+    kind, _, rest = spec.partition(":")
+    if kind != "http" or not rest:
+        return spec
+    url = rest if rest.startswith(("http://", "https://")) else f"http://{rest.lstrip('/')}"
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        parsed.port  # noqa: B018 — raises on a port that is not a number
+    except ValueError:
+        parsed = parsed._replace(netloc="")
+    if not parsed.hostname:
+        raise ValueError(f"--engine {typed!r}: not a server URL; write http://HOST:PORT (or https://HOST:PORT)")
+    return f"http:{url}"
+
+
 def spec_kind(spec: str) -> str:
-    """The kind of an ``--engine`` spec (``hf``, ``http``, ``sglang``, ``fn`` or ``auto``); ValueError if
-    unknown."""
+    """The kind of an ``--engine`` spec (a name of :data:`ENGINES` or ``auto``); ValueError if unknown."""
     if spec == AUTO:
         return AUTO
-    kind, _, rest = spec.partition(":")
-    if kind not in KINDS:
-        raise ValueError(
-            f"--engine {spec!r}: unknown kind {kind!r}; expected hf, http:URL, sglang, fn:module:Class or auto"
-        )
-    if kind in {"http", "fn"} and not rest:
-        raise ValueError(
-            f"--engine {spec!r}: {kind} needs a {'URL' if kind == 'http' else 'module:Class'} after ':'"
-        )
-    if kind in {"hf", "sglang"} and rest:
+    kind, _, rest = normalize_spec(spec).partition(":")
+    if kind not in ENGINES:
+        close = difflib.get_close_matches(kind, [*ENGINES, AUTO], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"--engine {spec!r}: unknown kind {kind!r}{hint}; expected {_forms()}")
+    arg = ENGINES[kind].arg
+    if arg and not rest:
+        raise ValueError(f"--engine {spec!r}: {kind} needs a {arg} after ':'")
+    if not arg and rest:
         raise ValueError(f"--engine {spec!r}: {kind} takes no argument")
     return kind
 
@@ -113,49 +179,36 @@ def check_device(device: str) -> None:
             raise EngineError(f"--device {device}: this machine has {count} usable CUDA device(s)")
 
 
+def _load(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
 def make_engine(
     spec: str, device: str, extra: dict[str, Any], base_model: str | None = None
 ) -> Engine | CheckpointEvalFn:
     """Build the backend named by ``spec``; ``extra`` are its constructor settings (see module doc).
 
     ``base_model`` (run.json ``eval.base_model``) makes the run's snapshots LoRA adapters on that base:
-    ``hf`` becomes :class:`~jobs.eval.engines.hf_lora.HFLoRAEngine`, ``http:URL``/``sglang`` their
-    LoRA-serving variants in :mod:`jobs.eval.engines.sglang_lora`; an ``fn`` backend reads it from its input.
+    the kind's :attr:`EngineKind.lora` variant is built (an ``fn`` backend reads it from its input).
     """
-    kind = spec_kind(spec)
+    spec = normalize_spec(spec)
+    kind = ENGINES[spec_kind(spec)]
     rest = spec.partition(":")[2]
-    if kind == "fn":
-        return make_fn_backend(rest, extra)
+    if kind.unit_backend:
+        return _load(kind.target)(rest, extra)  # type: ignore[no-any-return]
+    target, kwargs = kind.target, dict(extra)
     if base_model is not None:
-        return _make_lora_engine(spec, kind, rest, device, extra, base_model)
-    if kind == "hf":
-        from jobs.eval.engines.hf import HFEngine
-
-        check_device(str(extra.get("device", device)))
-        return _construct(spec, HFEngine, **{"device": device, **extra})
-    if kind == "http":
-        from jobs.eval.engines.http import HTTPEngine
-
-        return _construct(spec, HTTPEngine, rest, **extra)
-    from jobs.eval.engines.sglang import SGLangEngine
-
-    return _construct(spec, SGLangEngine, **{"device": device, **extra})
-
-
-def _make_lora_engine(
-    spec: str, kind: str, rest: str, device: str, extra: dict[str, Any], base_model: str
-) -> Engine:
-    if kind == "hf":
-        from jobs.eval.engines.hf_lora import HFLoRAEngine
-
-        return _construct(spec, HFLoRAEngine, **{"base_model": base_model, "device": device, **extra})
-    if kind == "http":
-        from jobs.eval.engines.sglang_lora import HTTPLoRAEngine
-
-        return _construct(spec, HTTPLoRAEngine, rest, **extra)
-    from jobs.eval.engines.sglang_lora import SGLangLoRAEngine
-
-    return _construct(spec, SGLangLoRAEngine, **{"base_model": base_model, "device": device, **extra})
+        if kind.lora is None:
+            raise ValueError(f"--engine {spec!r}: this kind cannot serve LoRA-adapter snapshots (eval.base_model)")
+        target = kind.lora
+        if kind.lora_takes_base:
+            kwargs = {"base_model": base_model, **kwargs}
+    if kind.check_device:
+        check_device(str(kwargs.get("device", device)))
+    if kind.device:
+        kwargs = {"device": device, **kwargs}
+    return _construct(spec, _load(target), *([rest] if kind.arg else []), **kwargs)  # type: ignore[no-any-return]
 
 
 def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:
