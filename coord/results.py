@@ -9,7 +9,8 @@ results written before it existed have none), the weight versions that produced 
 the grader gave up on (``grader_timeouts``), the scorer's per-sample ``counters`` summed and ``extras``
 as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judge's model id), timings,
 the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
-``"scorer"`` when the scorer itself raised, so the skip was written at once). A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
+``"scorer"`` when the scorer itself raised, so the skip was written at once). A unit of an ``env`` entry
+also holds ``episodes``: per episode its reward, turns, tokens, the version of every turn and how it ended. A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.
 
 A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
@@ -63,6 +64,7 @@ class Result:
     extras: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {"sum": s, "n": samples}
     scorer: dict[str, Any] = field(default_factory=dict)  # the scorer's identity() ({}: not recorded)
     blame: str | None = None  # a skip's culprit when known ("scorer": the scorer raised)
+    episodes: tuple[dict[str, Any], ...] = ()  # env units: per episode reward, turns, tokens, versions, ended
 
     @property
     def ok(self) -> bool:
@@ -92,6 +94,7 @@ class Result:
             **({"extras": self.extras} if self.extras else {}),
             **({"scorer": self.scorer} if self.scorer else {}),
             **({"blame": self.blame} if self.blame else {}),
+            **({"episodes": list(self.episodes)} if self.episodes else {}),
         }
 
 
@@ -151,6 +154,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         counters = {str(k): int(v) for k, v in (obj.get("counters") or {}).items()}
         extras = {str(k): {"sum": float(v["sum"]), "n": int(v["n"])} for k, v in (obj.get("extras") or {}).items()}
         scorer = dict(obj.get("scorer") or {})
+        episodes = tuple(dict(e) for e in obj.get("episodes") or ())
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -182,6 +186,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         extras=extras,
         scorer=scorer,
         blame=obj.get("blame"),
+        episodes=episodes,
     )
 
 
