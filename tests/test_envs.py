@@ -41,7 +41,17 @@ from tests.support import envs as test_envs
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.training import read_jsonl
-from tests.support.workers import PYTHON, REPO, finish, kill_all, results, run_inprocess, spawn, version, wait_for
+from tests.support.workers import (
+    PYTHON,
+    REPO,
+    finish,
+    kill_all,
+    results,
+    run_inprocess,
+    spawn,
+    version,
+    wait_for,
+)
 
 WHY_NOT = probe_bwrap()
 needs_bwrap = pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
