@@ -32,7 +32,8 @@ worker ``--poll-interval``), so each hop is about half a poll interval plus the 
 
 Usage: ``.venv/bin/python bench/bench_stall.py [--steps 400] [--eval-interval 50] [--workers 2]
 [--batch-size 32] [--poll 0.5] [--repeats 2] [--root /tmp] [--staging /dev/shm] [--no-pinned]
-[--json OUT]``.
+[--eval-config FILE] [--json OUT]``. ``--eval-config`` replaces the built-in addition set with a config's
+datasets (a code set: the fleet's units then run programs in the sandbox, beside the trainer).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def train_argv(cfg: Config, run_dir: Path, staging: Path, args: argparse.Namespa
         return [*argv, "--no-eval"]
     argv += ["--eval-interval", str(args.eval_interval), "--eval-poll-interval", str(args.poll),
              "--eval-keep-snapshots", "100000"]  # keep every marker: the latency reads them
+    if args.eval_config is not None:
+        argv += ["--eval-config", str(args.eval_config.resolve())]
     if cfg.mode == "staging":
         argv += ["--eval-staging-dir", str(staging)]
     if cfg.mode == "shared":
@@ -337,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--only", help="comma list of config names to run (default: all)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per trainer run")
     ap.add_argument("--keep", action="store_true", help="keep the run dirs")
+    ap.add_argument("--eval-config", type=Path, help="evaluate this eval-config's datasets instead of the built-in "
+                    "addition set (e.g. examples/evalsets/code_tiny.eval.json: every point runs programs in the sandbox)")
     ap.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = ap.parse_args(argv)
     if args.pinned and (os.cpu_count() or 1) < 2:

@@ -37,7 +37,7 @@ def test_the_generator_reproduces_the_committed_example_sets(tmp_path: Path) -> 
     copy = tmp_path / "evalsets"
     shutil.copytree(EXAMPLES / "evalsets", copy)
     subprocess.run([sys.executable, str(copy / "generate.py")], check=True, capture_output=True, timeout=60)
-    for name in ("gsm8k_style.jsonl", "latex_answers.jsonl", "chat.jsonl", "code.jsonl"):
+    for name in ("gsm8k_style.jsonl", "latex_answers.jsonl", "chat.jsonl", "code.jsonl", "code_tiny.jsonl"):
         assert (copy / name).read_bytes() == (EXAMPLES / "evalsets" / name).read_bytes(), name
 
 

@@ -16,6 +16,9 @@ Deterministic (fixed seeds): running it again reproduces the committed files byt
   assert-style (``tests``: MBPP's list of asserts, or HumanEval's ``check(candidate)`` string with an
   ``entry_point``) and ten stdin/stdout (``inputs``/``outputs``, LiveCodeBench/APPS). Each row also
   carries a reference ``solution`` (HumanEval's ``canonical_solution``; the tests score it 1).
+* ``code_tiny.jsonl`` — 16 stdin/stdout rows with prompts short enough for the demo model ("12+30=");
+  it cannot write code, so all fail: for exercising the sandbox at the demo's scale (``bench_stall.py
+  --eval-config examples/evalsets/code_tiny.eval.json``).
 """
 
 from __future__ import annotations
@@ -175,6 +178,18 @@ def code() -> list[dict[str, object]]:
     return rows
 
 
+def code_tiny(rng: random.Random) -> list[dict[str, object]]:
+    """Short stdin/stdout rows whose prompts fit the demo model's 64-token context ("12+30=": print the sum
+    of the two numbers on stdin). The adder cannot write code, so every sample fails: for exercising
+    the sandbox path at the demo's scale (benchmarks, the guide), not for measuring a model."""
+    rows: list[dict[str, object]] = []
+    for _ in range(16):
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        rows.append({"prompt": f"{a}+{b}=", "inputs": [f"{a} {b}\n"], "outputs": [f"{a + b}\n"],
+                     "solution": "a, b = map(int, input().split())\nprint(a + b)\n"})
+    return rows
+
+
 def write(name: str, rows: list[dict[str, object]]) -> Path:
     path = HERE / name
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
@@ -189,6 +204,7 @@ def main() -> None:
     ):
         print(write(name, make(random.Random(seed))))
     print(write("code.jsonl", code()))
+    print(write("code_tiny.jsonl", code_tiny(random.Random(17))))
 
 
 if __name__ == "__main__":
