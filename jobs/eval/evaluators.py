@@ -198,12 +198,12 @@ def check_harness_engines(manifest: RunManifest, kinds: list[str], replicas: int
 
 
 def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
-    """run.json's settings for ``kind``; an sglang server is launched deterministic when any dataset
-    samples (sglang honours per-sample seeds only with ``--enable-deterministic-inference``)."""
-    from jobs.eval.engines.factory import engine_settings
+    """run.json's settings for ``kind``; a launched server that needs it (sglang: per-sample seeds only
+    with ``--enable-deterministic-inference``) is made deterministic when any dataset samples."""
+    from jobs.eval.engines.factory import ENGINES, engine_settings
 
     settings = engine_settings(manifest.eval.engine, kind)
-    if kind == "sglang":
+    if ENGINES[kind].deterministic_when_sampling:
         settings.setdefault("deterministic", any(d.temperature > 0 for d in manifest.eval.datasets))
     return settings
 

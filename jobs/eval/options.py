@@ -115,7 +115,7 @@ def validate_options(opts: WorkerOptions) -> None:
     check_bounds(opts)
     if not DEVICE_RE.match(opts.device):
         raise ValueError(f"--device {opts.device!r}: expected cpu, cuda, cuda:N (or mps, xpu)")
-    from jobs.eval.engines.factory import normalize_spec, spec_kind  # light: engines are imported lazily
+    from jobs.eval.engines.factory import ENGINES, normalize_spec, spec_kind  # light: engines imported lazily
 
     opts.engines = tuple(normalize_spec(spec) for spec in opts.engines)  # http://HOST:PORT -> http:http://...
     for spec in opts.engines:
@@ -129,8 +129,8 @@ def validate_options(opts: WorkerOptions) -> None:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
     if opts.wandb and not opts.wandb_run_id:
         raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
-    fn_specs = [s for s in opts.engines if s.startswith("fn:")]
-    if fn_specs and (len(opts.engines) > 1 or opts.replicas > 1):
+    unit_backends = [s for s in opts.engines if s != "auto" and ENGINES[spec_kind(s)].unit_backend]
+    if unit_backends and (len(opts.engines) > 1 or opts.replicas > 1):
         raise ValueError(
             "an fn: backend scores whole units: give exactly one --engine fn:... and no --engines N"
         )

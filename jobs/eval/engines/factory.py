@@ -75,6 +75,9 @@ class EngineKind:
     """The LoRA variant gets ``base_model=`` (a server attached by URL already has its base)."""
     unit_backend: bool = False
     """Scores whole units itself (a :class:`~jobs.eval.engines.fn.CheckpointEvalFn`), not an Engine."""
+    deterministic_when_sampling: bool = False
+    """Gets ``deterministic=True`` when a dataset of the run samples (unless run.json sets it): an
+    sglang server honours per-sample seeds only with ``--enable-deterministic-inference``."""
 
 
 ENGINES: dict[str, EngineKind] = {
@@ -82,7 +85,7 @@ ENGINES: dict[str, EngineKind] = {
     "http": EngineKind("jobs.eval.engines.http:HTTPEngine", arg="URL", lora="jobs.eval.engines.sglang_lora:HTTPLoRAEngine",
                        lora_takes_base=False),
     "sglang": EngineKind("jobs.eval.engines.sglang:SGLangEngine", device=True,
-                         lora="jobs.eval.engines.sglang_lora:SGLangLoRAEngine"),
+                         lora="jobs.eval.engines.sglang_lora:SGLangLoRAEngine", deterministic_when_sampling=True),
     "fn": EngineKind("jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True),
 }
 KINDS = tuple(ENGINES)

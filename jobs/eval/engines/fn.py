@@ -19,7 +19,7 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
        "unit": {"step", "dataset", "shard"}, "unit_id": str,
        "dataset": {name, path, n_prompts, scorer, shard_size, n_samples, max_new_tokens,
                    temperature, top_p, top_k, seed},             # run.json's DatasetSpec
-       "rows": [{"prompt": str, "answer": str}, ...],             # the shard's rows, in order
+       "rows": [{"prompt": str, "answer": str, ...}, ...],        # the shard's rows (every field), in order
                                                                  #   ({"messages": [...], ...} in chat sets)
        "prompts": [str, ...],                                     # each row's final prompt text (chat
                                                                  #   sets rendered with the snapshot's
