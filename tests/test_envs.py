@@ -291,3 +291,37 @@ def test_trainer_logs_the_rewards_its_episodes_results_say(tmp_path: Path) -> No
         assert logged["eval/guess"] == logged["eval/guess/reward"] == sum(e["reward"] for e in r.episodes) / 4
         assert logged["eval/guess/weight_version/mixed_version_ratio"] == 0
         assert logged["eval/guess/infra_retries"] == 0
+
+
+# -- where episodes may run, and what they may import ------------------------------------------------------------
+def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path: Path) -> None:
+    from jobs.eval.evaluators import build_evaluator
+    from jobs.eval.trust import run_code
+
+    run = env_run(tmp_path, [ROWS[0]], env="tests.support.envs:FlakyToolEnv")
+    assert run_code(run.manifest()) == ["tests.support.envs:FlakyToolEnv"]  # imported only under the trust rule
+    opts = WorkerOptions(run_dir=run.path, engines=("fn:tests.support.workers:SumBackend",), once=True)
+    with pytest.raises(ValueError, match=r"env entries \['arith'\]: episodes need an engine"):
+        build_evaluator(opts, run.manifest(), DatasetCache(run, run.manifest()))
+
+
+def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from jobs.eval.envs.examples import CALCULATOR
+    from jobs.eval.envs.runner import Episode, Renderer
+    from jobs.reference.model import save_tokenizer
+
+    snapshot = tmp_path / "snap"
+    save_tokenizer(snapshot, chat=True)
+    spec = EnvSpec(name="arith", path="a.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat")
+    ep = Episode(0, 0, ROWS[0], messages=[{"role": "user", "content": "What is 2+3?"},
+                                          {"role": "assistant", "content": "<tool_call>...</tool_call>"},
+                                          {"role": "tool", "content": "5"}], tools=[CALCULATOR])
+    tokenizer = AutoTokenizer.from_pretrained(snapshot)
+    want = tokenizer.apply_chat_template(ep.messages, tools=[CALCULATOR.schema()], tokenize=False,
+                                         add_generation_prompt=True)
+    assert Renderer(spec, str(snapshot))(ep) == want and "What is 2+3?" in want
+    raw = Renderer(EnvSpec(name="arith", path="a.jsonl", n_prompts=1, env="arithmetic"), None)(ep)
+    assert raw.endswith("user: What is 2+3?\nassistant: <tool_call>...</tool_call>\ntool: 5\nassistant:")
+    assert '"name": "calculator"' in raw
