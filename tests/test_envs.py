@@ -305,6 +305,17 @@ def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path:
         build_evaluator(opts, run.manifest(), DatasetCache(run, run.manifest()))
 
 
+def test_worker_start_refuses_options_the_environment_does_not_take_and_rows_it_cannot_read(tmp_path: Path) -> None:
+    from jobs.eval.envs.runner import check_env_entry
+
+    bad = env_run(tmp_path / "a", [ROWS[0]], env="tests.support.envs:FlakyToolEnv", env_options={"flaky": 1})
+    with pytest.raises(ValueError, match=r"dataset 'arith': environment .*unexpected keyword argument 'flaky'"):
+        check_env_entry(DatasetCache(bad, bad.manifest()), bad.manifest().dataset("arith"))  # type: ignore[arg-type]
+    rows = env_run(tmp_path / "b", [{"question": "2+2"}])
+    with pytest.raises(ValueError, match=r"data/arith.jsonl: row 0: an arithmetic row needs a string 'expression'"):
+        check_env_entry(DatasetCache(rows, rows.manifest()), rows.manifest().dataset("arith"))  # type: ignore[arg-type]
+
+
 def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -14,7 +14,6 @@ The contract (a new instance per episode, ``Class(**env_options)``)::
         def step(self, reply: str) -> list[dict] | Done:
             # the model's reply (one without tool calls): the next messages, or Done(reward, answer)
         # optional: @classmethod check_row(cls, row, where) -> None  (ValueError naming `where`)
-        # optional: def identity(self) -> dict  (recorded in every result, with the entry's settings)
 
 A reply that calls tools (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen
 format, :func:`jobs.eval.envs.tools.parse_tool_calls`) is not shown to ``step``: the runner runs each

@@ -23,6 +23,7 @@ Metrics: ``eval/<env>`` and ``eval/<env>/reward`` (mean reward), ``pass@k`` (rew
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from dataclasses import dataclass, field
@@ -248,11 +249,13 @@ def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkU
 
 
 def check_env_entry(cache: DatasetCache, spec: EnvSpec) -> None:
-    """At worker start: the environment imports and every row passes its optional ``check_row``."""
+    """At worker start: the environment imports, takes ``env_options``, and every row passes its optional
+    ``check_row``."""
     try:
         cls = env_class(spec.env)
-    except ValueError as e:
-        raise ValueError(f"dataset {spec.name!r}: {e}") from None
+        inspect.signature(cls).bind(**spec.env_options)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"dataset {spec.name!r}: environment {spec.env!r}: {e}") from None
     own_check = getattr(cls, "check_row", None)
     for i, row in enumerate(cache.rows(spec)):
         if own_check is not None:
