@@ -125,7 +125,7 @@ def overhead(tmp: Path, episodes: int, turns: int, tokens: int) -> dict[str, flo
     first = [render_transcript(EchoEnv().start(r)[0], []) for r in rows]
     engine.generate(first[:2], SamplingParams(max_new_tokens=2))  # warm-up
     t0 = time.perf_counter()
-    played, _ = run_unit(engine, cache, spec, WorkUnit(0, "echo", 0), None, "v")
+    played, _, _ = run_unit(engine, cache, spec, WorkUnit(0, "echo", 0), None, "v")
     env_s = time.perf_counter() - t0
     env_tokens = sum(ep.tokens for ep in played)
     t0 = time.perf_counter()
@@ -146,7 +146,7 @@ def infra_injection(tmp: Path, episodes: int, rate: float) -> dict[str, float]:
     engine = SolverEngine()
     engine.load("", "v")
     played: list[Episode]
-    played, _ = run_unit(engine, cache, spec, WorkUnit(0, "arith", 0), None, "v")
+    played, _, _ = run_unit(engine, cache, spec, WorkUnit(0, "arith", 0), None, "v")
     rewards = [ep.reward for ep in played]
     return {"episodes": episodes, "failure_rate": rate, "infra_retries": sum(ep.retries for ep in played),
             "logged_reward": sum(rewards) / len(rewards), "infra_in_logged": sum(r != 1.0 for r in rewards)}

@@ -336,3 +336,39 @@ def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(
     raw = Renderer(EnvSpec(name="arith", path="a.jsonl", n_prompts=1, env="arithmetic"), None)(ep)
     assert raw.endswith("user: What is 2+3?\nassistant: <tool_call>...</tool_call>\ntool: 5\nassistant:")
     assert '"name": "calculator"' in raw
+
+
+@needs_bwrap
+def test_a_tokenizer_with_its_own_response_template_parses_its_tool_calls(tmp_path: Path) -> None:
+    """A chat entry on a snapshot whose tokenizer defines ``response_template`` (calls as ``[CALL]json[/CALL]``):
+    the calls are parsed the model's way, the tool runs, its result is rendered back by the template."""
+    from jobs.reference.model import build_tokenizer
+
+    def with_template(d: Path) -> None:
+        write_tiny_shards(d)
+        tok = build_tokenizer(64, chat=True)
+        tok.response_template = {"version": 1, "start_anchor": "\n ", "fields": {
+            "content": {}, "tool_calls": {"open": "[CALL]", "close": "[/CALL]", "content": "json", "repeats": True}}}
+        tok.save_pretrained(d)
+
+    run = RunDir.create(tmp_path / "run")
+    write_jsonl(run.data / "arith.jsonl", ROWS[:1])
+    spec = EnvSpec(name="arith", path="data/arith.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
+                   max_turns=3, max_new_tokens=32)
+    run = RunDir.create(run.path, RunManifest(run_id="test-env", eval=EvalSpec(datasets=(spec,)),
+                                              snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0)))
+    publish_snapshot(run.snapshots, 1, with_template)
+    expression, answer = ROWS[0]["expression"], str(ROWS[0]["answer"])
+
+    def own_format(text: str, _engine: ScriptedEngine) -> str:
+        if "[CALL]" in text:
+            return f"ANSWER: {answer}"
+        return f'[CALL]{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}[/CALL]'
+
+    server = ScriptedEngine(own_format)
+    with server as url:
+        ev = evaluate(run, url)
+    texts = server.texts
+    (episode,) = ev.scored["episodes"]
+    assert ev.scores == [1.0] and episode["turns"] == 2 and ev.scored["scorer"]["tool_format"] == "tokenizer"
+    assert answer not in texts[0] and f"\n {answer}\n" in texts[1]  # the sandboxed tool's result, as a tool turn

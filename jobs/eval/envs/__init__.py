@@ -15,8 +15,9 @@ The contract (a new instance per episode, ``Class(**env_options)``)::
             # the model's reply (one without tool calls): the next messages, or Done(reward, answer)
         # optional: @classmethod check_row(cls, row, where) -> None  (ValueError naming `where`)
 
-A reply that calls tools (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen
-format, :func:`jobs.eval.envs.tools.parse_tool_calls`) is not shown to ``step``: the runner runs each
+A reply that calls tools (in the model's format where its tokenizer defines one, else
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen format; see
+:mod:`jobs.eval.envs.tools`) is not shown to ``step``: the runner runs each
 call's :class:`Tool` in the sandbox and appends its result as a ``{"role": "tool"}`` message.
 
 How an episode ends (recorded per episode, ``ended``) and who is to blame (``blame``):

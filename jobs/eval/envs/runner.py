@@ -33,7 +33,15 @@ from coord.manifest import EnvSpec
 from coord.units import WorkUnit, shard_range
 from jobs.eval.engines.base import Engine
 from jobs.eval.envs import ENDINGS_INFRA, Done, Tool, env_class
-from jobs.eval.envs.tools import FORMAT, Call, MalformedCall, ToolFailed, parse_tool_calls, run_calls
+from jobs.eval.envs.tools import (
+    FORMAT,
+    Call,
+    MalformedCall,
+    ToolFailed,
+    parse_tool_calls,
+    parse_with_template,
+    run_calls,
+)
 from jobs.eval.kinds import Evaluation
 from jobs.eval.pinning import check_pinned
 from jobs.eval.prompts import render_chat, snapshot_tokenizer
@@ -102,6 +110,18 @@ class Renderer:
         if self.tokenizer is None:
             return render_transcript(ep.messages, ep.tools)
         return render_chat(self.tokenizer, ep.messages, str(self.snapshot), [t.schema() for t in ep.tools] or None)
+
+    @property
+    def tool_format(self) -> str:
+        """``tokenizer`` when the snapshot's tokenizer parses its own replies (``response_template``), else
+        the default ``hermes`` (:mod:`jobs.eval.envs.tools`)."""
+        return "tokenizer" if getattr(self.tokenizer, "response_template", None) else FORMAT
+
+    def calls(self, reply: str, prompt: str, tools: list[Tool]) -> list[Call]:
+        """The tool calls of ``reply`` in the model's format; :class:`MalformedCall` for a bad one."""
+        if self.tool_format == FORMAT:
+            return parse_tool_calls(reply, tools)
+        return parse_with_template(self.tokenizer, reply, prompt, tools)
 
 
 def _check_messages(messages: Any, what: str) -> list[dict[str, str]]:
@@ -175,12 +195,12 @@ def play(engine: Engine, spec: EnvSpec, episodes: list[Episode], render: Rendere
         if len(generations) != len(live):
             raise RuntimeError(f"engine returned {len(generations)} generations for {len(live)} prompts")
         pending = []
-        for ep, g in zip(live, generations, strict=True):
+        for ep, g, prompt in zip(live, generations, prompts, strict=True):
             ep.turns, ep.tokens = ep.turns + 1, ep.tokens + g.n_tokens
             ep.versions.append(g.weight_version)
             ep.messages.append({"role": "assistant", "content": g.text})
             try:
-                calls = parse_tool_calls(g.text, ep.tools)
+                calls = render.calls(g.text, prompt, ep.tools)
             except MalformedCall as e:
                 ep.end("malformed_tool_call", str(e))
                 continue
@@ -203,15 +223,16 @@ def env_sandbox(cache: DatasetCache) -> Sandbox:
     return shared_sandbox(mode, cache.ctx.option("sandbox_concurrency", 0) or None)
 
 
-def identity(spec: EnvSpec, sandbox: Sandbox) -> dict[str, Any]:
+def identity(spec: EnvSpec, sandbox: Sandbox, tool_format: str) -> dict[str, Any]:
     """What scored the unit (the result's ``scorer``): units disagreeing on it are never pooled."""
     return {"env": spec.env, "env_options": dict(spec.env_options), "max_turns": spec.max_turns,
-            "tool_format": FORMAT, "prompt_format": spec.prompt_format, "sandbox": sandbox.mode}
+            "tool_format": tool_format, "prompt_format": spec.prompt_format, "sandbox": sandbox.mode}
 
 
 def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit, snapshot: str | None,
-             want: str) -> tuple[list[Episode], float]:
-    """The unit's episodes, infra ones re-run within the budget; pinned (every turn) before returning."""
+             want: str) -> tuple[list[Episode], float, str]:
+    """The unit's episodes, infra ones re-run within the budget, pinned (every turn) before returning; the
+    seconds spent generating; the tool-call format used."""
     rows = cache.rows(spec)
     cls, sandbox = env_class(spec.env), env_sandbox(cache)
     render = Renderer(spec, snapshot)
@@ -233,16 +254,16 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
         ep = todo[0]
         raise ScorerInfraError("env_failed", f"{len(todo)} episode(s) still failed by the infrastructure after "
                                f"{spec.infra_retries} retries; row {ep.index} episode {ep.sample}: {ep.ended}: {ep.cause}")
-    return episodes, generate_s
+    return episodes, generate_s, render.tool_format
 
 
 def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit, snapshot: str,
                  want: str) -> Evaluation:
     """The ``env`` kind (:mod:`jobs.eval.kinds`): the unit's episodes, their rewards as its scores."""
-    episodes, generate_s = run_unit(engine, cache, spec, unit, snapshot, want)
+    episodes, generate_s, tool_format = run_unit(engine, cache, spec, unit, snapshot, want)
     scored = [Scored(ep.reward, ep.answer, counters={"infra_retries": ep.retries},
                      extras={"reward": ep.reward, "turns": float(ep.turns)}) for ep in episodes]
-    fields = {**UnitTally.of(scored).as_result_fields(), "scorer": identity(spec, env_sandbox(cache)),
+    fields = {**UnitTally.of(scored).as_result_fields(), "scorer": identity(spec, env_sandbox(cache), tool_format),
               "episodes": [ep.record() for ep in episodes]}
     return Evaluation([s.score for s in scored], [ep.versions[-1] for ep in episodes],
                       answers=[s.answer for s in scored], scored=fields, generate_s=generate_s)

@@ -1,10 +1,14 @@
 """Tool calls: parsed from a model reply, run in the sandbox, and told apart as the model's or infra's fault.
 
-Format (the Hermes/Qwen one, the default of the chat templates that define tool calling): each call is
+Format: the model's own where its tokenizer defines one — a ``chat`` entry whose snapshot tokenizer has a
+``response_template`` (transformers' response parsing) is parsed with ``tokenizer.parse_response``, and
+its ``tool_calls`` are the calls (:func:`parse_with_template`); else the documented default, the
+Hermes/Qwen format (:func:`parse_tool_calls`): each call is
 ``<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>`` anywhere in the reply; several calls
-run in order. A reply without ``<tool_call>`` calls no tool. The call is the model's fault
+run in order. A reply without a call calls no tool. The call is the model's fault
 (:class:`MalformedCall`) when its body is not a JSON object with a string ``name`` and an object
-``arguments``, names no tool of the episode, or has arguments the tool's function does not take.
+``arguments`` (a JSON string of one is accepted), names no tool of the episode, has arguments the tool's
+function does not take, or the tokenizer's parser rejects the reply.
 
 Running (:func:`run_calls`): each call is one program in :mod:`jobs.eval.sandbox` (never in the worker's
 process): the tool's source, then a call of its function with the arguments read from stdin; it prints
@@ -63,23 +67,48 @@ class ToolFailed(RuntimeError):
         self.ending = ending
 
 
-def parse_tool_calls(reply: str, tools: list[Tool]) -> list[Call]:
-    """The calls of ``reply`` in order (empty: none); :class:`MalformedCall` for the first bad one."""
+def call_of(obj: Any, tools: list[Tool]) -> Call:
+    """One parsed call (``{"name", "arguments"}``, or OpenAI's ``{"type": "function", "function": {...}}``)
+    checked against the episode's tools; :class:`MalformedCall` if it is not a call of one of them."""
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):
+        obj = obj["function"]
+    arguments = obj.get("arguments", {}) if isinstance(obj, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise MalformedCall(f"tool call arguments are not JSON ({e})") from None
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(arguments, dict)):
+        raise MalformedCall('tool call must be {"name": str, "arguments": object}')
     by_name = {t.name: t for t in tools}
+    if obj["name"] not in by_name:
+        raise MalformedCall(f"no tool named {obj['name']!r} (tools: {', '.join(by_name) or 'none'})")
+    return Call(by_name[obj["name"]], dict(arguments))
+
+
+def parse_tool_calls(reply: str, tools: list[Tool]) -> list[Call]:
+    """The default format's calls of ``reply`` in order (empty: none); :class:`MalformedCall` for the first bad one."""
     calls = []
     for body in CALL_RE.findall(reply):
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as e:
             raise MalformedCall(f"tool call is not JSON ({e})") from None
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments", {}), dict)):
-            raise MalformedCall('tool call must be {"name": str, "arguments": object}')
-        if obj["name"] not in by_name:
-            raise MalformedCall(f"no tool named {obj['name']!r} (tools: {', '.join(by_name) or 'none'})")
-        calls.append(Call(by_name[obj["name"]], dict(obj.get("arguments", {}))))
+        calls.append(call_of(obj, tools))
     if not calls and "<tool_call>" in reply:
         raise MalformedCall("<tool_call> without its closing </tool_call>")
     return calls
+
+
+def parse_with_template(tokenizer: Any, reply: str, prompt: str, tools: list[Tool]) -> list[Call]:
+    """The calls of ``reply`` as the tokenizer's own ``response_template`` parses them (``prompt``: the
+    text the reply continues)."""
+    try:
+        parsed = tokenizer.parse_response(reply, prefix=prompt, tools=[t.schema() for t in tools] or None)
+    except (ValueError, TypeError, KeyError) as e:
+        raise MalformedCall(f"the tokenizer's response template cannot parse the reply ({e})".splitlines()[0]) from None
+    raw = parsed.get("tool_calls") if isinstance(parsed, dict) else None
+    return [call_of(obj, tools) for obj in (raw if isinstance(raw, list) else [raw] if raw else [])]
 
 
 def program(tool: Tool) -> str:
