@@ -192,10 +192,12 @@ def test_a_tool_that_stays_down_skips_the_unit_env_failed_with_the_cause(tmp_pat
     test_envs.FlakyToolEnv.starts = 0
     run = env_run(tmp_path, [ROWS[0]], env="tests.support.envs:FlakyToolEnv", env_options={"flaky_starts": 99},
                   infra_retries=1)
-    with ScriptedEngine(policy) as url, pytest.raises(ScorerInfraError) as info:
-        evaluate(run, url)
-    assert info.value.reason == "env_failed"
-    assert "tool_error" in str(info.value) and "calculator backend is down" in str(info.value)
+    with ScriptedEngine(policy) as url:  # a real in-process worker writes the unit's skip
+        code, _ = run_inprocess(WorkerOptions(run_dir=run.path, engines=(f"http:{url}",), once=True, max_attempts=1,
+                                              poll_interval_s=0.05), out=lambda _l: None)
+    r = results(run)[WorkUnit(1, "arith", 0)]
+    assert (r.status, r.skip_reason, r.scores) == ("skipped", "env_failed", ())
+    assert "tool_error" in r.message and "calculator backend is down" in r.message and "after 1 re-run(s)" in r.message
     assert test_envs.FlakyToolEnv.starts == 2  # the first try and its one retry
 
 

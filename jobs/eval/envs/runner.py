@@ -253,7 +253,7 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
     if todo:
         ep = todo[0]
         raise ScorerInfraError("env_failed", f"{len(todo)} episode(s) still failed by the infrastructure after "
-                               f"{spec.infra_retries} retries; row {ep.index} episode {ep.sample}: {ep.ended}: {ep.cause}")
+                               f"{spec.infra_retries} re-run(s); row {ep.index} episode {ep.sample}: {ep.ended}: {ep.cause}")
     return episodes, generate_s, render.tool_format
 
 
