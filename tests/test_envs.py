@@ -242,7 +242,8 @@ def test_a_worker_killed_mid_episode_is_rerun_by_another_and_one_result_is_writt
         return policy(text, engine)
 
     procs = []
-    with ScriptedEngine(stalling) as url:
+    server = ScriptedEngine(stalling)
+    with server as url:
         try:
             a = spawn("worker", "--run-dir", str(run.path), "--once", "--engine", f"http:{url}", "--worker-id", "a",
                       "--poll-interval", "0.05")
@@ -262,6 +263,9 @@ def test_a_worker_killed_mid_episode_is_rerun_by_another_and_one_result_is_writt
     assert list(got) == [WorkUnit(1, "arith", 0)]
     r = got[WorkUnit(1, "arith", 0)]
     assert r.ok and r.worker["worker_id"] == "b" and r.scores == (1.0,) and r.episodes[0]["turns"] == 2
+    assert r.attempt == 2  # a's claim was attempt 1
+    first_turns = [t for t in server.texts if t.split("\n")[-2].startswith("user: What is")]
+    assert len(first_turns) == 2  # b re-ran the episode from its first turn (a's turns are not reused)
     assert not (run.results / "duplicates").exists()
 
 
