@@ -208,7 +208,7 @@ def play(engine: Engine, spec: EnvSpec, episodes: list[Episode], render: Rendere
                 pending.append((ep, calls))
             else:
                 step(ep, g.text)
-        if pending:
+        if pending and turn < spec.max_turns - 1:  # on the last turn no reply could read the results
             run_tools(pending, sandbox, spec.tool_timeout_s)
     for ep in episodes:
         if ep.ended is None:
