@@ -76,11 +76,9 @@ class Episode:
     def end(self, ended: str, cause: str = "", reward: float = 0.0, answer: str | None = None) -> None:
         self.ended, self.cause, self.reward, self.answer = ended, cause, reward, answer
 
-    def restart(self) -> None:
-        """Back to before ``start`` (an infra re-run); the retry count is kept."""
-        retries = self.retries
-        self.__init__(self.index, self.sample, self.row)  # type: ignore[misc]
-        self.retries = retries
+    def rerun(self) -> Episode:
+        """A fresh episode of the same row and number, one more infra re-run counted."""
+        return Episode(self.index, self.sample, self.row, retries=self.retries + 1)
 
     def record(self) -> dict[str, Any]:
         return {"row": self.index, "sample": self.sample, "reward": self.reward, "turns": self.turns,
@@ -237,21 +235,21 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
     cls, sandbox = env_class(spec.env), env_sandbox(cache)
     render = Renderer(spec, snapshot)
     episodes = [Episode(i, j, rows[i]) for i in shard_range(cache.manifest, unit) for j in range(spec.n_samples)]
-    todo, seen, generate_s = episodes, [], 0.0
+    todo, seen, generate_s = list(range(len(episodes))), [], 0.0
     for attempt in range(spec.infra_retries + 1):
-        for ep in todo:
+        batch = [episodes[k] for k in todo]
+        for ep in batch:
             start(ep, cls, spec)
-        generate_s += play(engine, spec, todo, render, sandbox)
-        seen += [v for ep in todo for v in ep.versions]
-        todo = [ep for ep in todo if ep.blame == "infra"]
+        generate_s += play(engine, spec, batch, render, sandbox)
+        seen += [v for ep in batch for v in ep.versions]
+        todo = [k for k in todo if episodes[k].blame == "infra"]
         if not todo or attempt == spec.infra_retries:
             break
-        for ep in todo:
-            ep.restart()
-            ep.retries += 1
+        for k in todo:
+            episodes[k] = episodes[k].rerun()
     check_pinned(engine, want, seen)
     if todo:
-        ep = todo[0]
+        ep = episodes[todo[0]]
         raise ScorerInfraError("env_failed", f"{len(todo)} episode(s) still failed by the infrastructure after "
                                f"{spec.infra_retries} re-run(s); row {ep.index} episode {ep.sample}: {ep.ended}: {ep.cause}")
     return episodes, generate_s, render.tool_format
