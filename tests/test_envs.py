@@ -378,3 +378,16 @@ def test_a_tokenizer_with_its_own_response_template_parses_its_tool_calls(tmp_pa
     (episode,) = ev.scored["episodes"]
     assert ev.scores == [1.0] and episode["turns"] == 2 and ev.scored["scorer"]["tool_format"] == "tokenizer"
     assert answer not in texts[0] and f"\n {answer}\n" in texts[1]  # the sandboxed tool's result, as a tool turn
+
+
+@needs_bwrap
+def test_arguments_the_tool_does_not_take_are_the_models_malformed_call(tmp_path: Path) -> None:
+    def bad_arguments(text: str, _engine: ScriptedEngine) -> str:
+        return '<tool_call>{"name": "calculator", "arguments": {"expr": "1+1"}}</tool_call>'
+
+    run = env_run(tmp_path, [ROWS[0]])
+    with ScriptedEngine(bad_arguments) as url:
+        ev = evaluate(run, url)
+    (episode,) = ev.scored["episodes"]
+    assert ev.scores == [0.0] and (episode["ended"], episode["blame"], episode["turns"]) == ("malformed_tool_call", "model", 1)
+    assert "does not take these arguments" in episode["cause"] and "expr" in episode["cause"]
