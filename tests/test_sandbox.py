@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -158,3 +160,26 @@ def test_bwrap_killed_under_a_running_program_is_an_infra_failure(tmp_path: Path
     box = Sandbox(Limits(wall_s=20.0), concurrency=1, retries=1)
     with pytest.raises(SandboxUnavailable, match="bwrap was killed by signal 9"):
         box.run("import time; time.sleep(15)")
+
+
+@needs_bwrap
+def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> None:
+    """A real process running a sandboxed program (which forked a child) is SIGKILLed, as a preempted or
+    OOM-killed worker is: bwrap's --die-with-parent ends the sandbox and every process in it."""
+    label = f"test-killed-worker-{os.getpid()}"
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
+              "from jobs.eval.sandbox import Limits, Sandbox\n"
+              f"Sandbox(Limits(wall_s=60), label={label!r}).run('import os, time\\nos.fork()\\ntime.sleep(60)')\n")
+    worker = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 30
+        while len(leftovers(label)) < 2 and time.monotonic() < deadline:  # the program and its child
+            time.sleep(0.1)
+        assert len(leftovers(label)) == 2
+    finally:
+        worker.kill()
+        worker.wait()
+    gone_by = time.monotonic() + 30
+    while leftovers(label) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert leftovers(label) == []
