@@ -51,8 +51,7 @@ ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "jobs.eval.envs.examples:ArithmeticEnv",
     "guess": "jobs.eval.envs.examples:GuessEnv",
 }
-ENDINGS_MODEL = ("done", "malformed_tool_call", "out_of_turns")
-ENDINGS_INFRA = ("env_error", "tool_error", "tool_timeout", "sandbox_failed")
+ENDINGS_INFRA = ("env_error", "tool_error", "tool_timeout", "sandbox_failed")  # any other ending is the model's
 
 
 @dataclass(frozen=True)
