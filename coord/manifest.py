@@ -239,7 +239,8 @@ class EnvSpec(DatasetSpec):
     engine, ``n_samples`` episodes per row of the JSONL file ``path``, each of at most ``max_turns`` model
     turns sampled with the entry's sampling settings (``max_new_tokens`` per turn). The reward of an
     episode is its score: ``eval/<name>`` and ``eval/<name>/reward`` are the mean reward, ``pass@k``
-    counts an episode with reward >= 1 as passed. ``scorer`` is unused (the environment rewards)."""
+    counts an episode with reward >= ``pass_threshold`` as passed. ``scorer`` is unused (the environment
+    rewards)."""
 
     KIND: ClassVar[str] = "env"
     kind: str = "env"
@@ -256,6 +257,8 @@ class EnvSpec(DatasetSpec):
     still ``infra`` after that makes its unit an ``env_failed`` skip (never a score)."""
     tool_timeout_s: float = 10.0
     """Wall-clock deadline of one tool call in the sandbox; a tool past it is an infra failure."""
+    pass_threshold: float = 1.0
+    """``pass@k``: an episode passes when its reward is at least this (default: full reward)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -267,6 +270,8 @@ class EnvSpec(DatasetSpec):
             raise FieldError("infra_retries", f"must be >= 0, got {self.infra_retries}")
         if not (math.isfinite(self.tool_timeout_s) and self.tool_timeout_s > 0):
             raise FieldError("tool_timeout_s", f"must be > 0 seconds, got {self.tool_timeout_s}")
+        if not math.isfinite(self.pass_threshold):
+            raise FieldError("pass_threshold", f"must be a finite number, got {self.pass_threshold}")
 
 
 # kind -> its settings dataclass (see :mod:`jobs.eval.kinds` for how a kind is evaluated; adding one)

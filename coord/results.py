@@ -36,7 +36,7 @@ from typing import Any
 from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, dumps, publish_exclusive, read_json_object, write_json_atomic
 from coord.identity import run_key, version_matches, version_runs, version_step
-from coord.manifest import DatasetSpec, RunManifest
+from coord.manifest import DatasetSpec, EnvSpec, RunManifest
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, datasets_due, units_for_step
 
@@ -322,9 +322,9 @@ def majority_score(answers: Sequence[str | None], scores: Sequence[float]) -> fl
     return float(scores[first[best]])
 
 
-def correct(score: float) -> bool:
-    """A sample counts as correct for pass@k when it got full credit."""
-    return score >= 1.0
+def correct(score: float, threshold: float = 1.0) -> bool:
+    """A sample counts as correct for pass@k when it got full credit (an ``env`` entry: its ``pass_threshold``)."""
+    return score >= threshold
 
 
 def _stderr(values: list[float]) -> float:
@@ -341,11 +341,12 @@ def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) 
     versions = [v for r in shards for v in r.weight_versions]
     mean_v, mixed = _version_stats(key, step, versions)
     n = spec.n_samples
+    threshold = spec.pass_threshold if isinstance(spec, EnvSpec) else 1.0
     prompts = [scores[i : i + n] for i in range(0, len(scores), n)]
     derived: dict[str, float] = {}
     if prompts and all(len(p) == n for p in prompts):
         for k in spec.pass_k:
-            derived[f"pass@{k}"] = sum(pass_at_k(n, sum(map(correct, p)), k) for p in prompts) / len(prompts)
+            derived[f"pass@{k}"] = sum(pass_at_k(n, sum(correct(x, threshold) for x in p), k) for p in prompts) / len(prompts)
         if n > 1 and all(len(r.answers) == len(r.scores) for r in shards):  # old results carry no answers
             answers = [a for r in shards for a in r.answers]
             votes = [majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)]

@@ -391,3 +391,15 @@ def test_arguments_the_tool_does_not_take_are_the_models_malformed_call(tmp_path
     (episode,) = ev.scored["episodes"]
     assert ev.scores == [0.0] and (episode["ended"], episode["blame"], episode["turns"]) == ("malformed_tool_call", "model", 1)
     assert "does not take these arguments" in episode["cause"] and "expr" in episode["cause"]
+
+
+def test_pass_at_k_counts_an_episode_passed_from_its_entrys_pass_threshold() -> None:
+    from coord.results import dataset_score, ok_result
+
+    rewards = [1.0, 0.5, 0.25, 0.0]  # e.g. guess with efficiency: 1/guesses
+    result = ok_result(WorkUnit(1, "g", 0), rewards, ["k@1"] * 4)
+    for threshold, want in ((1.0, 0.25), (0.5, 0.5), (0.25, 0.75)):
+        spec = EnvSpec(name="g", path="g.jsonl", n_prompts=1, env="guess", n_samples=4, pass_k=(1,),
+                       pass_threshold=threshold)
+        score = dataset_score(spec, "k", 1, [result])
+        assert (score.score, score.derived["pass@1"]) == (0.4375, want)

@@ -17,7 +17,7 @@ turn of every episode (retried attempts included) and the engine after the unit 
 re-run (from its start) up to ``infra_retries`` times, then the unit is skipped ``env_failed`` with the
 cause (:class:`~jobs.eval.scorers.ScorerInfraError`). The result records, per episode: reward, turns,
 tokens, the version of every turn, how it ended, whose fault, its infra retries (field ``episodes``).
-Metrics: ``eval/<env>`` and ``eval/<env>/reward`` (mean reward), ``pass@k`` (reward >= 1 passes),
+Metrics: ``eval/<env>`` and ``eval/<env>/reward`` (mean reward), ``pass@k`` (reward >= ``pass_threshold``),
 ``eval/<env>/turns`` (mean turns), ``eval/<env>/infra_retries`` (summed).
 """
 
