@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -330,6 +331,9 @@ class RunManifest:
 
     def to_json(self) -> dict[str, Any]:
         obj = json.loads(json.dumps(asdict(self)))  # tuples become lists, as on disk
+        for ds in obj["eval"]["datasets"]:
+            if ds["kind"] == "generate":  # the default kind is not written: a reader from before "generate" reads the file
+                ds.pop("kind")
         obj["eval"]["datasets"] += obj["eval"].pop("harness")  # lm_eval entries live in datasets on disk
         return obj
 
@@ -417,13 +421,18 @@ def _convert(f: Fields, key: str, value: Any, hint: Any) -> Any:
 T = typing.TypeVar("T")
 
 
+@functools.lru_cache(maxsize=64)
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def parse_dataclass(f: Fields, cls: type[T], *, what: str = "", exclude: Iterable[str] = ()) -> T:
     """An instance of dataclass ``cls`` from the object ``f``: the keys, their types and defaults are
     the dataclass's fields (declared once, there); unknown keys are refused naming the closest valid
     one; a missing required field, a wrong type or a :class:`FieldError` from the class's
     ``__post_init__`` is a ValueError naming the file and the field path. ``exclude``: fields the
     object may not set (left at their defaults)."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     settable = [fl for fl in dataclasses.fields(cls) if fl.init and fl.name not in set(exclude)]  # type: ignore[arg-type]
     f.reject_unknown([fl.name for fl in settable], what)
     kwargs = {}

@@ -47,7 +47,7 @@ def harness_run(tmp: Path, **fields: object) -> RunDir:
 def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path: Path) -> None:
     run = harness_run(tmp_path)
     on_disk = json.loads(run.manifest_path.read_text())
-    kinds = [d.get("kind") for d in on_disk["eval"]["datasets"]]
+    kinds = [d.get("kind", "generate") for d in on_disk["eval"]["datasets"]]
     assert kinds == ["generate", "lm_eval"]
     manifest = load_manifest(run.manifest_path)
     assert manifest.eval.harness[0].tasks == TASKS

@@ -39,7 +39,8 @@ from jobs.lifecycle import (
 
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
 # Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
-# result is written only when the unit, not the worker, is to blame (see Worker._leave_for_another).
+# result is written only when the unit, not the worker, is to blame (see Worker._leave_for_another) —
+# at once when the result names user code to blame (a scorer, a library task raised).
 RETRYABLE = frozenset({"unhealthy", "crashed"})
 
 

@@ -14,7 +14,10 @@ Promises:
   ``--verify``), ``pin_violation`` (the engine's version differs from the step after the load, after
   the unit, or on any sample), ``unhealthy`` (the engine stays dead after restart + reload + re-probe),
   ``crashed`` (scoring raised an engine, runtime, value or OS error), or a backend's own
-  ``EvalSkip(reason)``. A load or scoring failure is checked against the snapshot once more: if it no
+  ``EvalSkip(reason)``. User code that raises — a scorer, an lm-eval task — is that unit's ``crashed``
+  skip with the exception's last line and a ``blame``, written at once (another worker would fail the
+  same way; the engine is not restarted and its health not counted); a scorer's
+  ``ScorerInfraError`` (a judge, a sandbox) is a skip with its own reason, also written at once. A load or scoring failure is checked against the snapshot once more: if it no
   longer verifies (deleted or damaged after the first check), the unit is that ``ckpt_missing`` /
   ``ckpt_corrupt`` skip, not ``unhealthy`` or ``crashed``. An ``unhealthy`` or ``crashed`` outcome may
   be this worker's own fault (a dead engine, a setting its backend cannot use), so the unit is
