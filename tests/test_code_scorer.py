@@ -25,7 +25,7 @@ import pytest
 
 from coord.identity import run_key
 from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from coord.results import dataset_score
+from coord.results import dataset_score, derive_point, point_metrics
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
 from coord.units import WorkUnit
@@ -285,6 +285,8 @@ def test_adversarial_sweep_worker_survives_and_nothing_leaks(tmp_path: Path) -> 
     for shard, (name, (_, counters)) in enumerate(programs.items()):
         r = got[WorkUnit(1, "code", shard)]
         assert (r.status, r.scores, r.counters) == ("ok", (0.0,), counters), f"{name}: {r}"
+    metrics = point_metrics(derive_point(run.manifest(), 1, got))  # what the trainer logs for the point
+    assert (metrics["eval/code"], metrics["eval/code/code_timeouts"], metrics["eval/code/code_errors"]) == (0.0, 2, 6)
     after = tree_digest(run.path)
     assert {k: v for k, v in after.items() if k in before} == before, "a file of the run dir changed"
     assert not [p for p in run.path.rglob("*") if "pwned" in p.name]
