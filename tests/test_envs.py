@@ -136,6 +136,9 @@ def test_env_entries_are_validated_where_run_json_is_parsed(tmp_path: Path) -> N
         parse({"env": "guess", "max_turn": 3})
     spec = parse({"env": "tests.support.envs:FlakyToolEnv"}).eval.datasets[0]  # imported only after the trust check
     assert spec.env == "tests.support.envs:FlakyToolEnv"
+    manifest = parse({"env": "guess", "max_turns": 2})
+    written = manifest.to_json()  # run.json keeps an env entry's kind (only the default kind is left out)
+    assert written["eval"]["datasets"][0]["kind"] == "env" and parse_manifest(written, tmp_path / "run.json") == manifest
 
 
 def test_example_env_sets_are_generated_and_their_configs_read(tmp_path: Path) -> None:
