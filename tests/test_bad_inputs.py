@@ -165,6 +165,7 @@ def worker_cases(cmd: str) -> list[str]:
         f"{base} --wandb-mode bogus",
         f"{base} --newest-first=yes",
         f"{base} --trust-run-code=yes",
+        f"{base} --unsafe-code-rlimits-only=yes",
         f"{base} --bogus-flag",
     ]
     cases += _no_value(base, "--worker-id", "--wandb-run-id", "--engine", "--watch", "--eval-config")
@@ -177,6 +178,7 @@ def worker_cases(cmd: str) -> list[str]:
     return cases + _flag_cases(base, {
         "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
         "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0", "--max-attempts": "int>=1", "--wait-for-run": "float>=0",
+        "--sandbox-concurrency": "int>=0",
     })
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import stat
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,13 @@ from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
 from coord.units import WorkUnit
 from jobs.eval.evalsets import write_jsonl
-from jobs.eval.sandbox import ENV_LABEL, probe_bwrap
+from jobs.eval.sandbox import probe_bwrap
 from jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
 from jobs.eval.scorers.code import extract_code, row_tests, same_output
 from jobs.eval.service import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
+from tests.support.sandbox import survivors
 from tests.support.workers import PYTHON, REPO, finish, results, worker_env
 
 WHY_NOT = probe_bwrap()
@@ -181,27 +181,6 @@ def run_worker(run: RunDir, url: str, cwd: Path, *flags: str, env: dict[str, str
     return code, out, proc.pid
 
 
-def leftovers(worker_pid: int) -> list[int]:
-    """Live processes started by that worker's sandboxes (their environment carries its label), after
-    giving the kernel up to 30 s to tear killed PID namespaces down (it does so asynchronously)."""
-    gone_by = time.monotonic() + 30
-    while (found := _labelled(worker_pid)) and time.monotonic() < gone_by:
-        time.sleep(0.1)
-    return found
-
-
-def _labelled(worker_pid: int) -> list[int]:
-    mark = f"{ENV_LABEL}=ckpteval-{worker_pid}".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
 @needs_bwrap
 def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None:
     rows = EXAMPLE[:4] + EXAMPLE[10:14]  # two of each assert kind and four stdin/stdout problems
@@ -225,7 +204,7 @@ def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None
     point = dataset_score(ds, run_key(run.manifest()), 1, [got[WorkUnit(1, "code", i)] for i in (0, 1)])
     assert (point.score, point.derived["pass@1"], point.derived["pass@2"]) == (0.75, 0.75, 1.0)
     assert point.extras == {"tests_passed_fraction": 0.75} and point.counters["code_errors"] == 0
-    assert leftovers(pid) == []
+    assert survivors(f"ckpteval-{pid}") == []
 
 
 def hostile_programs(run_path: Path, workdir: Path, listen_port: int) -> dict[str, tuple[str, dict[str, int]]]:
@@ -291,7 +270,7 @@ def test_adversarial_sweep_worker_survives_and_nothing_leaks(tmp_path: Path) -> 
     assert {k: v for k, v in after.items() if k in before} == before, "a file of the run dir changed"
     assert not [p for p in run.path.rglob("*") if "pwned" in p.name]
     assert (workdir / "canary.txt").read_text() == "the worker's working directory"
-    assert leftovers(pid) == [], "a sandboxed process outlived its unit"
+    assert survivors(f"ckpteval-{pid}") == [], "a sandboxed process outlived its unit"
 
 
 # -- the worker's start-up check --------------------------------------------------------------------------

@@ -17,24 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs.eval.sandbox import ENV_LABEL, Limits, Sandbox, SandboxUnavailable, probe_bwrap
+from jobs.eval.sandbox import Limits, Sandbox, SandboxUnavailable, labelled_processes, probe_bwrap
+from tests.support.sandbox import survivors
 
 WHY_NOT = probe_bwrap()
 needs_bwrap = pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
 TIGHT = Limits(wall_s=2.0, cpu_s=1, memory_mb=192, file_mb=4, nproc=16, nofile=32, output_bytes=1 << 16)
-
-
-def leftovers(label: str) -> list[int]:
-    """Pids of live processes whose environment carries the sandbox label ``label``."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        if f"{ENV_LABEL}={label}".encode() in env.split(b"\0"):
-            found.append(int(pid))
-    return found
 
 
 @pytest.fixture
@@ -42,10 +30,7 @@ def sandbox(request: pytest.FixtureRequest) -> Sandbox:
     box = Sandbox(TIGHT, concurrency=2, label=f"test-sandbox-{os.getpid()}-{request.node.name}")
     yield box
     box.close()
-    gone_by = time.monotonic() + 30  # the kernel tears a killed PID namespace down asynchronously
-    while leftovers(box.label) and time.monotonic() < gone_by:
-        time.sleep(0.1)
-    assert leftovers(box.label) == [], "a sandboxed process outlived its sandbox"
+    assert survivors(box.label) == [], "a sandboxed process outlived its sandbox"
 
 
 @needs_bwrap
@@ -100,6 +85,16 @@ def test_a_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox: Sandbox) -> N
     outcome = sandbox.run(bomb)
     assert outcome.status == "timeout"
     # the sandbox fixture asserts no process carrying its label survives
+
+
+@needs_bwrap
+def test_a_fork_bomb_being_torn_down_does_not_starve_the_next_program(sandbox: Sandbox) -> None:
+    """The process limit counts per uid, and a killed namespace dies asynchronously: the next program (a
+    fresh uid) can still fork."""
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    forks = "import os\nfor _ in range(8):\n    if os.fork() == 0:\n        os._exit(0)\n    os.wait()\nprint('forked')"
+    assert [o.status for o in sandbox.run_many([(bomb, b""), (bomb, b"")])] == ["timeout", "timeout"]
+    assert [o.stdout for o in sandbox.run_many([(forks, b"")] * 4)] == [b"forked\n"] * 4
 
 
 @needs_bwrap
@@ -173,13 +168,10 @@ def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> N
     worker = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 30
-        while len(leftovers(label)) < 2 and time.monotonic() < deadline:  # the program and its child
+        while len(labelled_processes(label)) < 2 and time.monotonic() < deadline:  # the program and its child
             time.sleep(0.1)
-        assert len(leftovers(label)) == 2
+        assert len(labelled_processes(label)) == 2
     finally:
         worker.kill()
         worker.wait()
-    gone_by = time.monotonic() + 30
-    while leftovers(label) and time.monotonic() < gone_by:
-        time.sleep(0.1)
-    assert leftovers(label) == []
+    assert survivors(label) == []

@@ -22,8 +22,9 @@ Isolation (``mode="bwrap"``, the default): each program runs under bubblewrap (`
   is visible: no run dir, results, leases, home directory or environment (``--clearenv``).
 
 Inside, a trusted launcher (``python -I -S -c LAUNCHER``) sets the rlimits (CPU seconds, address space,
-file size, process count, open files), drops to an unprivileged uid when it runs as root (RLIMIT_NPROC
-is never enforced for uid 0: a fork bomb needs another uid), tells the host it is up (one byte on an
+file size, process count, open files), drops to a fresh unprivileged uid per program when it runs as
+root (RLIMIT_NPROC is never enforced for uid 0, and counts per uid: a fork bomb still being torn down
+must not count against the next program), tells the host it is up (one byte on an
 inherited pipe), closes that pipe and runs the program in its own interpreter. A wall-clock deadline is
 enforced from outside: the host SIGKILLs bwrap, whose PID namespace dies with it (every process the
 program forked, daemonized or ``setsid``-ed included). stdout and stderr are read as they come and
@@ -45,6 +46,7 @@ cgroup would; concurrent sandboxes run in a bounded pool (:attr:`Sandbox.concurr
 
 from __future__ import annotations
 
+import itertools
 import os
 import selectors
 import shutil
@@ -61,7 +63,10 @@ from pathlib import Path
 
 MODES = ("bwrap", "rlimits-only")
 STATUSES = ("passed", "failed", "timeout", "oom", "crashed")
-SANDBOX_UID_BASE = 200_000  # root only: each pool slot runs as its own unprivileged uid (RLIMIT_NPROC per uid)
+# root only: every program runs as a fresh unprivileged uid (RLIMIT_NPROC counts per uid, so a fork bomb's
+# processes, still being torn down, never count against the next program): base + 65536 * (pid % 10000) + n
+SANDBOX_UID_BASE = 200_000
+UIDS_PER_PROCESS = 65_536
 ENV_LABEL = "CKPTEVAL_SANDBOX"  # set in every sandboxed process's environment: who started it
 PROGRAM = "/sandbox/main.py"
 # -I: no environment, no user site, no script dir on sys.path; -S: no site-packages (and none of their
@@ -131,6 +136,20 @@ class Outcome:
     stderr: bytes
     wall_s: float
     detail: str = ""  # why, in words, when not "passed"/"failed"
+
+
+def labelled_processes(label: str) -> list[int]:
+    """Pids of live processes whose environment carries ``CKPTEVAL_SANDBOX=<label>`` (every process a
+    :class:`Sandbox` with that label started, unless the program cleared its own environment)."""
+    mark = f"{ENV_LABEL}={label}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(int(pid))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
 
 
 def default_concurrency() -> int:
@@ -317,8 +336,7 @@ class Sandbox:
         self.retries = retries
         self.label = label or f"ckpteval-{os.getpid()}"
         self.as_root = os.geteuid() == 0
-        self._slots: list[int] = list(range(self.concurrency))
-        self._slot_lock = threading.Lock()
+        self._runs = itertools.count()  # next() is atomic under the GIL: one uid per program
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ckpteval-sandbox")
 
     def run_many(self, jobs: Sequence[tuple[str, bytes]], limits: Limits | None = None) -> list[Outcome]:
@@ -337,19 +355,14 @@ class Sandbox:
                 time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _take_slot(self) -> int:
-        with self._slot_lock:
-            return self._slots.pop() if self._slots else self.concurrency + threading.get_ident() % 1000
-
     def _run_once(self, source: str, stdin: bytes, limits: Limits) -> Outcome:
-        slot = self._take_slot()
         tmp = tempfile.mkdtemp(prefix="ckpteval-sandbox-")
         try:
             program, stdin_path = os.path.join(tmp, "main.py"), os.path.join(tmp, "stdin")
             Path(program).write_text(source)
             os.chmod(program, 0o644)
             Path(stdin_path).write_bytes(stdin)
-            uid = SANDBOX_UID_BASE + (os.getpid() % 100_000) * 16 + slot % 16 if self.as_root else -1
+            uid = self._uid() if self.as_root else -1
             ready_r, ready_w = os.pipe()
             if self.mode == "bwrap":
                 cmd = bwrap_command(program, limits, self.label, self.as_root)
@@ -374,9 +387,9 @@ class Sandbox:
             return _classify(run, rc, wall, self.mode == "bwrap")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            with self._slot_lock:
-                if slot < self.concurrency:
-                    self._slots.append(slot)
+
+    def _uid(self) -> int:
+        return SANDBOX_UID_BASE + (os.getpid() % 10_000) * UIDS_PER_PROCESS + next(self._runs) % UIDS_PER_PROCESS
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
