@@ -21,6 +21,8 @@ reload             bench_reload.py: hf in-place reload GB/s vs a plain read     
 workers            bench_workers.py: units/s with 1, 2, 4 workers               (reported)
 judge              bench_judge.py: judged samples/s, verdict cache warm vs cold (reported)
                    bench_judge.py: trainer steps/s, judged set vs no-eval       (reported)
+envs               bench_envs.py: episode vs single-turn tokens/s              (reported)
+                   bench_envs.py: 10% tool failures reaching logged numbers    0
 =================  =========================================================  ==================
 
 Usage: ``.venv/bin/python bench/run_all.py [--quick] [--only stall,export,...] [--out bench/RESULTS.md]``
@@ -64,6 +66,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "engine": ("bench_engine.py", [], ["--prompts", "16", "--repeats", "1"]),
     "grader": ("bench_grader.py", [], ["--answers", "40", "--repeats", "1"]),
     "sandbox": ("bench_sandbox.py", [], ["--smoke"]),
+    "envs": ("bench_envs.py", [], ["--smoke"]),
     "reload": ("bench_reload.py", ["--repeats", "5"], ["--hidden", "256", "--layers", "2", "--repeats", "1"]),
     "reload_cuda": ("bench_reload.py", ["--repeats", "5", "--device", "cuda"],
                     ["--hidden", "256", "--layers", "2", "--repeats", "1", "--device", "cuda"]),
@@ -91,6 +94,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_judge.py": ["--smoke"],
     "bench_attest.py": ["--smoke", "--dir", os.environ.get("TMPDIR", tempfile.gettempdir())],
     "bench_canary.py": ["--smoke"],
+    "bench_envs.py": ["--smoke"],
 }
 
 
@@ -521,6 +525,28 @@ def sandbox_section(rec: dict[str, Any]) -> str:
     ])
 
 
+def envs_section(rec: dict[str, Any]) -> str:
+    o, i = rec["data"]["overhead"], rec["data"].get("injection")
+    lines = [
+        f"`bench_envs.py` — {o['episodes']:.0f} episodes of {o['turns']:.0f} turns (the tiny model in the real "
+        "HFEngine, a minimal environment that never ends them) vs single-turn samples of the same prompts "
+        "generating as many new tokens in one call.", "",
+        table(["mode", "per s", "generated tokens/s"],
+              [["episodes (a batched generate per turn, conversation re-rendered)", f"{o['episodes_per_s']:.2f}",
+                f"{o['env_tokens_per_s']:.0f}"],
+               ["single-turn samples", f"{o['samples_per_s']:.2f}", f"{o['single_tokens_per_s']:.0f}"]]), "",
+        f"Ratio episode tokens/s / single-turn tokens/s: **{o['ratio']:.2f}x**. What an episode pays: one engine "
+        "call per turn, the whole conversation re-encoded each turn (no KV cache kept across turns), the "
+        "environment's step between turns.",
+    ]
+    if i is not None:
+        lines += ["", f"Infra injection: {i['episodes']:.0f} arithmetic episodes played by a scripted solver, the "
+                  f"calculator raising in {i['failure_rate']:.0%} of its calls (in the sandbox): "
+                  f"{i['infra_retries']:.0f} episodes re-run, logged reward {i['logged_reward']:.3f}, infra "
+                  f"failures in the logged numbers: **{i['infra_in_logged']:.0f}** (goal 0)."]
+    return "\n".join(lines)
+
+
 def reload_section(rec: dict[str, Any]) -> str:
     d = rec["data"]
     if "gb_per_s" not in d:
@@ -601,6 +627,7 @@ SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "reload_cuda": ("Engine reload on CUDA", reload_section),
     "workers": ("Eval workers", workers_section),
     "judge": ("Judge throughput, verdict cache cold vs warm", judge_section),
+    "envs": ("Environments (multi-turn episodes)", envs_section),
 }
 
 

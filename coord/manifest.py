@@ -37,7 +37,7 @@ import typing
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from coord import PROTOCOL_VERSION
 from coord.atomic import read_json_object, write_json_atomic
@@ -108,11 +108,13 @@ class DatasetSpec:
     subset_seed: int | None = None
     """With ``subset``: pick the N rows by this seed (:func:`subset_rows`; kept in file order); None: the first N."""
 
+    KIND: ClassVar[str] = "generate"  # the kind this class holds (a subclass: another kind, same settings)
+
     def __post_init__(self) -> None:
         if self.kind == "jsonl":  # the old name of the default kind: accepted, written as generate
             object.__setattr__(self, "kind", "generate")
-        if self.kind != "generate":
-            raise FieldError("kind", f"{self.kind!r} is not the kind of a generate dataset")
+        if self.kind != self.KIND:
+            raise FieldError("kind", f"{self.kind!r} is not the kind of a {self.KIND} dataset")
         if not NAME_RE.match(self.name):
             raise FieldError("name", f"{self.name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
         object.__setattr__(self, "pass_k", tuple(self.pass_k))
@@ -232,8 +234,49 @@ def subset_rows(n_rows: int, spec: DatasetSpec) -> list[int]:
     return sorted(sorted(range(n_rows), key=key)[: spec.subset])
 
 
+@dataclass(frozen=True)
+class EnvSpec(DatasetSpec):
+    """An ``env`` entry: multi-turn episodes of a Python environment (:mod:`jobs.eval.envs`) on the pinned
+    engine, ``n_samples`` episodes per row of the JSONL file ``path``, each of at most ``max_turns`` model
+    turns sampled with the entry's sampling settings (``max_new_tokens`` per turn). The reward of an
+    episode is its score: ``eval/<name>`` and ``eval/<name>/reward`` are the mean reward, ``pass@k``
+    counts an episode with reward >= ``pass_threshold`` as passed. ``scorer`` is unused (the environment
+    rewards)."""
+
+    KIND: ClassVar[str] = "env"
+    kind: str = "env"
+    """The dataset kind (``env``)."""
+    env: str = ""
+    """The environment: a name of :data:`jobs.eval.envs.ENVIRONMENTS` (``arithmetic``, ``guess``) or
+    ``module:Class`` (imported under the run-code trust rule)."""
+    env_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    """The environment's own settings (passed to its constructor as keyword arguments)."""
+    max_turns: int = 4
+    """Model turns per episode (>= 1); an episode not done by then ends ``out_of_turns`` (the model's, reward 0)."""
+    infra_retries: int = 2
+    """Times an episode that ended ``infra`` (a tool, the sandbox or the environment failed) is re-run; one
+    still ``infra`` after that makes its unit an ``env_failed`` skip (never a score)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock deadline of one tool call in the sandbox; a tool past it is an infra failure."""
+    pass_threshold: float = 1.0
+    """``pass@k``: an episode passes when its reward is at least this (default: full reward)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.env:
+            raise FieldError("env", "must name an environment (a registered name or module:Class)")
+        if self.max_turns < 1:
+            raise FieldError("max_turns", f"must be >= 1, got {self.max_turns}")
+        if self.infra_retries < 0:
+            raise FieldError("infra_retries", f"must be >= 0, got {self.infra_retries}")
+        if not (math.isfinite(self.tool_timeout_s) and self.tool_timeout_s > 0):
+            raise FieldError("tool_timeout_s", f"must be > 0 seconds, got {self.tool_timeout_s}")
+        if not math.isfinite(self.pass_threshold):
+            raise FieldError("pass_threshold", f"must be a finite number, got {self.pass_threshold}")
+
+
 # kind -> its settings dataclass (see :mod:`jobs.eval.kinds` for how a kind is evaluated; adding one)
-DATASET_KINDS: dict[str, type] = {"generate": DatasetSpec, "lm_eval": HarnessSpec}
+DATASET_KINDS: dict[str, type] = {"generate": DatasetSpec, "lm_eval": HarnessSpec, "env": EnvSpec}
 KIND_ALIASES = {"jsonl": "generate"}  # old names still accepted in run.json and eval configs
 
 
@@ -289,7 +332,8 @@ class RunManifest:
     def to_json(self) -> dict[str, Any]:
         obj = json.loads(json.dumps(asdict(self)))  # tuples become lists, as on disk
         for ds in obj["eval"]["datasets"]:
-            ds.pop("kind")  # the default kind is not written: a reader from before "generate" reads the file
+            if ds["kind"] == "generate":  # the default kind is not written: a reader from before "generate" reads the file
+                ds.pop("kind")
         obj["eval"]["datasets"] += obj["eval"].pop("harness")  # lm_eval entries live in datasets on disk
         return obj
 
@@ -408,6 +452,15 @@ ScorerCheck = Callable[[str, Fields], None]
 _scorer_check: list[ScorerCheck] = []
 
 
+def set_env_check(check: ScorerCheck) -> None:
+    """Install the environment registry's check of an ``env`` entry's ``env`` name and ``env_options``
+    (:mod:`jobs.eval.envs` installs it when imported, as the scorer registry does its own)."""
+    _env_check[:] = [check]
+
+
+_env_check: list[ScorerCheck] = []
+
+
 def set_scorer_check(check: ScorerCheck) -> None:
     """Install the scorer registry's check of a dataset's ``scorer`` and ``scorer_options``
     (``check(name, options_fields)`` raises ValueError). :mod:`jobs.eval.scorers` installs its own when
@@ -421,6 +474,16 @@ def _parse_dataset(f: Fields) -> DatasetSpec:
         try:
             _scorer_check[0](spec.scorer, f.sub("scorer_options", {}))
         except FieldError as e:  # the registry's verdict on the name itself (key "scorer")
+            raise f.error(e.key, e.why) from None
+    return spec
+
+
+def _parse_env(f: Fields) -> EnvSpec:
+    spec = parse_dataclass(f, EnvSpec, what="an env dataset")
+    if _env_check:
+        try:
+            _env_check[0](spec.env, f.sub("env_options", {}))
+        except FieldError as e:
             raise f.error(e.key, e.why) from None
     return spec
 
@@ -439,6 +502,8 @@ def _split_datasets(f: Fields, raw: list[Any]) -> tuple[tuple[DatasetSpec, ...],
                                     "'jsonl' is the old name of generate)")
         if kind == "generate":
             datasets.append(_parse_dataset(sub))
+        elif kind == "env":
+            datasets.append(_parse_env(sub))
         else:
             harness.append(parse_dataclass(sub, DATASET_KINDS[kind], what=f"a dataset of kind {kind!r}"))
     return tuple(datasets), tuple(harness)

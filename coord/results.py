@@ -11,7 +11,8 @@ as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judg
 engine's weights were attested (``attest``), the canary's comparison (``fidelity``), what the unit cost
 (``cost``: tokens, engine/load/attestation seconds, GPUs; summed per point as ``eval/cost/*``), timings,
 the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
-``"scorer"`` when the scorer itself raised, so the skip was written at once). A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
+``"scorer"`` when the scorer itself raised, so the skip was written at once). A unit of an ``env`` entry
+also holds ``episodes``: per episode its reward, turns, tokens, the version of every turn and how it ended. A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.
 
 A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
@@ -44,7 +45,7 @@ from typing import Any
 from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, dumps, publish_exclusive, read_json_object, write_json_atomic
 from coord.identity import run_key, version_matches, version_runs, version_step
-from coord.manifest import DatasetSpec, RunManifest
+from coord.manifest import DatasetSpec, EnvSpec, RunManifest
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, datasets_due, units_for_step
 
@@ -78,6 +79,7 @@ class Result:
     attest: dict[str, Any] = field(default_factory=dict)  # {"attested", "how", "detail", "seconds"}; {}: not recorded
     cost: dict[str, float] = field(default_factory=dict)  # what the unit cost (tokens, engine seconds, GPUs)
     fidelity: dict[str, float] = field(default_factory=dict)  # the canary's comparison; {}: no canary
+    episodes: tuple[dict[str, Any], ...] = ()  # env units: per episode reward, turns, tokens, versions, ended
 
     @property
     def ok(self) -> bool:
@@ -110,6 +112,7 @@ class Result:
             **({"attest": self.attest} if self.attest else {}),
             **({"cost": self.cost} if self.cost else {}),
             **({"fidelity": self.fidelity} if self.fidelity else {}),
+            **({"episodes": list(self.episodes)} if self.episodes else {}),
         }
 
 
@@ -172,6 +175,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         attest = dict(obj.get("attest") or {})
         cost = {str(k): float(v) for k, v in (obj.get("cost") or {}).items()}
         fidelity = {str(k): float(v) for k, v in (obj.get("fidelity") or {}).items()}
+        episodes = tuple(dict(e) for e in obj.get("episodes") or ())
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -206,6 +210,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         attest=attest,
         cost=cost,
         fidelity=fidelity,
+        episodes=episodes,
     )
 
 
@@ -360,9 +365,9 @@ def majority_score(answers: Sequence[str | None], scores: Sequence[float]) -> fl
     return float(scores[first[best]])
 
 
-def correct(score: float) -> bool:
-    """A sample counts as correct for pass@k when it got full credit."""
-    return score >= 1.0
+def correct(score: float, threshold: float = 1.0) -> bool:
+    """A sample counts as correct for pass@k when it got full credit (an ``env`` entry: its ``pass_threshold``)."""
+    return score >= threshold
 
 
 def _stderr(values: list[float]) -> float:
@@ -379,11 +384,12 @@ def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) 
     versions = [v for r in shards for v in r.weight_versions]
     mean_v, mixed = _version_stats(key, step, versions)
     n = spec.n_samples
+    threshold = spec.pass_threshold if isinstance(spec, EnvSpec) else 1.0
     prompts = [scores[i : i + n] for i in range(0, len(scores), n)]
     derived: dict[str, float] = {}
     if prompts and all(len(p) == n for p in prompts):
         for k in spec.pass_k:
-            derived[f"pass@{k}"] = sum(pass_at_k(n, sum(map(correct, p)), k) for p in prompts) / len(prompts)
+            derived[f"pass@{k}"] = sum(pass_at_k(n, sum(correct(x, threshold) for x in p), k) for p in prompts) / len(prompts)
         if n > 1 and all(len(r.answers) == len(r.scores) for r in shards):  # old results carry no answers
             answers = [a for r in shards for a in r.answers]
             votes = [majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)]

@@ -70,15 +70,25 @@ def load_rows(path: Path, scorer: type | None = None) -> list[Row]:
     return rows
 
 
-def load_dataset(run: RunDir, spec: DatasetSpec) -> list[Row]:
-    """The rows a dataset evaluates (its ``subset`` of the file, :func:`coord.manifest.subset_rows`),
-    checked against its scorer's needs; their count must match ``n_prompts``."""
-    path = run.resolve_data_path(spec.path)
+def load_entry_rows(path: Path, spec: DatasetSpec) -> list[Row]:
+    """Every row of an entry's file: checked against its scorer's needs, or, for an ``env`` entry, any
+    JSON objects (its environment reads them; checked at worker start)."""
+    if spec.kind == "env":
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: eval set not found")
+        return [row for _lineno, row in read_jsonl_file(Path(path), what="env row")]
     try:
         scorer = scorer_class(spec.scorer)
     except ValueError as e:
         raise ValueError(f"dataset {spec.name!r}: {e}") from None
-    rows = load_rows(path, scorer)
+    return load_rows(path, scorer)
+
+
+def load_dataset(run: RunDir, spec: DatasetSpec) -> list[Row]:
+    """The rows a dataset evaluates (its ``subset`` of the file, :func:`coord.manifest.subset_rows`),
+    checked by :func:`load_entry_rows`; their count must match ``n_prompts``."""
+    path = run.resolve_data_path(spec.path)
+    rows = load_entry_rows(path, spec)
     try:
         rows = [rows[i] for i in subset_rows(len(rows), spec)]
     except ValueError as e:

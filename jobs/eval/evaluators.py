@@ -265,6 +265,10 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
     kinds = [spec_kind(s) for s in specs]
     check_harness_engines(manifest, kinds, opts.replicas)
     if len(kinds) == 1 and ENGINES[kinds[0]].unit_backend:
+        envs = [d.name for d in manifest.eval.datasets if d.kind == "env"]
+        if envs:
+            raise ValueError(f"run {manifest.run_id} has env entries {envs}: episodes need an engine (hf, http:URL, "
+                             f"sglang), not an fn: backend (it scores whole units, one completion per prompt)")
         backend = make_engine(specs[0], opts.device, _settings(manifest, kinds[0]))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]
     if manifest.eval.adapters:

@@ -4,7 +4,8 @@ An entry of run.json's ``eval.datasets`` has a ``kind`` (:data:`coord.manifest.D
 settings dataclass; coord knows no engine): ``generate`` (the default; ``jsonl`` is its old name) —
 prompts from a JSONL file, sampled on the engine and scored by the dataset's scorer
 (:func:`jobs.eval.scoring.evaluate_generate`); ``lm_eval`` — one EleutherAI lm-evaluation-harness task per
-unit (:func:`jobs.eval.harness.evaluate_harness`).
+unit (:func:`jobs.eval.harness.evaluate_harness`); ``env`` — multi-turn episodes of a Python environment
+(:func:`jobs.eval.envs.runner.evaluate_env`).
 
 :func:`evaluate_pinned` is the only place a unit is evaluated: the fleet's
 :class:`jobs.eval.evaluators.EngineEvaluator` and the shared posture's :func:`jobs.trainer.gate.shared_eval`
@@ -40,11 +41,13 @@ from jobs.eval.scorers import last_line
 UNIT_KINDS: dict[str, str] = {
     "generate": "jobs.eval.scoring:evaluate_generate",
     "lm_eval": "jobs.eval.harness:evaluate_harness",
+    "env": "jobs.eval.envs.runner:evaluate_env",
 }
 # kind -> "module:function" checking an entry at worker start (rows, scorer, library present)
 KIND_CHECKS: dict[str, str] = {
     "generate": "jobs.eval.scoring:check_generate",
     "lm_eval": "jobs.eval.harness:check_harness_entry",
+    "env": "jobs.eval.envs.runner:check_env_entry",
 }
 
 

@@ -63,6 +63,11 @@ class TokenizerCache:
 _TOKENIZERS = TokenizerCache()
 
 
+def snapshot_tokenizer(snapshot_dir: str) -> Any:
+    """The snapshot's tokenizer (cached per process)."""
+    return _TOKENIZERS.get(snapshot_dir)
+
+
 def row_messages(spec: DatasetSpec, row: dict[str, Any]) -> list[dict[str, str]]:
     """The chat messages of a row: its ``messages`` or its ``prompt`` as a user turn, system prompt first."""
     messages = [dict(m) for m in row["messages"]] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
@@ -71,10 +76,14 @@ def row_messages(spec: DatasetSpec, row: dict[str, Any]) -> list[dict[str, str]]
     return messages
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], where: str) -> str:
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], where: str,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """``messages`` in the tokenizer's chat template, ready for the assistant's turn (``tools``: the
+    OpenAI-style tool schemas of a tool-using episode, rendered by the template's own ``tools`` support)."""
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate(f"{where}: the tokenizer has no chat template, and the dataset is prompt_format 'chat'")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     if not isinstance(text, str):
         raise RuntimeError(f"{where}: apply_chat_template returned {type(text).__name__}, not text")
     return text

@@ -34,9 +34,10 @@ from jobs.eval.scorers import Sample, Scorer, ScorerContext, UnitTally, make_sco
 SEED_MASK = 0x7FFFFFFF  # 31 bits: a non-negative int32 every engine accepts
 
 
-def sample_seed(dataset_seed: int, prompt_index: int, sample_index: int) -> int:
-    """The seed of one sample: a stable 31-bit hash of (dataset seed, global prompt index, sample index)."""
-    key = f"ckpteval-sample:{dataset_seed}:{prompt_index}:{sample_index}".encode()
+def sample_seed(dataset_seed: int, prompt_index: int, sample_index: int, turn: int | None = None) -> int:
+    """The seed of one sample: a stable 31-bit hash of (dataset seed, global prompt index, sample index);
+    ``turn``: of one model turn of an episode (``env`` sets: episode = sample)."""
+    key = f"ckpteval-sample:{dataset_seed}:{prompt_index}:{sample_index}{'' if turn is None else f':{turn}'}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & SEED_MASK
 
 

@@ -20,10 +20,9 @@ from typing import Any
 from coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
 from coord.manifest import EvalSpec, Fields, LeaseSettings, RunManifest, parse_manifest, subset_rows
 from coord.rundir import RunDir
-from jobs.eval.evalsets import load_rows
+from jobs.eval.evalsets import load_entry_rows
 from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions
-from jobs.eval.scorers import scorer_class
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def read_eval_config(config_path: Path) -> EvalConfig:
     )
     for name, src in sources.items():  # every row is read now, so a bad file fails before anything is written
         spec = checked.dataset(name)
-        rows = load_rows(_existing(config_path, name, src), scorer_class(spec.scorer))
+        rows = load_entry_rows(_existing(config_path, name, src), spec)
         try:
             want = len(subset_rows(len(rows), spec))
         except ValueError as e:

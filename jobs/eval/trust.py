@@ -8,8 +8,9 @@ run dir are owned by this process's user and writable by nobody else (no group/o
 when the process was started with an explicit opt-in (``--trust-run-code``, or
 ``SharedEval(trust_run_code=True)`` for a trainer's shared posture).
 
-The registered scorers (:data:`jobs.eval.scorers.SCORERS`: ``exact``, ``math``, ...) are not code named
-by run.json and always pass. Limits:
+The registered scorers (:data:`jobs.eval.scorers.SCORERS`: ``exact``, ``math``, ...) and environments
+(:data:`jobs.eval.envs.ENVIRONMENTS`) are not code named by run.json and always pass; an ``env`` entry's
+``module:Class`` is. Limits:
 POSIX mode bits and owners only (ACLs, a writable parent dir and the module's own file on sys.path are
 not inspected); the check runs once, at start, against the files as they are then.
 """
@@ -20,8 +21,9 @@ import os
 import stat
 from pathlib import Path
 
-from coord.manifest import RunManifest
+from coord.manifest import EnvSpec, RunManifest
 from coord.rundir import RunDir
+from jobs.eval.envs import ENVIRONMENTS
 from jobs.eval.scorers import SCORERS
 
 OPT_IN = "--trust-run-code"
@@ -33,7 +35,8 @@ class UntrustedRunCode(ValueError):
 
 def run_code(manifest: RunManifest) -> list[str]:
     """The ``module:function`` names run.json asks this process to import (empty: nothing to trust)."""
-    return sorted({d.scorer for d in manifest.eval.datasets if d.scorer not in SCORERS})
+    envs = {d.env for d in manifest.eval.datasets if isinstance(d, EnvSpec) and d.env not in ENVIRONMENTS}
+    return sorted({d.scorer for d in manifest.eval.datasets if d.scorer not in SCORERS} | envs)
 
 
 def foreign_writers(paths: list[Path]) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -54,11 +55,7 @@ class CannedEngine:
                 options = self.completions.get(text) or [""]
                 completion = options[self.seen[text] % len(options)]
                 self.seen[text] += 1
-                n = max(1, len(completion.split()))
-                out.append({"text": completion, "output_ids": list(range(n)), "meta_info": {
-                    "id": f"canned-{sum(self.seen.values())}", "finish_reason": {"type": "stop", "matched": 0},
-                    "prompt_tokens": len(text.split()), "completion_tokens": n, "weight_version": self.label,
-                    "weight_versions": [{"version": self.label, "start": 0, "end": n}]}})
+                out.append(_item(completion, text, self.label, sum(self.seen.values())))
         return out
 
 
@@ -99,3 +96,32 @@ def _handler(engine: CannedEngine) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+class ScriptedEngine(CannedEngine):
+    """The same server, replying by a scripted policy: ``policy(prompt_text, engine) -> reply`` for every
+    text of every ``/generate`` (multi-turn episodes: the policy reads the transcript it is sent). The
+    policy may change ``engine.label`` (a reload between two turns) or block (a worker killed mid-episode).
+    ``texts`` records every text received, in order."""
+
+    def __init__(self, policy: Callable[[str, ScriptedEngine], str]) -> None:
+        super().__init__({})
+        self.policy = policy
+        self.texts: list[str] = []
+
+    def generate(self, texts: list[str]) -> list[dict[str, Any]]:
+        replies = []
+        for text in texts:
+            with self.lock:
+                self.texts.append(text)
+            replies.append(self.policy(text, self))
+        with self.lock:
+            return [_item(reply, text, self.label, len(self.texts)) for reply, text in zip(replies, texts, strict=True)]
+
+
+def _item(completion: str, text: str, label: str, serial: int) -> dict[str, Any]:
+    n = max(1, len(completion.split()))
+    return {"text": completion, "output_ids": list(range(n)), "meta_info": {
+        "id": f"canned-{serial}", "finish_reason": {"type": "stop", "matched": 0},
+        "prompt_tokens": len(text.split()), "completion_tokens": n, "weight_version": label,
+        "weight_versions": [{"version": label, "start": 0, "end": n}]}}

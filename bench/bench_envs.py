@@ -1,0 +1,189 @@
+"""Episodes of the ``env`` kind: the loop's overhead, and what injected tool failures leave in the numbers.
+
+1. **Overhead** (real engine): the reference trainer's tiny model in the real :class:`HFEngine`, a
+   minimal environment (an addition prompt, then ``+`` after each reply, never done: every episode runs
+   its ``--turns`` turns of ``--tokens`` new tokens; the model's context is 64 tokens, so 2 turns), vs single-turn samples of the same prompts generating as many
+   tokens in one call (``turns * tokens``), in the same run. Reported: episodes/s, samples/s and
+   generated tokens/s of each; the ratio is episode tokens/s over single-turn tokens/s (what the loop
+   costs: a re-rendered, re-encoded conversation per turn, no KV cache kept across turns, the
+   environment's step).
+2. **Infra injection**: the ``arithmetic`` task with a calculator that raises in ``--failure-rate`` of its
+   calls (random, inside the sandbox), played by a scripted policy that always calls the tool and then
+   answers with its result (a small in-process engine implementing the Engine interface). Every
+   episode the model finishes is right, so any logged reward below 1 would be an infra failure that
+   reached the numbers: reported as ``infra_in_logged`` (must be 0), with the retries it took.
+
+The load average is printed first: on a shared machine, read the ratio, not the absolutes.
+
+    .venv/bin/python bench/bench_envs.py [--episodes 32] [--turns 2] [--tokens 8] [--json OUT] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from coord.manifest import EnvSpec, EvalSpec, RunManifest
+from coord.rundir import RunDir
+from coord.units import WorkUnit
+from jobs.eval.engines.base import Generation, SamplingParams
+from jobs.eval.envs import Tool
+from jobs.eval.envs.examples import CALCULATOR, ArithmeticEnv, arithmetic_rows
+from jobs.eval.envs.runner import Episode, render_transcript, run_unit
+from jobs.eval.evalsets import write_jsonl
+from jobs.eval.sandbox import probe_bwrap
+from jobs.eval.scoring import DatasetCache
+
+EXPR = re.compile(r"What is (.+?)\? You may")
+
+
+class FlakyCalculatorEnv(ArithmeticEnv):
+    """The arithmetic task whose calculator raises in ``rate`` of its calls (an unreliable tool service)."""
+
+    def __init__(self, rate: float = 0.1) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def start(self, row: dict[str, Any]) -> tuple[list[dict[str, str]], list[Tool]]:
+        messages, _ = super().start(row)
+        flaky = CALCULATOR.source + (f"\nimport random as _r\n_calc = calculator\ndef calculator(expression):\n"
+                                     f"    if _r.random() < {self.rate}:\n        raise ConnectionError('tool service down')\n"
+                                     f"    return _calc(expression)\n")
+        return messages, [Tool(CALCULATOR.name, CALCULATOR.description, CALCULATOR.parameters, flaky)]
+
+
+class EchoEnv:
+    """A minimal conversation for the overhead measurement (the tiny model's context is 64 tokens): the
+    row's question, then ``+`` after every reply, never done."""
+
+    def start(self, row: dict[str, Any]) -> tuple[list[dict[str, str]], list[Tool]]:
+        return [{"role": "user", "content": row["prompt"]}], []
+
+    def step(self, reply: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": "+"}]
+
+
+class SolverEngine:
+    """An in-process Engine (the real interface) whose replies are a scripted solver's: call the
+    calculator on the question's expression, then answer with the tool's result."""
+
+    def __init__(self) -> None:
+        self.version: str | None = None
+
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        self.version = weight_version
+
+    def weight_version(self) -> str | None:
+        return self.version
+
+    def generate(self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None) -> list[Generation]:
+        return [Generation(self.reply(p), self.version, 8) for p in prompts]
+
+    @staticmethod
+    def reply(text: str) -> str:
+        last = text.split("\n")[-2]
+        if last.startswith("tool: "):
+            return f"ANSWER: {last[len('tool: '):]}"
+        expression = EXPR.search(text).group(1)  # type: ignore[union-attr]
+        return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+    def healthy(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def env_cache(tmp: Path, name: str, rows: list[dict[str, Any]], **kw: Any) -> tuple[DatasetCache, EnvSpec]:
+    run = RunDir.create(tmp / name)
+    write_jsonl(run.data / f"{name}.jsonl", rows)
+    spec = EnvSpec(name=name, path=f"data/{name}.jsonl", n_prompts=len(rows), shard_size=len(rows), **kw)
+    run = RunDir.create(run.path, RunManifest(run_id=name, eval=EvalSpec(datasets=(spec,)), snapshot_roots=()))
+    return DatasetCache(run, run.manifest()), spec
+
+
+def overhead(tmp: Path, episodes: int, turns: int, tokens: int) -> dict[str, float]:
+    from jobs.eval.engines.hf import HFEngine
+    from jobs.reference.model import ModelConfig, build_model, make_addition_examples, save_base_model_dir
+
+    model = tmp / "model"
+    save_base_model_dir(model, ModelConfig(), "llama", model=build_model(seed=0))
+    engine = HFEngine(device="cpu")
+    engine.load(str(model), "v")
+    rows = [{"prompt": ex["prompt"]} for ex in make_addition_examples(episodes, seed=0)]
+    cache, spec = env_cache(tmp, "echo", rows, env=f"{__name__}:{EchoEnv.__name__}", max_turns=turns,
+                            max_new_tokens=tokens)
+    first = [render_transcript(EchoEnv().start(r)[0], []) for r in rows]
+    engine.generate(first[:2], SamplingParams(max_new_tokens=2))  # warm-up
+    t0 = time.perf_counter()
+    played, _, _ = run_unit(engine, cache, spec, WorkUnit(0, "echo", 0), None, "v")
+    env_s = time.perf_counter() - t0
+    env_tokens = sum(ep.tokens for ep in played)
+    t0 = time.perf_counter()
+    single = engine.generate(first, SamplingParams(max_new_tokens=turns * tokens))
+    single_s = time.perf_counter() - t0
+    single_tokens = sum(g.n_tokens for g in single)
+    engine.close()
+    return {"episodes": episodes, "turns": sum(ep.turns for ep in played) / episodes, "env_s": env_s,
+            "env_tokens": env_tokens, "episodes_per_s": episodes / env_s, "env_tokens_per_s": env_tokens / env_s,
+            "single_s": single_s, "single_tokens": single_tokens, "samples_per_s": episodes / single_s,
+            "single_tokens_per_s": single_tokens / single_s,
+            "ratio": (env_tokens / env_s) / (single_tokens / single_s)}
+
+
+def infra_injection(tmp: Path, episodes: int, rate: float) -> dict[str, float]:
+    cache, spec = env_cache(tmp, "arith", arithmetic_rows(episodes, seed=3), env=f"{__name__}:{FlakyCalculatorEnv.__name__}",
+                            env_options={"rate": rate}, max_turns=3, infra_retries=4, tool_timeout_s=10.0)
+    engine = SolverEngine()
+    engine.load("", "v")
+    played: list[Episode]
+    played, _, _ = run_unit(engine, cache, spec, WorkUnit(0, "arith", 0), None, "v")
+    rewards = [ep.reward for ep in played]
+    return {"episodes": episodes, "failure_rate": rate, "infra_retries": sum(ep.retries for ep in played),
+            "logged_reward": sum(rewards) / len(rewards), "infra_in_logged": sum(r != 1.0 for r in rewards)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=32, help="episodes (and single-turn samples)")
+    parser.add_argument("--turns", type=int, default=2, help="turns per episode (the tiny model holds 64 tokens)")
+    parser.add_argument("--tokens", type=int, default=8, help="new tokens per turn")
+    parser.add_argument("--failure-rate", type=float, default=0.1, help="share of tool calls that raise")
+    parser.add_argument("--smoke", action="store_true", help="8 episodes, 16 for the injection (seconds)")
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.episodes = 8
+    print(f"load average {os.getloadavg()}, {os.cpu_count()} cpus")
+    with tempfile.TemporaryDirectory() as tmp:
+        out: dict[str, Any] = {"overhead": overhead(Path(tmp), args.episodes, args.turns, args.tokens)}
+        why = probe_bwrap()
+        if why is None:
+            out["injection"] = infra_injection(Path(tmp), 16 if args.smoke else 4 * args.episodes, args.failure_rate)
+        else:
+            print(f"infra injection not run: {why}")
+    o = out["overhead"]
+    print(f"episodes: {o['episodes_per_s']:.2f}/s ({o['env_tokens_per_s']:.0f} tok/s, {o['turns']:.1f} turns); "
+          f"single-turn samples: {o['samples_per_s']:.2f}/s ({o['single_tokens_per_s']:.0f} tok/s); "
+          f"ratio (tokens/s) {o['ratio']:.2f}x")
+    if "injection" in out:
+        i = out["injection"]
+        print(f"injection: {i['episodes']} episodes at {i['failure_rate']:.0%} tool failures -> {i['infra_retries']} "
+              f"infra retries, logged reward {i['logged_reward']:.3f}, infra failures in logged numbers "
+              f"{i['infra_in_logged']}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
