@@ -88,11 +88,13 @@ class GuessEnv:
         if not all(isinstance(row.get(k), int) for k in ("target", "low", "high")) or \
                 not row["low"] <= row["target"] <= row["high"]:
             raise ValueError(f"{where}: a guess row needs integers low <= target <= high")
+        if not isinstance(row.get("ask", ""), str):
+            raise ValueError(f"{where}: a guess row's 'ask' (the opening message, optional) must be a string")
 
     def start(self, row: dict[str, Any]) -> tuple[list[dict[str, str]], list[Tool]]:
         self.target = int(row["target"])
-        ask = (f"I picked an integer from {row['low']} to {row['high']}. Guess it: reply GUESS: <integer>. "
-               "I will say higher or lower.")
+        ask = row.get("ask") or (f"I picked an integer from {row['low']} to {row['high']}. Guess it: reply GUESS: "
+                                 "<integer>. I will say higher or lower.")
         return [{"role": "user", "content": ask}], []
 
     def step(self, reply: str) -> list[dict[str, str]] | Done:
