@@ -351,10 +351,13 @@ def check_file_readable(flag: str, path: Path | str) -> None:
 RUN_DIR_HELP = "the run directory (holds run.json)"
 
 
-def add_run_dir_argument(parser: argparse.ArgumentParser) -> None:
+def add_run_dir_argument(parser: argparse.ArgumentParser, many: bool = False) -> None:
     """The run dir of a reading command, given either way: positional ``RUN`` or ``--run-dir RUN``
-    (every other command takes ``--run-dir``); :func:`run_dir_from_args` checks exactly one was given."""
-    parser.add_argument("run_dir_pos", nargs="?", type=Path, metavar="RUN", help=RUN_DIR_HELP)
+    (every other command takes ``--run-dir``); :func:`run_dir_from_args` checks exactly one was given.
+    ``many``: the command also takes several runs positionally (``RUN [RUN ...]``, read with
+    :func:`run_dirs_from_args`)."""
+    help_text = RUN_DIR_HELP + ("; several RUNs show the runs side by side" if many else "")
+    parser.add_argument("run_dir_pos", nargs="*" if many else "?", type=Path, metavar="RUN", help=help_text)
     parser.add_argument("--run-dir", type=Path, metavar="RUN", help="the same, as a flag")
 
 
@@ -371,6 +374,23 @@ def run_dir_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """The one run dir given positionally or as ``--run-dir`` (a usage error when two differ, or none is
     given and the command needs one); also stored as ``args.run_dir``."""
     given = [Path(p) for p in (args.run_dir_pos, args.run_dir) if p is not None]
+    return _one_run_dir(parser, args, given)
+
+
+def run_dirs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Path]:
+    """The run dirs of a ``many`` command (:func:`add_run_dir_argument`): several positionally, or one
+    as ``--run-dir`` (the same usage errors as :func:`run_dir_from_args` when one run is meant)."""
+    positional = [Path(p) for p in args.run_dir_pos or []]
+    if len(positional) > 1:
+        if args.run_dir is not None:
+            parser.error(f"--run-dir {args.run_dir} beside several RUNs: give the runs positionally")
+        args.run_dir = positional[0]
+        return positional
+    given = [*positional, *([Path(args.run_dir)] if args.run_dir is not None else [])]
+    return [_one_run_dir(parser, args, given)]
+
+
+def _one_run_dir(parser: argparse.ArgumentParser, args: argparse.Namespace, given: list[Path]) -> Path:
     if not given and getattr(args, "run_dir_required", True):
         parser.error("the run directory is required: give RUN or --run-dir RUN")
     if len(given) == 2 and given[0] != given[1]:

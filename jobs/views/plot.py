@@ -1,4 +1,5 @@
-"""``ckpteval plot RUN -o curve.png``: score vs step per dataset, skips marked, lag below (when there is lag).
+"""``ckpteval plot RUN [RUN ...] -o curve.png``: score vs step per dataset, skips marked, lag below (when
+there is lag); several runs are overlaid on one step axis, a colour per run.
 
 The plotted series are exactly the derived points (coord.results.derive_point) of complete steps;
 :func:`plot_series` returns them so a test can check the picture shows what the run says. Each
@@ -15,12 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jobs.flags import Parser, add_run_dir_argument, fail, run_dir_from_args
+from jobs.flags import Parser, add_run_dir_argument, fail, run_dirs_from_args
 from jobs.views.status import collect_status
 
 FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
 _STYLES = ("--", ":", "-.")
 _MARKERS = ("^", "v", "s")
+_DS_MARKERS = ("o", "s", "D", "P", "X")  # several runs: a marker per dataset
 
 
 def plot_series(status: dict[str, Any]) -> dict[str, Any]:
@@ -59,35 +61,27 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
     return {"series": series, "bands": bands, "derived": derived, "skipped": skipped, "lag": lag}
 
 
-def figure(data: dict[str, Any], title: str) -> Any:
-    """The matplotlib figure of :func:`plot_series`'s data: scores on top (legend outside the axes, so it
-    never covers a point), the lag panel below only when the run has lag (a trainer ingested its points;
-    service and backfill runs have none)."""
+def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) -> Any:
+    """The matplotlib figure of :func:`plot_series`'s data — one run's, or several ``(label, data)``
+    runs overlaid on the same step axis (one colour per run; its datasets told apart by marker, each
+    label ``"<run> <dataset>"``): scores on top (legend outside the axes, so it never covers a point),
+    the lag panel below only when a run has lag (a trainer ingested its points; service and backfill
+    runs have none)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    has_lag = bool(data["lag"][0])
+    runs = [("", data)] if isinstance(data, dict) else data
+    has_lag = any(d["lag"][0] for _, d in runs)
     if has_lag:
         fig, (ax, ax_lag) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     else:
         fig, ax = plt.subplots(1, 1, figsize=(9, 4.5))
-    for ds, (steps, scores) in data["series"].items():
-        (line,) = ax.plot(steps, scores, marker="o", label=ds)
-        b_steps, low, high = data.get("bands", {}).get(ds, ([], [], []))
-        if b_steps:
-            ax.fill_between(b_steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-        mine = [(name, xy) for name, xy in data.get("derived", {}).items() if name.startswith(f"{ds} ")]
-        for i, (name, (d_steps, values)) in enumerate(mine):
-            ax.plot(d_steps, values, linestyle=_STYLES[i % len(_STYLES)], marker=_MARKERS[i % len(_MARKERS)],
-                    markersize=4, color=line.get_color(), alpha=0.8, label=name)
-    for step, reasons in data["skipped"]:
-        ax.axvline(step, color="red", alpha=0.3, linestyle="--")
-        ax.annotate(f"skipped: {reasons}", (step, 0.02), rotation=90, fontsize=7, color="red",
-                    xycoords=("data", "axes fraction"))
+    for i, (label, d) in enumerate(runs):
+        _draw_scores(ax, d, label, f"C{i}" if len(runs) > 1 else None)
     ax.set_ylabel("score")
-    values = [s for _, scores in [*data["series"].values(), *data.get("derived", {}).values()]
+    values = [s for _, d in runs for _, scores in [*d["series"].values(), *d.get("derived", {}).values()]
               for s in scores if not math.isnan(s)]
     if all(0 <= s <= 1 for s in values):
         ax.set_ylim(-0.02, 1.02)
@@ -95,7 +89,11 @@ def figure(data: dict[str, Any], title: str) -> Any:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if has_lag:
-        ax_lag.bar(data["lag"][0], data["lag"][1], width=max(1, _min_gap(data["lag"][0]) * 0.6), color="gray")
+        width = max(1, _min_gap(sorted({s for _, d in runs for s in d["lag"][0]})) * 0.6) / len(runs)
+        for i, (_, d) in enumerate(runs):  # several runs: bars side by side, each in its run's colour
+            offset = (i - (len(runs) - 1) / 2) * width
+            ax_lag.bar([s + offset for s in d["lag"][0]], d["lag"][1], width=width,
+                       color=f"C{i}" if len(runs) > 1 else "gray")
         ax_lag.set_ylabel("lag (steps)")
         ax_lag.grid(alpha=0.3)
     (ax_lag if has_lag else ax).set_xlabel("training step")
@@ -103,7 +101,27 @@ def figure(data: dict[str, Any], title: str) -> Any:
     return fig
 
 
-def draw(data: dict[str, Any], out: Path, title: str) -> None:
+def _draw_scores(ax: Any, data: dict[str, Any], run: str, colour: str | None) -> None:
+    """One run's score lines, ± stderr bands, derived lines and skip marks. ``colour`` None: a colour
+    per dataset (one run); else the run's colour, its datasets told apart by marker."""
+    prefix = f"{run} " if run else ""
+    for j, (ds, (steps, scores)) in enumerate(data["series"].items()):
+        marker = "o" if colour is None else _DS_MARKERS[j % len(_DS_MARKERS)]
+        (line,) = ax.plot(steps, scores, marker=marker, color=colour, label=f"{prefix}{ds}")
+        b_steps, low, high = data.get("bands", {}).get(ds, ([], [], []))
+        if b_steps:
+            ax.fill_between(b_steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        mine = [(name, xy) for name, xy in data.get("derived", {}).items() if name.startswith(f"{ds} ")]
+        for i, (name, (d_steps, values)) in enumerate(mine):
+            ax.plot(d_steps, values, linestyle=_STYLES[i % len(_STYLES)], marker=_MARKERS[i % len(_MARKERS)],
+                    markersize=4, color=line.get_color(), alpha=0.8, label=f"{prefix}{name}")
+    for step, reasons in data["skipped"]:
+        ax.axvline(step, color=colour or "red", alpha=0.3, linestyle="--")
+        ax.annotate(f"{prefix}skipped: {reasons}", (step, 0.02), rotation=90, fontsize=7, color=colour or "red",
+                    xycoords=("data", "axes fraction"))
+
+
+def draw(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig = figure(data, title)
@@ -123,6 +141,17 @@ def plot_run(run_dir: Path, out: Path) -> dict[str, Any]:
     return data
 
 
+def plot_runs(run_dirs: list[Path], out: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Several runs overlaid, aligned by step; each labelled by its run id (by its dir as given when
+    two runs share an id). Returns the ``(label, data)`` pairs drawn."""
+    statuses = [collect_status(d) for d in run_dirs]
+    ids = [s["run_id"] for s in statuses]
+    labels = ids if len(set(ids)) == len(ids) else [str(d) for d in run_dirs]
+    runs = [(label, plot_series(s)) for label, s in zip(labels, statuses, strict=True)]
+    draw(runs, out, "ckpteval runs " + ", ".join(labels))
+    return runs
+
+
 def check_output(out: Path) -> None:
     """``-o FILE`` is writable and names a format, checked before the run is read."""
     if out.suffix.lower().lstrip(".") not in FORMATS:
@@ -138,15 +167,18 @@ def check_output(out: Path) -> None:
 
 def main(argv: list[str]) -> int:
     ap = Parser(prog="ckpteval plot", description="plot score vs step per dataset (PNG, PDF, SVG, ...)")
-    add_run_dir_argument(ap)
+    add_run_dir_argument(ap, many=True)
     ap.add_argument("-o", "--output", type=Path, default=Path("curve.png"), metavar="FILE",
                     help="image to write; the suffix picks the format: " + ", ".join(FORMATS)
                     + " (default: curve.png)")
     args = ap.parse_args(argv)
-    run_dir = run_dir_from_args(ap, args)
+    run_dirs = run_dirs_from_args(ap, args)
     try:
         check_output(args.output)
-        plot_run(run_dir, args.output)
+        if len(run_dirs) == 1:
+            plot_run(run_dirs[0], args.output)
+        else:
+            plot_runs(run_dirs, args.output)
     except (OSError, ValueError) as e:  # missing, unreadable or malformed run files; unwritable output
         return fail("ckpteval plot", e)
     print(args.output)

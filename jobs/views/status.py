@@ -1,4 +1,4 @@
-"""``ckpteval status RUN``: what a run's files say, as a table or JSON.
+"""``ckpteval status RUN [RUN ...]``: what a run's files say, as tables or JSON.
 
 Read-only: it never writes to the run dir, so it is safe to run anywhere, any time, as often as
 you like. Everything is derived from the protocol files (docs/PROTOCOL.md): snapshots from their
@@ -12,6 +12,7 @@ contender on its own monotonic clock (see coord.units).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from coord.results import ResultIndex, derive_point
 from coord.rundir import RunDir
 from coord.steps import run_step_selection
 from coord.units import lease_path, read_lease_holder, units_for_step
-from jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dir_from_args
+from jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
 
 DEFAULT_WATCH_S = 2.0
 
@@ -217,57 +218,102 @@ def _pin_cells(datasets: list[dict[str, Any]]) -> list[str]:
     return [",".join(means), _fmt(max(d["mixed_version_ratio"] for d in datasets), 2)]
 
 
-def points_table(status: dict[str, Any]) -> Any:
+def points_table(status: dict[str, Any], datasets: list[str] | None = None, harness: list[str] | None = None,
+                 pins: bool = True, title: str | None = None) -> Any:
     """The per-point table (also the demo's final table): per dataset the pooled mean ± its standard
     error over prompts and its pass@k / maj@n when it has them (``-`` where a dataset is not part of
     a point, by its cadence, or did not finish); then the pin proof over all datasets of the point
     (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
-    largest fraction of samples from another version, which must be 0)."""
-    from rich.table import Table
-
-    table = Table(title=f"points of {status['run_id']}")
-    table.add_column("step", justify="right")
+    largest fraction of samples from another version, which must be 0). ``datasets``, ``harness`` and
+    ``pins`` pick a part of it (all by default): :func:`points_tables` splits it so when narrow."""
+    datasets = status["datasets"] if datasets is None else datasets
+    harness = status.get("harness_metrics", []) if harness is None else harness
+    table = _table(title or f"points of {status['run_id']}")
+    table.add_column("step", justify="right", overflow="fold")
     extra = derived_keys(status)
-    for ds in status["datasets"]:
-        table.add_column(f"{ds} ±se", justify="right")
+    for ds in datasets:
+        table.add_column(f"{ds} ±se", justify="right", overflow="fold")
         for key in extra[ds]:
-            table.add_column(key, justify="right")
-    for name in status.get("harness_metrics", []):
-        table.add_column(name, justify="right")
-    for col in ("wv/mean", "mixed", "lag", "units", "skips"):
-        table.add_column(col, justify="right")
+            table.add_column(key, justify="right", overflow="fold")
+    for name in harness:
+        table.add_column(name, justify="right", overflow="fold")
+    for col in ("wv/mean", "mixed", "lag", "units", "skips") if pins else ():
+        table.add_column(col, justify="right", overflow="fold")
     for p in status["points"]:
         cells = [str(p["step"])]
-        for ds in status["datasets"]:
+        for ds in datasets:
             d = p["datasets"].get(ds)
             if d is None:
                 cells += ["-"] * (1 + len(extra[ds]))
             else:
                 cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds])]
-        cells += [_fmt(p["metrics"].get(name)) for name in status.get("harness_metrics", [])]
-        cells += _pin_cells(list(p["datasets"].values()))
-        skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
-        cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
+        cells += [_fmt(p["metrics"].get(name)) for name in harness]
+        if pins:
+            cells += _pin_cells(list(p["datasets"].values()))
+            skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
+            cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
         table.add_row(*cells)
     return table
 
 
-def render(status: dict[str, Any]) -> list[Any]:
+def points_tables(status: dict[str, Any], width: int) -> list[Any]:
+    """The points as one table when it fits in ``width`` columns without wrapping, else one table per
+    dataset, one per lm-eval task and one for the pin proof, lag, units and skips — so no number is
+    ever cut to ``0.1…`` in a narrow terminal or a log (a cell that still does not fit folds onto the
+    next line, whole). No points: one line."""
+    if not status["points"]:
+        return [f"points of {status['run_id']}: none yet"]
+    whole = points_table(status)
+    if _fits(whole, width):
+        return [whole]
+    run = status["run_id"]
+    tasks: dict[str, list[str]] = {}
+    for name in status.get("harness_metrics", []):
+        tasks.setdefault(name.split("/")[0], []).append(name)
+    return [*(points_table(status, [ds], [], False, f"{ds} of {run}") for ds in status["datasets"]),
+            *(points_table(status, [], names, False, f"{task} of {run}") for task, names in tasks.items()),
+            points_table(status, [], [], True, f"points of {run}: pin proof, lag, units, skips")]
+
+
+def _table(title: str) -> Any:
     from rich.table import Table
 
-    snaps = Table(title="snapshots")
-    for col in ("step", "MB", "mode", "retired", "path"):
-        snaps.add_column(col)
-    for s in status["snapshots"]:
-        snaps.add_row(str(s["step"]), f"{s['bytes'] / 1e6:.1f}", s["mode"], "yes" if s["retired"] else "", s["path"])
-    units = Table(title="pending units")
-    for col in ("unit", "claimed by", "lease age s", "expired"):
-        units.add_column(col)
-    for p in status["units"]["pending"]:
-        lease = p.get("lease", {})
-        who = f"{lease.get('host', '')}:{lease.get('pid', '')}" if lease else "unclaimed"
-        units.add_row(p["unit"], who, _fmt(lease.get("age_s")), "YES" if lease.get("expired") else "")
-    return [snaps, units, points_table(status), health_line(status), cost_line(status["cost"])]
+    return Table(title=title)
+
+
+def _fits(table: Any, width: int) -> bool:
+    from rich.console import Console
+
+    return Console(width=10_000, file=io.StringIO()).measure(table).maximum <= width  # unconstrained
+
+
+def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
+    """What ``status`` prints for one run, for a console ``width`` columns wide: the snapshots, the
+    pending units (each one line when there are none), the points (:func:`points_tables`), the cost
+    line and the health line."""
+    items: list[Any] = []
+    if status["snapshots"]:
+        snaps = _table("snapshots")
+        for col in ("step", "MB", "mode", "retired", "path"):
+            snaps.add_column(col, overflow="fold")
+        for s in status["snapshots"]:
+            snaps.add_row(str(s["step"]), f"{s['bytes'] / 1e6:.1f}", s["mode"], "yes" if s["retired"] else "",
+                          s["path"])
+        items.append(snaps)
+    else:
+        items.append("snapshots: none")
+    if status["units"]["pending"]:
+        units = _table("pending units")
+        for col in ("unit", "claimed by", "lease age s", "expired"):
+            units.add_column(col, overflow="fold")
+        for p in status["units"]["pending"]:
+            lease = p.get("lease", {})
+            who = f"{lease.get('host', '')}:{lease.get('pid', '')}" if lease else "unclaimed"
+            units.add_row(p["unit"], who, _fmt(lease.get("age_s")), "YES" if lease.get("expired") else "")
+        items.append(units)
+    else:
+        items.append("pending units: none")
+    return [*items, *points_tables(status, width), cost_line(status["cost"]), health_line(status)]
 
 
 def _training_state(status: dict[str, Any]) -> str:
@@ -297,15 +343,15 @@ def health_line(status: dict[str, Any]) -> str:
 
 
 def watch_interval(ap: Parser, args: Any) -> float | None:
-    """``--watch [S]``: the refresh interval, or None. ``status --watch RUN`` reads RUN as the run dir
+    """``--watch [S]``: the refresh interval, or None. ``status --watch RUN`` reads RUN as a run dir
     (argparse hands the optional value to ``--watch``), not as a malformed interval."""
     if args.watch is None:
         return None
     try:
         return positive_float(args.watch)
     except argparse.ArgumentTypeError as e:
-        if args.run_dir_pos is None and args.run_dir is None and not args.watch[:1].isdigit():
-            args.run_dir_pos = Path(args.watch)
+        if args.run_dir is None and not args.watch[:1].isdigit():
+            args.run_dir_pos = [Path(args.watch), *(args.run_dir_pos or [])]
             return DEFAULT_WATCH_S
         ap.error(f"--watch {args.watch}: {e}")
 
@@ -317,15 +363,29 @@ def cost_line(cost: dict[str, Any]) -> str:
             f" | {_fmt(cost['gpu_s_per_point'], 1)} GPU-s per point | tokens/s per engine: {rates}")
 
 
+def show(console: Any, statuses: list[dict[str, Any]], as_json: bool) -> None:
+    """Print each run's status: its tables one run after the other (a rule naming the run between
+    several), or JSON — one object for one run, a list of them for several."""
+    if as_json:
+        print(json.dumps(statuses[0] if len(statuses) == 1 else statuses, indent=1, default=str), flush=True)
+        return
+    for status in statuses:
+        if len(statuses) > 1:
+            console.rule(f"run {status['run_id']} ({status['run_dir']})")
+        for item in render(status, console.width):
+            console.print(item, soft_wrap=isinstance(item, str))  # a one-line section stays one line
+
+
 def main(argv: list[str]) -> int:
     ap = Parser(prog="ckpteval status", description=__doc__.split("\n")[0])
-    add_run_dir_argument(ap)
-    ap.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    add_run_dir_argument(ap, many=True)
+    ap.add_argument("--json", action="store_true",
+                    help="print machine-readable JSON instead of tables (a list of objects for several RUNs)")
     ap.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), default=None, metavar="S",
                     help=f"refresh every S seconds until Ctrl-C (S defaults to {DEFAULT_WATCH_S:g})")
     args = ap.parse_args(argv)
     interval = watch_interval(ap, args)
-    run_dir = run_dir_from_args(ap, args)
+    run_dirs = run_dirs_from_args(ap, args)
     from rich.console import Console
 
     console = Console()
@@ -334,16 +394,12 @@ def main(argv: list[str]) -> int:
     try:
         while True:
             try:
-                status = collect_status(run_dir)
+                statuses = [collect_status(d) for d in run_dirs]
             except (OSError, ValueError) as e:  # missing, unreadable or malformed run files
                 return fail("ckpteval status", e)
-            if args.json:
-                print(json.dumps(status, indent=1, default=str), flush=True)
-            else:
-                if interval:
-                    console.clear()
-                for item in render(status):
-                    console.print(item, soft_wrap=isinstance(item, str))  # the health line stays one line
+            if interval and not args.json:
+                console.clear()
+            show(console, statuses, args.json)
             if not interval:
                 return 0
             time.sleep(interval)
