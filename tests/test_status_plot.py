@@ -167,3 +167,71 @@ def test_plot_legend_is_off_the_data_and_the_lag_panel_only_when_there_is_lag(tm
     assert len(fig.axes) == 2  # a trainer run: scores + lag
     data["lag"] = ([], [])
     assert len(figure(data, "t").axes) == 1
+
+
+def _scored_run(tmp_path: Path, scores: tuple[float, ...], datasets: tuple[str, ...] = ("add",)):
+    """A run whose every unit is scored: per step ``10 * (i + 1)`` the samples score ``s`` and ``s + 1/8``
+    (so a point's mean and standard error need all three decimals); no snapshot, nothing pending."""
+    run = make_run(tmp_path, n_prompts=4, shard_size=2, datasets=datasets)
+    m = run.manifest()
+    for i, score in enumerate(scores):
+        for unit in units_for_step(m, 10 * (i + 1)):
+            write_result(run.results, ok_result(unit, [score, score + 0.125], [str(10 * (i + 1))] * 2))
+    return run
+
+
+def test_status_piped_at_80_columns_cuts_no_number_and_empty_sections_are_one_line(tmp_path: Path) -> None:
+    """``ckpteval status`` into a pipe with COLUMNS=80 (a SLURM log, ``watch``): no cell is ellipsized,
+    every point's score ± stderr is printed whole, and the empty snapshot / pending-unit sections are a
+    line each instead of empty tables."""
+    run = _scored_run(tmp_path, (0.125, 0.5, 0.875), datasets=("addition", "multiplication", "subtraction"))
+    out = subprocess.run(_status_cmd(str(run.path)), cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "COLUMNS": "80"}).stdout
+    assert "…" not in out, out
+    assert max(len(line) for line in out.splitlines() if "│" in line or "┃" in line) <= 80, out
+    points = collect_status(run.path)["points"]
+    cells = [f"{d['score']:.3f}±{d['stderr']:.3f}" for p in points for d in p["datasets"].values()]
+    assert len(cells) == 9 and all(cell in out for cell in cells), (cells, out)
+    assert "snapshots: none" in out.splitlines() and "pending units: none" in out.splitlines(), out
+    assert "claimed by" not in out and "retired" not in out, out  # no empty snapshot or pending-unit table
+
+
+def test_status_of_two_runs_shows_each(tmp_path: Path) -> None:
+    """``ckpteval status RUN_A RUN_B``: one block per run, each with its own points; ``--json`` a list."""
+    a = _scored_run(tmp_path / "a", (0.125, 0.5))
+    b = _scored_run(tmp_path / "b", (0.25, 0.625, 0.875))
+    out = subprocess.run(_status_cmd(str(a.path), str(b.path)), cwd=ROOT, capture_output=True, text=True,
+                         check=True, env={**os.environ, "COLUMNS": "120"}).stdout
+    block_a, block_b = out.split(f"({b.path})")
+    assert f"({a.path})" in block_a
+    for block, run in ((block_a, a), (block_b, b)):
+        cells = [f"{d['score']:.3f}±{d['stderr']:.3f}" for p in collect_status(run.path)["points"]
+                 for d in p["datasets"].values()]
+        assert cells and all(cell in block for cell in cells), (cells, block)
+    assert "0.688±" in block_b and "0.688±" not in block_a  # step 30 exists in run B only
+    js = json.loads(subprocess.run(_status_cmd("--json", str(a.path), str(b.path)), cwd=ROOT, capture_output=True,
+                                   text=True, check=True).stdout)
+    assert [s["run_dir"] for s in js] == [str(a.path), str(b.path)]
+    assert [len(s["points"]) for s in js] == [2, 3]
+
+
+def test_plot_of_two_runs_overlays_them_by_step_a_colour_each(tmp_path: Path) -> None:
+    """``ckpteval plot RUN_A RUN_B -o out.png`` writes one PNG; the legend names both runs (by dir:
+    both are ``test-run``), each run in its own colour with its ± stderr band."""
+    from jobs.views.plot import figure, plot_runs
+
+    a = _scored_run(tmp_path / "a", (0.125, 0.5))
+    b = _scored_run(tmp_path / "b", (0.25, 0.625, 0.875))
+    png = tmp_path / "two.png"
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "plot", str(a.path), str(b.path), "-o", str(png)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stderr
+    runs = plot_runs([a.path, b.path], tmp_path / "again.png")
+    assert [label for label, _ in runs] == [str(a.path), str(b.path)]
+    assert runs[0][1]["series"]["add"][0] == [10, 20] and runs[1][1]["series"]["add"][0] == [10, 20, 30]
+    ax = figure(runs, "t").axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [f"{a.path} add", f"{b.path} add"], legend
+    colours = [line.get_color() for line in ax.get_lines()]
+    assert len(set(colours)) == 2, colours
+    assert len(ax.collections) == 2  # a stderr band per run

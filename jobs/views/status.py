@@ -369,11 +369,12 @@ def show(console: Any, statuses: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         print(json.dumps(statuses[0] if len(statuses) == 1 else statuses, indent=1, default=str), flush=True)
         return
-    for status in statuses:
-        if len(statuses) > 1:
-            console.rule(f"run {status['run_id']} ({status['run_dir']})")
-        for item in render(status, console.width):
-            console.print(item, soft_wrap=isinstance(item, str))  # a one-line section stays one line
+    with console:  # one write per refresh: a reader (or a watch's Ctrl-C) never sees half of one
+        for status in statuses:
+            if len(statuses) > 1:
+                console.rule(f"run {status['run_id']} ({status['run_dir']})")
+            for item in render(status, console.width):
+                console.print(item, soft_wrap=isinstance(item, str))  # a one-line section stays one line
 
 
 def main(argv: list[str]) -> int:
