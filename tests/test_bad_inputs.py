@@ -276,6 +276,9 @@ def view_cases() -> list[str]:
         "demo {S}/new --run-dir {S}/new2",
         "status --run-dir {S}/nope",
         "status {S}/run --run-dir {S}/empty",  # two different run dirs
+        "status {S}/run {S}/nope",  # several runs, one missing
+        "status {S}/run {S}/run --run-dir {S}/run",  # several runs and --run-dir
+        "plot {S}/run {S}/file.txt -o {S}/out.png",
         "plot --run-dir {S}/file.txt -o {S}/out.png",
         "plot -o {S}/out.png",  # no run dir either way
         *_no_value("status", "--run-dir"),
