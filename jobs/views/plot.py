@@ -79,7 +79,7 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
     else:
         fig, ax = plt.subplots(1, 1, figsize=(9, 4.5))
     for i, (label, d) in enumerate(runs):
-        _draw_scores(ax, d, label, f"C{i}" if len(runs) > 1 else None)
+        _draw_scores(ax, d, label, f"C{i}" if len(runs) > 1 else None, 0.02 + 0.33 * (i % 3))
     ax.set_ylabel("score")
     values = [s for _, d in runs for _, scores in [*d["series"].values(), *d.get("derived", {}).values()]
               for s in scores if not math.isnan(s)]
@@ -101,9 +101,10 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
     return fig
 
 
-def _draw_scores(ax: Any, data: dict[str, Any], run: str, colour: str | None) -> None:
-    """One run's score lines, ± stderr bands, derived lines and skip marks. ``colour`` None: a colour
-    per dataset (one run); else the run's colour, its datasets told apart by marker."""
+def _draw_scores(ax: Any, data: dict[str, Any], run: str, colour: str | None, note_y: float) -> None:
+    """One run's score lines, ± stderr bands, derived lines and skip marks (their note at ``note_y`` of
+    the axes' height, so runs skipping the same step don't print over each other). ``colour`` None: a
+    colour per dataset (one run); else the run's colour, its datasets told apart by marker."""
     prefix = f"{run} " if run else ""
     for j, (ds, (steps, scores)) in enumerate(data["series"].items()):
         marker = "o" if colour is None else _DS_MARKERS[j % len(_DS_MARKERS)]
@@ -117,7 +118,7 @@ def _draw_scores(ax: Any, data: dict[str, Any], run: str, colour: str | None) ->
                     markersize=4, color=line.get_color(), alpha=0.8, label=f"{prefix}{name}")
     for step, reasons in data["skipped"]:
         ax.axvline(step, color=colour or "red", alpha=0.3, linestyle="--")
-        ax.annotate(f"{prefix}skipped: {reasons}", (step, 0.02), rotation=90, fontsize=7, color=colour or "red",
+        ax.annotate(f"{prefix}skipped: {reasons}", (step, note_y), rotation=90, fontsize=7, color=colour or "red",
                     xycoords=("data", "axes fraction"))
 
 
