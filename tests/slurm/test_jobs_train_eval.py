@@ -114,7 +114,7 @@ def test_tmpfs_staging_refused_across_nodes(slurm_cluster, tmp_path: Path) -> No
         pytest.skip("no /dev/shm here")
     run = tmp_path / "run"
     staging = Path("/dev/shm") / f"ckpteval-test-{tmp_path.name}"
-    job = _submit_cli("--run-dir", str(run), "--time", "5", *FLEET, "--",
+    job = _submit_cli("--run-dir", str(run), "--time", "5", "--signal-before", "60", *FLEET, "--",
                       "--steps", "20", "--eval-interval", "10", "--eval-staging-dir", str(staging), "--threads", "1")
     try:
         state = slurm_cluster.wait_job(job, timeout=90, poll=0.5)
