@@ -304,6 +304,9 @@ class Worker:
             if claim is None:  # all held by other workers: wait, take over expired ones later
                 self._sleep(self.opts.poll_interval_s)
                 continue
+            if self._above_step_limit(claim.unit):  # a step passed between the poll and this claim
+                claim.release()
+                continue
             self._tried.add(claim.unit)
             self.released_last = False
             result = self._process(claim)
@@ -322,6 +325,15 @@ class Worker:
             if self.opts.max_units is not None and self.written >= self.opts.max_units:
                 return EXIT_DONE
         return self._stop_code()
+
+    def _above_step_limit(self, unit: WorkUnit) -> bool:
+        """``backfill --until``: whether ``unit`` lies above the first passing step, re-read *after* the claim,
+        so a step that passed before this claim was taken is never started (results written later are after
+        the claim: that unit was already running)."""
+        if self.step_limit is None:
+            return False
+        limit = self.step_limit(self.index.refresh())
+        return limit is not None and unit.step > limit
 
     def _process(self, claim: Claim) -> Result | None:
         """Evaluate one claimed unit and publish its result; None when abandoned (nothing written)."""
