@@ -112,7 +112,7 @@ def user_code(what: str, blame: str) -> Iterator[None]:
         yield
     except (WorkerSkip, EngineError):
         raise
-    except Exception as e:  # noqa: BLE001 — user code: its failure is the unit's crashed skip
+    except Exception as e:  # noqa: BLE001  # user code: its failure is the unit's crashed skip
         failure = UserCodeFailed(f"{what} failed: {last_line(e)}")
         failure.blame = blame
         raise failure from e

@@ -139,7 +139,7 @@ def start(ep: Episode, cls: type, spec: EnvSpec) -> None:
         if not all(isinstance(t, Tool) for t in tools):
             raise TypeError("start() must return a list of Tool as its tools")
         ep.tools = list(tools)
-    except Exception as e:  # noqa: BLE001 — user code: the environment's failure is the episode's infra
+    except Exception as e:  # noqa: BLE001  # user code: the environment's failure is the episode's infra
         ep.end("env_error", f"start() raised {last_line(e)}")
         return
     if spec.system_prompt is not None and not (ep.messages and ep.messages[0]["role"] == "system"):
@@ -154,7 +154,7 @@ def step(ep: Episode, reply: str) -> None:
             ep.end("done", reward=float(out.reward), answer=None if out.answer is None else str(out.answer))
         else:
             ep.messages += _check_messages(out, "step()")
-    except Exception as e:  # noqa: BLE001 — user code: the environment's failure is the episode's infra
+    except Exception as e:  # noqa: BLE001  # user code: the environment's failure is the episode's infra
         ep.end("env_error", f"step() raised {last_line(e)}")
 
 

@@ -230,7 +230,7 @@ def score_samples(scorer: Scorer, samples: list[Sample]) -> list[Scored]:
         scored = scorer.score(samples)
     except WorkerSkip:  # ScorerInfraError and friends: the scorer's verdict on the unit
         raise
-    except Exception as e:  # noqa: BLE001 — user code: the scorer's failure is the unit's crashed skip
+    except Exception as e:  # noqa: BLE001  # user code: the scorer's failure is the unit's crashed skip
         name = getattr(getattr(scorer, "spec", None), "scorer", type(scorer).__name__)
         raise ScorerCrashed(f"scorer {name!r} raised: {last_line(e)}") from e
     if not isinstance(scored, list) or len(scored) != len(samples) or not all(isinstance(s, Scored) for s in scored):

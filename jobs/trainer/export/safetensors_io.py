@@ -128,12 +128,20 @@ class _ChecksumThread:
         self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._add(*item)
-                except Exception as exc:  # any checksum failure: re-raised in the caller's thread
-                    self._error = exc
+        finished = False
+        try:
+            while (item := self._queue.get()) is not None:
+                if self._error is None:
+                    try:
+                        self._add(*item)
+                    except (TypeError, ValueError, BufferError, OverflowError, MemoryError) as exc:
+                        self._error = exc  # a chunk the checksum cannot read: re-raised in the caller's thread
+            finished = True
+        finally:
+            if not finished:  # anything else: the thread dies loudly, the caller fails and never blocks on put
+                self._error = self._error or RuntimeError("the checksum thread died (see its traceback)")
+                while self._queue.get() is not None:
+                    pass
 
     def _add(self, segment: int, chunk: bytes | memoryview) -> None:
         while len(self._crcs) <= segment:
