@@ -186,6 +186,25 @@ def test_backpressure_timeout_skips_busy_instead_of_hanging(tmp_path: Path) -> N
     assert point["eval/skipped_busy"] == 2 and point["eval/backpressure_wait_seconds"] >= 0.3
 
 
+def test_a_stop_signal_during_the_backpressure_wait_dispatches_the_step_over_the_limit(tmp_path: Path) -> None:
+    """The trainer checkpoints this step and leaves on the signal; a resumed trainer starts after it, so
+    skipping it ``busy`` would lose a point whose weights exist only now: it is exported over the limit."""
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=1)
+    d = _dispatcher(run, dispatch, backpressure_timeout_s=30, drain_timeout_s=0.1)
+    stop = threading.Event()
+    d.should_stop = stop.is_set
+    model = _model()
+    d.maybe_dispatch(2, model)
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    d.maybe_dispatch(4, model)  # waits for point 2 until the signal, then dispatches 4 anyway
+    assert 0.4 <= time.monotonic() - t0 < 10
+    assert d.pending == [2, 4]
+    d.exporter.wait()
+    assert (run.snapshots / snapshot_dirname(4) / MARKER).exists()
+    assert "eval/skipped_busy" not in _by_step(run.path).get(4, {})
+
+
 # -- validation ----------------------------------------------------------------------------------------
 def test_dispatcher_refuses_a_root_missing_from_run_json(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run")

@@ -39,7 +39,8 @@ Overflow — at most ``max_in_flight`` points dispatched and not yet ingested:
   while training runs; :meth:`close` does not drain.
 
 Stop signals: ``should_stop`` (the trainer's SIGTERM/SIGUSR1 flag) ends every wait at once — the
-backpressure wait (the step is then a ``busy`` skip saying so), the shared posture's wait for
+backpressure wait (the step is then dispatched over the limit: the trainer is about to checkpoint
+this step and leave, so its weights exist only now and a resumed trainer starts after it), the shared posture's wait for
 in-flight producer requests (nothing is written: the point stays open for a backfill), the final
 export wait in :meth:`close` (which then returns False, training not marked done) and the drain.
 
@@ -262,10 +263,8 @@ class EvalDispatcher:
         if not final and self.config.fleet != "none" and len(self.pending) >= self.config.max_in_flight:
             if self.config.overflow_policy == "backpressure":
                 waited = self._wait_for_slot()
-            if len(self.pending) >= self.config.max_in_flight:
+            if len(self.pending) >= self.config.max_in_flight and not self.should_stop():
                 message = f"{len(self.pending)} points in flight (max {self.config.max_in_flight})"
-                if self.should_stop():
-                    message += "; a stop signal ended the backpressure wait"
                 self._skip(step, "busy", message, extra={"backpressure_wait_seconds": waited})
                 return
         self.ledger.append("dispatched", step, mode=self.config.mode, backpressure_wait_seconds=waited)
