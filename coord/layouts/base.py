@@ -32,24 +32,35 @@ class Located:
 
 
 class Layout:
-    """Base class: override :meth:`locate` and :meth:`looks_like`; set the class attributes."""
+    """Base class: set the class attributes (``step_pattern`` or :meth:`step_of`), override :meth:`locate`
+    and :meth:`signature` (what makes auto-detection pick this layout)."""
 
     name: ClassVar[str] = ""
     signal: ClassVar[str] = ""  # the trainer's completion signal, in words (docs, `ckpteval worker --help`)
     no_weights_hint: ClassVar[str] = ""  # what to do when a finished save holds no HF weights
     owns_marker_name: ClassVar[bool] = False  # the trainer itself writes a file named like our .complete
+    step_pattern: ClassVar[re.Pattern[str] | None] = None  # a save's whole name; one group: the step
 
     def containers(self, root: Path) -> list[Path]:
         """The directories whose entries are saves (default: the watched dir itself)."""
         return [root]
 
+    def step_of(self, entry: Path) -> int | None:
+        """The step a save's name holds (default: :attr:`step_pattern`), None if the name is not a save's."""
+        return None if self.step_pattern is None else name_step(self.step_pattern, entry)
+
     def locate(self, entry: Path) -> Located | None:
         """The save in ``entry`` (a directory inside a container), or None if it is not one of this layout."""
         raise NotImplementedError
 
+    def signature(self, entry: Path) -> bool:
+        """Whether a save-named ``entry`` holds what only this trainer writes (default: nothing does)."""
+        return False
+
     def looks_like(self, root: Path) -> bool:
         """Whether ``root`` holds at least one save that only this trainer writes (auto-detection)."""
-        raise NotImplementedError
+        return any(any_entry(c, lambda e: self.step_of(e) is not None and self.signature(e))
+                   for c in self.containers(root))
 
 
 def entries(directory: Path) -> list[Path]:

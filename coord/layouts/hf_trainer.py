@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, any_entry, json_int, name_step
+from coord.layouts.base import Layout, Located, json_int
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 STATE = "trainer_state.json"
@@ -30,11 +30,11 @@ class HFTrainerLayout(Layout):
                        "stage3_gather_16bit_weights_on_model_save=true / fsdp_state_dict_type=FULL_STATE_DICT, "
                        "or convert with zero_to_fp32.py (DeepSpeed) or accelerate merge-weights (FSDP)")
 
-    def locate(self, entry: Path) -> Located | None:
-        step = name_step(CHECKPOINT, entry)
-        if step is None:
-            return None
-        return Located(step, entry, json_int(entry / STATE, "global_step") == step)
+    step_pattern = CHECKPOINT
 
-    def looks_like(self, root: Path) -> bool:
-        return any_entry(root, lambda e: name_step(CHECKPOINT, e) is not None and (e / STATE).is_file())
+    def locate(self, entry: Path) -> Located | None:
+        step = self.step_of(entry)
+        return None if step is None else Located(step, entry, json_int(entry / STATE, "global_step") == step)
+
+    def signature(self, entry: Path) -> bool:
+        return (entry / STATE).is_file()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, any_entry
+from coord.layouts.base import Layout, Located
 from coord.snapshot import MARKER, step_from_name
 
 STAGING = ("_tmp_", "_old_")
@@ -29,13 +29,15 @@ class MilesLayout(Layout):
                        "with tools/convert_torch_dist_to_hf.py")
     owns_marker_name = True
 
-    def locate(self, entry: Path) -> Located | None:
-        if entry.name.startswith(STAGING) or (step := step_from_name(entry)) is None:
-            return None
-        return Located(step, entry, True if (entry / MARKER).is_file() else None)
+    def step_of(self, entry: Path) -> int | None:
+        return None if entry.name.startswith(STAGING) else step_from_name(entry)
 
-    def looks_like(self, root: Path) -> bool:
-        return any_entry(root, lambda e: step_from_name(e) is not None and _trainer_marker(e / MARKER))
+    def locate(self, entry: Path) -> Located | None:
+        step = self.step_of(entry)
+        return None if step is None else Located(step, entry, True if (entry / MARKER).is_file() else None)
+
+    def signature(self, entry: Path) -> bool:
+        return _trainer_marker(entry / MARKER)
 
 
 def _trainer_marker(path: Path) -> bool:

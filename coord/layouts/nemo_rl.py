@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, any_entry, name_step
+from coord.layouts.base import Layout, Located
 
 STEP = re.compile(r"step_(\d+)")
 INFO = "training_info.json"
@@ -35,12 +35,14 @@ class NemoRLLayout(Layout):
                        "(and model_save_format=safetensors), or convert with "
                        "examples/converters/convert_dcp_to_hf.py (Megatron: convert_megatron_to_hf.py)")
 
+    step_pattern = STEP
+
     def locate(self, entry: Path) -> Located | None:
-        step = name_step(STEP, entry)
+        step = self.step_of(entry)
         if step is None:
             return None
         weights = next((entry / d for d in WEIGHT_DIRS if (entry / d).is_dir()), entry / WEIGHT_DIRS[-1])
-        return Located(step, weights, (entry / INFO).is_file())
+        return Located(step, weights, self.signature(entry))
 
-    def looks_like(self, root: Path) -> bool:
-        return any_entry(root, lambda e: name_step(STEP, e) is not None and (e / INFO).is_file())
+    def signature(self, entry: Path) -> bool:
+        return (entry / INFO).is_file()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, any_entry, name_step
+from coord.layouts.base import Layout, Located
 
 HF_TAG = re.compile(r"global_step(\d+)_hf")
 
@@ -25,9 +25,11 @@ class OpenRLHFLayout(Layout):
     no_weights_hint = ("run with --save_hf_ckpt; DeepSpeed _actor/global_stepN/ partitions convert with "
                        "zero_to_fp32.py")
 
+    step_pattern = HF_TAG
+
     def locate(self, entry: Path) -> Located | None:
-        step = name_step(HF_TAG, entry)
+        step = self.step_of(entry)
         return None if step is None else Located(step, entry, None)
 
-    def looks_like(self, root: Path) -> bool:
-        return any_entry(root, lambda e: name_step(HF_TAG, e) is not None)
+    def signature(self, entry: Path) -> bool:
+        return True  # the name alone (``global_step<N>_hf``) is OpenRLHF's

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, any_entry, name_step
+from coord.layouts.base import Layout, Located
 
 STEP = re.compile(r"step_(\d+)")
 STABLE = "STABLE"
@@ -31,10 +31,11 @@ class PrimeRLLayout(Layout):
         weights = root / "weights"
         return [weights] if weights.is_dir() else [root]
 
-    def locate(self, entry: Path) -> Located | None:
-        step = name_step(STEP, entry)
-        return None if step is None else Located(step, entry, (entry / STABLE).is_file())
+    step_pattern = STEP
 
-    def looks_like(self, root: Path) -> bool:
-        return any(any_entry(c, lambda e: name_step(STEP, e) is not None and (e / STABLE).is_file())
-                   for c in self.containers(root))
+    def locate(self, entry: Path) -> Located | None:
+        step = self.step_of(entry)
+        return None if step is None else Located(step, entry, self.signature(entry))
+
+    def signature(self, entry: Path) -> bool:
+        return (entry / STABLE).is_file()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, any_entry, name_step, text_int
+from coord.layouts.base import Layout, Located, text_int
 
 GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -31,12 +31,14 @@ class VerlLayout(Layout):
                        "python -m verl.model_merger merge --backend fsdp --local_dir global_step_N/actor "
                        "--target_dir global_step_N/actor/huggingface")
 
+    step_pattern = GLOBAL_STEP
+
     def locate(self, entry: Path) -> Located | None:
-        step = name_step(GLOBAL_STEP, entry)
+        step = self.step_of(entry)
         if step is None:
             return None
         tracked = text_int(entry.parent / TRACKER)
         return Located(step, entry / "actor" / "huggingface", tracked is not None and tracked >= step)
 
-    def looks_like(self, root: Path) -> bool:
-        return any_entry(root, lambda e: name_step(GLOBAL_STEP, e) is not None and (e / "actor").is_dir())
+    def signature(self, entry: Path) -> bool:
+        return (entry / "actor").is_dir()
