@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 # The whole suite, set-up included. The SLURM tests start a throw-away cluster (tests/slurm/cluster.sh).
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: setup
 	$(BIN)/ruff check coord jobs tests bench

@@ -26,6 +26,13 @@ def _service(run, watch: Path, delay_s: float, *extra: str) -> str:
     return job
 
 
+def _restarted(cluster, job: str, run) -> bool:
+    """The job's second incarnation has started; meanwhile the idle test cluster's backfill scheduler is
+    woken as a busy cluster's would be (:meth:`SlurmCluster.nudge`)."""
+    cluster.nudge(job)
+    return "restart 1 on" in job_log(run)
+
+
 def test_scontrol_requeue_mid_unit(slurm_cluster, tmp_path: Path) -> None:
     ckpts = tmp_path / "ckpts"  # "any trainer's" checkpoint dir, watched by the service
     run = finished_run(tmp_path, (10, 20), n_prompts=8, shard_size=4, snapshot_dir=ckpts)  # 4 units
@@ -34,7 +41,7 @@ def test_scontrol_requeue_mid_unit(slurm_cluster, tmp_path: Path) -> None:
         unit = wait_until(lambda: unit_in_progress(run), 90, "a unit in progress")
         t0 = time.time()
         slurm_cluster.run("scontrol", "requeue", job)
-        wait_until(lambda: "restart 1 on" in job_log(run), 60, "the requeued job to start again")
+        wait_until(lambda: _restarted(slurm_cluster, job, run), 60, "the requeued job to start again")
         print(f"\n[service] scontrol requeue -> script running again: {time.time() - t0:.1f}s")
         wait_until(lambda: len(list(run.results.glob("*.json"))) == 4, 90, "every unit's result")
     finally:
@@ -53,7 +60,7 @@ def test_usr1_before_time_limit_releases_and_requeues(slurm_cluster, tmp_path: P
     # USR1 is due 50 s before the 1-minute limit; slurmctld checks limits about every 30 s
     job = _service(run, run.snapshots, 15.0, "--time", "1", "--signal-before", "50")
     try:
-        wait_until(lambda: "restart 1 on" in job_log(run), 120, "the job to requeue itself and restart", poll=1)
+        wait_until(lambda: _restarted(slurm_cluster, job, run), 120, "the job to requeue itself and restart", poll=1)
         restarted = slurm_cluster.job_records(job)
     finally:
         slurm_cluster.cancel(job)
@@ -112,9 +119,7 @@ def test_het_job_with_staging_dir_requeued_resumes_and_drains(slurm_cluster, tmp
     try:
         wait_until(lambda: _training_in_progress(run), 150, "a result while training runs")
         slurm_cluster.run("scontrol", "requeue", job)
-        # a requeued het job starts again only through the backfill scheduler: 60-190 s on this cluster (not
-        # understood: a bare two-component het job that requeues itself restarts in ~14 s)
-        wait_until(lambda: "restart 1 on" in job_log(run), 240, "the requeued job to start again", poll=1)
+        wait_until(lambda: _restarted(slurm_cluster, job, run), 240, "the requeued job to start again", poll=1)
         state = slurm_cluster.wait_job(job, timeout=200, poll=1.0)
         records = slurm_cluster.job_records(job)
     finally:
@@ -134,7 +139,7 @@ def test_het_job_with_staging_dir_usr1_requeues_itself_and_finishes(slurm_cluste
     try:
         wait_until(lambda: _training_in_progress(run), 150, "a result while training runs")
         slurm_cluster.run("scancel", "--batch", "--signal=USR1", job)
-        wait_until(lambda: "restart 1 on" in job_log(run), 240, "the job to requeue itself and restart", poll=1)
+        wait_until(lambda: _restarted(slurm_cluster, job, run), 240, "the job to requeue itself and restart", poll=1)
         state = slurm_cluster.wait_job(job, timeout=200, poll=1.0)
     finally:
         slurm_cluster.cancel(job)
