@@ -130,3 +130,26 @@ def test_a_bad_samples_per_unit_is_one_error_naming_the_file_and_key(value: obje
         parse_manifest(obj, Path("/runs/r/run.json"))
     assert str(err.value).startswith("/runs/r/run.json: field eval.datasets[0].samples_per_unit ")
     assert why in str(err.value)
+
+
+def test_split_episodes_of_an_env_entry_give_the_unsplit_point(tmp_path: Path) -> None:
+    """An ``env`` entry (2 episodes per row) split one episode per unit: each unit plays its own absolute
+    episode index of every row (the index its turn seeds derive from), and the point is the unsplit one.
+    The engine is test_envs' scripted policy behind a real HTTP server; the tool runs in the real sandbox."""
+    from tests.support.canned_engine import ScriptedEngine
+    from tests.test_envs import ROWS, env_run, policy
+
+    points = []
+    for per_unit in (None, 1):
+        run = env_run(tmp_path / str(per_unit), ROWS, pass_k=(1, 2), n_samples=2, samples_per_unit=per_unit)
+        with ScriptedEngine(policy) as url:
+            code, _ = run_inprocess(WorkerOptions(run_dir=run.path, engines=(f"http:{url}",), once=True,
+                                                  poll_interval_s=0.05), out=lambda _l: None)
+        assert code == EXIT_DONE
+        results = ResultIndex(run.results).refresh()
+        if per_unit:
+            assert {u.id.rsplit(".", 1)[-1]: [(e["row"], e["sample"]) for e in r.episodes] for u, r in results.items()} == {
+                f"s0000{j}-0000{j + 1}": [(i, j) for i in range(4)] for j in (0, 1)}
+        points.append({"_units": len(results), **point_metrics(derive_point(run.manifest(), 1, results))})
+    same_point(*points)
+    assert points[0]["eval/arith/pass@1"] == 0.25
