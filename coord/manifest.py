@@ -82,6 +82,11 @@ class DatasetSpec:
     """Prompts per work unit."""
     n_samples: int = 1
     """Completions per prompt."""
+    samples_per_unit: int | None = None
+    """Split each prompt shard's ``n_samples`` over several units of this many samples each (it must divide
+    ``n_samples``; None: one unit holds all samples of its prompts). For long generations (30 prompts x 64
+    samples): more GPUs share a point. Every sample keeps its seed and every metric is pooled per prompt
+    across the units, so the point is identical to the unsplit one."""
     max_new_tokens: int = 16
     """Generation budget per completion (>= 1)."""
     temperature: float = 0.0
@@ -140,6 +145,7 @@ class DatasetSpec:
             raise FieldError("prompt_format", f"{self.prompt_format!r} must be one of {', '.join(PROMPT_FORMATS)}")
         if self.system_prompt is not None and self.prompt_format != "chat":
             raise FieldError("system_prompt", "needs prompt_format 'chat' (a raw prompt has no system turn)")
+        self._check_samples_per_unit()
         for k in self.pass_k:
             if not 1 <= k <= self.n_samples:
                 raise FieldError("pass_k", f"has k={k}; each k must be in 1..n_samples ({self.n_samples})")
@@ -152,9 +158,24 @@ class DatasetSpec:
         if self.subset_seed is not None and self.subset is None:
             raise FieldError("subset_seed", "needs subset (the number of rows to sample)")
 
+    def _check_samples_per_unit(self) -> None:
+        m = self.samples_per_unit
+        if m is None:
+            return
+        if not 1 <= m <= self.n_samples:
+            raise FieldError("samples_per_unit", f"must be in 1..n_samples ({self.n_samples}), got {m}")
+        if self.n_samples % m:
+            raise FieldError("samples_per_unit", f"must divide n_samples ({self.n_samples}) so every unit holds "
+                                                 f"as many samples, got {m}")
+
     @property
     def n_shards(self) -> int:
         return -(-self.n_prompts // self.shard_size)
+
+    @property
+    def sample_parts(self) -> int:
+        """Units per prompt shard: ``n_samples // samples_per_unit`` (1 when samples are not split)."""
+        return self.n_samples // (self.samples_per_unit or self.n_samples)
 
     def due(self, step: int) -> bool:
         """Whether this dataset is evaluated at ``step`` (its cadence, ``every``)."""
@@ -334,6 +355,8 @@ class RunManifest:
         for ds in obj["eval"]["datasets"]:
             if ds["kind"] == "generate":  # the default kind is not written: a reader from before "generate" reads the file
                 ds.pop("kind")
+            if ds.get("samples_per_unit", 0) is None:  # unsplit: written as before the setting existed
+                ds.pop("samples_per_unit")
         obj["eval"]["datasets"] += obj["eval"].pop("harness")  # lm_eval entries live in datasets on disk
         return obj
 

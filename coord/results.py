@@ -18,7 +18,9 @@ per-sample scores, with the version read back before and after.
 A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
 backfill. It is complete when every unit of the step has a result. Sharding does not change a
 point: every metric is derived from the per-sample data pooled over the shards in prompt order
-(the pooled mean, pass@k, maj@n, the standard error over prompts), never averaged per shard.
+(the pooled mean, pass@k, maj@n, the standard error over prompts), never averaged per shard; a dataset
+whose samples are split over units (``samples_per_unit``) is pooled per prompt across its units first
+(:func:`prompt_major`), so its point equals the unsplit one.
 
 **Infrastructure skips are superseded, never overwritten.** A skip whose reason is in
 :data:`INFRA_SKIPS` (a judge, a sandbox, an environment server failed — not the unit, not the engine)
@@ -47,7 +49,7 @@ from coord.atomic import TMP_PREFIX, dumps, publish_exclusive, read_json_object,
 from coord.identity import run_key, version_matches, version_runs, version_step
 from coord.manifest import DatasetSpec, EnvSpec, RunManifest
 from coord.snapshot import producer_identity
-from coord.units import WorkUnit, datasets_due, units_for_step
+from coord.units import WorkUnit, dataset_units, datasets_due, prompt_range, units_for_step
 
 # Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
 # may supersede them with a result of the next generation (module docstring).
@@ -163,7 +165,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         raise ValueError(f"{source}: result must be a JSON object")
     try:
         u = obj["unit"]
-        unit = WorkUnit(int(u["step"]), str(u["dataset"]), int(u["shard"]))
+        unit = WorkUnit.from_json(u)
         status = obj["status"]
         scores = tuple(float(s) for s in obj.get("scores", ()))
         versions = tuple(None if v is None else str(v) for v in obj.get("weight_versions", ()))
@@ -378,10 +380,41 @@ def _stderr(values: list[float]) -> float:
     return math.sqrt(var / len(values))
 
 
+@dataclass(frozen=True)
+class PromptMajor:
+    """A dataset's samples at one step in prompt-major order: every prompt's ``n_samples`` together, in
+    sample order, prompts in dataset order — the order an unsplit run's shards concatenate to."""
+
+    scores: list[float]
+    versions: list[str | None]
+    answers: list[str | None] | None  # None: some unit carries no answers (results from before them)
+
+
+def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
+    """The samples of a dataset's unit results (in :func:`coord.units.dataset_units` order) pooled per
+    prompt across the units of a shard's sample ranges (``samples_per_unit``); unsplit: concatenated."""
+    with_answers = all(len(r.answers) == len(r.scores) for r in units)
+    if spec.sample_parts == 1:
+        return PromptMajor([s for r in units for s in r.scores], [v for r in units for v in r.weight_versions],
+                           [a for r in units for a in r.answers] if with_answers else None)
+    out = PromptMajor([], [], [] if with_answers else None)
+    for first in range(0, len(units), spec.sample_parts):
+        parts = units[first : first + spec.sample_parts]
+        for p in range(len(prompt_range(spec, parts[0].unit.shard))):
+            for r in parts:
+                w = len(r.unit.sample_range(spec.n_samples))
+                out.scores.extend(r.scores[p * w : (p + 1) * w])
+                out.versions.extend(r.weight_versions[p * w : (p + 1) * w])
+                if out.answers is not None:
+                    out.answers.extend(r.answers[p * w : (p + 1) * w])
+    return out
+
+
 def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) -> DatasetScore:
-    """Every metric of one dataset at one step from its shards' results (in shard order)."""
-    scores = [s for r in shards for s in r.scores]
-    versions = [v for r in shards for v in r.weight_versions]
+    """Every metric of one dataset at one step from its units' results (in :func:`coord.units.dataset_units`
+    order), pooled per prompt (:func:`prompt_major`)."""
+    pooled = prompt_major(spec, shards)
+    scores, versions = pooled.scores, pooled.versions
     mean_v, mixed = _version_stats(key, step, versions)
     n = spec.n_samples
     threshold = spec.pass_threshold if isinstance(spec, EnvSpec) else 1.0
@@ -390,8 +423,7 @@ def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) 
     if prompts and all(len(p) == n for p in prompts):
         for k in spec.pass_k:
             derived[f"pass@{k}"] = sum(pass_at_k(n, sum(correct(x, threshold) for x in p), k) for p in prompts) / len(prompts)
-        if n > 1 and all(len(r.answers) == len(r.scores) for r in shards):  # old results carry no answers
-            answers = [a for r in shards for a in r.answers]
+        if n > 1 and (answers := pooled.answers) is not None:  # old results carry no answers
             votes = [majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)]
             derived[f"maj@{n}"] = sum(votes) / len(votes)
     return DatasetScore(
@@ -474,7 +506,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
             skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
     datasets, mixed = {}, []
     for ds in datasets_due(manifest, step):
-        mine = [results.get(WorkUnit(step, ds.name, s)) for s in range(ds.n_shards)]
+        mine = [results.get(u) for u in dataset_units(ds, step)]
         if all(r is not None and r.ok for r in mine):
             if not scorers_agree(mine):  # type: ignore[arg-type]
                 mixed.append(ds.name)

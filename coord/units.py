@@ -1,4 +1,4 @@
-"""Work units ``(step, dataset, shard)`` and their leases.
+"""Work units ``(step, dataset, shard[, sample range])`` and their leases.
 
 A unit is claimed through a lease file ``leases/<unit>.lock`` held with ``filelock.SoftFileLease``:
 the holder's heartbeat thread refreshes the marker; a contender may take the claim over only after
@@ -21,11 +21,13 @@ its observation of a stale claim accumulates across polls — create it once per
 from __future__ import annotations
 
 import os
+import re
 import threading
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import filelock
 from filelock._soft import parse_marker  # filelock's parser of its owner record
@@ -33,26 +35,61 @@ from filelock._soft import parse_marker  # filelock's parser of its owner record
 from coord.atomic import append_line
 from coord.manifest import DatasetSpec, LeaseSettings, RunManifest
 
+SAMPLES_RE = re.compile(r"s(\d+)-(\d+)")  # the sample range of a split unit's id: s<start>-<stop>
+
 
 @dataclass(frozen=True, order=True)
 class WorkUnit:
+    """One unit of work: a prompt shard of a dataset at a step, and — when the dataset splits samples
+    (``samples_per_unit``) — the half-open sample range ``[sample_start, sample_stop)`` of each of its
+    prompts. ``sample_stop == 0``: every sample of the prompts (the unsplit unit, whose id has no range)."""
+
     step: int
     dataset: str
     shard: int
+    sample_start: int = 0
+    sample_stop: int = 0
 
     @property
     def id(self) -> str:
-        return f"{self.step:010d}.{self.dataset}.{self.shard:05d}"
+        base = f"{self.step:010d}.{self.dataset}.{self.shard:05d}"
+        return f"{base}.s{self.sample_start:05d}-{self.sample_stop:05d}" if self.sample_stop else base
 
     @classmethod
     def from_id(cls, unit_id: str) -> WorkUnit:
         parts = unit_id.split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
-            raise ValueError(f"{unit_id!r} is not a unit id (<step>.<dataset>.<shard>)")
-        return cls(int(parts[0]), parts[1], int(parts[2]))
+        samples = SAMPLES_RE.fullmatch(parts[3]) if len(parts) == 4 else None
+        if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[2].isdigit() or (
+            len(parts) == 4 and (samples is None or int(samples[1]) >= int(samples[2]))
+        ):
+            raise ValueError(f"{unit_id!r} is not a unit id (<step>.<dataset>.<shard>[.s<start>-<stop>])")
+        start, stop = (int(samples[1]), int(samples[2])) if samples else (0, 0)
+        return cls(int(parts[0]), parts[1], int(parts[2]), start, stop)
 
     def to_json(self) -> dict[str, object]:
-        return {"step": self.step, "dataset": self.dataset, "shard": self.shard}
+        out: dict[str, object] = {"step": self.step, "dataset": self.dataset, "shard": self.shard}
+        if self.sample_stop:
+            out["samples"] = [self.sample_start, self.sample_stop]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> WorkUnit:
+        """The unit of a result's ``unit`` object (KeyError/TypeError/ValueError when malformed)."""
+        start, stop = obj.get("samples") or (0, 0)
+        unit = cls(int(obj["step"]), str(obj["dataset"]), int(obj["shard"]), int(start), int(stop))
+        if unit.sample_stop and not 0 <= unit.sample_start < unit.sample_stop:
+            raise ValueError(f"samples {[start, stop]} is not a sample range [start, stop)")
+        return unit
+
+    @property
+    def label(self) -> str:
+        """How logs name the unit: ``addition[0]``, or ``aime[3] samples 16-32`` when split."""
+        where = f"{self.dataset}[{self.shard}]"
+        return f"{where} samples {self.sample_start}-{self.sample_stop}" if self.sample_stop else where
+
+    def sample_range(self, n_samples: int) -> range:
+        """The sample indices (of each of its prompts) this unit generates: absolute, so seeds never change."""
+        return range(self.sample_start, self.sample_stop) if self.sample_stop else range(n_samples)
 
     @property
     def result_name(self) -> str:
@@ -72,11 +109,18 @@ def datasets_due(manifest: RunManifest, step: int) -> list[DatasetSpec]:
 
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
     """Every unit of one eval point: each dataset due at ``step`` split into ``ceil(n_prompts / shard_size)``
-    shards, plus one unit per task of each ``lm_eval`` entry. A dataset with ``every`` > 1 has no units at
-    the steps it is not due (it is not skipped there: it is simply not part of that point)."""
-    return [WorkUnit(step, ds.name, s) for ds in datasets_due(manifest, step) for s in range(ds.n_shards)] + (
-        harness_units(manifest, step)
-    )
+    shards (each in ``sample_parts`` sample ranges when the dataset sets ``samples_per_unit``), plus one unit
+    per task of each ``lm_eval`` entry. A dataset with ``every`` > 1 has no units at the steps it is not due
+    (it is not skipped there: it is simply not part of that point)."""
+    return [u for ds in datasets_due(manifest, step) for u in dataset_units(ds, step)] + harness_units(manifest, step)
+
+
+def dataset_units(ds: DatasetSpec, step: int) -> list[WorkUnit]:
+    """The units of one dataset at ``step``, shard-major, each shard's sample ranges in order."""
+    if ds.sample_parts == 1:
+        return [WorkUnit(step, ds.name, s) for s in range(ds.n_shards)]
+    m = ds.n_samples // ds.sample_parts
+    return [WorkUnit(step, ds.name, s, k * m, (k + 1) * m) for s in range(ds.n_shards) for k in range(ds.sample_parts)]
 
 
 def harness_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
@@ -86,9 +130,18 @@ def harness_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
 
 def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
     """The prompt indices a unit covers."""
-    ds = manifest.dataset(unit.dataset)
-    start = unit.shard * ds.shard_size
+    return prompt_range(manifest.dataset(unit.dataset), unit.shard)
+
+
+def prompt_range(ds: DatasetSpec, shard: int) -> range:
+    """The prompt indices of shard ``shard`` of ``ds``."""
+    start = shard * ds.shard_size
     return range(start, min(start + ds.shard_size, ds.n_prompts))
+
+
+def unit_samples(manifest: RunManifest, unit: WorkUnit) -> range:
+    """The sample indices (of each prompt) a unit generates."""
+    return unit.sample_range(manifest.dataset(unit.dataset).n_samples)
 
 
 LEASE_SUFFIX = ".lock"
@@ -233,4 +286,5 @@ def order_units(units: Iterable[WorkUnit], newest_first: bool = False, spread: i
     def within_step(u: WorkUnit) -> int:
         return 0 if spread is None else zlib.crc32(f"{spread}:{u.id}".encode())
 
-    return sorted(units, key=lambda u: (-u.step if newest_first else u.step, within_step(u), u.dataset, u.shard))
+    return sorted(units, key=lambda u: (-u.step if newest_first else u.step, within_step(u), u.dataset, u.shard,
+                                       u.sample_start))

@@ -95,6 +95,7 @@ def build_sandbox(root: Path) -> Path:
     (root / "cfg_nan.json").write_text(json.dumps({"eval": {"datasets": [{**ds, "temperature": math.nan}]}}))
     _write_json(root / "cfg_typo.json", {"eval": {"datasets": [{**ds, "max_new_token": 4}]}})  # issue 22 §4
     _write_json(root / "cfg_top_typo.json", {"eval": {"datasets": [ds]}, "leases": {}})
+    _write_json(root / "cfg_split.json", {"eval": {"datasets": [{**ds, "n_samples": 4, "samples_per_unit": 3}]}})
     (root / "ckpts").mkdir()
     (root / "model").mkdir()  # enough for serve to get past its model check to the port and host checks
     (root / "model" / "config.json").write_text("{}")
@@ -161,6 +162,7 @@ def worker_cases(cmd: str) -> list[str]:
         f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_nan.json",
         f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_typo.json",
         f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_top_typo.json",
+        f"{cmd} --run-dir {{S}}/new --watch {{S}}/ckpts --eval-config {{S}}/cfg_split.json",  # issue 20 §2
         f"{cmd} --run-dir {{S}}/file.txt --watch {{S}}/ckpts --eval-config {{S}}/cfg_ok.json",
         f"{base} --wandb",  # without --wandb-run-id
         f"{base} --wandb-mode bogus",

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from coord.manifest import DatasetSpec, RunManifest
-from coord.results import ResultIndex, correct, derive_point, majority_score, pass_at_k
+from coord.results import ResultIndex, correct, derive_point, majority_score, pass_at_k, prompt_major
 from coord.rundir import RunDir
-from coord.units import WorkUnit
+from coord.units import dataset_units
 
 
 @dataclass(frozen=True)
@@ -83,15 +83,14 @@ class RunValues:
             raise ValueError(f"{self.run.path}: step {step} has no complete {metric.dataset} point "
                              f"(steps with one: {self.steps_with(metric.dataset) or 'none'})")
         spec = self.manifest.dataset(metric.dataset)
-        shards = [self.results[WorkUnit(step, spec.name, s)] for s in range(spec.n_shards)]
-        scores = [x for r in shards for x in r.scores]
-        answers = [a for r in shards for a in r.answers]
+        pooled = prompt_major(spec, [self.results[u] for u in dataset_units(spec, step)])
+        scores, answers = pooled.scores, pooled.answers
         n = spec.n_samples
         groups = [scores[i : i + n] for i in range(0, len(scores), n)]
         if metric.kind == "pass":
             return np.array([pass_at_k(n, sum(map(correct, g)), metric.k) for g in groups])
         if metric.kind == "maj":
-            if len(answers) != len(scores):
+            if answers is None:
                 raise ValueError(f"{self.run.path}: step {step} results carry no extracted answers for maj@{n}")
             return np.array([majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)])
         return np.array([sum(g) / len(g) for g in groups])

@@ -185,10 +185,10 @@ class FnEvaluator:
         want = str(unit.step)
         t0 = time.perf_counter()
         output = self.backend.evaluate_checkpoint(
-            str(ref.path), build_input(manifest, spec, unit, rows, work.prompts[:: spec.n_samples], work.seeds)
+            str(ref.path), build_input(manifest, spec, unit, rows, work.prompts[:: len(work.samples)], work.seeds)
         )
         timings["generate_s"] = time.perf_counter() - t0
-        parsed = parse_output(output, len(rows) * spec.n_samples, want)
+        parsed = parse_output(output, len(rows) * len(work.samples), want)
         wrong = sorted({str(v) for v in parsed.weight_versions if v != want})
         if wrong:
             raise PinViolation(f"want version {want}; backend reported {wrong}")

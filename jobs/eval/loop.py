@@ -344,22 +344,22 @@ class Worker:
             if (self.rundir.results / unit.result_name_at(claim.generation)).exists():
                 return None  # finished by someone else since the listing
             if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
-                self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released")
+                self.out(f"step={unit.step} {unit.label} abandoned: stop signal, lease released")
                 return None
             t0 = time.perf_counter()
             result = self._evaluate_interruptibly(unit, self.refs[unit.step])
             if result is None:
                 self.out(
-                    f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released"
+                    f"step={unit.step} {unit.label} abandoned: stop signal, lease released"
                 )
                 return None
             if not still_holds(claim):
-                self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: lease lost (taken over)")
+                self.out(f"step={unit.step} {unit.label} abandoned: lease lost (taken over)")
                 return None
             if self._leave_for_another(result, claim):
                 self.released_last = True
                 self.out(
-                    f"step={unit.step} {unit.dataset}[{unit.shard}] released after attempt {claim.attempt}: "
+                    f"step={unit.step} {unit.label} released after attempt {claim.attempt}: "
                     f"{result.skip_reason}: {result.message[:120]} (left for another worker, nothing written)"
                 )
                 return None
@@ -437,7 +437,7 @@ class Worker:
 
 def _unit_line(result: Result, first: bool) -> str:
     u, secs = result.unit, result.timings.get("total_s", 0.0)
-    head = f"step={u.step} {u.dataset}[{u.shard}]"
+    head = f"step={u.step} {u.label}"
     dup = "" if first else " (duplicate: another result was first)"
     if result.ok and result.metrics:  # an lm-eval task
         shown = " ".join(f"{k}={v:.4f}" for k, v in sorted(result.metrics.items()))

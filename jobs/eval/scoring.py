@@ -8,8 +8,8 @@ Prompts are rendered by :func:`jobs.eval.prompts.render_prompts` (raw, or the sn
 template), so every engine receives the same text for the same row.
 
 Seeds: greedy decoding (``temperature == 0``) is deterministic and sends no seeds. Sampled decoding
-gives sample ``j`` of prompt row ``i`` (``i`` the row's index in the whole dataset, so sharding never
-changes it) the seed :func:`sample_seed` ``(spec.seed, i, j)``: the ``n_samples`` copies of a prompt
+gives sample ``j`` of prompt row ``i`` (``i`` the row's index in the whole dataset and ``j`` the sample's
+index among the prompt's ``n_samples``, so neither sharding nor splitting samples over units changes it) the seed :func:`sample_seed` ``(spec.seed, i, j)``: the ``n_samples`` copies of a prompt
 get distinct seeds, and a rerun draws the same samples wherever the engine honours per-sample seeds.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from coord.manifest import DatasetSpec, RunManifest
 from coord.rundir import RunDir
-from coord.units import WorkUnit, shard_range
+from coord.units import WorkUnit, shard_range, unit_samples
 from jobs.eval.engines.base import Engine, SamplingParams
 from jobs.eval.evalsets import Row, load_dataset
 from jobs.eval.kinds import Evaluation
@@ -41,11 +41,13 @@ def sample_seed(dataset_seed: int, prompt_index: int, sample_index: int, turn: i
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & SEED_MASK
 
 
-def unit_seeds(spec: DatasetSpec, prompt_indices: range) -> list[int] | None:
-    """Per-sample seeds of a unit, prompt-major (None for greedy datasets: nothing to seed)."""
+def unit_seeds(spec: DatasetSpec, prompt_indices: range, samples: range | None = None) -> list[int] | None:
+    """Per-sample seeds of a unit, prompt-major (None for greedy datasets: nothing to seed). ``samples``: the
+    unit's sample indices (default: all ``n_samples``); a seed depends on the absolute index, never on the
+    position in the unit, so splitting samples over units (``samples_per_unit``) draws the same samples."""
     if spec.temperature == 0:
         return None
-    return [sample_seed(spec.seed, i, j) for i in prompt_indices for j in range(spec.n_samples)]
+    return [sample_seed(spec.seed, i, j) for i in prompt_indices for j in (samples or range(spec.n_samples))]
 
 
 @dataclass
@@ -106,6 +108,7 @@ class UnitInput:
     prompts: list[str]  # one per sample (prompt-major)
     seeds: list[int] | None
     rows: list[Row]  # one per sample (prompt-major)
+    samples: range  # the sample indices of each prompt this unit generates (all n_samples unless split)
 
 
 def unit_input(cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None) -> UnitInput:
@@ -114,18 +117,20 @@ def unit_input(cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None) ->
     indices = shard_range(cache.manifest, unit)
     rows = [cache.rows(spec)[i] for i in indices]
     texts = render_prompts(spec, rows, snapshot_dir)
-    n = spec.n_samples
+    samples = unit_samples(cache.manifest, unit)
     return UnitInput(
         spec=spec,
         prompt_indices=indices,
-        prompts=[t for t in texts for _ in range(n)],
-        seeds=unit_seeds(spec, indices),
-        rows=[r for r in rows for _ in range(n)],
+        prompts=[t for t in texts for _ in samples],
+        seeds=unit_seeds(spec, indices, samples),
+        rows=[r for r in rows for _ in samples],
+        samples=samples,
     )
 
 
 def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None = None) -> UnitScores:
-    """Generate ``n_samples`` completions per prompt of the unit's shard and score them.
+    """Generate the unit's samples (all ``n_samples``, or its sample range) of each prompt of its shard and
+    score them.
 
     ``snapshot_dir``: the snapshot being evaluated (its tokenizer renders ``chat`` datasets).
     """

@@ -213,13 +213,27 @@ class SumBackend(CheckpointEvalFn):
         end = time.monotonic() + self.delay_s
         while time.monotonic() < end:
             time.sleep(0.05)
-        n = input["dataset"]["n_samples"]
-        scores = [row_score(weight_sum, r["prompt"]) for r in input["rows"] for _ in range(n)]
+        start, stop = input["samples"]  # this unit's samples of each row
+        scores = [row_score(weight_sum, r["prompt"]) for r in input["rows"] for _ in range(start, stop)]
         version = str(input["step"] + self.version_offset)
         return {"scores": scores, "weight_versions": [version] * len(scores), "message": f"sum={weight_sum:.4f}"}
 
     def dispose(self) -> None:
         self.disposed = True
+
+
+class SeedBackend(SumBackend):
+    """A sampler whose sample is a function of its seed alone (what a seeded engine promises): each sample
+    scores 1 when its seed is divisible by 3 and answers ``seed % 4`` (so maj@n has votes to count). It
+    checks it got one seed per sample of the unit's range (``input["samples"]``) and reads the weights."""
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: dict[str, Any]) -> dict[str, Any]:  # noqa: A002
+        start, stop = input["samples"]
+        seeds = input["seeds"]
+        if len(seeds) != len(input["rows"]) * (stop - start):
+            raise ValueError(f"{len(seeds)} seeds for {len(input['rows'])} rows x samples {start}-{stop}")
+        safetensors_sum(checkpoint_dir)
+        return {"scores": [float(s % 3 == 0) for s in seeds], "answers": [str(s % 4) for s in seeds]}
 
 
 class AdapterMissingBackend(SumBackend):
@@ -246,6 +260,12 @@ def digit_overlap(completion: str, answer: str) -> float:
 def completion_hash(completion: str, answer: str) -> float:
     """A scorer that depends on the exact completion text, so equal scores mean equal generations."""
     return (zlib.crc32(completion.encode()) % 1000) / 1000
+
+
+def digit_first(completion: str, answer: str) -> tuple[float, str]:
+    """Full credit when the completion starts with a digit (an untrained model does so now and then); the
+    extracted answer is the whole completion (so equal answers mean equal generations; maj@n votes on them)."""
+    return float(completion[:1].isdigit()), completion.strip()
 
 
 def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:

@@ -16,23 +16,27 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
 * ``input`` (JSON-able dict, built by :func:`build_input`)::
 
       {"run_id": str, "step": int, "weight_version": str,          # str(step): stamp it on samples
-       "unit": {"step", "dataset", "shard"}, "unit_id": str,
+       "unit": {"step", "dataset", "shard"[, "samples"]}, "unit_id": str,
        "dataset": {name, path, n_prompts, scorer, shard_size, n_samples, max_new_tokens,
-                   temperature, top_p, top_k, seed},             # run.json's DatasetSpec
+                   temperature, top_p, top_k, seed, samples_per_unit},  # run.json's DatasetSpec
+       "samples": [start, stop],                                  # the sample indices of each row to
+                                                                 #   generate: [0, n_samples) unless the
+                                                                 #   set splits samples (samples_per_unit)
        "rows": [{"prompt": str, "answer": str, ...}, ...],        # the shard's rows (every field), in order
                                                                  #   ({"messages": [...], ...} in chat sets)
        "prompts": [str, ...],                                     # each row's final prompt text (chat
                                                                  #   sets rendered with the snapshot's
                                                                  #   chat template: jobs.eval.prompts)
-       "seeds": [int, ...] | None,                                # per-sample seeds, prompt-major
-                                                                 #   (jobs.eval.scoring.sample_seed);
+       "seeds": [int, ...] | None,                                # per-sample seeds, prompt-major, of
+                                                                 #   the samples above (sample_seed of
+                                                                 #   the absolute index: jobs.eval.scoring);
                                                                  #   None for greedy sets
        "adapters": [...], "engine": {...},                        # run.json's eval.adapters / engine
        "base_model": str | None}                                  # eval.base_model: set = LoRA snapshots
 
 * ``output`` (dict, checked by :func:`parse_output`)::
 
-      {"scores": [float, ...],              # required: len(rows) * n_samples, prompt-major order
+      {"scores": [float, ...],              # required: len(rows) * (stop - start), prompt-major order
        "weight_versions": [str, ...],        # optional: the version that produced each sample;
                                              #   omitted means every sample is input["weight_version"]
        "answers": [str | None, ...],         # optional: each sample's extracted answer (maj@n)
@@ -130,6 +134,7 @@ def build_input(
     seeds: list[int] | None = None,
 ) -> dict[str, Any]:
     """The ``input`` dict of one unit (see the module docstring); ``prompts`` default to the raw ones."""
+    samples = unit.sample_range(spec.n_samples)
     return {
         "run_id": manifest.run_id,
         "step": unit.step,
@@ -139,6 +144,7 @@ def build_input(
         "dataset": asdict(spec),
         "rows": [dict(r) for r in rows],
         "prompts": list(prompts) if prompts is not None else [r.get("prompt") for r in rows],
+        "samples": [samples.start, samples.stop],
         "seeds": None if seeds is None else list(seeds),
         "adapters": [dict(a) for a in manifest.eval.adapters],
         "base_model": manifest.eval.base_model,  # set: the checkpoint is a LoRA adapter on this base

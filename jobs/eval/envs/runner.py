@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coord.manifest import EnvSpec
-from coord.units import WorkUnit, shard_range
+from coord.units import WorkUnit, shard_range, unit_samples
 from jobs.eval.engines.base import Engine
 from jobs.eval.envs import ENDINGS_INFRA, Done, Tool, env_class
 from jobs.eval.envs.tools import (
@@ -234,7 +234,7 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
     rows = cache.rows(spec)
     cls, sandbox = env_class(spec.env), env_sandbox(cache)
     render = Renderer(spec, snapshot)
-    episodes = [Episode(i, j, rows[i]) for i in shard_range(cache.manifest, unit) for j in range(spec.n_samples)]
+    episodes = [Episode(i, j, rows[i]) for i in shard_range(cache.manifest, unit) for j in unit_samples(cache.manifest, unit)]
     todo, seen, generate_s = list(range(len(episodes))), [], 0.0
     for attempt in range(spec.infra_retries + 1):
         batch = [episodes[k] for k in todo]
