@@ -105,9 +105,13 @@ class Renderer:
             raise ValueError(f"dataset {spec.name!r} is prompt_format 'chat': rendering needs the snapshot's tokenizer")
 
     def __call__(self, ep: Episode) -> str:
+        return self.render(ep.messages, ep.tools)
+
+    def render(self, messages: list[dict[str, str]], tools: list[Tool]) -> str:
+        """A conversation and its tools as the prompt of the next assistant turn."""
         if self.tokenizer is None:
-            return render_transcript(ep.messages, ep.tools)
-        return render_chat(self.tokenizer, ep.messages, str(self.snapshot), [t.schema() for t in ep.tools] or None)
+            return render_transcript(messages, tools)
+        return render_chat(self.tokenizer, messages, str(self.snapshot), [t.schema() for t in tools] or None)
 
     @property
     def tool_format(self) -> str:
