@@ -8,7 +8,9 @@ endpoint's real HTTP server on loopback, and the real ``openai`` client talking 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,9 +22,10 @@ from jobs.eval.engines.hf import HFEngine
 from jobs.eval.envs.endpoint import Endpoint, reply_version
 from jobs.eval.envs.runner import Renderer, render_transcript
 from jobs.eval.pinning import PinViolation, pin
+from jobs.eval.scorers import ScorerInfraError
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards
-from tests.support.workers import publish_model
+from tests.support.workers import publish_model, version
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra ('.[test]')")
 
@@ -94,3 +97,64 @@ def test_tool_calls_come_back_as_openai_tool_calls_per_episode_and_a_malformed_o
             endpoint.check()
         with pytest.raises(openai.APIConnectionError):  # closed with its context: nothing listens any more
             client(endpoint).chat.completions.create(model="m", messages=ask)  # type: ignore[arg-type]
+
+
+# -- the verifiers adapter -----------------------------------------------------------------------------------
+def vf_run(tmp: Path, tasks: list[int], **kw: Any) -> Any:
+    pytest.importorskip("verifiers.v1", reason="verifiers is the optional extra ckpteval[envs]; CI installs '.[test]' only")
+    from tests.test_envs import env_run
+
+    return env_run(tmp, [{"task": t} for t in tasks], env="verifiers",
+                   env_options={"taskset": "tests.support.vf_arith", "timeout_s": 60.0}, **kw)
+
+
+def answering(text: str, _engine: ScriptedEngine) -> str:
+    """Right for every task but the second (tests.support.vf_arith's rows), read off the transcript."""
+    m = re.search(r"What is ([0-9 *+()-]+)\?", text)
+    if m is None:
+        return "no idea"
+    expression = m.group(1)
+    value = eval(expression, {"__builtins__": {}})  # digits and + - * ( ) only: the regex above
+    return "ANSWER: 0" if expression == vf_rows()[1]["expression"] else f"ANSWER: {value}"
+
+
+def vf_rows() -> list[dict[str, Any]]:
+    from tests.support.vf_arith import ROWS
+
+    return ROWS
+
+
+def test_a_verifiers_taskset_runs_on_the_pinned_engine_with_its_rewards_and_every_turn_stamped(tmp_path: Path) -> None:
+    from tests.test_envs import evaluate
+
+    run = vf_run(tmp_path, [0, 1, 2])
+    with ScriptedEngine(answering) as url:
+        out = evaluate(run, url)
+    episodes = out.scored["episodes"]
+    assert [e["reward"] for e in episodes] == [1.0, 0.0, 1.0]  # verifiers' own reward function scored them
+    assert {(e["ended"], e["blame"], e["turns"]) for e in episodes} == {("done", "model", 1)}
+    assert [e["versions"] for e in episodes] == [[version(run, 1)]] * 3
+    assert out.scored["scorer"]["env"] == "verifiers"
+
+
+def test_a_verifiers_verifier_that_crashes_is_infra_retried_then_env_failed(tmp_path: Path) -> None:
+    from tests.test_envs import evaluate
+
+    run = vf_run(tmp_path, [3], infra_retries=1)
+    scripted = ScriptedEngine(answering)
+    with scripted as url, pytest.raises(ScorerInfraError, match="TaskError.*backend is down") as caught:
+        evaluate(run, url)
+    assert caught.value.reason == "env_failed"
+    assert len(scripted.texts) == 2  # the episode was played again once (its reply was fine: the verifier broke)
+
+
+def test_a_verifiers_episode_whose_engine_is_reloaded_mid_episode_is_a_pin_violation(tmp_path: Path) -> None:
+    from tests.test_envs import evaluate
+
+    def reloaded(text: str, engine: ScriptedEngine) -> str:
+        engine.label = "other-run@7"  # someone else reloads the server before this turn is generated
+        return answering(text, engine)
+
+    run = vf_run(tmp_path, [0], infra_retries=0)
+    with ScriptedEngine(reloaded) as url, pytest.raises(PinViolation, match="other-run@7"):
+        evaluate(run, url)

@@ -152,11 +152,15 @@ class Endpoint:
         with self.lock:
             return self.episodes.setdefault((row, sample), Turns())
 
-    def check(self) -> None:
-        """After the episodes: the engine's own failure during one (re-raised: the unit's, never an
-        episode's), then the pin check over every turn served (:func:`jobs.eval.pinning.check_pinned`)."""
+    def raise_engine_error(self) -> None:
+        """Re-raise the engine's own failure during a turn: the unit's (unhealthy), never an episode's."""
         if self.engine_error is not None:
             raise self.engine_error
+
+    def check(self) -> None:
+        """After the episodes: :meth:`raise_engine_error`, then the pin check over every turn served
+        (:func:`jobs.eval.pinning.check_pinned`)."""
+        self.raise_engine_error()
         check_pinned(self.engine, self.want, [v for t in self.episodes.values() for v in t.versions])
 
     def complete(self, row: int, sample: int, body: Any) -> tuple[HTTPStatus, dict[str, Any]]:
