@@ -158,3 +158,20 @@ def test_a_verifiers_episode_whose_engine_is_reloaded_mid_episode_is_a_pin_viola
     run = vf_run(tmp_path, [0], infra_retries=0)
     with ScriptedEngine(reloaded) as url, pytest.raises(PinViolation, match="other-run@7"):
         evaluate(run, url)
+
+
+def test_a_verifiers_entry_is_refused_at_worker_start_without_the_extra_or_with_rows_it_cannot_read() -> None:
+    """Runs in both set-ups: without verifiers (CI's '.[test]') the refusal names the extra; with it, a row
+    must name a task by index."""
+    import importlib.util
+
+    from jobs.eval.envs.verifiers_env import INSTALL, VerifiersEnv
+
+    if importlib.util.find_spec("verifiers") is None:
+        with pytest.raises(ValueError, match=re.escape(INSTALL)):
+            VerifiersEnv.check_row({"task": 0}, "rows.jsonl: row 0")
+        return
+    VerifiersEnv.check_row({"task": 0}, "rows.jsonl: row 0")
+    for bad in ({}, {"task": -1}, {"task": "0"}):
+        with pytest.raises(ValueError, match="rows.jsonl: row 3: a verifiers row needs 'task'"):
+            VerifiersEnv.check_row(bad, "rows.jsonl: row 3")
