@@ -101,7 +101,7 @@ def test_tool_calls_come_back_as_openai_tool_calls_per_episode_and_a_malformed_o
 
 # -- the verifiers adapter -----------------------------------------------------------------------------------
 def vf_run(tmp: Path, tasks: list[int], **kw: Any) -> Any:
-    pytest.importorskip("verifiers.v1", reason="verifiers is the optional extra ckpteval[envs]; CI installs '.[test]' only")
+    pytest.importorskip("verifiers.v1", reason="verifiers is the optional extra ckpteval[envs] (also in '.[test]')")
     from tests.test_envs import env_run
 
     return env_run(tmp, [{"task": t} for t in tasks], env="verifiers",
@@ -161,8 +161,8 @@ def test_a_verifiers_episode_whose_engine_is_reloaded_mid_episode_is_a_pin_viola
 
 
 def test_a_verifiers_entry_is_refused_at_worker_start_without_the_extra_or_with_rows_it_cannot_read() -> None:
-    """Runs in both set-ups: without verifiers (CI's '.[test]') the refusal names the extra; with it, a row
-    must name a task by index."""
+    """Runs in both set-ups: without verifiers (only the core installed) the refusal names the extra; with
+    it ('.[envs]', '.[test]'), a row must name a task by index."""
     import importlib.util
 
     from jobs.eval.envs.verifiers_env import INSTALL, VerifiersEnv
