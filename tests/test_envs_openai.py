@@ -175,3 +175,17 @@ def test_a_verifiers_entry_is_refused_at_worker_start_without_the_extra_or_with_
     for bad in ({}, {"task": -1}, {"task": "0"}):
         with pytest.raises(ValueError, match="rows.jsonl: row 3: a verifiers row needs 'task'"):
             VerifiersEnv.check_row(bad, "rows.jsonl: row 3")
+
+
+def test_an_engine_that_fails_during_a_verifiers_episode_fails_the_unit_not_the_episode(tmp_path: Path) -> None:
+    """The scripted server drops the connection (its policy raises): the engine's error, not an infra episode."""
+    from jobs.eval.engines.base import EngineError
+    from tests.test_envs import evaluate
+
+    def dying(_text: str, _engine: ScriptedEngine) -> str:
+        raise RuntimeError("the GPU fell off the bus")
+
+    run = vf_run(tmp_path, [0], infra_retries=0)
+    with ScriptedEngine(dying) as url, pytest.raises(EngineError) as caught:
+        evaluate(run, url)
+    assert caught.value.reason == "unhealthy" and "/generate failed" in str(caught.value)  # the engine's, re-raised
