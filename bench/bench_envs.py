@@ -6,7 +6,9 @@
    tokens in one call (``turns * tokens``), in the same run. Reported: episodes/s, samples/s and
    generated tokens/s of each; the ratio is episode tokens/s over single-turn tokens/s (what the loop
    costs: a re-rendered, re-encoded conversation per turn, no KV cache kept across turns, the
-   environment's step).
+   environment's step). The same conversations are then played by the environment itself through the
+   pinned engine's loopback OpenAI endpoint (what a ``verifiers`` environment does): reported as
+   episodes/s and its speed relative to the lockstep loop (one generate per turn, not one per batch).
 2. **Infra injection**: the ``arithmetic`` task with a calculator that raises in ``--failure-rate`` of its
    calls (random, inside the sandbox), played by a scripted policy that always calls the tool and then
    answers with its result (a small in-process engine implementing the Engine interface). Every
@@ -26,8 +28,11 @@ import os
 import re
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from coord.manifest import EnvSpec, EvalSpec, RunManifest
 from coord.rundir import RunDir
@@ -67,6 +72,27 @@ class EchoEnv:
 
     def step(self, reply: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": "+"}]
+
+
+class DrivenEchoEnv:
+    """EchoEnv's conversation played by the environment itself through the pinned engine's loopback
+    OpenAI endpoint (``DRIVES_MODEL``, as the verifiers adapter plays; 8 episodes at a time)."""
+
+    DRIVES_MODEL = True
+
+    def play(self, episodes: list[Episode], endpoint: Any, spec: EnvSpec) -> None:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda ep: self.one(ep, endpoint.base_url(ep.index, ep.sample), spec.max_turns), episodes))
+
+    @staticmethod
+    def one(ep: Episode, base_url: str, turns: int) -> None:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": ep.row["prompt"]}]
+        with httpx.Client(timeout=300) as client:
+            for _ in range(turns):
+                reply = client.post(f"{base_url}/chat/completions", json={"model": "m", "messages": messages})
+                reply.raise_for_status()
+                messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": "+"}]
+        ep.end("out_of_turns", "never done")
 
 
 class SolverEngine:
@@ -132,12 +158,19 @@ def overhead(tmp: Path, episodes: int, turns: int, tokens: int) -> dict[str, flo
     single = engine.generate(first, SamplingParams(max_new_tokens=turns * tokens))
     single_s = time.perf_counter() - t0
     single_tokens = sum(g.n_tokens for g in single)
+    cache, spec = env_cache(tmp, "driven", rows, env=f"{__name__}:{DrivenEchoEnv.__name__}", max_turns=turns,
+                            max_new_tokens=tokens)
+    t0 = time.perf_counter()
+    driven, _, _ = run_unit(engine, cache, spec, WorkUnit(0, "driven", 0), None, "v")
+    driven_s = time.perf_counter() - t0
     engine.close()
     return {"episodes": episodes, "turns": sum(ep.turns for ep in played) / episodes, "env_s": env_s,
             "env_tokens": env_tokens, "episodes_per_s": episodes / env_s, "env_tokens_per_s": env_tokens / env_s,
             "single_s": single_s, "single_tokens": single_tokens, "samples_per_s": episodes / single_s,
             "single_tokens_per_s": single_tokens / single_s,
-            "ratio": (env_tokens / env_s) / (single_tokens / single_s)}
+            "ratio": (env_tokens / env_s) / (single_tokens / single_s),
+            "endpoint_s": driven_s, "endpoint_episodes_per_s": episodes / driven_s,
+            "endpoint_turns": sum(ep.turns for ep in driven) / episodes, "endpoint_vs_lockstep": env_s / driven_s}
 
 
 def infra_injection(tmp: Path, episodes: int, rate: float) -> dict[str, float]:
@@ -175,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"episodes: {o['episodes_per_s']:.2f}/s ({o['env_tokens_per_s']:.0f} tok/s, {o['turns']:.1f} turns); "
           f"single-turn samples: {o['samples_per_s']:.2f}/s ({o['single_tokens_per_s']:.0f} tok/s); "
           f"ratio (tokens/s) {o['ratio']:.2f}x")
+    print(f"through the loopback OpenAI endpoint (env-driven, one generate per turn): {o['endpoint_episodes_per_s']:.2f} "
+          f"episodes/s ({o['endpoint_turns']:.1f} turns), {o['endpoint_vs_lockstep']:.2f}x the lockstep loop's speed")
     if "injection" in out:
         i = out["injection"]
         print(f"injection: {i['episodes']} episodes at {i['failure_rate']:.0%} tool failures -> {i['infra_retries']} "

@@ -17,6 +17,7 @@ from coord.manifest import EvalSpec, HarnessSpec, LeaseSettings, RunManifest, lo
 from coord.results import derive_point, parse_result, point_metrics
 from coord.rundir import RunDir
 from coord.units import WorkUnit, units_for_step
+from jobs.eval.envs.endpoint import reply_version
 from jobs.views.plot import plot_series
 from jobs.views.status import collect_status, points_table
 from tests.support.workers import REPO, finish, publish_model, results, spawn, version
@@ -172,6 +173,7 @@ def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp
         got = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": ["12+30=", "07+07="],
                                                          "max_tokens": 6, "temperature": 0, "seed": 1}).json()
         assert [c["index"] for c in got["choices"]] == [0, 1]
+        assert reply_version(got) == native[0]["meta_info"]["weight_version"] is not None  # stamped as sglang does
         assert [c["text"] for c in got["choices"]] == [n["text"] for n in native]  # same engine, same greedy text
         text = native[0]["text"]
         assert len(text) >= 3, native  # 6 greedy tokens of the tiny model decode to several characters

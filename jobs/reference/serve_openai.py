@@ -40,7 +40,10 @@ def openai_completions(service: EngineService, body: Any) -> tuple[HTTPStatus, d
     """``POST /v1/completions``: ``prompt`` (str or list of str), ``max_tokens`` (default 16),
     ``temperature`` (1.0), ``top_p``, ``top_k``, ``seed``, ``stop`` (the text is cut before the first
     stop string). Log-likelihood requests (``echo`` / ``logprobs``), ``n > 1`` and streaming are refused
-    (400); the reply is OpenAI's ``text_completion`` object, one choice per prompt, with ``index``."""
+    (400); the reply is OpenAI's ``text_completion`` object, one choice per prompt, with ``index``, and
+    sglang's ``metadata`` (``weight_version`` and ``weight_versions`` spans of the first item: sglang 0.5.23
+    ``serving_completions.py`` ``build_endpoint_weight_version_metadata(ret[0]["meta_info"])``), read back by
+    :func:`jobs.eval.envs.endpoint.reply_version`."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     unknown = sorted(set(body) - set(COMPLETIONS_KEYS))
@@ -71,4 +74,5 @@ def openai_completions(service: EngineService, body: Any) -> tuple[HTTPStatus, d
         "id": f"cmpl-{req.rids[0]}", "object": "text_completion", "created": int(time.time()),
         "model": service.model_path, "choices": choices,
         "usage": {"prompt_tokens": used[0], "completion_tokens": used[1], "total_tokens": sum(used)},
+        "metadata": {k: items[0]["meta_info"][k] for k in ("weight_version", "weight_versions") if k in items[0]["meta_info"]},
     }

@@ -15,6 +15,12 @@ The contract (a new instance per episode, ``Class(**env_options)``)::
             # the model's reply (one without tool calls): the next messages, or Done(reward, answer)
         # optional: @classmethod check_row(cls, row, where) -> None  (ValueError naming `where`)
 
+Or, for an environment that runs its own loop and calls the model itself (``verifiers``): a class
+attribute ``DRIVES_MODEL = True`` and ``play(self, episodes, endpoint, spec)``, which plays every
+:class:`~jobs.eval.envs.runner.Episode` against its OpenAI ``base_url`` ``endpoint.base_url(ep.index,
+ep.sample)`` (:mod:`jobs.eval.envs.endpoint`: the pinned engine, each turn version-stamped) and ends each
+with ``ep.end(ending, cause, reward, answer)`` — the endings and blame below.
+
 A reply that calls tools (in the model's format where its tokenizer defines one, else
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen format; see
 :mod:`jobs.eval.envs.tools`) is not shown to ``step``: the runner runs each
@@ -50,6 +56,7 @@ from coord.manifest import FieldError, Fields, set_env_check
 ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "jobs.eval.envs.examples:ArithmeticEnv",
     "guess": "jobs.eval.envs.examples:GuessEnv",
+    "verifiers": "jobs.eval.envs.verifiers_env:VerifiersEnv",  # optional extra: pip install 'ckpteval[envs]'
 }
 ENDINGS_INFRA = ("env_error", "tool_error", "tool_timeout", "sandbox_failed")  # any other ending is the model's
 

@@ -11,6 +11,11 @@ Rendering: ``prompt_format: "chat"`` renders the messages (and the tools' schema
 template, :func:`jobs.eval.prompts.render_chat`; ``raw`` renders :func:`render_transcript`, a plain
 ``role: content`` transcript ending ``assistant:``, with the tools' schemas and the call format first.
 
+An environment that drives the model itself (``DRIVES_MODEL = True``: ``verifiers``,
+:mod:`jobs.eval.envs.verifiers_env`) plays its episodes through the pinned engine's loopback OpenAI
+endpoint instead (:func:`play_driven`): the same rendering, ``generate``, seeds and tool-call parsing per
+turn, every turn's version recorded by the endpoint; the same re-runs, pin check and records below.
+
 Guarantees: every turn's reply carries the engine's version; the unit's result is written only if every
 turn of every episode (retried attempts included) and the engine after the unit carry the pinned version
 (else :class:`~jobs.eval.pinning.PinViolation`). An episode that ended ``infra`` is never scored: it is
@@ -105,9 +110,13 @@ class Renderer:
             raise ValueError(f"dataset {spec.name!r} is prompt_format 'chat': rendering needs the snapshot's tokenizer")
 
     def __call__(self, ep: Episode) -> str:
+        return self.render(ep.messages, ep.tools)
+
+    def render(self, messages: list[dict[str, str]], tools: list[Tool]) -> str:
+        """A conversation and its tools as the prompt of the next assistant turn."""
         if self.tokenizer is None:
-            return render_transcript(ep.messages, ep.tools)
-        return render_chat(self.tokenizer, ep.messages, str(self.snapshot), [t.schema() for t in ep.tools] or None)
+            return render_transcript(messages, tools)
+        return render_chat(self.tokenizer, messages, str(self.snapshot), [t.schema() for t in tools] or None)
 
     @property
     def tool_format(self) -> str:
@@ -214,6 +223,30 @@ def play(engine: Engine, spec: EnvSpec, episodes: list[Episode], render: Rendere
     return generate_s
 
 
+def play_driven(engine: Engine, want: str, spec: EnvSpec, episodes: list[Episode], render: Renderer,
+                cls: type) -> float:
+    """Run ``episodes`` of an environment that drives the model itself (``DRIVES_MODEL``: its
+    ``play(episodes, endpoint, spec)`` ends each episode) against the pinned engine's loopback endpoint
+    (:mod:`jobs.eval.envs.endpoint`); every turn's version is the endpoint's record. Returns the seconds spent."""
+    from jobs.eval.envs.endpoint import Endpoint
+
+    t0 = time.perf_counter()
+    with Endpoint(engine, want, spec, render) as endpoint:
+        try:
+            cls(**spec.env_options).play(episodes, endpoint, spec)
+        except Exception as e:  # noqa: BLE001  # user code: the environment's failure is the episodes' infra
+            for ep in episodes:
+                if ep.ended is None:
+                    ep.end("env_error", f"play() raised {last_line(e)}")
+    for ep in episodes:
+        turns = endpoint.turns(ep.index, ep.sample)
+        ep.versions, ep.turns, ep.tokens = list(turns.versions), len(turns.versions), turns.tokens
+        if ep.ended is None:
+            ep.end("env_error", "play() did not end the episode")
+    endpoint.raise_engine_error()
+    return time.perf_counter() - t0
+
+
 def env_sandbox(cache: DatasetCache) -> Sandbox:
     """The worker's sandbox pool (the code scorer's settings: ``--sandbox-concurrency``,
     ``--unsafe-code-rlimits-only``)."""
@@ -238,9 +271,12 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
     todo, seen, generate_s = list(range(len(episodes))), [], 0.0
     for attempt in range(spec.infra_retries + 1):
         batch = [episodes[k] for k in todo]
-        for ep in batch:
-            start(ep, cls, spec)
-        generate_s += play(engine, spec, batch, render, sandbox)
+        if getattr(cls, "DRIVES_MODEL", False):
+            generate_s += play_driven(engine, want, spec, batch, render, cls)
+        else:
+            for ep in batch:
+                start(ep, cls, spec)
+            generate_s += play(engine, spec, batch, render, sandbox)
         seen += [v for ep in batch for v in ep.versions]
         todo = [k for k in todo if episodes[k].blame == "infra"]
         if not todo or attempt == spec.infra_retries:
