@@ -28,8 +28,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from jobs.eval.engines.base import EngineError, SamplingParams
 from jobs.eval.engines.hf import HFEngine
 from jobs.eval.engines.http import HTTPEngine
+from jobs.eval.engines.http_limits import ServerBusy
 from jobs.eval.engines.sglang import free_port
 from jobs.reference.model import make_addition_examples
+from jobs.reference.serve import EngineHTTPServer
+from jobs.reference.serve_engine import EngineService
 
 REPO = Path(__file__).resolve().parents[1]
 SnapshotFactory = Callable[..., Path]
@@ -432,3 +435,44 @@ def test_serve_exits_cleanly_on_sigterm(tiny_snapshot: Path, tmp_path: Path) -> 
     server = start_server(tiny_snapshot, "1", tmp_path / "stderr.log")
     assert httpx.get(server.url + "/health").status_code == 200
     assert stop_server(server) == 0
+
+
+@pytest.fixture
+def shedding(tiny_snapshot: Path) -> Iterator[tuple[EngineService, str]]:
+    """The stand-in with ``--max-queued-requests 0``, served from this process so a test can hold its
+    engine (as a long batch would) and see requests shed while it is busy."""
+    engine = HFEngine(max_batch_size=8)
+    engine.load(str(tiny_snapshot), "0")
+    service = EngineService(engine, str(tiny_snapshot), max_queued=0)
+    server = EngineHTTPServer(("127.0.0.1", 0), service)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield service, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    engine.close()
+
+
+def test_a_full_queue_is_a_503_the_client_retries_without_a_restart(shedding: tuple[EngineService, str]) -> None:
+    service, url = shedding
+    restarts: list[bool] = []
+    impatient = HTTPEngine(url, busy_retries=0, launcher=lambda: restarts.append(True))
+    with service.lock:  # the engine is busy with a long batch
+        reply = httpx.post(url + "/generate", json={"text": "1+1="}, timeout=30)
+        assert reply.status_code == 503 and reply.json() == {
+            "object": "error", "message": "The request queue is full.", "type": "503", "param": None, "code": 503}
+        with pytest.raises(ServerBusy, match="The request queue is full"):
+            impatient.generate(["1+1="], GREEDY)
+    assert impatient.generate(["1+1="], GREEDY)[0].weight_version == "0"  # idle again: served
+
+    patient = HTTPEngine(url, busy_retries=8, busy_retry_delay=0.05, launcher=lambda: restarts.append(True))
+    out: list[Any] = []
+    with service.lock:
+        shed = service.shed
+        worker = threading.Thread(target=lambda: out.append(patient.generate(PROMPTS[:2], GREEDY)), daemon=True)
+        worker.start()
+        while service.shed < shed + 2 and worker.is_alive():  # shed twice, still retrying
+            time.sleep(0.01)
+    worker.join(timeout=60)
+    assert len(out) == 1 and [g.weight_version for g in out[0]] == ["0", "0"]
+    assert service.shed >= shed + 2 and restarts == []

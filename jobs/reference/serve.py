@@ -44,7 +44,12 @@ Status codes and bodies for bad requests, as sglang answers them:
   ``max_new_tokens`` that overflows it; a LoRA request; no prompt): 400 ``{"error": {"message"}}``;
 - ``max_new_tokens: 0`` is valid (empty output, ``{"type": "length", "length": 0}``); an absent one
   defaults to 128, capped at the context length as the scheduler does; temperature below 1e-6 is greedy;
-- an unknown route: 404 ``{"detail": "Not Found"}``; an engine failure: 500.
+- an unknown route: 404 ``{"detail": "Not Found"}``; an engine failure: 500;
+- a request shed under load (``--max-queued-requests N``: it would wait behind a busy engine while N
+  already wait): 503 ``{"object": "error", "message": "The request queue is full.", "type": "503",
+  "param": null, "code": 503}`` (``scheduler.py`` ``_abort_on_queued_limit``; the ``HTTPException`` of
+  ``tokenizer_manager.py`` ``_handle_abort_finish_reason`` rendered by ``http_server.py``
+  ``validation_exception_handler``).
 
 Seeds: ``sampling_seed`` is validated always and applied only with ``--enable-deterministic-inference``
 (``srt/sampling/sampling_batch_info.py``; unseeded requests then use 42), where a sample depends on its
@@ -78,7 +83,7 @@ from typing import Any
 from jobs.eval.engines.base import EngineError
 from jobs.eval.options import DEVICE_RE
 from jobs.flags import Parser, bounded, check_file_readable, fail, positive_int
-from jobs.reference.serve_engine import DEFAULT_WEIGHT_VERSION, EngineService
+from jobs.reference.serve_engine import DEFAULT_WEIGHT_VERSION, EngineService, Overloaded
 from jobs.reference.serve_openai import openai_completions
 from jobs.reference.serve_requests import (
     BadRequest,
@@ -157,6 +162,10 @@ class Handler(BaseHTTPRequestHandler):
             items = self.server.service.generate(req)
         except EngineError:
             self._text(HTTPStatus.INTERNAL_SERVER_ERROR, "Internal Server Error")  # Starlette's 500
+            return
+        except Overloaded as e:  # an abort with status 503, as an HTTPException (ErrorResponse, type "503")
+            self._json(HTTPStatus.SERVICE_UNAVAILABLE,
+                       {"object": "error", "message": str(e), "type": "503", "param": None, "code": 503})
             return
         self._json(HTTPStatus.OK, items if req.batched else items[0])
 
@@ -302,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype (default: float32)")
     parser.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
                         help="most prompts generated in one batch (default: 256)")
+    parser.add_argument("--max-queued-requests", type=bounded(int, min=0), default=None, metavar="N",
+                        help="shed a request (503 'The request queue is full.') that would wait behind a busy "
+                        "engine while N already wait, as sglang's flag does (default: no limit)")
     parser.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
@@ -353,7 +365,8 @@ def main(argv: list[str]) -> int:
     except EngineError as e:
         server.server_close()
         return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
-    server.service = EngineService(engine, args.model, args.enable_deterministic_inference)
+    server.service = EngineService(engine, args.model, args.enable_deterministic_inference,
+                                   max_queued=args.max_queued_requests)
     try:
         serve_until_signalled(server, "ckpteval-serve")
     finally:
