@@ -9,6 +9,7 @@ the ``sglang/api/v1/api_types.py`` schema gate, ``_create_error_response``), sam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import signal
@@ -28,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from jobs.eval.engines.base import EngineError, SamplingParams
 from jobs.eval.engines.hf import HFEngine
 from jobs.eval.engines.http import HTTPEngine
+from jobs.eval.engines.http_auth import ADMIN_API_KEY_ENV, API_KEY_ENV, Unauthorized
 from jobs.eval.engines.http_limits import ServerBusy
 from jobs.eval.engines.sglang import free_port
 from jobs.reference.model import make_addition_examples
@@ -437,20 +439,30 @@ def test_serve_exits_cleanly_on_sigterm(tiny_snapshot: Path, tmp_path: Path) -> 
     assert stop_server(server) == 0
 
 
-@pytest.fixture
-def shedding(tiny_snapshot: Path) -> Iterator[tuple[EngineService, str]]:
-    """The stand-in with ``--max-queued-requests 0``, served from this process so a test can hold its
-    engine (as a long batch would) and see requests shed while it is busy."""
+@contextlib.contextmanager
+def in_process(snapshot: Path, api_keys: tuple[str | None, str | None] = (None, None),
+               **service: Any) -> Iterator[tuple[EngineService, str]]:
+    """The stand-in's HTTP server in this process (what ``ckpteval serve`` runs), so a test can reach its
+    engine service: hold the engine as a long batch would."""
     engine = HFEngine(max_batch_size=8)
-    engine.load(str(tiny_snapshot), "0")
-    service = EngineService(engine, str(tiny_snapshot), max_queued=0)
-    server = EngineHTTPServer(("127.0.0.1", 0), service)
+    engine.load(str(snapshot), "0")
+    server = EngineHTTPServer(("127.0.0.1", 0), EngineService(engine, str(snapshot), **service))
+    server.api_keys = api_keys
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield service, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    engine.close()
+    try:
+        yield server.service, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        engine.close()
+
+
+@pytest.fixture
+def shedding(tiny_snapshot: Path) -> Iterator[tuple[EngineService, str]]:
+    """The stand-in with ``--max-queued-requests 0``: requests arriving while the engine is busy are shed."""
+    with in_process(tiny_snapshot, max_queued=0) as served:
+        yield served
 
 
 def test_a_full_queue_is_a_503_the_client_retries_without_a_restart(shedding: tuple[EngineService, str]) -> None:
@@ -476,3 +488,30 @@ def test_a_full_queue_is_a_503_the_client_retries_without_a_restart(shedding: tu
     worker.join(timeout=60)
     assert len(out) == 1 and [g.weight_version for g in out[0]] == ["0", "0"]
     assert service.shed >= shed + 2 and restarts == []
+
+
+def test_api_keys_come_from_the_environment_and_a_missing_one_is_a_401(
+    tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server started with --api-key and --admin-api-key (sglang's srt/utils/auth.py rules)."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_API_KEY_ENV, raising=False)
+    with in_process(tiny_snapshot, api_keys=("user-secret", "admin-secret")) as (_, url):
+        assert httpx.get(url + "/health_generate").status_code == 200  # probes need no key
+        raw = httpx.post(url + "/generate", json={"text": "1+1="})
+        assert raw.status_code == 401 and raw.json() == {"error": "Unauthorized"}
+        with pytest.raises(Unauthorized, match=API_KEY_ENV) as caught:
+            HTTPEngine(url).generate(["1+1="], GREEDY)
+        assert not caught.value.restart_helps
+
+        monkeypatch.setenv(API_KEY_ENV, "user-secret")
+        user = HTTPEngine(url)
+        assert user.healthy() and user.generate(["1+1="], GREEDY)[0].weight_version == "0"
+        with pytest.raises(Unauthorized, match=ADMIN_API_KEY_ENV) as caught:  # a weight load is admin
+            user.load(str(tiny_snapshot), "1")
+        assert "secret" not in str(caught.value)  # messages (results, logs) never carry a key
+
+        monkeypatch.setenv(ADMIN_API_KEY_ENV, "admin-secret")
+        admin = HTTPEngine(url)
+        admin.load(str(tiny_snapshot), "1")
+        assert admin.weight_version() == "1" and "secret" not in repr(admin._keys)

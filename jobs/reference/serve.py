@@ -45,6 +45,9 @@ Status codes and bodies for bad requests, as sglang answers them:
 - ``max_new_tokens: 0`` is valid (empty output, ``{"type": "length", "length": 0}``); an absent one
   defaults to 128, capped at the context length as the scheduler does; temperature below 1e-6 is greedy;
 - an unknown route: 404 ``{"detail": "Not Found"}``; an engine failure: 500;
+- a request without the key its route needs, on a server started with ``--api-key``/``--admin-api-key``:
+  401 ``{"error": "Unauthorized"}`` (``srt/utils/auth.py``: ``/health*`` always open, admin-optional
+  routes such as weight loads and aborts want the admin key when set, the rest the api key);
 - a request shed under load (``--max-queued-requests N``: it would wait behind a busy engine while N
   already wait): 503 ``{"object": "error", "message": "The request queue is full.", "type": "503",
   "param": null, "code": 503}`` (``scheduler.py`` ``_abort_on_queued_limit``; the ``HTTPException`` of
@@ -89,6 +92,7 @@ from jobs.reference.serve_requests import (
     BadRequest,
     ContractError,
     Refused,
+    auth_status,
     error_body,
     parse_generate,
     parse_update,
@@ -140,7 +144,13 @@ class Handler(BaseHTTPRequestHandler):
         self._route({"/generate": self._generate})
 
     def _route(self, routes: dict[str, Callable[[], None]]) -> None:
-        handler = routes.get(self.path.split("?", 1)[0])
+        path = self.path.split("?", 1)[0]
+        keys = getattr(self.server, "api_keys", (None, None))
+        if auth_status(path, self.headers.get("Authorization"), *keys) is not None:  # sglang's middleware: first
+            self.close_connection = True
+            self._json(HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})
+            return
+        handler = routes.get(path)
         if handler is None:
             self.close_connection = True
             self._json(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})  # FastAPI's 404
@@ -269,6 +279,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
     """A threading HTTP server holding the :class:`EngineService`."""
 
     daemon_threads = True
+    api_keys: tuple[str | None, str | None] = (None, None)  # --api-key, --admin-api-key
 
     def __init__(self, address: tuple[str, int], service: EngineService, verbose: bool = False) -> None:
         self.service = service
@@ -319,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="apply each request's sampling_params.sampling_seed (unseeded: 42), as sglang does with this flag",
     )
+    parser.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but "
+                        "/health* (and on admin routes unless --admin-api-key), as sglang's flag does")
+    parser.add_argument("--admin-api-key", metavar="KEY", help="require this key on admin routes (weight loads, "
+                        "/weights_checker, aborts, pause), as sglang's flag does")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     j = parser.add_argument_group("judge stand-in (jobs/reference/serve_judge.py; no model is loaded)")
     j.add_argument("--judge", choices=JUDGE_MODES, metavar="MODE",
@@ -367,6 +382,7 @@ def main(argv: list[str]) -> int:
         return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
     server.service = EngineService(engine, args.model, args.enable_deterministic_inference,
                                    max_queued=args.max_queued_requests)
+    server.api_keys = (args.api_key, args.admin_api_key)
     try:
         serve_until_signalled(server, "ckpteval-serve")
     finally:

@@ -41,7 +41,9 @@ Promises:
   :class:`~jobs.eval.engines.base.RequestRejected` with the server's message; transport errors,
   timeouts and 5xx raise plain :class:`EngineError` (restart), except a 503 with a message: a busy
   server, retried with backoff and never restarted (:mod:`jobs.eval.engines.http_limits`, which also
-  sizes each ``/generate`` timeout from ``max_new_tokens`` and the batch). Error bodies are read in the three
+  sizes each ``/generate`` timeout from ``max_new_tokens`` and the batch); a 401 is
+  :class:`~jobs.eval.engines.http_auth.Unauthorized` (keys come from the environment only:
+  :mod:`jobs.eval.engines.http_auth`). Error bodies are read in the three
   shapes sglang uses: ``{"error": "<str>"}`` (the 0.5.22+ schema gate), ``{"error": {"message"}}``
   (``_create_error_response``) and ``{"object": "error", "message"}`` (``ErrorResponse``).
 - :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
@@ -72,6 +74,7 @@ from jobs.eval.engines.base import (
     SamplesAborted,
     SamplingParams,
 )
+from jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
 from jobs.eval.engines.http_limits import DEFAULT_TOKEN_TIMEOUT_S, generate_timeout, send_retrying_busy
 from jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exported: callers import them from here
     SUPPORTED_SGLANG,
@@ -234,6 +237,7 @@ class HTTPEngine:
         self._timeout, self._token_timeout_s = timeout, token_timeout_s  # /generate: http_limits.generate_timeout
         self._busy_retries, self._busy_retry_delay = busy_retries, busy_retry_delay
         self._client = httpx.Client(base_url=self._base_url, timeout=timeout)
+        self._keys = keys_from_env()  # --api-key servers: the environment's keys (http_auth)
         self._model_info_path = "/model_info"
         self._server_info: dict[str, Any] | None = None  # read once, by the version check
         self._weights_unknown = False  # a load failed: weights may be partly replaced
@@ -249,9 +253,12 @@ class HTTPEngine:
         if self._closed:
             raise EngineError(f"engine for {self._base_url} is closed")
         try:
-            return self._client.request(method, path, **kwargs)
+            response = self._client.request(method, path, headers=auth_headers(path, self._keys), **kwargs)
         except httpx.TransportError as e:
             raise EngineError(f"{method} {self._base_url}{path} failed: {type(e).__name__}: {e}") from e
+        if response.status_code == 401:
+            raise unauthorized(method, f"{self._base_url}{path}", self._keys)
+        return response
 
     def _get_json(self, paths: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
         """GET the first of ``paths`` the server does not 404 (newer route first); its JSON object."""
