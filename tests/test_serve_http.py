@@ -284,10 +284,11 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]
 
 
 def _generate_while_aborting(server: Server, rid: str) -> list[dict]:
-    """POST the slow batch as ``rid`` and abort it until the reply comes back; the reply's items."""
+    """POST the slow batch as ``rid`` and abort its first prompt (``rid_0``, an exact rid: sglang drops
+    the batch's prefix rid) until the reply comes back; the reply's items."""
     thread, box = _in_thread(lambda: post(server, "/generate", SLOW | {"rid": rid}))
     while thread.is_alive():  # aborting an unknown rid is a no-op: repeat until the request is live
-        assert post(server, "/abort_request", {"rid": rid}).status_code == 200
+        assert post(server, "/abort_request", {"rid": f"{rid}_0"}).status_code == 200
         thread.join(0.05)
     assert box["value"].status_code == 200
     return box["value"].json()
@@ -298,15 +299,35 @@ def test_abort_request_answers_200_with_abort_finish_reasons(server: Server) -> 
     that attempt proves nothing, so the test waits for the event it asserts (an abort that landed)."""
     for attempt in range(20):
         items = _generate_while_aborting(server, f"slow{attempt}")
-        if any(i["meta_info"]["finish_reason"]["type"] == "abort" for i in items):
+        if items[0]["meta_info"]["finish_reason"]["type"] == "abort":
             break
     else:
         pytest.fail("20 slow batches all finished before an abort reached them")
-    assert [i["meta_info"]["id"] for i in items] == [f"slow{attempt}_{i}" for i in range(8)]  # prefix match
-    for item in items:
-        meta = item["meta_info"]
-        assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["status_code"] is None
-        assert "prompt_tokens" not in meta and meta["weight_version"] == "0"
+    assert [i["meta_info"]["id"] for i in items] == [f"slow{attempt}_{i}" for i in range(8)]
+    assert [i["meta_info"]["finish_reason"]["type"] == "abort" for i in items] == [True] + [False] * 7
+    meta = items[0]["meta_info"]
+    assert meta["finish_reason"]["status_code"] is None
+    assert "prompt_tokens" not in meta and meta["weight_version"] == "0"
+
+
+def test_abort_request_aborts_what_sglang_would(tiny_snapshot: Path) -> None:
+    """sglang forwards only an exact live rid (tokenizer_manager.py abort_request), then aborts every live
+    rid starting with it (scheduler.py abort_request): the batch prefix "job" and "jo" abort nothing,
+    "job_1" aborts job_1, job_10 and job_11. Requests queued behind a held engine are live and waiting."""
+    batch = {"text": [f"{i}+1=" for i in range(12)], "sampling_params": {"max_new_tokens": 2}, "rid": "job"}
+    with in_process(tiny_snapshot) as (service, url):
+        with service.lock:  # a long batch runs: ours waits in the queue, registered
+            thread, box = _in_thread(lambda: httpx.post(url + "/generate", json=batch, timeout=60))
+            while len(service.live) < 12 and thread.is_alive():
+                time.sleep(0.01)
+            for rid in ("job", "jo", "job_1", "nobody"):
+                assert httpx.post(url + "/abort_request", json={"rid": rid}).status_code == 200
+        thread.join(60)
+    items = box["value"].json()
+    aborted = {i["meta_info"]["id"]: i["meta_info"]["finish_reason"] for i in items
+               if i["meta_info"]["finish_reason"]["type"] == "abort"}
+    assert sorted(aborted) == ["job_1", "job_10", "job_11"]
+    assert {f["message"] for f in aborted.values()} == {"Abort in waiting queue"}
 
 
 def test_pause_in_abort_mode_aborts_in_flight_and_holds_new_requests(server: Server) -> None:

@@ -24,7 +24,9 @@ Routes (``srt/entrypoints/http_server.py``; nothing that release lacks, e.g. no
 - ``GET|POST /weights_checker`` ``{"action": "checksum"}``: per-tensor checksums of the weights held
   (``srt/utils/weight_checker.py``), ``{"success", "message", "ranks": [{"checksums", "per_gpu_checksum",
   "parallelism_info"}], "per_engine_checksum"}``; other actions 400 ``{"success": false, "message"}``.
-- ``POST /abort_request`` ``{"rid", "abort_all"?}`` (rid prefix match, as the scheduler does),
+- ``POST /abort_request`` ``{"rid", "abort_all"?}``: only an rid a live request carries exactly is
+  forwarded (``tokenizer_manager.py`` ``abort_request``), which then aborts every live rid starting with
+  it (``scheduler.py`` ``abort_request``); a batch's prefix rid aborts nothing;
   ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (abort: aborts everything in
   flight, waits for it to end; new requests wait until ``POST /continue_generation``).
 - ``GET /model_info`` (and the deprecated ``/get_model_info``), ``GET /server_info`` (and

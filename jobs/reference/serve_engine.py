@@ -3,7 +3,8 @@
 Owns what the HTTP handlers of ``jobs.reference.serve`` call: the :class:`~jobs.eval.engines.hf.HFEngine`,
 the served label and model path, the requests in flight, and the pause gate. Promises, as sglang 0.5.23
 behaves: length checks against the model's context (``tokenizer_manager.py``), the scheduler's
-``max_new_tokens`` cap, seeds applied only in deterministic mode (unseeded: 42), rid-prefix aborts,
+``max_new_tokens`` cap, seeds applied only in deterministic mode (unseeded: 42), aborts by exact rid
+(then by prefix in the scheduler),
 ``weight_versions`` spans, the label and model path changing only on a successful load, and
 ``--max-queued-requests``: a request that would queue behind a busy engine while that many already
 wait is shed with :class:`Overloaded` (HTTP 503 "The request queue is full.", ``scheduler.py``
@@ -239,10 +240,15 @@ class EngineService:
 
     # ---------------------------------------------------------------- control
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """tokenizer_manager.py ``abort_request``; the scheduler matches rids by prefix."""
+        """sglang's two steps: ``tokenizer_manager.py`` ``abort_request`` drops an empty rid, and an rid no
+        live request carries *exactly* (one tokenizer worker, the default); a forwarded rid aborts, in
+        ``scheduler.py`` ``abort_request``, every live request whose rid *starts with* it (``job_1`` also
+        aborts ``job_10``). A batch's prefix rid (``job`` for ``job_0``..) is no live rid: nothing."""
         if not abort_all and not rid:
             return
         with self.state:
+            if not abort_all and rid not in self.live:
+                return
             for live_rid, live in self.live.items():
                 if abort_all or live_rid.startswith(rid):
                     live.aborted = True
