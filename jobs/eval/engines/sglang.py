@@ -34,7 +34,11 @@ the running server's ``/server_info`` version is checked again on first contact 
 Seeds: ``deterministic=True`` adds ``--enable-deterministic-inference`` (the worker sets it when a
 dataset of the run samples): sglang applies ``sampling_seed`` only in that mode
 (``srt/sampling/sampling_batch_info.py``), and there an unseeded request uses seed 42, which is why
-the client sends one seed per sample.
+the client sends one seed per sample. A seeded sample repeats only on the same GPU generation, TP size
+and sglang version (``srt/arg_groups/overrides.py`` ``_deterministic_attention_backend`` picks kernels
+by architecture; ``srt/arg_groups/attention_hook.py`` ``handle_deterministic_inference`` fixes the
+all-reduce for one TP size), and is not promised at all with LoRA (``srt/lora/backend/`` is outside
+the deterministic mode).
 
 Limits: importing this module needs neither sglang nor a GPU (nor torch); launching needs both. A
 port picked automatically is free when picked, not reserved until sglang binds it. ``device="cpu"``
