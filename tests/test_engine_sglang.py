@@ -216,10 +216,10 @@ def _gone(group: int) -> bool:
 def test_launches_are_bounded_by_the_startup_timeout_not_the_load_timeout(tmp_path: Path) -> None:
     """A real process that starts slower than the worker's load timeout (sglang needs a GPU, so the process
     is the fake launcher): the first load and a restart both complete, as a big model's start-up must."""
-    engine, _ = _slow_engine(tmp_path, 1.5)
+    engine, _ = _slow_engine(tmp_path, 0.8)
     try:
         assert engine.launch_pending and launch_timeout(engine, pending_only=True) > 60
-        assert pin(engine, str(tmp_path), "1", load_timeout_s=0.2)  # launches: start-up 1.5 s > 0.2 s
+        assert pin(engine, str(tmp_path), "1", load_timeout_s=0.2)  # launches: start-up 0.8 s > 0.2 s
         first = engine.pid
         assert not engine.launch_pending and launch_timeout(engine, pending_only=True) == 0
         restart(engine, load_timeout_s=0.2)
