@@ -216,7 +216,8 @@ def test_the_generate_timeout_grows_with_max_new_tokens_and_waves(stub: tuple[St
     assert len(patient.generate(["a"], SamplingParams(max_new_tokens=8))) == 1  # 0.2 + 1.2 s > 1 s
     with pytest.raises(EngineError, match="Timeout"):
         patient.generate(["a"], SamplingParams(max_new_tokens=2))  # 0.2 + 0.3 s < 1 s
-    state.extra_info = {"max_running_requests": 1}  # two prompts run in two waves
+    state.extra_info = {"max_running_requests": 64,  # the arg; what runs is what the scheduler reports
+                        "internal_states": [{"effective_max_running_requests_per_dp": 1}]}
     waves = engine(url, timeout=0.2, token_timeout_s=0.15)
     assert len(waves.generate(["a", "b"], SamplingParams(max_new_tokens=4))) == 2  # 0.2 + 0.6 x 2 s > 1 s
 

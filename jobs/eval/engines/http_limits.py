@@ -16,9 +16,11 @@ Owns two rules of :class:`~jobs.eval.engines.http.HTTPEngine`, read from sglang 
   proxy, a server shutting down: ``health_generate`` answers a bare 503) and every other 5xx stay
   :class:`~jobs.eval.engines.base.EngineError` (restart).
 - **A long batch is given its time.** :func:`generate_timeout` is the base timeout plus
-  ``token_timeout_s`` per new token per *wave* (``ceil(prompts / max_running_requests)`` when the
-  server reports ``max_running_requests`` in ``/server_info``, its resolved server args; else 1): a
-  32k-token chain of thought is not cut at a flat 300 s. A timed-out client disconnects, and sglang
+  ``token_timeout_s`` per new token per *wave*: ``ceil(prompts / R)``, ``R`` the requests the server
+  runs at once — the sum over DP ranks of ``internal_states[].effective_max_running_requests_per_dp``
+  in ``/server_info`` (``srt/managers/scheduler_components/internal_state.py`` ``_add_topology``),
+  else its ``max_running_requests`` server arg, else one wave. A 32k-token chain of thought is not
+  cut at a flat 300 s. A timed-out client disconnects, and sglang
   aborts a non-streaming request whose client is gone (``tokenizer_manager.py`` ``generate_request``,
   ``request.is_disconnected``), so a timeout too short is never recovered by resending.
 
@@ -90,6 +92,17 @@ def generate_timeout(
     base_s: float, token_timeout_s: float, max_new_tokens: int, prompts: int, server_info: dict[str, Any]
 ) -> float:
     """Seconds one ``/generate`` of ``prompts`` prompts of up to ``max_new_tokens`` may take (module doc)."""
-    running = server_info.get("max_running_requests")
-    waves = math.ceil(prompts / running) if isinstance(running, int) and running > 0 else 1
+    running = running_at_once(server_info)
+    waves = math.ceil(prompts / running) if running else 1
     return base_s + token_timeout_s * max(0, max_new_tokens) * waves
+
+
+def running_at_once(server_info: dict[str, Any]) -> int | None:
+    """How many requests the server decodes at once (module doc), or None when it does not say."""
+    states = server_info.get("internal_states")
+    per_dp = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)] \
+        if isinstance(states, list) else []
+    if per_dp and all(isinstance(n, int) and n > 0 for n in per_dp):
+        return sum(per_dp)
+    arg = server_info.get("max_running_requests")
+    return arg if isinstance(arg, int) and arg > 0 else None
