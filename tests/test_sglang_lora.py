@@ -27,6 +27,7 @@ class LoRAStub(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.label = "base"
         self.adapters: dict[str, str] = {}
+        self.ever: dict[str, str] = {}  # every name loaded since start (sglang's lora_ref_cache, never emptied)
         self.generate_bodies: list[dict[str, Any]] = []
         self.lost_race = False  # the next load finds another client's load of the same name landed first
         self.unload_error: str | None = None  # the next unload fails with this message
@@ -77,7 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif not Path(path, "adapter_config.json").is_file():
                 error = f"Failed to load LoRA adapter {name}: no adapter_config.json in {path}"
             else:
-                s.adapters[name] = path
+                s.adapters[name] = s.ever[name] = path
                 return self._reply(200, {"success": True, "error_message": None, "loaded_adapters": s.adapters})
             return self._reply(400, {"success": False, "error_message": error, "loaded_adapters": s.adapters})
         if self.path == "/unload_lora_adapter":
@@ -91,6 +92,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/generate":
             s.generate_bodies.append(body)
             name = body.get("lora_path")
+            if name not in s.adapters and name in s.ever:  # evicted or unloaded: sglang reloads it on use
+                s.adapters[name] = s.ever[name]
             if name not in s.adapters:
                 return self._reply(400, {"error": {"message": f"Got LoRA adapter that has never been loaded: {name}"}})
             texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
@@ -142,10 +145,15 @@ def test_adapter_per_snapshot_named_by_step_and_pinned(stub: LoRAStub, tmp_path:
     assert [g.weight_version for g in engine.generate(["3+3="], SamplingParams())] == ["update-7+20"]
     stub.label = "base"
 
-    stub.adapters.clear()  # unloaded behind our back: the version is unknown, and generation is refused
+    stub.adapters.clear()  # unloaded or evicted behind our back: not listed, so the version is unknown ...
     assert engine.weight_version() is None
-    with pytest.raises(EngineError, match="never been loaded"):
-        engine.generate(["3+3="], SamplingParams())
+    assert [g.weight_version for g in engine.generate(["3+3="], SamplingParams())] == ["20"]  # ... sglang
+    assert engine.weight_version() == "20"  # reloads a name it loaded once, from its path, on use
+
+    stub.adapters.clear()
+    stub.ever.clear()  # a restarted server never loaded the name: its 400 makes the client load it again
+    assert [g.text for g in engine.generate(["3+3="], SamplingParams())] == [adapter_name("20", str(second))]
+    assert engine.weight_version() == "20"
     engine.close()
 
 

@@ -9,9 +9,12 @@ step* and every request names it. Contract read from sglang 0.5.23's source:
   ("already loaded") — sglang/srt/entrypoints/http_server.py ``load_lora_adapter`` and
   sglang/srt/managers/tokenizer_control_mixin.py ``load_lora_adapter``;
   ``POST /unload_lora_adapter {"lora_name"}`` likewise (same files).
-- ``/generate`` ``lora_path`` is the adapter *name* (io_struct.py ``GenerateReqInput.lora_path``); an
-  unknown name is a 400 "Got LoRA adapter that has never been loaded" (tokenizer_manager.py
-  ``_resolve_lora_path``), so a 200 answer was produced by exactly the adapter registered under it.
+- ``/generate`` ``lora_path`` is the adapter *name* (io_struct.py ``GenerateReqInput.lora_path``); a
+  name loaded once and since evicted or unloaded is loaded again by sglang itself from the path it was
+  registered with (tokenizer_manager.py ``_resolve_lora_path``: ``lora_ref_cache`` is never emptied);
+  a name the server never loaded (it restarted) is a 400 "Got LoRA adapter that has never been loaded",
+  on which the client loads its adapter again and resends once (:data:`NEVER_LOADED`). A 200 answer
+  was produced by exactly the adapter registered under the name (one name, one snapshot path).
 - ``GET /v1/models`` lists loaded adapters as cards ``{"id": name, "root": path, "parent": base}``
   (http_server.py ``available_models``): the read-back of which weights a name holds.
 - Dynamic loads need ``--enable-lora --max-lora-rank R --lora-target-modules ...`` at launch
@@ -71,6 +74,7 @@ SGLANG_LORA_MODULES = (
     "lm_head", "qkvr", "wo_ud",
 )  # fmt: skip
 DUPLICATE_LOAD = ("already loaded", "already exists")  # lora_manager.py / lora_registry.py, a name taken
+NEVER_LOADED = "has never been loaded"  # tokenizer_manager.py _resolve_lora_path: a server that restarted
 
 
 class UnservableAdapter(RequestRejected):
@@ -177,6 +181,21 @@ class _LoRAClient:
                 print(f"ckpteval: could not unload LoRA adapter {previous[0]} from {self.base_url}: {e}",
                       file=sys.stderr, flush=True)
 
+    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
+        """Generate under the current adapter; a server that lost it (restarted) gets it loaded again."""
+        if self._adapter is None:
+            raise EngineError("no adapter loaded: call load() first")
+        try:
+            return self._stamp(super().generate(*args, **kwargs))  # type: ignore[misc]
+        except RequestRejected as e:
+            if NEVER_LOADED not in str(e):
+                raise
+        name, path, version = self._adapter
+        print(f"ckpteval: {self.base_url} no longer knows LoRA adapter {name} (restarted?): loading it again",
+              file=sys.stderr, flush=True)
+        self._load_adapter(path, version)
+        return self._stamp(super().generate(*args, **kwargs))  # type: ignore[misc]
+
     def _adapter_version(self) -> str | None:
         if self._adapter is None:
             return None
@@ -202,11 +221,6 @@ class HTTPLoRAEngine(_LoRAClient, HTTPEngine):
     def weight_version(self) -> str | None:
         return self._adapter_version()
 
-    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
-        if self._adapter is None:
-            raise EngineError("no adapter loaded: call load() first")
-        return self._stamp(super().generate(*args, **kwargs))
-
 
 class SGLangLoRAEngine(_LoRAClient, SGLangEngine):
     """Launches sglang on ``base_model`` with LoRA enabled (sized from the first adapter), labelled
@@ -231,11 +245,6 @@ class SGLangLoRAEngine(_LoRAClient, SGLangEngine):
 
     def weight_version(self) -> str | None:
         return None if self._not_launched else self._adapter_version()
-
-    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
-        if self._adapter is None:
-            raise EngineError("no adapter loaded: call load() first")
-        return self._stamp(super().generate(*args, **kwargs))
 
     def restart(self) -> None:
         """Relaunch on the base; the adapter must be loaded again (version ``None`` until then)."""
