@@ -256,3 +256,6 @@ def test_a_restart_cancels_a_launch_still_in_flight_before_launching_again(tmp_p
         last = engine.pid
         engine.close()
     assert last is None or _gone(last)
+    with pytest.raises(EngineError, match="closed"):  # a restart arriving after close launches nothing
+        engine.restart()
+    assert engine.pid is None

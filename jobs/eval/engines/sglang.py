@@ -327,6 +327,8 @@ class SGLangEngine(HTTPEngine):
             )
         self._cancel.set()  # a launch still in flight (its caller timed out) gives up and kills its server
         with self._launch_lock:  # ... and is waited for: one server on this port at a time
+            if self._closed:  # a restart that outlived close() must not leave a server behind
+                raise EngineError(f"engine for {self.base_url} is closed")
             self._cancel.clear()
             self._terminate()
             if self._model_path is not None:
