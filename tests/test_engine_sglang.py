@@ -10,12 +10,14 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from jobs.eval.engines.base import EngineError, RequestRejected, SamplingParams
+from jobs.eval.engines.base import EngineError, RequestRejected, SamplingParams, launch_timeout
 from jobs.eval.engines.http import UnsupportedServer
 from jobs.eval.engines.sglang import (
     DETERMINISTIC_FLAG,
@@ -27,6 +29,7 @@ from jobs.eval.engines.sglang import (
     installed_sglang_version,
     launch_command,
 )
+from jobs.eval.pinning import pin, restart
 from jobs.reference.model import (
     ModelConfig,
     build_model,
@@ -34,6 +37,7 @@ from jobs.reference.model import (
     make_addition_examples,
     save_tokenizer,
 )
+from tests.support import fake_sglang as fake_launcher
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 needs_gpu_and_sglang = pytest.mark.skipif(
@@ -190,3 +194,68 @@ def test_real_sglang_server_pins_weight_versions(tmp_path: Path) -> None:
     for group in {pid, last} - {None}:  # every launched process group is gone
         with pytest.raises(ProcessLookupError):
             os.killpg(group, 0)
+
+
+def _slow_engine(tmp_path: Path, delay: float) -> tuple[SGLangEngine, Path]:
+    """A lazy engine whose launches run the slow fake launcher (tests/support/fake_sglang.py)."""
+    delay_file = tmp_path / "delay"
+    delay_file.write_text(str(delay))
+    env = fake_launcher.install(tmp_path / "py", delay_file)
+    engine = SGLangEngine(env=env, startup_timeout=60, stop_grace=5, log_path=str(tmp_path / "sglang.log"))
+    return engine, delay_file
+
+
+def _gone(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_launches_are_bounded_by_the_startup_timeout_not_the_load_timeout(tmp_path: Path) -> None:
+    """A real process that starts slower than the worker's load timeout (sglang needs a GPU, so the process
+    is the fake launcher): the first load and a restart both complete, as a big model's start-up must."""
+    engine, _ = _slow_engine(tmp_path, 0.8)
+    try:
+        assert engine.launch_pending and launch_timeout(engine, pending_only=True) > 60
+        assert pin(engine, str(tmp_path), "1", load_timeout_s=0.2)  # launches: start-up 0.8 s > 0.2 s
+        first = engine.pid
+        assert not engine.launch_pending and launch_timeout(engine, pending_only=True) == 0
+        restart(engine, load_timeout_s=0.2)
+        assert engine.pid != first and _gone(first) and engine.weight_version() == "1"
+    finally:
+        engine.close()
+
+
+def test_a_restart_cancels_a_launch_still_in_flight_before_launching_again(tmp_path: Path) -> None:
+    """A launch whose caller gave up keeps running in its thread; the restart must not launch a second server
+    on the same port beside it: it cancels it, waits for its process group to end, then launches."""
+    engine, delay_file = _slow_engine(tmp_path, 60)
+    errors: list[EngineError] = []
+
+    def first_load() -> None:
+        try:
+            engine.load(str(tmp_path), "1")
+        except EngineError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=first_load, daemon=True)
+    thread.start()
+    try:
+        while engine.pid is None and thread.is_alive():  # launched, still starting (60 s)
+            time.sleep(0.05)
+        first = engine.pid
+        delay_file.write_text("0")
+        engine.restart()
+        assert _gone(first) and engine.pid != first  # the in-flight server was torn down first
+        thread.join(timeout=30)
+        assert len(errors) == 1 and "cancelled" in str(errors[0])
+        assert engine.healthy() and engine.weight_version() == "1"
+    finally:
+        last = engine.pid
+        engine.close()
+    assert last is None or _gone(last)
+    with pytest.raises(EngineError, match="closed"):  # a restart arriving after close launches nothing
+        engine.restart()
+    assert engine.pid is None

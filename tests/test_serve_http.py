@@ -9,6 +9,7 @@ the ``sglang/api/v1/api_types.py`` schema gate, ``_create_error_response``), sam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import signal
@@ -28,8 +29,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from jobs.eval.engines.base import EngineError, SamplingParams
 from jobs.eval.engines.hf import HFEngine
 from jobs.eval.engines.http import HTTPEngine
+from jobs.eval.engines.http_auth import ADMIN_API_KEY_ENV, API_KEY_ENV, Unauthorized
+from jobs.eval.engines.http_limits import ServerBusy
 from jobs.eval.engines.sglang import free_port
 from jobs.reference.model import make_addition_examples
+from jobs.reference.serve import EngineHTTPServer
+from jobs.reference.serve_engine import EngineService
 
 REPO = Path(__file__).resolve().parents[1]
 SnapshotFactory = Callable[..., Path]
@@ -279,10 +284,11 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]
 
 
 def _generate_while_aborting(server: Server, rid: str) -> list[dict]:
-    """POST the slow batch as ``rid`` and abort it until the reply comes back; the reply's items."""
+    """POST the slow batch as ``rid`` and abort its first prompt (``rid_0``, an exact rid: sglang drops
+    the batch's prefix rid) until the reply comes back; the reply's items."""
     thread, box = _in_thread(lambda: post(server, "/generate", SLOW | {"rid": rid}))
     while thread.is_alive():  # aborting an unknown rid is a no-op: repeat until the request is live
-        assert post(server, "/abort_request", {"rid": rid}).status_code == 200
+        assert post(server, "/abort_request", {"rid": f"{rid}_0"}).status_code == 200
         thread.join(0.05)
     assert box["value"].status_code == 200
     return box["value"].json()
@@ -293,15 +299,35 @@ def test_abort_request_answers_200_with_abort_finish_reasons(server: Server) -> 
     that attempt proves nothing, so the test waits for the event it asserts (an abort that landed)."""
     for attempt in range(20):
         items = _generate_while_aborting(server, f"slow{attempt}")
-        if any(i["meta_info"]["finish_reason"]["type"] == "abort" for i in items):
+        if items[0]["meta_info"]["finish_reason"]["type"] == "abort":
             break
     else:
         pytest.fail("20 slow batches all finished before an abort reached them")
-    assert [i["meta_info"]["id"] for i in items] == [f"slow{attempt}_{i}" for i in range(8)]  # prefix match
-    for item in items:
-        meta = item["meta_info"]
-        assert meta["finish_reason"]["type"] == "abort" and meta["finish_reason"]["status_code"] is None
-        assert "prompt_tokens" not in meta and meta["weight_version"] == "0"
+    assert [i["meta_info"]["id"] for i in items] == [f"slow{attempt}_{i}" for i in range(8)]
+    assert [i["meta_info"]["finish_reason"]["type"] == "abort" for i in items] == [True] + [False] * 7
+    meta = items[0]["meta_info"]
+    assert meta["finish_reason"]["status_code"] is None
+    assert "prompt_tokens" not in meta and meta["weight_version"] == "0"
+
+
+def test_abort_request_aborts_what_sglang_would(tiny_snapshot: Path) -> None:
+    """sglang forwards only an exact live rid (tokenizer_manager.py abort_request), then aborts every live
+    rid starting with it (scheduler.py abort_request): the batch prefix "job" and "jo" abort nothing,
+    "job_1" aborts job_1, job_10 and job_11. Requests queued behind a held engine are live and waiting."""
+    batch = {"text": [f"{i}+1=" for i in range(12)], "sampling_params": {"max_new_tokens": 2}, "rid": "job"}
+    with in_process(tiny_snapshot) as (service, url):
+        with service.lock:  # a long batch runs: ours waits in the queue, registered
+            thread, box = _in_thread(lambda: httpx.post(url + "/generate", json=batch, timeout=60))
+            while len(service.live) < 12 and thread.is_alive():
+                time.sleep(0.01)
+            for rid in ("job", "jo", "job_1", "nobody"):
+                assert httpx.post(url + "/abort_request", json={"rid": rid}).status_code == 200
+        thread.join(60)
+    items = box["value"].json()
+    aborted = {i["meta_info"]["id"]: i["meta_info"]["finish_reason"] for i in items
+               if i["meta_info"]["finish_reason"]["type"] == "abort"}
+    assert sorted(aborted) == ["job_1", "job_10", "job_11"]
+    assert {f["message"] for f in aborted.values()} == {"Abort in waiting queue"}
 
 
 def test_pause_in_abort_mode_aborts_in_flight_and_holds_new_requests(server: Server) -> None:
@@ -432,3 +458,81 @@ def test_serve_exits_cleanly_on_sigterm(tiny_snapshot: Path, tmp_path: Path) -> 
     server = start_server(tiny_snapshot, "1", tmp_path / "stderr.log")
     assert httpx.get(server.url + "/health").status_code == 200
     assert stop_server(server) == 0
+
+
+@contextlib.contextmanager
+def in_process(snapshot: Path, api_keys: tuple[str | None, str | None] = (None, None),
+               **service: Any) -> Iterator[tuple[EngineService, str]]:
+    """The stand-in's HTTP server in this process (what ``ckpteval serve`` runs), so a test can reach its
+    engine service: hold the engine as a long batch would."""
+    engine = HFEngine(max_batch_size=8)
+    engine.load(str(snapshot), "0")
+    server = EngineHTTPServer(("127.0.0.1", 0), EngineService(engine, str(snapshot), **service))
+    server.api_keys = api_keys
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.service, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        engine.close()
+
+
+@pytest.fixture
+def shedding(tiny_snapshot: Path) -> Iterator[tuple[EngineService, str]]:
+    """The stand-in with ``--max-queued-requests 0``: requests arriving while the engine is busy are shed."""
+    with in_process(tiny_snapshot, max_queued=0) as served:
+        yield served
+
+
+def test_a_full_queue_is_a_503_the_client_retries_without_a_restart(shedding: tuple[EngineService, str]) -> None:
+    service, url = shedding
+    restarts: list[bool] = []
+    impatient = HTTPEngine(url, busy_retries=0, launcher=lambda: restarts.append(True))
+    with service.lock:  # the engine is busy with a long batch
+        reply = httpx.post(url + "/generate", json={"text": "1+1="}, timeout=30)
+        assert reply.status_code == 503 and reply.json() == {
+            "object": "error", "message": "The request queue is full.", "type": "503", "param": None, "code": 503}
+        with pytest.raises(ServerBusy, match="The request queue is full"):
+            impatient.generate(["1+1="], GREEDY)
+    assert impatient.generate(["1+1="], GREEDY)[0].weight_version == "0"  # idle again: served
+
+    patient = HTTPEngine(url, busy_retries=8, busy_retry_delay=0.05, launcher=lambda: restarts.append(True))
+    out: list[Any] = []
+    with service.lock:
+        shed = service.shed
+        worker = threading.Thread(target=lambda: out.append(patient.generate(PROMPTS[:2], GREEDY)), daemon=True)
+        worker.start()
+        while service.shed < shed + 2 and worker.is_alive():  # shed twice, still retrying
+            time.sleep(0.01)
+    worker.join(timeout=60)
+    assert len(out) == 1 and [g.weight_version for g in out[0]] == ["0", "0"]
+    assert service.shed >= shed + 2 and restarts == []
+
+
+def test_api_keys_come_from_the_environment_and_a_missing_one_is_a_401(
+    tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server started with --api-key and --admin-api-key (sglang's srt/utils/auth.py rules)."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_API_KEY_ENV, raising=False)
+    with in_process(tiny_snapshot, api_keys=("user-secret", "admin-secret")) as (_, url):
+        assert httpx.get(url + "/health_generate").status_code == 200  # probes need no key
+        raw = httpx.post(url + "/generate", json={"text": "1+1="})
+        assert raw.status_code == 401 and raw.json() == {"error": "Unauthorized"}
+        with pytest.raises(Unauthorized, match=API_KEY_ENV) as caught:
+            HTTPEngine(url).generate(["1+1="], GREEDY)
+        assert not caught.value.restart_helps
+
+        monkeypatch.setenv(API_KEY_ENV, "user-secret")
+        user = HTTPEngine(url)
+        assert user.healthy() and user.generate(["1+1="], GREEDY)[0].weight_version == "0"
+        with pytest.raises(Unauthorized, match=ADMIN_API_KEY_ENV) as caught:  # a weight load is admin
+            user.load(str(tiny_snapshot), "1")
+        assert "secret" not in str(caught.value)  # messages (results, logs) never carry a key
+
+        monkeypatch.setenv(ADMIN_API_KEY_ENV, "admin-secret")
+        admin = HTTPEngine(url)
+        admin.load(str(tiny_snapshot), "1")
+        assert admin.weight_version() == "1" and "secret" not in repr(admin._keys)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,6 +27,7 @@ from coord.results import derive_point, ok_result
 from coord.units import WorkUnit
 from jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
 from jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine, UnsupportedServer
+from jobs.eval.engines.http_limits import BUSY_MESSAGES, ServerBusy
 from jobs.eval.evaluators import EngineEvaluator, evaluate_unit
 from jobs.eval.scoring import DatasetCache
 from tests.support.workers import make_eval_run, publish_model
@@ -65,6 +67,7 @@ class Stub:
         self.requests: list[tuple[str, Any]] = []
         self.generate_script: list[Callable[[dict[str, Any]], Reply]] = []
         self.load_script: list[Reply] = []
+        self.extra_info: dict[str, Any] = {}  # more /server_info fields (server args)
 
     def normal(self, body: dict[str, Any]) -> Reply:
         return 200, [item("ok", self.label) for _ in body["text"]]
@@ -74,7 +77,7 @@ class Stub:
         if path in ("/server_info", "/model_info") and not self.new_routes:
             return 404, {"detail": "Not Found"}
         if path in ("/server_info", "/get_server_info"):
-            info = {"enable_deterministic_inference": self.deterministic}
+            info = {"enable_deterministic_inference": self.deterministic, **self.extra_info}
             return 200, info | ({} if self.version is None else {"version": self.version})
         if path in ("/model_info", "/get_model_info"):
             return 200, {"model_path": "/m", "weight_version": self.label}
@@ -125,7 +128,7 @@ SAMPLED = SamplingParams(max_new_tokens=4, temperature=0.7)
 
 
 def engine(url: str, **kw: Any) -> HTTPEngine:
-    return HTTPEngine(url, abort_retry_delay=0.0, **kw)
+    return HTTPEngine(url, **{"abort_retry_delay": 0.0, "busy_retry_delay": 0.0, **kw})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,13 +173,53 @@ def test_a_4xx_is_a_rejection_carrying_the_servers_message(stub: tuple[Stub, str
     assert message in str(caught.value)
 
 
-@pytest.mark.parametrize("status", [429, 500, 503])
-def test_a_5xx_or_rate_limit_is_not_a_rejection(stub: tuple[Stub, str], status: int) -> None:
+@pytest.mark.parametrize("status, payload", [(429, "overloaded"), (500, "boom"), (502, "bad gateway"), (503, None)])
+def test_a_5xx_or_rate_limit_is_not_a_rejection(stub: tuple[Stub, str], status: int, payload: str | None) -> None:
+    """Other 5xx and a bare 503 (no message: a proxy, a server shutting down) keep the restart."""
     state, url = stub
-    state.generate_script.append(lambda body: (status, {"object": "error", "message": "overloaded", "code": status}))
+    body = None if payload is None else {"object": "error", "message": payload, "code": status}
+    state.generate_script.append(lambda _: (status, body))
     with pytest.raises(EngineError) as caught:
         engine(url).generate(["a"], SAMPLED)
     assert not isinstance(caught.value, RequestRejected) and caught.value.restart_helps
+    assert len(state.calls("/generate")) == 1  # not retried
+
+
+def _busy(message: str) -> Callable[[dict[str, Any]], Reply]:
+    """sglang's 503 for a shed request: an HTTPException rendered as ErrorResponse (http_limits docstring)."""
+    return lambda _: (503, {"object": "error", "message": message, "type": "503", "param": None, "code": 503})
+
+
+@pytest.mark.parametrize("message", BUSY_MESSAGES)
+def test_a_503_with_a_message_is_retried_not_restarted(stub: tuple[Stub, str], message: str) -> None:
+    state, url = stub
+    state.generate_script += [_busy(message)] * 2
+    assert [g.text for g in engine(url, busy_retries=2).generate(["a"], SAMPLED)] == ["ok"]
+    assert len(state.calls("/generate")) == 3
+    state.generate_script += [_busy(message)] * 3
+    with pytest.raises(ServerBusy, match="overloaded") as caught:
+        engine(url, busy_retries=2).generate(["a"], SAMPLED)
+    assert caught.value.reason == "overloaded" and not caught.value.restart_helps
+
+
+def test_the_generate_timeout_grows_with_max_new_tokens_and_waves(stub: tuple[Stub, str]) -> None:
+    """A flat timeout cuts a long batch (and sglang aborts a request whose client left); the derived one
+    is base + per-token time x max_new_tokens x waves of ``max_running_requests``."""
+    state, url = stub
+
+    def slow(body: dict[str, Any]) -> Reply:
+        time.sleep(1.0)
+        return state.normal(body)
+
+    state.generate_script += [slow] * 3
+    patient = engine(url, timeout=0.2, token_timeout_s=0.15)
+    assert len(patient.generate(["a"], SamplingParams(max_new_tokens=8))) == 1  # 0.2 + 1.2 s > 1 s
+    with pytest.raises(EngineError, match="Timeout"):
+        patient.generate(["a"], SamplingParams(max_new_tokens=2))  # 0.2 + 0.3 s < 1 s
+    state.extra_info = {"max_running_requests": 64,  # the arg; what runs is what the scheduler reports
+                        "internal_states": [{"effective_max_running_requests_per_dp": 1}]}
+    waves = engine(url, timeout=0.2, token_timeout_s=0.15)
+    assert len(waves.generate(["a", "b"], SamplingParams(max_new_tokens=4))) == 2  # 0.2 + 0.6 x 2 s > 1 s
 
 
 def test_a_sample_spanning_two_versions_carries_both(stub: tuple[Stub, str]) -> None:
@@ -290,9 +333,17 @@ def test_an_aborted_unit_is_skipped_without_a_restart(stub: tuple[Stub, str], tm
 def test_a_dead_server_is_restarted(stub: tuple[Stub, str], tmp_path: Path) -> None:
     state, url = stub
     evaluator, ref, restarts, _ = _unit(tmp_path, url)
-    state.generate_script += [lambda body: (503, {"object": "error", "message": "down", "code": 503})] * 2
+    state.generate_script += [lambda body: (500, {"object": "error", "message": "down", "code": 500})] * 2
     result = evaluate_unit(evaluator, WorkUnit(1, "addition", 0), ref, "fast")
     assert restarts == ["restart"] and result.skip_reason == "unhealthy"
+
+
+def test_a_unit_on_an_overloaded_server_is_skipped_without_a_restart(stub: tuple[Stub, str], tmp_path: Path) -> None:
+    state, url = stub
+    evaluator, ref, restarts, _ = _unit(tmp_path, url)
+    state.generate_script += [_busy("The request queue is full.")] * 5  # the engine's 1 + 4 retries
+    result = evaluate_unit(evaluator, WorkUnit(1, "addition", 0), ref, "fast")
+    assert result.skip_reason == "overloaded" and "queue is full" in result.message and restarts == []
 
 
 def test_after_a_failed_load_the_next_unit_reloads_whatever_the_label(stub: tuple[Stub, str], tmp_path: Path) -> None:

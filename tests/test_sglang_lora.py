@@ -19,7 +19,7 @@ import pytest
 
 from jobs.eval.engines.base import EngineError, SamplingParams
 from jobs.eval.engines.factory import make_engine
-from jobs.eval.engines.sglang_lora import HTTPLoRAEngine, adapter_name, lora_launch_flags
+from jobs.eval.engines.sglang_lora import HTTPLoRAEngine, UnservableAdapter, adapter_name, lora_launch_flags
 
 
 class LoRAStub(ThreadingHTTPServer):
@@ -27,7 +27,10 @@ class LoRAStub(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.label = "base"
         self.adapters: dict[str, str] = {}
+        self.ever: dict[str, str] = {}  # every name loaded since start (sglang's lora_ref_cache, never emptied)
         self.generate_bodies: list[dict[str, Any]] = []
+        self.lost_race = False  # the next load finds another client's load of the same name landed first
+        self.unload_error: str | None = None  # the next unload fails with this message
 
     @property
     def url(self) -> str:
@@ -68,15 +71,20 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/load_lora_adapter":
             name, path = body["lora_name"], body["lora_path"]
+            if s.lost_race:
+                s.lost_race, s.adapters[name] = False, path
             if name in s.adapters:
                 error = f"Failed to load LoRA adapter {name} because it is already loaded"
             elif not Path(path, "adapter_config.json").is_file():
                 error = f"Failed to load LoRA adapter {name}: no adapter_config.json in {path}"
             else:
-                s.adapters[name] = path
+                s.adapters[name] = s.ever[name] = path
                 return self._reply(200, {"success": True, "error_message": None, "loaded_adapters": s.adapters})
             return self._reply(400, {"success": False, "error_message": error, "loaded_adapters": s.adapters})
         if self.path == "/unload_lora_adapter":
+            if s.unload_error is not None:
+                error, s.unload_error = s.unload_error, None
+                return self._reply(400, {"success": False, "error_message": error, "loaded_adapters": s.adapters})
             if s.adapters.pop(body["lora_name"], None) is None:
                 return self._reply(400, {"success": False, "error_message": f"LoRA with name {body['lora_name']} "
                                          "does not exist.", "loaded_adapters": s.adapters})
@@ -84,6 +92,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/generate":
             s.generate_bodies.append(body)
             name = body.get("lora_path")
+            if name not in s.adapters and name in s.ever:  # evicted or unloaded: sglang reloads it on use
+                s.adapters[name] = s.ever[name]
             if name not in s.adapters:
                 return self._reply(400, {"error": {"message": f"Got LoRA adapter that has never been loaded: {name}"}})
             texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
@@ -105,11 +115,11 @@ def stub() -> Iterator[LoRAStub]:
     server.server_close()
 
 
-def _adapter(tmp: Path, step: int) -> Path:
+def _adapter(tmp: Path, step: int, modules: object = ("v_proj", "q_proj")) -> Path:
     d = tmp / f"step-{step:010d}"
     d.mkdir()
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8,
-                                                       "target_modules": ["v_proj", "q_proj"]}))
+                                                       "target_modules": modules}))
     return d
 
 
@@ -135,10 +145,15 @@ def test_adapter_per_snapshot_named_by_step_and_pinned(stub: LoRAStub, tmp_path:
     assert [g.weight_version for g in engine.generate(["3+3="], SamplingParams())] == ["update-7+20"]
     stub.label = "base"
 
-    stub.adapters.clear()  # unloaded behind our back: the version is unknown, and generation is refused
+    stub.adapters.clear()  # unloaded or evicted behind our back: not listed, so the version is unknown ...
     assert engine.weight_version() is None
-    with pytest.raises(EngineError, match="never been loaded"):
-        engine.generate(["3+3="], SamplingParams())
+    assert [g.weight_version for g in engine.generate(["3+3="], SamplingParams())] == ["20"]  # ... sglang
+    assert engine.weight_version() == "20"  # reloads a name it loaded once, from its path, on use
+
+    stub.adapters.clear()
+    stub.ever.clear()  # a restarted server never loaded the name: its 400 makes the client load it again
+    assert [g.text for g in engine.generate(["3+3="], SamplingParams())] == [adapter_name("20", str(second))]
+    assert engine.weight_version() == "20"
     engine.close()
 
 
@@ -155,9 +170,51 @@ def test_a_failed_adapter_load_leaves_no_version(stub: LoRAStub, tmp_path: Path)
 
 def test_launch_flags_size_the_lora_pool_from_the_adapter(tmp_path: Path) -> None:
     flags = lora_launch_flags(str(_adapter(tmp_path, 1)))
-    assert flags == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]
+    assert flags == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj",
+                     "--max-loaded-loras", "8"]  # bounded host memory: sglang evicts LRU adapters past it
+    assert lora_launch_flags(str(tmp_path / "step-0000000001"), ("--max-loras-per-batch", "16"))[-2:] == [
+        "--max-loaded-loras", "16"]  # sglang refuses fewer loaded than per batch
+    assert "--max-loaded-loras" not in lora_launch_flags(str(tmp_path / "step-0000000001"), ("--max-loaded-loras", "4"))
     with pytest.raises(EngineError, match="cannot size"):
         lora_launch_flags(str(tmp_path))
+
+
+def test_target_modules_sglang_refuses_are_caught_before_launch(tmp_path: Path) -> None:
+    """sglang's --lora-target-modules has argparse choices: anything else and it exits at parsing."""
+    assert lora_launch_flags(str(_adapter(tmp_path, 1, "all-linear")))[3:5] == ["--lora-target-modules", "all"]
+    dotted = lora_launch_flags(str(_adapter(tmp_path, 2, ["model.layers.0.mlp.gate_proj", "up_proj"])))
+    assert dotted[3:6] == ["--lora-target-modules", "gate_proj", "up_proj"]
+    for step, modules, says in [(3, ["q_proj", "fc1"], r"\['fc1'\]"), (4, ".*proj", "not a module list"),
+                                (5, [], "non-empty list")]:
+        with pytest.raises(UnservableAdapter, match=says) as caught:
+            lora_launch_flags(str(_adapter(tmp_path, step, modules)))
+        assert "adapter_config.json" in str(caught.value) and "\n" not in str(caught.value)
+        assert caught.value.reason == "rejected" and not caught.value.restart_helps
+
+
+def test_two_workers_loading_one_adapter_on_a_shared_server(stub: LoRAStub, tmp_path: Path) -> None:
+    """The second worker's load loses the race ("already loaded", a 400): it reads /v1/models instead of
+    failing, and serves the adapter the other worker registered under the same name and path."""
+    first = _adapter(tmp_path, 10)
+    engine = HTTPLoRAEngine(stub.url)
+    stub.lost_race = True
+    engine.load(str(first), "10")
+    assert engine.weight_version() == "10" and list(stub.adapters) == [adapter_name("10", str(first))]
+    engine.close()
+
+
+def test_a_failed_unload_is_reported_not_swallowed(
+    stub: LoRAStub, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = HTTPLoRAEngine(stub.url)
+    engine.load(str(_adapter(tmp_path, 1)), "1")
+    stub.unload_error = "LoRA adapter 'x' has an incomplete unload."
+    engine.load(str(_adapter(tmp_path, 2)), "2")  # the new adapter serves; the old one stays, reported
+    assert engine.weight_version() == "2" and len(stub.adapters) == 2
+    err = capsys.readouterr().err
+    assert f"could not unload LoRA adapter {adapter_name('1', str(tmp_path / 'step-0000000001'))}" in err
+    assert "incomplete unload" in err
+    engine.close()
 
 
 def test_sglang_lora_engine_launches_nothing_before_the_first_adapter(

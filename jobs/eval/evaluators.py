@@ -31,7 +31,7 @@ from jobs.eval.engines.base import Engine, EngineError, engine_gpus
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from jobs.eval.options import WorkerOptions
-from jobs.eval.pinning import PinViolation, WorkerSkip, call_with_timeout, pin
+from jobs.eval.pinning import PinViolation, WorkerSkip, pin, restart
 from jobs.eval.prompts import NoChatTemplate
 from jobs.eval.scoring import DatasetCache, unit_input
 
@@ -134,7 +134,7 @@ class EngineEvaluator:
 
     def _heal(self, ref: SnapshotRef, want: str) -> None:
         try:
-            call_with_timeout(self.engine.restart, self.load_timeout_s, "engine restart")
+            restart(self.engine, self.load_timeout_s)  # bounded by a launch's start-up timeout
             self._pin(ref, want)
         except EngineError as e:
             raise Unhealthy(f"engine dead after restart: {e}") from e

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jobs.eval.engines.base import Engine, EngineError
+from jobs.eval.engines.base import Engine, EngineError, launch_timeout
 
 
 class WorkerSkip(RuntimeError):
@@ -80,13 +80,15 @@ def pin(
     """Load ``snapshot`` as version ``want`` (unless held and not ``reload``); read the version back.
 
     Returns whether a load happened. :class:`EngineError` if the load fails (a dead engine, a load past
-    ``load_timeout_s``); :class:`PinViolation` if the engine still reports another version after
-    ``pin_timeout_s``.
+    ``load_timeout_s``, plus the engine's launch timeout when this load launches its server:
+    :func:`~jobs.eval.engines.base.launch_timeout`); :class:`PinViolation` if the engine still reports
+    another version after ``pin_timeout_s``.
     """
     loaded = reload or engine.weight_version() != want
     if loaded:
+        bound = None if load_timeout_s is None else load_timeout_s + launch_timeout(engine, pending_only=True)
         try:
-            call_with_timeout(lambda: engine.load(snapshot, want), load_timeout_s, "weight load")
+            call_with_timeout(lambda: engine.load(snapshot, want), bound, "weight load")
         except EngineError as e:
             if not _is_version_mismatch(e):
                 raise
@@ -98,6 +100,13 @@ def pin(
         time.sleep(delay)
         delay = min(2 * delay, 1.0)
     return loaded
+
+
+def restart(engine: Engine, load_timeout_s: float) -> None:
+    """Restart ``engine``, bounded by its launch timeout when it launches a server (an sglang start-up
+    outlasts a weight load), else by ``load_timeout_s``; :class:`EngineError` past the bound."""
+    bound = max(load_timeout_s, launch_timeout(engine))
+    call_with_timeout(engine.restart, bound, "engine restart")
 
 
 def check_pinned(engine: Engine, want: str, sample_versions: Iterable[str | None]) -> None:

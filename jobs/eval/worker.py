@@ -105,10 +105,11 @@ from typing import Any
 
 from coord.rundir import RunDir
 from jobs.eval.engines.base import EngineError
-from jobs.eval.evaluators import Evaluator, build_evaluator, call_with_timeout
+from jobs.eval.evaluators import Evaluator, build_evaluator
 from jobs.eval.kinds import check_entries
 from jobs.eval.loop import Worker
 from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args, scorer_options
+from jobs.eval.pinning import call_with_timeout
 from jobs.eval.scorers import ScorerContext
 from jobs.eval.scoring import DatasetCache
 from jobs.eval.service import create_run_from_config, service_ingestion

@@ -24,7 +24,9 @@ Routes (``srt/entrypoints/http_server.py``; nothing that release lacks, e.g. no
 - ``GET|POST /weights_checker`` ``{"action": "checksum"}``: per-tensor checksums of the weights held
   (``srt/utils/weight_checker.py``), ``{"success", "message", "ranks": [{"checksums", "per_gpu_checksum",
   "parallelism_info"}], "per_engine_checksum"}``; other actions 400 ``{"success": false, "message"}``.
-- ``POST /abort_request`` ``{"rid", "abort_all"?}`` (rid prefix match, as the scheduler does),
+- ``POST /abort_request`` ``{"rid", "abort_all"?}``: only an rid a live request carries exactly is
+  forwarded (``tokenizer_manager.py`` ``abort_request``), which then aborts every live rid starting with
+  it (``scheduler.py`` ``abort_request``); a batch's prefix rid aborts nothing;
   ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (abort: aborts everything in
   flight, waits for it to end; new requests wait until ``POST /continue_generation``).
 - ``GET /model_info`` (and the deprecated ``/get_model_info``), ``GET /server_info`` (and
@@ -44,7 +46,15 @@ Status codes and bodies for bad requests, as sglang answers them:
   ``max_new_tokens`` that overflows it; a LoRA request; no prompt): 400 ``{"error": {"message"}}``;
 - ``max_new_tokens: 0`` is valid (empty output, ``{"type": "length", "length": 0}``); an absent one
   defaults to 128, capped at the context length as the scheduler does; temperature below 1e-6 is greedy;
-- an unknown route: 404 ``{"detail": "Not Found"}``; an engine failure: 500.
+- an unknown route: 404 ``{"detail": "Not Found"}``; an engine failure: 500;
+- a request without the key its route needs, on a server started with ``--api-key``/``--admin-api-key``:
+  401 ``{"error": "Unauthorized"}`` (``srt/utils/auth.py``: ``/health*`` always open, admin-optional
+  routes such as weight loads and aborts want the admin key when set, the rest the api key);
+- a request shed under load (``--max-queued-requests N``: it would wait behind a busy engine while N
+  already wait): 503 ``{"object": "error", "message": "The request queue is full.", "type": "503",
+  "param": null, "code": 503}`` (``scheduler.py`` ``_abort_on_queued_limit``; the ``HTTPException`` of
+  ``tokenizer_manager.py`` ``_handle_abort_finish_reason`` rendered by ``http_server.py``
+  ``validation_exception_handler``).
 
 Seeds: ``sampling_seed`` is validated always and applied only with ``--enable-deterministic-inference``
 (``srt/sampling/sampling_batch_info.py``; unseeded requests then use 42), where a sample depends on its
@@ -78,12 +88,13 @@ from typing import Any
 from jobs.eval.engines.base import EngineError
 from jobs.eval.options import DEVICE_RE
 from jobs.flags import Parser, bounded, check_file_readable, fail, positive_int
-from jobs.reference.serve_engine import DEFAULT_WEIGHT_VERSION, EngineService
+from jobs.reference.serve_engine import DEFAULT_WEIGHT_VERSION, EngineService, Overloaded
 from jobs.reference.serve_openai import openai_completions
 from jobs.reference.serve_requests import (
     BadRequest,
     ContractError,
     Refused,
+    auth_status,
     error_body,
     parse_generate,
     parse_update,
@@ -135,7 +146,13 @@ class Handler(BaseHTTPRequestHandler):
         self._route({"/generate": self._generate})
 
     def _route(self, routes: dict[str, Callable[[], None]]) -> None:
-        handler = routes.get(self.path.split("?", 1)[0])
+        path = self.path.split("?", 1)[0]
+        keys = getattr(self.server, "api_keys", (None, None))
+        if auth_status(path, self.headers.get("Authorization"), *keys) is not None:  # sglang's middleware: first
+            self.close_connection = True
+            self._json(HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})
+            return
+        handler = routes.get(path)
         if handler is None:
             self.close_connection = True
             self._json(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})  # FastAPI's 404
@@ -157,6 +174,10 @@ class Handler(BaseHTTPRequestHandler):
             items = self.server.service.generate(req)
         except EngineError:
             self._text(HTTPStatus.INTERNAL_SERVER_ERROR, "Internal Server Error")  # Starlette's 500
+            return
+        except Overloaded as e:  # an abort with status 503, as an HTTPException (ErrorResponse, type "503")
+            self._json(HTTPStatus.SERVICE_UNAVAILABLE,
+                       {"object": "error", "message": str(e), "type": "503", "param": None, "code": 503})
             return
         self._json(HTTPStatus.OK, items if req.batched else items[0])
 
@@ -260,6 +281,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
     """A threading HTTP server holding the :class:`EngineService`."""
 
     daemon_threads = True
+    api_keys: tuple[str | None, str | None] = (None, None)  # --api-key, --admin-api-key
 
     def __init__(self, address: tuple[str, int], service: EngineService, verbose: bool = False) -> None:
         self.service = service
@@ -302,11 +324,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights dtype (default: float32)")
     parser.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
                         help="most prompts generated in one batch (default: 256)")
+    parser.add_argument("--max-queued-requests", type=bounded(int, min=0), default=None, metavar="N",
+                        help="shed a request (503 'The request queue is full.') that would wait behind a busy "
+                        "engine while N already wait, as sglang's flag does (default: no limit)")
     parser.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
         help="apply each request's sampling_params.sampling_seed (unseeded: 42), as sglang does with this flag",
     )
+    parser.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but "
+                        "/health* (and on admin routes unless --admin-api-key), as sglang's flag does")
+    parser.add_argument("--admin-api-key", metavar="KEY", help="require this key on admin routes (weight loads, "
+                        "/weights_checker, aborts, pause), as sglang's flag does")
     parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     j = parser.add_argument_group("judge stand-in (jobs/reference/serve_judge.py; no model is loaded)")
     j.add_argument("--judge", choices=JUDGE_MODES, metavar="MODE",
@@ -353,7 +382,9 @@ def main(argv: list[str]) -> int:
     except EngineError as e:
         server.server_close()
         return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
-    server.service = EngineService(engine, args.model, args.enable_deterministic_inference)
+    server.service = EngineService(engine, args.model, args.enable_deterministic_inference,
+                                   max_queued=args.max_queued_requests)
+    server.api_keys = (args.api_key, args.admin_api_key)
     try:
         serve_until_signalled(server, "ckpteval-serve")
     finally:

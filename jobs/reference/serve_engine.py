@@ -3,8 +3,13 @@
 Owns what the HTTP handlers of ``jobs.reference.serve`` call: the :class:`~jobs.eval.engines.hf.HFEngine`,
 the served label and model path, the requests in flight, and the pause gate. Promises, as sglang 0.5.23
 behaves: length checks against the model's context (``tokenizer_manager.py``), the scheduler's
-``max_new_tokens`` cap, seeds applied only in deterministic mode (unseeded: 42), rid-prefix aborts,
-``weight_versions`` spans, and the label and model path changing only on a successful load.
+``max_new_tokens`` cap, seeds applied only in deterministic mode (unseeded: 42), aborts by exact rid
+(then by prefix in the scheduler),
+``weight_versions`` spans, the label and model path changing only on a successful load, and
+``--max-queued-requests``: a request that would queue behind a busy engine while that many already
+wait is shed with :class:`Overloaded` (HTTP 503 "The request queue is full.", ``scheduler.py``
+``_abort_on_queued_limit``). The stand-in's queue is the requests waiting for its engine lock (the batch
+running is not queued, so ``0`` sheds exactly the requests that arrive while the engine is busy).
 
 Limits (stand-in, not sglang): one engine lock serializes generation and loads, so weights never change
 under a running generation and a relabel during one is attributed to its last token; an abort of a
@@ -13,10 +18,12 @@ running request takes effect when its batch finishes (the output is kept, marked
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +43,10 @@ DETERMINISTIC_DEFAULT_SEED = 42  # sampling_batch_info.py: the seed of unseeded 
 def health_check_timeout() -> float:
     """sglang's ``HEALTH_CHECK_TIMEOUT`` (``SGLANG_HEALTH_CHECK_TIMEOUT``, default 20 s)."""
     return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+
+
+class Overloaded(RuntimeError):
+    """The server sheds the request (sglang: an abort with status 503 and this message)."""
 
 
 @dataclass
@@ -62,7 +73,8 @@ class EngineService:
     """What the HTTP handlers call; owns the engine, the served label and path, live requests, pause."""
 
     def __init__(
-        self, engine: HFEngine, model_path: str, deterministic: bool = False, label: str | None = None
+        self, engine: HFEngine, model_path: str, deterministic: bool = False, label: str | None = None,
+        max_queued: int | None = None,
     ) -> None:
         self.engine = engine
         self.model_path = self.launch_model_path = model_path
@@ -75,6 +87,7 @@ class EngineService:
         self.live: dict[str, Live] = {}
         self.paused = False
         self.generating = 0
+        self.max_queued, self.waiting, self.shed = max_queued, 0, 0  # --max-queued-requests; queued; 503s sent
 
     # ---------------------------------------------------------------- generation
     def context_length(self) -> int:
@@ -112,10 +125,11 @@ class EngineService:
         with self.state:
             while self.paused:  # tokenizer_manager.py: new requests wait on is_pause before registering
                 self.state.wait()
+            self._enqueue()
             for row in rows:
                 self.live[row.rid] = Live()
         try:
-            with self.lock:
+            with self._dequeued():
                 with self.state:
                     self.generating += 1
                 try:
@@ -131,6 +145,21 @@ class EngineService:
                 self.state.notify_all()
         latency = time.perf_counter() - start
         return [self._item(row, latency) for row in rows]
+
+    def _enqueue(self) -> None:
+        """Join the queue for the engine, or be shed if it is full (the caller holds ``state``)."""
+        if self.max_queued is not None and self.lock.locked() and self.waiting + 1 > self.max_queued:
+            self.shed += 1
+            raise Overloaded("The request queue is full.")  # scheduler.py _abort_on_queued_limit
+        self.waiting += 1
+
+    @contextlib.contextmanager
+    def _dequeued(self) -> Iterator[None]:
+        """Hold the engine, having left the queue."""
+        with self.lock:
+            with self.state:
+                self.waiting -= 1
+            yield
 
     def _effective(self, params: SamplingParams, prompt_len: int, context: int) -> SamplingParams:
         """scheduler.py ``init_req_max_new_tokens``: at most context - 1 - prompt - 1 new tokens; seeds
@@ -211,10 +240,15 @@ class EngineService:
 
     # ---------------------------------------------------------------- control
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """tokenizer_manager.py ``abort_request``; the scheduler matches rids by prefix."""
+        """sglang's two steps: ``tokenizer_manager.py`` ``abort_request`` drops an empty rid, and an rid no
+        live request carries *exactly* (one tokenizer worker, the default); a forwarded rid aborts, in
+        ``scheduler.py`` ``abort_request``, every live request whose rid *starts with* it (``job_1`` also
+        aborts ``job_10``). A batch's prefix rid (``job`` for ``job_0``..) is no live rid: nothing."""
         if not abort_all and not rid:
             return
         with self.state:
+            if not abort_all and rid not in self.live:
+                return
             for live_rid, live in self.live.items():
                 if abort_all or live_rid.startswith(rid):
                     live.aborted = True

@@ -12,6 +12,7 @@ service checks lengths against the loaded model); fields the stand-in cannot hon
 
 from __future__ import annotations
 
+import hmac
 import math
 import uuid
 from dataclasses import dataclass
@@ -45,6 +46,30 @@ UNSUPPORTED_REQUEST_KEYS = (
     "stream", "return_logprob", "return_hidden_states", "input_embeds", "image_data", "video_data",
     "audio_data", "session_params", "custom_logit_processor",
 )  # fmt: skip
+
+
+# http_server.py routes marked @auth_level(AuthLevel.ADMIN_OPTIONAL) that the stand-in serves
+ADMIN_OPTIONAL_ROUTES = frozenset({
+    "/update_weights_from_disk", "/update_weight_version", "/weights_checker", "/abort_request",
+    "/pause_generation", "/continue_generation",
+})  # fmt: skip
+
+
+def auth_status(path: str, authorization: str | None, api_key: str | None, admin_api_key: str | None) -> int | None:
+    """sglang's ``--api-key``/``--admin-api-key`` check (``srt/utils/auth.py`` ``decide_request_auth``):
+    401 when the request lacks the ``Bearer`` key its route needs, else None. ``/health*`` is always
+    open; admin-optional routes need the admin key if the server has one, else the api key; every
+    other route needs the api key if the server has one."""
+    if path.startswith(("/health", "/ready", "/metrics")):
+        return None
+    if path in ADMIN_OPTIONAL_ROUTES:
+        needed = admin_api_key or api_key
+    else:
+        needed = api_key
+    if not needed:
+        return None
+    scheme, _, token = (authorization or "").partition(" ")
+    return None if scheme.lower() == "bearer" and hmac.compare_digest(token, needed) else 401
 
 
 class BadRequest(ValueError):

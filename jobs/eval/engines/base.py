@@ -145,3 +145,16 @@ def engine_gpus(engine: object) -> int:
     if members:
         return sum(engine_gpus(e) for e in members)
     return int(getattr(engine, "gpus", 0) or 0)
+
+
+def launch_timeout(engine: object, pending_only: bool = False) -> float:
+    """Seconds a launch of ``engine``'s server may take (its ``launch_timeout_s``: an sglang start-up takes
+    minutes on a big model, far past a weight load); a pool: the sum (it loads and restarts its engines in
+    turn); 0: nothing to launch. ``pending_only``: count only engines whose next load launches
+    (``launch_pending``), i.e. what a first load adds to the load's own bound."""
+    members = getattr(engine, "engines", None)
+    if members:
+        return sum(launch_timeout(e, pending_only) for e in members)
+    if pending_only and not getattr(engine, "launch_pending", False):
+        return 0.0
+    return float(getattr(engine, "launch_timeout_s", None) or 0.0)

@@ -39,7 +39,11 @@ Promises:
   (too long a prompt, a bad setting: ``tokenizer_manager.py`` ``_validate_one_request``,
   ``srt/sampling/sampling_params.py`` ``verify``) and raises
   :class:`~jobs.eval.engines.base.RequestRejected` with the server's message; transport errors,
-  timeouts and 5xx raise plain :class:`EngineError` (restart). Error bodies are read in the three
+  timeouts and 5xx raise plain :class:`EngineError` (restart), except a 503 with a message: a busy
+  server, retried with backoff and never restarted (:mod:`jobs.eval.engines.http_limits`, which also
+  sizes each ``/generate`` timeout from ``max_new_tokens`` and the batch); a 401 is
+  :class:`~jobs.eval.engines.http_auth.Unauthorized` (keys come from the environment only:
+  :mod:`jobs.eval.engines.http_auth`). Error bodies are read in the three
   shapes sglang uses: ``{"error": "<str>"}`` (the 0.5.22+ schema gate), ``{"error": {"message"}}``
   (``_create_error_response``) and ``{"object": "error", "message"}`` (``ErrorResponse``).
 - :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
@@ -53,7 +57,6 @@ reloading a shared server is detected (per-sample versions, read-back), not prev
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -71,10 +74,14 @@ from jobs.eval.engines.base import (
     SamplesAborted,
     SamplingParams,
 )
+from jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
+from jobs.eval.engines.http_limits import DEFAULT_TOKEN_TIMEOUT_S, generate_timeout, send_retrying_busy
+from jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exported: callers import them from here
+    SUPPORTED_SGLANG,
+    UnsupportedServer,
+    check_sglang_version,
+)
 
-MIN_SGLANG = (0, 5, 19)  # first release with meta_info.weight_versions spans
-NEXT_BREAKING_SGLANG = (0, 6)
-SUPPORTED_SGLANG = ">=0.5.19,<0.6"  # keep equal to pyproject's sglang extra
 # sglang's health_generate gives up after HEALTH_CHECK_TIMEOUT = 20 s (SGLANG_HEALTH_CHECK_TIMEOUT),
 # polling once a second (srt/entrypoints/http_server.py): wait past that before calling it dead.
 HEALTH_TIMEOUT_S = 30.0
@@ -84,33 +91,6 @@ FINISH_TYPES = ("stop", "length", "abort")
 
 class WeightVersionMismatch(EngineError):
     """The server reports a different ``weight_version`` than the one just loaded."""
-
-
-class UnsupportedServer(ValueError):
-    """The server (or the sglang install a launcher would start) is outside :data:`SUPPORTED_SGLANG`."""
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """``"0.5.23"``/``"0.5.19.post1"``/``"0.5.21rc0"`` -> ``(0, 5, 23)``; ValueError if not a version."""
-    match = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
-    if match is None:
-        raise ValueError(f"not a version: {text!r}")
-    return tuple(int(g) for g in match.groups() if g is not None)
-
-
-def check_sglang_version(version: Any, where: str) -> None:
-    """Raise :class:`UnsupportedServer` unless ``version`` is in :data:`SUPPORTED_SGLANG`."""
-    try:
-        parsed = parse_version(version)
-    except ValueError:
-        raise UnsupportedServer(
-            f"{where} reports sglang version {version!r}, not a version; ckpteval needs sglang{SUPPORTED_SGLANG}"
-        ) from None
-    if not MIN_SGLANG <= parsed < NEXT_BREAKING_SGLANG:
-        raise UnsupportedServer(
-            f"{where} runs sglang {version}; ckpteval needs sglang{SUPPORTED_SGLANG} (weight_versions spans "
-            "arrived in 0.5.19): pip install 'ckpteval[sglang]'"
-        )
 
 
 def sampling_json(params: SamplingParams) -> dict[str, Any]:
@@ -240,6 +220,9 @@ class HTTPEngine:
         abort_retries: int = 2,
         abort_retry_delay: float = 1.0,
         launcher: Callable[[], None] | None = None,
+        token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S,
+        busy_retries: int = 4,
+        busy_retry_delay: float = 2.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -251,7 +234,10 @@ class HTTPEngine:
         self._max_batch_size = max_batch_size
         self._abort_retries, self._abort_retry_delay = abort_retries, abort_retry_delay
         self._launcher = launcher
+        self._timeout, self._token_timeout_s = timeout, token_timeout_s  # /generate: http_limits.generate_timeout
+        self._busy_retries, self._busy_retry_delay = busy_retries, busy_retry_delay
         self._client = httpx.Client(base_url=self._base_url, timeout=timeout)
+        self._keys = keys_from_env()  # --api-key servers: the environment's keys (http_auth)
         self._model_info_path = "/model_info"
         self._server_info: dict[str, Any] | None = None  # read once, by the version check
         self._weights_unknown = False  # a load failed: weights may be partly replaced
@@ -267,9 +253,12 @@ class HTTPEngine:
         if self._closed:
             raise EngineError(f"engine for {self._base_url} is closed")
         try:
-            return self._client.request(method, path, **kwargs)
+            response = self._client.request(method, path, headers=auth_headers(path, self._keys), **kwargs)
         except httpx.TransportError as e:
             raise EngineError(f"{method} {self._base_url}{path} failed: {type(e).__name__}: {e}") from e
+        if response.status_code == 401:
+            raise unauthorized(method, f"{self._base_url}{path}", self._keys)
+        return response
 
     def _get_json(self, paths: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
         """GET the first of ``paths`` the server does not 404 (newer route first); its JSON object."""
@@ -394,9 +383,11 @@ class HTTPEngine:
     def _generate_batch(
         self, prompts: list[str], params: SamplingParams, seeds: list[int] | None
     ) -> list[Sample]:
-        self.server_info()
+        timeout = generate_timeout(self._timeout, self._token_timeout_s, params.max_new_tokens, len(prompts),
+                                   self.server_info())
         body = {"text": prompts, "sampling_params": request_sampling(params, seeds)}
-        response = self._request("POST", "/generate", json=body)
+        response = send_retrying_busy(lambda: self._request("POST", "/generate", json=body, timeout=timeout),
+                                      self._busy_retries, self._busy_retry_delay, "POST /generate")
         if response.status_code != 200:
             message = f"POST /generate: {error_message(response)}"
             if 400 <= response.status_code < 500 and response.status_code not in TRANSIENT_4XX:

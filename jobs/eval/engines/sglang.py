@@ -14,9 +14,19 @@ it on the same port with the last loaded snapshot and version (so the restarted 
 version agree). Attached to a ``url`` it never launches anything and ``restart`` raises
 :class:`EngineError`.
 
+Launch bounds: a launch (the first load of a lazy engine, every restart) is bounded by
+``startup_timeout`` (weight loading, CUDA-graph capture and warm-up all happen before
+``/health_generate`` stops answering 503 while ``ServerStatus.Starting``: ``srt/entrypoints/
+http_server.py`` ``health_generate``, ``_wait_and_warmup``; minutes on a big model), never by the
+worker's weight-load timeout: :attr:`SGLangEngine.launch_timeout_s`
+is what a caller bounding a launch must allow (:func:`jobs.eval.engines.base.launch_timeout`). One
+launch at a time: a launch abandoned by its caller (a timed-out call keeps running in its thread) is
+cancelled by the next :meth:`~SGLangEngine.restart` or :meth:`~SGLangEngine.close`, which wait for it
+to tear its own server down before launching again on the same port.
+
 Version floor: an engine that will launch sglang first reads the installed sglang's version in the
 launch interpreter (``importlib.metadata``, no import of sglang) and refuses one outside
-:data:`~jobs.eval.engines.http.SUPPORTED_SGLANG` with
+:data:`~jobs.eval.engines.sglang_version.SUPPORTED_SGLANG` with
 :class:`~jobs.eval.engines.http.UnsupportedServer` at construction, i.e. at worker start (0.4.x
 rejects ``--weight-version`` at start, 0.5.1/0.5.2 know no ``sampling_seed``, spans need 0.5.19);
 the running server's ``/server_info`` version is checked again on first contact (also when attached).
@@ -24,7 +34,11 @@ the running server's ``/server_info`` version is checked again on first contact 
 Seeds: ``deterministic=True`` adds ``--enable-deterministic-inference`` (the worker sets it when a
 dataset of the run samples): sglang applies ``sampling_seed`` only in that mode
 (``srt/sampling/sampling_batch_info.py``), and there an unseeded request uses seed 42, which is why
-the client sends one seed per sample.
+the client sends one seed per sample. A seeded sample repeats only on the same GPU generation, TP size
+and sglang version (``srt/arg_groups/overrides.py`` ``_deterministic_attention_backend`` picks kernels
+by architecture; ``srt/arg_groups/attention_hook.py`` ``handle_deterministic_inference`` fixes the
+all-reduce for one TP size), and is not promised at all with LoRA (``srt/lora/backend/`` is outside
+the deterministic mode).
 
 Limits: importing this module needs neither sglang nor a GPU (nor torch); launching needs both. A
 port picked automatically is free when picked, not reserved until sglang binds it. ``device="cpu"``
@@ -39,9 +53,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from jobs.eval.engines.base import EngineError
 from jobs.eval.engines.http import (
@@ -53,6 +69,8 @@ from jobs.eval.engines.http import (
 )
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # sglang arg_groups/fields/exec_.py
+LAUNCH_POLL_S = 0.5  # between health probes while a server starts (each is cheap: refused or 503)
+LAUNCH_SLACK_S = 30.0  # past the launch's own bounds, before its caller gives up on it
 
 
 def gpu_count(env: Mapping[str, str] | None = None) -> int:
@@ -165,7 +183,10 @@ class SGLangEngine(HTTPEngine):
         load_timeout: float = 600.0,
         health_timeout: float = HEALTH_TIMEOUT_S,
         deterministic: bool = False,
+        **http_settings: Any,
     ) -> None:
+        """``http_settings``: :class:`~jobs.eval.engines.http.HTTPEngine`'s (``token_timeout_s``,
+        ``busy_retries``, ``max_batch_size``, ...), e.g. from run.json ``eval.engine.sglang``."""
         if model_path is not None and url is not None:
             raise ValueError("give model_path (launch a server) or url (attach to one), not both")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -174,8 +195,10 @@ class SGLangEngine(HTTPEngine):
         self._stop_grace = stop_grace
         self._model_path, self._version = model_path, weight_version
         self._launch_settings: LaunchSettings | None = None
+        self._launch_lock = threading.Lock()  # one launch at a time (never two servers on one port)
+        self._cancel = threading.Event()  # set: a launch in flight stops waiting and kills its server
         if url is not None:
-            super().__init__(url, timeout, load_timeout=load_timeout, health_timeout=health_timeout)
+            super().__init__(url, timeout, load_timeout=load_timeout, health_timeout=health_timeout, **http_settings)
             return
         flags, implied_tp = device_flags(device)
         tp = tp_size if tp_size is not None else implied_tp or gpu_count(self._env)
@@ -183,7 +206,8 @@ class SGLangEngine(HTTPEngine):
             raise EngineError("sglang needs at least one GPU (CUDA_VISIBLE_DEVICES lists none)")
         check_sglang_version(installed_sglang_version(python, self._env), f"the sglang installed for {python}")
         port = port if port is not None else free_port(host)
-        super().__init__(f"http://{host}:{port}", timeout, load_timeout=load_timeout, health_timeout=health_timeout)
+        super().__init__(f"http://{host}:{port}", timeout, load_timeout=load_timeout, health_timeout=health_timeout,
+                         **http_settings)
         flags += determinism_flags(deterministic, extra_args)
         self._launch_settings = LaunchSettings(
             python, host, port, tp, (*flags, *extra_args), log_path or self._new_log_path()
@@ -206,30 +230,52 @@ class SGLangEngine(HTTPEngine):
         os.close(fd)
         return path
 
+    @property
+    def launch_timeout_s(self) -> float | None:
+        """The most one launch may take, its own clean-up included (``None``: attached, never launches):
+        ``startup_timeout`` plus one health probe and the SIGTERM/SIGKILL grace periods."""
+        if self._launch_settings is None:
+            return None
+        return self._startup_timeout + self._health_timeout + 2 * self._stop_grace + LAUNCH_SLACK_S
+
+    @property
+    def launch_pending(self) -> bool:
+        """Whether the next :meth:`load` launches the server (a lazy engine before its first load)."""
+        return self._not_launched
+
     # ------------------------------------------------------------------ process lifecycle
     def _launch(self) -> None:
+        """Launch (waiting for any launch still in flight to finish first)."""
+        with self._launch_lock:
+            self._cancel.clear()
+            self._start()
+
+    def _start(self) -> None:
+        """Start the server and wait until it is healthy; the caller holds ``_launch_lock``."""
         ls = self._launch_settings
         cmd = launch_command(
             self._model_path, ls.host, ls.port, ls.tp_size, self._version, ls.extra_args, ls.python
         )
         with open(ls.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
+            self._proc = proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
             )
-        self._wait_ready()
+        self._wait_ready(proc)
         self._weights_unknown = False  # a fresh server holds the snapshot it was launched on
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self._startup_timeout
-        while time.monotonic() < deadline:
-            code = self._proc.poll()
+        while time.monotonic() < deadline and not self._cancel.is_set():
+            code = proc.poll()
             if code is not None:
                 self._proc = None
                 raise EngineError(f"sglang exited with code {code} while starting; log: {self.log_path}")
             if self.healthy():
                 return
-            time.sleep(2.0)
+            self._cancel.wait(LAUNCH_POLL_S)
         self._terminate()
+        if self._cancel.is_set():
+            raise EngineError(f"sglang launch cancelled (a restart or close took over); log: {self.log_path}")
         raise EngineError(f"sglang not healthy after {self._startup_timeout:.0f}s; log: {self.log_path}")
 
     def _terminate(self) -> None:
@@ -279,10 +325,16 @@ class SGLangEngine(HTTPEngine):
             raise EngineError(
                 f"cannot restart {self.base_url}: attached to a server this engine did not launch"
             )
-        self._terminate()
-        if self._model_path is not None:
-            self._launch()
+        self._cancel.set()  # a launch still in flight (its caller timed out) gives up and kills its server
+        with self._launch_lock:  # ... and is waited for: one server on this port at a time
+            if self._closed:  # a restart that outlived close() must not leave a server behind
+                raise EngineError(f"engine for {self.base_url} is closed")
+            self._cancel.clear()
+            self._terminate()
+            if self._model_path is not None:
+                self._start()
 
     def close(self) -> None:
+        self._cancel.set()  # a launch in flight tears its server down itself
         self._terminate()
         super().close()

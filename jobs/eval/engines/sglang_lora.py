@@ -9,13 +9,32 @@ step* and every request names it. Contract read from sglang 0.5.23's source:
   ("already loaded") — sglang/srt/entrypoints/http_server.py ``load_lora_adapter`` and
   sglang/srt/managers/tokenizer_control_mixin.py ``load_lora_adapter``;
   ``POST /unload_lora_adapter {"lora_name"}`` likewise (same files).
-- ``/generate`` ``lora_path`` is the adapter *name* (io_struct.py ``GenerateReqInput.lora_path``); an
-  unknown name is a 400 "Got LoRA adapter that has never been loaded" (tokenizer_manager.py
-  ``_resolve_lora_path``), so a 200 answer was produced by exactly the adapter registered under it.
+- ``/generate`` ``lora_path`` is the adapter *name* (io_struct.py ``GenerateReqInput.lora_path``); a
+  name loaded once and since evicted or unloaded is loaded again by sglang itself from the path it was
+  registered with (tokenizer_manager.py ``_resolve_lora_path``: ``lora_ref_cache`` is never emptied);
+  a name the server never loaded (it restarted) is a 400 "Got LoRA adapter that has never been loaded",
+  on which the client loads its adapter again and resends once (:data:`NEVER_LOADED`). A 200 answer
+  was produced by exactly the adapter registered under the name (one name, one snapshot path).
 - ``GET /v1/models`` lists loaded adapters as cards ``{"id": name, "root": path, "parent": base}``
   (http_server.py ``available_models``): the read-back of which weights a name holds.
 - Dynamic loads need ``--enable-lora --max-lora-rank R --lora-target-modules ...`` at launch
   (sglang/srt/arg_groups/fields/lora.py); :func:`lora_launch_flags` derives them from the first adapter.
+  ``--lora-target-modules`` accepts only :data:`SGLANG_LORA_MODULES` or ``all`` (argparse ``choices``
+  from sglang/srt/utils/common.py ``SUPPORTED_LORA_TARGET_MODULES``; anything else and sglang exits at
+  argument parsing): PEFT's ``"all-linear"`` (a string) becomes ``all``, which sglang resolves against
+  the base model exactly as it treats an adapter's ``all-linear`` (sglang/srt/lora/utils.py
+  ``get_normalized_target_modules``, lora_manager.py ``init_lora_shapes``); dotted names become their
+  last part (utils.py normalizes ``feed_forward.gate_proj`` alike); any other module is refused before
+  launch, one line naming the adapter config (:class:`UnservableAdapter`: every unit ``rejected``).
+- Host memory stays bounded: the launch passes ``--max-loaded-loras`` (:data:`MAX_LOADED_LORAS`, at
+  least ``--max-loras-per-batch`` as sglang/srt/arg_groups/lora_hook.py requires), past which sglang
+  unloads the least recently used unpinned adapter on each load (tokenizer_control_mixin.py
+  ``load_lora_adapter``); the client also unloads its previous adapter, and a failed unload is reported
+  on stderr, never silently dropped.
+- A shared server: two workers loading the same name race; the loser's 400 says "already loaded"
+  (sglang/srt/lora/lora_manager.py ``validate_new_adapter``) or "already exists" (lora_registry.py
+  ``_register_adapter``). That is not a failure: the client re-reads ``/v1/models`` and accepts the name when it
+  is listed with our path.
 
 Promises: :func:`adapter_name` is ``step-<step>-<crc32 of the path>``, so a name identifies one
 snapshot; ``load(dir, version)`` registers it (or finds it registered under the same path), checks the
@@ -36,16 +55,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
 
 from coord.snapshot import ADAPTER_CONFIG
-from jobs.eval.engines.base import EngineError, Generation
+from jobs.eval.engines.base import EngineError, Generation, RequestRejected
 from jobs.eval.engines.http import HTTPEngine, error_message
 from jobs.eval.engines.sglang import SGLangEngine
 
 BASE_LABEL = "base"  # the base model's weight_version on a LoRA server this engine launches
+MAX_LOADED_LORAS = 8  # sglang's --max-loras-per-batch default: the least --max-loaded-loras may be
+# sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES (0.5.23): --lora-target-modules' choices, with "all"
+SGLANG_LORA_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b",
+    "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens",
+    "lm_head", "qkvr", "wo_ud",
+)  # fmt: skip
+DUPLICATE_LOAD = ("already loaded", "already exists")  # lora_manager.py / lora_registry.py, a name taken
+NEVER_LOADED = "has never been loaded"  # tokenizer_manager.py _resolve_lora_path: a server that restarted
+
+
+class UnservableAdapter(RequestRejected):
+    """The adapter cannot be served by sglang's LoRA (a target module sglang does not support): refused
+    before any launch; the unit is skipped ``rejected`` with the reason (no restart)."""
 
 
 def adapter_name(step_version: str, path: str) -> str:
@@ -53,16 +87,45 @@ def adapter_name(step_version: str, path: str) -> str:
     return f"step-{step_version}-{zlib.crc32(str(Path(path)).encode()):08x}"
 
 
-def lora_launch_flags(adapter_dir: str) -> list[str]:
-    """``--enable-lora --max-lora-rank R --lora-target-modules M...`` from an adapter's config."""
+def target_modules(modules: object, where: str) -> list[str]:
+    """sglang's ``--lora-target-modules`` values for a PEFT ``target_modules`` (module docstring);
+    :class:`UnservableAdapter` naming ``where`` for what sglang would refuse."""
+    if isinstance(modules, str):
+        if modules in ("all-linear", "all"):
+            return ["all"]
+        raise UnservableAdapter(f"{where}: target_modules {modules!r} is not a module list; sglang takes a list "
+                                "or 'all-linear' (a regex is not supported)")
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
+        raise UnservableAdapter(f"{where}: target_modules must be a non-empty list of module names, got {modules!r}")
+    names = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    unknown = [m for m in names if m not in SGLANG_LORA_MODULES]
+    if unknown:
+        raise UnservableAdapter(f"{where}: sglang cannot serve LoRA on {unknown} (--lora-target-modules takes "
+                                f"{', '.join(SGLANG_LORA_MODULES)} or all)")
+    return names
+
+
+def lora_launch_flags(adapter_dir: str, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """``--enable-lora --max-lora-rank R --lora-target-modules M... --max-loaded-loras K`` from an adapter's
+    config (``K``: :data:`MAX_LOADED_LORAS`, or ``--max-loras-per-batch`` from ``extra_args`` if larger;
+    none when ``extra_args`` set it)."""
     path = Path(adapter_dir) / ADAPTER_CONFIG
     try:
         config = json.loads(path.read_text())
         rank, modules = int(config["r"]), config["target_modules"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise EngineError(f"cannot size sglang's LoRA pool from {path}: {e}") from e
-    modules = [modules] if isinstance(modules, str) else sorted(modules)
-    return ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules]
+    flags = ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *target_modules(modules, str(path))]
+    if "--max-loaded-loras" not in extra_args:
+        per_batch = _flag_value(extra_args, "--max-loras-per-batch")
+        floor = int(per_batch) if per_batch is not None and per_batch.isdigit() else 0
+        flags += ["--max-loaded-loras", str(max(MAX_LOADED_LORAS, floor))]
+    return flags
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value following ``flag`` in a command line, if given."""
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
 
 
 class _LoRAClient:
@@ -103,15 +166,35 @@ class _LoRAClient:
         name, path = adapter_name(weight_version, snapshot_dir), str(snapshot_dir)
         previous, self._adapter = self._adapter, None  # unknown until the read-back below
         if self.loaded_adapters().get(name) != path:
-            self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": False})
+            try:
+                self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": False})
+            except EngineError as e:
+                if not any(d in str(e) for d in DUPLICATE_LOAD):
+                    raise  # else another client loaded this name first: the read-back below decides
         if self.loaded_adapters().get(name) != path:
             raise EngineError(f"/v1/models does not list adapter {name} at {path} after loading it")
         self._adapter = (name, path, weight_version)
         if previous is not None and previous[0] != name:
             try:
                 self._lora_call("/unload_lora_adapter", {"lora_name": previous[0]})
-            except EngineError:
-                pass  # a stale adapter only costs memory; sglang evicts unpinned ones when full
+            except EngineError as e:  # it only costs host memory: sglang evicts past --max-loaded-loras
+                print(f"ckpteval: could not unload LoRA adapter {previous[0]} from {self.base_url}: {e}",
+                      file=sys.stderr, flush=True)
+
+    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
+        """Generate under the current adapter; a server that lost it (restarted) gets it loaded again."""
+        if self._adapter is None:
+            raise EngineError("no adapter loaded: call load() first")
+        try:
+            return self._stamp(super().generate(*args, **kwargs))  # type: ignore[misc]
+        except RequestRejected as e:
+            if NEVER_LOADED not in str(e):
+                raise
+        name, path, version = self._adapter
+        print(f"ckpteval: {self.base_url} no longer knows LoRA adapter {name} (restarted?): loading it again",
+              file=sys.stderr, flush=True)
+        self._load_adapter(path, version)
+        return self._stamp(super().generate(*args, **kwargs))  # type: ignore[misc]
 
     def _adapter_version(self) -> str | None:
         if self._adapter is None:
@@ -138,11 +221,6 @@ class HTTPLoRAEngine(_LoRAClient, HTTPEngine):
     def weight_version(self) -> str | None:
         return self._adapter_version()
 
-    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
-        if self._adapter is None:
-            raise EngineError("no adapter loaded: call load() first")
-        return self._stamp(super().generate(*args, **kwargs))
-
 
 class SGLangLoRAEngine(_LoRAClient, SGLangEngine):
     """Launches sglang on ``base_model`` with LoRA enabled (sized from the first adapter), labelled
@@ -157,7 +235,7 @@ class SGLangLoRAEngine(_LoRAClient, SGLangEngine):
 
     def load(self, snapshot_dir: str, weight_version: str) -> None:
         if self._not_launched:  # first load: the server starts on the base, sized from this adapter
-            flags = [] if "--enable-lora" in self._user_args else lora_launch_flags(snapshot_dir)
+            flags = [] if "--enable-lora" in self._user_args else lora_launch_flags(snapshot_dir, self._user_args)
             ls = self._launch_settings
             self._launch_settings = dataclasses.replace(ls, extra_args=(*ls.extra_args, *flags))
             self._model_path, self._version = self._base_model, BASE_LABEL
@@ -167,11 +245,6 @@ class SGLangLoRAEngine(_LoRAClient, SGLangEngine):
 
     def weight_version(self) -> str | None:
         return None if self._not_launched else self._adapter_version()
-
-    def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
-        if self._adapter is None:
-            raise EngineError("no adapter loaded: call load() first")
-        return self._stamp(super().generate(*args, **kwargs))
 
     def restart(self) -> None:
         """Relaunch on the base; the adapter must be loaded again (version ``None`` until then)."""

@@ -1,0 +1,108 @@
+"""How long one ``/generate`` may take, and when a busy sglang server is retried instead of restarted.
+
+Owns two rules of :class:`~jobs.eval.engines.http.HTTPEngine`, read from sglang 0.5.23's source:
+
+- **Busy is not dead.** sglang answers HTTP 503 with a message when it sheds load, in
+  ``ErrorResponse`` form ``{"object": "error", "message", "type": "503", "code": 503}``
+  (``srt/entrypoints/http_server.py`` ``validation_exception_handler`` renders the ``HTTPException``
+  that ``srt/managers/tokenizer_manager.py`` ``_handle_abort_finish_reason`` raises for an abort
+  carrying a status code). The messages of 0.5.23 are :data:`BUSY_MESSAGES`: a full waiting queue
+  (``--max-queued-requests``; ``srt/managers/scheduler.py`` ``_abort_on_queued_limit``), a request-timeout
+  abort (``SGLANG_REQ_WAITING_TIMEOUT`` / ``SGLANG_REQ_RUNNING_TIMEOUT``; ``scheduler.py``
+  ``_poll_timeout_aborts``) and a retraction without a KV backup (``srt/managers/schedule_batch.py``
+  ``retract_decode``). Any 503 whose body carries a message is retried (:func:`send_retrying_busy`:
+  ``retries`` more times, exponential backoff from ``delay``), never answered with a restart; still busy,
+  it raises :class:`ServerBusy` (skip reason ``overloaded``, no restart). A 503 without a message (a
+  proxy, a server shutting down: ``health_generate`` answers a bare 503) and every other 5xx stay
+  :class:`~jobs.eval.engines.base.EngineError` (restart).
+- **A long batch is given its time.** :func:`generate_timeout` is the base timeout plus
+  ``token_timeout_s`` per new token per *wave*: ``ceil(prompts / R)``, ``R`` the requests the server
+  runs at once — the sum over DP ranks of ``internal_states[].effective_max_running_requests_per_dp``
+  in ``/server_info`` (``srt/managers/scheduler_components/internal_state.py`` ``_add_topology``),
+  else its ``max_running_requests`` server arg, else one wave. A 32k-token chain of thought is not
+  cut at a flat 300 s. A timed-out client disconnects, and sglang
+  aborts a non-streaming request whose client is gone (``tokenizer_manager.py`` ``generate_request``,
+  ``request.is_disconnected``), so a timeout too short is never recovered by resending.
+
+Limits: the backoff sleeps in the calling thread; a server that stays overloaded past the retries
+skips the unit ``overloaded`` (the point lacks it until a backfill), it is not queued client-side.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from jobs.eval.engines.base import EngineError
+
+BUSY_STATUS = 503
+BUSY_MESSAGES = (
+    "The request queue is full.",  # scheduler.py _abort_on_queued_limit
+    "Request waiting timeout reached.",  # scheduler.py _poll_timeout_aborts
+    "Request running timeout reached.",  # scheduler.py _poll_timeout_aborts
+    "Retracted under decode memory pressure without a KV backup. Retry later.",  # schedule_batch.py
+)
+DEFAULT_TOKEN_TIMEOUT_S = 0.1  # per new token per wave: 10 tokens/s, slower than any healthy decode
+
+
+class ServerBusy(EngineError):
+    """sglang kept answering 503 with a message (it shed the request) after the bounded retries: the
+    server is overloaded, not dead. No restart; the unit is skipped ``overloaded``."""
+
+    reason = "overloaded"
+    restart_helps = False
+
+
+def busy_message(response: httpx.Response) -> str | None:
+    """The message of a 503 that says why (sglang's ``ErrorResponse`` ``message``, or ``detail``), else None."""
+    if response.status_code != BUSY_STATUS:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    message = body.get("message", body.get("detail"))
+    if isinstance(body.get("error"), dict):
+        message = body["error"].get("message", message)
+    return message if isinstance(message, str) and message.strip() else None
+
+
+def send_retrying_busy(
+    send: Callable[[], httpx.Response], retries: int, delay: float, what: str
+) -> httpx.Response:
+    """``send()`` until it is not a 503 with a message, at most ``retries`` more times with exponential
+    backoff from ``delay`` seconds; :class:`ServerBusy` if the last answer is still one."""
+    for attempt in range(retries + 1):
+        response = send()
+        message = busy_message(response)
+        if message is None:
+            return response
+        if attempt < retries:
+            time.sleep(delay * 2**attempt)
+    raise ServerBusy(f"{what}: HTTP 503 {message!r} on {retries + 1} tries: the server is overloaded (not restarted)")
+
+
+def generate_timeout(
+    base_s: float, token_timeout_s: float, max_new_tokens: int, prompts: int, server_info: dict[str, Any]
+) -> float:
+    """Seconds one ``/generate`` of ``prompts`` prompts of up to ``max_new_tokens`` may take (module doc)."""
+    running = running_at_once(server_info)
+    waves = math.ceil(prompts / running) if running else 1
+    return base_s + token_timeout_s * max(0, max_new_tokens) * waves
+
+
+def running_at_once(server_info: dict[str, Any]) -> int | None:
+    """How many requests the server decodes at once (module doc), or None when it does not say."""
+    states = server_info.get("internal_states")
+    per_dp = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)] \
+        if isinstance(states, list) else []
+    if per_dp and all(isinstance(n, int) and n > 0 for n in per_dp):
+        return sum(per_dp)
+    arg = server_info.get("max_running_requests")
+    return arg if isinstance(arg, int) and arg > 0 else None
