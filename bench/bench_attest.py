@@ -6,9 +6,11 @@ per-tensor digests) under ``--dir`` (default /dev/shm). Then, best of ``--repeat
 
 * ``first load (from_pretrained)``: a fresh :class:`HFEngine` builds the model from snapshot A;
 * ``reload in place``: the engine loads B, then A, as new versions (what a fleet worker does per step);
-* ``attest (tensor digests)``: :func:`jobs.eval.attest.attest` of the engine against the marker — every
-  tensor cast to the snapshot dtype and CRC-32'd, compared with the marker (what the worker adds after
-  each load);
+* ``attest (tensor digests, xxh3)``: :func:`jobs.eval.attest.attest` of the engine against the marker —
+  every tensor cast to the snapshot dtype and XXH3-64'd, compared with the marker (what the worker adds
+  after each load);
+* ``attest (tensor digests, crc32)``: the same against the marker without its ``xxh3`` entries (a marker
+  written before them: the engine digests with CRC-32, what every attestation cost before);
 * ``stand-in /weights_checker checksum``: the sglang-style per-tensor SHA-256 the stand-in server
   computes (:meth:`jobs.reference.serve_engine.EngineService.check_weights`, no HTTP), for scale.
 
@@ -22,6 +24,7 @@ runs, not a measurement). Numbers are only comparable on a quiet machine: the lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot, read_marker
+from coord.snapshot import Marker, publish_snapshot, read_marker
 from jobs.eval.attest import attest
 from jobs.eval.engines.hf import HFEngine
 from jobs.reference.model import ModelConfig, build_model, save_base_model_dir
@@ -55,6 +58,13 @@ def best(fn: Callable[[], Any], repeats: int) -> float:
 def publish(root: Path, base: Path, cfg: ModelConfig, step: int, dtype: torch.dtype) -> Path:
     sd = {k: v.to(dtype).contiguous() for k, v in build_model(cfg, seed=step).state_dict().items()}
     return publish_snapshot(root, step, lambda d: write_hf_files(d, sd, base))
+
+
+def without_xxh3(marker: Marker) -> Marker:
+    """``marker`` as written before XXH3 digests: its tensors carry CRC-32 only."""
+    files = {n: {**f, "tensors": {t: {k: v for k, v in d.items() if k != "xxh3"} for t, d in f["tensors"].items()}}
+             if "tensors" in f else f for n, f in marker.files.items()}
+    return dataclasses.replace(marker, files=files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.load(str(a), f"a{next(versions)}")
 
         seconds["reload in place"] = best(reload, args.repeats) / 2
-        seconds["attest (tensor digests)"] = best(lambda: attest(engine, a, marker, run), args.repeats)
+        seconds["attest (tensor digests, xxh3)"] = best(lambda: attest(engine, a, marker, run), args.repeats)
+        legacy = without_xxh3(marker)
+        seconds["attest (tensor digests, crc32)"] = best(lambda: attest(engine, a, legacy, run), args.repeats)
         service = EngineService(engine, str(a))
         seconds["stand-in /weights_checker checksum"] = best(lambda: service.check_weights("checksum"), args.repeats)
         engine.close()
