@@ -10,6 +10,7 @@ the way sglang 0.5.23 does (cited in ``jobs/eval/engines/sglang_logprobs.py``).
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from collections.abc import Iterator
@@ -131,3 +132,46 @@ def test_an_honest_sglang_engine_passes_the_canary_and_a_tokenizer_changed_after
     assert "max |Δ log-prob| inf" in changed.message
     info = httpx.get(f"{url}/model_info", timeout=30).json()
     assert info["weight_version"] == version(run, 2) and info["tokenizer_path"] != info["model_path"]
+
+
+def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server speaking sglang's API that answers ``return_logprob`` with a 400 (a stand-in from before
+    this feature; a small stdlib server here, since the real stand-in now answers it): the canary is
+    absent for it (None, one line on stderr), not failed and not an engine error."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from coord.snapshot import read_marker
+    from jobs.eval.canary import check_canary
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._reply(200, {"version": "0.5.23"})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._reply(400, {"error": {"message": "ckpteval serve does not implement ['return_logprob']"}})
+
+        def _reply(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, max_new_tokens=2)
+    path = _export(run, base_dir(tmp_path), 1)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = SGLangEngine(url=f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        assert check_canary(engine, path, read_marker(path), None) is None
+        assert "no canary from this engine" in capsys.readouterr().err
+    finally:
+        engine.close()
+        server.shutdown()
+        server.server_close()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from coord.snapshot import CANARY, Marker
+from jobs.eval.engines.base import RequestRejected
 from jobs.eval.pinning import WorkerSkip
 
 PROBE_ROWS = 4
@@ -60,7 +61,7 @@ def check_canary(
     engine: Any, snapshot: Path, marker: Marker, max_abs_diff: float | None, on_fail: str = "skip"
 ) -> Fidelity | None:
     """Recompute ``snapshot``'s canary on every engine behind ``engine`` that can (the worst is kept);
-    None when the snapshot has no canary or no engine can teacher-force. Over the threshold
+    None when the snapshot has no canary or no engine can teacher-force (or every one refused to). Over the threshold
     (``max_abs_diff`` > 0; 0: record only; None: the measured default for the engine's dtype against the
     trainer's, :func:`default_bound`) ``on_fail`` decides (run.json ``eval.canary``): ``skip`` raises
     :class:`CanaryFailed`, ``flag`` logs one line on stderr and returns the fidelity ``flagged``.
@@ -74,7 +75,9 @@ def check_canary(
         pairs = [(p["prompt"], p["continuation"]) for p in stored["probes"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{snapshot / CANARY}: unreadable canary ({e})") from e
-    results = [compare(stored, e.teacher_forced(pairs)) for e in members]
+    results = [compare(stored, got) for e in members if (got := _recompute(e, pairs, marker.step)) is not None]
+    if not results:
+        return None
     worst = max(results, key=lambda f: (f.max_abs_logprob_diff, -f.argmax_agreement))
     if max_abs_diff is None:
         max_abs_diff = max(default_bound(getattr(e, "compute_dtype", None), stored.get("dtype")) for e in members)
@@ -92,6 +95,16 @@ def check_canary(
         print(f"ckpteval: step {marker.step}: {message} (flagged, scored: eval.canary.on_fail is flag)",
               file=sys.stderr, flush=True)
     return fidelity
+
+
+def _recompute(engine: Any, pairs: list[tuple[str, str]], step: int) -> list[dict[str, Any]] | None:
+    """``engine``'s teacher-forced records, or None (one line on stderr) when it refuses the request (a
+    server that cannot score prompts: the canary is absent for it, not failed)."""
+    try:
+        return engine.teacher_forced(pairs)
+    except RequestRejected as e:
+        print(f"ckpteval: step {step}: no canary from this engine: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def default_bound(engine_dtype: str | None, trainer_dtype: str | None) -> float:
