@@ -6,13 +6,16 @@ per-tensor digests) under ``--dir`` (default /dev/shm). Then, best of ``--repeat
 
 * ``first load (from_pretrained)``: a fresh :class:`HFEngine` builds the model from snapshot A;
 * ``reload in place``: the engine loads B, then A, as new versions (what a fleet worker does per step);
-* ``attest (tensor digests)``: :func:`jobs.eval.attest.attest` of the engine against the marker — every
-  tensor cast to the snapshot dtype and CRC-32'd, compared with the marker (what the worker adds after
-  each load);
+* ``attest (tensor digests, xxh3)``: :func:`jobs.eval.attest.attest` of the engine against the marker —
+  every tensor cast to the snapshot dtype and XXH3-64'd, compared with the marker (what the worker adds
+  after each load);
+* ``attest (tensor digests, crc32)``: the same against the marker without its ``xxh3`` entries (a marker
+  written before them: the engine digests with CRC-32, what every attestation cost before);
 * ``stand-in /weights_checker checksum``: the sglang-style per-tensor SHA-256 the stand-in server
   computes (:meth:`jobs.reference.serve_engine.EngineService.check_weights`, no HTTP), for scale.
 
-Printed: seconds and the ratio of each attestation to the in-place reload (goal: under 0.10).
+Printed: seconds (best of ``--repeats``; reload and the two attestations interleaved round by round,
+their medians too) and the ratio of each attestation to the in-place reload (goal: under 0.10).
 ``--device cuda`` runs the engine on the GPU. ``--smoke``: a tiny model, one repeat (a check that it
 runs, not a measurement). Numbers are only comparable on a quiet machine: the load average is printed.
 
@@ -22,8 +25,10 @@ runs, not a measurement). Numbers are only comparable on a quiet machine: the lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +38,7 @@ from typing import Any
 import torch
 
 from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot, read_marker
+from coord.snapshot import Marker, publish_snapshot, read_marker
 from jobs.eval.attest import attest
 from jobs.eval.engines.hf import HFEngine
 from jobs.reference.model import ModelConfig, build_model, save_base_model_dir
@@ -55,6 +60,13 @@ def best(fn: Callable[[], Any], repeats: int) -> float:
 def publish(root: Path, base: Path, cfg: ModelConfig, step: int, dtype: torch.dtype) -> Path:
     sd = {k: v.to(dtype).contiguous() for k, v in build_model(cfg, seed=step).state_dict().items()}
     return publish_snapshot(root, step, lambda d: write_hf_files(d, sd, base))
+
+
+def without_xxh3(marker: Marker) -> Marker:
+    """``marker`` as written before XXH3 digests: its tensors carry CRC-32 only."""
+    files = {n: {**f, "tensors": {t: {k: v for k, v in d.items() if k != "xxh3"} for t, d in f["tensors"].items()}}
+             if "tensors" in f else f for n, f in marker.files.items()}
+    return dataclasses.replace(marker, files=files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,8 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             engine.load(str(b), f"b{next(versions)}")
             engine.load(str(a), f"a{next(versions)}")
 
-        seconds["reload in place"] = best(reload, args.repeats) / 2
-        seconds["attest (tensor digests)"] = best(lambda: attest(engine, a, marker, run), args.repeats)
+        legacy = without_xxh3(marker)
+        contenders = {"reload in place": reload, "attest (tensor digests, xxh3)": lambda: attest(engine, a, marker, run),
+                      "attest (tensor digests, crc32)": lambda: attest(engine, a, legacy, run)}
+        rounds: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(args.repeats):  # interleaved: a change in the machine's load hits every contender alike
+            for name, fn in contenders.items():
+                rounds[name].append(best(fn, 1) / (2 if name == "reload in place" else 1))
+        seconds.update({name: min(times) for name, times in rounds.items()})
+        medians = {name: statistics.median(times) for name, times in rounds.items()}
         service = EngineService(engine, str(a))
         seconds["stand-in /weights_checker checksum"] = best(lambda: service.check_weights("checksum"), args.repeats)
         engine.close()
@@ -110,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {}
     for name, s in seconds.items():
         ratios[name] = s / seconds["reload in place"]
-        print(f"{name:<40} {s * 1e3:9.1f} ms  ratio to the in-place reload {ratios[name]:.3f}")
+        median = (f"  (median {medians[name] * 1e3:.1f} ms, ratio {medians[name] / medians['reload in place']:.3f})"
+                  if name in medians else "")
+        print(f"{name:<40} {s * 1e3:9.1f} ms  ratio to the in-place reload {ratios[name]:.3f}{median}")
     if args.json:
-        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "bytes": nbytes, "seconds": seconds,
+        args.json.write_text(json.dumps({"load_average": os.getloadavg(), "bytes": nbytes, "seconds": seconds, "medians": medians,
                                          "ratio_to_reload": ratios, "args": vars(args)}, default=str, indent=1))
     return 0
 

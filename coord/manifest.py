@@ -44,6 +44,7 @@ from coord.atomic import read_json_object, write_json_atomic
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 PROMPT_FORMATS = ("raw", "chat")
+CANARY_ON_FAIL = ("skip", "flag")
 
 
 class FieldError(ValueError):
@@ -310,6 +311,28 @@ class LeaseSettings:
 
 
 @dataclass(frozen=True)
+class CanarySettings:
+    """``eval.canary`` in run.json: what a unit whose engine disagrees with the trainer on the canary
+    (teacher-forced log-probs of a probe stored with the snapshot, :mod:`jobs.eval.canary`) becomes."""
+
+    max_abs_logprob_diff: float | None = None
+    """The largest max |Δ log-prob| over the probe tokens a unit may show; None: the measured default
+    for the engine's dtype against the trainer's (0.001 same dtype, 0.05 a narrower one such as bf16 vs
+    an fp32 trainer: bench/RESULTS.md "Canary"); 0: compare and record only, never fail."""
+    on_fail: str = "skip"
+    """``skip``: the unit is skipped ``canary_failed`` (never a scored point); ``flag``: it is scored and
+    the failure only logged (``eval/fidelity/flagged``, a line on the worker's stderr)."""
+
+    def __post_init__(self) -> None:
+        if self.max_abs_logprob_diff is not None and not (
+            math.isfinite(self.max_abs_logprob_diff) and self.max_abs_logprob_diff >= 0
+        ):
+            raise FieldError("max_abs_logprob_diff", f"must be a number >= 0 (or null), got {self.max_abs_logprob_diff}")
+        if self.on_fail not in CANARY_ON_FAIL:
+            raise FieldError("on_fail", f"{self.on_fail!r} must be one of {', '.join(CANARY_ON_FAIL)}")
+
+
+@dataclass(frozen=True)
 class EvalSpec:
     datasets: tuple[DatasetSpec, ...]
     engine: dict[str, Any] = field(default_factory=dict)
@@ -318,6 +341,7 @@ class EvalSpec:
     # Absolute path of the fixed base model (an HF model dir) when every snapshot of the run is a LoRA
     # adapter (``adapter_config.json`` + ``adapter_model.safetensors``); None: snapshots are full models.
     base_model: str | None = None
+    canary: CanarySettings = CanarySettings()
 
 
 @dataclass(frozen=True)
@@ -358,6 +382,8 @@ class RunManifest:
             if ds.get("samples_per_unit", 0) is None:  # unsplit: written as before the setting existed
                 ds.pop("samples_per_unit")
         obj["eval"]["datasets"] += obj["eval"].pop("harness")  # lm_eval entries live in datasets on disk
+        if self.eval.canary == CanarySettings():  # the default is not written: older readers read the file
+            obj["eval"].pop("canary")
         return obj
 
 
@@ -533,7 +559,7 @@ def _split_datasets(f: Fields, raw: list[Any]) -> tuple[tuple[DatasetSpec, ...],
 
 
 def _parse_eval(f: Fields) -> EvalSpec:
-    f.reject_unknown(["datasets", "engine", "adapters", "base_model"], "the eval section")
+    f.reject_unknown(["datasets", "engine", "adapters", "base_model", "canary"], "the eval section")
     raw_datasets = f.get("datasets", list)
     if not raw_datasets:
         raise f.error("datasets", "must list at least one dataset")
@@ -550,7 +576,7 @@ def _parse_eval(f: Fields) -> EvalSpec:
         raise f.error("base_model", f"must be an absolute path (the base model dir), got {base_model!r}")
     return EvalSpec(
         datasets=datasets, engine=f.get("engine", dict, {}), adapters=tuple(adapters), harness=harness,
-        base_model=base_model,
+        base_model=base_model, canary=parse_dataclass(f.sub("canary", {}), CanarySettings, what="eval.canary"),
     )
 
 

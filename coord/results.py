@@ -448,12 +448,16 @@ def _attested(shards: list[Result]) -> float:
 
 def point_fidelity(done: list[Result]) -> dict[str, float]:
     """The worst canary comparison of a point's units: the largest ``max_abs_logprob_diff``, the smallest
-    ``argmax_agreement`` ({} when no unit compared a canary)."""
+    ``argmax_agreement``, ``flagged`` 1 if any unit was over the threshold and kept ({} when no unit
+    compared a canary)."""
     compared = [r.fidelity for r in done if r.fidelity]
     if not compared:
         return {}
-    return {"max_abs_logprob_diff": max(f["max_abs_logprob_diff"] for f in compared),
-            "argmax_agreement": min(f["argmax_agreement"] for f in compared)}
+    worst = {"max_abs_logprob_diff": max(f["max_abs_logprob_diff"] for f in compared),
+             "argmax_agreement": min(f["argmax_agreement"] for f in compared)}
+    if any("flagged" in f for f in compared):  # eval.canary.on_fail flag: 1 when a unit was over the threshold
+        worst["flagged"] = max(f.get("flagged", 0.0) for f in compared)
+    return worst
 
 
 def point_cost(done: list[Result]) -> dict[str, float]:

@@ -327,11 +327,12 @@ def _is_count(value: Any) -> bool:
 
 
 def _valid_tensors(tensors: Any) -> bool:
-    """A file's optional ``tensors``: name -> {"dtype": str, "shape": [int], "crc32": int}."""
+    """A file's optional ``tensors``: name -> {"dtype": str, "shape": [int], "crc32": int, "xxh3"?: int}."""
     if tensors is None:
         return True
     return isinstance(tensors, dict) and all(
         isinstance(d, dict) and isinstance(d.get("dtype"), str) and _is_count(d.get("crc32"))
+        and ("xxh3" not in d or _is_count(d["xxh3"]))
         and isinstance(d.get("shape"), list) and all(_is_count(x) for x in d["shape"])
         for d in tensors.values()
     )

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from coord.digests import compare_digests, crc32_combine, safetensors_digests
@@ -49,6 +50,7 @@ def test_exporter_records_per_tensor_digests_that_a_reread_reproduces(tmp_path: 
     name = sorted(on_disk)[0]
     raw = on_disk[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     assert tensors[name]["crc32"] == zlib.crc32(raw)
+    assert tensors[name]["xxh3"] == xxhash.xxh3_64_intdigest(raw)  # the digest engines are attested with
 
 
 def test_a_reused_checkpoint_is_marked_with_tensor_digests(tmp_path: Path) -> None:
@@ -64,6 +66,8 @@ def test_compare_digests_names_missing_extra_and_different() -> None:
     expected = {"a": {"crc32": 1}, "b": {"crc32": 2}, "c": {"crc32": 3}}
     diffs = compare_digests(expected, {"a": 1, "b": 9, "d": 4, "tied": 1}, {"tied": "a"})
     assert diffs == ["missing 1: c", "extra 1: d", "different 1: b"]
+    fast = {n: {"crc32": 0, "xxh3": d["crc32"]} for n, d in expected.items()}
+    assert compare_digests(fast, {"a": 1, "b": 9, "d": 4, "tied": 1}, {"tied": "a"}, "xxh3") == diffs
 
 
 # -- the worker's evaluator ------------------------------------------------------------------------------
@@ -116,6 +120,7 @@ def test_an_honest_hf_engine_is_attested_on_first_load_and_in_place_reload(tmp_p
     for r in results:
         assert r.ok, r.message
         assert r.attest["attested"] is True and r.attest["how"] == "tensor_digests", r.attest
+        assert "xxh3 digests" in r.attest["detail"]
     assert results[2].timings["attest_s"] == 0.0  # same load: the attestation is reused, not redone
 
 
@@ -130,6 +135,28 @@ def test_an_engine_keeping_a_stale_layer_under_the_new_label_fails_attestation(t
     assert first.ok and first.attest["attested"] is True
     assert second.skip_reason == "attest_failed", second.message  # ... the weights do not
     assert "different" in second.message and "model.layers.0.self_attn" in second.message
+
+
+def test_a_marker_written_before_xxh3_is_attested_by_crc32(tmp_path: Path) -> None:
+    """A marker whose tensors carry CRC-32 only (written before XXH3): engines digest with CRC-32, an
+    honest one passes and the stale-layer one still fails."""
+    from bench.bench_attest import without_xxh3
+    from jobs.eval.attest import AttestFailed, attest
+
+    run, refs = _run_with_steps(tmp_path, (1, 2))
+    legacy = without_xxh3(read_marker(refs[1].path))
+    assert all("xxh3" not in d and "crc32" in d for d in legacy.tensors.values())
+    honest, stale = HFEngine(), StaleLayerEngine()
+    try:
+        honest.load(str(refs[1].path), "1")
+        assert "crc32 digests" in attest(honest, refs[1].path, legacy, run).detail
+        stale.load(str(refs[2].path), "2")
+        stale.load(str(refs[1].path), "1")
+        with pytest.raises(AttestFailed, match="model.layers.0.self_attn"):
+            attest(stale, refs[1].path, legacy, run)
+    finally:
+        honest.close()
+        stale.close()
 
 
 def test_an_engine_that_drops_a_tensor_fails_attestation(tmp_path: Path) -> None:

@@ -124,3 +124,33 @@ def test_the_stale_layer_engine_fails_the_canary(tmp_path: Path, snapshot) -> No
             check_canary(engine, path, read_marker(path), None)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("on_fail", ["skip", "flag"])
+def test_the_runs_canary_policy_skips_or_flags_a_unit_over_its_threshold(snapshot, on_fail: str) -> None:  # noqa: ANN001
+    """run.json ``eval.canary``: a bf16 engine (about 0.01 from the fp32 trainer, bench/RESULTS.md) against a
+    threshold of 0.001 fails the canary; ``skip`` makes the unit ``canary_failed``, ``flag`` scores it and
+    marks the fidelity (and the point's ``eval/fidelity/flagged``)."""
+    from dataclasses import replace
+
+    from coord.manifest import CanarySettings, save_manifest
+    from coord.results import point_fidelity
+
+    run, _ = snapshot
+    manifest = run.manifest()
+    canary = CanarySettings(max_abs_logprob_diff=1e-3, on_fail=on_fail)
+    save_manifest(run.manifest_path, replace(manifest, eval=replace(manifest.eval, canary=canary)))
+    assert run.manifest().eval.canary == canary  # written and read back through run.json
+    (ref,) = SnapshotDiscovery(run.snapshots).poll()
+    engine = HFEngine(dtype="bfloat16")
+    try:
+        evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), 5.0, 120.0)
+        result = evaluate_unit(evaluator, WorkUnit(1, "addition", 0), ref, "fast")
+    finally:
+        engine.close()
+    if on_fail == "skip":
+        assert result.skip_reason == "canary_failed" and "exceeds 0.001" in result.message
+    else:
+        assert result.ok, result.message
+        assert result.fidelity["flagged"] == 1.0 and result.fidelity["max_abs_logprob_diff"] > 1e-3
+        assert point_fidelity([result])["flagged"] == 1.0

@@ -62,6 +62,9 @@ def test_malformed_json_names_the_file(tmp_path: Path) -> None:
         (lambda m: m.update(snapshot_roots=["relative/dir"]), r"snapshot_roots\[0\] must be an absolute path"),
         (lambda m: m["lease"].update(heartbeat_s=100), r"lease\.heartbeat_s"),
         (lambda m: m.pop("run_id"), r"run_id is missing"),
+        (lambda m: m["eval"].update(canary={"on_fail": "ignore"}), r"eval\.canary\.on_fail 'ignore' must be one of skip, flag"),
+        (lambda m: m["eval"].update(canary={"max_abs_logprob_diff": -1}), r"eval\.canary\.max_abs_logprob_diff must be a number >= 0"),
+        (lambda m: m["eval"].update(canary={"threshold": 1}), r"eval\.canary\.threshold"),
     ],
 )
 def test_bad_manifest_field_is_named(tmp_path: Path, mutate, field: str) -> None:

@@ -7,8 +7,8 @@ asks the engine about its weights and compares (:func:`attest`):
 
 * ``tensor_digests`` — an engine that digests what it holds (the in-process hf engine,
   :meth:`~jobs.eval.engines.hf.HFEngine.weight_digests`): every tensor cast to the snapshot's dtype,
-  CRC-32 of its bytes, compared with the digests the exporter recorded in the snapshot's marker
-  (:mod:`coord.digests`). Any missing, extra or different tensor fails. **Proves**: the engine holds
+  XXH3-64 of its bytes (CRC-32 for a marker written before XXH3), compared with the digests the
+  exporter recorded in the snapshot's marker (:mod:`coord.digests`). Any missing, extra or different tensor fails. **Proves**: the engine holds
   bit for bit the tensors the marker lists (up to CRC-32 collisions, not a defence against forgery), so a
   stale layer, a dropped tensor, a relabelled engine or a snapshot changed after its marker is caught.
   An engine holding a narrower dtype than the file (bf16 for an F32 snapshot) cannot match: the unit
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from coord.atomic import dumps, publish_exclusive, read_json_object
-from coord.digests import compare_digests
+from coord.digests import compare_digests, digest_name
 from coord.rundir import RunDir
 from coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
 from jobs.eval.engines.base import Engine, EngineChecksum, EngineError
@@ -111,17 +111,18 @@ def _by_digests(engine: Any, marker: Marker) -> Attestation:
     expected = marker.tensors
     if expected is None:
         return Attestation(False, "none", "the snapshot's marker holds no tensor digests (written before them)")
-    report = engine.weight_digests({name: d["dtype"] for name, d in expected.items()})
+    digest = digest_name(expected)  # xxh3 when the marker has it: a fraction of CRC-32's cost
+    report = engine.weight_digests({name: d["dtype"] for name, d in expected.items()}, digest)
     lossy = set(report.lossy)
     comparable = {n: d for n, d in expected.items() if n not in lossy}
     got = {n: v for n, v in report.digests.items() if n not in lossy and report.aliases.get(n) not in lossy}
-    differences = compare_digests(comparable, got, report.aliases)
+    differences = compare_digests(comparable, got, report.aliases, digest)
     if differences:
         raise AttestFailed(f"the engine's weights are not step {marker.step}'s snapshot: {'; '.join(differences)}")
     if lossy:
         return Attestation(False, "tensor_digests", f"{len(lossy)} tensors held in a narrower dtype than the "
                            f"snapshot's (e.g. {sorted(lossy)[0]}): not comparable; {len(comparable)} others match")
-    return Attestation(True, "tensor_digests", f"{len(comparable)} tensors match the marker's digests")
+    return Attestation(True, "tensor_digests", f"{len(comparable)} tensors match the marker's {digest} digests")
 
 
 def snapshot_id(marker: Marker) -> str:

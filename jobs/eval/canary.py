@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from coord.snapshot import CANARY, Marker
+from jobs.eval.engines.base import RequestRejected
 from jobs.eval.pinning import WorkerSkip
 
 PROBE_ROWS = 4
@@ -38,12 +39,13 @@ PROBE_ROWS = 4
 class Fidelity:
     """The canary's comparison for one load: ``max_abs_logprob_diff`` over every probe token (inf when
     the tokenizations differ), ``argmax_agreement`` (fraction of positions whose argmax matches),
-    ``tokens`` compared and ``seconds`` spent."""
+    ``tokens`` compared, ``seconds`` spent and whether it was ``flagged`` (over the threshold, kept)."""
 
     max_abs_logprob_diff: float
     argmax_agreement: float
     tokens: int
     seconds: float = 0.0
+    flagged: bool = False  # over the threshold under ``on_fail: flag`` (scored, logged)
 
     def to_json(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
@@ -55,12 +57,15 @@ class CanaryFailed(WorkerSkip):
     reason = "canary_failed"
 
 
-def check_canary(engine: Any, snapshot: Path, marker: Marker, max_abs_diff: float | None) -> Fidelity | None:
+def check_canary(
+    engine: Any, snapshot: Path, marker: Marker, max_abs_diff: float | None, on_fail: str = "skip"
+) -> Fidelity | None:
     """Recompute ``snapshot``'s canary on every engine behind ``engine`` that can (the worst is kept);
-    None when the snapshot has no canary or no engine can teacher-force. :class:`CanaryFailed` when
-    ``max_abs_diff`` > 0 and the difference exceeds it (0: record only; None: the measured default for
-    the engine's dtype against the trainer's, :func:`default_bound`). ValueError for an unreadable
-    canary file."""
+    None when the snapshot has no canary or no engine can teacher-force (or every one refused to). Over the threshold
+    (``max_abs_diff`` > 0; 0: record only; None: the measured default for the engine's dtype against the
+    trainer's, :func:`default_bound`) ``on_fail`` decides (run.json ``eval.canary``): ``skip`` raises
+    :class:`CanaryFailed`, ``flag`` logs one line on stderr and returns the fidelity ``flagged``.
+    ValueError for an unreadable canary file."""
     members = [e for e in (getattr(engine, "engines", None) or [engine]) if hasattr(e, "teacher_forced")]
     if CANARY not in marker.files or not members:
         return None
@@ -70,18 +75,36 @@ def check_canary(engine: Any, snapshot: Path, marker: Marker, max_abs_diff: floa
         pairs = [(p["prompt"], p["continuation"]) for p in stored["probes"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{snapshot / CANARY}: unreadable canary ({e})") from e
-    results = [compare(stored, e.teacher_forced(pairs)) for e in members]
+    results = [compare(stored, got) for e in members if (got := _recompute(e, pairs, marker.step)) is not None]
+    if not results:
+        return None
     worst = max(results, key=lambda f: (f.max_abs_logprob_diff, -f.argmax_agreement))
-    fidelity = Fidelity(worst.max_abs_logprob_diff, worst.argmax_agreement, worst.tokens, time.perf_counter() - t0)
     if max_abs_diff is None:
         max_abs_diff = max(default_bound(getattr(e, "compute_dtype", None), stored.get("dtype")) for e in members)
-    if 0 < max_abs_diff < fidelity.max_abs_logprob_diff:
-        raise CanaryFailed(
+    failed = 0 < max_abs_diff < worst.max_abs_logprob_diff
+    fidelity = Fidelity(worst.max_abs_logprob_diff, worst.argmax_agreement, worst.tokens, time.perf_counter() - t0,
+                        flagged=failed)
+    if failed:
+        message = (
             f"canary: max |Δ log-prob| {fidelity.max_abs_logprob_diff:.4g} over {fidelity.tokens} probe tokens "
             f"(argmax agreement {fidelity.argmax_agreement:.3f}) exceeds {max_abs_diff:g} — another tokenizer, "
             f"dtype or kernel than the trainer's ({stored.get('dtype')})"
         )
+        if on_fail != "flag":
+            raise CanaryFailed(message)
+        print(f"ckpteval: step {marker.step}: {message} (flagged, scored: eval.canary.on_fail is flag)",
+              file=sys.stderr, flush=True)
     return fidelity
+
+
+def _recompute(engine: Any, pairs: list[tuple[str, str]], step: int) -> list[dict[str, Any]] | None:
+    """``engine``'s teacher-forced records, or None (one line on stderr) when it refuses the request (a
+    server that cannot score prompts: the canary is absent for it, not failed)."""
+    try:
+        return engine.teacher_forced(pairs)
+    except RequestRejected as e:
+        print(f"ckpteval: step {step}: no canary from this engine: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def default_bound(engine_dtype: str | None, trainer_dtype: str | None) -> float:
@@ -99,27 +122,51 @@ def probe_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return pairs[:PROBE_ROWS]
 
 
-@torch.no_grad()
 def teacher_forced(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """Token ids, continuation log-probabilities and argmax of each ``(prompt, continuation)`` under
-    ``model``: one forward pass over the rows right-padded (causal attention: a row's positions never
-    see its padding)."""
+    ``model`` (:func:`token_logprobs`: one forward pass over the rows)."""
     rows = [(list(tokenizer(p + c)["input_ids"]), len(tokenizer(p)["input_ids"])) for p, c in pairs]
+    scored = token_logprobs(model, [ids for ids, _ in rows], 1)
+    return [probe_result(pair, ids, start, lps, [top[0][1] if top else None for top in tops])
+            for pair, (ids, start), (lps, tops) in zip(pairs, rows, scored, strict=True)]
+
+
+def probe_result(
+    pair: tuple[str, str], ids: list[int], start: int, logprobs: list[float | None], argmax: list[int | None]
+) -> dict[str, Any]:
+    """One probe's record from per-position values in sglang's ``input_token_logprobs`` layout: entry
+    ``i`` is about token ``i`` (its log-probability given the tokens before it; the argmax of that
+    distribution), entry 0 is None. Kept: the continuation's positions (``start`` on, at least 1)."""
+    positions = range(max(start, 1), len(ids))
+    return {"prompt": pair[0], "continuation": pair[1], "ids": ids, "start": start,
+            "logprobs": [float(logprobs[i]) for i in positions], "argmax": [int(argmax[i]) for i in positions]}
+
+
+@torch.no_grad()
+def token_logprobs(
+    model: Any, rows: list[list[int]], top_k: int = 0
+) -> list[tuple[list[float | None], list[list[tuple[float, int]] | None]]]:
+    """Teacher-forced log-probabilities of each row of token ids, in sglang's ``input_token_logprobs``
+    layout (entry ``i``: log p(token i | tokens before it), entry 0 None) and its ``top_k`` most likely
+    ``(logprob, id)`` per position (``input_top_logprobs``; entry 0 None): one forward pass over the rows
+    right-padded (causal attention: a row's positions never see its padding), log-softmax of the raw
+    logits in float32. The canary and ``ckpteval serve``'s ``return_logprob`` both use it."""
     if not rows:
         return []
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in rows])
-    mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in rows])
+    width = max(len(ids) for ids in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     device = next(model.parameters()).device
     logprobs = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-    out = []
-    for row, ((full, start), (prompt, continuation)) in enumerate(zip(rows, pairs, strict=True)):
-        positions = range(max(start, 1), len(full))
-        out.append({
-            "prompt": prompt, "continuation": continuation, "ids": full, "start": start,
-            "logprobs": [float(logprobs[row, i - 1, full[i]]) for i in positions],
-            "argmax": [int(logprobs[row, i - 1].argmax()) for i in positions],
-        })
+    out: list[tuple[list[float | None], list[list[tuple[float, int]] | None]]] = []
+    for i, row in enumerate(rows):
+        n = len(row)
+        picked = logprobs[i, : n - 1].gather(-1, torch.tensor(row[1:], dtype=torch.long, device=device).unsqueeze(-1)).squeeze(-1)
+        tops: list[list[tuple[float, int]] | None] = [None]
+        if top_k > 0:
+            values, indices = logprobs[i, : n - 1].topk(top_k, dim=-1)
+            tops += [list(zip(v, x, strict=True)) for v, x in zip(values.tolist(), indices.tolist(), strict=True)]
+        out.append(([None, *picked.tolist()], tops))
     return out
 
 

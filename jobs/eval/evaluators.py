@@ -69,7 +69,9 @@ class EngineEvaluator:
         # passes one run's pin while holding another run's weights of the same step
         self.pin_timeout_s, self.load_timeout_s = pin_timeout_s, load_timeout_s
         self._loaded_once = False
-        self.canary_max_diff = canary_max_diff
+        canary = cache.manifest.eval.canary  # the run's policy; --canary-max-diff overrides its threshold
+        self.canary_max_diff = canary.max_abs_logprob_diff if canary_max_diff is None else canary_max_diff
+        self.canary_on_fail = canary.on_fail
         self._attested: tuple[str, Attestation, dict[str, float]] | None = None  # (version, attestation,
         # canary fidelity) since the last load
         self._distrusted: set[str] = set()  # versions whose attestation failed: reloaded before the next try
@@ -102,7 +104,7 @@ class EngineEvaluator:
         marker = verify_snapshot(ref.path, "fast", marker=ref.marker if ref.foreign else None)
         try:
             attestation = attest(self.engine, ref.path, marker, self.cache.run)
-            fidelity = check_canary(self.engine, ref.path, marker, self.canary_max_diff)
+            fidelity = check_canary(self.engine, ref.path, marker, self.canary_max_diff, self.canary_on_fail)
         except (AttestFailed, CanaryFailed):
             self._distrusted.add(want)
             raise

@@ -75,8 +75,9 @@ class WorkerOptions:
     load_timeout_s: float = option(600.0, "bound on one weight load or engine restart",
                                    flag="--load-timeout", metavar="S", gt=0)
     canary_max_diff: float | None = option(
-        None, "skip a unit canary_failed when the snapshot's canary (teacher-forced log-probs the trainer "
-        f"stored) differs from the engine's by more than S (0: record eval/fidelity/* only; default: "
+        None, "a unit whose canary (teacher-forced log-probs the trainer stored with the snapshot) differs from "
+        "the engine's by more than S fails it: skipped canary_failed, or only flagged (run.json eval.canary.on_fail); "
+        "0: record eval/fidelity/* only; overrides run.json eval.canary.max_abs_logprob_diff (default: that, else "
         f"{CANARY_MAX_DIFF_SAME_DTYPE:g} for an engine in the trainer's dtype, {CANARY_MAX_DIFF_NARROWER:g} for a "
         "narrower one)", flag="--canary-max-diff", metavar="S", min=0)
     max_unhealthy: int = option(5, "exit with code 4 after N consecutive unhealthy units (0: never)",

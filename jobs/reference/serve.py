@@ -63,9 +63,16 @@ prompt, settings and seed only: identical (prompt, seed) pairs give identical sa
 Limits (stand-in, not sglang): one engine lock serializes generation and loads, so weights never
 change under a running generation and a relabel during one is attributed to its last token; an abort
 of a running request takes effect when its batch finishes (the output is kept, marked aborted);
-sglang fields the stand-in cannot honour (streaming, logprobs, ``n`` > 1, stop strings, grammars,
+sglang fields the stand-in cannot honour (streaming, output logprobs, ``n`` > 1, stop strings, grammars,
 multimodal input, ...) are refused with 400 ``{"error": {"message"}}`` naming them; out-of-vocabulary
 ``input_ids`` are refused (sglang leaves them undefined).
+
+Input logprobs (the canary's path, :mod:`jobs.eval.engines.sglang_logprobs`): ``return_logprob`` with
+``logprob_start_len`` and ``top_logprobs_num`` on a prefill-only request (``max_new_tokens: 0``) adds
+``input_token_logprobs`` / ``input_top_logprobs`` to ``meta_info`` as sglang does (``[logprob, id,
+null]`` per prompt token from ``logprob_start_len``, the first one's logprob null). Like sglang, the
+server keeps the tokenizer it was launched with across ``/update_weights_from_disk``
+(``srt/managers/tokenizer_manager.py``: built once, in ``init_tokenizer_and_processor``).
 
 The request side (schema, ranges, 400 bodies) lives in ``jobs.reference.serve_requests``; the engine
 service (generation, aborts, pause, weight versions) in ``jobs.reference.serve_engine``; the

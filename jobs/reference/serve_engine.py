@@ -67,6 +67,8 @@ class Row:
     completion: Completion | None = None
     label_before: str = ""
     aborted: str | None = None  # the abort message
+    logprob_start: int | None = None  # return_logprob: logprob_start_len resolved (None: not asked)
+    logprobs: dict[str, Any] | None = None  # the meta_info fields return_logprob adds
 
 
 class EngineService:
@@ -80,6 +82,9 @@ class EngineService:
         self.model_path = self.launch_model_path = model_path
         self.deterministic = deterministic
         self.label = label if label is not None else engine.weight_version() or DEFAULT_WEIGHT_VERSION
+        # sglang tokenizes with the tokenizer it was launched with, whatever update_weights_from_disk loads
+        # later (tokenizer_manager.py: built once in init_tokenizer_and_processor)
+        self.launch_tokenizer = engine.tokenizer
         self.launch_label = self.label
         self.lock = threading.Lock()  # the engine: generation and loads
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
@@ -97,7 +102,7 @@ class EngineService:
     def tokenize(self, req: GenerateRequest) -> list[list[int]]:
         if req.input_ids is not None:
             return req.input_ids
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.launch_tokenizer or self.engine.tokenizer
         if tokenizer is None:
             raise EngineError("no model loaded")
         with self.tokenizer_lock:
@@ -119,9 +124,10 @@ class EngineService:
         self.check_lengths(ids, req)
         context = self.context_length()
         rows = [
-            Row(i, rid, row, self._effective(s.params, len(row), context))
+            Row(i, rid, row, self._effective(s.params, len(row), context), logprob_start=_logprob_start(req, i, row))
             for i, (rid, row, s) in enumerate(zip(req.rids, ids, req.sampling, strict=True))
         ]
+        top_k = req.logprobs.top_k if req.logprobs is not None else 0
         with self.state:
             while self.paused:  # tokenizer_manager.py: new requests wait on is_pause before registering
                 self.state.wait()
@@ -134,7 +140,7 @@ class EngineService:
                     self.generating += 1
                 try:
                     for group in self._groups(rows):
-                        self._run(group)
+                        self._run(group, top_k)
                 finally:
                     with self.state:
                         self.generating -= 1
@@ -179,7 +185,7 @@ class EngineService:
             groups.setdefault(key, []).append(row)
         return list(groups.values())
 
-    def _run(self, group: list[Row]) -> None:
+    def _run(self, group: list[Row], top_k: int = 0) -> None:
         with self.state:
             for row in group:
                 if self.live[row.rid].aborted:  # aborted before it ran: tokenizer_manager _handle_abort_req
@@ -193,6 +199,7 @@ class EngineService:
             from jobs.eval.engines.hf import Completion  # at run time: importing this module stays torch-free
 
             done = [Completion("", [], {"type": "length", "length": 0}, len(r.ids), label) for r in todo]
+            self._score([r for r in todo if r.logprob_start is not None], top_k)
         elif params.seed is not None:
             once = self.engine.generate_ids([todo[0].ids], params)[0]
             done = [once] * len(todo)
@@ -229,7 +236,31 @@ class EngineService:
                 "e2e_latency": latency,
                 "weight_versions": spans,
             }
-        return {"text": "" if c is None else c.text, "output_ids": output_ids, "meta_info": meta}
+        return {"text": "" if c is None else c.text, "output_ids": output_ids, "meta_info": meta | (row.logprobs or {})}
+
+    def _score(self, rows: list[Row], top_k: int) -> None:
+        """``return_logprob`` of prefill-only rows, as sglang fills ``meta_info``: ``input_token_logprobs``
+        one ``[logprob, id, null]`` per prompt token from ``logprob_start_len``, the first one's logprob
+        null (logprob_result_processor.py ``_process_input_token_logprobs``: ``[None] + logprobs[:-1]``);
+        with ``top_logprobs_num`` the ``input_top_logprobs`` alike (entry 0 null); empty output lists
+        (tokenizer_manager.py ``add_logprob_to_meta_info``). Log-softmax of the raw logits."""
+        if not rows:
+            return
+        from jobs.eval.canary import token_logprobs  # at run time: importing this module stays torch-free
+
+        with self.engine.held() as (model, _):
+            scored = token_logprobs(model, [r.ids for r in rows], top_k)
+        for row, (lps, tops) in zip(rows, scored, strict=True):
+            at = range(row.logprob_start, len(row.ids))
+            meta: dict[str, Any] = {
+                "input_token_logprobs": [[None if i == row.logprob_start else lps[i], row.ids[i], None] for i in at],
+                "output_token_logprobs": [], "output_token_logprobs_length": 0,
+            }
+            if top_k > 0:
+                meta["input_top_logprobs"] = [
+                    None if i == row.logprob_start else [[v, t, None] for v, t in tops[i]] for i in at]
+                meta["output_top_logprobs"] = []
+            row.logprobs = meta
 
     @staticmethod
     def _spans(before: str, after: str, n: int) -> list[dict[str, Any]]:
@@ -372,6 +403,17 @@ class EngineService:
             return self.engine.healthy()
         finally:
             self.lock.release()
+
+
+def _logprob_start(req: GenerateRequest, index: int, ids: list[int]) -> int | None:
+    """scheduler.py: ``logprob_start_len`` -1 means the end of the prompt; past it is refused."""
+    if req.logprobs is None:
+        return None
+    start = req.logprobs.start[index]
+    if start > len(ids):
+        raise Refused(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                      f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len.")
+    return len(ids) if start == -1 else start
 
 
 def _raw_bytes(tensor: Any) -> bytes:

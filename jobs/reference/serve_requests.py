@@ -43,8 +43,8 @@ NEUTRAL = {
 }  # fmt: skip
 # GenerateReqInput fields the stand-in cannot serve when set (io_struct.py); lora_path has sglang's own error.
 UNSUPPORTED_REQUEST_KEYS = (
-    "stream", "return_logprob", "return_hidden_states", "input_embeds", "image_data", "video_data",
-    "audio_data", "session_params", "custom_logit_processor",
+    "stream", "return_hidden_states", "input_embeds", "image_data", "video_data", "audio_data", "session_params",
+    "custom_logit_processor", "token_ids_logprob", "return_text_in_logprobs",
 )  # fmt: skip
 
 
@@ -93,6 +93,14 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """``return_logprob``'s settings (io_struct.py ``GenerateReqInput``, one value or one per prompt)."""
+
+    start: list[int]  # logprob_start_len per prompt; -1 (the default): from the end of the prompt (none)
+    top_k: int  # top_logprobs_num: the best ``[logprob, id, text]`` per position (0: none)
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """A parsed ``/generate`` body: one prompt per item, as text or ids, with its sampling and rid."""
 
@@ -101,6 +109,7 @@ class GenerateRequest:
     input_ids: list[list[int]] | None
     sampling: list[Sampling]
     rids: list[str]
+    logprobs: Logprobs | None = None  # None: return_logprob false
 
 
 def _json_kind(value: Any) -> str:
@@ -243,7 +252,28 @@ def parse_generate(body: Any) -> GenerateRequest:
         sampling = [parse_sampling(p) for p in raw]
     else:
         sampling = [parse_sampling(raw)] * n
-    return GenerateRequest(batched, texts, input_ids, sampling, _parse_rids(body.get("rid"), batched, n))
+    logprobs = _parse_logprobs(body, n, sampling)
+    return GenerateRequest(batched, texts, input_ids, sampling, _parse_rids(body.get("rid"), batched, n), logprobs)
+
+
+def _parse_logprobs(body: dict[str, Any], n: int, sampling: list[Sampling]) -> Logprobs | None:
+    """``return_logprob``, ``logprob_start_len`` (-1 default) and ``top_logprobs_num`` (0 default), each
+    one value or one per prompt (io_struct.py ``normalize_param``). The stand-in scores prompts only:
+    with ``return_logprob`` every prompt must be prefill-only (``max_new_tokens`` 0)."""
+    flag, start, top = body.get("return_logprob"), body.get("logprob_start_len", -1), body.get("top_logprobs_num", 0)
+    if flag is not None and not isinstance(flag, bool):
+        raise BadRequest("'return_logprob' must be a boolean (the stand-in takes no per-prompt list)")
+    starts = start if isinstance(start, list) else [start] * n
+    if len(starts) != n or not all(_is_int(s) and s >= -1 for s in starts):
+        raise BadRequest(f"'logprob_start_len' must be an int >= -1 or a list of {n} of them")
+    if not _is_int(top) or top < 0:
+        raise BadRequest("'top_logprobs_num' must be an int >= 0 (the stand-in takes no per-prompt list)")
+    if not flag:
+        return None
+    if any(s.params.max_new_tokens != 0 for s in sampling):
+        raise Refused("ckpteval serve implements return_logprob for prefill-only requests (max_new_tokens 0) only "
+                      "(sglang also returns output logprobs)")
+    return Logprobs(starts, top)
 
 
 def parse_update(body: Any) -> tuple[str, str | None, bool]:

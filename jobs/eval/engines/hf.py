@@ -263,12 +263,12 @@ class HFEngine:
                 raise EngineError(f"in-place load of {snapshot} failed midway: {e}") from e
             self._version, self._snapshot = version, snapshot
 
-    def weight_digests(self, dtypes: dict[str, str]) -> WeightDigests:
-        """Digests of the weights held now, in the snapshot's dtypes and names
+    def weight_digests(self, dtypes: dict[str, str], digest: str = "crc32") -> WeightDigests:
+        """``digest`` of each weight held now, in the snapshot's dtypes and names
         (:func:`~jobs.eval.engines.hf_weights.param_digests`), under the lock (no load interleaves)."""
         with self._lock:
             model = self._require_loaded()[0]
-            return param_digests(model, dtypes)
+            return param_digests(model, dtypes, digest)
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """The canary's recomputation (:func:`jobs.eval.canary.teacher_forced`) of each ``(prompt,

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from coord.digests import tensor_digest
 from jobs.eval.engines.base import EngineError, WeightDigests
 
 # config.json keys that say nothing about the weights' layout: a change here still reloads in place.
@@ -230,10 +230,10 @@ def copy_into_resident(targets: dict[str, torch.Tensor], index: TensorIndex, dev
 DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-def param_digests(model: torch.nn.Module, dtypes: dict[str, str]) -> WeightDigests:
+def param_digests(model: torch.nn.Module, dtypes: dict[str, str], digest: str = "crc32") -> WeightDigests:
     """Digests of every tensor the model holds (its state dict), each cast to the snapshot's dtype
-    ``dtypes[name]`` (a safetensors dtype name; names absent keep their own dtype), CRC-32 of the
-    bytes (:mod:`coord.digests`). Tensors sharing storage are digested once and reported as aliases of
+    ``dtypes[name]`` (a safetensors dtype name; names absent keep their own dtype): ``digest`` (``xxh3``
+    or ``crc32``, :func:`coord.digests.tensor_digest`) of the bytes. Tensors sharing storage are digested once and reported as aliases of
     the first of them that ``dtypes`` names. A tensor held in a dtype that cannot hold the snapshot's
     values exactly (bf16 held for an F32 file) is listed in ``lossy``. Tensors are digested on
     :data:`DIGEST_THREADS` threads (one tensor each at a time: at most that many host copies exist)."""
@@ -246,12 +246,12 @@ def param_digests(model: torch.nn.Module, dtypes: dict[str, str]) -> WeightDiges
     targets = {h: _LOADABLE_DTYPES.get(dtypes.get(h, ""), state[h].dtype) for h in heads}
     lossy = [h for h in heads if not _holds_exactly(state[h].dtype, targets[h])]
 
-    def digest(head: str) -> int:
+    def one(head: str) -> int:
         with torch.no_grad():
-            return zlib.crc32(_byte_view(state[head].detach().to(device="cpu", dtype=targets[head]).contiguous()))
+            return tensor_digest(_byte_view(state[head].detach().to(device="cpu", dtype=targets[head]).contiguous()), digest)
 
     with ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="ckpteval-digest") as pool:
-        values = dict(zip(heads, pool.map(digest, heads), strict=True))  # crc32 and copies release the GIL
+        values = dict(zip(heads, pool.map(one, heads), strict=True))  # hashes and copies release the GIL
     digests = {name: values[head] for head, names in heads.items() for name in names}
     aliases = {name: head for head, names in heads.items() for name in names if name != head}
     return WeightDigests(digests, aliases, tuple(sorted(lossy)))

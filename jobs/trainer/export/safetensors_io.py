@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from coord.digests import TensorDigest, crc32_combine
+from coord.digests import TensorDigest, crc32_combine, new_xxh3
 
 Checksum = Callable[[bytes | memoryview, int], int]
 """A running checksum with ``zlib.crc32``'s signature: ``checksum(chunk, previous) -> value``."""
@@ -113,8 +113,8 @@ class _ChecksumThread:
     """Checksums chunks in order on a helper thread while the caller writes them.
 
     Chunks come tagged with a segment number (the header, each tensor): each segment gets its own
-    CRC-32 (:meth:`segments`). The file's checksum is combined from them when ``crc`` is
-    ``zlib.crc32``; another checksum runs over every chunk as well."""
+    CRC-32 and XXH3-64 (:meth:`segments`, :meth:`fast_digests`). The file's checksum is combined from the
+    CRCs when ``crc`` is ``zlib.crc32``; another checksum runs over every chunk as well."""
 
     def __init__(self, crc: Checksum) -> None:
         self._crc = crc
@@ -123,6 +123,7 @@ class _ChecksumThread:
         self._value = 0
         self._crcs: list[int] = []
         self._lengths: list[int] = []
+        self._xxh: list[Any] = []  # a streaming XXH3-64 per segment (None without the xxhash package)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckpteval-checksum", daemon=True)
         self._thread.start()
@@ -147,7 +148,10 @@ class _ChecksumThread:
         while len(self._crcs) <= segment:
             self._crcs.append(0)
             self._lengths.append(0)
+            self._xxh.append(new_xxh3())
         self._crcs[segment] = zlib.crc32(chunk, self._crcs[segment])
+        if self._xxh[segment] is not None:
+            self._xxh[segment].update(chunk)
         self._lengths[segment] += len(chunk)
         if not self._combine:
             self._value = self._crc(chunk, self._value)
@@ -177,6 +181,10 @@ class _ChecksumThread:
         """The CRC-32 of each segment (after :meth:`result`); empty segments are 0."""
         return list(self._crcs)
 
+    def fast_digests(self) -> list[int | None]:
+        """The XXH3-64 of each segment (after :meth:`result`); None without the xxhash package."""
+        return [None if x is None else x.intdigest() for x in self._xxh]
+
 
 def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum, fsync: bool) -> FileRecord:
     """Create ``path`` exclusively and write ``chunks``, checksumming them on the side.
@@ -188,22 +196,26 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum
 
 def write_safetensors(path: Path, shard: dict[str, torch.Tensor], crc: Checksum, fsync: bool) -> FileRecord:
     """Write one safetensors shard like :func:`write_chunks`; the record also holds ``"tensors"``:
-    each tensor's dtype, shape and digest (CRC-32 of its bytes, :mod:`coord.digests`)."""
-    record, crcs = _write_tagged(path, _tagged_chunks(shard), crc, fsync)
-    crcs += [0] * (len(shard) + 1 - len(crcs))  # trailing empty tensors fed no chunk
+    each tensor's dtype, shape and digests (CRC-32 and XXH3-64 of its bytes, :mod:`coord.digests`)."""
+    record, crcs, fast = _write_tagged(path, _tagged_chunks(shard), crc, fsync)
+    empty = new_xxh3()  # trailing empty tensors fed no chunk
+    crcs += [0] * (len(shard) + 1 - len(crcs))
+    fast += [None if empty is None else empty.intdigest()] * (len(shard) + 1 - len(fast))
     record["tensors"] = {
-        name: _digest(shard[name], crcs[segment]) for segment, name in enumerate(_file_order(shard), start=1)
+        name: _digest(shard[name], crcs[segment], fast[segment])
+        for segment, name in enumerate(_file_order(shard), start=1)
     }
     return record
 
 
-def _digest(tensor: torch.Tensor, crc: int) -> TensorDigest:
-    return {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "crc32": crc}
+def _digest(tensor: torch.Tensor, crc: int, fast: int | None) -> TensorDigest:
+    digest = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "crc32": crc}
+    return digest if fast is None else digest | {"xxh3": fast}
 
 
 def _write_tagged(
     path: Path, chunks: Iterable[tuple[int, bytes | memoryview]], crc: Checksum, fsync: bool
-) -> tuple[FileRecord, list[int]]:
+) -> tuple[FileRecord, list[int], list[int | None]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     size = 0
     with open(path, "xb", buffering=0) as f:
@@ -219,7 +231,7 @@ def _write_tagged(
             summer.stop()
             path.unlink(missing_ok=True)
             raise
-    return {"bytes": size, "crc32": value}, summer.segments()
+    return {"bytes": size, "crc32": value}, summer.segments(), summer.fast_digests()
 
 
 def _write_all(f: Any, chunk: bytes | memoryview) -> int:

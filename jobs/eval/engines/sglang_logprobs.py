@@ -1,0 +1,79 @@
+"""The canary over sglang's ``/generate``: teacher-forced input-token log-probs, tokenized by the server.
+
+What it owns: the request that makes an sglang server (or ``ckpteval serve``) score a probe
+(:func:`teacher_forced_request`) and the reading of its reply into the canary's per-probe records
+(:func:`parse_teacher_forced`, the shape :func:`jobs.eval.canary.teacher_forced` gives), behind
+:meth:`jobs.eval.engines.sglang.SGLangEngine.teacher_forced`.
+
+How sglang 0.5.23 answers it (paths inside the sglang package):
+
+- ``POST /generate`` with ``text`` (the server's tokenizer encodes it, ``srt/managers/tokenizer_manager.py``
+  ``_tokenize_texts``: ``self.tokenizer(texts)``, special tokens added as transformers does by default),
+  ``sampling_params: {"max_new_tokens": 0, "temperature": 0}`` (a prefill-only request,
+  ``srt/managers/schedule_batch.py`` ``Req.is_prefill_only``), ``return_logprob: true``,
+  ``logprob_start_len: 0`` and ``top_logprobs_num: 1`` (``srt/managers/io_struct.py``
+  ``GenerateReqInput``); sglang's own tests score prompts exactly so (``test/kits/spec_server_kits.py``).
+- ``meta_info.input_token_logprobs`` is one ``[logprob, token_id, text]`` per input token from
+  ``logprob_start_len``: ``[None] + logprobs[:-1]`` against ``origin_input_ids[logprob_start_len:]``
+  (``srt/managers/scheduler_components/logprob_result_processor.py`` ``_process_input_token_logprobs``;
+  triples built by ``tokenizer_manager.py`` ``detokenize_logprob_tokens``, text None unless
+  ``return_text_in_logprobs``). ``input_top_logprobs`` has, per position, the ``top_logprobs_num``
+  best ``[logprob, id, text]`` (entry 0 None; ``_process_input_top_logprobs``): the argmax.
+- The values are the log-softmax of the raw logits (no temperature), in float32
+  (``srt/layers/logprob_processor.py`` ``InputLogprobProcessor``); a cached prefix never hides a
+  position from ``logprob_start_len`` on (``schedule_batch.py``: the prefix match is capped at it).
+
+The prompts alone ride in the same request so the server's own tokenization says where each
+continuation starts; token ids that differ from the trainer's (another tokenizer: sglang keeps the one
+it was launched with across ``update_weights_from_disk``) make the probe incomparable, as in
+:func:`jobs.eval.canary.compare`.
+
+Limits: one request for the whole probe (a few short rows); what the reply lacks or garbles raises
+:class:`~jobs.eval.engines.base.EngineError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobs.eval.canary import probe_result
+from jobs.eval.engines.base import EngineError
+
+
+def teacher_forced_request(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """The ``/generate`` body scoring every ``prompt + continuation``, then every prompt alone."""
+    return {
+        "text": [p + c for p, c in pairs] + [p for p, _ in pairs],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 1,
+    }
+
+
+def parse_teacher_forced(pairs: list[tuple[str, str]], reply: Any) -> list[dict[str, Any]]:
+    """The canary's records (``ids``, ``start``, ``logprobs``, ``argmax`` per probe) from the reply to
+    :func:`teacher_forced_request`; :class:`EngineError` when it is not what sglang sends."""
+    if not isinstance(reply, list) or len(reply) != 2 * len(pairs):
+        raise EngineError(f"/generate returned {str(reply)[:200]} for {2 * len(pairs)} canary texts")
+    out = []
+    for i, pair in enumerate(pairs):
+        ids, logprobs, argmax = _scored(reply[i])
+        prompt_ids = _scored(reply[len(pairs) + i])[0]
+        out.append(probe_result(pair, ids, len(prompt_ids), logprobs, argmax))
+    return out
+
+
+def _scored(item: Any) -> tuple[list[int], list[float | None], list[int | None]]:
+    """Token ids, log-probs and argmax per position of one scored text."""
+    try:
+        meta = item["meta_info"]
+        tokens, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        ids = [int(t[1]) for t in tokens]
+        logprobs = [None if t[0] is None else float(t[0]) for t in tokens]
+        argmax = [None if not top else int(top[0][1]) for top in tops]
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise EngineError(f"/generate: no input logprobs in {str(item)[:200]} ({type(e).__name__}: {e})") from e
+    if len(argmax) != len(ids) or not ids or any(v is None for v in logprobs[1:] + argmax[1:]):
+        raise EngineError(f"/generate: input logprobs of unequal or missing lengths in {str(item)[:200]}")
+    return ids, logprobs, argmax

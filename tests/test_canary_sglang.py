@@ -1,0 +1,177 @@
+"""The canary on the sglang engine (#19 §2): teacher-forced input-token log-probs over ``/generate``.
+
+Real parts: snapshots of the reference trainer's tiny model exported with their canary by the exporter,
+the real tokenizer, and the sglang stand-in (``ckpteval serve``'s :class:`EngineHTTPServer` and
+:class:`EngineService` over a real :class:`HFEngine`) listening on a real socket, in this process (a
+subprocess would add seconds of imports per test). :class:`SGLangEngine` is attached to it by URL, as
+the worker attaches to a running sglang. Real sglang needs a GPU; the stand-in answers ``return_logprob``
+the way sglang 0.5.23 does (cited in ``jobs/eval/engines/sglang_logprobs.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from tokenizers import processors
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from coord.discovery import SnapshotDiscovery
+from coord.units import WorkUnit
+from jobs.eval.canary import canary_bytes, probe_rows
+from jobs.eval.engines.hf import HFEngine
+from jobs.eval.engines.sglang import SGLangEngine
+from jobs.eval.evalsets import load_dataset
+from jobs.eval.evaluators import EngineEvaluator, evaluate_unit
+from jobs.eval.options import CANARY_MAX_DIFF_SAME_DTYPE
+from jobs.eval.scoring import DatasetCache
+from jobs.reference.model import build_model
+from jobs.reference.serve import EngineHTTPServer
+from jobs.reference.serve_engine import EngineService
+from jobs.trainer.export.async_export import AsyncExporter
+from tests.support.workers import base_dir, make_eval_run, version
+
+
+def _export(run: Any, base: Path, step: int) -> Path:  # noqa: ANN401
+    """Export ``step`` of the tiny model with ``base``'s tokenizer and a canary computed with it."""
+    model = build_model(seed=step)
+    tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    pairs = probe_rows(load_dataset(run, run.manifest().eval.datasets[0]))
+    exporter = AsyncExporter(run.snapshots, base, run=None)
+    exporter.submit(step, model, canary=canary_bytes(model, tokenizer, pairs))
+    exporter.wait()
+    (outcome,) = exporter.poll()
+    assert outcome.ok, outcome.error
+    return outcome.path
+
+
+def _base_without_bos(tmp_path: Path) -> Path:
+    """A copy of the base model dir whose tokenizer no longer adds ``<bos>`` (the trainer changed it)."""
+    base = shutil.copytree(base_dir(tmp_path), tmp_path / "base-no-bos")
+    tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A", special_tokens=[])
+    tokenizer.save_pretrained(base)
+    return base
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Any, str]]:
+    """A run with steps 1 (the base tokenizer) and 2 (a tokenizer without ``<bos>``); the stand-in
+    launched on step 1."""
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, max_new_tokens=2)
+    first = _export(run, base_dir(tmp_path), 1)
+    _export(run, _base_without_bos(tmp_path), 2)
+    engine = HFEngine(dtype="float32")
+    engine.load(str(first), version(run, 1))
+    server = EngineHTTPServer(("127.0.0.1", 0), EngineService(engine, str(first)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield run, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        engine.close()
+
+
+def test_the_stand_in_returns_input_token_logprobs_as_sglang_does(served: tuple[Any, str]) -> None:
+    run, url = served
+    (ref, _) = sorted(SnapshotDiscovery(run.snapshots).poll(), key=lambda r: r.step)
+    text = "12+34="
+    body = {"text": [text], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 2, "top_logprobs_num": 2}
+    (item,) = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    ids = AutoTokenizer.from_pretrained(ref.path, local_files_only=True)(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(ref.path, local_files_only=True).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    meta = item["meta_info"]
+    tokens, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert [t[1] for t in tokens] == ids[2:] and tokens[0][0] is None and tops[0] is None
+    for i, (lp, token, text_) in enumerate(tokens[1:], start=3):
+        assert token == ids[i] and text_ is None and abs(lp - float(want[i - 1, ids[i]])) < 1e-5
+        assert [t[1] for t in tops[i - 2]] == want[i - 1].topk(2).indices.tolist()
+    assert meta["output_token_logprobs"] == [] and meta["prompt_tokens"] == len(ids)
+    # what the stand-in cannot do, or sglang refuses, is a 400 naming it
+    too_far = httpx.post(f"{url}/generate", json=body | {"logprob_start_len": len(ids) + 1}, timeout=60)
+    assert too_far.status_code == 400 and "higher than the number of input tokens" in too_far.text
+    decoding = httpx.post(f"{url}/generate", json=body | {"sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert decoding.status_code == 400 and "prefill-only" in decoding.text
+
+
+def _evaluate(run: Any, url: str, step: int) -> Any:  # noqa: ANN401
+    refs = {r.step: r for r in SnapshotDiscovery(run.snapshots).poll()}
+    engine = SGLangEngine(url=url)
+    try:
+        evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), 5.0, 120.0)
+        return evaluate_unit(evaluator, WorkUnit(step, "addition", 0), refs[step], "fast")
+    finally:
+        engine.close()
+
+
+def test_an_honest_sglang_engine_passes_the_canary_and_a_tokenizer_changed_after_launch_fails_it(
+    served: tuple[Any, str],
+) -> None:
+    """sglang keeps the tokenizer it was launched with across ``update_weights_from_disk`` (cited in
+    docs/PROTOCOL.md "The canary"): a step whose tokenizer changed is loaded in place, attested, and then
+    scored by the launch tokenizer. The canary (not attestation: the weights are right) catches it."""
+    run, url = served
+    honest = _evaluate(run, url, 1)  # the tokenizer the server was launched with: the trainer's
+    assert honest.ok, honest.message
+    assert honest.fidelity["tokens"] > 0 and honest.fidelity["max_abs_logprob_diff"] <= CANARY_MAX_DIFF_SAME_DTYPE
+    assert honest.fidelity["argmax_agreement"] == 1.0
+    changed = _evaluate(run, url, 2)  # in-place load of step 2; the server still adds <bos>
+    assert changed.skip_reason == "canary_failed", changed.message
+    assert "max |Δ log-prob| inf" in changed.message
+    info = httpx.get(f"{url}/model_info", timeout=30).json()
+    assert info["weight_version"] == version(run, 2) and info["tokenizer_path"] != info["model_path"]
+
+
+def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server speaking sglang's API that answers ``return_logprob`` with a 400 (a stand-in from before
+    this feature; a small stdlib server here, since the real stand-in now answers it): the canary is
+    absent for it (None, one line on stderr), not failed and not an engine error."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from coord.snapshot import read_marker
+    from jobs.eval.canary import check_canary
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self._reply(200, {"version": "0.5.23"})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._reply(400, {"error": {"message": "ckpteval serve does not implement ['return_logprob']"}})
+
+        def _reply(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, max_new_tokens=2)
+    path = _export(run, base_dir(tmp_path), 1)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = SGLangEngine(url=f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        assert check_canary(engine, path, read_marker(path), None) is None
+        assert "no canary from this engine" in capsys.readouterr().err
+    finally:
+        engine.close()
+        server.shutdown()
+        server.server_close()
