@@ -26,8 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from coord.snapshot import CANARY, Marker
 from jobs.eval.pinning import WorkerSkip
 
@@ -99,28 +97,30 @@ def probe_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return pairs[:PROBE_ROWS]
 
 
-@torch.no_grad()
 def teacher_forced(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """Token ids, continuation log-probabilities and argmax of each ``(prompt, continuation)`` under
     ``model``: one forward pass over the rows right-padded (causal attention: a row's positions never
     see its padding)."""
-    rows = [(list(tokenizer(p + c)["input_ids"]), len(tokenizer(p)["input_ids"])) for p, c in pairs]
-    if not rows:
-        return []
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in rows])
-    mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in rows])
-    device = next(model.parameters()).device
-    logprobs = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
-    out = []
-    for row, ((full, start), (prompt, continuation)) in enumerate(zip(rows, pairs, strict=True)):
-        positions = range(max(start, 1), len(full))
-        out.append({
-            "prompt": prompt, "continuation": continuation, "ids": full, "start": start,
-            "logprobs": [float(logprobs[row, i - 1, full[i]]) for i in positions],
-            "argmax": [int(logprobs[row, i - 1].argmax()) for i in positions],
-        })
-    return out
+    import torch  # here, not at import time: a worker with an fn backend never loads torch (bench_fleet.py)
+
+    with torch.no_grad():
+        rows = [(list(tokenizer(p + c)["input_ids"]), len(tokenizer(p)["input_ids"])) for p, c in pairs]
+        if not rows:
+            return []
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in rows])
+        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in rows])
+        device = next(model.parameters()).device
+        logprobs = torch.log_softmax(model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float(), -1)
+        out = []
+        for row, ((full, start), (prompt, continuation)) in enumerate(zip(rows, pairs, strict=True)):
+            positions = range(max(start, 1), len(full))
+            out.append({
+                "prompt": prompt, "continuation": continuation, "ids": full, "start": start,
+                "logprobs": [float(logprobs[row, i - 1, full[i]]) for i in positions],
+                "argmax": [int(logprobs[row, i - 1].argmax()) for i in positions],
+            })
+        return out
 
 
 def canary_bytes(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> bytes:
@@ -141,6 +141,8 @@ class TrainerCanary:
         self._probe: tuple[Any, list[tuple[str, str]]] | None = None
 
     def __call__(self, model: Any) -> bytes | None:
+        import torch
+
         if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
             return None
         if getattr(model, "peft_config", None) is not None:
