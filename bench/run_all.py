@@ -19,6 +19,10 @@ sandbox            bench_sandbox.py: code programs/s, bwrap vs plain subprocess 
 reload             bench_reload.py: hf in-place reload GB/s vs a plain read     (reported)
                    (``--device cuda`` too where a GPU is visible, else skipped)
 workers            bench_workers.py: units/s with 1, 2, 4 workers               (reported)
+scale              bench_scale.py: 1,000 points x 20 sets x 32 shards: status,  < 2 s each;
+                   plot, ingestion poll vs 10 points; idle-poll syscalls      same syscalls
+fleet              bench_fleet.py: 256 fn workers: units evaluated twice,       0 but lease expiry
+                   lost claims per unit, wall per point vs 1 worker           (reported)
 judge              bench_judge.py: judged samples/s, verdict cache warm vs cold (reported)
                    bench_judge.py: trainer steps/s, judged set vs no-eval       (reported)
 envs               bench_envs.py: episode vs single-turn tokens/s              (reported)
@@ -73,6 +77,8 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "workers": ("bench_workers.py", ["--steps", "16", "--n-prompts", "512"],
                 ["--workers", "1,2", "--steps", "2", "--n-prompts", "64"]),
     "judge": ("bench_judge.py", ["--samples", "256", "--delay-ms", "200", "--trainer-steps", "400"], ["--smoke"]),
+    "scale": ("bench_scale.py", [], ["--points", "100"]),
+    "fleet": ("bench_fleet.py", [], ["--workers", "32", "--points", "10", "--sleep", "0.5"]),
 }
 
 # script -> arguments of its smoke run (seconds, numbers not asserted): tests/test_bench_smoke.py runs every
@@ -95,6 +101,9 @@ SMOKE: dict[str, list[str]] = {
     "bench_attest.py": ["--smoke", "--dir", os.environ.get("TMPDIR", tempfile.gettempdir())],
     "bench_canary.py": ["--smoke"],
     "bench_envs.py": ["--smoke"],
+    "bench_scale.py": ["--smoke"],
+    "bench_fleet.py": ["--workers", "2", "--points", "1", "--datasets", "1", "--shards", "4", "--sleep", "0.01",
+                       "--baseline-units", "1", "--bound", "60"],
 }
 
 
@@ -164,7 +173,7 @@ def run_bench(name: str, quick: bool, run_root: Path, tmp: Path) -> dict[str, An
         args += ["--root", str(run_root)]
     elif name == "coord":
         args += ["--dir", str(run_root)]
-    elif name == "workers":
+    elif name in ("workers", "fleet"):
         args += ["--root", str(run_root)]
     out = tmp / f"{name}.json"
     cmd = [sys.executable, str(BENCH / script), *args, "--json", str(out)]
@@ -270,7 +279,38 @@ def goals(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
         for r in d["rows"]:
             rows.append([f"eval units/s, {r['workers']} worker(s)", f"{r['steady']:.1f} steady",
                          f"{d['rows'][0]['steady']:.1f} (1 worker)", f"{r['steady_ratio']:.2f}x", "(reported)", "-"])
+    rows += scale_goals(results.get("scale", {}).get("data")) + fleet_goals(results.get("fleet", {}).get("data"))
     return rows
+
+
+def scale_goals(d: dict[str, Any] | None) -> list[list[Any]]:
+    if not d:
+        return []
+    b, s, goal = d["baseline"], d["scale"], d["goal_s"]
+    rows = [[f"{label}, {s['points']} points x {d['datasets']} sets x {d['shards']} shards", f"{s[key]:.2f} s",
+             f"{b[key]:.2f} s ({b['points']} points)", f"{s[key] / b[key]:.1f}x", f"< {goal:g} s",
+             met(s[key] < goal)]
+            for key, label in (("status_s", "`ckpteval status`"), ("plot_s", "`ckpteval plot`"),
+                               ("steady_s", "trainer ingestion poll, a point landed"),
+                               ("resume_s", "trainer resume (first poll)")) if key in s]
+    for kind, counts in s["syscalls"].items():
+        n, n0 = sum(counts.values()), sum(b["syscalls"][kind].values())
+        rows.append([f"syscalls of one {kind} poll, {s['points']} points", n, f"{n0} ({b['points']} points)",
+                     f"{n / max(n0, 1):.1f}x", "same count", met(n == n0)])
+    return rows
+
+
+def fleet_goals(d: dict[str, Any] | None) -> list[list[Any]]:
+    if not d:
+        return []
+    f, pp = d["fleet"], d["per_point"]
+    return [[f"units evaluated twice, {d['workers']} workers", f"{f['duplicates']} ({len(f['by_lease_expiry'])} by "
+             f"lease expiry)", "-", "-", "0 but lease expiry", met(not f["not_explained_by_expiry"])],
+            [f"lost claim attempts per unit, {d['workers']} workers", f"{f['lost_claims_per_unit']:.2f}", "-", "-",
+             "(reported)", "-"],
+            [f"wall per point, {d['workers']} workers", f"{pp['fleet_e2e_s']:.2f} s",
+             f"{pp['one_worker_s']:.1f} s (1 worker)", f"{pp['one_worker_s'] / pp['fleet_e2e_s']:.1f}x",
+             "(reported)", "-"]]
 
 
 def spread(r: dict[str, Any]) -> float:
@@ -616,6 +656,65 @@ def judge_trainer_lines(t: dict[str, Any] | None) -> list[str]:
             "the trainer's two cores here; on a cluster they hold their own GPUs."]
 
 
+def scale_section(rec: dict[str, Any]) -> str:
+    d = rec["data"]
+    b, s = d["baseline"], d["scale"]
+    ops = [k for k in ("resume_s", "steady_s", "waiting_s", "idle_s", "worker_idle_probe_s",
+                       "trainer_waiting_probe_s", "status_s", "plot_s") if k in s]
+    rows = [[k.removesuffix("_s").replace("_", " "), f"{b[k]:.3f}", f"{s[k]:.3f}", f"{s[k] / max(b[k], 1e-9):.1f}",
+             f"< {d['goal_s']:g}" if k in ("steady_s", "status_s", "plot_s") else "-"] for k in ops]
+    calls = [[kind, sum(b["syscalls"][kind].values()), sum(c.values()),
+              ", ".join(f"{n} {name}" for name, n in sorted(c.items(), key=lambda x: -x[1]))]
+             for kind, c in s["syscalls"].items()]
+    return "\n".join([
+        f"`bench_scale.py` — a synthetic run of {s['points']} points (steps 100..{s['last_step']}) × {d['datasets']} "
+        f"eval sets × {d['shards']} shards = {s['units']:,} result files on {d['root']}, no model: written by "
+        f"`coord.results.write_result` ({d['procs']} processes, {s['files_per_s']:,.0f} files/s: "
+        f"{s['write_s']:.0f} s), every point but the last {d['pending']} ingested by `jobs.ingest.ingest_point` "
+        f"(ledger + metrics.jsonl). Baseline: the same shape at {b['points']} points ({b['units']:,} files), same "
+        f"run. Load average {load_str(d['load_at_start'])} at start, {load_str(d['load_at_end'])} at end.", "",
+        table(["operation", f"s at {b['points']} points", f"s at {s['points']} points", "ratio", "goal s"], rows), "",
+        "resume: a fresh `EvalDispatcher` (ledger replay) and its first poll, ingesting the pending points; steady: "
+        "one more point's results landed; waiting: one point pending without results; idle: nothing pending; "
+        "the probes: the same waiting poll and a worker's idle poll in a fresh process, after one warm-up poll; "
+        "status and plot: the CLI as a user runs it (interpreter start-up included).", "",
+        table(["idle poll", f"syscalls at {b['points']} points", f"at {s['points']} points",
+               f"by name at {s['points']} points"], calls),
+    ])
+
+
+def fleet_section(rec: dict[str, Any]) -> str:
+    d = rec["data"]
+    f, base, pp = d["fleet"], d["baseline"], d["per_point"]
+    return "\n".join([
+        f"`bench_fleet.py` — {d['workers']} real `ckpteval worker --once --engine fn:…SleepBackend` processes "
+        f"({d['requested_workers']} requested; {d['fit']} fit in memory at {d['worker_rss_mb']:.0f} MB RSS each) on "
+        f"{d['cpus']} cores, a run of {d['points']} points × {d['units_per_point']} units, the backend sleeping "
+        f"{d['sleep_s']:g} s per unit, poll {d['poll_s']:g} s, lease {d['lease_s']:g} s. Baseline: 1 worker on the "
+        f"same shape, {base['units_done']} units. Load average {load_str(d['load_at_start'])} at start, "
+        f"{load_str(d['load_at_end'])} at end.", "",
+        table(["measure", "value"], [
+            ["units done / ok", f"{f['units_done']} / {f['units_ok']} of {d['points'] * d['units_per_point']}"
+             + (" (bounded: SIGTERM at the bound)" if f["bounded"] else "")],
+            ["worker exit codes", f["exit_codes"]],
+            ["units evaluated twice", f"{f['duplicates']}: {len(f['by_lease_expiry'])} by lease expiry, "
+             f"{len(f['not_explained_by_expiry'])} not explained by expiry"],
+            ["claims per unit (`.attempts` lines → units)", f["claims_per_unit"]],
+            ["claim attempts (won / lost / unit already done)",
+             f"{f['claims'].get('won', 0)} / {f['claims'].get('lost', 0)} / {f['claims'].get('done', 0)}"],
+            ["lost claim attempts per unit", f"{f['lost_claims_per_unit']:.2f}"],
+            ["wall per point, fleet (launch → last exit)", f"{pp['fleet_e2e_s']:.2f} s"],
+            ["wall per point, fleet steady (first start → last result)", f"{pp['fleet_steady_s']:.2f} s"],
+            ["wall per point, 1 worker", f"{pp['one_worker_s']:.1f} s"],
+            ["ratio 1 worker / fleet", f"{pp['one_worker_s'] / pp['fleet_e2e_s']:.1f}x (ideal "
+             f"{d['workers']}x: {pp['ideal_s']:.2f} s per point)"],
+            ["first unit started after launch", f"{f['first_start_s']:.1f} s"],
+            ["memory", f"fleet peak {f['peak_rss_mb']:.0f} MB RSS, lowest MemAvailable "
+             f"{f['min_mem_available_mb']:.0f} MB"],
+        ]),
+    ])
+
+
 SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "stall": ("Trainer stall and latency", stall_section),
     "export": ("Export", export_section),
@@ -628,6 +727,8 @@ SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "workers": ("Eval workers", workers_section),
     "judge": ("Judge throughput, verdict cache cold vs warm", judge_section),
     "envs": ("Environments (multi-turn episodes)", envs_section),
+    "scale": ("Production-sized run dir (1,000 points)", scale_section),
+    "fleet": ("Many workers", fleet_section),
 }
 
 
