@@ -19,8 +19,11 @@ Reported:
   through :func:`claim_counting_worker`, which wraps the real method and writes the counts when the
   worker exits): *lost* = the unit was open at the call but another worker held its lease or published
   its result first; per unit = lost / units.
-* **wall time per point**: the fleet's (last exit − launch) / points, and its steady part (first result →
-  last result) / points, against the 1-worker baseline's time per point.
+* **given back**: units a worker claimed and released without a result, by the reason its unit line
+  gives (``abandoned: stop signal`` — the bound's SIGTERM —, ``abandoned: lease lost``, ``released after
+  attempt``), and the CPU time of all workers per unit written.
+* **wall time per point**: the fleet's (last exit − launch) / points done, and its steady part (first result →
+  last result) / points done, against the 1-worker baseline's time per point.
 * **memory**: one worker's RSS after start-up, the fleet's summed RSS at its peak and the lowest
   ``MemAvailable`` while it ran. Before starting, the fleet is capped at what fits in ``--mem-fraction``
   of ``MemAvailable`` at one worker's RSS (the cap is printed: "256 requested, N fit").
@@ -34,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -50,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 from jobs.eval.engines.fn import CheckpointEvalFn  # noqa: E402
 
 BACKEND = "fn:bench.bench_fleet:SleepBackend"
+DROPPED = re.compile(r"\] (abandoned: [^,(]+|released after attempt \d+: \w+)")  # jobs.eval.loop's unit lines
 
 
 class SleepBackend(CheckpointEvalFn):
@@ -135,13 +141,15 @@ def launch(run: Any, n: int, poll_s: float, counts_dir: Path, extra: list[str]) 
                 f"sys.exit(claim_counting_worker({str(counts_dir / f'w{i}.json')!r}, sys.argv[1:]))")
         argv = ["--run-dir", str(run.path), "--engine", BACKEND, "--once", "--poll-interval", str(poll_s),
                 "--worker-id", f"w{i}", *extra]
-        procs.append(subprocess.Popen([sys.executable, "-c", code, *argv], env=env, cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        with open(counts_dir / f"w{i}.out", "wb") as out:  # the worker's unit lines (abandoned, released)
+            procs.append(subprocess.Popen([sys.executable, "-c", code, *argv], env=env, cwd=ROOT, stdout=out,
+                                          stderr=subprocess.PIPE))
     return procs
 
 
 def supervise(procs: list[subprocess.Popen], bound_s: float, t0: float) -> dict[str, Any]:
     """Wait for the workers (SIGTERM after ``bound_s``), sampling their summed RSS and MemAvailable."""
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     peak_rss, peak_one, min_avail, killed = 0, 0, mem_available_kb(), False
     while any(p.poll() is None for p in procs):
         rss = [rss_kb(p.pid) for p in procs if p.poll() is None]
@@ -153,11 +161,13 @@ def supervise(procs: list[subprocess.Popen], bound_s: float, t0: float) -> dict[
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
         time.sleep(0.2)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     errors = [p.stderr.read().decode(errors="replace")[-500:] for p in procs if p.returncode not in (0,) and p.stderr]
     for p in procs:
         if p.stderr:
             p.stderr.close()
     return {"wall_s": time.time() - t0, "peak_rss_mb": peak_rss / 1024, "peak_worker_rss_mb": peak_one / 1024,
+            "cpu_s": ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime,
             "min_mem_available_mb": min_avail / 1024, "bounded": killed, "exit_codes": dict(Counter(p.returncode for p in procs)), "errors": errors[:3]}
 
 
@@ -199,12 +209,18 @@ def fleet(run: Any, n: int, args: argparse.Namespace, tmp: Path, extra: list[str
     counts: Counter[str] = Counter()
     for p in counts_dir.glob("*.json"):
         counts.update(json.loads(p.read_text()))
+    dropped: Counter[str] = Counter()  # units a worker claimed and gave back without a result, by reason
+    for p in counts_dir.glob("*.out"):
+        for line in p.read_text(errors="replace").splitlines():
+            if m := DROPPED.search(line):
+                dropped[m.group(1).strip()] += 1
     starts = [r.written_at - r.timings.get("total_s", 0.0) for r in results]
     ends = [r.written_at for r in results]
     ok = sum(r.ok for r in results)
     return {**ran, "workers": n, "units_done": len(results), "units_ok": ok,
             "first_start_s": min(starts) - t0, "steady_s": max(ends) - min(starts),
             "claims": dict(counts), "counted_workers": len(list(counts_dir.glob("*.json"))),
+            "dropped": dict(dropped), "cpu_s_per_unit": ran["cpu_s"] / len(results),
             "lost_claims_per_unit": counts["lost"] / len(results), **twice(run)}
 
 
@@ -242,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         big = fleet(run, n, args, tmp)
         shutil.rmtree(tmp / "fleet", ignore_errors=True)
     units = args.points * units_per_point
-    per_point = {"fleet_e2e_s": big["wall_s"] / args.points, "fleet_steady_s": big["steady_s"] / args.points,
+    points_done = big["units_done"] / units_per_point  # fewer than --points when the bound stopped the fleet
+    per_point = {"fleet_e2e_s": big["wall_s"] / points_done, "fleet_steady_s": big["steady_s"] / points_done,
                  "one_worker_s": base_unit_s * units_per_point, "ideal_s": args.sleep * units_per_point / n}
     print(f"\n{n} workers, {args.points} points x {units_per_point} units ({units} units), backend sleep "
           f"{args.sleep:g} s, poll {args.poll:g} s, lease {args.lease:g} s")
@@ -252,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"by expiry {len(big['not_explained_by_expiry'])}); claims per unit {big['claims_per_unit']}")
     print(f"  claim attempts: {big['claims']} -> lost per unit {big['lost_claims_per_unit']:.2f} "
           f"({big['counted_workers']} workers counted)")
+    print(f"  claimed and given back without a result: {big['dropped'] or 'none'}; CPU of all workers per unit "
+          f"{big['cpu_s_per_unit'] * 1e3:.0f} ms (1 worker: {base['cpu_s_per_unit'] * 1e3:.0f} ms)")
     print(f"  wall per point: fleet {per_point['fleet_e2e_s']:.2f} s e2e, {per_point['fleet_steady_s']:.2f} s "
           f"steady; 1 worker {per_point['one_worker_s']:.1f} s; ratio (1 worker / fleet e2e) "
           f"{per_point['one_worker_s'] / per_point['fleet_e2e_s']:.1f}x (ideal {n}x: {per_point['ideal_s']:.2f} s)")
