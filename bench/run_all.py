@@ -711,7 +711,38 @@ def fleet_section(rec: dict[str, Any]) -> str:
             ["first unit started after launch", f"{f['first_start_s']:.1f} s"],
             ["memory", f"fleet peak {f['peak_rss_mb']:.0f} MB RSS, lowest MemAvailable "
              f"{f['min_mem_available_mb']:.0f} MB"],
-        ]),
+            ["units claimed and given back without a result", f.get("dropped") or "none"],
+            ["CPU of all workers (per unit written)", f"{f['cpu_s']:.0f} s = {f['cpu_s'] / f['wall_s']:.2f} of a core "
+             f"over the run ({f['cpu_s_per_unit'] * 1e3:.0f} ms per unit; 1 worker: "
+             f"{base['cpu_s_per_unit'] * 1e3:.0f} ms)"],
+        ]), "", fleet_notes(d),
+    ])
+
+
+def fleet_notes(d: dict[str, Any]) -> str:
+    f = d["fleet"]
+    multi = sum(n for k, n in f["claims_per_unit"].items() if int(k) > 1)
+    return "\n".join([
+        "**Reading it.**",
+        f"- **Evaluated twice**: a second evaluation leaves a `results/duplicates/` copy beside the result (first "
+        f"writer wins). {f['duplicates']} here; the goal allows only lease expiry (the second evaluation started "
+        "at least a lease duration after the first).",
+        f"- **Claims per unit above 1** ({multi} units) are claims that ended without a result: the `.attempts` "
+        "file counts every claim that passed the result check. With a bound, the SIGTERM reaches hundreds of "
+        "processes on 2 cores one after another: a unit released by a worker that got it is claimed by one that "
+        "has not yet, and so on (\"abandoned: stop signal\" above) — no unit was claimed twice while its holder "
+        "still held it, or a second result would be in `duplicates/`." if f["bounded"] else
+        f"- **Claims per unit above 1** ({multi} units): claims that ended without a result (given back, above).",
+        f"- **Contention**: {f['lost_claims_per_unit']:.1f} lost claim attempts per unit written: every worker "
+        "walks the open units of the oldest step in its own order (`order_units(spread=pid)`) and tries each "
+        "until one claim succeeds; a lost attempt is a failed lease acquisition (filelock's exclusive create of "
+        "the lease file, and reading its holder), and `done` counts units whose result appeared since the worker's listing (one `stat`).",
+        f"- **Throughput**: the workers' own CPU was {f['cpu_s'] / f['wall_s']:.2f} of a core on average, so "
+        "what limited the fleet here was not their Python but the machine: hundreds of processes' start-up "
+        f"(the first unit started {f['first_start_s']:.0f} s after launch), the scheduler on 2 cores shared with "
+        "other engineers and, likely, the fsyncs of every claim and result on the shared disk (not separated "
+        "here). On a cluster each worker "
+        "has its own node and the filesystem's metadata server is the shared part (issue 20 part 1).",
     ])
 
 
