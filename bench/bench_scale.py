@@ -89,12 +89,19 @@ def point_results(manifest: RunManifest, step: int) -> dict[Any, Result]:
     return out
 
 
+def write_point(run: RunDir, manifest: RunManifest, step: int) -> None:
+    """Publish every result of ``step`` with the project's writer, in the run's results layout (a run of
+    per-step result directories, once the protocol has them: ``manifest.per_step_dirs``)."""
+    layout = {"per_step": True} if getattr(manifest, "per_step_dirs", False) else {}
+    for result in point_results(manifest, step).values():
+        write_result(run.results, result, **layout)
+
+
 def _write_steps(run_path: str, steps: list[int]) -> None:
     run = RunDir.open(Path(run_path))
     manifest = run.manifest()
     for step in steps:
-        for result in point_results(manifest, step).values():
-            write_result(run.results, result)
+        write_point(run, manifest, step)
 
 
 def write_results(run: RunDir, steps: list[int], procs: int) -> float:
@@ -183,8 +190,7 @@ def trainer_polls(run: RunDir, last_step: int) -> dict[str, float]:
     publish(run, step)
     d.step = step
     out["waiting_s"] = timed(lambda: d.poll(force=True))
-    for result in point_results(manifest, step).values():
-        write_result(run.results, result)
+    write_point(run, manifest, step)
     out["steady_s"] = timed(lambda: d.poll(force=True))
     if d.pending:
         raise RuntimeError(f"point {step} not ingested by the steady poll")
