@@ -285,7 +285,7 @@ def measure(path: Path, args: argparse.Namespace, points: int, tmp: Path) -> dic
     print(f"  results written in {built['write_s']:.1f} s ({built['files_per_s']:,.0f} files/s, {args.procs} "
           f"procs), {points - args.pending} points ingested in {built['ingest_build_s']:.1f} s", flush=True)
     run = RunDir.open(path)
-    row: dict[str, Any] = {**built, **trainer_polls(run, built["last_step"])}
+    row: dict[str, Any] = {**built, "load": os.getloadavg(), **trainer_polls(run, built["last_step"])}
     row["status_s"] = cli_seconds(run, "status", str(run.path))
     if not args.smoke:
         row["plot_s"] = cli_seconds(run, "plot", str(run.path), "-o", str(tmp / f"curve-{points}.png"))

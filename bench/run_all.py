@@ -672,14 +672,41 @@ def scale_section(rec: dict[str, Any]) -> str:
         f"`coord.results.write_result` ({d['procs']} processes, {s['files_per_s']:,.0f} files/s: "
         f"{s['write_s']:.0f} s), every point but the last {d['pending']} ingested by `jobs.ingest.ingest_point` "
         f"(ledger + metrics.jsonl). Baseline: the same shape at {b['points']} points ({b['units']:,} files), same "
-        f"run. Load average {load_str(d['load_at_start'])} at start, {load_str(d['load_at_end'])} at end.", "",
+        f"run. Load average {load_str(d['load_at_start'])} at start, {load_str(d['load_at_end'])} at end"
+        + (f"; when the {s['points']}-point timings started: {load_str(s['load'])}." if "load" in s else "."), "",
         table(["operation", f"s at {b['points']} points", f"s at {s['points']} points", "ratio", "goal s"], rows), "",
         "resume: a fresh `EvalDispatcher` (ledger replay) and its first poll, ingesting the pending points; steady: "
         "one more point's results landed; waiting: one point pending without results; idle: nothing pending; "
         "the probes: the same waiting poll and a worker's idle poll in a fresh process, after one warm-up poll; "
         "status and plot: the CLI as a user runs it (interpreter start-up included).", "",
         table(["idle poll", f"syscalls at {b['points']} points", f"at {s['points']} points",
-               f"by name at {s['points']} points"], calls),
+               f"by name at {s['points']} points"], calls), "", scale_notes(d),
+    ])
+
+
+def scale_notes(d: dict[str, Any]) -> str:
+    s = d["scale"]
+    listing = s["syscalls"].get("worker-idle", {}).get("getdents64", 0)
+    return "\n".join([
+        "**Where the time goes** (hot spots, not fixed here: they are in `coord/results.py`, whose layout the "
+        "per-step-directory work of issue 20 part 1 changes).",
+        f"- **Every fresh reader reads every result file.** `ResultIndex.refresh()` lists `results/` and parses "
+        f"each file (`read_json_object` + `parse_result`): the trainer's resume took {s['resume_s']:.0f} s "
+        f"({s['resume_s'] / s['units'] * 1e6:.0f} µs per file, on tmpfs), and `status` ({s['status_s']:.0f} s) and "
+        f"`plot` ({s.get('plot_s', float('nan')):.0f} s) pay the same read, then `derive_point` per step "
+        "(`dataset_score`, `_version_stats`: a quarter of status's time in a profile at 10 points) and their "
+        "rendering (status's tables: the difference to plot). A resumed trainer needs only its pending points, "
+        "a worker only its unsettled steps, but neither can ask the index for less than everything.",
+        f"- **Idle polls are O(results), not O(1).** A worker's idle poll and the trainer's poll while a point is "
+        f"pending list the whole flat `results/` each time: {listing} `getdents64` for {s['units']:,} names "
+        f"(one per ~{s['units'] // max(listing, 1)} entries), {s.get('worker_idle_probe_s', 0):.1f} s per poll. On Lustre each of those is a metadata round trip, per worker, per poll. The trainer's poll with "
+        "nothing pending makes no syscall at all, and the steady ingestion poll stays under 2 s here only "
+        "because tmpfs lists fast.",
+        "- **What fixes it**: results in one directory per step, and a `ResultIndex.refresh` that skips settled "
+        "steps (`skip_steps`, on the `lustre` branch). The dispatcher should then pass its ingested steps "
+        "(resume and waiting poll become O(pending points)); status and plot need every point, so they need "
+        "a summary per point rather than every result (e.g. derived points cached by the step's result names) "
+        "— not built.",
     ])
 
 
