@@ -770,7 +770,27 @@ def fleet_notes(d: dict[str, Any]) -> str:
         "other engineers and, likely, the fsyncs of every claim and result on the shared disk (not separated "
         "here). On a cluster each worker "
         "has its own node and the filesystem's metadata server is the shared part (issue 20 part 1).",
+        *fleet_compare(d),
     ])
+
+
+def fleet_compare(d: dict[str, Any]) -> list[str]:
+    """The same fleet with its run dir on tmpfs (no fsync cost), when a second run was recorded with it."""
+    t = d.get("tmpfs_run")
+    if not t:
+        return []
+    f, tf = d["fleet"], t["fleet"]
+    return [f"- **The same fleet on tmpfs** (run dir in /dev/shm, so no fsync waits; load "
+            f"{load_str(t['load_at_start'])} at start): {tf['units_done']} units in the same bound instead of "
+            f"{f['units_done']} ({tf['units_done'] / max(f['units_done'], 1):.1f}x), "
+            f"{t['per_point']['fleet_e2e_s']:.2f} s per point ({t['per_point']['one_worker_s'] / t['per_point']['fleet_e2e_s']:.1f}x "
+            f"1 worker), workers' CPU {tf['cpu_s'] / tf['wall_s']:.2f} of a core ({tf['cpu_s_per_unit'] * 1e3:.0f} ms per "
+            f"unit), {tf['lost_claims_per_unit']:.1f} lost claims per unit, evaluated twice {tf['duplicates']}. "
+            "Consistent with fsync waits on the shared disk limiting the ext4 run, though that run also started "
+            "at a higher load (the two are not separated). Per unit the fleet spends about 3x one worker's CPU: "
+            "the lost claims, a `stat` per unit finished since the worker's listing, and every worker re-reading "
+            "every result the others write (each has its own `ResultIndex`), so the fleet's reads grow as "
+            "workers × results."]
 
 
 SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
