@@ -702,12 +702,27 @@ def scale_notes(d: dict[str, Any]) -> str:
         f"(one per ~{s['units'] // max(listing, 1)} entries), {s.get('worker_idle_probe_s', 0):.1f} s per poll. On Lustre each of those is a metadata round trip, per worker, per poll. The trainer's poll with "
         "nothing pending makes no syscall at all, and the steady ingestion poll stays under 2 s here only "
         "because tmpfs lists fast.",
-        "- **What fixes it**: results in one directory per step, and a `ResultIndex.refresh` that skips settled "
-        "steps (`skip_steps`, on the `lustre` branch). The dispatcher should then pass its ingested steps "
-        "(resume and waiting poll become O(pending points)); status and plot need every point, so they need "
+        "- **What fixes it**: results in one directory per step, and a `ResultIndex.refresh` that lists only the "
+        "steps asked for (`only_steps`/`skip_steps`, on the `lustre` branch); the dispatcher then reads only its "
+        "pending points' directories (resume and waiting poll become O(pending points)); status and plot need every point, so they need "
         "a summary per point rather than every result (e.g. derived points cached by the step's result names) "
         "— not built.",
+        *scale_compare(d),
     ])
+
+
+def scale_compare(d: dict[str, Any]) -> list[str]:
+    """The same benchmark on another tree (``d["other_tree"]``: its label and its bench_scale JSON)."""
+    o = d.get("other_tree")
+    if not o:
+        return []
+    s = o["data"]["scale"]
+    calls = ", ".join(f"{kind} {sum(c.values())}" for kind, c in s["syscalls"].items())
+    return [f"- **Measured on {o['label']}** ({s['points']} points, load {load_str(s['load'])} as its timings "
+            f"started): resume {s['resume_s']:.3f} s, steady poll {s['steady_s']:.3f} s, waiting poll "
+            f"{s['waiting_s']:.3f} s, worker idle poll {s['worker_idle_probe_s']:.3f} s; syscalls per idle poll: "
+            f"{calls} (the same at {o['data']['baseline']['points']} points); `status` {s['status_s']:.1f} s, "
+            f"`plot` {s['plot_s']:.1f} s — the polls become O(1), status and plot still read every result."]
 
 
 def fleet_section(rec: dict[str, Any]) -> str:
