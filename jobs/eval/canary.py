@@ -26,8 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from coord.snapshot import CANARY, Marker
 from jobs.eval.engines.base import RequestRejected
 from jobs.eval.pinning import WorkerSkip
@@ -142,7 +140,6 @@ def probe_result(
             "logprobs": [float(logprobs[i]) for i in positions], "argmax": [int(argmax[i]) for i in positions]}
 
 
-@torch.no_grad()
 def token_logprobs(
     model: Any, rows: list[list[int]], top_k: int = 0
 ) -> list[tuple[list[float | None], list[list[tuple[float, int]] | None]]]:
@@ -151,8 +148,18 @@ def token_logprobs(
     ``(logprob, id)`` per position (``input_top_logprobs``; entry 0 None): one forward pass over the rows
     right-padded (causal attention: a row's positions never see its padding), log-softmax of the raw
     logits in float32. The canary and ``ckpteval serve``'s ``return_logprob`` both use it."""
+    import torch  # here, not at import time: a worker with an fn backend never loads torch (bench_fleet.py)
+
     if not rows:
         return []
+    with torch.no_grad():
+        return _token_logprobs(model, rows, top_k)
+
+
+def _token_logprobs(model: Any, rows: list[list[int]], top_k: int
+                    ) -> list[tuple[list[float | None], list[list[tuple[float, int]] | None]]]:
+    import torch
+
     width = max(len(ids) for ids in rows)
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
@@ -188,6 +195,8 @@ class TrainerCanary:
         self._probe: tuple[Any, list[tuple[str, str]]] | None = None
 
     def __call__(self, model: Any) -> bytes | None:
+        import torch
+
         if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
             return None
         if getattr(model, "peft_config", None) is not None:
