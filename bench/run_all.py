@@ -12,6 +12,7 @@ trainer stall      bench_stall.py: steps/s with the fleet vs --no-eval          
 latency            bench_stall.py: .complete -> result -> ingested (fleet runs) (reported)
 export             bench_export.py: exporter GB/s vs cp; AsyncExporter blocked   >= 0.8x cp
 coordination       bench_coord.py: claim+result+release per unit, idle poll     median, p95 <= 20 ms
+metadata           bench_metadata.py: strace of a backfill, per unit by syscall <= 10 ops, <= 1 ms CPU
 engine             bench_engine.py: hf batched vs one prompt at a time          >= 4x
                    bench_engine.py: per-sample seeds vs one seed per call      >= 0.8x
 grader             bench_grader.py: math answers/s, pool vs inline             (reported)
@@ -63,6 +64,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "stall": ("bench_stall.py", [], ["--steps", "100", "--repeats", "1", "--no-pinned"]),
     "export": ("bench_export.py", ["--mb", "500", "--reps", "5"], ["--mb", "50", "--reps", "2"]),
     "coord": ("bench_coord.py", [], ["--procs", "4", "--units", "100", "--gb", "0.05", "--snapshots", "100"]),
+    "metadata": ("bench_metadata.py", [], ["--steps", "2", "--small", "4", "--large", "16", "--units", "50"]),
     "engine": ("bench_engine.py", [], ["--prompts", "16", "--repeats", "1"]),
     "grader": ("bench_grader.py", [], ["--answers", "40", "--repeats", "1"]),
     "sandbox": ("bench_sandbox.py", [], ["--smoke"]),
@@ -83,6 +85,7 @@ SMOKE: dict[str, list[str]] = {
                        "--repeats", "1", "--no-pinned", "--poll", "0.2", "--only", "no-eval,fleet-staging"],
     "bench_export.py": ["--mb", "4", "--reps", "1"],
     "bench_coord.py": ["--procs", "2", "--units", "10", "--gb", "0.005", "--snapshots", "10"],
+    "bench_metadata.py": ["--steps", "1", "--small", "2", "--large", "4", "--units", "10", "--no-cpu"],
     "bench_engine.py": ["--prompts", "4", "--max-new-tokens", "4", "--repeats", "1"],
     "bench_grader.py": ["--answers", "8", "--repeats", "1"],
     "bench_reload.py": ["--hidden", "64", "--layers", "1", "--repeats", "1"],
@@ -162,7 +165,7 @@ def run_bench(name: str, quick: bool, run_root: Path, tmp: Path) -> dict[str, An
     args = list(small if quick else full)
     if name == "stall":
         args += ["--root", str(run_root)]
-    elif name == "coord":
+    elif name in ("coord", "metadata"):
         args += ["--dir", str(run_root)]
     elif name == "workers":
         args += ["--root", str(run_root)]
@@ -249,6 +252,8 @@ def goals(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
         p = d["idle_poll"]
         rows.append([f"idle discovery poll, {p['snapshots']} snapshots", f"{p['fs_syscalls']} fs syscalls",
                      f"first poll {p['first_poll_ms']} ms", "-", "(reported)", "-"])
+    if d := results.get("metadata", {}).get("data"):
+        rows += metadata_goals(d)
     if d := results.get("engine", {}).get("data"):
         rows.append(["hf engine tokens/s, batched", f"{d['batched_tokens_per_s']:,.0f}",
                      f"{d['single_tokens_per_s']:,.0f} (one at a time)", f"{d['ratio']:.1f}x", ">= 4x",
@@ -456,6 +461,44 @@ def coord_section(rec: dict[str, Any]) -> str:
     ])
 
 
+def metadata_goals(d: dict[str, Any]) -> list[list[Any]]:
+    p, b = d["protocol"]["leased"], d["backfill"]
+    base = d["protocol"]["result_only"]
+    return [["metadata ops per unit, claim+result+release", f"{p['meta_total']:.1f}",
+             f"{base['meta_total']:.1f} (result only)", f"{p['meta_total'] / base['meta_total']:.2f}x", "<= 10",
+             met(p["meta_total"] <= 10)],
+            ["CPU per unit, claim+result+release, 1 proc", f"{p['cpu_ms']:.2f} ms", f"{base['cpu_ms']:.2f} ms (result only)",
+             f"{p['cpu_ms'] / base['cpu_ms']:.2f}x", "<= 1 ms", met(p["cpu_ms"] <= 1)],
+            ["metadata ops per unit, whole backfill (marginal)", f"{b['meta_per_unit']:.1f}", "-", "-", "(reported)",
+             "-"]]
+
+
+def metadata_section(rec: dict[str, Any]) -> str:
+    d = rec["data"]
+    b, p = d["backfill"], d["protocol"]
+
+    def counts(c: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:.1f}" for k, v in c.items()) or "none"
+
+    extra = d["units_large"] - d["units_small"]
+    return "\n".join([
+        f"`bench_metadata.py` — a real `ckpteval backfill --engine fn:bench.bench_metadata:NullBackend` (touches no "
+        f"file) under `strace -f -y` on two fresh runs of {d['steps']} snapshots, {d['units_small']} and "
+        f"{d['units_large']} units; per unit = the difference / {extra} (start-up cancels out). Metadata ops = "
+        "path syscalls, directory reads and fsyncs on the run dir, the snapshot root and the directories above "
+        "them (each an MDS round trip on Lustre); `/proc` and the venv are not counted.", "",
+        table(["per unit", "backfill (marginal)", "claim + result + release", "result only (baseline)"], [
+            ["metadata ops", f"{b['meta_per_unit']:.1f}", f"{p['leased']['meta_total']:.1f}",
+             f"{p['result_only']['meta_total']:.1f}"],
+            ["CPU ms (1 process, no strace)", f"{b['cpu_ms_per_unit']:.2f}" if b.get("cpu_ms_per_unit") is not None
+             else "-", f"{p['leased']['cpu_ms']:.2f}", f"{p['result_only']['cpu_ms']:.2f}"],
+            ["thread starts", f"{b['threads_per_unit']:.2f}", "-", "-"],
+            ["getpid", f"{b['all'].get('getpid', 0.0):.1f}", f"{p['leased']['all'].get('getpid', 0.0):.1f}", "-"]]), "",
+        f"Backfill metadata ops by kind: {counts(b['meta'])}; by area: {counts(b['areas'])}.", "",
+        f"Claim + result + release by kind: {counts(p['leased']['meta'])}; by area: {counts(p['leased']['areas'])}.",
+    ])
+
+
 def coord_verdict(d: dict[str, Any]) -> str:
     c, one = d["claims"], d["claims_1proc"]
     if "cpu_median_ms" not in c:
@@ -620,6 +663,7 @@ SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "stall": ("Trainer stall and latency", stall_section),
     "export": ("Export", export_section),
     "coord": ("Coordination at scale", coord_section),
+    "metadata": ("Metadata operations per unit (the Lustre MDS budget)", metadata_section),
     "engine": ("Engine batching", engine_section),
     "grader": ("Math grader", grader_section),
     "sandbox": ("Code sandbox", sandbox_section),
@@ -710,8 +754,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
     if args.merge and (not args.only or not args.out.with_suffix(".json").is_file()):
         ap.error(f"--merge needs --only and an earlier {args.out.with_suffix('.json')}")
-    if shutil.which("strace") is None and "coord" in names:
-        print("strace not found (make bench installs it): the idle-poll count will fail", file=sys.stderr)
+    if shutil.which("strace") is None and {"coord", "metadata"} & set(names):
+        print("strace not found (make bench installs it): the idle-poll and metadata counts will fail",
+              file=sys.stderr)
     mach = machine(args.run_root)
     print(f"ckpteval bench: {mach['cpus']} cpus, {mach['ram_gib']} GiB, load average "
           f"{load_str(mach['load_at_start'])}; /dev/shm {mach['fs_dev_shm']}; run dirs {mach['fs_run_root']}")

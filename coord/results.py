@@ -222,7 +222,7 @@ def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool
     if not stamped.worker:
         stamped = Result(**{**stamped.__dict__, "worker": producer_identity()})
     data = dumps(stamped.to_json())
-    if publish_exclusive(results_dir / result.unit.result_name_at(generation), data):
+    if publish_exclusive(results_dir / result.unit.result_name_at(generation), data, keep_dir_open=True):
         return True
     dup_dir = results_dir / "duplicates"
     dup_dir.mkdir(exist_ok=True)

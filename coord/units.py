@@ -30,7 +30,7 @@ from pathlib import Path
 import filelock
 from filelock._soft import parse_marker  # filelock's parser of its owner record
 
-from coord.atomic import append_line
+from coord.atomic import append_and_count_lines
 from coord.manifest import DatasetSpec, LeaseSettings, RunManifest
 
 
@@ -159,6 +159,7 @@ class UnitClaimer:
         self.results_dir = Path(results_dir) if results_dir is not None else None
         self._leases: dict[str, filelock.SoftFileLease] = {}
         self._flags: dict[str, threading.Event] = {}
+        self._pid = os.getpid()  # a claimer is made per worker process, never inherited across fork
 
     def _lease(self, unit: WorkUnit) -> filelock.SoftFileLease:
         lease = self._leases.get(unit.id)
@@ -216,10 +217,9 @@ class UnitClaimer:
         self._flags.pop(unit.id, None)
 
     def _count_attempt(self, unit: WorkUnit) -> int:
-        """Attempt number of this claim: one line per claim appended to ``<unit>.attempts``."""
-        path = attempts_path(self.leases_dir, unit.id)
-        append_line(path, f"{os.getpid()}\n".encode())
-        return max(1, path.read_bytes().count(b"\n"))
+        """Attempt number of this claim: one line per claim appended to ``<unit>.attempts`` (one open; not
+        fsync'd: a line lost in a node crash only allows one more attempt of the unit)."""
+        return max(1, append_and_count_lines(attempts_path(self.leases_dir, unit.id), f"{self._pid}\n".encode()))
 
 
 def order_units(units: Iterable[WorkUnit], newest_first: bool = False, spread: int | None = None) -> list[WorkUnit]:

@@ -9,8 +9,8 @@ import dataclasses
 import os
 import signal
 import sys
-import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +22,12 @@ from coord.layouts import FALLBACK
 from coord.ledger import Ledger
 from coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
 from coord.rundir import RunDir
-from coord.snapshot import (
-    Marker,
-    producer_identity,
-    snapshot_path,
-)
+from coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
 from coord.steps import run_step_selection
 from coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
 from jobs.eval.evaluators import Evaluator, evaluate_unit
 from jobs.eval.options import WorkerOptions
+from jobs.eval.runner import UnitRunner
 from jobs.lifecycle import (
     EXIT_DONE,
     EXIT_INTERRUPTED,
@@ -113,7 +110,8 @@ class Worker:
         self.written = 0
         self.training_done = False  # as of the last poll
         self.stop_signal: int | None = None
-        self.unit_thread: threading.Thread | None = None
+        self.runner = UnitRunner()
+        self.verified = VerifiedSnapshots()  # each snapshot's --verify check, once per process
         self._tried: set[WorkUnit] = set()
         self._retried: set[WorkUnit] = set()  # infra skips re-evaluated by this process (once each)
         self._warned: set[str] = set()
@@ -292,15 +290,20 @@ class Worker:
     def run(self) -> int:
         """Work until done (see the module docstring); returns an exit code."""
         self.written = 0
+        todo: deque[WorkUnit] = deque()  # the last poll's claimable units, in claim order, not yet tried
+        generations, polled_at = {}, -float("inf")
         while self.stop_signal is None:
-            claimable, outstanding = self.poll()
-            if not claimable:
-                if self._finished(outstanding):
-                    return EXIT_DONE
-                self._sleep(self.opts.poll_interval_s)
-                continue
-            claim = self.claimer.claim_first(order_units(claimable, self.opts.newest_first, spread=os.getpid()),
-                                             self._generations(claimable))
+            if not todo or time.monotonic() - polled_at >= self.opts.poll_interval_s:
+                claimable, outstanding = self.poll()
+                polled_at = time.monotonic()
+                if not claimable:
+                    if self._finished(outstanding):
+                        return EXIT_DONE
+                    self._sleep(self.opts.poll_interval_s)
+                    continue
+                todo = deque(order_units(claimable, self.opts.newest_first, spread=os.getpid()))
+                generations = self._generations(claimable)
+            claim = self._claim_next(todo, generations)
             if claim is None:  # all held by other workers: wait, take over expired ones later
                 self._sleep(self.opts.poll_interval_s)
                 continue
@@ -326,6 +329,16 @@ class Worker:
                 return EXIT_DONE
         return self._stop_code()
 
+    def _claim_next(self, todo: deque[WorkUnit], generations: dict[WorkUnit, int]) -> Claim | None:
+        """Claim the first claimable unit of ``todo``, consuming those tried. Polls (listings: metadata round
+        trips on Lustre) happen once per ``--poll-interval``, not per unit; in between, the claimer's result
+        check around each claim keeps a unit finished elsewhere since the poll from being evaluated again."""
+        while todo:
+            unit = todo.popleft()
+            if (claim := self.claimer.try_claim(unit, generations.get(unit, 0))) is not None:
+                return claim
+        return None
+
     def _above_step_limit(self, unit: WorkUnit) -> bool:
         """``backfill --until``: whether ``unit`` lies above the first passing step, re-read *after* the claim,
         so a step that passed before this claim was taken is never started (results written later are after
@@ -341,17 +354,13 @@ class Worker:
         try:
             if claim.generation:
                 self._retried.add(unit)
-            if (self.rundir.results / unit.result_name_at(claim.generation)).exists():
-                return None  # finished by someone else since the listing
             if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
                 self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released")
                 return None
             t0 = time.perf_counter()
             result = self._evaluate_interruptibly(unit, self.refs[unit.step])
             if result is None:
-                self.out(
-                    f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released"
-                )
+                self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: stop signal, lease released")
                 return None
             if not still_holds(claim):
                 self.out(f"step={unit.step} {unit.dataset}[{unit.shard}] abandoned: lease lost (taken over)")
@@ -397,29 +406,18 @@ class Worker:
         return not (self.proven or past_deadline)
 
     def _evaluate_interruptibly(self, unit: WorkUnit, ref: SnapshotRef) -> Result | None:
-        """Run the unit in a helper thread so a stop signal can release the lease at once (None then)."""
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["result"] = evaluate_unit(self.evaluator, unit, ref, self.opts.verify)
-            except BaseException as e:  # noqa: BLE001 — carried to the main thread and re-raised there
-                box["error"] = e
-
-        self.unit_thread = threading.Thread(target=target, name=f"ckpteval-unit-{unit.id}", daemon=True)
-        self.unit_thread.start()
+        """Run the unit in the helper thread so a stop signal can release the lease at once (None then)."""
+        job = self.runner.submit(lambda: evaluate_unit(self.evaluator, unit, ref, self.opts.verify, self.verified))
         next_watch = time.monotonic() + self.opts.poll_interval_s
-        while self.unit_thread.is_alive():
-            self.unit_thread.join(WAIT_SLICE_S)
+        while not job.done.wait(WAIT_SLICE_S):
             if self.stop_signal is not None:
                 return None
             if time.monotonic() >= next_watch:
                 self._watch_foreign()
                 next_watch = time.monotonic() + self.opts.poll_interval_s
-        self.unit_thread = None
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     def _watch_foreign(self) -> None:
         """While a unit runs, keep polling the watched (foreign) roots: a trainer that rotates its saves
@@ -432,7 +430,7 @@ class Worker:
     @property
     def busy(self) -> bool:
         """A unit's evaluation is still running (only after an abandoning stop)."""
-        return self.unit_thread is not None and self.unit_thread.is_alive()
+        return self.runner.busy
 
 
 def _unit_line(result: Result, first: bool) -> str:
