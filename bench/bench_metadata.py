@@ -117,7 +117,7 @@ def backfill(base: Path, steps: int, shards: int, traced: bool) -> dict[str, Any
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     run = make_run(base, steps, shards)
-    cmd = [sys.executable, "-m", "jobs.cli", "backfill", "--run-dir", str(run), "--poll-interval", "0.05",
+    cmd = [sys.executable, "-m", "jobs.cli", "backfill", "--run-dir", str(run),
            "--engine", "fn:bench.bench_metadata:NullBackend"]
     trace = base.parent / f"trace-{shards}.txt"
     if traced:

@@ -57,7 +57,7 @@ def test_hf_worker_end_to_end(tmp_path: Path) -> None:
         assert {"verify_s", "load_s", "generate_s", "total_s"} <= set(r.timings)
         assert r.worker["worker_id"] == "hf-1" and r.worker["engine"] == "hf" and r.lease_token
         assert r.snapshot and Path(r.snapshot).name == f"step-{unit.step:010d}"
-    assert not list(run.leases.glob("*.lock"))  # every lease released
+    assert not list(run.leases.rglob("*.lock"))  # every lease released
     # a second pass finds nothing and writes nothing
     code, _ = run_inprocess(_opts(run.path), **QUIET)
     assert code == EXIT_DONE and results(run) == got
@@ -209,7 +209,7 @@ def test_persistently_dead_engine_exits_for_a_fresh_start(tmp_path: Path) -> Non
         publish_model(tmp_path, run.snapshots, step)
     assert _engine_worker(run, NeverHealthy(), max_unhealthy=2).run() == EXIT_UNHEALTHY
     assert results(run) == {}  # a worker that never scored a unit burns none: all left for a healthy one
-    attempts = sorted(p.name for p in run.leases.glob("*.attempts"))
+    attempts = sorted(p.name for p in run.leases.rglob("*.attempts"))
     assert len(attempts) >= 1  # its tries are counted, so a proven worker can still give up on a unit
 
 

@@ -96,7 +96,8 @@ class Worker:
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
         self.selection = run_step_selection(self.manifest.trainer, str(self.rundir.manifest_path))
-        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results)
+        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results,
+                                   per_step=self.manifest.per_step_dirs)
         self.index = ResultIndex(self.rundir.results)
         self.discoveries = self._make_discoveries()
         self.identity = {
@@ -172,11 +173,11 @@ class Worker:
             for key, line in d.discovery.problems.items():
                 self._warn_once(f"{d.discovery.root}:{key}", line)
         self.refs.update(current)  # a vanished snapshot keeps its ref: its units become ckpt_missing
-        results = self.index.refresh()
+        results = self.index.refresh(skip_steps=self.settled)
         self._forget_finished(results)
         for name, why in self.index.errors.items():
             self._warn_once(name, f"unit left alone: its result file is malformed ({why})")
-        broken = {WorkUnit.from_id(n[: -len(".json")]) for n in self.index.errors if self._parsable_id(n)}
+        broken = {WorkUnit.from_id(Path(n).stem) for n in self.index.errors if self._parsable_id(Path(n).stem)}
         outstanding = [
             u
             for s in sorted(self._steps())
@@ -254,7 +255,7 @@ class Worker:
     @staticmethod
     def _parsable_id(name: str) -> bool:
         try:
-            WorkUnit.from_id(name[: -len(".json")])
+            WorkUnit.from_id(name)
         except ValueError:
             return False
         return True
@@ -345,7 +346,7 @@ class Worker:
         the claim: that unit was already running)."""
         if self.step_limit is None:
             return False
-        limit = self.step_limit(self.index.refresh())
+        limit = self.step_limit(self.index.refresh(skip_steps=self.settled))
         return limit is not None and unit.step > limit
 
     def _process(self, claim: Claim) -> Result | None:
@@ -380,7 +381,7 @@ class Worker:
                 attempt=claim.attempt,
                 snapshot=str(self.refs[unit.step].path),
             )
-            first = write_result(self.rundir.results, result, claim.generation)
+            first = write_result(self.rundir.results, result, claim.generation, per_step=self.manifest.per_step_dirs)
             self.written += 1
             if first and self.on_result is not None:
                 self.on_result(result)

@@ -167,7 +167,7 @@ class EvalDispatcher:
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(
                 self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
-                run=self.key,
+                run=self.key, per_step=self.manifest.per_step_dirs,
             )
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
             check_run_code(run, self.manifest, trusted=shared.trust_run_code)

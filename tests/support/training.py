@@ -137,7 +137,7 @@ def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeou
     manifest = run.manifest()
     discoveries = [SnapshotDiscovery(Path(root)) for root in manifest.snapshot_roots]
     index = ResultIndex(run.results)
-    claimer = UnitClaimer(run.leases, manifest.lease)
+    claimer = UnitClaimer(run.leases, manifest.lease, results_dir=run.results, per_step=manifest.per_step_dirs)
     cache = DatasetCache(run, manifest)
     engine = HFEngine(device="cpu")
     written = 0
@@ -160,7 +160,7 @@ def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeou
             time.sleep(delay_s)
             write_result(run.results, ok_result(claim.unit, scores.scores, scores.weight_versions, scores.answers,
                                                 snapshot=str(ref.path), lease_token=claim.token,
-                                                attempt=claim.attempt))
+                                                attempt=claim.attempt), per_step=manifest.per_step_dirs)
             written += 1
         finally:
             claim.release()
