@@ -13,8 +13,12 @@ round trip to the metadata server, shared by every user of the filesystem. This 
    (``results/``, ``leases/``, snapshots, the rest of the run dir), plus every syscall (``getpid``, thread
    starts, ...) and the process's CPU ms per unit (measured again without strace).
 2. **protocol**: claim + result + release alone (:class:`coord.units.UnitClaimer`, :func:`coord.results.
-   write_result`), one process, under strace; baseline: publishing the result alone (temp + fsync +
-   link + dir fsync, the irreducible torn-write-safe, first-writer-wins publication), measured in the same run.
+   write_result`, per-step directories as in a new run), one process, under strace; baseline: publishing the
+   result alone (temp + fsync + link + dir fsync, the irreducible torn-write-safe, first-writer-wins
+   publication), measured in the same run.
+
+The worker polls (lists ``results/``, discovers snapshots) once per ``--poll-interval`` (default 2 s), not
+once per unit, so listings are a cost per second of the fleet, not per unit; the backfills here use the default.
 
 Usage: python bench/bench_metadata.py [--steps 4] [--small 16] [--large 112] [--units 300] [--no-cpu] [--json OUT]
 """
@@ -155,10 +159,11 @@ from coord.units import UnitClaimer, WorkUnit
 base, n, leased = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 (base / "leases").mkdir(parents=True)
 (base / "results").mkdir()
-claimer = UnitClaimer(base / "leases", LeaseSettings(60.0, 20.0), results_dir=base / "results")
+claimer = UnitClaimer(base / "leases", LeaseSettings(60.0, 20.0), results_dir=base / "results", per_step=True)
 def one(unit):
     claim = claimer.try_claim(unit) if leased else None
-    write_result(base / "results", ok_result(unit, [1.0], [str(unit.step)]), 0 if claim is None else claim.generation)
+    write_result(base / "results", ok_result(unit, [1.0], [str(unit.step)]), 0 if claim is None else claim.generation,
+                 per_step=True)
     if claim is not None:
         claim.release()
         claimer.forget(unit)
