@@ -47,7 +47,7 @@ from coord import PROTOCOL_VERSION
 from coord.atomic import TMP_PREFIX, dumps, fsync_dir, publish_exclusive, read_json_object, write_json_atomic
 from coord.identity import run_key, version_matches, version_runs, version_step
 from coord.manifest import DatasetSpec, EnvSpec, RunManifest
-from coord.rundir import DUPLICATES, step_of_dir, unit_dir
+from coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, datasets_due, units_for_step
 
@@ -274,10 +274,11 @@ class ResultIndex:
         self._seen: set[str] = set()
         self.errors: dict[str, str] = {}
 
-    def refresh(self, skip_steps: Collection[int] = ()) -> dict[WorkUnit, Result]:
+    def refresh(self, skip_steps: Collection[int] = (), only_steps: Collection[int] | None = None) -> dict[WorkUnit, Result]:
         """Read what is new. ``skip_steps``: steps whose directory is not listed again (a caller that has
-        settled them: on Lustre a listing is a round trip per directory block)."""
-        for name in self._names(skip_steps):
+        settled them: on Lustre a listing is a round trip per directory block). ``only_steps`` (a protocol 2
+        run): list just these steps' directories, not ``results/`` itself, which holds a name per step."""
+        for name in self._names(skip_steps, only_steps):
             if name in self._seen:
                 continue
             path = self.results_dir / name
@@ -294,20 +295,21 @@ class ResultIndex:
                 self._generation[result.unit] = generation
         return self._by_unit
 
-    def _names(self, skip_steps: Collection[int]) -> list[str]:
+    def _names(self, skip_steps: Collection[int], only_steps: Collection[int] | None) -> list[str]:
         """Result file names relative to ``results/``: flat ``<unit>.json`` and ``step-<N>/<unit>.json``."""
-        try:
-            top = list(os.scandir(self.results_dir))
-        except FileNotFoundError:
-            return []
-        names = [e.name for e in top if _is_result_name(e.name)]
-        for e in top:
-            step = step_of_dir(e.name)
-            if step is None or step in skip_steps or not e.is_dir():
-                continue
+        if only_steps is not None:
+            dirs, names = [step_dir_name(s) for s in sorted(only_steps) if s not in skip_steps], []
+        else:
             try:
-                names += [f"{e.name}/{n}" for n in os.listdir(e.path) if _is_result_name(n)]
+                top = list(os.scandir(self.results_dir))
             except FileNotFoundError:
+                return []
+            names = [e.name for e in top if _is_result_name(e.name)]
+            dirs = [e.name for e in top if (s := step_of_dir(e.name)) is not None and s not in skip_steps and e.is_dir()]
+        for d in dirs:
+            try:
+                names += [f"{d}/{n}" for n in os.listdir(self.results_dir / d) if _is_result_name(n)]
+            except (FileNotFoundError, NotADirectoryError):
                 continue
         return names
 

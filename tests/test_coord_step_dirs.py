@@ -99,6 +99,7 @@ def test_result_index_reads_both_layouts_and_lists_only_the_steps_it_waits_for(t
     write_result(tmp_path, ok_result(later, [1.0], ["2"]), per_step=True)
     assert later not in index.refresh(skip_steps={2})  # a settled step's directory is not listed again
     assert later in index.refresh()
+    assert set(ResultIndex(tmp_path).refresh(only_steps={2})) == {per_step, later}  # results/ itself not listed
 
 
 def test_verification_is_remembered_per_marker_and_failures_never(tmp_path: Path) -> None:

@@ -28,12 +28,7 @@ from coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_ho
 from jobs.eval.evaluators import Evaluator, evaluate_unit
 from jobs.eval.options import WorkerOptions
 from jobs.eval.runner import UnitRunner
-from jobs.lifecycle import (
-    EXIT_DONE,
-    EXIT_INTERRUPTED,
-    EXIT_PREEMPTED,
-    EXIT_UNHEALTHY,
-)
+from jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNHEALTHY
 
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
 # Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
@@ -173,14 +168,15 @@ class Worker:
             for key, line in d.discovery.problems.items():
                 self._warn_once(f"{d.discovery.root}:{key}", line)
         self.refs.update(current)  # a vanished snapshot keeps its ref: its units become ckpt_missing
-        results = self.index.refresh(skip_steps=self.settled)
+        steps = self._steps()
+        results = self._refresh(steps)
         self._forget_finished(results)
         for name, why in self.index.errors.items():
             self._warn_once(name, f"unit left alone: its result file is malformed ({why})")
         broken = {WorkUnit.from_id(Path(n).stem) for n in self.index.errors if self._parsable_id(Path(n).stem)}
         outstanding = [
             u
-            for s in sorted(self._steps())
+            for s in sorted(steps)
             if s not in self.settled
             for u in self._open_units(s, results)
             if u not in broken  # a human must look at it; re-evaluating could never publish
@@ -192,6 +188,9 @@ class Worker:
         if self.on_poll is not None:
             self.on_poll(len(outstanding))
         return claimable, len(outstanding)
+
+    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # per-step run: only unsettled ``steps``' dirs
+        return self.index.refresh(self.settled, only_steps=steps if self.manifest.per_step_dirs else None)
 
     def _give_up_finding(self, outstanding: list[WorkUnit]) -> None:
         """Training is done, so every snapshot the trainer will publish is published: a dispatched step no
@@ -331,9 +330,8 @@ class Worker:
         return self._stop_code()
 
     def _claim_next(self, todo: deque[WorkUnit], generations: dict[WorkUnit, int]) -> Claim | None:
-        """Claim the first claimable unit of ``todo``, consuming those tried. Polls (listings: metadata round
-        trips on Lustre) happen once per ``--poll-interval``, not per unit; in between, the claimer's result
-        check around each claim keeps a unit finished elsewhere since the poll from being evaluated again."""
+        """Claim the first claimable unit of ``todo`` (consumed). Between polls (one per ``--poll-interval``)
+        the claimer's result check around each claim skips units finished elsewhere since the poll."""
         while todo:
             unit = todo.popleft()
             if (claim := self.claimer.try_claim(unit, generations.get(unit, 0))) is not None:
@@ -346,7 +344,7 @@ class Worker:
         the claim: that unit was already running)."""
         if self.step_limit is None:
             return False
-        limit = self.step_limit(self.index.refresh(skip_steps=self.settled))
+        limit = self.step_limit(self._refresh(set(self.refs) | set(self._dispatches)))
         return limit is not None and unit.step > limit
 
     def _process(self, claim: Claim) -> Result | None:
