@@ -490,6 +490,8 @@ def metadata_section(rec: dict[str, Any]) -> str:
 
     extra = d["units_large"] - d["units_small"]
     return "\n".join([
+        "Syscall counts are deterministic; CPU figures follow the machine's load (the 'before' column was measured "
+        "at a load average of ~8; compare the section's load average above).", "",
         f"`bench_metadata.py` — a real `ckpteval backfill --engine fn:bench.bench_metadata:NullBackend` (touches no "
         f"file) under `strace -f -y` on two fresh runs of {d['steps']} snapshots, {d['units_small']} and "
         f"{d['units_large']} units; per unit = the difference / {extra} (start-up cancels out). Metadata ops = "
@@ -497,13 +499,13 @@ def metadata_section(rec: dict[str, Any]) -> str:
         "them (each an MDS round trip on Lustre); `/proc` and the venv are not counted.", "",
         table(["per unit", "backfill (marginal)", "before", "claim + result + release", "before",
                "result only (baseline)"], [
-            ["metadata ops", f"{b['meta_per_unit']:.1f}", was["backfill_meta"], f"{p['leased']['meta_total']:.1f}",
-             was["protocol_meta"], f"{p['result_only']['meta_total']:.1f}"],
+            ["metadata ops", f"{b['meta_per_unit']:.1f}", f"{was['backfill_meta']:.1f}", f"{p['leased']['meta_total']:.1f}",
+             f"{was['protocol_meta']:.1f}", f"{p['result_only']['meta_total']:.1f}"],
             ["CPU ms (1 process, no strace)", f"{b['cpu_ms_per_unit']:.2f}" if b.get("cpu_ms_per_unit") is not None
              else "-", was["backfill_cpu_ms"], f"{p['leased']['cpu_ms']:.2f}", was["protocol_cpu_ms"],
              f"{p['result_only']['cpu_ms']:.2f}"],
-            ["thread starts", f"{b['threads_per_unit']:.2f}", was["threads"], "-", "-", "-"],
-            ["getpid", f"{b['all'].get('getpid', 0.0):.1f}", was["getpid"], f"{p['leased']['all'].get('getpid', 0.0):.1f}",
+            ["thread starts", f"{b['threads_per_unit']:.2f}", f"{was['threads']:.1f}", "-", "-", "-"],
+            ["getpid", f"{b['all'].get('getpid', 0.0):.1f}", f"{was['getpid']:.1f}", f"{p['leased']['all'].get('getpid', 0.0):.1f}",
              "-", "-"]]), "",
         f"Backfill metadata ops by kind: {counts(b['meta'])} (before: {was['backfill_by_kind']}); by area: "
         f"{counts(b['areas'])}.", "",
@@ -519,7 +521,7 @@ def metadata_section(rec: dict[str, Any]) -> str:
         "area), makes sure the directory exists (`mkdir` + `stat`), `lstat`s and creates the marker, and per "
         "release `lstat`s it twice and unlinks it; it also calls `getpid` ~45 times and reads "
         "`/proc/self/status` and `/proc/<pid>/stat` per acquire (CPU, not metadata). On Lustre the client can "
-        "answers repeated `lstat`s of cached path components and an `EEXIST` `mkdir` from its own dentry cache "
+        "answer repeated `lstat`s of cached path components and an `EEXIST` `mkdir` from its own dentry cache "
         "while it holds the directory's lookup lock, so fewer of these may reach the MDS than are counted here.",
     ])
 
