@@ -87,7 +87,8 @@ def fill_results(run: RunDir, step: int, score: float = 1.0, version: str | None
     manifest = manifest or run.manifest()
     for unit in units_for_step(manifest, step):
         n = len(shard_range(manifest, unit))
-        write_result(run.results, ok_result(unit, [score] * n, [version or str(step)] * n))
+        write_result(run.results, ok_result(unit, [score] * n, [version or str(step)] * n),
+                     per_step=run.manifest().per_step_dirs)
 
 
 class InstantFleet(threading.Thread):
