@@ -12,6 +12,7 @@ trainer stall      bench_stall.py: steps/s with the fleet vs --no-eval          
 latency            bench_stall.py: .complete -> result -> ingested (fleet runs) (reported)
 export             bench_export.py: exporter GB/s vs cp; AsyncExporter blocked   >= 0.8x cp
 coordination       bench_coord.py: claim+result+release per unit, idle poll     median, p95 <= 20 ms
+metadata           bench_metadata.py: strace of a backfill, per unit by syscall <= 10 ops, <= 1 ms CPU
 engine             bench_engine.py: hf batched vs one prompt at a time          >= 4x
                    bench_engine.py: per-sample seeds vs one seed per call      >= 0.8x
 grader             bench_grader.py: math answers/s, pool vs inline             (reported)
@@ -67,6 +68,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "stall": ("bench_stall.py", [], ["--steps", "100", "--repeats", "1", "--no-pinned"]),
     "export": ("bench_export.py", ["--mb", "500", "--reps", "5"], ["--mb", "50", "--reps", "2"]),
     "coord": ("bench_coord.py", [], ["--procs", "4", "--units", "100", "--gb", "0.05", "--snapshots", "100"]),
+    "metadata": ("bench_metadata.py", [], ["--steps", "2", "--small", "4", "--large", "16", "--units", "50"]),
     "engine": ("bench_engine.py", [], ["--prompts", "16", "--repeats", "1"]),
     "grader": ("bench_grader.py", [], ["--answers", "40", "--repeats", "1"]),
     "sandbox": ("bench_sandbox.py", [], ["--smoke"]),
@@ -89,6 +91,7 @@ SMOKE: dict[str, list[str]] = {
                        "--repeats", "1", "--no-pinned", "--poll", "0.2", "--only", "no-eval,fleet-staging"],
     "bench_export.py": ["--mb", "4", "--reps", "1"],
     "bench_coord.py": ["--procs", "2", "--units", "10", "--gb", "0.005", "--snapshots", "10"],
+    "bench_metadata.py": ["--steps", "1", "--small", "2", "--large", "4", "--units", "10", "--no-cpu"],
     "bench_engine.py": ["--prompts", "4", "--max-new-tokens", "4", "--repeats", "1"],
     "bench_grader.py": ["--answers", "8", "--repeats", "1"],
     "bench_reload.py": ["--hidden", "64", "--layers", "1", "--repeats", "1"],
@@ -171,7 +174,7 @@ def run_bench(name: str, quick: bool, run_root: Path, tmp: Path) -> dict[str, An
     args = list(small if quick else full)
     if name == "stall":
         args += ["--root", str(run_root)]
-    elif name == "coord":
+    elif name in ("coord", "metadata"):
         args += ["--dir", str(run_root)]
     elif name in ("workers", "fleet"):
         args += ["--root", str(run_root)]
@@ -258,6 +261,8 @@ def goals(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
         p = d["idle_poll"]
         rows.append([f"idle discovery poll, {p['snapshots']} snapshots", f"{p['fs_syscalls']} fs syscalls",
                      f"first poll {p['first_poll_ms']} ms", "-", "(reported)", "-"])
+    if d := results.get("metadata", {}).get("data"):
+        rows += metadata_goals(d)
     if d := results.get("engine", {}).get("data"):
         rows.append(["hf engine tokens/s, batched", f"{d['batched_tokens_per_s']:,.0f}",
                      f"{d['single_tokens_per_s']:,.0f} (one at a time)", f"{d['ratio']:.1f}x", ">= 4x",
@@ -493,6 +498,71 @@ def coord_section(rec: dict[str, Any]) -> str:
         f"Idle discovery poll over {p['snapshots']} published snapshots: **{p['fs_syscalls']} filesystem "
         f"syscalls** (strace: open/stat/getdents/close), {p['idle_poll_us']} µs; the first poll (reads every "
         f"marker) {p['first_poll_ms']} ms.",
+    ])
+
+
+def metadata_goals(d: dict[str, Any]) -> list[list[Any]]:
+    p, b = d["protocol"]["leased"], d["backfill"]
+    base = d["protocol"]["result_only"]
+    return [["metadata ops per unit, claim+result+release", f"{p['meta_total']:.1f}",
+             f"{base['meta_total']:.1f} (result only)", f"{p['meta_total'] / base['meta_total']:.2f}x", "<= 10",
+             met(p["meta_total"] <= 10)],
+            ["CPU per unit, claim+result+release, 1 proc", f"{p['cpu_ms']:.2f} ms", f"{base['cpu_ms']:.2f} ms (result only)",
+             f"{p['cpu_ms'] / base['cpu_ms']:.2f}x", "<= 1 ms", met(p["cpu_ms"] <= 1)],
+            ["metadata ops per unit, whole backfill (marginal)", f"{b['meta_per_unit']:.1f}", "-", "-", "(reported)",
+             "-"]]
+
+
+# bench_metadata.py's numbers before issue 20's changes (commit ffeb06e, 2026-12-01, 4 steps, 64 vs 448 units,
+# load average ~8): the reference the section compares against.
+METADATA_BEFORE = {"backfill_meta": 38.0, "backfill_cpu_ms": 3.29, "threads": 2.0, "getpid": 49.0,
+                   "protocol_meta": 22.0, "protocol_cpu_ms": 1.99,
+                   "backfill_by_kind": "newfstatat 14, openat 13, getdents64 4, fsync 3, unlink 2, link 1, mkdir 1"}
+
+
+def metadata_section(rec: dict[str, Any]) -> str:
+    d = rec["data"]
+    b, p = d["backfill"], d["protocol"]
+    was = METADATA_BEFORE
+
+    def counts(c: dict[str, float]) -> str:
+        return ", ".join(f"{k} {v:.1f}" for k, v in c.items()) or "none"
+
+    extra = d["units_large"] - d["units_small"]
+    return "\n".join([
+        "Syscall counts are deterministic; CPU figures follow the machine's load (the 'before' column was measured "
+        "at a load average of ~8; compare the section's load average above).", "",
+        f"`bench_metadata.py` — a real `ckpteval backfill --engine fn:bench.bench_metadata:NullBackend` (touches no "
+        f"file) under `strace -f -y` on two fresh runs of {d['steps']} snapshots, {d['units_small']} and "
+        f"{d['units_large']} units; per unit = the difference / {extra} (start-up cancels out). Metadata ops = "
+        "path syscalls, directory reads and fsyncs on the run dir, the snapshot root and the directories above "
+        "them (each an MDS round trip on Lustre); `/proc` and the venv are not counted.", "",
+        table(["per unit", "backfill (marginal)", "before", "claim + result + release", "before",
+               "result only (baseline)"], [
+            ["metadata ops", f"{b['meta_per_unit']:.1f}", f"{was['backfill_meta']:.1f}", f"{p['leased']['meta_total']:.1f}",
+             f"{was['protocol_meta']:.1f}", f"{p['result_only']['meta_total']:.1f}"],
+            ["CPU ms (1 process, no strace)", f"{b['cpu_ms_per_unit']:.2f}" if b.get("cpu_ms_per_unit") is not None
+             else "-", was["backfill_cpu_ms"], f"{p['leased']['cpu_ms']:.2f}", was["protocol_cpu_ms"],
+             f"{p['result_only']['cpu_ms']:.2f}"],
+            ["thread starts", f"{b['threads_per_unit']:.2f}", f"{was['threads']:.1f}", "-", "-", "-"],
+            ["getpid", f"{b['all'].get('getpid', 0.0):.1f}", f"{was['getpid']:.1f}", f"{p['leased']['all'].get('getpid', 0.0):.1f}",
+             "-", "-"]]), "",
+        f"Backfill metadata ops by kind: {counts(b['meta'])} (before: {was['backfill_by_kind']}); by area: "
+        f"{counts(b['areas'])}.", "",
+        f"Claim + result + release by kind: {counts(p['leased']['meta'])}; by area: {counts(p['leased']['areas'])}.",
+        "", "What changed (issue 20): the worker lists `results/` and polls discovery once per `--poll-interval`, not "
+        "once per unit (the claimer's `stat` of the result before and after each claim keeps finished units from "
+        "being evaluated again); verification runs once per snapshot per process while its `.complete` keeps its "
+        "identity (one `stat` per unit); one long-lived unit thread; the attempt count is one `open` (no "
+        "`fsync`: a lost line only allows one more attempt); the results directory's `fsync` goes through a kept "
+        "descriptor; results and leases live in `step-<N>/` directories (protocol 2).", "",
+        "What is left is mostly filelock's `SoftFileLease` (kept: it is what makes leases expire safely): per "
+        "acquire it resolves the lease path (`realpath`: one `lstat` per path component, the 'above the run' "
+        "area), makes sure the directory exists (`mkdir` + `stat`), `lstat`s and creates the marker, and per "
+        "release `lstat`s it twice and unlinks it; it also calls `getpid` ~45 times and reads "
+        "`/proc/self/status` and `/proc/<pid>/stat` per acquire (CPU, not metadata). On Lustre the client can "
+        "answer repeated `lstat`s of cached path components and an `EEXIST` `mkdir` from its own dentry cache "
+        "while it holds the directory's lookup lock, so fewer of these may reach the MDS than are counted here.",
     ])
 
 
@@ -812,6 +882,7 @@ SECTIONS: dict[str, tuple[str, Callable[..., str]]] = {
     "stall": ("Trainer stall and latency", stall_section),
     "export": ("Export", export_section),
     "coord": ("Coordination at scale", coord_section),
+    "metadata": ("Metadata operations per unit (the Lustre MDS budget)", metadata_section),
     "engine": ("Engine batching", engine_section),
     "grader": ("Math grader", grader_section),
     "sandbox": ("Code sandbox", sandbox_section),
@@ -904,8 +975,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
     if args.merge and (not args.only or not args.out.with_suffix(".json").is_file()):
         ap.error(f"--merge needs --only and an earlier {args.out.with_suffix('.json')}")
-    if shutil.which("strace") is None and "coord" in names:
-        print("strace not found (make bench installs it): the idle-poll count will fail", file=sys.stderr)
+    if shutil.which("strace") is None and {"coord", "metadata"} & set(names):
+        print("strace not found (make bench installs it): the idle-poll and metadata counts will fail",
+              file=sys.stderr)
     mach = machine(args.run_root)
     print(f"ckpteval bench: {mach['cpus']} cpus, {mach['ram_gib']} GiB, load average "
           f"{load_str(mach['load_at_start'])}; /dev/shm {mach['fs_dev_shm']}; run dirs {mach['fs_run_root']}")

@@ -28,11 +28,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from coord.atomic import TMP_PREFIX
+from coord.rundir import step_dir_name, step_of_dir
 from coord.snapshot import read_marker
 
 
@@ -42,6 +43,21 @@ class GCReport:
     kept: list[Path] = field(default_factory=list)
     refused: list[tuple[Path, str]] = field(default_factory=list)
     freed_bytes: int = 0
+
+
+def _lease_entries(leases_dir: Path, steps: Collection[int] | None) -> list[os.DirEntry[str]]:
+    """The lease files under ``leases/``: with ``steps`` (protocol 2) those of ``leases/step-<N>/`` for each
+    of them, else every one, flat (protocol 1) or in any step directory."""
+    dirs = ([leases_dir / step_dir_name(s) for s in steps] if steps is not None else
+            [leases_dir, *(e.path for e in _scan(leases_dir) if step_of_dir(e.name) is not None and e.is_dir())])
+    return [e for d in dirs for e in _scan(Path(d)) if e.name.endswith(".lock") and e.name[:10].isdigit()]
+
+
+def _scan(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        return list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def dir_bytes(path: Path) -> int:
@@ -64,6 +80,7 @@ class StagingGC:
     stale_tmp_s: float = 3600.0
     clock: Callable[[], float] = time.monotonic
     run: str | None = None  # the run's key: only snapshots marked with it are deleted
+    per_step: bool = False  # protocol 2: leases in leases/step-<N>/ (only candidate steps' are listed)
     _seen: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,26 +92,21 @@ class StagingGC:
     def _inside_root(self, path: Path) -> bool:
         return path.resolve().is_relative_to(self.root.resolve()) and path.resolve() != self.root.resolve()
 
-    def live_lease_steps(self) -> set[int]:
-        """Steps with at least one lease this collector cannot yet call expired."""
+    def live_lease_steps(self, steps: Collection[int] | None = None) -> set[int]:
+        """Steps with at least one lease this collector cannot yet call expired; with ``per_step`` only the
+        directories of ``steps`` (None: all) are listed."""
         now, live, current = self.clock(), set(), set()
-        try:
-            entries = list(os.scandir(self.leases_dir))
-        except FileNotFoundError:
-            return set()
-        for e in entries:
-            if not e.name.endswith(".lock") or not e.name[:10].isdigit():
-                continue
+        for e in _lease_entries(self.leases_dir, steps if self.per_step else None):
             try:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             key = (st.st_ino, st.st_mtime_ns)
-            current.add(e.name)
-            seen = self._seen.get(e.name)
+            current.add(e.path)
+            seen = self._seen.get(e.path)
             if seen is None or seen[0] != key:
-                self._seen[e.name] = (key, now)
-                seen = self._seen[e.name]
+                self._seen[e.path] = (key, now)
+                seen = self._seen[e.path]
             if now - seen[1] < self.lease_duration_s:
                 live.add(int(e.name[:10]))
         for gone in set(self._seen) - current:
@@ -104,7 +116,7 @@ class StagingGC:
     def collect(self, retired_steps: set[int], protected: frozenset[int] | set[int] = frozenset()) -> GCReport:
         """Delete retired staging snapshots beyond the newest ``keep``, never one of ``protected``."""
         report = GCReport()
-        live = self.live_lease_steps()
+        live = self.live_lease_steps(retired_steps)
         candidates: list[tuple[int, Path]] = []
         for entry in sorted(os.scandir(self.root), key=lambda e: e.name) if self.root.is_dir() else []:
             path = Path(entry.path)

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from coord import PROTOCOL_VERSION
+from coord import PROTOCOL_VERSION, PROTOCOLS
 from coord.atomic import read_json_object, write_json_atomic
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -354,6 +354,12 @@ class RunManifest:
     created: float = 0.0
     protocol: int = PROTOCOL_VERSION
 
+    @property
+    def per_step_dirs(self) -> bool:
+        """Protocol 2: results and leases live in one directory per step (:func:`coord.rundir.unit_dir`);
+        a protocol 1 run keeps them flat (read and written as they are)."""
+        return self.protocol >= 2
+
     def dataset(self, name: str) -> DatasetSpec:
         for ds in self.eval.datasets:
             if ds.name == name:
@@ -584,9 +590,9 @@ def parse_manifest(obj: Any, source: Path) -> RunManifest:
     """Validate a decoded ``run.json``; every error names ``source`` and the field."""
     f = Fields(source, obj, "")
     f.reject_unknown([fl.name for fl in dataclasses.fields(RunManifest)], "run.json")
-    protocol = f.get("protocol", int, PROTOCOL_VERSION)
-    if protocol != PROTOCOL_VERSION:
-        raise f.error("protocol", f"is {protocol}; this ckpteval speaks protocol {PROTOCOL_VERSION}")
+    protocol = f.get("protocol", int, PROTOCOL_VERSION)  # every run.json ckpteval writes names it
+    if protocol not in PROTOCOLS:
+        raise f.error("protocol", f"is {protocol}; this ckpteval speaks protocols {', '.join(map(str, PROTOCOLS))}")
     run_id = f.get("run_id", str)
     if not NAME_RE.match(run_id):
         raise f.error("run_id", f"{run_id!r} must match {NAME_RE.pattern}")

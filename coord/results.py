@@ -1,6 +1,7 @@
 """Results (facts) and points (views).
 
-A *result* is one JSON file per work unit, ``results/<unit>.json``, published first-writer-wins: the
+A *result* is one JSON file per work unit, ``results/step-<N>/<unit>.json`` (protocol 2; a protocol 1 run:
+``results/<unit>.json``, read either way), published first-writer-wins: the
 file is written and fsync'd under a temp name, then hard-linked to the final name, which fails if a
 result already exists. So readers see at most one result per unit, never a torn one, and a rare
 double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for audit instead.
@@ -39,15 +40,16 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coord import PROTOCOL_VERSION
-from coord.atomic import TMP_PREFIX, dumps, publish_exclusive, read_json_object, write_json_atomic
+from coord.atomic import TMP_PREFIX, dumps, fsync_dir, publish_exclusive, read_json_object, write_json_atomic
 from coord.identity import run_key, version_matches, version_runs, version_step
 from coord.manifest import DatasetSpec, EnvSpec, RunManifest
+from coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
 from coord.snapshot import producer_identity
 from coord.units import WorkUnit, dataset_units, datasets_due, prompt_range, units_for_step
 
@@ -216,34 +218,55 @@ def parse_result(obj: Any, source: Path) -> Result:
     )
 
 
-def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool:
+def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_step: bool = False) -> bool:
     """Publish a unit's result of ``generation`` (0, or k > 0 superseding an infrastructure skip of k - 1);
-    True if it is *the* result of that generation, False if one existed (kept as duplicate)."""
+    True if it is *the* result of that generation, False if one existed (kept as duplicate).
+
+    ``per_step`` (a protocol 2 run: :attr:`RunManifest.per_step_dirs`) puts it in ``results/step-<N>/``,
+    created (and made durable) by the first result of the step."""
     results_dir = Path(results_dir)
     stamped = Result(**{**result.__dict__, "written_at": result.written_at or time.time()})
     if not stamped.worker:
         stamped = Result(**{**stamped.__dict__, "worker": producer_identity()})
     data = dumps(stamped.to_json())
-    if publish_exclusive(results_dir / result.unit.result_name_at(generation), data):
+    final = unit_dir(results_dir, result.unit.step, per_step) / result.unit.result_name_at(generation)
+    try:
+        won = publish_exclusive(final, data, keep_dir_open=True)
+    except FileNotFoundError:  # the step's first result: its directory first (a missing results/ still raises)
+        if not per_step or not results_dir.is_dir():
+            raise
+        final.parent.mkdir(exist_ok=True)
+        fsync_dir(results_dir)
+        won = publish_exclusive(final, data, keep_dir_open=True)
+    if won:
         return True
-    dup_dir = results_dir / "duplicates"
+    dup_dir = results_dir / DUPLICATES
     dup_dir.mkdir(exist_ok=True)
     write_json_atomic(dup_dir / f"{result.unit.id}.{os.getpid()}.{time.time_ns()}.json", stamped.to_json())
     return False
 
 
+def _is_result_name(name: str) -> bool:
+    return name.endswith(".json") and not name.startswith((TMP_PREFIX, "."))
+
+
 def result_generation(name: str) -> int:
-    """The generation of a result file name: ``<unit>.json`` is 0, ``<unit>.retry<k>.json`` is k."""
+    """The generation of a result file name: ``<unit>.json`` is 0, ``<unit>.retry<k>.json`` is k (a name
+    relative to ``results/`` may carry its step directory)."""
+    name = name.rsplit("/", 1)[-1]
     stem = name[: -len(".json")] if name.endswith(".json") else name
     tail = stem.rsplit(".", 1)[-1]
     return int(tail[len("retry"):]) if tail.startswith("retry") and tail[len("retry"):].isdigit() else 0
 
 
 class ResultIndex:
-    """Reads ``results/`` incrementally: one listing per refresh, each result file read once.
+    """Reads ``results/`` incrementally, in either layout (flat: protocol 1; ``step-<N>/`` directories:
+    protocol 2, :mod:`coord.rundir`): one listing of ``results/`` per refresh plus one per step directory
+    not in ``skip_steps``, each result file read once.
 
     Malformed result files are not trusted and not fatal to readers: they are collected in
-    :attr:`errors` (path → message) so status can show them, and the unit counts as unfinished.
+    :attr:`errors` (name relative to ``results/`` → message) so status can show them, and the unit counts
+    as unfinished.
     """
 
     def __init__(self, results_dir: Path) -> None:
@@ -253,13 +276,12 @@ class ResultIndex:
         self._seen: set[str] = set()
         self.errors: dict[str, str] = {}
 
-    def refresh(self) -> dict[WorkUnit, Result]:
-        try:
-            names = [n for n in os.listdir(self.results_dir) if n.endswith(".json")]
-        except FileNotFoundError:
-            names = []
-        for name in names:
-            if name in self._seen or name.startswith((TMP_PREFIX, ".")):
+    def refresh(self, skip_steps: Collection[int] = (), only_steps: Collection[int] | None = None) -> dict[WorkUnit, Result]:
+        """Read what is new. ``skip_steps``: steps whose directory is not listed again (a caller that has
+        settled them: on Lustre a listing is a round trip per directory block). ``only_steps`` (a protocol 2
+        run): list just these steps' directories, not ``results/`` itself, which holds a name per step."""
+        for name in self._names(skip_steps, only_steps):
+            if name in self._seen:
                 continue
             path = self.results_dir / name
             try:
@@ -274,6 +296,24 @@ class ResultIndex:
                 self._by_unit[result.unit] = result
                 self._generation[result.unit] = generation
         return self._by_unit
+
+    def _names(self, skip_steps: Collection[int], only_steps: Collection[int] | None) -> list[str]:
+        """Result file names relative to ``results/``: flat ``<unit>.json`` and ``step-<N>/<unit>.json``."""
+        if only_steps is not None:
+            dirs, names = [step_dir_name(s) for s in sorted(only_steps) if s not in skip_steps], []
+        else:
+            try:
+                top = list(os.scandir(self.results_dir))
+            except FileNotFoundError:
+                return []
+            names = [e.name for e in top if _is_result_name(e.name)]
+            dirs = [e.name for e in top if (s := step_of_dir(e.name)) is not None and s not in skip_steps and e.is_dir()]
+        for d in dirs:
+            try:
+                names += [f"{d}/{n}" for n in os.listdir(self.results_dir / d) if _is_result_name(n)]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        return names
 
     def get(self, unit: WorkUnit) -> Result | None:
         return self._by_unit.get(unit)
@@ -576,4 +616,4 @@ def point_metrics(point: Point) -> dict[str, float]:
 def write_point_skip(results_dir: Path, manifest: RunManifest, step: int, reason: str, message: str = "") -> None:
     """Record a whole point as skipped (trainer-side reasons: busy, export_failed): one skip per unit."""
     for unit in units_for_step(manifest, step):
-        write_result(results_dir, skip_result(unit, reason, message))
+        write_result(results_dir, skip_result(unit, reason, message), per_step=manifest.per_step_dirs)

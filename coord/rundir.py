@@ -5,8 +5,11 @@ own. Layout::
 
     RUN/run.json          manifest (coord.manifest)
     RUN/snapshots/        default staging root for exported snapshots (coord.snapshot)
-    RUN/leases/           one lease file per claimed work unit (coord.units)
-    RUN/results/          one result JSON per work unit (coord.results)
+    RUN/leases/           one lease file per claimed work unit (coord.units); protocol 2: under
+                          leases/step-<N>/ (unit_dir), protocol 1 runs: flat
+    RUN/results/          one result JSON per work unit (coord.results); protocol 2: under
+                          results/step-<N>/, protocol 1 runs: flat (read either way)
+    RUN/results/duplicates/  later copies of a unit's result (first writer wins), for audit
     RUN/adopted/          markers of foreign checkpoints admitted after quiescence (coord.discovery)
     RUN/lost/             <step>.json per foreign save seen but rotated away before admission (coord.discovery)
     RUN/best.json         the best step and the steps not distinguishable from it (jobs.decide)
@@ -40,6 +43,29 @@ from coord.atomic import fsync_dir, read_json_object, write_json_atomic
 from coord.manifest import RunManifest, load_manifest, save_manifest
 
 SUBDIRS = ("snapshots", "leases", "results", "adopted", "data")
+STEP_DIR_PREFIX = "step-"  # results/step-<N>/, leases/step-<N>/ (protocol 2): one directory per step
+DUPLICATES = "duplicates"  # results/duplicates/: results that lost first-writer-wins, kept for audit
+
+
+def step_dir_name(step: int) -> str:
+    """``step-<10 digits>``: a step's directory under ``results/`` and ``leases/`` (protocol 2)."""
+    return f"{STEP_DIR_PREFIX}{step:010d}"
+
+
+def step_of_dir(name: str) -> int | None:
+    """The step a ``step-<N>`` directory name stands for; None for any other name."""
+    digits = name[len(STEP_DIR_PREFIX):]
+    return int(digits) if name.startswith(STEP_DIR_PREFIX) and digits.isdigit() else None
+
+
+def unit_dir(root: Path, step: int, per_step: bool) -> Path:
+    """Where a unit of ``step`` keeps its files under ``root`` (``results/`` or ``leases/``): its step's
+    directory when ``per_step`` (protocol 2, :attr:`RunManifest.per_step_dirs`), else ``root`` itself.
+
+    Why per step: a run of 100k steps x 640 units is 64M files; Lustre serializes creates in one directory
+    on its lock and every listing reads all of it. A step's directory holds only that step's units (a few
+    thousand at most), and readers list only the steps they still wait for."""
+    return Path(root) / step_dir_name(step) if per_step else Path(root)
 
 
 @dataclass(frozen=True)

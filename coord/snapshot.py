@@ -383,6 +383,41 @@ def is_adapter_snapshot(files: Mapping[str, Any]) -> bool:
     return ADAPTER_WEIGHTS in files
 
 
+class VerifiedSnapshots:
+    """:func:`verify_snapshot` once per snapshot per process: a snapshot that passed is not checked again
+    while its ``.complete`` marker file keeps its identity (device, inode, size, mtime) — one ``stat`` per
+    unit instead of the marker read, a ``stat`` per file and a header read per safetensors file (metadata
+    round trips on Lustre; ``full`` re-reads every byte). A re-published or re-marked snapshot has a new
+    marker (written by rename: a new inode), so it is verified again; a failure is never remembered.
+
+    Limits: damage to a file under an unchanged marker after it passed here is not seen before the next
+    unit of this process: the unit then reads the damaged file (an engine already holding the weights
+    does not), and a failed unit is checked again without this cache (``jobs.eval.evaluators``), so it
+    still ends ``ckpt_missing`` / ``ckpt_corrupt``. A foreign checkpoint (marker kept elsewhere) is always
+    verified in full.
+    """
+
+    def __init__(self) -> None:
+        self._passed: dict[str, tuple[tuple[int, int, int, int], str, Marker]] = {}  # dir -> (identity, mode, marker)
+
+    def verify(self, directory: Path, mode: str = "fast", marker: Marker | None = None) -> Marker:
+        """``verify_snapshot(directory, mode, marker)``, or the marker it returned when the snapshot passed
+        before (in ``mode`` or ``full``) with the same marker file."""
+        if marker is not None:
+            return verify_snapshot(directory, mode, marker)
+        try:
+            st = os.stat(Path(directory) / MARKER)
+        except OSError:
+            return verify_snapshot(directory, mode)  # raises with its usual message
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        passed = self._passed.get(str(directory))
+        if passed is not None and passed[0] == identity and passed[1] in {mode, "full"}:
+            return passed[2]
+        checked = verify_snapshot(directory, mode)
+        self._passed[str(directory)] = (identity, mode, checked)
+        return checked
+
+
 def verify_snapshot(directory: Path, mode: str = "fast", marker: Marker | None = None) -> Marker:
     """Check a snapshot and return its marker, or raise SnapshotMissing / SnapshotCorrupt.
 

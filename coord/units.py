@@ -1,6 +1,7 @@
 """Work units ``(step, dataset, shard[, sample range])`` and their leases.
 
-A unit is claimed through a lease file ``leases/<unit>.lock`` held with ``filelock.SoftFileLease``:
+A unit is claimed through a lease file ``leases/<unit>.lock`` (``leases/step-<N>/<unit>.lock`` in a
+protocol 2 run, :func:`coord.rundir.unit_dir`) held with ``filelock.SoftFileLease``:
 the holder's heartbeat thread refreshes the marker; a contender may take the claim over only after
 observing it *unchanged* for ``lease.duration_s`` on its own monotonic clock, so clock skew between
 nodes cannot expire a live claim. On the same host filelock also takes over at once from a holder
@@ -32,8 +33,9 @@ from typing import Any
 import filelock
 from filelock._soft import parse_marker  # filelock's parser of its owner record
 
-from coord.atomic import append_line
+from coord.atomic import append_and_count_lines
 from coord.manifest import DatasetSpec, LeaseSettings, RunManifest
+from coord.rundir import STEP_DIR_PREFIX, unit_dir
 
 SAMPLES_RE = re.compile(r"s(\d+)-(\d+)")  # the sample range of a split unit's id: s<start>-<stop>
 
@@ -148,14 +150,16 @@ LEASE_SUFFIX = ".lock"
 ATTEMPTS_SUFFIX = ".attempts"
 
 
-def lease_path(leases_dir: Path, unit_id: str) -> Path:
-    """The lease file of a unit: ``leases/<unit id>.lock``."""
-    return Path(leases_dir) / f"{unit_id}{LEASE_SUFFIX}"
+def lease_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Path:
+    """The lease file of a unit: ``leases/<unit id>.lock``, or ``leases/step-<N>/<unit id>.lock`` given the
+    unit's ``step`` (a protocol 2 run: :func:`coord.rundir.unit_dir`)."""
+    return unit_dir(leases_dir, step or 0, step is not None) / f"{unit_id}{LEASE_SUFFIX}"
 
 
-def attempts_path(leases_dir: Path, unit_id: str) -> Path:
-    """The claim count of a unit: ``leases/<unit id>.attempts``, one line (the claimer's pid) per claim."""
-    return Path(leases_dir) / f"{unit_id}{ATTEMPTS_SUFFIX}"
+def attempts_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Path:
+    """The claim count of a unit: ``<unit id>.attempts`` next to its lease file (:func:`lease_path`), one
+    line (the claimer's pid) per claim."""
+    return unit_dir(leases_dir, step or 0, step is not None) / f"{unit_id}{ATTEMPTS_SUFFIX}"
 
 
 def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
@@ -174,9 +178,11 @@ def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
 
 
 def lease_holders(leases_dir: Path) -> dict[str, filelock.OwnerRecord]:
-    """unit id -> owner record of every lease file that has one right now (a snapshot, racy by nature)."""
+    """unit id -> owner record of every lease file that has one right now (a snapshot, racy by nature),
+    in either layout (flat, or per step)."""
     held = {}
-    for path in Path(leases_dir).glob(f"*{LEASE_SUFFIX}"):
+    leases_dir = Path(leases_dir)
+    for path in [*leases_dir.glob(f"*{LEASE_SUFFIX}"), *leases_dir.glob(f"{STEP_DIR_PREFIX}*/*{LEASE_SUFFIX}")]:
         try:
             record = read_lease_holder(path)
         except FileNotFoundError:
@@ -206,19 +212,22 @@ class Claim:
 class UnitClaimer:
     """Claims units of one run for one worker process."""
 
-    def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None) -> None:
+    def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None,
+                 per_step: bool = False) -> None:
         self.leases_dir = Path(leases_dir)
         self.settings = settings
         self.results_dir = Path(results_dir) if results_dir is not None else None
+        self.per_step = per_step  # protocol 2: leases and results in per-step directories (coord.rundir)
         self._leases: dict[str, filelock.SoftFileLease] = {}
         self._flags: dict[str, threading.Event] = {}
+        self._pid = os.getpid()  # a claimer is made per worker process, never inherited across fork
 
     def _lease(self, unit: WorkUnit) -> filelock.SoftFileLease:
         lease = self._leases.get(unit.id)
         if lease is None:
             flag = self._flags.setdefault(unit.id, threading.Event())
             lease = filelock.SoftFileLease(
-                lease_path(self.leases_dir, unit.id),
+                lease_path(self.leases_dir, unit.id, self._step(unit)),  # filelock makes a missing step dir
                 lease_duration=self.settings.duration_s,
                 heartbeat_interval=self.settings.heartbeat_s,
                 on_compromise=lambda _c, flag=flag: flag.set(),
@@ -251,7 +260,11 @@ class UnitClaimer:
         return Claim(unit, lease, token, self._count_attempt(unit), flag, generation)
 
     def _has_result(self, unit: WorkUnit, generation: int = 0) -> bool:
-        return self.results_dir is not None and (self.results_dir / unit.result_name_at(generation)).exists()
+        return self.results_dir is not None and (
+            unit_dir(self.results_dir, unit.step, self.per_step) / unit.result_name_at(generation)).exists()
+
+    def _step(self, unit: WorkUnit) -> int | None:
+        return unit.step if self.per_step else None
 
     def claim_first(self, candidates: Iterable[WorkUnit], generations: dict[WorkUnit, int] | None = None) -> Claim | None:
         """The first unit of ``candidates`` (already ordered by the caller) that can be claimed, each at its
@@ -269,10 +282,10 @@ class UnitClaimer:
         self._flags.pop(unit.id, None)
 
     def _count_attempt(self, unit: WorkUnit) -> int:
-        """Attempt number of this claim: one line per claim appended to ``<unit>.attempts``."""
-        path = attempts_path(self.leases_dir, unit.id)
-        append_line(path, f"{os.getpid()}\n".encode())
-        return max(1, path.read_bytes().count(b"\n"))
+        """Attempt number of this claim: one line per claim appended to ``<unit>.attempts`` (one open; not
+        fsync'd: a line lost in a node crash only allows one more attempt of the unit)."""
+        path = attempts_path(self.leases_dir, unit.id, self._step(unit))
+        return max(1, append_and_count_lines(path, f"{self._pid}\n".encode()))
 
 
 def order_units(units: Iterable[WorkUnit], newest_first: bool = False, spread: int | None = None) -> list[WorkUnit]:

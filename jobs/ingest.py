@@ -100,7 +100,7 @@ class ServiceIngester:
 
     def poll(self) -> list[int]:
         """Log every newly complete point; returns their steps."""
-        results = self.index.refresh()
+        results = self.index.refresh(skip_steps=self.ledger.state.ingested)  # logged points: not listed again
         steps = self.index.steps()
         newest = max(steps | {self.newest_step() if self.newest_step else 0})
         logged = []

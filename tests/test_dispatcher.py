@@ -127,7 +127,7 @@ def test_drain_timeout_logs_skip_but_writes_no_result(tmp_path: Path) -> None:
     d.close(3, _model())
     assert time.monotonic() - t0 < 10
     assert _by_step(run.path)[3]["eval/skipped_drain_timeout"] == 2
-    assert not list(run.results.glob("*.json"))  # units stay open for a fleet/backfill
+    assert not list(run.results.rglob("*.json"))  # units stay open for a fleet/backfill
     assert (run.snapshots / snapshot_dirname(3) / MARKER).exists()  # not retired, not collected
     assert run.training_done() == 3
 

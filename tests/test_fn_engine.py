@@ -84,7 +84,7 @@ def test_malformed_backend_output_burns_no_unit(tmp_path: Path) -> None:
     code, _ = run_inprocess(_opts(run.path, "fn:tests.support.workers:BadOutputBackend"), out=lines.append)
     assert code == EXIT_UNHEALTHY and results(run) == {}
     assert any("list of 4" in line and "released" in line for line in lines), lines
-    (attempts,) = run.leases.glob("*.attempts")
+    (attempts,) = run.leases.rglob("*.attempts")
     assert attempts.read_text().count("\n") == 5  # --max-unhealthy (default 5) tries, then out
 
 

@@ -16,6 +16,7 @@ import pytest
 from coord.ledger import Ledger
 from coord.manifest import LeaseSettings
 from coord.results import derive_point, write_point_skip
+from coord.rundir import unit_dir
 from coord.units import WorkUnit
 from jobs.eval.engines.base import EngineError, Generation, SamplingParams
 from jobs.eval.engines.factory import EnginePool
@@ -57,7 +58,7 @@ def test_hf_worker_end_to_end(tmp_path: Path) -> None:
         assert {"verify_s", "load_s", "generate_s", "total_s"} <= set(r.timings)
         assert r.worker["worker_id"] == "hf-1" and r.worker["engine"] == "hf" and r.lease_token
         assert r.snapshot and Path(r.snapshot).name == f"step-{unit.step:010d}"
-    assert not list(run.leases.glob("*.lock"))  # every lease released
+    assert not list(run.leases.rglob("*.lock"))  # every lease released
     # a second pass finds nothing and writes nothing
     code, _ = run_inprocess(_opts(run.path), **QUIET)
     assert code == EXIT_DONE and results(run) == got
@@ -209,7 +210,7 @@ def test_persistently_dead_engine_exits_for_a_fresh_start(tmp_path: Path) -> Non
         publish_model(tmp_path, run.snapshots, step)
     assert _engine_worker(run, NeverHealthy(), max_unhealthy=2).run() == EXIT_UNHEALTHY
     assert results(run) == {}  # a worker that never scored a unit burns none: all left for a healthy one
-    attempts = sorted(p.name for p in run.leases.glob("*.attempts"))
+    attempts = sorted(p.name for p in run.leases.rglob("*.attempts"))
     assert len(attempts) >= 1  # its tries are counted, so a proven worker can still give up on a unit
 
 
@@ -253,7 +254,8 @@ def test_fleet_waits_for_dispatched_steps_until_training_done(tmp_path: Path) ->
 def test_malformed_result_is_left_alone(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2)
     publish_model(tmp_path, run.snapshots, 1)
-    bad = run.results / f"{WorkUnit(1, 'addition', 0).id}.json"
+    bad = unit_dir(run.results, 1, per_step=True) / f"{WorkUnit(1, 'addition', 0).id}.json"
+    bad.parent.mkdir()
     bad.write_text("{torn")
     assert _engine_worker(run, HFEngine()).run() == EXIT_DONE
     assert bad.read_text() == "{torn" and [u.shard for u in results(run)] == [1]

@@ -22,6 +22,7 @@ from coord.results import Result, skip_result
 from coord.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
+    VerifiedSnapshots,
     verify_snapshot,
 )
 from coord.units import WorkUnit, shard_range
@@ -205,12 +206,15 @@ class FnEvaluator:
         self.backend.dispose()
 
 
-def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify: str) -> Result:
-    """Verify the snapshot and evaluate ``unit``; every expected failure becomes a skip result."""
+def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify: str,
+                  verified: VerifiedSnapshots | None = None) -> Result:
+    """Verify the snapshot (through ``verified``: once per snapshot per process) and evaluate ``unit``; every
+    expected failure becomes a skip result. A failed unit's snapshot is checked again, never from the cache."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    check = verify_snapshot if verified is None else verified.verify
     try:
-        marker = verify_snapshot(ref.path, verify, marker=ref.marker if ref.foreign else None)
+        marker = check(ref.path, verify, ref.marker if ref.foreign else None)
         if marker.step != unit.step:
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0

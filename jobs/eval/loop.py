@@ -9,8 +9,8 @@ import dataclasses
 import os
 import signal
 import sys
-import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,21 +22,13 @@ from coord.layouts import FALLBACK
 from coord.ledger import Ledger
 from coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
 from coord.rundir import RunDir
-from coord.snapshot import (
-    Marker,
-    producer_identity,
-    snapshot_path,
-)
+from coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
 from coord.steps import run_step_selection
 from coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
 from jobs.eval.evaluators import Evaluator, evaluate_unit
 from jobs.eval.options import WorkerOptions
-from jobs.lifecycle import (
-    EXIT_DONE,
-    EXIT_INTERRUPTED,
-    EXIT_PREEMPTED,
-    EXIT_UNHEALTHY,
-)
+from jobs.eval.runner import UnitRunner
+from jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNHEALTHY
 
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
 # Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
@@ -99,7 +91,8 @@ class Worker:
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
         self.selection = run_step_selection(self.manifest.trainer, str(self.rundir.manifest_path))
-        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results)
+        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results,
+                                   per_step=self.manifest.per_step_dirs)
         self.index = ResultIndex(self.rundir.results)
         self.discoveries = self._make_discoveries()
         self.identity = {
@@ -113,7 +106,8 @@ class Worker:
         self.written = 0
         self.training_done = False  # as of the last poll
         self.stop_signal: int | None = None
-        self.unit_thread: threading.Thread | None = None
+        self.runner = UnitRunner()
+        self.verified = VerifiedSnapshots()  # each snapshot's --verify check, once per process
         self._tried: set[WorkUnit] = set()
         self._retried: set[WorkUnit] = set()  # infra skips re-evaluated by this process (once each)
         self._warned: set[str] = set()
@@ -174,14 +168,15 @@ class Worker:
             for key, line in d.discovery.problems.items():
                 self._warn_once(f"{d.discovery.root}:{key}", line)
         self.refs.update(current)  # a vanished snapshot keeps its ref: its units become ckpt_missing
-        results = self.index.refresh()
+        steps = self._steps()
+        results = self._refresh(steps)
         self._forget_finished(results)
         for name, why in self.index.errors.items():
             self._warn_once(name, f"unit left alone: its result file is malformed ({why})")
-        broken = {WorkUnit.from_id(n[: -len(".json")]) for n in self.index.errors if self._parsable_id(n)}
+        broken = {WorkUnit.from_id(Path(n).stem) for n in self.index.errors if self._parsable_id(Path(n).stem)}
         outstanding = [
             u
-            for s in sorted(self._steps())
+            for s in sorted(steps)
             if s not in self.settled
             for u in self._open_units(s, results)
             if u not in broken  # a human must look at it; re-evaluating could never publish
@@ -193,6 +188,9 @@ class Worker:
         if self.on_poll is not None:
             self.on_poll(len(outstanding))
         return claimable, len(outstanding)
+
+    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # per-step run: only unsettled ``steps``' dirs
+        return self.index.refresh(self.settled, only_steps=steps if self.manifest.per_step_dirs else None)
 
     def _give_up_finding(self, outstanding: list[WorkUnit]) -> None:
         """Training is done, so every snapshot the trainer will publish is published: a dispatched step no
@@ -256,7 +254,7 @@ class Worker:
     @staticmethod
     def _parsable_id(name: str) -> bool:
         try:
-            WorkUnit.from_id(name[: -len(".json")])
+            WorkUnit.from_id(name)
         except ValueError:
             return False
         return True
@@ -292,15 +290,20 @@ class Worker:
     def run(self) -> int:
         """Work until done (see the module docstring); returns an exit code."""
         self.written = 0
+        todo: deque[WorkUnit] = deque()  # the last poll's claimable units, in claim order, not yet tried
+        generations, polled_at = {}, -float("inf")
         while self.stop_signal is None:
-            claimable, outstanding = self.poll()
-            if not claimable:
-                if self._finished(outstanding):
-                    return EXIT_DONE
-                self._sleep(self.opts.poll_interval_s)
-                continue
-            claim = self.claimer.claim_first(order_units(claimable, self.opts.newest_first, spread=os.getpid()),
-                                             self._generations(claimable))
+            if not todo or time.monotonic() - polled_at >= self.opts.poll_interval_s:
+                claimable, outstanding = self.poll()
+                polled_at = time.monotonic()
+                if not claimable:
+                    if self._finished(outstanding):
+                        return EXIT_DONE
+                    self._sleep(self.opts.poll_interval_s)
+                    continue
+                todo = deque(order_units(claimable, self.opts.newest_first, spread=os.getpid()))
+                generations = self._generations(claimable)
+            claim = self._claim_next(todo, generations)
             if claim is None:  # all held by other workers: wait, take over expired ones later
                 self._sleep(self.opts.poll_interval_s)
                 continue
@@ -326,13 +329,22 @@ class Worker:
                 return EXIT_DONE
         return self._stop_code()
 
+    def _claim_next(self, todo: deque[WorkUnit], generations: dict[WorkUnit, int]) -> Claim | None:
+        """Claim the first claimable unit of ``todo`` (consumed). Between polls (one per ``--poll-interval``)
+        the claimer's result check around each claim skips units finished elsewhere since the poll."""
+        while todo:
+            unit = todo.popleft()
+            if (claim := self.claimer.try_claim(unit, generations.get(unit, 0))) is not None:
+                return claim
+        return None
+
     def _above_step_limit(self, unit: WorkUnit) -> bool:
         """``backfill --until``: whether ``unit`` lies above the first passing step, re-read *after* the claim,
         so a step that passed before this claim was taken is never started (results written later are after
         the claim: that unit was already running)."""
         if self.step_limit is None:
             return False
-        limit = self.step_limit(self.index.refresh())
+        limit = self.step_limit(self._refresh(set(self.refs) | set(self._dispatches)))
         return limit is not None and unit.step > limit
 
     def _process(self, claim: Claim) -> Result | None:
@@ -341,8 +353,6 @@ class Worker:
         try:
             if claim.generation:
                 self._retried.add(unit)
-            if (self.rundir.results / unit.result_name_at(claim.generation)).exists():
-                return None  # finished by someone else since the listing
             if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
                 self.out(f"step={unit.step} {unit.label} abandoned: stop signal, lease released")
                 return None
@@ -371,7 +381,7 @@ class Worker:
                 attempt=claim.attempt,
                 snapshot=str(self.refs[unit.step].path),
             )
-            first = write_result(self.rundir.results, result, claim.generation)
+            first = write_result(self.rundir.results, result, claim.generation, per_step=self.manifest.per_step_dirs)
             self.written += 1
             if first and self.on_result is not None:
                 self.on_result(result)
@@ -397,29 +407,18 @@ class Worker:
         return not (self.proven or past_deadline)
 
     def _evaluate_interruptibly(self, unit: WorkUnit, ref: SnapshotRef) -> Result | None:
-        """Run the unit in a helper thread so a stop signal can release the lease at once (None then)."""
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["result"] = evaluate_unit(self.evaluator, unit, ref, self.opts.verify)
-            except BaseException as e:  # noqa: BLE001 — carried to the main thread and re-raised there
-                box["error"] = e
-
-        self.unit_thread = threading.Thread(target=target, name=f"ckpteval-unit-{unit.id}", daemon=True)
-        self.unit_thread.start()
+        """Run the unit in the helper thread so a stop signal can release the lease at once (None then)."""
+        job = self.runner.submit(lambda: evaluate_unit(self.evaluator, unit, ref, self.opts.verify, self.verified))
         next_watch = time.monotonic() + self.opts.poll_interval_s
-        while self.unit_thread.is_alive():
-            self.unit_thread.join(WAIT_SLICE_S)
+        while not job.done.wait(WAIT_SLICE_S):
             if self.stop_signal is not None:
                 return None
             if time.monotonic() >= next_watch:
                 self._watch_foreign()
                 next_watch = time.monotonic() + self.opts.poll_interval_s
-        self.unit_thread = None
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     def _watch_foreign(self) -> None:
         """While a unit runs, keep polling the watched (foreign) roots: a trainer that rotates its saves
@@ -432,7 +431,7 @@ class Worker:
     @property
     def busy(self) -> bool:
         """A unit's evaluation is still running (only after an abandoning stop)."""
-        return self.unit_thread is not None and self.unit_thread.is_alive()
+        return self.runner.busy
 
 
 def _unit_line(result: Result, first: bool) -> str:

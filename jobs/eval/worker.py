@@ -1,11 +1,15 @@
 """``ckpteval worker``: the eval worker — fleet member, long-running service, or one pass.
 
-What it owns: the loop that turns snapshots into results. Each poll it discovers complete snapshots
-under every root of ``run.json``'s ``snapshot_roots`` (plus ``--watch`` dirs), lists ``results/`` once,
-and claims the first unfinished unit ``(step, dataset, shard)`` (oldest step first; ``--newest-first``
-reverses; ``--catchup latest`` considers only the newest step). For a claimed unit it verifies the
-snapshot, pins the engine to it, scores the unit, writes the result (first writer wins) and releases
-the lease. Everything it evaluates is configured by ``run.json``; flags only say *how* to run.
+What it owns: the loop that turns snapshots into results. Each poll (at most one per ``--poll-interval``,
+however fast units go: listings are metadata round trips on Lustre) it discovers complete snapshots
+under every root of ``run.json``'s ``snapshot_roots`` (plus ``--watch`` dirs), lists ``results/`` once
+(only the step directories it still waits for), and then claims unfinished units ``(step, dataset,
+shard)`` from that list until it is used up (oldest step first; ``--newest-first`` reverses; ``--catchup
+latest`` considers only the newest step), each checked for a result just before and just after its
+claim. For a claimed unit it verifies the snapshot (once per snapshot and process while its marker is
+unchanged; a failed unit's snapshot again), pins the engine to it, scores the unit, writes the result
+(first writer wins) and releases the lease. Everything it evaluates is configured by ``run.json``;
+flags only say *how* to run.
 
 Promises:
 

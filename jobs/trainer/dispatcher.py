@@ -165,10 +165,8 @@ class EvalDispatcher:
         self.gc: StagingGC | None = None
         if self.config.mode == "staging":
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
-            self.gc = StagingGC(
-                self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
-                run=self.key,
-            )
+            self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
+                                run=self.key, per_step=self.manifest.per_step_dirs)
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
             check_run_code(run, self.manifest, trusted=shared.trust_run_code)
         self._cache = DatasetCache(run, self.manifest) if shared is not None else None
@@ -389,22 +387,21 @@ class EvalDispatcher:
         self.poll(force=True)
 
     # -- ingestion -------------------------------------------------------------------------------------
+    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # per-step run: only these steps' dirs
+        return self.index.refresh(only_steps=steps if self.manifest.per_step_dirs else None)
+
     def _results_for(self, step: int) -> dict[WorkUnit, Result]:
-        found = {}
-        for unit in units_for_step(self.manifest, step):
-            if (result := self.index.get(unit)) is not None:
-                found[unit] = result
-        return found
+        return {u: r for u in units_for_step(self.manifest, step) if (r := self.index.get(u)) is not None}
 
     def _derive(self, step: int) -> Point:
-        self.index.refresh()
+        self._refresh({step})
         return derive_point(self.manifest, step, self._results_for(step))
 
     def _ingest_ready(self, steps: list[int] | None = None) -> None:
         candidates = [s for s in (self.pending if steps is None else steps) if s not in self._exporting]
         if not candidates:
             return
-        self.index.refresh()
+        self._refresh(set(candidates))
         for step in candidates:
             if step not in self.ledger.state.ingested:
                 self._ingest(step)
@@ -438,12 +435,12 @@ class EvalDispatcher:
         if self.config.keep_best < 1:
             return set()
         metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
-        results = self.index.refresh()
+        results = self._refresh(self.ledger.state.retired - set(self._ranked))
         for step in self.ledger.state.retired - set(self._ranked):
             self._ranked[step] = point_value(self.manifest, results, step, metric)
         return top_steps(self._ranked, self.config.keep_best)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
-        self.index.refresh()
+        self._refresh({step})
         self._ingest(step, give_up=True)

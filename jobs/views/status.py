@@ -85,7 +85,8 @@ def _unit_rows(run: RunDir, manifest: RunManifest, steps: list[int], results: di
         for unit in units_for_step(manifest, step):
             result = results.get(unit)
             if result is None:
-                lease = _lease_info(lease_path(run.leases, unit.id), duration, now)
+                lease = _lease_info(lease_path(run.leases, unit.id, unit.step if manifest.per_step_dirs else None),
+                                    duration, now)
                 pending.append({"unit": unit.id, **({"lease": lease} if lease else {})})
             elif result.ok:
                 done += 1

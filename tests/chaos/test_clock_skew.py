@@ -137,7 +137,7 @@ def test_clock_skew_neither_steals_nor_loses_claims(tmp_path: Path, procs: harne
     trainer.close()
     codes = [c for f in fleets for c in f.wait_all(60)]
     logs = "\n".join(f.logs() for f in fleets)
-    attempts = {p.name: p.read_text().count("\n") for p in run.leases.glob("*.attempts")}
+    attempts = {p.name: p.read_text().count("\n") for p in run.leases.rglob("*.attempts")}
     by_host: dict[str, int] = {}
     skewed_stamps = 0
     for r in ResultIndex(run.results).refresh().values():

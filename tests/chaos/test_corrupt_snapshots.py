@@ -99,7 +99,7 @@ def test_corrupt_and_vanishing_snapshots(tmp_path: Path, procs: harness.Procs,
             lambda s=s: next((u for u in harness.lease_holders(run) if u.startswith(f"{s:010d}.")), None),
             60, f"a worker to start scoring step {s}")
         shutil.rmtree(run.snapshots / snapshot_dirname(s))
-        deleted_mid_unit += unit not in {p.stem for p in run.results.glob("*.json")}
+        deleted_mid_unit += unit not in {p.stem for p in run.results.rglob("*.json")}
         trainer.advance(1, dispatch=False)
     trainer.run_until(lambda: len(trainer.dispatcher.pending) <= rounds * 2, step_s=0.05, max_s=120,
                       dispatch=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from coord.results import ResultIndex
+from coord.rundir import unit_dir
 from coord.units import WorkUnit
 from jobs.lifecycle import EXIT_USAGE
 from jobs.views.status import collect_status
@@ -128,8 +129,12 @@ def test_malformed_protocol_files(tmp_path: Path, procs: harness.Procs, request:
         planted[WorkUnit(12, "addition", 0).result_name] = b"\xff\xfe binary junk"
         planted[WorkUnit(14, "addition", 1).result_name] = b'{"unit": {"step": 14, "dataset": "addition", ' \
             b'"shard": 1}, "status": "ok", "scores": [1.0], "weight_versions": []}\n'
+    def planted_at(name: str) -> Path:  # a protocol 2 run: the unit's step directory
+        return unit_dir(results_dir, WorkUnit.from_id(name[:-5]).step, per_step=True) / name
+
     for name, data in planted.items():
-        (results_dir / name).write_bytes(data)
+        planted_at(name).parent.mkdir(exist_ok=True)
+        planted_at(name).write_bytes(data)
     (results_dir / ".tmp-garbage.json").write_bytes(b"{{{{")  # a temp name: ignored
     (results_dir / "duplicates").mkdir()
     (results_dir / "duplicates" / "junk.json").write_bytes(b"junk")  # audit copies: ignored
@@ -144,7 +149,7 @@ def test_malformed_protocol_files(tmp_path: Path, procs: harness.Procs, request:
     inproc.close()
     rcodes = rfleet.wait_all(60)
     tb = harness.tally(inproc.run.path, inproc.dispatched())
-    untouched = all((results_dir / n).read_bytes() == d for n, d in planted.items())
+    untouched = all(planted_at(n).read_bytes() == d for n, d in planted.items())
 
     merged = ta.merged(tb, step_offset=100_000)
     harness.record(

@@ -83,8 +83,8 @@ def test_sigkill_storm_loses_nothing(tmp_path: Path, procs: harness.Procs, reque
 
 
 def _retried_units(run) -> int:
-    return sum(p.read_text().count("\n") > 1 for p in run.leases.glob("*.attempts"))
+    return sum(p.read_text().count("\n") > 1 for p in run.leases.rglob("*.attempts"))
 
 
 def _max_attempts(run) -> int:
-    return max((p.read_text().count("\n") for p in run.leases.glob("*.attempts")), default=0)
+    return max((p.read_text().count("\n") for p in run.leases.rglob("*.attempts")), default=0)

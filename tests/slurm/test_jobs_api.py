@@ -48,7 +48,7 @@ def test_submitit_service_preempted_mid_unit_requeues(
     try:
         unit = wait_until(lambda: unit_in_progress(run), 90, "a unit in progress")
         job._interrupt()  # submitit's preemption signal (scancel --signal USR2): checkpoint + requeue
-        wait_until(lambda: len(list(run.results.glob("*.json"))) == 3, 100, "every unit's result")
+        wait_until(lambda: len(list(run.results.glob("step-*/*.json"))) == 3, 100, "every unit's result")
         records = slurm_cluster.job_records(job.job_id)
     finally:
         job.cancel(check=False)

@@ -36,7 +36,7 @@ def test_array_backfill_once_then_nothing(slurm_cluster, tmp_path: Path) -> None
     results = ResultIndex(run.results).refresh()
     assert len(results) == 12 and all(r.ok for r in results.values())
     assert not list((run.results / "duplicates").glob("*.json"))
-    attempts = [len(p.read_text().splitlines()) for p in run.leases.glob("*.attempts")]
+    attempts = [len(p.read_text().splitlines()) for p in run.leases.rglob("*.attempts")]
     assert attempts == [1] * 12  # each unit claimed once, by one array task
     assert {r.worker["worker_id"] for r in results.values()} <= {f"j{job}_{k}-w0" for k in range(3)}
     written = _written(run)
@@ -45,7 +45,7 @@ def test_array_backfill_once_then_nothing(slurm_cluster, tmp_path: Path) -> None
     with pytest.raises(NothingToDo, match="nothing to do"):
         submit_job(*argv)
     assert _written(run) == written
-    assert [len(p.read_text().splitlines()) for p in run.leases.glob("*.attempts")] == [1] * 12
+    assert [len(p.read_text().splitlines()) for p in run.leases.rglob("*.attempts")] == [1] * 12
 
 
 def _slurm_executor(slurm_cluster, folder: Path) -> submitit.AutoExecutor:

@@ -74,9 +74,9 @@ def finished_run(tmp: Path, steps: tuple[int, ...], *, n_prompts: int = 8, shard
 
 def unit_in_progress(run: RunDir) -> str | None:
     """A unit whose lease is held and which has no result yet (someone is evaluating it now)."""
-    for lock in run.leases.glob("*.lock"):
+    for lock in run.leases.rglob("*.lock"):
         unit = lock.name[: -len(".lock")]
-        if not (run.results / f"{unit}.json").exists() and lock.exists():
+        if next(run.results.rglob(f"{unit}.json"), None) is None and lock.exists():
             return unit
     return None
 

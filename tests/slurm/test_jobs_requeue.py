@@ -43,7 +43,7 @@ def test_scontrol_requeue_mid_unit(slurm_cluster, tmp_path: Path) -> None:
         slurm_cluster.run("scontrol", "requeue", job)
         wait_until(lambda: _restarted(slurm_cluster, job, run), 60, "the requeued job to start again")
         print(f"\n[service] scontrol requeue -> script running again: {time.time() - t0:.1f}s")
-        wait_until(lambda: len(list(run.results.glob("*.json"))) == 4, 90, "every unit's result")
+        wait_until(lambda: len(list(run.results.glob("step-*/*.json"))) == 4, 90, "every unit's result")
     finally:
         slurm_cluster.cancel(job)
     log = job_log(run)

@@ -103,7 +103,7 @@ def test_trainer_death_ends_the_fleet(slurm_cluster, tmp_path: Path) -> None:
     assert re.search(rf"worker j{job.job_id}-w0 stopped \(exit 3\)", log), log[-3000:]
     assert re.search(rf"worker j{job.job_id}-w1 stopped \(exit 3\)", log), log[-3000:]
     assert not pids_of("jobs.cli", " worker ", str(run))
-    assert not list((run / "leases").glob("*.lock"))
+    assert not list((run / "leases").rglob("*.lock"))
     assert not (run / "TRAINING_DONE").exists()
 
 

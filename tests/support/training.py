@@ -87,7 +87,8 @@ def fill_results(run: RunDir, step: int, score: float = 1.0, version: str | None
     manifest = manifest or run.manifest()
     for unit in units_for_step(manifest, step):
         n = len(shard_range(manifest, unit))
-        write_result(run.results, ok_result(unit, [score] * n, [version or str(step)] * n))
+        write_result(run.results, ok_result(unit, [score] * n, [version or str(step)] * n),
+                     per_step=run.manifest().per_step_dirs)
 
 
 class InstantFleet(threading.Thread):
@@ -137,7 +138,7 @@ def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeou
     manifest = run.manifest()
     discoveries = [SnapshotDiscovery(Path(root)) for root in manifest.snapshot_roots]
     index = ResultIndex(run.results)
-    claimer = UnitClaimer(run.leases, manifest.lease)
+    claimer = UnitClaimer(run.leases, manifest.lease, results_dir=run.results, per_step=manifest.per_step_dirs)
     cache = DatasetCache(run, manifest)
     engine = HFEngine(device="cpu")
     written = 0
@@ -160,7 +161,7 @@ def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeou
             time.sleep(delay_s)
             write_result(run.results, ok_result(claim.unit, scores.scores, scores.weight_versions, scores.answers,
                                                 snapshot=str(ref.path), lease_token=claim.token,
-                                                attempt=claim.attempt))
+                                                attempt=claim.attempt), per_step=manifest.per_step_dirs)
             written += 1
         finally:
             claim.release()

@@ -23,7 +23,7 @@ from coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from coord.results import Result, ResultIndex
 from coord.rundir import RunDir
 from coord.snapshot import publish_snapshot
-from coord.units import attempts_path, lease_holders
+from coord.units import WorkUnit, attempts_path, lease_holders
 from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
 from tests.support.runs import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
@@ -127,7 +127,8 @@ def lease_holder_pid(run: RunDir) -> dict[str, int]:
 def counted_claimers(run: RunDir, unit_id: str) -> list[int]:
     """The pids whose claims of ``unit_id`` were counted (``<unit>.attempts``), in claim order."""
     try:
-        return [int(line) for line in attempts_path(run.leases, unit_id).read_text().split()]
+        step = WorkUnit.from_id(unit_id).step if run.manifest().per_step_dirs else None
+        return [int(line) for line in attempts_path(run.leases, unit_id, step).read_text().split()]
     except FileNotFoundError:
         return []
 

@@ -1,0 +1,134 @@
+"""Issue 20: results and leases in one directory per step (protocol 2), protocol 1 run dirs still read and
+written flat, and the per-unit savings that must not weaken a guarantee (verification once per snapshot,
+one unit thread per worker).
+
+Real workers (in this process) with the real fn backend ``tests.support.workers:SumBackend`` on real
+safetensors snapshots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from coord.manifest import load_manifest, parse_manifest
+from coord.results import ResultIndex, ok_result, write_result
+from coord.rundir import RunDir, step_dir_name
+from coord.snapshot import SnapshotCorrupt, VerifiedSnapshots, publish_snapshot, read_marker
+from coord.units import WorkUnit, lease_holders
+from jobs.eval.backfill import main as backfill_main
+from jobs.eval.options import WorkerOptions
+from jobs.eval.runner import UnitRunner
+from jobs.lifecycle import EXIT_DONE
+from jobs.views.status import collect_status
+from tests.support.runs import write_tiny_shards
+from tests.support.workers import counted_claimers, make_eval_run, results, run_inprocess
+
+FN = "fn:tests.support.workers:SumBackend"
+
+
+def _snapshot(run: RunDir, step: int) -> Path:
+    return publish_snapshot(run.snapshots, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8, seed=step))
+
+
+def _work(run: RunDir) -> int:
+    code, _ = run_inprocess(WorkerOptions(run_dir=run.path, engines=(FN,), once=True, poll_interval_s=0.1),
+                            out=lambda _line: None)
+    return code
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_a_new_run_keeps_each_steps_results_and_leases_in_its_own_directory(tmp_path: Path) -> None:
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=2)
+    assert load_manifest(run.manifest_path).protocol == 2 and run.manifest().per_step_dirs
+    for step in (1, 2):
+        _snapshot(run, step)
+    assert _work(run) == EXIT_DONE
+    units = [WorkUnit(s, "addition", i) for s in (1, 2) for i in (0, 1)]
+    assert sorted(results(run)) == units
+    assert _files(run.results) == [f"{step_dir_name(u.step)}/{u.id}.json" for u in units]
+    assert _files(run.leases) == [f"{step_dir_name(u.step)}/{u.id}.attempts" for u in units]  # locks released
+    assert counted_claimers(run, units[0].id) and lease_holders(run.leases) == {}
+
+
+def test_a_protocol_1_run_dir_keeps_working_flat(tmp_path: Path) -> None:
+    """An old run (``"protocol": 1``, results written flat by the old code) is read as it is, its missing units
+    are written flat next to the old ones (never in a step dir nobody of the old layout reads), status shows
+    it, and a second backfill finds nothing to do."""
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=2)
+    old = dataclasses.replace(run.manifest(), protocol=1)
+    run.manifest_path.write_text(json.dumps(old.to_json()))
+    assert not run.manifest().per_step_dirs
+    for step in (1, 2):
+        _snapshot(run, step)
+    done = WorkUnit(1, "addition", 0)
+    write_result(run.results, ok_result(done, [0.5, 0.5], ["1", "1"]))  # what protocol 1 code wrote
+    assert (run.results / done.result_name).is_file()
+    assert _work(run) == EXIT_DONE
+    got = results(run)
+    assert len(got) == 4 and got[done].scores == (0.5, 0.5)  # the old result is the unit's result
+    assert _files(run.results) == sorted(u.result_name for u in got)  # all flat, no step-* dir
+    assert _files(run.leases) == sorted(f"{u.id}.attempts" for u in got if u != done)
+    assert collect_status(run.path)["units"]["done"] == 4
+    assert backfill_main(["--run-dir", str(run.path), "--engine", FN, "--poll-interval", "0.1"]) == EXIT_DONE
+    assert _files(run.results) == sorted(u.result_name for u in got)
+
+
+def test_a_run_json_of_an_unknown_protocol_is_refused_naming_the_field(tmp_path: Path) -> None:
+    run = make_eval_run(tmp_path)
+    obj = {**run.manifest().to_json(), "protocol": 3}
+    with pytest.raises(ValueError, match=r"run.json.*protocol.*is 3; this ckpteval speaks protocols 1, 2"):
+        parse_manifest(obj, run.manifest_path)
+
+
+def test_result_index_reads_both_layouts_and_lists_only_the_steps_it_waits_for(tmp_path: Path) -> None:
+    flat, per_step = WorkUnit(1, "ds", 0), WorkUnit(2, "ds", 0)
+    write_result(tmp_path, ok_result(flat, [1.0], ["1"]))
+    write_result(tmp_path, ok_result(per_step, [1.0], ["2"]), per_step=True)
+    assert not write_result(tmp_path, ok_result(per_step, [0.0], ["2"]), per_step=True)  # first writer won
+    index = ResultIndex(tmp_path)
+    assert set(index.refresh()) == {flat, per_step} and index.get(per_step).scores == (1.0,)
+    later = WorkUnit(2, "ds", 1)
+    write_result(tmp_path, ok_result(later, [1.0], ["2"]), per_step=True)
+    assert later not in index.refresh(skip_steps={2})  # a settled step's directory is not listed again
+    assert later in index.refresh()
+    assert set(ResultIndex(tmp_path).refresh(only_steps={2})) == {per_step, later}  # results/ itself not listed
+
+
+def test_verification_is_remembered_per_marker_and_failures_never(tmp_path: Path) -> None:
+    root = tmp_path / "snaps"
+    snap = publish_snapshot(root, 1, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    verified = VerifiedSnapshots()
+    assert verified.verify(snap, "fast").step == 1
+    weights = next(snap.glob("*.safetensors"))
+    with open(weights, "r+b") as f:
+        f.truncate(10)
+    assert verified.verify(snap, "fast").step == 1  # the documented limit: same marker, not checked again
+    marker = read_marker(snap)
+    (snap / ".complete").unlink()
+    (snap / ".complete").write_text(json.dumps(marker.to_json()))  # re-marked: a new marker file
+    for _ in range(2):  # checked again, and a failure is not remembered
+        with pytest.raises(SnapshotCorrupt):
+            verified.verify(snap, "fast")
+
+
+def test_unit_runner_uses_one_thread_and_never_queues_behind_an_abandoned_unit() -> None:
+    runner, names = UnitRunner(), []
+    for i in range(3):
+        job = runner.submit(lambda i=i: names.append(threading.current_thread().ident) or i)
+        assert job.done.wait(10) and job.result == i
+    assert len(set(names)) == 1  # one thread for every unit
+    release = threading.Event()
+    stuck = runner.submit(lambda: release.wait(30))  # abandoned after a stop signal
+    assert runner.busy
+    job = runner.submit(lambda: "next")
+    assert job.done.wait(10) and job.result == "next" and not stuck.done.is_set()
+    release.set()
+    assert stuck.done.wait(10)
