@@ -10,7 +10,7 @@ ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	# bubblewrap: the code scorer's sandbox (jobs/eval/sandbox.py).
 	command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -50,7 +50,9 @@ ckpteval_init() {
         if ((CKPTEVAL_GPUS_PER_WORKER > 0)); then CKPTEVAL_DEVICE=cuda; else CKPTEVAL_DEVICE=cpu; fi
     fi
     # shellcheck disable=SC2034 # used by the scripts that source this file
-    CKPTEVAL_CLI=("$CKPTEVAL_PYTHON" -m jobs.cli)
+    # -P: never import from the working directory (SLURM's default: the submit dir, where a user's own
+    # jobs/ or coord/ package may be); ckpteval comes from CKPTEVAL_PYTHON's installation only
+    CKPTEVAL_CLI=("$CKPTEVAL_PYTHON" -P -m ckpteval.jobs.cli)
     CKPTEVAL_STOP=""        # "" | requeue | term | failed
     CKPTEVAL_STOP_DEADLINE=0
     CKPTEVAL_FAIL_RC=0

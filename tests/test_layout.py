@@ -17,16 +17,16 @@ ROOMS = ("trainer", "eval", "launch", "views", "decide", "reference")
 
 # room -> the rooms it may import (coord at the bottom; reference and cli, the composers, at the top)
 ALLOWED = {
-    "coord": set(),
+    "ckpteval.coord": set(),
     "jobs.lifecycle": set(),
     "jobs.flags": set(),  # the one option mechanism every program's parser uses
-    "jobs.metrics": {"coord"},
-    "jobs.ingest": {"coord", "jobs.metrics"},
-    "jobs.views": {"coord", "jobs.metrics", "jobs.flags"},
-    "jobs.decide": {"coord", "jobs.metrics", "jobs.flags"},  # decisions from points: read-only, like views
-    "jobs.launch": {"coord", "jobs.lifecycle", "jobs.views", "jobs.flags"},
-    "jobs.eval": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.flags"},
-    "jobs.trainer": {"coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.eval", "jobs.flags"},
+    "jobs.metrics": {"ckpteval.coord"},
+    "jobs.ingest": {"ckpteval.coord", "jobs.metrics"},
+    "jobs.views": {"ckpteval.coord", "jobs.metrics", "jobs.flags"},
+    "jobs.decide": {"ckpteval.coord", "jobs.metrics", "jobs.flags"},  # decisions from points: read-only, like views
+    "jobs.launch": {"ckpteval.coord", "jobs.lifecycle", "jobs.views", "jobs.flags"},
+    "jobs.eval": {"ckpteval.coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.flags"},
+    "jobs.trainer": {"ckpteval.coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.eval", "jobs.flags"},
 }
 # single module-level exceptions, each with its reason
 EXCEPTIONS = {
@@ -41,12 +41,17 @@ EXCEPTIONS = {
 
 
 def room_of(module: str) -> str | None:
-    parts = module.split(".")
+    parts = module.removeprefix("ckpteval.").split(".")
     if parts[0] == "coord":
-        return "coord"
+        return "ckpteval.coord"
     if parts[0] != "jobs" or len(parts) == 1:
         return None
-    return f"jobs.{parts[1]}"
+    return f"ckpteval.jobs.{parts[1]}"
+
+
+def module_of(path: Path) -> str:
+    """``jobs/eval/worker.py`` -> ``ckpteval.jobs.eval.worker`` (the folders install under ckpteval, setup.py)."""
+    return "ckpteval." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
 def imports(path: Path) -> set[str]:
@@ -62,7 +67,7 @@ def imports(path: Path) -> set[str]:
 def test_imports_point_one_way_between_rooms() -> None:
     bad = []
     for path in sorted([*ROOT.glob("coord/**/*.py"), *ROOT.glob("jobs/**/*.py")]):
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        module = module_of(path)
         room = room_of(module)
         if room not in ALLOWED:
             continue  # jobs.reference and jobs.cli compose everything
@@ -78,7 +83,7 @@ def test_imports_point_one_way_between_rooms() -> None:
 @pytest.mark.parametrize("package", ["jobs.views", "jobs.launch", "jobs.decide"])
 def test_views_and_launchers_import_no_torch(package: str) -> None:
     """Checked in a fresh interpreter: ``sys.modules`` after importing every module of the room."""
-    modules = [f"{package}.{p.stem}" for p in sorted((ROOT / package.replace(".", "/")).glob("*.py"))]
+    modules = [module_of(p) for p in sorted((ROOT / package.removeprefix("ckpteval.").replace(".", "/")).glob("*.py"))]
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "print(sorted(k for k in ('torch', 'transformers', 'safetensors.torch') if k in sys.modules))")

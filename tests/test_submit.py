@@ -349,9 +349,12 @@ FAKE_SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$FAKE_LOG"
 """
 
-# The programs: `-m jobs.launch.slurm_env` is the real one; `-m jobs.cli worker|backfill|train` behave by env.
+# The programs: `-P -m ckpteval.jobs.launch.slurm_env` is the real one; `-P -m ckpteval.jobs.cli worker|backfill|train`
+# behave by env. Every call must carry -P (never import from the submit dir): one without it fails the job.
 FAKE_PYTHON = r"""#!/bin/bash
-if [[ $2 == jobs.launch.slurm_env ]]; then exec "$REAL_PYTHON" "$@"; fi
+if [[ $1 != -P ]]; then echo "python without -P: $*" >> "$FAKE_LOG"; exit 97; fi
+shift
+if [[ $2 == ckpteval.jobs.launch.slurm_env ]]; then exec "$REAL_PYTHON" -P "$@"; fi
 sub=$3
 shift 3
 echo "$sub argv: $*" >> "$FAKE_LOG"

@@ -65,6 +65,10 @@ def test_installed_wheel_imports_itself_and_ships_the_batch_scripts(installed: P
     module, scripts = (Path(line) for line in out.split())
     assert module.is_relative_to(installed.parent) and scripts.is_relative_to(installed.parent), out
     assert {p.name for p in scripts.iterdir()} == {p.name for p in (ROOT / "sbatch").iterdir()}
+    # one import root (#22): ckpteval.jobs and ckpteval.coord, no top-level package another project could own
+    roots = _run([str(installed / "python"), "-c", "import importlib.util as u; print([u.find_spec(m) is None for m in "
+                  "('jobs', 'coord', 'ckpteval.coord.atomic')])"], tmp_path, 60, _outside_env())
+    assert roots.strip() == "[True, True, False]", roots
 
 
 def test_installed_wheel_submit_dry_run_from_outside_the_checkout(installed: Path, tmp_path: Path) -> None:

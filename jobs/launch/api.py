@@ -90,7 +90,8 @@ class WorkerTask(Checkpointable):
         argv = list(self.argv)
         if "--worker-id" not in argv:
             argv += ["--worker-id", _worker_id(task_index)]
-        return [self.python or sys.executable, "-m", "jobs.cli", self.command, *argv]
+        # -P: the job's working directory (the submit dir, maybe with its own jobs/ package) is not imported from
+        return [self.python or sys.executable, "-P", "-m", "ckpteval.jobs.cli", self.command, *argv]
 
     def __call__(self, task_index: int | None = None) -> dict[str, Any]:
         cmd = self.command_line(task_index)

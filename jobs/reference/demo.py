@@ -145,7 +145,9 @@ def _console() -> Any:
 
 
 def _python() -> list[str]:
-    return [sys.executable, "-m", "jobs.cli"]
+    """The children: this interpreter, ``-P`` so the user's working directory (maybe with its own ``jobs/``)
+    is never on their import path."""
+    return [sys.executable, "-P", "-m", "ckpteval.jobs.cli"]
 
 
 def staging_dir(cfg: DemoConfig, run_dir: Path) -> Path:
