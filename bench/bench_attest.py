@@ -1,18 +1,18 @@
 """Attestation seconds vs the load they follow (#19), same run.
 
 Two snapshots of a reference-architecture model (Llama; ``--hidden``/``--layers``, ``--dtype``) are
-exported with :func:`jobs.trainer.export.hf_files.write_hf_files` and published (markers with
+exported with :func:`ckpteval.jobs.trainer.export.hf_files.write_hf_files` and published (markers with
 per-tensor digests) under ``--dir`` (default /dev/shm). Then, best of ``--repeats`` each:
 
 * ``first load (from_pretrained)``: a fresh :class:`HFEngine` builds the model from snapshot A;
 * ``reload in place``: the engine loads B, then A, as new versions (what a fleet worker does per step);
-* ``attest (tensor digests, xxh3)``: :func:`jobs.eval.attest.attest` of the engine against the marker —
+* ``attest (tensor digests, xxh3)``: :func:`ckpteval.jobs.eval.attest.attest` of the engine against the marker —
   every tensor cast to the snapshot dtype and XXH3-64'd, compared with the marker (what the worker adds
   after each load);
 * ``attest (tensor digests, crc32)``: the same against the marker without its ``xxh3`` entries (a marker
   written before them: the engine digests with CRC-32, what every attestation cost before);
 * ``stand-in /weights_checker checksum``: the sglang-style per-tensor SHA-256 the stand-in server
-  computes (:meth:`jobs.reference.serve_engine.EngineService.check_weights`, no HTTP), for scale.
+  computes (:meth:`ckpteval.jobs.reference.serve_engine.EngineService.check_weights`, no HTTP), for scale.
 
 Printed: seconds (best of ``--repeats``; reload and the two attestations interleaved round by round,
 their medians too) and the ratio of each attestation to the in-place reload (goal: under 0.10).
@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from coord.rundir import RunDir
-from coord.snapshot import Marker, publish_snapshot, read_marker
-from jobs.eval.attest import attest
-from jobs.eval.engines.hf import HFEngine
-from jobs.reference.model import ModelConfig, build_model, save_base_model_dir
-from jobs.reference.serve_engine import EngineService
-from jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import Marker, publish_snapshot, read_marker
+from ckpteval.jobs.eval.attest import attest
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.reference.model import ModelConfig, build_model, save_base_model_dir
+from ckpteval.jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

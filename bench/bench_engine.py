@@ -2,7 +2,7 @@
 the cost of per-sample seeds: a sampled batch with one seed per prompt vs the same batch with one
 seed for the call (today's batched sampling).
 
-All are measured in the same run, on the reference model (``jobs.reference.model`` defaults: 2-layer Llama,
+All are measured in the same run, on the reference model (``ckpteval.jobs.reference.model`` defaults: 2-layer Llama,
 hidden 128) saved as a snapshot; batching with greedy decoding (so both modes generate the same
 tokens), seeds at temperature 1 on the untrained model (which rarely emits eos, so both modes run
 about the same number of decoding steps; tokens/s is what is compared).
@@ -23,9 +23,14 @@ from pathlib import Path
 
 import torch
 
-from jobs.eval.engines.base import SamplingParams
-from jobs.eval.engines.hf import HFEngine
-from jobs.reference.model import ModelConfig, build_model, make_addition_examples, save_base_model_dir
+from ckpteval.jobs.eval.engines.base import SamplingParams
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.reference.model import (
+    ModelConfig,
+    build_model,
+    make_addition_examples,
+    save_base_model_dir,
+)
 
 
 def timed(fn: Callable[[], int]) -> tuple[float, int]:

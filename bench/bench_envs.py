@@ -34,16 +34,16 @@ from typing import Any
 
 import httpx
 
-from coord.manifest import EnvSpec, EvalSpec, RunManifest
-from coord.rundir import RunDir
-from coord.units import WorkUnit
-from jobs.eval.engines.base import Generation, SamplingParams
-from jobs.eval.envs import Tool
-from jobs.eval.envs.examples import CALCULATOR, ArithmeticEnv, arithmetic_rows
-from jobs.eval.envs.runner import Episode, render_transcript, run_unit
-from jobs.eval.evalsets import write_jsonl
-from jobs.eval.sandbox import probe_bwrap
-from jobs.eval.scoring import DatasetCache
+from ckpteval.coord.manifest import EnvSpec, EvalSpec, RunManifest
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import Generation, SamplingParams
+from ckpteval.jobs.eval.envs import Tool
+from ckpteval.jobs.eval.envs.examples import CALCULATOR, ArithmeticEnv, arithmetic_rows
+from ckpteval.jobs.eval.envs.runner import Episode, render_transcript, run_unit
+from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.eval.sandbox import probe_bwrap
+from ckpteval.jobs.eval.scoring import DatasetCache
 
 EXPR = re.compile(r"What is (.+?)\? You may")
 
@@ -138,8 +138,13 @@ def env_cache(tmp: Path, name: str, rows: list[dict[str, Any]], **kw: Any) -> tu
 
 
 def overhead(tmp: Path, episodes: int, turns: int, tokens: int) -> dict[str, float]:
-    from jobs.eval.engines.hf import HFEngine
-    from jobs.reference.model import ModelConfig, build_model, make_addition_examples, save_base_model_dir
+    from ckpteval.jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.reference.model import (
+        ModelConfig,
+        build_model,
+        make_addition_examples,
+        save_base_model_dir,
+    )
 
     model = tmp / "model"
     save_base_model_dir(model, ModelConfig(), "llama", model=build_model(seed=0))

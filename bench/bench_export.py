@@ -6,7 +6,7 @@ often, all in the same run, and prints the best GB/s of each and their ratio. Al
 exporter was chosen over are timed too: ``safetensors.torch.save`` to bytes followed by a chunked
 write + crc32, and ``save_file`` followed by a re-read for the crc32.
 
-Then the trainer's view: an :class:`~jobs.trainer.export.async_export.AsyncExporter` exports the same state
+Then the trainer's view: an :class:`~ckpteval.jobs.trainer.export.async_export.AsyncExporter` exports the same state
 dict ``--reps`` times into ``--root``; per export it reports what the caller was blocked for (free-space
 check + host copy: ``eval/export_blocked_seconds``) against the whole export up to the published
 marker (``eval/export_time_seconds``).
@@ -38,9 +38,14 @@ from pathlib import Path
 import safetensors.torch as st
 import torch
 
-from jobs.trainer.export.async_export import AsyncExporter
-from jobs.trainer.export.hf_files import write_hf_files
-from jobs.trainer.export.safetensors_io import CHUNK_BYTES, _tagged_chunks, write_chunks, write_safetensors
+from ckpteval.jobs.trainer.export.async_export import AsyncExporter
+from ckpteval.jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.jobs.trainer.export.safetensors_io import (
+    CHUNK_BYTES,
+    _tagged_chunks,
+    write_chunks,
+    write_safetensors,
+)
 
 HIDDEN = 4096
 EXPORTER = "write_hf_files (zero-copy write + threaded crc32)"

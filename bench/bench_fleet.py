@@ -52,10 +52,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jobs.eval.engines.fn import CheckpointEvalFn  # noqa: E402
+from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn  # noqa: E402
 
 BACKEND = "fn:bench.bench_fleet:SleepBackend"
-DROPPED = re.compile(r"\] (abandoned: [^,(]+|released after attempt \d+: \w+)")  # jobs.eval.loop's unit lines
+DROPPED = re.compile(r"\] (abandoned: [^,(]+|released after attempt \d+: \w+)")  # ckpteval.jobs.eval.loop's unit lines
 
 
 class SleepBackend(CheckpointEvalFn):
@@ -76,8 +76,8 @@ class SleepBackend(CheckpointEvalFn):
 def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
     """``ckpteval worker ARGV`` with every ``try_claim`` counted (module docstring); the counts go to
     ``counts_path`` as JSON when the worker returns."""
-    from coord.units import UnitClaimer
-    from jobs.cli import main
+    from ckpteval.coord.units import UnitClaimer
+    from ckpteval.jobs.cli import main
 
     counts: Counter[str] = Counter()
     real = UnitClaimer.try_claim
@@ -100,10 +100,10 @@ def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
 # -- the run ------------------------------------------------------------------------------------------------
 def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float, lease_s: float) -> Any:
     from bench.bench_scale import write_weights
-    from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-    from coord.rundir import RunDir
-    from coord.snapshot import publish_snapshot
-    from jobs.eval.evalsets import write_jsonl
+    from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.rundir import RunDir
+    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.jobs.eval.evalsets import write_jsonl
 
     run = RunDir.create(path)
     specs = []
@@ -173,8 +173,8 @@ def supervise(procs: list[subprocess.Popen], bound_s: float, t0: float) -> dict[
 
 def twice(run: Any) -> dict[str, Any]:
     """Units evaluated more than once, by cause (module docstring)."""
-    from coord.atomic import read_json_object
-    from coord.results import ResultIndex, parse_result
+    from ckpteval.coord.atomic import read_json_object
+    from ckpteval.coord.results import ResultIndex, parse_result
 
     results = ResultIndex(run.results).refresh()
     dup_dir = run.results / "duplicates"
@@ -196,7 +196,7 @@ def twice(run: Any) -> dict[str, Any]:
 
 
 def fleet(run: Any, n: int, args: argparse.Namespace, tmp: Path, extra: list[str] | None = None) -> dict[str, Any]:
-    from coord.results import ResultIndex
+    from ckpteval.coord.results import ResultIndex
 
     counts_dir = tmp / f"counts-{n}-{len(extra or [])}"
     counts_dir.mkdir()

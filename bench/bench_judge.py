@@ -2,7 +2,7 @@
 
 Starts the judge stand-in (``ckpteval serve --judge MODE``, a real HTTP server process; ``--judge-delay``
 stands in for an LLM's latency with mode ``slow``), then scores the same N distinct (question, response)
-samples through :class:`jobs.eval.scorers.judge.JudgeScorer` twice in one run dir:
+samples through :class:`ckpteval.jobs.eval.scorers.judge.JudgeScorer` twice in one run dir:
 
 - cold: an empty ``RUN/judge_cache/`` — every sample is a judge request (plus a cache write);
 - warm: the same samples again — every sample is a cache read, the judge is not called.
@@ -37,15 +37,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coord.manifest import DatasetSpec  # noqa: E402
-from coord.rundir import RunDir  # noqa: E402
-from jobs.eval.scorers import Sample, ScorerContext  # noqa: E402
-from jobs.eval.scorers.judge import JudgeScorer  # noqa: E402
+from ckpteval.coord.manifest import DatasetSpec  # noqa: E402
+from ckpteval.coord.rundir import RunDir  # noqa: E402
+from ckpteval.jobs.eval.scorers import Sample, ScorerContext  # noqa: E402
+from ckpteval.jobs.eval.scorers.judge import JudgeScorer  # noqa: E402
 
 
 def start_judge(delay_s: float) -> tuple[str, subprocess.Popen[str]]:
     mode = "slow" if delay_s > 0 else "exact"
-    cmd = [sys.executable, "-m", "jobs.cli", "serve", "--judge", mode, "--judge-delay", str(delay_s), "--port", "0"]
+    cmd = [sys.executable, "-m", "ckpteval.jobs.cli", "serve", "--judge", mode, "--judge-delay", str(delay_s), "--port", "0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -74,8 +74,8 @@ def trainer_stall(url: str, steps: int, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_stall import Config, run_one
 
-    from jobs.eval.evalsets import write_jsonl
-    from jobs.reference.model import make_addition_examples
+    from ckpteval.jobs.eval.evalsets import write_jsonl
+    from ckpteval.jobs.reference.model import make_addition_examples
 
     write_jsonl(tmp / "qa.jsonl", make_addition_examples(32, 1234))
     (tmp / "judged.json").write_text(json.dumps({"eval": {"datasets": [

@@ -12,7 +12,7 @@ round trip to the metadata server, shared by every user of the filesystem. This 
    the venv are not) by kind and by area
    (``results/``, ``leases/``, snapshots, the rest of the run dir), plus every syscall (``getpid``, thread
    starts, ...) and the process's CPU ms per unit (measured again without strace).
-2. **protocol**: claim + result + release alone (:class:`coord.units.UnitClaimer`, :func:`coord.results.
+2. **protocol**: claim + result + release alone (:class:`ckpteval.coord.units.UnitClaimer`, :func:`ckpteval.coord.results.
    write_result`, per-step directories as in a new run), one process, under strace; baseline: publishing the
    result alone (temp + fsync + link + dir fsync, the irreducible torn-write-safe, first-writer-wins
    publication), measured in the same run.
@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jobs.eval.engines.fn import CheckpointEvalFn  # noqa: E402
+from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn  # noqa: E402
 
 
 class NullBackend(CheckpointEvalFn):
@@ -97,10 +97,10 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from coord.manifest import EvalSpec, LeaseSettings, RunManifest
-    from coord.rundir import RunDir
-    from coord.snapshot import publish_snapshot
-    from jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.rundir import RunDir
+    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.jobs.eval.evalsets import write_addition_dataset
 
     run = RunDir.create(base / "run")
     spec = write_addition_dataset(run, n=shards, shard_size=1)
@@ -121,7 +121,7 @@ def backfill(base: Path, steps: int, shards: int, traced: bool) -> dict[str, Any
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     run = make_run(base, steps, shards)
-    cmd = [sys.executable, "-m", "jobs.cli", "backfill", "--run-dir", str(run),
+    cmd = [sys.executable, "-m", "ckpteval.jobs.cli", "backfill", "--run-dir", str(run),
            "--engine", "fn:bench.bench_metadata:NullBackend"]
     trace = base.parent / f"trace-{shards}.txt"
     if traced:
@@ -153,9 +153,9 @@ def marginal(small: dict[str, Any], large: dict[str, Any], key: str) -> dict[str
 PROTOCOL = """
 import os, sys, time
 from pathlib import Path
-from coord.manifest import LeaseSettings
-from coord.results import ok_result, write_result
-from coord.units import UnitClaimer, WorkUnit
+from ckpteval.coord.manifest import LeaseSettings
+from ckpteval.coord.results import ok_result, write_result
+from ckpteval.coord.units import UnitClaimer, WorkUnit
 base, n, leased = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 (base / "leases").mkdir(parents=True)
 (base / "results").mkdir()

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.engines.hf_weights import complete_tied, read_state_dict, weight_files
-from jobs.reference.model import ModelConfig, build_model, save_base_model_dir
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf_weights import complete_tied, read_state_dict, weight_files
+from ckpteval.jobs.reference.model import ModelConfig, build_model, save_base_model_dir
 
 CHUNK = 16 << 20
 

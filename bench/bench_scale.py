@@ -2,18 +2,18 @@
 
 Builds a synthetic run of ``--points`` points (steps 100, 200, ...: a 100k-step run evaluated every 100 steps
 at the default 1,000) × ``--datasets`` eval sets × ``--shards`` shards, no model: every unit's result is
-written by the project's own writer (:func:`coord.results.write_result`, in ``--procs`` processes), and every
+written by the project's own writer (:func:`ckpteval.coord.results.write_result`, in ``--procs`` processes), and every
 point but the last ``--pending`` is dispatched and ingested through the trainer's own path (ledger
-``dispatched``, :func:`jobs.ingest.ingest_point` → ``metrics.jsonl`` + ledger ``ingested``, ``retired``). The
+``dispatched``, :func:`ckpteval.jobs.ingest.ingest_point` → ``metrics.jsonl`` + ledger ``ingested``, ``retired``). The
 last ``--pending`` points are dispatched (snapshot published) and complete but not yet ingested: what a
 restarted trainer finds. Then, on it and on a baseline run of ``--baseline-points`` points of the same shape
 built the same way, in the same run:
 
-1. the trainer's ingestion poll (:meth:`jobs.trainer.dispatcher.EvalDispatcher.poll`): *resume* (a fresh
+1. the trainer's ingestion poll (:meth:`ckpteval.jobs.trainer.dispatcher.EvalDispatcher.poll`): *resume* (a fresh
    dispatcher: ledger replay, first read of every result, the pending points ingested); *steady* (one more
    point's results landed since the previous poll; it is ingested); *idle* (nothing pending); *waiting*
    (one point pending, its results not there yet);
-2. a worker's idle poll (:meth:`jobs.eval.loop.Worker.poll`: discovery + results, every unit done);
+2. a worker's idle poll (:meth:`ckpteval.jobs.eval.loop.Worker.poll`: discovery + results, every unit done);
 3. ``ckpteval status RUN`` (tables, to /dev/null) and ``ckpteval plot RUN -o curve.png`` as a user runs them
    (fresh processes, interpreter start-up included) — goal < 2 s each, as for the steady ingestion poll;
 4. the syscalls of one idle poll — trainer idle (nothing pending), trainer waiting (one point pending, no
@@ -48,14 +48,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coord.ledger import Ledger  # noqa: E402
-from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
-from coord.results import Result, ok_result, write_result  # noqa: E402
-from coord.rundir import RunDir  # noqa: E402
-from coord.snapshot import publish_snapshot  # noqa: E402
-from coord.units import units_for_step  # noqa: E402
-from jobs.ingest import ingest_point  # noqa: E402
-from jobs.metrics import MetricsSink  # noqa: E402
+from ckpteval.coord.ledger import Ledger  # noqa: E402
+from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
+from ckpteval.coord.results import Result, ok_result, write_result  # noqa: E402
+from ckpteval.coord.rundir import RunDir  # noqa: E402
+from ckpteval.coord.snapshot import publish_snapshot  # noqa: E402
+from ckpteval.coord.units import units_for_step  # noqa: E402
+from ckpteval.jobs.ingest import ingest_point  # noqa: E402
+from ckpteval.jobs.metrics import MetricsSink  # noqa: E402
 
 INTERVAL = 100  # steps between points
 SHARD_SIZE = 4  # prompts per unit (one sample each): results stay small, like a short eval set's
@@ -152,8 +152,8 @@ def build_run(path: Path, points: int, datasets: int, shards: int, pending: int,
 
 # -- the measured operations ------------------------------------------------------------------------------
 def dispatcher(run: RunDir) -> Any:
-    from jobs.trainer.config import DispatchConfig
-    from jobs.trainer.dispatcher import EvalDispatcher
+    from ckpteval.jobs.trainer.config import DispatchConfig
+    from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
     config = DispatchConfig(eval_interval=INTERVAL, staging_dir=run.snapshots, max_in_flight=1_000_000,
                             keep_snapshots=1_000_000)
@@ -161,8 +161,8 @@ def dispatcher(run: RunDir) -> Any:
 
 
 def worker(run: RunDir) -> Any:
-    from jobs.eval.loop import Worker
-    from jobs.eval.options import WorkerOptions
+    from ckpteval.jobs.eval.loop import Worker
+    from ckpteval.jobs.eval.options import WorkerOptions
 
     return Worker(run, WorkerOptions(run_dir=run.path), evaluator=None)  # type: ignore[arg-type]  # poll only
 
@@ -201,7 +201,7 @@ def cli_seconds(run: RunDir, *args: str) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     t0 = time.perf_counter()
     with open(os.devnull, "w") as sink:
-        subprocess.run([sys.executable, "-m", "jobs.cli", *args], check=True, cwd=ROOT, env=env, stdout=sink)
+        subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", *args], check=True, cwd=ROOT, env=env, stdout=sink)
     return time.perf_counter() - t0
 
 
@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.points, args.baseline_points, args.datasets, args.shards, args.pending = 4, 2, 2, 2, 1
     if not 0 <= args.pending < min(args.points, args.baseline_points):
         ap.error("--pending must be below both --points and --baseline-points")
-    import jobs.eval.loop  # noqa: F401  (imported before any timing: torch, transformers)
-    import jobs.trainer.dispatcher  # noqa: F401
+    import ckpteval.jobs.eval.loop  # noqa: F401  (imported before any timing: torch, transformers)
+    import ckpteval.jobs.trainer.dispatcher  # noqa: F401
 
     load0 = os.getloadavg()
     print(f"uptime: {os.popen('uptime').read().strip()}; cpus={os.cpu_count()}", flush=True)

@@ -1,6 +1,6 @@
 """Trainer stall and eval latency: the reference trainer's steps/s with an eval fleet consuming.
 
-Runs ``python -m jobs.cli train`` (``--steps`` steps, ``--threads 1``, ``--no-progress``) once per
+Runs ``python -m ckpteval.jobs.cli train`` (``--steps`` steps, ``--threads 1``, ``--no-progress``) once per
 configuration, all in the same run, and reads the trainer's own JSON summary (``steps_per_second`` =
 steps / seconds of the training loop: start-up and the end-of-training drain excluded):
 
@@ -17,7 +17,7 @@ Configurations run in ``--repeats`` interleaved rounds with one more baseline at
 drifting on a shared machine hits each alike; a config's steps/s is the mean of its runs and its ratio
 is against the mean of its baseline's runs.
 
-The run dir is prepared first (``jobs.reference.train.prepare_run``, as ``ckpteval train`` does) and the workers
+The run dir is prepared first (``ckpteval.jobs.reference.train.prepare_run``, as ``ckpteval train`` does) and the workers
 are started and left to finish their start-up (torch/transformers import; detected as their CPU time
 no longer growing) before the trainer starts with ``--resume`` (nothing to resume: it starts at step 0),
 so the trainer's loop competes with the fleet's evaluation, not with its Python start-up.
@@ -141,7 +141,7 @@ def wait_started(procs: list[subprocess.Popen], timeout_s: float = 120.0) -> flo
 
 
 def run_one(cfg: Config, base: Path, staging_base: Path, args: argparse.Namespace, index: int) -> dict[str, Any]:
-    from jobs.reference.train import parse_args, prepare_run
+    from ckpteval.jobs.reference.train import parse_args, prepare_run
 
     run_dir = base / f"{index:02d}-{cfg.name.replace(' ', '-').replace('+', '-')}"
     staging = staging_base / run_dir.name
@@ -158,7 +158,7 @@ def run_one(cfg: Config, base: Path, staging_base: Path, args: argparse.Namespac
     for i in range(cfg.workers):
         with open(logs / f"w{i}.out", "w") as log:
             workers.append(subprocess.Popen(
-                [*worker_pin, sys.executable, "-m", "jobs.cli", "worker", "--run-dir", str(run_dir), "--engine",
+                [*worker_pin, sys.executable, "-m", "ckpteval.jobs.cli", "worker", "--run-dir", str(run_dir), "--engine",
                  "hf", "--poll-interval", str(args.poll), "--worker-id", f"w{i}", *getattr(args, "worker_args", ())],
                 env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             ))
@@ -169,7 +169,7 @@ def run_one(cfg: Config, base: Path, staging_base: Path, args: argparse.Namespac
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.time()
         done = subprocess.run(
-            [*trainer_pin, sys.executable, "-m", "jobs.cli", "train", *argv, "--resume"],
+            [*trainer_pin, sys.executable, "-m", "ckpteval.jobs.cli", "train", *argv, "--resume"],
             env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,
         )
         wall = time.time() - t0
@@ -206,8 +206,8 @@ def snapshot_dir_fn(mode: str, staging: Path, run_dir: Path) -> Callable[[int], 
     """Where a step's snapshot (and its marker) is: in staging mode under the root run.json lists (the
     staging dir's per-run subdir), in reuse mode the HF checkpoint."""
     if mode == "staging":
-        from coord.rundir import RunDir
-        from coord.snapshot import snapshot_dirname
+        from ckpteval.coord.rundir import RunDir
+        from ckpteval.coord.snapshot import snapshot_dirname
 
         root = Path(RunDir(run_dir).manifest().snapshot_roots[0])
         return lambda step: root / snapshot_dirname(step)

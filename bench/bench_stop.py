@@ -1,6 +1,6 @@
 """Seconds from a stop signal to exit, in every wait of the reference trainer (issue 11 §4).
 
-Starts ``python -m jobs.cli train`` as a real process with no eval fleet, so every wait is a wait for
+Starts ``python -m ckpteval.jobs.cli train`` as a real process with no eval fleet, so every wait is a wait for
 results that never come, each bounded at ``--bound`` seconds:
 
 * ``backpressure`` — step 2 pending, ``--eval-max-in-flight 1``: step 4 waits for a slot;
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _trainer(run_dir: Path, bound: float, *extra: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "jobs.cli", "train", "--run-dir", str(run_dir), "--batch-size", "8", "--threads",
+    argv = [sys.executable, "-m", "ckpteval.jobs.cli", "train", "--run-dir", str(run_dir), "--batch-size", "8", "--threads",
             "1", "--no-progress", "--ckpt-interval", "1000", "--eval-interval", "2", "--eval-max-in-flight", "1",
             "--eval-keep-snapshots", "1", "--eval-n-prompts", "4", "--eval-shard-size", "2",
             "--eval-poll-interval", "0.05", "--eval-backpressure-timeout", str(bound),
@@ -84,10 +84,10 @@ def measure_process(root: Path, wait: str, signum: int, bound: float, settle: fl
 
 def measure_final_export(root: Path) -> float:
     sys.path.insert(0, str(REPO))
-    from jobs.metrics import MetricsSink
-    from jobs.reference.model import ModelConfig, build_model
-    from jobs.reference.train import TrainConfig, base_model_dir, prepare_run
-    from jobs.trainer.dispatcher import EvalDispatcher
+    from ckpteval.jobs.metrics import MetricsSink
+    from ckpteval.jobs.reference.model import ModelConfig, build_model
+    from ckpteval.jobs.reference.train import TrainConfig, base_model_dir, prepare_run
+    from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
     cfg = TrainConfig(run_dir=root / "final-export", eval_interval=2, eval_n_prompts=4, eval_shard_size=2)
     dispatch = cfg.validate()

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def trainer_cmd(run_dir: Path, args: argparse.Namespace, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "jobs.cli", "train", "--run-dir", str(run_dir), "--steps", str(args.steps),
+    return [sys.executable, "-m", "ckpteval.jobs.cli", "train", "--run-dir", str(run_dir), "--steps", str(args.steps),
             "--batch-size", str(args.batch_size), "--threads", str(args.trainer_threads), "--no-progress",
             "--log-interval", "50", "--ckpt-interval", str(args.steps), *extra]
 
@@ -61,7 +61,7 @@ def run_with_fleet(base: Path, args: argparse.Namespace) -> tuple[dict[str, Any]
             raise RuntimeError(f"trainer exited early: {trainer.stderr.read() if trainer.stderr else ''}")
         time.sleep(0.05)
     workers = [
-        subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", "--run-dir", str(run_dir), "--poll-interval",
+        subprocess.Popen([sys.executable, "-m", "ckpteval.jobs.cli", "worker", "--run-dir", str(run_dir), "--poll-interval",
                           "0.5"], cwd=ROOT, env=env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for _ in range(args.workers)
     ]

@@ -1,8 +1,8 @@
 """Benchmark: eval throughput (units/s) of 1, 2 and 4 worker processes sharing one run.
 
-Builds a run of ``--steps`` snapshots of the reference tiny model (``jobs.reference.model.build_model``,
-published with ``coord.snapshot.publish_snapshot``) and the built-in addition eval set, then for each
-worker count starts that many ``python -m jobs.cli worker --once --engine hf`` processes on a fresh
+Builds a run of ``--steps`` snapshots of the reference tiny model (``ckpteval.jobs.reference.model.build_model``,
+published with ``ckpteval.coord.snapshot.publish_snapshot``) and the built-in addition eval set, then for each
+worker count starts that many ``python -m ckpteval.jobs.cli worker --once --engine hf`` processes on a fresh
 copy of the run's results and leases, and prints
 
 * units/s in steady state: results written while every worker was busy, over that window — i.e.
@@ -29,13 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from coord.results import Result, ResultIndex
-from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot
-from jobs.eval.evalsets import write_addition_dataset
-from jobs.reference.model import build_model, save_base_model_dir
-from jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.results import Result, ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.jobs.eval.evalsets import write_addition_dataset
+from ckpteval.jobs.reference.model import build_model, save_base_model_dir
+from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def measure(run: RunDir, n_workers: int, threads: int) -> dict[str, float]:
     reset(run)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "jobs.cli", "worker", "--run-dir", str(run.path), "--engine", "hf", "--once",
+    cmd = [sys.executable, "-m", "ckpteval.jobs.cli", "worker", "--run-dir", str(run.path), "--engine", "hf", "--once",
            "--poll-interval", "0.2"]
     t0 = time.time()
     procs = [subprocess.Popen([*cmd, "--worker-id", f"w{i}"], env=env, stdout=subprocess.DEVNULL,

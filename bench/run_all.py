@@ -739,8 +739,8 @@ def scale_section(rec: dict[str, Any]) -> str:
     return "\n".join([
         f"`bench_scale.py` — a synthetic run of {s['points']} points (steps 100..{s['last_step']}) × {d['datasets']} "
         f"eval sets × {d['shards']} shards = {s['units']:,} result files on {d['root']}, no model: written by "
-        f"`coord.results.write_result` ({d['procs']} processes, {s['files_per_s']:,.0f} files/s: "
-        f"{s['write_s']:.0f} s), every point but the last {d['pending']} ingested by `jobs.ingest.ingest_point` "
+        f"`ckpteval.coord.results.write_result` ({d['procs']} processes, {s['files_per_s']:,.0f} files/s: "
+        f"{s['write_s']:.0f} s), every point but the last {d['pending']} ingested by `ckpteval.jobs.ingest.ingest_point` "
         f"(ledger + metrics.jsonl). Baseline: the same shape at {b['points']} points ({b['units']:,} files), same "
         f"run. Load average {load_str(d['load_at_start'])} at start, {load_str(d['load_at_end'])} at end"
         + (f"; when the {s['points']}-point timings started: {load_str(s['load'])}." if "load" in s else "."), "",

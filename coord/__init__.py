@@ -6,5 +6,5 @@ Everything two jobs agree on lives here, and nothing else does: this package imp
 
 PROTOCOL_VERSION = 2
 # Protocol versions this code reads and writes. 1: flat ``results/`` and ``leases/``; 2 (new runs): one
-# directory per step under each (``results/step-<N>/``, ``leases/step-<N>/``, :mod:`coord.rundir`).
+# directory per step under each (``results/step-<N>/``, ``leases/step-<N>/``, :mod:`ckpteval.coord.rundir`).
 PROTOCOLS = (1, 2)

@@ -4,7 +4,7 @@ the ranking of points by a metric (``--eval-keep-best``).
 Grammar: a logged point metric name (``eval/...``), one of ``>= > <= <``, a number; spaces optional.
 Guarantee: :func:`parse_condition` accepts exactly that and raises one ValueError naming the flag
 otherwise; :func:`first_passing` judges only *complete* points (every unit has a result), with the
-metrics the point is logged with (:func:`coord.results.point_metrics`). :func:`top_steps` ranks steps by a metric value, best first. Limits: a metric
+metrics the point is logged with (:func:`ckpteval.coord.results.point_metrics`). :func:`top_steps` ranks steps by a metric value, best first. Limits: a metric
 the point does not have (a dataset not due at that step, a skipped dataset) never passes nor ranks.
 """
 
@@ -16,9 +16,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from coord.manifest import RunManifest
-from coord.results import Result, derive_point, point_metrics
-from coord.units import WorkUnit
+from ckpteval.coord.manifest import RunManifest
+from ckpteval.coord.results import Result, derive_point, point_metrics
+from ckpteval.coord.units import WorkUnit
 
 OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,
                                                  "<": operator.lt}

@@ -5,7 +5,7 @@ What it owns:
 * the digests of one tensor's raw little-endian bytes as safetensors stores them (:data:`DIGESTS`):
   ``xxh3`` (64-bit XXH3, :func:`tensor_digest`; about 4-8x faster than CRC-32 here, so an engine's
   attestation costs a fraction of a reload) and ``crc32`` (``zlib.crc32``, what the file checksum is
-  combined from). The exporter (computed while it writes, :mod:`jobs.trainer.export`) and the marking of
+  combined from). The exporter (computed while it writes, :mod:`ckpteval.jobs.trainer.export`) and the marking of
   a reused or foreign checkpoint (:func:`safetensors_digests`, one read that also yields the file's CRC)
   record both per tensor; an engine digests the parameters it holds (cast to the snapshot's dtype) with
   the fastest one every entry of the marker has (:func:`digest_name`: ``crc32`` for markers written

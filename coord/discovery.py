@@ -11,12 +11,12 @@ Guarantees:
   ``global_stepN/`` optimizer shards come after the weights), *and* every shard named by
   ``model.safetensors.index.json`` (or ``model.safetensors``; for a LoRA adapter checkpoint
   ``adapter_model.safetensors`` + ``adapter_config.json``) is present. The admission computes full
-  checksums once, of exactly the files eval loads (:func:`coord.snapshot.is_eval_file`: config,
+  checksums once, of exactly the files eval loads (:func:`ckpteval.coord.snapshot.is_eval_file`: config,
   tokenizer, weights + index — not optimizer shards, ``rng_state*.pth``, ``trainer_state.json``), and
   records an *adopted* marker in ``adoption_dir`` — the foreign dir is never written to — so later
   verification has something to compare against. A checkpoint that vanishes at any moment (rotation by
   ``save_total_limit``: before, during or after admission) is silence here, never an exception.
-- Run identity: with ``run`` (this run's key, :mod:`coord.identity`), a snapshot whose marker names
+- Run identity: with ``run`` (this run's key, :mod:`ckpteval.coord.identity`), a snapshot whose marker names
   another run is never reported as this run's — under a watched (foreign) root it is adopted like any
   finished checkpoint into this run's own ``adoption_dir``, elsewhere ignored. Legacy markers (no
   ``run`` field, written before run identity) are reported as before.
@@ -25,12 +25,12 @@ Guarantees:
   real directories), and a marked directory whose name's trailing digits disagree with its marker's
   step (a snapshot copied or moved under another step's name would be scored as the wrong step).
 
-- Layouts (:mod:`coord.layouts`, ``layout``): under a foreign root, *which* entries are saves, their
+- Layouts (:mod:`ckpteval.coord.layouts`, ``layout``): under a foreign root, *which* entries are saves, their
   step, where their HF weights are and whether the trainer's own completion signal is there (HF
   Trainer's ``trainer_state.json``, prime-rl's ``STABLE``, verl's tracker, NeMo-RL's rename, miles'
   ``.complete``). A save with the signal is admitted at once (every indexed shard present, no
   quiescence wait); a save whose trainer gives no signal waits for quiescence as above. ``auto`` uses
-  the layout the dir reveals (:func:`coord.layouts.resolve_layout`), ``plain`` until one does.
+  the layout the dir reveals (:func:`ckpteval.coord.layouts.resolve_layout`), ``plain`` until one does.
 - Never silently absent: a save seen but gone before admission (rotated by ``save_total_limit``,
   ``max_ckpt_num``, ``keep_last``...) is counted (:attr:`SnapshotDiscovery.lost`) and, with ``lost_dir``,
   recorded there as ``<step>.json`` for ``ckpteval status``; a finished save without HF weights, or an
@@ -49,11 +49,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coord.atomic import read_json_object, write_json_atomic
-from coord.identity import weight_version
-from coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
-from coord.layouts.plain import step_from_dir
-from coord.snapshot import (
+from ckpteval.coord.atomic import read_json_object, write_json_atomic
+from ckpteval.coord.identity import weight_version
+from ckpteval.coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
+from ckpteval.coord.layouts.plain import step_from_dir
+from ckpteval.coord.snapshot import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MARKER,
@@ -111,8 +111,8 @@ class SnapshotDiscovery:
     quiescence_s: float = 30.0
     adoption_dir: Path | None = None
     clock: Callable[[], float] = time.monotonic
-    run: str | None = None  # this run's key (coord.identity): another run's marker is not ours
-    layout: str = FALLBACK  # coord.layouts name, or "auto": how foreign saves under root are laid out
+    run: str | None = None  # this run's key (ckpteval.coord.identity): another run's marker is not ours
+    layout: str = FALLBACK  # ckpteval.coord.layouts name, or "auto": how foreign saves under root are laid out
     lost_dir: Path | None = None  # where a save lost to rotation before admission is recorded (<step>.json)
     _known: dict[str, SnapshotRef] = field(default_factory=dict)
     _pending: dict[str, _Pending] = field(default_factory=dict)
@@ -253,7 +253,7 @@ class SnapshotDiscovery:
         return self._adopt(found.weights, found.step, key)
 
     def _adopt(self, path: Path, step: int, key: str | None = None) -> SnapshotRef | None:
-        """Checksum what eval loads (only that: :func:`coord.snapshot.is_eval_file`) and record it.
+        """Checksum what eval loads (only that: :func:`ckpteval.coord.snapshot.is_eval_file`) and record it.
 
         A checkpoint that vanishes while it is read (rotation) is counted lost, nothing recorded."""
         key = path.name if key is None else key

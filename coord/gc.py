@@ -7,7 +7,7 @@ Rules (each a guarantee):
 - Only snapshots whose marker says ``mode == "staging"`` are deleted; reused checkpoints (``reuse``)
   and foreign ones are never touched, nor are directories without a readable marker (that could be
   someone's data) — except our own temp dirs (``.tmp-step-*``) older than ``stale_tmp_s``.
-- Only this run's snapshots: with ``run`` (the run's key, :mod:`coord.identity`), a snapshot whose
+- Only this run's snapshots: with ``run`` (the run's key, :mod:`ckpteval.coord.identity`), a snapshot whose
   marker names another run — or no run (a legacy marker, which cannot be attributed) — is never
   deleted, so runs sharing one staging dir never collect each other's snapshots.
 - Only *retired* steps (their point has settled, any outcome) are deleted, and the newest ``keep``
@@ -32,9 +32,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coord.atomic import TMP_PREFIX
-from coord.rundir import step_dir_name, step_of_dir
-from coord.snapshot import read_marker
+from ckpteval.coord.atomic import TMP_PREFIX
+from ckpteval.coord.rundir import step_dir_name, step_of_dir
+from ckpteval.coord.snapshot import read_marker
 
 
 @dataclass

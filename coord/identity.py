@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import zlib
 
-from coord.manifest import RunManifest
+from ckpteval.coord.manifest import RunManifest
 
 VERSION_SEP = "@"
 

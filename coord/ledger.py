@@ -25,7 +25,7 @@ record, and a ``skipped`` field there is the skip reason.
 Guarantees: each append is one ``write`` of a whole line followed by fsync, and "ingested" is appended
 only *after* the point's metrics were written, so a crash between the two re-ingests at most the
 metrics line the crash interrupted — callers make metric logging idempotent per step (see
-``jobs.metrics``). Read with :func:`coord.atomic.read_jsonl_numbered`: a torn last line (crash
+``ckpteval.jobs.metrics``). Read with :func:`ckpteval.coord.atomic.read_jsonl_numbered`: a torn last line (crash
 mid-append) is detected on open and cut off (repaired); a malformed line anywhere else is an error
 naming the file and line, never silently skipped.
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import append_line, read_jsonl_numbered
+from ckpteval.coord.atomic import append_line, read_jsonl_numbered
 
 EVENTS = ("dispatched", "exported", "evaluated_shared", "skipped", "ingested", "retired", "stop_requested")
 RECORD_EVENTS = ("exported", "evaluated_shared", "skipped")  # fold their fields into the step's record

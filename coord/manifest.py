@@ -14,7 +14,7 @@ dataset setting and its default is declared once, on :class:`DatasetSpec`'s fiel
 (:func:`parse_dataclass`) derives from them.
 
 Scorers: coord knows no scorer (it imports nothing from ``jobs/``). The scorer registry
-(:mod:`jobs.eval.scorers`) installs a pure function with :func:`set_scorer_check` when it is imported
+(:mod:`ckpteval.jobs.eval.scorers`) installs a pure function with :func:`set_scorer_check` when it is imported
 (``import jobs`` imports it, so every ckpteval program has it before it reads a run.json); the parser
 calls it with a dataset's ``scorer`` name and its ``scorer_options`` block, so a scorer added to the
 registry is accepted — and its settings validated, unknown keys refused — wherever run.json is parsed.
@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from coord import PROTOCOL_VERSION, PROTOCOLS
-from coord.atomic import read_json_object, write_json_atomic
+from ckpteval.coord import PROTOCOL_VERSION, PROTOCOLS
+from ckpteval.coord.atomic import read_json_object, write_json_atomic
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 PROMPT_FORMATS = ("raw", "chat")
@@ -76,7 +76,7 @@ class DatasetSpec:
     kind: str = "generate"
     """The dataset kind (``generate``; ``jsonl`` is the old name of the same kind)."""
     scorer: str = "exact"
-    """A name of the scorer registry (:mod:`jobs.eval.scorers`: exact, math, ...) or ``module:function``."""
+    """A name of the scorer registry (:mod:`ckpteval.jobs.eval.scorers`: exact, math, ...) or ``module:function``."""
     scorer_options: dict[str, Any] = field(default_factory=dict, hash=False)
     """The scorer's own settings, validated by its ``parse_options`` (unknown keys refused)."""
     shard_size: int = 64
@@ -258,7 +258,7 @@ def subset_rows(n_rows: int, spec: DatasetSpec) -> list[int]:
 
 @dataclass(frozen=True)
 class EnvSpec(DatasetSpec):
-    """An ``env`` entry: multi-turn episodes of a Python environment (:mod:`jobs.eval.envs`) on the pinned
+    """An ``env`` entry: multi-turn episodes of a Python environment (:mod:`ckpteval.jobs.eval.envs`) on the pinned
     engine, ``n_samples`` episodes per row of the JSONL file ``path``, each of at most ``max_turns`` model
     turns sampled with the entry's sampling settings (``max_new_tokens`` per turn). The reward of an
     episode is its score: ``eval/<name>`` and ``eval/<name>/reward`` are the mean reward, ``pass@k``
@@ -269,7 +269,7 @@ class EnvSpec(DatasetSpec):
     kind: str = "env"
     """The dataset kind (``env``)."""
     env: str = ""
-    """The environment: a name of :data:`jobs.eval.envs.ENVIRONMENTS` (``arithmetic``, ``guess``) or
+    """The environment: a name of :data:`ckpteval.jobs.eval.envs.ENVIRONMENTS` (``arithmetic``, ``guess``) or
     ``module:Class`` (imported under the run-code trust rule)."""
     env_options: dict[str, Any] = field(default_factory=dict, hash=False)
     """The environment's own settings (passed to its constructor as keyword arguments)."""
@@ -297,7 +297,7 @@ class EnvSpec(DatasetSpec):
             raise FieldError("pass_threshold", f"must be a finite number, got {self.pass_threshold}")
 
 
-# kind -> its settings dataclass (see :mod:`jobs.eval.kinds` for how a kind is evaluated; adding one)
+# kind -> its settings dataclass (see :mod:`ckpteval.jobs.eval.kinds` for how a kind is evaluated; adding one)
 DATASET_KINDS: dict[str, type] = {"generate": DatasetSpec, "lm_eval": HarnessSpec, "env": EnvSpec}
 KIND_ALIASES = {"jsonl": "generate"}  # old names still accepted in run.json and eval configs
 
@@ -313,7 +313,7 @@ class LeaseSettings:
 @dataclass(frozen=True)
 class CanarySettings:
     """``eval.canary`` in run.json: what a unit whose engine disagrees with the trainer on the canary
-    (teacher-forced log-probs of a probe stored with the snapshot, :mod:`jobs.eval.canary`) becomes."""
+    (teacher-forced log-probs of a probe stored with the snapshot, :mod:`ckpteval.jobs.eval.canary`) becomes."""
 
     max_abs_logprob_diff: float | None = None
     """The largest max |Δ log-prob| over the probe tokens a unit may show; None: the measured default
@@ -356,7 +356,7 @@ class RunManifest:
 
     @property
     def per_step_dirs(self) -> bool:
-        """Protocol 2: results and leases live in one directory per step (:func:`coord.rundir.unit_dir`);
+        """Protocol 2: results and leases live in one directory per step (:func:`ckpteval.coord.rundir.unit_dir`);
         a protocol 1 run keeps them flat (read and written as they are)."""
         return self.protocol >= 2
 
@@ -509,7 +509,7 @@ _scorer_check: list[ScorerCheck] = []
 
 def set_env_check(check: ScorerCheck) -> None:
     """Install the environment registry's check of an ``env`` entry's ``env`` name and ``env_options``
-    (:mod:`jobs.eval.envs` installs it when imported, as the scorer registry does its own)."""
+    (:mod:`ckpteval.jobs.eval.envs` installs it when imported, as the scorer registry does its own)."""
     _env_check[:] = [check]
 
 
@@ -518,7 +518,7 @@ _env_check: list[ScorerCheck] = []
 
 def set_scorer_check(check: ScorerCheck) -> None:
     """Install the scorer registry's check of a dataset's ``scorer`` and ``scorer_options``
-    (``check(name, options_fields)`` raises ValueError). :mod:`jobs.eval.scorers` installs its own when
+    (``check(name, options_fields)`` raises ValueError). :mod:`ckpteval.jobs.eval.scorers` installs its own when
     it is imported (``import jobs`` does that)."""
     _scorer_check[:] = [check]
 

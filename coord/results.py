@@ -45,13 +45,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coord import PROTOCOL_VERSION
-from coord.atomic import TMP_PREFIX, dumps, fsync_dir, publish_exclusive, read_json_object, write_json_atomic
-from coord.identity import run_key, version_matches, version_runs, version_step
-from coord.manifest import DatasetSpec, EnvSpec, RunManifest
-from coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
-from coord.snapshot import producer_identity
-from coord.units import WorkUnit, dataset_units, datasets_due, prompt_range, units_for_step
+from ckpteval.coord import PROTOCOL_VERSION
+from ckpteval.coord.atomic import (
+    TMP_PREFIX,
+    dumps,
+    fsync_dir,
+    publish_exclusive,
+    read_json_object,
+    write_json_atomic,
+)
+from ckpteval.coord.identity import run_key, version_matches, version_runs, version_step
+from ckpteval.coord.manifest import DatasetSpec, EnvSpec, RunManifest
+from ckpteval.coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
+from ckpteval.coord.snapshot import producer_identity
+from ckpteval.coord.units import WorkUnit, dataset_units, datasets_due, prompt_range, units_for_step
 
 # Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
 # may supersede them with a result of the next generation (module docstring).
@@ -261,7 +268,7 @@ def result_generation(name: str) -> int:
 
 class ResultIndex:
     """Reads ``results/`` incrementally, in either layout (flat: protocol 1; ``step-<N>/`` directories:
-    protocol 2, :mod:`coord.rundir`): one listing of ``results/`` per refresh plus one per step directory
+    protocol 2, :mod:`ckpteval.coord.rundir`): one listing of ``results/`` per refresh plus one per step directory
     not in ``skip_steps``, each result file read once.
 
     Malformed result files are not trusted and not fatal to readers: they are collected in
@@ -431,7 +438,7 @@ class PromptMajor:
 
 
 def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
-    """The samples of a dataset's unit results (in :func:`coord.units.dataset_units` order) pooled per
+    """The samples of a dataset's unit results (in :func:`ckpteval.coord.units.dataset_units` order) pooled per
     prompt across the units of a shard's sample ranges (``samples_per_unit``); unsplit: concatenated."""
     with_answers = all(len(r.answers) == len(r.scores) for r in units)
     if spec.sample_parts == 1:
@@ -451,7 +458,7 @@ def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
 
 
 def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) -> DatasetScore:
-    """Every metric of one dataset at one step from its units' results (in :func:`coord.units.dataset_units`
+    """Every metric of one dataset at one step from its units' results (in :func:`ckpteval.coord.units.dataset_units`
     order), pooled per prompt (:func:`prompt_major`)."""
     pooled = prompt_major(spec, shards)
     scores, versions = pooled.scores, pooled.versions

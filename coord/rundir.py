@@ -3,30 +3,30 @@
 Owns the layout (names below) and nothing about their contents, which the other ``coord`` modules
 own. Layout::
 
-    RUN/run.json          manifest (coord.manifest)
-    RUN/snapshots/        default staging root for exported snapshots (coord.snapshot)
-    RUN/leases/           one lease file per claimed work unit (coord.units); protocol 2: under
+    RUN/run.json          manifest (ckpteval.coord.manifest)
+    RUN/snapshots/        default staging root for exported snapshots (ckpteval.coord.snapshot)
+    RUN/leases/           one lease file per claimed work unit (ckpteval.coord.units); protocol 2: under
                           leases/step-<N>/ (unit_dir), protocol 1 runs: flat
-    RUN/results/          one result JSON per work unit (coord.results); protocol 2: under
+    RUN/results/          one result JSON per work unit (ckpteval.coord.results); protocol 2: under
                           results/step-<N>/, protocol 1 runs: flat (read either way)
     RUN/results/duplicates/  later copies of a unit's result (first writer wins), for audit
-    RUN/adopted/          markers of foreign checkpoints admitted after quiescence (coord.discovery)
-    RUN/lost/             <step>.json per foreign save seen but rotated away before admission (coord.discovery)
-    RUN/best.json         the best step and the steps not distinguishable from it (jobs.decide)
+    RUN/adopted/          markers of foreign checkpoints admitted after quiescence (ckpteval.coord.discovery)
+    RUN/lost/             <step>.json per foreign save seen but rotated away before admission (ckpteval.coord.discovery)
+    RUN/best.json         the best step and the steps not distinguishable from it (ckpteval.jobs.decide)
     RUN/until.json        backfill --until: the condition, the first passing step, the steps evaluated
-    RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (coord.ledger)
+    RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (ckpteval.coord.ledger)
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
     RUN/TRAINING_DONE     written once when training has finished (final step)
     RUN/INTERRUPTED       written when a supervisor (``ckpteval demo``) stopped the run early; removed on --resume
-    RUN/service_ledger.jsonl   the checkpoint-watching service's ingest record (coord.ledger)
-    RUN/service_metrics.jsonl  every point the service logged (jobs.metrics)
+    RUN/service_ledger.jsonl   the checkpoint-watching service's ingest record (ckpteval.coord.ledger)
+    RUN/service_metrics.jsonl  every point the service logged (ckpteval.jobs.metrics)
     RUN/base/             the base model dir (config, tokenizer) exports copy into each snapshot
     RUN/train_ckpt/       the reference trainer's resumable checkpoints (step-<N>/), read on --resume
-    RUN/judge_cache/      judge verdicts, one file per (judge, template, question, response, reference) (coord.verdicts)
-    RUN/judge.json        the judge server launched for this run: its URL (coord.verdicts)
+    RUN/judge_cache/      judge verdicts, one file per (judge, template, question, response, reference) (ckpteval.coord.verdicts)
+    RUN/judge.json        the judge server launched for this run: its URL (ckpteval.coord.verdicts)
     RUN/weight_checksums/ first engine checksum per (snapshot, parallel layout), first writer wins
-                          (jobs.eval.attest: the sglang consistency proof)
+                          (ckpteval.jobs.eval.attest: the sglang consistency proof)
 
 Guarantee: :meth:`RunDir.create` is idempotent and leaves every directory fsync'd. Limits: it does not
 lock the run; two trainers writing one run dir is a user error the protocol does not detect.
@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from coord.atomic import fsync_dir, read_json_object, write_json_atomic
-from coord.manifest import RunManifest, load_manifest, save_manifest
+from ckpteval.coord.atomic import fsync_dir, read_json_object, write_json_atomic
+from ckpteval.coord.manifest import RunManifest, load_manifest, save_manifest
 
 SUBDIRS = ("snapshots", "leases", "results", "adopted", "data")
 STEP_DIR_PREFIX = "step-"  # results/step-<N>/, leases/step-<N>/ (protocol 2): one directory per step

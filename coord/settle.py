@@ -1,7 +1,7 @@
 """Settling an ended run: units whose snapshot is gone for good become ``ckpt_missing`` results.
 
 Owns :func:`settle_vanished`. When a run has *ended* (``RUN/INTERRUPTED`` or ``RUN/TRAINING_DONE``, see
-:meth:`coord.rundir.RunDir.ended`) no trainer will publish another snapshot, so a unit without a result
+:meth:`ckpteval.coord.rundir.RunDir.ended`) no trainer will publish another snapshot, so a unit without a result
 whose dispatched step has no complete snapshot under any of the run's ``snapshot_roots`` can never be
 evaluated: left alone it would stay "pending" in ``ckpteval status`` forever while ``ckpteval backfill``
 (which only evaluates snapshots that exist) says there is nothing to do. Writing its ``ckpt_missing``
@@ -12,20 +12,20 @@ wins), only for steps the trainer's ledger says it dispatched (a service run's w
 not the trainer's to settle), only when the run has ended. Limits: it trusts this host's view of the
 snapshot roots; call it only when nothing publishes into them any more (the supervisor has stopped its
 trainer and removed its staging) — the worker's own path for a missing snapshot
-(:mod:`jobs.eval.loop`, after one lease duration) covers shared filesystems with slow visibility.
+(:mod:`ckpteval.jobs.eval.loop`, after one lease duration) covers shared filesystems with slow visibility.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from coord.discovery import SnapshotDiscovery
-from coord.identity import run_key
-from coord.ledger import Ledger
-from coord.results import ResultIndex, skip_result, write_result
-from coord.rundir import RunDir
-from coord.steps import run_step_selection
-from coord.units import WorkUnit, units_for_step
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.results import ResultIndex, skip_result, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.steps import run_step_selection
+from ckpteval.coord.units import WorkUnit, units_for_step
 
 
 def vanished_units(run: RunDir) -> list[WorkUnit]:

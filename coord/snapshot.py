@@ -3,7 +3,7 @@
 A snapshot is a directory ``AutoModelForCausalLM.from_pretrained`` can load (config.json, safetensors
 shards + index, tokenizer files) plus a ``.complete`` JSON marker written *last*: step, weight_version,
 every file with its byte size and CRC-32, producer, time, and ``run``: the key of the run whose trainer
-wrote it (:mod:`coord.identity`; absent in legacy markers, which stay readable).
+wrote it (:mod:`ckpteval.coord.identity`; absent in legacy markers, which stay readable).
 
 Guarantees:
 - :func:`publish_snapshot` writes into a hidden temp dir (``.tmp-*``), fsyncs every file, writes the
@@ -39,17 +39,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coord import PROTOCOL_VERSION
-from coord.atomic import TMP_PREFIX, fsync_dir, read_json_object, tmp_name, write_json_atomic
-from coord.digests import TensorDigest, safetensors_digests
-from coord.identity import weight_version
+from ckpteval.coord import PROTOCOL_VERSION
+from ckpteval.coord.atomic import TMP_PREFIX, fsync_dir, read_json_object, tmp_name, write_json_atomic
+from ckpteval.coord.digests import TensorDigest, safetensors_digests
+from ckpteval.coord.identity import weight_version
 
 MARKER = ".complete"
 # A LoRA adapter snapshot (a run whose run.json names ``eval.base_model``) holds these two files instead
 # of config.json + model weights; PEFT's own names, which sglang's LoRA loader also reads.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The canary a trainer may store with a snapshot (jobs.eval.canary): teacher-forced log-probs of a probe.
+# The canary a trainer may store with a snapshot (ckpteval.jobs.eval.canary): teacher-forced log-probs of a probe.
 CANARY = "canary.json"
 CHUNK = 8 << 20
 FileInfo = dict[str, Any]  # {"bytes": n, "crc32": c} (+ "tensors": {name: TensorDigest} for a safetensors file)
@@ -81,7 +81,7 @@ class Marker:
     producer: dict[str, Any]
     mode: str  # staging | reuse | foreign
     created: float
-    run: str | None = None  # run key (coord.identity) of the run that wrote it; None: a legacy marker
+    run: str | None = None  # run key (ckpteval.coord.identity) of the run that wrote it; None: a legacy marker
 
     @property
     def total_bytes(self) -> int:
@@ -392,7 +392,7 @@ class VerifiedSnapshots:
 
     Limits: damage to a file under an unchanged marker after it passed here is not seen before the next
     unit of this process: the unit then reads the damaged file (an engine already holding the weights
-    does not), and a failed unit is checked again without this cache (``jobs.eval.evaluators``), so it
+    does not), and a failed unit is checked again without this cache (``ckpteval.jobs.eval.evaluators``), so it
     still ends ``ckpt_missing`` / ``ckpt_corrupt``. A foreign checkpoint (marker kept elsewhere) is always
     verified in full.
     """

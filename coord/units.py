@@ -1,7 +1,7 @@
 """Work units ``(step, dataset, shard[, sample range])`` and their leases.
 
 A unit is claimed through a lease file ``leases/<unit>.lock`` (``leases/step-<N>/<unit>.lock`` in a
-protocol 2 run, :func:`coord.rundir.unit_dir`) held with ``filelock.SoftFileLease``:
+protocol 2 run, :func:`ckpteval.coord.rundir.unit_dir`) held with ``filelock.SoftFileLease``:
 the holder's heartbeat thread refreshes the marker; a contender may take the claim over only after
 observing it *unchanged* for ``lease.duration_s`` on its own monotonic clock, so clock skew between
 nodes cannot expire a live claim. On the same host filelock also takes over at once from a holder
@@ -11,10 +11,10 @@ fires and the :class:`Claim` is marked compromised: the holder must abandon the 
 Guarantee and its limits: a lease is **a hint about who should be working, not a fence**. A stalled
 holder (SIGSTOP, a long GC pause, a partitioned node) can come back after its lease was taken and
 still finish. That is harmless by construction: results are published first-writer-wins
-(:mod:`coord.results`) and readers take the first result per unit, so a rare double evaluation costs
+(:mod:`ckpteval.coord.results`) and readers take the first result per unit, so a rare double evaluation costs
 compute, never correctness, and a lost unit is impossible as long as some worker keeps polling.
 
-Every participant of a run must use the run's :class:`~coord.manifest.LeaseSettings`; filelock raises
+Every participant of a run must use the run's :class:`~ckpteval.coord.manifest.LeaseSettings`; filelock raises
 ``LeaseSettingsMismatch`` otherwise. A :class:`UnitClaimer` keeps one lease object per unit so that
 its observation of a stale claim accumulates across polls — create it once per worker, not per poll.
 """
@@ -33,9 +33,9 @@ from typing import Any
 import filelock
 from filelock._soft import parse_marker  # filelock's parser of its owner record
 
-from coord.atomic import append_and_count_lines
-from coord.manifest import DatasetSpec, LeaseSettings, RunManifest
-from coord.rundir import STEP_DIR_PREFIX, unit_dir
+from ckpteval.coord.atomic import append_and_count_lines
+from ckpteval.coord.manifest import DatasetSpec, LeaseSettings, RunManifest
+from ckpteval.coord.rundir import STEP_DIR_PREFIX, unit_dir
 
 SAMPLES_RE = re.compile(r"s(\d+)-(\d+)")  # the sample range of a split unit's id: s<start>-<stop>
 
@@ -100,7 +100,7 @@ class WorkUnit:
 
     def result_name_at(self, generation: int) -> str:
         """File name of the unit's result of ``generation`` (0: :attr:`result_name`; k > 0: a re-evaluation
-        after an infrastructure skip, ``<id>.retry<k>.json``, see :mod:`coord.results`)."""
+        after an infrastructure skip, ``<id>.retry<k>.json``, see :mod:`ckpteval.coord.results`)."""
         return self.result_name if generation == 0 else f"{self.id}.retry{generation}.json"
 
 
@@ -152,7 +152,7 @@ ATTEMPTS_SUFFIX = ".attempts"
 
 def lease_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Path:
     """The lease file of a unit: ``leases/<unit id>.lock``, or ``leases/step-<N>/<unit id>.lock`` given the
-    unit's ``step`` (a protocol 2 run: :func:`coord.rundir.unit_dir`)."""
+    unit's ``step`` (a protocol 2 run: :func:`ckpteval.coord.rundir.unit_dir`)."""
     return unit_dir(leases_dir, step or 0, step is not None) / f"{unit_id}{LEASE_SUFFIX}"
 
 
@@ -217,7 +217,7 @@ class UnitClaimer:
         self.leases_dir = Path(leases_dir)
         self.settings = settings
         self.results_dir = Path(results_dir) if results_dir is not None else None
-        self.per_step = per_step  # protocol 2: leases and results in per-step directories (coord.rundir)
+        self.per_step = per_step  # protocol 2: leases and results in per-step directories (ckpteval.coord.rundir)
         self._leases: dict[str, filelock.SoftFileLease] = {}
         self._flags: dict[str, threading.Event] = {}
         self._pid = os.getpid()  # a claimer is made per worker process, never inherited across fork

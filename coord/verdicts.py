@@ -7,7 +7,7 @@ template hash, sampling settings — and the question, response and reference). 
 *answered* (its raw reply text, or a reward model's number), not the verdict read from it, so changing
 the verdict rule re-reads cached replies instead of paying the judge again.
 
-Why one file per key, published first-writer-wins (:func:`coord.atomic.publish_exclusive`): many
+Why one file per key, published first-writer-wins (:func:`ckpteval.coord.atomic.publish_exclusive`): many
 workers on many nodes write concurrently on a shared filesystem; an appended JSONL would need one
 writer per file (``O_APPEND`` is not atomic across NFS clients), a lock would be a hint at best, and a
 per-unit file would not let a *different* unit (a backfill, two identical completions in different
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import dumps, fsync_dir, publish_exclusive, read_json_object, write_json_atomic
+from ckpteval.coord.atomic import dumps, fsync_dir, publish_exclusive, read_json_object, write_json_atomic
 
 
 def cache_key(parts: dict[str, Any]) -> str:

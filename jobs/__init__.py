@@ -1,8 +1,8 @@
 """ckpteval's programs (``coord/`` is the protocol they share).
 
 Importing ``jobs`` installs the scorer registry's check into the run.json parser
-(:func:`coord.manifest.set_scorer_check`, see :mod:`jobs.eval.scorers`), so every ckpteval program
+(:func:`ckpteval.coord.manifest.set_scorer_check`, see :mod:`ckpteval.jobs.eval.scorers`), so every ckpteval program
 validates a dataset's ``scorer`` and ``scorer_options`` against the same registry.
 """
 
-import jobs.eval.scorers  # noqa: F401 — installs the scorer check (light: no engine, no torch)
+import ckpteval.jobs.eval.scorers  # noqa: F401 — installs the scorer check (light: no engine, no torch)

@@ -12,19 +12,19 @@ import io
 import os
 import sys
 
-from jobs.lifecycle import EXIT_INTERRUPTED, record_early_stops
+from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED, record_early_stops
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("jobs.reference.train_config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
-    "worker": ("jobs.eval.worker", "eval worker: fleet, service (--watch) or --once"),
-    "backfill": ("jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
-    "status": ("jobs.views.status", "show snapshots, units, points and health of a run"),
-    "plot": ("jobs.views.plot", "plot score vs step (PNG)"),
-    "compare": ("jobs.decide.compare", "paired difference of two steps or runs, with its interval"),
-    "best": ("jobs.decide.best", "best step by a metric and the steps not distinguishable from it"),
-    "serve": ("jobs.reference.serve", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
-    "submit": ("jobs.launch.submit", "render and sbatch the batch scripts"),
-    "demo": ("jobs.reference.demo", "the embedded default: trainer + eval fleet on CPU"),
+    "train": ("ckpteval.jobs.reference.train_config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
+    "worker": ("ckpteval.jobs.eval.worker", "eval worker: fleet, service (--watch) or --once"),
+    "backfill": ("ckpteval.jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
+    "status": ("ckpteval.jobs.views.status", "show snapshots, units, points and health of a run"),
+    "plot": ("ckpteval.jobs.views.plot", "plot score vs step (PNG)"),
+    "compare": ("ckpteval.jobs.decide.compare", "paired difference of two steps or runs, with its interval"),
+    "best": ("ckpteval.jobs.decide.best", "best step by a metric and the steps not distinguishable from it"),
+    "serve": ("ckpteval.jobs.reference.serve", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
+    "submit": ("ckpteval.jobs.launch.submit", "render and sbatch the batch scripts"),
+    "demo": ("ckpteval.jobs.reference.demo", "the embedded default: trainer + eval fleet on CPU"),
 }
 
 
@@ -34,7 +34,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-PREEMPTIBLE = {"worker", "backfill"}  # may be preempted while still importing torch (see jobs.lifecycle)
+PREEMPTIBLE = {"worker", "backfill"}  # may be preempted while still importing torch (see ckpteval.jobs.lifecycle)
 
 SUBCOMMAND_HELP_EXTRA: dict[str, list[list[str]]] = {
     "submit": [["train-eval"], ["backfill"], ["service"]],
@@ -53,7 +53,7 @@ def flag_reference() -> str:
     """Every subcommand's ``--help``, as markdown (docs/FLAGS.md is this; a test keeps it current)."""
     os.environ["COLUMNS"] = "100"
     parts = ["# ckpteval command reference", "", "Generated from the commands' own `--help` "
-             "(`python -m jobs.cli reference > docs/FLAGS.md`); a test fails when it drifts.", ""]
+             "(`python -m ckpteval.jobs.cli reference > docs/FLAGS.md`); a test fails when it drifts.", ""]
     for name in SUBCOMMANDS:
         for extra in [[], *SUBCOMMAND_HELP_EXTRA.get(name, [])]:
             title = " ".join(["ckpteval", name, *extra])

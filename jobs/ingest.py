@@ -1,25 +1,25 @@
 """Ingestion: turn a step's results into one logged point, exactly once — the one path for it.
 
-:func:`ingest_point` is what every ingester calls: derive the point (:func:`coord.results.derive_point`),
-its metrics (:func:`coord.results.point_metrics`), add ``eval/lag_steps`` and the caller's extras, log
-it (:class:`jobs.metrics.MetricsSink`, which drops an ``eval/step`` it already has; the scorers' identities
+:func:`ingest_point` is what every ingester calls: derive the point (:func:`ckpteval.coord.results.derive_point`),
+its metrics (:func:`ckpteval.coord.results.point_metrics`), add ``eval/lag_steps`` and the caller's extras, log
+it (:class:`ckpteval.jobs.metrics.MetricsSink`, which drops an ``eval/step`` it already has; the scorers' identities
 go into the wandb config as ``eval/scorer/<ds>``) and only then append ``ingested`` to the caller's ledger. The two callers differ only in what lag means and which
 ledger and sink they own.
 
-In the fleet postures the trainer's :class:`~jobs.trainer.dispatcher.EvalDispatcher` ingests points. In the
+In the fleet postures the trainer's :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher` ingests points. In the
 service posture the trainer knows nothing of eval, so the service does it: after each poll,
 :class:`ServiceIngester` derives the points of every step that has results and logs each complete
 one once — to ``RUN/service_metrics.jsonl`` and, with ``--wandb``, into the *training* run's wandb
 run (``eval/*`` against ``eval/step``, so late points land at their checkpoint's step).
 
-Exactly once: a point is logged, then recorded in ``RUN/service_ledger.jsonl`` (coord.ledger); a
+Exactly once: a point is logged, then recorded in ``RUN/service_ledger.jsonl`` (ckpteval.coord.ledger); a
 restarted service replays the ledger, and the sink drops an ``eval/step`` already in its file, so a
 crash between the two writes does not log twice. ``eval/lag_steps`` here is the newest
 checkpoint the service has discovered (or with any result) minus the point's step: how far the
 service trails the trainer's checkpoints.
 
 Limits: one ingesting service per run (run other workers without ``--wandb``); the wandb copy is
-at-least-once (see jobs.metrics).
+at-least-once (see ckpteval.jobs.metrics).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from coord.discovery import lost_steps
-from coord.ledger import Ledger
-from coord.manifest import RunManifest
-from coord.results import Point, Result, ResultIndex, derive_point, point_metrics
-from coord.rundir import RunDir
-from coord.units import WorkUnit
-from jobs.metrics import MetricsSink
+from ckpteval.coord.discovery import lost_steps
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.manifest import RunManifest
+from ckpteval.coord.results import Point, Result, ResultIndex, derive_point, point_metrics
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.metrics import MetricsSink
 
 DRAIN_TIMEOUT = "drain_timeout"
 

@@ -9,8 +9,8 @@ spends importing torch and building its engine, before it installs its own handl
 signal would kill it with exit 128+N instead of the documented "preempted, requeue me" code.
 :func:`record_early_stops` (called by ``ckpteval`` first thing) records such a signal instead, and
 the program honours it once it can (:func:`early_stop_signal`). It holds no lease yet, so there is
-nothing to release. This lives outside ``jobs.cli`` because ``python -m jobs.cli`` runs the CLI as
-``__main__``: a second import of ``jobs.cli`` would see an empty record.
+nothing to release. This lives outside ``ckpteval.jobs.cli`` because ``python -m ckpteval.jobs.cli`` runs the CLI as
+``__main__``: a second import of ``ckpteval.jobs.cli`` would see an empty record.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ What this module owns and promises:
   That closes the crash window of the ingestion protocol (metrics line written, trainer killed before
   the ledger's ``ingested`` record): the requeued trainer re-ingests the point and the sink drops the
   duplicate line. A torn last line (crash mid-write) is cut off on open, as the ledger does
-  (:func:`coord.atomic.read_jsonl_numbered`, the one JSONL policy).
+  (:func:`ckpteval.coord.atomic.read_jsonl_numbered`, the one JSONL policy).
 - wandb (optional): ``eval/step`` is defined as the step metric of ``eval/*`` and ``train/step`` of
   ``train/*``, and ``wandb.log`` is never given ``step=``, so a late point lands at its dispatch step
   on the eval axis and never trips wandb's "step must increase" rule. ``WANDB_MODE=offline`` works
@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import append_line, read_jsonl_numbered
+from ckpteval.coord.atomic import append_line, read_jsonl_numbered
 
 EVAL_STEP = "eval/step"
 TRAIN_STEP = "train/step"

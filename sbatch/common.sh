@@ -160,7 +160,7 @@ ckpteval_start_worker() {
     ckpteval_log "worker $id: node ${CKPTEVAL_WNODE[i]} slot ${CKPTEVAL_WSLOT[i]} (${CKPTEVAL_GPUS_PER_WORKER} GPU(s))"
     srun "${CKPTEVAL_STEP_ARGS[@]}" --nodes=1 --ntasks=1 --overlap --nodelist="${CKPTEVAL_WNODE[i]}" \
         --job-name="ckpteval-$id" \
-        "$CKPTEVAL_PYTHON" -m jobs.launch.slurm_env exec --slot "${CKPTEVAL_WSLOT[i]}" --gpus "$CKPTEVAL_GPUS_PER_WORKER" -- \
+        "$CKPTEVAL_PYTHON" -P -m ckpteval.jobs.launch.slurm_env exec --slot "${CKPTEVAL_WSLOT[i]}" --gpus "$CKPTEVAL_GPUS_PER_WORKER" -- \
         "${CKPTEVAL_WORKER_CMD[@]}" --worker-id "$id" &
     CKPTEVAL_WPID[i]=$!
     CKPTEVAL_WRC[i]=""
@@ -171,7 +171,7 @@ ckpteval_start_workers() {
     for ((i = 0; i < ${#CKPTEVAL_WNODE[@]}; i++)); do ckpteval_start_worker "$i"; done
 }
 
-# ckpteval_start_judge HETGROUP CMD...: the judge server as one job step (python -m jobs.launch.judge_server
+# ckpteval_start_judge HETGROUP CMD...: the judge server as one job step (python -P -m ckpteval.jobs.launch.judge_server
 # picks a port for CMD's {port}, waits for /v1/models, writes RUN/judge.json). The stale judge.json of an
 # earlier start is removed first, so workers never call a judge that is gone. Not supervised: the job
 # ends with its trainer and workers, then ckpteval_stop_judge stops it.
@@ -181,7 +181,7 @@ ckpteval_start_judge() {
     rm -f "$RUN/judge.json"
     ckpteval_log "judge server (het group $group): $*"
     srun --het-group="$group" --nodes=1 --ntasks=1 --job-name=ckpteval-judge \
-        "$CKPTEVAL_PYTHON" -m jobs.launch.judge_server --run-dir "$RUN" -- "$@" &
+        "$CKPTEVAL_PYTHON" -P -m ckpteval.jobs.launch.judge_server --run-dir "$RUN" -- "$@" &
     CKPTEVAL_JUDGE_PID=$!
 }
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.reference.model import ModelConfig, build_model, generation_config, save_tokenizer
+from ckpteval.jobs.reference.model import ModelConfig, build_model, generation_config, save_tokenizer
 
 # Larger init than training uses: peaked logits keep greedy decoding of an untrained model stable.
 TINY_CFG = ModelConfig(initializer_range=0.2)

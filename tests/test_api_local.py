@@ -1,4 +1,4 @@
-"""jobs.launch.api on submitit's local executor (no SLURM): fleet, array backfill, checkpoint + requeue.
+"""ckpteval.jobs.launch.api on submitit's local executor (no SLURM): fleet, array backfill, checkpoint + requeue.
 
 Real worker processes on real tiny-model snapshots; the backend is the real fn backend
 ``tests.support.workers:SumBackend`` (reads the snapshot's safetensors; ``SUMBACKEND_DELAY_S`` slows each
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import submitit
 
-from jobs.launch import api
+from ckpteval.jobs.launch import api
 from tests.support.workers import (
     REPO,
     duplicates,

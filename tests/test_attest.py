@@ -18,17 +18,17 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from coord.digests import compare_digests, crc32_combine, safetensors_digests
-from coord.discovery import SnapshotDiscovery, SnapshotRef
-from coord.rundir import RunDir
-from coord.snapshot import mark_complete, read_marker
-from coord.units import WorkUnit
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.engines.http import HTTPEngine
-from jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from jobs.eval.scoring import DatasetCache
-from jobs.reference.model import build_model
-from jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.coord.digests import compare_digests, crc32_combine, safetensors_digests
+from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import mark_complete, read_marker
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.http import HTTPEngine
+from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.reference.model import build_model
+from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 from tests.support.workers import base_dir, make_eval_run, publish_model, start_serve, version
 
 
@@ -141,7 +141,7 @@ def test_a_marker_written_before_xxh3_is_attested_by_crc32(tmp_path: Path) -> No
     """A marker whose tensors carry CRC-32 only (written before XXH3): engines digest with CRC-32, an
     honest one passes and the stale-layer one still fails."""
     from bench.bench_attest import without_xxh3
-    from jobs.eval.attest import AttestFailed, attest
+    from ckpteval.jobs.eval.attest import AttestFailed, attest
 
     run, refs = _run_with_steps(tmp_path, (1, 2))
     legacy = without_xxh3(read_marker(refs[1].path))
@@ -232,8 +232,8 @@ def test_the_stand_in_answers_weights_checker_as_sglang_does(served: Any) -> Non
 
 # -- what a point cost (#19 §3) ---------------------------------------------------------------------------
 def test_units_record_their_cost_and_the_point_and_status_sum_it(tmp_path: Path) -> None:
-    from coord.results import derive_point, point_metrics, write_result
-    from jobs.views.status import collect_status, cost_line
+    from ckpteval.coord.results import derive_point, point_metrics, write_result
+    from ckpteval.jobs.views.status import collect_status, cost_line
 
     run, refs = _run_with_steps(tmp_path, (1,))
     engine = HFEngine()

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from coord.ledger import Ledger
-from coord.manifest import LeaseSettings
-from coord.settle import settle_vanished
-from coord.units import WorkUnit
-from jobs.lifecycle import EXIT_DONE
-from jobs.views.status import collect_status
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.manifest import LeaseSettings
+from ckpteval.coord.settle import settle_vanished
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.lifecycle import EXIT_DONE
+from ckpteval.jobs.views.status import collect_status
 from tests.support.workers import (
     duplicates,
     finish,

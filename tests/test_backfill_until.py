@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jobs.lifecycle import EXIT_DONE
+from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import (
     SumBackend,
     claimed_at,

@@ -1,6 +1,6 @@
 """Every bad input is one clear line: a sweep over every subcommand with bad values for every flag.
 
-Each case runs ``python -m jobs.cli ...`` as a real process in its own copy of a sandbox (a valid run,
+Each case runs ``python -m ckpteval.jobs.cli ...`` as a real process in its own copy of a sandbox (a valid run,
 broken runs, files where dirs belong, malformed eval configs) and must end with exit 2, exactly one
 line on stderr (the convention of every ``ckpteval`` parser and check: ``prog: what is wrong``; no
 argparse usage block), no traceback anywhere, and the sandbox tree unchanged (nothing created,
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import parse_manifest
-from coord.rundir import RunDir
+from ckpteval.coord.manifest import parse_manifest
+from ckpteval.coord.rundir import RunDir
 from tests.support.workers import REPO, make_eval_run
 
 CASE_TIMEOUT_S = 60.0  # generous: a case that runs this long is a silent accept
@@ -455,11 +455,11 @@ def tree(root: Path) -> dict[str, tuple[int, int, int]]:
 
 
 def cli(argv: list[str], cwd: Path, repo: Path = REPO, prefix: list[str] | None = None) -> tuple[int | None, str, str]:
-    """``python -m jobs.cli argv`` in ``cwd`` (behind ``prefix``, e.g. :func:`unprivileged`): (exit code or
+    """``python -m ckpteval.jobs.cli argv`` in ``cwd`` (behind ``prefix``, e.g. :func:`unprivileged`): (exit code or
     None if killed at the timeout, stdout, stderr)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTEVAL_", "SLURM_"))}
     env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "jobs.cli", *argv], cwd=cwd, env=env, text=True,
+    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ckpteval.jobs.cli", *argv], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=CASE_TIMEOUT_S)
@@ -511,7 +511,7 @@ def test_every_bad_input_is_one_clear_line(tmp_path: Path) -> None:
 
 def test_cases_cover_every_flag_of_every_subcommand() -> None:
     """Each flag a subcommand's parser declares appears in at least one of its bad cases."""
-    from jobs.cli import SUBCOMMAND_HELP_EXTRA, _help_text
+    from ckpteval.jobs.cli import SUBCOMMAND_HELP_EXTRA, _help_text
 
     cases = all_cases()
     for name in ("worker", "backfill", "train", "status", "plot", "serve", "submit", "demo", "compare", "best"):
@@ -524,7 +524,7 @@ def test_cases_cover_every_flag_of_every_subcommand() -> None:
 
 def test_every_flag_says_what_it_does() -> None:
     """Each option line of every ``--help`` carries a description (on its line or the next)."""
-    from jobs.cli import flag_reference
+    from ckpteval.jobs.cli import flag_reference
 
     lines = flag_reference().splitlines()
     blank = []
@@ -537,14 +537,14 @@ def test_every_flag_says_what_it_does() -> None:
 
 def test_every_run_command_takes_the_run_dir_positionally_or_as_a_flag(tmp_path: Path) -> None:
     """``ckpteval status RUN`` and ``ckpteval worker --run-dir RUN`` both work: so do the other forms."""
-    from jobs.eval import backfill, worker
-    from jobs.flags import Parser, run_dir_from_args
-    from jobs.reference import demo, train_config
+    from ckpteval.jobs.eval import backfill, worker
+    from ckpteval.jobs.flags import Parser, run_dir_from_args
+    from ckpteval.jobs.reference import demo, train_config
 
     run = tmp_path / "run"
     for module in (worker, backfill):
         parser = Parser(prog="p")
-        from jobs.eval.options import add_worker_flags
+        from ckpteval.jobs.eval.options import add_worker_flags
 
         add_worker_flags(parser, pass_flags=module is worker)
         for argv in ([str(run)], ["--run-dir", str(run)]):
@@ -558,7 +558,7 @@ def test_every_run_command_takes_the_run_dir_positionally_or_as_a_flag(tmp_path:
 def test_help_texts_read_as_help_for_users() -> None:
     """No ``--help`` refers to a table or text that is not there, quotes reStructuredText, describes the
     code instead of the command, or files its wandb flags under a posture the command is not."""
-    from jobs.cli import flag_reference
+    from ckpteval.jobs.cli import flag_reference
 
     text = "\n".join(line for line in flag_reference().splitlines() if not line.startswith("```"))
     for phrase in ("table above", "see above", "``", "importable without", "options and their validation"):
@@ -585,8 +585,8 @@ def test_group_writable_run_json_refuses_run_code(tmp_path: Path, capsys: pytest
     """A run.json naming a ``module:function`` scorer, writable by the group: the worker refuses to
     import it (exit 2, one line) and writes nothing; ``--trust-run-code`` lets it proceed; a private
     run.json with the same scorer needs no opt-in; built-in scorers never need one."""
-    from jobs.eval.options import WorkerOptions
-    from jobs.eval.worker import EXIT_DONE, EXIT_USAGE, run_worker
+    from ckpteval.jobs.eval.options import WorkerOptions
+    from ckpteval.jobs.eval.worker import EXIT_DONE, EXIT_USAGE, run_worker
 
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2, scorer=TRUST_SCORER)
     run.manifest_path.chmod(0o664)
@@ -625,11 +625,11 @@ def _loose(root: Path) -> list[str]:
 def test_files_ckpteval_creates_follow_a_tight_umask(tmp_path: Path) -> None:
     """Under umask 077 nothing ckpteval writes (run layout, run.json, results, ledger lines, leases,
     snapshots, a submitted batch script) is readable or writable by anyone but the user."""
-    from coord.atomic import append_line
-    from coord.results import skip_result, write_result
-    from coord.snapshot import publish_snapshot
-    from coord.units import UnitClaimer, units_for_step
-    from jobs.launch import submit
+    from ckpteval.coord.atomic import append_line
+    from ckpteval.coord.results import skip_result, write_result
+    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.coord.units import UnitClaimer, units_for_step
+    from ckpteval.jobs.launch import submit
 
     with _umask(0o077):
         run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from coord.rundir import RunDir
-from coord.units import WorkUnit
-from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn, version
 
 FN = "fn:tests.support.workers:SumBackend"

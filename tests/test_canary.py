@@ -16,17 +16,17 @@ import pytest
 import torch
 from tokenizers import processors
 
-from coord.discovery import SnapshotDiscovery
-from coord.snapshot import CANARY, read_marker
-from coord.units import WorkUnit
-from jobs.eval.canary import CanaryFailed, canary_bytes, check_canary, probe_rows
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.evalsets import load_dataset
-from jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from jobs.eval.options import CANARY_MAX_DIFF_NARROWER, CANARY_MAX_DIFF_SAME_DTYPE
-from jobs.eval.scoring import DatasetCache
-from jobs.reference.model import build_model, build_tokenizer
-from jobs.trainer.export.async_export import AsyncExporter
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshot import CANARY, read_marker
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.canary import CanaryFailed, canary_bytes, check_canary, probe_rows
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.evalsets import load_dataset
+from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
+from ckpteval.jobs.eval.options import CANARY_MAX_DIFF_NARROWER, CANARY_MAX_DIFF_SAME_DTYPE
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.reference.model import build_model, build_tokenizer
+from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.workers import base_dir, make_eval_run, version
 
 
@@ -133,8 +133,8 @@ def test_the_runs_canary_policy_skips_or_flags_a_unit_over_its_threshold(snapsho
     marks the fidelity (and the point's ``eval/fidelity/flagged``)."""
     from dataclasses import replace
 
-    from coord.manifest import CanarySettings, save_manifest
-    from coord.results import point_fidelity
+    from ckpteval.coord.manifest import CanarySettings, save_manifest
+    from ckpteval.coord.results import point_fidelity
 
     run, _ = snapshot
     manifest = run.manifest()

@@ -23,19 +23,19 @@ import torch
 from tokenizers import processors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from coord.discovery import SnapshotDiscovery
-from coord.units import WorkUnit
-from jobs.eval.canary import canary_bytes, probe_rows
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.engines.sglang import SGLangEngine
-from jobs.eval.evalsets import load_dataset
-from jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from jobs.eval.options import CANARY_MAX_DIFF_SAME_DTYPE
-from jobs.eval.scoring import DatasetCache
-from jobs.reference.model import build_model
-from jobs.reference.serve import EngineHTTPServer
-from jobs.reference.serve_engine import EngineService
-from jobs.trainer.export.async_export import AsyncExporter
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.canary import canary_bytes, probe_rows
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.sglang import SGLangEngine
+from ckpteval.jobs.eval.evalsets import load_dataset
+from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
+from ckpteval.jobs.eval.options import CANARY_MAX_DIFF_SAME_DTYPE
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.reference.model import build_model
+from ckpteval.jobs.reference.serve import EngineHTTPServer
+from ckpteval.jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.workers import base_dir, make_eval_run, version
 
 
@@ -142,8 +142,8 @@ def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(
     absent for it (None, one line on stderr), not failed and not an engine error."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from coord.snapshot import read_marker
-    from jobs.eval.canary import check_canary
+    from ckpteval.coord.snapshot import read_marker
+    from ckpteval.jobs.eval.canary import check_canary
 
     class Refusing(BaseHTTPRequestHandler):
         def do_GET(self) -> None:

@@ -22,17 +22,17 @@ from typing import Any
 
 import pytest
 
-from coord.identity import run_key
-from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from coord.results import dataset_score, derive_point, point_metrics
-from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot
-from coord.units import WorkUnit
-from jobs.eval.evalsets import write_jsonl
-from jobs.eval.sandbox import probe_bwrap
-from jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
-from jobs.eval.scorers.code import extract_code, row_tests, same_output
-from jobs.eval.service import read_eval_config
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.results import dataset_score, derive_point, point_metrics
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.eval.sandbox import probe_bwrap
+from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
+from ckpteval.jobs.eval.scorers.code import extract_code, row_tests, same_output
+from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.sandbox import survivors
@@ -173,7 +173,7 @@ def code_run(tmp: Path, rows: list[dict[str, Any]], **kw: Any) -> RunDir:
 def run_worker(run: RunDir, url: str, cwd: Path, *flags: str, env: dict[str, str] | None = None,
                timeout: float = 240) -> tuple[int, str, int]:
     cwd.mkdir(exist_ok=True)
-    proc = subprocess.Popen([PYTHON, "-m", "jobs.cli", "worker", "--run-dir", str(run.path), "--once",
+    proc = subprocess.Popen([PYTHON, "-m", "ckpteval.jobs.cli", "worker", "--run-dir", str(run.path), "--once",
                              "--engine", f"http:{url}", "--poll-interval", "0.05", *flags],
                             cwd=cwd, env={**worker_env(), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

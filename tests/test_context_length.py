@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from coord.units import WorkUnit
-from jobs.eval.engines.base import RequestRejected, SamplingParams, context_problem
-from jobs.eval.engines.hf import HFEngine
-from jobs.lifecycle import EXIT_DONE
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import RequestRejected, SamplingParams, context_problem
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn, start_serve, version
 
 LONG = "12+34=" * 12  # 72 characters: 72+ tokens, over the tiny model's 64 positions

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from coord.atomic import publish_exclusive, read_json, read_jsonl, write_json_atomic
-from coord.discovery import SnapshotDiscovery
-from coord.manifest import load_manifest
-from coord.snapshot import (
+from ckpteval.coord.atomic import publish_exclusive, read_json, read_jsonl, write_json_atomic
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.manifest import load_manifest
+from ckpteval.coord.snapshot import (
     SnapshotCorrupt,
     SnapshotMissing,
     checkpoint_dirname,
@@ -96,7 +96,7 @@ def test_jsonl_torn_tail_is_ignored_by_readers_and_cut_by_the_writer(tmp_path: P
 def test_jsonl_utf8_bom_is_accepted_and_a_json_array_is_named(tmp_path: Path) -> None:
     """Editors (Notepad, Excel exports) write a UTF-8 BOM: it is not data. A file that is one JSON array
     is named as such (not "malformed JSON line 1"), for protocol files and eval sets alike."""
-    from jobs.eval.evalsets import load_rows
+    from ckpteval.jobs.eval.evalsets import load_rows
 
     path = tmp_path / "set.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}')
@@ -179,7 +179,7 @@ SLOW_PUBLISHER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from coord.snapshot import publish_snapshot
+    from ckpteval.coord.snapshot import publish_snapshot
 
     def write(d: Path) -> None:
         for i in range(1000):

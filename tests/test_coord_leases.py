@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import LeaseSettings
-from coord.results import ResultIndex, ok_result, write_result
-from coord.units import UnitClaimer, WorkUnit, lease_holders, lease_path, read_lease_holder
+from ckpteval.coord.manifest import LeaseSettings
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
+from ckpteval.coord.units import UnitClaimer, WorkUnit, lease_holders, lease_path, read_lease_holder
 
 ROOT = Path(__file__).parents[1]
 
@@ -73,8 +73,8 @@ HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from coord.manifest import LeaseSettings
-    from coord.units import UnitClaimer, WorkUnit
+    from ckpteval.coord.manifest import LeaseSettings
+    from ckpteval.coord.units import UnitClaimer, WorkUnit
     claimer = UnitClaimer(Path(sys.argv[1]), LeaseSettings(float(sys.argv[2]), float(sys.argv[2]) / 6))
     claim = claimer.try_claim(WorkUnit(1, "ds", 0))
     print("held" if claim else "busy", flush=True)

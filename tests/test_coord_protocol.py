@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import coord.discovery as discovery_mod
-from coord.discovery import SnapshotDiscovery
-from coord.gc import StagingGC, has_room
-from coord.ledger import Ledger
-from coord.results import (
+import ckpteval.coord.discovery as discovery_mod
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.gc import StagingGC, has_room
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.results import (
     ResultIndex,
     derive_point,
     ok_result,
@@ -24,9 +24,9 @@ from coord.results import (
     write_point_skip,
     write_result,
 )
-from coord.snapshot import mark_complete, publish_snapshot
-from coord.units import WorkUnit, order_units, units_for_step
-from jobs.trainer.config import DispatchConfig, filesystem_type
+from ckpteval.coord.snapshot import mark_complete, publish_snapshot
+from ckpteval.coord.units import WorkUnit, order_units, units_for_step
+from ckpteval.jobs.trainer.config import DispatchConfig, filesystem_type
 from tests.support.runs import make_run, write_tiny_shards
 
 

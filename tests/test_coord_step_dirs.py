@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import load_manifest, parse_manifest
-from coord.results import ResultIndex, ok_result, write_result
-from coord.rundir import RunDir, step_dir_name
-from coord.snapshot import SnapshotCorrupt, VerifiedSnapshots, publish_snapshot, read_marker
-from coord.units import WorkUnit, lease_holders
-from jobs.eval.backfill import main as backfill_main
-from jobs.eval.options import WorkerOptions
-from jobs.eval.runner import UnitRunner
-from jobs.lifecycle import EXIT_DONE
-from jobs.views.status import collect_status
+from ckpteval.coord.manifest import load_manifest, parse_manifest
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
+from ckpteval.coord.rundir import RunDir, step_dir_name
+from ckpteval.coord.snapshot import SnapshotCorrupt, VerifiedSnapshots, publish_snapshot, read_marker
+from ckpteval.coord.units import WorkUnit, lease_holders
+from ckpteval.jobs.eval.backfill import main as backfill_main
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.runner import UnitRunner
+from ckpteval.jobs.lifecycle import EXIT_DONE
+from ckpteval.jobs.views.status import collect_status
 from tests.support.runs import write_tiny_shards
 from tests.support.workers import counted_claimers, make_eval_run, results, run_inprocess
 

@@ -1,4 +1,4 @@
-"""Decisions from points (jobs.decide): paired intervals, the best step, ``ckpteval compare`` / ``best``.
+"""Decisions from points (ckpteval.jobs.decide): paired intervals, the best step, ``ckpteval compare`` / ``best``.
 
 The statistics are checked against simulations where the truth is known (fixed seeds): the paired
 interval covers the true difference at its nominal rate, and the best step's "not distinguishable"
@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coord.results import ok_result, write_result
-from coord.rundir import RunDir
-from coord.units import shard_range, units_for_step
-from jobs.decide.stats import best_step, paired_interval, t_quantile
+from ckpteval.coord.results import ok_result, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import shard_range, units_for_step
+from ckpteval.jobs.decide.stats import best_step, paired_interval, t_quantile
 from tests.support.runs import make_run
 from tests.support.workers import finish, spawn
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from coord.atomic import read_jsonl
+from ckpteval.coord.atomic import read_jsonl
 from tests.support.workers import wait_for
 
 ROOT = Path(__file__).parents[1]
@@ -26,7 +26,7 @@ ROOT = Path(__file__).parents[1]
 def test_demo_posture_lands_every_point_pinned(tmp_path: Path, posture: str) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "demo", "--posture", posture, "--steps", "20", "--eval-interval", "10",
+        [sys.executable, "-m", "ckpteval.jobs.cli", "demo", "--posture", posture, "--steps", "20", "--eval-interval", "10",
          "--eval-n-prompts", "16", "--eval-samples", "2", "--run-dir", str(run_dir), "--staging", "run"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
@@ -43,7 +43,7 @@ def test_demo_posture_lands_every_point_pinned(tmp_path: Path, posture: str) -> 
 
 
 def test_demo_rejects_bad_options(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "demo", "--posture", "fleet-reuse", "--workers", "0"],
+    proc = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "demo", "--posture", "fleet-reuse", "--workers", "0"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "needs --workers >= 1" in proc.stderr
 
@@ -81,7 +81,7 @@ def test_demo_stopped_by_a_signal_leaves_no_process_no_staging_and_no_unit_pendi
     ``ckpt_missing`` result — so status shows nothing pending and backfill agrees there is nothing to do."""
     run_dir = tmp_path / f"run-{signal.Signals(sig).name}"
     demo = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "demo", "--steps", "400", "--eval-interval", "10", "--eval-n-prompts",
+        [sys.executable, "-m", "ckpteval.jobs.cli", "demo", "--steps", "400", "--eval-interval", "10", "--eval-n-prompts",
          "16", "--eval-samples", "0", "--run-dir", str(run_dir), "--staging", "shm"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
@@ -105,17 +105,17 @@ def test_demo_stopped_by_a_signal_leaves_no_process_no_staging_and_no_unit_pendi
     marker = json.loads((run_dir / "INTERRUPTED").read_text())
     assert marker["signal"] == signal.Signals(sig).name and marker["by"] == "ckpteval demo"
 
-    status = subprocess.run([sys.executable, "-m", "jobs.cli", "status", "--json", str(run_dir)], cwd=ROOT,
+    status = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "status", "--json", str(run_dir)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     state = json.loads(status.stdout)
     assert state["units"]["pending"] == [], state["units"]
     assert state["units"]["skipped"].get("ckpt_missing", 0) >= 1, state["units"]  # the exported step's units
     assert state["interrupted"]["signal"] == signal.Signals(sig).name
-    table = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(run_dir)], cwd=ROOT,
+    table = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "status", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert "training interrupted" in table.stdout and "pending 0" in table.stdout, table.stdout[-2000:]
-    backfill = subprocess.run([sys.executable, "-m", "jobs.cli", "backfill", "--run-dir", str(run_dir), "--engine",
+    backfill = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "backfill", "--run-dir", str(run_dir), "--engine",
                                "hf"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert backfill.returncode == 0, backfill.stderr[-2000:]
     assert "nothing to do" in backfill.stdout, backfill.stdout

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from coord.results import (
+from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.results import (
     ResultIndex,
     derive_point,
     majority_score,
@@ -24,8 +24,8 @@ from coord.results import (
     point_metrics,
     write_result,
 )
-from coord.rundir import RunDir
-from coord.units import shard_range, units_for_step
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import shard_range, units_for_step
 
 
 def brute_pass_at_k(correct: list[bool], k: int) -> float:

@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coord.gc import StagingGC
-from coord.ledger import Ledger
-from coord.results import ResultIndex
-from coord.rundir import RunDir
-from coord.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
-from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
-from jobs.trainer.config import DispatchConfig
-from jobs.trainer.dispatcher import EvalDispatcher
-from jobs.trainer.export.async_export import AsyncExporter
+from ckpteval.coord.gc import StagingGC
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
+from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.training import eval_lines, eval_step_counts, fill_results, ledger_counts, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)

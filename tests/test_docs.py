@@ -41,16 +41,16 @@ def test_doc_commands_run_on_cpu(tmp_path: Path) -> None:
 
 
 def test_flags_reference_is_current() -> None:
-    from jobs.cli import flag_reference
+    from ckpteval.jobs.cli import flag_reference
 
     current = (ROOT / "docs" / "FLAGS.md").read_text()
     if current.rstrip() != flag_reference().rstrip():
-        pytest.fail("docs/FLAGS.md is stale: run `python -m jobs.cli reference > docs/FLAGS.md`")
+        pytest.fail("docs/FLAGS.md is stale: run `python -m ckpteval.jobs.cli reference > docs/FLAGS.md`")
 
 
 def test_protocol_layout_lists_every_run_dir_name(tmp_path: Path) -> None:
-    """Every name coord.rundir.RunDir defines (what a second process reads) is in PROTOCOL.md §1."""
-    from coord.rundir import RunDir
+    """Every name ckpteval.coord.rundir.RunDir defines (what a second process reads) is in PROTOCOL.md §1."""
+    from ckpteval.coord.rundir import RunDir
 
     run = RunDir(tmp_path)
     names = {getattr(run, attr).name for attr, value in vars(RunDir).items()
@@ -58,7 +58,7 @@ def test_protocol_layout_lists_every_run_dir_name(tmp_path: Path) -> None:
     layout = (ROOT / "docs" / "PROTOCOL.md").read_text().split("## 1. Layout", 1)[1].split("## 2.", 1)[0]
     listed = set(re.findall(r"^RUN/([^/\s]+)", layout, re.M))
     assert len(names) >= 12 and names <= listed, f"missing from PROTOCOL.md §1: {sorted(names - listed)}"
-    from coord.rundir import DUPLICATES, STEP_DIR_PREFIX, step_dir_name
+    from ckpteval.coord.rundir import DUPLICATES, STEP_DIR_PREFIX, step_dir_name
 
     for name in (f"{DUPLICATES}/", f"{STEP_DIR_PREFIX}<S:010d>/", "<unit>.attempts", "<unit>.retry<k>.json"):
         assert name in layout, f"PROTOCOL.md §1 does not name {name}"

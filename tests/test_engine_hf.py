@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from jobs.eval.engines.base import Engine, EngineError, SamplingParams
-from jobs.eval.engines.hf import HFEngine
-from jobs.reference.model import make_addition_examples
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, SamplingParams
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.reference.model import make_addition_examples
 
 SnapshotFactory = Callable[..., Path]
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jobs.eval.engines import hf, hf_weights
-from jobs.eval.engines.base import EngineError, SamplingParams
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.engines.hf_weights import cpu_supports, snapshot_dtype
-from jobs.reference.model import build_model, save_base_model_dir
+from ckpteval.jobs.eval.engines import hf, hf_weights
+from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf_weights import cpu_supports, snapshot_dtype
+from ckpteval.jobs.reference.model import build_model, save_base_model_dir
 from tests.conftest import TINY_CFG
 
 PROBE = torch.tensor([[1, 4, 5, 14, 6, 15]])

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.eval.engines.base import EngineError, RequestRejected, SamplingParams, launch_timeout
-from jobs.eval.engines.http import UnsupportedServer
-from jobs.eval.engines.sglang import (
+from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplingParams, launch_timeout
+from ckpteval.jobs.eval.engines.http import UnsupportedServer
+from ckpteval.jobs.eval.engines.sglang import (
     DETERMINISTIC_FLAG,
     SGLangEngine,
     determinism_flags,
@@ -29,8 +29,8 @@ from jobs.eval.engines.sglang import (
     installed_sglang_version,
     launch_command,
 )
-from jobs.eval.pinning import pin, restart
-from jobs.reference.model import (
+from ckpteval.jobs.eval.pinning import pin, restart
+from ckpteval.jobs.reference.model import (
     ModelConfig,
     build_model,
     generation_config,
@@ -50,7 +50,7 @@ PROMPTS = [ex["prompt"] for ex in make_addition_examples(8, seed=3)]
 
 
 def test_module_imports_without_sglang() -> None:
-    code = "import sys; sys.modules['sglang'] = None; import jobs.eval.engines.sglang"
+    code = "import sys; sys.modules['sglang'] = None; import ckpteval.jobs.eval.engines.sglang"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -122,7 +122,7 @@ def test_deterministic_engines_launch_with_the_flag(tmp_path: Path) -> None:
 def test_the_worker_launches_sglang_deterministic_when_a_dataset_samples(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from jobs.eval.evaluators import _settings
+    from ckpteval.jobs.eval.evaluators import _settings
     from tests.support.workers import make_eval_run
 
     manifest = make_eval_run(tmp_path).manifest()

@@ -1,6 +1,6 @@
 """The ``env`` dataset kind (jobs/eval/envs): episodes with known rewards, failures attributed right.
 
-What is real: the engine path is the real :class:`jobs.eval.engines.http.HTTPEngine` (load, pin,
+What is real: the engine path is the real :class:`ckpteval.jobs.eval.engines.http.HTTPEngine` (load, pin,
 ``/generate`` with per-sample versions) against :class:`tests.support.canned_engine.ScriptedEngine`, a real
 stdlib HTTP server whose replies come from a scripted policy reading the transcript it is sent (a model
 cannot be scripted, and the ``fn`` backend cannot play turns); tools run in the real sandbox (bwrap);
@@ -20,23 +20,23 @@ from typing import Any
 
 import pytest
 
-from coord.identity import run_key
-from coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from coord.results import derive_point, point_metrics
-from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot
-from coord.units import WorkUnit
-from jobs.eval.engines.factory import make_engine
-from jobs.eval.envs.examples import arithmetic_rows
-from jobs.eval.envs.runner import evaluate_env
-from jobs.eval.envs.tools import MalformedCall, parse_tool_calls
-from jobs.eval.evalsets import write_jsonl
-from jobs.eval.options import WorkerOptions
-from jobs.eval.pinning import PinViolation, pin
-from jobs.eval.sandbox import probe_bwrap
-from jobs.eval.scorers import ScorerInfraError
-from jobs.eval.scoring import DatasetCache
-from jobs.eval.service import read_eval_config
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.results import derive_point, point_metrics
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.factory import make_engine
+from ckpteval.jobs.eval.envs.examples import arithmetic_rows
+from ckpteval.jobs.eval.envs.runner import evaluate_env
+from ckpteval.jobs.eval.envs.tools import MalformedCall, parse_tool_calls
+from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.pinning import PinViolation, pin
+from ckpteval.jobs.eval.sandbox import probe_bwrap
+from ckpteval.jobs.eval.scorers import ScorerInfraError
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.service import read_eval_config
 from tests.support import envs as test_envs
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards
@@ -107,7 +107,7 @@ def evaluate(run: RunDir, url: str) -> Any:
 
 # -- pure parts ---------------------------------------------------------------------------------------------
 def test_tool_calls_parse_in_the_hermes_format_and_malformed_ones_are_the_models() -> None:
-    from jobs.eval.envs.examples import CALCULATOR
+    from ckpteval.jobs.eval.envs.examples import CALCULATOR
 
     (call,) = parse_tool_calls('ok <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>',
                                [CALCULATOR])
@@ -307,8 +307,8 @@ def test_trainer_logs_the_rewards_its_episodes_results_say(tmp_path: Path) -> No
 
 # -- where episodes may run, and what they may import ------------------------------------------------------------
 def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path: Path) -> None:
-    from jobs.eval.evaluators import build_evaluator
-    from jobs.eval.trust import run_code
+    from ckpteval.jobs.eval.evaluators import build_evaluator
+    from ckpteval.jobs.eval.trust import run_code
 
     run = env_run(tmp_path, [ROWS[0]], env="tests.support.envs:FlakyToolEnv")
     assert run_code(run.manifest()) == ["tests.support.envs:FlakyToolEnv"]  # imported only under the trust rule
@@ -318,7 +318,7 @@ def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path:
 
 
 def test_worker_start_refuses_options_the_environment_does_not_take_and_rows_it_cannot_read(tmp_path: Path) -> None:
-    from jobs.eval.envs.runner import check_env_entry
+    from ckpteval.jobs.eval.envs.runner import check_env_entry
 
     bad = env_run(tmp_path / "a", [ROWS[0]], env="tests.support.envs:FlakyToolEnv", env_options={"flaky": 1})
     with pytest.raises(ValueError, match=r"dataset 'arith': environment .*unexpected keyword argument 'flaky'"):
@@ -331,9 +331,9 @@ def test_worker_start_refuses_options_the_environment_does_not_take_and_rows_it_
 def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from jobs.eval.envs.examples import CALCULATOR
-    from jobs.eval.envs.runner import Episode, Renderer
-    from jobs.reference.model import save_tokenizer
+    from ckpteval.jobs.eval.envs.examples import CALCULATOR
+    from ckpteval.jobs.eval.envs.runner import Episode, Renderer
+    from ckpteval.jobs.reference.model import save_tokenizer
 
     snapshot = tmp_path / "snap"
     save_tokenizer(snapshot, chat=True)
@@ -354,7 +354,7 @@ def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(
 def test_a_tokenizer_with_its_own_response_template_parses_its_tool_calls(tmp_path: Path) -> None:
     """A chat entry on a snapshot whose tokenizer defines ``response_template`` (calls as ``[CALL]json[/CALL]``):
     the calls are parsed the model's way, the tool runs, its result is rendered back by the template."""
-    from jobs.reference.model import build_tokenizer
+    from ckpteval.jobs.reference.model import build_tokenizer
 
     def with_template(d: Path) -> None:
         write_tiny_shards(d)
@@ -400,7 +400,7 @@ def test_arguments_the_tool_does_not_take_are_the_models_malformed_call(tmp_path
 
 
 def test_pass_at_k_counts_an_episode_passed_from_its_entrys_pass_threshold() -> None:
-    from coord.results import dataset_score, ok_result
+    from ckpteval.coord.results import dataset_score, ok_result
 
     rewards = [1.0, 0.5, 0.25, 0.0]  # e.g. guess with efficiency: 1/guesses
     result = ok_result(WorkUnit(1, "g", 0), rewards, ["k@1"] * 4)

@@ -1,7 +1,7 @@
 """The pinned engine's OpenAI-compatible endpoint (jobs/eval/envs/endpoint.py) and the verifiers adapter.
 
 What is real: the engines (the in-process hf engine on the reference trainer's tiny model; the real
-:class:`jobs.eval.engines.http.HTTPEngine` against :class:`tests.support.canned_engine.ScriptedEngine`, a
+:class:`ckpteval.jobs.eval.engines.http.HTTPEngine` against :class:`tests.support.canned_engine.ScriptedEngine`, a
 real stdlib HTTP server replying by a scripted policy, where a reply must be a chosen text), the
 endpoint's real HTTP server on loopback, and the real ``openai`` client talking to it.
 """
@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from coord.manifest import EnvSpec
-from coord.snapshot import publish_snapshot
-from jobs.eval.engines.base import SamplingParams
-from jobs.eval.engines.factory import make_engine
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.envs.endpoint import Endpoint, reply_version
-from jobs.eval.envs.runner import Renderer, render_transcript
-from jobs.eval.pinning import PinViolation, pin
-from jobs.eval.scorers import ScorerInfraError
+from ckpteval.coord.manifest import EnvSpec
+from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.jobs.eval.engines.base import SamplingParams
+from ckpteval.jobs.eval.engines.factory import make_engine
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.envs.endpoint import Endpoint, reply_version
+from ckpteval.jobs.eval.envs.runner import Renderer, render_transcript
+from ckpteval.jobs.eval.pinning import PinViolation, pin
+from ckpteval.jobs.eval.scorers import ScorerInfraError
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.workers import publish_model, version
@@ -165,7 +165,7 @@ def test_a_verifiers_entry_is_refused_at_worker_start_without_the_extra_or_with_
     it ('.[envs]', '.[test]'), a row must name a task by index."""
     import importlib.util
 
-    from jobs.eval.envs.verifiers_env import INSTALL, VerifiersEnv
+    from ckpteval.jobs.eval.envs.verifiers_env import INSTALL, VerifiersEnv
 
     if importlib.util.find_spec("verifiers") is None:
         with pytest.raises(ValueError, match=re.escape(INSTALL)):
@@ -179,7 +179,7 @@ def test_a_verifiers_entry_is_refused_at_worker_start_without_the_extra_or_with_
 
 def test_an_engine_that_fails_during_a_verifiers_episode_fails_the_unit_not_the_episode(tmp_path: Path) -> None:
     """The scripted server drops the connection (its policy raises): the engine's error, not an infra episode."""
-    from jobs.eval.engines.base import EngineError
+    from ckpteval.jobs.eval.engines.base import EngineError
     from tests.test_envs import evaluate
 
     def dying(_text: str, _engine: ScriptedEngine) -> str:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from coord.rundir import RunDir
-from jobs.eval.evalsets import load_rows
-from jobs.eval.scorers import scorer_class
-from jobs.eval.service import read_eval_config
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.evalsets import load_rows
+from ckpteval.jobs.eval.scorers import scorer_class
+from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.training import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OF
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -73,8 +73,8 @@ def test_example_eval_configs_are_valid_eval_configs(name: str) -> None:
 
 def _demo_fit(config_name: str) -> str | None:
     """Why the example does not fit the demo's tiny model (64 positions, no chat template), or None."""
-    from jobs.eval.engines.base import context_problem
-    from jobs.reference.model import build_tokenizer
+    from ckpteval.jobs.eval.engines.base import context_problem
+    from ckpteval.jobs.reference.model import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = read_eval_config(EXAMPLES / "evalsets" / config_name)
@@ -101,9 +101,9 @@ def test_each_example_fits_the_demo_model_or_says_it_needs_a_real_one(name: str)
 
 
 def test_the_demos_own_eval_set_fits_its_model(tmp_path: Path) -> None:
-    from jobs.eval.engines.base import context_problem
-    from jobs.eval.evalsets import write_addition_dataset
-    from jobs.reference.model import build_tokenizer
+    from ckpteval.jobs.eval.engines.base import context_problem
+    from ckpteval.jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.reference.model import build_tokenizer
 
     run = RunDir.create(tmp_path / "run")
     spec = write_addition_dataset(run, n=128)
@@ -114,7 +114,7 @@ def test_the_demos_own_eval_set_fits_its_model(tmp_path: Path) -> None:
 
 def test_example_lm_eval_config_names_a_task_in_its_include_path() -> None:
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
-    from jobs.eval.harness import check_harness
+    from ckpteval.jobs.eval.harness import check_harness
 
     config = read_eval_config(EXAMPLES / "lmeval" / "eval.json")
     assert config.spec.harness[0].include_path == str((EXAMPLES / "lmeval").resolve())

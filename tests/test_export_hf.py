@@ -1,4 +1,4 @@
-"""Tests for jobs.trainer.export.hf_files: a tiny real Llama round-trips bit-exactly through the snapshot files."""
+"""Tests for ckpteval.jobs.trainer.export.hf_files: a tiny real Llama round-trips bit-exactly through the snapshot files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import safetensors.torch as st
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from jobs.trainer.export.hf_files import SAFE_WEIGHTS_INDEX_NAME, snapshot_host_copy, write_hf_files
+from ckpteval.jobs.trainer.export.hf_files import SAFE_WEIGHTS_INDEX_NAME, snapshot_host_copy, write_hf_files
 
 SMALL_SHARD = 40_000  # bytes: forces several shards for the 2-layer, hidden-64 model
 

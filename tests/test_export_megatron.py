@@ -1,4 +1,4 @@
-"""Tests for jobs.trainer.export.megatron: a real megatron-core GPTModel (CPU, gloo, TP=PP=1) and its HF
+"""Tests for ckpteval.jobs.trainer.export.megatron: a real megatron-core GPTModel (CPU, gloo, TP=PP=1) and its HF
 conversion give the same logits; wrong or incomplete mappings are refused.
 
 Megatron on CPU needs three things (see :func:`_cpu_current_device` and :func:`megatron_env`): a
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from jobs.trainer.export import megatron as conv
-from jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.jobs.trainer.export import megatron as conv
+from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 
 SEQ = 12
 IDS = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(7))  # < every case's vocab

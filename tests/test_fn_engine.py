@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from coord.results import derive_point, point_metrics
-from coord.units import WorkUnit
-from jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
-from jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
-from jobs.eval.options import WorkerOptions
-from jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY
+from ckpteval.coord.results import derive_point, point_metrics
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
+from ckpteval.jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY
 from tests.support.workers import (
     SumBackend,
     make_eval_run,

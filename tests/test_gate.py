@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from coord.results import ResultIndex, derive_point
-from jobs.eval.engines.base import SamplingParams
-from jobs.eval.engines.hf import HFEngine
-from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model
-from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
-from jobs.trainer.gate import ProducerGate, shared_eval
+from ckpteval.coord.results import ResultIndex, derive_point
+from ckpteval.jobs.eval.engines.base import SamplingParams
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.reference.model import ModelConfig, build_model
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher, SharedEval
+from ckpteval.jobs.trainer.gate import ProducerGate, shared_eval
 from tests.support.training import eval_lines, make_train_run
 from tests.support.workers import version
 

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
-from coord.rundir import RunDir
-from coord.units import units_for_step
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.evalsets import write_jsonl
-from jobs.eval.grader import GraderPool, grade_math
-from jobs.eval.scorers import Sample, ScorerContext, make_scorer
-from jobs.eval.scoring import DatasetCache, score_unit
+from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import units_for_step
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.eval.grader import GraderPool, grade_math
+from ckpteval.jobs.eval.scorers import Sample, ScorerContext, make_scorer
+from ckpteval.jobs.eval.scoring import DatasetCache, score_unit
 
 # sympy tries to evaluate a power tower this tall and never comes back
 PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"

@@ -13,13 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import EvalSpec, HarnessSpec, LeaseSettings, RunManifest, load_manifest, parse_manifest
-from coord.results import derive_point, parse_result, point_metrics
-from coord.rundir import RunDir, unit_dir
-from coord.units import WorkUnit, units_for_step
-from jobs.eval.envs.endpoint import reply_version
-from jobs.views.plot import plot_series
-from jobs.views.status import collect_status, points_table
+from ckpteval.coord.manifest import (
+    EvalSpec,
+    HarnessSpec,
+    LeaseSettings,
+    RunManifest,
+    load_manifest,
+    parse_manifest,
+)
+from ckpteval.coord.results import derive_point, parse_result, point_metrics
+from ckpteval.coord.rundir import RunDir, unit_dir
+from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.jobs.eval.envs.endpoint import reply_version
+from ckpteval.jobs.views.plot import plot_series
+from ckpteval.jobs.views.status import collect_status, points_table
 from tests.support.workers import REPO, finish, publish_model, results, spawn, version
 
 pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
@@ -30,7 +37,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 def harness_run(tmp: Path, **fields: object) -> RunDir:
-    from jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.eval.evalsets import write_addition_dataset
 
     run = RunDir.create(tmp / "run")
     spec = write_addition_dataset(run, n=4, shard_size=4)
@@ -108,8 +115,8 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
 def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Running the task on the engine through ckpteval gives what lm-eval's HFLM gives on that model."""
-    from jobs.eval.engines.hf import HFEngine
-    from jobs.eval.harness import evaluate_task, hf_lm, run_task
+    from ckpteval.jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.eval.harness import evaluate_task, hf_lm, run_task
 
     monkeypatch.chdir(REPO)  # the task YAML's data_files path is relative to the working directory
 
@@ -190,7 +197,7 @@ def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp
 
 
 def test_lm_eval_entries_refuse_engines_without_an_lm_eval_adapter(tmp_path: Path) -> None:
-    from jobs.eval.evaluators import check_harness_engines
+    from ckpteval.jobs.eval.evaluators import check_harness_engines
 
     manifest = harness_run(tmp_path).manifest()
     for kinds, replicas in ((["fn"], 1), (["hf"], 2), (["hf", "http"], 1)):
@@ -218,7 +225,7 @@ def test_a_task_lm_eval_cannot_run_on_the_model_is_that_unit_s_skip_with_lm_eval
 
 def test_the_shipped_lm_eval_example_runs_on_the_demo_model(tmp_path: Path) -> None:
     """``examples/lmeval/eval.json`` as the guide shows it, on a snapshot of the demo (reference) model."""
-    from jobs.eval.service import create_run_from_config
+    from ckpteval.jobs.eval.service import create_run_from_config
 
     publish_model(tmp_path, tmp_path / "snaps", 5)
     run = create_run_from_config(tmp_path / "run", REPO / "examples" / "lmeval" / "eval.json", (tmp_path / "snaps",))

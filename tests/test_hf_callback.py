@@ -8,17 +8,17 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
-from coord.snapshot import read_marker, snapshot_dirname
-from jobs.metrics import MetricsSink
-from jobs.reference.model import (
+from ckpteval.coord.snapshot import read_marker, snapshot_dirname
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.reference.model import (
     ModelConfig,
     batch_for_training,
     build_model,
     build_tokenizer,
     make_addition_examples,
 )
-from jobs.trainer.dispatcher import EvalDispatcher
-from jobs.trainer.hf_callback import EvalDispatchCallback
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.jobs.trainer.hf_callback import EvalDispatchCallback
 from tests.support.training import InstantFleet, eval_lines, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)

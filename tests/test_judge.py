@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from coord.manifest import DatasetSpec
-from coord.rundir import RunDir
-from coord.verdicts import VerdictCache, cache_key, publish_judge
-from jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError
-from jobs.eval.scorers.judge import JudgeOptions, JudgeScorer, RewardModelScorer, read_verdict
+from ckpteval.coord.manifest import DatasetSpec
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.verdicts import VerdictCache, cache_key, publish_judge
+from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError
+from ckpteval.jobs.eval.scorers.judge import JudgeOptions, JudgeScorer, RewardModelScorer, read_verdict
 from tests.support.workers import start_judge
 
 pytest.importorskip("openai")
@@ -193,12 +193,12 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
     """wandb offline (read back from its own .wandb file): ingesting a judged point records the judge's
     identity, as its units recorded it, under ``eval/scorer/<ds>`` in the run's config."""
     pytest.importorskip("wandb")
-    from coord.ledger import Ledger
-    from coord.manifest import EvalSpec, RunManifest
-    from coord.results import ok_result
-    from coord.units import units_for_step
-    from jobs.ingest import ingest_point
-    from jobs.metrics import MetricsSink, init_wandb
+    from ckpteval.coord.ledger import Ledger
+    from ckpteval.coord.manifest import EvalSpec, RunManifest
+    from ckpteval.coord.results import ok_result
+    from ckpteval.coord.units import units_for_step
+    from ckpteval.jobs.ingest import ingest_point
+    from ckpteval.jobs.metrics import MetricsSink, init_wandb
     from tests.test_metrics import finished_wandb_records
 
     for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
@@ -229,7 +229,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
 def test_judge_settings_are_checked_where_run_json_is_parsed(
     tmp_path: Path, options: dict[str, Any], says: str
 ) -> None:
-    from jobs.eval.service import read_eval_config
+    from ckpteval.jobs.eval.service import read_eval_config
 
     (tmp_path / "qa.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cfg = tmp_path / "eval.json"
@@ -241,8 +241,8 @@ def test_judge_settings_are_checked_where_run_json_is_parsed(
 
 
 def test_a_reward_model_template_has_no_reference(tmp_path: Path) -> None:
-    from coord.manifest import Fields
-    from jobs.eval.scorers import scorer_class
+    from ckpteval.coord.manifest import Fields
+    from ckpteval.jobs.eval.scorers import scorer_class
 
     fields = Fields(tmp_path / "run.json", {"template": "{question}{response}{reference}"}, "scorer_options")
     with pytest.raises(ValueError, match=r"names \['reference'\]"):
@@ -251,7 +251,7 @@ def test_a_reward_model_template_has_no_reference(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["judged.eval.json", "reward_model.eval.json"])
 def test_example_judge_configs_are_valid(name: str) -> None:
-    from jobs.eval.service import read_eval_config
+    from ckpteval.jobs.eval.service import read_eval_config
 
     config = read_eval_config(Path(__file__).resolve().parents[1] / "examples" / "judge" / name)
     assert [d.scorer for d in config.spec.datasets] == [name.split(".")[0].replace("judged", "judge")]
@@ -260,9 +260,9 @@ def test_example_judge_configs_are_valid(name: str) -> None:
 def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact_judge: str) -> None:
     """Two real judges serving different models score the two shards of one point: each unit records the
     model its judge reported, and the point logs no eval/qa for the mix (eval/qa/scorer_mixed instead)."""
-    from coord.manifest import EvalSpec, RunManifest
-    from coord.results import derive_point, ok_result, point_metrics
-    from coord.units import units_for_step
+    from ckpteval.coord.manifest import EvalSpec, RunManifest
+    from ckpteval.coord.results import derive_point, ok_result, point_metrics
+    from ckpteval.coord.units import units_for_step
 
     other_url, other = start_judge("exact", tmp_path / "other.log", "--served-model-name", "judge-b")
     try:
@@ -283,9 +283,9 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
 
 
 def test_an_infra_skip_is_superseded_by_the_next_generation_never_overwritten(tmp_path: Path) -> None:
-    from coord.manifest import LeaseSettings
-    from coord.results import ResultIndex, ok_result, skip_result, write_result
-    from coord.units import UnitClaimer, WorkUnit
+    from ckpteval.coord.manifest import LeaseSettings
+    from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_result
+    from ckpteval.coord.units import UnitClaimer, WorkUnit
 
     results = tmp_path / "results"
     results.mkdir()

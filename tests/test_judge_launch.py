@@ -1,5 +1,5 @@
 """The judge on SLURM, without SLURM: ``ckpteval submit`` renders the judge component (``--judge-model`` /
-``--judge-cmd``) and hands ``--judge-url`` to the workers; ``python -m jobs.launch.judge_server`` runs a real
+``--judge-cmd``) and hands ``--judge-url`` to the workers; ``python -m ckpteval.jobs.launch.judge_server`` runs a real
 judge server (``ckpteval serve --judge exact``), publishes its URL in ``RUN/judge.json`` once it answers,
 and stops it on USR1. The real cluster runs it in tests/slurm/test_jobs_judge.py."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from coord.rundir import RunDir
-from coord.verdicts import read_judge
-from jobs.launch import submit
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.verdicts import read_judge
+from ckpteval.jobs.launch import submit
 from tests.support.workers import PYTHON, REPO, worker_env
 from tests.test_submit import bash_n, sbatch_lines
 
@@ -73,8 +73,8 @@ def test_conflicting_judge_flags_are_usage_errors(
 
 def test_judge_server_publishes_its_url_once_it_answers_and_stops_on_usr1(tmp_path: Path) -> None:
     run = RunDir.create(tmp_path / "run")
-    cmd = [PYTHON, "-m", "jobs.launch.judge_server", "--run-dir", str(run.path), "--host", "127.0.0.1", "--grace",
-           "10", "--", PYTHON, "-m", "jobs.cli", "serve", "--judge", "exact", "--served-model-name", "j1",
+    cmd = [PYTHON, "-m", "ckpteval.jobs.launch.judge_server", "--run-dir", str(run.path), "--host", "127.0.0.1", "--grace",
+           "10", "--", PYTHON, "-m", "ckpteval.jobs.cli", "serve", "--judge", "exact", "--served-model-name", "j1",
            "--port", "{port}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stderr=subprocess.PIPE, text=True)
     try:
@@ -96,7 +96,7 @@ def test_judge_server_publishes_its_url_once_it_answers_and_stops_on_usr1(tmp_pa
 
 def test_judge_server_that_never_answers_fails_without_publishing(tmp_path: Path) -> None:
     run = RunDir.create(tmp_path / "run")
-    cmd = [PYTHON, "-m", "jobs.launch.judge_server", "--run-dir", str(run.path), "--ready-timeout", "2", "--",
+    cmd = [PYTHON, "-m", "ckpteval.jobs.launch.judge_server", "--run-dir", str(run.path), "--ready-timeout", "2", "--",
            PYTHON, "-c", "import sys, time; time.sleep(60)  # {port}"]
     proc = subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "did not answer" in proc.stderr
@@ -104,10 +104,10 @@ def test_judge_server_that_never_answers_fails_without_publishing(tmp_path: Path
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["-m", "jobs.cli", "serve"], "--model DIR is required (unless --judge MODE)"),
-    (["-m", "jobs.cli", "serve", "--judge", "nope"], "invalid choice: 'nope'"),
-    (["-m", "jobs.cli", "worker", "--run-dir", "RUN", "--judge-url", "judge:80"], "--judge-url: 'judge:80': expected an http(s) URL"),
-    (["-m", "jobs.launch.judge_server", "--run-dir", "RUN"], "give the server command after --"),
+    (["-m", "ckpteval.jobs.cli", "serve"], "--model DIR is required (unless --judge MODE)"),
+    (["-m", "ckpteval.jobs.cli", "serve", "--judge", "nope"], "invalid choice: 'nope'"),
+    (["-m", "ckpteval.jobs.cli", "worker", "--run-dir", "RUN", "--judge-url", "judge:80"], "--judge-url: 'judge:80': expected an http(s) URL"),
+    (["-m", "ckpteval.jobs.launch.judge_server", "--run-dir", "RUN"], "give the server command after --"),
 ])
 def test_bad_judge_flags_are_one_line_exit_2(argv: list[str], says: str, tmp_path: Path) -> None:
     argv = [str(tmp_path) if a == "RUN" else a for a in argv]

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import load_manifest
-from coord.results import Result, ResultIndex, derive_point, point_metrics
-from coord.rundir import unit_dir
-from coord.units import shard_range
+from ckpteval.coord.manifest import load_manifest
+from ckpteval.coord.results import Result, ResultIndex, derive_point, point_metrics
+from ckpteval.coord.rundir import unit_dir
+from ckpteval.coord.units import shard_range
 from tests.support.workers import finish, kill_all, spawn, start_judge
 
 pytest.importorskip("openai")

@@ -18,25 +18,25 @@ ROOMS = ("trainer", "eval", "launch", "views", "decide", "reference")
 # room -> the rooms it may import (coord at the bottom; reference and cli, the composers, at the top)
 ALLOWED = {
     "ckpteval.coord": set(),
-    "jobs.lifecycle": set(),
-    "jobs.flags": set(),  # the one option mechanism every program's parser uses
-    "jobs.metrics": {"ckpteval.coord"},
-    "jobs.ingest": {"ckpteval.coord", "jobs.metrics"},
-    "jobs.views": {"ckpteval.coord", "jobs.metrics", "jobs.flags"},
-    "jobs.decide": {"ckpteval.coord", "jobs.metrics", "jobs.flags"},  # decisions from points: read-only, like views
-    "jobs.launch": {"ckpteval.coord", "jobs.lifecycle", "jobs.views", "jobs.flags"},
-    "jobs.eval": {"ckpteval.coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.flags"},
-    "jobs.trainer": {"ckpteval.coord", "jobs.lifecycle", "jobs.metrics", "jobs.ingest", "jobs.eval", "jobs.flags"},
+    "ckpteval.jobs.lifecycle": set(),
+    "ckpteval.jobs.flags": set(),  # the one option mechanism every program's parser uses
+    "ckpteval.jobs.metrics": {"ckpteval.coord"},
+    "ckpteval.jobs.ingest": {"ckpteval.coord", "ckpteval.jobs.metrics"},
+    "ckpteval.jobs.views": {"ckpteval.coord", "ckpteval.jobs.metrics", "ckpteval.jobs.flags"},
+    "ckpteval.jobs.decide": {"ckpteval.coord", "ckpteval.jobs.metrics", "ckpteval.jobs.flags"},  # decisions from points: read-only, like views
+    "ckpteval.jobs.launch": {"ckpteval.coord", "ckpteval.jobs.lifecycle", "ckpteval.jobs.views", "ckpteval.jobs.flags"},
+    "ckpteval.jobs.eval": {"ckpteval.coord", "ckpteval.jobs.lifecycle", "ckpteval.jobs.metrics", "ckpteval.jobs.ingest", "ckpteval.jobs.flags"},
+    "ckpteval.jobs.trainer": {"ckpteval.coord", "ckpteval.jobs.lifecycle", "ckpteval.jobs.metrics", "ckpteval.jobs.ingest", "ckpteval.jobs.eval", "ckpteval.jobs.flags"},
 }
 # single module-level exceptions, each with its reason
 EXCEPTIONS = {
-    ("jobs.eval.evalsets", "jobs.reference.model"): "the built-in addition eval set is the reference task's",
+    ("ckpteval.jobs.eval.evalsets", "ckpteval.jobs.reference.model"): "the built-in addition eval set is the reference task's",
     # submit checks on the submit host what the job would refuse, with the programs' own parsers and
     # readers (imported lazily: no torch at import time, see test_views_and_launchers_import_no_torch)
-    ("jobs.launch.submit_checks", "jobs.eval.options"): "the worker's own option checks",
-    ("jobs.launch.submit_checks", "jobs.eval.service"): "the one eval-config reader",
-    ("jobs.launch.submit", "jobs.eval.reeval"): "the re-evaluation plan (validated before sbatch)",
-    ("jobs.launch.submit_checks", "jobs.reference.train_config"): "the reference trainer's own flag checks",
+    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.options"): "the worker's own option checks",
+    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.service"): "the one eval-config reader",
+    ("ckpteval.jobs.launch.submit", "ckpteval.jobs.eval.reeval"): "the re-evaluation plan (validated before sbatch)",
+    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.reference.train_config"): "the reference trainer's own flag checks",
 }
 
 
@@ -70,7 +70,7 @@ def test_imports_point_one_way_between_rooms() -> None:
         module = module_of(path)
         room = room_of(module)
         if room not in ALLOWED:
-            continue  # jobs.reference and jobs.cli compose everything
+            continue  # ckpteval.jobs.reference and ckpteval.jobs.cli compose everything
         for target in imports(path):
             other = room_of(target)
             if other in (None, room) or other in ALLOWED[room]:
@@ -80,7 +80,7 @@ def test_imports_point_one_way_between_rooms() -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("package", ["jobs.views", "jobs.launch", "jobs.decide"])
+@pytest.mark.parametrize("package", ["ckpteval.jobs.views", "ckpteval.jobs.launch", "ckpteval.jobs.decide"])
 def test_views_and_launchers_import_no_torch(package: str) -> None:
     """Checked in a fresh interpreter: ``sys.modules`` after importing every module of the room."""
     modules = [module_of(p) for p in sorted((ROOT / package.removeprefix("ckpteval.").replace(".", "/")).glob("*.py"))]

@@ -1,4 +1,4 @@
-"""Checkpoint layouts of real trainers (coord.layouts) through coord.discovery.
+"""Checkpoint layouts of real trainers (ckpteval.coord.layouts) through ckpteval.coord.discovery.
 
 Each trainer's save is rebuilt here file by file in the order its own source writes it (cited in the
 layout modules' docstrings), with real safetensors files, and polled after every file: a save is
@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from coord.discovery import SnapshotDiscovery
-from coord.layouts import LAYOUTS, detect_layouts, resolve_layout
-from coord.rundir import RunDir
-from coord.snapshot import verify_snapshot
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.layouts import LAYOUTS, detect_layouts, resolve_layout
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import verify_snapshot
 
 Action = Callable[[], None]
 QUIET_S = 30.0
@@ -245,7 +245,7 @@ def _rotating_trainer(out: Path, steps: int, callback: object) -> None:
     """A real ``transformers.Trainer`` on the tiny model saving every step with ``save_total_limit=2``."""
     from transformers import Trainer, TrainingArguments
 
-    from jobs.reference.model import ModelConfig, build_model, build_tokenizer
+    from ckpteval.jobs.reference.model import ModelConfig, build_model, build_tokenizer
     from tests.test_hf_callback import AdditionDataset
 
     small = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
@@ -290,7 +290,7 @@ def test_worker_refuses_an_ambiguous_watch_dir_in_one_line(tmp_path: Path) -> No
 
 
 def test_status_shows_saves_lost_before_admission(tmp_path: Path) -> None:
-    from jobs.views.status import collect_status, render
+    from ckpteval.jobs.views.status import collect_status, render
     from tests.support.runs import make_run
 
     run = make_run(tmp_path)
@@ -343,7 +343,7 @@ def test_worker_watching_a_real_rotating_trainer_sees_every_save(tmp_path: Path)
 def _service(tmp: Path, out: Path, run_dir: Path, delay_s: float, max_units: int) -> Any:
     """``ckpteval worker --watch out`` (a service run over one 2-prompt unit per step, the fn backend
     taking ``delay_s`` per unit), with ``out/checkpoint-0`` already saved as the start point."""
-    from jobs.reference.model import make_addition_examples
+    from ckpteval.jobs.reference.model import make_addition_examples
     from tests.support.workers import spawn, write_foreign_checkpoint
 
     out.mkdir()
@@ -358,7 +358,7 @@ def _service(tmp: Path, out: Path, run_dir: Path, delay_s: float, max_units: int
 
 
 def _results(run_dir: Path) -> dict[int, Any]:
-    from coord.results import ResultIndex
+    from ckpteval.coord.results import ResultIndex
 
     return {u.step: r for u, r in ResultIndex(RunDir(run_dir).results).refresh().items()}
 

@@ -7,9 +7,9 @@ import json
 import time
 from pathlib import Path
 
-from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model
-from jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.reference.model import ModelConfig, build_model
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 from tests.support.training import fill_results, make_train_run
 
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)

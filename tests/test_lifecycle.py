@@ -8,7 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from jobs import lifecycle
+from ckpteval.jobs import lifecycle
 
 ROOT = Path(__file__).parents[1]
 COMMON = ROOT / "sbatch" / "common.sh"

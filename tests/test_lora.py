@@ -16,10 +16,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from coord.discovery import SnapshotDiscovery
-from coord.manifest import load_manifest
-from coord.rundir import RunDir
-from coord.snapshot import (
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.manifest import load_manifest
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MARKER,
@@ -27,10 +27,10 @@ from coord.snapshot import (
     read_marker,
     verify_snapshot,
 )
-from jobs.eval.engines.base import EngineError, SamplingParams
-from jobs.eval.engines.hf_lora import HFLoRAEngine
-from jobs.reference.model import build_model, build_tokenizer, save_base_model_dir
-from jobs.trainer.export.async_export import AsyncExporter
+from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
+from ckpteval.jobs.eval.engines.hf_lora import HFLoRAEngine
+from ckpteval.jobs.reference.model import build_model, build_tokenizer, save_base_model_dir
+from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.training import eval_lines
 from tests.support.workers import finish, kill_all, spawn
 

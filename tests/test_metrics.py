@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from jobs.metrics import MetricsSink, init_wandb
+from ckpteval.jobs.metrics import MetricsSink, init_wandb
 from tests.support.training import read_jsonl
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from jobs.reference.model import (
+from ckpteval.jobs.reference.model import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

@@ -18,22 +18,27 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from coord.discovery import SnapshotDiscovery
-from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
-from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot
-from coord.units import units_for_step
-from jobs.eval.engines.base import SamplingParams
-from jobs.eval.engines.factory import EnginePool
-from jobs.eval.engines.fn import build_input
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.engines.http import HTTPEngine
-from jobs.eval.evalsets import write_jsonl
-from jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from jobs.eval.scoring import DatasetCache, sample_seed, score_unit, unit_input
-from jobs.reference.model import build_model, make_addition_examples, save_base_model_dir, save_tokenizer
-from jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.coord.units import units_for_step
+from ckpteval.jobs.eval.engines.base import SamplingParams
+from ckpteval.jobs.eval.engines.factory import EnginePool
+from ckpteval.jobs.eval.engines.fn import build_input
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.http import HTTPEngine
+from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
+from ckpteval.jobs.eval.scoring import DatasetCache, sample_seed, score_unit, unit_input
+from ckpteval.jobs.reference.model import (
+    build_model,
+    make_addition_examples,
+    save_base_model_dir,
+    save_tokenizer,
+)
+from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 from tests.support.workers import start_serve
 
 CHAT_ROWS = [

@@ -1,6 +1,6 @@
 """Re-evaluating a finished run on a new benchmark (issue 10 §7): ``ckpteval backfill --from-run``.
 
-Real processes (``python -m jobs.cli backfill``), real tiny-model snapshots of an existing run, the fn
+Real processes (``python -m ckpteval.jobs.cli backfill``), real tiny-model snapshots of an existing run, the fn
 backend (``SumBackend``, scores from the snapshot's own safetensors) for speed, and wandb offline. The
 old run's directory is fingerprinted (every path, size, mtime and content hash) before and after.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from coord.rundir import RunDir
-from coord.steps import parse_steps
-from jobs.eval.evalsets import write_jsonl
-from jobs.reference.model import make_addition_examples
-from jobs.views.status import collect_status
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.steps import parse_steps
+from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.reference.model import make_addition_examples
+from ckpteval.jobs.views.status import collect_status
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn
 
 FN = ("--engine", "fn:tests.support.workers:SumBackend", "--poll-interval", "0.2")
@@ -182,7 +182,7 @@ def test_submit_backfill_from_run_validates_on_dry_run_and_creates_the_new_run_b
     tmp_path: Path, old_run: RunDir, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``sbatch`` is a stand-in script here (the real SLURM cluster tests live in tests/slurm/)."""
-    from jobs.launch import submit
+    from ckpteval.jobs.launch import submit
 
     before = fingerprint(old_run.path)
     new, cfg = tmp_path / "new", eval_config(tmp_path)

@@ -14,22 +14,22 @@ from pathlib import Path
 
 import torch
 
-from coord.discovery import SnapshotDiscovery
-from coord.gc import StagingGC
-from coord.identity import run_key, version_step, weight_version
-from coord.results import derive_point, ok_result, point_metrics
-from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot, read_marker, verify_snapshot
-from coord.units import units_for_step
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.evaluators import EngineEvaluator
-from jobs.eval.loop import Worker
-from jobs.eval.options import WorkerOptions
-from jobs.eval.scoring import DatasetCache
-from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model
-from jobs.reference.train import base_model_dir
-from jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.gc import StagingGC
+from ckpteval.coord.identity import run_key, version_step, weight_version
+from ckpteval.coord.results import derive_point, ok_result, point_metrics
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import publish_snapshot, read_marker, verify_snapshot
+from ckpteval.coord.units import units_for_step
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.evaluators import EngineEvaluator
+from ckpteval.jobs.eval.loop import Worker
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.reference.model import ModelConfig, build_model
+from ckpteval.jobs.reference.train import base_model_dir
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 from tests.support.training import make_train_run
 from tests.support.workers import (
     make_eval_run,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.eval.sandbox import Limits, Sandbox, SandboxUnavailable, labelled_processes, probe_bwrap
+from ckpteval.jobs.eval.sandbox import Limits, Sandbox, SandboxUnavailable, labelled_processes, probe_bwrap
 from tests.support.sandbox import survivors
 
 WHY_NOT = probe_bwrap()
@@ -163,7 +163,7 @@ def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> N
     OOM-killed worker is: bwrap's --die-with-parent ends the sandbox and every process in it."""
     label = f"test-killed-worker-{os.getpid()}"
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
-              "from jobs.eval.sandbox import Limits, Sandbox\n"
+              "from ckpteval.jobs.eval.sandbox import Limits, Sandbox\n"
               f"Sandbox(Limits(wall_s=60), label={label!r}).run('import os, time\\nos.fork()\\ntime.sleep(60)')\n")
     worker = subprocess.Popen([sys.executable, "-c", script])
     try:

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
-from coord.rundir import RunDir
-from coord.units import WorkUnit, units_for_step
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.evalsets import load_dataset, write_jsonl
-from jobs.eval.scorers import SCORERS
-from jobs.lifecycle import EXIT_DONE
-from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model
-from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
-from jobs.trainer.gate import ProducerGate, shared_eval
+from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.evalsets import load_dataset, write_jsonl
+from ckpteval.jobs.eval.scorers import SCORERS
+from ckpteval.jobs.lifecycle import EXIT_DONE
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.reference.model import ModelConfig, build_model
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher, SharedEval
+from ckpteval.jobs.trainer.gate import ProducerGate, shared_eval
 from tests.support.training import eval_lines, make_train_run
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn
 

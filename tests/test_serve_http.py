@@ -26,15 +26,15 @@ import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from jobs.eval.engines.base import EngineError, SamplingParams
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.engines.http import HTTPEngine
-from jobs.eval.engines.http_auth import ADMIN_API_KEY_ENV, API_KEY_ENV, Unauthorized
-from jobs.eval.engines.http_limits import ServerBusy
-from jobs.eval.engines.sglang import free_port
-from jobs.reference.model import make_addition_examples
-from jobs.reference.serve import EngineHTTPServer
-from jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.http import HTTPEngine
+from ckpteval.jobs.eval.engines.http_auth import ADMIN_API_KEY_ENV, API_KEY_ENV, Unauthorized
+from ckpteval.jobs.eval.engines.http_limits import ServerBusy
+from ckpteval.jobs.eval.engines.sglang import free_port
+from ckpteval.jobs.reference.model import make_addition_examples
+from ckpteval.jobs.reference.serve import EngineHTTPServer
+from ckpteval.jobs.reference.serve_engine import EngineService
 
 REPO = Path(__file__).resolve().parents[1]
 SnapshotFactory = Callable[..., Path]
@@ -50,8 +50,8 @@ class Server:
 
 
 def start_server(snapshot: Path, version: str, log: Path, *extra: str, timeout: float = 60.0) -> Server:
-    """Launch ``python -m jobs.cli serve`` on a free port; return once it prints its URL."""
-    cmd = [sys.executable, "-m", "jobs.cli", "serve", "--model", str(snapshot), "--port", "0"]
+    """Launch ``python -m ckpteval.jobs.cli serve`` on a free port; return once it prints its URL."""
+    cmd = [sys.executable, "-m", "ckpteval.jobs.cli", "serve", "--model", str(snapshot), "--port", "0"]
     cmd += ["--weight-version", version, *extra]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)

@@ -11,11 +11,11 @@ import json
 import time
 from pathlib import Path
 
-from coord.rundir import RunDir
-from coord.units import WorkUnit
-from jobs.eval.evalsets import write_jsonl
-from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
-from jobs.reference.model import make_addition_examples
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
+from ckpteval.jobs.reference.model import make_addition_examples
 from tests.support.workers import (
     claimed_at,
     finish,
@@ -107,8 +107,8 @@ def test_eval_config_must_match_an_existing_run(tmp_path: Path) -> None:
 
 
 def test_discovery_reports_dirs_awaiting_quiescence(tmp_path: Path) -> None:
-    """coord.discovery.SnapshotDiscovery.awaiting_quiescence (added for --once over --watch dirs)."""
-    from coord.discovery import SnapshotDiscovery
+    """ckpteval.coord.discovery.SnapshotDiscovery.awaiting_quiescence (added for --once over --watch dirs)."""
+    from ckpteval.coord.discovery import SnapshotDiscovery
 
     now = [0.0]
     watch = tmp_path / "w"

@@ -10,9 +10,9 @@ import json
 import os
 from pathlib import Path
 
-from coord.atomic import read_jsonl
-from coord.rundir import RunDir
-from jobs.lifecycle import EXIT_DONE, EXIT_USAGE
+from ckpteval.coord.atomic import read_jsonl
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, spawn, write_foreign_checkpoint
 from tests.test_metrics import wandb_records
 from tests.test_service import _eval_config

@@ -1,4 +1,4 @@
-"""``jobs.trainer.session``: your own trainer in a few lines (create or resume a run, get its dispatcher).
+"""``ckpteval.jobs.trainer.session``: your own trainer in a few lines (create or resume a run, get its dispatcher).
 
 A real ``transformers.Trainer`` with :class:`EvalDispatchCallback` in staging and in reuse mode, built
 only through the library entry point (no test helper writes the run); the engine-free
@@ -14,12 +14,17 @@ from pathlib import Path
 import pytest
 from transformers import Trainer, TrainingArguments
 
-from coord.rundir import RunDir
-from coord.snapshot import read_marker, snapshot_dirname
-from jobs.reference.model import build_model, build_tokenizer, make_addition_examples, save_base_model_dir
-from jobs.trainer.config import DispatchConfig
-from jobs.trainer.hf_callback import EvalDispatchCallback
-from jobs.trainer.session import EvalRun, start_eval
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import read_marker, snapshot_dirname
+from ckpteval.jobs.reference.model import (
+    build_model,
+    build_tokenizer,
+    make_addition_examples,
+    save_base_model_dir,
+)
+from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.hf_callback import EvalDispatchCallback
+from ckpteval.jobs.trainer.session import EvalRun, start_eval
 from tests.support.training import InstantFleet, eval_lines
 from tests.test_hf_callback import SMALL, AdditionDataset
 

@@ -22,14 +22,14 @@ from typing import Any
 
 import pytest
 
-from coord.discovery import SnapshotDiscovery
-from coord.results import derive_point, ok_result
-from coord.units import WorkUnit
-from jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
-from jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine, UnsupportedServer
-from jobs.eval.engines.http_limits import BUSY_MESSAGES, ServerBusy
-from jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from jobs.eval.scoring import DatasetCache
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.results import derive_point, ok_result
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
+from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine, UnsupportedServer
+from ckpteval.jobs.eval.engines.http_limits import BUSY_MESSAGES, ServerBusy
+from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
+from ckpteval.jobs.eval.scoring import DatasetCache
 from tests.support.workers import make_eval_run, publish_model
 
 Reply = tuple[int, Any]

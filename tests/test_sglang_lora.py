@@ -1,7 +1,7 @@
 """The sglang LoRA client against a small real HTTP server.
 
 sglang needs a GPU, so the server here is a stub (a real ``ThreadingHTTPServer``) that implements the
-LoRA routes as sglang 0.5.23's source describes them (see :mod:`jobs.eval.engines.sglang_lora`):
+LoRA routes as sglang 0.5.23's source describes them (see :mod:`ckpteval.jobs.eval.engines.sglang_lora`):
 ``/load_lora_adapter`` / ``/unload_lora_adapter`` (200/400 with ``success``, ``error_message``,
 ``loaded_adapters``; duplicate names refused), ``/v1/models`` adapter cards, ``/generate`` answering only
 for a registered ``lora_path`` name (400 otherwise) with the base's ``weight_version``."""
@@ -17,9 +17,14 @@ from typing import Any
 
 import pytest
 
-from jobs.eval.engines.base import EngineError, SamplingParams
-from jobs.eval.engines.factory import make_engine
-from jobs.eval.engines.sglang_lora import HTTPLoRAEngine, UnservableAdapter, adapter_name, lora_launch_flags
+from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
+from ckpteval.jobs.eval.engines.factory import make_engine
+from ckpteval.jobs.eval.engines.sglang_lora import (
+    HTTPLoRAEngine,
+    UnservableAdapter,
+    adapter_name,
+    lora_launch_flags,
+)
 
 
 class LoRAStub(ThreadingHTTPServer):
@@ -222,8 +227,8 @@ def test_sglang_lora_engine_launches_nothing_before_the_first_adapter(
 ) -> None:
     """Built by the factory for a LoRA run (no GPU needed until the first load launches sglang).
     sglang is not installed here: its installed-version check answers a version inside the pin."""
-    from jobs.eval.engines import sglang as sglang_engine
-    from jobs.eval.engines.sglang_lora import SGLangLoRAEngine
+    from ckpteval.jobs.eval.engines import sglang as sglang_engine
+    from ckpteval.jobs.eval.engines.sglang_lora import SGLangLoRAEngine
 
     monkeypatch.setattr(sglang_engine, "installed_sglang_version", lambda *_a, **_k: "0.5.23")
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from coord.results import ResultIndex, derive_point, point_metrics, prompt_major
-from coord.rundir import RunDir
-from coord.units import WorkUnit, dataset_units, units_for_step
-from jobs.eval.evalsets import write_addition_dataset
-from jobs.eval.options import WorkerOptions
-from jobs.lifecycle import EXIT_DONE
+from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.results import ResultIndex, derive_point, point_metrics, prompt_major
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit, dataset_units, units_for_step
+from ckpteval.jobs.eval.evalsets import write_addition_dataset
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import publish_model, run_inprocess
 
 STEP = 3

@@ -11,12 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coord.ledger import Ledger
-from coord.results import ok_result, write_point_skip, write_result
-from coord.snapshot import publish_snapshot
-from coord.units import UnitClaimer, WorkUnit, units_for_step
-from jobs.views.plot import figure, plot_run, plot_series
-from jobs.views.status import collect_status, health_line
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.results import ok_result, write_point_skip, write_result
+from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.coord.units import UnitClaimer, WorkUnit, units_for_step
+from ckpteval.jobs.views.plot import figure, plot_run, plot_series
+from ckpteval.jobs.views.status import collect_status, health_line
 from tests.support.runs import make_run, write_tiny_shards
 from tests.support.workers import wait_for
 
@@ -62,13 +62,13 @@ def test_status_collects_snapshots_units_points(tmp_path: Path) -> None:
 def test_status_cli_json_and_table(tmp_path: Path) -> None:
     run, claim = _build_run(tmp_path)
     claim.release()
-    out = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(run.path), "--json"],
+    out = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "status", str(run.path), "--json"],
                          capture_output=True, text=True, check=True, cwd=ROOT)
     assert json.loads(out.stdout)["run_id"] == "test-run"
-    table = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(run.path)],
+    table = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "status", str(run.path)],
                            capture_output=True, text=True, check=True, cwd=ROOT, env={"COLUMNS": "200", "PATH": ""})
     assert "points of test-run" in table.stdout and "busy×2" in table.stdout
-    bad = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(tmp_path / "nope")],
+    bad = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "status", str(tmp_path / "nope")],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "no run.json" in bad.stderr
 
@@ -88,7 +88,7 @@ def test_plot_is_a_png_of_the_derived_points(tmp_path: Path) -> None:
 
 
 def _status_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jobs.cli", "status", *args]
+    return [sys.executable, "-m", "ckpteval.jobs.cli", "status", *args]
 
 
 def test_status_watch_takes_run_either_way_and_ends_quietly_on_ctrl_c_or_sigterm(tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_status_and_plot_take_run_dir_as_flag_too_and_health_line_has_no_danglin
     none = subprocess.run(_status_cmd("--json"), cwd=ROOT, capture_output=True, text=True)
     assert none.returncode == 2 and "give RUN or --run-dir RUN" in none.stderr
     png = tmp_path / "c.png"
-    plot = subprocess.run([sys.executable, "-m", "jobs.cli", "plot", "--run-dir", str(run.path), "-o", str(png)],
+    plot = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "plot", "--run-dir", str(run.path), "-o", str(png)],
                           cwd=ROOT, capture_output=True, text=True)
     assert plot.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", plot.stderr
     status = collect_status(run.path)
@@ -218,12 +218,12 @@ def test_status_of_two_runs_shows_each(tmp_path: Path) -> None:
 def test_plot_of_two_runs_overlays_them_by_step_a_colour_each(tmp_path: Path) -> None:
     """``ckpteval plot RUN_A RUN_B -o out.png`` writes one PNG; the legend names both runs (by dir:
     both are ``test-run``), each run in its own colour with its ± stderr band."""
-    from jobs.views.plot import figure, plot_runs
+    from ckpteval.jobs.views.plot import figure, plot_runs
 
     a = _scored_run(tmp_path / "a", (0.125, 0.5))
     b = _scored_run(tmp_path / "b", (0.25, 0.625, 0.875))
     png = tmp_path / "two.png"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "plot", str(a.path), str(b.path), "-o", str(png)],
+    proc = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "plot", str(a.path), str(b.path), "-o", str(png)],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stderr
     runs = plot_runs([a.path, b.path], tmp_path / "again.png")

@@ -1,4 +1,4 @@
-"""``ckpteval submit`` rendering, ``jobs.launch.slurm_env``, and the batch scripts' supervision logic.
+"""``ckpteval submit`` rendering, ``ckpteval.jobs.launch.slurm_env``, and the batch scripts' supervision logic.
 
 No SLURM needed: the rendered scripts are checked for their ``#SBATCH`` lines and parsed with
 ``bash -n``; then they are *run* by bash with stand-ins for ``srun`` (drops its options, forwards
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.launch import slurm_env, submit, submit_checks
+from ckpteval.jobs.launch import slurm_env, submit, submit_checks
 from tests.support.workers import finish
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,12 +106,12 @@ def test_slurm_env_exec_slices_and_execs() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PYTHONPATH": str(REPO)}
     code = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CKPTEVAL_WORKER_SLOT'])"
     out = subprocess.run(
-        [sys.executable, "-m", "jobs.launch.slurm_env", "exec", "--slot", "1", "--gpus", "2", "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "ckpteval.jobs.launch.slurm_env", "exec", "--slot", "1", "--gpus", "2", "--", sys.executable, "-c", code],
         capture_output=True, text=True, env=env, cwd=REPO, check=True,
     )
     assert out.stdout.split() == ["2,3", "1"]
     cpu = subprocess.run(
-        [sys.executable, "-m", "jobs.launch.slurm_env", "exec", "--slot", "0", "--gpus", "0", "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "ckpteval.jobs.launch.slurm_env", "exec", "--slot", "0", "--gpus", "0", "--", sys.executable, "-c", code],
         capture_output=True, text=True, env=env, cwd=REPO, check=True,
     )
     assert cpu.stdout.split() == ["0"]  # CUDA_VISIBLE_DEVICES emptied for a CPU worker
@@ -161,7 +161,7 @@ def test_default_engine_is_auto_and_help_says_what_it_resolves_to(
 def test_auto_engine_follows_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """sglang is not installed here: an empty package named ``sglang`` on sys.path stands in for an
     importable one (only its presence is looked up; nothing is launched)."""
-    from jobs.eval.engines.factory import resolve_auto, resolve_specs
+    from ckpteval.jobs.eval.engines.factory import resolve_auto, resolve_specs
 
     gpus, no_gpus = {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": ""}
     assert resolve_auto("cpu", gpus) == "hf"
@@ -268,7 +268,7 @@ def test_time_limit_is_checked_and_must_outlast_the_signal(tmp_path: Path, capsy
 def test_backfill_of_a_finished_run_with_nothing_left_submits_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from coord.results import write_point_skip
+    from ckpteval.coord.results import write_point_skip
     from tests.support.workers import make_eval_run
 
     bin_dir = tmp_path / "bin"

@@ -13,17 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from coord.rundir import RunDir
-from coord.snapshot import read_marker, snapshot_dirname
-from jobs.reference.model import ModelConfig, build_model, build_tokenizer
-from jobs.reference.train import (
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import read_marker, snapshot_dirname
+from ckpteval.jobs.reference.model import ModelConfig, build_model, build_tokenizer
+from ckpteval.jobs.reference.train import (
     PREEMPTED_EXIT,
     TrainConfig,
     main,
     prepare_run,
     training_batch,
 )
-from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkpoint, save_train_checkpoint
+from ckpteval.jobs.reference.train_ckpt import (
+    latest_train_checkpoint,
+    load_train_checkpoint,
+    save_train_checkpoint,
+)
 from tests.support.training import (
     InstantFleet,
     dispatched_steps,
@@ -49,7 +53,7 @@ def _prepared(run_dir: Path, **overrides) -> tuple[RunDir, object]:
 
 
 def _train_cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "jobs.cli", "train", "--run-dir", str(run_dir), "--batch-size", "16",
+    return [sys.executable, "-m", "ckpteval.jobs.cli", "train", "--run-dir", str(run_dir), "--batch-size", "16",
             "--eval-n-prompts", "8", "--eval-shard-size", "4", "--log-interval", "5", "--no-progress",
             "--eval-poll-interval", "0", "--eval-drain-timeout", "120", "--threads", "1", *extra]
 
@@ -250,7 +254,7 @@ def test_resume_on_a_malformed_ledger_is_a_named_usage_error(tmp_path: Path) -> 
     import sys
 
     run = tmp_path / "run"
-    base = [sys.executable, "-m", "jobs.cli", "train", "--run-dir", str(run), "--eval-interval", "5",
+    base = [sys.executable, "-m", "ckpteval.jobs.cli", "train", "--run-dir", str(run), "--eval-interval", "5",
             "--eval-n-prompts", "8", "--no-progress", "--eval-drain-timeout", "0.5"]
     subprocess.run([*base, "--steps", "5"], capture_output=True, check=True, cwd=Path(__file__).parents[1])
     ledger = run / "ledger.jsonl"

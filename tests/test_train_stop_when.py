@@ -11,10 +11,10 @@ import json
 import threading
 from pathlib import Path
 
-from coord.discovery import SnapshotDiscovery
-from coord.ledger import Ledger
-from coord.rundir import RunDir
-from jobs.reference.train import main
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.reference.train import main
 from tests.support.training import eval_lines, fill_results, make_train_run
 
 

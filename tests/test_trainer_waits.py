@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from coord.ledger import Ledger
-from coord.results import ResultIndex
-from coord.rundir import RunDir
-from coord.units import units_for_step
-from jobs.metrics import MetricsSink
-from jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
-from jobs.reference.train import main as train_main
-from jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import units_for_step
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
+from ckpteval.jobs.reference.train import main as train_main
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 from tests.support.training import eval_lines, fill_results, make_train_run
 from tests.support.workers import finish, spawn, wait_for
 
@@ -160,7 +160,7 @@ def test_a_stop_signal_ends_the_shared_postures_wait_for_producers(tmp_path: Pat
     ``paused`` waiting for it (bound 600 s) ends as soon as the stop flag is set, and reopens the gate."""
     import threading
 
-    from jobs.trainer.gate import ProducerGate, StopRequested
+    from ckpteval.jobs.trainer.gate import ProducerGate, StopRequested
 
     gate = ProducerGate()
     release, started = threading.Event(), threading.Event()

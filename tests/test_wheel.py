@@ -60,7 +60,7 @@ def _outside_env() -> dict[str, str]:
 
 
 def test_installed_wheel_imports_itself_and_ships_the_batch_scripts(installed: Path, tmp_path: Path) -> None:
-    out = _run([str(installed / "python"), "-c", "import jobs.launch.submit as s; print(s.__file__); print(s.SBATCH_DIR)"],
+    out = _run([str(installed / "python"), "-c", "import ckpteval.jobs.launch.submit as s; print(s.__file__); print(s.SBATCH_DIR)"],
                tmp_path, 60, _outside_env())
     module, scripts = (Path(line) for line in out.split())
     assert module.is_relative_to(installed.parent) and scripts.is_relative_to(installed.parent), out

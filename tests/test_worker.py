@@ -13,20 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from coord.ledger import Ledger
-from coord.manifest import LeaseSettings
-from coord.results import derive_point, write_point_skip
-from coord.rundir import unit_dir
-from coord.units import WorkUnit
-from jobs.eval.engines.base import EngineError, Generation, SamplingParams
-from jobs.eval.engines.factory import EnginePool
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.evaluators import EngineEvaluator
-from jobs.eval.loop import Worker
-from jobs.eval.options import WorkerOptions
-from jobs.eval.scoring import DatasetCache
-from jobs.eval.worker import run_worker
-from jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY, EXIT_USAGE
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.manifest import LeaseSettings
+from ckpteval.coord.results import derive_point, write_point_skip
+from ckpteval.coord.rundir import unit_dir
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams
+from ckpteval.jobs.eval.engines.factory import EnginePool
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.evaluators import EngineEvaluator
+from ckpteval.jobs.eval.loop import Worker
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.worker import run_worker
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY, EXIT_USAGE
 from tests.support.workers import flip_byte, make_eval_run, publish_model, results, run_inprocess, version
 
 QUIET = {"out": lambda _line: None}

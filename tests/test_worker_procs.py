@@ -1,4 +1,4 @@
-"""Worker processes (``python -m jobs.cli worker``) sharing runs: fleets, kills, stalls, preemption.
+"""Worker processes (``python -m ckpteval.jobs.cli worker``) sharing runs: fleets, kills, stalls, preemption.
 
 Real processes, real leases (filelock SoftFileLease), real snapshots of the tiny model. The backend is
 the real fn backend ``tests.support.workers:SumBackend`` (it reads the snapshot's safetensors), with a per-
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from coord.manifest import LeaseSettings
-from coord.units import WorkUnit
-from jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE
+from ckpteval.coord.manifest import LeaseSettings
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.support.workers import (
     claimed_at,
     counted_claimers,

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from coord.discovery import SnapshotDiscovery, SnapshotRef
-from coord.ledger import Ledger
-from coord.manifest import LeaseSettings
-from coord.units import WorkUnit
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.evaluators import EngineEvaluator, Evaluation, FnEvaluator, evaluate_unit
-from jobs.eval.loop import Worker
-from jobs.eval.options import WorkerOptions
-from jobs.eval.scoring import DatasetCache
-from jobs.lifecycle import EXIT_DONE
+from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.manifest import LeaseSettings
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.evaluators import EngineEvaluator, Evaluation, FnEvaluator, evaluate_unit
+from ckpteval.jobs.eval.loop import Worker
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import SumBackend, make_eval_run, publish_model, results
 
 

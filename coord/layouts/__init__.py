@@ -2,7 +2,7 @@
 
 What it owns: for a watched directory (``ckpteval worker --watch``, ``backfill``), how to find each save's
 step, the directory holding its Hugging Face weights, and the trainer's own "this save is finished"
-signal (:class:`coord.layouts.base.Layout`). Discovery (:mod:`coord.discovery`) admits a save as soon as
+signal (:class:`ckpteval.coord.layouts.base.Layout`). Discovery (:mod:`ckpteval.coord.discovery`) admits a save as soon as
 the signal is there and every indexed shard is present, and falls back to quiescence only for a
 trainer that gives no signal.
 
@@ -22,11 +22,11 @@ Adding a layout (a trainer not listed):
 1. Read the trainer's save code for the dir names, where the HF weights go, the order files are
    written in, any marker or tracker written last, and its rotation; cite what you read in the module
    docstring.
-2. Write ``coord/layouts/<trainer>.py`` with a :class:`~coord.layouts.base.Layout` subclass: ``name``,
+2. Write ``coord/layouts/<trainer>.py`` with a :class:`~ckpteval.coord.layouts.base.Layout` subclass: ``name``,
    ``signal`` and ``no_weights_hint`` (what to run when a finished save has no HF weights), ``locate``
-   (entry -> :class:`~coord.layouts.base.Located`, ``complete=None`` only if the trainer gives no
+   (entry -> :class:`~ckpteval.coord.layouts.base.Located`, ``complete=None`` only if the trainer gives no
    signal) and ``looks_like`` (true only for saves no other trainer writes).
-3. Add ``"<name>": "coord.layouts.<trainer>:<Class>"`` to :data:`LAYOUTS`.
+3. Add ``"<name>": "ckpteval.coord.layouts.<trainer>:<Class>"`` to :data:`LAYOUTS`.
 4. Add the trainer's exact tree to ``tests/test_layouts.py`` (``TREES``): written slowly and rotated.
 """
 
@@ -35,18 +35,18 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located
+from ckpteval.coord.layouts.base import Layout, Located
 
 AUTO = "auto"
 FALLBACK = "plain"
 LAYOUTS: dict[str, str] = {
-    "plain": "coord.layouts.plain:PlainLayout",
-    "hf-trainer": "coord.layouts.hf_trainer:HFTrainerLayout",
-    "verl": "coord.layouts.verl:VerlLayout",
-    "openrlhf": "coord.layouts.openrlhf:OpenRLHFLayout",
-    "prime-rl": "coord.layouts.prime_rl:PrimeRLLayout",
-    "nemo-rl": "coord.layouts.nemo_rl:NemoRLLayout",
-    "miles": "coord.layouts.miles:MilesLayout",
+    "plain": "ckpteval.coord.layouts.plain:PlainLayout",
+    "hf-trainer": "ckpteval.coord.layouts.hf_trainer:HFTrainerLayout",
+    "verl": "ckpteval.coord.layouts.verl:VerlLayout",
+    "openrlhf": "ckpteval.coord.layouts.openrlhf:OpenRLHFLayout",
+    "prime-rl": "ckpteval.coord.layouts.prime_rl:PrimeRLLayout",
+    "nemo-rl": "ckpteval.coord.layouts.nemo_rl:NemoRLLayout",
+    "miles": "ckpteval.coord.layouts.miles:MilesLayout",
 }
 _LOADED: dict[str, Layout] = {}
 

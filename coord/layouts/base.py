@@ -1,4 +1,4 @@
-"""What a checkpoint layout is: the contract every module in :mod:`coord.layouts` implements.
+"""What a checkpoint layout is: the contract every module in :mod:`ckpteval.coord.layouts` implements.
 
 A layout answers three questions about one entry of a watched directory (a trainer's save): its step,
 the directory holding its Hugging Face weights (what eval loads: ``config.json``, tokenizer,
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from coord.atomic import read_json_object
+from ckpteval.coord.atomic import read_json_object
 
 WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 

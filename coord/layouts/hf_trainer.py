@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, json_int
+from ckpteval.coord.layouts.base import Layout, Located, json_int
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 STATE = "trainer_state.json"

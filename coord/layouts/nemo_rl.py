@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located
+from ckpteval.coord.layouts.base import Layout, Located
 
 STEP = re.compile(r"step_(\d+)")
 INFO = "training_info.json"

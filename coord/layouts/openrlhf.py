@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located
+from ckpteval.coord.layouts.base import Layout, Located
 
 HF_TAG = re.compile(r"global_step(\d+)_hf")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, json_int
-from coord.snapshot import step_from_name
+from ckpteval.coord.layouts.base import Layout, Located, json_int
+from ckpteval.coord.snapshot import step_from_name
 
 
 class PlainLayout(Layout):

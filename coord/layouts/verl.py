@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from coord.layouts.base import Layout, Located, text_int
+from ckpteval.coord.layouts.base import Layout, Located, text_int
 
 GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 TRACKER = "latest_checkpointed_iteration.txt"

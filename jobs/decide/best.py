@@ -3,10 +3,10 @@
 The best step by the metric (``--higher-is-better``, the default, or ``--lower-is-better``), its
 interval, and every step *not distinguishable from it*: each other step's paired difference to the
 best (per-prompt differences, paired t interval), Bonferroni-corrected for the number of steps
-compared, contains 0 (:func:`jobs.decide.stats.best_step`). Written to ``RUN/best.json`` (atomic) and
+compared, contains 0 (:func:`ckpteval.jobs.decide.stats.best_step`). Written to ``RUN/best.json`` (atomic) and
 printed; ``--json`` prints the file's content; ``--wandb-run-id ID`` also writes it into that wandb
 run's summary (``best/step``, ``best/mean``, ``best/low``, ``best/high``, ``best/not_distinguishable``,
-``best/metric``) as a shared writer (:func:`jobs.metrics.init_wandb`).
+``best/metric``) as a shared writer (:func:`ckpteval.jobs.metrics.init_wandb`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import write_json_atomic
-from jobs.decide.data import open_run, parse_metric
-from jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
-from jobs.flags import Parser, fail
+from ckpteval.coord.atomic import write_json_atomic
+from ckpteval.jobs.decide.data import open_run, parse_metric
+from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
+from ckpteval.jobs.flags import Parser, fail
 
 PROG = "ckpteval best"
 
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
 
 def write_wandb_summary(run_dir: Path, run_id: str, rec: dict[str, Any]) -> None:
     """The decision into the training run's wandb summary (RuntimeError without wandb installed)."""
-    from jobs.metrics import init_wandb
+    from ckpteval.jobs.metrics import init_wandb
 
     wb = init_wandb(run_dir, run_id, {}, join="shared", label="ckpteval-best")
     iv = rec["interval"]

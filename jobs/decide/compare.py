@@ -4,7 +4,7 @@ Two forms: ``ckpteval compare RUN --steps A B`` (two steps of one run) and ``ckp
 RUN_B [--step S | --best --metric M]`` (the same step of two runs — the newest step both have by
 default — or each run's best step by ``M``). For every dataset both sides have, it prints the
 difference ``B - A`` of the mean score with a paired confidence interval over prompts
-(:func:`jobs.decide.stats.paired_interval`: per-prompt differences, paired t interval, two-sided)
+(:func:`ckpteval.jobs.decide.stats.paired_interval`: per-prompt differences, paired t interval, two-sided)
 and says "not distinguishable from noise" when the interval contains 0. ``--json`` prints the same
 as JSON. Bad input (unknown step, a dataset that is not paired) is one line, exit 2.
 """
@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
-from jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
-from jobs.flags import Parser, fail
+from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
+from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
+from ckpteval.jobs.flags import Parser, fail
 
 PROG = "ckpteval compare"
 

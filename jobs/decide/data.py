@@ -1,12 +1,12 @@
-"""Per-prompt values of a run's points: what the paired statistics of :mod:`jobs.decide.stats` compare.
+"""Per-prompt values of a run's points: what the paired statistics of :mod:`ckpteval.jobs.decide.stats` compare.
 
 A metric name is ``eval/<ds>`` (mean over the prompt's samples), ``eval/<ds>/pass@k`` (the unbiased
 pass@k of each prompt) or ``eval/<ds>/maj@n`` (majority vote), the same per-prompt quantities whose
-average is the logged point (:func:`coord.results.dataset_score`). Prompts are the dataset's rows in
+average is the logged point (:func:`ckpteval.coord.results.dataset_score`). Prompts are the dataset's rows in
 order; shard results are concatenated in shard order, so index ``i`` is the same prompt at every step.
 
 Guarantee: a step is used only when its point has this dataset (every shard an ok result of this
-run's weights, :func:`coord.results.derive_point`); values come from the results files as written.
+run's weights, :func:`ckpteval.coord.results.derive_point`); values come from the results files as written.
 Limits: two runs are paired only when their eval sets are the same bytes with the same sampling
 (:func:`check_paired`); lm-eval harness tasks carry no per-sample scores and cannot be compared here.
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from coord.manifest import DatasetSpec, RunManifest
-from coord.results import ResultIndex, correct, derive_point, majority_score, pass_at_k, prompt_major
-from coord.rundir import RunDir
-from coord.units import dataset_units
+from ckpteval.coord.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.results import ResultIndex, correct, derive_point, majority_score, pass_at_k, prompt_major
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import dataset_units
 
 
 @dataclass(frozen=True)

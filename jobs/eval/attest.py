@@ -6,9 +6,9 @@ every load (and before the first unit of a version this evaluator did not load i
 asks the engine about its weights and compares (:func:`attest`):
 
 * ``tensor_digests`` — an engine that digests what it holds (the in-process hf engine,
-  :meth:`~jobs.eval.engines.hf.HFEngine.weight_digests`): every tensor cast to the snapshot's dtype,
+  :meth:`~ckpteval.jobs.eval.engines.hf.HFEngine.weight_digests`): every tensor cast to the snapshot's dtype,
   XXH3-64 of its bytes (CRC-32 for a marker written before XXH3), compared with the digests the
-  exporter recorded in the snapshot's marker (:mod:`coord.digests`). Any missing, extra or different tensor fails. **Proves**: the engine holds
+  exporter recorded in the snapshot's marker (:mod:`ckpteval.coord.digests`). Any missing, extra or different tensor fails. **Proves**: the engine holds
   bit for bit the tensors the marker lists (up to CRC-32 collisions, not a defence against forgery), so a
   stale layer, a dropped tensor, a relabelled engine or a snapshot changed after its marker is caught.
   An engine holding a narrower dtype than the file (bf16 for an F32 snapshot) cannot match: the unit
@@ -38,12 +38,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import dumps, publish_exclusive, read_json_object
-from coord.digests import compare_digests, digest_name
-from coord.rundir import RunDir
-from coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
-from jobs.eval.engines.base import Engine, EngineChecksum, EngineError
-from jobs.eval.pinning import WorkerSkip
+from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object
+from ckpteval.coord.digests import compare_digests, digest_name
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
+from ckpteval.jobs.eval.engines.base import Engine, EngineChecksum, EngineError
+from ckpteval.jobs.eval.pinning import WorkerSkip
 
 
 class AttestFailed(WorkerSkip):

@@ -7,15 +7,15 @@ never from flags. It takes every worker flag except ``--once`` and ``--catchup``
 
 Promises: idempotent — a unit with a result is never evaluated again, so a second run finds nothing
 to do, says so and exits 0; except a unit skipped because an outside service failed (``judge_failed``,
-``sandbox_failed``, ``env_failed``: :data:`coord.results.INFRA_SKIPS`), which each backfill evaluates
+``sandbox_failed``, ``env_failed``: :data:`ckpteval.coord.results.INFRA_SKIPS`), which each backfill evaluates
 once more, superseding the skip (``results/<unit>.retry<k>.json``) — a judge that came back fills it. Safe as N concurrent SLURM array tasks over one run: units are claimed
 through leases, so each is evaluated once (a rare double evaluation after a stall lands in
 ``results/duplicates/``); every task ends only when every unit of the snapshots present has a result,
 taking over the units of a dead task once its lease expires. Exit codes are the worker's
-(``jobs.eval.worker``): 0 done, 2 usage, 3 preempted (requeue), 4 engine dead.
+(``ckpteval.jobs.eval.worker``): 0 done, 2 usage, 3 preempted (requeue), 4 engine dead.
 
 Re-evaluating another run on a new benchmark: ``--from-run OLD --eval-config FILE [--steps S]`` first
-creates ``--run-dir`` as a new run over OLD's snapshots (:mod:`jobs.eval.reeval`; OLD is never written
+creates ``--run-dir`` as a new run over OLD's snapshots (:mod:`ckpteval.jobs.eval.reeval`; OLD is never written
 to), then backfills it; ``--wandb`` then logs into OLD's wandb run (its run id unless
 ``--wandb-run-id``). ``--steps``: ``all`` (default), ``latest``, ``N``, ``START:STOP[:EVERY]`` (inclusive),
 or a comma list of those.
@@ -23,7 +23,7 @@ or a comma list of those.
 First passing checkpoint (MLPerf-style "evaluate saved checkpoints in order until one passes"):
 ``--until 'eval/<ds>[/pass@k] >= X'`` (``--order ascending``, the default, required) claims units oldest
 step first and starts no unit of a step above the lowest step whose complete point passes
-(:func:`coord.conditions.first_passing`), in every array task, since each reads the shared
+(:func:`ckpteval.coord.conditions.first_passing`), in every array task, since each reads the shared
 results; units already running finish, and earlier steps still running are finished (one of them may
 pass first). When it ends it writes ``RUN/until.json`` (condition, passing step or null, the steps
 evaluated) and prints the passing step. ``--order descending`` is ``--newest-first``.
@@ -41,15 +41,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from coord.atomic import write_json_atomic
-from coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
-from coord.results import Result, ResultIndex
-from coord.rundir import RunDir
-from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
-from jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
-from jobs.eval.worker import run_worker
-from jobs.flags import Parser, fail, run_dir_from_args
-from jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
+from ckpteval.coord.atomic import write_json_atomic
+from ckpteval.coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
+from ckpteval.coord.results import Result, ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
+from ckpteval.jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
+from ckpteval.jobs.eval.worker import run_worker
+from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
+from ckpteval.jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
 
 class Progress:

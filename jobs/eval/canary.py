@@ -1,12 +1,12 @@
 """The canary: the eval engine computes what the trainer computed, on a small fixed probe.
 
-Attestation (:mod:`jobs.eval.attest`) proves an engine holds the snapshot's tensors; it cannot see a
+Attestation (:mod:`ckpteval.jobs.eval.attest`) proves an engine holds the snapshot's tensors; it cannot see a
 tokenizer, a dtype or a kernel that makes the same tensors compute something else. At export a trainer
 holding an HF-style model stores teacher-forced log-probabilities of a probe — the first
 :data:`PROBE_ROWS` rows (``prompt`` + reference ``answer``) of the run's first eval set — in the
-snapshot as :data:`coord.snapshot.CANARY` (listed in the marker like every file): per probe the text,
+snapshot as :data:`ckpteval.coord.snapshot.CANARY` (listed in the marker like every file): per probe the text,
 the token ids the trainer's tokenizer gave, each continuation token's log-probability and the argmax.
-After pinning, an engine that can (:meth:`~jobs.eval.engines.hf.HFEngine.teacher_forced`) recomputes
+After pinning, an engine that can (:meth:`~ckpteval.jobs.eval.engines.hf.HFEngine.teacher_forced`) recomputes
 them with the tokenizer it generates with; :func:`compare` gives ``max_abs_logprob_diff`` and
 ``argmax_agreement`` (``eval/fidelity/*``). Token ids that differ (another tokenizer) make the probe
 incomparable: the difference is infinite and agreement 0.
@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from coord.snapshot import CANARY, Marker
-from jobs.eval.engines.base import RequestRejected
-from jobs.eval.pinning import WorkerSkip
+from ckpteval.coord.snapshot import CANARY, Marker
+from ckpteval.jobs.eval.engines.base import RequestRejected
+from ckpteval.jobs.eval.pinning import WorkerSkip
 
 PROBE_ROWS = 4
 
@@ -107,8 +107,8 @@ def _recompute(engine: Any, pairs: list[tuple[str, str]], step: int) -> list[dic
 
 def default_bound(engine_dtype: str | None, trainer_dtype: str | None) -> float:
     """``--canary-max-diff``'s default: the same-dtype bound when the engine computes in the trainer's
-    dtype, else the narrower-dtype one (jobs.eval.options, measured in bench/RESULTS.md "Canary")."""
-    from jobs.eval.options import CANARY_MAX_DIFF_NARROWER, CANARY_MAX_DIFF_SAME_DTYPE
+    dtype, else the narrower-dtype one (ckpteval.jobs.eval.options, measured in bench/RESULTS.md "Canary")."""
+    from ckpteval.jobs.eval.options import CANARY_MAX_DIFF_NARROWER, CANARY_MAX_DIFF_SAME_DTYPE
 
     return CANARY_MAX_DIFF_SAME_DTYPE if engine_dtype == trainer_dtype else CANARY_MAX_DIFF_NARROWER
 
@@ -178,7 +178,7 @@ def _token_logprobs(model: Any, rows: list[list[int]], top_k: int
 
 
 def canary_bytes(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> bytes:
-    """The :data:`coord.snapshot.CANARY` file a trainer stores with a snapshot."""
+    """The :data:`ckpteval.coord.snapshot.CANARY` file a trainer stores with a snapshot."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     probes = teacher_forced(model, tokenizer, pairs)
     return (json.dumps({"dtype": dtype, "probes": probes}) + "\n").encode()
@@ -216,7 +216,7 @@ class TrainerCanary:
             return None, []
         from transformers import AutoTokenizer
 
-        from jobs.eval.evalsets import load_dataset
+        from ckpteval.jobs.eval.evalsets import load_dataset
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.base, local_files_only=True)

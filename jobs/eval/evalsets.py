@@ -1,11 +1,11 @@
 """Eval sets: JSONL files of prompt/answer rows, and the built-in addition set.
 
-The eval config lives in ``run.json`` (:class:`coord.manifest.DatasetSpec`); this module turns a spec
-into rows (scorers are :mod:`jobs.eval.scorers`'). Worker flags never change what is scored.
+The eval config lives in ``run.json`` (:class:`ckpteval.coord.manifest.DatasetSpec`); this module turns a spec
+into rows (scorers are :mod:`ckpteval.jobs.eval.scorers`'). Worker flags never change what is scored.
 
 Rows: ``{"prompt": str, "answer": any, ...}``, or for ``prompt_format: "chat"`` datasets
 ``{"messages": [{"role": str, "content": str}, ...], "answer": any, ...}`` (a ``prompt`` also works there;
-:mod:`jobs.eval.prompts` renders both). ``answer`` is kept as a string; every other field of a row is
+:mod:`ckpteval.jobs.eval.prompts` renders both). ``answer`` is kept as a string; every other field of a row is
 kept as it is (a scorer reads them: ``tests``, ``entry_point``, ``inputs``, ``question``, ...). What a
 row must carry besides its prompt is its scorer's (``needs_answer``, ``required_row_fields``), checked
 when the rows load; every error names the file and line.
@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import read_jsonl_file, write_bytes_atomic
-from coord.manifest import DatasetSpec, subset_rows
-from coord.rundir import RunDir
-from jobs.eval.scorers import check_row, scorer_class
+from ckpteval.coord.atomic import read_jsonl_file, write_bytes_atomic
+from ckpteval.coord.manifest import DatasetSpec, subset_rows
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.scorers import check_row, scorer_class
 
 Row = dict[str, Any]
 
@@ -53,8 +53,8 @@ def _parse_row(row: Any, where: str) -> Row:
 
 
 def load_rows(path: Path, scorer: type | None = None) -> list[Row]:
-    """Read a JSONL eval set (:func:`coord.atomic.read_jsonl_file`); every error names the file and line.
-    ``scorer``: a scorer class whose row needs (:func:`jobs.eval.scorers.check_row`) each row must meet
+    """Read a JSONL eval set (:func:`ckpteval.coord.atomic.read_jsonl_file`); every error names the file and line.
+    ``scorer``: a scorer class whose row needs (:func:`ckpteval.jobs.eval.scorers.check_row`) each row must meet
     (default: an ``answer``)."""
     try:
         lines = read_jsonl_file(path, what="eval-set row (JSON)")
@@ -85,7 +85,7 @@ def load_entry_rows(path: Path, spec: DatasetSpec) -> list[Row]:
 
 
 def load_dataset(run: RunDir, spec: DatasetSpec) -> list[Row]:
-    """The rows a dataset evaluates (its ``subset`` of the file, :func:`coord.manifest.subset_rows`),
+    """The rows a dataset evaluates (its ``subset`` of the file, :func:`ckpteval.coord.manifest.subset_rows`),
     checked by :func:`load_entry_rows`; their count must match ``n_prompts``."""
     path = run.resolve_data_path(spec.path)
     rows = load_entry_rows(path, spec)
@@ -109,10 +109,10 @@ def write_addition_dataset(
 ) -> DatasetSpec:
     """The built-in eval set of the reference task, written into the run's ``data/`` dir.
 
-    ``sampling``: further :class:`~coord.manifest.DatasetSpec` fields (``n_samples``, ``temperature``,
+    ``sampling``: further :class:`~ckpteval.coord.manifest.DatasetSpec` fields (``n_samples``, ``temperature``,
     ``pass_k``, ``every``, ...); greedy, one sample per prompt by default.
     """
-    from jobs.reference.model import make_addition_examples
+    from ckpteval.jobs.reference.model import make_addition_examples
 
     rows = make_addition_examples(n, seed)
     write_jsonl(run.data / f"{name}.jsonl", rows)

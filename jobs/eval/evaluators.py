@@ -2,7 +2,7 @@
 
 An :class:`Evaluator` turns one claimed unit into scores or raises a skip; :func:`evaluate_unit` maps every
 expected failure to a skip reason (``ckpt_missing``/``ckpt_corrupt``/``pin_violation``/``unhealthy``/
-``rejected``/``aborted``/``crashed``/a backend's own). Pinning is :mod:`jobs.eval.pinning`'s (shared with
+``rejected``/``aborted``/``crashed``/a backend's own). Pinning is :mod:`ckpteval.jobs.eval.pinning`'s (shared with
 the shared posture). A request the engine refuses (``rejected``) or samples it aborts (``aborted``) never
 restart the engine; an engine whose last load failed reports no version, so the next unit reloads it.
 """
@@ -15,26 +15,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from coord.discovery import SnapshotRef
-from coord.identity import run_key, weight_version
-from coord.manifest import RunManifest
-from coord.results import Result, skip_result
-from coord.snapshot import (
+from ckpteval.coord.discovery import SnapshotRef
+from ckpteval.coord.identity import run_key, weight_version
+from ckpteval.coord.manifest import RunManifest
+from ckpteval.coord.results import Result, skip_result
+from ckpteval.coord.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
     VerifiedSnapshots,
     verify_snapshot,
 )
-from coord.units import WorkUnit, shard_range
-from jobs.eval.attest import NOT_ATTESTED, Attestation, AttestFailed, attest
-from jobs.eval.canary import CanaryFailed, check_canary
-from jobs.eval.engines.base import Engine, EngineError, engine_gpus
-from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
-from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
-from jobs.eval.options import WorkerOptions
-from jobs.eval.pinning import PinViolation, WorkerSkip, pin, restart
-from jobs.eval.prompts import NoChatTemplate
-from jobs.eval.scoring import DatasetCache, unit_input
+from ckpteval.coord.units import WorkUnit, shard_range
+from ckpteval.jobs.eval.attest import NOT_ATTESTED, Attestation, AttestFailed, attest
+from ckpteval.jobs.eval.canary import CanaryFailed, check_canary
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus
+from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
+from ckpteval.jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.pinning import PinViolation, WorkerSkip, pin, restart
+from ckpteval.jobs.eval.prompts import NoChatTemplate
+from ckpteval.jobs.eval.scoring import DatasetCache, unit_input
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
 # values, I/O, and the lookup/type/arithmetic errors a custom scorer or fn backend raises on bad input.
@@ -58,8 +58,8 @@ class Evaluator(Protocol):
 
 
 class EngineEvaluator:
-    """Engines (:class:`~jobs.eval.engines.base.Engine`): probe, heal, pin, then the one unit path
-    (:func:`jobs.eval.kinds.evaluate_pinned`, which checks the pin again)."""
+    """Engines (:class:`~ckpteval.jobs.eval.engines.base.Engine`): probe, heal, pin, then the one unit path
+    (:func:`ckpteval.jobs.eval.kinds.evaluate_pinned`, which checks the pin again)."""
 
     def __init__(
         self, engine: Engine, cache: DatasetCache, pin_timeout_s: float, load_timeout_s: float,
@@ -96,7 +96,7 @@ class EngineEvaluator:
                        cost=unit_cost(ev, timings, engine_gpus(self.engine)))
 
     def _attest(self, ref: SnapshotRef, want: str, timings: dict[str, float]) -> tuple[Attestation, dict[str, float]]:
-        """The attestation of the weights held for ``want`` and the canary's fidelity (:mod:`jobs.eval.canary`;
+        """The attestation of the weights held for ``want`` and the canary's fidelity (:mod:`ckpteval.jobs.eval.canary`;
         ``{}``: no canary): made after each load, and before the first unit of a version this evaluator did
         not load (a label set by someone else proves nothing)."""
         if self._attested is not None and self._attested[0] == want:
@@ -145,7 +145,7 @@ class EngineEvaluator:
             raise Unhealthy("engine failed its probe after restart and reload")
 
     def _pin(self, ref: SnapshotRef, want: str) -> bool:
-        """:func:`jobs.eval.pinning.pin` with the fleet's bounds; returns whether a load happened."""
+        """:func:`ckpteval.jobs.eval.pinning.pin` with the fleet's bounds; returns whether a load happened."""
         try:
             loaded = pin(self.engine, str(ref.path), want, load_timeout_s=self.load_timeout_s,
                          pin_timeout_s=self.pin_timeout_s, reload=want in self._distrusted)
@@ -175,7 +175,7 @@ def unit_cost(ev: Evaluation, timings: dict[str, float], gpus: int) -> dict[str,
 
 
 class FnEvaluator:
-    """A :class:`~jobs.eval.engines.fn.CheckpointEvalFn`: hands it the unit, checks what comes back."""
+    """A :class:`~ckpteval.jobs.eval.engines.fn.CheckpointEvalFn`: hands it the unit, checks what comes back."""
 
     def __init__(self, backend: CheckpointEvalFn, cache: DatasetCache) -> None:
         self.backend, self.cache = backend, cache
@@ -241,7 +241,7 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
 
 def check_harness_engines(manifest: RunManifest, kinds: list[str], replicas: int) -> None:
     """lm_eval entries run through lm-eval's own adapters: one hf, http or sglang engine, no pool."""
-    from jobs.eval.engines.factory import ENGINES
+    from ckpteval.jobs.eval.engines.factory import ENGINES
 
     if manifest.eval.harness and (len(kinds) != 1 or replicas != 1 or ENGINES[kinds[0]].unit_backend):
         names = [h.name for h in manifest.eval.harness]
@@ -254,7 +254,7 @@ def check_harness_engines(manifest: RunManifest, kinds: list[str], replicas: int
 def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
     """run.json's settings for ``kind``; a launched server that needs it (sglang: per-sample seeds only
     with ``--enable-deterministic-inference``) is made deterministic when any dataset samples."""
-    from jobs.eval.engines.factory import ENGINES, engine_settings
+    from ckpteval.jobs.eval.engines.factory import ENGINES, engine_settings
 
     settings = engine_settings(manifest.eval.engine, kind)
     if ENGINES[kind].deterministic_when_sampling:
@@ -263,7 +263,7 @@ def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
 
 
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
-    from jobs.eval.engines.factory import ENGINES, EnginePool, make_engine, resolve_specs, spec_kind
+    from ckpteval.jobs.eval.engines.factory import ENGINES, EnginePool, make_engine, resolve_specs, spec_kind
 
     specs = resolve_specs(opts.engines, opts.device)  # --engine auto: decided here, on the node
     if list(specs) != list(opts.engines):

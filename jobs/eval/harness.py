@@ -1,12 +1,12 @@
 """lm-evaluation-harness tasks as work units: the glue between a pinned engine and ``lm_eval``.
 
-A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`coord.manifest.HarnessSpec`) has one unit per
+A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`ckpteval.coord.manifest.HarnessSpec`) has one unit per
 task (shard ``i`` runs ``tasks[i]``). The worker pins its engine to the step exactly as for any unit
-(:meth:`jobs.eval.evaluators.EngineEvaluator._pin`), then :func:`run_task` runs the task through the
+(:meth:`ckpteval.jobs.eval.evaluators.EngineEvaluator._pin`), then :func:`run_task` runs the task through the
 harness's *own* model adapters — nothing of the harness is re-implemented here:
 
 * ``hf`` engine: ``lm_eval.models.huggingface.HFLM`` wrapping the engine's already-loaded model and
-  tokenizer (:meth:`jobs.eval.engines.hf.HFEngine.held`, which also keeps loads out while it runs);
+  tokenizer (:meth:`ckpteval.jobs.eval.engines.hf.HFEngine.held`, which also keeps loads out while it runs);
 * an HTTP engine (``http:URL``, ``sglang``): the harness's ``local-completions`` backend
   (``LocalCompletionsAPI``) against the server's OpenAI-compatible ``/v1/completions``, with the
   snapshot's tokenizer.
@@ -36,11 +36,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from coord.manifest import HarnessSpec
-from coord.rundir import RunDir
-from coord.units import WorkUnit
-from jobs.eval.kinds import Evaluation, user_code
-from jobs.eval.pinning import PinViolation
+from ckpteval.coord.manifest import HarnessSpec
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.kinds import Evaluation, user_code
+from ckpteval.jobs.eval.pinning import PinViolation
 
 INSTALL_HINT = "lm_eval datasets need the lm-eval package: pip install 'ckpteval[harness]'"
 # datasets pings the Hub ("download count", 3 s timeout) on every load, even of a local JSON file, unless
@@ -171,8 +171,8 @@ def evaluate_task(lm: Any, run: RunDir, spec: HarnessSpec, task: str) -> dict[st
 
 def run_task(engine: Any, run: RunDir, spec: HarnessSpec, task: str, snapshot_dir: str) -> dict[str, float]:
     """Run ``task`` on ``engine`` (already pinned by the caller) through the matching lm-eval adapter."""
-    from jobs.eval.engines.hf import HFEngine
-    from jobs.eval.engines.http import HTTPEngine
+    from ckpteval.jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.eval.engines.http import HTTPEngine
 
     if isinstance(engine, HFEngine):
         with engine.held() as (model, tokenizer):
@@ -186,7 +186,7 @@ def run_task(engine: Any, run: RunDir, spec: HarnessSpec, task: str, snapshot_di
 
 
 def evaluate_harness(engine: Any, cache: Any, spec: HarnessSpec, unit: WorkUnit, snapshot: str, want: str) -> Evaluation:
-    """The ``lm_eval`` kind (:mod:`jobs.eval.kinds`): one task on the pinned engine, the version read back
+    """The ``lm_eval`` kind (:mod:`ckpteval.jobs.eval.kinds`): one task on the pinned engine, the version read back
     before and after it. The library's own failure (an assertion, a task that cannot run on this model)
     is the unit's ``crashed`` skip with lm-eval's message."""
     before = engine.weight_version()

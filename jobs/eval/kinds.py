@@ -1,25 +1,25 @@
 """Dataset kinds, and the one path that evaluates a unit on an engine already pinned to its step.
 
-An entry of run.json's ``eval.datasets`` has a ``kind`` (:data:`coord.manifest.DATASET_KINDS` holds its
+An entry of run.json's ``eval.datasets`` has a ``kind`` (:data:`ckpteval.coord.manifest.DATASET_KINDS` holds its
 settings dataclass; coord knows no engine): ``generate`` (the default; ``jsonl`` is its old name) —
 prompts from a JSONL file, sampled on the engine and scored by the dataset's scorer
-(:func:`jobs.eval.scoring.evaluate_generate`); ``lm_eval`` — one EleutherAI lm-evaluation-harness task per
-unit (:func:`jobs.eval.harness.evaluate_harness`); ``env`` — multi-turn episodes of a Python environment
-(:func:`jobs.eval.envs.runner.evaluate_env`).
+(:func:`ckpteval.jobs.eval.scoring.evaluate_generate`); ``lm_eval`` — one EleutherAI lm-evaluation-harness task per
+unit (:func:`ckpteval.jobs.eval.harness.evaluate_harness`); ``env`` — multi-turn episodes of a Python environment
+(:func:`ckpteval.jobs.eval.envs.runner.evaluate_env`).
 
 :func:`evaluate_pinned` is the only place a unit is evaluated: the fleet's
-:class:`jobs.eval.evaluators.EngineEvaluator` and the shared posture's :func:`jobs.trainer.gate.shared_eval`
+:class:`ckpteval.jobs.eval.evaluators.EngineEvaluator` and the shared posture's :func:`ckpteval.jobs.trainer.gate.shared_eval`
 both call it after pinning, and turn what it returns into a result with :func:`unit_result`. Every kind
 checks the pin itself (each sample's version, or the version read back around a library task) and
-raises :class:`~jobs.eval.pinning.PinViolation` when it does not hold.
+raises :class:`~ckpteval.jobs.eval.pinning.PinViolation` when it does not hold.
 
-Adding a kind: a settings dataclass in :mod:`coord.manifest` (one line in ``DATASET_KINDS``), a function
+Adding a kind: a settings dataclass in :mod:`ckpteval.coord.manifest` (one line in ``DATASET_KINDS``), a function
 ``evaluate_<kind>(engine, cache, spec, unit, snapshot, want) -> Evaluation`` (and optionally
 ``check_<kind>(cache, spec)`` run at worker start), one line in :data:`UNIT_KINDS`. User code a kind runs
 (a library's task, a scorer) raises anything: wrap it with :func:`user_code` so its failure is the unit's
 ``crashed`` skip at once, never the engine's.
 
-Limits: the points of a new kind need a rule in :mod:`coord.results` unless it reports per-sample
+Limits: the points of a new kind need a rule in :mod:`ckpteval.coord.results` unless it reports per-sample
 scores (``generate``'s rules) or per-unit metrics (``lm_eval``'s).
 """
 
@@ -31,23 +31,23 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from coord.results import Result, harness_result, ok_result
-from coord.units import WorkUnit
-from jobs.eval.engines.base import EngineError
-from jobs.eval.pinning import WorkerSkip
-from jobs.eval.scorers import last_line
+from ckpteval.coord.results import Result, harness_result, ok_result
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.pinning import WorkerSkip
+from ckpteval.jobs.eval.scorers import last_line
 
 # kind -> "module:function" evaluating one unit of it on a pinned engine (imported when first used)
 UNIT_KINDS: dict[str, str] = {
-    "generate": "jobs.eval.scoring:evaluate_generate",
-    "lm_eval": "jobs.eval.harness:evaluate_harness",
-    "env": "jobs.eval.envs.runner:evaluate_env",
+    "generate": "ckpteval.jobs.eval.scoring:evaluate_generate",
+    "lm_eval": "ckpteval.jobs.eval.harness:evaluate_harness",
+    "env": "ckpteval.jobs.eval.envs.runner:evaluate_env",
 }
 # kind -> "module:function" checking an entry at worker start (rows, scorer, library present)
 KIND_CHECKS: dict[str, str] = {
-    "generate": "jobs.eval.scoring:check_generate",
-    "lm_eval": "jobs.eval.harness:check_harness_entry",
-    "env": "jobs.eval.envs.runner:check_env_entry",
+    "generate": "ckpteval.jobs.eval.scoring:check_generate",
+    "lm_eval": "ckpteval.jobs.eval.harness:check_harness_entry",
+    "env": "ckpteval.jobs.eval.envs.runner:check_env_entry",
 }
 
 
@@ -62,9 +62,9 @@ class Evaluation:
     scored: dict[str, Any] = field(default_factory=dict)  # UnitScores.result_fields(): counters, scorer, ...
     metrics: dict[str, float] | None = None  # a library task's metrics (weight_versions: the read-backs)
     generate_s: float = 0.0
-    attest: dict[str, Any] = field(default_factory=dict)  # jobs.eval.attest.Attestation.to_json()
+    attest: dict[str, Any] = field(default_factory=dict)  # ckpteval.jobs.eval.attest.Attestation.to_json()
     cost: dict[str, float] = field(default_factory=dict)  # tokens, busy seconds: what the unit cost
-    fidelity: dict[str, float] = field(default_factory=dict)  # jobs.eval.canary.Fidelity.to_json(); {}: no canary
+    fidelity: dict[str, float] = field(default_factory=dict)  # ckpteval.jobs.eval.canary.Fidelity.to_json(); {}: no canary
 
 
 class UserCodeFailed(WorkerSkip):

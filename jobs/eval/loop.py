@@ -1,6 +1,6 @@
 """The worker loop: poll, claim, evaluate, publish, release — one :class:`Worker`.
 
-See :mod:`jobs.eval.worker` for the promises (outcomes, leases, preemption, when it exits).
+See :mod:`ckpteval.jobs.eval.worker` for the promises (outcomes, leases, preemption, when it exits).
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coord.discovery import SnapshotDiscovery, SnapshotRef
-from coord.identity import run_key
-from coord.layouts import FALLBACK
-from coord.ledger import Ledger
-from coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
-from coord.rundir import RunDir
-from coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
-from coord.steps import run_step_selection
-from coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
-from jobs.eval.evaluators import Evaluator, evaluate_unit
-from jobs.eval.options import WorkerOptions
-from jobs.eval.runner import UnitRunner
-from jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNHEALTHY
+from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.layouts import FALLBACK
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
+from ckpteval.coord.steps import run_step_selection
+from ckpteval.coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
+from ckpteval.jobs.eval.evaluators import Evaluator, evaluate_unit
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.runner import UnitRunner
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNHEALTHY
 
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
 # Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
@@ -50,7 +50,7 @@ def dispatch_records(ledger_path: Path) -> dict[int, dict[str, Any]]:
 def still_holds(claim: Claim) -> bool:
     """Whether ``claim`` is still ours: not reported lost, and the lease file still carries its token.
 
-    The token is read from filelock's owner record (:func:`coord.units.read_lease_holder`); a file
+    The token is read from filelock's owner record (:func:`ckpteval.coord.units.read_lease_holder`); a file
     without a complete record, or one that cannot be read, counts as held (the heartbeat reports real
     losses).
     """

@@ -1,4 +1,4 @@
-"""The eval worker's options: one dataclass whose fields declare the flags (:mod:`jobs.flags`).
+"""The eval worker's options: one dataclass whose fields declare the flags (:mod:`ckpteval.jobs.flags`).
 
 Shared by ``ckpteval worker`` and ``ckpteval backfill`` (which fixes ``--once``/``--catchup``). Defaults,
 help texts and bounds are written once, on the fields; :func:`validate_options` adds the rules that
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coord.layouts import layout_choices, resolve_layout
-from jobs.flags import (
+from ckpteval.coord.layouts import layout_choices, resolve_layout
+from ckpteval.jobs.flags import (
     META_KEY,
     accept_positional_run_dir,
     add_options,
@@ -148,7 +148,11 @@ def validate_options(opts: WorkerOptions) -> None:
     check_bounds(opts)
     if not DEVICE_RE.match(opts.device):
         raise ValueError(f"--device {opts.device!r}: expected cpu, cuda, cuda:N (or mps, xpu)")
-    from jobs.eval.engines.factory import ENGINES, normalize_spec, spec_kind  # light: engines imported lazily
+    from ckpteval.jobs.eval.engines.factory import (  # light: engines imported lazily
+        ENGINES,
+        normalize_spec,
+        spec_kind,
+    )
 
     opts.engines = tuple(normalize_spec(spec) for spec in opts.engines)  # http://HOST:PORT -> http:http://...
     for spec in opts.engines:

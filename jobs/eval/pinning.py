@@ -6,8 +6,8 @@ snapshot on disk as version ``str(step)`` (:func:`pin`: load unless already held
 back), and after scoring every sample and the engine itself must still report that version
 (:func:`check_pinned`). Any other version is a :class:`PinViolation` (skip reason ``pin_violation``).
 
-Both evaluators call these: the fleet's :class:`jobs.eval.evaluators.EngineEvaluator` and the shared
-posture's :func:`jobs.trainer.gate.shared_eval`. They pass different settings, for stated reasons:
+Both evaluators call these: the fleet's :class:`ckpteval.jobs.eval.evaluators.EngineEvaluator` and the shared
+posture's :func:`ckpteval.jobs.trainer.gate.shared_eval`. They pass different settings, for stated reasons:
 
 - the fleet bounds the load (``load_timeout_s``: a wedged server must not hang the worker) and waits up
   to ``pin_timeout_s`` for the read-back (a remote server may report the new version a moment late),
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jobs.eval.engines.base import Engine, EngineError, launch_timeout
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, launch_timeout
 
 
 class WorkerSkip(RuntimeError):
@@ -81,7 +81,7 @@ def pin(
 
     Returns whether a load happened. :class:`EngineError` if the load fails (a dead engine, a load past
     ``load_timeout_s``, plus the engine's launch timeout when this load launches its server:
-    :func:`~jobs.eval.engines.base.launch_timeout`); :class:`PinViolation` if the engine still reports
+    :func:`~ckpteval.jobs.eval.engines.base.launch_timeout`); :class:`PinViolation` if the engine still reports
     another version after ``pin_timeout_s``.
     """
     loaded = reload or engine.weight_version() != want
@@ -121,6 +121,6 @@ def _is_version_mismatch(error: EngineError) -> bool:
     """An HTTP engine's load that succeeded but read back another version (not a dead engine)."""
     if type(error).__name__ != "WeightVersionMismatch":
         return False
-    from jobs.eval.engines.http import WeightVersionMismatch
+    from ckpteval.jobs.eval.engines.http import WeightVersionMismatch
 
     return isinstance(error, WeightVersionMismatch)

@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from coord.manifest import DatasetSpec
+from ckpteval.coord.manifest import DatasetSpec
 
 _CACHE_SIZE = 4
 

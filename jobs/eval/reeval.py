@@ -2,9 +2,9 @@
 
 ``ckpteval backfill --run-dir NEW --from-run OLD --eval-config F [--steps S]`` (and
 ``ckpteval submit backfill`` with the same flags) creates NEW whose ``run.json`` has the eval of ``F``
-(:func:`jobs.eval.service.read_eval_config`), OLD's snapshot roots (and foreign roots) as its own, and
+(:func:`ckpteval.jobs.eval.service.read_eval_config`), OLD's snapshot roots (and foreign roots) as its own, and
 ``trainer = {"kind": "reeval", "from_run", "from_run_id", "steps"}``; then NEW is backfilled like any
-run. ``steps`` (:mod:`coord.steps`; ``latest`` resolved to a number at creation) limits the steps
+run. ``steps`` (:mod:`ckpteval.coord.steps`; ``latest`` resolved to a number at creation) limits the steps
 every consumer of NEW considers — workers, backfill array tasks, status.
 
 Promises: **OLD is never written to.** Everything is validated before anything is written (OLD is a
@@ -13,7 +13,7 @@ selected snapshot present); then only NEW is created. Foreign checkpoints of OLD
 with NEW's own adoption records. Re-running the same command is idempotent (NEW exists with the same
 source, eval and steps: it is backfilled again, finding nothing to do); any other existing NEW is an
 error. With ``--wandb`` the points go into OLD's wandb run (its run id unless ``--wandb-run-id``)
-through the service's ingestion (:func:`jobs.eval.service.service_ingestion`).
+through the service's ingestion (:func:`ckpteval.jobs.eval.service.service_ingestion`).
 
 Limits: only snapshots still on disk can be evaluated (a staging run keeps its newest few; a run that
 saved HF checkpoints keeps them all); steps of OLD written after NEW was created are evaluated when a
@@ -26,12 +26,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from coord.atomic import read_json_object
-from coord.discovery import SnapshotDiscovery
-from coord.manifest import RunManifest, parse_manifest
-from coord.rundir import RunDir
-from coord.steps import REEVAL_KIND, StepSelection, parse_steps
-from jobs.eval.service import EvalConfig, publish_run, read_eval_config
+from ckpteval.coord.atomic import read_json_object
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.manifest import RunManifest, parse_manifest
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.steps import REEVAL_KIND, StepSelection, parse_steps
+from ckpteval.jobs.eval.service import EvalConfig, publish_run, read_eval_config
 
 
 def source_steps(old: RunDir, manifest: RunManifest) -> list[int]:

@@ -1,10 +1,10 @@
 """Scoring one work unit on an engine: the shard's prompts, sampled and scored per the run's config.
 
-Owns the mapping from a :class:`~coord.units.WorkUnit` to generations and scores; it pins nothing
+Owns the mapping from a :class:`~ckpteval.coord.units.WorkUnit` to generations and scores; it pins nothing
 and writes nothing (the worker, or the trainer's shared posture, does that around it). Every sample
 keeps the weight version the engine reported for it and the answer its scorer extracted.
 
-Prompts are rendered by :func:`jobs.eval.prompts.render_prompts` (raw, or the snapshot's chat
+Prompts are rendered by :func:`ckpteval.jobs.eval.prompts.render_prompts` (raw, or the snapshot's chat
 template), so every engine receives the same text for the same row.
 
 Seeds: greedy decoding (``temperature == 0``) is deterministic and sends no seeds. Sampled decoding
@@ -20,16 +20,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from coord.manifest import DatasetSpec, RunManifest
-from coord.rundir import RunDir
-from coord.units import WorkUnit, shard_range, unit_samples
-from jobs.eval.engines.base import Engine, SamplingParams
-from jobs.eval.evalsets import Row, load_dataset
-from jobs.eval.kinds import Evaluation
-from jobs.eval.options import scorer_options
-from jobs.eval.pinning import check_pinned
-from jobs.eval.prompts import render_prompts
-from jobs.eval.scorers import Sample, Scorer, ScorerContext, UnitTally, make_scorer, score_samples
+from ckpteval.coord.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
+from ckpteval.jobs.eval.engines.base import Engine, SamplingParams
+from ckpteval.jobs.eval.evalsets import Row, load_dataset
+from ckpteval.jobs.eval.kinds import Evaluation
+from ckpteval.jobs.eval.options import scorer_options
+from ckpteval.jobs.eval.pinning import check_pinned
+from ckpteval.jobs.eval.prompts import render_prompts
+from ckpteval.jobs.eval.scorers import Sample, Scorer, ScorerContext, UnitTally, make_scorer, score_samples
 
 SEED_MASK = 0x7FFFFFFF  # 31 bits: a non-negative int32 every engine accepts
 
@@ -64,7 +64,7 @@ class UnitScores:
     scorer: dict[str, Any]  # the scorer's identity()
 
     def result_fields(self) -> dict[str, Any]:
-        """The result fields besides scores/versions/answers (:func:`coord.results.ok_result` keywords)."""
+        """The result fields besides scores/versions/answers (:func:`ckpteval.coord.results.ok_result` keywords)."""
         return {**self.tally.as_result_fields(), "scorer": self.scorer}
 
 
@@ -168,7 +168,7 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
 def evaluate_generate(
     engine: Engine, cache: DatasetCache, spec: DatasetSpec, unit: WorkUnit, snapshot: str, want: str
 ) -> Evaluation:
-    """The ``generate`` kind (:mod:`jobs.eval.kinds`): score the unit, then check every sample's version."""
+    """The ``generate`` kind (:mod:`ckpteval.jobs.eval.kinds`): score the unit, then check every sample's version."""
     scored = score_unit(engine, cache, unit, snapshot)
     check_pinned(engine, want, scored.weight_versions)
     cost = {"generated_tokens": float(scored.n_tokens), "prompt_tokens": float(scored.prompt_tokens),

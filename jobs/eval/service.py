@@ -1,7 +1,7 @@
 """The external-service posture's two extras: creating a run from ``--eval-config`` and
-logging finished points into the training run's wandb (through :mod:`jobs.ingest`).
+logging finished points into the training run's wandb (through :mod:`ckpteval.jobs.ingest`).
 
-The eval-config file (format in :mod:`jobs.eval.worker`) is read in one place, :func:`read_eval_config`,
+The eval-config file (format in :mod:`ckpteval.jobs.eval.worker`) is read in one place, :func:`read_eval_config`,
 by every command that takes one: ``ckpteval worker --eval-config``, ``ckpteval train --eval-config``
 and ``ckpteval backfill --from-run ... --eval-config``. Paths in it are relative to the file: JSONL
 datasets are copied into ``RUN/data/<name>.jsonl`` (:func:`install_eval_data`), an ``lm_eval`` entry's
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
-from coord.manifest import EvalSpec, Fields, LeaseSettings, RunManifest, parse_manifest, subset_rows
-from coord.rundir import RunDir
-from jobs.eval.evalsets import load_entry_rows
-from jobs.eval.loop import Worker
-from jobs.eval.options import WorkerOptions
+from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
+from ckpteval.coord.manifest import EvalSpec, Fields, LeaseSettings, RunManifest, parse_manifest, subset_rows
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.evalsets import load_entry_rows
+from ckpteval.jobs.eval.loop import Worker
+from ckpteval.jobs.eval.options import WorkerOptions
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,9 @@ def publish_run(run_dir: Path, manifest: RunManifest, config: EvalConfig) -> Run
 
 
 def service_ingestion(worker: Worker, opts: WorkerOptions) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """The service's own ingestion (jobs.ingest): log finished points into the training run's wandb."""
-    from jobs.ingest import ServiceIngester
-    from jobs.metrics import MetricsSink, init_wandb
+    """The service's own ingestion (ckpteval.jobs.ingest): log finished points into the training run's wandb."""
+    from ckpteval.jobs.ingest import ServiceIngester
+    from ckpteval.jobs.metrics import MetricsSink, init_wandb
 
     wandb_run = init_wandb(worker.rundir.path, str(opts.wandb_run_id), {"service": worker.identity},
                            join=opts.wandb_mode, label=f"ckpteval-service-{worker.identity['worker_id']}")

@@ -8,8 +8,8 @@ run dir are owned by this process's user and writable by nobody else (no group/o
 when the process was started with an explicit opt-in (``--trust-run-code``, or
 ``SharedEval(trust_run_code=True)`` for a trainer's shared posture).
 
-The registered scorers (:data:`jobs.eval.scorers.SCORERS`: ``exact``, ``math``, ...) and environments
-(:data:`jobs.eval.envs.ENVIRONMENTS`) are not code named by run.json and always pass; an ``env`` entry's
+The registered scorers (:data:`ckpteval.jobs.eval.scorers.SCORERS`: ``exact``, ``math``, ...) and environments
+(:data:`ckpteval.jobs.eval.envs.ENVIRONMENTS`) are not code named by run.json and always pass; an ``env`` entry's
 ``module:Class`` is. Limits:
 POSIX mode bits and owners only (ACLs, a writable parent dir and the module's own file on sys.path are
 not inspected); the check runs once, at start, against the files as they are then.
@@ -21,10 +21,10 @@ import os
 import stat
 from pathlib import Path
 
-from coord.manifest import EnvSpec, RunManifest
-from coord.rundir import RunDir
-from jobs.eval.envs import ENVIRONMENTS
-from jobs.eval.scorers import SCORERS
+from ckpteval.coord.manifest import EnvSpec, RunManifest
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.envs import ENVIRONMENTS
+from ckpteval.jobs.eval.scorers import SCORERS
 
 OPT_IN = "--trust-run-code"
 

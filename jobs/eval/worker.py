@@ -30,7 +30,7 @@ Promises:
   ``--max-attempts`` — or once no healthy worker can be expected: ``TRAINING_DONE`` seen
   ``max_attempts × lease duration`` ago and the attempts used up (the step's deadline). The worker
   then moves on to the next unit.
-* **Pinning.** The engine loads ``(snapshot, weight_version="<run key>@<step>")`` (:mod:`coord.identity`:
+* **Pinning.** The engine loads ``(snapshot, weight_version="<run key>@<step>")`` (:mod:`ckpteval.coord.identity`:
   an engine shared with another run never passes this run's pin) only when its version differs;
   the version is read back (polled up to ``--pin-timeout``), every sample must carry it, and it is read
   again after the unit. With several engines (``--engines N`` or repeated ``--engine``) all must agree.
@@ -77,7 +77,7 @@ Service mode: ``--watch DIR`` evaluates any trainer's checkpoints in DIR — sna
 ``.complete`` marker at once, marker-less ones (an HF Trainer ``checkpoint-500/``) after
 ``--quiescence`` seconds without change and with every indexed shard present; the step comes from the
 dir name's trailing digits or ``trainer_state.json``; ``--layout`` says where a trainer's HF weights
-and its own completion signal are (:mod:`coord.layouts`; a save with its signal is admitted without
+and its own completion signal are (:mod:`ckpteval.coord.layouts`; a save with its signal is admitted without
 the quiescence wait). Watched dirs are polled every ``--poll-interval`` even while a unit runs, so a
 trainer rotating saves faster than units finish has each one seen — admitted, or recorded in
 ``RUN/lost/`` — never silently missed. Restarting never re-evaluates a unit with a result. If ``RUN/run.json`` does not exist, ``--eval-config FILE`` creates the run from a JSON file::
@@ -107,19 +107,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coord.rundir import RunDir
-from jobs.eval.engines.base import EngineError
-from jobs.eval.evaluators import Evaluator, build_evaluator
-from jobs.eval.kinds import check_entries
-from jobs.eval.loop import Worker
-from jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args, scorer_options
-from jobs.eval.pinning import call_with_timeout
-from jobs.eval.scorers import ScorerContext
-from jobs.eval.scoring import DatasetCache
-from jobs.eval.service import create_run_from_config, service_ingestion
-from jobs.eval.trust import check_run_code
-from jobs.flags import Parser, fail, run_dir_from_args
-from jobs.lifecycle import (
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.evaluators import Evaluator, build_evaluator
+from ckpteval.jobs.eval.kinds import check_entries
+from ckpteval.jobs.eval.loop import Worker
+from ckpteval.jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args, scorer_options
+from ckpteval.jobs.eval.pinning import call_with_timeout
+from ckpteval.jobs.eval.scorers import ScorerContext
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.service import create_run_from_config, service_ingestion
+from ckpteval.jobs.eval.trust import check_run_code
+from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
+from ckpteval.jobs.lifecycle import (
     EXIT_CODES_HELP,
     EXIT_DONE,
     EXIT_ERROR,
@@ -186,7 +186,7 @@ def ensure_protocol_dirs(run: RunDir) -> None:
 
 
 def check_datasets(cache: DatasetCache) -> None:
-    """Check every eval set once (:func:`jobs.eval.kinds.check_entries`: rows, scorers, library tasks) so
+    """Check every eval set once (:func:`ckpteval.jobs.eval.kinds.check_entries`: rows, scorers, library tasks) so
     a broken one stops the worker at start, not unit by unit."""
     check_entries(cache)
 

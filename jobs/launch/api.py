@@ -5,7 +5,7 @@ handing heterogeneous train+eval jobs (which submitit cannot express, its issue 
 rendered ``sbatch/train_eval.sbatch``::
 
     import submitit
-    from jobs.launch import api
+    from ckpteval.jobs.launch import api
 
     ex = submitit.AutoExecutor("runs/submitit")            # cluster="local" where there is no SLURM
     ex.update_parameters(timeout_min=240, gpus_per_node=1, slurm_partition="eval")
@@ -49,8 +49,8 @@ from typing import Any
 import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from jobs.launch import submit as submit_mod
-from jobs.lifecycle import EXIT_DONE, EXIT_PREEMPTED
+from ckpteval.jobs.launch import submit as submit_mod
+from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_PREEMPTED
 
 
 def _ignore_usr2() -> None:  # runs in the child between fork and exec
@@ -58,7 +58,7 @@ def _ignore_usr2() -> None:  # runs in the child between fork and exec
 
 
 class WorkerTask(Checkpointable):
-    """``python -m jobs.cli <command> <argv>`` as a requeueable submitit job (command: worker|backfill)."""
+    """``python -m ckpteval.jobs.cli <command> <argv>`` as a requeueable submitit job (command: worker|backfill)."""
 
     def __init__(
         self,
@@ -263,7 +263,7 @@ class SbatchJob:
 
     def status(self) -> dict[str, Any]:
         """What ``ckpteval status RUN --json`` prints: snapshots, units, points, leases."""
-        from jobs.views.status import collect_status
+        from ckpteval.jobs.views.status import collect_status
 
         return collect_status(self.run_dir)
 

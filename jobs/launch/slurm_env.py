@@ -8,7 +8,7 @@ Owns the reading of SLURM's job environment for ckpteval's batch scripts and the
 - :func:`read_job` reads the leader's id (``SLURM_JOB_ID``), ``SLURM_HET_SIZE`` and, per component
   ``n``, ``SLURM_JOB_ID_HET_GROUP_<n>`` and ``SLURM_JOB_NODELIST_HET_GROUP_<n>``; a plain job is one
   component made of ``SLURM_JOB_ID`` / ``SLURM_JOB_NODELIST``.
-- :func:`dispatch_nodes` is the hook for :class:`jobs.trainer.config.DispatchConfig` ``trainer_nodes`` /
+- :func:`dispatch_nodes` is the hook for :class:`ckpteval.jobs.trainer.config.DispatchConfig` ``trainer_nodes`` /
   ``fleet_nodes`` (which decide whether a node-local staging dir such as ``/dev/shm`` is allowed):
   explicit ``CKPTEVAL_TRAINER_NODES`` / ``CKPTEVAL_FLEET_NODES`` win (host-list syntax accepted),
   else het-group 0 is the trainer and het-group 1 the fleet.
@@ -16,9 +16,9 @@ Owns the reading of SLURM's job environment for ckpteval's batch scripts and the
 
 Command line (used by ``sbatch/*.sbatch``; no torch import, starts in milliseconds)::
 
-    python -m jobs.launch.slurm_env hostnames 'n[1-3]'          # one name per line
-    python -m jobs.launch.slurm_env nodes --group 1             # het group 1's nodes (or the job's)
-    python -m jobs.launch.slurm_env exec --slot K --gpus G -- CMD ARGS...
+    python -m ckpteval.jobs.launch.slurm_env hostnames 'n[1-3]'          # one name per line
+    python -m ckpteval.jobs.launch.slurm_env nodes --group 1             # het group 1's nodes (or the job's)
+    python -m ckpteval.jobs.launch.slurm_env exec --slot K --gpus G -- CMD ARGS...
         # CUDA_VISIBLE_DEVICES := slot K's G devices of the visible ones, then exec CMD
 
 Limits: pure parsing of what SLURM exported; it never asks slurmctld. A host list with more than one
@@ -148,7 +148,7 @@ def read_job(environ: Mapping[str, str] | None = None) -> JobInfo | None:
 def dispatch_nodes(
     environ: Mapping[str, str] | None = None,
 ) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
-    """``(trainer_nodes, fleet_nodes)`` for :class:`jobs.trainer.config.DispatchConfig`; None = unknown.
+    """``(trainer_nodes, fleet_nodes)`` for :class:`ckpteval.jobs.trainer.config.DispatchConfig`; None = unknown.
 
     ``CKPTEVAL_TRAINER_NODES`` / ``CKPTEVAL_FLEET_NODES`` (set by ``sbatch/train_eval.sbatch``) win;
     otherwise a heterogeneous job's group 0 is the trainer and group 1 the fleet, and a plain job
@@ -201,7 +201,7 @@ def _cmd_hostnames(args: argparse.Namespace) -> int:
 def _cmd_nodes(args: argparse.Namespace) -> int:
     job = read_job()
     if job is None:
-        print("jobs.launch.slurm_env nodes: not inside a SLURM job (SLURM_JOB_ID unset)", file=sys.stderr)
+        print("ckpteval.jobs.launch.slurm_env nodes: not inside a SLURM job (SLURM_JOB_ID unset)", file=sys.stderr)
         return 2
     comp = job.component(args.group) if job.heterogeneous else job.components[0]
     for host in comp.nodes:
@@ -214,7 +214,7 @@ def _cmd_exec(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print("jobs.launch.slurm_env exec: no command after --", file=sys.stderr)
+        print("ckpteval.jobs.launch.slurm_env exec: no command after --", file=sys.stderr)
         return 2
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     share = gpu_slice(visible, args.slot, args.gpus)
@@ -235,7 +235,7 @@ def _cmd_exec(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.launch.slurm_env", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ckpteval.jobs.launch.slurm_env", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hostnames", help="expand SLURM host lists, one name per line")
     h.add_argument("hostlist", nargs="+")
@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ValueError as err:
-        print(f"jobs.launch.slurm_env: {err}", file=sys.stderr)
+        print(f"ckpteval.jobs.launch.slurm_env: {err}", file=sys.stderr)
         return 2
 
 

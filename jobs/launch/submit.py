@@ -16,13 +16,13 @@ The rendered script is saved as ``RUN/slurm/<kind>-<time>.sbatch`` (what ran, fo
 output goes to ``RUN/slurm/%x-%j.out`` (``%x-%A_%a.out`` for arrays) unless ``--output`` says
 otherwise. ``--dry-run`` prints the script and the sbatch command and touches nothing.
 
-Python callers (:mod:`jobs.launch.api`) use :func:`prepare` and :func:`submit_prepared`.
+Python callers (:mod:`ckpteval.jobs.launch.api`) use :func:`prepare` and :func:`submit_prepared`.
 
-Limits: the scripts run ``CKPTEVAL_PYTHON -m jobs.cli`` and source ``common.sh`` from :func:`sbatch_dir`
+Limits: the scripts run ``CKPTEVAL_PYTHON -P -m ckpteval.jobs.cli`` and source ``common.sh`` from :func:`sbatch_dir`
 (this checkout's ``sbatch/``, or the copy an installed wheel ships), so both must be on a filesystem the
 compute nodes see (paths are rendered absolute).
 Options are checked for sense (positive counts, workers vs nodes; the submit-host checks are
-:mod:`jobs.launch.submit_checks`'s), not against the cluster: sbatch reports what the cluster refuses.
+:mod:`ckpteval.jobs.launch.submit_checks`'s), not against the cluster: sbatch reports what the cluster refuses.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.flags import Parser, fail, http_url, non_negative_int, positive_int
-from jobs.launch.judge_server import add_judge_flags, judge_command
-from jobs.launch.sbatch_template import render
-from jobs.launch.submit_checks import (
+from ckpteval.jobs.flags import Parser, fail, http_url, non_negative_int, positive_int
+from ckpteval.jobs.launch.judge_server import add_judge_flags, judge_command
+from ckpteval.jobs.launch.sbatch_template import render
+from ckpteval.jobs.launch.submit_checks import (
     NothingToDo,
     check_on_submit_host,
     check_sbatch_line,
@@ -302,7 +302,7 @@ def _reeval_step(args: argparse.Namespace) -> Callable[[], object] | None:
         return None
     if len(args.run_dir) != 1 or args.eval_config is None:
         raise ValueError("--from-run needs exactly one --run-dir (the new run) and --eval-config FILE")
-    from jobs.eval.reeval import create_reeval_run, plan_reeval
+    from ckpteval.jobs.eval.reeval import create_reeval_run, plan_reeval
 
     plan = plan_reeval(args.run_dir[0], args.from_run, args.eval_config, "all" if args.steps is None else args.steps)
     return lambda: create_reeval_run(plan)

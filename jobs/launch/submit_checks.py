@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from jobs.flags import parse_as
+from ckpteval.jobs.flags import parse_as
 
 
 def trailing(args: list[str]) -> list[str]:
@@ -48,7 +48,7 @@ def check_on_submit_host(args: argparse.Namespace, templates: Mapping[str, str])
         path = Path(args.sbatch_dir) / name
         if not path.is_file() or not os.access(path, os.R_OK):
             raise ValueError(f"--sbatch-dir {args.sbatch_dir}: no readable {name} there")
-    from jobs.eval.options import DEVICE_RE, WorkerOptions, validate_options
+    from ckpteval.jobs.eval.options import DEVICE_RE, WorkerOptions, validate_options
 
     if args.device is not None and not DEVICE_RE.match(args.device):
         raise ValueError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
@@ -86,7 +86,7 @@ def _check_train_eval(args: argparse.Namespace) -> None:
     run = Path(args.run_dir)
     trainer_args = trailing(args.trainer_args)
     if args.train_cmd is None:
-        from jobs.reference.train_config import TrainConfig
+        from ckpteval.jobs.reference.train_config import TrainConfig
 
         parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument")
         fresh = not (run / "TRAINING_DONE").exists() and "--resume" not in trainer_args
@@ -100,7 +100,7 @@ def _check_train_eval(args: argparse.Namespace) -> None:
 def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
     run = Path(args.run_dir)
     if args.eval_config is not None:
-        from jobs.eval.service import read_eval_config
+        from ckpteval.jobs.eval.service import read_eval_config
 
         try:
             read_eval_config(args.eval_config)
@@ -174,7 +174,7 @@ def finished_without_work(run: Path) -> bool:
     """Whether a backfill of ``run`` could only find nothing: no trainer will publish more (training done,
     interrupted, or a re-evaluation run) and every unit of it has a result. A run status cannot read is
     left to the job (which reports it); a service run, fed by a watched dir, never counts as finished."""
-    from jobs.views.status import collect_status
+    from ckpteval.jobs.views.status import collect_status
 
     try:
         status = collect_status(run)

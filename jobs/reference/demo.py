@@ -21,7 +21,7 @@ Postures (docs/USER_GUIDE.md "Postures"; each a composition of the same flags):
 Stopping it: Ctrl-C (SIGINT) or SIGTERM stops the trainer and every worker (SIGTERM to each process
 group, SIGKILL after a grace period: no orphans), removes this run's tmpfs staging, marks the run
 ``RUN/INTERRUPTED`` and makes each unit whose snapshot is gone a ``ckpt_missing`` result
-(:mod:`coord.settle`), so ``ckpteval status`` and ``ckpteval backfill`` agree on what is left; then it
+(:mod:`ckpteval.coord.settle`), so ``ckpteval status`` and ``ckpteval backfill`` agree on what is left; then it
 prints one line and exits 130 (SIGINT) or 143 (SIGTERM). Snapshots kept in ``RUN/snapshots``
 (``--staging run``) stay pending: ``ckpteval backfill --run-dir RUN`` evaluates them.
 
@@ -45,12 +45,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coord.gc import has_room
-from coord.identity import run_key
-from coord.rundir import RunDir
-from coord.settle import settle_vanished
-from coord.snapshot import CHECKPOINT_PREFIX, step_from_name
-from jobs.flags import (
+from ckpteval.coord.gc import has_room
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.settle import settle_vanished
+from ckpteval.coord.snapshot import CHECKPOINT_PREFIX, step_from_name
+from ckpteval.jobs.flags import (
     Parser,
     accept_positional_run_dir,
     add_options,
@@ -62,9 +62,9 @@ from jobs.flags import (
     parse_as,
     run_dir_from_args,
 )
-from jobs.lifecycle import EXIT_INTERRUPTED
-from jobs.views.plot import draw, plot_series
-from jobs.views.status import collect_status, points_table, read_metrics
+from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED
+from ckpteval.jobs.views.plot import draw, plot_series
+from ckpteval.jobs.views.status import collect_status, points_table, read_metrics
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
 TABLE_WIDTH = 120
@@ -73,7 +73,7 @@ SHM = Path("/dev/shm")
 
 @dataclass
 class DemoConfig:
-    """The demo's flags (each field is its flag, see :mod:`jobs.flags`)."""
+    """The demo's flags (each field is its flag, see :mod:`ckpteval.jobs.flags`)."""
 
     posture: str = option("fleet-staging", "which eval posture to demonstrate: fleet-staging (workers "
                           "evaluate exported snapshots), fleet-reuse (workers evaluate the saved HF checkpoints), "
@@ -122,7 +122,7 @@ def parse_args(argv: list[str]) -> DemoConfig:
         check_dir_creatable("--run-dir", cfg.run_dir)
         if (cfg.run_dir / "run.json").exists():
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run: pick another --run-dir")
-    from jobs.reference.train_config import TrainConfig
+    from ckpteval.jobs.reference.train_config import TrainConfig
 
     # the trainer's arguments (--train-arg included) are checked here, before the demo creates anything
     parse_as(TrainConfig, trainer_args(cfg, default_run_dir(cfg))[1:], "--train-arg").validate()
@@ -395,7 +395,7 @@ def remove_shm_staging(cfg: DemoConfig, run_dir: Path) -> None:
 
 def end_interrupted(cfg: DemoConfig, run_dir: Path, signum: int) -> None:
     """After the children stopped: mark the run interrupted, drop the tmpfs staging, and settle every unit
-    whose snapshot is now gone as ``ckpt_missing`` (:mod:`coord.settle`), so no tool reports it pending."""
+    whose snapshot is now gone as ``ckpt_missing`` (:mod:`ckpteval.coord.settle`), so no tool reports it pending."""
     run = RunDir(run_dir)
     if not run.manifest_path.is_file():
         return  # the trainer never wrote run.json: there is no run to mark

@@ -50,8 +50,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from coord.atomic import fsync_dir, tmp_name
-from coord.snapshot import MARKER, checkpoint_dirname
+from ckpteval.coord.atomic import fsync_dir, tmp_name
+from ckpteval.coord.snapshot import MARKER, checkpoint_dirname
 
 # --------------------------------------------------------------------------------------------------
 # 1. Tokenizer

@@ -67,16 +67,16 @@ sglang fields the stand-in cannot honour (streaming, output logprobs, ``n`` > 1,
 multimodal input, ...) are refused with 400 ``{"error": {"message"}}`` naming them; out-of-vocabulary
 ``input_ids`` are refused (sglang leaves them undefined).
 
-Input logprobs (the canary's path, :mod:`jobs.eval.engines.sglang_logprobs`): ``return_logprob`` with
+Input logprobs (the canary's path, :mod:`ckpteval.jobs.eval.engines.sglang_logprobs`): ``return_logprob`` with
 ``logprob_start_len`` and ``top_logprobs_num`` on a prefill-only request (``max_new_tokens: 0``) adds
 ``input_token_logprobs`` / ``input_top_logprobs`` to ``meta_info`` as sglang does (``[logprob, id,
 null]`` per prompt token from ``logprob_start_len``, the first one's logprob null). Like sglang, the
 server keeps the tokenizer it was launched with across ``/update_weights_from_disk``
 (``srt/managers/tokenizer_manager.py``: built once, in ``init_tokenizer_and_processor``).
 
-The request side (schema, ranges, 400 bodies) lives in ``jobs.reference.serve_requests``; the engine
-service (generation, aborts, pause, weight versions) in ``jobs.reference.serve_engine``; the
-OpenAI-compatible ``/v1/completions`` in ``jobs.reference.serve_openai``; this module holds the HTTP
+The request side (schema, ranges, 400 bodies) lives in ``ckpteval.jobs.reference.serve_requests``; the engine
+service (generation, aborts, pause, weight versions) in ``ckpteval.jobs.reference.serve_engine``; the
+OpenAI-compatible ``/v1/completions`` in ``ckpteval.jobs.reference.serve_openai``; this module holds the HTTP
 routes and the command line.
 """
 
@@ -92,12 +92,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from jobs.eval.engines.base import EngineError
-from jobs.eval.options import DEVICE_RE
-from jobs.flags import Parser, bounded, check_file_readable, fail, positive_int
-from jobs.reference.serve_engine import DEFAULT_WEIGHT_VERSION, EngineService, Overloaded
-from jobs.reference.serve_openai import openai_completions
-from jobs.reference.serve_requests import (
+from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.options import DEVICE_RE
+from ckpteval.jobs.flags import Parser, bounded, check_file_readable, fail, positive_int
+from ckpteval.jobs.reference.serve_engine import DEFAULT_WEIGHT_VERSION, EngineService, Overloaded
+from ckpteval.jobs.reference.serve_openai import openai_completions
+from ckpteval.jobs.reference.serve_requests import (
     BadRequest,
     ContractError,
     Refused,
@@ -316,7 +316,7 @@ def _device(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jobs.reference.serve_judge import JUDGE_MODES  # it imports this module's Handler
+    from ckpteval.jobs.reference.serve_judge import JUDGE_MODES  # it imports this module's Handler
 
     parser = Parser(prog="ckpteval serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["hf"], default="hf", help="inference backend (default: hf)")
@@ -381,7 +381,7 @@ def main(argv: list[str]) -> int:
         server = EngineHTTPServer((args.host, args.port), None, args.verbose)  # type: ignore[arg-type]
     except OSError as e:
         return fail("ckpteval serve", f"--host {args.host} --port {args.port}: cannot listen ({e.strerror or e})")
-    from jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.eval.engines.hf import HFEngine
 
     engine = HFEngine(device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size)
     try:
@@ -418,8 +418,8 @@ def serve_until_signalled(server: ThreadingHTTPServer, name: str) -> None:
 
 
 def _main_judge(args: argparse.Namespace) -> int:
-    """``--judge MODE``: the judge stand-in (:mod:`jobs.reference.serve_judge`) until SIGTERM/SIGINT."""
-    from jobs.reference.serve_judge import JudgeHTTPServer
+    """``--judge MODE``: the judge stand-in (:mod:`ckpteval.jobs.reference.serve_judge`) until SIGTERM/SIGINT."""
+    from ckpteval.jobs.reference.serve_judge import JudgeHTTPServer
 
     try:
         server = JudgeHTTPServer((args.host, args.port), args.judge, args.served_model_name, args.judge_delay,

@@ -1,6 +1,6 @@
 """The engine service behind ``ckpteval serve``: generation, aborts, pause, weight versions and spans.
 
-Owns what the HTTP handlers of ``jobs.reference.serve`` call: the :class:`~jobs.eval.engines.hf.HFEngine`,
+Owns what the HTTP handlers of ``ckpteval.jobs.reference.serve`` call: the :class:`~ckpteval.jobs.eval.engines.hf.HFEngine`,
 the served label and model path, the requests in flight, and the pause gate. Promises, as sglang 0.5.23
 behaves: length checks against the model's context (``tokenizer_manager.py``), the scheduler's
 ``max_new_tokens`` cap, seeds applied only in deterministic mode (unseeded: 42), aborts by exact rid
@@ -27,11 +27,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from jobs.eval.engines.base import EngineError, SamplingParams, context_problem
-from jobs.reference.serve_requests import GenerateRequest, Refused
+from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams, context_problem
+from ckpteval.jobs.reference.serve_requests import GenerateRequest, Refused
 
 if TYPE_CHECKING:
-    from jobs.eval.engines.hf import Completion, HFEngine
+    from ckpteval.jobs.eval.engines.hf import Completion, HFEngine
 
 # sglang 0.5.23 srt/utils/weight_checker.py: buffers recomputed from shapes, never checksummed
 NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
@@ -196,7 +196,9 @@ class EngineService:
             return
         params = todo[0].params
         if params.max_new_tokens == 0:  # prefill only: nothing generated (schedule_batch.py FINISH_LENGTH)
-            from jobs.eval.engines.hf import Completion  # at run time: importing this module stays torch-free
+            from ckpteval.jobs.eval.engines.hf import (
+                Completion,  # at run time: importing this module stays torch-free
+            )
 
             done = [Completion("", [], {"type": "length", "length": 0}, len(r.ids), label) for r in todo]
             self._score([r for r in todo if r.logprob_start is not None], top_k)
@@ -246,7 +248,9 @@ class EngineService:
         (tokenizer_manager.py ``add_logprob_to_meta_info``). Log-softmax of the raw logits."""
         if not rows:
             return
-        from jobs.eval.canary import token_logprobs  # at run time: importing this module stays torch-free
+        from ckpteval.jobs.eval.canary import (
+            token_logprobs,  # at run time: importing this module stays torch-free
+        )
 
         with self.engine.held() as (model, _):
             scored = token_logprobs(model, [r.ids for r in rows], top_k)

@@ -29,8 +29,8 @@ import time
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 
-from jobs.reference.serve import Handler
-from jobs.reference.serve_requests import BadRequest
+from ckpteval.jobs.reference.serve import Handler
+from ckpteval.jobs.reference.serve_requests import BadRequest
 
 JUDGE_MODES = ("exact", "garbage", "error", "slow")
 _TAG = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.S) for name in ("response", "reference")}

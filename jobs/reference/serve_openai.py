@@ -1,7 +1,7 @@
 """``POST /v1/completions`` of ``ckpteval serve``: OpenAI's text-completion API over the engine service.
 
 Owns the translation both ways: an OpenAI ``completions`` body becomes the same ``/generate`` request
-sglang's native route takes (so one set of checks, :mod:`jobs.reference.serve_requests`), and the
+sglang's native route takes (so one set of checks, :mod:`ckpteval.jobs.reference.serve_requests`), and the
 service's items become OpenAI's ``text_completion`` object. What lm-eval's ``local-completions`` model
 sends for generation works; what the stand-in cannot honour (log-likelihoods, ``n > 1``, streaming) is a
 400, never a silently different answer.
@@ -13,9 +13,9 @@ import time
 from http import HTTPStatus
 from typing import Any
 
-from jobs.eval.engines.base import EngineError
-from jobs.reference.serve_engine import EngineService
-from jobs.reference.serve_requests import BadRequest, parse_generate
+from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.reference.serve_requests import BadRequest, parse_generate
 
 COMPLETIONS_KEYS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
                     "echo", "logprobs", "stream", "user")
@@ -43,7 +43,7 @@ def openai_completions(service: EngineService, body: Any) -> tuple[HTTPStatus, d
     (400); the reply is OpenAI's ``text_completion`` object, one choice per prompt, with ``index``, and
     sglang's ``metadata`` (``weight_version`` and ``weight_versions`` spans of the first item: sglang 0.5.23
     ``serving_completions.py`` ``build_endpoint_weight_version_metadata(ret[0]["meta_info"])``), read back by
-    :func:`jobs.eval.envs.endpoint.reply_version`."""
+    :func:`ckpteval.jobs.eval.envs.endpoint.reply_version`."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     unknown = sorted(set(body) - set(COMPLETIONS_KEYS))

@@ -1,6 +1,6 @@
 """Parsing and validating ``ckpteval serve`` request bodies the way sglang 0.5.23 does.
 
-Owns the request side of the contract ``jobs.reference.serve`` emulates: the ``sampling_params``
+Owns the request side of the contract ``ckpteval.jobs.reference.serve`` emulates: the ``sampling_params``
 schema gate (``sglang/api/v1/api_types.py``), ``SamplingParams.verify`` ranges and defaults, the
 ``/generate`` and ``/update_weights_from_disk`` bodies, and which 400 body answers each mistake. The
 exception type is the promise: :class:`BadRequest` -> sglang's ``ErrorResponse`` (:func:`error_body`),
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from jobs.eval.engines.base import SamplingParams
+from ckpteval.jobs.eval.engines.base import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # sampling_params.py SamplingParams.max_new_tokens
 GREEDY_EPS = 1e-6  # sampling_params.py _SAMPLING_EPS: a lower temperature means greedy

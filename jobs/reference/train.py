@@ -1,16 +1,16 @@
 """``ckpteval train``: the reference trainer — a tiny decoder learning 2-digit addition on CPU.
 
 It exists to drive the eval machinery with a real model whose score climbs from 0 to ~1, and to
-show how a training loop uses it: build an :class:`~jobs.trainer.dispatcher.EvalDispatcher`, call
+show how a training loop uses it: build an :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher`, call
 ``maybe_dispatch(step, model)`` after each optimizer step and ``close(final_step, model)`` at the
 end. Read top to bottom:
 
-1. :class:`TrainConfig` from the command line (:mod:`jobs.reference.train_config`, importable without
-   torch); every flag, the eval flags as one (:meth:`jobs.trainer.config.DispatchConfig.validate`),
+1. :class:`TrainConfig` from the command line (:mod:`ckpteval.jobs.reference.train_config`, importable without
+   torch); every flag, the eval flags as one (:meth:`ckpteval.jobs.trainer.config.DispatchConfig.validate`),
    and an existing run are checked before anything is written or trained.
 2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
    or the datasets and lm-eval tasks of ``--eval-config FILE`` (read by
-   :func:`jobs.eval.service.read_eval_config`, the service's reader, and checked before anything is
+   :func:`ckpteval.jobs.eval.service.read_eval_config`, the service's reader, and checked before anything is
    written), sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
 3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
@@ -24,7 +24,7 @@ end. Read top to bottom:
 6. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
    save interval), ``dispatcher.close`` (final point, training done, drain).
 
-Training checkpoints (``RUN/train_ckpt/step-<N>/``, no pickles) are :mod:`jobs.reference.train_ckpt`'s.
+Training checkpoints (``RUN/train_ckpt/step-<N>/``, no pickles) are :mod:`ckpteval.jobs.reference.train_ckpt`'s.
 Batches are a pure function of ``(seed, step)``, so a resumed run sees exactly the data the killed one
 would have.
 
@@ -60,17 +60,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from coord.ledger import LedgerError
-from coord.manifest import EvalSpec, LeaseSettings
-from coord.rundir import RunDir
-from coord.snapshot import producer_identity
-from jobs.eval.evalsets import write_addition_dataset
-from jobs.eval.service import EvalConfig, install_eval_data
-from jobs.flags import fail
-from jobs.lifecycle import EXIT_INTERRUPTED, EXIT_TRAIN_PREEMPTED, STOP_SIGNALS
-from jobs.metrics import MetricsSink, init_wandb
-from jobs.reference import train_config
-from jobs.reference.model import (
+from ckpteval.coord.ledger import LedgerError
+from ckpteval.coord.manifest import EvalSpec, LeaseSettings
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import producer_identity
+from ckpteval.jobs.eval.evalsets import write_addition_dataset
+from ckpteval.jobs.eval.service import EvalConfig, install_eval_data
+from ckpteval.jobs.flags import fail
+from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED, EXIT_TRAIN_PREEMPTED, STOP_SIGNALS
+from ckpteval.jobs.metrics import MetricsSink, init_wandb
+from ckpteval.jobs.reference import train_config
+from ckpteval.jobs.reference.model import (
     ModelConfig,
     batch_for_training,
     build_model,
@@ -79,11 +79,15 @@ from jobs.reference.model import (
     save_base_model_dir,
     save_hf_checkpoint,
 )
-from jobs.reference.train_ckpt import latest_train_checkpoint, load_train_checkpoint, save_train_checkpoint
-from jobs.reference.train_config import TrainConfig, parse_args
-from jobs.trainer.config import DispatchConfig
-from jobs.trainer.dispatcher import EvalDispatcher, SharedEval
-from jobs.trainer.session import EvalRun, open_dispatcher, prepare_eval_run
+from ckpteval.jobs.reference.train_ckpt import (
+    latest_train_checkpoint,
+    load_train_checkpoint,
+    save_train_checkpoint,
+)
+from ckpteval.jobs.reference.train_config import TrainConfig, parse_args
+from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher, SharedEval
+from ckpteval.jobs.trainer.session import EvalRun, open_dispatcher, prepare_eval_run
 
 __all__ = ["TrainConfig", "main", "parse_args", "prepare_run", "run_training", "train"]
 
@@ -96,7 +100,7 @@ SAMPLED_PROMPTS = 32  # --eval-samples: prompts of the sampled set (the eval set
 # --------------------------------------------------------------------------------------------------
 
 
-# TrainConfig, its flags and its validation live in jobs.reference.train_config (no torch import).
+# TrainConfig, its flags and its validation live in ckpteval.jobs.reference.train_config (no torch import).
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,7 +109,7 @@ SAMPLED_PROMPTS = 32  # --eval-samples: prompts of the sampled set (the eval set
 
 
 def eval_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> EvalRun:
-    """The trainer's run and eval flags as the library's :class:`~jobs.trainer.session.EvalRun`."""
+    """The trainer's run and eval flags as the library's :class:`~ckpteval.jobs.trainer.session.EvalRun`."""
     return EvalRun(
         run_dir=cfg.run_dir, dispatch=dispatch, eval_config=cfg.eval_config, resume=cfg.resume, run_id=cfg.run_id,
         trainer=trainer_identity(cfg, dispatch), lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
@@ -116,7 +120,7 @@ def eval_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> EvalRun:
 
 def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
     """Create the run dir, or reopen it on --resume, through the library's
-    :func:`~jobs.trainer.session.prepare_eval_run` (every check before anything is written; run.json
+    :func:`~ckpteval.jobs.trainer.session.prepare_eval_run` (every check before anything is written; run.json
     last, once); this trainer adds its own base dir and, without ``--eval-config``, its built-in set."""
     return prepare_eval_run(eval_run(cfg, dispatch), build_eval=lambda run, config: reference_eval(cfg, run, config))
 
@@ -218,12 +222,12 @@ def build_dispatcher(
         return None
     shared = None
     if cfg.eval_posture == "shared":
-        from jobs.eval.engines.hf import HFEngine
-        from jobs.trainer.gate import ProducerGate
+        from ckpteval.jobs.eval.engines.hf import HFEngine
+        from ckpteval.jobs.trainer.gate import ProducerGate
 
         engine = HFEngine(device="cpu")
         if cfg.lora:
-            from jobs.eval.engines.hf_lora import HFLoRAEngine
+            from ckpteval.jobs.eval.engines.hf_lora import HFLoRAEngine
 
             engine = HFLoRAEngine(str(base_model_dir(run)), device="cpu")
         shared = SharedEval(engine, ProducerGate())

@@ -1,9 +1,9 @@
 """The reference trainer's options and their validation, importable without torch.
 
 ``ckpteval train`` parses and validates here (a bad flag costs no torch import and writes nothing),
-then hands the validated :class:`TrainConfig` to :mod:`jobs.reference.train`. Each field of
-:class:`TrainConfig` is its flag (:mod:`jobs.flags`); the eval defaults are declared once, on
-:class:`jobs.trainer.config.DispatchConfig`.
+then hands the validated :class:`TrainConfig` to :mod:`ckpteval.jobs.reference.train`. Each field of
+:class:`TrainConfig` is its flag (:mod:`ckpteval.jobs.flags`); the eval defaults are declared once, on
+:class:`ckpteval.jobs.trainer.config.DispatchConfig`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coord.conditions import check_metric, parse_condition
-from coord.identity import run_key
-from coord.rundir import RunDir
-from jobs.flags import (
+from ckpteval.coord.conditions import check_metric, parse_condition
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.flags import (
     Parser,
     accept_positional_run_dir,
     add_options,
@@ -29,10 +29,10 @@ from jobs.flags import (
     option,
     run_dir_from_args,
 )
-from jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
+from ckpteval.jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
 
 if TYPE_CHECKING:
-    from jobs.reference.model import ModelConfig
+    from ckpteval.jobs.reference.model import ModelConfig
 
 
 EVAL = "evaluation"
@@ -45,7 +45,7 @@ def _node_list(text: str) -> tuple[str, ...]:
 
 @dataclass
 class TrainConfig:
-    """The trainer's flags (declared once: each field is its flag, see :mod:`jobs.flags`)."""
+    """The trainer's flags (declared once: each field is its flag, see :mod:`ckpteval.jobs.flags`)."""
 
     run_dir: Path = option(help="the run directory to create (or continue with --resume)", metavar="RUN")
     steps: int = option(600, "training steps (optimizer updates)", min=1)
@@ -224,6 +224,6 @@ def main(argv: list[str]) -> int:
         return fail("ckpteval train", e)
     except PermissionError as e:
         return fail("ckpteval train", f"{e.filename}: permission denied")
-    from jobs.reference.train import run_training
+    from ckpteval.jobs.reference.train import run_training
 
     return run_training(cfg, dispatch)

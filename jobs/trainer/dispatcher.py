@@ -12,13 +12,13 @@ Cadence: a dataset with ``every`` > 1 (run.json) is part only of the points at m
 ``every``, which must be a multiple of ``eval_interval`` (checked at construction); a step at which
 no dataset is due is not dispatched at all (the final step excepted).
 
-Snapshot source (from :class:`jobs.trainer.config.DispatchConfig`, validated at construction — before
+Snapshot source (from :class:`ckpteval.jobs.trainer.config.DispatchConfig`, validated at construction — before
 training):
 
 - **staging**: the weights are exported into the staging root by :class:`AsyncExporter` (the loop
   blocks only for the host copy).
 - **reuse**: the trainer's periodic HF checkpoint ``<save_hf_dir>/checkpoint-<step>`` is marked
-  ``.complete`` in place (:func:`coord.snapshot.mark_complete`): zero extra export. The loop must
+  ``.complete`` in place (:func:`ckpteval.coord.snapshot.mark_complete`): zero extra export. The loop must
   have saved it before calling :meth:`maybe_dispatch` for that step; a missing one (or one without
   weights) is a ``ckpt_missing`` skip.
 
@@ -27,7 +27,7 @@ where workers look.
 
 Overflow — at most ``max_in_flight`` points dispatched and not yet ingested:
 
-- ``skip``: the step is recorded as skipped ``busy`` (:func:`coord.results.write_point_skip`), nothing
+- ``skip``: the step is recorded as skipped ``busy`` (:func:`ckpteval.coord.results.write_point_skip`), nothing
   is exported, and ``eval/skipped_busy`` is logged at that step.
 - ``backpressure``: the loop waits (ingesting meanwhile) until the oldest pending point lands, for
   at most ``backpressure_timeout_s``; on timeout the step is skipped ``busy`` as above rather than
@@ -48,9 +48,9 @@ Failures never stop training: an export that fails, or finds no room on the stag
 an ``export_failed`` skip at its step.
 
 Ingestion (rate-limited to one results listing per ``poll_interval_s``, never waiting for eval): a
-pending point whose units all have results goes through :func:`jobs.ingest.ingest_point` (the
-service's ingestion path too): derived (:func:`coord.results.derive_point`), its
-metrics (:func:`coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
+pending point whose units all have results goes through :func:`ckpteval.jobs.ingest.ingest_point` (the
+service's ingestion path too): derived (:func:`ckpteval.coord.results.derive_point`), its
+metrics (:func:`ckpteval.coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
 step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
 ``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
 (``keep_snapshots`` newest retired kept, plus the best ``keep_best`` points by ``best_metric``; reused
@@ -75,12 +75,12 @@ GC leaves them for that backfill.
 
 Shared posture: given a :class:`SharedEval` (the trainer's own engine and its :class:`ProducerGate`),
 a dispatch is blocking instead: publish the snapshot, evaluate it with
-:func:`jobs.trainer.gate.shared_eval`, ingest it at once (lag 0). The eval's wall time (what training waited
+:func:`ckpteval.jobs.trainer.gate.shared_eval`, ingest it at once (lag 0). The eval's wall time (what training waited
 on top of the export) is logged as ``eval/shared_eval_seconds``; in-flight producer requests that do
 not finish within ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
 Limits: one dispatcher per run dir. Export times, the shared eval time and skips survive a restart
-as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`coord.ledger`).
+as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`ckpteval.coord.ledger`).
 """
 
 from __future__ import annotations
@@ -93,24 +93,24 @@ from typing import Any
 
 import torch
 
-from coord.conditions import Condition, point_value, top_steps
-from coord.discovery import shards_present
-from coord.gc import StagingGC, has_room
-from coord.identity import run_key
-from coord.ledger import Ledger
-from coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
-from coord.rundir import RunDir
-from coord.snapshot import mark_complete, read_marker, snapshot_path
-from coord.units import WorkUnit, units_for_step
-from jobs.eval.canary import TrainerCanary
-from jobs.eval.engines.base import Engine
-from jobs.eval.scoring import DatasetCache
-from jobs.eval.trust import check_run_code
-from jobs.ingest import ingest_point
-from jobs.metrics import MetricsSink
-from jobs.trainer.config import DispatchConfig
-from jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
-from jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
+from ckpteval.coord.conditions import Condition, point_value, top_steps
+from ckpteval.coord.discovery import shards_present
+from ckpteval.coord.gc import StagingGC, has_room
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
+from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.jobs.eval.canary import TrainerCanary
+from ckpteval.jobs.eval.engines.base import Engine
+from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.trust import check_run_code
+from ckpteval.jobs.ingest import ingest_point
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
+from ckpteval.jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
 Model = torch.nn.Module | Mapping[str, Any]
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
@@ -407,7 +407,7 @@ class EvalDispatcher:
                 self._ingest(step)
 
     def _ingest(self, step: int, give_up: bool = False) -> None:
-        """One point through :func:`jobs.ingest.ingest_point`; then retire it (and collect) if complete."""
+        """One point through :func:`ckpteval.jobs.ingest.ingest_point`; then retire it (and collect) if complete."""
         record = self.ledger.state.dispatched.get(step, {})
         extra = {f"eval/{key}": record[key] for key in RECORDED_TIMES if isinstance(record.get(key), int | float)}
         # a resumed trainer restarts below steps its previous incarnation dispatched: a point that lands

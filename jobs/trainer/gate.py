@@ -10,9 +10,9 @@ With no dedicated eval GPUs, an eval point runs on the engine that serves the tr
 
 :func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
 disk into the engine (weights reach an engine only from disk) and reads the engine's version back
-(must be ``<run key>@<step>``, :func:`coord.identity.weight_version`), scores every unit of the step
-with the one unit path, :func:`jobs.eval.kinds.evaluate_pinned` (which checks the version again) — the
-fleet's pin routine and check (:mod:`jobs.eval.pinning`, which says why the settings differ) — then
+(must be ``<run key>@<step>``, :func:`ckpteval.coord.identity.weight_version`), scores every unit of the step
+with the one unit path, :func:`ckpteval.jobs.eval.kinds.evaluate_pinned` (which checks the version again) — the
+fleet's pin routine and check (:mod:`ckpteval.jobs.eval.pinning`, which says why the settings differ) — then
 writes one result per unit. A unit whose scorer or library task fails is that unit's skip; training
 goes on.
 A version other than that before or
@@ -34,17 +34,17 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from coord.identity import run_key, weight_version
-from coord.results import Result, skip_result, write_result
-from coord.rundir import RunDir
-from coord.snapshot import producer_identity
-from coord.units import WorkUnit, units_for_step
-from jobs.eval.attest import AttestFailed, attest_dir
-from jobs.eval.engines.base import Engine, EngineError
-from jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
-from jobs.eval.pinning import PinViolation, WorkerSkip, pin
-from jobs.eval.prompts import NoChatTemplate
-from jobs.eval.scoring import DatasetCache
+from ckpteval.coord.identity import run_key, weight_version
+from ckpteval.coord.results import Result, skip_result, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import producer_identity
+from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.jobs.eval.attest import AttestFailed, attest_dir
+from ckpteval.jobs.eval.engines.base import Engine, EngineError
+from ckpteval.jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
+from ckpteval.jobs.eval.pinning import PinViolation, WorkerSkip, pin
+from ckpteval.jobs.eval.prompts import NoChatTemplate
+from ckpteval.jobs.eval.scoring import DatasetCache
 
 STOP_SLICE_S = 0.1  # how often a paused() drain looks at its stop flag
 
@@ -144,7 +144,7 @@ def shared_eval(
 
     Engine failures (:class:`EngineError`) become ``unhealthy`` skips of every unit; a unit the engine refused
     (``rejected``: a prompt over the model's context) or aborted is that unit's skip alone. Results are published
-    first-writer-wins (:func:`coord.results.write_result`), so re-running a step is harmless.
+    first-writer-wins (:func:`ckpteval.coord.results.write_result`), so re-running a step is harmless.
     """
     manifest = run.manifest() if cache is None else cache.manifest
     cache = cache or DatasetCache(run, manifest)

@@ -1,6 +1,6 @@
 """Plugging the eval dispatcher into any Hugging Face ``transformers.Trainer``.
 
-:class:`EvalDispatchCallback` drives an :class:`~jobs.trainer.dispatcher.EvalDispatcher` from the Trainer's
+:class:`EvalDispatchCallback` drives an :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher` from the Trainer's
 events:
 
 - staging mode: ``on_step_end`` → ``maybe_dispatch(global_step, model)`` (the export snapshots the
@@ -30,7 +30,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
 
 class EvalDispatchCallback(TrainerCallback):

@@ -3,8 +3,8 @@
 What ``ckpteval train`` does for its own run, as a library call any training loop can make — the
 reference trainer itself goes through it::
 
-    from jobs.trainer.config import DispatchConfig
-    from jobs.trainer.session import EvalRun, start_eval
+    from ckpteval.jobs.trainer.config import DispatchConfig
+    from ckpteval.jobs.trainer.session import EvalRun, start_eval
 
     dispatcher = start_eval(EvalRun(
         run_dir="runs/r1", eval_config="eval.json", base_model_dir="my-hf-model-dir",
@@ -15,13 +15,13 @@ reference trainer itself goes through it::
         dispatcher.maybe_dispatch(step, model, final=step == steps)
     dispatcher.close(steps, model)                   # final point, TRAINING_DONE, drain
 
-With an HF ``Trainer``, pass the dispatcher to :class:`jobs.trainer.hf_callback.EvalDispatchCallback`.
+With an HF ``Trainer``, pass the dispatcher to :class:`ckpteval.jobs.trainer.hf_callback.EvalDispatchCallback`.
 :class:`EvalRun` is the trainer's ``--eval-*`` and run flags as one object (the same names and
-defaults: ``dispatch`` is :class:`~jobs.trainer.config.DispatchConfig`).
+defaults: ``dispatch`` is :class:`~ckpteval.jobs.trainer.config.DispatchConfig`).
 
 Guarantee (the same checks as ``ckpteval train``): everything is validated before anything is
 written — the eval flags as one (:meth:`DispatchConfig.validate`), the eval-config file and every row
-of its datasets (:func:`jobs.eval.service.read_eval_config`), ``stop_when`` against the run's datasets;
+of its datasets (:func:`ckpteval.jobs.eval.service.read_eval_config`), ``stop_when`` against the run's datasets;
 an existing run is continued only with ``resume=True`` and only with the same eval; ``run.json`` is
 written last, once. Limits: the caller's model dir must hold ``config.json`` and the tokenizer files
 (exports copy them into each snapshot; weights are not needed); one trainer per run dir.
@@ -37,16 +37,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from coord.conditions import check_metric, eval_names, parse_condition
-from coord.identity import run_key
-from coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from coord.rundir import RunDir
-from coord.snapshot import producer_identity
-from jobs.eval.service import EvalConfig, install_eval_data, read_eval_config
-from jobs.flags import check_dir_creatable
-from jobs.metrics import MetricsSink
-from jobs.trainer.config import DispatchConfig
-from jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.coord.conditions import check_metric, eval_names, parse_condition
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import producer_identity
+from ckpteval.jobs.eval.service import EvalConfig, install_eval_data, read_eval_config
+from ckpteval.jobs.flags import check_dir_creatable
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
 # a trainer-specific builder of the eval section and RUN/base (the reference trainer's built-in set);
 # called only when the run is created, with the eval-config file if one was given

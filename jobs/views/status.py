@@ -6,7 +6,7 @@ markers, units from results and lease files, points from results, lag from ``met
 
 Limits: lease ages use this machine's wall clock against the lease file's mtime, so a skewed clock
 shifts them; "expired" here is a display hint — the protocol's real expiry is judged by each
-contender on its own monotonic clock (see coord.units).
+contender on its own monotonic clock (see ckpteval.coord.units).
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from coord.atomic import read_json_object, read_jsonl
-from coord.discovery import SnapshotDiscovery, lost_steps
-from coord.ledger import Ledger
-from coord.manifest import RunManifest
-from coord.results import ResultIndex, derive_point
-from coord.rundir import RunDir
-from coord.steps import run_step_selection
-from coord.units import lease_path, read_lease_holder, units_for_step
-from jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
+from ckpteval.coord.atomic import read_json_object, read_jsonl
+from ckpteval.coord.discovery import SnapshotDiscovery, lost_steps
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.manifest import RunManifest
+from ckpteval.coord.results import ResultIndex, derive_point
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.steps import run_step_selection
+from ckpteval.coord.units import lease_path, read_lease_holder, units_for_step
+from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
 
 DEFAULT_WATCH_S = 2.0
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Lines of metrics.jsonl (:func:`coord.atomic.read_jsonl`: a torn last line is ignored, any other
+    """Lines of metrics.jsonl (:func:`ckpteval.coord.atomic.read_jsonl`: a torn last line is ignored, any other
     bad line names the file)."""
     return read_jsonl(path, what="metrics line")
 
@@ -407,6 +407,6 @@ def main(argv: list[str]) -> int:
             time.sleep(interval)
     except KeyboardInterrupt:
         if not interval:
-            raise  # a one-shot status: the CLI's one line (jobs.cli)
+            raise  # a one-shot status: the CLI's one line (ckpteval.jobs.cli)
         print(file=sys.stderr)  # Ctrl-C is the way out of --watch: a clean end
         return 0

@@ -25,6 +25,6 @@ def _sleep(seconds: float) -> None:
 
 if __name__ == "__main__":
     time.sleep = _sleep
-    from jobs.cli import main
+    from ckpteval.jobs.cli import main
 
     sys.exit(main(sys.argv[1:]))

@@ -1,10 +1,10 @@
 """Shared machinery of the fault-injection suite: real processes, real runs, outcome counting, the report.
 
-Nothing here fakes ckpteval. Workers are ``python -m jobs.cli worker`` processes with a real fn backend
+Nothing here fakes ckpteval. Workers are ``python -m ckpteval.jobs.cli worker`` processes with a real fn backend
 (:class:`tests.support.workers.SumBackend`, which reads every snapshot's real safetensors; no torch import per
-worker, which keeps the suite affordable on 2 cores), trainers are either ``python -m jobs.cli train``
+worker, which keeps the suite affordable on 2 cores), trainers are either ``python -m ckpteval.jobs.cli train``
 processes or :class:`InProcTrainer` — this process acting as a training loop that drives the real
-:class:`jobs.trainer.dispatcher.EvalDispatcher` with a real tiny model (real async export into the staging root,
+:class:`ckpteval.jobs.trainer.dispatcher.EvalDispatcher` with a real tiny model (real async export into the staging root,
 real ledger, metrics.jsonl, ingestion and GC). Faults are real signals, real filesystems (tmpfs mounts),
 real clock skew (libfaketime) and real bytes written over the protocol's files.
 
@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coord.results import ResultIndex
-from coord.rundir import RunDir
-from coord.units import lease_holders as coord_lease_holders
-from coord.units import units_for_step
+from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.units import lease_holders as coord_lease_holders
+from ckpteval.coord.units import units_for_step
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -118,9 +118,9 @@ class Procs:
         return proc
 
     def cli(self, command: str, *args: str, name: str | None = None, env: dict[str, str] | None = None,
-            prefix: list[str] | None = None, module: str = "jobs.cli") -> subprocess.Popen[bytes]:
-        """``python -m jobs.cli <command> <args>`` (optionally behind ``prefix``, e.g. unshare, or through
-        another entry ``module`` that ends in jobs.cli, e.g. tests.chaos.faketime_shim)."""
+            prefix: list[str] | None = None, module: str = "ckpteval.jobs.cli") -> subprocess.Popen[bytes]:
+        """``python -m ckpteval.jobs.cli <command> <args>`` (optionally behind ``prefix``, e.g. unshare, or through
+        another entry ``module`` that ends in ckpteval.jobs.cli, e.g. tests.chaos.faketime_shim)."""
         return self.start([*(prefix or []), PYTHON, "-m", module, command, *args], name or command, env)
 
     def log(self, proc: subprocess.Popen[bytes]) -> str:
@@ -158,7 +158,7 @@ class Fleet:
 
     def __init__(self, procs: Procs, run_dir: Path, n: int, *, engine: str = SUM_FN, extra: Iterable[str] = (),
                  env: dict[str, str] | None = None, prefix: list[str] | None = None, name: str = "w",
-                 module: str = "jobs.cli") -> None:
+                 module: str = "ckpteval.jobs.cli") -> None:
         self.procs, self.run_dir, self.engine = procs, Path(run_dir), engine
         self.extra, self.env, self.prefix, self.name, self.module = list(extra), env, prefix, name, module
         self.slots: list[subprocess.Popen[bytes] | None] = [None] * n
@@ -205,7 +205,7 @@ class Fleet:
 
 
 def lease_holders(run: RunDir) -> dict[str, tuple[str, int]]:
-    """unit id -> (host, pid) of its lease holder (filelock's owner record, via coord.units)."""
+    """unit id -> (host, pid) of its lease holder (filelock's owner record, via ckpteval.coord.units)."""
     return {unit: (record.hostname, record.pid) for unit, record in coord_lease_holders(run.leases).items()}
 
 
@@ -225,7 +225,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
 # -- an in-process training loop over the real EvalDispatcher -------------------------------------------
 class InProcTrainer:
     """This process as a training loop: a real tiny model whose weights change every step, and the real
-    :class:`~jobs.trainer.dispatcher.EvalDispatcher` (staging export, ledger, metrics.jsonl, ingestion, GC).
+    :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher` (staging export, ledger, metrics.jsonl, ingestion, GC).
 
     Every dispatcher call is timed; one longer than :data:`STALL_S` counts as a trainer stall.
     """
@@ -236,9 +236,9 @@ class InProcTrainer:
                  drain_timeout: float = 120.0, poll_interval: float = 0.1) -> None:
         import torch
 
-        from jobs.metrics import MetricsSink
-        from jobs.reference.model import ModelConfig, build_model
-        from jobs.trainer.dispatcher import EvalDispatcher
+        from ckpteval.jobs.metrics import MetricsSink
+        from ckpteval.jobs.reference.model import ModelConfig, build_model
+        from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
         from tests.support.training import make_train_run
 
         self.torch = torch
@@ -428,7 +428,7 @@ def guard_outside(staging_root: Path, where: Path) -> Sentinel:
 def read_jsonl_tolerant(path: Path) -> list[dict[str, Any]]:
     """JSON lines; a torn last line and malformed lines are skipped (counted by the caller if it cares).
 
-    Deliberately more lenient than the protocol's reader (:func:`coord.atomic.read_jsonl`, which
+    Deliberately more lenient than the protocol's reader (:func:`ckpteval.coord.atomic.read_jsonl`, which
     names a malformed line): chaos scenarios write garbage lines on purpose and then count outcomes.
     """
     try:
@@ -580,7 +580,7 @@ def table_markdown(rows: list[Row]) -> str:
 
 
 def machine() -> dict[str, str]:
-    from jobs.trainer.config import filesystem_type
+    from ckpteval.jobs.trainer.config import filesystem_type
 
     mem = "?"
     try:

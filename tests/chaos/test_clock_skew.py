@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from coord.results import ResultIndex
+from ckpteval.coord.results import ResultIndex
 from tests.chaos import harness
 
 LEASE = (3.0, 0.5)
@@ -53,7 +53,7 @@ class Side:
         return harness.Fleet(
             procs, run_dir, n, env=self.env(unit_s), name=self.name,
             prefix=["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.name],
-            module="jobs.cli" if self.fake_monotonic else "tests.chaos.faketime_shim",
+            module="ckpteval.jobs.cli" if self.fake_monotonic else "tests.chaos.faketime_shim",
         )
 
 

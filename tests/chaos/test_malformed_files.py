@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from coord.results import ResultIndex
-from coord.rundir import unit_dir
-from coord.units import WorkUnit
-from jobs.lifecycle import EXIT_USAGE
-from jobs.views.status import collect_status
+from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.rundir import unit_dir
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.lifecycle import EXIT_USAGE
+from ckpteval.jobs.views.status import collect_status
 from tests.chaos import harness
 
 RUN_JSON_VARIANTS = {

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from coord.identity import run_key, version_matches
-from coord.results import ResultIndex
-from coord.rundir import RunDir
-from coord.snapshot import snapshot_dirname
+from ckpteval.coord.identity import run_key, version_matches
+from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import snapshot_dirname
 from tests.chaos import harness
 from tests.support.workers import start_serve
 

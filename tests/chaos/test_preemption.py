@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.lifecycle import EXIT_PREEMPTED
+from ckpteval.jobs.lifecycle import EXIT_PREEMPTED
 from tests.chaos import harness
 
 

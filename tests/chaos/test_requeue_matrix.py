@@ -52,8 +52,8 @@ from pathlib import Path
 
 import pytest
 
-from coord.rundir import RunDir
-from jobs.lifecycle import EXIT_PREEMPTED, EXIT_TRAIN_PREEMPTED
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.lifecycle import EXIT_PREEMPTED, EXIT_TRAIN_PREEMPTED
 from tests.chaos import harness
 
 INTERVAL = 10
@@ -116,8 +116,8 @@ def shm_dir() -> Iterator[Path]:
 
 def sampled_sparse_config(tmp: Path) -> Path:
     """An eval config with a sampled dataset and a sparse one (every second point)."""
-    from jobs.eval.evalsets import write_jsonl
-    from jobs.reference.model import make_addition_examples
+    from ckpteval.jobs.eval.evalsets import write_jsonl
+    from ckpteval.jobs.reference.model import make_addition_examples
 
     d = tmp / "cfg"
     d.mkdir()
@@ -248,8 +248,8 @@ def record(request: pytest.FixtureRequest, cell: str, faults: list[str], t: harn
 
 # -- evaluation-only postures: the service and a re-evaluation run ----------------------------------------------
 def service_config(tmp: Path) -> Path:
-    from jobs.eval.evalsets import write_jsonl
-    from jobs.reference.model import make_addition_examples
+    from ckpteval.jobs.eval.evalsets import write_jsonl
+    from ckpteval.jobs.reference.model import make_addition_examples
 
     (tmp / "cfg").mkdir()
     write_jsonl(tmp / "cfg" / "addition.jsonl", make_addition_examples(4, seed=7))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from coord.atomic import write_json_atomic
-from coord.snapshot import MARKER, Marker, snapshot_dirname
+from ckpteval.coord.atomic import write_json_atomic
+from ckpteval.coord.snapshot import MARKER, Marker, snapshot_dirname
 from tests.chaos import harness
 
 

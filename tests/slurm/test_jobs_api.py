@@ -1,4 +1,4 @@
-"""jobs.launch.api with submitit's SLURM executor on the real cluster: an eval fleet, and a service that
+"""ckpteval.jobs.launch.api with submitit's SLURM executor on the real cluster: an eval fleet, and a service that
 submitit preempts mid-unit (its USR2) -- the worker releases its lease, the job requeues, nothing is
 lost or duplicated. (Backfill via map_array is in test_jobs_backfill.py.)"""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import submitit
 
-from coord.results import ResultIndex
-from jobs.launch import api
+from ckpteval.coord.results import ResultIndex
+from ckpteval.jobs.launch import api
 from tests.slurm.test_jobs_helpers import FN, finished_run, unit_in_progress, wait_until
 from tests.support.workers import REPO
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import submitit
 
-from coord.results import ResultIndex
-from jobs.launch import api
-from jobs.launch.submit_checks import NothingToDo
+from ckpteval.coord.results import ResultIndex
+from ckpteval.jobs.launch import api
+from ckpteval.jobs.launch.submit_checks import NothingToDo
 from tests.slurm.test_jobs_helpers import FN, finished_run, job_log, submit_job
 from tests.support.workers import REPO
 

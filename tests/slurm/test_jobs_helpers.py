@@ -1,6 +1,6 @@
 """Helpers shared by tests/slurm/test_jobs_*.py (this module holds no tests).
 
-Jobs are submitted the way users do it: ``jobs.launch.submit.prepare`` renders the real ``sbatch/`` script
+Jobs are submitted the way users do it: ``ckpteval.jobs.launch.submit.prepare`` renders the real ``sbatch/`` script
 from ``ckpteval submit`` arguments and ``submit_prepared`` runs ``sbatch --parsable`` on it. Runs
 live under pytest's tmp dirs: all logical nodes are this host and jobs run as root, so that is the
 "shared filesystem".
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coord.rundir import RunDir
-from jobs.launch import submit
+from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.launch import submit
 from tests.support.workers import REPO, make_eval_run, publish_model
 
 FN = "fn:tests.support.workers:SumBackend"

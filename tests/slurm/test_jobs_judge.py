@@ -1,7 +1,7 @@
 """The judge component of the heterogeneous train+eval job on the real test cluster, on CPU: the reference
 trainer (component 0) evaluates a judged set with two ``hf`` workers (component 1); the judge server is
 component 2, launched by ``ckpteval submit train-eval --judge-cmd`` — ``ckpteval serve --judge exact`` (the
-judge stand-in; a real run launches sglang with ``--judge-model``) under ``jobs.launch.judge_server``, which
+judge stand-in; a real run launches sglang with ``--judge-model``) under ``ckpteval.jobs.launch.judge_server``, which
 publishes its URL in ``RUN/judge.json`` for the workers. Every point lands pinned, judged by the model id
 the judge reported, with the score the judge's verdicts give."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from coord.results import ResultIndex
-from coord.verdicts import read_judge
+from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.verdicts import read_judge
 from tests.slurm.test_jobs_helpers import completed_job_log, submit_job
 from tests.slurm.test_jobs_train_eval import _eval_points
 
@@ -30,7 +30,7 @@ def test_het_job_with_a_judge_component(slurm_cluster, tmp_path: Path) -> None:
     (tmp_path / "judged.json").write_text(json.dumps({"eval": {"datasets": [
         {"name": "qa", "path": "qa.jsonl", "n_prompts": len(ROWS), "shard_size": 2, "max_new_tokens": 4,
          "scorer": "judge", "scorer_options": {"retries": 2, "timeout_s": 30}}]}}))
-    judge_cmd = shlex.join([sys.executable, "-m", "jobs.cli", "serve", "--judge", "exact", "--served-model-name",
+    judge_cmd = shlex.join([sys.executable, "-m", "ckpteval.jobs.cli", "serve", "--judge", "exact", "--served-model-name",
                             "judge-on-slurm", "--host", "0.0.0.0", "--port", "{port}"])
     run = tmp_path / "run"
     t0 = time.monotonic()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from coord.results import ResultIndex
-from jobs.launch import api
+from ckpteval.coord.results import ResultIndex
+from ckpteval.jobs.launch import api
 from tests.slurm.test_jobs_helpers import JOB_ENV, completed_job_log, job_log, pids_of, wait_until
 from tests.support.workers import REPO
 
@@ -29,7 +29,7 @@ def _submit_cli(*argv: str) -> str:
     """The real command line: ``ckpteval submit train-eval ...``; returns the job id it prints."""
     args = list(argv)
     cut = args.index("--")
-    cmd = [sys.executable, "-m", "jobs.cli", "submit", "train-eval", *args[:cut], *JOB_ENV, *args[cut:]]
+    cmd = [sys.executable, "-m", "ckpteval.jobs.cli", "submit", "train-eval", *args[:cut], *JOB_ENV, *args[cut:]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60, check=True)
     assert "squeue -j" in proc.stderr and "ckpteval status" in proc.stderr
     return proc.stdout.strip()
@@ -74,7 +74,7 @@ def test_het_job_end_to_end_points_pinned(slurm_cluster, tmp_path: Path) -> None
 
 
 def test_trainer_death_ends_the_fleet(slurm_cluster, tmp_path: Path) -> None:
-    """Submitted through the notebook API (jobs.launch.api.submit_train_eval -> rendered sbatch script)."""
+    """Submitted through the notebook API (ckpteval.jobs.launch.api.submit_train_eval -> rendered sbatch script)."""
     run = tmp_path / "run"
     env = [JOB_ENV[i + 1] for i in range(0, len(JOB_ENV), 2)]
     job = api.submit_train_eval(
@@ -89,7 +89,7 @@ def test_trainer_death_ends_the_fleet(slurm_cluster, tmp_path: Path) -> None:
         wait_until(lambda: list((run / "results").glob("*.json")) if (run / "results").is_dir() else None,
                    120, "a first result")
         assert job.status()["run_dir"] == str(run.resolve())
-        trainer = wait_until(lambda: pids_of("jobs.cli", " train ", str(run)), 10, "the trainer's pid")
+        trainer = wait_until(lambda: pids_of("ckpteval.jobs.cli", " train ", str(run)), 10, "the trainer's pid")
         for pid in trainer:
             os.kill(pid, signal.SIGKILL)
         state = job.wait(timeout_s=60, poll_s=0.5)
@@ -102,7 +102,7 @@ def test_trainer_death_ends_the_fleet(slurm_cluster, tmp_path: Path) -> None:
     # both workers were stopped through their preemption path (exit 3: lease released), none left
     assert re.search(rf"worker j{job.job_id}-w0 stopped \(exit 3\)", log), log[-3000:]
     assert re.search(rf"worker j{job.job_id}-w1 stopped \(exit 3\)", log), log[-3000:]
-    assert not pids_of("jobs.cli", " worker ", str(run))
+    assert not pids_of("ckpteval.jobs.cli", " worker ", str(run))
     assert not list((run / "leases").rglob("*.lock"))
     assert not (run / "TRAINING_DONE").exists()
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from coord.rundir import RunDir
+from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.rundir import RunDir
 
 
 def make_run(tmp: Path, n_prompts: int = 10, shard_size: int = 5, lease: LeaseSettings | None = None,

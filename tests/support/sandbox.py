@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from jobs.eval.sandbox import labelled_processes
+from ckpteval.jobs.eval.sandbox import labelled_processes
 
 
 def survivors(label: str, wait_s: float = 30.0) -> list[int]:

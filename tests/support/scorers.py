@@ -1,14 +1,14 @@
 """Real scorers for the registry tests: a ``module:function`` that raises, and a registered-style class
 scorer with options, a required row field, counters, extras and an identity (registered into
-``jobs.eval.scorers.SCORERS`` by the tests that use it)."""
+``ckpteval.jobs.eval.scorers.SCORERS`` by the tests that use it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from coord.manifest import FieldError, Fields, parse_dataclass
-from jobs.eval.scorers import BaseScorer, Sample, Scored
+from ckpteval.coord.manifest import FieldError, Fields, parse_dataclass
+from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored
 
 
 def raise_always(completion: str, answer: str) -> float:

@@ -2,9 +2,9 @@
 
 ``python -m tests.support.training consume RUN [--delay S] [--until-done]`` is a minimal consumer that
 speaks only the coord protocol: it discovers complete snapshots under ``run.json``'s snapshot roots,
-claims units with :class:`coord.units.UnitClaimer`, scores them on a real
-:class:`jobs.eval.engines.hf.HFEngine` with :func:`jobs.eval.scoring.score_unit`, and publishes results with
-:func:`coord.results.write_result`. ``--delay`` slows each unit down (to make points overlap);
+claims units with :class:`ckpteval.coord.units.UnitClaimer`, scores them on a real
+:class:`ckpteval.jobs.eval.engines.hf.HFEngine` with :func:`ckpteval.jobs.eval.scoring.score_unit`, and publishes results with
+:func:`ckpteval.coord.results.write_result`. ``--delay`` slows each unit down (to make points overlap);
 ``--until-done`` exits once ``TRAINING_DONE`` exists and every dispatched step has all its results.
 """
 
@@ -21,19 +21,19 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coord.atomic import read_jsonl
-from coord.discovery import SnapshotDiscovery
-from coord.identity import run_key
-from coord.ledger import Ledger
-from coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from coord.results import ResultIndex, ok_result, write_result
-from coord.rundir import RunDir
-from coord.snapshot import producer_identity
-from coord.units import UnitClaimer, shard_range, units_for_step
-from jobs.trainer.config import DispatchConfig
+from ckpteval.coord.atomic import read_jsonl
+from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.identity import run_key
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import producer_identity
+from ckpteval.coord.units import UnitClaimer, shard_range, units_for_step
+from ckpteval.jobs.trainer.config import DispatchConfig
 
 if TYPE_CHECKING:
-    from jobs.reference.model import ModelConfig
+    from ckpteval.jobs.reference.model import ModelConfig
 
 
 def make_train_run(
@@ -57,8 +57,11 @@ def make_train_run(
     """A trainer's run dir built from the library (what any trainer integrating ckpteval writes):
     ``base/`` for the toy model, a small addition eval set, ``run.json`` listing the snapshot root; and
     the validated eval config (staging into ``RUN/snapshots`` unless a staging dir or ``--save-hf``)."""
-    from jobs.eval.evalsets import write_addition_dataset
-    from jobs.reference.model import ModelConfig, save_base_model_dir  # torch: imported only when needed
+    from ckpteval.jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.reference.model import (  # torch: imported only when needed
+        ModelConfig,
+        save_base_model_dir,
+    )
 
     run_dir = Path(run_dir)
     staging = eval_staging_dir if eval_staging_dir is not None or save_hf_dir is not None else run_dir / "snapshots"
@@ -131,8 +134,8 @@ def dispatched_steps(run_dir: Path) -> set[int]:
 
 def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeout_s: float = 300.0) -> int:
     """Evaluate every unit of every complete snapshot; returns the number of results written."""
-    from jobs.eval.engines.hf import HFEngine
-    from jobs.eval.scoring import DatasetCache, score_unit
+    from ckpteval.jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.eval.scoring import DatasetCache, score_unit
 
     run = RunDir.open(run_dir)
     manifest = run.manifest()

@@ -1,8 +1,8 @@
 """Shared helpers for the eval-side tests: real runs, real tiny-model snapshots, real fn backends.
 
 Nothing here is a fake of ckpteval: runs are created with :mod:`coord`, snapshots are published with
-``coord.snapshot.publish_snapshot`` around ``jobs.trainer.export.hf_files.write_hf_files`` of a tiny
-``jobs.reference.model.build_model`` Llama, and the fn backends below are real ``CheckpointEvalFn`` classes
+``ckpteval.coord.snapshot.publish_snapshot`` around ``ckpteval.jobs.trainer.export.hf_files.write_hf_files`` of a tiny
+``ckpteval.jobs.reference.model.build_model`` Llama, and the fn backends below are real ``CheckpointEvalFn`` classes
 (loaded by import path in worker subprocesses) that score from the snapshot's actual safetensors.
 torch is imported lazily so that fn-backend worker processes importing this module stay light.
 """
@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from coord.results import Result, ResultIndex
-from coord.rundir import RunDir
-from coord.snapshot import publish_snapshot
-from coord.units import WorkUnit, attempts_path, lease_holders
-from jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
+from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.results import Result, ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.coord.units import WorkUnit, attempts_path, lease_holders
+from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
 from tests.support.runs import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def make_eval_run(
     """A run with the built-in addition eval set (``n_prompts`` rows) and one snapshot root."""
     from dataclasses import replace
 
-    from jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.eval.evalsets import write_addition_dataset
 
     run = RunDir.create(tmp / name)
     spec = write_addition_dataset(run, n=n_prompts, shard_size=shard_size)
@@ -63,8 +63,8 @@ def make_eval_run(
 
 
 def version(run: RunDir, step: int) -> str:
-    """The weight version a worker of ``run`` stamps an engine with for ``step`` (coord.identity)."""
-    from coord.identity import run_key, weight_version
+    """The weight version a worker of ``run`` stamps an engine with for ``step`` (ckpteval.coord.identity)."""
+    from ckpteval.coord.identity import run_key, weight_version
 
     return weight_version(run_key(run.manifest()), step)
 
@@ -75,7 +75,7 @@ _BASE: dict[str, Path] = {}
 
 def base_dir(tmp: Path) -> Path:
     """A base model dir (config, generation config, tokenizer; no weights), made once per tmp dir."""
-    from jobs.reference.model import save_base_model_dir
+    from ckpteval.jobs.reference.model import save_base_model_dir
 
     key = str(tmp)
     if key not in _BASE:
@@ -85,8 +85,8 @@ def base_dir(tmp: Path) -> Path:
 
 def model_writer(tmp: Path, seed: int) -> Callable[[Path], dict[str, dict[str, int]]]:
     """A ``write_files`` for publish_snapshot: the tiny model with weights drawn from ``seed``."""
-    from jobs.reference.model import build_model
-    from jobs.trainer.export.hf_files import write_hf_files
+    from ckpteval.jobs.reference.model import build_model
+    from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 
     base = base_dir(tmp)
 
@@ -120,7 +120,7 @@ def duplicates(run: RunDir) -> list[dict[str, Any]]:
 
 
 def lease_holder_pid(run: RunDir) -> dict[str, int]:
-    """unit id -> pid of the process holding its lease (filelock's owner record, via coord.units)."""
+    """unit id -> pid of the process holding its lease (filelock's owner record, via ckpteval.coord.units)."""
     return {unit: record.pid for unit, record in lease_holders(run.leases).items()}
 
 
@@ -155,9 +155,9 @@ def worker_env() -> dict[str, str]:
 
 
 def spawn(command: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """Start ``python -m jobs.cli <command> <args>`` as a real process (stdout+stderr piped as text)."""
+    """Start ``python -m ckpteval.jobs.cli <command> <args>`` as a real process (stdout+stderr piped as text)."""
     return subprocess.Popen(
-        [PYTHON, "-m", "jobs.cli", command, *args],
+        [PYTHON, "-m", "ckpteval.jobs.cli", command, *args],
         cwd=REPO,
         env={**worker_env(), **(env or {})},
         stdout=subprocess.PIPE,
@@ -271,7 +271,7 @@ def digit_first(completion: str, answer: str) -> tuple[float, str]:
 
 def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
     """Build and run a worker in this process (no signal handlers); returns (exit code, worker)."""
-    from jobs.eval.worker import prepare_worker
+    from ckpteval.jobs.eval.worker import prepare_worker
 
     worker = prepare_worker(opts, **kw)
     try:
@@ -282,12 +282,12 @@ def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
 
 
 def start_serve(snapshot: Path, version: str, log: Path, timeout: float = 60.0) -> tuple[str, subprocess.Popen[str]]:
-    """Launch ``python -m jobs.cli serve`` (the real HTTP engine) on a free port; (url, process)."""
+    """Launch ``python -m ckpteval.jobs.cli serve`` (the real HTTP engine) on a free port; (url, process)."""
     return _start_listening(["--model", str(snapshot), "--weight-version", version], log, timeout)
 
 
 def start_judge(mode: str, log: Path, *extra: str, timeout: float = 60.0) -> tuple[str, subprocess.Popen[str]]:
-    """Launch ``python -m jobs.cli serve --judge MODE`` (the judge stand-in) on a free port; (its OpenAI
+    """Launch ``python -m ckpteval.jobs.cli serve --judge MODE`` (the judge stand-in) on a free port; (its OpenAI
     base URL ``http://h:p/v1``, process)."""
     url, proc = _start_listening(["--judge", mode, *extra], log, timeout)
     return f"{url}/v1", proc
@@ -296,7 +296,7 @@ def start_judge(mode: str, log: Path, *extra: str, timeout: float = 60.0) -> tup
 def _start_listening(args: list[str], log: Path, timeout: float) -> tuple[str, subprocess.Popen[str]]:
     import select
 
-    cmd = [PYTHON, "-m", "jobs.cli", "serve", *args, *([] if "--port" in args else ["--port", "0"])]
+    cmd = [PYTHON, "-m", "ckpteval.jobs.cli", "serve", *args, *([] if "--port" in args else ["--port", "0"])]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     deadline = time.monotonic() + timeout

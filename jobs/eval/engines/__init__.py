@@ -1,1 +1,1 @@
-"""Inference engines behind one small interface (see :mod:`jobs.eval.engines.base`)."""
+"""Inference engines behind one small interface (see :mod:`ckpteval.jobs.eval.engines.base`)."""

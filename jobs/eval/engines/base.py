@@ -4,7 +4,7 @@ An engine holds one set of weights at a time, stamped with a ``weight_version`` 
 weights change is :meth:`Engine.load`, which swaps weights *and* version together (a reader never sees
 new weights under an old version or the reverse). Every generation carries the version that produced
 it, so a worker can prove which weights a sample measured. Prompts arrive as final text (chat
-templates are rendered before, by :mod:`jobs.eval.prompts`).
+templates are rendered before, by :mod:`ckpteval.jobs.eval.prompts`).
 
 Limits: an engine shared with other clients (an sglang server someone else also reloads) can change
 version between two calls; the worker detects that by re-reading the version after a unit and by the
@@ -84,10 +84,10 @@ class Generation:
 
 @dataclass(frozen=True)
 class WeightDigests:
-    """What an in-process engine reports about the weights it holds (:mod:`jobs.eval.attest`).
+    """What an in-process engine reports about the weights it holds (:mod:`ckpteval.jobs.eval.attest`).
 
     ``digests``: name -> CRC-32 of the tensor's bytes cast to the snapshot's dtype
-    (:mod:`coord.digests`); ``aliases``: a name -> the name it shares storage with (tied weights);
+    (:mod:`ckpteval.coord.digests`); ``aliases``: a name -> the name it shares storage with (tied weights);
     ``lossy``: names held in a dtype narrower than the snapshot's, whose digest cannot match."""
 
     digests: dict[str, int]

@@ -4,23 +4,23 @@ engines as one.
 Specs (what ``--engine`` accepts) are ``KIND`` or ``KIND:ARG``, ``KIND`` a name of :data:`ENGINES`:
 
 ========================  =====================================================================
-``hf``                    :class:`jobs.eval.engines.hf.HFEngine` in this process on ``--device``
-``http:URL``              :class:`jobs.eval.engines.http.HTTPEngine` talking to a server at ``URL``
+``hf``                    :class:`ckpteval.jobs.eval.engines.hf.HFEngine` in this process on ``--device``
+``http:URL``              :class:`ckpteval.jobs.eval.engines.http.HTTPEngine` talking to a server at ``URL``
                           (sglang's native API: ``ckpteval serve`` or a real sglang server). Also
                           written ``http://HOST:PORT``, ``https://HOST:PORT`` or ``http:HOST:PORT``
                           (:func:`normalize_spec`)
-``sglang``                :class:`jobs.eval.engines.sglang.SGLangEngine`: launches its own sglang server
-``fn:module:Class``       a :class:`jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
+``sglang``                :class:`ckpteval.jobs.eval.engines.sglang.SGLangEngine`: launches its own sglang server
+``fn:module:Class``       a :class:`ckpteval.jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
 ``auto``                  resolved on the node when the worker starts (:func:`resolve_auto`): ``sglang`` when
                           sglang is importable and the worker has GPUs (``--device cuda*`` and at least one
                           GPU in ``CUDA_VISIBLE_DEVICES``), else ``hf``. The sbatch scripts' default.
 ========================  =====================================================================
 
 Adding an engine: write ``jobs/eval/engines/<name>.py`` with a class implementing
-:class:`~jobs.eval.engines.base.Engine` (import-light at module level), then add one line to
-:data:`ENGINES`: ``"<name>": EngineKind("jobs.eval.engines.<name>:MyEngine", arg=..., device=...,
+:class:`~ckpteval.jobs.eval.engines.base.Engine` (import-light at module level), then add one line to
+:data:`ENGINES`: ``"<name>": EngineKind("ckpteval.jobs.eval.engines.<name>:MyEngine", arg=..., device=...,
 lora=...)``. Nothing else: ``--engine <name>`` is parsed, checked, built, pooled and pinned from there
-(an engine that subclasses :class:`~jobs.eval.engines.http.HTTPEngine` also runs lm-eval tasks).
+(an engine that subclasses :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine` also runs lm-eval tasks).
 
 Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
 way): ``eval.engine`` may hold one object per kind, passed as keyword arguments to that kind's
@@ -32,7 +32,7 @@ its LoRA variant (:attr:`EngineKind.lora`; a kind without one refuses such a run
 
 Engine modules are imported lazily, so a worker running an ``fn`` backend never imports torch.
 
-:class:`EnginePool` makes N engines look like one :class:`~jobs.eval.engines.base.Engine`: loads go to all (in turn),
+:class:`EnginePool` makes N engines look like one :class:`~ckpteval.jobs.eval.engines.base.Engine`: loads go to all (in turn),
 prompts are split across all (one thread each), and its ``weight_version`` is the common version only
 when *every* engine reports the same one — so the worker's pin checks cover all of them.
 
@@ -52,8 +52,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams
-from jobs.eval.engines.fn import CheckpointEvalFn
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams
+from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn
 
 
 @dataclass(frozen=True)
@@ -74,19 +74,19 @@ class EngineKind:
     lora_takes_base: bool = True
     """The LoRA variant gets ``base_model=`` (a server attached by URL already has its base)."""
     unit_backend: bool = False
-    """Scores whole units itself (a :class:`~jobs.eval.engines.fn.CheckpointEvalFn`), not an Engine."""
+    """Scores whole units itself (a :class:`~ckpteval.jobs.eval.engines.fn.CheckpointEvalFn`), not an Engine."""
     deterministic_when_sampling: bool = False
     """Gets ``deterministic=True`` when a dataset of the run samples (unless run.json sets it): an
     sglang server honours per-sample seeds only with ``--enable-deterministic-inference``."""
 
 
 ENGINES: dict[str, EngineKind] = {
-    "hf": EngineKind("jobs.eval.engines.hf:HFEngine", device=True, check_device=True, lora="jobs.eval.engines.hf_lora:HFLoRAEngine"),
-    "http": EngineKind("jobs.eval.engines.http:HTTPEngine", arg="URL", lora="jobs.eval.engines.sglang_lora:HTTPLoRAEngine",
+    "hf": EngineKind("ckpteval.jobs.eval.engines.hf:HFEngine", device=True, check_device=True, lora="ckpteval.jobs.eval.engines.hf_lora:HFLoRAEngine"),
+    "http": EngineKind("ckpteval.jobs.eval.engines.http:HTTPEngine", arg="URL", lora="ckpteval.jobs.eval.engines.sglang_lora:HTTPLoRAEngine",
                        lora_takes_base=False),
-    "sglang": EngineKind("jobs.eval.engines.sglang:SGLangEngine", device=True,
-                         lora="jobs.eval.engines.sglang_lora:SGLangLoRAEngine", deterministic_when_sampling=True),
-    "fn": EngineKind("jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True),
+    "sglang": EngineKind("ckpteval.jobs.eval.engines.sglang:SGLangEngine", device=True,
+                         lora="ckpteval.jobs.eval.engines.sglang_lora:SGLangLoRAEngine", deterministic_when_sampling=True),
+    "fn": EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True),
 }
 KINDS = tuple(ENGINES)
 
@@ -100,7 +100,7 @@ def resolve_auto(device: str, env: Mapping[str, str] | None = None) -> str:
     least one), otherwise ``hf``."""
     if not device.startswith("cuda") or importlib.util.find_spec("sglang") is None:
         return "hf"
-    from jobs.eval.engines.sglang import gpu_count
+    from ckpteval.jobs.eval.engines.sglang import gpu_count
 
     return "sglang" if gpu_count(os.environ if env is None else env) > 0 else "hf"
 
@@ -238,7 +238,7 @@ def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 class EnginePool:
-    """Several engines behind the :class:`~jobs.eval.engines.base.Engine` interface (see module doc)."""
+    """Several engines behind the :class:`~ckpteval.jobs.eval.engines.base.Engine` interface (see module doc)."""
 
     def __init__(self, engines: list[Engine]) -> None:
         if not engines:

@@ -1,6 +1,6 @@
 """The ``CheckpointEvalFn`` contract: black-box eval backends that score a whole work unit.
 
-An engine (:mod:`jobs.eval.engines.base`) generates and the worker scores; a ``CheckpointEvalFn`` does
+An engine (:mod:`ckpteval.jobs.eval.engines.base`) generates and the worker scores; a ``CheckpointEvalFn`` does
 everything in between claiming a unit and writing its result itself: load the checkpoint however it
 likes (a LoRA adapter on a base model, a vLLM server, a reward model, a harness in a container), run
 the unit's rows, score them. It is loaded by import path with ``ckpteval worker --engine
@@ -26,10 +26,10 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
                                                                  #   ({"messages": [...], ...} in chat sets)
        "prompts": [str, ...],                                     # each row's final prompt text (chat
                                                                  #   sets rendered with the snapshot's
-                                                                 #   chat template: jobs.eval.prompts)
+                                                                 #   chat template: ckpteval.jobs.eval.prompts)
        "seeds": [int, ...] | None,                                # per-sample seeds, prompt-major, of
                                                                  #   the samples above (sample_seed of
-                                                                 #   the absolute index: jobs.eval.scoring);
+                                                                 #   the absolute index: ckpteval.jobs.eval.scoring);
                                                                  #   None for greedy sets
        "adapters": [...], "engine": {...},                        # run.json's eval.adapters / engine
        "base_model": str | None}                                  # eval.base_model: set = LoRA snapshots
@@ -63,8 +63,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from coord.manifest import DatasetSpec, RunManifest
-from coord.units import WorkUnit
+from ckpteval.coord.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.units import WorkUnit
 
 
 class EvalSkip(Exception):

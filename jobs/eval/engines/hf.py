@@ -34,10 +34,10 @@ What it owns and promises:
   from the temperature/top-k/top-p distribution with that row's generator and the (then greedy)
   decoder takes it, so a row's sample depends on its prompt and seed only, not on its batch-mates
   (up to the float noise of padding), and identical prompts with distinct seeds draw independently
-  (the checks, the seeded RNG and the per-row sampler are :mod:`jobs.eval.engines.hf_sampling`'s). Only
+  (the checks, the seeded RNG and the per-row sampler are :mod:`ckpteval.jobs.eval.engines.hf_sampling`'s). Only
   new tokens are decoded, cut at the first ``eos``; ``n_tokens`` counts generated tokens including that ``eos``.
 - Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused (reading and
-  checking a snapshot's weights is :mod:`jobs.eval.engines.hf_weights`'s).
+  checking a snapshot's weights is :mod:`ckpteval.jobs.eval.engines.hf_weights`'s).
 - Several engines in one process (a pool) are safe: model builds, which transformers runs under
   process-global contexts, take turns on a module lock; in-place reloads and generation do not.
 
@@ -71,8 +71,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from jobs.eval.engines.base import EngineError, Generation, SamplingParams, WeightDigests
-from jobs.eval.engines.hf_sampling import (
+from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams, WeightDigests
+from ckpteval.jobs.eval.engines.hf_sampling import (
     SeededSampler,
     check_context,
     check_ids,
@@ -81,7 +81,7 @@ from jobs.eval.engines.hf_sampling import (
     validate_sampling,
     validate_seeds,
 )
-from jobs.eval.engines.hf_weights import (
+from ckpteval.jobs.eval.engines.hf_weights import (
     arch_signature,
     copy_into_resident,
     index_tensors,
@@ -265,15 +265,15 @@ class HFEngine:
 
     def weight_digests(self, dtypes: dict[str, str], digest: str = "crc32") -> WeightDigests:
         """``digest`` of each weight held now, in the snapshot's dtypes and names
-        (:func:`~jobs.eval.engines.hf_weights.param_digests`), under the lock (no load interleaves)."""
+        (:func:`~ckpteval.jobs.eval.engines.hf_weights.param_digests`), under the lock (no load interleaves)."""
         with self._lock:
             model = self._require_loaded()[0]
             return param_digests(model, dtypes, digest)
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """The canary's recomputation (:func:`jobs.eval.canary.teacher_forced`) of each ``(prompt,
+        """The canary's recomputation (:func:`ckpteval.jobs.eval.canary.teacher_forced`) of each ``(prompt,
         continuation)`` with the held model and the tokenizer it generates with, under the lock."""
-        from jobs.eval.canary import teacher_forced
+        from ckpteval.jobs.eval.canary import teacher_forced
 
         with self._lock:
             model, tokenizer = self._require_loaded()

@@ -7,7 +7,7 @@ swaps only the adapter per snapshot.
 What it owns and promises:
 
 - The first :meth:`HFLoRAEngine.load` builds the base from ``base_model`` (``from_pretrained``, dtype as
-  :class:`~jobs.eval.engines.hf.HFEngine` resolves it) and its tokenizer, injects the adapter's LoRA
+  :class:`~ckpteval.jobs.eval.engines.hf.HFEngine` resolves it) and its tokenizer, injects the adapter's LoRA
   layers with ``peft.inject_adapter_in_model`` (the model stays a plain transformers model), and copies
   the adapter's tensors into them.
 - A later load whose ``adapter_config.json`` matches the resident one (every key except bookkeeping such
@@ -17,7 +17,7 @@ What it owns and promises:
   leaves the old adapter and version in place); a copy that still fails midway leaves version ``None``.
   A different adapter config (rank, target modules, alpha) rebuilds base + adapter.
 - File names are PEFT's (``base_model.model.<module>.lora_A.weight``), what ``PeftModel.save_pretrained``
-  and :func:`jobs.trainer.export.hf_files.write_adapter_files` write; only safetensors are read (no
+  and :func:`ckpteval.jobs.trainer.export.hf_files.write_adapter_files` write; only safetensors are read (no
   pickled ``adapter_model.bin``).
 
 Limits: LoRA only (``peft_type == "LORA"``), no ``modules_to_save`` (fully trained extra modules) and
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from jobs.eval.engines.base import EngineError
-from jobs.eval.engines.hf import HFEngine
-from jobs.eval.engines.hf_weights import (
+from ckpteval.coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf_weights import (
     TensorIndex,
     arch_signature,
     copy_into_resident,

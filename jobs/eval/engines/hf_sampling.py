@@ -1,4 +1,4 @@
-"""Sampling for :class:`jobs.eval.engines.hf.HFEngine`: settings checks, seeded RNG, per-row samplers.
+"""Sampling for :class:`ckpteval.jobs.eval.engines.hf.HFEngine`: settings checks, seeded RNG, per-row samplers.
 
 Owns what decides *which* tokens a generation draws, apart from the model: :func:`validate_sampling`
 and :func:`validate_seeds` (``ValueError`` for settings no engine can honour), :func:`seeded_rng` (a
@@ -7,7 +7,7 @@ call-wide ``seed`` fixes a forked RNG, leaving the caller's global RNG untouched
 own ``torch.Generator``, so its sample depends on its prompt and seed only, not on its batch-mates, up
 to the float noise of padding) and :func:`left_pad` (the batch layout the decoder expects); and which requests it takes at all:
 :func:`check_ids` (token ids inside the vocabulary) and :func:`check_context` (a prompt that does not fit
-the model's context is :class:`~jobs.eval.engines.base.RequestRejected`, sglang's rule).
+the model's context is :class:`~ckpteval.jobs.eval.engines.base.RequestRejected`, sglang's rule).
 
 Limits: reproducibility holds for the same torch build and device; the sampler returns ``-inf`` scores
 everywhere but the drawn token, so it must run last, before a greedy decoder.
@@ -28,7 +28,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from jobs.eval.engines.base import RequestRejected, SamplingParams, context_problem
+from ckpteval.jobs.eval.engines.base import RequestRejected, SamplingParams, context_problem
 
 
 def validate_sampling(params: SamplingParams) -> None:
@@ -103,7 +103,7 @@ def seeded_rng(seed: int | None, device: torch.device) -> Iterator[None]:
 
 def check_context(input_ids: list[list[int]], max_new_tokens: int, config: PretrainedConfig) -> None:
     """A prompt that does not fit the model's context is refused as ``ckpteval serve`` and sglang refuse it
-    (:func:`~jobs.eval.engines.base.context_problem`), never truncated or run past the position table."""
+    (:func:`~ckpteval.jobs.eval.engines.base.context_problem`), never truncated or run past the position table."""
     context = getattr(config, "max_position_embeddings", None)
     for row in input_ids:
         if (problem := context_problem(len(row), max_new_tokens, context)) is not None:

@@ -1,4 +1,4 @@
-"""Reading a snapshot's weights for :class:`jobs.eval.engines.hf.HFEngine`: config, shards, checks.
+"""Reading a snapshot's weights for :class:`ckpteval.jobs.eval.engines.hf.HFEngine`: config, shards, checks.
 
 What it owns: which files are a snapshot's weights (:func:`weight_files`: the safetensors index or
 ``model.safetensors``; pickled ``*.bin`` weights are refused), reading them onto a device
@@ -9,7 +9,7 @@ What it owns: which files are a snapshot's weights (:func:`weight_files`: the sa
 ``dtype: auto``), and the in-place reload: :func:`index_tensors` reads only the safetensors headers,
 :func:`resident_targets` checks every key and shape before anything is touched, and
 :func:`copy_into_resident` reads each tensor's bytes straight into its resident parameter (no state
-dict). Every failure is an :class:`~jobs.eval.engines.base.EngineError` naming the file.
+dict). Every failure is an :class:`~ckpteval.jobs.eval.engines.base.EngineError` naming the file.
 
 Limits: only safetensors are ever read; :func:`read_state_dict` (the first build and the bench's
 baseline) holds the whole state dict in memory at once.
@@ -31,8 +31,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from coord.digests import tensor_digest
-from jobs.eval.engines.base import EngineError, WeightDigests
+from ckpteval.coord.digests import tensor_digest
+from ckpteval.jobs.eval.engines.base import EngineError, WeightDigests
 
 # config.json keys that say nothing about the weights' layout: a change here still reloads in place.
 _BOOKKEEPING_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"})
@@ -233,7 +233,7 @@ DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
 def param_digests(model: torch.nn.Module, dtypes: dict[str, str], digest: str = "crc32") -> WeightDigests:
     """Digests of every tensor the model holds (its state dict), each cast to the snapshot's dtype
     ``dtypes[name]`` (a safetensors dtype name; names absent keep their own dtype): ``digest`` (``xxh3``
-    or ``crc32``, :func:`coord.digests.tensor_digest`) of the bytes. Tensors sharing storage are digested once and reported as aliases of
+    or ``crc32``, :func:`ckpteval.coord.digests.tensor_digest`) of the bytes. Tensors sharing storage are digested once and reported as aliases of
     the first of them that ``dtypes`` names. A tensor held in a dtype that cannot hold the snapshot's
     values exactly (bf16 held for an F32 file) is listed in ``lossy``. Tensors are digested on
     :data:`DIGEST_THREADS` threads (one tensor each at a time: at most that many host copies exist)."""

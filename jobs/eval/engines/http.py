@@ -1,4 +1,4 @@
-"""``HTTPEngine``: the :class:`~jobs.eval.engines.base.Engine` protocol over sglang's native HTTP API.
+"""``HTTPEngine``: the :class:`~ckpteval.jobs.eval.engines.base.Engine` protocol over sglang's native HTTP API.
 
 Written against the sglang source (0.5.19 .. 0.5.23, the range ``ckpteval[sglang]`` pins; file
 names below are inside the sglang wheel) and ``ckpteval serve``, which mirrors 0.5.23. Routes used:
@@ -30,7 +30,7 @@ Promises:
   mode), a weight update with ``abort_all_requests`` or ``/update_weight_version``
   (``tokenizer_manager.py`` ``_handle_abort_finish_reason`` turns only aborts carrying a status code
   into errors). Aborted samples are resent (``abort_retries`` times, same seeds); still aborted, the
-  call raises :class:`~jobs.eval.engines.base.SamplesAborted`.
+  call raises :class:`~ckpteval.jobs.eval.engines.base.SamplesAborted`.
 - **Versions per sample**: a sample's version is its ``meta_info.weight_versions`` spans (sglang
   >= 0.5.19, ``srt/utils/weight_versions.py``) when present: one version if every span has it, else
   the span versions joined by ``|`` (``"3|4"``), which equals no pin and no step, so a sample that
@@ -38,12 +38,12 @@ Promises:
 - **Rejected is not dead**: a 4xx from ``/generate`` (other than 408/429) is the request's fault
   (too long a prompt, a bad setting: ``tokenizer_manager.py`` ``_validate_one_request``,
   ``srt/sampling/sampling_params.py`` ``verify``) and raises
-  :class:`~jobs.eval.engines.base.RequestRejected` with the server's message; transport errors,
+  :class:`~ckpteval.jobs.eval.engines.base.RequestRejected` with the server's message; transport errors,
   timeouts and 5xx raise plain :class:`EngineError` (restart), except a 503 with a message: a busy
-  server, retried with backoff and never restarted (:mod:`jobs.eval.engines.http_limits`, which also
+  server, retried with backoff and never restarted (:mod:`ckpteval.jobs.eval.engines.http_limits`, which also
   sizes each ``/generate`` timeout from ``max_new_tokens`` and the batch); a 401 is
-  :class:`~jobs.eval.engines.http_auth.Unauthorized` (keys come from the environment only:
-  :mod:`jobs.eval.engines.http_auth`). Error bodies are read in the three
+  :class:`~ckpteval.jobs.eval.engines.http_auth.Unauthorized` (keys come from the environment only:
+  :mod:`ckpteval.jobs.eval.engines.http_auth`). Error bodies are read in the three
   shapes sglang uses: ``{"error": "<str>"}`` (the 0.5.22+ schema gate), ``{"error": {"message"}}``
   (``_create_error_response``) and ``{"object": "error", "message"}`` (``ErrorResponse``).
 - :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
@@ -65,8 +65,8 @@ from typing import Any
 
 import httpx
 
-from coord.identity import MIXED_SEP
-from jobs.eval.engines.base import (
+from ckpteval.coord.identity import MIXED_SEP
+from ckpteval.jobs.eval.engines.base import (
     EngineChecksum,
     EngineError,
     Generation,
@@ -74,9 +74,13 @@ from jobs.eval.engines.base import (
     SamplesAborted,
     SamplingParams,
 )
-from jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
-from jobs.eval.engines.http_limits import DEFAULT_TOKEN_TIMEOUT_S, generate_timeout, send_retrying_busy
-from jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exported: callers import them from here
+from ckpteval.jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
+from ckpteval.jobs.eval.engines.http_limits import (
+    DEFAULT_TOKEN_TIMEOUT_S,
+    generate_timeout,
+    send_retrying_busy,
+)
+from ckpteval.jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exported: callers import them from here
     SUPPORTED_SGLANG,
     UnsupportedServer,
     check_sglang_version,

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError
 
 API_KEY_ENV = "CKPTEVAL_SGLANG_API_KEY"
 ADMIN_API_KEY_ENV = "CKPTEVAL_SGLANG_ADMIN_API_KEY"

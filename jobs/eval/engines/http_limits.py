@@ -1,6 +1,6 @@
 """How long one ``/generate`` may take, and when a busy sglang server is retried instead of restarted.
 
-Owns two rules of :class:`~jobs.eval.engines.http.HTTPEngine`, read from sglang 0.5.23's source:
+Owns two rules of :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine`, read from sglang 0.5.23's source:
 
 - **Busy is not dead.** sglang answers HTTP 503 with a message when it sheds load, in
   ``ErrorResponse`` form ``{"object": "error", "message", "type": "503", "code": 503}``
@@ -14,7 +14,7 @@ Owns two rules of :class:`~jobs.eval.engines.http.HTTPEngine`, read from sglang 
   ``retries`` more times, exponential backoff from ``delay``), never answered with a restart; still busy,
   it raises :class:`ServerBusy` (skip reason ``overloaded``, no restart). A 503 without a message (a
   proxy, a server shutting down: ``health_generate`` answers a bare 503) and every other 5xx stay
-  :class:`~jobs.eval.engines.base.EngineError` (restart).
+  :class:`~ckpteval.jobs.eval.engines.base.EngineError` (restart).
 - **A long batch is given its time.** :func:`generate_timeout` is the base timeout plus
   ``token_timeout_s`` per new token per *wave*: ``ceil(prompts / R)``, ``R`` the requests the server
   runs at once — the sum over DP ranks of ``internal_states[].effective_max_running_requests_per_dp``
@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError
 
 BUSY_STATUS = 503
 BUSY_MESSAGES = (

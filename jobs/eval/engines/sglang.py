@@ -1,4 +1,4 @@
-"""``SGLangEngine``: an :class:`~jobs.eval.engines.http.HTTPEngine` that launches (or attaches to) sglang.
+"""``SGLangEngine``: an :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine` that launches (or attaches to) sglang.
 
 Launching runs ``python -m sglang.launch_server --model-path DIR --host H --port P --tp-size N
 [--weight-version V] [--base-gpu-id I] [extra args...]`` (flag names from sglang's
@@ -19,15 +19,15 @@ Launch bounds: a launch (the first load of a lazy engine, every restart) is boun
 ``/health_generate`` stops answering 503 while ``ServerStatus.Starting``: ``srt/entrypoints/
 http_server.py`` ``health_generate``, ``_wait_and_warmup``; minutes on a big model), never by the
 worker's weight-load timeout: :attr:`SGLangEngine.launch_timeout_s`
-is what a caller bounding a launch must allow (:func:`jobs.eval.engines.base.launch_timeout`). One
+is what a caller bounding a launch must allow (:func:`ckpteval.jobs.eval.engines.base.launch_timeout`). One
 launch at a time: a launch abandoned by its caller (a timed-out call keeps running in its thread) is
 cancelled by the next :meth:`~SGLangEngine.restart` or :meth:`~SGLangEngine.close`, which wait for it
 to tear its own server down before launching again on the same port.
 
 Version floor: an engine that will launch sglang first reads the installed sglang's version in the
 launch interpreter (``importlib.metadata``, no import of sglang) and refuses one outside
-:data:`~jobs.eval.engines.sglang_version.SUPPORTED_SGLANG` with
-:class:`~jobs.eval.engines.http.UnsupportedServer` at construction, i.e. at worker start (0.4.x
+:data:`~ckpteval.jobs.eval.engines.sglang_version.SUPPORTED_SGLANG` with
+:class:`~ckpteval.jobs.eval.engines.http.UnsupportedServer` at construction, i.e. at worker start (0.4.x
 rejects ``--weight-version`` at start, 0.5.1/0.5.2 know no ``sampling_seed``, spans need 0.5.19);
 the running server's ``/server_info`` version is checked again on first contact (also when attached).
 
@@ -59,8 +59,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.eval.engines.base import EngineError, RequestRejected
-from jobs.eval.engines.http import (
+from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected
+from ckpteval.jobs.eval.engines.http import (
     HEALTH_TIMEOUT_S,
     HTTPEngine,
     UnsupportedServer,
@@ -186,7 +186,7 @@ class SGLangEngine(HTTPEngine):
         deterministic: bool = False,
         **http_settings: Any,
     ) -> None:
-        """``http_settings``: :class:`~jobs.eval.engines.http.HTTPEngine`'s (``token_timeout_s``,
+        """``http_settings``: :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine`'s (``token_timeout_s``,
         ``busy_retries``, ``max_batch_size``, ...), e.g. from run.json ``eval.engine.sglang``."""
         if model_path is not None and url is not None:
             raise ValueError("give model_path (launch a server) or url (attach to one), not both")
@@ -321,10 +321,10 @@ class SGLangEngine(HTTPEngine):
         return None if self._not_launched else super().weight_version()
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """The canary's recomputation (:mod:`jobs.eval.canary`) by the server, with the tokenizer it
-        generates with: one ``/generate`` of input-token log-probs (:mod:`jobs.eval.engines.sglang_logprobs`).
+        """The canary's recomputation (:mod:`ckpteval.jobs.eval.canary`) by the server, with the tokenizer it
+        generates with: one ``/generate`` of input-token log-probs (:mod:`ckpteval.jobs.eval.engines.sglang_logprobs`).
         :class:`RequestRejected` when the server refuses the request (4xx: it cannot score prompts)."""
-        from jobs.eval.engines.sglang_logprobs import parse_teacher_forced, teacher_forced_request
+        from ckpteval.jobs.eval.engines.sglang_logprobs import parse_teacher_forced, teacher_forced_request
 
         self.server_info()
         response = self._request("POST", "/generate", json=teacher_forced_request(pairs))

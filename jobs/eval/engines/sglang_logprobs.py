@@ -2,8 +2,8 @@
 
 What it owns: the request that makes an sglang server (or ``ckpteval serve``) score a probe
 (:func:`teacher_forced_request`) and the reading of its reply into the canary's per-probe records
-(:func:`parse_teacher_forced`, the shape :func:`jobs.eval.canary.teacher_forced` gives), behind
-:meth:`jobs.eval.engines.sglang.SGLangEngine.teacher_forced`.
+(:func:`parse_teacher_forced`, the shape :func:`ckpteval.jobs.eval.canary.teacher_forced` gives), behind
+:meth:`ckpteval.jobs.eval.engines.sglang.SGLangEngine.teacher_forced`.
 
 How sglang 0.5.23 answers it (paths inside the sglang package):
 
@@ -26,18 +26,18 @@ How sglang 0.5.23 answers it (paths inside the sglang package):
 The prompts alone ride in the same request so the server's own tokenization says where each
 continuation starts; token ids that differ from the trainer's (another tokenizer: sglang keeps the one
 it was launched with across ``update_weights_from_disk``) make the probe incomparable, as in
-:func:`jobs.eval.canary.compare`.
+:func:`ckpteval.jobs.eval.canary.compare`.
 
 Limits: one request for the whole probe (a few short rows); what the reply lacks or garbles raises
-:class:`~jobs.eval.engines.base.EngineError`.
+:class:`~ckpteval.jobs.eval.engines.base.EngineError`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jobs.eval.canary import probe_result
-from jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.canary import probe_result
+from ckpteval.jobs.eval.engines.base import EngineError
 
 
 def teacher_forced_request(pairs: list[tuple[str, str]]) -> dict[str, Any]:

@@ -60,10 +60,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from coord.snapshot import ADAPTER_CONFIG
-from jobs.eval.engines.base import EngineError, Generation, RequestRejected
-from jobs.eval.engines.http import HTTPEngine, error_message
-from jobs.eval.engines.sglang import SGLangEngine
+from ckpteval.coord.snapshot import ADAPTER_CONFIG
+from ckpteval.jobs.eval.engines.base import EngineError, Generation, RequestRejected
+from ckpteval.jobs.eval.engines.http import HTTPEngine, error_message
+from ckpteval.jobs.eval.engines.sglang import SGLangEngine
 
 BASE_LABEL = "base"  # the base model's weight_version on a LoRA server this engine launches
 MAX_LOADED_LORAS = 8  # sglang's --max-loras-per-batch default: the least --max-loaded-loras may be

@@ -1,10 +1,10 @@
 """The environment registry and contract: multi-turn, tool-using episodes as an eval set (``kind: "env"``).
 
-An ``env`` entry of run.json's ``eval.datasets`` (:class:`coord.manifest.EnvSpec`) names an environment
+An ``env`` entry of run.json's ``eval.datasets`` (:class:`ckpteval.coord.manifest.EnvSpec`) names an environment
 (``env``): a name of :data:`ENVIRONMENTS`, or ``module:Class`` (imported only under the run-code trust
-rule, :mod:`jobs.eval.trust`). Its rows are a JSONL file of objects (any fields: the environment reads
+rule, :mod:`ckpteval.jobs.eval.trust`). Its rows are a JSONL file of objects (any fields: the environment reads
 them); ``n_samples`` episodes run per row, each of at most ``max_turns`` model turns. The episode loop is
-:mod:`jobs.eval.envs.runner`'s; tools run in the sandbox (:mod:`jobs.eval.envs.tools`).
+:mod:`ckpteval.jobs.eval.envs.runner`'s; tools run in the sandbox (:mod:`ckpteval.jobs.eval.envs.tools`).
 
 The contract (a new instance per episode, ``Class(**env_options)``)::
 
@@ -17,13 +17,13 @@ The contract (a new instance per episode, ``Class(**env_options)``)::
 
 Or, for an environment that runs its own loop and calls the model itself (``verifiers``): a class
 attribute ``DRIVES_MODEL = True`` and ``play(self, episodes, endpoint, spec)``, which plays every
-:class:`~jobs.eval.envs.runner.Episode` against its OpenAI ``base_url`` ``endpoint.base_url(ep.index,
-ep.sample)`` (:mod:`jobs.eval.envs.endpoint`: the pinned engine, each turn version-stamped) and ends each
+:class:`~ckpteval.jobs.eval.envs.runner.Episode` against its OpenAI ``base_url`` ``endpoint.base_url(ep.index,
+ep.sample)`` (:mod:`ckpteval.jobs.eval.envs.endpoint`: the pinned engine, each turn version-stamped) and ends each
 with ``ep.end(ending, cause, reward, answer)`` — the endings and blame below.
 
 A reply that calls tools (in the model's format where its tokenizer defines one, else
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen format; see
-:mod:`jobs.eval.envs.tools`) is not shown to ``step``: the runner runs each
+:mod:`ckpteval.jobs.eval.envs.tools`) is not shown to ``step``: the runner runs each
 call's :class:`Tool` in the sandbox and appends its result as a ``{"role": "tool"}`` message.
 
 How an episode ends (recorded per episode, ``ended``) and who is to blame (``blame``):
@@ -51,12 +51,12 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coord.manifest import FieldError, Fields, set_env_check
+from ckpteval.coord.manifest import FieldError, Fields, set_env_check
 
 ENVIRONMENTS: dict[str, str] = {
-    "arithmetic": "jobs.eval.envs.examples:ArithmeticEnv",
-    "guess": "jobs.eval.envs.examples:GuessEnv",
-    "verifiers": "jobs.eval.envs.verifiers_env:VerifiersEnv",  # optional extra: pip install 'ckpteval[envs]'
+    "arithmetic": "ckpteval.jobs.eval.envs.examples:ArithmeticEnv",
+    "guess": "ckpteval.jobs.eval.envs.examples:GuessEnv",
+    "verifiers": "ckpteval.jobs.eval.envs.verifiers_env:VerifiersEnv",  # optional extra: pip install 'ckpteval[envs]'
 }
 ENDINGS_INFRA = ("env_error", "tool_error", "tool_timeout", "sandbox_failed")  # any other ending is the model's
 
@@ -112,7 +112,7 @@ def env_class(name: str) -> type:
 
 
 def check_env(name: str, options: Fields) -> None:
-    """The run.json parser's check (:func:`coord.manifest.set_env_check`): a registered name whose
+    """The run.json parser's check (:func:`ckpteval.coord.manifest.set_env_check`): a registered name whose
     constructor takes ``env_options``, or a ``module:Class`` form (not imported here: run.json's code is
     imported only after the trust check)."""
     if name in ENVIRONMENTS:

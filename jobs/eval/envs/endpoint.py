@@ -1,14 +1,14 @@
 """The pinned engine's OpenAI-compatible endpoint: ``POST /v1/chat/completions`` on loopback, stamped
 and checked turn by turn, for environments that drive the model themselves (``verifiers``, through
-:mod:`jobs.eval.envs.verifiers_env`).
+:mod:`ckpteval.jobs.eval.envs.verifiers_env`).
 
-Any :class:`~jobs.eval.engines.base.Engine` gets one — the in-process hf engine, the fn backend, an
-sglang server behind :class:`~jobs.eval.engines.http.HTTPEngine`: :class:`Endpoint` is a stdlib
+Any :class:`~ckpteval.jobs.eval.engines.base.Engine` gets one — the in-process hf engine, the fn backend, an
+sglang server behind :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine`: :class:`Endpoint` is a stdlib
 ``ThreadingHTTPServer`` bound to ``127.0.0.1`` on a port the OS picks, in a daemon thread of the worker.
-A reply is produced exactly as the lockstep runner's (:mod:`jobs.eval.envs.runner`): the conversation
-rendered by the same :class:`~jobs.eval.envs.runner.Renderer` (the snapshot's chat template with the
+A reply is produced exactly as the lockstep runner's (:mod:`ckpteval.jobs.eval.envs.runner`): the conversation
+rendered by the same :class:`~ckpteval.jobs.eval.envs.runner.Renderer` (the snapshot's chat template with the
 request's ``tools``, or the raw transcript), one ``engine.generate`` with the entry's sampling settings
-and the seed :func:`~jobs.eval.scoring.sample_seed` ``(seed, row, episode, turn)``, the reply's tool
+and the seed :func:`~ckpteval.jobs.eval.scoring.sample_seed` ``(seed, row, episode, turn)``, the reply's tool
 calls parsed in the model's format into OpenAI ``tool_calls``. The request's own sampling fields are
 ignored: what is measured is the entry's, whatever the environment asks.
 
@@ -20,10 +20,10 @@ Versions, as sglang stamps them (sglang 0.5.23 ``srt/entrypoints/openai/serving_
 of the non-streaming reply; ``srt/utils/weight_versions.py`` ``build_endpoint_weight_version_metadata``:
 ``{"weight_version": ..., "weight_versions": spans}``; ``serving_completions.py`` does the same for
 ``/v1/completions``): every reply carries ``metadata.weight_version`` (the generation's version, spans
-resolved by the engine, :func:`jobs.eval.engines.http.sample_version`). :func:`reply_version` reads it
+resolved by the engine, :func:`ckpteval.jobs.eval.engines.http.sample_version`). :func:`reply_version` reads it
 back from any such reply, this endpoint's or an sglang server's own. A generation whose version is not
 the pinned one is refused (HTTP 409 naming both versions: no further turn is fed by other weights) and
-recorded; :meth:`Endpoint.check` is the one pin check (:func:`jobs.eval.pinning.check_pinned`) over
+recorded; :meth:`Endpoint.check` is the one pin check (:func:`ckpteval.jobs.eval.pinning.check_pinned`) over
 every version the endpoint produced, so a unit with such a turn is a ``pin_violation``.
 
 Limits: non-streaming, one choice (``n`` 1); requests run one ``generate`` at a time (episodes are not
@@ -43,13 +43,13 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from coord.manifest import EnvSpec
-from jobs.eval.engines.base import Engine, EngineError
-from jobs.eval.engines.http import sample_version
-from jobs.eval.envs import Tool
-from jobs.eval.envs.tools import MalformedCall
-from jobs.eval.pinning import check_pinned
-from jobs.eval.scoring import sample_seed, sampling_params
+from ckpteval.coord.manifest import EnvSpec
+from ckpteval.jobs.eval.engines.base import Engine, EngineError
+from ckpteval.jobs.eval.engines.http import sample_version
+from ckpteval.jobs.eval.envs import Tool
+from ckpteval.jobs.eval.envs.tools import MalformedCall
+from ckpteval.jobs.eval.pinning import check_pinned
+from ckpteval.jobs.eval.scoring import sample_seed, sampling_params
 
 PATH_RE = re.compile(r"^/e/(\d+)/(\d+)/v1/chat/completions$")
 
@@ -122,7 +122,7 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], list[Tool]
 
 class Endpoint:
     """The loopback ``/v1/chat/completions`` of ``engine`` pinned at ``want``, for entry ``spec``'s episodes
-    (``render``: the entry's :class:`~jobs.eval.envs.runner.Renderer`). A context manager: the server
+    (``render``: the entry's :class:`~ckpteval.jobs.eval.envs.runner.Renderer`). A context manager: the server
     runs from ``__enter__`` to ``__exit__``."""
 
     def __init__(self, engine: Engine, want: str, spec: EnvSpec, render: Any) -> None:
@@ -159,7 +159,7 @@ class Endpoint:
 
     def check(self) -> None:
         """After the episodes: :meth:`raise_engine_error`, then the pin check over every turn served
-        (:func:`jobs.eval.pinning.check_pinned`)."""
+        (:func:`ckpteval.jobs.eval.pinning.check_pinned`)."""
         self.raise_engine_error()
         check_pinned(self.engine, self.want, [v for t in self.episodes.values() for v in t.versions])
 

@@ -19,7 +19,7 @@ import random
 import re
 from typing import Any
 
-from jobs.eval.envs import Done, Tool
+from ckpteval.jobs.eval.envs import Done, Tool
 
 ANSWER_RE = re.compile(r"ANSWER:\s*(-?\d+)")
 GUESS_RE = re.compile(r"GUESS:\s*(-?\d+)")

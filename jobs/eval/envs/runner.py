@@ -1,26 +1,26 @@
 """The ``env`` dataset kind: a unit's episodes on the pinned engine, pinned turn by turn, with failures
-attributed to the model or to the infrastructure (the contract is :mod:`jobs.eval.envs`').
+attributed to the model or to the infrastructure (the contract is :mod:`ckpteval.jobs.eval.envs`').
 
 A unit is the episodes of its shard's rows (``n_samples`` per row, prompt-major). They run in lockstep:
 each turn renders every live episode's conversation, samples all of them in one ``engine.generate`` (the
 same call, sampling settings and per-sample seeds as every other set; the seed of turn ``t`` of episode
-``j`` of row ``i`` is :func:`jobs.eval.scoring.sample_seed` ``(seed, i, j, t)``), then runs the tool calls in
+``j`` of row ``i`` is :func:`ckpteval.jobs.eval.scoring.sample_seed` ``(seed, i, j, t)``), then runs the tool calls in
 the sandbox and hands the other replies to the environment's ``step``.
 
 Rendering: ``prompt_format: "chat"`` renders the messages (and the tools' schemas) with the snapshot's chat
-template, :func:`jobs.eval.prompts.render_chat`; ``raw`` renders :func:`render_transcript`, a plain
+template, :func:`ckpteval.jobs.eval.prompts.render_chat`; ``raw`` renders :func:`render_transcript`, a plain
 ``role: content`` transcript ending ``assistant:``, with the tools' schemas and the call format first.
 
 An environment that drives the model itself (``DRIVES_MODEL = True``: ``verifiers``,
-:mod:`jobs.eval.envs.verifiers_env`) plays its episodes through the pinned engine's loopback OpenAI
+:mod:`ckpteval.jobs.eval.envs.verifiers_env`) plays its episodes through the pinned engine's loopback OpenAI
 endpoint instead (:func:`play_driven`): the same rendering, ``generate``, seeds and tool-call parsing per
 turn, every turn's version recorded by the endpoint; the same re-runs, pin check and records below.
 
 Guarantees: every turn's reply carries the engine's version; the unit's result is written only if every
 turn of every episode (retried attempts included) and the engine after the unit carry the pinned version
-(else :class:`~jobs.eval.pinning.PinViolation`). An episode that ended ``infra`` is never scored: it is
+(else :class:`~ckpteval.jobs.eval.pinning.PinViolation`). An episode that ended ``infra`` is never scored: it is
 re-run (from its start) up to ``infra_retries`` times, then the unit is skipped ``env_failed`` with the
-cause (:class:`~jobs.eval.scorers.ScorerInfraError`). The result records, per episode: reward, turns,
+cause (:class:`~ckpteval.jobs.eval.scorers.ScorerInfraError`). The result records, per episode: reward, turns,
 tokens, the version of every turn, how it ended, whose fault, its infra retries (field ``episodes``).
 Metrics: ``eval/<env>`` and ``eval/<env>/reward`` (mean reward), ``pass@k`` (reward >= ``pass_threshold``),
 ``eval/<env>/turns`` (mean turns), ``eval/<env>/infra_retries`` (summed).
@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from coord.manifest import EnvSpec
-from coord.units import WorkUnit, shard_range, unit_samples
-from jobs.eval.engines.base import Engine
-from jobs.eval.envs import ENDINGS_INFRA, Done, Tool, env_class
-from jobs.eval.envs.tools import (
+from ckpteval.coord.manifest import EnvSpec
+from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
+from ckpteval.jobs.eval.engines.base import Engine
+from ckpteval.jobs.eval.envs import ENDINGS_INFRA, Done, Tool, env_class
+from ckpteval.jobs.eval.envs.tools import (
     FORMAT,
     Call,
     MalformedCall,
@@ -47,12 +47,12 @@ from jobs.eval.envs.tools import (
     parse_with_template,
     run_calls,
 )
-from jobs.eval.kinds import Evaluation
-from jobs.eval.pinning import check_pinned
-from jobs.eval.prompts import render_chat, snapshot_tokenizer
-from jobs.eval.sandbox import Sandbox, shared_sandbox
-from jobs.eval.scorers import Scored, ScorerInfraError, UnitTally, last_line
-from jobs.eval.scoring import DatasetCache, sample_seed, sampling_params
+from ckpteval.jobs.eval.kinds import Evaluation
+from ckpteval.jobs.eval.pinning import check_pinned
+from ckpteval.jobs.eval.prompts import render_chat, snapshot_tokenizer
+from ckpteval.jobs.eval.sandbox import Sandbox, shared_sandbox
+from ckpteval.jobs.eval.scorers import Scored, ScorerInfraError, UnitTally, last_line
+from ckpteval.jobs.eval.scoring import DatasetCache, sample_seed, sampling_params
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Renderer:
     @property
     def tool_format(self) -> str:
         """``tokenizer`` when the snapshot's tokenizer parses its own replies (``response_template``), else
-        the default ``hermes`` (:mod:`jobs.eval.envs.tools`)."""
+        the default ``hermes`` (:mod:`ckpteval.jobs.eval.envs.tools`)."""
         return "tokenizer" if getattr(self.tokenizer, "response_template", None) else FORMAT
 
     def calls(self, reply: str, prompt: str, tools: list[Tool]) -> list[Call]:
@@ -227,8 +227,8 @@ def play_driven(engine: Engine, want: str, spec: EnvSpec, episodes: list[Episode
                 cls: type) -> float:
     """Run ``episodes`` of an environment that drives the model itself (``DRIVES_MODEL``: its
     ``play(episodes, endpoint, spec)`` ends each episode) against the pinned engine's loopback endpoint
-    (:mod:`jobs.eval.envs.endpoint`); every turn's version is the endpoint's record. Returns the seconds spent."""
-    from jobs.eval.envs.endpoint import Endpoint
+    (:mod:`ckpteval.jobs.eval.envs.endpoint`); every turn's version is the endpoint's record. Returns the seconds spent."""
+    from ckpteval.jobs.eval.envs.endpoint import Endpoint
 
     t0 = time.perf_counter()
     with Endpoint(engine, want, spec, render) as endpoint:
@@ -293,7 +293,7 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
 
 def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit, snapshot: str,
                  want: str) -> Evaluation:
-    """The ``env`` kind (:mod:`jobs.eval.kinds`): the unit's episodes, their rewards as its scores."""
+    """The ``env`` kind (:mod:`ckpteval.jobs.eval.kinds`): the unit's episodes, their rewards as its scores."""
     episodes, generate_s, tool_format = run_unit(engine, cache, spec, unit, snapshot, want)
     scored = [Scored(ep.reward, ep.answer, counters={"infra_retries": ep.retries},
                      extras={"reward": ep.reward, "turns": float(ep.turns)}) for ep in episodes]

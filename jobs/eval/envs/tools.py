@@ -10,7 +10,7 @@ run in order. A reply without a call calls no tool. The call is the model's faul
 ``arguments`` (a JSON string of one is accepted), names no tool of the episode, has arguments the tool's
 function does not take, or the tokenizer's parser rejects the reply.
 
-Running (:func:`run_calls`): each call is one program in :mod:`jobs.eval.sandbox` (never in the worker's
+Running (:func:`run_calls`): each call is one program in :mod:`ckpteval.jobs.eval.sandbox` (never in the worker's
 process): the tool's source, then a call of its function with the arguments read from stdin; it prints
 the return value (a string as it is, anything else as JSON). A program that exits 0 gives the tool message's content; the sandbox's
 other outcomes (an exception, a signal, out of memory, past the deadline) and a sandbox that cannot
@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.eval.envs import Tool
-from jobs.eval.sandbox import Limits, Sandbox, SandboxUnavailable
+from ckpteval.jobs.eval.envs import Tool
+from ckpteval.jobs.eval.sandbox import Limits, Sandbox, SandboxUnavailable
 
 CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 FORMAT = "hermes"  # recorded in every result's identity

@@ -5,12 +5,12 @@ episodes on the pinned engine, as an ``env`` entry. Optional extra: ``pip instal
 ``env_options``: ``taskset`` (a verifiers taskset id: an importable module exporting its ``vf.Taskset``
 subclass in ``__all__``, as verifiers resolves it; a dotted module path is aliased, :func:`plugin_id`), ``taskset_options`` (its ``TasksetConfig`` fields),
 ``harness`` (a verifiers harness id; default :data:`LOOP_HARNESS`, the in-process chat loop of
-:mod:`jobs.eval.envs.verifiers_loop`), ``timeout_s`` (one episode's deadline, verifiers'
+:mod:`ckpteval.jobs.eval.envs.verifiers_loop`), ``timeout_s`` (one episode's deadline, verifiers'
 ``timeout.episode``). Rows: ``{"task": i}``, the index of a task of the taskset (``n_samples`` episodes each).
 
 Each episode runs through verifiers' own machinery — ``SingleAgentEnv.run_episode`` (its interception
 server, its task's stop conditions and rewards, a ``subprocess`` runtime) — with the model client's
-``base_url`` the episode's address on the pinned engine's endpoint (:mod:`jobs.eval.envs.endpoint`), so
+``base_url`` the episode's address on the pinned engine's endpoint (:mod:`ckpteval.jobs.eval.envs.endpoint`), so
 every turn is generated, stamped and recorded there; ``max_turns`` is the agent's ``max_turns``.
 
 Attribution: an episode verifiers ends ``ok`` is the model's — ``done`` with the trace's reward (the sum
@@ -35,9 +35,9 @@ import importlib.util
 import sys
 from typing import Any
 
-from coord.manifest import EnvSpec
+from ckpteval.coord.manifest import EnvSpec
 
-LOOP_HARNESS = "jobs.eval.envs.verifiers_loop"
+LOOP_HARNESS = "ckpteval.jobs.eval.envs.verifiers_loop"
 INSTALL = "pip install 'ckpteval[envs]'"
 INFRA_ENDINGS = {"ToolsetError": "tool_error", "SandboxError": "sandbox_failed"}
 

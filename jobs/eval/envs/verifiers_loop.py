@@ -1,5 +1,5 @@
-"""ckpteval's verifiers harness (id ``jobs.eval.envs.verifiers_loop``): an in-process chat loop, for
-:mod:`jobs.eval.envs.verifiers_env`. Imports verifiers: loaded only by verifiers' harness resolver.
+"""ckpteval's verifiers harness (id ``ckpteval.jobs.eval.envs.verifiers_loop``): an in-process chat loop, for
+:mod:`ckpteval.jobs.eval.envs.verifiers_env`. Imports verifiers: loaded only by verifiers' harness resolver.
 
 Promises: the task's prompt (its system prompt as a system message) is sent to the rollout's interception
 ``endpoint`` (``/chat/completions``, non-streaming, the rollout's secret as the bearer token); each

@@ -2,9 +2,9 @@
 
 A dataset's ``scorer`` (run.json ``eval.datasets[i].scorer``) is a name of :data:`SCORERS`, or
 ``module:function`` — a per-sample ``(completion, answer) -> float | (float, answer)`` function
-(:class:`jobs.eval.scorers.basic.FunctionScorer`). Its settings are the dataset entry's
+(:class:`ckpteval.jobs.eval.scorers.basic.FunctionScorer`). Its settings are the dataset entry's
 ``scorer_options`` object, validated by the scorer class's ``parse_options`` wherever run.json is parsed
-(:func:`check_scorer`, installed into :mod:`coord.manifest` at import: coord imports nothing from jobs).
+(:func:`check_scorer`, installed into :mod:`ckpteval.coord.manifest` at import: coord imports nothing from jobs).
 
 Adding a scorer (nothing else to edit; the worker, the shared posture, backfill and the run.json
 parser all go through this registry):
@@ -27,7 +27,7 @@ parser all go through this registry):
 
    ``__init__(spec, ctx)`` (:class:`BaseScorer`'s) sets ``self.spec``, ``self.ctx`` (a
    :class:`ScorerContext`) and ``self.options`` (``parse_options``' value).
-2. Add one line to :data:`SCORERS`: ``"mine": "jobs.eval.scorers.mine:MyScorer"``.
+2. Add one line to :data:`SCORERS`: ``"mine": "ckpteval.jobs.eval.scorers.mine:MyScorer"``.
 
 Failures: raise :class:`ScorerInfraError` (reason e.g. ``judge_failed``) when something the scorer
 depends on failed (a judge server, a sandbox): the unit is skipped with that reason, never scored 0,
@@ -38,10 +38,10 @@ the engine is not restarted and its health is not counted.
 Counters and extras: ``Scored.counters`` (per-sample counts) are summed per unit into the result's
 ``counters`` and per point into ``eval/<ds>/<counter>``; ``Scored.extras`` (per-sample numbers) are
 averaged per point into ``eval/<ds>/<name>``. ``identity()`` is recorded in every unit's result
-(``scorer``); a point whose units disagree on it is not pooled (:mod:`coord.results`).
+(``scorer``); a point whose units disagree on it is not pooled (:mod:`ckpteval.coord.results`).
 
 Limits: a scorer runs in the worker's process with its privileges (``module:function`` code is imported
-only under the trust rule, :mod:`jobs.eval.trust`); scoring is synchronous per unit.
+only under the trust rule, :mod:`ckpteval.jobs.eval.trust`); scoring is synchronous per unit.
 """
 
 from __future__ import annotations
@@ -55,17 +55,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from coord.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
-from jobs.eval.pinning import WorkerSkip
+from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
+from ckpteval.jobs.eval.pinning import WorkerSkip
 
 SCORERS: dict[str, str] = {
-    "exact": "jobs.eval.scorers.basic:ExactScorer",
-    "math": "jobs.eval.scorers.basic:MathScorer",
-    "code": "jobs.eval.scorers.code:CodeScorer",
-    "judge": "jobs.eval.scorers.judge:JudgeScorer",
-    "reward_model": "jobs.eval.scorers.judge:RewardModelScorer",
+    "exact": "ckpteval.jobs.eval.scorers.basic:ExactScorer",
+    "math": "ckpteval.jobs.eval.scorers.basic:MathScorer",
+    "code": "ckpteval.jobs.eval.scorers.code:CodeScorer",
+    "judge": "ckpteval.jobs.eval.scorers.judge:JudgeScorer",
+    "reward_model": "ckpteval.jobs.eval.scorers.judge:RewardModelScorer",
 }
-FUNCTION_SCORER = "jobs.eval.scorers.basic:FunctionScorer"  # every "module:function" name
+FUNCTION_SCORER = "ckpteval.jobs.eval.scorers.basic:FunctionScorer"  # every "module:function" name
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Scored:
 class ScorerContext:
     """What a scorer may know of where it runs: the run dir (for caches, e.g. ``RUN/judge_cache/``) and
     the process's scorer-related options (the worker's ``--...`` flags of the "scoring" group in
-    :class:`jobs.eval.options.WorkerOptions`, by field name; their defaults in the shared posture)."""
+    :class:`ckpteval.jobs.eval.options.WorkerOptions`, by field name; their defaults in the shared posture)."""
 
     run_dir: Path
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -194,7 +194,7 @@ def scorer_class(name: str) -> type:
 
 
 def check_scorer(name: str, options: Fields) -> None:
-    """The run.json parser's check (:func:`coord.manifest.set_scorer_check`): a known name, valid options."""
+    """The run.json parser's check (:func:`ckpteval.coord.manifest.set_scorer_check`): a known name, valid options."""
     scorer_class(name).parse_options(options)
 
 

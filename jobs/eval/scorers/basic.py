@@ -3,7 +3,7 @@
 - ``exact`` (:class:`ExactScorer`): whitespace-stripped equality with the row's ``answer``; the extracted
   answer is the stripped completion.
 - ``math`` (:class:`MathScorer`): Hugging Face's math-verify in the process's grading pool with a
-  per-answer deadline (the dataset's ``grader_timeout_s``, :mod:`jobs.eval.grader`); a timed-out answer
+  per-answer deadline (the dataset's ``grader_timeout_s``, :mod:`ckpteval.jobs.eval.grader`); a timed-out answer
   scores 0 and is counted (``grader_timeouts``).
 - ``module:function`` (:class:`FunctionScorer`): a function taking ``(completion, answer)`` and returning
   a float, or ``(float, extracted answer or None)``; a bare float has no extracted answer (such a
@@ -11,7 +11,7 @@
   run.json is parsed.
 
 None takes ``scorer_options``. Limits: a ``module:function`` runs in the worker's thread with its
-privileges; its exception is the unit's ``crashed`` skip (:func:`jobs.eval.scorers.score_samples`).
+privileges; its exception is the unit's ``crashed`` skip (:func:`ckpteval.jobs.eval.scorers.score_samples`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from coord.manifest import DatasetSpec
-from jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext
+from ckpteval.coord.manifest import DatasetSpec
+from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext
 
 
 def _answers(samples: list[Sample]) -> list[str]:
@@ -52,7 +52,7 @@ class MathScorer(BaseScorer):
             raise ValueError("scorer 'math' needs the math-verify package: pip install math-verify") from None
 
     def score(self, samples: list[Sample]) -> list[Scored]:
-        from jobs.eval.grader import default_pool
+        from ckpteval.jobs.eval.grader import default_pool
 
         pairs = [(s.completion, a) for s, a in zip(samples, _answers(samples), strict=True)]
         return [Scored(g.score, g.answer, g.timed_out) for g in default_pool().grade(pairs, self.spec.grader_timeout_s)]

@@ -29,7 +29,7 @@ Options (the dataset's ``scorer_options``): :class:`CodeOptions`. Worker setting
 
 Limits: a program runs in the same interpreter as its tests, so a completion that deliberately inspects
 the harness can forge its own report (a random per-program nonce defeats printing a fake one, not
-introspection); it cannot leave the sandbox (:mod:`jobs.eval.sandbox`). Programs are Python only.
+introspection); it cannot leave the sandbox (:mod:`ckpteval.jobs.eval.sandbox`). Programs are Python only.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
-from jobs.eval.sandbox import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
-from jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
+from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from ckpteval.jobs.eval.sandbox import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
+from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 
 HARNESS_VERSION = "1"
 FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -148,7 +148,7 @@ def harness_report(stdout: bytes, nonce: str) -> tuple[set[int], bool, bool]:
 
 
 class CodeScorer(BaseScorer):
-    """Runs each completion's program against its row's tests in :mod:`jobs.eval.sandbox` (module doc)."""
+    """Runs each completion's program against its row's tests in :mod:`ckpteval.jobs.eval.sandbox` (module doc)."""
 
     needs_answer = False
 

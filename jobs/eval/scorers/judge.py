@@ -9,8 +9,8 @@ identity, and turning every judge failure into an infrastructure skip.
 Promises:
 
 - **A judge failure is never a score.** Connection refused, 5xx, a timeout (each retried by the client,
-  :mod:`jobs.eval.scorers.judge_http`), or a judge that answers no usable ``/v1/models`` raise
-  :class:`~jobs.eval.scorers.ScorerInfraError` ``judge_failed`` with the judge's message: the unit is
+  :mod:`ckpteval.jobs.eval.scorers.judge_http`), or a judge that answers no usable ``/v1/models`` raise
+  :class:`~ckpteval.jobs.eval.scorers.ScorerInfraError` ``judge_failed`` with the judge's message: the unit is
   skipped, and a later retry or backfill judges it again (cached verdicts are not paid twice).
 - **An unreadable verdict** (the rule finds nothing) is counted per sample (``judge_unparsed``), and
   ``on_unparsed`` decides: ``skip`` (default) skips the unit ``judge_failed`` naming the count and a
@@ -19,7 +19,7 @@ Promises:
   from config: a requested ``model`` must be one it lists); with the template's SHA-256, the system
   prompt's, the sampling settings and the verdict rule it is :meth:`JudgeScorer.identity`, recorded in
   every unit result and the wandb config; units judged differently are never pooled into one point.
-- **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`coord.verdicts`) keyed by (model id,
+- **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`ckpteval.coord.verdicts`) keyed by (model id,
   template hash, sampling, question, response, reference): a retry, a backfill, or identical
   completions (in this unit or any other) never pay the judge twice; hits are counted
   (``judge_cache_hits``; their share of the point's samples is ``judge_cache_hit_rate``). Replies, not
@@ -49,11 +49,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
-from coord.rundir import RunDir
-from coord.verdicts import VerdictCache, cache_key, read_judge
-from jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
-from jobs.eval.scorers.judge_http import JudgeEndpoint, JudgeUnavailable
+from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.verdicts import VerdictCache, cache_key, read_judge
+from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
+from ckpteval.jobs.eval.scorers.judge_http import JudgeEndpoint, JudgeUnavailable
 
 DEFAULT_TEMPLATE = (
     "You are grading a response to a question against a reference answer.\n"
@@ -80,7 +80,7 @@ def _check_template(template: str, allowed: tuple[str, ...]) -> None:
 @dataclass(frozen=True)
 class JudgeOptions:
     """A judged dataset's ``scorer_options`` (``"scorer": "judge"`` or ``"reward_model"``); checks in
-    ``__post_init__``, each failure a :class:`~coord.manifest.FieldError` naming the setting."""
+    ``__post_init__``, each failure a :class:`~ckpteval.coord.manifest.FieldError` naming the setting."""
 
     url: str | None = None
     """The judge's OpenAI base URL (``http://host:port/v1``); None: ``--judge-url``, else ``RUN/judge.json``."""

@@ -1,6 +1,6 @@
 """Talking to a judge server: an OpenAI-compatible chat endpoint, or a reward model served by sglang.
 
-Owns the HTTP side of :mod:`jobs.eval.scorers.judge`, through the ``openai`` Python client (its
+Owns the HTTP side of :mod:`ckpteval.jobs.eval.scorers.judge`, through the ``openai`` Python client (its
 ``base_url``, per-request ``timeout`` and ``max_retries``: connection errors, timeouts, 408/409/429 and
 5xx answers are retried with exponential backoff, 0.5 s doubling up to 8 s, with jitter). So one request
 costs at most ``(retries + 1) * timeout_s`` plus about 16 s of backoff; after that it raises

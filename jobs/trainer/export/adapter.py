@@ -4,7 +4,7 @@ Owns the trainer side of LoRA runs (``run.json`` ``eval.base_model`` set): :func
 adapter-bearing model from a plain one, :func:`adapter_state` extracts the trainable adapter's tensors
 (PEFT's ``get_peft_model_state_dict`` key names, what ``PeftModel.from_pretrained`` and sglang load) and
 its ``adapter_config.json`` contents. The files are written by
-:func:`jobs.trainer.export.hf_files.write_adapter_files` (our safetensors writer, no pickles).
+:func:`ckpteval.jobs.trainer.export.hf_files.write_adapter_files` (our safetensors writer, no pickles).
 
 Limits: one adapter per model (the active one); LoRA only (``peft_type == "LORA"``); the base model's
 weights are never exported — they must stay at the path ``run.json`` names, unchanged, for the run's

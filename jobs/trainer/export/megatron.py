@@ -311,7 +311,7 @@ def convert_megatron_state_dict(
     """Convert a full megatron-core GPTModel state dict to HF Llama/Qwen2 names and layouts.
 
     Returns ``{hf_name: tensor}`` with exactly the HF model's expected keys (``lm_head.weight``
-    omitted when ``tie_embeddings``), ready for :func:`jobs.trainer.export.hf_files.write_hf_files` together
+    omitted when ``tie_embeddings``), ready for :func:`ckpteval.jobs.trainer.export.hf_files.write_hf_files` together
     with :func:`megatron_to_hf_config`'s config. ``hf_config`` defaults to that config (weights do
     not depend on RoPE base or context length). Raises ``ValueError`` as the module docstring says.
     """
