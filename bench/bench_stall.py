@@ -254,7 +254,7 @@ def latency(run_dir: Path, snap_dir: Callable[[int], Path]) -> dict[str, Any]:
         if rec["event"] == "ingested" and rec.get("outcome") == "complete" and "time" in rec:
             ingested[rec["step"]] = rec["time"]
     results: dict[int, list[dict[str, Any]]] = {}
-    for f in (run_dir / "results").glob("*.json"):
+    for f in (run_dir / "results").glob("step-*/*.json"):  # protocol 2: one dir per step
         r = json.loads(f.read_text())
         results.setdefault(r["unit"]["step"], []).append(r)
     to_result, to_ingest, total, unit = [], [], [], []

@@ -225,12 +225,14 @@ def parse_result(obj: Any, source: Path) -> Result:
     )
 
 
-def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_step: bool = False) -> bool:
+def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_step: bool = True) -> bool:
     """Publish a unit's result of ``generation`` (0, or k > 0 superseding an infrastructure skip of k - 1);
     True if it is *the* result of that generation, False if one existed (kept as duplicate).
 
-    ``per_step`` (a protocol 2 run: :attr:`RunManifest.per_step_dirs`) puts it in ``results/step-<N>/``,
-    created (and made durable) by the first result of the step."""
+    ``per_step`` (a protocol 2 run, every new one; pass :attr:`RunManifest.per_step_dirs`) puts it in
+    ``results/step-<N>/``, created (and made durable) by the first result of the step; False: flat
+    (protocol 1). Readers that list only step directories (worker, trainer) never see a flat result of
+    a protocol 2 run, so the default is the new layout."""
     results_dir = Path(results_dir)
     stamped = Result(**{**result.__dict__, "written_at": result.written_at or time.time()})
     if not stamped.worker:

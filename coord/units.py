@@ -213,11 +213,13 @@ class UnitClaimer:
     """Claims units of one run for one worker process."""
 
     def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None,
-                 per_step: bool = False) -> None:
+                 per_step: bool = True) -> None:
         self.leases_dir = Path(leases_dir)
         self.settings = settings
         self.results_dir = Path(results_dir) if results_dir is not None else None
-        self.per_step = per_step  # protocol 2: leases and results in per-step directories (ckpteval.coord.rundir)
+        # protocol 2 (every new run): leases and results in per-step directories (ckpteval.coord.rundir); a
+        # protocol 1 run's callers pass False (RunManifest.per_step_dirs)
+        self.per_step = per_step
         self._leases: dict[str, filelock.SoftFileLease] = {}
         self._flags: dict[str, threading.Event] = {}
         self._pid = os.getpid()  # a claimer is made per worker process, never inherited across fork

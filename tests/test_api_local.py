@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import submitit
 
+from ckpteval.coord.rundir import unit_dir
+from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.launch import api
 from tests.support.workers import (
     REPO,
@@ -89,7 +91,8 @@ def test_checkpoint_stops_the_worker_and_requeues(tmp_path: Path, worker_env: No
     # a unit is in progress: its lease file names the worker's pid; its parent is the submitit task
     def holder() -> tuple[str, int] | None:
         held = lease_holder_pid(run)
-        return next(((u, pid) for u, pid in held.items() if not (run.results / f"{u}.json").exists()), None)
+        return next(((u, pid) for u, pid in held.items()
+                     if not (unit_dir(run.results, WorkUnit.from_id(u).step, True) / f"{u}.json").exists()), None)
 
     unit, worker_pid = wait_for(holder, 60, 0.1, "a worker holding a lease")
     with open(f"/proc/{worker_pid}/stat") as f:

@@ -61,7 +61,7 @@ def test_eight_processes_race_for_200_units(tmp_path: Path) -> None:
     for p in procs:
         p.join(timeout=120)
         assert p.exitcode == 0
-    files = [n for n in os.listdir(results) if n.endswith(".json")]
+    files = list(results.glob("step-*/*.json"))  # per-step directories (protocol 2, the default)
     assert len(files) == 200
     got = ResultIndex(results).refresh()
     assert sorted((u.step, u.dataset, u.shard) for u in got) == sorted(units)
@@ -148,7 +148,7 @@ def test_compromised_claim_is_flagged(tmp_path: Path) -> None:
     """A holder whose claim was taken over (it stalled past expiry) learns it must abandon the unit."""
     duration = 2.0
     settings = LeaseSettings(duration, 0.5)
-    mine = UnitClaimer(tmp_path, settings).try_claim(WorkUnit(3, "ds", 0))
+    mine = UnitClaimer(tmp_path, settings, per_step=False).try_claim(WorkUnit(3, "ds", 0))
     assert mine is not None
     # simulate the stall from the contender's side: replace the marker like a takeover does
     lock = tmp_path / f"{WorkUnit(3, 'ds', 0).id}.lock"
@@ -164,7 +164,7 @@ def test_compromised_claim_is_flagged(tmp_path: Path) -> None:
 def test_lease_holder_is_read_from_filelocks_owner_record(tmp_path: Path) -> None:
     """The holder (pid, host, token) comes from the marker filelock wrote; no file means nobody holds it."""
     unit = WorkUnit(4, "ds", 1)
-    claim = UnitClaimer(tmp_path, LeaseSettings(30.0, 5.0)).try_claim(unit)
+    claim = UnitClaimer(tmp_path, LeaseSettings(30.0, 5.0), per_step=False).try_claim(unit)
     assert claim is not None
     try:
         holder = read_lease_holder(lease_path(tmp_path, unit.id))

@@ -69,7 +69,7 @@ def test_a_protocol_1_run_dir_keeps_working_flat(tmp_path: Path) -> None:
     for step in (1, 2):
         _snapshot(run, step)
     done = WorkUnit(1, "addition", 0)
-    write_result(run.results, ok_result(done, [0.5, 0.5], ["1", "1"]))  # what protocol 1 code wrote
+    write_result(run.results, ok_result(done, [0.5, 0.5], ["1", "1"]), per_step=False)  # what protocol 1 code wrote
     assert (run.results / done.result_name).is_file()
     assert _work(run) == EXIT_DONE
     got = results(run)
@@ -90,7 +90,7 @@ def test_a_run_json_of_an_unknown_protocol_is_refused_naming_the_field(tmp_path:
 
 def test_result_index_reads_both_layouts_and_lists_only_the_steps_it_waits_for(tmp_path: Path) -> None:
     flat, per_step = WorkUnit(1, "ds", 0), WorkUnit(2, "ds", 0)
-    write_result(tmp_path, ok_result(flat, [1.0], ["1"]))
+    write_result(tmp_path, ok_result(flat, [1.0], ["1"]), per_step=False)
     write_result(tmp_path, ok_result(per_step, [1.0], ["2"]), per_step=True)
     assert not write_result(tmp_path, ok_result(per_step, [0.0], ["2"]), per_step=True)  # first writer won
     index = ResultIndex(tmp_path)

@@ -301,5 +301,5 @@ def test_an_infra_skip_is_superseded_by_the_next_generation_never_overwritten(tm
     assert not write_result(results, ok_result(unit, [0.0], ["10"]), generation=1)  # first writer won
     index = ResultIndex(results)
     assert index.refresh()[unit].ok and index.generation(unit) == 1
-    assert sorted(p.name for p in results.glob("*.json")) == [unit.result_name, unit.result_name_at(1)]
+    assert sorted(p.name for p in results.glob("step-*/*.json")) == [unit.result_name, unit.result_name_at(1)]
     assert ResultIndex(results).refresh()[unit].scores == (1.0,)

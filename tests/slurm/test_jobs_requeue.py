@@ -106,7 +106,7 @@ def _every_point_once(run: Path, staging: Path, log: str) -> None:
 
 def _training_in_progress(run: Path) -> bool:
     """A result landed and training is not done: the trainer is mid-run."""
-    return (run / "results").is_dir() and any((run / "results").glob("*.json")) \
+    return (run / "results").is_dir() and any((run / "results").rglob("*.json")) \
         and not (run / "TRAINING_DONE").exists()
 
 

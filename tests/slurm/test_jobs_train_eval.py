@@ -86,7 +86,7 @@ def test_trainer_death_ends_the_fleet(slurm_cluster, tmp_path: Path) -> None:
     try:
         # the fleet is working (a result landed), then the trainer dies hard
         wait_until(lambda: job.state() == "RUNNING", 60, "the job to run")
-        wait_until(lambda: list((run / "results").glob("*.json")) if (run / "results").is_dir() else None,
+        wait_until(lambda: list((run / "results").rglob("*.json")) if (run / "results").is_dir() else None,
                    120, "a first result")
         assert job.status()["run_dir"] == str(run.resolve())
         trainer = wait_until(lambda: pids_of("ckpteval.jobs.cli", " train ", str(run)), 10, "the trainer's pid")
