@@ -168,7 +168,8 @@ def test_malformed_protocol_files(tmp_path: Path, procs: harness.Procs, request:
     assert fleet_codes == [0, 0] and rcodes == [0, 0], fleet.logs() + rfleet.logs()
     assert ta.lost == [] and set(ta.skips) <= {"crashed"} and ta.dup_ingestions == 0, ta
     assert ta.units_without_result == [], ta.units_without_result
-    assert sorted(status["health"]["malformed_results"]) == sorted(planted), status["health"]
+    named = sorted(str(planted_at(n).relative_to(results_dir)) for n in planted)  # step-<N>/<unit>.json
+    assert sorted(status["health"]["malformed_results"]) == named, status["health"]
     assert untouched
     assert tb.skip_steps.get("drain_timeout") == broken_steps and set(tb.skips) == {"drain_timeout"}, tb
     assert tb.lost == [] and tb.dup_ingestions == 0 and tb.units_without_result == [], tb
