@@ -86,7 +86,7 @@ def bench_claims(procs: int, n_units: int, base: Path, with_lease: bool) -> tupl
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = {"unit_cpu": [x for _, c in got for x in c],
            "total_cpu_per_unit": (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / n_units}
-    n_results = len([n for n in os.listdir(d / "results") if n.endswith(".json")])
+    n_results = len(list((d / "results").glob("step-*/*.json")))  # per-step directories (protocol 2)
     dups = len(os.listdir(d / "results" / "duplicates")) if (d / "results" / "duplicates").exists() else 0
     shutil.rmtree(d)
     if n_results != n_units:
