@@ -113,6 +113,10 @@ class DatasetSpec:
     """Evaluate only N rows of the file: the first N, or a seeded sample of N (``subset_seed``)."""
     subset_seed: int | None = None
     """With ``subset``: pick the N rows by this seed (:func:`subset_rows`; kept in file order); None: the first N."""
+    generate_timeout_s: float | None = None
+    """Seconds one ``/generate`` request of an HTTP engine (sglang, ``ckpteval serve``) may take, for this
+    dataset's batches; None: the engine derives it from ``max_new_tokens`` and the batch
+    (:func:`ckpteval.jobs.eval.engines.http_limits.generate_timeout`). In-process engines ignore it."""
 
     KIND: ClassVar[str] = "generate"  # the kind this class holds (a subclass: another kind, same settings)
 
@@ -158,6 +162,10 @@ class DatasetSpec:
             raise FieldError("n_prompts", f"is {self.n_prompts} but subset is {self.subset}: they must agree")
         if self.subset_seed is not None and self.subset is None:
             raise FieldError("subset_seed", "needs subset (the number of rows to sample)")
+        if self.generate_timeout_s is not None and not (math.isfinite(self.generate_timeout_s)
+                                                        and self.generate_timeout_s > 0):
+            raise FieldError("generate_timeout_s", f"must be a finite number of seconds > 0 (or null: derived), "
+                                                   f"got {self.generate_timeout_s}")
 
     def _check_samples_per_unit(self) -> None:
         m = self.samples_per_unit
@@ -385,8 +393,9 @@ class RunManifest:
         for ds in obj["eval"]["datasets"]:
             if ds["kind"] == "generate":  # the default kind is not written: a reader from before "generate" reads the file
                 ds.pop("kind")
-            if ds.get("samples_per_unit", 0) is None:  # unsplit: written as before the setting existed
-                ds.pop("samples_per_unit")
+            for key in ("samples_per_unit", "generate_timeout_s"):  # unset: written as before the setting existed
+                if ds.get(key, 0) is None:
+                    ds.pop(key)
         obj["eval"]["datasets"] += obj["eval"].pop("harness")  # lm_eval entries live in datasets on disk
         if self.eval.canary == CanarySettings():  # the default is not written: older readers read the file
             obj["eval"].pop("canary")

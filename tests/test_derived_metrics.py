@@ -171,9 +171,13 @@ def test_manifest_validates_the_new_dataset_fields(tmp_path: Path) -> None:
     ds = parse(n_samples=4, pass_k=[1, 4], every=3, prompt_format="chat", system_prompt="be brief").eval.datasets[0]
     assert (ds.pass_k, ds.every, ds.prompt_format, ds.system_prompt) == ((1, 4), 3, "chat", "be brief")
     assert parse().eval.datasets[0].prompt_format == "raw"  # old manifests: today's behaviour
+    assert parse(generate_timeout_s=60).eval.datasets[0].generate_timeout_s == 60.0
+    assert "generate_timeout_s" not in parse().to_json()["eval"]["datasets"][0]  # unset: not written
     for bad, match in [({"pass_k": [2]}, "pass_k has k=2"), ({"n_samples": 2, "pass_k": [1, 1]}, "twice"),
                        ({"every": 0}, "every must be >= 1"), ({"prompt_format": "xml"}, "prompt_format"),
                        ({"system_prompt": "x"}, "needs prompt_format 'chat'"),
-                       ({"grader_timeout_s": 0}, "grader_timeout_s"), ({"pass_k": ["1"]}, r"pass_k\[0\]")]:
+                       ({"grader_timeout_s": 0}, "grader_timeout_s"), ({"pass_k": ["1"]}, r"pass_k\[0\]"),
+                       ({"generate_timeout_s": 0}, r"datasets\[0\]\.generate_timeout_s must be a finite number"),
+                       ({"generate_timeout_s": "60"}, "generate_timeout_s")]:
         with pytest.raises(ValueError, match=match):
             parse(**bad)

@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import pytest
 
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.results import derive_point, ok_result
+from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
 from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine, UnsupportedServer
@@ -375,3 +377,40 @@ def test_a_sample_spanning_a_weight_update_fails_the_pin_and_counts_as_mixed(
     versions = [f"0|{want}", want, want, want]
     point = derive_point(cache.manifest, 1, {WorkUnit(1, "addition", 0): ok_result(WorkUnit(1, "addition", 0), [0.0] * 4, versions)})
     assert point.datasets["addition"].mixed_version_ratio > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# A dataset's own /generate timeout (run.json generate_timeout_s)
+# --------------------------------------------------------------------------------------------------
+
+
+def _with_dataset(run: RunDir, **fields: Any) -> RunDir:
+    """``run`` with its one dataset's settings changed (run.json rewritten, as a run is created)."""
+    manifest = run.manifest()
+    datasets = tuple(replace(d, **fields) for d in manifest.eval.datasets)
+    return RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, datasets=datasets)))
+
+
+def test_a_datasets_generate_timeout_bounds_its_requests(stub: tuple[Stub, str], tmp_path: Path) -> None:
+    """A slow batch outliving a small ``generate_timeout_s`` is a ``generate_timeout`` skip, without a
+    restart (sglang aborts a request whose client left); a large one lets it finish although the engine's
+    derived timeout (0.2 s here) would have cut it."""
+    state, url = stub
+
+    def slow(body: dict[str, Any]) -> Reply:
+        time.sleep(1.0)
+        return state.normal(body)
+
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
+    publish_model(tmp_path, run.snapshots, 1)
+    (ref,) = SnapshotDiscovery(run.snapshots).poll()
+    outcomes, restarts = [], []
+    for timeout_s in (0.3, 5.0):
+        cache = DatasetCache(run, _with_dataset(run, generate_timeout_s=timeout_s).manifest())
+        http = engine(url, timeout=0.2, token_timeout_s=0.0, launcher=lambda: restarts.append("restart"))
+        state.generate_script.append(slow)
+        result = evaluate_unit(EngineEvaluator(http, cache, 1.0, 60.0), WorkUnit(1, "addition", 0), ref, "fast")
+        outcomes.append((result.status, result.skip_reason))
+        if not result.ok:
+            assert "generate_timeout_s (0.3 s)" in result.message
+    assert outcomes == [("skipped", "generate_timeout"), ("ok", None)] and restarts == []

@@ -96,6 +96,7 @@ def sampling_params(spec: DatasetSpec) -> SamplingParams:
         top_p=spec.top_p,
         top_k=spec.top_k,
         seed=spec.seed if spec.temperature > 0 else None,
+        timeout_s=spec.generate_timeout_s,
     )
 
 

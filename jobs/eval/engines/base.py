@@ -70,6 +70,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k filter (sglang's convention is -1)
     seed: int | None = None
+    # seconds one request to a server may take (a dataset's generate_timeout_s); None: the engine derives
+    # it (http_limits.generate_timeout). Not a sampling setting: never sent; in-process engines ignore it.
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

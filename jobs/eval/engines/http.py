@@ -77,6 +77,7 @@ from ckpteval.jobs.eval.engines.base import (
 from ckpteval.jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
 from ckpteval.jobs.eval.engines.http_limits import (
     DEFAULT_TOKEN_TIMEOUT_S,
+    dataset_timeout,
     generate_timeout,
     send_retrying_busy,
 )
@@ -387,11 +388,13 @@ class HTTPEngine:
     def _generate_batch(
         self, prompts: list[str], params: SamplingParams, seeds: list[int] | None
     ) -> list[Sample]:
-        timeout = generate_timeout(self._timeout, self._token_timeout_s, params.max_new_tokens, len(prompts),
-                                   self.server_info())
+        info = self.server_info()  # the version floor, before the first /generate
+        timeout = params.timeout_s or generate_timeout(self._timeout, self._token_timeout_s, params.max_new_tokens,
+                                                       len(prompts), info)
         body = {"text": prompts, "sampling_params": request_sampling(params, seeds)}
-        response = send_retrying_busy(lambda: self._request("POST", "/generate", json=body, timeout=timeout),
-                                      self._busy_retries, self._busy_retry_delay, "POST /generate")
+        with dataset_timeout(params.timeout_s, len(prompts)):
+            response = send_retrying_busy(lambda: self._request("POST", "/generate", json=body, timeout=timeout),
+                                          self._busy_retries, self._busy_retry_delay, "POST /generate")
         if response.status_code != 200:
             message = f"POST /generate: {error_message(response)}"
             if 400 <= response.status_code < 500 and response.status_code not in TRANSIENT_4XX:

@@ -23,6 +23,12 @@ Owns two rules of :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine`, read fro
   cut at a flat 300 s. A timed-out client disconnects, and sglang
   aborts a non-streaming request whose client is gone (``tokenizer_manager.py`` ``generate_request``,
   ``request.is_disconnected``), so a timeout too short is never recovered by resending.
+- **A dataset may set its own bound.** ``generate_timeout_s`` of a dataset (run.json; it travels as
+  :attr:`~ckpteval.jobs.eval.engines.base.SamplingParams.timeout_s`) replaces the derived timeout for
+  that dataset's requests. A request that outlives it raises :class:`GenerateTimedOut` (skip reason
+  ``generate_timeout``, no restart: sglang aborts a request whose client left, ``tokenizer_manager.py``
+  ``_wait_one_response``; the server is not dead, and resending would only time out again). A derived timeout that expires stays an
+  :class:`~ckpteval.jobs.eval.engines.base.EngineError` (a server that slow is presumed hung: restart).
 
 Limits: the backoff sleeps in the calling thread; a server that stays overloaded past the retries
 skips the unit ``overloaded`` (the point lacks it until a backfill), it is not queued client-side.
@@ -30,9 +36,10 @@ skips the unit ``overloaded`` (the point lacks it until a backfill), it is not q
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -55,6 +62,28 @@ class ServerBusy(EngineError):
 
     reason = "overloaded"
     restart_helps = False
+
+
+class GenerateTimedOut(EngineError):
+    """A ``/generate`` outlived its dataset's ``generate_timeout_s``: the dataset's bound, not a dead server.
+    No restart; the unit is skipped ``generate_timeout``."""
+
+    reason = "generate_timeout"
+    restart_helps = False
+
+
+@contextlib.contextmanager
+def dataset_timeout(timeout_s: float | None, prompts: int) -> Iterator[None]:
+    """Within it, a request timing out under a dataset's own ``timeout_s`` raises :class:`GenerateTimedOut`
+    (None: the derived timeout, whose expiry stays a plain EngineError)."""
+    try:
+        yield
+    except EngineError as e:
+        if timeout_s is None or not isinstance(e.__cause__, httpx.TimeoutException):
+            raise
+        raise GenerateTimedOut(f"POST /generate of {prompts} prompts took longer than the dataset's "
+                               f"generate_timeout_s ({timeout_s:g} s); sglang aborts a request whose client "
+                               "left (not restarted)") from e
 
 
 def busy_message(response: httpx.Response) -> str | None:
