@@ -24,11 +24,13 @@ whose samples are split over units (``samples_per_unit``) is pooled per prompt a
 (:func:`prompt_major`), so its point equals the unsplit one.
 
 **Infrastructure skips are superseded, never overwritten.** A skip whose reason is in
-:data:`INFRA_SKIPS` (a judge, a sandbox, an environment server failed — not the unit, not the engine)
-may be followed by a re-evaluation of the unit (``ckpteval backfill``, ``worker --retry-infra-skips``),
+:data:`INFRA_SKIPS` (a judge, a sandbox, an environment server failed, an inference server shed the load —
+not the unit, not the model) may be followed by a re-evaluation of the unit (``ckpteval backfill``, ``worker --retry-infra-skips``),
 published first-writer-wins as ``results/<unit>.retry<k>.json`` with ``k`` one more than the generation
 it supersedes. The unit's result is the one of its highest generation; earlier files stay (the record
-of what failed). Every file is still written once and never changed.
+of what failed). Every file is still written once and never changed. A skip in :data:`BACKOFF_SKIPS` (a
+server shedding load) is not re-evaluated before :func:`retry_due` says so: ``backoff_s`` x 2^generation
+after it was written, on the result's own clock, so every worker of a fleet waits for the same moment.
 
 Limits: :class:`ResultIndex` caches what it has read; a result file is immutable once published, so
 the cache is never stale, but a result deleted by hand stays in the cache until a new index is built.
@@ -62,7 +64,8 @@ from ckpteval.coord.units import WorkUnit, dataset_units, datasets_due, prompt_r
 
 # Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
 # may supersede them with a result of the next generation (module docstring).
-INFRA_SKIPS = frozenset({"judge_failed", "sandbox_failed", "env_failed"})
+INFRA_SKIPS = frozenset({"judge_failed", "sandbox_failed", "env_failed", "overloaded"})
+BACKOFF_SKIPS = frozenset({"overloaded"})  # retried only after a backoff (retry_due): the server sheds load
 SKIP_REASONS = ("busy", "export_failed", "ckpt_missing", "ckpt_corrupt", "unhealthy", "pin_violation", "crashed")
 
 
@@ -266,6 +269,14 @@ def result_generation(name: str) -> int:
     stem = name[: -len(".json")] if name.endswith(".json") else name
     tail = stem.rsplit(".", 1)[-1]
     return int(tail[len("retry"):]) if tail.startswith("retry") and tail[len("retry"):].isdigit() else 0
+
+
+def retry_due(result: Result, generation: int, backoff_s: float, now: float | None = None) -> bool:
+    """Whether an infrastructure skip (``result``, of ``generation``) may be re-evaluated now: at once,
+    except a :data:`BACKOFF_SKIPS` one, ``backoff_s * 2**generation`` seconds after it was written."""
+    if result.skip_reason not in BACKOFF_SKIPS:
+        return True
+    return (time.time() if now is None else now) >= result.written_at + backoff_s * 2**generation
 
 
 class ResultIndex:

@@ -187,7 +187,7 @@ def worker_cases(cmd: str) -> list[str]:
         "--engines": "int>=1", "--max-units": "int>=1", "--quiescence": "float>=0", "--poll-interval": "float>0",
         "--pin-timeout": "float>0", "--load-timeout": "float>0", "--max-unhealthy": "int>=0", "--max-attempts": "int>=1", "--wait-for-run": "float>=0",
         "--sandbox-concurrency": "int>=0",
-        "--canary-max-diff": "float>=0",
+        "--canary-max-diff": "float>=0", "--retry-backoff": "float>=0",
     })
 
 

@@ -23,16 +23,25 @@ from typing import Any
 
 import pytest
 
+from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.results import derive_point, ok_result
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.results import (
+    ResultIndex,
+    derive_point,
+    ok_result,
+    parse_result,
+    point_metrics,
+    retry_due,
+)
+from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
 from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine, UnsupportedServer
 from ckpteval.jobs.eval.engines.http_limits import BUSY_MESSAGES, ServerBusy
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
+from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.scoring import DatasetCache
-from tests.support.workers import make_eval_run, publish_model
+from tests.support.workers import make_eval_run, publish_model, run_inprocess
 
 Reply = tuple[int, Any]
 
@@ -414,3 +423,37 @@ def test_a_datasets_generate_timeout_bounds_its_requests(stub: tuple[Stub, str],
         if not result.ok:
             assert "generate_timeout_s (0.3 s)" in result.message
     assert outcomes == [("skipped", "generate_timeout"), ("ok", None)] and restarts == []
+
+
+# --------------------------------------------------------------------------------------------------
+# An overloaded skip is retried later (an infrastructure skip), after a backoff
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_unit_shed_by_an_overloaded_server_is_retried_after_a_backoff_and_scored(
+    stub: tuple[Stub, str], tmp_path: Path
+) -> None:
+    """A real worker (``--once --retry-infra-skips``, what every backfill does) against a server that sheds
+    with sglang's 503 for a while, then serves: the unit is first skipped ``overloaded``, re-evaluated no
+    sooner than ``--retry-backoff`` after that skip was written (retry generation 1), and the point ends
+    scored."""
+    state, url = stub
+    engine_settings = {"http": {"busy_retries": 1, "busy_retry_delay": 0.0, "abort_retry_delay": 0.0}}
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, engine=engine_settings)
+    publish_model(tmp_path, run.snapshots, 1)
+    state.generate_script += [_busy("The request queue is full.")] * 2  # the engine's 1 + 1 retry: shed
+    opts = WorkerOptions(run_dir=run.path, engines=(f"http:{url}",), once=True, retry_infra_skips=True,
+                         retry_backoff_s=0.5, poll_interval_s=0.05, pin_timeout_s=0.3)
+    lines: list[str] = []
+    code, _ = run_inprocess(opts, out=lines.append)
+    assert code == 0, lines
+    unit = WorkUnit(1, "addition", 0)
+    step_dir = unit_dir(run.results, unit.step, per_step=True)
+    first, retry = (parse_result(read_json_object(p), p) for p in (step_dir / f"{unit.id}.json",
+                                                                   step_dir / f"{unit.id}.retry1.json"))
+    assert first.skip_reason == "overloaded" and "queue is full" in first.message
+    assert retry.ok and retry.written_at - first.written_at >= 0.5  # waited out the backoff (a lower bound)
+    # the next generation waits twice as long, on the skip's own written_at (every worker agrees)
+    assert [retry_due(first, 1, 0.5, now=first.written_at + dt) for dt in (0.9, 1.0)] == [False, True]
+    point = derive_point(run.manifest(), 1, ResultIndex(run.results).refresh())
+    assert point.complete and not point.skips and "eval/skipped_overloaded" not in point_metrics(point)

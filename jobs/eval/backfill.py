@@ -7,8 +7,10 @@ never from flags. It takes every worker flag except ``--once`` and ``--catchup``
 
 Promises: idempotent — a unit with a result is never evaluated again, so a second run finds nothing
 to do, says so and exits 0; except a unit skipped because an outside service failed (``judge_failed``,
-``sandbox_failed``, ``env_failed``: :data:`ckpteval.coord.results.INFRA_SKIPS`), which each backfill evaluates
-once more, superseding the skip (``results/<unit>.retry<k>.json``) — a judge that came back fills it. Safe as N concurrent SLURM array tasks over one run: units are claimed
+``sandbox_failed``, ``env_failed``, ``overloaded``: :data:`ckpteval.coord.results.INFRA_SKIPS`), which each
+backfill evaluates once more, superseding the skip (``results/<unit>.retry<k>.json``) — a judge that came
+back fills it; an ``overloaded`` one no sooner than ``--retry-backoff`` after it was written (the backfill
+waits for that). Safe as N concurrent SLURM array tasks over one run: units are claimed
 through leases, so each is evaluated once (a rare double evaluation after a stall lands in
 ``results/duplicates/``); every task ends only when every unit of the snapshots present has a result,
 taking over the units of a dead task once its lease expires. Exit codes are the worker's

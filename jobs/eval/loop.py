@@ -20,7 +20,7 @@ from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.layouts import FALLBACK
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
+from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, retry_due, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
 from ckpteval.coord.steps import run_step_selection
@@ -184,7 +184,8 @@ class Worker:
         if self.step_limit is not None and (limit := self.step_limit(results)) is not None:
             outstanding = [u for u in outstanding if u.step <= limit]
         self._give_up_finding(outstanding)
-        claimable = [u for u in outstanding if u.step in self.refs]
+        claimable = [u for u in outstanding if u.step in self.refs and (u not in results or retry_due(
+            results[u], self.index.generation(u), self.opts.retry_backoff_s))]  # an overloaded skip waits
         if self.on_poll is not None:
             self.on_poll(len(outstanding))
         return claimable, len(outstanding)

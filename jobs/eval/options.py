@@ -88,7 +88,11 @@ class WorkerOptions:
         "training is done and N lease durations have passed", metavar="N", min=1)
     retry_infra_skips: bool = option(
         False, "re-evaluate units skipped for an outside service's failure (judge_failed, sandbox_failed, "
-        "env_failed), once each, superseding the skip (ckpteval backfill always does)")
+        "env_failed, overloaded), once each, superseding the skip (ckpteval backfill always does)")
+    retry_backoff_s: float = option(
+        60.0, "an overloaded skip (an inference server shedding load) is re-evaluated no sooner than S x 2^k "
+        "seconds after it was written, k its retry generation, so a fleet does not hammer the server",
+        flag="--retry-backoff", metavar="S", min=0)
     wait_for_run_s: float = option(0.0, "wait up to S seconds for RUN/run.json to appear (a fleet started "
                                    "before its trainer)", flag="--wait-for-run", metavar="S", min=0)
     trust_run_code: bool = option(
