@@ -27,6 +27,7 @@ from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.canary import canary_bytes, probe_rows
 from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.http import HTTPEngine
 from ckpteval.jobs.eval.engines.sglang import SGLangEngine
 from ckpteval.jobs.eval.evalsets import load_dataset
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
@@ -106,9 +107,9 @@ def test_the_stand_in_returns_input_token_logprobs_as_sglang_does(served: tuple[
     assert decoding.status_code == 400 and "prefill-only" in decoding.text
 
 
-def _evaluate(run: Any, url: str, step: int) -> Any:  # noqa: ANN401
+def _evaluate(run: Any, url: str, step: int, kind: type[HTTPEngine] = SGLangEngine) -> Any:  # noqa: ANN401
     refs = {r.step: r for r in SnapshotDiscovery(run.snapshots).poll()}
-    engine = SGLangEngine(url=url)
+    engine = SGLangEngine(url=url) if kind is SGLangEngine else kind(url)
     try:
         evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), 5.0, 120.0)
         return evaluate_unit(evaluator, WorkUnit(step, "addition", 0), refs[step], "fast")
@@ -132,6 +133,17 @@ def test_an_honest_sglang_engine_passes_the_canary_and_a_tokenizer_changed_after
     assert "max |Δ log-prob| inf" in changed.message
     info = httpx.get(f"{url}/model_info", timeout=30).json()
     assert info["weight_version"] == version(run, 2) and info["tokenizer_path"] != info["model_path"]
+
+
+def test_a_plain_http_engine_runs_the_canary_too(served: tuple[Any, str]) -> None:
+    """``--engine http:URL`` speaks the same sglang API as the launching engine, so the canary is not
+    absent behind it: an honest step passes with the stand-in's log-probs, a tokenizer changed after launch
+    fails it."""
+    run, url = served
+    honest, changed = _evaluate(run, url, 1, HTTPEngine), _evaluate(run, url, 2, HTTPEngine)
+    assert honest.ok and honest.fidelity["tokens"] > 0, honest.message
+    assert honest.fidelity["max_abs_logprob_diff"] <= CANARY_MAX_DIFF_SAME_DTYPE
+    assert changed.skip_reason == "canary_failed" and "max |Δ log-prob| inf" in changed.message
 
 
 def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(

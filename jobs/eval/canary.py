@@ -6,14 +6,16 @@ holding an HF-style model stores teacher-forced log-probabilities of a probe —
 :data:`PROBE_ROWS` rows (``prompt`` + reference ``answer``) of the run's first eval set — in the
 snapshot as :data:`ckpteval.coord.snapshot.CANARY` (listed in the marker like every file): per probe the text,
 the token ids the trainer's tokenizer gave, each continuation token's log-probability and the argmax.
-After pinning, an engine that can (:meth:`~ckpteval.jobs.eval.engines.hf.HFEngine.teacher_forced`) recomputes
+After pinning, an engine that can (:meth:`~ckpteval.jobs.eval.engines.hf.HFEngine.teacher_forced`, every engine of
+sglang's HTTP API: :meth:`~ckpteval.jobs.eval.engines.http.HTTPEngine.teacher_forced`) recomputes
 them with the tokenizer it generates with; :func:`compare` gives ``max_abs_logprob_diff`` and
 ``argmax_agreement`` (``eval/fidelity/*``). Token ids that differ (another tokenizer) make the probe
 incomparable: the difference is infinite and agreement 0.
 
 Limits: a probe of a few short rows exercises the kernels and the tokenizer on those rows only; a
 trainer that cannot compute it (Megatron, foreign checkpoints) stores none and the canary is reported
-absent, not passed; engines without teacher forcing over HTTP are not compared here.
+absent, not passed; an engine without teacher forcing (``fn``) or a server that refuses to score prompts
+reports it absent too.
 """
 
 from __future__ import annotations

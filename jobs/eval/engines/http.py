@@ -46,6 +46,8 @@ Promises:
   :mod:`ckpteval.jobs.eval.engines.http_auth`). Error bodies are read in the three
   shapes sglang uses: ``{"error": "<str>"}`` (the 0.5.22+ schema gate), ``{"error": {"message"}}``
   (``_create_error_response``) and ``{"object": "error", "message"}`` (``ErrorResponse``).
+- **The canary** (:meth:`HTTPEngine.teacher_forced`): the probe's input-token log-probs from one
+  ``/generate`` (:mod:`ckpteval.jobs.eval.engines.sglang_logprobs`), for every engine of this API.
 - :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
   ``HEALTH_CHECK_TIMEOUT`` for ``/health_generate`` (which polls once a second), and returns False
   instead of raising, catching only httpx transport errors.
@@ -302,16 +304,13 @@ class HTTPEngine:
         except ValueError:
             reply = None
         if response.status_code != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
-            raise EngineError(
-                f"update_weights_from_disk({snapshot_dir}) failed: {error_message(response)}; the server's "
-                "weights are now unknown (a failed sglang load can leave them partly replaced)"
-            )
+            raise EngineError(f"update_weights_from_disk({snapshot_dir}) failed: {error_message(response)}; the "
+                              "server's weights are now unknown (a failed sglang load can leave them partly replaced)")
         self._weights_unknown = False
         reported = self.weight_version()
         if reported != weight_version:
-            raise WeightVersionMismatch(
-                f"loaded {snapshot_dir} as version {weight_version!r} but the server reports {reported!r}"
-            )
+            raise WeightVersionMismatch(f"loaded {snapshot_dir} as version {weight_version!r} but the server "
+                                        f"reports {reported!r}")
 
     def model_info(self) -> dict[str, Any]:
         """The server's model info (``/model_info``, or ``/get_model_info`` on older servers)."""
@@ -408,17 +407,21 @@ class HTTPEngine:
             raise EngineError(f"/generate returned {str(reply)[:200]} for {len(prompts)} prompts")
         return [parse_generation(item) for item in reply]
 
+    def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """The canary's recomputation (:mod:`ckpteval.jobs.eval.canary`) by the server, with the tokenizer it
+        generates with: one ``/generate`` of input-token log-probs (:mod:`~ckpteval.jobs.eval.engines.sglang_logprobs`)."""
+        from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
+
+        self.server_info()
+        return server_teacher_forced(lambda body: self._request("POST", "/generate", json=body), pairs)
+
     def _warn_if_seeds_ignored(self, params: SamplingParams, seeds: list[int] | None) -> None:
         if seeds is None or params.temperature == 0 or self._warned_nondeterministic:
             return
         if self.server_info().get("enable_deterministic_inference") is False:
             self._warned_nondeterministic = True
-            print(
-                f"ckpteval: sglang at {self._base_url} runs without --enable-deterministic-inference: it ignores "
-                "per-sample seeds (samples are independent but not reproducible)",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"ckpteval: sglang at {self._base_url} runs without --enable-deterministic-inference: it ignores "
+                  "per-sample seeds (samples are independent but not reproducible)", file=sys.stderr, flush=True)
 
     def healthy(self) -> bool:
         if self._closed:

@@ -59,14 +59,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected
+from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.engines.http import (
     HEALTH_TIMEOUT_S,
     HTTPEngine,
     UnsupportedServer,
     WeightVersionMismatch,
     check_sglang_version,
-    error_message,
 )
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # sglang arg_groups/fields/exec_.py
@@ -319,23 +318,6 @@ class SGLangEngine(HTTPEngine):
 
     def weight_version(self) -> str | None:
         return None if self._not_launched else super().weight_version()
-
-    def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """The canary's recomputation (:mod:`ckpteval.jobs.eval.canary`) by the server, with the tokenizer it
-        generates with: one ``/generate`` of input-token log-probs (:mod:`ckpteval.jobs.eval.engines.sglang_logprobs`).
-        :class:`RequestRejected` when the server refuses the request (4xx: it cannot score prompts)."""
-        from ckpteval.jobs.eval.engines.sglang_logprobs import parse_teacher_forced, teacher_forced_request
-
-        self.server_info()
-        response = self._request("POST", "/generate", json=teacher_forced_request(pairs))
-        if response.status_code != 200:
-            message = f"POST /generate (canary log-probs): {error_message(response)}"
-            raise (RequestRejected if 400 <= response.status_code < 500 else EngineError)(message)
-        try:
-            reply = response.json()
-        except ValueError as e:
-            raise EngineError(f"POST /generate (canary log-probs): reply is not JSON: {response.text[:200]}") from e
-        return parse_teacher_forced(pairs, reply)
 
     def restart(self) -> None:
         """Relaunch on the last loaded snapshot and version; a no-op before the first load."""

@@ -2,8 +2,10 @@
 
 What it owns: the request that makes an sglang server (or ``ckpteval serve``) score a probe
 (:func:`teacher_forced_request`) and the reading of its reply into the canary's per-probe records
-(:func:`parse_teacher_forced`, the shape :func:`ckpteval.jobs.eval.canary.teacher_forced` gives), behind
-:meth:`ckpteval.jobs.eval.engines.sglang.SGLangEngine.teacher_forced`.
+(:func:`parse_teacher_forced`, the shape :func:`ckpteval.jobs.eval.canary.teacher_forced` gives), and the
+round trip (:func:`server_teacher_forced`) behind
+:meth:`ckpteval.jobs.eval.engines.http.HTTPEngine.teacher_forced`: every engine speaking sglang's native API
+(``http:URL``, ``sglang``, their LoRA variants, whose ``/generate`` names the adapter) runs the canary.
 
 How sglang 0.5.23 answers it (paths inside the sglang package):
 
@@ -34,10 +36,30 @@ Limits: one request for the whole probe (a few short rows); what the reply lacks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import httpx
+
 from ckpteval.jobs.eval.canary import probe_result
-from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected
+from ckpteval.jobs.eval.engines.http import error_message
+
+
+def server_teacher_forced(post: Callable[[dict[str, Any]], httpx.Response], pairs: list[tuple[str, str]]
+                          ) -> list[dict[str, Any]]:
+    """The canary's records from the server: ``post`` (a ``POST /generate`` of a JSON body) of
+    :func:`teacher_forced_request`, read by :func:`parse_teacher_forced`. :class:`RequestRejected` when the
+    server refuses it (a 4xx: it cannot score prompts; the canary is then absent), else :class:`EngineError`."""
+    response = post(teacher_forced_request(pairs))
+    if response.status_code != 200:
+        message = f"POST /generate (canary log-probs): {error_message(response)}"
+        raise (RequestRejected if 400 <= response.status_code < 500 else EngineError)(message)
+    try:
+        reply = response.json()
+    except ValueError as e:
+        raise EngineError(f"POST /generate (canary log-probs): reply is not JSON: {response.text[:200]}") from e
+    return parse_teacher_forced(pairs, reply)
 
 
 def teacher_forced_request(pairs: list[tuple[str, str]]) -> dict[str, Any]:
