@@ -20,7 +20,7 @@ from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.layouts import FALLBACK
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, write_result
+from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
 from ckpteval.coord.steps import run_step_selection
@@ -367,7 +367,7 @@ class Worker:
                 attempt=claim.attempt,
                 snapshot=str(self.refs[unit.step].path),
             )
-            first = write_result(self.rundir.results, result, claim.generation, per_step=self.manifest.per_step_dirs)
+            first = self.index.publish(result, claim.generation, per_step=self.manifest.per_step_dirs)
             self.written += 1
             if first and self.on_result is not None:
                 self.on_result(result)
