@@ -252,9 +252,9 @@ class UnitClaimer:
         caller's view of finished units is always a little old (the last poll), and without this check a
         unit finished and released just before our claim would be evaluated twice.
         """
-        lease = self._lease(unit)
-        if time.monotonic() - lease.watched_at < self.recheck_s:
+        if self.seen_held_lately(unit):
             return None
+        lease = self._lease(unit)
         if not lease.acquire():
             return None
         if self._has_result(unit, generation):
@@ -263,6 +263,12 @@ class UnitClaimer:
         flag = self._flags[unit.id]
         flag.clear()
         return Claim(unit, lease, lease.token or "", self._count_attempt(unit), flag, generation)
+
+    def seen_held_lately(self, unit: WorkUnit) -> bool:
+        """Whether this claimer found ``unit`` held by another within the last ``recheck_s`` (then
+        :meth:`try_claim` answers None without a syscall)."""
+        lease = self._leases.get(unit.id)
+        return lease is not None and time.monotonic() - lease.watched_at < self.recheck_s
 
     def _has_result(self, unit: WorkUnit, generation: int = 0) -> bool:
         return self.results_dir is not None and (
