@@ -203,32 +203,39 @@ class UnitLease:
             _now() - self._touched < self.duration_s * FRESH_FRACTION)
 
     def still_ours(self) -> bool:
-        """Whether the marker at the path is still this claim's (no syscall while :meth:`fresh`)."""
+        """Whether the marker at the path is still this claim's (no syscall while :meth:`fresh`). A marker
+        that cannot be looked at (an I/O error) counts as ours: the heartbeat reports real losses."""
         if self._fd is None or self.compromised:
             return False
-        return self.fresh() or self._marker_is_ours()
+        return self.fresh() or self._marker_is_ours() is not False
 
-    def _marker_is_ours(self) -> bool:
+    def _marker_is_ours(self) -> bool | None:
+        """True: the path names our marker; False: missing or another; None: unknown (an I/O error)."""
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
             return False
+        except OSError:
+            return None
         return (st.st_dev, st.st_ino) == self._ino and os.fstat(self._fd or 0).st_nlink > 0
 
     def refresh(self) -> None:
-        """One heartbeat (the keeper's thread): touch the marker if it is still ours; report a loss seen twice."""
+        """One heartbeat (the keeper's thread): touch the marker if it is still ours; report a loss seen twice.
+        An I/O error is transient (no touch: a marker that stays unrefreshed expires)."""
         fd = self._fd
         if fd is None or self.compromised:
             return
-        try:
-            ours = self._marker_is_ours()
-            if ours:
-                touched = _now()
+        ours = self._marker_is_ours()
+        if ours is None:
+            return
+        if ours:
+            touched = _now()
+            try:
                 os.utime(fd)
-                self._touched, self._misses = touched, 0
+            except OSError:
                 return
-        except OSError:
-            return  # transient: a lease that stays unrefreshed expires, and its check on release is not fresh
+            self._touched, self._misses = touched, 0
+            return
         self._misses += 1
         if self._misses >= 2:
             self.compromised = True
@@ -236,8 +243,9 @@ class UnitLease:
                 self.on_compromise()
 
     def release(self) -> None:
-        """Give the unit back at once (a contender needs no expiry wait). Idempotent; a lost lease only
-        closes its descriptor (the marker is someone else's)."""
+        """Give the unit back at once (a contender needs no expiry wait). Idempotent. A lost lease, or one
+        whose marker cannot be looked at, only closes its descriptor (the marker is someone else's, or
+        expires)."""
         fd = self._fd
         if fd is None:
             return
@@ -250,9 +258,10 @@ class UnitLease:
             os.close(fd)
 
     def _unlink_quietly(self) -> None:
+        """Unlink the marker; one that cannot be unlinked (gone already, an I/O error) simply expires."""
         try:
             os.unlink(self.path)
-        except FileNotFoundError:
+        except OSError:
             pass
 
 
