@@ -259,3 +259,23 @@ def test_marker_with_another_lease_duration_is_refused_naming_the_file(tmp_path:
             UnitClaimer(tmp_path, LeaseSettings(60.0, 5.0)).try_claim(WorkUnit(2, "ds", 0))
     finally:
         holder.release()
+
+
+def test_contender_looks_at_a_held_unit_once_per_recheck(tmp_path: Path) -> None:
+    """A unit found held is refused without a look (no syscall) for recheck_s (half the heartbeat), so a
+    fleet polling one step does not stat every held lease on every poll; after that it is looked at again
+    and, released meanwhile, claimed."""
+    settings = LeaseSettings(4.0, 0.4)
+    unit = WorkUnit(5, "ds", 0)
+    holder, contender = UnitClaimer(tmp_path, settings), UnitClaimer(tmp_path, settings)
+    assert contender.recheck_s == pytest.approx(0.2)
+    held = holder.try_claim(unit)
+    assert held is not None and contender.try_claim(unit) is None
+    assert contender.seen_held_lately(unit)
+    held.release()
+    assert contender.try_claim(unit) is None  # within recheck_s: not looked at, so not seen free
+    time.sleep(0.25)
+    assert not contender.seen_held_lately(unit)
+    claim = contender.try_claim(unit)
+    assert claim is not None
+    claim.release()
