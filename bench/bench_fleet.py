@@ -18,7 +18,8 @@ Reported:
 * **claim contention**: every ``UnitClaimer.try_claim`` of every worker is counted (the worker is started
   through :func:`claim_counting_worker`, which wraps the real method and writes the counts when the
   worker exits): *lost* = the unit was open at the call but another worker held its lease or published
-  its result first; per unit = lost / units.
+  its result first (each cost at least one metadata operation); per unit = lost / units. *skipped* = the
+  claimer had seen the unit held within its ``recheck_s`` and refused it without a syscall.
 * **given back**: units a worker claimed and released without a result, by the reason its unit line
   gives (``abandoned: stop signal`` — the bound's SIGTERM —, ``abandoned: lease lost``, ``released after
   attempt``), and the CPU time of all workers per unit written.
@@ -85,6 +86,9 @@ def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
     def counted(self: UnitClaimer, unit: Any, generation: int = 0) -> Any:
         if self._has_result(unit, generation):
             counts["done"] += 1  # finished before the call: not contention
+            return None
+        if self.seen_held_lately(unit):
+            counts["skipped"] += 1  # seen held within recheck_s: refused without a syscall
             return None
         claim = real(self, unit, generation)
         counts["won" if claim is not None else "lost"] += 1

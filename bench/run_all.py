@@ -551,18 +551,20 @@ def metadata_section(rec: dict[str, Any]) -> str:
         f"{counts(b['areas'])}.", "",
         f"Claim + result + release by kind: {counts(p['leased']['meta'])}; by area: {counts(p['leased']['areas'])}.",
         "", "What changed (issue 20): the worker lists `results/` and polls discovery once per `--poll-interval`, not "
-        "once per unit (the claimer's `stat` of the result before and after each claim keeps finished units from "
-        "being evaluated again); verification runs once per snapshot per process while its `.complete` keeps its "
-        "identity (one `stat` per unit); one long-lived unit thread; the attempt count is one `open` (no "
-        "`fsync`: a lost line only allows one more attempt); the results directory's `fsync` goes through a kept "
-        "descriptor; results and leases live in `step-<N>/` directories (protocol 2).", "",
-        "What is left is mostly filelock's `SoftFileLease` (kept: it is what makes leases expire safely): per "
-        "acquire it resolves the lease path (`realpath`: one `lstat` per path component, the 'above the run' "
-        "area), makes sure the directory exists (`mkdir` + `stat`), `lstat`s and creates the marker, and per "
-        "release `lstat`s it twice and unlinks it; it also calls `getpid` ~45 times and reads "
-        "`/proc/self/status` and `/proc/<pid>/stat` per acquire (CPU, not metadata). On Lustre the client can "
-        "answer repeated `lstat`s of cached path components and an `EEXIST` `mkdir` from its own dentry cache "
-        "while it holds the directory's lookup lock, so fewer of these may reach the MDS than are counted here.",
+        "once per unit; verification runs once per snapshot per process while its `.complete` keeps its identity "
+        "(one `stat` per unit); one long-lived unit thread; the attempt count is one `open` (no `fsync`: a lost line "
+        "only allows one more attempt); the results directory's `fsync` goes through a kept descriptor; results and "
+        "leases live in `step-<N>/` directories (protocol 2). Then the lease itself: `coord/lease.py` replaced "
+        "filelock's `SoftFileLease` (which resolved the lease path one `lstat` per component, made sure of the "
+        "directory with `mkdir` + `stat`, `lstat`ed the marker before creating it and twice before unlinking it, "
+        "and started a heartbeat thread per claim) by one `O_CREAT|O_EXCL` create per claim and one `unlink` per "
+        "release — filelock's owner record inside, one heartbeat thread per worker; a release within half the "
+        "lease duration of the last touch needs no check, as no takeover can have happened. A result is "
+        "published by `renameat2(RENAME_NOREPLACE)` (one call instead of `link` + `unlink`), and a worker keeps "
+        "the result it published in its index instead of reading it back at the next poll.",
+        "", "What is left per unit: the result's temp file (`open`), its `fsync`, its `renameat2`, the directory "
+        "`fsync`, the lease's create and unlink, the `.attempts` append, the result `stat` after the claim, and "
+        "one `stat` of the snapshot's `.complete` (the backfill's extra op over the protocol loop).",
     ])
 
 
@@ -812,8 +814,9 @@ def fleet_section(rec: dict[str, Any]) -> str:
             ["units evaluated twice", f"{f['duplicates']}: {len(f['by_lease_expiry'])} by lease expiry, "
              f"{len(f['not_explained_by_expiry'])} not explained by expiry"],
             ["claims per unit (`.attempts` lines → units)", f["claims_per_unit"]],
-            ["claim attempts (won / lost / unit already done)",
-             f"{f['claims'].get('won', 0)} / {f['claims'].get('lost', 0)} / {f['claims'].get('done', 0)}"],
+            ["claim attempts (won / lost / unit already done / seen held lately, no syscall)",
+             f"{f['claims'].get('won', 0)} / {f['claims'].get('lost', 0)} / {f['claims'].get('done', 0)} / "
+             f"{f['claims'].get('skipped', 0)}"],
             ["lost claim attempts per unit", f"{f['lost_claims_per_unit']:.2f}"],
             ["wall per point, fleet (launch → last exit)", f"{pp['fleet_e2e_s']:.2f} s"],
             ["wall per point, fleet steady (first start → last result)", f"{pp['fleet_steady_s']:.2f} s"],
@@ -847,8 +850,10 @@ def fleet_notes(d: dict[str, Any]) -> str:
         f"- **Claims per unit above 1** ({multi} units): claims that ended without a result (given back, above).",
         f"- **Contention**: {f['lost_claims_per_unit']:.1f} lost claim attempts per unit written: every worker "
         "walks the open units of the oldest step in its own order (`order_units(spread=pid)`) and tries each "
-        "until one claim succeeds; a lost attempt is a failed lease acquisition (filelock's exclusive create of "
-        "the lease file, and reading its holder), and `done` counts units whose result appeared since the worker's listing (one `stat`).",
+        "until one claim succeeds; a lost attempt is a failed lease acquisition (the exclusive create of the lease "
+        "file, and an `lstat` of it; its record is read once per marker), `done` counts units whose result "
+        "appeared since the worker's listing, and a unit a worker found held within the last `heartbeat_s / 2` is "
+        "refused without a syscall (`skipped`).",
         f"- **Throughput**: the workers' own CPU was {f['cpu_s'] / f['wall_s']:.2f} of a core on average, so "
         "what limited the fleet here was not their Python but the machine: hundreds of processes' start-up "
         f"(the first unit started {f['first_start_s']:.0f} s after launch), the scheduler on 2 cores shared with "

@@ -11,6 +11,8 @@ per client, but another client may see the old name for its attribute-cache life
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import uuid
@@ -92,25 +94,69 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def publish_exclusive(path: Path, data: bytes, *, sync_dir: bool = True, keep_dir_open: bool = False) -> bool:
     """Publish ``data`` at ``path`` only if nothing is there yet; True if this call won.
 
-    The file is complete before it becomes visible (written and fsync'd under a temp name, then
-    hard-linked to the final name, which fails if the name exists). The first writer wins; a later
-    one gets False and leaves the first file untouched. ``sync_dir=False`` skips the directory fsync:
-    for a cache, whose entry lost in a crash is only a miss (the name never points to a torn file).
-    ``keep_dir_open``: the directory fsync goes through a kept descriptor (:func:`fsync_dir`).
+    The file is complete before it becomes visible (written and fsync'd under a temp name, then moved to
+    the final name by ``renameat2(RENAME_NOREPLACE)`` — one metadata operation — or, where the filesystem
+    or C library lacks it, hard-linked and the temp name unlinked; both fail if the name exists). The first
+    writer wins; a later one gets False and leaves the first file untouched. ``sync_dir=False`` skips the
+    directory fsync: for a cache, whose entry lost in a crash is only a miss (the name never points to a
+    torn file). ``keep_dir_open``: the directory fsync goes through a kept descriptor (:func:`fsync_dir`).
     """
     path = Path(path)
     tmp = tmp_name(path)
     try:
         _write_synced(tmp, data)
+        won = _rename_noreplace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if won is None:  # no renameat2 here: link, which also refuses an existing name
         try:
             os.link(tmp, path)
+            won = True
         except FileExistsError:
-            return False
-    finally:
+            won = False
+        finally:
+            tmp.unlink(missing_ok=True)
+    elif not won:
         tmp.unlink(missing_ok=True)
-    if sync_dir:
+    if won and sync_dir:
         fsync_dir(path.parent, keep_open=keep_dir_open)
-    return True
+    return won
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_AT_FDCWD = -100
+_NO_RENAMEAT2: set[str] = set()  # directories whose filesystem refused the flag (asked once each)
+
+
+def _rename_noreplace(src: Path, dst: Path) -> bool | None:
+    """Rename ``src`` to ``dst`` unless ``dst`` exists: True renamed, False it exists, None unsupported (no
+    ``renameat2`` in the C library, or the filesystem refuses the flag: EINVAL/ENOSYS/EOPNOTSUPP)."""
+    parent = str(dst.parent)
+    if _renameat2 is None or parent in _NO_RENAMEAT2:
+        return None
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        return False
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        _NO_RENAMEAT2.add(parent)
+        return None
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _load_renameat2() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 (or not Linux)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
 
 
 def append_line(path: Path, line: bytes) -> None:

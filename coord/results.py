@@ -237,9 +237,7 @@ def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_
     (protocol 1). Readers that list only step directories (worker, trainer) never see a flat result of
     a protocol 2 run, so the default is the new layout."""
     results_dir = Path(results_dir)
-    stamped = Result(**{**result.__dict__, "written_at": result.written_at or time.time()})
-    if not stamped.worker:
-        stamped = Result(**{**stamped.__dict__, "worker": producer_identity()})
+    stamped = stamp(result)
     data = dumps(stamped.to_json())
     final = unit_dir(results_dir, result.unit.step, per_step) / result.unit.result_name_at(generation)
     try:
@@ -256,6 +254,14 @@ def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_
     dup_dir.mkdir(exist_ok=True)
     write_json_atomic(dup_dir / f"{result.unit.id}.{os.getpid()}.{time.time_ns()}.json", stamped.to_json())
     return False
+
+
+def stamp(result: Result) -> Result:
+    """The result as published: ``written_at`` (now) and ``worker`` (this process) filled in if unset."""
+    if result.written_at and result.worker:
+        return result
+    stamped = Result(**{**result.__dict__, "written_at": result.written_at or time.time()})
+    return stamped if stamped.worker else Result(**{**stamped.__dict__, "worker": producer_identity()})
 
 
 def _is_result_name(name: str) -> bool:
@@ -309,13 +315,27 @@ class ResultIndex:
             except (ValueError, FileNotFoundError) as e:
                 self.errors[name] = str(e)
                 continue
-            self._seen.add(name)
-            self.errors.pop(name, None)
-            generation = result_generation(name)
-            if generation >= self._generation.get(result.unit, 0):  # the highest generation is the result
-                self._by_unit[result.unit] = result
-                self._generation[result.unit] = generation
+            self._take(name, result)
         return self._by_unit
+
+    def publish(self, result: Result, generation: int = 0, *, per_step: bool = True) -> bool:
+        """:func:`write_result`, and the published result goes into the index as written, so the next
+        :meth:`refresh` does not read it back (one open per unit less for a worker). False (a duplicate):
+        the first writer's result is read by the next refresh as usual."""
+        stamped = stamp(result)
+        if not write_result(self.results_dir, stamped, generation, per_step=per_step):
+            return False
+        name = (unit_dir(Path(), result.unit.step, per_step) / result.unit.result_name_at(generation)).as_posix()
+        self._take(name, parse_result(json.loads(dumps(stamped.to_json())), self.results_dir / name))
+        return True
+
+    def _take(self, name: str, result: Result) -> None:
+        self._seen.add(name)
+        self.errors.pop(name, None)
+        generation = result_generation(name)
+        if generation >= self._generation.get(result.unit, 0):  # the highest generation is the result
+            self._by_unit[result.unit] = result
+            self._generation[result.unit] = generation
 
     def _names(self, skip_steps: Collection[int], only_steps: Collection[int] | None) -> list[str]:
         """Result file names relative to ``results/``: flat ``<unit>.json`` and ``step-<N>/<unit>.json``."""

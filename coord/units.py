@@ -1,12 +1,12 @@
-"""Work units ``(step, dataset, shard[, sample range])`` and their leases.
+"""Work units ``(step, dataset, shard[, sample range])`` and their claims.
 
 A unit is claimed through a lease file ``leases/<unit>.lock`` (``leases/step-<N>/<unit>.lock`` in a
-protocol 2 run, :func:`ckpteval.coord.rundir.unit_dir`) held with ``filelock.SoftFileLease``:
-the holder's heartbeat thread refreshes the marker; a contender may take the claim over only after
-observing it *unchanged* for ``lease.duration_s`` on its own monotonic clock, so clock skew between
-nodes cannot expire a live claim. On the same host filelock also takes over at once from a holder
-whose process is dead. If the holder loses its claim (taken over after a stall), ``on_compromise``
-fires and the :class:`Claim` is marked compromised: the holder must abandon the unit.
+protocol 2 run, :func:`ckpteval.coord.rundir.unit_dir`): a :class:`ckpteval.coord.lease.UnitLease` — one
+``O_EXCL`` create to claim, one ``unlink`` to release, filelock's owner record inside, refreshed by one
+heartbeat thread per worker. A contender takes a claim over only after observing it *unchanged* for
+``lease.duration_s`` on its own monotonic clock (clock skew between nodes cannot expire a live claim), or at
+once from a holder on this host whose process is dead. If the holder loses its claim (taken over after a
+stall), the :class:`Claim` is marked compromised: the holder must abandon the unit.
 
 Guarantee and its limits: a lease is **a hint about who should be working, not a fence**. A stalled
 holder (SIGSTOP, a long GC pause, a partitioned node) can come back after its lease was taken and
@@ -14,9 +14,12 @@ still finish. That is harmless by construction: results are published first-writ
 (:mod:`ckpteval.coord.results`) and readers take the first result per unit, so a rare double evaluation costs
 compute, never correctness, and a lost unit is impossible as long as some worker keeps polling.
 
-Every participant of a run must use the run's :class:`~ckpteval.coord.manifest.LeaseSettings`; filelock raises
-``LeaseSettingsMismatch`` otherwise. A :class:`UnitClaimer` keeps one lease object per unit so that
-its observation of a stale claim accumulates across polls — create it once per worker, not per poll.
+Every participant of a run must use the run's :class:`~ckpteval.coord.manifest.LeaseSettings`
+(``filelock.LeaseSettingsMismatch`` otherwise). A :class:`UnitClaimer` keeps one lease object per unit so that
+its watch of another holder's claim accumulates across polls — create it once per worker, not per poll.
+A claimer looks at a unit another worker holds at most once per ``recheck_s`` (half the heartbeat): a fleet
+of hundreds polling the same step costs the metadata server one ``lstat`` per held unit per worker per
+``recheck_s``, not one per poll.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ import filelock
 from filelock._soft import parse_marker  # filelock's parser of its owner record
 
 from ckpteval.coord.atomic import append_and_count_lines
+from ckpteval.coord.lease import LeaseKeeper, UnitLease
 from ckpteval.coord.manifest import DatasetSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import STEP_DIR_PREFIX, unit_dir
 
@@ -197,16 +202,19 @@ class Claim:
     """A held lease on one unit. ``compromised`` is set by the heartbeat thread if the claim is lost."""
 
     unit: WorkUnit
-    lease: filelock.SoftFileLease
+    lease: UnitLease
     token: str
     attempt: int
     compromised: threading.Event = field(default_factory=threading.Event)
     generation: int = 0  # the result generation this claim writes (> 0: re-evaluating an infra skip)
 
+    def still_ours(self) -> bool:
+        """Whether the claim is still ours (not lost, its marker still ours; no syscall while fresh)."""
+        return not self.compromised.is_set() and self.lease.still_ours()
+
     def release(self) -> None:
         """Give the unit back (at once: a contender needs no expiry wait). Idempotent."""
-        if self.lease.is_locked:
-            self.lease.release(force=True)
+        self.lease.release()
 
 
 class UnitClaimer:
@@ -220,46 +228,47 @@ class UnitClaimer:
         # protocol 2 (every new run): leases and results in per-step directories (ckpteval.coord.rundir); a
         # protocol 1 run's callers pass False (RunManifest.per_step_dirs)
         self.per_step = per_step
-        self._leases: dict[str, filelock.SoftFileLease] = {}
+        self.recheck_s = settings.heartbeat_s / 2  # a held marker changes once per heartbeat at most
+        self.keeper = LeaseKeeper(settings.heartbeat_s)
+        self._leases: dict[str, UnitLease] = {}
         self._flags: dict[str, threading.Event] = {}
         self._pid = os.getpid()  # a claimer is made per worker process, never inherited across fork
 
-    def _lease(self, unit: WorkUnit) -> filelock.SoftFileLease:
+    def _lease(self, unit: WorkUnit) -> UnitLease:
         lease = self._leases.get(unit.id)
         if lease is None:
             flag = self._flags.setdefault(unit.id, threading.Event())
-            lease = filelock.SoftFileLease(
-                lease_path(self.leases_dir, unit.id, self._step(unit)),  # filelock makes a missing step dir
-                lease_duration=self.settings.duration_s,
-                heartbeat_interval=self.settings.heartbeat_s,
-                on_compromise=lambda _c, flag=flag: flag.set(),
-                thread_local=False,
-            )
+            lease = UnitLease(lease_path(self.leases_dir, unit.id, self._step(unit)), self.settings.duration_s,
+                              self.keeper, on_compromise=flag.set)
             self._leases[unit.id] = lease
         return lease
 
     def try_claim(self, unit: WorkUnit, generation: int = 0) -> Claim | None:
-        """Claim ``unit`` without waiting; None if someone holds a live lease on it or it is done (has a
-        result of ``generation``: 0, or k > 0 to re-evaluate an infrastructure skip of generation k - 1).
+        """Claim ``unit`` without waiting; None if someone holds a live lease on it (looked at within the
+        last ``recheck_s``: no syscall) or it is done (has a result of ``generation``: 0, or k > 0 to
+        re-evaluate an infrastructure skip of generation k - 1).
 
-        With a ``results_dir``, the result file is checked *after* the lease is acquired (one stat):
-        a caller's view of finished units is always a little old, and without this re-check a unit
-        finished and released just before our claim would be evaluated twice.
+        The result file is checked *after* the lease is acquired (one stat, with a ``results_dir``): a
+        caller's view of finished units is always a little old (the last poll), and without this check a
+        unit finished and released just before our claim would be evaluated twice.
         """
-        if self._has_result(unit, generation):  # cheap (one stat): spares a lease write for a unit finished
+        if self.seen_held_lately(unit):
             return None
         lease = self._lease(unit)
-        try:
-            lease.acquire(timeout=0, blocking=False)
-        except filelock.Timeout:
+        if not lease.acquire():
             return None
         if self._has_result(unit, generation):
-            lease.release(force=True)
+            lease.release()
             return None
         flag = self._flags[unit.id]
         flag.clear()
-        token = lease.token or ""
-        return Claim(unit, lease, token, self._count_attempt(unit), flag, generation)
+        return Claim(unit, lease, lease.token or "", self._count_attempt(unit), flag, generation)
+
+    def seen_held_lately(self, unit: WorkUnit) -> bool:
+        """Whether this claimer found ``unit`` held by another within the last ``recheck_s`` (then
+        :meth:`try_claim` answers None without a syscall)."""
+        lease = self._leases.get(unit.id)
+        return lease is not None and time.monotonic() - lease.watched_at < self.recheck_s
 
     def _has_result(self, unit: WorkUnit, generation: int = 0) -> bool:
         return self.results_dir is not None and (
@@ -279,8 +288,8 @@ class UnitClaimer:
     def forget(self, unit: WorkUnit) -> None:
         """Drop the cached lease object of a unit that has a result (keeps memory bounded)."""
         lease = self._leases.pop(unit.id, None)
-        if lease is not None and lease.is_locked:
-            lease.release(force=True)
+        if lease is not None:
+            lease.release()
         self._flags.pop(unit.id, None)
 
     def _count_attempt(self, unit: WorkUnit) -> int:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.rundir import step_dir_name
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import (
     SumBackend,
@@ -47,7 +48,9 @@ def test_until_stops_every_array_task_at_the_first_passing_step(tmp_path: Path) 
     assert [code for code, _ in outs] == [EXIT_DONE, EXIT_DONE], outs
     assert all("first step passing eval/addition >= 0.3: 30" in out for _, out in outs), outs
     got = results(run)
-    passed_at = max(r.written_at for u, r in got.items() if u.step == 30)  # the point of step 30 completed
+    # the point of step 30 completed when its last result became visible: the ctime its publication (rename or
+    # link) set, not its written_at, stamped before the fsync that may take long on a loaded disk
+    passed_at = max(p.stat().st_ctime for p in (run.results / step_dir_name(30)).glob("*.json"))
     assert {u.step for u in got} >= {10, 20, 30}
     late = [u for u, r in got.items() if u.step > 30 and claimed_at(r) > passed_at]
     assert late == [], f"units of later steps started after step 30 passed: {late}"

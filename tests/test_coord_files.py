@@ -36,7 +36,16 @@ def test_atomic_write_leaves_no_temp_and_reads_back(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["a.json"]
 
 
-def test_publish_exclusive_first_writer_wins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "link-fallback"])
+def test_publish_exclusive_first_writer_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool) -> None:
+    """Both ways of publishing without replacing: renameat2(RENAME_NOREPLACE), and link + unlink where the
+    C library or filesystem lacks the flag (as if it had none: the function pointer removed)."""
+    from ckpteval.coord import atomic
+
+    if renameat2 and atomic._renameat2 is None:
+        pytest.skip("this C library has no renameat2 (glibc < 2.28)")
+    if not renameat2:
+        monkeypatch.setattr(atomic, "_renameat2", None)
     assert publish_exclusive(tmp_path / "r.json", b"first")
     assert not publish_exclusive(tmp_path / "r.json", b"second")
     assert (tmp_path / "r.json").read_bytes() == b"first"

@@ -178,3 +178,104 @@ def test_lease_holder_is_read_from_filelocks_owner_record(tmp_path: Path) -> Non
     assert lease_holders(tmp_path) == {}
     lease_path(tmp_path, unit.id).write_bytes(b"pid=12")  # torn: no complete record
     assert read_lease_holder(lease_path(tmp_path, unit.id)) is None
+
+
+STALLED_HOLDER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from ckpteval.coord.manifest import LeaseSettings
+    from ckpteval.coord.units import UnitClaimer, WorkUnit
+    claimer = UnitClaimer(Path(sys.argv[1]), LeaseSettings(float(sys.argv[2]), float(sys.argv[2]) / 6))
+    claim = claimer.try_claim(WorkUnit(1, "ds", 0))
+    print("held" if claim else "busy", flush=True)
+    sys.stdin.readline()  # SIGSTOPped and continued before this line arrives
+    print("ours" if claim.still_ours() else "lost", flush=True)
+    claim.release()
+    print("released", flush=True)
+    """
+)
+
+
+def test_stalled_holder_learns_it_lost_and_its_release_keeps_the_successors_marker(tmp_path: Path) -> None:
+    """A holder stopped past expiry, continued after a takeover: it sees the claim is not its own any more,
+    and its release (no longer fresh, so checked) leaves the new holder's marker in place."""
+    duration = 2.0
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_HOLDER, str(tmp_path), str(duration)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        assert proc.stdout.readline().strip() == b"held"
+        proc.send_signal(signal.SIGSTOP)
+        claimer = UnitClaimer(tmp_path, LeaseSettings(duration, duration / 6))
+        deadline = time.monotonic() + 30
+        while (claim := claimer.try_claim(WorkUnit(1, "ds", 0))) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert claim is not None, "the stalled holder's lease was never taken over"
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == b"lost"
+        assert proc.stdout.readline().strip() == b"released"
+        holder = read_lease_holder(lease_path(tmp_path, "0000000001.ds.00000", 1))
+        assert holder is not None and holder.token == claim.token  # the successor's marker survived
+        assert claim.still_ours()
+        claim.release()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_takeover_that_moved_a_renewed_marker_puts_it_back(tmp_path: Path) -> None:
+    """Two contenders watched the same expired marker; the first took it over. The second's takeover
+    (it still believes the old marker is there) moves the new one aside, sees it is not the marker it
+    watched, and links it back: the new holder keeps its claim and its inode."""
+    from ckpteval.coord.lease import LeaseKeeper, UnitLease
+
+    path = tmp_path / "u.lock"
+    path.write_text("torn")  # a marker nobody refreshes
+    keeper = LeaseKeeper(60.0)
+    first, second = UnitLease(path, 0.2, keeper), UnitLease(path, 0.2, keeper)
+    assert not first.acquire() and not second.acquire()  # both start watching the old marker
+    old = os.lstat(path)
+    time.sleep(0.3)
+    assert first.acquire()  # expired: taken over
+    new = os.lstat(path)
+    assert second._move_aside((old.st_dev, old.st_ino, old.st_mtime_ns, old.st_ctime_ns)) is False
+    assert os.lstat(path).st_ino == new.st_ino and first.still_ours()
+    assert [p.name for p in tmp_path.iterdir()] == ["u.lock"]  # nothing left aside
+    first.release()
+    assert not path.exists()
+
+
+def test_marker_with_another_lease_duration_is_refused_naming_the_file(tmp_path: Path) -> None:
+    import filelock
+
+    holder = UnitClaimer(tmp_path, LeaseSettings(30.0, 5.0)).try_claim(WorkUnit(2, "ds", 0))
+    assert holder is not None
+    try:
+        with pytest.raises(filelock.LeaseSettingsMismatch, match=r"0000000002\.ds\.00000\.lock.*30\.0"):
+            UnitClaimer(tmp_path, LeaseSettings(60.0, 5.0)).try_claim(WorkUnit(2, "ds", 0))
+    finally:
+        holder.release()
+
+
+def test_contender_looks_at_a_held_unit_once_per_recheck(tmp_path: Path) -> None:
+    """A unit found held is refused without a look (no syscall) for recheck_s (half the heartbeat), so a
+    fleet polling one step does not stat every held lease on every poll; after that it is looked at again
+    and, released meanwhile, claimed."""
+    settings = LeaseSettings(4.0, 0.4)
+    unit = WorkUnit(5, "ds", 0)
+    holder, contender = UnitClaimer(tmp_path, settings), UnitClaimer(tmp_path, settings)
+    assert contender.recheck_s == pytest.approx(0.2)
+    held = holder.try_claim(unit)
+    assert held is not None and contender.try_claim(unit) is None
+    assert contender.seen_held_lately(unit)
+    held.release()
+    assert contender.try_claim(unit) is None  # within recheck_s: not looked at, so not seen free
+    time.sleep(0.25)
+    assert not contender.seen_held_lately(unit)
+    claim = contender.try_claim(unit)
+    assert claim is not None
+    claim.release()

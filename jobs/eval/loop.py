@@ -20,11 +20,11 @@ from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.layouts import FALLBACK
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, retry_due, write_result
+from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, retry_due
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
 from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.units import Claim, UnitClaimer, WorkUnit, order_units, read_lease_holder, units_for_step
+from ckpteval.coord.units import Claim, UnitClaimer, WorkUnit, order_units, units_for_step
 from ckpteval.jobs.eval.evaluators import Evaluator, evaluate_unit
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.runner import UnitRunner
@@ -48,24 +48,10 @@ def dispatch_records(ledger_path: Path) -> dict[int, dict[str, Any]]:
 
 
 def still_holds(claim: Claim) -> bool:
-    """Whether ``claim`` is still ours: not reported lost, and the lease file still carries its token.
-
-    The token is read from filelock's owner record (:func:`ckpteval.coord.units.read_lease_holder`); a file
-    without a complete record, or one that cannot be read, counts as held (the heartbeat reports real
-    losses).
-    """
-    if claim.compromised.is_set():
-        return False
-    lost = claim.lease.compromise
-    if lost is not None and lost.token == claim.token:
-        return False
-    try:
-        holder = read_lease_holder(Path(claim.lease.lock_file))
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    return holder is None or holder.token == claim.token
+    """Whether ``claim`` is still ours: not reported lost, and its marker still the one it created
+    (:meth:`ckpteval.coord.units.Claim.still_ours`: no syscall within half the lease duration of its last
+    heartbeat, one ``lstat`` after that)."""
+    return claim.still_ours()
 
 
 # -- the loop ---------------------------------------------------------------------------------------------
@@ -382,7 +368,7 @@ class Worker:
                 attempt=claim.attempt,
                 snapshot=str(self.refs[unit.step].path),
             )
-            first = write_result(self.rundir.results, result, claim.generation, per_step=self.manifest.per_step_dirs)
+            first = self.index.publish(result, claim.generation, per_step=self.manifest.per_step_dirs)
             self.written += 1
             if first and self.on_result is not None:
                 self.on_result(result)

@@ -1,0 +1,295 @@
+"""Unit leases: a marker file per claimed unit, refreshed by its holder, taken over once it stops changing.
+
+Owns the lease file's life: create, heartbeat, release, and the takeover of an expired one. The file's
+content is filelock's owner record (``filelock/2``, ``mode=lease``, pid, host, process start, token,
+duration: :func:`filelock._soft._records.encode_marker`), so filelock's parser reads it
+(:func:`ckpteval.coord.units.read_lease_holder`) and a filelock ``SoftFileLease`` contender of an older
+ckpteval would recognise it.
+
+Why not ``filelock.SoftFileLease`` itself: on a shared filesystem every path operation is a round trip to
+the metadata server (issue 20). filelock's lease costs ~11 of them per claim and release (it resolves the
+lease path one ``lstat`` per component, makes sure of the directory with ``mkdir`` + ``stat``, ``lstat``\\ s
+the marker before creating it and twice before unlinking it) and a heartbeat thread per claim. This module
+costs **one** ``open(O_CREAT|O_EXCL)`` to claim and **one** ``unlink`` to release (a missing step directory
+adds one ``mkdir`` per step), and one heartbeat thread per :class:`LeaseKeeper` (per worker).
+
+Guarantees:
+
+- **Exclusive creation.** A claim is the ``O_EXCL`` create of the marker: of two contenders at once one wins.
+- **Expiry on the contender's clock.** A contender takes a claim over only after observing the marker's
+  identity (inode, mtime, ctime) *unchanged* for ``duration_s`` on its own monotonic clock — clock skew
+  between nodes cannot expire a live claim — or at once when the holder is on this host and its process is
+  dead (filelock's :func:`owner_is_stale`, pid + start time). The takeover renames the marker aside,
+  checks that what it moved is the marker it watched, and puts back (``link``) one it did not watch.
+- **Release without a check while fresh.** A takeover needs ``duration_s`` of an unchanged marker after the
+  holder's last touch (the create counts as one), so within ``duration_s / 2`` of its last touch on the
+  holder's ``CLOCK_BOOTTIME`` (which runs through suspend) nobody can have taken it: the holder unlinks
+  (release) or answers "still mine" without a syscall. Later it checks the marker's identity first.
+- **Loss is reported.** The heartbeat (every ``heartbeat_s``) checks the marker's identity before touching
+  it; a marker missing or replaced on two refreshes in a row (one miss is allowed: a takeover that moved it
+  aside by mistake puts it back) marks the lease compromised and calls ``on_compromise``.
+
+Limits: a lease is **a hint about who should be working, not a fence** (as filelock's): a holder stalled
+past ``duration_s`` can come back after a takeover and still finish; results are first-writer-wins
+(:mod:`ckpteval.coord.results`), so that costs compute, never correctness. The unlink of a release that is
+no longer fresh is a check-then-act (``lstat`` then ``unlink``): a takeover in between is possible in
+principle and costs at most one more evaluation. Every participant must use the run's ``duration_s``;
+a marker with another duration raises :class:`filelock.LeaseSettingsMismatch` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import filelock
+from filelock._identity import host_name, owner_is_stale, process_start_token
+from filelock._soft._records import encode_marker, parse_marker
+
+FRESH_FRACTION = 0.5  # of duration_s since the last touch: a release/ownership check needs no syscall
+BREAK_INFIX = ".break."  # <lease>.break.<pid>.<hex>: a marker moved aside during a takeover (never *.lock)
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def _now() -> float:
+    """The holder's clock for freshness: runs through suspend (a suspended holder's lease may be taken)."""
+    return time.clock_gettime(_BOOTTIME)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What a contender watches: a touch changes mtime/ctime, a new marker changes the inode (or ctime)."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+
+
+class _Me:
+    """This process's owner fields, read once (a lease is never inherited across fork: claimers are per process)."""
+
+    _cached: tuple[int, str, int | None] | None = None
+
+    @classmethod
+    def fields(cls) -> tuple[int, str, int | None]:
+        if cls._cached is None or cls._cached[0] != os.getpid():
+            pid = os.getpid()
+            cls._cached = (pid, host_name(), process_start_token(pid))
+        return cls._cached
+
+
+class UnitLease:
+    """The lease on one marker file. Not thread-safe for acquire/release (one worker thread claims); the
+    :class:`LeaseKeeper` thread only refreshes and reports."""
+
+    def __init__(self, path: Path, duration_s: float, keeper: LeaseKeeper,
+                 on_compromise: Callable[[], None] | None = None) -> None:
+        self.path = Path(path)
+        self.lock_file = str(self.path)
+        self.duration_s = duration_s
+        self.keeper = keeper
+        self.on_compromise = on_compromise
+        self.token: str | None = None
+        self.compromised = False
+        self._fd: int | None = None
+        self._ino: tuple[int, int] | None = None
+        self._touched = 0.0  # _now() just before the last create/touch that succeeded
+        self._misses = 0
+        self._seen: tuple[tuple[int, int, int, int], float] | None = None  # a contender's watch: identity, since
+        self._record: tuple[tuple[int, int], filelock.OwnerRecord | None] | None = None  # the watched marker's
+        self.watched_at = -float("inf")  # time.monotonic() of the last look at another holder's marker
+
+    @property
+    def is_locked(self) -> bool:
+        return self._fd is not None
+
+    # -- claiming --------------------------------------------------------------------------------------
+    def acquire(self) -> bool:
+        """Claim without waiting: True if this process now holds the lease. A held marker is watched (this
+        object remembers it across calls) and taken over once expired or its holder dead on this host."""
+        if self._fd is not None:
+            return True
+        if self._create():
+            return True
+        return self._take_over_if_expired() and self._create()
+
+    def _create(self) -> bool:
+        token = secrets.token_hex(16)
+        pid, host, start = _Me.fields()
+        record = encode_marker(filelock.OwnerRecord(pid=pid, hostname=host, mode="lease", token=token,
+                                                    lease_duration=self.duration_s, start=start))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        touched = _now()
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # the step's lease directory does not exist yet: one mkdir per step
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, flags, 0o644)
+            except FileExistsError:
+                return False
+        try:
+            os.write(fd, record)  # one write of < 200 bytes; a reader that sees it empty treats it as held
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            self._unlink_quietly()
+            raise
+        self._fd, self._ino, self.token, self._touched = fd, (st.st_dev, st.st_ino), token, touched
+        self.compromised, self._misses, self._seen = False, 0, None
+        self.keeper.add(self)
+        return True
+
+    def _take_over_if_expired(self) -> bool:
+        """Watch the marker; move it aside when it expired (True: the path is free now, or was found free)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return True  # released since our create failed
+        key, now = _identity(st), time.monotonic()
+        self.watched_at = now
+        if self._seen is None or self._seen[0] != key:
+            self._seen = (key, now)
+            if not self._holder_dead_here(st):
+                return False
+        elif now - self._seen[1] < self.duration_s and not self._holder_dead_here(st):
+            return False
+        return self._move_aside(key)
+
+    def _holder_dead_here(self, st: os.stat_result) -> bool:
+        """Whether the marker's holder is a dead process of this host (take over at once). The record is
+        read once per marker (inode); liveness is asked each time. Raises :class:`filelock.LeaseSettingsMismatch`
+        for a holder with another lease duration."""
+        inode = (st.st_dev, st.st_ino)
+        if self._record is None or self._record[0] != inode or self._record[1] is None:
+            try:
+                self._record = (inode, parse_marker(self.path.read_bytes().decode("utf-8", errors="replace")))
+            except OSError:
+                return False
+        record = self._record[1]
+        if record is None:
+            return False  # being written, or torn: it expires like any marker
+        if record.mode == "lease" and record.lease_duration != self.duration_s:
+            raise filelock.LeaseSettingsMismatch(
+                f"{self.path} holds a lease of {record.lease_duration!r}s but this run's lease is "
+                f"{self.duration_s!r}s: every participant of a run must use run.json's lease settings")
+        return owner_is_stale(record.pid, record.hostname, record.start)
+
+    def _move_aside(self, watched: tuple[int, int, int, int]) -> bool:
+        aside = self.path.with_name(f"{self.path.name}{BREAK_INFIX}{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return True
+        try:
+            if _identity(os.lstat(aside))[:3] != watched[:3]:  # renewed or replaced since watched: not ours to take
+                # (the rename itself changed its ctime, so inode + mtime tell whether it is the watched marker)
+                try:
+                    os.link(aside, self.path)
+                except FileExistsError:
+                    pass  # a third process claimed the free path meanwhile; the moved holder learns it lost
+                return False
+            return True
+        finally:
+            os.unlink(aside)
+            self._seen = None
+
+    # -- holding ---------------------------------------------------------------------------------------
+    def fresh(self) -> bool:
+        """Held, not reported lost, and touched within ``duration_s / 2``: nobody can have taken it over."""
+        return self._fd is not None and not self.compromised and (
+            _now() - self._touched < self.duration_s * FRESH_FRACTION)
+
+    def still_ours(self) -> bool:
+        """Whether the marker at the path is still this claim's (no syscall while :meth:`fresh`). A marker
+        that cannot be looked at (an I/O error) counts as ours: the heartbeat reports real losses."""
+        if self._fd is None or self.compromised:
+            return False
+        return self.fresh() or self._marker_is_ours() is not False
+
+    def _marker_is_ours(self) -> bool | None:
+        """True: the path names our marker; False: missing or another; None: unknown (an I/O error)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino) == self._ino and os.fstat(self._fd or 0).st_nlink > 0
+
+    def refresh(self) -> None:
+        """One heartbeat (the keeper's thread): touch the marker if it is still ours; report a loss seen twice.
+        An I/O error is transient (no touch: a marker that stays unrefreshed expires)."""
+        fd = self._fd
+        if fd is None or self.compromised:
+            return
+        ours = self._marker_is_ours()
+        if ours is None:
+            return
+        if ours:
+            touched = _now()
+            try:
+                os.utime(fd)
+            except OSError:
+                return
+            self._touched, self._misses = touched, 0
+            return
+        self._misses += 1
+        if self._misses >= 2:
+            self.compromised = True
+            if self.on_compromise is not None:
+                self.on_compromise()
+
+    def release(self) -> None:
+        """Give the unit back at once (a contender needs no expiry wait). Idempotent. A lost lease, or one
+        whose marker cannot be looked at, only closes its descriptor (the marker is someone else's, or
+        expires)."""
+        fd = self._fd
+        if fd is None:
+            return
+        self.keeper.discard(self)
+        try:
+            if not self.compromised and (self.fresh() or self._marker_is_ours()):
+                self._unlink_quietly()
+        finally:
+            self._fd, self.token = None, None
+            os.close(fd)
+
+    def _unlink_quietly(self) -> None:
+        """Unlink the marker; one that cannot be unlinked (gone already, an I/O error) simply expires."""
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class LeaseKeeper:
+    """One heartbeat thread for every lease a process holds: every ``heartbeat_s`` it refreshes each one
+    (:meth:`UnitLease.refresh`). Started on the first lease, a daemon thread."""
+
+    def __init__(self, heartbeat_s: float) -> None:
+        self.heartbeat_s = heartbeat_s
+        self._held: set[UnitLease] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: UnitLease) -> None:
+        with self._lock:
+            self._held.add(lease)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ckpteval-lease-heartbeat", daemon=True)
+                self._thread.start()
+
+    def discard(self, lease: UnitLease) -> None:
+        """Stop refreshing ``lease``; on return no refresh of it is running (its descriptor may be closed)."""
+        with self._lock:
+            self._held.discard(lease)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.heartbeat_s)
+            with self._lock:  # a release waits for the refresh of its lease (never a touch of a closed fd)
+                for lease in list(self._held):
+                    lease.refresh()
