@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from ckpteval.coord.ledger import Ledger  # noqa: E402
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
-from ckpteval.coord.results import Result, ok_result, write_result  # noqa: E402
+from ckpteval.coord.results import Result, ResultIndex, ok_result, write_result  # noqa: E402
 from ckpteval.coord.rundir import RunDir  # noqa: E402
 from ckpteval.coord.snapshot import publish_snapshot  # noqa: E402
 from ckpteval.coord.units import units_for_step  # noqa: E402
@@ -140,8 +140,10 @@ def build_run(path: Path, points: int, datasets: int, shards: int, pending: int,
     t0 = time.perf_counter()
     for step in steps:
         ledger.append("dispatched", step, mode="staging")
+    index = ResultIndex(run.results)  # the trainer's reads: ingestion writes each step's summary from them
     for step in steps[:-pending] if pending else steps:
-        ingest_point(manifest, step, point_results(manifest, step), sink=sink, ledger=ledger, lag_steps=INTERVAL)
+        index.refresh(only_steps={step})
+        ingest_point(manifest, step, index.for_step(step), sink=sink, ledger=ledger, lag_steps=INTERVAL, index=index)
         ledger.append("retired", step)
     for step in steps[-pending:] if pending else []:
         publish(run, step)
