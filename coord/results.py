@@ -256,13 +256,14 @@ def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_
 
 
 def is_result_name(name: str) -> bool:
-    """Whether a name in ``results/`` (or a step directory) is a result file: ``*.json``, not temporary."""
-    return name.endswith(".json") and not name.startswith((TMP_PREFIX, "."))
+    """Whether a name in ``results/`` (or a step directory) is a result file: ``*.json``, not temporary
+    (``TMP_PREFIX``) or private (any name starting with ``.``)."""
+    return name.endswith(".json") and not name.startswith(".")
 
 
 def result_names(directory: Path) -> list[str]:
     """The result file names in one directory, in listing order (one listing; FileNotFoundError if it is gone)."""
-    return [n for n in os.listdir(directory) if is_result_name(n)]
+    return [n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith(".")]  # is_result_name
 
 
 def result_generation(name: str) -> int:

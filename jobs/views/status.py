@@ -12,7 +12,6 @@ contender on its own monotonic clock (see ckpteval.coord.units).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from ckpteval.coord.steps import run_step_selection
 from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
+from ckpteval.jobs.views.tables import PlainTable
 
 DEFAULT_WATCH_S = 2.0
 
@@ -270,16 +270,12 @@ def points_tables(status: dict[str, Any], width: int) -> list[Any]:
             points_table(status, [], [], True, f"points of {run}: pin proof, lag, units, skips")]
 
 
-def _table(title: str) -> Any:
-    from rich.table import Table
-
-    return Table(title=title)
+def _table(title: str) -> PlainTable:
+    return PlainTable(title)
 
 
-def _fits(table: Any, width: int) -> bool:
-    from rich.console import Console
-
-    return Console(width=10_000, file=io.StringIO()).measure(table).maximum <= width  # unconstrained
+def _fits(table: PlainTable, width: int) -> bool:
+    return table.maximum_width() <= width  # unconstrained
 
 
 def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
