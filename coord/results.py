@@ -47,7 +47,6 @@ from typing import Any
 
 from ckpteval.coord import PROTOCOL_VERSION
 from ckpteval.coord.atomic import (
-    TMP_PREFIX,
     dumps,
     fsync_dir,
     publish_exclusive,
