@@ -98,6 +98,7 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
         ax_lag.grid(alpha=0.3)
     (ax_lag if has_lag else ax).set_xlabel("training step")
     fig.tight_layout()
+    fig.set_layout_engine(None)  # laid out once: savefig need not draw the whole figure an extra time first
     return fig
 
 
