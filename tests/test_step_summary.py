@@ -155,3 +155,17 @@ def test_plain_table_prints_what_rich_prints() -> None:
                 rich.add_row(*row)
             assert _printed(plain, width, color) == _printed(rich, width, color), (width, color)
             assert plain.maximum_width() == Console(width=10_000, file=io.StringIO()).measure(rich).maximum
+
+
+def test_the_service_ingester_writes_summaries(tmp_path: Path) -> None:
+    """The service posture ingests through the same :func:`ingest_point`, with its own index: summaries too."""
+    from ckpteval.jobs.ingest import ServiceIngester
+
+    run = make_run(tmp_path, n_prompts=4, shard_size=2)
+    for step in (10, 20):
+        for unit in units_for_step(run.manifest(), step):
+            write_result(run.results, ok_result(unit, [1.0, 0.0], [str(step)] * 2))
+    ingester = ServiceIngester(run, MetricsSink(run.service_metrics_path))
+    assert ingester.poll() == [10, 20]
+    assert [p.parent.name for p in _summaries(run)] == [step_dir_name(10), step_dir_name(20)]
+    assert _shown(run) == _without_summaries(run)
