@@ -18,9 +18,18 @@ columns are justified ``left`` or ``right`` (anything else goes through rich).
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any
 
 FAST_JUSTIFY = ("left", "right")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column as rich names its parts (``header``, ``justify``)."""
+
+    header: str
+    justify: str
 
 
 def _plain(cell: str) -> bool:
@@ -33,13 +42,13 @@ class PlainTable:
 
     def __init__(self, title: str) -> None:
         self.title = title
-        self.columns: list[tuple[str, str]] = []  # (header, justify)
+        self.columns: list[Column] = []
         self.rows: list[tuple[str, ...]] = []
 
     def add_column(self, header: str, justify: str = "left", overflow: str = "fold") -> None:
         if overflow != "fold":
             raise ValueError(f"column {header!r}: PlainTable columns fold their overflow, got {overflow!r}")
-        self.columns.append((header, justify))
+        self.columns.append(Column(header, justify))
 
     def add_row(self, *cells: str) -> None:
         self.rows.append(cells)
@@ -50,8 +59,8 @@ class PlainTable:
         from rich.table import Table
 
         table = Table(title=self.title)
-        for i, (header, justify) in enumerate(self.columns):
-            table.add_column(header, justify=justify, overflow="fold",  # type: ignore[arg-type]
+        for i, column in enumerate(self.columns):
+            table.add_column(column.header, justify=column.justify, overflow="fold",  # type: ignore[arg-type]
                              width=None if widths is None else widths[i] - 2)
         for row in self.rows[:rows]:
             table.add_row(*row)
@@ -62,9 +71,9 @@ class PlainTable:
         every cell is plain; None otherwise."""
         from rich.cells import cell_len
 
-        if not all(_plain(h) for h, _ in self.columns) or not all(_plain(c) for row in self.rows for c in row):
+        if not all(_plain(c.header) for c in self.columns) or not all(_plain(c) for row in self.rows for c in row):
             return None
-        widths = [cell_len(h) for h, _ in self.columns]
+        widths = [cell_len(c.header) for c in self.columns]
         for row in self.rows:
             widths = [max(w, cell_len(c)) for w, c in zip(widths, row, strict=True)]
         return [w + 2 for w in widths]
@@ -81,7 +90,7 @@ class PlainTable:
     def __rich_console__(self, console: Any, options: Any) -> Any:
         widths = self.plain_widths() if console.color_system is None and len(self.rows) > 1 else None
         if (widths is None or sum(widths) + len(widths) + 1 > options.max_width
-                or any(j not in FAST_JUSTIFY for _, j in self.columns)):
+                or any(c.justify not in FAST_JUSTIFY for c in self.columns)):
             yield self.rich_table()
             return
         from rich.segment import Segment
@@ -104,7 +113,7 @@ class PlainTable:
         from rich.cells import cell_len
 
         cells = []
-        for cell, width, (_, justify) in zip(row, widths, self.columns, strict=True):
+        for cell, width, column in zip(row, widths, self.columns, strict=True):
             pad = " " * (width - 2 - cell_len(cell))
-            cells.append(f" {pad}{cell} " if justify == "right" else f" {cell}{pad} ")
+            cells.append(f" {pad}{cell} " if column.justify == "right" else f" {cell}{pad} ")
         return bar + bar.join(cells) + bar
