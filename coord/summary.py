@@ -13,10 +13,12 @@ Guarantee: a summary is only a shortcut. Readers print the same with and without
 corrupt summary costs time, never correctness (it is ignored, never an error). It is written atomically
 (temp + fsync + rename) by an ingester (:func:`write_step_summary`, from :func:`ckpteval.jobs.ingest.ingest_point`)
 from what its :class:`~ckpteval.coord.results.ResultIndex` read, only when that read of the directory was
-whole and a listing after it shows the same names. Readers never write one (the run dir may be read-only).
+whole and a listing after it shows the same names — and by ``ckpteval backfill`` when it ends (a backfill run
+has no ingester). Readers never write one (the run dir may be read-only).
 
-Limits: a result landing after its step was ingested (a retry) leaves the summary stale for good — every
-reader then reads that step in full, as before summaries. Float sums here use ``math.fsum`` (exact, in any
+Limits: a result landing after its step was ingested (a retry by a worker, not a backfill) leaves the
+summary stale — every reader then reads that step in full, as before summaries; so does a step no ingester
+and no backfill saw whole (a worker-only run without the service). Float sums here use ``math.fsum`` (exact, in any
 order), so they do not depend on the order a directory lists its files. Key order inside the file is part
 of its content (the order status prints in), so it is not written with the sorted protocol encoding.
 """
