@@ -14,14 +14,18 @@ built the same way, in the same run:
    point's results landed since the previous poll; it is ingested); *idle* (nothing pending); *waiting*
    (one point pending, its results not there yet);
 2. a worker's idle poll (:meth:`ckpteval.jobs.eval.loop.Worker.poll`: discovery + results, every unit done);
-3. ``ckpteval status RUN`` (tables, to /dev/null) and ``ckpteval plot RUN -o curve.png`` as a user runs them
-   (fresh processes, interpreter start-up included) — goal < 2 s each, as for the steady ingestion poll;
+3. ``ckpteval status RUN`` (tables, to a file) and ``ckpteval plot RUN -o curve.png`` as a user runs them
+   (fresh processes, interpreter start-up included) — goal < 2 s each, as for the steady ingestion poll —
+   reading the step summaries ingestion wrote (:mod:`ckpteval.coord.summary`); then again with every summary
+   hidden (``status_full_s``, ``plot_full_s``: every result file read, the path before summaries), and the
+   printouts and PNGs of the two must be the same (the benchmark fails otherwise);
 4. the syscalls of one idle poll — trainer idle (nothing pending), trainer waiting (one point pending, no
    results yet), worker idle — each in a probe process that polls once to warm up, once timed, then once
    under ``strace -c -f`` attached to it: O(1) means the same count at both sizes.
 
-Every fresh reader (a resumed trainer, status, plot, a starting worker) reads every result file once:
-at 1,000 points that dominates this benchmark's run time (``make bench`` runs it at full size).
+Building the run reads every result once (ingestion reads each step's results, as the trainer does), and
+``status_full_s``/``plot_full_s`` read them all again: at 1,000 points those dominate this benchmark's run time
+(``make bench`` runs it at full size).
 
 Usage: ``.venv/bin/python bench/bench_scale.py [--points 1000] [--datasets 20] [--shards 32]
 [--baseline-points 10] [--pending 2] [--procs 2] [--root /dev/shm] [--json OUT]`` (``--root``: where the run
@@ -50,8 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 from ckpteval.coord.ledger import Ledger  # noqa: E402
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
-from ckpteval.coord.results import Result, ok_result, write_result  # noqa: E402
-from ckpteval.coord.rundir import RunDir  # noqa: E402
+from ckpteval.coord.results import Result, ResultIndex, ok_result, write_result  # noqa: E402
+from ckpteval.coord.rundir import STEP_SUMMARY, RunDir  # noqa: E402
 from ckpteval.coord.snapshot import publish_snapshot  # noqa: E402
 from ckpteval.coord.units import units_for_step  # noqa: E402
 from ckpteval.jobs.ingest import ingest_point  # noqa: E402
@@ -62,7 +66,7 @@ SHARD_SIZE = 4  # prompts per unit (one sample each): results stay small, like a
 GOAL_S = 2.0
 # what is timed (seconds), in the order printed; GOALS: the ones with the < GOAL_S goal
 OPERATIONS = ("resume_s", "steady_s", "waiting_s", "idle_s", "worker_idle_probe_s", "trainer_waiting_probe_s",
-              "status_s", "plot_s")
+              "status_s", "plot_s", "status_full_s", "plot_full_s")
 GOALS = ("steady_s", "status_s", "plot_s")
 
 
@@ -140,8 +144,10 @@ def build_run(path: Path, points: int, datasets: int, shards: int, pending: int,
     t0 = time.perf_counter()
     for step in steps:
         ledger.append("dispatched", step, mode="staging")
+    index = ResultIndex(run.results)  # the trainer's reads: ingestion writes each step's summary from them
     for step in steps[:-pending] if pending else steps:
-        ingest_point(manifest, step, point_results(manifest, step), sink=sink, ledger=ledger, lag_steps=INTERVAL)
+        index.refresh(only_steps={step})
+        ingest_point(manifest, step, index.for_step(step), sink=sink, ledger=ledger, lag_steps=INTERVAL, index=index)
         ledger.append("retired", step)
     for step in steps[-pending:] if pending else []:
         publish(run, step)
@@ -197,12 +203,40 @@ def trainer_polls(run: RunDir, last_step: int) -> dict[str, float]:
     return out
 
 
-def cli_seconds(run: RunDir, *args: str) -> float:
+def cli_seconds(run: RunDir, *args: str, out: Path | None = None) -> float:
+    """Seconds of ``ckpteval ARGS`` in a fresh process, its stdout to ``out`` (a file: no colour, as piped)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     t0 = time.perf_counter()
-    with open(os.devnull, "w") as sink:
+    with open(out or os.devnull, "w") as sink:
         subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", *args], check=True, cwd=ROOT, env=env, stdout=sink)
     return time.perf_counter() - t0
+
+
+def _steady_lines(path: Path) -> list[str]:
+    """Status's printout without the two parts that move between runs: training's wall time, free space."""
+    return [line for line in path.read_text().splitlines() if "training wall" not in line and "GB free" not in line]
+
+
+def readers(run: RunDir, tmp: Path, points: int, plot: bool) -> dict[str, float]:
+    """``status`` and ``plot`` as a user runs them: with the step summaries ingestion wrote (``status_s``,
+    ``plot_s``), then with every summary hidden (``status_full_s``, ``plot_full_s``: every result file read,
+    the path without summaries, in the same run) — and the two printouts and pictures must be the same."""
+    out: dict[str, float] = {}
+    runs = {"": ("summary", True), "_full": ("full", False)}
+    for suffix, (label, with_summaries) in runs.items():
+        hidden = [] if with_summaries else [p.rename(p.with_name(f".{p.name}"))
+                                            for p in run.results.glob(f"step-*/{STEP_SUMMARY}")]
+        out[f"status{suffix}_s"] = cli_seconds(run, "status", str(run.path), out=tmp / f"status-{points}-{label}.txt")
+        if plot:
+            out[f"plot{suffix}_s"] = cli_seconds(run, "plot", str(run.path), "-o",
+                                                 str(tmp / f"curve-{points}-{label}.png"))
+        for p in hidden:
+            p.rename(p.with_name(p.name[1:]))
+    if _steady_lines(tmp / f"status-{points}-summary.txt") != _steady_lines(tmp / f"status-{points}-full.txt"):
+        raise RuntimeError(f"status prints differently with and without step summaries at {points} points")
+    if plot and (tmp / f"curve-{points}-summary.png").read_bytes() != (tmp / f"curve-{points}-full.png").read_bytes():
+        raise RuntimeError(f"plot draws differently with and without step summaries at {points} points")
+    return out
 
 
 # -- syscalls of one idle poll (a probe process traced after its warm-up) -----------------------------------
@@ -286,9 +320,7 @@ def measure(path: Path, args: argparse.Namespace, points: int, tmp: Path) -> dic
           f"procs), {points - args.pending} points ingested in {built['ingest_build_s']:.1f} s", flush=True)
     run = RunDir.open(path)
     row: dict[str, Any] = {**built, "load": os.getloadavg(), **trainer_polls(run, built["last_step"])}
-    row["status_s"] = cli_seconds(run, "status", str(run.path))
-    if not args.smoke:
-        row["plot_s"] = cli_seconds(run, "plot", str(run.path), "-o", str(tmp / f"curve-{points}.png"))
+    row.update(readers(run, tmp, points, plot=not args.smoke))
     row["syscalls"] = {}
     for kind in SMOKE_PROBES if args.smoke else PROBES:
         row[f"{kind.replace('-', '_')}_probe_s"], row["syscalls"][kind] = idle_poll(run, kind, tmp)

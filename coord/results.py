@@ -49,7 +49,6 @@ from typing import Any
 
 from ckpteval.coord import PROTOCOL_VERSION
 from ckpteval.coord.atomic import (
-    TMP_PREFIX,
     dumps,
     fsync_dir,
     publish_exclusive,
@@ -264,8 +263,15 @@ def stamp(result: Result) -> Result:
     return stamped if stamped.worker else Result(**{**stamped.__dict__, "worker": producer_identity()})
 
 
-def _is_result_name(name: str) -> bool:
-    return name.endswith(".json") and not name.startswith((TMP_PREFIX, "."))
+def is_result_name(name: str) -> bool:
+    """Whether a name in ``results/`` (or a step directory) is a result file: ``*.json``, not temporary
+    (``TMP_PREFIX``) or private (any name starting with ``.``)."""
+    return name.endswith(".json") and not name.startswith(".")
+
+
+def result_names(directory: Path) -> list[str]:
+    """The result file names in one directory, in listing order (one listing; FileNotFoundError if it is gone)."""
+    return [n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith(".")]  # is_result_name
 
 
 def result_generation(name: str) -> int:
@@ -298,24 +304,28 @@ class ResultIndex:
     def __init__(self, results_dir: Path) -> None:
         self.results_dir = Path(results_dir)
         self._by_unit: dict[WorkUnit, Result] = {}
+        self._by_step: dict[int, dict[WorkUnit, Result]] = {}
         self._generation: dict[WorkUnit, int] = {}
-        self._seen: set[str] = set()
+        self._seen: dict[str, set[str]] = {}  # directory under results/ ("": flat) -> its result names read
+        self._misplaced: set[str] = set()  # step directories holding a result of another step's unit
         self.errors: dict[str, str] = {}
 
     def refresh(self, skip_steps: Collection[int] = (), only_steps: Collection[int] | None = None) -> dict[WorkUnit, Result]:
         """Read what is new. ``skip_steps``: steps whose directory is not listed again (a caller that has
         settled them: on Lustre a listing is a round trip per directory block). ``only_steps`` (a protocol 2
         run): list just these steps' directories, not ``results/`` itself, which holds a name per step."""
-        for name in self._names(skip_steps, only_steps):
-            if name in self._seen:
+        for directory, base in self._names(skip_steps, only_steps):
+            seen = self._seen.setdefault(directory, set())
+            if base in seen:
                 continue
+            name = f"{directory}/{base}" if directory else base
             path = self.results_dir / name
             try:
                 result = parse_result(read_json_object(path), path)
             except (ValueError, FileNotFoundError) as e:
                 self.errors[name] = str(e)
                 continue
-            self._take(name, result)
+            self._take(directory, base, result)
         return self._by_unit
 
     def publish(self, result: Result, generation: int = 0, *, per_step: bool = True) -> bool:
@@ -325,20 +335,27 @@ class ResultIndex:
         stamped = stamp(result)
         if not write_result(self.results_dir, stamped, generation, per_step=per_step):
             return False
-        name = (unit_dir(Path(), result.unit.step, per_step) / result.unit.result_name_at(generation)).as_posix()
-        self._take(name, parse_result(json.loads(dumps(stamped.to_json())), self.results_dir / name))
+        directory, base = step_dir_name(result.unit.step) if per_step else "", result.unit.result_name_at(generation)
+        path = self.results_dir / directory / base
+        self._take(directory, base, parse_result(json.loads(dumps(stamped.to_json())), path))
         return True
 
-    def _take(self, name: str, result: Result) -> None:
-        self._seen.add(name)
+    def _take(self, directory: str, base: str, result: Result) -> None:
+        """Index one result read (or published) as ``directory/base`` under ``results/``."""
+        self._seen.setdefault(directory, set()).add(base)
+        name = f"{directory}/{base}" if directory else base
         self.errors.pop(name, None)
+        if directory and step_of_dir(directory) != result.unit.step:
+            self._misplaced.add(directory)
         generation = result_generation(name)
         if generation >= self._generation.get(result.unit, 0):  # the highest generation is the result
             self._by_unit[result.unit] = result
+            self._by_step.setdefault(result.unit.step, {})[result.unit] = result
             self._generation[result.unit] = generation
 
-    def _names(self, skip_steps: Collection[int], only_steps: Collection[int] | None) -> list[str]:
-        """Result file names relative to ``results/``: flat ``<unit>.json`` and ``step-<N>/<unit>.json``."""
+    def _names(self, skip_steps: Collection[int], only_steps: Collection[int] | None) -> list[tuple[str, str]]:
+        """Result files as (directory under ``results/``, name): flat ``("", "<unit>.json")`` and
+        ``("step-<N>", "<unit>.json")``."""
         if only_steps is not None:
             dirs, names = [step_dir_name(s) for s in sorted(only_steps) if s not in skip_steps], []
         else:
@@ -346,14 +363,24 @@ class ResultIndex:
                 top = list(os.scandir(self.results_dir))
             except FileNotFoundError:
                 return []
-            names = [e.name for e in top if _is_result_name(e.name)]
+            names = [("", e.name) for e in top if is_result_name(e.name)]
             dirs = [e.name for e in top if (s := step_of_dir(e.name)) is not None and s not in skip_steps and e.is_dir()]
         for d in dirs:
             try:
-                names += [f"{d}/{n}" for n in os.listdir(self.results_dir / d) if _is_result_name(n)]
+                names += [(d, n) for n in result_names(self.results_dir / d)]
             except (FileNotFoundError, NotADirectoryError):
                 continue
         return names
+
+    def step_read(self, step: int) -> tuple[frozenset[str], dict[WorkUnit, Result]] | None:
+        """What this index has read of ``results/step-<N>/``: its result names and the results of the step's
+        units — None when that is not the whole story (a malformed file there, a result of another step's
+        unit there, or flat results beside the step directories)."""
+        directory = step_dir_name(step)
+        prefix = f"{directory}/"
+        if self._seen.get("") or directory in self._misplaced or any(n.startswith(prefix) for n in self.errors):
+            return None
+        return frozenset(self._seen.get(directory, ())), dict(self._by_step.get(step, {}))
 
     def get(self, unit: WorkUnit) -> Result | None:
         return self._by_unit.get(unit)
@@ -363,10 +390,10 @@ class ResultIndex:
         return self._generation.get(unit, 0)
 
     def for_step(self, step: int) -> dict[WorkUnit, Result]:
-        return {u: r for u, r in self._by_unit.items() if u.step == step}
+        return dict(self._by_step.get(step, {}))
 
     def steps(self) -> set[int]:
-        return {u.step for u in self._by_unit}
+        return set(self._by_step)
 
 
 # -- points ---------------------------------------------------------------------------------------------

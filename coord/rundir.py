@@ -10,6 +10,7 @@ own. Layout::
     RUN/results/          one result JSON per work unit (ckpteval.coord.results); protocol 2: under
                           results/step-<N>/, protocol 1 runs: flat (read either way)
     RUN/results/duplicates/  later copies of a unit's result (first writer wins), for audit
+    RUN/results/step-<N>/step.summary  the step's results summed up for status and plot (ckpteval.coord.summary)
     RUN/adopted/          markers of foreign checkpoints admitted after quiescence (ckpteval.coord.discovery)
     RUN/lost/             <step>.json per foreign save seen but rotated away before admission (ckpteval.coord.discovery)
     RUN/best.json         the best step and the steps not distinguishable from it (ckpteval.jobs.decide)
@@ -45,6 +46,9 @@ from ckpteval.coord.manifest import RunManifest, load_manifest, save_manifest
 SUBDIRS = ("snapshots", "leases", "results", "adopted", "data")
 STEP_DIR_PREFIX = "step-"  # results/step-<N>/, leases/step-<N>/ (protocol 2): one directory per step
 DUPLICATES = "duplicates"  # results/duplicates/: results that lost first-writer-wins, kept for audit
+# results/step-<N>/step.summary: what status and plot need of the step's results (ckpteval.coord.summary); not
+# "*.json", so no result reader takes it for a result
+STEP_SUMMARY = "step.summary"
 
 
 def step_dir_name(step: int) -> str:

@@ -33,6 +33,7 @@ from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.results import Point, Result, ResultIndex, derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.summary import write_step_summary
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.metrics import MetricsSink
 
@@ -49,13 +50,16 @@ def ingest_point(
     lag_steps: int,
     extra: Mapping[str, float] | None = None,
     give_up: bool = False,
+    index: ResultIndex | None = None,
 ) -> Point | None:
     """Derive the point of ``step`` -> metrics -> lag -> log -> ``ingested``; the point, or None if not done.
 
     A point with units still open is not ingested (None) unless ``give_up`` (the trainer's drain
     timeout): then what exists is logged with ``eval/skipped_drain_timeout`` = units without a result,
     and the ledger records ``outcome: drain_timeout``. ``extra`` metrics (export, backpressure and
-    shared-eval times) are logged with the point.
+    shared-eval times) are logged with the point. ``index``: the index ``results`` came from; given, the
+    step's summary for status and plot is written from it once the point is logged
+    (:func:`ckpteval.coord.summary.write_step_summary`: only if that read of the step is whole and current).
     """
     point = derive_point(manifest, step, dict(results))
     if not point.complete and not give_up:
@@ -76,6 +80,8 @@ def ingest_point(
         units_total=point.units_total,
         time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)
     )
+    if index is not None:
+        write_step_summary(index, manifest, step)
     return point
 
 
@@ -108,6 +114,6 @@ class ServiceIngester:
         extra = {"eval/ckpt_lost_before_admission": float(lost)} if lost else None
         for step in sorted(steps - self.ledger.state.ingested):
             if ingest_point(self.manifest, step, results, sink=self.sink, ledger=self.ledger, lag_steps=newest - step,
-                            extra=extra):
+                            extra=extra, index=self.index):
                 logged.append(step)
         return logged

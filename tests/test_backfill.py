@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import LeaseSettings
+from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name
 from ckpteval.coord.settle import settle_vanished
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_DONE
@@ -39,6 +40,8 @@ def test_backfill_twice_second_finds_nothing(tmp_path: Path) -> None:
     first = results(run)
     assert sorted(first) == [WorkUnit(s, "addition", i) for s in (100, 200, 300) for i in (0, 1)]
     assert all(r.ok and set(r.weight_versions) == {version(run, r.unit.step)} for r in first.values())
+    summaries = sorted(p.parent.name for p in run.results.glob(f"step-*/{STEP_SUMMARY}"))  # status, plot read them
+    assert summaries == [step_dir_name(s) for s in (100, 200, 300)]
     code, out = finish(spawn("backfill", "--run-dir", str(run.path), "--engine", FN, "--poll-interval", "0.1"), 30)
     assert code == EXIT_DONE and "nothing to do" in out and "step=" not in out, out
     assert results(run) == first

@@ -58,9 +58,10 @@ def test_protocol_layout_lists_every_run_dir_name(tmp_path: Path) -> None:
     layout = (ROOT / "docs" / "PROTOCOL.md").read_text().split("## 1. Layout", 1)[1].split("## 2.", 1)[0]
     listed = set(re.findall(r"^RUN/([^/\s]+)", layout, re.M))
     assert len(names) >= 12 and names <= listed, f"missing from PROTOCOL.md §1: {sorted(names - listed)}"
-    from ckpteval.coord.rundir import DUPLICATES, STEP_DIR_PREFIX, step_dir_name
+    from ckpteval.coord.rundir import DUPLICATES, STEP_DIR_PREFIX, STEP_SUMMARY, step_dir_name
 
-    for name in (f"{DUPLICATES}/", f"{STEP_DIR_PREFIX}<S:010d>/", "<unit>.attempts", "<unit>.retry<k>.json"):
+    for name in (f"{DUPLICATES}/", f"{STEP_DIR_PREFIX}<S:010d>/", "<unit>.attempts", "<unit>.retry<k>.json",
+                 f"{STEP_DIR_PREFIX}<S:010d>/{STEP_SUMMARY}"):
         assert name in layout, f"PROTOCOL.md §1 does not name {name}"
     assert step_dir_name(100) == "step-0000000100"  # what <S:010d> says
 

@@ -47,6 +47,7 @@ from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
 from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.summary import write_step_summary
 from ckpteval.jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
 from ckpteval.jobs.eval.reeval import ReevalPlan, create_reeval_run, plan_reeval
 from ckpteval.jobs.eval.worker import run_worker
@@ -186,12 +187,27 @@ def main(argv: list[str]) -> int:
         print(f"backfill: first step passing {condition.text}: "
               f"{passing if passing is not None else 'none of the steps evaluated'}", flush=True)
     if code == EXIT_DONE:
+        write_summaries(RunDir(opts.run_dir), tally.steps)
         if not progress.total and not tally.results:
             print(f"backfill: nothing to do — every unit of {opts.run_dir} already has a result", flush=True)
         else:
             print(f"backfill: done — {progress.total} units had no result when it started; {tally.summary()}",
                   flush=True)
     return code
+
+
+def write_summaries(run: RunDir, steps: set[int]) -> None:
+    """The step summaries status and plot read (:mod:`ckpteval.coord.summary`) of the steps this backfill
+    evaluated units of, when it ends with nothing left to do: a backfill run has no ingester to write them (a trainer
+    that already ingested a step wrote its summary, which a retry here made stale). Each step's results are
+    read once more; a step still changing gets none (readers then read its results)."""
+    if not steps:
+        return
+    manifest = run.manifest()
+    index = ResultIndex(run.results)
+    index.refresh(only_steps=steps if manifest.per_step_dirs else None)
+    for step in sorted(steps):
+        write_step_summary(index, manifest, step)
 
 
 class Tally:
@@ -201,9 +217,11 @@ class Tally:
         self.results = 0
         self.ok = 0
         self.skipped: dict[str, tuple[int, str]] = {}  # reason -> (count, first message)
+        self.steps: set[int] = set()  # the steps of the units evaluated here
 
     def __call__(self, result: Result) -> None:
         self.results += 1
+        self.steps.add(result.unit.step)
         if result.ok:
             self.ok += 1
             return

@@ -413,7 +413,7 @@ class EvalDispatcher:
         # a resumed trainer restarts below steps its previous incarnation dispatched: a point that lands
         # while it re-trains up to its step was there before the trainer got back to it — lag 0, never < 0
         point = ingest_point(self.manifest, step, self._results_for(step), sink=self.sink, ledger=self.ledger,
-                             lag_steps=max(0, self.step - step), extra=extra, give_up=give_up)
+                             lag_steps=max(0, self.step - step), extra=extra, give_up=give_up, index=self.index)
         if point is None:
             return
         self.landed += 1

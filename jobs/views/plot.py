@@ -67,17 +67,17 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
     label ``"<run> <dataset>"``): scores on top (legend outside the axes, so it never covers a point),
     the lag panel below only when a run has lag (a trainer ingested its points; service and backfill
     runs have none)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # headless; no pyplot (no global figures)
+    from matplotlib.figure import Figure
 
     runs = [("", data)] if isinstance(data, dict) else data
     has_lag = any(d["lag"][0] for _, d in runs)
+    fig = Figure(figsize=(9, 6) if has_lag else (9, 4.5))
+    FigureCanvasAgg(fig)
     if has_lag:
-        fig, (ax, ax_lag) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+        ax, ax_lag = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     else:
-        fig, ax = plt.subplots(1, 1, figsize=(9, 4.5))
+        ax = fig.subplots(1, 1)
     for i, (label, d) in enumerate(runs):
         _draw_scores(ax, d, label, f"C{i}" if len(runs) > 1 else None, 0.02 + 0.33 * (i % 3))
     ax.set_ylabel("score")
@@ -98,6 +98,7 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
         ax_lag.grid(alpha=0.3)
     (ax_lag if has_lag else ax).set_xlabel("training step")
     fig.tight_layout()
+    fig.set_layout_engine(None)  # laid out once: savefig need not draw the whole figure an extra time first
     return fig
 
 
@@ -123,11 +124,7 @@ def _draw_scores(ax: Any, data: dict[str, Any], run: str, colour: str | None, no
 
 
 def draw(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig = figure(data, title)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    figure(data, title).savefig(out, dpi=100)  # no pyplot: nothing to close
 
 
 def _min_gap(steps: list[int]) -> float:

@@ -12,14 +12,12 @@ contender on its own monotonic clock (see ckpteval.coord.units).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +25,12 @@ from ckpteval.coord.atomic import read_json_object, read_jsonl
 from ckpteval.coord.discovery import SnapshotDiscovery, lost_steps
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import ResultIndex, derive_point
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.units import lease_path, read_lease_holder, units_for_step
+from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
+from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
+from ckpteval.jobs.views.tables import PlainTable
 
 DEFAULT_WATCH_S = 2.0
 
@@ -77,76 +76,71 @@ def _snapshot_rows(roots: tuple[str, ...], retired: set[int]) -> list[dict[str, 
     return sorted(rows, key=lambda r: r["step"])
 
 
-def _unit_rows(run: RunDir, manifest: RunManifest, steps: list[int], results: dict) -> dict[str, Any]:
+def _unit_rows(run: RunDir, manifest: RunManifest, steps: list[int], facts: dict[int, StepFacts]) -> dict[str, Any]:
     duration = manifest.lease.duration_s
     now = time.time()
     pending, done, skipped = [], 0, {}
     for step in steps:
-        for unit in units_for_step(manifest, step):
-            result = results.get(unit)
-            if result is None:
-                lease = _lease_info(lease_path(run.leases, unit.id, unit.step if manifest.per_step_dirs else None),
-                                    duration, now)
-                pending.append({"unit": unit.id, **({"lease": lease} if lease else {})})
-            elif result.ok:
-                done += 1
-            else:
-                skipped[result.skip_reason] = skipped.get(result.skip_reason, 0) + 1
+        f = facts[step]
+        for unit_id in f.missing:
+            lease = _lease_info(lease_path(run.leases, unit_id, step if manifest.per_step_dirs else None), duration, now)
+            pending.append({"unit": unit_id, **({"lease": lease} if lease else {})})
+        done += f.done
+        for reason, n in f.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + n
     return {"pending": pending, "done": done, "skipped": skipped}
 
 
-def _point_rows(manifest: RunManifest, steps: list[int], results: dict, lags: dict[int, float]) -> list[dict[str, Any]]:
-    rows = []
-    for step in steps:
-        point = derive_point(manifest, step, results)
-        row = asdict(point)
-        row["lag_steps"] = lags.get(step)
-        rows.append(row)
-    return rows
+def _point_rows(steps: list[int], facts: dict[int, StepFacts], lags: dict[int, float]) -> list[dict[str, Any]]:
+    return [{**facts[step].point, "lag_steps": lags.get(step)} for step in steps]
 
 
-def cost_summary(run: RunDir, results: dict, points: list[dict[str, Any]]) -> dict[str, Any]:
+def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any]]) -> dict[str, Any]:
     """What evaluation cost next to what training took: total eval GPU-hours (every unit's ``cost``),
     GPU-seconds per complete point, tokens/s per engine (per worker ``host:pid``: its generated tokens
     over its engine seconds), and training's wall time — ``TRAINING_DONE``'s time (now while it runs)
     minus ``run.json``'s modification time, so an approximation (a re-written run.json moves it)."""
-    per_engine: dict[str, list[float]] = {}
-    for r in results.values():
-        if r.cost:
-            key = f"{r.worker.get('host', '?')}:{r.worker.get('pid', '?')}"
-            acc = per_engine.setdefault(key, [0.0, 0.0])
-            acc[0] += r.cost.get("generated_tokens", 0.0)
-            acc[1] += r.cost.get("engine_s", 0.0)
-    gpu_s = sum(r.cost.get("gpu_s", 0.0) for r in results.values())
+    per_engine: dict[str, tuple[list[float], list[float]]] = {}
+    for f in facts:
+        for key, (tokens, seconds) in f.engines.items():
+            acc = per_engine.setdefault(key, ([], []))
+            acc[0].append(tokens)
+            acc[1].append(seconds)
+    gpu_s = math.fsum(f.gpu_s for f in facts)
     complete = [p["cost"].get("gpu_s", 0.0) for p in points if p["complete"] and p.get("cost")]
     try:
         done_at = float(read_json_object(run.done_path).get("time", time.time()))
     except FileNotFoundError:
         done_at = time.time()
+    rates = {k: (math.fsum(tok), math.fsum(s)) for k, (tok, s) in per_engine.items()}
     return {
         "eval_gpu_hours": gpu_s / 3600,
         "gpu_s_per_point": sum(complete) / len(complete) if complete else None,
         "training_wall_hours": max(0.0, done_at - run.manifest_path.stat().st_mtime) / 3600,
-        "tokens_per_s": {k: (tok / s if s > 0 else None) for k, (tok, s) in sorted(per_engine.items())},
+        "tokens_per_s": {k: (tok / s if s > 0 else None) for k, (tok, s) in sorted(rates.items())},
     }
 
 
 def collect_status(run_dir: Path) -> dict[str, Any]:
-    """Everything status shows, as plain data (the ``--json`` output)."""
+    """Everything status shows, as plain data (the ``--json`` output). Each step comes from its summary when
+    that is fresh, else from its result files (:mod:`ckpteval.coord.summary`): the same either way."""
     run = RunDir.open(run_dir)
     manifest = run.manifest()
-    index = ResultIndex(run.results)
-    results = index.refresh()
+    facts, errors = read_step_facts(run.results, manifest)
     ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
     retired = ledger.retired if ledger else set()
     snapshots = _snapshot_rows(manifest.snapshot_roots, retired)
-    steps = sorted({s["step"] for s in snapshots} | {u.step for u in results} | set(ledger.dispatched if ledger else ()))
+    with_results = {s for s, f in facts.items() if f.has_results}
+    steps = sorted({s["step"] for s in snapshots} | with_results | set(ledger.dispatched if ledger else ()))
     selection = run_step_selection(manifest.trainer, str(run.manifest_path))
     if selection is not None:  # a re-evaluation run shows only the steps it evaluates
         steps = [s for s in steps if s in selection]
-    units = _unit_rows(run, manifest, steps, results)
+    for step in steps:
+        if step not in facts:  # known (a snapshot, the ledger) but without a result yet
+            facts[step] = step_facts(manifest, step, {})
+    units = _unit_rows(run, manifest, steps, facts)
     lags = eval_lags(read_metrics(run.metrics_path))
-    points = _point_rows(manifest, steps, results, lags)
+    points = _point_rows(steps, facts, lags)
     expired = [p for p in units["pending"] if p.get("lease", {}).get("expired")]
     free = {}
     for root in manifest.snapshot_roots:
@@ -164,11 +158,11 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "snapshots": snapshots,
         "units": units,
         "points": points,
-        "cost": cost_summary(run, results, points),
+        "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
         "health": {
             "expired_leases": len(expired),
             "stuck_units": [p["unit"] for p in expired],
-            "malformed_results": index.errors,
+            "malformed_results": errors,
             "staging_free_bytes": free,
             "ledger_pending": ledger.pending if ledger else [],
             "lost_before_admission": lost_steps(run.lost),
@@ -276,16 +270,12 @@ def points_tables(status: dict[str, Any], width: int) -> list[Any]:
             points_table(status, [], [], True, f"points of {run}: pin proof, lag, units, skips")]
 
 
-def _table(title: str) -> Any:
-    from rich.table import Table
-
-    return Table(title=title)
+def _table(title: str) -> PlainTable:
+    return PlainTable(title)
 
 
-def _fits(table: Any, width: int) -> bool:
-    from rich.console import Console
-
-    return Console(width=10_000, file=io.StringIO()).measure(table).maximum <= width  # unconstrained
+def _fits(table: PlainTable, width: int) -> bool:
+    return table.maximum_width() <= width  # unconstrained
 
 
 def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
