@@ -15,11 +15,13 @@ Reported:
   told apart: *lease expiry* when the second evaluation started at least a lease duration after the
   first one's last heartbeat could have been seen (start times from the results' ``written_at`` −
   ``timings.total_s``), else *not explained by expiry* (a protocol bug). Goal: 0 except by expiry.
-* **claim contention**: every ``UnitClaimer.try_claim`` of every worker is counted (the worker is started
+* **claim contention**: every claim attempt (``UnitClaimer._attempt``) of every worker is counted (the worker is started
   through :func:`claim_counting_worker`, which wraps the real method and writes the counts when the
   worker exits): *lost* = the unit was open at the call but another worker held its lease or published
   its result first (each cost at least one metadata operation); per unit = lost / units. *skipped* = the
-  claimer had seen the unit held within its ``recheck_s`` and refused it without a syscall.
+  claimer had seen the unit held within its ``recheck_s`` and refused it without a syscall; *listings* =
+  walks that listed a step's lease (or result) directory after a lost attempt there, to pass over the
+  units listed without trying each (``UnitClaimer.claim_next``).
 * **given back**: units a worker claimed and released without a result, by the reason its unit line
   gives (``abandoned: stop signal`` — the bound's SIGTERM —, ``abandoned: lease lost``, ``released after
   attempt``), and the CPU time of all workers per unit written.
@@ -81,20 +83,25 @@ def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
     from ckpteval.jobs.cli import main
 
     counts: Counter[str] = Counter()
-    real = UnitClaimer.try_claim
+    real, real_listed = UnitClaimer._attempt, UnitClaimer._listed
 
     def counted(self: UnitClaimer, unit: Any, generation: int = 0) -> Any:
         if self._has_result(unit, generation):
             counts["done"] += 1  # finished before the call: not contention
-            return None
+            return "done"
         if self.seen_held_lately(unit):
             counts["skipped"] += 1  # seen held within recheck_s: refused without a syscall
-            return None
-        claim = real(self, unit, generation)
-        counts["won" if claim is not None else "lost"] += 1
-        return claim
+            return "held"
+        outcome = real(self, unit, generation)
+        counts["lost" if isinstance(outcome, str) else "won"] += 1
+        return outcome
 
-    UnitClaimer.try_claim = counted  # type: ignore[method-assign]
+    def listed(root: Path, step: int, suffix: str) -> Any:
+        counts["listings"] += 1  # a walk listed a step's lease or result directory after a lost attempt
+        return real_listed(root, step, suffix)
+
+    UnitClaimer._attempt = counted  # type: ignore[method-assign]
+    UnitClaimer._listed = staticmethod(listed)  # type: ignore[method-assign]
     try:
         return main(["worker", *argv])
     finally:
@@ -193,7 +200,7 @@ def twice(run: Any) -> dict[str, Any]:
             {"unit": dup.unit.id, "start_gap_s": round(gap, 2), "workers": [a.worker.get("worker_id"),
                                                                             b.worker.get("worker_id")]})
     attempts = Counter()
-    for p in run.leases.glob("*.attempts"):
+    for p in run.leases.rglob("*.attempts"):  # per-step dirs (protocol 2)
         attempts[p.read_bytes().count(b"\n")] += 1
     return {"results": len(results), "duplicates": len(dups), "by_lease_expiry": expiry,
             "not_explained_by_expiry": unexplained, "claims_per_unit": dict(sorted(attempts.items()))}

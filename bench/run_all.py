@@ -814,6 +814,8 @@ def fleet_section(rec: dict[str, Any]) -> str:
             ["claim attempts (won / lost / unit already done / seen held lately, no syscall)",
              f"{f['claims'].get('won', 0)} / {f['claims'].get('lost', 0)} / {f['claims'].get('done', 0)} / "
              f"{f['claims'].get('skipped', 0)}"],
+            ["step directories listed by walks after a lost attempt (units passed over without a syscall)",
+             f"{f['claims'].get('listings', 0)} ({f['claims'].get('listings', 0) / max(f['units_done'], 1):.1f} per unit)"],
             ["lost claim attempts per unit", f"{f['lost_claims_per_unit']:.2f}"],
             ["wall per point, fleet (launch → last exit)", f"{pp['fleet_e2e_s']:.2f} s"],
             ["wall per point, fleet steady (first start → last result)", f"{pp['fleet_steady_s']:.2f} s"],
@@ -850,7 +852,9 @@ def fleet_notes(d: dict[str, Any]) -> str:
         "until one claim succeeds; a lost attempt is a failed lease acquisition (the exclusive create of the lease "
         "file, and an `lstat` of it; its record is read once per marker), `done` counts units whose result "
         "appeared since the worker's listing, and a unit a worker found held within the last `heartbeat_s / 2` is "
-        "refused without a syscall (`skipped`).",
+        "refused without a syscall (`skipped`). After its first lost attempt in a step a walk lists that step's "
+        "lease (or result) directory once and passes over the units listed there, except the few it watches "
+        "for expiry (`UnitClaimer.claim_next`): 122 lost attempts per unit before that change, same bench.",
         f"- **Throughput**: the workers' own CPU was {f['cpu_s'] / f['wall_s']:.2f} of a core on average, so "
         "what limited the fleet here was not their Python but the machine: hundreds of processes' start-up "
         f"(the first unit started {f['first_start_s']:.0f} s after launch), the scheduler on 2 cores shared with "

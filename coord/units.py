@@ -29,6 +29,7 @@ import re
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,7 @@ def unit_samples(manifest: RunManifest, unit: WorkUnit) -> range:
 
 
 LEASE_SUFFIX = ".lock"
+WATCHERS_PER_UNIT = 4  # workers of a busy fleet that watch one held unit for expiry (UnitClaimer.claim_next)
 ATTEMPTS_SUFFIX = ".attempts"
 
 
@@ -252,17 +254,69 @@ class UnitClaimer:
         caller's view of finished units is always a little old (the last poll), and without this check a
         unit finished and released just before our claim would be evaluated twice.
         """
+        outcome = self._attempt(unit, generation)
+        return outcome if isinstance(outcome, Claim) else None
+
+    def _attempt(self, unit: WorkUnit, generation: int) -> Claim | str:
+        """:meth:`try_claim`, saying why not: ``"held"`` (by another) or ``"done"`` (the result exists)."""
         if self.seen_held_lately(unit):
-            return None
+            return "held"
         lease = self._lease(unit)
         if not lease.acquire():
-            return None
+            return "held"
         if self._has_result(unit, generation):
             lease.release()
-            return None
+            return "done"
         flag = self._flags[unit.id]
         flag.clear()
         return Claim(unit, lease, lease.token or "", self._count_attempt(unit), flag, generation)
+
+    def claim_next(self, todo: deque[WorkUnit], generations: dict[WorkUnit, int]) -> Claim | None:
+        """Claim the first claimable unit of ``todo`` (ordered by the caller; consumed up to the claim).
+
+        Many workers walking the same step would each try every unit the others hold. So after the first
+        unit of a step this walk finds held (or done), the walk lists that step's lease directory (or result
+        directory) once and passes over the units listed there without a syscall — except the held units
+        this worker watches for expiry (about :data:`WATCHERS_PER_UNIT` workers of a fleet each, chosen by
+        pid). A walk that claims nothing then looks at every held unit it passed over, so expired claims
+        are taken over by idle workers whatever the fleet's size. Flat (protocol 1) lease dirs are not listed.
+        """
+        held: dict[int, frozenset[str]] = {}  # step -> unit ids with a lease file, listed in this walk
+        done: dict[int, frozenset[str]] = {}  # step -> result names, listed in this walk
+        passed: list[WorkUnit] = []
+        while todo:
+            unit = todo.popleft()
+            generation = generations.get(unit, 0)
+            if unit.result_name_at(generation) in done.get(unit.step, ()):
+                continue
+            if unit.id in held.get(unit.step, ()) and not self._watches(unit, len(held[unit.step])):
+                passed.append(unit)
+                continue
+            outcome = self._attempt(unit, generation)
+            if isinstance(outcome, Claim):
+                return outcome
+            if self.per_step and outcome == "held" and unit.step not in held:
+                held[unit.step] = self._listed(self.leases_dir, unit.step, LEASE_SUFFIX)
+            elif self.per_step and outcome == "done" and unit.step not in done and self.results_dir is not None:
+                done[unit.step] = self._listed(self.results_dir, unit.step, "")
+        for unit in passed:  # nothing free: watch them all for expiry (each at most once per recheck_s)
+            if (claim := self.try_claim(unit, generations.get(unit, 0))) is not None:
+                return claim
+        return None
+
+    def _watches(self, unit: WorkUnit, n_held: int) -> bool:
+        """Whether this worker looks at ``unit`` (held by another) for expiry while it has other work: a
+        fixed pick of about WATCHERS_PER_UNIT / n_held of the held units, by pid."""
+        return zlib.crc32(f"{self._pid}:{unit.id}".encode()) % max(n_held, 1) < WATCHERS_PER_UNIT
+
+    @staticmethod
+    def _listed(root: Path, step: int, suffix: str) -> frozenset[str]:
+        """The names in a step's directory under ``root`` (one listing), less ``suffix``."""
+        try:
+            names = os.listdir(unit_dir(root, step, True))
+        except FileNotFoundError:
+            return frozenset()
+        return frozenset(n[: len(n) - len(suffix)] for n in names if n.endswith(suffix)) if suffix else frozenset(names)
 
     def seen_held_lately(self, unit: WorkUnit) -> bool:
         """Whether this claimer found ``unit`` held by another within the last ``recheck_s`` (then

@@ -279,3 +279,27 @@ def test_contender_looks_at_a_held_unit_once_per_recheck(tmp_path: Path) -> None
     claim = contender.try_claim(unit)
     assert claim is not None
     claim.release()
+
+
+def test_a_walk_lists_a_contended_step_once_and_passes_over_its_held_units(tmp_path: Path) -> None:
+    """claim_next: after the first held unit of a step, the walk lists the step's leases and tries only the
+    units not listed (and those it watches for expiry); a walk that finds nothing free looks at them all."""
+    from collections import deque
+
+    settings = LeaseSettings(30.0, 5.0)
+    units = [WorkUnit(7, "ds", s) for s in range(8)]
+    holder, contender = UnitClaimer(tmp_path, settings), UnitClaimer(tmp_path, settings)
+    held = [holder.try_claim(u) for u in units[:6]]
+    try:
+        claim = contender.claim_next(deque(units), {})
+        assert claim is not None and claim.unit == units[6]
+        tried = {u for u in units[1:6] if u.id in contender._leases}
+        assert tried == {u for u in units[1:6] if contender._watches(u, 6)}  # the others: passed over, no syscall
+        claim.release()
+        idle = UnitClaimer(tmp_path, settings)
+        assert idle.claim_next(deque(units[:6]), {}) is None
+        assert all(idle.seen_held_lately(u) for u in units[:6])  # nothing free: every held unit looked at
+    finally:
+        for c in held:
+            assert c is not None
+            c.release()

@@ -290,7 +290,7 @@ class Worker:
                     continue
                 todo = deque(order_units(claimable, self.opts.newest_first, spread=os.getpid()))
                 generations = self._generations(claimable)
-            claim = self._claim_next(todo, generations)
+            claim = self.claimer.claim_next(todo, generations)  # between polls its result check skips units done since
             if claim is None:  # all held by other workers: wait, take over expired ones later
                 self._sleep(self.opts.poll_interval_s)
                 continue
@@ -315,15 +315,6 @@ class Worker:
             if self.opts.max_units is not None and self.written >= self.opts.max_units:
                 return EXIT_DONE
         return self._stop_code()
-
-    def _claim_next(self, todo: deque[WorkUnit], generations: dict[WorkUnit, int]) -> Claim | None:
-        """Claim the first claimable unit of ``todo`` (consumed). Between polls (one per ``--poll-interval``)
-        the claimer's result check around each claim skips units finished elsewhere since the poll."""
-        while todo:
-            unit = todo.popleft()
-            if (claim := self.claimer.try_claim(unit, generations.get(unit, 0))) is not None:
-                return claim
-        return None
 
     def _above_step_limit(self, unit: WorkUnit) -> bool:
         """``backfill --until``: whether ``unit`` lies above the first passing step, re-read *after* the claim,
