@@ -91,9 +91,10 @@ def test_rogue_reloads_and_lying_engines_are_pin_violations(tmp_path: Path, proc
     assert codes == [0] and codes_b == [0], fleet.logs() + liar_fleet.logs()
     assert impure_a == [] and impure_b == []
     assert ta.skips.get("pin_violation", 0) >= 1, (reloads, ta)  # the rogue was caught at least once
-    # a rogue reload that lands between the load and its attestation is caught by the weights themselves
-    # (attest_failed: the engine's tensors are not the snapshot's) instead of by the label; never scored
-    assert set(ta.skips) <= {"pin_violation", "attest_failed"}, ta.skips
+    # a rogue reload that lands between the load and its checks is caught by the weights themselves instead
+    # of by the label — attest_failed (the engine's tensors are not the snapshot's) or canary_failed (the
+    # engine's log-probs on the probe are not the trainer's: http engines run the canary too) — never scored
+    assert set(ta.skips) <= {"pin_violation", "attest_failed", "canary_failed"}, ta.skips
     assert tb.skips == {"pin_violation": len(tb.expected)} and tb.ok == [], tb
     assert merged.lost == [] and merged.units_without_result == [] and merged.dup_ingestions == 0, merged
     assert trainer.stalls == 0 and liar.stalls == 0
