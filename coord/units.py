@@ -172,8 +172,8 @@ def attempts_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Pa
 def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
     """filelock's owner record of a lease file (pid, hostname, token, duration), parsed by filelock.
 
-    The one reader of lease files outside filelock (the worker's token check, ``ckpteval status``,
-    tests). ``FileNotFoundError`` when there is no lease file (nobody holds it); None when the file
+    The one reader of lease files besides :mod:`ckpteval.coord.lease` itself (``ckpteval status``, the
+    harness's holder listing, tests). ``FileNotFoundError`` when there is no lease file (nobody holds it); None when the file
     holds no complete record (being written or broken by a contender, or not UTF-8).
     Other ``OSError`` propagates: the caller decides what an unreadable file means.
     """

@@ -47,13 +47,6 @@ def dispatch_records(ledger_path: Path) -> dict[int, dict[str, Any]]:
     return Ledger(ledger_path, repair=False).state.dispatched
 
 
-def still_holds(claim: Claim) -> bool:
-    """Whether ``claim`` is still ours: not reported lost, and its marker still the one it created
-    (:meth:`ckpteval.coord.units.Claim.still_ours`: no syscall within half the lease duration of its last
-    heartbeat, one ``lstat`` after that)."""
-    return claim.still_ours()
-
-
 # -- the loop ---------------------------------------------------------------------------------------------
 @dataclass
 class _Discovered:
@@ -341,7 +334,7 @@ class Worker:
                     f"step={unit.step} {unit.label} abandoned: stop signal, lease released"
                 )
                 return None
-            if not still_holds(claim):
+            if not claim.still_ours():  # not lost, its marker still its own (no syscall while fresh)
                 self.out(f"step={unit.step} {unit.label} abandoned: lease lost (taken over)")
                 return None
             if self._leave_for_another(result, claim):
