@@ -62,6 +62,8 @@ DEFAULT_TEMPLATE = (
 )
 DEFAULT_VERDICT_REGEX = r"VERDICT:\s*([-+]?\d+(?:\.\d+)?)"
 FIELDS = ("question", "response", "reference")
+QUOTED_RESPONSE = re.compile(r"<<<BEGIN RESPONSE ([0-9a-f]{32})>>>\n(.*?)\n<<<END RESPONSE \1>>>", re.S)
+"""The response as :func:`quote_response` puts it in a prompt (group 2; group 1 the request's boundary)."""
 ON_UNPARSED = ("skip", "zero")
 
 
