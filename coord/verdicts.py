@@ -18,10 +18,13 @@ directories small (a 100k-verdict run has ~400 files per dir). Each entry costs 
 before it is linked; the directory is not fsync'd: a name lost in a crash is only a cache miss).
 
 Guarantee: a reader sees no entry or a complete one written by one writer; an entry never changes once
-written. Limits: nothing is ever evicted (a verdict is a few hundred bytes; delete the dir to drop the
-cache, never while workers run); an entry is trusted as written — a corrupt one (a hand edit) is a
-``ValueError`` naming the file, never a silent miss; on NFS a second client may miss an entry for its
-attribute-cache lifetime (it then pays the judge once more and its copy is dropped).
+written, except one its reader found unreadable, which :meth:`VerdictCache.replace` writes over whole
+(temp, fsync, rename). Limits: nothing is ever evicted (a verdict is a few hundred bytes; delete the dir
+to drop the cache, never while workers run); a corrupt entry (a hand edit, a torn disk) is a
+``ValueError`` naming the file, never a silent miss — the scorer reports it, asks the judge and replaces
+it; a cache that cannot be written (read-only, full) is an ``OSError`` the scorer reports and bypasses;
+on NFS a second client may miss an entry for its attribute-cache lifetime (it then pays the judge once
+more and its copy is dropped).
 
 **Published endpoint.** ``RUN/judge.json`` ``{"url", "model", "written_at", ...}``: where a judge
 server launched for this run (``ckpteval submit train-eval --judge-model``) answers. Written whole
@@ -36,7 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.atomic import dumps, fsync_dir, publish_exclusive, read_json_object, write_json_atomic
+from ckpteval.coord.atomic import (
+    dumps,
+    fsync_dir,
+    publish_exclusive,
+    read_json_object,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 
 def cache_key(parts: dict[str, Any]) -> str:
@@ -71,12 +81,21 @@ class VerdictCache:
 
         ``parts`` (what was hashed) is stored beside it for audit (``key`` can be recomputed from it).
         """
+        path, entry = self._prepare(key, answer, parts)
+        return publish_exclusive(path, entry, sync_dir=False)  # a name lost in a crash is only a miss
+
+    def replace(self, key: str, answer: dict[str, Any], parts: dict[str, Any]) -> None:
+        """Write ``answer`` for ``key`` over an entry that could not be read (whole: temp, fsync, rename)."""
+        path, entry = self._prepare(key, answer, parts)
+        write_bytes_atomic(path, entry)
+
+    def _prepare(self, key: str, answer: dict[str, Any], parts: dict[str, Any]) -> tuple[Path, bytes]:
+        """The entry's path (its directory made) and bytes; OSError when the cache cannot be written."""
         path = self.path(key)
         if not path.parent.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)
             fsync_dir(path.parent.parent)
-        entry = dumps({"key": key, "answer": answer, "parts": parts, "written_at": time.time()})
-        return publish_exclusive(path, entry, sync_dir=False)  # a name lost in a crash is only a miss
+        return path, dumps({"key": key, "answer": answer, "parts": parts, "written_at": time.time()})
 
 
 def publish_judge(path: Path, url: str, model: str | None, **extra: Any) -> None:

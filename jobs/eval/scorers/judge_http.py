@@ -29,14 +29,24 @@ Endpoints, as sglang 0.5.23 serves them (read in its wheel):
   (a sequence classifier) — a yes/no judge without generation, not a reward. It is not used here; the
   chat judge with a verdict rule covers the yes/no case on every OpenAI-compatible server.
 
+Every answer is read from its raw body and its shape checked here: a 200 whose body is not JSON, is
+empty, or lacks the fields above (``choices[0].message.content`` a string or null; ``/classify`` items
+with a finite ``embedding[0]``; ``/v1/models`` ``data[].id`` strings) is :class:`JudgeUnavailable` like
+any failure — never an exception the scorer did not expect. A non-JSON 200 is not retried (the client
+retries only what the server marks as failed); the unit's skip is (by ``backfill``).
+
 Limits: ``api_key`` comes from an environment variable named in the settings (never from run.json);
 requests are synchronous, made concurrently by the scorer's thread pool (the client is thread-safe).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 from typing import Any
+
+import httpx
 
 
 class JudgeUnavailable(RuntimeError):
@@ -68,6 +78,28 @@ def server_root(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
+@dataclass(frozen=True)
+class ChatReply:
+    """One chat completion: the reply text (``""`` for a null content) and the ``model`` it says answered."""
+
+    content: str
+    model: str | None
+
+
+def _json_of(what: str, raw: Any) -> Any:
+    """The JSON body of a 200 answer; JudgeUnavailable when it is not JSON (empty, HTML, cut short)."""
+    text = raw.text
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise JudgeUnavailable(f"{what} answered HTTP {raw.status_code} with a body that is not JSON: "
+                               f"{text[:200]!r}") from None
+
+
+def _shape_error(what: str, body: Any, expected: str) -> JudgeUnavailable:
+    return JudgeUnavailable(f"{what} answered {json.dumps(body, default=str)[:200]}; expected {expected}")
+
+
 class JudgeEndpoint:
     """One judge server at ``base_url`` (its OpenAI base, ``http://host:port/v1``)."""
 
@@ -79,28 +111,47 @@ class JudgeEndpoint:
         self.root = openai.OpenAI(base_url=server_root(self.base_url), **kwargs)
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn``'s raw answer as parsed JSON; every failure (no answer, an error status, a body that is
+        not JSON) is JudgeUnavailable naming the route — the caller checks the shape."""
         openai = _import_openai()
+        what = f"judge at {self.base_url}: {what}"
         try:
-            return fn(*args, **kwargs)
+            raw = fn(*args, **kwargs)
         except openai.OpenAIError as e:
-            raise JudgeUnavailable(f"judge at {self.base_url}: {what}: {_describe(e)}") from None
+            raise JudgeUnavailable(f"{what}: {_describe(e)}") from None
+        return _json_of(what, getattr(raw, "http_response", raw))
 
     def model_ids(self) -> list[str]:
         """What ``GET /v1/models`` lists (the judge's identity)."""
-        page = self._call("GET /models", self.client.models.list)
-        return [m.id for m in page.data]
+        what = "GET /models"
+        body = self._call(what, self.client.models.with_raw_response.list)
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise _shape_error(f"judge at {self.base_url}: {what}", body, '{"data": [{"id": ...}, ...]}')
+        return [m["id"] for m in data]
 
-    def chat(self, model: str, messages: list[dict[str, str]], sampling: dict[str, Any]) -> str:
-        """The reply text of one chat completion (an empty or missing content is ``""``)."""
-        reply = self._call("POST /chat/completions", self.client.chat.completions.create,
-                           model=model, messages=messages, **sampling)
-        if not reply.choices:
-            raise JudgeUnavailable(f"judge at {self.base_url}: POST /chat/completions answered no choices")
-        return reply.choices[0].message.content or ""
+    def chat(self, model: str, messages: list[dict[str, str]], sampling: dict[str, Any],
+             response_format: dict[str, Any] | None = None) -> ChatReply:
+        """One chat completion: ``choices[0].message.content`` (null: ``""``) and the reply's ``model``.
+        ``response_format``: OpenAI's structured output (``{"type": "json_schema", ...}``)."""
+        what = "POST /chat/completions"
+        extra = {"response_format": response_format} if response_format is not None else {}
+        body = self._call(what, self.client.chat.completions.with_raw_response.create,
+                          model=model, messages=messages, **sampling, **extra)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        first = choices[0] if isinstance(choices, list) and choices else None
+        message = first.get("message") if isinstance(first, dict) else None
+        content = message.get("content") if isinstance(message, dict) else 0
+        if content is not None and not isinstance(content, str):
+            raise _shape_error(f"judge at {self.base_url}: {what}", body,
+                               '{"choices": [{"message": {"content": "..."}}], "model": ...}')
+        answered = body.get("model")
+        return ChatReply(content or "", answered if isinstance(answered, str) else None)
 
     def classify(self, model: str, texts: list[str]) -> list[float]:
-        """sglang's ``POST /classify``: one reward (``embedding[0]``) per rendered conversation."""
-        answer = self._call("POST /classify", self.root.post, "/classify", cast_to=object,
+        """sglang's ``POST /classify``: one reward (``embedding[0]``, a finite number) per rendered text."""
+        what = f"judge at {self.base_url}: POST /classify"
+        answer = self._call("POST /classify", self.root.post, "/classify", cast_to=httpx.Response,
                             body={"model": model, "text": texts})
         items = answer if isinstance(answer, list) else [answer]
         rewards = []
@@ -108,10 +159,8 @@ class JudgeEndpoint:
             emb = item.get("embedding") if isinstance(item, dict) else None
             value = emb[0] if isinstance(emb, list) and emb else None
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise JudgeUnavailable(f"judge at {self.base_url}: POST /classify answered {str(item)[:200]!r}; "
-                                       "expected {'embedding': [reward, ...]}")
+                raise _shape_error(what, item, "{'embedding': [reward, ...]} with a finite reward")
             rewards.append(float(value))
         if len(rewards) != len(texts):
-            raise JudgeUnavailable(f"judge at {self.base_url}: POST /classify answered {len(rewards)} rewards "
-                                   f"for {len(texts)} texts")
+            raise JudgeUnavailable(f"{what} answered {len(rewards)} rewards for {len(texts)} texts")
         return rewards
