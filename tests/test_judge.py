@@ -56,10 +56,12 @@ def test_verdicts_are_the_judges_and_identity_is_read_from_the_judge(tmp_path: P
     s = scorer(tmp_path, {"url": exact_judge})
     scored = s.score(samples(PAIRS))
     assert [x.score for x in scored] == EXPECTED
-    assert all(x.counters == {"judge_cache_hits": 0, "judge_unparsed": 0} for x in scored)
+    assert all(x.counters == {"judge_cache_hits": 0, "judge_unparsed": 0, "judge_cache_errors": 0,
+                              "judge_model_mismatch": 0} for x in scored)
     assert all(x.extras == {"judge_cache_hit_rate": 0.0} for x in scored)
     ident = s.identity()
     assert ident["model"] == "judge-a"  # from /v1/models, not from config (the dataset names no model)
+    assert ident["answered_by"] == ["judge-a"]  # what each reply said answered it
     assert ident["template_sha256"] and ident["sampling"]["temperature"] == 0.0
 
 
@@ -103,7 +105,7 @@ def test_a_killed_judge_is_judge_failed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("mode", "options", "says"), [
     ("error", {}, "HTTP 500"),
     ("slow", {"timeout_s": 0.5}, "timed out"),
-    ("garbage", {}, "unreadable by the verdict rule (judge_unparsed=2)"),
+    ("garbage", {}, "unreadable by the verdict rule (judge_unparsed=2:"),
 ])
 def test_each_judge_failure_is_judge_failed_with_its_message(
     tmp_path: Path, mode: str, options: dict[str, Any], says: str
@@ -173,9 +175,13 @@ def test_reward_model_scores_what_classify_answers(tmp_path: Path, exact_judge: 
     ({}, "reasoning... VERDICT: 0 ... no wait. VERDICT: 1", 1.0),  # the last match
     ({}, "no verdict here", None),
     ({"verdict_regex": r"Grade:\s*(\w+)", "verdict_values": {"Correct": 1, "wrong": 0}}, "Grade: CORRECT", 1.0),
-    ({"verdict_regex": None, "verdict_json_field": "result.score"}, 'ok ```json\n{"result": {"score": 0.5}}\n```', 0.5),
+    ({"verdict_regex": None, "verdict_json_field": "result.score", "structured": False},
+     'ok ```json\n{"result": {"score": 0.5}}\n```', 0.5),
     ({"verdict_regex": None, "verdict_json_field": "correct"}, '{"correct": true}', 1.0),
     ({"verdict_regex": None, "verdict_json_field": "correct"}, '{"correct": "maybe"}', None),
+    # structured (the default with a JSON field): the whole reply is the object, nothing around it
+    ({"verdict_regex": None, "verdict_json_field": "result.score"}, 'ok ```json\n{"result": {"score": 0.5}}\n```', None),
+    ({"verdict_regex": None, "verdict_json_field": "result.score"}, ' {"result": {"score": 0.5}}\n', 0.5),
 ])
 def test_verdict_rules(options: dict[str, Any], reply: str, want: float | None) -> None:
     assert read_verdict(JudgeOptions(**options), reply) == want

@@ -175,6 +175,22 @@ def harness_columns(points: list[dict[str, Any]]) -> list[str]:
     return sorted({k for p in points for k in p["metrics"] if "/weight_version/" not in k})
 
 
+def finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float as None: JSON has neither (``status --json`` prints no
+    bare ``NaN``/``Infinity`` a strict parser refuses)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+NOT_POOLED = "not pooled: scorers differ"
+"""The cell of a dataset whose units were scored differently (two judges): never one number."""
+
+
 def _fmt(x: Any, digits: int = 3) -> str:
     if x is None:
         return "-"
@@ -217,7 +233,8 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
                  pins: bool = True, title: str | None = None) -> Any:
     """The per-point table (also the demo's final table): per dataset the pooled mean ± its standard
     error over prompts and its pass@k / maj@n when it has them (``-`` where a dataset is not part of
-    a point, by its cadence, or did not finish); then the pin proof over all datasets of the point
+    a point, by its cadence, or did not finish; :data:`NOT_POOLED` where its units were scored by
+    different scorers, e.g. two judge models, and so have no one number); then the pin proof over all datasets of the point
     (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
     largest fraction of samples from another version, which must be 0). ``datasets``, ``harness`` and
     ``pins`` pick a part of it (all by default): :func:`points_tables` splits it so when narrow."""
@@ -239,7 +256,7 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
         for ds in datasets:
             d = p["datasets"].get(ds)
             if d is None:
-                cells += ["-"] * (1 + len(extra[ds]))
+                cells += [NOT_POOLED if ds in p.get("mixed_scorers", ()) else "-"] + ["-"] * len(extra[ds])
             else:
                 cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds])]
         cells += [_fmt(p["metrics"].get(name)) for name in harness]
@@ -358,7 +375,8 @@ def show(console: Any, statuses: list[dict[str, Any]], as_json: bool) -> None:
     """Print each run's status: its tables one run after the other (a rule naming the run between
     several), or JSON — one object for one run, a list of them for several."""
     if as_json:
-        print(json.dumps(statuses[0] if len(statuses) == 1 else statuses, indent=1, default=str), flush=True)
+        obj = finite(statuses[0] if len(statuses) == 1 else statuses)
+        print(json.dumps(obj, indent=1, default=str, allow_nan=False), flush=True)
         return
     with console:  # one write per refresh: a reader (or a watch's Ctrl-C) never sees half of one
         for status in statuses:
