@@ -8,23 +8,44 @@ identity, and turning every judge failure into an infrastructure skip.
 
 Promises:
 
-- **A judge failure is never a score.** Connection refused, 5xx, a timeout (each retried by the client,
-  :mod:`ckpteval.jobs.eval.scorers.judge_http`), or a judge that answers no usable ``/v1/models`` raise
+- **The verdict is the judge's own words, never the completion's.** ``{response}`` goes into the prompt
+  between two lines carrying a per-request boundary (:func:`quote_response`, 128 random bits no
+  completion can guess). :func:`read_verdict` drops what the reply quotes between those lines, and every
+  verbatim copy of text in the response that the rule would read as a verdict (a *planted* verdict);
+  when the response planted one, the verdicts left must agree. With ``verdict_json_field`` the verdict
+  is asked for as OpenAI structured output (``response_format`` ``json_schema``: that field, in range,
+  nothing else) and the reply must be exactly that object. Limits: a judge that repeats a planted
+  verdict in other words cannot be told apart from one that agrees (structured output is the cure); a
+  judge whose own verdict line equals the planted one reads as no verdict; what the judge decides may
+  still be argued with by the response (prompt injection), which no parsing can prevent.
+- **A verdict is in its declared range.** ``verdict_range`` (default [0, 1], the default template's
+  0/1; a reward model's [-1e6, 1e6]): a verdict or reward outside it, a partial match (the group not a
+  whole token: ``VERDICT: 10`` under ``([01])``, ``1e308``), or one not a finite number is unparsed.
+- **A judge failure is never a score, nor a crash.** Connection refused, 5xx, a timeout (each retried by
+  the client, :mod:`ckpteval.jobs.eval.scorers.judge_http`), a 200 that is not JSON or not shaped as the
+  route answers, or a judge that answers no usable ``/v1/models`` raise
   :class:`~ckpteval.jobs.eval.scorers.ScorerInfraError` ``judge_failed`` with the judge's message: the unit is
   skipped, and a later retry or backfill judges it again (cached verdicts are not paid twice).
-- **An unreadable verdict** (the rule finds nothing) is counted per sample (``judge_unparsed``), and
+- **An unreadable verdict** (see above) is counted per sample (``judge_unparsed``), and
   ``on_unparsed`` decides: ``skip`` (default) skips the unit ``judge_failed`` naming the count and a
   reply; ``zero`` scores that sample 0 (counted).
 - **Identity.** The judge's model id is read from its ``GET /v1/models`` at every unit (never trusted
   from config: a requested ``model`` must be one it lists); with the template's SHA-256, the system
-  prompt's, the sampling settings and the verdict rule it is :meth:`JudgeScorer.identity`, recorded in
-  every unit result and the wandb config; units judged differently are never pooled into one point.
-- **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`ckpteval.coord.verdicts`) keyed by (model id,
-  template hash, sampling, question, response, reference): a retry, a backfill, or identical
-  completions (in this unit or any other) never pay the judge twice; hits are counted
-  (``judge_cache_hits``; their share of the point's samples is ``judge_cache_hit_rate``). Replies, not
+  prompt's, how the response is quoted, the sampling settings, the structured-output request and the
+  verdict rule it is :meth:`JudgeScorer.identity`, recorded in every unit result and the wandb config,
+  with ``answered_by``: the ``model`` each of the unit's replies named (cached ones included). Units
+  judged differently — another model, an alias that moved — are never pooled into one point. A reply
+  naming another model than ``/v1/models`` is counted (``judge_model_mismatch``) and recorded
+  (``on_model_mismatch: "record"``, since a hosted alias names its dated snapshot) or skips the unit
+  (``"skip"``).
+- **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`ckpteval.coord.verdicts`) keyed by (judge
+  id, question, response, reference): a retry, a backfill, or identical completions (in this unit or any
+  other) never pay the judge twice; hits are counted (``judge_cache_hits``; their share of the point's
+  samples is ``judge_cache_hit_rate``). Replies (with their boundary and answering model), not
   verdicts, are cached, so a changed verdict rule re-reads them; a reply the rule cannot read is not
-  cached (the unit's retry or a backfill asks the judge again).
+  cached (the unit's retry or a backfill asks the judge again). The cache is only an optimization: an
+  entry that cannot be read is reported (stderr, ``judge_cache_errors``), bypassed and replaced whole;
+  a cache that cannot be written is reported and bypassed — never the unit's loss.
 
 Where the judge is (first that applies): the dataset's ``url`` (a fixed endpoint, e.g. a hosted API);
 the worker's ``--judge-url``; ``RUN/judge.json`` published by the run's own judge server (waited for up
