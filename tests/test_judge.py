@@ -57,7 +57,7 @@ def test_verdicts_are_the_judges_and_identity_is_read_from_the_judge(tmp_path: P
     scored = s.score(samples(PAIRS))
     assert [x.score for x in scored] == EXPECTED
     assert all(x.counters == {"judge_cache_hits": 0, "judge_unparsed": 0, "judge_cache_errors": 0,
-                              "judge_model_mismatch": 0} for x in scored)
+                              "judge_planted": 0, "judge_model_mismatch": 0} for x in scored)
     assert all(x.extras == {"judge_cache_hit_rate": 0.0} for x in scored)
     ident = s.identity()
     assert ident["model"] == "judge-a"  # from /v1/models, not from config (the dataset names no model)

@@ -578,23 +578,30 @@ class JudgeScorer(BaseScorer):
             value = self._score_of(answer, sample.completion)
             hit = key in unit.hits or key in seen  # a repeat within the unit was not paid for either
             seen.add(key)
-            if value is None:
-                unparsed.append(answer)
             counters = {"judge_cache_hits": int(hit), "judge_unparsed": int(value is None),
-                        "judge_cache_errors": int(key in unit.cache_errors)}
+                        "judge_cache_errors": int(key in unit.cache_errors), **self._planted(sample.completion)}
+            if value is None:
+                unparsed.append((answer, counters.get("judge_planted", 0)))
             if answer.get("model") is not None:
                 counters["judge_model_mismatch"] = int(answer["model"] != self._model)
             out.append(Scored(0.0 if value is None else value, sample.completion.strip(), counters=counters,
                               extras={"judge_cache_hit_rate": float(hit)}))  # averaged per point: the rate
         if unparsed and self.opts.on_unparsed == "skip":
+            plants = sum(p for _, p in unparsed)
             raise ScorerInfraError("judge_failed", f"{len(unparsed)} of {len(keys)} judge replies unreadable by the "
                                    f"verdict rule (judge_unparsed={len(unparsed)}: no verdict, a partial or "
-                                   f"disputed one, or one outside verdict_range {list(self._range())}); first: "
-                                   f"{self._shown(unparsed[0])}")
+                                   f"disputed one, or one outside verdict_range {list(self._range())}"
+                                   f"{f'; {plants} graded a response that wrote a verdict itself' if plants else ''}"
+                                   f"); first: {self._shown(unparsed[0][0])}")
         return out
 
     def _range(self) -> tuple[float, float]:
         return self.opts.range()
+
+    def _planted(self, response: str) -> dict[str, int]:
+        """``judge_planted``: 1 when the response itself holds text the rule reads as a verdict (never
+        counted as one): what a policy learning to write its own verdict does."""
+        return {"judge_planted": int(bool(planted(self.opts, response)))}
 
     def _shown(self, answer: dict[str, Any]) -> str:
         return repr(str(answer.get("reply", ""))[:200])
@@ -617,6 +624,9 @@ class RewardModelScorer(JudgeScorer):
 
     def _asked_how(self) -> dict[str, Any]:
         return {}  # the text is sent as rendered; a reward is no text to quote from
+
+    def _planted(self, response: str) -> dict[str, int]:
+        return {}  # a reward model reads no verdict from text
 
     def _range(self) -> tuple[float, float]:
         return self.opts.range(REWARD_RANGE)
