@@ -219,7 +219,8 @@ class JudgeOptions:
 
     def range(self, default: tuple[float, float] = JUDGE_RANGE) -> tuple[float, float]:
         """``verdict_range``, else ``default``."""
-        return (self.verdict_range[0], self.verdict_range[1]) if self.verdict_range is not None else default
+        r = self.verdict_range
+        return (float(r[0]), float(r[1])) if r is not None else default
 
     def is_structured(self) -> bool:
         return self.verdict_json_field is not None if self.structured is None else self.structured
@@ -340,13 +341,17 @@ def read_verdict(opts: JudgeOptions, reply: str, boundary: str | None = None, re
 
 
 def verdict_schema(opts: JudgeOptions) -> dict[str, Any]:
-    """The ``response_format`` asking for the verdict field, in range, and nothing else."""
+    """The ``response_format`` asking for the verdict field, in range, and nothing else. An integer range
+    of at most 101 values is an ``enum`` (every grammar backend enforces it; sglang 0.5.23's outlines
+    backend refuses ``minimum``/``maximum``, ``srt/constrained/json_schema_validation.py``); a wider or
+    fractional one ``minimum``/``maximum`` (xgrammar, sglang's default, enforces those)."""
     low, high = opts.range()
     if opts.verdict_values is not None:
         leaf: dict[str, Any] = {"type": "string", "enum": sorted(opts.verdict_values)}
+    elif low.is_integer() and high.is_integer() and high - low <= 100:
+        leaf = {"type": "integer", "enum": list(range(int(low), int(high) + 1))}
     else:
-        kind = "integer" if low.is_integer() and high.is_integer() else "number"
-        leaf = {"type": kind, "minimum": low, "maximum": high}
+        leaf = {"type": "number", "minimum": low, "maximum": high}
     for key in reversed((opts.verdict_json_field or "verdict").split(".")):
         leaf = {"type": "object", "properties": {key: leaf}, "required": [key], "additionalProperties": False}
     return {"type": "json_schema", "json_schema": {"name": "verdict", "schema": leaf, "strict": True}}
