@@ -306,10 +306,13 @@ def test_the_model_that_answered_is_recorded_and_a_moved_alias_is_never_pooled(t
     console.print(points_table(status, pins=False))
     assert NOT_POOLED in console.export_text()
     strict = scorer(tmp_path, judge_at("exact", answer_model="judge-a-2026-01-01"), {"on_model_mismatch": "skip"})
-    with pytest.raises(ScorerInfraError, match="lists 'judge-a' on /v1/models but its reply says model "
-                                               "'judge-a-2026-01-01' answered") as e:
+    with pytest.raises(ScorerInfraError, match=r"lists 'judge-a' on /v1/models but replies say "
+                                               r"\['judge-a-2026-01-01'\] answered") as e:
         score_samples(strict, samples([("1", "1")]))
     assert e.value.reason == "judge_failed"
+    # the alias moved back: a strict retry does not take the cached reply of the other model, it asks again
+    healed = score_samples(scorer(tmp_path, judge_at("exact"), {"on_model_mismatch": "skip"}), samples([("7", "7")]))
+    assert [(x.score, x.counters["judge_cache_hits"], x.counters["judge_model_mismatch"]) for x in healed] == [(1.0, 0, 0)]
 
 
 def test_status_json_never_prints_a_bare_infinity_or_nan(tmp_path: Path) -> None:

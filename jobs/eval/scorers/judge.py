@@ -37,7 +37,7 @@ Promises:
   judged differently — another model, an alias that moved — are never pooled into one point. A reply
   naming another model than ``/v1/models`` is counted (``judge_model_mismatch``) and recorded
   (``on_model_mismatch: "record"``, since a hosted alias names its dated snapshot) or skips the unit
-  (``"skip"``).
+  (``"skip"``; a cached reply of another model is then asked again, not used).
 - **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`ckpteval.coord.verdicts`) keyed by (judge
   id, question, response, reference): a retry, a backfill, or identical completions (in this unit or any
   other) never pay the judge twice; hits are counted (``judge_cache_hits``; their share of the point's
@@ -489,9 +489,6 @@ class JudgeScorer(BaseScorer):
         messages = [{"role": "system", "content": self.opts.system_prompt}] if self.opts.system_prompt else []
         messages.append({"role": "user", "content": prompt})
         reply = endpoint.chat(self._model or "", messages, self.opts.sampling(), self._response_format())
-        if reply.model != self._model and self.opts.on_model_mismatch == "skip":
-            raise JudgeUnavailable(f"judge at {endpoint.base_url} lists {self._model!r} on /v1/models but its reply "
-                                   f"says model {reply.model!r} answered (on_model_mismatch: skip)")
         return {"reply": reply.content, "boundary": boundary, "model": reply.model}
 
     def _ask_and_cache(self, endpoint: JudgeEndpoint, key: str, parts: dict[str, Any],
@@ -509,8 +506,11 @@ class JudgeScorer(BaseScorer):
         return answer, None
 
     def _usable(self, answer: dict[str, Any]) -> bool:
-        """Whether a cached answer is one this scorer wrote (else it is bypassed and rewritten)."""
-        return isinstance(answer.get("reply"), str) and isinstance(answer.get("boundary", ""), str)
+        """Whether a cached answer is one this scorer can use (else it is bypassed and rewritten): a reply
+        — from the listed model, under ``on_model_mismatch: "skip"``."""
+        strict = self.opts.on_model_mismatch == "skip"
+        return (isinstance(answer.get("reply"), str) and isinstance(answer.get("boundary", ""), str)
+                and (not strict or answer.get("model") == self._model))
 
     def _cached(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
         """The cached answer of ``key`` (None: none or unusable) and what is wrong with the entry."""
@@ -519,7 +519,7 @@ class JudgeScorer(BaseScorer):
         except (OSError, ValueError) as e:
             return None, f"{e}; bypassed"
         if answer is not None and not self._usable(answer):
-            return None, f"{self.cache.path(key)}: not an answer of this scorer ({str(answer)[:80]}); bypassed"
+            return None, f"{self.cache.path(key)}: not an answer this scorer can use ({str(answer)[:80]}); bypassed"
         return answer, None
 
     def _answers(self, samples: list[Sample]) -> tuple[list[str], _Unit]:
@@ -577,6 +577,10 @@ class JudgeScorer(BaseScorer):
         self._answered_by = ()
         keys, unit = self._answers(samples)
         self._answered_by = self._answered(unit)
+        others = sorted({str(a.get("model")) for a in unit.answers.values() if a.get("model") != self._model})
+        if others and self.opts.on_model_mismatch == "skip":
+            raise ScorerInfraError("judge_failed", f"the judge lists {self._model!r} on /v1/models but replies say "
+                                   f"{others} answered (on_model_mismatch: skip)")
         out, unparsed, seen = [], [], set()
         for sample, key in zip(samples, keys, strict=True):
             answer = unit.answers[key]
