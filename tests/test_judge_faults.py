@@ -23,10 +23,9 @@ from ckpteval.coord.results import derive_point, ok_result, point_metrics, write
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerCrashed, ScorerInfraError, score_samples
-from ckpteval.jobs.eval.scorers.judge import (
+from ckpteval.jobs.eval.scorers.judge import JudgeScorer, RewardModelScorer
+from ckpteval.jobs.eval.scorers.judge_rule import (
     JudgeOptions,
-    JudgeScorer,
-    RewardModelScorer,
     quote_response,
     read_verdict,
     unquoted,

@@ -9,7 +9,7 @@ verdict a test can compute, and fails in each way a real one does:
   as sglang 0.5.23 answers (``srt/entrypoints/openai/serving_chat.py`` builds every response with
   ``model=request.model``) unless a fault sets another (an alias that moved). The verdict ``v`` is the
   exact rule: the response — between the scorer's per-request boundary lines
-  (:data:`~ckpteval.jobs.eval.scorers.judge.QUOTED_RESPONSE`), else the last ``<response>…</response>`` —
+  (:data:`~ckpteval.jobs.eval.scorers.judge_rule.QUOTED_RESPONSE`), else the last ``<response>…</response>`` —
   equals the last ``<reference>…</reference>``, whitespace-stripped (1) or not (0). It is written as
   the request asks: with ``response_format`` ``{"type": "json_schema", "json_schema": {"schema"}}``
   (served by sglang, ``ResponseFormat`` in ``srt/entrypoints/openai/protocol.py``; a json_schema without
@@ -49,7 +49,7 @@ from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from ckpteval.jobs.eval.scorers.judge import QUOTED_RESPONSE
+from ckpteval.jobs.eval.scorers.judge_rule import QUOTED_RESPONSE
 from ckpteval.jobs.reference.serve import Handler
 from ckpteval.jobs.reference.serve_requests import BadRequest
 
