@@ -55,6 +55,8 @@ from ckpteval.jobs.reference.serve_requests import BadRequest
 
 JUDGE_MODES = ("exact", "garbage", "error", "slow", "quote-after", "quote-before")
 FAULT_MODES = (*JUDGE_MODES, "fixed", "body")
+NO_FAULT: dict[str, Any] = {"reply": "", "reward": 0.0, "body": "", "answer_model": None}
+"""The fault settings ``POST /judge_fault`` may set, at their defaults (a field it leaves out is reset)."""
 _TAG = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.S) for name in ("response", "reference")}
 
 
@@ -112,7 +114,7 @@ class JudgeHTTPServer(ThreadingHTTPServer):
         if mode not in JUDGE_MODES:
             raise ValueError(f"--judge {mode!r} must be one of {', '.join(JUDGE_MODES)}")
         self.mode, self.name, self.delay_s, self.verbose = mode, name, delay_s, verbose
-        self.fault: dict[str, Any] = {"reply": "", "reward": 0.0, "body": "", "answer_model": None}
+        self.fault: dict[str, Any] = dict(NO_FAULT)
         self.lock = threading.Lock()
         self.stats = {"chat_completions": 0, "classify": 0}
         super().__init__(address, JudgeHandler)
@@ -123,8 +125,8 @@ class JudgeHTTPServer(ThreadingHTTPServer):
 
     def set_fault(self, body: Any) -> dict[str, Any]:
         """Replace the fault state from a ``POST /judge_fault`` body; BadRequest names a bad field."""
-        if not isinstance(body, dict) or set(body) - {"mode", *self.fault}:
-            raise BadRequest(f"judge_fault takes an object with mode, {', '.join(self.fault)}")
+        if not isinstance(body, dict) or set(body) - {"mode", *NO_FAULT}:
+            raise BadRequest(f"judge_fault takes an object with mode, {', '.join(NO_FAULT)}")
         mode = body.get("mode", self.mode)
         if mode not in FAULT_MODES:
             raise BadRequest(f"mode {mode!r} must be one of {', '.join(FAULT_MODES)}")
@@ -134,8 +136,7 @@ class JudgeHTTPServer(ThreadingHTTPServer):
                 raise BadRequest(f"judge_fault: {key} must be {kind}")
         with self.lock:
             self.mode = mode
-            self.fault = {**{"reply": "", "reward": 0.0, "body": "", "answer_model": None},
-                          **{k: v for k, v in body.items() if k != "mode"}}
+            self.fault = {**NO_FAULT, **{k: v for k, v in body.items() if k != "mode"}}
             return {"mode": self.mode, **self.fault}
 
 
