@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -327,3 +328,18 @@ def test_status_json_never_prints_a_bare_infinity_or_nan(tmp_path: Path) -> None
 
     point = json.loads(out.stdout, parse_constant=refuse)["points"][0]
     assert point["datasets"]["add"]["score"] is None  # the mean overflowed: shown as null, never Infinity
+
+
+@pytest.mark.parametrize(("route", "body", "says"), [
+    ("/judge_fault", {"mode": "nope"}, "mode 'nope' must be one of"),
+    ("/judge_fault", {"reward": "high"}, "reward must be"),
+    ("/v1/chat/completions", {"model": "judge-a", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "v"}}},
+     "schema_ is required for json_schema response format request."),  # sglang's 400
+])
+def test_the_stand_in_refuses_what_it_cannot_serve(judge: str, route: str, body: dict[str, Any], says: str) -> None:
+    req = urllib.request.Request(judge.removesuffix("/v1") + route, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and says in e.value.read().decode()
