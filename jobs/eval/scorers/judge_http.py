@@ -141,8 +141,8 @@ class JudgeEndpoint:
         choices = body.get("choices") if isinstance(body, dict) else None
         first = choices[0] if isinstance(choices, list) and choices else None
         message = first.get("message") if isinstance(first, dict) else None
-        content = message.get("content") if isinstance(message, dict) else 0
-        if content is not None and not isinstance(content, str):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or not isinstance(content, str | None):
             raise _shape_error(f"judge at {self.base_url}: {what}", body,
                                '{"choices": [{"message": {"content": "..."}}], "model": ...}')
         answered = body.get("model")
