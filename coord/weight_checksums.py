@@ -127,3 +127,27 @@ def decide(checksum: str, instance: str, standing: dict[str, Any] | None,
     if others:
         return Decision("disputed", None, tuple(sorted({o["instance"] for o in others})))
     return Decision("reference")
+
+
+def summarize(root: Path) -> dict[str, int]:
+    """Over every snapshot-and-layout record under ``root`` (``RUN/weight_checksums/``): how many have a
+    checksum that ``stands`` (compared: reproduced by independent loads), how many are ``reference_only``
+    (one checksum, observed by one instance: nothing compared yet) and how many are ``disputed`` (instances
+    observed different checksums, none stands). Read-only; unreadable entries count as nothing."""
+    counts = {"stands": 0, "reference_only": 0, "disputed": 0}
+    dirs = sorted(p for p in Path(root).iterdir() if p.is_dir()) if Path(root).is_dir() else []
+    for d in dirs:
+        records = ChecksumRecords(d)
+        try:
+            standing = records.standing()
+        except ValueError:
+            continue
+        if standing is not None:
+            counts["stands"] += 1
+            continue
+        seen = records.observations()
+        if len({o["checksum"] for o in seen}) > 1:
+            counts["disputed"] += 1
+        elif seen:
+            counts["reference_only"] += 1
+    return counts

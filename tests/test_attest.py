@@ -24,12 +24,14 @@ from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker
 from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.eval.engines.http import HTTPEngine
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.reference.model import build_model
 from ckpteval.jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.jobs.views.status import collect_status, render
 from tests.support.stale_serve import StaleLayerEngine
 from tests.support.workers import base_dir, make_eval_run, publish_model, start_serve, version
 
@@ -305,12 +307,16 @@ def test_a_stale_layer_server_cannot_make_its_checksum_the_truth(servers: Any, o
         disputed = _unit(stale, run, refs, shard=1)
     assert disputed.skip_reason == "attest_disputed" and "none stands yet" in disputed.message, disputed.message
     assert [len(x) for x in _records(run)] == [2, 0]  # both recorded, neither stands
+    assert summarize(run.weight_checksums) == {"stands": 0, "reference_only": 0, "disputed": 1}
     third = _unit(box.start(refs[2].path, version(run, 2)), run, refs, shard=1)  # another independent load
     assert third.ok and third.attest["attested"] is True and "reproduces" in third.attest["detail"], third.message
     again = _unit(honest, run, refs, shard=1)
     assert again.ok and again.attest["attested"] is True and "stands" in again.attest["detail"]
     rejected = _unit(stale, run, refs, shard=1)
     assert rejected.skip_reason == "attest_failed" and "differs from the one that stands" in rejected.message
+    status = collect_status(run.path)
+    assert status["attestation"] == {"stands": 1, "reference_only": 0, "disputed": 0}
+    assert "weight checksums: 1 compared" in "\n".join(str(x) for x in render(status))
 
 
 def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(servers: Any) -> None:
@@ -399,7 +405,7 @@ def test_the_stand_in_answers_weights_checker_as_sglang_does(tmp_path: Path) -> 
 # -- what a point cost (#19 §3) ---------------------------------------------------------------------------
 def test_units_record_their_cost_and_the_point_and_status_sum_it(tmp_path: Path) -> None:
     from ckpteval.coord.results import derive_point, point_metrics, write_result
-    from ckpteval.jobs.views.status import collect_status, cost_line
+    from ckpteval.jobs.views.status import cost_line
 
     run, refs = _run_with_steps(tmp_path, (1,))
     engine = HFEngine()
