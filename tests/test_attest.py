@@ -319,6 +319,22 @@ def test_a_stale_layer_server_cannot_make_its_checksum_the_truth(servers: Any, o
     assert "weight checksums: 1 compared" in "\n".join(str(x) for x in render(status))
 
 
+def test_a_pool_of_two_servers_is_two_independent_loads(servers: Any) -> None:
+    """``--engine http:A+http:B``: the worker loads step 2 into both servers; each member's observation
+    witnesses the other's, so the first unit is already compared and the checksum stands."""
+    from ckpteval.jobs.eval.engines.factory import EnginePool
+
+    run, refs, box = servers
+    urls = [box.start(refs[1].path, version(run, 1)) for _ in range(2)]
+    pool = EnginePool([HTTPEngine(u) for u in urls])
+    try:
+        (result,) = _evaluate(pool, run, refs, [WorkUnit(2, "addition", 0)])
+    finally:
+        pool.close()
+    assert result.ok and result.attest["attested"] is True and "2 engines: reproduces" in result.attest["detail"]
+    assert [len(x) for x in _records(run)] == [2, 1]
+
+
 def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(servers: Any) -> None:
     """A server the worker launched (it can restart it) whose checksum disputes an honest load is relaunched
     within the unit: the fresh launch is an independent load, its checksum reproduces the honest one, which

@@ -102,6 +102,7 @@ class Attestation:
     state: str = "none"
     by: dict[str, Any] = field(default_factory=dict)
     pending: tuple[_Pending, ...] = field(default=(), repr=False, compare=False)
+    members: tuple[Attestation, ...] = field(default=(), repr=False, compare=False)  # a pool's, one per engine
 
     def to_json(self) -> dict[str, Any]:
         out = {"attested": self.attested, "how": self.how, "detail": self.detail, "seconds": self.seconds,
@@ -137,7 +138,11 @@ def settle(attestation: Attestation, *, record: bool = True) -> Attestation:
     if not attestation.pending:
         return attestation
     t0 = time.perf_counter()
-    results = [_settle_one(p, record) for p in attestation.pending]
+    members = attestation.members or (attestation,)
+    for m in members:  # every member's observation first: two members of a pool witness each other
+        if m.pending and m.pending[0].loaded and record:
+            m.pending[0].records.observe(m.pending[0].observation)
+    results = [_settle_one(m.pending[0], record) if m.pending else m for m in members]
     return _combine(results, attestation.seconds + time.perf_counter() - t0)
 
 
@@ -156,7 +161,8 @@ def _combine(results: list[Attestation], seconds: float) -> Attestation:
     weakest = next((a for a in results if not a.attested), results[0])
     detail = weakest.detail if len(results) == 1 else f"{len(results)} engines: {weakest.detail}"
     pending = tuple(p for a in results for p in a.pending)
-    return replace(weakest, detail=detail, seconds=seconds, pending=pending)
+    return replace(weakest, detail=detail, seconds=seconds, pending=pending,
+                   members=tuple(results) if len(results) > 1 else ())
 
 
 def _provenance(engine: Any, loaded: bool, instance: str | None = None) -> dict[str, Any]:
@@ -229,8 +235,6 @@ def _differs(report: EngineChecksum, step: int, standing: dict[str, Any]) -> str
 def _settle_one(p: _Pending, record: bool) -> Attestation:
     report, layout, step = p.report, p.report.layout, p.observation["step"]
     done = Attestation(False, "consistency", "", state="reference", by=_by(p))
-    if p.loaded and record:
-        p.records.observe(p.observation)
     decision = p.records.decide(report.checksum, report.instance)
     if decision.state == "mismatch":
         raise AttestFailed(_differs(report, step, p.records.standing() or {"checksum": decision.reference}))
