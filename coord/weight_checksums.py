@@ -21,8 +21,9 @@ Guarantees: a checksum stands only if two engine instances that each loaded the 
 reported it; a file is complete before it is visible (:func:`ckpteval.coord.atomic.publish_exclusive`);
 once published, a reference never changes. Limits: two instances sharing a deterministic bug (the same
 buggy build on the same layout) reproduce each other; an instance key is only as independent as the
-server's ``startup_time`` (absent: every launch behind one URL counts as one instance); this module
-trusts its callers to record only loads they made themselves and whose canary passed.
+server's URL and ``startup_time`` (absent: every launch behind one URL counts as one instance; one server
+reachable under two URLs counts as two); this module trusts its callers to record only loads they made
+themselves and whose canary passed.
 """
 
 from __future__ import annotations
