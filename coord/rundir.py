@@ -26,8 +26,8 @@ own. Layout::
     RUN/train_ckpt/       the reference trainer's resumable checkpoints (step-<N>/), read on --resume
     RUN/judge_cache/      judge verdicts, one file per (judge, template, question, response, reference) (ckpteval.coord.verdicts)
     RUN/judge.json        the judge server launched for this run: its URL (ckpteval.coord.verdicts)
-    RUN/weight_checksums/ first engine checksum per (snapshot, parallel layout), first writer wins
-                          (ckpteval.jobs.eval.attest: the sglang consistency proof)
+    RUN/weight_checksums/ per (snapshot, checksum layout) a dir of engine checksums observed and the one that
+                          stands once reproduced (ckpteval.coord.weight_checksums: the sglang consistency proof)
 
 Guarantee: :meth:`RunDir.create` is idempotent and leaves every directory fsync'd. Limits: it does not
 lock the run; two trainers writing one run dir is a user error the protocol does not detect.
@@ -159,12 +159,6 @@ class RunDir:
     @property
     def weight_checksums(self) -> Path:
         return self.path / "weight_checksums"
-
-    def weight_checksum_path(self, snapshot_dir: str, snapshot_id: str, layout: str) -> Path:
-        """``weight_checksums/<snapshot dir name>.<snapshot id>.<layout>.json``: one record per snapshot
-        (its marker's identity, so a re-exported step is another snapshot) and parallel layout."""
-        safe = "".join(c if c.isalnum() or c in "-_+" else "_" for c in layout)
-        return self.weight_checksums / f"{snapshot_dir}.{snapshot_id}.{safe}.json"
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod

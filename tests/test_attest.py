@@ -18,17 +18,21 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
+from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.digests import compare_digests, crc32_combine, safetensors_digests
 from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker
 from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.eval.engines.http import HTTPEngine
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.reference.model import build_model
 from ckpteval.jobs.trainer.export.hf_files import write_hf_files
+from ckpteval.jobs.views.status import collect_status, render
+from tests.support.stale_serve import StaleLayerEngine
 from tests.support.workers import base_dir, make_eval_run, publish_model, start_serve, version
 
 
@@ -71,21 +75,6 @@ def test_compare_digests_names_missing_extra_and_different() -> None:
 
 
 # -- the worker's evaluator ------------------------------------------------------------------------------
-class StaleLayerEngine(HFEngine):
-    """A buggy engine: every load keeps layer 0's attention weights of the weights it held before."""
-
-    def load(self, snapshot_dir: str, weight_version: str) -> None:
-        old = None if self.model is None else {
-            n: p.detach().clone() for n, p in self.model.named_parameters() if n.startswith("model.layers.0.self_attn")
-        }
-        super().load(snapshot_dir, weight_version)
-        if old:
-            params = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, value in old.items():
-                    params[name].copy_(value)
-
-
 class DroppingEngine(HFEngine):
     """A buggy engine: after a load the final norm's weight is no longer one of the model's tensors."""
 
@@ -186,54 +175,253 @@ def test_a_snapshot_modified_after_its_marker_fails_attestation(tmp_path: Path) 
     assert "different 1: model.layers.0.mlp.up_proj.weight" in result.message
 
 
-# -- sglang's consistency proof, against the stand-in's /weights_checker ------------------------------------
+# -- sglang's consistency proof, against the stand-in's /weights_checker (#26 §3) ---------------------------
+class Servers:
+    """Real ``ckpteval serve`` processes for one test (honest, or with the stale-layer engine); all killed after."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp, self.procs = tmp_path, []
+
+    def start(self, snapshot: Path, label: str, stale: bool = False) -> str:
+        module = "tests.support.stale_serve" if stale else "ckpteval.jobs.cli"
+        url, proc = start_serve(snapshot, label, self.tmp / f"serve{len(self.procs)}.log", module=module)
+        self.procs.append(proc)
+        return url
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture
-def served(tmp_path: Path) -> Any:
+def servers(tmp_path: Path) -> Any:
     run, refs = _run_with_steps(tmp_path, (1, 2))
+    box = Servers(tmp_path)
+    try:
+        yield run, refs, box
+    finally:
+        box.close()
+
+
+def _unit(url: str, run: RunDir, refs: dict[int, SnapshotRef], shard: int = 0) -> Any:
+    """One unit of step 2 evaluated by a fresh worker-side evaluator over the server at ``url``."""
+    with HTTPEngine(url) as engine:
+        (result,) = _evaluate(engine, run, refs, [WorkUnit(2, "addition", shard)])
+    return result
+
+
+def _records(run: RunDir) -> tuple[list[Path], list[Path]]:
+    """(observation files, standing reference files) under RUN/weight_checksums/."""
+    files = sorted(run.weight_checksums.rglob("*.json")) if run.weight_checksums.is_dir() else []
+    return [f for f in files if f.name.startswith("obs.")], [f for f in files if f.name == "reference.json"]
+
+
+def _relabel(url: str, snapshot: Path, label: str) -> None:
+    """Another client loads ``snapshot`` and relabels the server ``label`` (sglang's two admin routes)."""
+    httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(snapshot), "weight_version": "x"},
+               timeout=120).raise_for_status()
+    httpx.post(f"{url}/update_weight_version", json={"new_version": label}, timeout=30).raise_for_status()
+
+
+def _adopted(url: str, run: RunDir, refs: dict[int, SnapshotRef]) -> Any:
+    """Attest the server at ``url`` for step 2 as an engine found holding it (not loaded by the caller)."""
+    from ckpteval.jobs.eval.attest import attest, settle
+
+    with HTTPEngine(url) as engine:
+        return settle(attest(engine, refs[2].path, read_marker(refs[2].path), run, loaded=False))
+
+
+@pytest.mark.parametrize("order", ["relabelled_first", "honest_first"])
+def test_a_relabelled_server_is_never_the_reference(servers: Any, order: str) -> None:
+    """A server holding step 1 relabelled as step 2 by another client: the worker reloads it (it never adopts a
+    label it did not load), an attestation of it as found is compared and never recorded, and the checksum of
+    step 2 stands only once two independent servers reproduced it. The old code adopted the relabelled server,
+    recorded its step-1 checksum as step 2's reference and failed every honest load after it."""
+    from ckpteval.jobs.eval.attest import AttestFailed
+
+    run, refs, box = servers
+    fooled = box.start(refs[1].path, "x")
+    _relabel(fooled, refs[1].path, version(run, 2))
+    if order == "relabelled_first":
+        first = _unit(fooled, run, refs)  # the worker loads step 2 itself before scoring: nothing to compare yet
+        assert first.ok and first.attest["attested"] is False and first.attest["state"] == "reference", first.attest
+        assert httpx.get(f"{fooled}/model_info", timeout=30).json()["model_path"] == str(refs[2].path)
+        _relabel(fooled, refs[1].path, version(run, 2))
+        found = _adopted(fooled, run, refs)  # found holding it: compared with what stands (nothing), not recorded
+        assert found.attested is False and found.state == "unverified" and found.by["loaded"] == "adopted"
+        assert len(_records(run)[0]) == 1
+        honest = box.start(refs[2].path, version(run, 2))
+    else:
+        honest = box.start(refs[2].path, version(run, 2))
+        first = _unit(honest, run, refs)
+        assert first.ok and first.attest["attested"] is False and first.attest["state"] == "reference", first.attest
+        with pytest.raises(AttestFailed, match="did not load step 2 itself"):
+            _adopted(fooled, run, refs)  # step 1's weights under step 2's label: matches no load of step 2
+        assert len(_records(run)[0]) == 1  # ... and is not recorded
+    assert first.attest["by"]["loaded"] == "self" and "nothing to compare" in first.attest["detail"]
+    second = _unit(fooled if order == "honest_first" else honest, run, refs, shard=1)
+    assert second.ok and second.attest["attested"] is True and "reproduces" in second.attest["detail"], second.message
+    observations, standing = _records(run)
+    assert len(observations) == 2 and len(standing) == 1
+    assert len(read_json_object(standing[0])["instances"]) == 2
+    if order == "honest_first":
+        _relabel(fooled, refs[1].path, version(run, 2))
+        with pytest.raises(AttestFailed, match="differs from the one that stands"):
+            _adopted(fooled, run, refs)
+
+
+def test_two_loads_of_one_snapshot_on_one_server_are_one_witness(servers: Any) -> None:
+    """An in-place reload on the same launch is not an independent load: two evaluators loading step 2 into one
+    server leave one observation and no reference (the old code recorded the second as a reproduction); a
+    second server's load makes it stand."""
+    run, refs, box = servers
+    url = box.start(refs[1].path, version(run, 1))
+    first, again = _unit(url, run, refs), _unit(url, run, refs, shard=1)
+    for r in (first, again):
+        assert r.ok and r.attest["attested"] is False and r.attest["state"] == "reference", r.attest
+    assert r.attest["by"]["instance"].startswith(url + "@")
+    assert [len(x) for x in _records(run)] == [1, 0]
+    other = _unit(box.start(refs[2].path, version(run, 2)), run, refs)
+    assert other.ok and other.attest["attested"] is True and "reproduces" in other.attest["detail"], other.message
+    assert [len(x) for x in _records(run)] == [2, 1]
+
+
+@pytest.mark.parametrize("order", ["stale_first", "honest_first"])
+def test_a_stale_layer_server_cannot_make_its_checksum_the_truth(servers: Any, order: str) -> None:
+    """A server whose every in-place load keeps layer 0's attention of the weights it held before (launched on
+    step 1, then loading step 2). First or second, its checksum never stands: against an honest load it is a
+    dispute (the unit left for another load, not scored and not ``attest_failed``); a further independent
+    honest load reproduces the honest checksum, which then stands, and the stale server fails against it. The
+    old code made the first loader's checksum the reference: stale first, every honest load failed."""
+    run, refs, box = servers
+    stale = box.start(refs[1].path, version(run, 1), stale=True)
+    honest = box.start(refs[2].path, version(run, 2))
+    if order == "stale_first":
+        first = _unit(stale, run, refs)
+        assert first.ok and first.attest["attested"] is False and first.attest["state"] == "reference"
+        disputed = _unit(honest, run, refs, shard=1)
+    else:
+        first = _unit(honest, run, refs)
+        assert first.ok and first.attest["attested"] is False and first.attest["state"] == "reference"
+        disputed = _unit(stale, run, refs, shard=1)
+    assert disputed.skip_reason == "attest_disputed" and "none stands yet" in disputed.message, disputed.message
+    assert [len(x) for x in _records(run)] == [2, 0]  # both recorded, neither stands
+    assert summarize(run.weight_checksums) == {"stands": 0, "reference_only": 0, "disputed": 1}
+    third = _unit(box.start(refs[2].path, version(run, 2)), run, refs, shard=1)  # another independent load
+    assert third.ok and third.attest["attested"] is True and "reproduces" in third.attest["detail"], third.message
+    again = _unit(honest, run, refs, shard=1)
+    assert again.ok and again.attest["attested"] is True and "stands" in again.attest["detail"]
+    rejected = _unit(stale, run, refs, shard=1)
+    assert rejected.skip_reason == "attest_failed" and "differs from the one that stands" in rejected.message
+    status = collect_status(run.path)
+    assert status["attestation"] == {"stands": 1, "reference_only": 0, "disputed": 0}
+    assert "weight checksums: 1 compared" in "\n".join(str(x) for x in render(status))
+
+
+def test_a_pool_of_two_servers_is_two_independent_loads(servers: Any) -> None:
+    """``--engine http:A+http:B``: the worker loads step 2 into both servers; each member's observation
+    witnesses the other's, so the first unit is already compared and the checksum stands."""
+    from ckpteval.jobs.eval.engines.factory import EnginePool
+
+    run, refs, box = servers
+    urls = [box.start(refs[1].path, version(run, 1)) for _ in range(2)]
+    pool = EnginePool([HTTPEngine(u) for u in urls])
+    try:
+        (result,) = _evaluate(pool, run, refs, [WorkUnit(2, "addition", 0)])
+    finally:
+        pool.close()
+    assert result.ok and result.attest["attested"] is True and "2 engines: reproduces" in result.attest["detail"]
+    assert [len(x) for x in _records(run)] == [2, 1]
+
+
+def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(servers: Any) -> None:
+    """A server the worker launched (it can restart it) whose checksum disputes an honest load is relaunched
+    within the unit: the fresh launch is an independent load, its checksum reproduces the honest one, which
+    then stands, and the unit scores ``compared`` (the stale server loads correctly when launched fresh)."""
+    from tests.support.workers import _start_listening
+
+    run, refs, box = servers
+    assert _unit(box.start(refs[2].path, version(run, 2)), run, refs).attest["state"] == "reference"
+    url = box.start(refs[1].path, version(run, 1), stale=True)
+    port = url.rsplit(":", 1)[1]
+
+    def relaunch() -> None:  # what SGLangEngine.restart does: a new server process on the same port
+        box.procs[-1].kill()
+        box.procs[-1].wait()
+        args = ["--model", str(refs[2].path), "--weight-version", version(run, 2), "--port", port]
+        box.procs.append(_start_listening(args, box.tmp / "relaunch.log", 60.0, "tests.support.stale_serve")[1])
+
+    with HTTPEngine(url, launcher=relaunch) as engine:
+        engine.launch_timeout_s = 60.0  # type: ignore[attr-defined]  # a launched server (launch_timeout > 0)
+        (result,) = _evaluate(engine, run, refs, [WorkUnit(2, "addition", 1)])
+    assert result.ok and result.attest["attested"] is True and "reproduces" in result.attest["detail"], result.message
+    observations, standing = _records(run)
+    assert len(observations) == 3 and len(standing) == 1  # honest, the stale launch, the fresh launch
+
+
+def test_a_unit_whose_canary_fails_records_no_checksum(tmp_path: Path) -> None:
+    """The stale-layer server's canary catches it (the snapshot carries the trainer's probe log-probs): the
+    unit is ``canary_failed`` and its checksum is not recorded, so it can never become a reference."""
+    from tests.test_canary import _export
+
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, max_new_tokens=2)
+    other, path = _export(tmp_path, run, 2), _export(tmp_path, run, 1)
+    refs = {ref.step: ref for ref in SnapshotDiscovery(run.snapshots).poll()}
+    box = Servers(tmp_path)
+    try:
+        url = box.start(other, version(run, 2), stale=True)
+        with HTTPEngine(url) as engine:
+            (result,) = _evaluate(engine, run, refs, [WorkUnit(1, "addition", 0)])
+    finally:
+        box.close()
+    assert refs[1].path == path
+    assert result.skip_reason == "canary_failed", result.message
+    assert not run.weight_checksums.is_dir() or not any(run.weight_checksums.rglob("*.json"))  # nothing recorded
+
+
+def test_checksum_layout_reads_both_sglang_shapes_of_parallelism_info() -> None:
+    """sglang 0.5.19 sends one ``parallelism_info`` object per rank (``srt/managers/io_struct.py``
+    ``ChecksumInfo``), 0.5.23 a list of one per role: both give the same parallel part of the key; the key
+    also names dtype, quantization, version and the device the hash runs on (the old code read 0.5.19's
+    object as no information: ``tp?-dp?-pp?``)."""
+    from ckpteval.jobs.eval.engines.http import checksum_layout
+
+    placement = {"tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                 "rank": 0, "size": 2}
+    old = [{"checksums": {}, "per_gpu_checksum": "a", "parallelism_info": dict(placement, tp_rank=r)} for r in (0, 1)]
+    new = [{"checksums": {}, "per_gpu_checksum": "a", "parallelism_info": [dict(placement, tp_rank=r, role="target")]}
+           for r in (0, 1)]
+    info = {"dtype": "bfloat16", "quantization": "fp8", "version": "0.5.19", "device": "cuda"}
+    assert checksum_layout(old, info) == "tp2-dp1-pp1-ranks2-rolestarget-bfloat16-qfp8-sglang0.5.19-oncuda"
+    assert checksum_layout(new, {**info, "version": "0.5.23"}).startswith("tp2-dp1-pp1-ranks2-rolestarget-bfloat16")
+    draft = [{"parallelism_info": [dict(placement, role="target"), dict(placement, role="draft")]}]
+    assert checksum_layout(draft).startswith("tp2-dp1-pp1-ranks1-rolesdraft+target-?-qnone-sglang?-on?")
+
+
+def test_the_stand_in_answers_weights_checker_as_sglang_does(tmp_path: Path) -> None:
+    run, refs = _run_with_steps(tmp_path, (2,))
     url, proc = start_serve(refs[2].path, version(run, 2), tmp_path / "serve.log")
     try:
-        yield run, refs, url
+        body = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=30).json()
+        info = httpx.get(f"{url}/server_info", timeout=30).json()
+        bad = httpx.post(f"{url}/weights_checker", json={"action": "snapshot"}, timeout=30)
     finally:
         proc.kill()
         proc.wait()
-
-
-def test_a_server_relabelled_by_another_client_fails_the_consistency_proof(served: Any) -> None:
-    run, refs, url = served
-    with HTTPEngine(url) as honest:  # launched on step 2 under step 2's label: the first checksum recorded
-        (first,) = _evaluate(honest, run, refs, [WorkUnit(2, "addition", 0)])
-    assert first.ok and first.attest["how"] == "consistency" and first.attest["attested"] is True
-    assert "first checksum" in first.attest["detail"]
-    assert len(list(run.weight_checksums.iterdir())) == 1
-    # another client loads step 1 and relabels the server as step 2
-    httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(refs[1].path), "weight_version": "x"},
-               timeout=120).raise_for_status()
-    httpx.post(f"{url}/update_weight_version", json={"new_version": version(run, 2)}, timeout=30).raise_for_status()
-    with HTTPEngine(url) as fooled:
-        assert fooled.weight_version() == version(run, 2)
-        (relabelled, reloaded) = _evaluate(fooled, run, refs, [WorkUnit(2, "addition", 1), WorkUnit(2, "addition", 1)])
-    assert relabelled.skip_reason == "attest_failed", relabelled.message
-    assert "differs from the first one recorded" in relabelled.message
-    # the next try reloads the snapshot (the failed version is distrusted) and reproduces the checksum
-    assert reloaded.ok and reloaded.attest["attested"] is True and "reproduces" in reloaded.attest["detail"]
-
-
-def test_the_stand_in_answers_weights_checker_as_sglang_does(served: Any) -> None:
-    _, _, url = served
-    body = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=30).json()
     assert body["success"] is True and isinstance(body["per_engine_checksum"], str)
     (rank,) = body["ranks"]
     assert rank["parallelism_info"][0]["role"] == "target" and rank["parallelism_info"][0]["tp_size"] == 1
     assert all(len(v) == 16 for v in rank["checksums"].values())
     assert not any("inv_freq" in n for n in rank["checksums"])
-    bad = httpx.post(f"{url}/weights_checker", json={"action": "snapshot"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["success"] is False
+    assert (info.get("dtype"), info.get("device")) == ("float32", "cpu") and isinstance(info.get("startup_time"), float)
 
 
 # -- what a point cost (#19 §3) ---------------------------------------------------------------------------
 def test_units_record_their_cost_and_the_point_and_status_sum_it(tmp_path: Path) -> None:
     from ckpteval.coord.results import derive_point, point_metrics, write_result
-    from ckpteval.jobs.views.status import collect_status, cost_line
+    from ckpteval.jobs.views.status import cost_line
 
     run, refs = _run_with_steps(tmp_path, (1,))
     engine = HFEngine()

@@ -26,9 +26,9 @@ from ckpteval.coord.snapshot import (
     verify_snapshot,
 )
 from ckpteval.coord.units import WorkUnit, shard_range
-from ckpteval.jobs.eval.attest import NOT_ATTESTED, Attestation, AttestFailed, attest
+from ckpteval.jobs.eval.attest import NOT_ATTESTED, Attestation, AttestDisputed, AttestFailed, attest, settle
 from ckpteval.jobs.eval.canary import CanaryFailed, check_canary
-from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus, launch_timeout
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from ckpteval.jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from ckpteval.jobs.eval.options import WorkerOptions
@@ -76,6 +76,8 @@ class EngineEvaluator:
         self._attested: tuple[str, Attestation, dict[str, float]] | None = None  # (version, attestation,
         # canary fidelity) since the last load
         self._distrusted: set[str] = set()  # versions whose attestation failed: reloaded before the next try
+        self._self_loaded: str | None = None  # the version this evaluator itself loaded into the engine from
+        # disk and still holds; any other (a label someone else set, a server launched by another) is reloaded
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
         want = weight_version(self.key, unit.step)
@@ -95,17 +97,27 @@ class EngineEvaluator:
         return replace(ev, attest=attestation.to_json(), fidelity=fidelity,
                        cost=unit_cost(ev, timings, engine_gpus(self.engine)))
 
-    def _attest(self, ref: SnapshotRef, want: str, timings: dict[str, float]) -> tuple[Attestation, dict[str, float]]:
+    def _attest(self, ref: SnapshotRef, want: str, timings: dict[str, float],
+                rederive: bool = True) -> tuple[Attestation, dict[str, float]]:
         """The attestation of the weights held for ``want`` and the canary's fidelity (:mod:`ckpteval.jobs.eval.canary`;
-        ``{}``: no canary): made after each load, and before the first unit of a version this evaluator did
-        not load (a label set by someone else proves nothing)."""
+        ``{}``: no canary), made after each load (the evaluator only scores versions it loaded itself). The
+        checksum is recorded (:func:`ckpteval.jobs.eval.attest.settle`) only after the canary passed unflagged.
+        A disputed checksum on an engine this worker launched is re-derived once by a relaunch (an independent
+        load); elsewhere the dispute is the unit's (left for another worker)."""
         if self._attested is not None and self._attested[0] == want:
             timings["attest_s"] = timings["canary_s"] = 0.0
             return self._attested[1], self._attested[2]
         marker = verify_snapshot(ref.path, "fast", marker=ref.marker if ref.foreign else None)
         try:
-            attestation = attest(self.engine, ref.path, marker, self.cache.run)
+            attestation = attest(self.engine, ref.path, marker, self.cache.run, loaded=self._self_loaded == want)
             fidelity = check_canary(self.engine, ref.path, marker, self.canary_max_diff, self.canary_on_fail)
+            attestation = settle(attestation, record=fidelity is None or not fidelity.flagged)
+        except AttestDisputed:
+            self._distrusted.add(want)
+            if rederive and launch_timeout(self.engine) > 0:  # a server this worker launched: relaunch it
+                self._heal(ref, want)
+                return self._attest(ref, want, timings, rederive=False)
+            raise
         except (AttestFailed, CanaryFailed):
             self._distrusted.add(want)
             raise
@@ -136,6 +148,7 @@ class EngineEvaluator:
             self._heal(ref, want)
 
     def _heal(self, ref: SnapshotRef, want: str) -> None:
+        self._self_loaded, self._attested = None, None  # a relaunch: reloaded and attested afresh
         try:
             restart(self.engine, self.load_timeout_s)  # bounded by a launch's start-up timeout
             self._pin(ref, want)
@@ -148,15 +161,16 @@ class EngineEvaluator:
         """:func:`ckpteval.jobs.eval.pinning.pin` with the fleet's bounds; returns whether a load happened."""
         try:
             loaded = pin(self.engine, str(ref.path), want, load_timeout_s=self.load_timeout_s,
-                         pin_timeout_s=self.pin_timeout_s, reload=want in self._distrusted)
+                         pin_timeout_s=self.pin_timeout_s,
+                         reload=want in self._distrusted or self._self_loaded != want)  # never adopt a label
         except PinViolation:
-            self._loaded_once, self._attested = True, None  # the load happened; its read-back failed
+            self._loaded_once, self._attested, self._self_loaded = True, None, None  # loaded; read-back failed
             raise
         except EngineError:
-            self._attested = None  # the held weights are unknown: attested again after the next load
+            self._attested, self._self_loaded = None, None  # the held weights are unknown: reload, attest again
             raise
         if loaded:
-            self._attested = None  # new weights: attested before they score
+            self._attested, self._self_loaded = None, want  # new weights, loaded here: attested before they score
         self._loaded_once = self._loaded_once or loaded
         return loaded
 

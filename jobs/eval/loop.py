@@ -33,8 +33,9 @@ from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED,
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
 # Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
 # result is written only when the unit, not the worker, is to blame (see Worker._leave_for_another) —
-# at once when the result names user code to blame (a scorer, a library task raised).
-RETRYABLE = frozenset({"unhealthy", "crashed"})
+# at once when the result names user code to blame (a scorer, a library task raised). A disputed checksum
+# (ckpteval.jobs.eval.attest.AttestDisputed) is left for another worker's independent load the same way.
+RETRYABLE = frozenset({"unhealthy", "crashed", "attest_disputed"})
 
 
 def dispatched_steps(ledger_path: Path) -> set[int]:

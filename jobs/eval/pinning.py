@@ -11,7 +11,10 @@ posture's :func:`ckpteval.jobs.trainer.gate.shared_eval`. They pass different se
 
 - the fleet bounds the load (``load_timeout_s``: a wedged server must not hang the worker) and waits up
   to ``pin_timeout_s`` for the read-back (a remote server may report the new version a moment late),
-  and keeps a loaded version (the worker's engine only ever holds snapshots it loaded);
+  and keeps a version only while it is one the worker loaded itself: an engine whose label already names
+  the wanted version but which this worker did not load (a server launched or relabelled by another
+  client) is reloaded (``reload=True``), so a label is never adopted (:mod:`ckpteval.jobs.eval.attest`
+  records only loads made by the caller);
 - the shared posture always reloads (``reload=True``): the trainer's producers may have synced weights
   into the same engine under a version string of their own, and an eval point's weights come only from
   its snapshot on disk. It does not wait or bound the load: the gate holds the engine, nothing else

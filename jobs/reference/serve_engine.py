@@ -86,6 +86,8 @@ class EngineService:
         # later (tokenizer_manager.py: built once in init_tokenizer_and_processor)
         self.launch_tokenizer = engine.tokenizer
         self.launch_label = self.label
+        self.launch_dtype = engine.compute_dtype  # server args, as sglang reports them on /server_info
+        self.startup_time = time.time()  # /server_info "startup_time": tells one launch from the next
         self.lock = threading.Lock()  # the engine: generation and loads
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
         self.state = threading.Condition()  # live requests, pause, generation count
@@ -388,6 +390,11 @@ class EngineService:
             "load_format": "auto",
             "context_length": None,
             "internal_states": [{}],
+            # resolved server args that change /weights_checker's checksum (srt/utils/common.py build_server_info)
+            "dtype": self.launch_dtype,
+            "quantization": None,
+            "device": "cuda" if self.engine.gpus else "cpu",
+            "startup_time": self.startup_time,
             "version": EMULATED_SGLANG_VERSION,
             "frontend": "python",
         }

@@ -29,6 +29,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.steps import run_step_selection
 from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
+from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
 from ckpteval.jobs.views.tables import PlainTable
 
@@ -159,6 +160,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "units": units,
         "points": points,
         "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
+        "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
         "health": {
             "expired_leases": len(expired),
             "stuck_units": [p["unit"] for p in expired],
@@ -321,7 +323,16 @@ def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
         items.append(units)
     else:
         items.append("pending units: none")
-    return [*items, *points_tables(status, width), cost_line(status["cost"]), health_line(status)]
+    lines = [cost_line(status["cost"]), health_line(status)]
+    if any((a := status.get("attestation") or {}).values()):
+        lines.insert(1, attestation_line(a))
+    return [*items, *points_tables(status, width), *lines]
+
+
+def attestation_line(counts: dict[str, int]) -> str:
+    """The sglang consistency record (``RUN/weight_checksums/``) per snapshot and checksum layout."""
+    return (f"weight checksums: {counts['stands']} compared (reproduced by independent loads), "
+            f"{counts['reference_only']} reference-only (one load, nothing compared), {counts['disputed']} disputed")
 
 
 def _training_state(status: dict[str, Any]) -> str:

@@ -281,9 +281,11 @@ def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
     return code, worker
 
 
-def start_serve(snapshot: Path, version: str, log: Path, timeout: float = 60.0) -> tuple[str, subprocess.Popen[str]]:
-    """Launch ``python -m ckpteval.jobs.cli serve`` (the real HTTP engine) on a free port; (url, process)."""
-    return _start_listening(["--model", str(snapshot), "--weight-version", version], log, timeout)
+def start_serve(snapshot: Path, version: str, log: Path, timeout: float = 60.0,
+                module: str = "ckpteval.jobs.cli") -> tuple[str, subprocess.Popen[str]]:
+    """Launch ``python -m ckpteval.jobs.cli serve`` (the real HTTP engine) on a free port; (url, process).
+    ``module``: another entry point taking the same arguments (``tests.support.stale_serve``: a buggy engine)."""
+    return _start_listening(["--model", str(snapshot), "--weight-version", version], log, timeout, module)
 
 
 def start_judge(mode: str, log: Path, *extra: str, timeout: float = 60.0) -> tuple[str, subprocess.Popen[str]]:
@@ -293,10 +295,11 @@ def start_judge(mode: str, log: Path, *extra: str, timeout: float = 60.0) -> tup
     return f"{url}/v1", proc
 
 
-def _start_listening(args: list[str], log: Path, timeout: float) -> tuple[str, subprocess.Popen[str]]:
+def _start_listening(args: list[str], log: Path, timeout: float,
+                     module: str = "ckpteval.jobs.cli") -> tuple[str, subprocess.Popen[str]]:
     import select
 
-    cmd = [PYTHON, "-m", "ckpteval.jobs.cli", "serve", *args, *([] if "--port" in args else ["--port", "0"])]
+    cmd = [PYTHON, "-m", module, "serve", *args, *([] if "--port" in args else ["--port", "0"])]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=err, text=True)
     deadline = time.monotonic() + timeout

@@ -101,12 +101,16 @@ class WeightDigests:
 @dataclass(frozen=True)
 class EngineChecksum:
     """sglang's ``/weights_checker`` ``checksum`` answer, reduced: ``checksum`` (its
-    ``per_engine_checksum``) and ``layout`` (the parallel layout it was computed under, e.g.
-    ``tp1-dp1-pp1-ranks1``): equal only between engines of the same layout holding the same weights."""
+    ``per_engine_checksum``), ``layout`` (everything the checksum depends on besides the weights:
+    parallelism, roles, dtype, quantization, sglang version, the device the hash runs on —
+    :func:`ckpteval.jobs.eval.engines.http.checksum_layout`): equal only between engines of the same
+    layout holding the same weights; ``instance``: which server launch answered (``<url>@<startup
+    time>``), so an in-place reload is never taken for an independent load."""
 
     checksum: str
     layout: str
     tensors: int
+    instance: str = "?"
 
 
 @runtime_checkable

@@ -194,14 +194,32 @@ def parse_generation(item: Any) -> Sample:
                              prompt_tokens=prompt if isinstance(prompt, int) else None))
 
 
-def checksum_layout(ranks: list[Any]) -> str:
-    """``tp<T>-dp<D>-pp<P>-ranks<N>-roles<r1+r2>`` from ``/weights_checker`` ranks' ``parallelism_info``
-    (a list of roles per rank in 0.5.23): the checksum is comparable only between equal layouts."""
-    infos = [i for r in ranks if isinstance(r, dict) for i in (r.get("parallelism_info") or []) if isinstance(i, dict)]
-    target = next((i for i in infos if i.get("role") == "target"), infos[0] if infos else {})
-    roles = "+".join(sorted({str(i.get("role")) for i in infos}))
+def checksum_layout(ranks: list[Any], info: dict[str, Any] | None = None) -> str:
+    """Everything a ``/weights_checker`` checksum depends on besides the weights, as one key:
+    ``tp<T>-dp<D>-pp<P>-ranks<N>-roles<r1+r2>-<dtype>-q<quantization>-sglang<version>-on<device>``.
+
+    Parallelism from the ranks' ``parallelism_info``: one object per rank in sglang 0.5.19
+    (``srt/managers/io_struct.py`` ``ChecksumInfo.parallelism_info: ParallelismInfo``, no role: the
+    target), a list of one object per role in 0.5.23 (``List[ParallelismInfo]`` with ``role``; draft
+    checksums merged in under a role prefix, ``srt/managers/scheduler_components/weight_updater.py``
+    ``_merge_checksum_payloads``). The rest from ``/server_info`` (``info``; ``?`` when absent): ``dtype``
+    and ``quantization`` change the tensors held, the version changes what is hashed (0.5.23 skips
+    non-persistent buffers such as ``cos_cache``, 0.5.19 does not: ``srt/utils/weight_checker.py``
+    ``_compute_checksum``), and ``device`` where the hash runs (``srt/managers/mm_utils.py``
+    ``tensor_hash``: a triton kernel for CUDA tensors, SHA-256 of the bytes on the CPU)."""
+    infos = [i for r in ranks if isinstance(r, dict) for i in _rank_infos(r.get("parallelism_info"))]
+    target = next((i for i in infos if i.get("role", "target") == "target"), infos[0] if infos else {})
+    roles = "+".join(sorted({str(i.get("role", "target")) for i in infos}))
+    info = info or {}
     return (f"tp{target.get('tp_size', '?')}-dp{target.get('dp_size', '?')}-pp{target.get('pp_size', '?')}"
-            f"-ranks{len(ranks)}-roles{roles or '?'}")
+            f"-ranks{len(ranks)}-roles{roles or '?'}-{info.get('dtype') or '?'}-q{info.get('quantization') or 'none'}"
+            f"-sglang{info.get('version') or '?'}-on{info.get('device') or '?'}")
+
+
+def _rank_infos(value: Any) -> list[dict[str, Any]]:
+    """A rank's ``parallelism_info``: one object (0.5.19) or a list of them (0.5.23)."""
+    items = value if isinstance(value, list) else [value]
+    return [i for i in items if isinstance(i, dict)]
 
 
 def check_seeds(seeds: list[int] | None, n: int) -> None:
@@ -333,7 +351,8 @@ class HTTPEngine:
     def weights_checksum(self) -> EngineChecksum:
         """sglang's ``POST /weights_checker {"action": "checksum"}`` (0.5.23:
         ``srt/entrypoints/http_server.py`` ``check_weights``, ``srt/utils/weight_checker.py``): the
-        ``per_engine_checksum`` and the parallel layout of its ``ranks``. :class:`EngineError` when the
+        ``per_engine_checksum``, its checksum layout (:func:`checksum_layout`, with ``/server_info`` read
+        afresh) and the instance (``startup_time`` of ``/server_info``, in 0.5.19 and 0.5.23). :class:`EngineError` when the
         server cannot answer (an older sglang 404s the route; ``success: false``)."""
         response = self._request("POST", "/weights_checker", json={"action": "checksum"}, timeout=self._load_timeout)
         try:
@@ -345,7 +364,10 @@ class HTTPEngine:
         ranks, checksum = body.get("ranks"), body.get("per_engine_checksum")
         if not isinstance(ranks, list) or not ranks or not isinstance(checksum, str):
             raise EngineError(f"POST /weights_checker: no ranks or per_engine_checksum in {str(body)[:200]}")
-        return EngineChecksum(checksum, checksum_layout(ranks), sum(len(r.get("checksums") or {}) for r in ranks))
+        _, info = self._get_json(("/server_info", "/get_server_info"))  # read afresh: a relaunch is another instance
+        tensors = sum(len(r.get("checksums") or {}) for r in ranks if isinstance(r, dict))
+        instance = f"{self._base_url}@{info.get('startup_time', '?')}"
+        return EngineChecksum(checksum, checksum_layout(ranks, info), tensors, instance)
 
     def weight_version(self) -> str | None:
         """The server's label; ``None`` after a failed load (weights unknown until the next good load)."""
