@@ -405,9 +405,9 @@ class HTTPEngine:
             try:
                 samples = self._generate_batch([prompts[i] for i in chunk], params, chunk_seeds)
             except BatchTooLarge:
-                if size == 1:
+                if len(chunk) == 1:
                     raise
-                size = max(1, size // 2)
+                size = len(chunk) // 2
                 continue
             yield from zip(chunk, samples, strict=True)
             start += len(chunk)
