@@ -240,6 +240,22 @@ def test_a_running_timeout_is_not_retried(stub: tuple[Stub, str]) -> None:
     assert len(state.calls("/generate")) == 1
 
 
+def test_the_canary_request_is_handled_like_a_generate(stub: tuple[Stub, str]) -> None:
+    """A busy 503 or an aborted reply to the canary's /generate is retried, never a restart (EngineError
+    with restart_helps); staying aborted is SamplesAborted; a 4xx is the canary absent."""
+    state, url = stub
+    refused = (400, {"error": {"message": "return_logprob is not supported"}})
+    state.generate_script += [_busy(QUEUE_FULL), lambda body: (200, [aborted("default")] * len(body["text"])),
+                              lambda _: refused]
+    with pytest.raises(RequestRejected, match="return_logprob"):
+        engine(url, busy_retries=1).teacher_forced([("1+1=", "2")])
+    assert len(state.calls("/generate")) == 3
+    state.generate_script += [lambda body: (200, [aborted("default")] * len(body["text"]))] * 3
+    with pytest.raises(SamplesAborted) as caught:
+        engine(url, abort_retries=2).teacher_forced([("1+1=", "2")])
+    assert not caught.value.restart_helps
+
+
 def test_gpus_count_pipeline_parallelism_and_not_dp_attention(stub: tuple[Stub, str]) -> None:
     state, url = stub
     state.extra_info = {"tp_size": 4, "dp_size": 2, "pp_size": 2}

@@ -230,6 +230,8 @@ def check_seeds(seeds: list[int] | None, n: int) -> None:
 class HTTPEngine:
     """An engine behind a URL; see the module docstring."""
 
+    canary_kind = "sglang"  # the canary's bound table (ckpteval.jobs.eval.canary.measured_bounds): unmeasured
+
     def __init__(
         self,
         base_url: str,
@@ -437,11 +439,18 @@ class HTTPEngine:
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """The canary's recomputation (:mod:`ckpteval.jobs.eval.canary`) by the server, with the tokenizer it
-        generates with: one ``/generate`` of input-token log-probs (:mod:`~ckpteval.jobs.eval.engines.sglang_logprobs`)."""
+        generates with: one ``/generate`` of input-token log-probs (:mod:`~ckpteval.jobs.eval.engines.sglang_logprobs`),
+        handled like a generate: a busy 503 is retried (:func:`send_retrying_busy`, never a restart), aborted
+        items are resent (``abort_retries``, then :class:`SamplesAborted`)."""
         from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
 
         self.server_info()
-        return server_teacher_forced(lambda body: self._request("POST", "/generate", json=body), pairs)
+
+        def post(body: dict[str, Any]) -> httpx.Response:
+            return send_retrying_busy(lambda: self._request("POST", "/generate", json=body), self._busy_retries,
+                                      self._busy_retry_delay, "POST /generate (canary log-probs)")
+
+        return server_teacher_forced(post, pairs, self._abort_retries, self._abort_retry_delay)
 
     def _warn_if_seeds_ignored(self, params: SamplingParams, seeds: list[int] | None) -> None:
         if seeds is None or params.temperature == 0 or self._warned_nondeterministic:
