@@ -452,6 +452,15 @@ class HTTPEngine:
 
         return server_teacher_forced(post, pairs, self._abort_retries, self._abort_retry_delay)
 
+    def lm_eval_model(self, snapshot_dir: str) -> tuple[str, str]:
+        """``(model, tokenizer)`` lm-eval's ``local-completions`` names: the snapshot (loaded in place) for
+        both; LoRA engines name ``<base>:<adapter>`` and the base's tokenizer."""
+        return snapshot_dir, snapshot_dir
+
+    def auth_header(self, path: str) -> dict[str, str]:
+        """The ``Authorization`` header this engine sends to ``path`` (:mod:`~ckpteval.jobs.eval.engines.http_auth`)."""
+        return auth_headers(path, self._keys)
+
     def _warn_if_seeds_ignored(self, params: SamplingParams, seeds: list[int] | None) -> None:
         if seeds is None or params.temperature == 0 or self._warned_nondeterministic:
             return
