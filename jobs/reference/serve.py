@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-total-tokens", type=positive_int, default=None, metavar="N",
                         help="answer a batch whose prompt plus max_new_tokens tokens exceed N with sglang's "
                         "503 'Retracted under decode memory pressure without a KV backup' (default: no limit)")
-    parser.add_argument("--logprob-offset", type=float, default=0.0, metavar="X",
+    parser.add_argument("--logprob-offset", type=bounded(float, min=0), default=0.0, metavar="X",
                         help="stand-in only: add X to every return_logprob log-prob, so a canary sees a set "
                         "difference from the trainer's (default: 0)")
     parser.add_argument(
