@@ -311,7 +311,8 @@ def serve_cases() -> list[str]:
         "serve --judge exact --judge-delay x",
         *_no_value(base, "--weight-version", "--host", "--api-key", "--admin-api-key"),
         *_no_value("serve --judge exact", "--served-model-name"),
-    ] + _flag_cases(base, {"--max-batch-size": "int>=1", "--max-queued-requests": "int>=0"})
+    ] + _flag_cases(base, {"--max-batch-size": "int>=1", "--max-queued-requests": "int>=0",
+                           "--max-total-tokens": "int>=1", "--logprob-offset": "float>=0"})
 
 
 def submit_cases() -> list[str]:

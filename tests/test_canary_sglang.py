@@ -63,7 +63,7 @@ def _base_without_bos(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[Any, str]]:
+def served(tmp_path: Path) -> Iterator[tuple[Any, str, EngineService]]:
     """A run with steps 1 (the base tokenizer) and 2 (a tokenizer without ``<bos>``); the stand-in
     launched on step 1."""
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, max_new_tokens=2)
@@ -75,15 +75,15 @@ def served(tmp_path: Path) -> Iterator[tuple[Any, str]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield run, f"http://127.0.0.1:{server.server_address[1]}"
+        yield run, f"http://127.0.0.1:{server.server_address[1]}", server.service
     finally:
         server.shutdown()
         server.server_close()
         engine.close()
 
 
-def test_the_stand_in_returns_input_token_logprobs_as_sglang_does(served: tuple[Any, str]) -> None:
-    run, url = served
+def test_the_stand_in_returns_input_token_logprobs_as_sglang_does(served: tuple[Any, str, EngineService]) -> None:
+    run, url, _ = served
     (ref, _) = sorted(SnapshotDiscovery(run.snapshots).poll(), key=lambda r: r.step)
     text = "12+34="
     body = {"text": [text], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
@@ -107,23 +107,24 @@ def test_the_stand_in_returns_input_token_logprobs_as_sglang_does(served: tuple[
     assert decoding.status_code == 400 and "prefill-only" in decoding.text
 
 
-def _evaluate(run: Any, url: str, step: int, kind: type[HTTPEngine] = SGLangEngine) -> Any:  # noqa: ANN401
+def _evaluate(run: Any, url: str, step: int, kind: type[HTTPEngine] = SGLangEngine,  # noqa: ANN401
+              bound: float | None = None) -> Any:
     refs = {r.step: r for r in SnapshotDiscovery(run.snapshots).poll()}
     engine = SGLangEngine(url=url) if kind is SGLangEngine else kind(url)
     try:
-        evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), 5.0, 120.0)
+        evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), 5.0, 120.0, bound)
         return evaluate_unit(evaluator, WorkUnit(step, "addition", 0), refs[step], "fast")
     finally:
         engine.close()
 
 
 def test_an_honest_sglang_engine_passes_the_canary_and_a_tokenizer_changed_after_launch_fails_it(
-    served: tuple[Any, str],
+    served: tuple[Any, str, EngineService],
 ) -> None:
     """sglang keeps the tokenizer it was launched with across ``update_weights_from_disk`` (cited in
     docs/PROTOCOL.md "The canary"): a step whose tokenizer changed is loaded in place, attested, and then
     scored by the launch tokenizer. The canary (not attestation: the weights are right) catches it."""
-    run, url = served
+    run, url, _ = served
     honest = _evaluate(run, url, 1)  # the tokenizer the server was launched with: the trainer's
     assert honest.ok, honest.message
     assert honest.fidelity["tokens"] > 0 and honest.fidelity["max_abs_logprob_diff"] <= CANARY_MAX_DIFF_SAME_DTYPE
@@ -135,11 +136,11 @@ def test_an_honest_sglang_engine_passes_the_canary_and_a_tokenizer_changed_after
     assert info["weight_version"] == version(run, 2) and info["tokenizer_path"] != info["model_path"]
 
 
-def test_a_plain_http_engine_runs_the_canary_too(served: tuple[Any, str]) -> None:
+def test_a_plain_http_engine_runs_the_canary_too(served: tuple[Any, str, EngineService]) -> None:
     """``--engine http:URL`` speaks the same sglang API as the launching engine, so the canary is not
     absent behind it: an honest step passes with the stand-in's log-probs, a tokenizer changed after launch
     fails it."""
-    run, url = served
+    run, url, _ = served
     honest, changed = _evaluate(run, url, 1, HTTPEngine), _evaluate(run, url, 2, HTTPEngine)
     assert honest.ok and honest.fidelity["tokens"] > 0, honest.message
     assert honest.fidelity["max_abs_logprob_diff"] <= CANARY_MAX_DIFF_SAME_DTYPE
@@ -187,3 +188,56 @@ def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(
         engine.close()
         server.shutdown()
         server.server_close()
+
+
+BOUND = 2.0**-4  # a binary fraction: offsets of 2**-5, 2**-4, 2**-3 are added to the log-probs exactly
+
+
+@pytest.mark.parametrize(("offset", "outcome"), [(2.0**-5, "passed"), (BOUND, "passed"), (2.0**-3, "canary_failed")])
+def test_the_bound_is_exercised_below_at_and_above_it(
+    served: tuple[Any, str, EngineService], offset: float, outcome: str
+) -> None:
+    """The stand-in's ``logprob_offset`` makes its log-probs differ from the trainer's by a set amount (the
+    trainer's own function otherwise gives 0 by construction): an explicit bound passes a difference at or
+    below it and skips one above it."""
+    run, url, service = served
+    service.logprob_offset = offset
+    result = _evaluate(run, url, 1, bound=BOUND)
+    assert (result.skip_reason or "passed") == outcome, result.message
+    if result.ok:
+        assert result.fidelity["max_abs_logprob_diff"] == offset and result.fidelity["flagged"] == 0.0
+        assert result.fidelity["bound"] == BOUND and result.fidelity["bound_unmeasured"] == 0.0
+
+
+def test_an_unmeasured_engine_kind_is_flagged_not_skipped(
+    served: tuple[Any, str, EngineService], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sglang's kernels were never measured against the trainer (no GPU): over the provisional default the
+    unit is scored, flagged, and the result says the bound is unmeasured; a tokenizer change still fails."""
+    run, url, service = served
+    service.logprob_offset = 0.5  # ten times the provisional 0.05
+    result = _evaluate(run, url, 1)
+    assert result.ok, result.message
+    assert result.fidelity["flagged"] == 1.0 and result.fidelity["bound_unmeasured"] == 1.0
+    assert result.fidelity["max_abs_logprob_diff"] == pytest.approx(0.5)
+    assert "bound for this engine kind is unmeasured" in capsys.readouterr().err
+    assert _evaluate(run, url, 2).skip_reason == "canary_failed"  # ids differ: inf, whatever the bound
+
+
+def test_ids_are_compared_modulo_sglangs_clip_of_the_last_vocabulary_id(served: tuple[Any, str, EngineService]) -> None:
+    """sglang reports input ids >= vocab_size - 1 as 0 (logprob_result_processor.py): the stand-in does, and
+    the canary compares ids modulo that clip when the trainer stored its vocab_size."""
+    from ckpteval.jobs.eval.canary import compare
+
+    run, url, service = served
+    vocab = service.engine.model.config.vocab_size
+    body = {"input_ids": [[1, 5, vocab - 1, 7]], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 1}
+    (item,) = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    assert [t[1] for t in item["meta_info"]["input_token_logprobs"]] == [1, 5, 0, 7]
+    probe = {"ids": [1, 5, vocab - 1, 7], "start": 2, "logprobs": [-1.0, -2.0], "argmax": [3, 4]}
+    got = probe | {"ids": [1, 5, 0, 7], "logprobs": [-1.0, -2.5]}
+    assert compare({"probes": [probe], "vocab_size": vocab}, [got]).max_abs_logprob_diff == 0.5
+    assert compare({"probes": [probe]}, [got]).max_abs_logprob_diff == float("inf")  # no vocab_size stored
+    wrong = got | {"ids": [1, 6, 0, 7]}
+    assert compare({"probes": [probe], "vocab_size": vocab}, [wrong]).max_abs_logprob_diff == float("inf")

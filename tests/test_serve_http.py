@@ -481,8 +481,8 @@ def in_process(snapshot: Path, api_keys: tuple[str | None, str | None] = (None, 
 
 @pytest.fixture
 def shedding(tiny_snapshot: Path) -> Iterator[tuple[EngineService, str]]:
-    """The stand-in with ``--max-queued-requests 0``: requests arriving while the engine is busy are shed."""
-    with in_process(tiny_snapshot, max_queued=0) as served:
+    """The stand-in with ``--max-queued-requests 2`` (counted in prompts, as sglang's scheduler does)."""
+    with in_process(tiny_snapshot, max_queued=2) as served:
         yield served
 
 
@@ -490,25 +490,75 @@ def test_a_full_queue_is_a_503_the_client_retries_without_a_restart(shedding: tu
     service, url = shedding
     restarts: list[bool] = []
     impatient = HTTPEngine(url, busy_retries=0, launcher=lambda: restarts.append(True))
-    with service.lock:  # the engine is busy with a long batch
-        reply = httpx.post(url + "/generate", json={"text": "1+1="}, timeout=30)
-        assert reply.status_code == 503 and reply.json() == {
-            "object": "error", "message": "The request queue is full.", "type": "503", "param": None, "code": 503}
-        with pytest.raises(ServerBusy, match="The request queue is full"):
-            impatient.generate(["1+1="], GREEDY)
-    assert impatient.generate(["1+1="], GREEDY)[0].weight_version == "0"  # idle again: served
+    reply = httpx.post(url + "/generate", json={"text": PROMPTS[:3]}, timeout=30)  # 3 prompts > 2, even idle
+    assert reply.status_code == 503 and reply.json() == {
+        "object": "error", "message": "The request queue is full.", "type": "503", "param": None, "code": 503}
+    with service.state:
+        service.waiting += 2  # another client's two prompts wait for the engine
+    with pytest.raises(ServerBusy, match="The request queue is full"):
+        impatient.generate(["1+1="], GREEDY)  # one prompt, the smallest chunk: still no room
+    with service.state:
+        service.waiting -= 2
+    assert impatient.generate(["1+1="], GREEDY)[0].weight_version == "0"  # room again: served
 
     patient = HTTPEngine(url, busy_retries=8, busy_retry_delay=0.05, launcher=lambda: restarts.append(True))
     out: list[Any] = []
-    with service.lock:
+    with service.state:
+        service.waiting += 2
         shed = service.shed
-        worker = threading.Thread(target=lambda: out.append(patient.generate(PROMPTS[:2], GREEDY)), daemon=True)
-        worker.start()
-        while service.shed < shed + 2 and worker.is_alive():  # shed twice, still retrying
-            time.sleep(0.01)
+    worker = threading.Thread(target=lambda: out.append(patient.generate(PROMPTS[:2], GREEDY)), daemon=True)
+    worker.start()
+    while service.shed < shed + 2 and worker.is_alive():  # shed twice, still retrying
+        time.sleep(0.01)
+    with service.state:
+        service.waiting -= 2
     worker.join(timeout=60)
     assert len(out) == 1 and [g.weight_version for g in out[0]] == ["0", "0"]
     assert service.shed >= shed + 2 and restarts == []
+
+
+@pytest.mark.parametrize("limit", [1, 8, 100])
+def test_a_batch_larger_than_the_queue_limit_passes_chunked(tiny_snapshot: Path, limit: int) -> None:
+    """sglang sheds every prompt past --max-queued-requests (scheduler.py _abort_on_queued_limit) and one
+    shed prompt fails the batch: the client chunks to half the limit read from /server_info."""
+    n = 2 * limit + 3
+    prompts = (PROMPTS * (n // len(PROMPTS) + 1))[:n]
+    with in_process(tiny_snapshot, max_queued=limit) as (service, url):
+        info = httpx.get(url + "/server_info").json()
+        assert info["max_queued_requests"] == limit and (info["tp_size"], info["dp_size"], info["pp_size"]) == (1, 1, 1)
+        assert [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]] == [256]
+        assert httpx.post(url + "/generate", json={"text": prompts[: limit + 1]}, timeout=60).status_code == 503
+        assert httpx.post(url + "/generate", json={"text": prompts[:limit]}, timeout=60).status_code == 200
+        shed = service.shed
+        out = HTTPEngine(url, busy_retries=0, max_batch_size=512).generate(prompts, GREEDY)
+        assert len(out) == n and all(g.weight_version == "0" for g in out) and service.shed == shed
+
+
+def test_retraction_shrinks_the_batch_and_a_running_timeout_is_not_retried(
+    tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two other 503s of 0.5.23: a retraction without a KV backup (schedule_batch.py retract_decode;
+    a smaller batch needs less KV) and SGLANG_REQ_RUNNING_TIMEOUT (scheduler.py _poll_timeout_aborts:
+    the same generation runs as long again, so no retry, no restart)."""
+    from ckpteval.jobs.eval.engines.http_limits import BatchTooLarge, RunningTimedOut
+
+    with in_process(tiny_snapshot, max_total_tokens=40) as (service, url):
+        reply = httpx.post(url + "/generate", json={"text": PROMPTS[:8], "sampling_params": {"max_new_tokens": 6}})
+        assert reply.status_code == 503 and "Retracted under decode memory pressure" in reply.json()["message"]
+        with pytest.raises(BatchTooLarge):  # what the client shrinks on
+            HTTPEngine(url, busy_retries=0, max_batch_size=512)._generate_batch(PROMPTS[:8], GREEDY, None)
+        out = HTTPEngine(url, busy_retries=0, max_batch_size=512).generate(PROMPTS[:8], GREEDY)
+        assert len(out) == 8
+    monkeypatch.setenv("SGLANG_REQ_RUNNING_TIMEOUT", "1e-9")
+    with in_process(tiny_snapshot) as (service, url):
+        restarts: list[bool] = []
+        engine = HTTPEngine(url, busy_retries=4, busy_retry_delay=0.05, launcher=lambda: restarts.append(True))
+        calls = []
+        engine._client.event_hooks["request"].append(lambda r: calls.append(r.url.path))
+        with pytest.raises(RunningTimedOut, match="SGLANG_REQ_RUNNING_TIMEOUT") as caught:
+            engine.generate(["1+1="], GREEDY)
+        assert caught.value.reason == "generate_timeout" and not caught.value.restart_helps
+        assert calls.count("/generate") == 1 and restarts == []
 
 
 def test_api_keys_come_from_the_environment_and_a_missing_one_is_a_401(
@@ -536,3 +586,24 @@ def test_api_keys_come_from_the_environment_and_a_missing_one_is_a_401(
         admin = HTTPEngine(url)
         admin.load(str(tiny_snapshot), "1")
         assert admin.weight_version() == "1" and "secret" not in repr(admin._keys)
+
+
+def test_the_lm_eval_path_sends_the_sglang_key_not_openais(
+    tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-eval's local-completions sends ``Bearer $OPENAI_API_KEY`` by default: a key-protected sglang
+    answers 401. The harness passes the engine's own key (CKPTEVAL_SGLANG_API_KEY)."""
+    pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
+    from ckpteval.coord.manifest import HarnessSpec
+    from ckpteval.jobs.eval.harness import completions_lm
+
+    monkeypatch.setenv(API_KEY_ENV, "user-secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "an-openai-key")
+    with in_process(tiny_snapshot, api_keys=("user-secret", None)) as (_, url):
+        lm = completions_lm(HTTPEngine(url), str(tiny_snapshot), HarnessSpec(name="h", tasks=("t",)))
+        body = {"model": str(tiny_snapshot), "prompt": "1+1=", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, headers=lm.header).status_code == 200
+        monkeypatch.delenv(API_KEY_ENV)
+        keyless = completions_lm(HTTPEngine(url), str(tiny_snapshot), HarnessSpec(name="h", tasks=("t",)))
+        assert "an-openai-key" not in str(keyless.header)  # never another service's key
+        assert httpx.post(url + "/v1/completions", json=body, headers=keyless.header).status_code == 401

@@ -37,7 +37,13 @@ from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
 from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine, UnsupportedServer
-from ckpteval.jobs.eval.engines.http_limits import BUSY_MESSAGES, ServerBusy
+from ckpteval.jobs.eval.engines.http_limits import (
+    BUSY_MESSAGES,
+    QUEUE_FULL,
+    RUNNING_TIMEOUT,
+    RunningTimedOut,
+    ServerBusy,
+)
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.scoring import DatasetCache
@@ -201,7 +207,7 @@ def _busy(message: str) -> Callable[[dict[str, Any]], Reply]:
     return lambda _: (503, {"object": "error", "message": message, "type": "503", "param": None, "code": 503})
 
 
-@pytest.mark.parametrize("message", BUSY_MESSAGES)
+@pytest.mark.parametrize("message", [m for m in BUSY_MESSAGES if m != RUNNING_TIMEOUT])
 def test_a_503_with_a_message_is_retried_not_restarted(stub: tuple[Stub, str], message: str) -> None:
     state, url = stub
     state.generate_script += [_busy(message)] * 2
@@ -211,6 +217,51 @@ def test_a_503_with_a_message_is_retried_not_restarted(stub: tuple[Stub, str], m
     with pytest.raises(ServerBusy, match="overloaded") as caught:
         engine(url, busy_retries=2).generate(["a"], SAMPLED)
     assert caught.value.reason == "overloaded" and not caught.value.restart_helps
+
+
+def test_a_queue_full_chunk_is_resent_halved_and_finished_chunks_are_kept(stub: tuple[Stub, str]) -> None:
+    """sglang throws away a batch's finished items when one is shed (tokenizer_manager.py
+    _collect_batch_responses): the client resends only the chunk that failed, halved."""
+    state, url = stub
+    state.extra_info = {"max_queued_requests": 8}  # chunks of 4
+    state.generate_script += [state.normal, _busy(QUEUE_FULL)]
+    out = engine(url, busy_retries=0).generate([f"p{i}" for i in range(10)], SAMPLED)
+    assert len(out) == 10
+    assert [b["text"] for b in state.calls("/generate")] == [
+        ["p0", "p1", "p2", "p3"], ["p4", "p5", "p6", "p7"], ["p4", "p5"], ["p6", "p7"], ["p8", "p9"]]
+
+
+def test_a_running_timeout_is_not_retried(stub: tuple[Stub, str]) -> None:
+    state, url = stub
+    state.generate_script += [_busy(RUNNING_TIMEOUT)] * 5
+    with pytest.raises(RunningTimedOut) as caught:
+        engine(url, busy_retries=4).generate(["a"], SAMPLED)
+    assert caught.value.reason == "generate_timeout" and not caught.value.restart_helps
+    assert len(state.calls("/generate")) == 1
+
+
+def test_the_canary_request_is_handled_like_a_generate(stub: tuple[Stub, str]) -> None:
+    """A busy 503 or an aborted reply to the canary's /generate is retried, never a restart (EngineError
+    with restart_helps); staying aborted is SamplesAborted; a 4xx is the canary absent."""
+    state, url = stub
+    refused = (400, {"error": {"message": "return_logprob is not supported"}})
+    state.generate_script += [_busy(QUEUE_FULL), lambda body: (200, [aborted("default")] * len(body["text"])),
+                              lambda _: refused]
+    with pytest.raises(RequestRejected, match="return_logprob"):
+        engine(url, busy_retries=1).teacher_forced([("1+1=", "2")])
+    assert len(state.calls("/generate")) == 3
+    state.generate_script += [lambda body: (200, [aborted("default")] * len(body["text"]))] * 3
+    with pytest.raises(SamplesAborted) as caught:
+        engine(url, abort_retries=2).teacher_forced([("1+1=", "2")])
+    assert not caught.value.restart_helps
+
+
+def test_gpus_count_pipeline_parallelism_and_not_dp_attention(stub: tuple[Stub, str]) -> None:
+    state, url = stub
+    state.extra_info = {"tp_size": 4, "dp_size": 2, "pp_size": 2}
+    assert engine(url).gpus == 16
+    state.extra_info = {"tp_size": 8, "dp_size": 8, "pp_size": 1, "enable_dp_attention": True}  # attention DP in TP
+    assert engine(url).gpus == 8
 
 
 def test_the_generate_timeout_grows_with_max_new_tokens_and_waves(stub: tuple[Stub, str]) -> None:
@@ -352,7 +403,7 @@ def test_a_dead_server_is_restarted(stub: tuple[Stub, str], tmp_path: Path) -> N
 def test_a_unit_on_an_overloaded_server_is_skipped_without_a_restart(stub: tuple[Stub, str], tmp_path: Path) -> None:
     state, url = stub
     evaluator, ref, restarts, _ = _unit(tmp_path, url)
-    state.generate_script += [_busy("The request queue is full.")] * 5  # the engine's 1 + 4 retries
+    state.generate_script += [_busy("The request queue is full.")] * 200  # full at every chunk size, every retry
     result = evaluate_unit(evaluator, WorkUnit(1, "addition", 0), ref, "fast")
     assert result.skip_reason == "overloaded" and "queue is full" in result.message and restarts == []
 
@@ -441,7 +492,7 @@ def test_a_unit_shed_by_an_overloaded_server_is_retried_after_a_backoff_and_scor
     engine_settings = {"http": {"busy_retries": 1, "busy_retry_delay": 0.0, "abort_retry_delay": 0.0}}
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, engine=engine_settings)
     publish_model(tmp_path, run.snapshots, 1)
-    state.generate_script += [_busy("The request queue is full.")] * 2  # the engine's 1 + 1 retry: shed
+    state.generate_script += [_busy("The request queue is full.")] * 6  # 4, 2, 1 prompts, 1 + 1 retry each: shed
     opts = WorkerOptions(run_dir=run.path, engines=(f"http:{url}",), once=True, retry_infra_skips=True,
                          retry_backoff_s=0.5, poll_interval_s=0.05, pin_timeout_s=0.3)
     lines: list[str] = []

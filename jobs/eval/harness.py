@@ -9,7 +9,11 @@ harness's *own* model adapters — nothing of the harness is re-implemented here
   tokenizer (:meth:`ckpteval.jobs.eval.engines.hf.HFEngine.held`, which also keeps loads out while it runs);
 * an HTTP engine (``http:URL``, ``sglang``): the harness's ``local-completions`` backend
   (``LocalCompletionsAPI``) against the server's OpenAI-compatible ``/v1/completions``, with the
-  snapshot's tokenizer.
+  snapshot's tokenizer; on a LoRA engine ``model`` is ``<base>:<adapter name>`` (how sglang's OpenAI
+  layer selects an adapter: ``srt/entrypoints/openai/serving_base.py`` ``_parse_model_parameter``) and
+  the tokenizer the base's (:meth:`ckpteval.jobs.eval.engines.sglang_lora._LoRAClient.lm_eval_model`).
+  The request carries the engine's sglang key (``CKPTEVAL_SGLANG_API_KEY``,
+  :mod:`ckpteval.jobs.eval.engines.http_auth`), never ``OPENAI_API_KEY`` (lm-eval's default).
 
 The metrics come back as ``{"<metric>": value}`` (``"<metric>/<filter>"`` for a task's named filters,
 ``"<metric>_stderr"`` when bootstrapped); non-numeric values (``"N/A"``) are dropped. The worker logs
@@ -121,20 +125,25 @@ def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
     return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size)
 
 
-def completions_lm(base_url: str, snapshot_dir: str, spec: HarnessSpec) -> Any:
-    """The harness's ``local-completions`` adapter against ``<base_url>/v1/completions``."""
+def completions_lm(engine: Any, snapshot_dir: str, spec: HarnessSpec) -> Any:
+    """The harness's ``local-completions`` adapter against the HTTP engine's ``/v1/completions``: the
+    model and tokenizer the engine names (:meth:`~ckpteval.jobs.eval.engines.http.HTTPEngine.lm_eval_model`),
+    its key in the header (a non-empty header: lm-eval would otherwise send ``OPENAI_API_KEY``)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     _quiet()
+    model, tokenizer = engine.lm_eval_model(snapshot_dir)
+    header = {"Accept": "application/json", **engine.auth_header("/v1/completions")}
     try:
         return LocalCompletionsAPI(
-            base_url=f"{base_url.rstrip('/')}/v1/completions",
-            model=snapshot_dir,
-            tokenizer=snapshot_dir,
+            base_url=f"{engine.base_url.rstrip('/')}/v1/completions",
+            model=model,
+            tokenizer=tokenizer,
             tokenizer_backend="huggingface",
             tokenized_requests=False,
             batch_size=spec.batch_size,
             max_retries=1,
+            header=header,
         )
     except ImportError as e:  # lm-eval's API models need its [api] extra (ckpteval[harness] has it)
         raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
@@ -178,7 +187,7 @@ def run_task(engine: Any, run: RunDir, spec: HarnessSpec, task: str, snapshot_di
         with engine.held() as (model, tokenizer):
             return evaluate_task(hf_lm(model, tokenizer, spec), run, spec, task)
     if isinstance(engine, HTTPEngine):
-        return evaluate_task(completions_lm(engine.base_url, snapshot_dir, spec), run, spec, task)
+        return evaluate_task(completions_lm(engine, snapshot_dir, spec), run, spec, task)
     raise ValueError(
         f"lm_eval entry {spec.name!r}: engine {type(engine).__name__} has no lm-eval adapter "
         "(use one hf, http:URL or sglang engine, no --engines N pool)"
@@ -190,6 +199,8 @@ def evaluate_harness(engine: Any, cache: Any, spec: HarnessSpec, unit: WorkUnit,
     before and after it. The library's own failure (an assertion, a task that cannot run on this model)
     is the unit's ``crashed`` skip with lm-eval's message."""
     before = engine.weight_version()
+    if hasattr(engine, "lm_eval_model"):  # a LoRA engine lm-eval cannot address: skipped rejected, one line
+        engine.lm_eval_model(snapshot)
     t0 = time.perf_counter()
     task = spec.tasks[unit.shard]
     with user_code(f"lm-eval task {task!r}", "lm_eval"):

@@ -50,8 +50,9 @@ Status codes and bodies for bad requests, as sglang answers them:
 - a request without the key its route needs, on a server started with ``--api-key``/``--admin-api-key``:
   401 ``{"error": "Unauthorized"}`` (``srt/utils/auth.py``: ``/health*`` always open, admin-optional
   routes such as weight loads and aborts want the admin key when set, the rest the api key);
-- a request shed under load (``--max-queued-requests N``: it would wait behind a busy engine while N
-  already wait): 503 ``{"object": "error", "message": "The request queue is full.", "type": "503",
+- a request shed under load (``--max-queued-requests N``: its prompts plus those already waiting exceed
+  N, counted in prompts as sglang's scheduler does), a batch over ``--max-total-tokens`` (retraction) or
+  one running past ``SGLANG_REQ_RUNNING_TIMEOUT`` (see ``ckpteval.jobs.reference.serve_engine``): 503 ``{"object": "error", "message": "The request queue is full.", "type": "503",
   "param": null, "code": 503}`` (``scheduler.py`` ``_abort_on_queued_limit``; the ``HTTPException`` of
   ``tokenizer_manager.py`` ``_handle_abort_finish_reason`` rendered by ``http_server.py``
   ``validation_exception_handler``).
@@ -332,8 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
                         help="most prompts generated in one batch (default: 256)")
     parser.add_argument("--max-queued-requests", type=bounded(int, min=0), default=None, metavar="N",
-                        help="shed a request (503 'The request queue is full.') that would wait behind a busy "
-                        "engine while N already wait, as sglang's flag does (default: no limit)")
+                        help="shed a request (503 'The request queue is full.') whose prompts, added to those "
+                        "already waiting, exceed N, as sglang's flag does (counted in prompts) (default: no limit)")
+    parser.add_argument("--max-total-tokens", type=positive_int, default=None, metavar="N",
+                        help="answer a batch whose prompt plus max_new_tokens tokens exceed N with sglang's "
+                        "503 'Retracted under decode memory pressure without a KV backup' (default: no limit)")
+    parser.add_argument("--logprob-offset", type=bounded(float, min=0), default=0.0, metavar="X",
+                        help="stand-in only: add X to every return_logprob log-prob, so a canary sees a set "
+                        "difference from the trainer's (default: 0)")
     parser.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
@@ -390,7 +397,8 @@ def main(argv: list[str]) -> int:
         server.server_close()
         return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
     server.service = EngineService(engine, args.model, args.enable_deterministic_inference,
-                                   max_queued=args.max_queued_requests)
+                                   max_queued=args.max_queued_requests, max_running=args.max_batch_size,
+                                   max_total_tokens=args.max_total_tokens, logprob_offset=args.logprob_offset)
     server.api_keys = (args.api_key, args.admin_api_key)
     try:
         serve_until_signalled(server, "ckpteval-serve")

@@ -6,10 +6,21 @@ behaves: length checks against the model's context (``tokenizer_manager.py``), t
 ``max_new_tokens`` cap, seeds applied only in deterministic mode (unseeded: 42), aborts by exact rid
 (then by prefix in the scheduler),
 ``weight_versions`` spans, the label and model path changing only on a successful load, and
-``--max-queued-requests``: a request that would queue behind a busy engine while that many already
-wait is shed with :class:`Overloaded` (HTTP 503 "The request queue is full.", ``scheduler.py``
-``_abort_on_queued_limit``). The stand-in's queue is the requests waiting for its engine lock (the batch
-running is not queued, so ``0`` sheds exactly the requests that arrive while the engine is busy).
+``--max-queued-requests`` counted in *prompts*: sglang queues a batch's items one by one and sheds
+each item past the limit (``scheduler.py`` ``_abort_on_queued_limit``), and one shed item fails the whole
+request (``tokenizer_manager.py`` ``_collect_batch_responses`` gathers every item), so a request whose
+prompts, added to those already waiting, exceed the limit is shed with :class:`Overloaded` (HTTP 503
+"The request queue is full.") — even on an idle engine, as sglang's items all enter the waiting queue
+before the scheduler picks a batch. The stand-in's queue is the prompts waiting for its engine lock.
+Two more 503s of 0.5.23: ``SGLANG_REQ_RUNNING_TIMEOUT`` (read from the environment as sglang does,
+``srt/environ.py``; ``scheduler.py`` ``_poll_timeout_aborts``): a batch whose engine call ran longer
+answers "Request running timeout reached."; ``--max-total-tokens``: a batch whose prompts plus
+``max_new_tokens`` exceed it answers "Retracted under decode memory pressure without a KV backup. Retry
+later." (``schedule_batch.py`` ``retract_decode``; the stand-in has no KV pool, so it decides up front).
+``return_logprob`` reports input ids ``>= vocab_size - 1`` as 0 (``srt/managers/scheduler_components/
+logprob_result_processor.py`` ``_process_input_token_logprobs``) and, with ``logprob_offset`` (a
+stand-in knob, no sglang flag), adds that much to every log-prob, so a canary sees a set difference
+from the trainer's instead of 0 by construction.
 
 Limits (stand-in, not sglang): one engine lock serializes generation and loads, so weights never change
 under a running generation and a relabel during one is attributed to its last token; an abort of a
@@ -45,6 +56,17 @@ def health_check_timeout() -> float:
     return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 
 
+RUNNING_TIMEOUT_ENV = "SGLANG_REQ_RUNNING_TIMEOUT"  # srt/environ.py (seconds; <= 0: off)
+QUEUE_FULL = "The request queue is full."  # scheduler.py _abort_on_queued_limit
+RUNNING_TIMEOUT = "Request running timeout reached."  # scheduler.py _poll_timeout_aborts
+RETRACTED = "Retracted under decode memory pressure without a KV backup. Retry later."  # schedule_batch.py
+
+
+def running_timeout() -> float:
+    """sglang's ``SGLANG_REQ_RUNNING_TIMEOUT`` (0: no bound)."""
+    return float(os.environ.get(RUNNING_TIMEOUT_ENV, "0") or 0)
+
+
 class Overloaded(RuntimeError):
     """The server sheds the request (sglang: an abort with status 503 and this message)."""
 
@@ -76,7 +98,8 @@ class EngineService:
 
     def __init__(
         self, engine: HFEngine, model_path: str, deterministic: bool = False, label: str | None = None,
-        max_queued: int | None = None,
+        max_queued: int | None = None, *, max_running: int = 256, max_total_tokens: int | None = None,
+        logprob_offset: float = 0.0,
     ) -> None:
         self.engine = engine
         self.model_path = self.launch_model_path = model_path
@@ -94,7 +117,9 @@ class EngineService:
         self.live: dict[str, Live] = {}
         self.paused = False
         self.generating = 0
-        self.max_queued, self.waiting, self.shed = max_queued, 0, 0  # --max-queued-requests; queued; 503s sent
+        self.max_queued, self.waiting, self.shed = max_queued, 0, 0  # --max-queued-requests; queued prompts; 503s
+        self.max_running, self.max_total_tokens = max_running, max_total_tokens
+        self.logprob_offset = logprob_offset
 
     # ---------------------------------------------------------------- generation
     def context_length(self) -> int:
@@ -133,11 +158,11 @@ class EngineService:
         with self.state:
             while self.paused:  # tokenizer_manager.py: new requests wait on is_pause before registering
                 self.state.wait()
-            self._enqueue()
+            self._enqueue(len(rows))
             for row in rows:
                 self.live[row.rid] = Live()
         try:
-            with self._dequeued():
+            with self._dequeued(len(rows)):
                 with self.state:
                     self.generating += 1
                 try:
@@ -154,20 +179,26 @@ class EngineService:
         latency = time.perf_counter() - start
         return [self._item(row, latency) for row in rows]
 
-    def _enqueue(self) -> None:
-        """Join the queue for the engine, or be shed if it is full (the caller holds ``state``)."""
-        if self.max_queued is not None and self.lock.locked() and self.waiting + 1 > self.max_queued:
+    def _enqueue(self, prompts: int) -> None:
+        """Queue ``prompts`` for the engine, or shed the request when they do not all fit (the caller holds
+        ``state``)."""
+        if self.max_queued is not None and self.waiting + prompts > self.max_queued:
             self.shed += 1
-            raise Overloaded("The request queue is full.")  # scheduler.py _abort_on_queued_limit
-        self.waiting += 1
+            raise Overloaded(QUEUE_FULL)
+        self.waiting += prompts
 
     @contextlib.contextmanager
-    def _dequeued(self) -> Iterator[None]:
+    def _dequeued(self, prompts: int) -> Iterator[None]:
         """Hold the engine, having left the queue."""
-        with self.lock:
+        try:
+            self.lock.acquire()
+        finally:
             with self.state:
-                self.waiting -= 1
+                self.waiting -= prompts
+        try:
             yield
+        finally:
+            self.lock.release()
 
     def _effective(self, params: SamplingParams, prompt_len: int, context: int) -> SamplingParams:
         """scheduler.py ``init_req_max_new_tokens``: at most context - 1 - prompt - 1 new tokens; seeds
@@ -197,6 +228,10 @@ class EngineService:
         if not todo:
             return
         params = todo[0].params
+        if self.max_total_tokens is not None and sum(len(r.ids) + r.params.max_new_tokens for r in todo) > \
+                self.max_total_tokens:
+            raise Overloaded(RETRACTED)
+        started = time.monotonic()
         if params.max_new_tokens == 0:  # prefill only: nothing generated (schedule_batch.py FINISH_LENGTH)
             from ckpteval.jobs.eval.engines.hf import (
                 Completion,  # at run time: importing this module stays torch-free
@@ -209,6 +244,8 @@ class EngineService:
             done = [once] * len(todo)
         else:
             done = self.engine.generate_ids([r.ids for r in todo], params)
+        if 0 < running_timeout() < time.monotonic() - started:
+            raise Overloaded(RUNNING_TIMEOUT)
         with self.state:
             for row, completion in zip(todo, done, strict=True):
                 row.completion, row.label_before = completion, label
@@ -247,9 +284,13 @@ class EngineService:
         one ``[logprob, id, null]`` per prompt token from ``logprob_start_len``, the first one's logprob
         null (logprob_result_processor.py ``_process_input_token_logprobs``: ``[None] + logprobs[:-1]``);
         with ``top_logprobs_num`` the ``input_top_logprobs`` alike (entry 0 null); empty output lists
-        (tokenizer_manager.py ``add_logprob_to_meta_info``). Log-softmax of the raw logits."""
+        (tokenizer_manager.py ``add_logprob_to_meta_info``). Log-softmax of the raw logits, plus
+        ``logprob_offset``; ids ``>= vocab_size - 1`` reported as 0 (``_process_input_token_logprobs``'s clip,
+        meant for image-token hashes: the log-prob is still the real token's)."""
         if not rows:
             return
+        vocab = int(getattr(getattr(self.engine.model, "config", None), "vocab_size", 1 << 62))
+        off = self.logprob_offset
         from ckpteval.jobs.eval.canary import (
             token_logprobs,  # at run time: importing this module stays torch-free
         )
@@ -259,12 +300,13 @@ class EngineService:
         for row, (lps, tops) in zip(rows, scored, strict=True):
             at = range(row.logprob_start, len(row.ids))
             meta: dict[str, Any] = {
-                "input_token_logprobs": [[None if i == row.logprob_start else lps[i], row.ids[i], None] for i in at],
+                "input_token_logprobs": [[None if i == row.logprob_start else lps[i] + off,
+                                          row.ids[i] if row.ids[i] < vocab - 1 else 0, None] for i in at],
                 "output_token_logprobs": [], "output_token_logprobs_length": 0,
             }
             if top_k > 0:
                 meta["input_top_logprobs"] = [
-                    None if i == row.logprob_start else [[v, t, None] for v, t in tops[i]] for i in at]
+                    None if i == row.logprob_start else [[v + off, t, None] for v, t in tops[i]] for i in at]
                 meta["output_top_logprobs"] = []
             row.logprobs = meta
 
@@ -381,7 +423,13 @@ class EngineService:
         }
 
     def server_info(self) -> dict[str, Any]:
+        """``/server_info`` as 0.5.23 builds it (``http_server.py`` ``server_info``: the server args, one
+        ``internal_states`` entry per DP rank with ``effective_max_running_requests_per_dp``,
+        ``scheduler_components/internal_state.py``): one GPU's worth (tp, dp, pp 1)."""
         return {
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "enable_dp_attention": False,
+            "max_running_requests": self.max_running, "max_queued_requests": self.max_queued,
+            "max_total_tokens": self.max_total_tokens,
             "model_path": self.launch_model_path,
             "served_model_name": self.launch_model_path,
             "weight_version": self.launch_label,
@@ -389,7 +437,7 @@ class EngineService:
             "enable_lora": False,
             "load_format": "auto",
             "context_length": None,
-            "internal_states": [{}],
+            "internal_states": [{"effective_max_running_requests_per_dp": self.max_running, "dp_rank": 0}],
             # resolved server args that change /weights_checker's checksum (srt/utils/common.py build_server_info)
             "dtype": self.launch_dtype,
             "quantization": None,

@@ -14,7 +14,7 @@ from http import HTTPStatus
 from typing import Any
 
 from ckpteval.jobs.eval.engines.base import EngineError
-from ckpteval.jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.reference.serve_engine import EngineService, Overloaded
 from ckpteval.jobs.reference.serve_requests import BadRequest, parse_generate
 
 COMPLETIONS_KEYS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
@@ -63,6 +63,9 @@ def openai_completions(service: EngineService, body: Any) -> tuple[HTTPStatus, d
         return HTTPStatus.BAD_REQUEST, {"error": {"message": str(e)}}
     except EngineError as e:
         return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": str(e)}}
+    except Overloaded as e:  # serving_base.py renders the abort's 503 as an ErrorResponse
+        return HTTPStatus.SERVICE_UNAVAILABLE, {"object": "error", "message": str(e), "type": "503", "param": None,
+                                                "code": 503}
     choices = []
     for i, item in enumerate(items):
         text, stopped = _cut_at_stop(item["text"], stops)

@@ -20,7 +20,9 @@ Promises:
   one (``srt/managers/tokenizer_manager.py`` only sets it on success). Until the next successful load
   :meth:`HTTPEngine.weight_version` answers ``None``, so the worker reloads before the next unit
   whatever label the server reports.
-- :meth:`HTTPEngine.generate` sends each batch (up to ``max_batch_size`` prompts) as one request.
+- :meth:`HTTPEngine.generate` sends each batch (up to ``max_batch_size`` prompts, and at most half the
+  server's ``max_queued_requests``: a batch larger than sglang's queue can never pass; a queue-full
+  503 halves it, finished chunks kept: :mod:`ckpteval.jobs.eval.engines.http_limits`) as one request.
   ``seeds`` (one per prompt, sampled decoding only) go as ``sampling_params[i]["sampling_seed"]``, a
   list of one dict per prompt (``srt/managers/io_struct.py`` ``_normalize_sampling_params``); sglang
   applies them only when launched with ``--enable-deterministic-inference``
@@ -61,7 +63,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +81,10 @@ from ckpteval.jobs.eval.engines.base import (
 from ckpteval.jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
 from ckpteval.jobs.eval.engines.http_limits import (
     DEFAULT_TOKEN_TIMEOUT_S,
+    BatchTooLarge,
     dataset_timeout,
     generate_timeout,
+    queue_chunk,
     send_retrying_busy,
 )
 from ckpteval.jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exported: callers import them from here
@@ -222,6 +226,16 @@ def _rank_infos(value: Any) -> list[dict[str, Any]]:
     return [i for i in items if isinstance(i, dict)]
 
 
+def server_gpus(info: dict[str, Any]) -> int:
+    """GPUs a server holds from its server args: ``tp_size * pp_size * dp_size``, where DP attention's
+    ``dp_size`` splits the TP group instead of replicating it (``srt/runtime_context.py``
+    ``derive_attn_tp_size``: attention TP is ``tp_size // attn_dp_size``), so then ``tp_size * pp_size``. 0 when ``tp_size`` is missing."""
+    tp, dp, pp = info.get("tp_size"), info.get("dp_size") or 1, info.get("pp_size") or 1
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (tp, dp, pp)):
+        return 0
+    return tp * pp * (1 if info.get("enable_dp_attention") else dp)
+
+
 def check_seeds(seeds: list[int] | None, n: int) -> None:
     if seeds is None:
         return
@@ -233,6 +247,8 @@ def check_seeds(seeds: list[int] | None, n: int) -> None:
 
 class HTTPEngine:
     """An engine behind a URL; see the module docstring."""
+
+    canary_kind = "sglang"  # the canary's bound table (ckpteval.jobs.eval.canary.measured_bounds): unmeasured
 
     def __init__(
         self,
@@ -339,14 +355,12 @@ class HTTPEngine:
 
     @property
     def gpus(self) -> int:
-        """GPUs behind the server: ``tp_size * dp_size`` from ``/server_info`` (sglang's server args);
-        0 when it does not say (the CPU stand-in)."""
+        """GPUs behind the server (:func:`server_gpus` of ``/server_info``); 0 when it does not say (the
+        CPU stand-in)."""
         try:
-            info = self.server_info()
+            return server_gpus(self.server_info())
         except (EngineError, ValueError):
             return 0
-        tp, dp = info.get("tp_size"), info.get("dp_size") or 1
-        return tp * dp if isinstance(tp, int) and isinstance(dp, int) else 0
 
     def weights_checksum(self) -> EngineChecksum:
         """sglang's ``POST /weights_checker {"action": "checksum"}`` (0.5.23:
@@ -388,16 +402,12 @@ class HTTPEngine:
             if attempt:
                 time.sleep(self._abort_retry_delay * attempt)
             aborted = []
-            for start in range(0, len(pending), self._max_batch_size):
-                chunk = pending[start : start + self._max_batch_size]
-                chunk_seeds = None if seeds is None else [seeds[i] for i in chunk]
-                samples = self._generate_batch([prompts[i] for i in chunk], params, chunk_seeds)
-                for i, sample in zip(chunk, samples, strict=True):
-                    if sample.abort_message is None:
-                        out[i] = sample.generation
-                    else:
-                        aborted.append(i)
-                        last_abort = sample.abort_message
+            for i, sample in self._generate_chunked(pending, prompts, params, seeds):
+                if sample.abort_message is None:
+                    out[i] = sample.generation
+                else:
+                    aborted.append(i)
+                    last_abort = sample.abort_message
             if not aborted:
                 return [g for g in out if g is not None]
             pending = aborted
@@ -405,6 +415,26 @@ class HTTPEngine:
             f"{len(pending)} of {len(prompts)} samples came back aborted from {self._base_url} "
             f"{self._abort_retries + 1} times (last: {last_abort!r}); aborted samples are never scored"
         )
+
+    def _generate_chunked(
+        self, pending: list[int], prompts: list[str], params: SamplingParams, seeds: list[int] | None
+    ) -> Iterator[tuple[int, Sample]]:
+        """``pending`` prompts in chunks that fit the server's queue (:func:`queue_chunk`); a chunk refused
+        with a full queue is resent halved (finished chunks are kept: only the missing prompts go again)."""
+        size = queue_chunk(self._max_batch_size, self.server_info())
+        start = 0
+        while start < len(pending):
+            chunk = pending[start : start + size]
+            chunk_seeds = None if seeds is None else [seeds[i] for i in chunk]
+            try:
+                samples = self._generate_batch([prompts[i] for i in chunk], params, chunk_seeds)
+            except BatchTooLarge:
+                if len(chunk) == 1:
+                    raise
+                size = len(chunk) // 2
+                continue
+            yield from zip(chunk, samples, strict=True)
+            start += len(chunk)
 
     def _generate_batch(
         self, prompts: list[str], params: SamplingParams, seeds: list[int] | None
@@ -431,11 +461,27 @@ class HTTPEngine:
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """The canary's recomputation (:mod:`ckpteval.jobs.eval.canary`) by the server, with the tokenizer it
-        generates with: one ``/generate`` of input-token log-probs (:mod:`~ckpteval.jobs.eval.engines.sglang_logprobs`)."""
+        generates with: one ``/generate`` of input-token log-probs (:mod:`~ckpteval.jobs.eval.engines.sglang_logprobs`),
+        handled like a generate: a busy 503 is retried (:func:`send_retrying_busy`, never a restart), aborted
+        items are resent (``abort_retries``, then :class:`SamplesAborted`)."""
         from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
 
         self.server_info()
-        return server_teacher_forced(lambda body: self._request("POST", "/generate", json=body), pairs)
+
+        def post(body: dict[str, Any]) -> httpx.Response:
+            return send_retrying_busy(lambda: self._request("POST", "/generate", json=body), self._busy_retries,
+                                      self._busy_retry_delay, "POST /generate (canary log-probs)")
+
+        return server_teacher_forced(post, pairs, self._abort_retries, self._abort_retry_delay)
+
+    def lm_eval_model(self, snapshot_dir: str) -> tuple[str, str]:
+        """``(model, tokenizer)`` lm-eval's ``local-completions`` names: the snapshot (loaded in place) for
+        both; LoRA engines name ``<base>:<adapter>`` and the base's tokenizer."""
+        return snapshot_dir, snapshot_dir
+
+    def auth_header(self, path: str) -> dict[str, str]:
+        """The ``Authorization`` header this engine sends to ``path`` (:mod:`~ckpteval.jobs.eval.engines.http_auth`)."""
+        return auth_headers(path, self._keys)
 
     def _warn_if_seeds_ignored(self, params: SamplingParams, seeds: list[int] | None) -> None:
         if seeds is None or params.temperature == 0 or self._warned_nondeterministic:

@@ -30,6 +30,19 @@ Owns two rules of :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine`, read fro
   ``_wait_one_response``; the server is not dead, and resending would only time out again). A derived timeout that expires stays an
   :class:`~ckpteval.jobs.eval.engines.base.EngineError` (a server that slow is presumed hung: restart).
 
+- **A batch fits the server's queue.** sglang queues a ``/generate`` batch's items one by one and sheds
+  every item past ``--max-queued-requests`` (``scheduler.py`` ``_abort_on_queued_limit``: the limit counts
+  *prompts* in the waiting queue); one shed item fails the whole batch with a 503 and the items that
+  finished are thrown away (``tokenizer_manager.py`` ``_collect_batch_responses`` gathers every item).
+  :func:`queue_chunk` sizes each ``/generate`` to :data:`QUEUE_MARGIN` of the server's
+  ``max_queued_requests`` (``/server_info``; per DP rank, the smallest unit sglang queues against),
+  so other clients' prompts fit beside ours; a queue-full 503 that persists (or a retraction without a KV
+  backup: a smaller batch needs less KV) halves the chunk, down to one prompt, and resends only the
+  prompts still missing (:class:`BatchTooLarge`).
+- **A running timeout recurs.** ``SGLANG_REQ_RUNNING_TIMEOUT`` aborts a request that has *run* longer than
+  the bound (``scheduler.py`` ``_poll_timeout_aborts``); the same prompt and settings run as long again,
+  so it is not retried (:class:`RunningTimedOut`, skip ``generate_timeout``, no restart).
+
 Limits: the backoff sleeps in the calling thread; a server that stays overloaded past the retries
 skips the unit ``overloaded`` (the point lacks it until a backfill), it is not queued client-side.
 """
@@ -53,6 +66,10 @@ BUSY_MESSAGES = (
     "Request running timeout reached.",  # scheduler.py _poll_timeout_aborts
     "Retracted under decode memory pressure without a KV backup. Retry later.",  # schedule_batch.py
 )
+QUEUE_FULL = BUSY_MESSAGES[0]
+RUNNING_TIMEOUT = BUSY_MESSAGES[2]
+RETRACTED = BUSY_MESSAGES[3]
+QUEUE_MARGIN = 0.5  # of --max-queued-requests a client fills with one /generate (others share the queue)
 DEFAULT_TOKEN_TIMEOUT_S = 0.1  # per new token per wave: 10 tokens/s, slower than any healthy decode
 
 
@@ -64,12 +81,22 @@ class ServerBusy(EngineError):
     restart_helps = False
 
 
+class BatchTooLarge(ServerBusy):
+    """The busy answer was sglang's full waiting queue or a retraction under KV pressure: a smaller batch
+    may pass (the caller shrinks it)."""
+
+
 class GenerateTimedOut(EngineError):
     """A ``/generate`` outlived its dataset's ``generate_timeout_s``: the dataset's bound, not a dead server.
     No restart; the unit is skipped ``generate_timeout``."""
 
     reason = "generate_timeout"
     restart_helps = False
+
+
+class RunningTimedOut(GenerateTimedOut):
+    """sglang aborted a running generation at ``SGLANG_REQ_RUNNING_TIMEOUT`` (503): the same generation
+    runs as long again, so it is neither retried nor restarted; the unit is skipped ``generate_timeout``."""
 
 
 @contextlib.contextmanager
@@ -106,15 +133,29 @@ def send_retrying_busy(
     send: Callable[[], httpx.Response], retries: int, delay: float, what: str
 ) -> httpx.Response:
     """``send()`` until it is not a 503 with a message, at most ``retries`` more times with exponential
-    backoff from ``delay`` seconds; :class:`ServerBusy` if the last answer is still one."""
+    backoff from ``delay`` seconds; :class:`BatchTooLarge` (a full queue) or :class:`ServerBusy` if the last
+    answer is still one; :class:`RunningTimedOut` at once for sglang's running timeout (it recurs)."""
     for attempt in range(retries + 1):
         response = send()
         message = busy_message(response)
         if message is None:
             return response
+        if message == RUNNING_TIMEOUT:
+            raise RunningTimedOut(f"{what}: HTTP 503 {message!r}: a generation ran past the server's "
+                                  "SGLANG_REQ_RUNNING_TIMEOUT; it would again (not retried, not restarted)")
         if attempt < retries:
             time.sleep(delay * 2**attempt)
-    raise ServerBusy(f"{what}: HTTP 503 {message!r} on {retries + 1} tries: the server is overloaded (not restarted)")
+    error = BatchTooLarge if message in (QUEUE_FULL, RETRACTED) else ServerBusy
+    raise error(f"{what}: HTTP 503 {message!r} on {retries + 1} tries: the server is overloaded (not restarted)")
+
+
+def queue_chunk(max_batch_size: int, server_info: dict[str, Any]) -> int:
+    """Prompts per ``/generate``: ``max_batch_size``, capped at :data:`QUEUE_MARGIN` of the server's
+    ``max_queued_requests`` (at least one prompt) when it has one (module doc)."""
+    limit = server_info.get("max_queued_requests")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return max(1, min(max_batch_size, math.floor(limit * QUEUE_MARGIN)))
+    return max_batch_size
 
 
 def generate_timeout(

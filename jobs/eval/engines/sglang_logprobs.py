@@ -30,36 +30,61 @@ continuation starts; token ids that differ from the trainer's (another tokenizer
 it was launched with across ``update_weights_from_disk``) make the probe incomparable, as in
 :func:`ckpteval.jobs.eval.canary.compare`.
 
+Input ids ``>= vocab_size - 1`` come back as 0 (``logprob_result_processor.py``
+``_process_input_token_logprobs``): :func:`ckpteval.jobs.eval.canary.compare` matches ids modulo that clip.
+
 Limits: one request for the whole probe (a few short rows); what the reply lacks or garbles raises
 :class:`~ckpteval.jobs.eval.engines.base.EngineError`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from ckpteval.jobs.eval.canary import probe_result
-from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected
+from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted
 from ckpteval.jobs.eval.engines.http import error_message
 
 
-def server_teacher_forced(post: Callable[[dict[str, Any]], httpx.Response], pairs: list[tuple[str, str]]
-                          ) -> list[dict[str, Any]]:
-    """The canary's records from the server: ``post`` (a ``POST /generate`` of a JSON body) of
-    :func:`teacher_forced_request`, read by :func:`parse_teacher_forced`. :class:`RequestRejected` when the
-    server refuses it (a 4xx: it cannot score prompts; the canary is then absent), else :class:`EngineError`."""
-    response = post(teacher_forced_request(pairs))
-    if response.status_code != 200:
-        message = f"POST /generate (canary log-probs): {error_message(response)}"
-        raise (RequestRejected if 400 <= response.status_code < 500 else EngineError)(message)
-    try:
-        reply = response.json()
-    except ValueError as e:
-        raise EngineError(f"POST /generate (canary log-probs): reply is not JSON: {response.text[:200]}") from e
-    return parse_teacher_forced(pairs, reply)
+def server_teacher_forced(post: Callable[[dict[str, Any]], httpx.Response], pairs: list[tuple[str, str]],
+                          abort_retries: int = 2, abort_retry_delay: float = 1.0) -> list[dict[str, Any]]:
+    """The canary's records from the server: ``post`` (a ``POST /generate`` of a JSON body, which handles
+    busy 503s) of :func:`teacher_forced_request`, read by :func:`parse_teacher_forced`. A reply with an
+    aborted item (``finish_reason.type == "abort"``: ``/abort_request``, a pause, a weight update) is sent
+    again, ``abort_retries`` times, then :class:`SamplesAborted` (not a restart, as for a generate).
+    :class:`RequestRejected` when the server refuses it (a 4xx: it cannot score prompts; the canary is then
+    absent), else :class:`EngineError`."""
+    body = teacher_forced_request(pairs)
+    message = ""
+    for attempt in range(abort_retries + 1):
+        if attempt:
+            time.sleep(abort_retry_delay * attempt)
+        response = post(body)
+        if response.status_code != 200:
+            message = f"POST /generate (canary log-probs): {error_message(response)}"
+            raise (RequestRejected if 400 <= response.status_code < 500 else EngineError)(message)
+        try:
+            reply = response.json()
+        except ValueError as e:
+            raise EngineError(f"POST /generate (canary log-probs): reply is not JSON: {response.text[:200]}") from e
+        message = _abort_message(reply)
+        if message is None:
+            return parse_teacher_forced(pairs, reply)
+    raise SamplesAborted(f"the canary's /generate came back aborted {abort_retries + 1} times (last: {message!r}); "
+                         "not compared")
+
+
+def _abort_message(reply: Any) -> str | None:
+    """The message of the first aborted item of a ``/generate`` list reply, else None."""
+    for item in reply if isinstance(reply, list) else []:
+        finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            return str(finish.get("message") or "Aborted")
+    return None
 
 
 def teacher_forced_request(pairs: list[tuple[str, str]]) -> dict[str, Any]:

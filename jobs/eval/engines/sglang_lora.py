@@ -21,9 +21,12 @@ step* and every request names it. Contract read from sglang 0.5.23's source:
   (sglang/srt/arg_groups/fields/lora.py); :func:`lora_launch_flags` derives them from the first adapter.
   ``--lora-target-modules`` accepts only :data:`SGLANG_LORA_MODULES` or ``all`` (argparse ``choices``
   from sglang/srt/utils/common.py ``SUPPORTED_LORA_TARGET_MODULES``; anything else and sglang exits at
-  argument parsing): PEFT's ``"all-linear"`` (a string) becomes ``all``, which sglang resolves against
-  the base model exactly as it treats an adapter's ``all-linear`` (sglang/srt/lora/utils.py
-  ``get_normalized_target_modules``, lora_manager.py ``init_lora_shapes``); dotted names become their
+  argument parsing): PEFT's ``"all-linear"`` (a string) becomes ``all``. They are not the same set:
+  PEFT's ``all-linear`` is every linear layer but the output head, while sglang's ``all`` is every entry
+  of ``SUPPORTED_LORA_TARGET_MODULES`` the base model has, ``embed_tokens`` and ``lm_head`` included
+  (sglang/srt/lora/utils.py ``get_normalized_target_modules``; lora_manager.py ``init_lora_shapes``
+  sizes buffers for them): ``all`` is a superset, so the server can hold the adapter (it allocates
+  buffers the adapter leaves empty, i.e. some extra GPU memory), never a subset. Dotted names become their
   last part (utils.py normalizes ``feed_forward.gate_proj`` alike); any other module is refused before
   launch, one line naming the adapter config (:class:`UnservableAdapter`: every unit ``rejected``).
 - Host memory stays bounded: the launch passes ``--max-loaded-loras`` (:data:`MAX_LOADED_LORAS`, at
@@ -31,6 +34,22 @@ step* and every request names it. Contract read from sglang 0.5.23's source:
   unloads the least recently used unpinned adapter on each load (tokenizer_control_mixin.py
   ``load_lora_adapter``); the client also unloads its previous adapter, and a failed unload is reported
   on stderr, never silently dropped.
+- The pin check tolerates a re-load-on-use: between a unit's last generate and its pin check another
+  worker may unload the same name (it was its previous adapter too) or sglang may evict it past
+  ``--max-loaded-loras``; sglang itself reloads a name from the path it was registered with on its next
+  use (``lora_ref_cache``). So a name missing from ``/v1/models`` is registered again, under the same
+  path, before the version is read back (listed with *another* path, the version is unknown: a pin
+  violation). A load refused because the name "has an incomplete unload" (``pending_lora_unloads``,
+  tokenizer_control_mixin.py ``load_lora_adapter``) retries the unload first, as the message says.
+- Dynamic LoRA needs one DP replica: every adapter route asserts ``dp_size == 1``
+  (tokenizer_control_mixin.py; an ``AssertionError`` is a 500, which a client would take for a dead
+  server). A server whose ``/server_info`` says ``dp_size > 1`` is refused at the first load, one line
+  (:class:`UnservableAdapter`, skip ``rejected``, no restart).
+- lm-eval entries (:meth:`_LoRAClient.lm_eval_model`): sglang's OpenAI layer picks an adapter only from
+  ``model="<base>:<adapter>"`` or ``lora_path`` (srt/entrypoints/openai/serving_base.py
+  ``_parse_model_parameter``, ``_resolve_lora_path``); the harness sends ``<served model>:<adapter name>``
+  and tokenizes with the base's tokenizer (an adapter dir has none); an attached server whose base
+  tokenizer is not a local directory is refused with one line.
 - A shared server: two workers loading the same name race; the loser's 400 says "already loaded"
   (sglang/srt/lora/lora_manager.py ``validate_new_adapter``) or "already exists" (lora_registry.py
   ``_register_adapter``). That is not a failure: the client re-reads ``/v1/models`` and accepts the name when it
@@ -45,8 +64,8 @@ the server's own ``meta_info.weight_version`` is the base's label (the base unch
 
 Limits: sglang cannot be run here (no GPU): the tests drive these classes against a small real HTTP
 stub that implements the routes above as the source describes them, not against sglang itself.
-Another client unloading our name and loading other weights under it between two of our requests is
-not detected (names are unique per snapshot path, so that takes deliberate reuse). ``lora_path`` is
+Another client unloading our name and loading other weights under it between two of our requests (and
+unloading them again before our pin check) is not detected (names are unique per snapshot path, so that takes deliberate reuse). ``lora_path`` is
 injected into ``/generate`` bodies by overriding ``HTTPEngine._request`` (the base client's single
 request path); the base client's rewrite must keep that method.
 """
@@ -73,6 +92,7 @@ SGLANG_LORA_MODULES = (
     "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens",
     "lm_head", "qkvr", "wo_ud",
 )  # fmt: skip
+PENDING_UNLOAD = "has an incomplete unload"  # tokenizer_control_mixin.py load_lora_adapter
 DUPLICATE_LOAD = ("already loaded", "already exists")  # lora_manager.py / lora_registry.py, a name taken
 NEVER_LOADED = "has never been loaded"  # tokenizer_manager.py _resolve_lora_path: a server that restarted
 
@@ -161,16 +181,12 @@ class _LoRAClient:
 
     # -- Engine protocol ------------------------------------------------------------------------------
     def _load_adapter(self, snapshot_dir: str, weight_version: str) -> None:
+        self._check_single_replica()
         if self._base_label is None:
             self._base_label = super().weight_version()  # type: ignore[misc]
         name, path = adapter_name(weight_version, snapshot_dir), str(snapshot_dir)
         previous, self._adapter = self._adapter, None  # unknown until the read-back below
-        if self.loaded_adapters().get(name) != path:
-            try:
-                self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": False})
-            except EngineError as e:
-                if not any(d in str(e) for d in DUPLICATE_LOAD):
-                    raise  # else another client loaded this name first: the read-back below decides
+        self._register(name, path)
         if self.loaded_adapters().get(name) != path:
             raise EngineError(f"/v1/models does not list adapter {name} at {path} after loading it")
         self._adapter = (name, path, weight_version)
@@ -180,6 +196,47 @@ class _LoRAClient:
             except EngineError as e:  # it only costs host memory: sglang evicts past --max-loaded-loras
                 print(f"ckpteval: could not unload LoRA adapter {previous[0]} from {self.base_url}: {e}",
                       file=sys.stderr, flush=True)
+
+    def _register(self, name: str, path: str) -> None:
+        """Load ``name`` from ``path`` unless ``/v1/models`` lists it so; a lost race is no failure, an
+        incomplete unload of the name is retried first (module docstring)."""
+        if self.loaded_adapters().get(name) == path:
+            return
+        body = {"lora_name": name, "lora_path": path, "pinned": False}
+        try:
+            self._lora_call("/load_lora_adapter", body)
+        except EngineError as e:
+            if PENDING_UNLOAD in str(e):
+                self._lora_call("/unload_lora_adapter", {"lora_name": name})
+                self._lora_call("/load_lora_adapter", body)
+            elif not any(d in str(e) for d in DUPLICATE_LOAD):
+                raise  # else another client loaded this name first: the caller's read-back decides
+
+    def _check_single_replica(self) -> None:
+        """:class:`UnservableAdapter` when the server runs DP replicas (dynamic LoRA asserts ``dp_size == 1``)."""
+        info = self.server_info()  # type: ignore[attr-defined]
+        dp = info.get("dp_size") or 1
+        if isinstance(dp, int) and dp > 1:
+            raise UnservableAdapter(f"{self.base_url} runs --dp-size {dp}: sglang loads LoRA adapters dynamically "
+                                    "only with one data-parallel replica (tokenizer_control_mixin.py asserts "
+                                    "dp_size == 1); launch one server per replica or drop --dp-size")
+
+    def lm_eval_model(self, snapshot_dir: str) -> tuple[str, str]:
+        """``(model, tokenizer)`` for lm-eval's ``local-completions``: ``<served model>:<adapter name>`` and
+        the base's tokenizer dir (module docstring); :class:`UnservableAdapter` when there is none here."""
+        if self._adapter is None:
+            raise EngineError("no adapter loaded: call load() first")
+        info = self.model_info()  # type: ignore[attr-defined]
+        served = info.get("served_model_name") or info.get("model_path")
+        tokenizer = self._base_tokenizer_dir(info)
+        if not isinstance(served, str) or tokenizer is None:
+            raise UnservableAdapter(f"lm_eval on LoRA at {self.base_url}: the base model's tokenizer "
+                                    f"({info.get('tokenizer_path')!r}) is not a directory on this worker")
+        return f"{served}:{self._adapter[0]}", tokenizer
+
+    def _base_tokenizer_dir(self, info: dict[str, Any]) -> str | None:
+        path = info.get("tokenizer_path") or info.get("model_path")
+        return path if isinstance(path, str) and Path(path).is_dir() else None
 
     def generate(self, *args: Any, **kwargs: Any) -> list[Generation]:
         """Generate under the current adapter; a server that lost it (restarted) gets it loaded again."""
@@ -197,10 +254,16 @@ class _LoRAClient:
         return self._stamp(super().generate(*args, **kwargs))  # type: ignore[misc]
 
     def _adapter_version(self) -> str | None:
+        """The current adapter's version while the server maps its name to its path; a name no longer
+        listed (unloaded by another worker, evicted) is registered again first (module docstring)."""
         if self._adapter is None:
             return None
         name, path, version = self._adapter
-        return version if self.loaded_adapters().get(name) == path else None
+        listed = self.loaded_adapters().get(name)
+        if listed is None:
+            self._register(name, path)
+            listed = self.loaded_adapters().get(name)
+        return version if listed == path else None
 
     def _stamp(self, generations: list[Generation]) -> list[Generation]:
         """Samples answered under the base's own label carry the adapter's version."""
@@ -245,6 +308,9 @@ class SGLangLoRAEngine(_LoRAClient, SGLangEngine):
 
     def weight_version(self) -> str | None:
         return None if self._not_launched else self._adapter_version()
+
+    def _base_tokenizer_dir(self, info: dict[str, Any]) -> str | None:
+        return self._base_model if Path(self._base_model).is_dir() else None
 
     def restart(self) -> None:
         """Relaunch on the base; the adapter must be loaded again (version ``None`` until then)."""
