@@ -93,8 +93,10 @@ def _run_with_steps(tmp_path: Path, steps: tuple[int, ...]) -> tuple[RunDir, dic
     return run, {ref.step: ref for ref in SnapshotDiscovery(run.snapshots).poll()}
 
 
-def _evaluate(engine: Any, run: RunDir, refs: dict[int, SnapshotRef], units: list[WorkUnit]) -> list[Any]:
-    evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), pin_timeout_s=5.0, load_timeout_s=120.0)
+def _evaluate(engine: Any, run: RunDir, refs: dict[int, SnapshotRef], units: list[WorkUnit],
+              canary_bound: float | None = None) -> list[Any]:
+    evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), pin_timeout_s=5.0, load_timeout_s=120.0,
+                                canary_max_diff=canary_bound)
     return [evaluate_unit(evaluator, unit, refs[unit.step], "fast") for unit in units]
 
 
@@ -361,8 +363,9 @@ def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(se
 
 
 def test_a_unit_whose_canary_fails_records_no_checksum(tmp_path: Path) -> None:
-    """The stale-layer server's canary catches it (the snapshot carries the trainer's probe log-probs): the
-    unit is ``canary_failed`` and its checksum is not recorded, so it can never become a reference."""
+    """The stale-layer server's canary catches it (the snapshot carries the trainer's probe log-probs): under
+    an explicit bound the unit is ``canary_failed``, under sglang's unmeasured default it is scored but
+    flagged; either way its checksum is not recorded, so it can never become a reference."""
     from tests.test_canary import _export
 
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, max_new_tokens=2)
@@ -372,10 +375,13 @@ def test_a_unit_whose_canary_fails_records_no_checksum(tmp_path: Path) -> None:
     try:
         url = box.start(other, version(run, 2), stale=True)
         with HTTPEngine(url) as engine:
-            (result,) = _evaluate(engine, run, refs, [WorkUnit(1, "addition", 0)])
+            (flagged,) = _evaluate(engine, run, refs, [WorkUnit(1, "addition", 0)])
+        with HTTPEngine(url) as engine:
+            (result,) = _evaluate(engine, run, refs, [WorkUnit(1, "addition", 0)], canary_bound=0.05)
     finally:
         box.close()
     assert refs[1].path == path
+    assert flagged.ok and flagged.fidelity["flagged"] == 1.0, flagged.message
     assert result.skip_reason == "canary_failed", result.message
     assert not run.weight_checksums.is_dir() or not any(run.weight_checksums.rglob("*.json"))  # nothing recorded
 
