@@ -46,6 +46,7 @@ cgroup would; concurrent sandboxes run in a bounded pool (:attr:`Sandbox.concurr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import selectors
@@ -73,12 +74,25 @@ PROGRAM = "/sandbox/main.py"
 # .pth start-up hooks): programs get the standard library only, and start faster.
 INTERPRETER_FLAGS = ("-I", "-S")
 
-# Runs inside the sandbox (argv: cpu_s memory_bytes file_bytes nproc nofile uid ready_fd program). Trusted
-# code: set the limits, drop root, report "up" on ready_fd, then run the program as __main__ here.
+# Runs inside the sandbox (argv: cpu_s memory_bytes file_bytes nproc nofile uid ready_fd tmp_bytes tmp_inodes
+# program). Trusted code: mount the private /tmp with an inode cap (bwrap only), set the limits, drop root (or,
+# in a user namespace, the one capability kept for the mount), report "up" on ready_fd, then run the program
+# as __main__ in this interpreter (compiled as UTF-8; no runpy: its imports cost more than bwrap does).
 LAUNCHER = r"""
-import os, resource, runpy, sys
-cpu, mem, fsize, nproc, nofile, uid, ready = (int(a) for a in sys.argv[1:8])
-program = sys.argv[8]
+import os, resource, sys
+cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes = (int(a) for a in sys.argv[1:10])
+program = sys.argv[10]
+if inodes > 0:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    opts = b"size=%d,nr_inodes=%d,mode=1777" % (tmp_bytes, inodes)
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 6, opts) != 0:  # MS_NOSUID | MS_NODEV
+        sys.exit("ckpteval launcher: cannot mount the private /tmp (errno %d)" % ctypes.get_errno())
+    os.chdir("/tmp")
+    if uid < 0:  # in a user namespace: give up CAP_SYS_ADMIN (kept by bwrap for the mount)
+        libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+        if libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()) != 0:
+            sys.exit("ckpteval launcher: cannot drop capabilities (errno %d)" % ctypes.get_errno())
 for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
                         (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
                         (resource.RLIMIT_CORE, 0, 0)):
@@ -86,10 +100,22 @@ for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS
 if uid >= 0 and os.getuid() == 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+if inodes > 0:  # bwrap: the program must hold no capability
+    with open("/proc/self/status") as status:
+        caps = [line.split()[1] for line in status if line.startswith(("CapEff:", "CapPrm:"))]
+    if any(int(c, 16) for c in caps):
+        sys.exit("ckpteval launcher: the program would keep capabilities %s" % caps)
 os.write(ready, b"R"); os.close(ready)
 sys.argv = [program]
 sys.path.insert(0, os.path.dirname(program))
-runpy.run_path(program, run_name="__main__")
+def run(path, g):
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    b = g["__builtins__"]
+    g.clear()  # the program's globals: __main__'s, emptied of the launcher's names
+    g.update(__name__="__main__", __file__=path, __builtins__=b)
+    exec(code, g)
+run(program, sys.modules["__main__"].__dict__)
 """
 
 
@@ -114,13 +140,15 @@ class Limits:
     """RLIMIT_NPROC: processes (and threads) of the sandbox's uid (not enforced for root, see module doc)."""
     nofile: int = 64
     """RLIMIT_NOFILE: open file descriptors."""
+    tmp_inodes: int = 4096
+    """Files, dirs and links the private /tmp may hold (tmpfs ``nr_inodes``; bwrap mode only)."""
     output_bytes: int = 1 << 20
     """stdout and stderr are each kept up to this many bytes; more kills the program (``crashed``)."""
 
     def __post_init__(self) -> None:
         if not (self.wall_s > 0 and self.wall_s < float("inf")):
             raise ValueError(f"sandbox wall_s must be a positive number of seconds, got {self.wall_s}")
-        for key in ("cpu_s", "memory_mb", "file_mb", "nproc", "nofile", "output_bytes"):
+        for key in ("cpu_s", "memory_mb", "file_mb", "nproc", "nofile", "tmp_inodes", "output_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"sandbox {key} must be >= 1, got {getattr(self, key)}")
 
@@ -187,7 +215,7 @@ def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) 
     # root: no user namespace (uid 0 in one is still uid 0 to RLIMIT_NPROC; the launcher drops to a
     # real unprivileged uid instead); others: --unshare-all, whose user namespace they need.
     unshare = (["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-               if as_root else ["--unshare-all"])
+               if as_root else ["--unshare-all", "--cap-add", "CAP_SYS_ADMIN"])  # the launcher drops it
     return [
         "bwrap", *unshare, "--die-with-parent", "--new-session",
         *_root_binds(prefix),
@@ -200,9 +228,11 @@ def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) 
     ]
 
 
-def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str) -> list[str]:
+def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str, bwrap: bool) -> list[str]:
+    """The launcher's argv (see :data:`LAUNCHER`); the inode-capped /tmp is mounted under bwrap only."""
+    inodes = limits.tmp_inodes if bwrap else 0
     return [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.file_mb << 20), str(limits.nproc),
-            str(limits.nofile), str(uid), str(ready_fd), program]
+            str(limits.nofile), str(uid), str(ready_fd), str(limits.file_mb << 20), str(inodes), program]
 
 
 def probe_bwrap() -> str | None:
@@ -218,12 +248,139 @@ def probe_bwrap() -> str | None:
     return None
 
 
+class MemoryCgroup:
+    """Memory cgroups, one per program, under a cgroup this process may create children in (v2 with the
+    memory controller delegated, or v1's memory hierarchy): the program and every process it starts share
+    one memory limit, and the cgroup is how a program whose processes left the process group is killed.
+    :meth:`find` returns None where the node allows neither (then memory is bounded per process only)."""
+
+    def __init__(self, version: str, parent: Path) -> None:
+        self.version, self.parent = version, parent
+        self._n = itertools.count()
+
+    @classmethod
+    def find(cls) -> MemoryCgroup | None:
+        """This process's own memory cgroup, if it can make a child there and limit it; else None."""
+        for version, parent in _own_cgroups():
+            group = cls(version, parent)
+            try:
+                probe = group.create(64)
+            except OSError:
+                continue
+            group.remove(probe)
+            return group
+        return None
+
+    def create(self, memory_mb: int) -> Path:
+        """A new child limited to ``memory_mb`` MiB (swap included where the node has it)."""
+        path = self.parent / f"ckpteval-{os.getpid()}-{next(self._n)}"
+        path.mkdir()
+        try:
+            limit = str(memory_mb << 20)
+            files = (("memory.max", "memory.swap.max") if self.version == "v2"
+                     else ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
+            (path / files[0]).write_text(limit)
+            if (path / files[1]).exists():
+                (path / files[1]).write_text("0" if self.version == "v2" else limit)
+        except OSError:
+            path.rmdir()
+            raise
+        return path
+
+    def oom_kills(self, path: Path) -> int:
+        """Processes of this child the kernel killed for memory."""
+        events = path / ("memory.events" if self.version == "v2" else "memory.oom_control")
+        try:
+            for line in events.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            return 0
+        return 0
+
+    def kill(self, path: Path) -> None:
+        """SIGKILL every process in the child."""
+        try:
+            for pid in (path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            return
+
+    def remove(self, path: Path, wait_s: float = 2.0) -> None:
+        """Kill what is left and remove the child (the kernel needs a moment after the last process dies)."""
+        give_up = time.monotonic() + wait_s
+        while True:
+            self.kill(path)
+            try:
+                path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > give_up:
+                    return
+                time.sleep(0.01)
+
+
+def _own_cgroups() -> list[tuple[str, Path]]:
+    """(version, dir) of this process's cgroups that could hold memory-limited children: v2 first."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    where: dict[str, tuple[str, str]] = {}  # version -> (mount point, the hierarchy's path mounted there)
+    for m in mounts:
+        fields = m.split()
+        fstype = fields[fields.index("-") + 1]
+        if fstype == "cgroup2":
+            where.setdefault("v2", (fields[4], fields[3]))
+        elif fstype == "cgroup" and "memory" in fields[-1].split(","):
+            where.setdefault("v1", (fields[4], fields[3]))
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+        if version is None or version not in where:
+            continue
+        mount, root = where[version]
+        rel = path[len(root):] if path.startswith(root) and root != "/" else path
+        own = Path(mount + rel)
+        if version == "v1" or "memory" in _read(own / "cgroup.subtree_control").split():
+            found.insert(0 if version == "v2" else len(found), (version, own))
+    return found
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+_CGROUP: list[MemoryCgroup | None] = []
+_CGROUP_LOCK = threading.Lock()
+
+
+def memory_cgroup() -> MemoryCgroup | None:
+    """The process's :class:`MemoryCgroup` (probed once), or None."""
+    with _CGROUP_LOCK:
+        if not _CGROUP:
+            _CGROUP.append(MemoryCgroup.find())
+        return _CGROUP[0]
+
+
 class _Run:
     """One program's process and the reading of its pipes until it ends or the deadline passes."""
 
     def __init__(self, cmd: list[str], limits: Limits, workdir: str, env: dict[str, str] | None,
-                 stdin_path: str, ready_w: int, ready_r: int) -> None:
+                 stdin_path: str, ready_w: int, ready_r: int, cgroup: tuple[MemoryCgroup, Path] | None) -> None:
         self.limits = limits
+        self.cgroup = cgroup
+        if cgroup is not None:  # join the program's cgroup before exec, so everything it starts is in it
+            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup[1] / "cgroup.procs"), *cmd]
         try:
             with open(stdin_path, "rb") as stdin:
                 self.proc = subprocess.Popen(
@@ -260,13 +417,22 @@ class _Run:
                 if self.overflow:
                     self.kill()
                     break
-            rc = self.proc.wait()
+            rc = self._reap(deadline)
         finally:
             sel.close()
             os.close(self.ready_fd)
             for pipe in (self.proc.stdout, self.proc.stderr):
                 pipe.close()  # type: ignore[union-attr]
         return rc, time.monotonic() - start
+
+    def _reap(self, deadline: float) -> int:
+        """The exit status, within the deadline even when the program closed its pipes and lives on."""
+        try:
+            return self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            self.kill()
+            return self.proc.wait()
 
     def _read(self, sel: selectors.BaseSelector, key: selectors.SelectorKey) -> None:
         data = os.read(key.fd, 1 << 16)
@@ -289,9 +455,11 @@ class _Run:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if self.cgroup is not None:  # and whatever left the group (rlimits-only mode)
+            self.cgroup[0].kill(self.cgroup[1])
 
 
-def _classify(run: _Run, rc: int, wall: float, bwrap: bool) -> Outcome:
+def _classify(run: _Run, rc: int, wall: float, bwrap: bool, oom_kills: int = 0) -> Outcome:
     """The program's outcome from how its process ended (bwrap reports a signal as 128 + signal)."""
     out, err = bytes(run.out["stdout"]), bytes(run.out["stderr"])
     sig: int | None = None
@@ -308,6 +476,8 @@ def _classify(run: _Run, rc: int, wall: float, bwrap: bool) -> Outcome:
         return outcome("timeout", f"over the {run.limits.wall_s:g} s deadline")
     if run.overflow:
         return outcome("crashed", run.overflow)
+    if oom_kills:
+        return outcome("oom", f"over the {run.limits.memory_mb} MiB memory limit of the program and its children")
     if sig == signal.SIGXCPU:
         return outcome("timeout", f"over the {run.limits.cpu_s} s CPU limit")
     if sig == signal.SIGKILL:  # not ours: the CPU hard limit, the kernel's OOM killer, or itself
@@ -325,7 +495,7 @@ class Sandbox:
     """A bounded pool that runs untrusted programs (see the module docstring for the guarantee)."""
 
     def __init__(self, limits: Limits | None = None, *, mode: str = "bwrap", concurrency: int | None = None,
-                 retries: int = 2, label: str | None = None) -> None:
+                 retries: int = 2, label: str | None = None, cgroup: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"sandbox mode {mode!r} must be one of {', '.join(MODES)}")
         self.limits = limits or Limits()
@@ -338,6 +508,7 @@ class Sandbox:
         self.as_root = os.geteuid() == 0
         self._runs = itertools.count()  # next() is atomic under the GIL: one uid per program
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ckpteval-sandbox")
+        self.cgroup = memory_cgroup() if cgroup else None
 
     def run_many(self, jobs: Sequence[tuple[str, bytes]], limits: Limits | None = None) -> list[Outcome]:
         """Run ``(source, stdin)`` programs in the pool (``limits``: this call's, default the pool's);
@@ -356,37 +527,61 @@ class Sandbox:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _run_once(self, source: str, stdin: bytes, limits: Limits) -> Outcome:
+        try:
+            encoded = source.encode("utf-8")
+        except UnicodeEncodeError as e:  # the model's text (a lone surrogate): this program's error only
+            return Outcome("crashed", None, None, b"", str(e).encode(), 0.0, "the program is not valid UTF-8")
         tmp = tempfile.mkdtemp(prefix="ckpteval-sandbox-")
+        group = self.cgroup.create(limits.memory_mb) if self.cgroup is not None else None
         try:
             program, stdin_path = os.path.join(tmp, "main.py"), os.path.join(tmp, "stdin")
-            Path(program).write_text(source)
+            Path(program).write_bytes(encoded)
             os.chmod(program, 0o644)
             Path(stdin_path).write_bytes(stdin)
-            uid = self._uid() if self.as_root else -1
-            ready_r, ready_w = os.pipe()
-            if self.mode == "bwrap":
-                cmd = bwrap_command(program, limits, self.label, self.as_root)
-                cmd += launcher_args(limits, uid, ready_w, PROGRAM)
-                run = _Run(cmd, limits, tmp, None, stdin_path, ready_w, ready_r)
-            else:
-                work = os.path.join(tmp, "work")
-                os.mkdir(work, 0o700)
-                env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
-                cmd = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER, *launcher_args(limits, -1, ready_w, program)]
-                run = _Run(cmd, limits, work, env, stdin_path, ready_w, ready_r)
+            run = self._start(program, stdin_path, tmp, limits, group)
+            os.unlink(stdin_path)  # held open by the program only: no path to it (rlimits-only mode)
             rc, wall = run.wait()
+            oom_kills = self.cgroup.oom_kills(group) if self.cgroup is not None and group is not None else 0
             if not run.ready and not run.timed_out:
                 why = bytes(run.out["stderr"]).decode(errors="replace").strip().splitlines()
                 raise SandboxUnavailable(why[-1] if why else f"the sandbox exited {rc} before the program started")
             if not run.ready:
                 raise SandboxUnavailable(f"the sandbox did not start within {limits.wall_s:g} s")
-            if self.mode == "bwrap" and rc < 0 and not (run.timed_out or run.overflow):
+            if self.mode == "bwrap" and rc < 0 and not (run.timed_out or run.overflow or oom_kills):
                 # bwrap reports the program's signals as 128 + n; bwrap itself killed by a signal we did not
-                # send is the sandbox dying under the program (the OOM killer, an operator), not its fault
+                # send is the sandbox dying under the program (an operator, the node's OOM killer), not its fault
                 raise SandboxUnavailable(f"bwrap was killed by signal {-rc} while the program ran")
-            return _classify(run, rc, wall, self.mode == "bwrap")
+            return _classify(run, rc, wall, self.mode == "bwrap", oom_kills)
         finally:
+            if self.cgroup is not None and group is not None:
+                self.cgroup.remove(group)
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _start(self, program: str, stdin_path: str, tmp: str, limits: Limits, group: Path | None) -> _Run:
+        uid = self._uid() if self.as_root else -1
+        ready_r, ready_w = os.pipe()
+        cgroup = (self.cgroup, group) if self.cgroup is not None and group is not None else None
+        if self.mode == "bwrap":
+            cmd = bwrap_command(program, limits, self.label, self.as_root)
+            cmd += launcher_args(limits, uid, ready_w, PROGRAM, bwrap=True)
+            return _Run(cmd, limits, tmp, None, stdin_path, ready_w, ready_r, cgroup)
+        work = os.path.join(tmp, "work")
+        os.mkdir(work, 0o700)
+        env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
+        cmd = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER,
+               *launcher_args(limits, -1, ready_w, program, bwrap=False)]
+        return _Run(cmd, limits, work, env, stdin_path, ready_w, ready_r, cgroup)
+
+    def bounds(self, limits: Limits | None = None) -> dict[str, object]:
+        """The limits a program runs under here, as recorded with its results (how total memory is bounded:
+        a cgroup for the program and its children together, else the per-process limit times the processes)."""
+        lim = limits or self.limits
+        if self.cgroup is not None:
+            total, how = lim.memory_mb, f"cgroup-{self.cgroup.version}"
+        else:
+            total, how = lim.memory_mb * lim.nproc, "rlimit_as x nproc"
+        return {"memory_total_mb": total, "memory_total_by": how, "nproc": lim.nproc, "tmp_mb": lim.file_mb,
+                "tmp_inodes": lim.tmp_inodes if self.mode == "bwrap" else None}
 
     def _uid(self) -> int:
         return SANDBOX_UID_BASE + (os.getpid() % 10_000) * UIDS_PER_PROCESS + next(self._runs) % UIDS_PER_PROCESS

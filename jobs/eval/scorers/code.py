@@ -34,43 +34,30 @@ introspection); it cannot leave the sandbox (:mod:`ckpteval.jobs.eval.sandbox`).
 
 from __future__ import annotations
 
+import ast
+import builtins
+import json
 import math
 import re
-import secrets
+import signal
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
 from ckpteval.jobs.eval.sandbox import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 
-HARNESS_VERSION = "1"
+HARNESS_VERSION = "2"
 FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = ("python", "py", "python3")
 MODEL_ERRORS = ("oom", "crashed")
 
-# The assert-style program: the solution, then each test, reporting on stdout with a nonce the
-# solution cannot know in advance (so printing a fake "pass" does not count).
-HARNESS = """\
-import os as _os, traceback as _tb
-def _report(_line):
-    _os.write(1, ("\\n" + {nonce!r} + " " + _line + "\\n").encode())
-_g = {{"__name__": "__solution__"}}
-try:
-    exec(compile({code!r}, "solution.py", "exec"), _g)
-except BaseException:
-    _tb.print_exc()
-    _report("load-error")
-    raise SystemExit(1)
-for _i, _test in enumerate({tests!r}):
-    try:
-        exec(compile(_test, "test_%d.py" % _i, "exec"), _g)
-    except BaseException:
-        _tb.print_exc()
-    else:
-        _report("pass %d" % _i)
-_report("done")
-"""
+HARNESS_SOURCE = (Path(__file__).with_name("code_harness.py")).read_text(encoding="utf-8")
+JUDGE = "split-process"  # how assert-style samples are judged (the identity records it): code_harness.py
+STDLIB = frozenset(sys.stdlib_module_names)
+BUILTINS = frozenset(dir(builtins))
 
 
 @dataclass(frozen=True)
@@ -127,24 +114,70 @@ def same_output(got: bytes, want: str) -> bool:
         [line.strip() for line in want.strip().splitlines()]
 
 
-def harness_program(code: str, tests: list[str], nonce: str) -> str:
-    return HARNESS.format(nonce=nonce, code=code, tests=tests)
+def harness_program(code: str) -> str:
+    """The program the sandbox runs for an assert-style sample: the harness, then the solution as a literal."""
+    return f"{HARNESS_SOURCE}\n_harness({code!r})\n"
 
 
-def harness_report(stdout: bytes, nonce: str) -> tuple[set[int], bool, bool]:
-    """From an assert-style program's stdout: the tests that passed, whether it finished, whether the
-    solution failed to load."""
-    passed: set[int] = set()
-    done = load_error = False
+def harness_stdin(tests: list[str]) -> bytes:
+    """What the harness's test process reads after the solution process is forked: the tests, the names
+    they call into the solution (free names that are neither builtins nor standard-library modules), and
+    the standard-library modules they use without importing them."""
+    free: set[str] = set()
+    for test in tests:
+        free |= free_names(test)
+    modules = sorted(n for n in free if n in STDLIB)
+    proxies = sorted(n for n in free if n not in STDLIB)
+    return json.dumps({"tests": tests, "proxies": proxies, "modules": modules}).encode()
+
+
+def free_names(source: str) -> set[str]:
+    """Names a test reads but never binds, builtins aside (a test that does not parse has none: it fails)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return set()
+    loads, bound = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loads if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return loads - bound - BUILTINS
+
+
+@dataclass
+class Report:
+    """What an assert-style harness's test process reported (trusted: the solution cannot write it)."""
+
+    passed: set[int]
+    done: bool = False
+    load_error: bool = False
+    oom: bool = False
+    solution_signal: int | None = None
+    setup_error: str | None = None
+
+
+def harness_report(stdout: bytes) -> Report:
+    """Parse the test process's report lines (see :mod:`code_harness`)."""
+    report = Report(set())
     for line in stdout.decode(errors="replace").splitlines():
-        if not line.startswith(nonce + " "):
-            continue
-        word = line[len(nonce) + 1:]
-        if word.startswith("pass ") and word[5:].isdigit():
-            passed.add(int(word[5:]))
-        done = done or word == "done"
-        load_error = load_error or word == "load-error"
-    return passed, done, load_error
+        word, _, rest = line.partition(" ")
+        if word == "pass" and rest.isdigit():
+            report.passed.add(int(rest))
+        elif word == "solution" and rest.startswith("signal ") and rest[7:].isdigit():
+            report.solution_signal = int(rest[7:])
+        elif word == "setup-error":
+            report.setup_error = rest
+        elif word in ("done", "load-error", "oom"):
+            setattr(report, word.replace("-", "_"), True)
+    return report
 
 
 class CodeScorer(BaseScorer):
@@ -175,7 +208,8 @@ class CodeScorer(BaseScorer):
     def identity(self) -> dict[str, Any]:
         opts: CodeOptions = self.options
         return {"name": "code", "sandbox": self.mode, "timeout_s": opts.timeout_s, "memory_mb": opts.memory_mb,
-                "prepend_prompt": opts.prepend_prompt, "harness": HARNESS_VERSION}
+                "prepend_prompt": opts.prepend_prompt, "harness": HARNESS_VERSION, "judge": JUDGE,
+                **self.sandbox.bounds(self.limits)}
 
     def score(self, samples: list[Sample]) -> list[Scored]:
         jobs: list[tuple[str, bytes]] = []
@@ -194,22 +228,21 @@ class CodeScorer(BaseScorer):
         if isinstance(tests, tuple):
             jobs.extend((code, i.encode()) for i in tests[0])
             return Plan(len(tests[0]), outputs=tests[1])
-        nonce = secrets.token_hex(16)
-        jobs.append((harness_program(code, tests, nonce), b""))
-        return Plan(len(tests), nonce=nonce)
+        jobs.append((harness_program(code), harness_stdin(tests)))
+        return Plan(len(tests), asserts=True)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one sample's programs check: ``n_tests`` tests; a nonce (assert-style) or the outputs."""
+    """What one sample's programs check: ``n_tests`` tests, by the harness (assert-style) or the outputs."""
 
     n_tests: int
-    nonce: str | None = None
+    asserts: bool = False
     outputs: list[str] | None = None
 
     @property
     def n_programs(self) -> int:
-        return 1 if self.nonce is not None else self.n_tests
+        return 1 if self.asserts else self.n_tests
 
 
 def _spans(plans: list[Plan]) -> list[tuple[int, int]]:
@@ -224,11 +257,16 @@ def verdict(outcomes: list[Outcome], plan: Plan) -> Scored:
     """One sample's :class:`Scored` from its programs' outcomes."""
     timeouts = any(o.status == "timeout" for o in outcomes)
     errors = any(o.status in MODEL_ERRORS for o in outcomes)
-    if plan.nonce is not None:
-        passed, done, load_error = harness_report(outcomes[0].stdout, plan.nonce)
-        n_passed = len(passed & set(range(plan.n_tests)))
-        ok = done and n_passed == plan.n_tests and outcomes[0].status == "passed"
-        errors = errors or load_error
+    if plan.asserts:
+        report = harness_report(outcomes[0].stdout)
+        if report.setup_error is not None:
+            raise ScorerInfraError("sandbox_failed", f"the code harness could not start: {report.setup_error}")
+        n_passed = len(report.passed & set(range(plan.n_tests)))
+        ok = report.done and n_passed == plan.n_tests and outcomes[0].status == "passed"
+        xcpu = report.solution_signal == signal.SIGXCPU
+        timeouts = timeouts or xcpu
+        errors = errors or report.oom or (report.load_error and not xcpu) or \
+            (report.solution_signal is not None and not xcpu)
     else:
         wants = plan.outputs or []
         verdicts = [o.status == "passed" and same_output(o.stdout, w) for o, w in zip(outcomes, wants, strict=True)]
