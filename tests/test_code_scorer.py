@@ -528,3 +528,14 @@ def test_verdicts_agree_with_the_reference_harnesses_sample_by_sample(tmp_path: 
               f"({sum(b for _, b in mine)} pass by the reference)")
     assert disagree == []
     assert 0 < sum(theirs) < len(theirs)  # both verdicts occur
+
+
+@needs_bwrap
+def test_an_unencodable_completion_is_that_samples_error_not_the_units(tmp_path: Path) -> None:
+    add, stdio = EXAMPLE[0], EXAMPLE[10]
+    scorer = make_scorer(spec([add, stdio]), ScorerContext(tmp_path, {}))
+    samples = [Sample(fenced("s = '\udc80'\n" + add["solution"]), add, ""), Sample(fenced("print('\udc80')\n"), stdio, ""),
+               Sample(fenced(add["solution"]), add, ""), Sample(fenced(stdio["solution"]), stdio, "")]
+    scored = scorer.score(samples)
+    assert [s.score for s in scored] == [0.0, 0.0, 1.0, 1.0]
+    assert [s.counters["code_errors"] for s in scored] == [1, 1, 0, 0]

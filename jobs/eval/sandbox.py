@@ -79,7 +79,7 @@ INTERPRETER_FLAGS = ("-I", "-S")
 # in a user namespace, the one capability kept for the mount), report "up" on ready_fd, then run the program
 # as __main__ in this interpreter (compiled as UTF-8; no runpy: its imports cost more than bwrap does).
 LAUNCHER = r"""
-import os, resource, sys
+import posix, resource, sys  # posix, not os: os's import costs more than bwrap
 cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes = (int(a) for a in sys.argv[1:10])
 program = sys.argv[10]
 if inodes > 0:
@@ -88,7 +88,7 @@ if inodes > 0:
     opts = b"size=%d,nr_inodes=%d,mode=1777" % (tmp_bytes, inodes)
     if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 6, opts) != 0:  # MS_NOSUID | MS_NODEV
         sys.exit("ckpteval launcher: cannot mount the private /tmp (errno %d)" % ctypes.get_errno())
-    os.chdir("/tmp")
+    posix.chdir("/tmp")
     if uid < 0:  # in a user namespace: give up CAP_SYS_ADMIN (kept by bwrap for the mount)
         libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
         if libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()) != 0:
@@ -97,17 +97,17 @@ for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS
                         (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
                         (resource.RLIMIT_CORE, 0, 0)):
     resource.setrlimit(res, (soft, hard))
-if uid >= 0 and os.getuid() == 0:
-    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+if uid >= 0 and posix.getuid() == 0:
+    posix.setgroups([]); posix.setgid(uid); posix.setuid(uid)
 resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 if inodes > 0:  # bwrap: the program must hold no capability
     with open("/proc/self/status") as status:
         caps = [line.split()[1] for line in status if line.startswith(("CapEff:", "CapPrm:"))]
     if any(int(c, 16) for c in caps):
         sys.exit("ckpteval launcher: the program would keep capabilities %s" % caps)
-os.write(ready, b"R"); os.close(ready)
+posix.write(ready, b"R"); posix.close(ready)
 sys.argv = [program]
-sys.path.insert(0, os.path.dirname(program))
+sys.path.insert(0, program.rpartition("/")[0])
 def run(path, g):
     with open(path, "rb") as f:
         code = compile(f.read(), path, "exec")
@@ -257,6 +257,8 @@ class MemoryCgroup:
     def __init__(self, version: str, parent: Path) -> None:
         self.version, self.parent = version, parent
         self._n = itertools.count()
+        self._stale: list[Path] = []  # children whose last processes were still dying when their run ended
+        self._lock = threading.Lock()
 
     @classmethod
     def find(cls) -> MemoryCgroup | None:
@@ -307,6 +309,28 @@ class MemoryCgroup:
                     os.kill(int(pid), signal.SIGKILL)
         except OSError:
             return
+
+    def discard(self, path: Path) -> None:
+        """Kill what is left of a finished run's child and remove it, or, while the kernel is still tearing
+        it down, keep it for a later call (removing it now would cost every run a wait)."""
+        self.kill(path)
+        with self._lock:
+            pending, self._stale = [*self._stale, path], []
+        for p in pending:
+            try:
+                p.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError:
+                with self._lock:
+                    self._stale.append(p)
+
+    def flush(self) -> None:
+        """Remove every child kept by :meth:`discard` (waiting for the kernel where needed)."""
+        with self._lock:
+            pending, self._stale = self._stale, []
+        for p in pending:
+            self.remove(p)
 
     def remove(self, path: Path, wait_s: float = 2.0) -> None:
         """Kill what is left and remove the child (the kernel needs a moment after the last process dies)."""
@@ -554,7 +578,7 @@ class Sandbox:
             return _classify(run, rc, wall, self.mode == "bwrap", oom_kills)
         finally:
             if self.cgroup is not None and group is not None:
-                self.cgroup.remove(group)
+                self.cgroup.discard(group)
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _start(self, program: str, stdin_path: str, tmp: str, limits: Limits, group: Path | None) -> _Run:
@@ -588,6 +612,8 @@ class Sandbox:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.cgroup is not None:
+            self.cgroup.flush()
 
 
 _SHARED: dict[tuple[str, int], Sandbox] = {}
