@@ -209,6 +209,17 @@ def _root_binds(prefix: str) -> list[str]:
     return args
 
 
+def _dev() -> list[str]:
+    """A minimal read-only /dev: the harmless character devices and the fd links (not bwrap's --dev, whose
+    devpts mount makes a later tmpfs mount fail in a user namespace, and whose /dev/shm is writable there)."""
+    args = ["--perms", "0755", "--dir", "/dev"]
+    for dev in ("null", "zero", "full", "random", "urandom"):
+        args += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        args += ["--symlink", f"/proc/self/fd/{i}", f"/dev/{name}"]
+    return [*args, "--symlink", "/proc/self/fd", "/dev/fd"]
+
+
 def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) -> list[str]:
     """The full bwrap command line that runs ``program_file`` (a host path) under the launcher."""
     exe, prefix = interpreter()
@@ -219,9 +230,10 @@ def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) 
     return [
         "bwrap", *unshare, "--die-with-parent", "--new-session",
         *_root_binds(prefix),
-        "--proc", "/proc", "--dev", "/dev",
+        "--proc", "/proc", *_dev(),
         "--perms", "1777", "--size", str(limits.file_mb << 20), "--tmpfs", "/tmp",
         "--perms", "0755", "--dir", "/sandbox", "--ro-bind", program_file, PROGRAM,
+        "--remount-ro", "/",  # in a user namespace the root tmpfs is the program's to write, uncapped
         "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
         "--setenv", "HOME", "/tmp", "--setenv", ENV_LABEL, label,
         exe, *INTERPRETER_FLAGS, "-c", LAUNCHER,
