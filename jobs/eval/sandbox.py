@@ -3,8 +3,8 @@
 :class:`Sandbox` runs a program's source (with optional stdin bytes) and returns an :class:`Outcome`
 whose ``status`` is the program's own ending: ``passed`` (exit 0), ``failed`` (a non-zero exit),
 ``timeout`` (the wall-clock deadline or the CPU limit's SIGXCPU), ``oom`` (``MemoryError`` under the
-address-space limit) or ``crashed`` (killed by any other signal, the kernel's OOM killer's SIGKILL
-included, or stdout/stderr over the output cap). Those are the model's failures. When the sandbox itself cannot start (bwrap
+address-space limit, or a kill by the program's memory cgroup) or ``crashed`` (killed by any other
+signal, stdout/stderr over the output cap, or a source that is not valid UTF-8). Those are the model's failures. When the sandbox itself cannot start (bwrap
 refused, no process could be forked) or bwrap is killed by a signal it was not sent by this module, it is
 retried, then :class:`SandboxUnavailable` is raised: an infrastructure failure the caller must never
 score as 0.
@@ -17,31 +17,38 @@ Isolation (``mode="bwrap"``, the default): each program runs under bubblewrap (`
 - a root made of read-only binds of only what the interpreter needs: ``/usr`` (and the ``/bin``,
   ``/lib*`` links or dirs), the interpreter's own prefix (``sys.base_prefix``; e.g. a pyenv build
   under ``/root``, whose parent dirs are created empty), ``/etc/ld.so.cache``; a fresh ``/proc`` of the
-  PID namespace and a minimal ``/dev``; the program at ``/sandbox/main.py`` (read-only);
-- a private writable tmpfs ``/tmp`` (size-capped) as the working directory. Nothing else of the host
+  PID namespace and a minimal ``/dev`` (null, zero, full, random, urandom, the fd links); the program at
+  ``/sandbox/main.py``; the root remounted read-only (in a user namespace it is the program's own);
+- a private writable tmpfs ``/tmp`` capped in bytes (``file_mb``) and in inodes (``tmp_inodes``),
+  mounted by the launcher (``CAP_SYS_ADMIN``, given up before the program runs) as the working directory. Nothing else of the host
   is visible: no run dir, results, leases, home directory or environment (``--clearenv``).
 
-Inside, a trusted launcher (``python -I -S -c LAUNCHER``) sets the rlimits (CPU seconds, address space,
+Inside, a trusted launcher (``python -I -S -c LAUNCHER``) mounts that /tmp, sets the rlimits (CPU seconds, address space,
 file size, process count, open files), drops to a fresh unprivileged uid per program when it runs as
 root (RLIMIT_NPROC is never enforced for uid 0, and counts per uid: a fork bomb still being torn down
 must not count against the next program), tells the host it is up (one byte on an
 inherited pipe), closes that pipe and runs the program in its own interpreter. A wall-clock deadline is
 enforced from outside: the host SIGKILLs bwrap, whose PID namespace dies with it (every process the
-program forked, daemonized or ``setsid``-ed included). stdout and stderr are read as they come and
-capped (``output_bytes``): a program that writes more is killed, never buffered whole.
+program forked, daemonized or ``setsid``-ed included), whatever the program did with its stdout/stderr.
+stdout and stderr are read as they come and capped (``output_bytes``): a program that writes more is
+killed, never buffered whole. Memory: where :class:`MemoryCgroup` finds a cgroup this process may
+create children in (v2 with the memory controller delegated, or v1's memory hierarchy), each program
+runs in its own child limited to ``memory_mb`` for the program and all its processes together; else
+the bound is ``memory_mb`` × ``nproc``. :meth:`Sandbox.bounds` states which holds (recorded with results).
 
 ``mode="rlimits-only"`` (the worker's ``--unsafe-code-rlimits-only`` opt-in, for nodes that cannot
 start bwrap) runs the same launcher as a plain subprocess in a new session, in a private temp dir, with
-an empty environment and the same rlimits and deadline (the process group is killed). It does NOT
-isolate: the program can read and write whatever the worker's user can, open network connections, and
-a process that leaves the process group outlives the deadline; RLIMIT_NPROC is not enforced for root.
+an empty environment and the same rlimits and deadline (the process group is killed, and the memory
+cgroup's processes where there is one). It does NOT isolate: the program can read and write whatever the
+worker's user can and open network connections; without a cgroup a process that leaves the process
+group outlives the deadline; /tmp's inodes are not capped; RLIMIT_NPROC is not enforced for root.
 Results record the mode (the code scorer's identity), so such points are never pooled with sandboxed ones.
 
 Limits: programs are Python source run by the worker's own base interpreter with its standard library
 only (``-I -S``: no site-packages, neither the base installation's nor the worker's virtualenv); the CPU
 limit is per process (a program that forks many CPU-bound children is stopped by the wall clock, not the
-CPU limit); memory is bounded per process (address space) and by the tmpfs size, not per sandbox as a
-cgroup would; concurrent sandboxes run in a bounded pool (:attr:`Sandbox.concurrency`).
+CPU limit); without a cgroup, memory is bounded per process (address space) only; concurrent sandboxes
+run in a bounded pool (:attr:`Sandbox.concurrency`).
 """
 
 from __future__ import annotations
