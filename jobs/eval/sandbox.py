@@ -82,13 +82,15 @@ PROGRAM = "/sandbox/main.py"
 INTERPRETER_FLAGS = ("-I", "-S")
 
 # Runs inside the sandbox (argv: cpu_s memory_bytes file_bytes nproc nofile uid ready_fd tmp_bytes tmp_inodes
-# program). Trusted code: mount the private /tmp with an inode cap (bwrap only), set the limits, drop root (or,
+# cgroup program). Trusted code: mount the private /tmp with an inode cap (bwrap only), set the limits, drop root (or,
 # in a user namespace, the one capability kept for the mount), report "up" on ready_fd, then run the program
 # as __main__ in this interpreter (compiled as UTF-8; no runpy: its imports cost more than bwrap does).
 LAUNCHER = r"""
 import posix, resource, sys  # posix, not os: os's import costs more than bwrap
-cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes = (int(a) for a in sys.argv[1:10])
-program = sys.argv[10]
+cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes, cgroup = (int(a) for a in sys.argv[1:11])
+program = sys.argv[11]
+if cgroup >= 0:  # join the program's memory cgroup first (fd: its cgroup.procs, opened by the host)
+    posix.write(cgroup, b"0"); posix.close(cgroup)
 if inodes > 0:
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
@@ -247,11 +249,13 @@ def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) 
     ]
 
 
-def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str, bwrap: bool) -> list[str]:
-    """The launcher's argv (see :data:`LAUNCHER`); the inode-capped /tmp is mounted under bwrap only."""
+def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str, bwrap: bool, cgroup_fd: int = -1) -> list[str]:
+    """The launcher's argv (see :data:`LAUNCHER`); the inode-capped /tmp is mounted under bwrap only; with
+    ``cgroup_fd`` >= 0 the launcher joins the cgroup whose ``cgroup.procs`` is open on that fd."""
     inodes = limits.tmp_inodes if bwrap else 0
     return [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.file_mb << 20), str(limits.nproc),
-            str(limits.nofile), str(uid), str(ready_fd), str(limits.file_mb << 20), str(inodes), program]
+            str(limits.nofile), str(uid), str(ready_fd), str(limits.file_mb << 20), str(inodes),
+            str(cgroup_fd), program]
 
 
 def probe_bwrap() -> str | None:
@@ -419,22 +423,23 @@ class _Run:
     """One program's process and the reading of its pipes until it ends or the deadline passes."""
 
     def __init__(self, cmd: list[str], limits: Limits, workdir: str, env: dict[str, str] | None,
-                 stdin_path: str, ready_w: int, ready_r: int, cgroup: tuple[MemoryCgroup, Path] | None) -> None:
+                 stdin_path: str, ready_w: int, ready_r: int, cgroup: tuple[MemoryCgroup, Path] | None,
+                 procs: int = -1) -> None:
         self.limits = limits
         self.cgroup = cgroup
-        if cgroup is not None:  # join the program's cgroup before exec, so everything it starts is in it
-            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup[1] / "cgroup.procs"), *cmd]
         try:
             with open(stdin_path, "rb") as stdin:
                 self.proc = subprocess.Popen(
                     cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
-                    pass_fds=(ready_w,), start_new_session=True, close_fds=True,
+                    pass_fds=(ready_w,) if procs < 0 else (ready_w, procs), start_new_session=True, close_fds=True,
                 )
         except OSError as e:
             os.close(ready_r)
             raise SandboxUnavailable(f"cannot start {cmd[0]}: {e}") from None
         finally:
             os.close(ready_w)
+            if procs >= 0:
+                os.close(procs)
         self.ready_fd = ready_r
         self.ready = False
         self.out = {"stdout": bytearray(), "stderr": bytearray()}
@@ -604,16 +609,17 @@ class Sandbox:
         uid = self._uid() if self.as_root else -1
         ready_r, ready_w = os.pipe()
         cgroup = (self.cgroup, group) if self.cgroup is not None and group is not None else None
+        procs = os.open(group / "cgroup.procs", os.O_WRONLY) if cgroup is not None and group is not None else -1
         if self.mode == "bwrap":
             cmd = bwrap_command(program, limits, self.label, self.as_root)
-            cmd += launcher_args(limits, uid, ready_w, PROGRAM, bwrap=True)
-            return _Run(cmd, limits, tmp, None, stdin_path, ready_w, ready_r, cgroup)
+            cmd += launcher_args(limits, uid, ready_w, PROGRAM, bwrap=True, cgroup_fd=procs)
+            return _Run(cmd, limits, tmp, None, stdin_path, ready_w, ready_r, cgroup, procs)
         work = os.path.join(tmp, "work")
         os.mkdir(work, 0o700)
         env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
         cmd = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER,
-               *launcher_args(limits, -1, ready_w, program, bwrap=False)]
-        return _Run(cmd, limits, work, env, stdin_path, ready_w, ready_r, cgroup)
+               *launcher_args(limits, -1, ready_w, program, bwrap=False, cgroup_fd=procs)]
+        return _Run(cmd, limits, work, env, stdin_path, ready_w, ready_r, cgroup, procs)
 
     def bounds(self, limits: Limits | None = None) -> dict[str, object]:
         """The limits a program runs under here, as recorded with its results (how total memory is bounded:
