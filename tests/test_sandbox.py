@@ -19,6 +19,7 @@ import pytest
 
 from ckpteval.jobs.eval.sandbox import (
     Limits,
+    MemoryCgroup,
     Sandbox,
     SandboxUnavailable,
     labelled_processes,
@@ -262,3 +263,18 @@ def test_programs_are_utf8_and_an_unencodable_one_is_only_its_own_error(mode: st
         box.close()
     assert [o.status for o in outcomes] == ["passed", "crashed", "passed"]
     assert outcomes[0].stdout.decode() == "héllo ✓\n" and "UTF-8" in outcomes[1].detail
+
+
+@pytest.mark.skipif(CGROUP is None, reason="no memory cgroup can be created here")
+def test_cgroups_left_by_a_dead_worker_are_removed_at_the_next_start() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert CGROUP is not None
+    left = CGROUP.parent / f"ckpteval-{dead}-0"
+    left.mkdir()
+    ours = CGROUP.create(64)  # a live process's child stays
+    try:
+        assert MemoryCgroup.find() is not None
+        assert not left.exists() and ours.exists()
+    finally:
+        CGROUP.remove(ours)

@@ -293,8 +293,16 @@ class MemoryCgroup:
             except OSError:
                 continue
             group.remove(probe)
+            group.sweep()
             return group
         return None
+
+    def sweep(self) -> None:
+        """Remove children left by processes that died before removing them (``ckpteval-<pid>-<n>``)."""
+        for child in self.parent.glob("ckpteval-*-*"):
+            pid = child.name.split("-")[1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                self.remove(child, wait_s=0.0)
 
     def create(self, memory_mb: int) -> Path:
         """A new child limited to ``memory_mb`` MiB (swap included where the node has it)."""
