@@ -32,7 +32,7 @@ from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.sandbox import probe_bwrap
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
-from ckpteval.jobs.eval.scorers.code import extract_code, row_tests, same_output
+from ckpteval.jobs.eval.scorers.code import extract_code, harness_stdin, row_tests, same_output
 from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
@@ -549,3 +549,9 @@ def test_an_unencodable_completion_is_that_samples_error_not_the_units(tmp_path:
     scored = scorer.score(samples)
     assert [s.score for s in scored] == [0.0, 0.0, 1.0, 1.0]
     assert [s.counters["code_errors"] for s in scored] == [1, 1, 0, 0]
+
+
+def test_the_tests_free_names_call_the_solution_except_modules_and_builtins() -> None:
+    spec_ = json.loads(harness_stdin(["import os\nassert f(len([1])) == math.floor(g.x)", "def check(c):\n    c(1)\n"
+                                      "check(numbers)\n"], entry_point="numbers"))
+    assert (spec_["proxies"], spec_["modules"]) == (["f", "g", "numbers"], ["math"])

@@ -124,15 +124,16 @@ def harness_program(code: str) -> str:
     return f"{HARNESS_SOURCE}\n_harness({code!r})\n"
 
 
-def harness_stdin(tests: list[str]) -> bytes:
+def harness_stdin(tests: list[str], entry_point: str | None = None) -> bytes:
     """What the harness's test process reads after the solution process is forked: the tests, the names
     they call into the solution (free names that are neither builtins nor standard-library modules), and
-    the standard-library modules they use without importing them."""
+    the standard-library modules they use without importing them; the ``entry_point`` is always the
+    solution's, even when a module has its name."""
     free: set[str] = set()
     for test in tests:
         free |= free_names(test)
-    modules = sorted(n for n in free if n in STDLIB)
-    proxies = sorted(n for n in free if n not in STDLIB)
+    modules = sorted(n for n in free if n in STDLIB and n != entry_point)
+    proxies = sorted(n for n in free if n not in modules)
     return json.dumps({"tests": tests, "proxies": proxies, "modules": modules}).encode()
 
 
@@ -233,7 +234,7 @@ class CodeScorer(BaseScorer):
         if isinstance(tests, tuple):
             jobs.extend((code, i.encode()) for i in tests[0])
             return Plan(len(tests[0]), outputs=tests[1])
-        jobs.append((harness_program(code), harness_stdin(tests)))
+        jobs.append((harness_program(code), harness_stdin(tests, sample.row.get("entry_point"))))
         return Plan(len(tests), asserts=True)
 
 
