@@ -20,6 +20,7 @@ from ckpteval.jobs.flags import (
     accept_positional_run_dir,
     add_options,
     check_bounds,
+    check_watch_dir,
     from_args,
     http_url,
     option,
@@ -164,8 +165,7 @@ def validate_options(opts: WorkerOptions) -> None:
     if Path(opts.run_dir).exists() and not Path(opts.run_dir).is_dir():
         raise ValueError(f"--run-dir {opts.run_dir}: not a directory")
     for watch in map(Path, opts.watch):
-        if watch.exists() and not watch.is_dir():
-            raise ValueError(f"--watch {watch}: not a directory")
+        check_watch_dir(watch)
         resolve_layout(watch, opts.layout)  # --layout auto over a dir holding saves of two trainers: refused
     if opts.eval_config is not None and not opts.watch:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckpteval.jobs.flags import parse_as
+from ckpteval.jobs.flags import check_watch_dir, parse_as
 
 
 def trailing(args: list[str]) -> list[str]:
@@ -110,8 +110,7 @@ def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
         raise ValueError(f"--run-dir {run} has no run.json: give --eval-config FILE to create the run (for one "
                          "a queued job creates, add --sbatch-arg=--dependency=afterany:JOBID)")
     for watch in args.watch:
-        if Path(watch).exists() and not Path(watch).is_dir():
-            raise ValueError(f"--watch {watch}: not a directory")
+        check_watch_dir(watch)
 
 
 # -- time limit, #SBATCH values, backfill with nothing to do -------------------------------------------
