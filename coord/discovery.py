@@ -48,10 +48,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
 from ckpteval.coord.identity import weight_version
 from ckpteval.coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
+from ckpteval.coord.layouts.base import entries as layout_entries
 from ckpteval.coord.layouts.plain import step_from_dir
 from ckpteval.coord.snapshot import (
     ADAPTER_CONFIG,
@@ -286,6 +288,75 @@ class SnapshotDiscovery:
         return SnapshotRef(marker.step, path, marker)
 
 
+def waiting_saves(root: Path, layout: str = AUTO, adoption_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Saves under the watched ``root`` that are found but not admitted: what ``ckpteval status`` shows.
+
+    One row per save its layout places (step, path, layout, ``waits_for`` — the trainer's signal, quiescence,
+    HF weights, or a worker to admit it — and ``since``: the newest mtime of the save dir and its weights
+    dir, wall clock). Admitted saves (``adoption_dir`` records, ckpteval markers) are left out. Only reads
+    names and stats; an ambiguous ``auto`` is one row naming the layouts. Stateless: a save a watcher saw
+    and lost to rotation is in ``RUN/lost/`` (:func:`lost_steps`), not here."""
+    root = Path(root)
+    try:
+        chosen = resolve_layout(root, layout) or get_layout(FALLBACK)
+    except ValueError as e:
+        return [{"step": None, "path": str(root), "layout": layout, "waits_for": str(e), "since": None}]
+    rows = []
+    for container in chosen.containers(root):
+        for entry in layout_entries(container):
+            if entry.name.startswith(FOREIGN_TEMP_PREFIXES) or (found := chosen.locate(entry)) is None:
+                continue
+            if adoption_dir is not None and (adoption_dir / f"{found.step:010d}.json").exists():
+                continue
+            if not chosen.owns_marker_name and (entry / MARKER).is_file():
+                continue  # a ckpteval snapshot (reuse mode, another run's): discovered as such
+            rows.append({"step": found.step, "path": str(entry), "layout": chosen.name,
+                         "waits_for": _waits_for(chosen, found), "since": _newest_mtime(entry, found.weights)})
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _waits_for(layout: Layout, found: Located) -> str:
+    """What an unadmitted save waits for, in words."""
+    weights = shards_present(found.weights, _names(found.weights))
+    if found.complete is False:
+        return f"the trainer's signal: {layout.signal}"
+    if found.complete is None:
+        return "quiescence (no change for --quiescence s)" + ("" if weights else " and its HF weights/indexed shards")
+    if not weights:
+        return f"HF weights in {found.weights.name}/ ({layout.no_weights_hint})"
+    return "a worker to admit it (none is polling this dir with --watch?)"
+
+
+def _newest_mtime(*paths: Path) -> float | None:
+    """The newest mtime of ``paths`` and the files directly in them (None if all are gone)."""
+    times = []
+    for path in paths:
+        try:
+            times.append(path.stat().st_mtime)
+            times += [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return max(times) if times else None
+
+
+def adopted_refs(adoption_dir: Path) -> list[SnapshotRef]:
+    """The foreign checkpoints this run adopted (``RUN/adopted/<step>.json``), as snapshot refs (a torn or
+    foreign file is left out)."""
+    refs = []
+    try:
+        names = sorted(n for n in os.listdir(adoption_dir) if n.endswith(".json") and n[:-5].isdigit())
+    except FileNotFoundError:
+        return []
+    for name in names:
+        try:
+            record = read_json_object(adoption_dir / name)
+            marker = parse_marker(record, adoption_dir / name)
+        except (FileNotFoundError, ValueError):
+            continue
+        refs.append(SnapshotRef(marker.step, Path(str(record.get("source", ""))), marker))
+    return refs
+
+
 def lost_steps(lost_dir: Path) -> list[int]:
     """The steps recorded in ``lost_dir`` (``RUN/lost/``) as seen but rotated away before admission."""
     try:
@@ -322,4 +393,4 @@ def tree_signature(path: Path) -> tuple[tuple[str, int, int], ...] | None:
     return tuple(sorted(found)) if path.is_dir() else None
 
 
-__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "lost_steps", "shards_present", "step_from_dir", "tree_signature"]
+__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "adopted_refs", "lost_steps", "waiting_saves", "shards_present", "step_from_dir", "tree_signature"]

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, read_jsonl
-from ckpteval.coord.discovery import SnapshotDiscovery, lost_steps
+from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs, lost_steps, waiting_saves
+from ckpteval.coord.layouts import AUTO
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
@@ -61,10 +62,12 @@ def _lease_info(path: Path, duration: float, now: float) -> dict[str, Any]:
     return info
 
 
-def _snapshot_rows(roots: tuple[str, ...], retired: set[int]) -> list[dict[str, Any]]:
+def _snapshot_rows(roots: tuple[str, ...], retired: set[int], adopted: Path) -> list[dict[str, Any]]:
+    """Marked snapshots under the run's roots, plus the watched checkpoints it adopted (``RUN/adopted/``)."""
     rows = []
-    for root in roots:
-        for ref in SnapshotDiscovery(Path(root)).poll():
+    refs = [ref for root in roots for ref in SnapshotDiscovery(Path(root)).poll()]
+    marked = {ref.step for ref in refs}
+    for ref in refs + [a for a in adopted_refs(adopted) if a.step not in marked and a.path.is_dir()]:
             rows.append({
                 "step": ref.step,
                 "path": str(ref.path),
@@ -129,7 +132,9 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     facts, errors = read_step_facts(run.results, manifest)
     ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
     retired = ledger.retired if ledger else set()
-    snapshots = _snapshot_rows(manifest.snapshot_roots, retired)
+    snapshots = _snapshot_rows(manifest.snapshot_roots, retired, run.adopted)
+    waiting = [w for root in manifest.trainer.get("foreign_roots", []) if isinstance(root, str)
+               for w in waiting_saves(Path(root), AUTO, run.adopted)]
     with_results = {s for s, f in facts.items() if f.has_results}
     steps = sorted({s["step"] for s in snapshots} | with_results | set(ledger.dispatched if ledger else ()))
     selection = run_step_selection(manifest.trainer, str(run.manifest_path))
@@ -156,6 +161,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "datasets": [d.name for d in manifest.eval.datasets],
         "harness_metrics": harness_columns(points),
         "snapshots": snapshots,
+        "waiting": waiting,
         "units": units,
         "points": points,
         "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
@@ -293,6 +299,8 @@ def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
         items.append(snaps)
     else:
         items.append("snapshots: none")
+    if status.get("waiting"):
+        items.append(waiting_table(status["waiting"]))
     if status["units"]["pending"]:
         units = _table("pending units")
         for col in ("unit", "claimed by", "lease age s", "expired"):
@@ -305,6 +313,19 @@ def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
     else:
         items.append("pending units: none")
     return [*items, *points_tables(status, width), cost_line(status["cost"]), health_line(status)]
+
+
+def waiting_table(rows: list[dict[str, Any]], now: float | None = None) -> Any:
+    """Saves found under watched dirs but not admitted: each with its layout, what it waits for, since when."""
+    now = time.time() if now is None else now
+    table = _table("saves found, not admitted")
+    for col in ("step", "layout", "waits for", "since", "path"):
+        table.add_column(col, overflow="fold")
+    for w in rows:
+        since = "" if w["since"] is None else (f"{time.strftime('%H:%M:%S', time.localtime(w['since']))} "
+                                               f"({max(0.0, now - w['since']):.0f}s)")
+        table.add_row("" if w["step"] is None else str(w["step"]), w["layout"], w["waits_for"], since, w["path"])
+    return table
 
 
 def _training_state(status: dict[str, Any]) -> str:
