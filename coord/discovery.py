@@ -44,6 +44,7 @@ file per poll until admitted.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ from ckpteval.coord.snapshot import (
 )
 
 FOREIGN_TEMP_PREFIXES = ("tmp-", "tmp_", "temp-")
+CAPTURED = "captured"  # RUN/captured/step_N: ephemeral saves (prime-rl broadcasts) taken before cleanup
+CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class SnapshotDiscovery:
     run: str | None = None  # this run's key (ckpteval.coord.identity): another run's marker is not ours
     layout: str = FALLBACK  # ckpteval.coord.layouts name, or "auto": how foreign saves under root are laid out
     lost_dir: Path | None = None  # where a save lost to rotation before admission is recorded (<step>.json)
+    wanted: Callable[[int], bool] | None = None  # steps worth capturing (ephemeral saves); None: every step
     _known: dict[str, SnapshotRef] = field(default_factory=dict)
     _pending: dict[str, _Pending] = field(default_factory=dict)
     lost: dict[str, int] = field(default_factory=dict)  # entry -> step of saves seen, gone before admission
@@ -151,7 +155,8 @@ class SnapshotDiscovery:
         """All complete snapshots now under the root, sorted by step."""
         listing = self._listing()
         for gone in set(self._known) - set(listing):
-            del self._known[gone]
+            if self._known[gone].path.is_relative_to(self.root) or not self._known[gone].path.is_dir():
+                del self._known[gone]  # a capture (RUN/captured) outlives the trainer's cleanup of its source
         for gone in set(self._pending) - set(listing):
             self._lose(gone, self._pending.pop(gone).step)
         for name in set(listing) - set(self._known):
@@ -222,8 +227,10 @@ class SnapshotDiscovery:
         if (found := self.active_layout.locate(path)) is None:
             return None
         key = str(path.relative_to(self.root))
+        if found.ephemeral and self.wanted is not None and not self.wanted(found.step):
+            return None  # a broadcast of a step with nothing to evaluate: never captured
         if self._adoption_path(found.step).exists():
-            return self._adopted(found.step, found.weights)
+            return self._adopted(found.step, self._capture_path(found.step) if found.ephemeral else found.weights)
         if found.complete is None:
             return self._quiesced(key, path, found)
         self._pending.setdefault(key, _Pending((), self.clock(), found.step))
@@ -232,11 +239,52 @@ class SnapshotDiscovery:
         if not path.is_dir():
             self._lose(key, self._pending.pop(key).step)
             return None
+        if found.ephemeral and shards_present(found.weights, _names(found.weights)):
+            if (captured := self._capture(found, key)) is None:
+                return None
+            found = Located(found.step, captured, True)
         if not shards_present(found.weights, _names(found.weights)):
             self.problems.setdefault(f"noweights:{key}", f"{path}: the {self.active_layout.name} save is finished "
                                      f"but {found.weights} holds no HF weights ({self.active_layout.no_weights_hint})")
             return None
         return self._adopt(found.weights, found.step, key)
+
+    def _capture_path(self, step: int) -> Path:
+        return self._adoption_path(step).parent.parent / CAPTURED / f"step_{step:010d}"
+
+    def _capture(self, found: Located, key: str) -> Path | None:
+        """An ephemeral save (a prime-rl broadcast) linked (else copied) into ``RUN/captured/step_N`` and
+        checked unchanged afterwards (``STABLE`` and every file: inode, size, mtime); the run's config and
+        tokenizer (``RUN/base``) fill in what the save lacks. A race with the trainer's cleanup is a loss
+        (recorded), never a half capture: the temp dir is renamed into place only once it is whole."""
+        target = self._capture_path(found.step)
+        if target.is_dir():
+            return target
+        tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            stable = _identity(found.weights / "STABLE")
+            seen = {name: _link_or_copy(found.weights / name, tmp / name) for name in sorted(_names(found.weights))}
+            unchanged = stable == _identity(found.weights / "STABLE") and all(
+                _identity(found.weights / n) == i for n, i in seen.items())
+        except (FileNotFoundError, NotADirectoryError):
+            unchanged = False
+        if not unchanged:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._lose(key, self._pending.pop(key, _Pending((), 0.0, found.step)).step)
+            return None
+        base = target.parent.parent / "base"
+        for name in sorted(_names(base) - _names(tmp)):
+            shutil.copy2(base / name, tmp / name)
+        names = _names(tmp)
+        if CONFIG not in names and ADAPTER_WEIGHTS not in names:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.problems.setdefault(f"noconfig:{key}", f"{found.weights}: the {self.active_layout.name} save holds "
+                                     f"weights only; put the model's {CONFIG} and tokenizer files in {base}/")
+            return None
+        os.rename(tmp, target)
+        return target
 
     def _quiesced(self, key: str, path: Path, found: Located) -> SnapshotRef | None:
         """A save whose trainer gives no completion signal: admitted once quiet with every shard present."""
@@ -355,6 +403,24 @@ def adopted_refs(adoption_dir: Path) -> list[SnapshotRef]:
             continue
         refs.append(SnapshotRef(marker.step, Path(str(record.get("source", ""))), marker))
     return refs
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    """(inode, size, mtime) of ``path``: the same file, unchanged, when equal before and after."""
+    st = os.stat(path, follow_symlinks=False)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _link_or_copy(src: Path, dst: Path) -> tuple[int, int, int]:
+    """Hardlink ``src`` to ``dst`` (a copy across filesystems); returns ``src``'s identity as it was taken."""
+    before = _identity(src)
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        shutil.copy2(src, dst)
+    return before
 
 
 def lost_steps(lost_dir: Path) -> list[int]:
