@@ -37,6 +37,7 @@ it does not wait for steps that have no snapshot yet.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -54,33 +55,64 @@ from ckpteval.jobs.eval.worker import run_worker
 from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
 from ckpteval.jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
+JUDGED = ("judge", "reward_model")  # scorers that ask a judge server (ckpteval.jobs.eval.scorers.judge)
+
 
 class Progress:
-    """Turns the worker's per-poll count of outstanding units into a tqdm bar."""
+    """Turns the worker's per-poll count of outstanding units into a tqdm bar on a terminal, and into a
+    line per tenth done in a log file (a batch job's ``.out``: no bar redrawn into it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tty: bool | None = None) -> None:
         self.bar: tqdm | None = None
+        self.tty = sys.stderr.isatty() if tty is None else tty
         self.total = 0  # units outstanding at start, plus any that appeared later
+        self.done = 0
+        self._said = 0  # tenths reported (no terminal)
 
     def __call__(self, outstanding: int) -> None:
-        if self.bar is None:
+        if not self.total:
             if not outstanding:
                 return
             self.total = outstanding
-            self.bar = tqdm(total=outstanding, unit="unit", desc="backfill", dynamic_ncols=True)
-        done = self.bar.total - outstanding
-        if done < self.bar.n:  # new snapshots appeared: grow the bar
-            self.bar.total += self.bar.n - done
-            self.total = self.bar.total
-            done = self.bar.n
-        self.bar.update(done - self.bar.n)
+            if self.tty:
+                self.bar = tqdm(total=outstanding, unit="unit", desc="backfill", dynamic_ncols=True)
+        done = self.total - outstanding
+        if done < self.done:  # new snapshots appeared: grow the total
+            self.total += self.done - done
+            done = self.done
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.update(done - self.done)
+        self.done = done
+        tenths = 10 * done // self.total
+        if self.bar is None and tenths > self._said:
+            self._said = tenths
+            print(f"backfill: {done}/{self.total} units", flush=True)
 
     def write(self, line: str) -> None:
-        (self.bar.write if self.bar is not None else tqdm.write)(line)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def judge_problem(opts: WorkerOptions) -> str | None:
+    """A judged dataset with no judge anywhere (no ``scorer_options.url``, no ``--judge-url``, no
+    ``RUN/judge.json``): what an offline backfill says before claiming anything (no run judge server
+    will publish one), instead of sitting at 0% for the judge's ``wait_s``."""
+    run = RunDir(opts.run_dir)
+    if not run.manifest_path.is_file() or opts.judge_url or run.judge_path.is_file():
+        return None
+    judged = [d.name for d in run.manifest().eval.datasets
+              if d.scorer in JUDGED and not d.scorer_options.get("url")]
+    if not judged:
+        return None
+    return (f"dataset(s) {', '.join(judged)} are judged but no judge is known: no scorer_options.url, no --judge-url, "
+            f"no {run.judge_path}; start a judge and give --judge-url http://HOST:PORT/v1")
 
 
 def add_reeval_flags(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +207,8 @@ def main(argv: list[str]) -> int:
             return fail("ckpteval backfill", e)
         manifest = RunDir(opts.run_dir).manifest()
         extra["step_limit"] = lambda results: first_passing(manifest, results, condition)
+    if (problem := judge_problem(opts)) is not None:
+        return fail("ckpteval backfill", problem)
     progress = Progress()
     tally = Tally()
     try:

@@ -239,14 +239,14 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, prog: str = "
     try:
         worker = prepare_worker(opts, **kw)
     except StoppedWhileWaiting as e:
-        print(f"ckpteval worker: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
     except EngineError as e:
-        print(f"ckpteval worker: engine not usable at start, nothing claimed: {e}", file=sys.stderr)
+        print(f"{prog}: engine not usable at start, nothing claimed: {e}", file=sys.stderr)
         return EXIT_UNHEALTHY
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError) as e:
         # bad run dir, run.json, eval set or engine settings; unreadable or misplaced files
-        return fail("ckpteval worker", e, EXIT_USAGE)
+        return fail(prog, e, EXIT_USAGE)
     finish_ingestion: Callable[[], None] | None = None
     if opts.wandb:
         worker.on_poll, finish_ingestion = service_ingestion(worker, opts)

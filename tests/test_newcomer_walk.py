@@ -1,0 +1,67 @@
+"""The walk-through's defects a new user meets on the command line, each through the real ``ckpteval``
+entry points: a judged set with no judge in an offline backfill, the backfill's own error prefix, its
+progress in a log file (no tqdm bar redrawn into a ``.out``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ckpteval.jobs.eval.backfill import Progress
+
+ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+
+
+def _service_run(tmp_path: Path, scorer: str = "judge", options: dict | None = None) -> Path:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    cfg = tmp_path / "eval.json"
+    cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "qa", "path": "qa.jsonl", "n_prompts": 1, "scorer": scorer,
+                                                      "scorer_options": options or {}, "shard_size": 1,
+                                                      "max_new_tokens": 2}]}}))
+    from ckpteval.jobs.eval.service import create_run_from_config
+
+    return create_run_from_config(tmp_path / "run", cfg, (tmp_path / "out",)).path
+
+
+def _backfill(run: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ckpteval", "backfill", "--run-dir", str(run), "--engine", "hf", *extra], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_offline_backfill_of_a_judged_set_without_a_judge_fails_fast_and_says_why(tmp_path: Path) -> None:
+    proc = _backfill(_service_run(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("ckpteval backfill: ") and "qa" in line and "--judge-url" in line
+    assert not list((tmp_path / "run" / "results").rglob("*.json"))  # nothing claimed, nothing written
+
+
+def test_a_judged_set_with_its_own_url_is_not_refused(tmp_path: Path) -> None:
+    proc = _backfill(_service_run(tmp_path, options={"url": "http://127.0.0.1:9/v1"}))
+    assert proc.returncode == 0 and "no judge is known" not in proc.stderr, proc.stderr
+
+
+def test_backfill_errors_are_prefixed_backfill_not_worker(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    proc = _backfill(tmp_path / "empty")  # no run.json: a usage error raised inside the worker
+    assert proc.returncode == 2 and proc.stderr.startswith("ckpteval backfill: "), proc.stderr
+    assert "ckpteval worker:" not in proc.stderr
+
+
+def test_backfill_progress_in_a_log_file_is_lines_not_a_bar(capsys) -> None:  # noqa: ANN001
+    progress = Progress(tty=False)
+    for outstanding in (10, 10, 7, 5, 0):
+        progress(outstanding)
+    progress.close()
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "|" not in err  # no tqdm bar
+    assert out.splitlines() == ["backfill: 3/10 units", "backfill: 5/10 units", "backfill: 10/10 units"]
+    grown = Progress(tty=False)
+    grown(2)
+    grown(3)  # a new snapshot appeared: the total grows, nothing counted twice
+    grown(0)
+    assert (grown.total, grown.done) == (3, 3)
