@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,25 @@ def test_backfill_progress_in_a_log_file_is_lines_not_a_bar(capsys) -> None:  # 
     grown(3)  # a new snapshot appeared: the total grows, nothing counted twice
     grown(0)
     assert (grown.total, grown.done) == (3, 3)
+
+
+def _train_words(script: str) -> list[str]:
+    """The words the job runs as its trainer: the script's settings block, then its own split of
+    ``CKPTEVAL_TRAIN_CMD`` (the sbatch's ``if [[ $(declare -p CKPTEVAL_TRAIN_CMD) ...`` block), in bash."""
+    settings = script.split("# >>> ckpteval settings", 1)[1].split("# <<< ckpteval settings", 1)[0]
+    select = re.search(r"\n( *if \[\[ \$\(declare -p CKPTEVAL_TRAIN_CMD\).*?\n *fi\n)", script, re.S)
+    assert select is not None
+    body = settings.split("\n", 1)[1] + select.group(1) + 'printf "%s\\0" "${_train[@]}"\n'
+    out = subprocess.run(["bash", "-uc", body], capture_output=True, text=True, check=True).stdout
+    return out.split("\0")[:-1]
+
+
+def test_train_cmd_keeps_quoted_arguments_one_word(tmp_path: Path) -> None:
+    proc = subprocess.run(["ckpteval", "submit", "train-eval", "--run-dir", str(tmp_path / "r"), "--dry-run",
+                           "--train-cmd", "python my_train.py --config 'cfg a.yaml' --name \"x y\""],
+                          env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert _train_words(proc.stdout) == ["python", "my_train.py", "--config", "cfg a.yaml", "--name", "x y"]
+    bad = subprocess.run(["ckpteval", "submit", "train-eval", "--run-dir", str(tmp_path / "r"), "--dry-run",
+                          "--train-cmd", "python t.py 'unbalanced"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--train-cmd" in bad.stderr and "quotation" in bad.stderr
