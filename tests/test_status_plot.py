@@ -284,3 +284,17 @@ def test_status_shows_saves_waiting_for_their_trainers_signal(tmp_path: Path) ->
     assert [(w["step"], w["layout"]) for w in prime_status["waiting"]] == [(30, "prime-rl"), (40, "prime-rl")]
     assert "HF weights" in prime_status["waiting"][0]["waits_for"]  # marked but empty: no weights
     assert "STABLE" in prime_status["waiting"][1]["waits_for"]
+
+
+def test_status_table_shows_the_scorers_counters(tmp_path: Path) -> None:
+    """Counters a scorer keeps per sample (code: errors, timeouts) are in the table, not only in --json."""
+    from ckpteval.jobs.views.status import points_table
+
+    run = make_run(tmp_path, n_prompts=4, shard_size=2)
+    m = run.manifest()
+    for i, unit in enumerate(units_for_step(m, 10)):
+        write_result(run.results, ok_result(unit, [0.0, 1.0], ["10"] * 2, counters={"code_errors": 1 + i, "timeouts": 1}))
+    table = points_table(collect_status(run.path))
+    headers = [c.header for c in table.columns]
+    assert "add counts" in headers
+    assert table.rows[0][headers.index("add counts")] == "code_errors=3 timeouts=2"  # summed over the shards

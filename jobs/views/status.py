@@ -226,16 +226,20 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     a point, by its cadence, or did not finish); then the pin proof over all datasets of the point
     (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
     largest fraction of samples from another version, which must be 0). ``datasets``, ``harness`` and
-    ``pins`` pick a part of it (all by default): :func:`points_tables` splits it so when narrow."""
+    ``pins`` pick a part of it (all by default). A dataset whose scorer counts things per sample (code:
+    errors, timeouts) gets a ``<ds> counts`` column of those counters, summed over the point: :func:`points_tables` splits it so when narrow."""
     datasets = status["datasets"] if datasets is None else datasets
     harness = status.get("harness_metrics", []) if harness is None else harness
     table = _table(title or f"points of {status['run_id']}")
     table.add_column("step", justify="right", overflow="fold")
     extra = derived_keys(status)
+    counted = {ds for p in status["points"] for ds, d in p["datasets"].items() if d.get("counters")}
     for ds in datasets:
         table.add_column(f"{ds} ±se", justify="right", overflow="fold")
         for key in extra[ds]:
             table.add_column(key, justify="right", overflow="fold")
+        if ds in counted:
+            table.add_column(f"{ds} counts", overflow="fold")
     for name in harness:
         table.add_column(name, justify="right", overflow="fold")
     for col in ("wv/mean", "mixed", "lag", "units", "skips") if pins else ():
@@ -245,9 +249,11 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
         for ds in datasets:
             d = p["datasets"].get(ds)
             if d is None:
-                cells += ["-"] * (1 + len(extra[ds]))
+                cells += ["-"] * (1 + len(extra[ds]) + (ds in counted))
             else:
                 cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds])]
+                if ds in counted:  # the scorer's per-sample counters, summed (code errors, timeouts, ...)
+                    cells.append(" ".join(f"{k}={v}" for k, v in sorted(d.get("counters", {}).items())) or "-")
         cells += [_fmt(p["metrics"].get(name)) for name in harness]
         if pins:
             cells += _pin_cells(list(p["datasets"].values()))
