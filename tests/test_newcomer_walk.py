@@ -88,3 +88,15 @@ def test_train_cmd_keeps_quoted_arguments_one_word(tmp_path: Path) -> None:
     bad = subprocess.run(["ckpteval", "submit", "train-eval", "--run-dir", str(tmp_path / "r"), "--dry-run",
                           "--train-cmd", "python t.py 'unbalanced"], env=ENV, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--train-cmd" in bad.stderr and "quotation" in bad.stderr
+
+
+def test_resume_with_another_eval_interval_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    base = ["ckpteval", "train", "--run-dir", str(run), "--steps", "2", "--eval-n-prompts", "4", "--eval-fleet", "none",
+            "--no-progress", "--save-hf", str(tmp_path / "hf"), "--save-interval", "1"]
+    first = subprocess.run([*base, "--eval-interval", "1"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run([*base, "--eval-interval", "2", "--resume"], env=ENV, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "created with --eval-interval 1, not 2" in again.stderr and len(again.stderr.strip().splitlines()) == 1
