@@ -100,3 +100,34 @@ def test_resume_with_another_eval_interval_is_refused(tmp_path: Path) -> None:
                            timeout=300)
     assert again.returncode == 2, again.stdout + again.stderr
     assert "created with --eval-interval 1, not 2" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+
+
+def _watch_config(tmp_path: Path, rows: str, extra: dict | None = None) -> Path:
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "set.jsonl").write_text(rows)
+    cfg = tmp_path / "eval.json"
+    cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "s", "path": "set.jsonl", **(extra or {})}]}}))
+    return cfg
+
+
+def _once(tmp_path: Path, cfg: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ckpteval", "worker", "--run-dir", str(tmp_path / "run"), "--watch", str(tmp_path / "out"),
+                           "--eval-config", str(cfg), "--once", "--engine", "hf"], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_empty_jsonl_is_named_as_empty(tmp_path: Path) -> None:
+    proc = _once(tmp_path, _watch_config(tmp_path, ""))
+    assert proc.returncode == 2 and "set.jsonl is empty (no JSONL rows)" in proc.stderr, proc.stderr
+    assert "n_prompts must be >= 1" not in proc.stderr
+
+
+def test_worker_once_says_when_there_is_nothing_to_do(tmp_path: Path) -> None:
+    proc = _once(tmp_path, _watch_config(tmp_path, json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"))
+    assert proc.returncode == 0 and "--once: nothing to do: no complete snapshot found" in proc.stdout, proc.stderr
+
+
+def test_n_samples_at_temperature_0_is_warned(tmp_path: Path) -> None:
+    rows = json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
+    proc = _once(tmp_path, _watch_config(tmp_path, rows, {"n_samples": 4, "pass_k": [1, 4]}))
+    assert proc.returncode == 0 and "n_samples=4 at temperature 0" in proc.stderr, proc.stderr
