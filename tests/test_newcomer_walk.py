@@ -131,3 +131,15 @@ def test_n_samples_at_temperature_0_is_warned(tmp_path: Path) -> None:
     rows = json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
     proc = _once(tmp_path, _watch_config(tmp_path, rows, {"n_samples": 4, "pass_k": [1, 4]}))
     assert proc.returncode == 0 and "n_samples=4 at temperature 0" in proc.stderr, proc.stderr
+
+
+def test_backfill_help_is_true_and_its_doc_references_exist() -> None:
+    """``--eval-config`` works with ``--from-run`` in backfill (not only ``--watch``), and the PROTOCOL
+    section ``--trust-run-code`` names is there."""
+    out = subprocess.run(["ckpteval", "backfill", "--help"], env={**ENV, "COLUMNS": "2000"}, capture_output=True,
+                         text=True, timeout=60).stdout
+    line = next(x for x in out.splitlines() if x.strip().startswith("--eval-config FILE"))
+    assert "--from-run" in line and "--watch" in line
+    section = re.search(r"'([^']+)'\)", next(x for x in out.splitlines() if x.strip().startswith("--trust-run-code")))
+    protocol = (Path(__file__).parents[1] / "docs" / "PROTOCOL.md").read_text()
+    assert section is not None and f"### {section.group(1)}" in protocol

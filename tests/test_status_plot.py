@@ -298,3 +298,15 @@ def test_status_table_shows_the_scorers_counters(tmp_path: Path) -> None:
     headers = [c.header for c in table.columns]
     assert "add counts" in headers
     assert table.rows[0][headers.index("add counts")] == "code_errors=3 timeouts=2"  # summed over the shards
+
+
+def test_plot_of_a_single_step_has_whole_step_ticks(tmp_path: Path) -> None:
+    """One point (step 10): the x axis shows whole steps around it, not matplotlib's 9.96…10.04."""
+    run = make_run(tmp_path, n_prompts=4, shard_size=2)
+    for unit in units_for_step(run.manifest(), 10):
+        write_result(run.results, ok_result(unit, [0.5, 0.5], ["10"] * 2))
+    fig = figure(plot_series(collect_status(run.path)), "one step")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks) and 10 in ticks, ticks

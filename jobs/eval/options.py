@@ -63,7 +63,7 @@ class WorkerOptions:
     quiescence_s: float = option(30.0, "seconds a marker-less checkpoint must stay unchanged before it is "
                                  "admitted", flag="--quiescence", metavar="S", min=0)
     eval_config: Path | None = option(None, "create RUN/run.json from this JSON eval config if the run does "
-                                      "not exist (needs --watch)", metavar="FILE")
+                                      "not exist (with --watch DIR; backfill: or with --from-run OLD)", metavar="FILE")
     newest_first: bool = option(False, "claim the newest step's units first")
     poll_interval_s: float = option(2.0, "seconds between polls of the snapshot roots and results/",
                                     flag="--poll-interval", metavar="S", gt=0)
@@ -98,7 +98,7 @@ class WorkerOptions:
                                    "before its trainer)", flag="--wait-for-run", metavar="S", min=0)
     trust_run_code: bool = option(
         False, "import scorer code named by run.json (module:function) even when run.json or the run dir "
-        "is writable by other users (see docs/PROTOCOL.md, 'Who may run code in a worker')")
+        "is writable by other users (see docs/PROTOCOL.md, 'Who may run code in an eval process')")
     sandbox_concurrency: int = option(
         0, "code sets: programs run at once in this worker's sandbox pool (0: min(4, this process's CPUs))",
         metavar="N", min=0, group=SCORING)
