@@ -105,10 +105,16 @@ def judge_problem(opts: WorkerOptions) -> str | None:
     ``RUN/judge.json``): what an offline backfill says before claiming anything (no run judge server
     will publish one), instead of sitting at 0% for the judge's ``wait_s``."""
     run = RunDir(opts.run_dir)
-    if not run.manifest_path.is_file() or opts.judge_url or run.judge_path.is_file():
+    try:
+        if not run.manifest_path.is_file() or opts.judge_url or run.judge_path.is_file():
+            return None
+    except OSError:
         return None
-    judged = [d.name for d in run.manifest().eval.datasets
-              if d.scorer in JUDGED and not d.scorer_options.get("url")]
+    try:
+        datasets = run.manifest().eval.datasets
+    except (ValueError, OSError):
+        return None  # a bad or unreadable run.json: the worker reports it, in one line, where it opens the run
+    judged = [d.name for d in datasets if d.scorer in JUDGED and not d.scorer_options.get("url")]
     if not judged:
         return None
     return (f"dataset(s) {', '.join(judged)} are judged but no judge is known: no scorer_options.url, no --judge-url, "
