@@ -143,3 +143,13 @@ def test_backfill_help_is_true_and_its_doc_references_exist() -> None:
     section = re.search(r"'([^']+)'\)", next(x for x in out.splitlines() if x.strip().startswith("--trust-run-code")))
     protocol = (Path(__file__).parents[1] / "docs" / "PROTOCOL.md").read_text()
     assert section is not None and f"### {section.group(1)}" in protocol
+
+
+def test_submit_refuses_what_train_refuses(tmp_path: Path) -> None:
+    """``submit train-eval -- --eval-interval 7 --save-interval 5``: refused on the submit host with train's
+    own line, not queued to fail in the job."""
+    proc = subprocess.run(["ckpteval", "submit", "train-eval", "--run-dir", str(tmp_path / "r"), "--dry-run", "--",
+                           "--steps", "20", "--eval-interval", "7", "--save-hf", str(tmp_path / "hf"),
+                           "--save-interval", "5"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "must be a multiple of --save-interval (5)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "r").exists() and "#SBATCH" not in proc.stdout

@@ -88,7 +88,8 @@ def _check_train_eval(args: argparse.Namespace) -> None:
     if args.train_cmd is None:
         from ckpteval.jobs.reference.train_config import TrainConfig
 
-        parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument")
+        parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument").validate()  # what
+        # `ckpteval train` itself refuses (--eval-interval vs --save-interval, ...): before queueing, not in the job
         fresh = not (run / "TRAINING_DONE").exists() and "--resume" not in trainer_args
         if (run / "run.json").exists() and fresh:
             raise ValueError(f"--run-dir {run} already holds a run: pass -- --resume to continue it, or pick "
