@@ -30,6 +30,11 @@ Not read: the four-stage broadcast handshake (``.sender_ready`` -> ``.receiver_r
 ``.finished``, PR #3357) is newer than the commit available here; a broadcast without ``STABLE`` waits
 (shown by ``ckpteval status``), it is never guessed complete.
 
+Limits: a capture holds full weights once the trainer deletes its source (hardlinks cost nothing until
+then); ``RUN/captured/`` is not garbage-collected yet — evaluate every k-th broadcast (a dataset's ``every``:
+only steps with units are captured) and clear old captures by hand. A capture on another filesystem is a
+copy (the trainer's cleanup two steps later may then beat it: recorded as lost).
+
 Completion signal: ``STABLE``. ``--watch`` may name ``<output_dir>``, its ``broadcasts/`` or its ``weights/``.
 """
 

@@ -14,7 +14,9 @@ events:
   A dispatched checkpoint the Trainer rotates away before it is evaluated anyway is recorded at the
   next save as a ``ckpt_missing`` skip saying "rotated away by save_total_limit", never left pending.
 - step 0: ``on_train_begin`` of a fresh run makes the initial weights a point (reuse mode saves them
-  as ``checkpoint-0`` first), as ``dispatch_initial`` does for a plain loop.
+  as ``checkpoint-0`` first — weights and tokenizer, no ``trainer_state.json``: a Trainer resumed with
+  ``resume_from_checkpoint=True`` before its first own save would pick it and fail; give the path), as
+  ``dispatch_initial`` does for a plain loop.
 - the last step (``global_step >= max_steps``) is dispatched as the final point (never skipped as
   busy, whatever ``max_steps % eval_interval``).
 - ``on_train_end`` → ``close(global_step, model)``: the final point. In reuse mode a final step the
