@@ -153,3 +153,21 @@ def test_submit_refuses_what_train_refuses(tmp_path: Path) -> None:
                            "--save-interval", "5"], env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "must be a multiple of --save-interval (5)" in proc.stderr, proc.stderr
     assert not (tmp_path / "r").exists() and "#SBATCH" not in proc.stdout
+
+
+def test_backfill_tally_counts_a_retried_unit_once_and_says_when_nothing_scored() -> None:
+    """The judge down: a unit skipped judge_failed, retried in the same backfill and skipped again, is one
+    unit in the summary (before: two), and a backfill that scored nothing says so."""
+    from ckpteval.coord.results import ok_result, skip_result
+    from ckpteval.coord.units import WorkUnit
+    from ckpteval.jobs.eval.backfill import Tally
+
+    tally = Tally()
+    unit = WorkUnit(10, "qa", 0)
+    tally(skip_result(unit, "judge_failed", "judge at http://h:1/v1 refused the connection"))
+    tally(skip_result(unit, "judge_failed", "judge at http://h:1/v1 refused the connection"))
+    tally(skip_result(WorkUnit(10, "qa", 1), "judge_failed", "refused"))
+    assert (tally.results, tally.ok, tally.skipped["judge_failed"][0]) == (2, 0, 2)
+    assert tally.summary().startswith("2 evaluated here: 0 scored, 2 skipped") and "NOTHING SCORED" in tally.summary()
+    tally(ok_result(unit, [1.0], ["10"]))  # a later retry of the same unit scored
+    assert (tally.results, tally.ok) == (2, 1) and "NOTHING SCORED" not in tally.summary()

@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
-from ckpteval.coord.results import Result, ResultIndex
+from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.summary import write_step_summary
 from ckpteval.jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
@@ -251,31 +251,50 @@ def write_summaries(run: RunDir, steps: set[int]) -> None:
 
 
 class Tally:
-    """What this backfill's own results were: how many scored, how many skipped and why."""
+    """What this backfill's own results were, one per unit (a unit retried here — an infrastructure skip
+    evaluated once more — counts once, by its last result): how many scored, how many skipped and why."""
 
     def __init__(self) -> None:
-        self.results = 0
-        self.ok = 0
-        self.skipped: dict[str, tuple[int, str]] = {}  # reason -> (count, first message)
-        self.steps: set[int] = set()  # the steps of the units evaluated here
+        self.last: dict[Any, Result] = {}  # unit -> its last result written here
 
     def __call__(self, result: Result) -> None:
-        self.results += 1
-        self.steps.add(result.unit.step)
-        if result.ok:
-            self.ok += 1
-            return
-        reason = result.skip_reason or "skipped"
-        count, message = self.skipped.get(reason, (0, result.message))
-        self.skipped[reason] = (count + 1, message)
+        self.last[result.unit] = result
+
+    @property
+    def results(self) -> int:
+        return len(self.last)
+
+    @property
+    def ok(self) -> int:
+        return sum(1 for r in self.last.values() if r.ok)
+
+    @property
+    def steps(self) -> set[int]:
+        """The steps of the units evaluated here."""
+        return {u.step for u in self.last}
+
+    @property
+    def skipped(self) -> dict[str, tuple[int, str]]:
+        """reason -> (count, first message)."""
+        out: dict[str, tuple[int, str]] = {}
+        for r in self.last.values():
+            if not r.ok:
+                reason = r.skip_reason or "skipped"
+                count, message = out.get(reason, (0, r.message))
+                out[reason] = (count + 1, message)
+        return out
 
     def summary(self) -> str:
-        """``"6 evaluated here: 2 scored, 4 skipped (ckpt_missing x4: <first message>)"``."""
+        """``"6 evaluated here: 2 scored, 4 skipped (ckpt_missing x4: <first message>)"``; nothing scored
+        because an outside service failed says so and how to finish."""
         if not self.results:
             return "other workers evaluated them"
         text = f"{self.results} evaluated here: {self.ok} scored"
-        if self.skipped:
-            n = sum(count for count, _ in self.skipped.values())
-            why = "; ".join(f"{reason} x{count}: {message[:100]}" for reason, (count, message) in self.skipped.items())
+        skipped = self.skipped
+        if skipped:
+            n = sum(count for count, _ in skipped.values())
+            why = "; ".join(f"{reason} x{count}: {message[:100]}" for reason, (count, message) in skipped.items())
             text += f", {n} skipped ({why})"
+        if not self.ok and skipped and set(skipped) <= INFRA_SKIPS:
+            text += " — NOTHING SCORED: an outside service failed; fix it and run backfill again (it retries these)"
         return text
