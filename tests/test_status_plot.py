@@ -310,3 +310,17 @@ def test_plot_of_a_single_step_has_whole_step_ticks(tmp_path: Path) -> None:
     fig.canvas.draw()
     ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks) and 10 in ticks, ticks
+
+
+def test_a_scored_point_the_stopped_trainer_never_logged_is_not_pending(tmp_path: Path) -> None:
+    """Ctrl-C'd trainer (INTERRUPTED), a point dispatched and then fully scored: not `ledger_pending` forever,
+    but `scored_not_logged`, and the health line says what a --resume does."""
+    run = make_run(tmp_path, n_prompts=4, shard_size=2)
+    Ledger(run.ledger_path).append("dispatched", 10)
+    Ledger(run.ledger_path).append("dispatched", 20)
+    for unit in units_for_step(run.manifest(), 10):
+        write_result(run.results, ok_result(unit, [1.0, 1.0], ["10"] * 2))
+    run.mark_interrupted("ckpteval train", "SIGINT")
+    status = collect_status(run.path)
+    assert status["health"]["ledger_pending"] == [20] and status["health"]["scored_not_logged"] == [10]
+    assert "scored, never logged by the stopped trainer: steps 10" in health_line(status)

@@ -147,6 +147,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     lags = eval_lags(read_metrics(run.metrics_path))
     points = _point_rows(steps, facts, lags)
     expired = [p for p in units["pending"] if p.get("lease", {}).get("expired")]
+    complete = {p["step"] for p in points if p.get("complete")}
     free = {}
     for root in manifest.snapshot_roots:
         if os.path.isdir(root):
@@ -170,7 +171,9 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
             "stuck_units": [p["unit"] for p in expired],
             "malformed_results": errors,
             "staging_free_bytes": free,
-            "ledger_pending": ledger.pending if ledger else [],
+            # dispatched, not ingested: still being evaluated, or scored and not (yet) logged by the trainer
+            "ledger_pending": [s for s in (ledger.pending if ledger else []) if s not in complete],
+            "scored_not_logged": [s for s in (ledger.pending if ledger else []) if s in complete],
             "lost_before_admission": lost_steps(run.lost),
         },
     }
@@ -355,6 +358,9 @@ def health_line(status: dict[str, Any]) -> str:
         f"malformed results {len(h['malformed_results'])}",
         *(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items()),
     ]
+    if (gone := h.get("scored_not_logged")) and status.get("interrupted"):
+        parts.append(f"scored, never logged by the stopped trainer: steps {', '.join(map(str, gone))} "
+                     "(a --resume logs them)")
     if lost := h.get("lost_before_admission"):
         parts.append(f"LOST to rotation before admission: {len(lost)} (steps {', '.join(map(str, lost))})")
     return " | ".join(parts)
