@@ -163,7 +163,20 @@ class SnapshotDiscovery:
             if (ref := self._examine(listing[name])) is not None:
                 self._known[name] = ref
                 self._pending.pop(name, None)
+        self._add_captures()
         return sorted(self._known.values(), key=lambda r: r.step)
+
+    def _add_captures(self) -> None:
+        """Captures of this root's ephemeral saves (``RUN/captured``) whose source is gone: a process that
+        starts after the trainer's cleanup finds them through their adoption records (``origin``)."""
+        if not self.admit_foreign or self.adoption_dir is None:
+            return
+        if not (self.adoption_dir.parent / CAPTURED).is_dir():
+            return  # one stat per poll when nothing was ever captured
+        known = {r.step for r in self._known.values()}
+        for ref in adopted_refs(self.adoption_dir, origin=str(self.root)):
+            if ref.step not in known and ref.path.is_dir():
+                self._known[f"{CAPTURED}:{ref.step}"] = ref
 
     def _listing(self) -> dict[str, Path]:
         """Entry key (path relative to root) -> path, over the layout's containers (foreign roots)."""
@@ -239,15 +252,16 @@ class SnapshotDiscovery:
         if not path.is_dir():
             self._lose(key, self._pending.pop(key).step)
             return None
+        origin = None
         if found.ephemeral and shards_present(found.weights, _names(found.weights)):
             if (captured := self._capture(found, key)) is None:
                 return None
-            found = Located(found.step, captured, True)
+            found, origin = Located(found.step, captured, True), str(self.root)
         if not shards_present(found.weights, _names(found.weights)):
             self.problems.setdefault(f"noweights:{key}", f"{path}: the {self.active_layout.name} save is finished "
                                      f"but {found.weights} holds no HF weights ({self.active_layout.no_weights_hint})")
             return None
-        return self._adopt(found.weights, found.step, key)
+        return self._adopt(found.weights, found.step, key, origin)
 
     def _capture_path(self, step: int) -> Path:
         return self._adoption_path(step).parent.parent / CAPTURED / f"step_{step:010d}"
@@ -302,7 +316,7 @@ class SnapshotDiscovery:
             return None
         return self._adopt(found.weights, found.step, key)
 
-    def _adopt(self, path: Path, step: int, key: str | None = None) -> SnapshotRef | None:
+    def _adopt(self, path: Path, step: int, key: str | None = None, origin: str | None = None) -> SnapshotRef | None:
         """Checksum what eval loads (only that: :func:`ckpteval.coord.snapshot.is_eval_file`) and record it.
 
         A checkpoint that vanishes while it is read (rotation) is counted lost, nothing recorded."""
@@ -316,7 +330,7 @@ class SnapshotDiscovery:
         if not shards_present(path, set(infos)):
             return None  # deleted under us between the listing and the checksums
         return self._record(path, Marker(step, self._version(step), infos, producer_identity(), "foreign",
-                                         time.time(), self.run))
+                                         time.time(), self.run), origin)
 
     def _adopt_marked(self, path: Path, marker: Marker) -> SnapshotRef | None:
         """Another run's complete snapshot under a watched dir: its checksums, this run's record."""
@@ -329,10 +343,10 @@ class SnapshotDiscovery:
     def _version(self, step: int) -> str:
         return str(step) if self.run is None else weight_version(self.run, step)
 
-    def _record(self, path: Path, marker: Marker) -> SnapshotRef:
+    def _record(self, path: Path, marker: Marker, origin: str | None = None) -> SnapshotRef:
         record = self._adoption_path(marker.step)
         record.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(record, {**marker.to_json(), "source": str(path)})
+        write_json_atomic(record, {**marker.to_json(), "source": str(path), **({"origin": origin} if origin else {})})
         return SnapshotRef(marker.step, path, marker)
 
 
@@ -387,9 +401,9 @@ def _newest_mtime(*paths: Path) -> float | None:
     return max(times) if times else None
 
 
-def adopted_refs(adoption_dir: Path) -> list[SnapshotRef]:
+def adopted_refs(adoption_dir: Path, origin: str | None = None) -> list[SnapshotRef]:
     """The foreign checkpoints this run adopted (``RUN/adopted/<step>.json``), as snapshot refs (a torn or
-    foreign file is left out)."""
+    foreign file is left out); with ``origin``, only the captures of that watched root."""
     refs = []
     try:
         names = sorted(n for n in os.listdir(adoption_dir) if n.endswith(".json") and n[:-5].isdigit())
@@ -401,7 +415,8 @@ def adopted_refs(adoption_dir: Path) -> list[SnapshotRef]:
             marker = parse_marker(record, adoption_dir / name)
         except (FileNotFoundError, ValueError):
             continue
-        refs.append(SnapshotRef(marker.step, Path(str(record.get("source", ""))), marker))
+        if origin is None or record.get("origin") == origin:
+            refs.append(SnapshotRef(marker.step, Path(str(record.get("source", ""))), marker))
     return refs
 
 

@@ -106,3 +106,39 @@ def test_watched_checkpoint_without_any_tokenizer_is_a_named_skip(tmp_path: Path
     assert "tokenizer.json" in results[0].message and "processing_class" in results[0].message
     save_tokenizer(tmp_path / "run" / "base")  # the fix the message names: the run's tokenizer
     assert (tmp_path / "run" / "base" / "tokenizer.json").is_file()
+
+
+def test_prime_rl_broadcast_scored_after_the_trainer_deleted_it(tmp_path: Path) -> None:
+    """A current prime-rl run dir (``broadcasts/step_N`` weights only + STABLE) watched by a real worker with
+    the model's config and tokenizer in RUN/base: the broadcast is captured, the trainer's cleanup deletes
+    the source, and the point is still scored from the capture."""
+    import shutil
+
+    out = tmp_path / "prime"
+    src = out / "broadcasts" / "step_4"
+    build_model(TINY_CFG).save_pretrained(src, safe_serialization=True)
+    (src / "config.json").unlink()  # a broadcast has weights only
+    (src / "generation_config.json").unlink(missing_ok=True)
+    (src / "STABLE").touch()
+    run = tmp_path / "run"
+    (run / "base").mkdir(parents=True)
+    build_model(TINY_CFG).config.save_pretrained(run / "base")
+    save_tokenizer(run / "base")
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    cfg = tmp_path / "eval.json"
+    cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "sums", "path": "sums.jsonl", "n_prompts": 4,
+                                                      "scorer": "exact", "shard_size": 4, "max_new_tokens": 2}]}}))
+    from ckpteval.coord.discovery import SnapshotDiscovery
+    from ckpteval.jobs.eval.service import create_run_from_config
+
+    create_run_from_config(run, cfg, (out,))
+    disc = SnapshotDiscovery(out, admit_foreign=True, adoption_dir=run / "adopted", layout="auto")
+    [ref] = disc.poll()  # captured now, as a worker's poll would
+    shutil.rmtree(src)  # the trainer's cleanup of step_4 (maybe_clean, two steps later)
+    proc = subprocess.run(["ckpteval", "worker", "--run-dir", str(run), "--watch", str(out), "--once", "--engine", "hf"],
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = list(ResultIndex(run / "results").refresh().values())
+    assert [(r.unit.step, r.ok) for r in results] == [(4, True)], [r.message for r in results]
+    assert ref.path.parent == run / "captured"
