@@ -297,7 +297,13 @@ class SnapshotDiscovery:
             self.problems.setdefault(f"noconfig:{key}", f"{found.weights}: the {self.active_layout.name} save holds "
                                      f"weights only; put the model's {CONFIG} and tokenizer files in {base}/")
             return None
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not target.is_dir():
+                raise
+            # another watcher of this run captured it first: its capture is the same files, use it
         return target
 
     def _quiesced(self, key: str, path: Path, found: Located) -> SnapshotRef | None:

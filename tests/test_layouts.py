@@ -480,3 +480,34 @@ def test_older_prime_rl_weights_layout_is_chosen_by_what_is_on_disk(tmp_path: Pa
     assert layout.containers(root) == [root / "weights"]
     located = layout.locate(root / "weights" / "step_5")
     assert located is not None and located.complete and not located.ephemeral  # used in place, as before
+
+
+def test_two_watchers_capturing_the_same_broadcast_share_one_capture(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers of one run capture the same broadcast at once: the one whose rename comes second finds
+    the other's capture and uses it (no crash, no second copy, no temp dir left)."""
+    import ckpteval.coord.discovery as discovery
+
+    root, now = _prime_run(tmp_path)
+    for act in _broadcast(root, 8)[0]:
+        act()
+    other = _discovery(tmp_path / "other", root, "prime-rl", now)  # the other worker: its own capture, renamed
+    real = discovery._link_or_copy
+    state = {"raced": False}
+
+    def other_finishes_first(src: Path, dst: Path) -> tuple[int, int, int]:
+        if not state["raced"]:
+            state["raced"] = True
+            (tmp_path / "other" / "base").mkdir(parents=True)
+            shutil.copytree(tmp_path / "base", tmp_path / "other" / "base", dirs_exist_ok=True)
+            monkeypatch.setattr(discovery, "_link_or_copy", real)
+            [ref] = other.poll()
+            shutil.move(str(ref.path), tmp_path / "captured" / ref.path.name)  # into this run's captured/
+            monkeypatch.setattr(discovery, "_link_or_copy", other_finishes_first)
+        return real(src, dst)
+    monkeypatch.setattr(discovery, "_link_or_copy", other_finishes_first)
+    mine = _discovery(tmp_path, root, "prime-rl", now)
+    [ref] = mine.poll()
+    assert state["raced"] and ref.path == tmp_path / "captured" / f"step_{8:010d}"
+    assert not list((tmp_path / "captured").glob(".tmp-*")) and mine.problems == {} and mine.lost == {}
+    verify_snapshot(ref.path, "full", ref.marker)
