@@ -44,14 +44,17 @@ file per poll until admitted.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
 from ckpteval.coord.identity import weight_version
 from ckpteval.coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
+from ckpteval.coord.layouts.base import entries as layout_entries
 from ckpteval.coord.layouts.plain import step_from_dir
 from ckpteval.coord.snapshot import (
     ADAPTER_CONFIG,
@@ -67,6 +70,8 @@ from ckpteval.coord.snapshot import (
 )
 
 FOREIGN_TEMP_PREFIXES = ("tmp-", "tmp_", "temp-")
+CAPTURED = "captured"  # RUN/captured/step_N: ephemeral saves (prime-rl broadcasts) taken before cleanup
+CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class SnapshotDiscovery:
     run: str | None = None  # this run's key (ckpteval.coord.identity): another run's marker is not ours
     layout: str = FALLBACK  # ckpteval.coord.layouts name, or "auto": how foreign saves under root are laid out
     lost_dir: Path | None = None  # where a save lost to rotation before admission is recorded (<step>.json)
+    wanted: Callable[[int], bool] | None = None  # steps worth capturing (ephemeral saves); None: every step
     _known: dict[str, SnapshotRef] = field(default_factory=dict)
     _pending: dict[str, _Pending] = field(default_factory=dict)
     lost: dict[str, int] = field(default_factory=dict)  # entry -> step of saves seen, gone before admission
@@ -149,14 +155,28 @@ class SnapshotDiscovery:
         """All complete snapshots now under the root, sorted by step."""
         listing = self._listing()
         for gone in set(self._known) - set(listing):
-            del self._known[gone]
+            if self._known[gone].path.is_relative_to(self.root) or not self._known[gone].path.is_dir():
+                del self._known[gone]  # a capture (RUN/captured) outlives the trainer's cleanup of its source
         for gone in set(self._pending) - set(listing):
             self._lose(gone, self._pending.pop(gone).step)
         for name in set(listing) - set(self._known):
             if (ref := self._examine(listing[name])) is not None:
                 self._known[name] = ref
                 self._pending.pop(name, None)
+        self._add_captures()
         return sorted(self._known.values(), key=lambda r: r.step)
+
+    def _add_captures(self) -> None:
+        """Captures of this root's ephemeral saves (``RUN/captured``) whose source is gone: a process that
+        starts after the trainer's cleanup finds them through their adoption records (``origin``)."""
+        if not self.admit_foreign or self.adoption_dir is None:
+            return
+        if not (self.adoption_dir.parent / CAPTURED).is_dir():
+            return  # one stat per poll when nothing was ever captured
+        known = {r.step for r in self._known.values()}
+        for ref in adopted_refs(self.adoption_dir, origin=str(self.root)):
+            if ref.step not in known and ref.path.is_dir():
+                self._known[f"{CAPTURED}:{ref.step}"] = ref
 
     def _listing(self) -> dict[str, Path]:
         """Entry key (path relative to root) -> path, over the layout's containers (foreign roots)."""
@@ -220,8 +240,10 @@ class SnapshotDiscovery:
         if (found := self.active_layout.locate(path)) is None:
             return None
         key = str(path.relative_to(self.root))
+        if found.ephemeral and self.wanted is not None and not self.wanted(found.step):
+            return None  # a broadcast of a step with nothing to evaluate: never captured
         if self._adoption_path(found.step).exists():
-            return self._adopted(found.step, found.weights)
+            return self._adopted(found.step, self._capture_path(found.step) if found.ephemeral else found.weights)
         if found.complete is None:
             return self._quiesced(key, path, found)
         self._pending.setdefault(key, _Pending((), self.clock(), found.step))
@@ -230,11 +252,59 @@ class SnapshotDiscovery:
         if not path.is_dir():
             self._lose(key, self._pending.pop(key).step)
             return None
+        origin = None
+        if found.ephemeral and shards_present(found.weights, _names(found.weights)):
+            if (captured := self._capture(found, key)) is None:
+                return None
+            found, origin = Located(found.step, captured, True), str(self.root)
         if not shards_present(found.weights, _names(found.weights)):
             self.problems.setdefault(f"noweights:{key}", f"{path}: the {self.active_layout.name} save is finished "
                                      f"but {found.weights} holds no HF weights ({self.active_layout.no_weights_hint})")
             return None
-        return self._adopt(found.weights, found.step, key)
+        return self._adopt(found.weights, found.step, key, origin)
+
+    def _capture_path(self, step: int) -> Path:
+        return self._adoption_path(step).parent.parent / CAPTURED / f"step_{step:010d}"
+
+    def _capture(self, found: Located, key: str) -> Path | None:
+        """An ephemeral save (a prime-rl broadcast) linked (else copied) into ``RUN/captured/step_N`` and
+        checked unchanged afterwards (``STABLE`` and every file: inode, size, mtime); the run's config and
+        tokenizer (``RUN/base``) fill in what the save lacks. A race with the trainer's cleanup is a loss
+        (recorded), never a half capture: the temp dir is renamed into place only once it is whole."""
+        target = self._capture_path(found.step)
+        if target.is_dir():
+            return target
+        tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            stable = _identity(found.weights / "STABLE")
+            seen = {name: _link_or_copy(found.weights / name, tmp / name) for name in sorted(_names(found.weights))}
+            unchanged = stable == _identity(found.weights / "STABLE") and all(
+                _identity(found.weights / n) == i for n, i in seen.items())
+        except (FileNotFoundError, NotADirectoryError):
+            unchanged = False
+        if not unchanged:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._lose(key, self._pending.pop(key, _Pending((), 0.0, found.step)).step)
+            return None
+        base = target.parent.parent / "base"
+        for name in sorted(_names(base) - _names(tmp)):
+            shutil.copy2(base / name, tmp / name)
+        names = _names(tmp)
+        if CONFIG not in names and ADAPTER_WEIGHTS not in names:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.problems.setdefault(f"noconfig:{key}", f"{found.weights}: the {self.active_layout.name} save holds "
+                                     f"weights only; put the model's {CONFIG} and tokenizer files in {base}/")
+            return None
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not target.is_dir():
+                raise
+            # another watcher of this run captured it first: its capture is the same files, use it
+        return target
 
     def _quiesced(self, key: str, path: Path, found: Located) -> SnapshotRef | None:
         """A save whose trainer gives no completion signal: admitted once quiet with every shard present."""
@@ -252,7 +322,7 @@ class SnapshotDiscovery:
             return None
         return self._adopt(found.weights, found.step, key)
 
-    def _adopt(self, path: Path, step: int, key: str | None = None) -> SnapshotRef | None:
+    def _adopt(self, path: Path, step: int, key: str | None = None, origin: str | None = None) -> SnapshotRef | None:
         """Checksum what eval loads (only that: :func:`ckpteval.coord.snapshot.is_eval_file`) and record it.
 
         A checkpoint that vanishes while it is read (rotation) is counted lost, nothing recorded."""
@@ -266,7 +336,7 @@ class SnapshotDiscovery:
         if not shards_present(path, set(infos)):
             return None  # deleted under us between the listing and the checksums
         return self._record(path, Marker(step, self._version(step), infos, producer_identity(), "foreign",
-                                         time.time(), self.run))
+                                         time.time(), self.run), origin)
 
     def _adopt_marked(self, path: Path, marker: Marker) -> SnapshotRef | None:
         """Another run's complete snapshot under a watched dir: its checksums, this run's record."""
@@ -279,11 +349,99 @@ class SnapshotDiscovery:
     def _version(self, step: int) -> str:
         return str(step) if self.run is None else weight_version(self.run, step)
 
-    def _record(self, path: Path, marker: Marker) -> SnapshotRef:
+    def _record(self, path: Path, marker: Marker, origin: str | None = None) -> SnapshotRef:
         record = self._adoption_path(marker.step)
         record.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(record, {**marker.to_json(), "source": str(path)})
+        write_json_atomic(record, {**marker.to_json(), "source": str(path), **({"origin": origin} if origin else {})})
         return SnapshotRef(marker.step, path, marker)
+
+
+def waiting_saves(root: Path, layout: str = AUTO, adoption_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Saves under the watched ``root`` that are found but not admitted: what ``ckpteval status`` shows.
+
+    One row per save its layout places (step, path, layout, ``waits_for`` — the trainer's signal, quiescence,
+    HF weights, or a worker to admit it — and ``since``: the newest mtime of the save dir and its weights
+    dir, wall clock). Admitted saves (``adoption_dir`` records, ckpteval markers) are left out. Only reads
+    names and stats; an ambiguous ``auto`` is one row naming the layouts. Stateless: a save a watcher saw
+    and lost to rotation is in ``RUN/lost/`` (:func:`lost_steps`), not here."""
+    root = Path(root)
+    try:
+        chosen = resolve_layout(root, layout) or get_layout(FALLBACK)
+    except ValueError as e:
+        return [{"step": None, "path": str(root), "layout": layout, "waits_for": str(e), "since": None}]
+    rows = []
+    for container in chosen.containers(root):
+        for entry in layout_entries(container):
+            if entry.name.startswith(FOREIGN_TEMP_PREFIXES) or (found := chosen.locate(entry)) is None:
+                continue
+            if adoption_dir is not None and (adoption_dir / f"{found.step:010d}.json").exists():
+                continue
+            if not chosen.owns_marker_name and (entry / MARKER).is_file():
+                continue  # a ckpteval snapshot (reuse mode, another run's): discovered as such
+            rows.append({"step": found.step, "path": str(entry), "layout": chosen.name,
+                         "waits_for": _waits_for(chosen, found), "since": _newest_mtime(entry, found.weights)})
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _waits_for(layout: Layout, found: Located) -> str:
+    """What an unadmitted save waits for, in words."""
+    weights = shards_present(found.weights, _names(found.weights))
+    if found.complete is False:
+        return f"the trainer's signal: {layout.signal}"
+    if found.complete is None:
+        return "quiescence (no change for --quiescence s)" + ("" if weights else " and its HF weights/indexed shards")
+    if not weights:
+        return f"HF weights in {found.weights.name}/ ({layout.no_weights_hint})"
+    return "a worker to admit it (none is polling this dir with --watch?)"
+
+
+def _newest_mtime(*paths: Path) -> float | None:
+    """The newest mtime of ``paths`` and the files directly in them (None if all are gone)."""
+    times = []
+    for path in paths:
+        try:
+            times.append(path.stat().st_mtime)
+            times += [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return max(times) if times else None
+
+
+def adopted_refs(adoption_dir: Path, origin: str | None = None) -> list[SnapshotRef]:
+    """The foreign checkpoints this run adopted (``RUN/adopted/<step>.json``), as snapshot refs (a torn or
+    foreign file is left out); with ``origin``, only the captures of that watched root."""
+    refs = []
+    try:
+        names = sorted(n for n in os.listdir(adoption_dir) if n.endswith(".json") and n[:-5].isdigit())
+    except FileNotFoundError:
+        return []
+    for name in names:
+        try:
+            record = read_json_object(adoption_dir / name)
+            marker = parse_marker(record, adoption_dir / name)
+        except (FileNotFoundError, ValueError):
+            continue
+        if origin is None or record.get("origin") == origin:
+            refs.append(SnapshotRef(marker.step, Path(str(record.get("source", ""))), marker))
+    return refs
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    """(inode, size, mtime) of ``path``: the same file, unchanged, when equal before and after."""
+    st = os.stat(path, follow_symlinks=False)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _link_or_copy(src: Path, dst: Path) -> tuple[int, int, int]:
+    """Hardlink ``src`` to ``dst`` (a copy across filesystems); returns ``src``'s identity as it was taken."""
+    before = _identity(src)
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        shutil.copy2(src, dst)
+    return before
 
 
 def lost_steps(lost_dir: Path) -> list[int]:
@@ -322,4 +480,4 @@ def tree_signature(path: Path) -> tuple[tuple[str, int, int], ...] | None:
     return tuple(sorted(found)) if path.is_dir() else None
 
 
-__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "lost_steps", "shards_present", "step_from_dir", "tree_signature"]
+__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "adopted_refs", "lost_steps", "waiting_saves", "shards_present", "step_from_dir", "tree_signature"]

@@ -293,6 +293,17 @@ def check_bounds(obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------- file checks
+def check_watch_dir(path: Path | str) -> None:
+    """``--watch DIR`` must be an existing directory: a missing one would be polled forever in silence
+    (a typo, or a trainer that has not made its output dir yet). ValueError names the dir and the fix."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--watch {path}: no such directory (a typo? if the trainer has not created it yet, "
+                         f"mkdir -p {path} first)")
+    if not path.is_dir():
+        raise ValueError(f"--watch {path}: not a directory")
+
+
 def check_dir_creatable(flag: str, path: Path | str) -> None:
     """``path`` is a directory this user can write, or can be created: ValueError naming ``flag`` if not.
 

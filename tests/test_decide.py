@@ -150,3 +150,38 @@ def test_best_writes_the_wandb_summary(decided_run: RunDir) -> None:
     rec = json.loads(decided_run.best_path.read_text())
     assert summary["best/step"] == rec["best_step"] and summary["best/not_distinguishable"] == [200, 300]
     assert summary["best/metric"] == "eval/add"
+
+
+def test_intervals_of_scores_stay_in_range_and_zero_spread_is_not_certainty() -> None:
+    """Scores in [0, 1]: a mean near 1 is not given an upper end above 1; four prompts that all improved by
+    exactly 1 do not make a zero-width interval (a fifth prompt could differ).
+    Before: width 0 and intervals past the score's range."""
+    from ckpteval.jobs.decide.stats import mean_interval
+
+    near_one = np.array([1.0] * 9 + [0.0])
+    iv = paired_interval(np.zeros(10), near_one)
+    assert -1.0 <= iv.low and iv.high <= 1.0
+    own = best_step({1: near_one}).interval
+    assert 0.0 <= own.low and own.high == 1.0  # clipped, not 1.2
+    same = paired_interval(np.zeros(10), np.ones(10))
+    assert same.high - same.low > 0.2 and same.high == 1.0 and same.distinguishable  # wide, still B better
+    assert not paired_interval(np.zeros(4), np.ones(4)).distinguishable  # 4 of 4 is 1/16 under a coin: noise
+    flat = paired_interval(np.full(4, 0.5), np.full(4, 0.5))
+    assert flat.low < 0 < flat.high  # no difference seen: noise, with a width
+    unbounded = mean_interval(np.array([3.0, 3.0, 3.0]))  # a reward model's scores: no range to assume
+    assert unbounded.low == unbounded.high == 3.0
+
+
+def test_compare_metric_is_the_metric_compared(decided_run: RunDir) -> None:
+    code, out = finish(spawn("compare", str(decided_run.path), "--steps", "100", "200", "--metric", "eval/add",
+                             "--json"), 60)
+    assert code == 0, out
+    (row,) = json.loads(out.strip().splitlines()[-1])["datasets"]
+    assert row["dataset"] == "eval/add"
+    code, out = finish(spawn("compare", str(decided_run.path), "--steps", "100", "200", "--metric", "eval/nope"), 60)
+    assert code == 2 and "no dataset 'nope'" in out, out  # before: --metric was ignored, any name accepted
+
+
+def test_best_defaults_to_the_first_datasets_mean(decided_run: RunDir) -> None:
+    code, out = finish(spawn("best", str(decided_run.path)), 60)
+    assert code == 0 and "best step by eval/add" in out, out

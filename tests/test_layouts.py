@@ -383,3 +383,131 @@ def test_worker_polls_watched_dirs_while_a_unit_runs(tmp_path: Path) -> None:
     assert code == 0, log
     got = _results(run_dir)
     assert got[0].ok and got[1].skip_reason == "ckpt_missing", log
+
+
+# -- current prime-rl: broadcasts/step_N (HF weights only there since PR #3316), newest kept ---------------
+def _broadcast(root: Path, step: int) -> tuple[list[Action], Path]:
+    """``FileSystemWeightBroadcast.broadcast_weights`` at prime-rl 559b447: shards under tmp-rank names
+    renamed into place, the index last, then STABLE; no config, no tokenizer; DCP state beside it."""
+    d = root / "broadcasts" / f"step_{step}"
+    names = [f"model-{i + 1:05d}-of-00002.safetensors" for i in range(2)]
+    index = {"metadata": {}, "weight_map": {f"w{i}": names[i] for i in range(2)}}
+
+    def shard(i: int) -> Action:
+        def act() -> None:
+            save_file({f"w{i}": torch.full((8,), float(step))}, str(d / f"tmp-rank{i}.safetensors"))
+            (d / f"tmp-rank{i}.safetensors").rename(d / names[i])
+        return act
+    return [lambda: d.mkdir(parents=True, exist_ok=True), _write(root / "checkpoints" / f"step_{step}" / "__0_0.distcp"),
+            shard(0), shard(1), lambda: (d / "model.safetensors.index.json").write_text(json.dumps(index)),
+            _write(d / "STABLE", "")], d
+
+
+def _prime_run(tmp: Path) -> tuple[Path, list[float]]:
+    base = tmp / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "llama"}')
+    (base / "tokenizer_config.json").write_text("{}")
+    root = tmp / "out"
+    root.mkdir()
+    return root, [0.0]
+
+
+def test_prime_rl_broadcast_is_captured_and_outlives_the_trainers_cleanup(tmp_path: Path) -> None:
+    root, now = _prime_run(tmp_path)
+    disc = _discovery(tmp_path, root, "auto", now)
+    acts, d = _broadcast(root, 2)
+    for act in acts[:-1]:
+        act()
+        assert disc.poll() == []  # no STABLE yet: never admitted, never captured
+    acts[-1]()
+    assert detect_layouts(root) == ["prime-rl"]
+    [ref] = disc.poll()
+    assert ref.step == 2 and ref.path == tmp_path / "captured" / f"step_{2:010d}"
+    assert {"config.json", "tokenizer_config.json"} <= set(ref.marker.files)  # the run's, filled in
+    for step in (3, 4):  # the trainer moves on and deletes step_{N-2} (maybe_clean)
+        for act in _broadcast(root, step)[0]:
+            act()
+        shutil.rmtree(root / "broadcasts" / f"step_{step - 2}", ignore_errors=True)
+    assert not d.exists()
+    refs = {r.step: r for r in disc.poll()}
+    assert sorted(refs) == [2, 3, 4] and refs[2].path == ref.path
+    verify_snapshot(refs[2].path, "full", refs[2].marker)  # the capture is whole after its source is gone
+    assert disc.lost == {} and disc.problems == {} and not list((tmp_path / "captured").glob(".tmp-*"))
+
+
+def test_prime_rl_capture_racing_the_cleanup_is_a_loss_never_a_point(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer deletes the broadcast while it is being linked: nothing admitted, the loss recorded,
+    no half capture left; a real link/copy is used for every file but the one the cleanup beats."""
+    import ckpteval.coord.discovery as discovery
+
+    root, now = _prime_run(tmp_path)
+    acts, d = _broadcast(root, 6)
+    for act in acts:
+        act()
+    real = discovery._link_or_copy
+
+    def cleanup_midway(src: Path, dst: Path) -> tuple[int, int, int]:
+        got = real(src, dst)
+        shutil.rmtree(d, ignore_errors=True)  # maybe_clean runs now
+        return got
+    monkeypatch.setattr(discovery, "_link_or_copy", cleanup_midway)
+    disc = _discovery(tmp_path, root, "prime-rl", now)
+    assert disc.poll() == []
+    assert disc.lost == {"broadcasts/step_6": 6} and (tmp_path / "lost" / f"{6:010d}.json").is_file()
+    assert not (tmp_path / "captured" / f"step_{6:010d}").exists() and not list((tmp_path / "captured").glob(".tmp-*"))
+
+
+def test_prime_rl_broadcast_without_a_config_anywhere_is_reported(tmp_path: Path) -> None:
+    root, now = tmp_path / "out", [0.0]
+    root.mkdir()
+    for act in _broadcast(root, 2)[0]:
+        act()
+    disc = _discovery(tmp_path, root, "prime-rl", now)
+    assert disc.poll() == []
+    [problem] = disc.problems.values()
+    assert "weights only" in problem and str(tmp_path / "base") in problem
+
+
+def test_older_prime_rl_weights_layout_is_chosen_by_what_is_on_disk(tmp_path: Path) -> None:
+    from ckpteval.coord.layouts import get_layout
+
+    root = tmp_path / "out"
+    for act in TREES["prime-rl"](root, 5)[0]:
+        act()
+    layout = get_layout("prime-rl")
+    assert layout.containers(root) == [root / "weights"]
+    located = layout.locate(root / "weights" / "step_5")
+    assert located is not None and located.complete and not located.ephemeral  # used in place, as before
+
+
+def test_two_watchers_capturing_the_same_broadcast_share_one_capture(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers of one run capture the same broadcast at once: the one whose rename comes second finds
+    the other's capture and uses it (no crash, no second copy, no temp dir left)."""
+    import ckpteval.coord.discovery as discovery
+
+    root, now = _prime_run(tmp_path)
+    for act in _broadcast(root, 8)[0]:
+        act()
+    other = _discovery(tmp_path / "other", root, "prime-rl", now)  # the other worker: its own capture, renamed
+    real = discovery._link_or_copy
+    state = {"raced": False}
+
+    def other_finishes_first(src: Path, dst: Path) -> tuple[int, int, int]:
+        if not state["raced"]:
+            state["raced"] = True
+            (tmp_path / "other" / "base").mkdir(parents=True)
+            shutil.copytree(tmp_path / "base", tmp_path / "other" / "base", dirs_exist_ok=True)
+            monkeypatch.setattr(discovery, "_link_or_copy", real)
+            [ref] = other.poll()
+            shutil.move(str(ref.path), tmp_path / "captured" / ref.path.name)  # into this run's captured/
+            monkeypatch.setattr(discovery, "_link_or_copy", other_finishes_first)
+        return real(src, dst)
+    monkeypatch.setattr(discovery, "_link_or_copy", other_finishes_first)
+    mine = _discovery(tmp_path, root, "prime-rl", now)
+    [ref] = mine.poll()
+    assert state["raced"] and ref.path == tmp_path / "captured" / f"step_{8:010d}"
+    assert not list((tmp_path / "captured").glob(".tmp-*")) and mine.problems == {} and mine.lost == {}
+    verify_snapshot(ref.path, "full", ref.marker)

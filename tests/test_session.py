@@ -58,7 +58,7 @@ def test_hf_trainer_staging_through_the_entry_point(tmp_path: Path) -> None:
                                     dispatch=DispatchConfig(eval_interval=2), poll_interval_s=0.0))
     _train(tmp_path / "out", dispatcher, save_strategy="no")
     run = RunDir(tmp_path / "run")
-    assert sorted(r["eval/step"] for r in eval_lines(run.path)) == [2, 4, 5] and run.training_done() == 5
+    assert sorted(r["eval/step"] for r in eval_lines(run.path)) == [0, 2, 4, 5] and run.training_done() == 5
     assert (run.snapshots / snapshot_dirname(5) / "tokenizer.json").is_file()  # the base dir's tokenizer
     manifest = run.manifest()
     assert [d.name for d in manifest.eval.datasets] == ["sums"] and manifest.lease.duration_s == 5
@@ -72,13 +72,13 @@ def test_hf_trainer_reuse_through_the_entry_point_and_resume(tmp_path: Path) -> 
                    dispatch=DispatchConfig(eval_interval=2, save_hf_dir=out, save_interval=2, max_in_flight=3,
                                            keep_snapshots=3))
     _train(out, start_eval(spec), save_strategy="steps", save_steps=2)
-    for step in (2, 4, 5):
+    for step in (0, 2, 4, 5):
         assert read_marker(out / f"checkpoint-{step}").mode == "reuse"
     with pytest.raises(ValueError, match="already holds a run; pass --resume"):
         start_eval(spec)
     spec.resume = True
     again = start_eval(spec)  # the same run, its ledger replayed: nothing logged twice
-    assert again.landed == 3 and sorted(r["eval/step"] for r in eval_lines(again.run.path)) == [2, 4, 5]
+    assert again.landed == 4 and sorted(r["eval/step"] for r in eval_lines(again.run.path)) == [0, 2, 4, 5]
 
 
 @pytest.mark.parametrize("change, says", [

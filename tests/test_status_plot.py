@@ -235,3 +235,92 @@ def test_plot_of_two_runs_overlays_them_by_step_a_colour_each(tmp_path: Path) ->
     colours = [line.get_color() for line in ax.get_lines()]
     assert len(set(colours)) == 2, colours
     assert len(ax.collections) == 2  # a stderr band per run
+
+
+def _hf_weights(directory: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({"w": torch.zeros(8)}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text('{"model_type": "llama"}')
+
+
+def _watched_run(tmp_path: Path, watch: Path) -> Path:
+    from ckpteval.jobs.eval.service import create_run_from_config
+
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "sums.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    cfg = tmp_path / "eval.json"
+    cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "sums", "path": "sums.jsonl", "n_prompts": 1,
+                                                      "scorer": "exact", "shard_size": 1, "max_new_tokens": 2}]}}))
+    return create_run_from_config(tmp_path / "run", cfg, (watch,)).path
+
+
+def test_status_shows_saves_waiting_for_their_trainers_signal(tmp_path: Path) -> None:
+    """A verl save without its tracker file and a prime-rl step without its marker are not admitted; status
+    names each, its layout, the signal it waits for and since when — not `snapshots: none` alone."""
+    from ckpteval.jobs.views.status import render, waiting_table
+
+    verl = tmp_path / "verl"
+    _hf_weights(verl / "global_step_20" / "actor" / "huggingface")
+    prime = tmp_path / "prime"
+    (prime / "weights" / "step_30").mkdir(parents=True)
+    (prime / "weights" / "step_30" / "STABLE").touch()  # old layout: a finished step_30 reveals prime-rl ...
+    _hf_weights(prime / "weights" / "step_40")  # ... step_40 waits for its STABLE
+    run = _watched_run(tmp_path, verl)
+    status = collect_status(run)
+    [w] = status["waiting"]
+    assert (w["step"], w["layout"]) == (20, "verl") and "latest_checkpointed_iteration.txt" in w["waits_for"]
+    assert w["since"] is not None and abs(w["since"] - os.stat(verl / "global_step_20" / "actor" / "huggingface"
+                                                                / "model.safetensors").st_mtime) < 5
+    rendered = " ".join(str(getattr(t, "title", t)) for t in render(status))
+    assert "saves found, not admitted" in rendered
+    table = waiting_table(status["waiting"], now=w["since"] + 7)
+    assert table.rows[0][:3] == ("20", "verl", w["waits_for"]) and table.rows[0][3].endswith("(7s)")
+    (verl / "latest_checkpointed_iteration.txt").write_text("20")
+    assert "a worker to admit it" in collect_status(run)["waiting"][0]["waits_for"]  # signal there, no worker yet
+    prime_status = collect_status(_watched_run(tmp_path / "p", prime))
+    assert [(w["step"], w["layout"]) for w in prime_status["waiting"]] == [(30, "prime-rl"), (40, "prime-rl")]
+    assert "HF weights" in prime_status["waiting"][0]["waits_for"]  # marked but empty: no weights
+    assert "STABLE" in prime_status["waiting"][1]["waits_for"]
+
+
+def test_status_table_shows_the_scorers_counters(tmp_path: Path) -> None:
+    """Counters a scorer keeps per sample (code: errors, timeouts) are in the table, not only in --json."""
+    from ckpteval.jobs.views.status import points_table
+
+    run = make_run(tmp_path, n_prompts=4, shard_size=2)
+    m = run.manifest()
+    for i, unit in enumerate(units_for_step(m, 10)):
+        write_result(run.results, ok_result(unit, [0.0, 1.0], ["10"] * 2, counters={"code_errors": 1 + i, "timeouts": 1}))
+    table = points_table(collect_status(run.path))
+    headers = [c.header for c in table.columns]
+    assert "add counts" in headers
+    assert table.rows[0][headers.index("add counts")] == "code_errors=3 timeouts=2"  # summed over the shards
+
+
+def test_plot_of_a_single_step_has_whole_step_ticks(tmp_path: Path) -> None:
+    """One point (step 10): the x axis shows whole steps around it, not matplotlib's 9.96…10.04."""
+    run = make_run(tmp_path, n_prompts=4, shard_size=2)
+    for unit in units_for_step(run.manifest(), 10):
+        write_result(run.results, ok_result(unit, [0.5, 0.5], ["10"] * 2))
+    fig = figure(plot_series(collect_status(run.path)), "one step")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks) and 10 in ticks, ticks
+
+
+def test_a_scored_point_the_stopped_trainer_never_logged_is_not_pending(tmp_path: Path) -> None:
+    """Ctrl-C'd trainer (INTERRUPTED), a point dispatched and then fully scored: not `ledger_pending` forever,
+    but `scored_not_logged`, and the health line says what a --resume does."""
+    run = make_run(tmp_path, n_prompts=4, shard_size=2)
+    Ledger(run.ledger_path).append("dispatched", 10)
+    Ledger(run.ledger_path).append("dispatched", 20)
+    for unit in units_for_step(run.manifest(), 10):
+        write_result(run.results, ok_result(unit, [1.0, 1.0], ["10"] * 2))
+    run.mark_interrupted("ckpteval train", "SIGINT")
+    status = collect_status(run.path)
+    assert status["health"]["ledger_pending"] == [20] and status["health"]["scored_not_logged"] == [10]
+    assert "scored, never logged by the stopped trainer: steps 10" in health_line(status)

@@ -130,7 +130,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_for_requeue(tmp_path: Path) -> Non
     assert proc.returncode == PREEMPTED_EXIT, err[-2000:]
     ckpt = latest_train_checkpoint(RunDir(run_dir))
     assert ckpt is not None and int(ckpt.name.split("-")[1]) >= 10
-    assert RunDir(run_dir).training_done() is None
+    assert RunDir(run_dir).training_done() is None and RunDir(run_dir).interrupted() is None  # requeued, not ended
     assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.safetensors", "state.json"]
 
 
@@ -142,6 +142,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_so_in_one_line(tmp_path: Path) -> No
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     assert [line for line in err.splitlines() if "ckpteval train" in line] == [err.strip().splitlines()[-1]]
     assert "interrupted at step" in err and "--resume" in err
+    assert RunDir(run_dir).interrupted()["by"] == "ckpteval train"  # status: "training interrupted", not running
     ckpt = latest_train_checkpoint(RunDir(run_dir))
     assert ckpt is not None and int(ckpt.name.split("-")[1]) >= 10
 

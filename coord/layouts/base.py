@@ -29,6 +29,7 @@ class Located:
     step: int  # the training step the save holds
     weights: Path  # the directory eval loads (HF config + weights, or a PEFT adapter)
     complete: bool | None  # the trainer's own signal: True finished, False not yet, None the trainer gives none
+    ephemeral: bool = False  # the trainer deletes it within steps (prime-rl broadcasts): captured before use
 
 
 class Layout:

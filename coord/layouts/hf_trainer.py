@@ -1,5 +1,7 @@
 """Hugging Face ``transformers.Trainer`` and every trainer built on it (TRL's SFT/DPO/GRPO/PPO trainers).
 
+Checked against transformers 5.24.0 (the pinned version; the suite runs a real ``Trainer``).
+
 Read in huggingface/transformers ``src/transformers/trainer.py`` (``Trainer._save_checkpoint``) and
 ``trainer_utils.py`` (``PREFIX_CHECKPOINT_DIR = "checkpoint"``): a save is ``OUTPUT_DIR/checkpoint-<global_step>/``;
 ``_save_checkpoint`` writes the model (``save_model``: config, weights, tokenizer), then — unless

@@ -1,5 +1,7 @@
 """miles (radixark/miles), slime's successor: ``--save-hf`` HF exports of the Megatron actor.
 
+Checked at radixark/miles commit 31f1ca961a94cb860cec3b2dea34ec332bfa8f76 (2026-08-21).
+
 Read in ``miles/backends/megatron_utils/hf_export.py`` (``save_hf_model``) and ``miles/utils/hf_config.py``:
 the export path is ``args.save_hf.format(rollout_id=...)`` (a user template, e.g. ``/ckpt/hf/iter_{rollout_id}``);
 shards and ``model.safetensors.index.json`` are written, then global rank 0 touches an empty ``.complete``

@@ -1,5 +1,7 @@
 """NeMo-RL (NVIDIA-NeMo/RL): GRPO/DPO/SFT with the DTensor (automodel) or Megatron policy.
 
+Checked at NVIDIA-NeMo/RL commit 7ea279abfbeb698b092856d0dab61e7cf39bc909 (2026-08-22).
+
 Read in ``nemo_rl/utils/checkpoint.py`` (``CheckpointManager``): each save is written into
 ``checkpoint_dir/tmp_step_<N>/`` (``training_info.json`` and ``config.yaml`` first, then the policy's
 ``policy/weights/``, ``policy/optimizer/``, ``policy/tokenizer/``) and renamed to ``step_<N>/`` only when

@@ -1,5 +1,8 @@
 """OpenRLHF (OpenRLHF/OpenRLHF): PPO/GRPO (Ray), SFT, DPO, RM trainers with ``--save_hf_ckpt``.
 
+Checked at OpenRLHF/OpenRLHF commit 3c3be6234e0cb353e76bb8019947db9dfe99fca7 (2026-08-13): the flags are
+now ``--ckpt.save_hf`` and ``--ckpt.path`` (``openrlhf/trainer/ray/ppo_actor.py``: ``f"{tag}_hf"``).
+
 Read in ``openrlhf/trainer/ppo_trainer.py`` (``_save_checkpoint``) and ``openrlhf/trainer/sft_trainer.py``:
 every ``--save_steps`` the tag is ``global_step<N>``; DeepSpeed's resumable state goes to
 ``--ckpt_path/_actor/<tag>/`` (ZeRO partitions, not HF weights; rotated by ``--max_ckpt_num`` /

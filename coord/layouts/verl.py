@@ -1,5 +1,7 @@
 """verl (volcengine/verl): FSDP and Megatron PPO/GRPO trainers.
 
+Checked at volcengine/verl commit b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29).
+
 Read in ``verl/trainer/ppo/ray_trainer.py`` (``_save_checkpoint``) and
 ``verl/utils/checkpoint/fsdp_checkpoint_manager.py`` (``FSDPCheckpointManager.save_checkpoint``): a save is
 ``trainer.default_local_dir/global_step_<N>/`` with ``actor/`` (and ``critic/``) inside; the actor's

@@ -1,4 +1,5 @@
-"""``ckpteval best RUN --metric eval/<ds>[/pass@k|/maj@n]``: which checkpoint to ship.
+"""``ckpteval best RUN [--metric eval/<ds>[/pass@k|/maj@n]]``: which checkpoint to ship (default metric:
+the run's first dataset's mean).
 
 The best step by the metric (``--higher-is-better``, the default, or ``--lower-is-better``), its
 interval, and every step *not distinguishable from it*: each other step's paired difference to the
@@ -49,7 +50,8 @@ def render(rec: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, metavar="RUN")
-    parser.add_argument("--metric", required=True, metavar="M", help="eval/<dataset>[/pass@k|/maj@n]")
+    parser.add_argument("--metric", metavar="M", help="eval/<dataset>[/pass@k|/maj@n] (default: eval/<the run's "
+                        "first dataset>)")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--higher-is-better", dest="higher", action="store_true", default=True,
                      help="the largest mean is best (default)")
@@ -62,7 +64,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--level must be in (0, 1), got {args.level}")
     try:
         side = open_run(args.run)
-        metric = parse_metric(args.metric, side.manifest)
+        metric = parse_metric(args.metric or f"eval/{side.manifest.eval.datasets[0].name}", side.manifest)
         values = {s: side.values(s, metric) for s in side.steps_with(metric.dataset)}
         if not values:
             raise ValueError(f"{side.run.path}: no step has a complete {metric.dataset} point yet")

@@ -30,21 +30,26 @@ def verdict(low: float, high: float) -> str:
     return "not distinguishable from noise"
 
 
-def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float) -> list[dict[str, Any]]:
-    """Per dataset both sides have at their steps: the paired difference B - A and its verdict."""
+def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float,
+                  metric_text: str | None = None) -> list[dict[str, Any]]:
+    """Per dataset both sides have at their steps: the paired difference B - A of the mean and its verdict;
+    with ``metric_text`` (``--metric``) only that metric of its dataset."""
     rows = []
+    chosen = None if metric_text is None else parse_metric(metric_text, a.manifest)
     for spec in a.manifest.eval.datasets:
         name = spec.name
+        if chosen is not None and name != chosen.dataset:
+            continue
         if name not in {d.name for d in b.manifest.eval.datasets}:
             continue
         if step_a not in a.steps_with(name) or step_b not in b.steps_with(name):
             continue
         if a is not b:
             check_paired(a, b, name)
-        metric = Metric(name, "mean")
+        metric = chosen or Metric(name, "mean")
         va, vb = a.values(step_a, metric), b.values(step_b, metric)
         iv = paired_interval(va, vb, level)
-        rows.append({"dataset": name, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
+        rows.append({"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
                      "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
                      "verdict": verdict(iv.low, iv.high)})
     if not rows:
@@ -62,8 +67,7 @@ def _common_newest(a: RunValues, b: RunValues) -> int:
 
 
 def _best_of(side: RunValues, metric_text: str | None, level: float) -> int:
-    if metric_text is None:
-        raise ValueError("--best needs --metric eval/<dataset>[/pass@k]: best by which metric")
+    metric_text = metric_text or f"eval/{side.manifest.eval.datasets[0].name}"
     metric: Metric = parse_metric(metric_text, side.manifest)
     values = {s: side.values(s, metric) for s in side.steps_with(metric.dataset)}
     return best_step(values, level=level).step
@@ -104,7 +108,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", nargs=2, type=int, metavar=("A", "B"), help="two steps of one run")
     parser.add_argument("--step", type=int, metavar="S", help="two runs: this step of each (default: newest in common)")
     parser.add_argument("--best", action="store_true", help="two runs: each run's best step by --metric")
-    parser.add_argument("--metric", metavar="M", help="with --best: eval/<dataset>[/pass@k|/maj@n]")
+    parser.add_argument("--metric", metavar="M", help="compare this metric only (eval/<dataset>[/pass@k|/maj@n]); with --best: "
+                        "also what best means (default with --best: eval/<first dataset>)")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="confidence level (default 0.95)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
@@ -112,7 +117,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--level must be in (0, 1), got {args.level}")
     try:
         a, step_a, b, step_b = plan(args)
-        rows = compare_sides(a, step_a, b, step_b, args.level)
+        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric)
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
     label_a, label_b = f"{a.run.path} step {step_a}", f"{b.run.path} step {step_b}"

@@ -56,24 +56,42 @@ class Interval:
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "n": self.n, "level": self.level}
 
 
-def mean_interval(values: np.ndarray, level: float = DEFAULT_LEVEL) -> Interval:
-    """The t interval of the mean of ``values`` (one per prompt); a zero-spread sample has width 0."""
+def mean_interval(values: np.ndarray, level: float = DEFAULT_LEVEL,
+                  bounds: tuple[float, float] | None = None) -> Interval:
+    """The t interval of the mean of ``values`` (one per prompt). With ``bounds`` (what a value can be:
+    ``(0, 1)`` for scores, ``(-1, 1)`` for their differences) the interval is clipped to them, and a
+    zero-spread sample is not certainty: its half-width is the Wilson score interval's for an extreme
+    proportion, ``z²/(n+z²)`` of the range (``n`` identical prompts leave room for a prompt that
+    differs). Without bounds a zero-spread sample has width 0."""
     x = np.asarray(values, dtype=float)
     if x.ndim != 1 or x.size < 2:
         raise ValueError(f"an interval needs at least 2 prompts, got {x.size}")
     if not 0.0 < level < 1.0:
         raise ValueError(f"confidence level must be in (0, 1), got {level}")
     mean = float(x.mean())
-    half = t_quantile(0.5 + level / 2, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return Interval(mean, mean - half, mean + half, int(x.size), level)
+    t = t_quantile(0.5 + level / 2, x.size - 1)
+    half = t * float(x.std(ddof=1)) / math.sqrt(x.size)
+    if bounds is None:
+        return Interval(mean, mean - half, mean + half, int(x.size), level)
+    lo, hi = bounds
+    if half == 0.0:
+        half = (hi - lo) * t * t / (x.size + t * t)
+    return Interval(mean, max(lo, mean - half), min(hi, mean + half), int(x.size), level)
+
+
+def score_bounds(*arrays: np.ndarray) -> tuple[float, float] | None:
+    """``(0, 1)`` when every value is a score in [0, 1] (exact, pass@k, judged verdicts), else None (a
+    reward model's unbounded scores)."""
+    return (0.0, 1.0) if all(a.size and float(a.min()) >= 0.0 and float(a.max()) <= 1.0 for a in arrays) else None
 
 
 def paired_interval(a: np.ndarray, b: np.ndarray, level: float = DEFAULT_LEVEL) -> Interval:
-    """Interval of ``mean(b - a)`` from per-prompt pairs (``a[i]``, ``b[i]`` are the same prompt)."""
+    """Interval of ``mean(b - a)`` from per-prompt pairs (``a[i]``, ``b[i]`` are the same prompt); for
+    scores in [0, 1] clipped to [-1, 1] (see :func:`mean_interval`)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape:
         raise ValueError(f"paired values need the same prompts: {a.shape} vs {b.shape}")
-    return mean_interval(b - a, level)
+    return mean_interval(b - a, level, (-1.0, 1.0) if score_bounds(a, b) else None)
 
 
 @dataclass(frozen=True)
@@ -99,5 +117,6 @@ def best_step(values: dict[int, np.ndarray], *, higher_is_better: bool = True,
     family = level if not others else 1.0 - (1.0 - level) / len(others)  # Bonferroni over m-1 comparisons
     diffs = {s: paired_interval(values[best], values[s], family) for s in others}
     tied = tuple(sorted([best, *(s for s, d in diffs.items() if not d.distinguishable)]))
-    return Best(best, mean_interval(values[best], level), tied, diffs,
+    own = np.asarray(values[best], dtype=float)
+    return Best(best, mean_interval(own, level, score_bounds(own)), tied, diffs,
                 f"Bonferroni over {len(others)} paired comparisons (each at level {family:.4g})")

@@ -37,6 +37,7 @@ it does not wait for steps that have no snapshot yet.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from tqdm import tqdm
 
 from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
-from ckpteval.coord.results import Result, ResultIndex
+from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.summary import write_step_summary
 from ckpteval.jobs.eval.options import WorkerOptions, add_worker_flags, options_from_args
@@ -54,33 +55,70 @@ from ckpteval.jobs.eval.worker import run_worker
 from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
 from ckpteval.jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
 
+JUDGED = ("judge", "reward_model")  # scorers that ask a judge server (ckpteval.jobs.eval.scorers.judge)
+
 
 class Progress:
-    """Turns the worker's per-poll count of outstanding units into a tqdm bar."""
+    """Turns the worker's per-poll count of outstanding units into a tqdm bar on a terminal, and into a
+    line per tenth done in a log file (a batch job's ``.out``: no bar redrawn into it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tty: bool | None = None) -> None:
         self.bar: tqdm | None = None
+        self.tty = sys.stderr.isatty() if tty is None else tty
         self.total = 0  # units outstanding at start, plus any that appeared later
+        self.done = 0
+        self._said = 0  # tenths reported (no terminal)
 
     def __call__(self, outstanding: int) -> None:
-        if self.bar is None:
+        if not self.total:
             if not outstanding:
                 return
             self.total = outstanding
-            self.bar = tqdm(total=outstanding, unit="unit", desc="backfill", dynamic_ncols=True)
-        done = self.bar.total - outstanding
-        if done < self.bar.n:  # new snapshots appeared: grow the bar
-            self.bar.total += self.bar.n - done
-            self.total = self.bar.total
-            done = self.bar.n
-        self.bar.update(done - self.bar.n)
+            if self.tty:
+                self.bar = tqdm(total=outstanding, unit="unit", desc="backfill", dynamic_ncols=True)
+        done = self.total - outstanding
+        if done < self.done:  # new snapshots appeared: grow the total
+            self.total += self.done - done
+            done = self.done
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.update(done - self.done)
+        self.done = done
+        tenths = 10 * done // self.total
+        if self.bar is None and tenths > self._said:
+            self._said = tenths
+            print(f"backfill: {done}/{self.total} units", flush=True)
 
     def write(self, line: str) -> None:
-        (self.bar.write if self.bar is not None else tqdm.write)(line)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def judge_problem(opts: WorkerOptions) -> str | None:
+    """A judged dataset with no judge anywhere (no ``scorer_options.url``, no ``--judge-url``, no
+    ``RUN/judge.json``): what an offline backfill says before claiming anything (no run judge server
+    will publish one), instead of sitting at 0% for the judge's ``wait_s``."""
+    run = RunDir(opts.run_dir)
+    try:
+        if not run.manifest_path.is_file() or opts.judge_url or run.judge_path.is_file():
+            return None
+    except OSError:
+        return None
+    try:
+        datasets = run.manifest().eval.datasets
+    except (ValueError, OSError):
+        return None  # a bad or unreadable run.json: the worker reports it, in one line, where it opens the run
+    judged = [d.name for d in datasets if d.scorer in JUDGED and not d.scorer_options.get("url")]
+    if not judged:
+        return None
+    return (f"dataset(s) {', '.join(judged)} are judged but no judge is known: no scorer_options.url, no --judge-url, "
+            f"no {run.judge_path}; start a judge and give --judge-url http://HOST:PORT/v1")
 
 
 def add_reeval_flags(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +213,8 @@ def main(argv: list[str]) -> int:
             return fail("ckpteval backfill", e)
         manifest = RunDir(opts.run_dir).manifest()
         extra["step_limit"] = lambda results: first_passing(manifest, results, condition)
+    if (problem := judge_problem(opts)) is not None:
+        return fail("ckpteval backfill", problem)
     progress = Progress()
     tally = Tally()
     try:
@@ -211,31 +251,50 @@ def write_summaries(run: RunDir, steps: set[int]) -> None:
 
 
 class Tally:
-    """What this backfill's own results were: how many scored, how many skipped and why."""
+    """What this backfill's own results were, one per unit (a unit retried here — an infrastructure skip
+    evaluated once more — counts once, by its last result): how many scored, how many skipped and why."""
 
     def __init__(self) -> None:
-        self.results = 0
-        self.ok = 0
-        self.skipped: dict[str, tuple[int, str]] = {}  # reason -> (count, first message)
-        self.steps: set[int] = set()  # the steps of the units evaluated here
+        self.last: dict[Any, Result] = {}  # unit -> its last result written here
 
     def __call__(self, result: Result) -> None:
-        self.results += 1
-        self.steps.add(result.unit.step)
-        if result.ok:
-            self.ok += 1
-            return
-        reason = result.skip_reason or "skipped"
-        count, message = self.skipped.get(reason, (0, result.message))
-        self.skipped[reason] = (count + 1, message)
+        self.last[result.unit] = result
+
+    @property
+    def results(self) -> int:
+        return len(self.last)
+
+    @property
+    def ok(self) -> int:
+        return sum(1 for r in self.last.values() if r.ok)
+
+    @property
+    def steps(self) -> set[int]:
+        """The steps of the units evaluated here."""
+        return {u.step for u in self.last}
+
+    @property
+    def skipped(self) -> dict[str, tuple[int, str]]:
+        """reason -> (count, first message)."""
+        out: dict[str, tuple[int, str]] = {}
+        for r in self.last.values():
+            if not r.ok:
+                reason = r.skip_reason or "skipped"
+                count, message = out.get(reason, (0, r.message))
+                out[reason] = (count + 1, message)
+        return out
 
     def summary(self) -> str:
-        """``"6 evaluated here: 2 scored, 4 skipped (ckpt_missing x4: <first message>)"``."""
+        """``"6 evaluated here: 2 scored, 4 skipped (ckpt_missing x4: <first message>)"``; nothing scored
+        because an outside service failed says so and how to finish."""
         if not self.results:
             return "other workers evaluated them"
         text = f"{self.results} evaluated here: {self.ok} scored"
-        if self.skipped:
-            n = sum(count for count, _ in self.skipped.values())
-            why = "; ".join(f"{reason} x{count}: {message[:100]}" for reason, (count, message) in self.skipped.items())
+        skipped = self.skipped
+        if skipped:
+            n = sum(count for count, _ in skipped.values())
+            why = "; ".join(f"{reason} x{count}: {message[:100]}" for reason, (count, message) in skipped.items())
             text += f", {n} skipped ({why})"
+        if not self.ok and skipped and set(skipped) <= INFRA_SKIPS:
+            text += " — NOTHING SCORED: an outside service failed; fix it and run backfill again (it retries these)"
         return text

@@ -35,6 +35,7 @@ from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.pinning import PinViolation, WorkerSkip, pin, restart
 from ckpteval.jobs.eval.prompts import NoChatTemplate
 from ckpteval.jobs.eval.scoring import DatasetCache, unit_input
+from ckpteval.jobs.eval.tokenizer_files import offer_run_tokenizer
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
 # values, I/O, and the lookup/type/arithmetic errors a custom scorer or fn backend raises on bad input.
@@ -66,6 +67,7 @@ class EngineEvaluator:
         canary_max_diff: float | None = None,
     ) -> None:
         self.engine, self.cache = engine, cache
+        offer_run_tokenizer(engine, cache.run.base)  # a checkpoint saved without its tokenizer uses the run's
         self.key = run_key(cache.manifest)  # versions are <run key>@<step>: a shared engine never
         # passes one run's pin while holding another run's weights of the same step
         self.pin_timeout_s, self.load_timeout_s = pin_timeout_s, load_timeout_s

@@ -119,6 +119,7 @@ class Worker:
                     run=run_key(self.manifest),
                     layout=self.opts.layout if r in foreign else FALLBACK,
                     lost_dir=self.rundir.lost,
+                    wanted=lambda step: bool(units_for_step(self.manifest, step)),
                 ),
                 r in foreign,
             )

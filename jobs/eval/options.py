@@ -20,6 +20,7 @@ from ckpteval.jobs.flags import (
     accept_positional_run_dir,
     add_options,
     check_bounds,
+    check_watch_dir,
     from_args,
     http_url,
     option,
@@ -62,7 +63,7 @@ class WorkerOptions:
     quiescence_s: float = option(30.0, "seconds a marker-less checkpoint must stay unchanged before it is "
                                  "admitted", flag="--quiescence", metavar="S", min=0)
     eval_config: Path | None = option(None, "create RUN/run.json from this JSON eval config if the run does "
-                                      "not exist (needs --watch)", metavar="FILE")
+                                      "not exist (with --watch DIR; backfill: or with --from-run OLD)", metavar="FILE")
     newest_first: bool = option(False, "claim the newest step's units first")
     poll_interval_s: float = option(2.0, "seconds between polls of the snapshot roots and results/",
                                     flag="--poll-interval", metavar="S", gt=0)
@@ -97,7 +98,7 @@ class WorkerOptions:
                                    "before its trainer)", flag="--wait-for-run", metavar="S", min=0)
     trust_run_code: bool = option(
         False, "import scorer code named by run.json (module:function) even when run.json or the run dir "
-        "is writable by other users (see docs/PROTOCOL.md, 'Who may run code in a worker')")
+        "is writable by other users (see docs/PROTOCOL.md, 'Who may run code in an eval process')")
     sandbox_concurrency: int = option(
         0, "code sets: programs run at once in this worker's sandbox pool (0: min(4, this process's CPUs))",
         metavar="N", min=0, group=SCORING)
@@ -164,8 +165,7 @@ def validate_options(opts: WorkerOptions) -> None:
     if Path(opts.run_dir).exists() and not Path(opts.run_dir).is_dir():
         raise ValueError(f"--run-dir {opts.run_dir}: not a directory")
     for watch in map(Path, opts.watch):
-        if watch.exists() and not watch.is_dir():
-            raise ValueError(f"--watch {watch}: not a directory")
+        check_watch_dir(watch)
         resolve_layout(watch, opts.layout)  # --layout auto over a dir holding saves of two trainers: refused
     if opts.eval_config is not None and not opts.watch:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")

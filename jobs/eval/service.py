@@ -93,9 +93,13 @@ def _rows_of(config_path: Path, i: int, ds: dict[str, Any], src: Path) -> Any:
         return ds["subset"]
     path = _existing(config_path, str(ds["name"]), src)
     try:
-        return sum(1 for line in path.read_text().splitlines() if line.strip())
+        rows = sum(1 for line in path.read_text().splitlines() if line.strip())
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_path}: field eval.datasets[{i}].path: cannot read {path} ({e})") from None
+    if rows == 0:
+        raise ValueError(f"{config_path}: dataset {ds['name']!r}: {path} is empty (no JSONL rows): one JSON object "
+                         "per line, e.g. {\"prompt\": \"2+2=\", \"answer\": \"4\"}")
+    return rows
 
 
 def install_eval_data(run: RunDir, config: EvalConfig) -> None:

@@ -220,6 +220,10 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
     cache = DatasetCache(run, manifest, ScorerContext(run.path, scorer_options(opts)))
     check_datasets(cache)
+    for d in manifest.eval.datasets:  # legal, but almost always a mistake: say it once, at start
+        if d.n_samples > 1 and d.temperature == 0:
+            print(f"ckpteval worker: warning: dataset {d.name!r} draws n_samples={d.n_samples} at temperature 0: "
+                  "greedy samples are identical (pass@k = pass@1); set a temperature > 0", file=sys.stderr, flush=True)
     evaluator = build_evaluator(opts, manifest, cache)
     try:  # before the first claim: a broken engine must not write a single result
         call_with_timeout(evaluator.probe, opts.load_timeout_s, "engine start-up probe")
@@ -239,20 +243,24 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, prog: str = "
     try:
         worker = prepare_worker(opts, **kw)
     except StoppedWhileWaiting as e:
-        print(f"ckpteval worker: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
     except EngineError as e:
-        print(f"ckpteval worker: engine not usable at start, nothing claimed: {e}", file=sys.stderr)
+        print(f"{prog}: engine not usable at start, nothing claimed: {e}", file=sys.stderr)
         return EXIT_UNHEALTHY
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError) as e:
         # bad run dir, run.json, eval set or engine settings; unreadable or misplaced files
-        return fail("ckpteval worker", e, EXIT_USAGE)
+        return fail(prog, e, EXIT_USAGE)
     finish_ingestion: Callable[[], None] | None = None
     if opts.wandb:
         worker.on_poll, finish_ingestion = service_ingestion(worker, opts)
     previous = install_signal_handlers(worker)
     try:
         code = worker.run()
+        if opts.once and code == EXIT_DONE and worker.written == 0 and prog == "ckpteval worker":
+            found = f"{len(worker.refs)} snapshot(s) found, every unit has a result" if worker.refs else \
+                "no complete snapshot found under the run's snapshot roots" + (" or --watch" if opts.watch else "")
+            print(f"{prog} --once: nothing to do: {found}", flush=True)
         if finish_ingestion is not None:
             finish_ingestion()
     finally:

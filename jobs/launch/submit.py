@@ -257,6 +257,20 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     return list(args.worker_arg) + (["--judge-url", args.judge_url] if args.judge_url else [])
 
 
+def train_cmd_words(command: str | None) -> list[str] | None:
+    """``--train-cmd`` split as a shell would (``'cfg a.yaml'`` stays one word), written into the script as a
+    bash array so the job runs exactly these words; ValueError for unbalanced quotes or an empty command."""
+    if command is None:
+        return None
+    try:
+        words = shlex.split(command)
+    except ValueError as e:
+        raise ValueError(f"--train-cmd {command!r}: {e}") from None
+    if not words:
+        raise ValueError("--train-cmd is empty: give the trainer's command line")
+    return words
+
+
 def _abs(path: Path) -> Path:
     return Path(os.path.abspath(Path(path).expanduser()))
 
@@ -279,7 +293,7 @@ def _prepare_train_eval(args: argparse.Namespace) -> Prepared:
     judge_cmd = judge_command(args)
     settings = _settings(args, {
         "CKPTEVAL_RUN_DIR": run,
-        "CKPTEVAL_TRAIN_CMD": args.train_cmd,
+        "CKPTEVAL_TRAIN_CMD": train_cmd_words(args.train_cmd),
         "CKPTEVAL_TRAIN_ARGV": trailing(args.trainer_args),
         "CKPTEVAL_JUDGE_CMD": judge_cmd,
     })

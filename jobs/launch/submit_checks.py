@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckpteval.jobs.flags import parse_as
+from ckpteval.jobs.flags import check_watch_dir, parse_as
 
 
 def trailing(args: list[str]) -> list[str]:
@@ -88,7 +88,8 @@ def _check_train_eval(args: argparse.Namespace) -> None:
     if args.train_cmd is None:
         from ckpteval.jobs.reference.train_config import TrainConfig
 
-        parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument")
+        parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument").validate()  # what
+        # `ckpteval train` itself refuses (--eval-interval vs --save-interval, ...): before queueing, not in the job
         fresh = not (run / "TRAINING_DONE").exists() and "--resume" not in trainer_args
         if (run / "run.json").exists() and fresh:
             raise ValueError(f"--run-dir {run} already holds a run: pass -- --resume to continue it, or pick "
@@ -110,8 +111,7 @@ def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
         raise ValueError(f"--run-dir {run} has no run.json: give --eval-config FILE to create the run (for one "
                          "a queued job creates, add --sbatch-arg=--dependency=afterany:JOBID)")
     for watch in args.watch:
-        if Path(watch).exists() and not Path(watch).is_dir():
-            raise ValueError(f"--watch {watch}: not a directory")
+        check_watch_dir(watch)
 
 
 # -- time limit, #SBATCH values, backfill with nothing to do -------------------------------------------

@@ -363,6 +363,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         workers: list[Proc] = []
         try:
             wait_for_manifest(run_dir, trainer, flag)
+            if cfg.posture == "service":  # a --watch dir must exist; the trainer's first save may not be there yet
+                (run_dir / "hf").mkdir(parents=True, exist_ok=True)
             # workers get one thread each so the trainer keeps a core's worth of CPU on this 2-core machine
             workers = [start(f"worker-{i}", worker_args(cfg, run_dir, i), logs, threads=1) for i in range(n_workers)]
             supervise(cfg, run_dir, trainer, workers, t0, flag)

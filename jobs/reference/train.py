@@ -122,7 +122,20 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
     """Create the run dir, or reopen it on --resume, through the library's
     :func:`~ckpteval.jobs.trainer.session.prepare_eval_run` (every check before anything is written; run.json
     last, once); this trainer adds its own base dir and, without ``--eval-config``, its built-in set."""
+    check_resume_cadence(cfg, dispatch)
     return prepare_eval_run(eval_run(cfg, dispatch), build_eval=lambda run, config: reference_eval(cfg, run, config))
+
+
+def check_resume_cadence(cfg: TrainConfig, dispatch: DispatchConfig | None) -> None:
+    """``--resume`` with another ``--eval-interval`` than the run was created with is refused: its points
+    would mix two cadences (and a point dispatched under the old one could be skipped as off-cadence)."""
+    run = RunDir(cfg.run_dir)
+    if dispatch is None or not cfg.resume or not run.manifest_path.is_file():
+        return
+    was = run.manifest().trainer.get("eval_interval")
+    if isinstance(was, int) and was != cfg.eval_interval:
+        raise ValueError(f"--resume: {run.manifest_path} was created with --eval-interval {was}, not "
+                         f"{cfg.eval_interval}; resume with --eval-interval {was} (or start a new --run-dir)")
 
 
 def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> EvalSpec:
@@ -355,7 +368,8 @@ def _preempted(run: RunDir, step: int, model: torch.nn.Module, opt: torch.optim.
     if dispatcher is not None:
         dispatcher.suspend(timeout_s=60.0)
     sink.close()
-    if signum == signal.SIGINT:
+    if signum == signal.SIGINT:  # a person stopped it (a requeue is SIGTERM): status and the fleet see it ended
+        run.mark_interrupted("ckpteval train", "SIGINT")  # --resume clears it
         print(f"ckpteval train: interrupted at step {step}; checkpoint saved, rerun with --resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"ckpteval train: preempted at step {step}; checkpoint saved, rerun with --resume", file=sys.stderr)

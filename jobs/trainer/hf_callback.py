@@ -8,7 +8,15 @@ events:
 - reuse mode: ``on_save`` → ``maybe_dispatch`` — the Trainer calls it right after writing
   ``<output_dir>/checkpoint-<step>``, which is then marked ``.complete`` in place (zero extra
   export); ``on_step_end`` only ingests. ``on_train_begin`` checks (before the first step) that the
-  dispatcher's save dir is ``args.output_dir`` and its save interval ``args.save_steps``.
+  dispatcher's save dir is ``args.output_dir``, its save interval ``args.save_steps``, and that
+  ``save_total_limit`` keeps every checkpoint a point may still need (:func:`min_total_limit`:
+  ``max_in_flight x eval_interval / save_steps + 1`` saves; fewer is refused with the number to set).
+  A dispatched checkpoint the Trainer rotates away before it is evaluated anyway is recorded at the
+  next save as a ``ckpt_missing`` skip saying "rotated away by save_total_limit", never left pending.
+- step 0: ``on_train_begin`` of a fresh run makes the initial weights a point (reuse mode saves them
+  as ``checkpoint-0`` first — weights and tokenizer, no ``trainer_state.json``: a Trainer resumed with
+  ``resume_from_checkpoint=True`` before its first own save would pick it and fail; give the path), as
+  ``dispatch_initial`` does for a plain loop.
 - the last step (``global_step >= max_steps``) is dispatched as the final point (never skipped as
   busy, whatever ``max_steps % eval_interval``).
 - ``on_train_end`` → ``close(global_step, model)``: the final point. In reuse mode a final step the
@@ -18,9 +26,9 @@ events:
 Only the main process (``state.is_world_process_zero``) dispatches.
 
 Limits: staging export copies ``model.state_dict()`` as the main process sees it, so sharded
-weights (FSDP, DeepSpeed ZeRO-3) are not gathered — use reuse mode there. In reuse mode set
-``save_total_limit`` to ``None`` (or large): a checkpoint the Trainer rotates away while a point is
-being evaluated becomes ``ckpt_missing`` for the units not yet done.
+weights (FSDP, DeepSpeed ZeRO-3) are not gathered — use reuse mode there. The save_total_limit check
+assumes the fleet keeps up within ``max_in_flight`` points (backpressure); with ``overflow_policy="skip"``
+or a stalled fleet a slow point can still be rotated away (recorded as above).
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ckpteval.coord.results import write_point_skip
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
+
+ROTATED = "ckpt_missing"
 
 
 class EvalDispatchCallback(TrainerCallback):
@@ -41,9 +52,15 @@ class EvalDispatchCallback(TrainerCallback):
         self.reuse = dispatcher.config.mode == "reuse"
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
-        if not self.reuse:
-            return
+                       model: Any = None, processing_class: Any = None, **kwargs: Any) -> None:
+        if self.reuse:
+            self._check_reuse(args)
+        if state.global_step == 0 and state.is_world_process_zero and model is not None:
+            if self.reuse:
+                self._save_final(0, model, processing_class)
+            self.dispatcher.dispatch_initial(model)
+
+    def _check_reuse(self, args: TrainingArguments) -> None:
         out = Path(args.output_dir).resolve()
         if out != self.dispatcher.root.resolve():
             raise ValueError(f"reuse mode: the dispatcher's --save-hf dir {self.dispatcher.root} is not the "
@@ -52,6 +69,13 @@ class EvalDispatchCallback(TrainerCallback):
         if strategy != "steps" or args.save_steps != self.dispatcher.config.save_interval:
             raise ValueError(f"reuse mode: the Trainer must save every {self.dispatcher.config.save_interval} steps "
                              f"(save_strategy='steps', save_steps; got {args.save_strategy}, {args.save_steps})")
+        need = min_total_limit(self.dispatcher.config.max_in_flight, self.dispatcher.config.eval_interval or 1,
+                               args.save_steps)
+        if args.save_total_limit is not None and args.save_total_limit < need:
+            raise ValueError(f"reuse mode: save_total_limit={args.save_total_limit} lets the Trainer delete "
+                             f"checkpoints before they are evaluated ({self.dispatcher.config.max_in_flight} points "
+                             f"in flight x eval_interval {self.dispatcher.config.eval_interval} / save_steps "
+                             f"{args.save_steps}): set save_total_limit >= {need} or None")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     model: Any = None, **kwargs: Any) -> None:
@@ -67,6 +91,17 @@ class EvalDispatchCallback(TrainerCallback):
                 model: Any = None, **kwargs: Any) -> None:
         if self.reuse and state.is_world_process_zero:
             self.dispatcher.maybe_dispatch(state.global_step, model, final=_last_step(state))
+            self._record_rotated(args.save_total_limit)
+
+    def _record_rotated(self, limit: int | None) -> None:
+        """Dispatched points whose checkpoint the Trainer's rotation (run just before ``on_save``) deleted:
+        their units not done yet become skips that say so, instead of waiting for a dir that is gone."""
+        d = self.dispatcher
+        for step in d.pending:
+            if not d.snapshot_dir(step).is_dir():
+                write_point_skip(d.run.results, d.manifest, step, ROTATED,
+                                 f"{d.snapshot_dir(step)} rotated away by the Trainer (save_total_limit={limit}) "
+                                 "before it was evaluated: raise save_total_limit or set it to None")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      model: Any = None, processing_class: Any = None, **kwargs: Any) -> None:
@@ -83,6 +118,12 @@ class EvalDispatchCallback(TrainerCallback):
         model.save_pretrained(directory, safe_serialization=True)
         if processing_class is not None:
             processing_class.save_pretrained(directory)
+
+
+def min_total_limit(max_in_flight: int, eval_interval: int, save_steps: int) -> int:
+    """The fewest saves the Trainer must keep so no point in flight loses its checkpoint: the oldest of
+    ``max_in_flight`` pending points is ``max_in_flight x eval_interval / save_steps`` saves old."""
+    return max_in_flight * max(1, eval_interval // max(1, save_steps)) + 1
 
 
 def _last_step(state: TrainerState) -> bool:

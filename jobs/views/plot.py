@@ -97,6 +97,7 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
         ax_lag.set_ylabel("lag (steps)")
         ax_lag.grid(alpha=0.3)
     (ax_lag if has_lag else ax).set_xlabel("training step")
+    _integer_steps(ax, runs)
     fig.tight_layout()
     fig.set_layout_engine(None)  # laid out once: savefig need not draw the whole figure an extra time first
     return fig
@@ -121,6 +122,19 @@ def _draw_scores(ax: Any, data: dict[str, Any], run: str, colour: str | None, no
         ax.axvline(step, color=colour or "red", alpha=0.3, linestyle="--")
         ax.annotate(f"{prefix}skipped: {reasons}", (step, note_y), rotation=90, fontsize=7, color=colour or "red",
                     xycoords=("data", "axes fraction"))
+
+
+def _integer_steps(ax: Any, runs: list[tuple[str, dict[str, Any]]]) -> None:
+    """Steps are integers: whole-number ticks only, and a single step is centred in a window around it
+    (matplotlib's default for one x value is ±0.04 — fractional ticks)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    steps = {s for _, d in runs for xs, _ys in d["series"].values() for s in xs}
+    steps |= {s for _, d in runs for s, _why in d["skipped"]}
+    if len(steps) == 1:
+        (step,) = steps
+        ax.set_xlim(step - 1, step + 1)
 
 
 def draw(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], out: Path, title: str) -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, read_jsonl
-from ckpteval.coord.discovery import SnapshotDiscovery, lost_steps
+from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs, lost_steps, waiting_saves
+from ckpteval.coord.layouts import AUTO
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
@@ -62,10 +63,12 @@ def _lease_info(path: Path, duration: float, now: float) -> dict[str, Any]:
     return info
 
 
-def _snapshot_rows(roots: tuple[str, ...], retired: set[int]) -> list[dict[str, Any]]:
+def _snapshot_rows(roots: tuple[str, ...], retired: set[int], adopted: Path) -> list[dict[str, Any]]:
+    """Marked snapshots under the run's roots, plus the watched checkpoints it adopted (``RUN/adopted/``)."""
     rows = []
-    for root in roots:
-        for ref in SnapshotDiscovery(Path(root)).poll():
+    refs = [ref for root in roots for ref in SnapshotDiscovery(Path(root)).poll()]
+    marked = {ref.step for ref in refs}
+    for ref in refs + [a for a in adopted_refs(adopted) if a.step not in marked and a.path.is_dir()]:
             rows.append({
                 "step": ref.step,
                 "path": str(ref.path),
@@ -130,7 +133,9 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     facts, errors = read_step_facts(run.results, manifest)
     ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
     retired = ledger.retired if ledger else set()
-    snapshots = _snapshot_rows(manifest.snapshot_roots, retired)
+    snapshots = _snapshot_rows(manifest.snapshot_roots, retired, run.adopted)
+    waiting = [w for root in manifest.trainer.get("foreign_roots", []) if isinstance(root, str)
+               for w in waiting_saves(Path(root), AUTO, run.adopted)]
     with_results = {s for s, f in facts.items() if f.has_results}
     steps = sorted({s["step"] for s in snapshots} | with_results | set(ledger.dispatched if ledger else ()))
     selection = run_step_selection(manifest.trainer, str(run.manifest_path))
@@ -143,6 +148,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     lags = eval_lags(read_metrics(run.metrics_path))
     points = _point_rows(steps, facts, lags)
     expired = [p for p in units["pending"] if p.get("lease", {}).get("expired")]
+    complete = {p["step"] for p in points if p.get("complete")}
     free = {}
     for root in manifest.snapshot_roots:
         if os.path.isdir(root):
@@ -157,6 +163,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "datasets": [d.name for d in manifest.eval.datasets],
         "harness_metrics": harness_columns(points),
         "snapshots": snapshots,
+        "waiting": waiting,
         "units": units,
         "points": points,
         "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
@@ -166,7 +173,9 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
             "stuck_units": [p["unit"] for p in expired],
             "malformed_results": errors,
             "staging_free_bytes": free,
-            "ledger_pending": ledger.pending if ledger else [],
+            # dispatched, not ingested: still being evaluated, or scored and not (yet) logged by the trainer
+            "ledger_pending": [s for s in (ledger.pending if ledger else []) if s not in complete],
+            "scored_not_logged": [s for s in (ledger.pending if ledger else []) if s in complete],
             "lost_before_admission": lost_steps(run.lost),
         },
     }
@@ -239,16 +248,20 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     different scorers, e.g. two judge models, and so have no one number); then the pin proof over all datasets of the point
     (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
     largest fraction of samples from another version, which must be 0). ``datasets``, ``harness`` and
-    ``pins`` pick a part of it (all by default): :func:`points_tables` splits it so when narrow."""
+    ``pins`` pick a part of it (all by default). A dataset whose scorer counts things per sample (code:
+    errors, timeouts) gets a ``<ds> counts`` column of those counters, summed over the point: :func:`points_tables` splits it so when narrow."""
     datasets = status["datasets"] if datasets is None else datasets
     harness = status.get("harness_metrics", []) if harness is None else harness
     table = _table(title or f"points of {status['run_id']}")
     table.add_column("step", justify="right", overflow="fold")
     extra = derived_keys(status)
+    counted = {ds for p in status["points"] for ds, d in p["datasets"].items() if d.get("counters")}
     for ds in datasets:
         table.add_column(f"{ds} ±se", justify="right", overflow="fold")
         for key in extra[ds]:
             table.add_column(key, justify="right", overflow="fold")
+        if ds in counted:
+            table.add_column(f"{ds} counts", overflow="fold")
     for name in harness:
         table.add_column(name, justify="right", overflow="fold")
     for col in ("wv/mean", "mixed", "lag", "units", "skips") if pins else ():
@@ -258,9 +271,12 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
         for ds in datasets:
             d = p["datasets"].get(ds)
             if d is None:
-                cells += [NOT_POOLED if ds in p.get("mixed_scorers", ()) else "-"] + ["-"] * len(extra[ds])
+                cells += [NOT_POOLED if ds in p.get("mixed_scorers", ()) else "-"]
+                cells += ["-"] * (len(extra[ds]) + (ds in counted))
             else:
                 cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds])]
+                if ds in counted:  # the scorer's per-sample counters, summed (code errors, timeouts, ...)
+                    cells.append(" ".join(f"{k}={v}" for k, v in sorted(d.get("counters", {}).items())) or "-")
         cells += [_fmt(p["metrics"].get(name)) for name in harness]
         if pins:
             cells += _pin_cells(list(p["datasets"].values()))
@@ -312,6 +328,8 @@ def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
         items.append(snaps)
     else:
         items.append("snapshots: none")
+    if status.get("waiting"):
+        items.append(waiting_table(status["waiting"]))
     if status["units"]["pending"]:
         units = _table("pending units")
         for col in ("unit", "claimed by", "lease age s", "expired"):
@@ -335,6 +353,19 @@ def attestation_line(counts: dict[str, int]) -> str:
             f"{counts['reference_only']} reference-only (one load, nothing compared), {counts['disputed']} disputed")
 
 
+def waiting_table(rows: list[dict[str, Any]], now: float | None = None) -> Any:
+    """Saves found under watched dirs but not admitted: each with its layout, what it waits for, since when."""
+    now = time.time() if now is None else now
+    table = _table("saves found, not admitted")
+    for col in ("step", "layout", "waits for", "since", "path"):
+        table.add_column(col, overflow="fold")
+    for w in rows:
+        since = "" if w["since"] is None else (f"{time.strftime('%H:%M:%S', time.localtime(w['since']))} "
+                                               f"({max(0.0, now - w['since']):.0f}s)")
+        table.add_row("" if w["step"] is None else str(w["step"]), w["layout"], w["waits_for"], since, w["path"])
+    return table
+
+
 def _training_state(status: dict[str, Any]) -> str:
     reeval, stopped = status.get("reeval"), status.get("interrupted")
     if reeval:
@@ -356,6 +387,9 @@ def health_line(status: dict[str, Any]) -> str:
         f"malformed results {len(h['malformed_results'])}",
         *(f"{r}: {b / 1e9:.1f} GB free" for r, b in h["staging_free_bytes"].items()),
     ]
+    if (gone := h.get("scored_not_logged")) and status.get("interrupted"):
+        parts.append(f"scored, never logged by the stopped trainer: steps {', '.join(map(str, gone))} "
+                     "(a --resume logs them)")
     if lost := h.get("lost_before_admission"):
         parts.append(f"LOST to rotation before admission: {len(lost)} (steps {', '.join(map(str, lost))})")
     return " | ".join(parts)

@@ -45,6 +45,10 @@ What it owns and promises:
   that snapshot is gone (GC'd), from the remembered config with version ``None``; a later load then
   reloads in place as usual.
 
+- The tokenizer comes from the snapshot, else (a checkpoint saved without one) from
+  ``tokenizer_fallback`` (the worker sets the run's ``RUN/base``); with neither the load raises
+  :class:`~ckpteval.jobs.eval.tokenizer_files.TokenizerMissing` (a ``no_tokenizer`` skip, not a dead engine).
+
 Limits: the tokenizer is read on (re-)instantiation only, not on in-place reloads (training does not
 change it); the snapshot's ``generation_config.json`` is ignored (every request states its sampling);
 an architecture change holds the old and the new model in memory until the swap.
@@ -91,6 +95,7 @@ from ckpteval.jobs.eval.engines.hf_weights import (
     resolve_dtype,
     weight_files,
 )
+from ckpteval.jobs.eval.tokenizer_files import tokenizer_dir
 
 # transformers builds models under process-global contexts (meta device, skipped init): two builds
 # in different threads corrupt each other ("Cannot copy out of meta tensor"), so builds take turns.
@@ -158,6 +163,7 @@ class HFEngine:
         self._signature: dict[str, Any] | None = None
         self._version: str | None = None
         self._snapshot: Path | None = None
+        self.tokenizer_fallback: Path | None = None  # the run's tokenizer, for snapshots saved without one
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -219,12 +225,13 @@ class HFEngine:
         """A model (in the resolved dtype, still on CPU) and its tokenizer from an HF model dir."""
         weight_files(snapshot)  # refuse pickle-only snapshots before transformers looks at them
         dtype = resolve_dtype(self._dtype, snapshot, read_config(snapshot), self._device)
+        tokenizer_source = tokenizer_dir(snapshot, self.tokenizer_fallback)  # TokenizerMissing: a skip, not a restart
         try:
             with _BUILD_LOCK, _quiet_transformers():
                 model = AutoModelForCausalLM.from_pretrained(
                     snapshot, dtype=dtype, use_safetensors=True, local_files_only=True
                 )
-            tokenizer = AutoTokenizer.from_pretrained(snapshot, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, local_files_only=True)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             raise EngineError(f"cannot build a model from {snapshot}: {e}") from e
         tokenizer.padding_side = "left"
