@@ -268,7 +268,7 @@ class SnapshotDiscovery:
 
     def _capture(self, found: Located, key: str) -> Path | None:
         """An ephemeral save (a prime-rl broadcast) linked (else copied) into ``RUN/captured/step_N`` and
-        checked unchanged afterwards (``STABLE`` and every file: inode, size, mtime); the run's config and
+        checked unchanged afterwards (the layout's completion marker and every file: inode, size, mtime); the run's config and
         tokenizer (``RUN/base``) fill in what the save lacks. A race with the trainer's cleanup is a loss
         (recorded), never a half capture: the temp dir is renamed into place only once it is whole."""
         target = self._capture_path(found.step)
@@ -277,10 +277,13 @@ class SnapshotDiscovery:
         tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        marker = self.active_layout.completion_marker(found.weights)
         try:
-            stable = _identity(found.weights / "STABLE")
+            if marker is None:
+                raise FileNotFoundError(found.weights)  # finished when located, gone (or reset) since
+            signal = _identity(marker)
             seen = {name: _link_or_copy(found.weights / name, tmp / name) for name in sorted(_names(found.weights))}
-            unchanged = stable == _identity(found.weights / "STABLE") and all(
+            unchanged = signal == _identity(marker) and all(
                 _identity(found.weights / n) == i for n, i in seen.items())
         except (FileNotFoundError, NotADirectoryError):
             unchanged = False

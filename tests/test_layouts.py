@@ -436,6 +436,64 @@ def test_prime_rl_broadcast_is_captured_and_outlives_the_trainers_cleanup(tmp_pa
     assert disc.lost == {} and disc.problems == {} and not list((tmp_path / "captured").glob(".tmp-*"))
 
 
+def _handshake_broadcast(root: Path, step: int) -> tuple[list[Action], Path]:
+    """The same broadcast under PR #3357's four-stage handshake: the trainer offers (``.sender_ready``), its
+    consumer acknowledges (``.receiver_ready``: here the test plays the orchestrator), ``.started``, the
+    weights, ``.finished``; no STABLE."""
+    acts, d = _broadcast(root, step)
+    mkdir, dcp, *weights, _stable = acts
+    return [mkdir, _write(d / ".sender_ready", ""), _write(d / ".receiver_ready", ""), _write(d / ".started", ""),
+            dcp, *weights, _write(d / ".finished", "")], d
+
+
+def test_prime_rl_handshake_broadcast_is_admitted_on_finished_and_never_acknowledged(tmp_path: Path) -> None:
+    """Current prime-rl (#3357): a broadcast is admitted on ``.finished`` only, and ckpteval, a watcher, writes
+    nothing into the trainer's dir: a step only offered (``.sender_ready``, no consumer yet) is never
+    acknowledged by it (the trainer would otherwise take ckpteval for its consumer)."""
+    root, now = _prime_run(tmp_path)
+    disc = _discovery(tmp_path, root, "auto", now)
+    offered = root / "broadcasts" / "step_1"
+    _write(offered / ".sender_ready", "")()
+    acts, d = _handshake_broadcast(root, 2)
+    for act in acts[:-1]:
+        act()
+        assert disc.poll() == []  # offered, acknowledged, started, weights written: not finished yet
+    before = {p.name for p in d.iterdir()}
+    acts[-1]()
+    [ref] = disc.poll()
+    assert ref.step == 2 and ref.path == tmp_path / "captured" / f"step_{2:010d}"
+    verify_snapshot(ref.path, "full", ref.marker)
+    assert {p.name for p in d.iterdir()} == before | {".finished"}  # nothing of ours in the trainer's dir
+    assert [p.name for p in offered.iterdir()] == [".sender_ready"]  # never acknowledged by the watcher
+    from ckpteval.coord.layouts import get_layout
+
+    assert get_layout("prime-rl").completion_marker(d) == d / ".finished"
+
+
+def test_prime_rl_broadcast_reset_while_captured_is_a_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer resets a finished step dir for a new offer (a resume re-broadcasting its step) while it
+    is being linked: the marker's identity changed, so the capture is discarded and counted lost."""
+    import ckpteval.coord.discovery as discovery
+
+    root, now = _prime_run(tmp_path)
+    acts, d = _handshake_broadcast(root, 4)
+    for act in acts:
+        act()
+    real = discovery._link_or_copy
+
+    def reset_midway(src: Path, dst: Path) -> tuple[int, int, int]:
+        got = real(src, dst)
+        if (d / ".finished").exists():
+            (d / ".finished").unlink()  # reset: the handshake starts over
+            (d / ".sender_ready").write_text("again")
+        return got
+
+    monkeypatch.setattr(discovery, "_link_or_copy", reset_midway)
+    disc = _discovery(tmp_path, root, "prime-rl", now)
+    assert disc.poll() == []
+    assert disc.lost == {"broadcasts/step_4": 4} and not (tmp_path / "captured" / f"step_{4:010d}").exists()
+
+
 def test_prime_rl_capture_racing_the_cleanup_is_a_loss_never_a_point(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer deletes the broadcast while it is being linked: nothing admitted, the loss recorded,

@@ -58,6 +58,11 @@ class Layout:
         """Whether a save-named ``entry`` holds what only this trainer writes (default: nothing does)."""
         return False
 
+    def completion_marker(self, entry: Path) -> Path | None:
+        """The file whose presence says the save in ``entry`` is finished, where the trainer writes one (its
+        identity is re-checked after an ephemeral save is captured); None: no such file (default)."""
+        return None
+
     def looks_like(self, root: Path) -> bool:
         """Whether ``root`` holds at least one save that only this trainer writes (auto-detection)."""
         return any(any_entry(c, lambda e: self.step_of(e) is not None and self.signature(e))

@@ -26,16 +26,23 @@ scored. Capturing reads names and links files — it never writes into, locks or
 ``<output_dir>/weights/step_<N>/`` and then touched ``STABLE``; old steps deleted by ``keep_last`` /
 ``keep_interval``. Used when ``weights/`` exists and ``broadcasts/`` does not.
 
-Not read: the four-stage broadcast handshake (``.sender_ready`` -> ``.receiver_ready`` -> ``.started`` ->
-``.finished``, PR #3357) is newer than the commit available here; a broadcast without ``STABLE`` waits
-(shown by ``ckpteval status``), it is never guessed complete.
+**The four-stage handshake** (PR #3357 "uniform four-stage handshake for weight broadcasts", merged
+2026-08-23; read from its description, the newest source stored here predates it): every broadcast of
+every transport goes ``.sender_ready`` (the trainer resets ``step_N/`` and offers it) -> ``.receiver_ready``
+(its consumer acknowledges; the trainer blocks until then) -> ``.started`` -> ``.finished`` (filesystem:
+the weights are wholly on disk), then old dirs are cleaned. ckpteval is a *watcher*, never that consumer:
+it never writes ``.receiver_ready`` or any other file into the trainer's dir (an acknowledgement from us
+would stand in for the orchestrator's or evals process's, and "every offered version must be received"),
+so it can neither block nor pace the trainer. A broadcast is admitted on ``.finished``; a dir reset for a
+new offer (a resume re-broadcasting its step) changes the marker's identity, so a capture that overlaps
+it is discarded as lost, never scored.
 
 Limits: a capture holds full weights once the trainer deletes its source (hardlinks cost nothing until
 then); ``RUN/captured/`` is not garbage-collected yet — evaluate every k-th broadcast (a dataset's ``every``:
 only steps with units are captured) and clear old captures by hand. A capture on another filesystem is a
 copy (the trainer's cleanup two steps later may then beat it: recorded as lost).
 
-Completion signal: ``STABLE``. ``--watch`` may name ``<output_dir>``, its ``broadcasts/`` or its ``weights/``.
+Completion signal: ``.finished`` (since #3357), else ``STABLE`` (before). ``--watch`` may name ``<output_dir>``, its ``broadcasts/`` or its ``weights/``.
 """
 
 from __future__ import annotations
@@ -47,13 +54,16 @@ from ckpteval.coord.layouts.base import Layout, Located
 
 STEP = re.compile(r"step_(\d+)")
 STABLE = "STABLE"
+FINISHED = ".finished"  # the handshake's last stage (#3357)
+MARKERS = (FINISHED, STABLE)  # newest protocol first
 BROADCASTS = "broadcasts"
 WEIGHTS = "weights"
 
 
 class PrimeRLLayout(Layout):
     name = "prime-rl"
-    signal = "STABLE in broadcasts/step_N/ (current) or weights/step_N/ (before #3316), touched after the weights"
+    signal = (".finished in broadcasts/step_N/ (the handshake of #3357), STABLE there (#3316) or in weights/step_N/ "
+              "(before #3316), written after the weights")
     no_weights_hint = ("checkpoints/step_N/ is torch DCP state, not HF weights: use the filesystem weight broadcast "
                        "(weight_broadcast.type='filesystem') or convert with scripts/dcp_to_hf.py")
 
@@ -72,7 +82,13 @@ class PrimeRLLayout(Layout):
         return Located(step, entry, self.signature(entry), ephemeral=is_broadcast(entry))
 
     def signature(self, entry: Path) -> bool:
-        return (entry / STABLE).is_file()
+        return self.completion_marker(entry) is not None
+
+    def completion_marker(self, entry: Path) -> Path | None:
+        for name in MARKERS:
+            if (entry / name).is_file():
+                return entry / name
+        return None
 
 
 def is_broadcast(entry: Path) -> bool:
