@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ckpteval.coord import PROTOCOL_VERSION, PROTOCOLS
+from ckpteval.coord import PROTOCOL_VERSION
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -74,7 +74,7 @@ class DatasetSpec:
     """Rows evaluated: the file's row count, or ``subset``. Required in run.json; an eval config may leave
     it out (it is filled from the file when the run is created)."""
     kind: str = "generate"
-    """The dataset kind (``generate``; ``jsonl`` is the old name of the same kind)."""
+    """The dataset kind (``generate``)."""
     scorer: str = "exact"
     """A name of the scorer registry (:mod:`ckpteval.jobs.eval.scorers`: exact, math, ...) or ``module:function``."""
     scorer_options: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -121,8 +121,6 @@ class DatasetSpec:
     KIND: ClassVar[str] = "generate"  # the kind this class holds (a subclass: another kind, same settings)
 
     def __post_init__(self) -> None:
-        if self.kind == "jsonl":  # the old name of the default kind: accepted, written as generate
-            object.__setattr__(self, "kind", "generate")
         if self.kind != self.KIND:
             raise FieldError("kind", f"{self.kind!r} is not the kind of a {self.KIND} dataset")
         if not NAME_RE.match(self.name):
@@ -307,7 +305,6 @@ class EnvSpec(DatasetSpec):
 
 # kind -> its settings dataclass (see :mod:`ckpteval.jobs.eval.kinds` for how a kind is evaluated; adding one)
 DATASET_KINDS: dict[str, type] = {"generate": DatasetSpec, "lm_eval": HarnessSpec, "env": EnvSpec}
-KIND_ALIASES = {"jsonl": "generate"}  # old names still accepted in run.json and eval configs
 
 
 @dataclass(frozen=True)
@@ -364,9 +361,9 @@ class RunManifest:
 
     @property
     def per_step_dirs(self) -> bool:
-        """Protocol 2: results and leases live in one directory per step (:func:`ckpteval.coord.rundir.unit_dir`);
-        a protocol 1 run keeps them flat (read and written as they are)."""
-        return self.protocol >= 2
+        """Always True (protocol 2 is the only one read). Kept for one reader outside this branch
+        (``jobs/views/status.py``); to be deleted with it (MOVES.md)."""
+        return True
 
     def dataset(self, name: str) -> DatasetSpec:
         for ds in self.eval.datasets:
@@ -390,15 +387,7 @@ class RunManifest:
 
     def to_json(self) -> dict[str, Any]:
         obj = json.loads(json.dumps(asdict(self)))  # tuples become lists, as on disk
-        for ds in obj["eval"]["datasets"]:
-            if ds["kind"] == "generate":  # the default kind is not written: a reader from before "generate" reads the file
-                ds.pop("kind")
-            for key in ("samples_per_unit", "generate_timeout_s"):  # unset: written as before the setting existed
-                if ds.get(key, 0) is None:
-                    ds.pop(key)
         obj["eval"]["datasets"] += obj["eval"].pop("harness")  # lm_eval entries live in datasets on disk
-        if self.eval.canary == CanarySettings():  # the default is not written: older readers read the file
-            obj["eval"].pop("canary")
         return obj
 
 
@@ -558,12 +547,10 @@ def _split_datasets(f: Fields, raw: list[Any]) -> tuple[tuple[DatasetSpec, ...],
     for i, d in enumerate(raw):
         sub = Fields(f.source, d, f"{f._path('datasets')}[{i}]")
         kind = sub.get("kind", str, "generate")
-        kind = KIND_ALIASES.get(kind, kind)
         if kind not in DATASET_KINDS:
-            close = difflib.get_close_matches(kind, [*DATASET_KINDS, *KIND_ALIASES], n=1)
+            close = difflib.get_close_matches(kind, list(DATASET_KINDS), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise sub.error("kind", f"{kind!r} must be one of {', '.join(DATASET_KINDS)} ({hint}default generate; "
-                                    "'jsonl' is the old name of generate)")
+            raise sub.error("kind", f"{kind!r} must be one of {', '.join(DATASET_KINDS)} ({hint}default generate)")
         if kind == "generate":
             datasets.append(_parse_dataset(sub))
         elif kind == "env":
@@ -600,8 +587,9 @@ def parse_manifest(obj: Any, source: Path) -> RunManifest:
     f = Fields(source, obj, "")
     f.reject_unknown([fl.name for fl in dataclasses.fields(RunManifest)], "run.json")
     protocol = f.get("protocol", int, PROTOCOL_VERSION)  # every run.json ckpteval writes names it
-    if protocol not in PROTOCOLS:
-        raise f.error("protocol", f"is {protocol}; this ckpteval speaks protocols {', '.join(map(str, PROTOCOLS))}")
+    if protocol != PROTOCOL_VERSION:
+        raise f.error("protocol", f"is {protocol}; this ckpteval reads only protocol {PROTOCOL_VERSION} run dirs "
+                                  f"(protocol {protocol} was never released: create the run again)")
     run_id = f.get("run_id", str)
     if not NAME_RE.match(run_id):
         raise f.error("run_id", f"{run_id!r} must match {NAME_RE.pattern}")

@@ -1,7 +1,6 @@
 """Results (facts) and points (views).
 
-A *result* is one JSON file per work unit, ``results/step-<N>/<unit>.json`` (protocol 2; a protocol 1 run:
-``results/<unit>.json``, read either way), published first-writer-wins: the
+A *result* is one JSON file per work unit, ``results/step-<N>/<unit>.json`` (protocol 2), published first-writer-wins: the
 file is written and fsync'd under a temp name, then hard-linked to the final name, which fails if a
 result already exists. So readers see at most one result per unit, never a torn one, and a rare
 double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for audit instead.
@@ -227,22 +226,19 @@ def parse_result(obj: Any, source: Path) -> Result:
     )
 
 
-def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_step: bool = True) -> bool:
+def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool:
     """Publish a unit's result of ``generation`` (0, or k > 0 superseding an infrastructure skip of k - 1);
     True if it is *the* result of that generation, False if one existed (kept as duplicate).
 
-    ``per_step`` (a protocol 2 run, every new one; pass :attr:`RunManifest.per_step_dirs`) puts it in
-    ``results/step-<N>/``, created (and made durable) by the first result of the step; False: flat
-    (protocol 1). Readers that list only step directories (worker, trainer) never see a flat result of
-    a protocol 2 run, so the default is the new layout."""
+    It goes in ``results/step-<N>/``, created (and made durable) by the first result of the step."""
     results_dir = Path(results_dir)
     stamped = stamp(result)
     data = dumps(stamped.to_json())
-    final = unit_dir(results_dir, result.unit.step, per_step) / result.unit.result_name_at(generation)
+    final = unit_dir(results_dir, result.unit.step) / result.unit.result_name_at(generation)
     try:
         won = publish_exclusive(final, data, keep_dir_open=True)
     except FileNotFoundError:  # the step's first result: its directory first (a missing results/ still raises)
-        if not per_step or not results_dir.is_dir():
+        if not results_dir.is_dir():
             raise
         final.parent.mkdir(exist_ok=True)
         fsync_dir(results_dir)
@@ -292,9 +288,9 @@ def retry_due(result: Result, generation: int, backoff_s: float, now: float | No
 
 
 class ResultIndex:
-    """Reads ``results/`` incrementally, in either layout (flat: protocol 1; ``step-<N>/`` directories:
-    protocol 2, :mod:`ckpteval.coord.rundir`): one listing of ``results/`` per refresh plus one per step directory
-    not in ``skip_steps``, each result file read once.
+    """Reads ``results/step-<N>/`` incrementally (:mod:`ckpteval.coord.rundir`): one listing of ``results/`` per
+    refresh (none with ``only_steps``) plus one per step directory not in ``skip_steps``, each result file read
+    once. A ``*.json`` directly under ``results/`` is no result (protocol 2 keeps none there).
 
     Malformed result files are not trusted and not fatal to readers: they are collected in
     :attr:`errors` (name relative to ``results/`` → message) so status can show them, and the unit counts
@@ -306,19 +302,19 @@ class ResultIndex:
         self._by_unit: dict[WorkUnit, Result] = {}
         self._by_step: dict[int, dict[WorkUnit, Result]] = {}
         self._generation: dict[WorkUnit, int] = {}
-        self._seen: dict[str, set[str]] = {}  # directory under results/ ("": flat) -> its result names read
+        self._seen: dict[str, set[str]] = {}  # step directory under results/ -> its result names read
         self._misplaced: set[str] = set()  # step directories holding a result of another step's unit
         self.errors: dict[str, str] = {}
 
     def refresh(self, skip_steps: Collection[int] = (), only_steps: Collection[int] | None = None) -> dict[WorkUnit, Result]:
         """Read what is new. ``skip_steps``: steps whose directory is not listed again (a caller that has
-        settled them: on Lustre a listing is a round trip per directory block). ``only_steps`` (a protocol 2
-        run): list just these steps' directories, not ``results/`` itself, which holds a name per step."""
+        settled them: on Lustre a listing is a round trip per directory block). ``only_steps``: list just
+        these steps' directories, not ``results/`` itself, which holds a name per step."""
         for directory, base in self._names(skip_steps, only_steps):
             seen = self._seen.setdefault(directory, set())
             if base in seen:
                 continue
-            name = f"{directory}/{base}" if directory else base
+            name = f"{directory}/{base}"
             path = self.results_dir / name
             try:
                 result = parse_result(read_json_object(path), path)
@@ -328,14 +324,14 @@ class ResultIndex:
             self._take(directory, base, result)
         return self._by_unit
 
-    def publish(self, result: Result, generation: int = 0, *, per_step: bool = True) -> bool:
+    def publish(self, result: Result, generation: int = 0) -> bool:
         """:func:`write_result`, and the published result goes into the index as written, so the next
         :meth:`refresh` does not read it back (one open per unit less for a worker). False (a duplicate):
         the first writer's result is read by the next refresh as usual."""
         stamped = stamp(result)
-        if not write_result(self.results_dir, stamped, generation, per_step=per_step):
+        if not write_result(self.results_dir, stamped, generation):
             return False
-        directory, base = step_dir_name(result.unit.step) if per_step else "", result.unit.result_name_at(generation)
+        directory, base = step_dir_name(result.unit.step), result.unit.result_name_at(generation)
         path = self.results_dir / directory / base
         self._take(directory, base, parse_result(json.loads(dumps(stamped.to_json())), path))
         return True
@@ -343,9 +339,9 @@ class ResultIndex:
     def _take(self, directory: str, base: str, result: Result) -> None:
         """Index one result read (or published) as ``directory/base`` under ``results/``."""
         self._seen.setdefault(directory, set()).add(base)
-        name = f"{directory}/{base}" if directory else base
+        name = f"{directory}/{base}"
         self.errors.pop(name, None)
-        if directory and step_of_dir(directory) != result.unit.step:
+        if step_of_dir(directory) != result.unit.step:
             self._misplaced.add(directory)
         generation = result_generation(name)
         if generation >= self._generation.get(result.unit, 0):  # the highest generation is the result
@@ -354,16 +350,15 @@ class ResultIndex:
             self._generation[result.unit] = generation
 
     def _names(self, skip_steps: Collection[int], only_steps: Collection[int] | None) -> list[tuple[str, str]]:
-        """Result files as (directory under ``results/``, name): flat ``("", "<unit>.json")`` and
-        ``("step-<N>", "<unit>.json")``."""
+        """Result files as (step directory under ``results/``, name): ``("step-<N>", "<unit>.json")``."""
+        names: list[tuple[str, str]] = []
         if only_steps is not None:
-            dirs, names = [step_dir_name(s) for s in sorted(only_steps) if s not in skip_steps], []
+            dirs = [step_dir_name(s) for s in sorted(only_steps) if s not in skip_steps]
         else:
             try:
                 top = list(os.scandir(self.results_dir))
             except FileNotFoundError:
                 return []
-            names = [("", e.name) for e in top if is_result_name(e.name)]
             dirs = [e.name for e in top if (s := step_of_dir(e.name)) is not None and s not in skip_steps and e.is_dir()]
         for d in dirs:
             try:
@@ -374,11 +369,11 @@ class ResultIndex:
 
     def step_read(self, step: int) -> tuple[frozenset[str], dict[WorkUnit, Result]] | None:
         """What this index has read of ``results/step-<N>/``: its result names and the results of the step's
-        units — None when that is not the whole story (a malformed file there, a result of another step's
-        unit there, or flat results beside the step directories)."""
+        units — None when that is not the whole story (a malformed file there, or a result of another step's
+        unit there)."""
         directory = step_dir_name(step)
         prefix = f"{directory}/"
-        if self._seen.get("") or directory in self._misplaced or any(n.startswith(prefix) for n in self.errors):
+        if directory in self._misplaced or any(n.startswith(prefix) for n in self.errors):
             return None
         return frozenset(self._seen.get(directory, ())), dict(self._by_step.get(step, {}))
 
@@ -683,4 +678,4 @@ def point_metrics(point: Point) -> dict[str, float]:
 def write_point_skip(results_dir: Path, manifest: RunManifest, step: int, reason: str, message: str = "") -> None:
     """Record a whole point as skipped (trainer-side reasons: busy, export_failed): one skip per unit."""
     for unit in units_for_step(manifest, step):
-        write_result(results_dir, skip_result(unit, reason, message), per_step=manifest.per_step_dirs)
+        write_result(results_dir, skip_result(unit, reason, message))

@@ -157,16 +157,15 @@ WATCHERS_PER_UNIT = 4  # workers of a busy fleet that watch one held unit for ex
 ATTEMPTS_SUFFIX = ".attempts"
 
 
-def lease_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Path:
-    """The lease file of a unit: ``leases/<unit id>.lock``, or ``leases/step-<N>/<unit id>.lock`` given the
-    unit's ``step`` (a protocol 2 run: :func:`ckpteval.coord.rundir.unit_dir`)."""
-    return unit_dir(leases_dir, step or 0, step is not None) / f"{unit_id}{LEASE_SUFFIX}"
+def lease_path(leases_dir: Path, unit_id: str, step: int) -> Path:
+    """The lease file of a unit of ``step``: ``leases/step-<N>/<unit id>.lock`` (:func:`ckpteval.coord.rundir.unit_dir`)."""
+    return unit_dir(leases_dir, step) / f"{unit_id}{LEASE_SUFFIX}"
 
 
-def attempts_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Path:
+def attempts_path(leases_dir: Path, unit_id: str, step: int) -> Path:
     """The claim count of a unit: ``<unit id>.attempts`` next to its lease file (:func:`lease_path`), one
     line (the claimer's pid) per claim."""
-    return unit_dir(leases_dir, step or 0, step is not None) / f"{unit_id}{ATTEMPTS_SUFFIX}"
+    return unit_dir(leases_dir, step) / f"{unit_id}{ATTEMPTS_SUFFIX}"
 
 
 def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
@@ -185,11 +184,11 @@ def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
 
 
 def lease_holders(leases_dir: Path) -> dict[str, filelock.OwnerRecord]:
-    """unit id -> owner record of every lease file that has one right now (a snapshot, racy by nature),
-    in either layout (flat, or per step)."""
+    """unit id -> owner record of every lease file (under ``leases/step-<N>/``) that has one right now (a
+    snapshot, racy by nature)."""
     held = {}
     leases_dir = Path(leases_dir)
-    for path in [*leases_dir.glob(f"*{LEASE_SUFFIX}"), *leases_dir.glob(f"{STEP_DIR_PREFIX}*/*{LEASE_SUFFIX}")]:
+    for path in leases_dir.glob(f"{STEP_DIR_PREFIX}*/*{LEASE_SUFFIX}"):
         try:
             record = read_lease_holder(path)
         except FileNotFoundError:
@@ -222,14 +221,10 @@ class Claim:
 class UnitClaimer:
     """Claims units of one run for one worker process."""
 
-    def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None,
-                 per_step: bool = True) -> None:
+    def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None) -> None:
         self.leases_dir = Path(leases_dir)
         self.settings = settings
         self.results_dir = Path(results_dir) if results_dir is not None else None
-        # protocol 2 (every new run): leases and results in per-step directories (ckpteval.coord.rundir); a
-        # protocol 1 run's callers pass False (RunManifest.per_step_dirs)
-        self.per_step = per_step
         self.recheck_s = settings.heartbeat_s / 2  # a held marker changes once per heartbeat at most
         self.keeper = LeaseKeeper(settings.heartbeat_s)
         self._leases: dict[str, UnitLease] = {}
@@ -240,7 +235,7 @@ class UnitClaimer:
         lease = self._leases.get(unit.id)
         if lease is None:
             flag = self._flags.setdefault(unit.id, threading.Event())
-            lease = UnitLease(lease_path(self.leases_dir, unit.id, self._step(unit)), self.settings.duration_s,
+            lease = UnitLease(lease_path(self.leases_dir, unit.id, unit.step), self.settings.duration_s,
                               self.keeper, on_compromise=flag.set)
             self._leases[unit.id] = lease
         return lease
@@ -279,7 +274,7 @@ class UnitClaimer:
         directory) once and passes over the units listed there without a syscall — except the held units
         this worker watches for expiry (about :data:`WATCHERS_PER_UNIT` workers of a fleet each, chosen by
         pid). A walk that claims nothing then looks at every held unit it passed over, so expired claims
-        are taken over by idle workers whatever the fleet's size. Flat (protocol 1) lease dirs are not listed.
+        are taken over by idle workers whatever the fleet's size.
         """
         held: dict[int, frozenset[str]] = {}  # step -> unit ids with a lease file, listed in this walk
         done: dict[int, frozenset[str]] = {}  # step -> result names, listed in this walk
@@ -295,9 +290,9 @@ class UnitClaimer:
             outcome = self._attempt(unit, generation)
             if isinstance(outcome, Claim):
                 return outcome
-            if self.per_step and outcome == "held" and unit.step not in held:
+            if outcome == "held" and unit.step not in held:
                 held[unit.step] = self._listed(self.leases_dir, unit.step, LEASE_SUFFIX)
-            elif self.per_step and outcome == "done" and unit.step not in done and self.results_dir is not None:
+            elif outcome == "done" and unit.step not in done and self.results_dir is not None:
                 done[unit.step] = self._listed(self.results_dir, unit.step, "")
         for unit in passed:  # nothing free: watch them all for expiry (each at most once per recheck_s)
             if (claim := self.try_claim(unit, generations.get(unit, 0))) is not None:
@@ -313,7 +308,7 @@ class UnitClaimer:
     def _listed(root: Path, step: int, suffix: str) -> frozenset[str]:
         """The names in a step's directory under ``root`` (one listing), less ``suffix``."""
         try:
-            names = os.listdir(unit_dir(root, step, True))
+            names = os.listdir(unit_dir(root, step))
         except FileNotFoundError:
             return frozenset()
         return frozenset(n[: len(n) - len(suffix)] for n in names if n.endswith(suffix)) if suffix else frozenset(names)
@@ -326,10 +321,7 @@ class UnitClaimer:
 
     def _has_result(self, unit: WorkUnit, generation: int = 0) -> bool:
         return self.results_dir is not None and (
-            unit_dir(self.results_dir, unit.step, self.per_step) / unit.result_name_at(generation)).exists()
-
-    def _step(self, unit: WorkUnit) -> int | None:
-        return unit.step if self.per_step else None
+            unit_dir(self.results_dir, unit.step) / unit.result_name_at(generation)).exists()
 
     def claim_first(self, candidates: Iterable[WorkUnit], generations: dict[WorkUnit, int] | None = None) -> Claim | None:
         """The first unit of ``candidates`` (already ordered by the caller) that can be claimed, each at its
@@ -349,7 +341,7 @@ class UnitClaimer:
     def _count_attempt(self, unit: WorkUnit) -> int:
         """Attempt number of this claim: one line per claim appended to ``<unit>.attempts`` (one open; not
         fsync'd: a line lost in a node crash only allows one more attempt of the unit)."""
-        path = attempts_path(self.leases_dir, unit.id, self._step(unit))
+        path = attempts_path(self.leases_dir, unit.id, unit.step)
         return max(1, append_and_count_lines(path, f"{self._pid}\n".encode()))
 
 

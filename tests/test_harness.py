@@ -93,7 +93,7 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
         assert r.ok, (task, r.skip_reason, r.message)
         assert r.weight_versions == (version(run, 5),) * 2  # read back before and after the task
         assert r.scores == ()
-        raw = json.loads((unit_dir(run.results, r.unit.step, per_step=True) / r.unit.result_name).read_text())
+        raw = json.loads((unit_dir(run.results, r.unit.step) / r.unit.result_name).read_text())
         assert parse_result(raw, Path("x")).metrics == r.metrics  # the file carries them
     gen, mc = got[WorkUnit(5, "harness", 0)].metrics, got[WorkUnit(5, "harness", 1)].metrics
     assert set(gen) == {"exact_match"} and 0.0 <= gen["exact_match"] <= 1.0

@@ -118,7 +118,7 @@ def test_judged_run_judge_killed_mid_run_then_backfilled(tmp_path: Path) -> None
     assert all(r.ok for r in after.values()), [r.message for r in after.values() if not r.ok]
     retried = [after[r.unit] for r in failed]
     assert all(index.generation(r.unit) == 1 for r in retried)
-    assert all((unit_dir(run / "results", r.unit.step, per_step=True) / r.unit.result_name_at(1)).is_file()
+    assert all((unit_dir(run / "results", r.unit.step) / r.unit.result_name_at(1)).is_file()
                for r in retried)
     for r in retried:
         assert list(r.scores) == verdicts(run, r)

@@ -448,7 +448,7 @@ def test_a_unit_shed_by_an_overloaded_server_is_retried_after_a_backoff_and_scor
     code, _ = run_inprocess(opts, out=lines.append)
     assert code == 0, lines
     unit = WorkUnit(1, "addition", 0)
-    step_dir = unit_dir(run.results, unit.step, per_step=True)
+    step_dir = unit_dir(run.results, unit.step)
     first, retry = (parse_result(read_json_object(p), p) for p in (step_dir / f"{unit.id}.json",
                                                                    step_dir / f"{unit.id}.retry1.json"))
     assert first.skip_reason == "overloaded" and "queue is full" in first.message

@@ -37,7 +37,7 @@ def _build_run(tmp_path: Path):
             f.write(json.dumps({"step": step, "eval/step": step, "eval/lag_steps": 3}) + "\n")
     write_point_skip(run.results, m, 30, "busy")
     publish_snapshot(run.snapshots, 40, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
-    claim = UnitClaimer(run.leases, m.lease, per_step=m.per_step_dirs).try_claim(WorkUnit(40, "add", 0))
+    claim = UnitClaimer(run.leases, m.lease).try_claim(WorkUnit(40, "add", 0))
     return run, claim
 
 

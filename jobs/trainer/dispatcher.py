@@ -166,7 +166,7 @@ class EvalDispatcher:
         if self.config.mode == "staging":
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
-                                run=self.key, per_step=self.manifest.per_step_dirs)
+                                run=self.key)
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
             check_run_code(run, self.manifest, trusted=shared.trust_run_code)
         self._cache = DatasetCache(run, self.manifest) if shared is not None else None
@@ -387,8 +387,8 @@ class EvalDispatcher:
         self.poll(force=True)
 
     # -- ingestion -------------------------------------------------------------------------------------
-    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # per-step run: only these steps' dirs
-        return self.index.refresh(only_steps=steps if self.manifest.per_step_dirs else None)
+    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # only these steps' dirs
+        return self.index.refresh(only_steps=steps)
 
     def _results_for(self, step: int) -> dict[WorkUnit, Result]:
         return {u: r for u in units_for_step(self.manifest, step) if (r := self.index.get(u)) is not None}

@@ -127,7 +127,7 @@ def lease_holder_pid(run: RunDir) -> dict[str, int]:
 def counted_claimers(run: RunDir, unit_id: str) -> list[int]:
     """The pids whose claims of ``unit_id`` were counted (``<unit>.attempts``), in claim order."""
     try:
-        step = WorkUnit.from_id(unit_id).step if run.manifest().per_step_dirs else None
+        step = WorkUnit.from_id(unit_id).step
         return [int(line) for line in attempts_path(run.leases, unit_id, step).read_text().split()]
     except FileNotFoundError:
         return []
