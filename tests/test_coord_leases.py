@@ -304,3 +304,16 @@ def test_a_walk_lists_a_contended_step_once_and_passes_over_its_held_units(tmp_p
             assert c is not None
             c.release()
 
+
+
+def test_installed_filelock_is_inside_the_bound_the_lease_code_was_tested_with() -> None:
+    """coord/lease.py reads and writes filelock's owner record through its private names: the dependency is
+    bounded to one minor (pyproject.toml), and the filelock these tests ran on must be inside that bound."""
+    import tomllib
+    from importlib.metadata import version
+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.startswith("filelock")]
+    low, high = spec.removeprefix("filelock>=").split(",<")
+    installed = tuple(int(x) for x in version("filelock").split(".")[:3])
+    assert tuple(int(x) for x in low.split(".")) <= installed < tuple(int(x) for x in high.split(".")), (spec, installed)
