@@ -104,7 +104,7 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
 
     run = RunDir.create(base / "run")
     spec = write_addition_dataset(run, n=shards, shard_size=1)
-    RunDir.create(run.path, RunManifest(run_id="bench-metadata", eval=EvalSpec(datasets=(spec,)),
+    RunDir.create(run.path, RunManifest(run_id="bench-metadata", eval=EvalSpec(entries=(spec,)),
                                         snapshot_roots=(str(base / "snapshots"),), lease=LeaseSettings(60.0, 20.0)))
 
     def write(d: Path) -> None:

@@ -75,7 +75,7 @@ def make_manifest(path: Path, datasets: int, shards: int) -> RunDir:
     specs = tuple(DatasetSpec(name=f"set{i:02d}", path=f"data/set{i:02d}.jsonl", n_prompts=shards * SHARD_SIZE,
                               shard_size=SHARD_SIZE) for i in range(datasets))
     run = RunDir.create(path)
-    manifest = RunManifest(run_id=f"scale-{path.name}", eval=EvalSpec(datasets=specs),
+    manifest = RunManifest(run_id=f"scale-{path.name}", eval=EvalSpec(entries=specs),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(60.0, 10.0),
                            trainer={"eval_interval": INTERVAL})
     return RunDir.create(path, manifest)

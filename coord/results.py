@@ -54,11 +54,12 @@ from ckpteval.coord.atomic import (
     read_json_object,
     write_json_atomic,
 )
+from ckpteval.coord.entries import DatasetSpec, Entry
 from ckpteval.coord.identity import run_key, version_matches, version_runs, version_step
-from ckpteval.coord.manifest import DatasetSpec, EnvSpec, RunManifest
+from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
 from ckpteval.coord.snapshot import producer_identity
-from ckpteval.coord.units import WorkUnit, dataset_units, datasets_due, prompt_range, units_for_step
+from ckpteval.coord.units import WorkUnit, prompt_range, units_for_step
 
 # Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
 # may supersede them with a result of the next generation (module docstring).
@@ -493,7 +494,7 @@ class PromptMajor:
 
 
 def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
-    """The samples of a dataset's unit results (in :func:`ckpteval.coord.units.dataset_units` order) pooled per
+    """The samples of a dataset's unit results (in :meth:`~ckpteval.coord.entries.Entry.units` order) pooled per
     prompt across the units of a shard's sample ranges (``samples_per_unit``); unsplit: concatenated."""
     with_answers = all(len(r.answers) == len(r.scores) for r in units)
     if spec.sample_parts == 1:
@@ -513,13 +514,13 @@ def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
 
 
 def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) -> DatasetScore:
-    """Every metric of one dataset at one step from its units' results (in :func:`ckpteval.coord.units.dataset_units`
+    """Every metric of one dataset at one step from its units' results (in :meth:`~ckpteval.coord.entries.Entry.units`
     order), pooled per prompt (:func:`prompt_major`)."""
     pooled = prompt_major(spec, shards)
     scores, versions = pooled.scores, pooled.versions
     mean_v, mixed = _version_stats(key, step, versions)
     n = spec.n_samples
-    threshold = spec.pass_threshold if isinstance(spec, EnvSpec) else 1.0
+    threshold = spec.pass_threshold
     prompts = [scores[i : i + n] for i in range(0, len(scores), n)]
     derived: dict[str, float] = {}
     if prompts and all(len(p) == n for p in prompts):
@@ -610,17 +611,21 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
     for r in done:
         if not r.ok:
             skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
-    datasets, mixed = {}, []
-    for ds in datasets_due(manifest, step):
-        mine = [results.get(u) for u in dataset_units(ds, step)]
-        if all(r is not None and r.ok for r in mine):
+    datasets, mixed, metrics = {}, [], {}
+    for entry in manifest.eval.entries:
+        if not entry.due(step):
+            continue
+        mine = [results.get(u) for u in entry.units(step)]
+        if entry.POINT_RULE == "metrics":
+            metrics.update(unit_metrics(entry, key, step, mine))
+        elif all(r is not None and r.ok for r in mine):
             if not scorers_agree(mine):  # type: ignore[arg-type]
-                mixed.append(ds.name)
+                mixed.append(entry.name)
                 continue
-            datasets[ds.name] = dataset_score(ds, key, step, mine)  # type: ignore[arg-type]
+            datasets[entry.name] = dataset_score(entry, key, step, mine)  # type: ignore[arg-type]
     complete = len(done) == len(units)
     return Point(
-        metrics=harness_point_metrics(manifest, step, results),
+        metrics=metrics,
         step=step,
         complete=complete,
         datasets=datasets,
@@ -634,19 +639,17 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
     )
 
 
-def harness_point_metrics(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> dict[str, float]:
-    """``"<task>/<metric>"`` for every lm-eval task of ``step`` with an ok result, plus its pin evidence."""
-    key = run_key(manifest)
+def unit_metrics(entry: Entry, key: str, step: int, results: list[Result | None]) -> dict[str, float]:
+    """The point rule ``metrics``: ``"<root>/<metric>"`` for every unit of ``entry`` (in :meth:`Entry.units`
+    order, unit ``i`` under ``entry.metric_roots()[i]``: an lm-eval task) with an ok result, plus its pin evidence."""
     out: dict[str, float] = {}
-    for spec in manifest.eval.harness:
-        for i, task in enumerate(spec.tasks):
-            r = results.get(WorkUnit(step, spec.name, i))
-            if r is None or not r.ok:
-                continue
-            out.update({f"{task}/{name}": value for name, value in r.metrics.items()})
-            mean_v, mixed = _version_stats(key, step, list(r.weight_versions))
-            out[f"{task}/weight_version/mean"] = mean_v
-            out[f"{task}/weight_version/mixed_version_ratio"] = mixed
+    for task, r in zip(entry.metric_roots(), results, strict=True):
+        if r is None or not r.ok:
+            continue
+        out.update({f"{task}/{name}": value for name, value in r.metrics.items()})
+        mean_v, mixed = _version_stats(key, step, list(r.weight_versions))
+        out[f"{task}/weight_version/mean"] = mean_v
+        out[f"{task}/weight_version/mixed_version_ratio"] = mixed
     return out
 
 

@@ -163,7 +163,7 @@ def test_a_sandbox_that_stops_starting_is_an_infra_failure_never_a_zero(tmp_path
 def code_run(tmp: Path, rows: list[dict[str, Any]], **kw: Any) -> RunDir:
     run = RunDir.create(tmp / "run")
     write_jsonl(run.data / "code.jsonl", rows)
-    manifest = RunManifest(run_id="test-code", eval=EvalSpec(datasets=(spec(rows, **kw),)),
+    manifest = RunManifest(run_id="test-code", eval=EvalSpec(entries=(spec(rows, **kw),)),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(run.path, manifest)
     publish_snapshot(run.snapshots, 1, lambda d: write_tiny_shards(d))

@@ -56,7 +56,7 @@ def test_maj_at_n_ties_go_to_the_answer_seen_first_and_none_does_not_vote() -> N
 
 def _run(tmp: Path, *specs: DatasetSpec) -> tuple[RunDir, RunManifest]:
     manifest = RunManifest(
-        run_id="metrics", eval=EvalSpec(datasets=specs), snapshot_roots=(str(tmp / "run" / "snapshots"),),
+        run_id="metrics", eval=EvalSpec(entries=specs), snapshot_roots=(str(tmp / "run" / "snapshots"),),
         lease=LeaseSettings(30.0, 5.0),
     )
     return RunDir.create(tmp / "run", manifest), manifest

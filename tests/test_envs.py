@@ -87,7 +87,7 @@ def env_run(tmp: Path, rows: list[dict[str, Any]], env: str = "arithmetic", leas
     write_jsonl(run.data / "arith.jsonl", rows)
     spec = EnvSpec(name="arith", path="data/arith.jsonl", n_prompts=len(rows), env=env,
                    **{"shard_size": len(rows), "max_turns": 3, "max_new_tokens": 32, **kw})
-    manifest = RunManifest(run_id="test-env", eval=EvalSpec(datasets=(spec,)), snapshot_roots=(str(run.snapshots),),
+    manifest = RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),),
                            lease=lease or LeaseSettings(30.0, 5.0))
     run = RunDir.create(run.path, manifest)
     publish_snapshot(run.snapshots, 1, lambda d: write_tiny_shards(d))
@@ -101,7 +101,7 @@ def evaluate(run: RunDir, url: str) -> Any:
     want = version(run, 1)
     pin(engine, snapshot, want)
     cache = DatasetCache(run, run.manifest())
-    return evaluate_env(engine, cache, run.manifest().dataset("arith"), WorkUnit(1, "arith", 0),  # type: ignore[arg-type]
+    return evaluate_env(engine, cache, run.manifest().entry("arith"), WorkUnit(1, "arith", 0),  # type: ignore[arg-type]
                         snapshot, want)
 
 
@@ -313,7 +313,7 @@ def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path:
     run = env_run(tmp_path, [ROWS[0]], env="tests.support.envs:FlakyToolEnv")
     assert run_code(run.manifest()) == ["tests.support.envs:FlakyToolEnv"]  # imported only under the trust rule
     opts = WorkerOptions(run_dir=run.path, engines=("fn:tests.support.workers:SumBackend",), once=True)
-    with pytest.raises(ValueError, match=r"env entries \['arith'\]: episodes need an engine"):
+    with pytest.raises(ValueError, match=r"env entries \['arith'\]: they need an engine"):
         build_evaluator(opts, run.manifest(), DatasetCache(run, run.manifest()))
 
 
@@ -322,10 +322,10 @@ def test_worker_start_refuses_options_the_environment_does_not_take_and_rows_it_
 
     bad = env_run(tmp_path / "a", [ROWS[0]], env="tests.support.envs:FlakyToolEnv", env_options={"flaky": 1})
     with pytest.raises(ValueError, match=r"dataset 'arith': environment .*unexpected keyword argument 'flaky'"):
-        check_env_entry(DatasetCache(bad, bad.manifest()), bad.manifest().dataset("arith"))  # type: ignore[arg-type]
+        check_env_entry(DatasetCache(bad, bad.manifest()), bad.manifest().entry("arith"))  # type: ignore[arg-type]
     rows = env_run(tmp_path / "b", [{"question": "2+2"}])
     with pytest.raises(ValueError, match=r"data/arith.jsonl: row 0: an arithmetic row needs a string 'expression'"):
-        check_env_entry(DatasetCache(rows, rows.manifest()), rows.manifest().dataset("arith"))  # type: ignore[arg-type]
+        check_env_entry(DatasetCache(rows, rows.manifest()), rows.manifest().entry("arith"))  # type: ignore[arg-type]
 
 
 def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(tmp_path: Path) -> None:
@@ -367,7 +367,7 @@ def test_a_tokenizer_with_its_own_response_template_parses_its_tool_calls(tmp_pa
     write_jsonl(run.data / "arith.jsonl", ROWS[:1])
     spec = EnvSpec(name="arith", path="data/arith.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
                    max_turns=3, max_new_tokens=32)
-    run = RunDir.create(run.path, RunManifest(run_id="test-env", eval=EvalSpec(datasets=(spec,)),
+    run = RunDir.create(run.path, RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)),
                                               snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0)))
     publish_snapshot(run.snapshots, 1, with_template)
     expression, answer = ROWS[0]["expression"], str(ROWS[0]["answer"])

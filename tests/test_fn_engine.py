@@ -41,7 +41,7 @@ def test_fn_backend_scores_every_unit_with_its_versions(tmp_path: Path) -> None:
     assert worker.evaluator.backend.disposed
     got = results(run)
     assert sorted(got) == [WorkUnit(s, "addition", i) for s in (5, 10) for i in (0, 1)]
-    rows = worker.evaluator.cache.rows(run.manifest().dataset("addition"))
+    rows = worker.evaluator.cache.rows(run.manifest().entry("addition"))
     for unit, r in got.items():
         weight_sum = safetensors_sum(str(snaps[unit.step]))
         want = [row_score(weight_sum, rows[i]["prompt"]) for i in range(unit.shard * 4, min(unit.shard * 4 + 4, 6))]

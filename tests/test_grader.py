@@ -72,7 +72,7 @@ def test_grader_timeouts_are_counted_in_the_result_and_the_point(tmp_path: Path,
     """A unit whose gold answers blow up the grader still finishes: 0 for those, and the count is a metric."""
     spec = DatasetSpec("mathy", "data/mathy.jsonl", n_prompts=3, shard_size=3, scorer="math", max_new_tokens=3,
                        grader_timeout_s=2.0)
-    manifest = RunManifest(run_id="g", eval=EvalSpec(datasets=(spec,)), snapshot_roots=(str(tmp_path / "snaps"),),
+    manifest = RunManifest(run_id="g", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(tmp_path / "snaps"),),
                            lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(tmp_path / "run", manifest)
     # prompts the tiny untrained model answers with digits ("966", "584"), so the grader must compare them

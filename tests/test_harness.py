@@ -45,7 +45,7 @@ def harness_run(tmp: Path, **fields: object) -> RunDir:
                           batch_size=4, **fields)  # type: ignore[arg-type]
     manifest = RunManifest(
         run_id="harness-run",
-        eval=EvalSpec(datasets=(spec,), harness=(harness,)),
+        eval=EvalSpec(entries=(spec, harness)),
         snapshot_roots=(str(run.snapshots),),
         lease=LeaseSettings(30.0, 5.0),
     )
@@ -58,7 +58,7 @@ def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path:
     kinds = [d.get("kind", "generate") for d in on_disk["eval"]["datasets"]]
     assert kinds == ["generate", "lm_eval"]
     manifest = load_manifest(run.manifest_path)
-    assert manifest.eval.harness[0].tasks == TASKS
+    assert manifest.entry("harness").tasks == TASKS
     assert [u.dataset for u in units_for_step(manifest, 5)] == ["addition", "harness", "harness"]
     assert [u.shard for u in units_for_step(manifest, 5) if u.dataset == "harness"] == [0, 1]
 
@@ -122,7 +122,7 @@ def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: P
 
     run = harness_run(tmp_path)
     snap = publish_model(tmp_path, run.snapshots, 7)
-    spec = run.manifest().eval.harness[0]
+    spec = run.manifest().entry("harness")
     engine = HFEngine(device="cpu")
     engine.load(str(snap), "7")
     via_engine = run_task(engine, run, spec, TASKS[1], str(snap))
@@ -151,9 +151,9 @@ def test_an_lm_eval_task_runs_through_an_attached_server_with_lm_evals_completio
 
     run = harness_run(tmp_path)
     manifest = run.manifest()
-    only_gen = replace(manifest.eval.harness[0], tasks=(TASKS[0],))
+    only_gen = replace(manifest.entry("harness"), tasks=(TASKS[0],))
     run.manifest_path.unlink()
-    RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, harness=(only_gen,))))
+    RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, entries=(manifest.entry("addition"), only_gen))))
     snap = publish_model(tmp_path, run.snapshots, 5)
     url, server = start_serve(snap, "0", tmp_path / "serve.log")
     try:
@@ -197,13 +197,13 @@ def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp
 
 
 def test_lm_eval_entries_refuse_engines_without_an_lm_eval_adapter(tmp_path: Path) -> None:
-    from ckpteval.jobs.eval.evaluators import check_harness_engines
+    from ckpteval.jobs.eval.evaluators import check_entry_engines
 
     manifest = harness_run(tmp_path).manifest()
     for kinds, replicas in ((["fn"], 1), (["hf"], 2), (["hf", "http"], 1)):
         with pytest.raises(ValueError, match="need exactly one hf, http:URL or sglang engine"):
-            check_harness_engines(manifest, kinds, replicas)
-    check_harness_engines(manifest, ["http"], 1)  # one engine with an adapter: accepted
+            check_entry_engines(manifest, kinds, replicas)
+    check_entry_engines(manifest, ["http"], 1)  # one engine with an adapter: accepted
 
 
 def test_a_task_lm_eval_cannot_run_on_the_model_is_that_unit_s_skip_with_lm_evals_message(tmp_path: Path) -> None:

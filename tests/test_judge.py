@@ -204,7 +204,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
     for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(k, v)
     spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=2, scorer="judge", shard_size=1)
-    manifest = RunManifest(run_id="judged", eval=EvalSpec(datasets=(spec,)), snapshot_roots=())
+    manifest = RunManifest(run_id="judged", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
     ident = {"kind": "judge", "model": "judge-a", "template_sha256": "ab" * 32}
     results = {u: ok_result(u, [1.0], [f"{u.step}"], scorer=ident) for u in units_for_step(manifest, 0)}
     sink = MetricsSink(tmp_path / "metrics.jsonl", init_wandb(tmp_path, "run-judged", {"x": 1}))
@@ -267,7 +267,7 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
     other_url, other = start_judge("exact", tmp_path / "other.log", "--served-model-name", "judge-b")
     try:
         spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
-        manifest = RunManifest(run_id="r", eval=EvalSpec(datasets=(spec,)), snapshot_roots=())
+        manifest = RunManifest(run_id="r", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
         results = {}
         for unit, url, pairs in zip(units_for_step(manifest, 0), (exact_judge, other_url), (PAIRS[:2], PAIRS[2:]),
                                     strict=True):

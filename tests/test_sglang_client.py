@@ -397,7 +397,7 @@ def _with_dataset(run: RunDir, **fields: Any) -> RunDir:
     """``run`` with its one dataset's settings changed (run.json rewritten, as a run is created)."""
     manifest = run.manifest()
     datasets = tuple(replace(d, **fields) for d in manifest.eval.datasets)
-    return RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, datasets=datasets)))
+    return RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, entries=datasets)))
 
 
 def test_a_datasets_generate_timeout_bounds_its_requests(stub: tuple[Stub, str], tmp_path: Path) -> None:

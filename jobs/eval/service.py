@@ -68,7 +68,7 @@ def read_eval_config(config_path: Path) -> EvalConfig:
         config_path,
     )
     for name, src in sources.items():  # every row is read now, so a bad file fails before anything is written
-        spec = checked.dataset(name)
+        spec = checked.entry(name)
         rows = load_entry_rows(_existing(config_path, name, src), spec)
         try:
             want = len(subset_rows(len(rows), spec))

@@ -142,7 +142,7 @@ def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> 
             run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size),
             n_samples=cfg.eval_samples, temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
         ))
-    return EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
+    return EvalSpec(entries=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:

@@ -75,7 +75,7 @@ def make_train_run(
     dataset = dataclasses.replace(write_addition_dataset(run, n=eval_n_prompts, shard_size=eval_shard_size),
                                   scorer=eval_scorer)
     manifest = RunManifest(
-        run_id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:64], eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
+        run_id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:64], eval=EvalSpec(entries=(dataset,), engine={"dtype": "float32"}),
         snapshot_roots=(), trainer={"program": "tests", **producer_identity()},
         lease=LeaseSettings(lease_duration, lease_heartbeat), created=time.time(),
     )

@@ -55,7 +55,7 @@ def make_eval_run(
     spec = replace(spec, scorer=scorer, max_new_tokens=max_new_tokens, n_samples=n_samples)
     manifest = RunManifest(
         run_id=f"test-{name}",
-        eval=EvalSpec(datasets=(spec,), engine=engine or {}),
+        eval=EvalSpec(entries=(spec,), engine=engine or {}),
         snapshot_roots=(str(snapshot_root or run.snapshots),),
         lease=lease or LeaseSettings(30.0, 5.0),
     )
