@@ -28,11 +28,11 @@ from ckpteval.coord.results import dataset_score, derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.sandbox import probe_bwrap
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
 from ckpteval.jobs.eval.scorers.code import extract_code, row_tests, same_output
-from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.sandbox import survivors

@@ -30,13 +30,13 @@ from ckpteval.jobs.eval.engines.factory import make_engine
 from ckpteval.jobs.eval.envs.examples import arithmetic_rows
 from ckpteval.jobs.eval.envs.runner import evaluate_env
 from ckpteval.jobs.eval.envs.tools import MalformedCall, parse_tool_calls
+from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.pinning import PinViolation, pin
 from ckpteval.jobs.eval.sandbox import probe_bwrap
 from ckpteval.jobs.eval.scorers import ScorerInfraError
 from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.service import read_eval_config
 from tests.support import envs as test_envs
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards

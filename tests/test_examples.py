@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import load_rows
 from ckpteval.jobs.eval.scorers import scorer_class
-from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.training import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -225,7 +225,7 @@ def test_a_task_lm_eval_cannot_run_on_the_model_is_that_unit_s_skip_with_lm_eval
 
 def test_the_shipped_lm_eval_example_runs_on_the_demo_model(tmp_path: Path) -> None:
     """``examples/lmeval/eval.json`` as the guide shows it, on a snapshot of the demo (reference) model."""
-    from ckpteval.jobs.eval.service import create_run_from_config
+    from ckpteval.jobs.eval.evalconfig import create_run_from_config
 
     publish_model(tmp_path, tmp_path / "snaps", 5)
     run = create_run_from_config(tmp_path / "run", REPO / "examples" / "lmeval" / "eval.json", (tmp_path / "snaps",))

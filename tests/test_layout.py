@@ -34,7 +34,7 @@ EXCEPTIONS = {
     # submit checks on the submit host what the job would refuse, with the programs' own parsers and
     # readers (imported lazily: no torch at import time, see test_views_and_launchers_import_no_torch)
     ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.options"): "the worker's own option checks",
-    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.service"): "the one eval-config reader",
+    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.evalconfig"): "the one eval-config reader",
     ("ckpteval.jobs.launch.submit", "ckpteval.jobs.eval.reeval"): "the re-evaluation plan (validated before sbatch)",
     ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.reference.train_config"): "the reference trainer's own flag checks",
 }

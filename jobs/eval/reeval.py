@@ -31,7 +31,7 @@ from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.manifest import RunManifest, parse_manifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.steps import REEVAL_KIND, StepSelection, parse_steps
-from ckpteval.jobs.eval.service import EvalConfig, publish_run, read_eval_config
+from ckpteval.jobs.eval.evalconfig import EvalConfig, publish_run, read_eval_config
 
 
 def source_steps(old: RunDir, manifest: RunManifest) -> list[int]:

@@ -64,8 +64,8 @@ from ckpteval.coord.ledger import LedgerError
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
+from ckpteval.jobs.eval.evalconfig import EvalConfig, install_eval_data
 from ckpteval.jobs.eval.evalsets import write_addition_dataset
-from ckpteval.jobs.eval.service import EvalConfig, install_eval_data
 from ckpteval.jobs.flags import fail
 from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED, EXIT_TRAIN_PREEMPTED, STOP_SIGNALS
 from ckpteval.jobs.metrics import MetricsSink, init_wandb

@@ -42,7 +42,7 @@ from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
-from ckpteval.jobs.eval.service import EvalConfig, install_eval_data, read_eval_config
+from ckpteval.jobs.eval.evalconfig import EvalConfig, install_eval_data, read_eval_config
 from ckpteval.jobs.flags import check_dir_creatable
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.trainer.config import DispatchConfig
