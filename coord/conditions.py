@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, derive_point, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import Result
 from ckpteval.coord.units import WorkUnit
 
 OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,

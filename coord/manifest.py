@@ -50,7 +50,13 @@ class LeaseSettings:
     """Lease timing every participant of a run must share (filelock refuses mismatches)."""
 
     duration_s: float = 60.0
+    """Seconds a claim stays a contender's to wait out after its marker last changed."""
     heartbeat_s: float = 10.0
+    """Seconds between the holder's refreshes of its marker (> 0, below ``duration_s``)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.duration_s) and 0 < self.heartbeat_s < self.duration_s):
+            raise FieldError("heartbeat_s", "must be > 0 and below lease.duration_s")
 
 
 @dataclass(frozen=True)
@@ -193,14 +199,7 @@ def parse_manifest(obj: Any, source: Path) -> RunManifest:
     for i, r in enumerate(roots):
         if not isinstance(r, str) or not Path(r).is_absolute():
             raise f.error(f"snapshot_roots[{i}]", f"must be an absolute path, got {r!r}")
-    lease_f = f.sub("lease", {})
-    lease_f.reject_unknown([fl.name for fl in dataclasses.fields(LeaseSettings)], "lease")
-    lease = LeaseSettings(
-        duration_s=float(lease_f.get("duration_s", (int, float), 60.0)),
-        heartbeat_s=float(lease_f.get("heartbeat_s", (int, float), 10.0)),
-    )
-    if not (math.isfinite(lease.duration_s) and 0 < lease.heartbeat_s < lease.duration_s):
-        raise lease_f.error("heartbeat_s", "must be > 0 and below lease.duration_s")
+    lease = parse_dataclass(f.sub("lease", {}), LeaseSettings, what="lease")
     return RunManifest(
         run_id=run_id,
         eval=_parse_eval(f.sub("eval")),

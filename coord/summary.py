@@ -36,7 +36,8 @@ from typing import Any
 
 from ckpteval.coord.atomic import dumps, write_bytes_atomic
 from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, ResultIndex, derive_point, result_names
+from ckpteval.coord.points import derive_point
+from ckpteval.coord.results import Result, ResultIndex, result_names
 from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name, step_of_dir
 from ckpteval.coord.units import WorkUnit, units_for_step
 

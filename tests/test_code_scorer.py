@@ -24,7 +24,7 @@ import pytest
 
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import dataset_score, derive_point, point_metrics
+from ckpteval.coord.points import dataset_score, derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit

@@ -15,15 +15,8 @@ import ckpteval.coord.discovery as discovery_mod
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import (
-    ResultIndex,
-    derive_point,
-    ok_result,
-    point_metrics,
-    skip_result,
-    write_point_skip,
-    write_result,
-)
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_point_skip, write_result
 from ckpteval.coord.snapshot import mark_complete, publish_snapshot
 from ckpteval.coord.units import WorkUnit, order_units, units_for_step
 from ckpteval.jobs.trainer.config import DispatchConfig, filesystem_type

@@ -15,15 +15,8 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.results import (
-    ResultIndex,
-    derive_point,
-    majority_score,
-    ok_result,
-    pass_at_k,
-    point_metrics,
-    write_result,
-)
+from ckpteval.coord.points import derive_point, majority_score, pass_at_k, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import shard_range, units_for_step
 

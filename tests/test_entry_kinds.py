@@ -15,7 +15,8 @@ import pytest
 
 from ckpteval.coord.entries import KINDS, Kind
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest, load_manifest, parse_manifest
-from ckpteval.coord.results import ResultIndex, derive_point, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.evalsets import write_addition_dataset

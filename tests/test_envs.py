@@ -22,7 +22,7 @@ import pytest
 
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.results import derive_point, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit
@@ -400,7 +400,8 @@ def test_arguments_the_tool_does_not_take_are_the_models_malformed_call(tmp_path
 
 
 def test_pass_at_k_counts_an_episode_passed_from_its_entrys_pass_threshold() -> None:
-    from ckpteval.coord.results import dataset_score, ok_result
+    from ckpteval.coord.points import dataset_score
+    from ckpteval.coord.results import ok_result
 
     rewards = [1.0, 0.5, 0.25, 0.0]  # e.g. guess with efficiency: 1/guesses
     result = ok_result(WorkUnit(1, "g", 0), rewards, ["k@1"] * 4)

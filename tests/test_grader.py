@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.engines.hf import HFEngine

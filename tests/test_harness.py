@@ -21,7 +21,8 @@ from ckpteval.coord.manifest import (
     load_manifest,
     parse_manifest,
 )
-from ckpteval.coord.results import derive_point, parse_result, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import parse_result
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.envs.endpoint import reply_version

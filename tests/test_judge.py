@@ -261,7 +261,8 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
     """Two real judges serving different models score the two shards of one point: each unit records the
     model its judge reported, and the point logs no eval/qa for the mix (eval/qa/scorer_mixed instead)."""
     from ckpteval.coord.manifest import EvalSpec, RunManifest
-    from ckpteval.coord.results import derive_point, ok_result, point_metrics
+    from ckpteval.coord.points import derive_point, point_metrics
+    from ckpteval.coord.results import ok_result
     from ckpteval.coord.units import units_for_step
 
     other_url, other = start_judge("exact", tmp_path / "other.log", "--served-model-name", "judge-b")

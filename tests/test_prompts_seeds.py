@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import units_for_step

@@ -25,14 +25,8 @@ import pytest
 
 from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.results import (
-    ResultIndex,
-    derive_point,
-    ok_result,
-    parse_result,
-    point_metrics,
-    retry_due,
-)
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, parse_result, retry_due
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams

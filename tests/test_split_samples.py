@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.results import ResultIndex, derive_point, point_metrics, prompt_major
+from ckpteval.coord.points import derive_point, point_metrics, prompt_major
+from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.evalsets import write_addition_dataset

@@ -15,7 +15,8 @@ import pytest
 
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.results import derive_point, write_point_skip
+from ckpteval.coord.points import derive_point
+from ckpteval.coord.results import write_point_skip
 from ckpteval.coord.rundir import unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams

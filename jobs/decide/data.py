@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.results import ResultIndex, correct, derive_point, majority_score, pass_at_k, prompt_major
+from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, prompt_major
+from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 
 

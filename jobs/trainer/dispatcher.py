@@ -98,7 +98,8 @@ from ckpteval.coord.discovery import shards_present
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
+from ckpteval.coord.points import Point, derive_point, point_metrics
+from ckpteval.coord.results import Result, ResultIndex, write_point_skip
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
 from ckpteval.coord.units import WorkUnit, units_for_step
@@ -108,7 +109,7 @@ from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.eval.trust import check_run_code
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 from ckpteval.jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
@@ -138,9 +139,9 @@ class EvalDispatcher:
         base_model_dir: Path | None,
         *,
         shared: SharedEval | None = None,
-        poll_interval_s: float = 2.0,
-        backpressure_timeout_s: float = 300.0,
-        drain_timeout_s: float = 300.0,
+        poll_interval_s: float = WAITS.poll_interval_s,
+        backpressure_timeout_s: float = WAITS.backpressure_timeout_s,
+        drain_timeout_s: float = WAITS.drain_timeout_s,
         room_check: RoomCheck = has_room,
         clock: Callable[[], float] = time.monotonic,
         should_stop: Callable[[], bool] = lambda: False,
