@@ -159,11 +159,10 @@ from ckpteval.coord.units import UnitClaimer, WorkUnit
 base, n, leased = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 (base / "leases").mkdir(parents=True)
 (base / "results").mkdir()
-claimer = UnitClaimer(base / "leases", LeaseSettings(60.0, 20.0), results_dir=base / "results", per_step=True)
+claimer = UnitClaimer(base / "leases", LeaseSettings(60.0, 20.0), results_dir=base / "results")
 def one(unit):
     claim = claimer.try_claim(unit) if leased else None
-    write_result(base / "results", ok_result(unit, [1.0], [str(unit.step)]), 0 if claim is None else claim.generation,
-                 per_step=True)
+    write_result(base / "results", ok_result(unit, [1.0], [str(unit.step)]), 0 if claim is None else claim.generation)
     if claim is not None:
         claim.release()
         claimer.forget(unit)
