@@ -133,7 +133,7 @@ def env_cache(tmp: Path, name: str, rows: list[dict[str, Any]], **kw: Any) -> tu
     run = RunDir.create(tmp / name)
     write_jsonl(run.data / f"{name}.jsonl", rows)
     spec = EnvSpec(name=name, path=f"data/{name}.jsonl", n_prompts=len(rows), shard_size=len(rows), **kw)
-    run = RunDir.create(run.path, RunManifest(run_id=name, eval=EvalSpec(datasets=(spec,)), snapshot_roots=()))
+    run = RunDir.create(run.path, RunManifest(run_id=name, eval=EvalSpec(entries=(spec,)), snapshot_roots=()))
     return DatasetCache(run, run.manifest()), spec
 
 

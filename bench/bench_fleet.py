@@ -121,7 +121,7 @@ def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float
     for i in range(datasets):  # one prompt per shard (the backend never reads them)
         write_jsonl(run.data / f"set{i}.jsonl", [{"prompt": f"{j}+{i}=", "answer": str(i + j)} for j in range(shards)])
         specs.append(DatasetSpec(name=f"set{i}", path=f"data/set{i}.jsonl", n_prompts=shards, shard_size=1))
-    manifest = RunManifest(run_id=f"fleet-{path.name}", eval=EvalSpec(datasets=tuple(specs), engine={"fn": {"sleep_s": sleep_s}}),
+    manifest = RunManifest(run_id=f"fleet-{path.name}", eval=EvalSpec(entries=tuple(specs), engine={"fn": {"sleep_s": sleep_s}}),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(lease_s, lease_s / 6))
     run = RunDir.create(path, manifest)
     for i in range(points):

@@ -104,7 +104,7 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
 
     run = RunDir.create(base / "run")
     spec = write_addition_dataset(run, n=shards, shard_size=1)
-    RunDir.create(run.path, RunManifest(run_id="bench-metadata", eval=EvalSpec(datasets=(spec,)),
+    RunDir.create(run.path, RunManifest(run_id="bench-metadata", eval=EvalSpec(entries=(spec,)),
                                         snapshot_roots=(str(base / "snapshots"),), lease=LeaseSettings(60.0, 20.0)))
 
     def write(d: Path) -> None:
@@ -159,11 +159,10 @@ from ckpteval.coord.units import UnitClaimer, WorkUnit
 base, n, leased = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 (base / "leases").mkdir(parents=True)
 (base / "results").mkdir()
-claimer = UnitClaimer(base / "leases", LeaseSettings(60.0, 20.0), results_dir=base / "results", per_step=True)
+claimer = UnitClaimer(base / "leases", LeaseSettings(60.0, 20.0), results_dir=base / "results")
 def one(unit):
     claim = claimer.try_claim(unit) if leased else None
-    write_result(base / "results", ok_result(unit, [1.0], [str(unit.step)]), 0 if claim is None else claim.generation,
-                 per_step=True)
+    write_result(base / "results", ok_result(unit, [1.0], [str(unit.step)]), 0 if claim is None else claim.generation)
     if claim is not None:
         claim.release()
         claimer.forget(unit)

@@ -75,7 +75,7 @@ def make_manifest(path: Path, datasets: int, shards: int) -> RunDir:
     specs = tuple(DatasetSpec(name=f"set{i:02d}", path=f"data/set{i:02d}.jsonl", n_prompts=shards * SHARD_SIZE,
                               shard_size=SHARD_SIZE) for i in range(datasets))
     run = RunDir.create(path)
-    manifest = RunManifest(run_id=f"scale-{path.name}", eval=EvalSpec(datasets=specs),
+    manifest = RunManifest(run_id=f"scale-{path.name}", eval=EvalSpec(entries=specs),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(60.0, 10.0),
                            trainer={"eval_interval": INTERVAL})
     return RunDir.create(path, manifest)
@@ -94,11 +94,9 @@ def point_results(manifest: RunManifest, step: int) -> dict[Any, Result]:
 
 
 def write_point(run: RunDir, manifest: RunManifest, step: int) -> None:
-    """Publish every result of ``step`` with the project's writer, in the run's results layout (a run of
-    per-step result directories, once the protocol has them: ``manifest.per_step_dirs``)."""
-    layout = {"per_step": True} if getattr(manifest, "per_step_dirs", False) else {}
+    """Publish every result of ``step`` with the project's writer (``results/step-<N>/``)."""
     for result in point_results(manifest, step).values():
-        write_result(run.results, result, **layout)
+        write_result(run.results, result)
 
 
 def _write_steps(run_path: str, steps: list[int]) -> None:

@@ -45,7 +45,7 @@ def make_run(root: Path, steps: int, n_prompts: int, shard_size: int) -> RunDir:
     spec = write_addition_dataset(run, n=n_prompts, shard_size=shard_size)
     manifest = RunManifest(
         run_id="bench-workers",
-        eval=EvalSpec(datasets=(spec,), engine={"hf": {"max_batch_size": shard_size}}),
+        eval=EvalSpec(entries=(spec,), engine={"hf": {"max_batch_size": shard_size}}),
         snapshot_roots=(str(run.snapshots),),
         lease=LeaseSettings(60.0, 10.0),
     )

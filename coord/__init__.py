@@ -4,7 +4,7 @@ Everything two jobs agree on lives here, and nothing else does: this package imp
 ``jobs/``, knows no engine and no scheduler. See ``docs/PROTOCOL.md`` for the on-disk format.
 """
 
+# The one protocol this code reads and writes: 2, one directory per step under ``results/`` and ``leases/``
+# (``results/step-<N>/``, ``leases/step-<N>/``, :mod:`ckpteval.coord.rundir`). A run dir of another version
+# (1: flat, never released) is refused naming it (:func:`ckpteval.coord.manifest.parse_manifest`).
 PROTOCOL_VERSION = 2
-# Protocol versions this code reads and writes. 1: flat ``results/`` and ``leases/``; 2 (new runs): one
-# directory per step under each (``results/step-<N>/``, ``leases/step-<N>/``, :mod:`ckpteval.coord.rundir`).
-PROTOCOLS = (1, 2)

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, derive_point, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import Result
 from ckpteval.coord.units import WorkUnit
 
 OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,
@@ -50,7 +51,7 @@ def parse_condition(text: str, flag: str) -> Condition:
 
 def eval_names(manifest: RunManifest) -> set[str]:
     """The dataset and lm-eval task names a point metric ``eval/<name>/...`` can start with."""
-    return {d.name for d in manifest.eval.datasets} | {t for h in manifest.eval.harness for t in h.tasks}
+    return {root for e in manifest.eval.entries for root in e.metric_roots()}
 
 
 def check_metric(condition: Condition, names: set[str], flag: str) -> None:

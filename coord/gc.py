@@ -46,10 +46,9 @@ class GCReport:
 
 
 def _lease_entries(leases_dir: Path, steps: Collection[int] | None) -> list[os.DirEntry[str]]:
-    """The lease files under ``leases/``: with ``steps`` (protocol 2) those of ``leases/step-<N>/`` for each
-    of them, else every one, flat (protocol 1) or in any step directory."""
+    """The lease files under ``leases/step-<N>/``: with ``steps`` those of each of them, else of every step."""
     dirs = ([leases_dir / step_dir_name(s) for s in steps] if steps is not None else
-            [leases_dir, *(e.path for e in _scan(leases_dir) if step_of_dir(e.name) is not None and e.is_dir())])
+            [e.path for e in _scan(leases_dir) if step_of_dir(e.name) is not None and e.is_dir()])
     return [e for d in dirs for e in _scan(Path(d)) if e.name.endswith(".lock") and e.name[:10].isdigit()]
 
 
@@ -80,7 +79,6 @@ class StagingGC:
     stale_tmp_s: float = 3600.0
     clock: Callable[[], float] = time.monotonic
     run: str | None = None  # the run's key: only snapshots marked with it are deleted
-    per_step: bool = False  # protocol 2: leases in leases/step-<N>/ (only candidate steps' are listed)
     _seen: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,10 +91,10 @@ class StagingGC:
         return path.resolve().is_relative_to(self.root.resolve()) and path.resolve() != self.root.resolve()
 
     def live_lease_steps(self, steps: Collection[int] | None = None) -> set[int]:
-        """Steps with at least one lease this collector cannot yet call expired; with ``per_step`` only the
-        directories of ``steps`` (None: all) are listed."""
+        """Steps with at least one lease this collector cannot yet call expired; only the directories of
+        ``steps`` (None: all) are listed."""
         now, live, current = self.clock(), set(), set()
-        for e in _lease_entries(self.leases_dir, steps if self.per_step else None):
+        for e in _lease_entries(self.leases_dir, steps):
             try:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:

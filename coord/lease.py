@@ -6,6 +6,13 @@ duration: :func:`filelock._soft._records.encode_marker`), so filelock's parser r
 (:func:`ckpteval.coord.units.read_lease_holder`) and a filelock ``SoftFileLease`` contender of an older
 ckpteval would recognise it.
 
+filelock's version is bounded to the minor tested (``pyproject.toml``: ``>=4.3.1,<4.4``; issue 27) rather than
+this module owning the marker format: the record, its parser and the liveness check (:func:`owner_is_stale`:
+pid + process start time, per platform) are filelock's private ``_identity`` and ``_soft._records``, and
+keeping them filelock's keeps a marker readable by filelock itself. A filelock release past the bound is
+taken only after the lease tests pass on it (``tests/test_coord_leases.py`` checks the installed version is
+inside the bound).
+
 Why not ``filelock.SoftFileLease`` itself: on a shared filesystem every path operation is a round trip to
 the metadata server (issue 20). filelock's lease costs ~11 of them per claim and release (it resolves the
 lease path one ``lstat`` per component, makes sure of the directory with ``mkdir`` + ``stat``, ``lstat``\\ s

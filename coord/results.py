@@ -1,7 +1,6 @@
-"""Results (facts) and points (views).
+"""Results: the facts, one file per unit, and their index.
 
-A *result* is one JSON file per work unit, ``results/step-<N>/<unit>.json`` (protocol 2; a protocol 1 run:
-``results/<unit>.json``, read either way), published first-writer-wins: the
+A *result* is one JSON file per work unit, ``results/step-<N>/<unit>.json`` (protocol 2), published first-writer-wins: the
 file is written and fsync'd under a temp name, then hard-linked to the final name, which fails if a
 result already exists. So readers see at most one result per unit, never a torn one, and a rare
 double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for audit instead.
@@ -16,12 +15,7 @@ the worker's identity, the lease token and attempt — or a skip record with a r
 also holds ``episodes``: per episode its reward, turns, tokens, the version of every turn and how it ended. A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.
 
-A *point* (one step) is derived from its units' results by any reader — trainer, status, plot,
-backfill. It is complete when every unit of the step has a result. Sharding does not change a
-point: every metric is derived from the per-sample data pooled over the shards in prompt order
-(the pooled mean, pass@k, maj@n, the standard error over prompts), never averaged per shard; a dataset
-whose samples are split over units (``samples_per_unit``) is pooled per prompt across its units first
-(:func:`prompt_major`), so its point equals the unsplit one.
+Points (one step's metrics) are derived from these by :mod:`ckpteval.coord.points`.
 
 **Infrastructure skips are superseded, never overwritten.** A skip whose reason is in
 :data:`INFRA_SKIPS` (a judge, a sandbox, an environment server failed, an inference server shed the load —
@@ -39,10 +33,9 @@ the cache is never stale, but a result deleted by hand stays in the cache until 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,11 +48,10 @@ from ckpteval.coord.atomic import (
     read_json_object,
     write_json_atomic,
 )
-from ckpteval.coord.identity import run_key, version_matches, version_runs, version_step
-from ckpteval.coord.manifest import DatasetSpec, EnvSpec, RunManifest
+from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
 from ckpteval.coord.snapshot import producer_identity
-from ckpteval.coord.units import WorkUnit, dataset_units, datasets_due, prompt_range, units_for_step
+from ckpteval.coord.units import WorkUnit, units_for_step
 
 # Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
 # may supersede them with a result of the next generation (module docstring).
@@ -227,22 +219,19 @@ def parse_result(obj: Any, source: Path) -> Result:
     )
 
 
-def write_result(results_dir: Path, result: Result, generation: int = 0, *, per_step: bool = True) -> bool:
+def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool:
     """Publish a unit's result of ``generation`` (0, or k > 0 superseding an infrastructure skip of k - 1);
     True if it is *the* result of that generation, False if one existed (kept as duplicate).
 
-    ``per_step`` (a protocol 2 run, every new one; pass :attr:`RunManifest.per_step_dirs`) puts it in
-    ``results/step-<N>/``, created (and made durable) by the first result of the step; False: flat
-    (protocol 1). Readers that list only step directories (worker, trainer) never see a flat result of
-    a protocol 2 run, so the default is the new layout."""
+    It goes in ``results/step-<N>/``, created (and made durable) by the first result of the step."""
     results_dir = Path(results_dir)
     stamped = stamp(result)
     data = dumps(stamped.to_json())
-    final = unit_dir(results_dir, result.unit.step, per_step) / result.unit.result_name_at(generation)
+    final = unit_dir(results_dir, result.unit.step) / result.unit.result_name_at(generation)
     try:
         won = publish_exclusive(final, data, keep_dir_open=True)
     except FileNotFoundError:  # the step's first result: its directory first (a missing results/ still raises)
-        if not per_step or not results_dir.is_dir():
+        if not results_dir.is_dir():
             raise
         final.parent.mkdir(exist_ok=True)
         fsync_dir(results_dir)
@@ -292,9 +281,9 @@ def retry_due(result: Result, generation: int, backoff_s: float, now: float | No
 
 
 class ResultIndex:
-    """Reads ``results/`` incrementally, in either layout (flat: protocol 1; ``step-<N>/`` directories:
-    protocol 2, :mod:`ckpteval.coord.rundir`): one listing of ``results/`` per refresh plus one per step directory
-    not in ``skip_steps``, each result file read once.
+    """Reads ``results/step-<N>/`` incrementally (:mod:`ckpteval.coord.rundir`): one listing of ``results/`` per
+    refresh (none with ``only_steps``) plus one per step directory not in ``skip_steps``, each result file read
+    once. A ``*.json`` directly under ``results/`` is no result (protocol 2 keeps none there).
 
     Malformed result files are not trusted and not fatal to readers: they are collected in
     :attr:`errors` (name relative to ``results/`` → message) so status can show them, and the unit counts
@@ -306,19 +295,19 @@ class ResultIndex:
         self._by_unit: dict[WorkUnit, Result] = {}
         self._by_step: dict[int, dict[WorkUnit, Result]] = {}
         self._generation: dict[WorkUnit, int] = {}
-        self._seen: dict[str, set[str]] = {}  # directory under results/ ("": flat) -> its result names read
+        self._seen: dict[str, set[str]] = {}  # step directory under results/ -> its result names read
         self._misplaced: set[str] = set()  # step directories holding a result of another step's unit
         self.errors: dict[str, str] = {}
 
     def refresh(self, skip_steps: Collection[int] = (), only_steps: Collection[int] | None = None) -> dict[WorkUnit, Result]:
         """Read what is new. ``skip_steps``: steps whose directory is not listed again (a caller that has
-        settled them: on Lustre a listing is a round trip per directory block). ``only_steps`` (a protocol 2
-        run): list just these steps' directories, not ``results/`` itself, which holds a name per step."""
+        settled them: on Lustre a listing is a round trip per directory block). ``only_steps``: list just
+        these steps' directories, not ``results/`` itself, which holds a name per step."""
         for directory, base in self._names(skip_steps, only_steps):
             seen = self._seen.setdefault(directory, set())
             if base in seen:
                 continue
-            name = f"{directory}/{base}" if directory else base
+            name = f"{directory}/{base}"
             path = self.results_dir / name
             try:
                 result = parse_result(read_json_object(path), path)
@@ -328,14 +317,14 @@ class ResultIndex:
             self._take(directory, base, result)
         return self._by_unit
 
-    def publish(self, result: Result, generation: int = 0, *, per_step: bool = True) -> bool:
+    def publish(self, result: Result, generation: int = 0) -> bool:
         """:func:`write_result`, and the published result goes into the index as written, so the next
         :meth:`refresh` does not read it back (one open per unit less for a worker). False (a duplicate):
         the first writer's result is read by the next refresh as usual."""
         stamped = stamp(result)
-        if not write_result(self.results_dir, stamped, generation, per_step=per_step):
+        if not write_result(self.results_dir, stamped, generation):
             return False
-        directory, base = step_dir_name(result.unit.step) if per_step else "", result.unit.result_name_at(generation)
+        directory, base = step_dir_name(result.unit.step), result.unit.result_name_at(generation)
         path = self.results_dir / directory / base
         self._take(directory, base, parse_result(json.loads(dumps(stamped.to_json())), path))
         return True
@@ -343,9 +332,9 @@ class ResultIndex:
     def _take(self, directory: str, base: str, result: Result) -> None:
         """Index one result read (or published) as ``directory/base`` under ``results/``."""
         self._seen.setdefault(directory, set()).add(base)
-        name = f"{directory}/{base}" if directory else base
+        name = f"{directory}/{base}"
         self.errors.pop(name, None)
-        if directory and step_of_dir(directory) != result.unit.step:
+        if step_of_dir(directory) != result.unit.step:
             self._misplaced.add(directory)
         generation = result_generation(name)
         if generation >= self._generation.get(result.unit, 0):  # the highest generation is the result
@@ -354,16 +343,15 @@ class ResultIndex:
             self._generation[result.unit] = generation
 
     def _names(self, skip_steps: Collection[int], only_steps: Collection[int] | None) -> list[tuple[str, str]]:
-        """Result files as (directory under ``results/``, name): flat ``("", "<unit>.json")`` and
-        ``("step-<N>", "<unit>.json")``."""
+        """Result files as (step directory under ``results/``, name): ``("step-<N>", "<unit>.json")``."""
+        names: list[tuple[str, str]] = []
         if only_steps is not None:
-            dirs, names = [step_dir_name(s) for s in sorted(only_steps) if s not in skip_steps], []
+            dirs = [step_dir_name(s) for s in sorted(only_steps) if s not in skip_steps]
         else:
             try:
                 top = list(os.scandir(self.results_dir))
             except FileNotFoundError:
                 return []
-            names = [("", e.name) for e in top if is_result_name(e.name)]
             dirs = [e.name for e in top if (s := step_of_dir(e.name)) is not None and s not in skip_steps and e.is_dir()]
         for d in dirs:
             try:
@@ -374,11 +362,11 @@ class ResultIndex:
 
     def step_read(self, step: int) -> tuple[frozenset[str], dict[WorkUnit, Result]] | None:
         """What this index has read of ``results/step-<N>/``: its result names and the results of the step's
-        units — None when that is not the whole story (a malformed file there, a result of another step's
-        unit there, or flat results beside the step directories)."""
+        units — None when that is not the whole story (a malformed file there, or a result of another step's
+        unit there)."""
         directory = step_dir_name(step)
         prefix = f"{directory}/"
-        if self._seen.get("") or directory in self._misplaced or any(n.startswith(prefix) for n in self.errors):
+        if directory in self._misplaced or any(n.startswith(prefix) for n in self.errors):
             return None
         return frozenset(self._seen.get(directory, ())), dict(self._by_step.get(step, {}))
 
@@ -396,291 +384,7 @@ class ResultIndex:
         return set(self._by_step)
 
 
-# -- points ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DatasetScore:
-    score: float  # pooled mean over every sample (mean@n)
-    n: int  # samples
-    weight_version_mean: float
-    mixed_version_ratio: float
-    stderr: float = math.nan  # standard error of the mean over prompts (of per-prompt means)
-    derived: dict[str, float] = field(default_factory=dict)  # "pass@k" for each k, "maj@n" when n > 1
-    grader_timeouts: int = 0
-    counters: dict[str, int] = field(default_factory=dict)  # the scorer's counts, summed over the shards
-    extras: dict[str, float] = field(default_factory=dict)  # the scorer's per-sample numbers, averaged
-    attested: float = math.nan  # fraction of the shards whose weights were attested (nan: none recorded)
-
-
-@dataclass(frozen=True)
-class Point:
-    step: int
-    complete: bool
-    datasets: dict[str, DatasetScore]
-    skips: dict[str, int]  # reason -> number of units skipped for it
-    units_total: int
-    units_done: int
-    completed_at: float | None
-    metrics: dict[str, float] = field(default_factory=dict)  # lm-eval tasks: "<task>/<metric>" -> value
-    mixed_scorers: tuple[str, ...] = ()  # datasets whose units disagree on the scorer identity: not pooled
-    cost: dict[str, float] = field(default_factory=dict)  # every unit's cost summed (eval/cost/*)
-    fidelity: dict[str, float] = field(default_factory=dict)  # the worst canary comparison (eval/fidelity/*)
-
-    @property
-    def skipped(self) -> bool:
-        return bool(self.skips)
-
-
-def _version_stats(key: str, step: int, versions: list[str | None]) -> tuple[float, float]:
-    """Mean step the samples' versions name (``<key>@<step>`` or plain), and the share not this step's."""
-    numeric = [float(n) for v in versions if (n := version_step(v)) is not None]
-    mean = sum(numeric) / len(numeric) if numeric else math.nan
-    mixed = sum(not version_matches(v, key, step) for v in versions) / len(versions) if versions else 0.0
-    return mean, mixed
-
-
-def _attributed(result: Result, key: str) -> Result:
-    """An ok result whose samples name another run's weights is never part of this run's point: it
-    counts as a ``pin_violation`` skip (the file itself is left as it is, a fact for audit)."""
-    if result.ok and any(version_runs(v) - {key} for v in result.weight_versions):
-        return skip_result(result.unit, "pin_violation", "samples carry another run's weight version")
-    return result
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one prompt with ``c`` correct of ``n`` samples: 1 - C(n-c, k) / C(n, k)
-    (Chen et al. 2021), exact in integers."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def majority_score(answers: Sequence[str | None], scores: Sequence[float]) -> float:
-    """maj@n of one prompt: the score of the most frequent extracted answer.
-
-    Samples without an answer (``None``) do not vote; none at all scores 0. Ties go to the answer that
-    appears first in sample order, and the majority answer scores what its first sample scored.
-    """
-    counts: dict[str, int] = {}
-    first: dict[str, int] = {}
-    for i, answer in enumerate(answers):
-        if answer is not None:
-            counts[answer] = counts.get(answer, 0) + 1
-            first.setdefault(answer, i)
-    if not counts:
-        return 0.0
-    best = max(counts, key=lambda a: (counts[a], -first[a]))
-    return float(scores[first[best]])
-
-
-def correct(score: float, threshold: float = 1.0) -> bool:
-    """A sample counts as correct for pass@k when it got full credit (an ``env`` entry: its ``pass_threshold``)."""
-    return score >= threshold
-
-
-def _stderr(values: list[float]) -> float:
-    if len(values) < 2:
-        return math.nan
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return math.sqrt(var / len(values))
-
-
-@dataclass(frozen=True)
-class PromptMajor:
-    """A dataset's samples at one step in prompt-major order: every prompt's ``n_samples`` together, in
-    sample order, prompts in dataset order — the order an unsplit run's shards concatenate to."""
-
-    scores: list[float]
-    versions: list[str | None]
-    answers: list[str | None] | None  # None: some unit carries no answers (results from before them)
-
-
-def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
-    """The samples of a dataset's unit results (in :func:`ckpteval.coord.units.dataset_units` order) pooled per
-    prompt across the units of a shard's sample ranges (``samples_per_unit``); unsplit: concatenated."""
-    with_answers = all(len(r.answers) == len(r.scores) for r in units)
-    if spec.sample_parts == 1:
-        return PromptMajor([s for r in units for s in r.scores], [v for r in units for v in r.weight_versions],
-                           [a for r in units for a in r.answers] if with_answers else None)
-    out = PromptMajor([], [], [] if with_answers else None)
-    for first in range(0, len(units), spec.sample_parts):
-        parts = units[first : first + spec.sample_parts]
-        for p in range(len(prompt_range(spec, parts[0].unit.shard))):
-            for r in parts:
-                w = len(r.unit.sample_range(spec.n_samples))
-                out.scores.extend(r.scores[p * w : (p + 1) * w])
-                out.versions.extend(r.weight_versions[p * w : (p + 1) * w])
-                if out.answers is not None:
-                    out.answers.extend(r.answers[p * w : (p + 1) * w])
-    return out
-
-
-def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) -> DatasetScore:
-    """Every metric of one dataset at one step from its units' results (in :func:`ckpteval.coord.units.dataset_units`
-    order), pooled per prompt (:func:`prompt_major`)."""
-    pooled = prompt_major(spec, shards)
-    scores, versions = pooled.scores, pooled.versions
-    mean_v, mixed = _version_stats(key, step, versions)
-    n = spec.n_samples
-    threshold = spec.pass_threshold if isinstance(spec, EnvSpec) else 1.0
-    prompts = [scores[i : i + n] for i in range(0, len(scores), n)]
-    derived: dict[str, float] = {}
-    if prompts and all(len(p) == n for p in prompts):
-        for k in spec.pass_k:
-            derived[f"pass@{k}"] = sum(pass_at_k(n, sum(correct(x, threshold) for x in p), k) for p in prompts) / len(prompts)
-        if n > 1 and (answers := pooled.answers) is not None:  # old results carry no answers
-            votes = [majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)]
-            derived[f"maj@{n}"] = sum(votes) / len(votes)
-    return DatasetScore(
-        score=sum(scores) / len(scores) if scores else math.nan,
-        n=len(scores),
-        weight_version_mean=mean_v,
-        mixed_version_ratio=mixed,
-        stderr=_stderr([sum(p) / len(p) for p in prompts if p]),
-        derived=derived,
-        grader_timeouts=sum(r.grader_timeouts for r in shards),
-        counters=_sum_counters(shards),
-        extras=_mean_extras(shards),
-        attested=_attested(shards),
-    )
-
-
-def _attested(shards: list[Result]) -> float:
-    """The fraction of shards whose result says its weights were attested; nan if none says either way."""
-    known = [bool(r.attest.get("attested")) for r in shards if r.attest]
-    return sum(known) / len(known) if known else math.nan
-
-
-def point_fidelity(done: list[Result]) -> dict[str, float]:
-    """The worst canary comparison of a point's units: the largest ``max_abs_logprob_diff``, the smallest
-    ``argmax_agreement``, ``flagged`` 1 if any unit was over the threshold and kept ({} when no unit
-    compared a canary)."""
-    compared = [r.fidelity for r in done if r.fidelity]
-    if not compared:
-        return {}
-    worst = {"max_abs_logprob_diff": max(f["max_abs_logprob_diff"] for f in compared),
-             "argmax_agreement": min(f["argmax_agreement"] for f in compared)}
-    if any("flagged" in f for f in compared):  # eval.canary.on_fail flag: 1 when a unit was over the threshold
-        worst["flagged"] = max(f.get("flagged", 0.0) for f in compared)
-    return worst
-
-
-def point_cost(done: list[Result]) -> dict[str, float]:
-    """Every unit's ``cost`` summed (``gpus``: the largest engine seen), plus the verification seconds."""
-    total: dict[str, float] = {}
-    for r in done:
-        for name, value in r.cost.items():
-            total[name] = max(total.get(name, 0.0), value) if name == "gpus" else total.get(name, 0.0) + value
-    if total:
-        total["verify_s"] = sum(r.timings.get("verify_s", 0.0) for r in done)
-    return total
-
-
-def _sum_counters(shards: list[Result]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in shards:
-        for name, n in r.counters.items():
-            out[name] = out.get(name, 0) + n
-    return out
-
-
-def _mean_extras(shards: list[Result]) -> dict[str, float]:
-    sums: dict[str, list[float]] = {}
-    for r in shards:
-        for name, acc in r.extras.items():
-            total = sums.setdefault(name, [0.0, 0.0])
-            total[0] += acc["sum"]
-            total[1] += acc["n"]
-    return {name: s / n for name, (s, n) in sums.items() if n}
-
-
-def scorers_agree(shards: list[Result]) -> bool:
-    """Whether every shard that recorded a scorer identity recorded the same one."""
-    ids = {json.dumps(r.scorer, sort_keys=True) for r in shards if r.scorer}
-    return len(ids) <= 1
-
-
-def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> Point:
-    """The point of ``step`` from whatever results exist (possibly incomplete).
-
-    Only the datasets due at ``step`` (their ``every``) belong to it.
-    """
-    key = run_key(manifest)
-    units = units_for_step(manifest, step)
-    results = {u: _attributed(results[u], key) for u in units if u in results}
-    done = [results[u] for u in units if u in results]
-    skips: dict[str, int] = {}
-    for r in done:
-        if not r.ok:
-            skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
-    datasets, mixed = {}, []
-    for ds in datasets_due(manifest, step):
-        mine = [results.get(u) for u in dataset_units(ds, step)]
-        if all(r is not None and r.ok for r in mine):
-            if not scorers_agree(mine):  # type: ignore[arg-type]
-                mixed.append(ds.name)
-                continue
-            datasets[ds.name] = dataset_score(ds, key, step, mine)  # type: ignore[arg-type]
-    complete = len(done) == len(units)
-    return Point(
-        metrics=harness_point_metrics(manifest, step, results),
-        step=step,
-        complete=complete,
-        datasets=datasets,
-        skips=skips,
-        units_total=len(units),
-        units_done=len(done),
-        completed_at=max((r.written_at for r in done), default=None) if complete else None,
-        mixed_scorers=tuple(mixed),
-        cost=point_cost(done),
-        fidelity=point_fidelity(done),
-    )
-
-
-def harness_point_metrics(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> dict[str, float]:
-    """``"<task>/<metric>"`` for every lm-eval task of ``step`` with an ok result, plus its pin evidence."""
-    key = run_key(manifest)
-    out: dict[str, float] = {}
-    for spec in manifest.eval.harness:
-        for i, task in enumerate(spec.tasks):
-            r = results.get(WorkUnit(step, spec.name, i))
-            if r is None or not r.ok:
-                continue
-            out.update({f"{task}/{name}": value for name, value in r.metrics.items()})
-            mean_v, mixed = _version_stats(key, step, list(r.weight_versions))
-            out[f"{task}/weight_version/mean"] = mean_v
-            out[f"{task}/weight_version/mixed_version_ratio"] = mixed
-    return out
-
-
-def point_metrics(point: Point) -> dict[str, float]:
-    """The metric names of one point (docs/PROTOCOL.md §7; ``eval/lag_steps`` is added by the ingester)."""
-    metrics: dict[str, float] = {"eval/step": point.step}
-    for name, ds in point.datasets.items():
-        metrics[f"eval/{name}"] = ds.score
-        metrics[f"eval/{name}/weight_version/mean"] = ds.weight_version_mean
-        metrics[f"eval/{name}/weight_version/mixed_version_ratio"] = ds.mixed_version_ratio
-        metrics[f"eval/{name}/stderr"] = ds.stderr
-        metrics[f"eval/{name}/grader_timeouts"] = ds.grader_timeouts
-        for key, value in {**ds.derived, **ds.counters, **ds.extras}.items():
-            metrics[f"eval/{name}/{key}"] = value
-        if not math.isnan(ds.attested):
-            metrics[f"eval/{name}/attested"] = ds.attested
-    for key, value in point.cost.items():
-        metrics[f"eval/cost/{key}"] = value
-    for key, value in point.fidelity.items():
-        metrics[f"eval/fidelity/{key}"] = value
-    for name in point.mixed_scorers:
-        metrics[f"eval/{name}/scorer_mixed"] = 1.0
-    metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})
-    for reason, n in point.skips.items():
-        metrics[f"eval/skipped_{reason}"] = n
-    return metrics
-
-
 def write_point_skip(results_dir: Path, manifest: RunManifest, step: int, reason: str, message: str = "") -> None:
     """Record a whole point as skipped (trainer-side reasons: busy, export_failed): one skip per unit."""
     for unit in units_for_step(manifest, step):
-        write_result(results_dir, skip_result(unit, reason, message), per_step=manifest.per_step_dirs)
+        write_result(results_dir, skip_result(unit, reason, message))

@@ -5,10 +5,9 @@ own. Layout::
 
     RUN/run.json          manifest (ckpteval.coord.manifest)
     RUN/snapshots/        default staging root for exported snapshots (ckpteval.coord.snapshot)
-    RUN/leases/           one lease file per claimed work unit (ckpteval.coord.units); protocol 2: under
-                          leases/step-<N>/ (unit_dir), protocol 1 runs: flat
-    RUN/results/          one result JSON per work unit (ckpteval.coord.results); protocol 2: under
-                          results/step-<N>/, protocol 1 runs: flat (read either way)
+    RUN/leases/           one lease file per claimed work unit (ckpteval.coord.units), under
+                          leases/step-<N>/ (unit_dir)
+    RUN/results/          one result JSON per work unit (ckpteval.coord.results), under results/step-<N>/
     RUN/results/duplicates/  later copies of a unit's result (first writer wins), for audit
     RUN/results/step-<N>/step.summary  the step's results summed up for status and plot (ckpteval.coord.summary)
     RUN/adopted/          markers of foreign checkpoints admitted after quiescence (ckpteval.coord.discovery)
@@ -44,7 +43,7 @@ from ckpteval.coord.atomic import fsync_dir, read_json_object, write_json_atomic
 from ckpteval.coord.manifest import RunManifest, load_manifest, save_manifest
 
 SUBDIRS = ("snapshots", "leases", "results", "adopted", "data")
-STEP_DIR_PREFIX = "step-"  # results/step-<N>/, leases/step-<N>/ (protocol 2): one directory per step
+STEP_DIR_PREFIX = "step-"  # results/step-<N>/, leases/step-<N>/: one directory per step
 DUPLICATES = "duplicates"  # results/duplicates/: results that lost first-writer-wins, kept for audit
 # results/step-<N>/step.summary: what status and plot need of the step's results (ckpteval.coord.summary); not
 # "*.json", so no result reader takes it for a result
@@ -52,7 +51,7 @@ STEP_SUMMARY = "step.summary"
 
 
 def step_dir_name(step: int) -> str:
-    """``step-<10 digits>``: a step's directory under ``results/`` and ``leases/`` (protocol 2)."""
+    """``step-<10 digits>``: a step's directory under ``results/`` and ``leases/``."""
     return f"{STEP_DIR_PREFIX}{step:010d}"
 
 
@@ -62,14 +61,14 @@ def step_of_dir(name: str) -> int | None:
     return int(digits) if name.startswith(STEP_DIR_PREFIX) and digits.isdigit() else None
 
 
-def unit_dir(root: Path, step: int, per_step: bool) -> Path:
+def unit_dir(root: Path, step: int) -> Path:
     """Where a unit of ``step`` keeps its files under ``root`` (``results/`` or ``leases/``): its step's
-    directory when ``per_step`` (protocol 2, :attr:`RunManifest.per_step_dirs`), else ``root`` itself.
+    directory.
 
     Why per step: a run of 100k steps x 640 units is 64M files; Lustre serializes creates in one directory
     on its lock and every listing reads all of it. A step's directory holds only that step's units (a few
     thousand at most), and readers list only the steps they still wait for."""
-    return Path(root) / step_dir_name(step) if per_step else Path(root)
+    return Path(root) / step_dir_name(step)
 
 
 @dataclass(frozen=True)

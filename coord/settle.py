@@ -50,8 +50,6 @@ def vanished_units(run: RunDir) -> list[WorkUnit]:
 def settle_vanished(run: RunDir, why: str) -> list[WorkUnit]:
     """Write a ``ckpt_missing`` skip (message: ``why``) for every :func:`vanished_units` unit; returns them."""
     units = vanished_units(run)
-    per_step = run.manifest().per_step_dirs if units else False
     for unit in units:
-        write_result(run.results, skip_result(unit, "ckpt_missing", f"step {unit.step}: no snapshot remains; {why}"),
-                     per_step=per_step)
+        write_result(run.results, skip_result(unit, "ckpt_missing", f"step {unit.step}: no snapshot remains; {why}"))
     return units

@@ -16,12 +16,10 @@ Guarantees:
   what the marker lists, never that a model's config.json is there, so a LoRA adapter snapshot
   (``adapter_config.json`` + ``adapter_model.safetensors``, no config.json) verifies like any other.
 
-Why CRC-32 (zlib): it detects the faults that matter here (truncation, torn or bit-flipped pages) and
-runs at ≈3.8 GB/s on these machines vs ≈1.6 GB/s for SHA-256, with tmpfs writes at ≈2 GB/s, so
-computing it on the bytes while they are written does not halve export speed (numbers in
-bench/RESULTS.md). It is not a defence against a malicious writer, which is not in the threat model.
-
-Limits: ``fast`` verification cannot see a bit flip inside tensor data; ``full`` can, at one full read.
+Why CRC-32 (zlib): it detects the faults that matter here (truncation, torn or bit-flipped pages) at
+≈3.8 GB/s here vs ≈1.6 GB/s for SHA-256 (tmpfs writes: ≈2 GB/s; bench/RESULTS.md), so computing it on the
+bytes as they are written does not halve export speed. It is no defence against a malicious writer (not
+in the threat model). Limits: ``fast`` verification cannot see a bit flip in tensor data; ``full`` can.
 """
 
 from __future__ import annotations

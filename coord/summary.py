@@ -36,7 +36,8 @@ from typing import Any
 
 from ckpteval.coord.atomic import dumps, write_bytes_atomic
 from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, ResultIndex, derive_point, is_result_name, result_names
+from ckpteval.coord.points import derive_point
+from ckpteval.coord.results import Result, ResultIndex, result_names
 from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name, step_of_dir
 from ckpteval.coord.units import WorkUnit, units_for_step
 
@@ -129,10 +130,10 @@ def write_step_summary(index: ResultIndex, manifest: RunManifest, step: int) -> 
 
     Nothing is written when that read was not whole (:meth:`ResultIndex.step_read`) or the directory lists
     other result names now (one landed since the read): readers then read the step's results, as without a
-    summary. Nor for a protocol 1 run (no step directories). An OSError (a read-only run dir, a full disk)
+    summary. An OSError (a read-only run dir, a full disk)
     is swallowed: a summary is only a shortcut, never a reason for ingestion to fail.
     """
-    read = index.step_read(step) if manifest.per_step_dirs else None
+    read = index.step_read(step)
     if read is None or not read[0]:
         return False
     names, results = read
@@ -151,19 +152,17 @@ def write_step_summary(index: ResultIndex, manifest: RunManifest, step: int) -> 
 def read_step_facts(results_dir: Path, manifest: RunManifest) -> tuple[dict[int, StepFacts], dict[str, str]]:
     """The facts of every step with a result under ``results_dir``, and the malformed result files (name
     relative to ``results/`` -> why): one listing of ``results/`` and one per step directory; a step whose
-    summary is fresh is read from it, any other from its result files (:class:`ResultIndex`). A run with flat
-    results (protocol 1) is read in full. Never writes."""
+    summary is fresh is read from it, any other from its result files (:class:`ResultIndex`). Never writes."""
     try:
         top = list(os.scandir(results_dir))
     except FileNotFoundError:
         return {}, {}
-    flat = any(is_result_name(e.name) for e in top)
     run = manifest_digest(manifest)
     facts: dict[int, StepFacts] = {}
     stale: list[int] = []
     for entry in top:
         step = step_of_dir(entry.name)
-        if step is None or flat or not entry.is_dir():
+        if step is None or not entry.is_dir():
             continue
         try:
             names = result_names(Path(entry.path))
@@ -177,7 +176,7 @@ def read_step_facts(results_dir: Path, manifest: RunManifest) -> tuple[dict[int,
         else:
             facts[step] = found
     index = ResultIndex(results_dir)
-    index.refresh(only_steps=None if flat else stale)
+    index.refresh(only_steps=stale)
     again = index.steps() & set(facts)  # a result moved by hand into another step's directory: read both
     if again:
         index.refresh(only_steps=again)

@@ -1,7 +1,6 @@
-"""Work units ``(step, dataset, shard[, sample range])`` and their claims.
+"""Which work units a step has (:class:`~ckpteval.coord.workunit.WorkUnit`, asked of the entries) and their claims.
 
-A unit is claimed through a lease file ``leases/<unit>.lock`` (``leases/step-<N>/<unit>.lock`` in a
-protocol 2 run, :func:`ckpteval.coord.rundir.unit_dir`): a :class:`ckpteval.coord.lease.UnitLease` — one
+A unit is claimed through a lease file ``leases/step-<N>/<unit>.lock`` (:func:`ckpteval.coord.rundir.unit_dir`): a :class:`ckpteval.coord.lease.UnitLease` — one
 ``O_EXCL`` create to claim, one ``unlink`` to release, filelock's owner record inside, refreshed by one
 heartbeat thread per worker. A contender takes a claim over only after observing it *unchanged* for
 ``lease.duration_s`` on its own monotonic clock (clock skew between nodes cannot expire a live claim), or at
@@ -25,7 +24,6 @@ of hundreds polling the same step costs the metadata server one ``lstat`` per he
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 import zlib
@@ -33,7 +31,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import filelock
 from filelock._soft import parse_marker  # filelock's parser of its owner record
@@ -42,103 +39,19 @@ from ckpteval.coord.atomic import append_and_count_lines
 from ckpteval.coord.lease import LeaseKeeper, UnitLease
 from ckpteval.coord.manifest import DatasetSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import STEP_DIR_PREFIX, unit_dir
-
-SAMPLES_RE = re.compile(r"s(\d+)-(\d+)")  # the sample range of a split unit's id: s<start>-<stop>
-
-
-@dataclass(frozen=True, order=True)
-class WorkUnit:
-    """One unit of work: a prompt shard of a dataset at a step, and — when the dataset splits samples
-    (``samples_per_unit``) — the half-open sample range ``[sample_start, sample_stop)`` of each of its
-    prompts. ``sample_stop == 0``: every sample of the prompts (the unsplit unit, whose id has no range)."""
-
-    step: int
-    dataset: str
-    shard: int
-    sample_start: int = 0
-    sample_stop: int = 0
-
-    @property
-    def id(self) -> str:
-        base = f"{self.step:010d}.{self.dataset}.{self.shard:05d}"
-        return f"{base}.s{self.sample_start:05d}-{self.sample_stop:05d}" if self.sample_stop else base
-
-    @classmethod
-    def from_id(cls, unit_id: str) -> WorkUnit:
-        parts = unit_id.split(".")
-        samples = SAMPLES_RE.fullmatch(parts[3]) if len(parts) == 4 else None
-        if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[2].isdigit() or (
-            len(parts) == 4 and (samples is None or int(samples[1]) >= int(samples[2]))
-        ):
-            raise ValueError(f"{unit_id!r} is not a unit id (<step>.<dataset>.<shard>[.s<start>-<stop>])")
-        start, stop = (int(samples[1]), int(samples[2])) if samples else (0, 0)
-        return cls(int(parts[0]), parts[1], int(parts[2]), start, stop)
-
-    def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"step": self.step, "dataset": self.dataset, "shard": self.shard}
-        if self.sample_stop:
-            out["samples"] = [self.sample_start, self.sample_stop]
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> WorkUnit:
-        """The unit of a result's ``unit`` object (KeyError/TypeError/ValueError when malformed)."""
-        start, stop = obj.get("samples") or (0, 0)
-        unit = cls(int(obj["step"]), str(obj["dataset"]), int(obj["shard"]), int(start), int(stop))
-        if unit.sample_stop and not 0 <= unit.sample_start < unit.sample_stop:
-            raise ValueError(f"samples {[start, stop]} is not a sample range [start, stop)")
-        return unit
-
-    @property
-    def label(self) -> str:
-        """How logs name the unit: ``addition[0]``, or ``aime[3] samples 16-32`` when split."""
-        where = f"{self.dataset}[{self.shard}]"
-        return f"{where} samples {self.sample_start}-{self.sample_stop}" if self.sample_stop else where
-
-    def sample_range(self, n_samples: int) -> range:
-        """The sample indices (of each of its prompts) this unit generates: absolute, so seeds never change."""
-        return range(self.sample_start, self.sample_stop) if self.sample_stop else range(n_samples)
-
-    @property
-    def result_name(self) -> str:
-        """File name of this unit's result under ``results/``."""
-        return f"{self.id}.json"
-
-    def result_name_at(self, generation: int) -> str:
-        """File name of the unit's result of ``generation`` (0: :attr:`result_name`; k > 0: a re-evaluation
-        after an infrastructure skip, ``<id>.retry<k>.json``, see :mod:`ckpteval.coord.results`)."""
-        return self.result_name if generation == 0 else f"{self.id}.retry{generation}.json"
-
-
-def datasets_due(manifest: RunManifest, step: int) -> list[DatasetSpec]:
-    """The datasets evaluated at ``step``: those whose ``every`` divides it (all of them at step 0)."""
-    return [ds for ds in manifest.eval.datasets if ds.due(step)]
+from ckpteval.coord.workunit import WorkUnit
 
 
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
-    """Every unit of one eval point: each dataset due at ``step`` split into ``ceil(n_prompts / shard_size)``
-    shards (each in ``sample_parts`` sample ranges when the dataset sets ``samples_per_unit``), plus one unit
-    per task of each ``lm_eval`` entry. A dataset with ``every`` > 1 has no units at the steps it is not due
-    (it is not skipped there: it is simply not part of that point)."""
-    return [u for ds in datasets_due(manifest, step) for u in dataset_units(ds, step)] + harness_units(manifest, step)
-
-
-def dataset_units(ds: DatasetSpec, step: int) -> list[WorkUnit]:
-    """The units of one dataset at ``step``, shard-major, each shard's sample ranges in order."""
-    if ds.sample_parts == 1:
-        return [WorkUnit(step, ds.name, s) for s in range(ds.n_shards)]
-    m = ds.n_samples // ds.sample_parts
-    return [WorkUnit(step, ds.name, s, k * m, (k + 1) * m) for s in range(ds.n_shards) for k in range(ds.sample_parts)]
-
-
-def harness_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
-    """The units of the ``lm_eval`` entries at ``step``: shard ``i`` of an entry runs its ``tasks[i]``."""
-    return [WorkUnit(step, h.name, i) for h in manifest.eval.harness for i in range(h.n_shards)]
+    """Every unit of one eval point: the units of each entry due at ``step`` (:meth:`Entry.units`), in
+    run.json order. An entry with ``every`` > 1 has no units at the steps it is not due (it is not skipped
+    there: it is simply not part of that point)."""
+    return [u for e in manifest.eval.entries if e.due(step) for u in e.units(step)]
 
 
 def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
     """The prompt indices a unit covers."""
-    return prompt_range(manifest.dataset(unit.dataset), unit.shard)
+    return prompt_range(manifest.entry(unit.dataset), unit.shard)
 
 
 def prompt_range(ds: DatasetSpec, shard: int) -> range:
@@ -149,7 +62,7 @@ def prompt_range(ds: DatasetSpec, shard: int) -> range:
 
 def unit_samples(manifest: RunManifest, unit: WorkUnit) -> range:
     """The sample indices (of each prompt) a unit generates."""
-    return unit.sample_range(manifest.dataset(unit.dataset).n_samples)
+    return unit.sample_range(manifest.entry(unit.dataset).n_samples)
 
 
 LEASE_SUFFIX = ".lock"
@@ -157,16 +70,15 @@ WATCHERS_PER_UNIT = 4  # workers of a busy fleet that watch one held unit for ex
 ATTEMPTS_SUFFIX = ".attempts"
 
 
-def lease_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Path:
-    """The lease file of a unit: ``leases/<unit id>.lock``, or ``leases/step-<N>/<unit id>.lock`` given the
-    unit's ``step`` (a protocol 2 run: :func:`ckpteval.coord.rundir.unit_dir`)."""
-    return unit_dir(leases_dir, step or 0, step is not None) / f"{unit_id}{LEASE_SUFFIX}"
+def lease_path(leases_dir: Path, unit_id: str, step: int) -> Path:
+    """The lease file of a unit of ``step``: ``leases/step-<N>/<unit id>.lock`` (:func:`ckpteval.coord.rundir.unit_dir`)."""
+    return unit_dir(leases_dir, step) / f"{unit_id}{LEASE_SUFFIX}"
 
 
-def attempts_path(leases_dir: Path, unit_id: str, step: int | None = None) -> Path:
+def attempts_path(leases_dir: Path, unit_id: str, step: int) -> Path:
     """The claim count of a unit: ``<unit id>.attempts`` next to its lease file (:func:`lease_path`), one
     line (the claimer's pid) per claim."""
-    return unit_dir(leases_dir, step or 0, step is not None) / f"{unit_id}{ATTEMPTS_SUFFIX}"
+    return unit_dir(leases_dir, step) / f"{unit_id}{ATTEMPTS_SUFFIX}"
 
 
 def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
@@ -185,11 +97,11 @@ def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
 
 
 def lease_holders(leases_dir: Path) -> dict[str, filelock.OwnerRecord]:
-    """unit id -> owner record of every lease file that has one right now (a snapshot, racy by nature),
-    in either layout (flat, or per step)."""
+    """unit id -> owner record of every lease file (under ``leases/step-<N>/``) that has one right now (a
+    snapshot, racy by nature)."""
     held = {}
     leases_dir = Path(leases_dir)
-    for path in [*leases_dir.glob(f"*{LEASE_SUFFIX}"), *leases_dir.glob(f"{STEP_DIR_PREFIX}*/*{LEASE_SUFFIX}")]:
+    for path in leases_dir.glob(f"{STEP_DIR_PREFIX}*/*{LEASE_SUFFIX}"):
         try:
             record = read_lease_holder(path)
         except FileNotFoundError:
@@ -222,14 +134,10 @@ class Claim:
 class UnitClaimer:
     """Claims units of one run for one worker process."""
 
-    def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None,
-                 per_step: bool = True) -> None:
+    def __init__(self, leases_dir: Path, settings: LeaseSettings, results_dir: Path | None = None) -> None:
         self.leases_dir = Path(leases_dir)
         self.settings = settings
         self.results_dir = Path(results_dir) if results_dir is not None else None
-        # protocol 2 (every new run): leases and results in per-step directories (ckpteval.coord.rundir); a
-        # protocol 1 run's callers pass False (RunManifest.per_step_dirs)
-        self.per_step = per_step
         self.recheck_s = settings.heartbeat_s / 2  # a held marker changes once per heartbeat at most
         self.keeper = LeaseKeeper(settings.heartbeat_s)
         self._leases: dict[str, UnitLease] = {}
@@ -240,7 +148,7 @@ class UnitClaimer:
         lease = self._leases.get(unit.id)
         if lease is None:
             flag = self._flags.setdefault(unit.id, threading.Event())
-            lease = UnitLease(lease_path(self.leases_dir, unit.id, self._step(unit)), self.settings.duration_s,
+            lease = UnitLease(lease_path(self.leases_dir, unit.id, unit.step), self.settings.duration_s,
                               self.keeper, on_compromise=flag.set)
             self._leases[unit.id] = lease
         return lease
@@ -279,7 +187,7 @@ class UnitClaimer:
         directory) once and passes over the units listed there without a syscall — except the held units
         this worker watches for expiry (about :data:`WATCHERS_PER_UNIT` workers of a fleet each, chosen by
         pid). A walk that claims nothing then looks at every held unit it passed over, so expired claims
-        are taken over by idle workers whatever the fleet's size. Flat (protocol 1) lease dirs are not listed.
+        are taken over by idle workers whatever the fleet's size.
         """
         held: dict[int, frozenset[str]] = {}  # step -> unit ids with a lease file, listed in this walk
         done: dict[int, frozenset[str]] = {}  # step -> result names, listed in this walk
@@ -295,9 +203,9 @@ class UnitClaimer:
             outcome = self._attempt(unit, generation)
             if isinstance(outcome, Claim):
                 return outcome
-            if self.per_step and outcome == "held" and unit.step not in held:
+            if outcome == "held" and unit.step not in held:
                 held[unit.step] = self._listed(self.leases_dir, unit.step, LEASE_SUFFIX)
-            elif self.per_step and outcome == "done" and unit.step not in done and self.results_dir is not None:
+            elif outcome == "done" and unit.step not in done and self.results_dir is not None:
                 done[unit.step] = self._listed(self.results_dir, unit.step, "")
         for unit in passed:  # nothing free: watch them all for expiry (each at most once per recheck_s)
             if (claim := self.try_claim(unit, generations.get(unit, 0))) is not None:
@@ -313,7 +221,7 @@ class UnitClaimer:
     def _listed(root: Path, step: int, suffix: str) -> frozenset[str]:
         """The names in a step's directory under ``root`` (one listing), less ``suffix``."""
         try:
-            names = os.listdir(unit_dir(root, step, True))
+            names = os.listdir(unit_dir(root, step))
         except FileNotFoundError:
             return frozenset()
         return frozenset(n[: len(n) - len(suffix)] for n in names if n.endswith(suffix)) if suffix else frozenset(names)
@@ -326,10 +234,7 @@ class UnitClaimer:
 
     def _has_result(self, unit: WorkUnit, generation: int = 0) -> bool:
         return self.results_dir is not None and (
-            unit_dir(self.results_dir, unit.step, self.per_step) / unit.result_name_at(generation)).exists()
-
-    def _step(self, unit: WorkUnit) -> int | None:
-        return unit.step if self.per_step else None
+            unit_dir(self.results_dir, unit.step) / unit.result_name_at(generation)).exists()
 
     def claim_first(self, candidates: Iterable[WorkUnit], generations: dict[WorkUnit, int] | None = None) -> Claim | None:
         """The first unit of ``candidates`` (already ordered by the caller) that can be claimed, each at its
@@ -349,7 +254,7 @@ class UnitClaimer:
     def _count_attempt(self, unit: WorkUnit) -> int:
         """Attempt number of this claim: one line per claim appended to ``<unit>.attempts`` (one open; not
         fsync'd: a line lost in a node crash only allows one more attempt of the unit)."""
-        path = attempts_path(self.leases_dir, unit.id, self._step(unit))
+        path = attempts_path(self.leases_dir, unit.id, unit.step)
         return max(1, append_and_count_lines(path, f"{self._pid}\n".encode()))
 
 

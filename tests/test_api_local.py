@@ -92,7 +92,7 @@ def test_checkpoint_stops_the_worker_and_requeues(tmp_path: Path, worker_env: No
     def holder() -> tuple[str, int] | None:
         held = lease_holder_pid(run)
         return next(((u, pid) for u, pid in held.items()
-                     if not (unit_dir(run.results, WorkUnit.from_id(u).step, True) / f"{u}.json").exists()), None)
+                     if not (unit_dir(run.results, WorkUnit.from_id(u).step) / f"{u}.json").exists()), None)
 
     unit, worker_pid = wait_for(holder, 60, 0.1, "a worker holding a lease")
     with open(f"/proc/{worker_pid}/stat") as f:

@@ -426,8 +426,9 @@ def test_the_stand_in_answers_weights_checker_as_sglang_does(tmp_path: Path) -> 
 
 # -- what a point cost (#19 §3) ---------------------------------------------------------------------------
 def test_units_record_their_cost_and_the_point_and_status_sum_it(tmp_path: Path) -> None:
-    from ckpteval.coord.results import derive_point, point_metrics, write_result
-    from ckpteval.jobs.views.status import cost_line
+    from ckpteval.coord.points import derive_point, point_metrics
+    from ckpteval.coord.results import write_result
+    from ckpteval.jobs.views.status import collect_status, cost_line
 
     run, refs = _run_with_steps(tmp_path, (1,))
     engine = HFEngine()

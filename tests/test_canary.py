@@ -134,7 +134,7 @@ def test_the_runs_canary_policy_skips_or_flags_a_unit_over_its_threshold(snapsho
     from dataclasses import replace
 
     from ckpteval.coord.manifest import CanarySettings, save_manifest
-    from ckpteval.coord.results import point_fidelity
+    from ckpteval.coord.points import point_fidelity
 
     run, _ = snapshot
     manifest = run.manifest()

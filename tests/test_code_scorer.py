@@ -25,15 +25,15 @@ import pytest
 
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import dataset_score, derive_point, point_metrics
+from ckpteval.coord.points import dataset_score, derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.sandbox import probe_bwrap
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
 from ckpteval.jobs.eval.scorers.code import extract_code, harness_stdin, row_tests, same_output
-from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.sandbox import survivors
@@ -164,7 +164,7 @@ def test_a_sandbox_that_stops_starting_is_an_infra_failure_never_a_zero(tmp_path
 def code_run(tmp: Path, rows: list[dict[str, Any]], **kw: Any) -> RunDir:
     run = RunDir.create(tmp / "run")
     write_jsonl(run.data / "code.jsonl", rows)
-    manifest = RunManifest(run_id="test-code", eval=EvalSpec(datasets=(spec(rows, **kw),)),
+    manifest = RunManifest(run_id="test-code", eval=EvalSpec(entries=(spec(rows, **kw),)),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(run.path, manifest)
     publish_snapshot(run.snapshots, 1, lambda d: write_tiny_shards(d))

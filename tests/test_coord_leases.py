@@ -148,10 +148,10 @@ def test_compromised_claim_is_flagged(tmp_path: Path) -> None:
     """A holder whose claim was taken over (it stalled past expiry) learns it must abandon the unit."""
     duration = 2.0
     settings = LeaseSettings(duration, 0.5)
-    mine = UnitClaimer(tmp_path, settings, per_step=False).try_claim(WorkUnit(3, "ds", 0))
+    mine = UnitClaimer(tmp_path, settings).try_claim(WorkUnit(3, "ds", 0))
     assert mine is not None
     # simulate the stall from the contender's side: replace the marker like a takeover does
-    lock = tmp_path / f"{WorkUnit(3, 'ds', 0).id}.lock"
+    lock = lease_path(tmp_path, WorkUnit(3, "ds", 0).id, 3)
     lock.unlink()
     lock.write_text("someone else")
     deadline = time.monotonic() + 10
@@ -164,20 +164,20 @@ def test_compromised_claim_is_flagged(tmp_path: Path) -> None:
 def test_lease_holder_is_read_from_filelocks_owner_record(tmp_path: Path) -> None:
     """The holder (pid, host, token) comes from the marker filelock wrote; no file means nobody holds it."""
     unit = WorkUnit(4, "ds", 1)
-    claim = UnitClaimer(tmp_path, LeaseSettings(30.0, 5.0), per_step=False).try_claim(unit)
+    claim = UnitClaimer(tmp_path, LeaseSettings(30.0, 5.0)).try_claim(unit)
     assert claim is not None
     try:
-        holder = read_lease_holder(lease_path(tmp_path, unit.id))
+        holder = read_lease_holder(lease_path(tmp_path, unit.id, unit.step))
         assert holder is not None
         assert (holder.pid, holder.token) == (os.getpid(), claim.token)
         assert {u: r.pid for u, r in lease_holders(tmp_path).items()} == {unit.id: os.getpid()}
     finally:
         claim.release()
     with pytest.raises(FileNotFoundError):
-        read_lease_holder(lease_path(tmp_path, unit.id))
+        read_lease_holder(lease_path(tmp_path, unit.id, unit.step))
     assert lease_holders(tmp_path) == {}
-    lease_path(tmp_path, unit.id).write_bytes(b"pid=12")  # torn: no complete record
-    assert read_lease_holder(lease_path(tmp_path, unit.id)) is None
+    lease_path(tmp_path, unit.id, unit.step).write_bytes(b"pid=12")  # torn: no complete record
+    assert read_lease_holder(lease_path(tmp_path, unit.id, unit.step)) is None
 
 
 STALLED_HOLDER = textwrap.dedent(
@@ -303,3 +303,17 @@ def test_a_walk_lists_a_contended_step_once_and_passes_over_its_held_units(tmp_p
         for c in held:
             assert c is not None
             c.release()
+
+
+
+def test_installed_filelock_is_inside_the_bound_the_lease_code_was_tested_with() -> None:
+    """coord/lease.py reads and writes filelock's owner record through its private names: the dependency is
+    bounded to one minor (pyproject.toml), and the filelock these tests ran on must be inside that bound."""
+    import tomllib
+    from importlib.metadata import version
+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.startswith("filelock")]
+    low, high = spec.removeprefix("filelock>=").split(",<")
+    installed = tuple(int(x) for x in version("filelock").split(".")[:3])
+    assert tuple(int(x) for x in low.split(".")) <= installed < tuple(int(x) for x in high.split(".")), (spec, installed)

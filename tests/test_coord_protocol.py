@@ -15,15 +15,8 @@ import ckpteval.coord.discovery as discovery_mod
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import (
-    ResultIndex,
-    derive_point,
-    ok_result,
-    point_metrics,
-    skip_result,
-    write_point_skip,
-    write_result,
-)
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_point_skip, write_result
 from ckpteval.coord.snapshot import mark_complete, publish_snapshot
 from ckpteval.coord.units import WorkUnit, order_units, units_for_step
 from ckpteval.jobs.trainer.config import DispatchConfig, filesystem_type
@@ -167,10 +160,11 @@ def test_weight_version_metrics_and_skips(tmp_path: Path) -> None:
 
 def test_malformed_result_is_reported_not_trusted(tmp_path: Path) -> None:
     run = make_run(tmp_path)
-    (run.results / "0000000001.add.00000.json").write_text('{"unit": {"step": 1}}')
+    (run.results / "step-0000000001").mkdir()
+    (run.results / "step-0000000001" / "0000000001.add.00000.json").write_text('{"unit": {"step": 1}}')
     index = ResultIndex(run.results)
     assert index.refresh() == {}
-    assert "malformed result" in index.errors["0000000001.add.00000.json"]
+    assert "malformed result" in index.errors["step-0000000001/0000000001.add.00000.json"]
 
 
 def test_point_skip_covers_every_unit(tmp_path: Path) -> None:
@@ -236,7 +230,8 @@ def test_gc_spares_live_leases_until_seen_expired(tmp_path: Path) -> None:
     root, leases = tmp_path / "staging", tmp_path / "leases"
     leases.mkdir()
     publish_snapshot(root, 1, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
-    (leases / "0000000001.add.00000.lock").write_text("held")
+    (leases / "step-0000000001").mkdir()
+    (leases / "step-0000000001" / "0000000001.add.00000.lock").write_text("held")
     now = [0.0]
     gc = StagingGC(root, leases, lease_duration_s=30, keep=0, clock=lambda: now[0])
     assert gc.collect({1}).deleted == []

@@ -1,5 +1,5 @@
-"""Issue 20: results and leases in one directory per step (protocol 2), protocol 1 run dirs still read and
-written flat, and the per-unit savings that must not weaken a guarantee (verification once per snapshot,
+"""Issue 20: results and leases in one directory per step (protocol 2; a protocol 1 run dir is refused, #27),
+and the per-unit savings that must not weaken a guarantee (verification once per snapshot,
 one unit thread per worker).
 
 Real workers (in this process) with the real fn backend ``tests.support.workers:SumBackend`` on real
@@ -8,7 +8,6 @@ safetensors snapshots.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -20,11 +19,9 @@ from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir, step_dir_name
 from ckpteval.coord.snapshot import SnapshotCorrupt, VerifiedSnapshots, publish_snapshot, read_marker
 from ckpteval.coord.units import WorkUnit, lease_holders
-from ckpteval.jobs.eval.backfill import main as backfill_main
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.runner import UnitRunner
 from ckpteval.jobs.lifecycle import EXIT_DONE
-from ckpteval.jobs.views.status import collect_status
 from tests.support.runs import write_tiny_shards
 from tests.support.workers import counted_claimers, make_eval_run, results, run_inprocess
 
@@ -47,7 +44,7 @@ def _files(root: Path) -> list[str]:
 
 def test_a_new_run_keeps_each_steps_results_and_leases_in_its_own_directory(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2)
-    assert load_manifest(run.manifest_path).protocol == 2 and run.manifest().per_step_dirs
+    assert load_manifest(run.manifest_path).protocol == 2
     for step in (1, 2):
         _snapshot(run, step)
     assert _work(run) == EXIT_DONE
@@ -58,48 +55,42 @@ def test_a_new_run_keeps_each_steps_results_and_leases_in_its_own_directory(tmp_
     assert counted_claimers(run, units[0].id) and lease_holders(run.leases) == {}
 
 
-def test_a_protocol_1_run_dir_keeps_working_flat(tmp_path: Path) -> None:
-    """An old run (``"protocol": 1``, results written flat by the old code) is read as it is, its missing units
-    are written flat next to the old ones (never in a step dir nobody of the old layout reads), status shows
-    it, and a second backfill finds nothing to do."""
+def test_a_protocol_1_run_dir_is_refused_in_one_line_naming_the_version(tmp_path: Path) -> None:
+    """Protocol 1 (flat results/ and leases/) was never released: its run dir is not read, nor written to,
+    by any reader — the worker and backfill stop at run.json with one line that names the version."""
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2)
-    old = dataclasses.replace(run.manifest(), protocol=1)
-    run.manifest_path.write_text(json.dumps(old.to_json()))
-    assert not run.manifest().per_step_dirs
-    for step in (1, 2):
-        _snapshot(run, step)
-    done = WorkUnit(1, "addition", 0)
-    write_result(run.results, ok_result(done, [0.5, 0.5], ["1", "1"]), per_step=False)  # what protocol 1 code wrote
-    assert (run.results / done.result_name).is_file()
-    assert _work(run) == EXIT_DONE
-    got = results(run)
-    assert len(got) == 4 and got[done].scores == (0.5, 0.5)  # the old result is the unit's result
-    assert _files(run.results) == sorted(u.result_name for u in got)  # all flat, no step-* dir
-    assert _files(run.leases) == sorted(f"{u.id}.attempts" for u in got if u != done)
-    assert collect_status(run.path)["units"]["done"] == 4
-    assert backfill_main(["--run-dir", str(run.path), "--engine", FN, "--poll-interval", "0.1"]) == EXIT_DONE
-    assert _files(run.results) == sorted(u.result_name for u in got)
+    run.manifest_path.write_text(json.dumps({**run.manifest().to_json(), "protocol": 1}))
+    _snapshot(run, 1)
+    with pytest.raises(ValueError) as e:
+        load_manifest(run.manifest_path)
+    line = str(e.value)
+    assert "\n" not in line and str(run.manifest_path) in line
+    assert "protocol is 1; this ckpteval reads only protocol 2 run dirs" in line
+    with pytest.raises(ValueError, match="protocol is 1"):
+        _work(run)
+    assert _files(run.results) == [] and _files(run.leases) == []  # nothing written in the old run dir
 
 
 def test_a_run_json_of_an_unknown_protocol_is_refused_naming_the_field(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path)
     obj = {**run.manifest().to_json(), "protocol": 3}
-    with pytest.raises(ValueError, match=r"run.json.*protocol.*is 3; this ckpteval speaks protocols 1, 2"):
+    with pytest.raises(ValueError, match=r"run.json.*protocol.*is 3; this ckpteval reads only protocol 2"):
         parse_manifest(obj, run.manifest_path)
 
 
-def test_result_index_reads_both_layouts_and_lists_only_the_steps_it_waits_for(tmp_path: Path) -> None:
-    flat, per_step = WorkUnit(1, "ds", 0), WorkUnit(2, "ds", 0)
-    write_result(tmp_path, ok_result(flat, [1.0], ["1"]), per_step=False)
-    write_result(tmp_path, ok_result(per_step, [1.0], ["2"]), per_step=True)
-    assert not write_result(tmp_path, ok_result(per_step, [0.0], ["2"]), per_step=True)  # first writer won
+def test_result_index_reads_step_dirs_only_and_lists_only_the_steps_it_waits_for(tmp_path: Path) -> None:
+    unit = WorkUnit(2, "ds", 0)
+    (tmp_path / WorkUnit(1, "ds", 0).result_name).write_text(json.dumps(ok_result(WorkUnit(1, "ds", 0), [1.0],
+                                                                                   ["1"]).to_json()))
+    write_result(tmp_path, ok_result(unit, [1.0], ["2"]))
+    assert not write_result(tmp_path, ok_result(unit, [0.0], ["2"]))  # first writer won
     index = ResultIndex(tmp_path)
-    assert set(index.refresh()) == {flat, per_step} and index.get(per_step).scores == (1.0,)
+    assert set(index.refresh()) == {unit} and index.get(unit).scores == (1.0,)  # a flat file is no result
     later = WorkUnit(2, "ds", 1)
-    write_result(tmp_path, ok_result(later, [1.0], ["2"]), per_step=True)
+    write_result(tmp_path, ok_result(later, [1.0], ["2"]))
     assert later not in index.refresh(skip_steps={2})  # a settled step's directory is not listed again
     assert later in index.refresh()
-    assert set(ResultIndex(tmp_path).refresh(only_steps={2})) == {per_step, later}  # results/ itself not listed
+    assert set(ResultIndex(tmp_path).refresh(only_steps={2})) == {unit, later}  # results/ itself not listed
 
 
 def test_verification_is_remembered_per_marker_and_failures_never(tmp_path: Path) -> None:

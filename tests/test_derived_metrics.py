@@ -15,16 +15,9 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.results import (
-    ResultIndex,
-    derive_point,
-    majority_score,
-    ok_result,
-    pass_at_k,
-    point_metrics,
-    write_result,
-)
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.points import derive_point, majority_score, pass_at_k, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
+from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import shard_range, units_for_step
 
 
@@ -56,7 +49,7 @@ def test_maj_at_n_ties_go_to_the_answer_seen_first_and_none_does_not_vote() -> N
 
 def _run(tmp: Path, *specs: DatasetSpec) -> tuple[RunDir, RunManifest]:
     manifest = RunManifest(
-        run_id="metrics", eval=EvalSpec(datasets=specs), snapshot_roots=(str(tmp / "run" / "snapshots"),),
+        run_id="metrics", eval=EvalSpec(entries=specs), snapshot_roots=(str(tmp / "run" / "snapshots"),),
         lease=LeaseSettings(30.0, 5.0),
     )
     return RunDir.create(tmp / "run", manifest), manifest
@@ -133,7 +126,8 @@ def test_old_results_without_extracted_answers_derive_the_same_points(tmp_path: 
                "scores": scores[lo:hi], "weight_versions": ["7"] * 4, "skip_reason": None, "message": "",
                "timings": {}, "worker": {"host": "h", "pid": 1}, "lease_token": "t", "attempt": 1,
                "snapshot": "/s", "written_at": 1.0}
-        (run.results / unit.result_name).write_text(json.dumps(old))
+        unit_dir(run.results, unit.step).mkdir(exist_ok=True)
+        (unit_dir(run.results, unit.step) / unit.result_name).write_text(json.dumps(old))
     old_metrics, new_metrics = _metrics(run, manifest, 7), _metrics(new_run, manifest, 7)
     assert "eval/add/maj@2" not in old_metrics  # nothing to vote on: not invented
     assert {k: v for k, v in new_metrics.items() if k != "eval/add/maj@2"} == old_metrics
@@ -172,7 +166,8 @@ def test_manifest_validates_the_new_dataset_fields(tmp_path: Path) -> None:
     assert (ds.pass_k, ds.every, ds.prompt_format, ds.system_prompt) == ((1, 4), 3, "chat", "be brief")
     assert parse().eval.datasets[0].prompt_format == "raw"  # old manifests: today's behaviour
     assert parse(generate_timeout_s=60).eval.datasets[0].generate_timeout_s == 60.0
-    assert "generate_timeout_s" not in parse().to_json()["eval"]["datasets"][0]  # unset: not written
+    assert parse().to_json()["eval"]["datasets"][0]["generate_timeout_s"] is None  # unset: written as null
+    assert parse_manifest(parse().to_json(), tmp_path / "run.json") == parse()  # and read back the same
     for bad, match in [({"pass_k": [2]}, "pass_k has k=2"), ({"n_samples": 2, "pass_k": [1, 1]}, "twice"),
                        ({"every": 0}, "every must be >= 1"), ({"prompt_format": "xml"}, "prompt_format"),
                        ({"system_prompt": "x"}, "needs prompt_format 'chat'"),

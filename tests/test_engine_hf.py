@@ -47,6 +47,35 @@ def test_hf_engine_implements_the_engine_protocol() -> None:
     assert isinstance(HFEngine(), Engine)
 
 
+def test_optional_engine_capabilities_are_declared_protocols_a_pool_answers_through_its_members() -> None:
+    """The capabilities only some engines have (issue 27) are runtime-checkable protocols in engines/base.py:
+    the in-process engine digests its weights, teacher-forces and reports its dtype and GPUs, launches no
+    server; a pool of two answers GPUs and launch time as the sum of its members'."""
+    from ckpteval.jobs.eval.engines.base import (
+        ChecksumsWeights,
+        DigestsWeights,
+        LaunchesServer,
+        OccupiesGPUs,
+        Pooled,
+        ReportsComputeDtype,
+        TeacherForced,
+        engine_gpus,
+        launch_timeout,
+    )
+    from ckpteval.jobs.eval.engines.factory import EnginePool
+
+    hf = HFEngine(device="cpu")
+    assert all(isinstance(hf, cap) for cap in (DigestsWeights, TeacherForced, ReportsComputeDtype, OccupiesGPUs))
+    assert not isinstance(hf, (LaunchesServer, ChecksumsWeights, Pooled))
+    assert engine_gpus(hf) == 0 and launch_timeout(hf) == 0.0  # on CPU: no GPU held, nothing to launch
+
+    class OnTwoGPUs(HFEngine):
+        gpus = 2  # type: ignore[assignment]
+
+    pool = EnginePool([OnTwoGPUs(device="cpu"), OnTwoGPUs(device="cpu")])
+    assert isinstance(pool, Pooled) and engine_gpus(pool) == 4
+
+
 def test_first_load_builds_model_and_stamps_every_generation(engine: HFEngine, tiny_snapshot: Path) -> None:
     assert engine.weight_version() is None
     engine.load(str(tiny_snapshot), "0")

@@ -22,7 +22,7 @@ import pytest
 
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.results import derive_point, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit
@@ -30,13 +30,13 @@ from ckpteval.jobs.eval.engines.factory import make_engine
 from ckpteval.jobs.eval.envs.examples import arithmetic_rows
 from ckpteval.jobs.eval.envs.runner import evaluate_env
 from ckpteval.jobs.eval.envs.tools import MalformedCall, parse_tool_calls
+from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.pinning import PinViolation, pin
 from ckpteval.jobs.eval.sandbox import probe_bwrap
 from ckpteval.jobs.eval.scorers import ScorerInfraError
 from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.service import read_eval_config
 from tests.support import envs as test_envs
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards
@@ -87,7 +87,7 @@ def env_run(tmp: Path, rows: list[dict[str, Any]], env: str = "arithmetic", leas
     write_jsonl(run.data / "arith.jsonl", rows)
     spec = EnvSpec(name="arith", path="data/arith.jsonl", n_prompts=len(rows), env=env,
                    **{"shard_size": len(rows), "max_turns": 3, "max_new_tokens": 32, **kw})
-    manifest = RunManifest(run_id="test-env", eval=EvalSpec(datasets=(spec,)), snapshot_roots=(str(run.snapshots),),
+    manifest = RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),),
                            lease=lease or LeaseSettings(30.0, 5.0))
     run = RunDir.create(run.path, manifest)
     publish_snapshot(run.snapshots, 1, lambda d: write_tiny_shards(d))
@@ -101,7 +101,7 @@ def evaluate(run: RunDir, url: str) -> Any:
     want = version(run, 1)
     pin(engine, snapshot, want)
     cache = DatasetCache(run, run.manifest())
-    return evaluate_env(engine, cache, run.manifest().dataset("arith"), WorkUnit(1, "arith", 0),  # type: ignore[arg-type]
+    return evaluate_env(engine, cache, run.manifest().entry("arith"), WorkUnit(1, "arith", 0),  # type: ignore[arg-type]
                         snapshot, want)
 
 
@@ -313,7 +313,7 @@ def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path:
     run = env_run(tmp_path, [ROWS[0]], env="tests.support.envs:FlakyToolEnv")
     assert run_code(run.manifest()) == ["tests.support.envs:FlakyToolEnv"]  # imported only under the trust rule
     opts = WorkerOptions(run_dir=run.path, engines=("fn:tests.support.workers:SumBackend",), once=True)
-    with pytest.raises(ValueError, match=r"env entries \['arith'\]: episodes need an engine"):
+    with pytest.raises(ValueError, match=r"env entries \['arith'\]: they need an engine"):
         build_evaluator(opts, run.manifest(), DatasetCache(run, run.manifest()))
 
 
@@ -322,10 +322,10 @@ def test_worker_start_refuses_options_the_environment_does_not_take_and_rows_it_
 
     bad = env_run(tmp_path / "a", [ROWS[0]], env="tests.support.envs:FlakyToolEnv", env_options={"flaky": 1})
     with pytest.raises(ValueError, match=r"dataset 'arith': environment .*unexpected keyword argument 'flaky'"):
-        check_env_entry(DatasetCache(bad, bad.manifest()), bad.manifest().dataset("arith"))  # type: ignore[arg-type]
+        check_env_entry(DatasetCache(bad, bad.manifest()), bad.manifest().entry("arith"))  # type: ignore[arg-type]
     rows = env_run(tmp_path / "b", [{"question": "2+2"}])
     with pytest.raises(ValueError, match=r"data/arith.jsonl: row 0: an arithmetic row needs a string 'expression'"):
-        check_env_entry(DatasetCache(rows, rows.manifest()), rows.manifest().dataset("arith"))  # type: ignore[arg-type]
+        check_env_entry(DatasetCache(rows, rows.manifest()), rows.manifest().entry("arith"))  # type: ignore[arg-type]
 
 
 def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(tmp_path: Path) -> None:
@@ -367,7 +367,7 @@ def test_a_tokenizer_with_its_own_response_template_parses_its_tool_calls(tmp_pa
     write_jsonl(run.data / "arith.jsonl", ROWS[:1])
     spec = EnvSpec(name="arith", path="data/arith.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
                    max_turns=3, max_new_tokens=32)
-    run = RunDir.create(run.path, RunManifest(run_id="test-env", eval=EvalSpec(datasets=(spec,)),
+    run = RunDir.create(run.path, RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)),
                                               snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0)))
     publish_snapshot(run.snapshots, 1, with_template)
     expression, answer = ROWS[0]["expression"], str(ROWS[0]["answer"])
@@ -400,7 +400,8 @@ def test_arguments_the_tool_does_not_take_are_the_models_malformed_call(tmp_path
 
 
 def test_pass_at_k_counts_an_episode_passed_from_its_entrys_pass_threshold() -> None:
-    from ckpteval.coord.results import dataset_score, ok_result
+    from ckpteval.coord.points import dataset_score
+    from ckpteval.coord.results import ok_result
 
     rewards = [1.0, 0.5, 0.25, 0.0]  # e.g. guess with efficiency: 1/guesses
     result = ok_result(WorkUnit(1, "g", 0), rewards, ["k@1"] * 4)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import load_rows
 from ckpteval.jobs.eval.scorers import scorer_class
-from ckpteval.jobs.eval.service import read_eval_config
 from tests.support.training import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,9 +117,10 @@ def test_example_lm_eval_config_names_a_task_in_its_include_path() -> None:
     from ckpteval.jobs.eval.harness import check_harness
 
     config = read_eval_config(EXAMPLES / "lmeval" / "eval.json")
-    assert config.spec.harness[0].include_path == str((EXAMPLES / "lmeval").resolve())
+    lm_eval = tuple(e for e in config.spec.entries if e.kind == "lm_eval")
+    assert lm_eval[0].include_path == str((EXAMPLES / "lmeval").resolve())
     run = RunDir(ROOT)  # include_path is absolute: the run dir does not matter
-    check_harness(run, config.spec.harness)
+    check_harness(run, lm_eval)
 
 
 def test_trainer_eval_config_replaces_the_builtin_set_and_logs_every_dataset_and_task(tmp_path: Path) -> None:

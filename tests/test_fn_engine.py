@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import derive_point, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
 from ckpteval.jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
@@ -41,7 +41,7 @@ def test_fn_backend_scores_every_unit_with_its_versions(tmp_path: Path) -> None:
     assert worker.evaluator.backend.disposed
     got = results(run)
     assert sorted(got) == [WorkUnit(s, "addition", i) for s in (5, 10) for i in (0, 1)]
-    rows = worker.evaluator.cache.rows(run.manifest().dataset("addition"))
+    rows = worker.evaluator.cache.rows(run.manifest().entry("addition"))
     for unit, r in got.items():
         weight_sum = safetensors_sum(str(snaps[unit.step]))
         want = [row_score(weight_sum, rows[i]["prompt"]) for i in range(unit.shard * 4, min(unit.shard * 4 + 4, 6))]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import ResultIndex, derive_point
+from ckpteval.coord.points import derive_point
+from ckpteval.coord.results import ResultIndex
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.metrics import MetricsSink

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.engines.hf import HFEngine
@@ -72,7 +73,7 @@ def test_grader_timeouts_are_counted_in_the_result_and_the_point(tmp_path: Path,
     """A unit whose gold answers blow up the grader still finishes: 0 for those, and the count is a metric."""
     spec = DatasetSpec("mathy", "data/mathy.jsonl", n_prompts=3, shard_size=3, scorer="math", max_new_tokens=3,
                        grader_timeout_s=2.0)
-    manifest = RunManifest(run_id="g", eval=EvalSpec(datasets=(spec,)), snapshot_roots=(str(tmp_path / "snaps"),),
+    manifest = RunManifest(run_id="g", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(tmp_path / "snaps"),),
                            lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(tmp_path / "run", manifest)
     # prompts the tiny untrained model answers with digits ("966", "584"), so the grader must compare them

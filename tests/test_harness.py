@@ -21,7 +21,8 @@ from ckpteval.coord.manifest import (
     load_manifest,
     parse_manifest,
 )
-from ckpteval.coord.results import derive_point, parse_result, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import parse_result
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.envs.endpoint import reply_version
@@ -45,7 +46,7 @@ def harness_run(tmp: Path, **fields: object) -> RunDir:
                           batch_size=4, **fields)  # type: ignore[arg-type]
     manifest = RunManifest(
         run_id="harness-run",
-        eval=EvalSpec(datasets=(spec,), harness=(harness,)),
+        eval=EvalSpec(entries=(spec, harness)),
         snapshot_roots=(str(run.snapshots),),
         lease=LeaseSettings(30.0, 5.0),
     )
@@ -58,7 +59,7 @@ def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path:
     kinds = [d.get("kind", "generate") for d in on_disk["eval"]["datasets"]]
     assert kinds == ["generate", "lm_eval"]
     manifest = load_manifest(run.manifest_path)
-    assert manifest.eval.harness[0].tasks == TASKS
+    assert manifest.entry("harness").tasks == TASKS
     assert [u.dataset for u in units_for_step(manifest, 5)] == ["addition", "harness", "harness"]
     assert [u.shard for u in units_for_step(manifest, 5) if u.dataset == "harness"] == [0, 1]
 
@@ -93,7 +94,7 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
         assert r.ok, (task, r.skip_reason, r.message)
         assert r.weight_versions == (version(run, 5),) * 2  # read back before and after the task
         assert r.scores == ()
-        raw = json.loads((unit_dir(run.results, r.unit.step, per_step=True) / r.unit.result_name).read_text())
+        raw = json.loads((unit_dir(run.results, r.unit.step) / r.unit.result_name).read_text())
         assert parse_result(raw, Path("x")).metrics == r.metrics  # the file carries them
     gen, mc = got[WorkUnit(5, "harness", 0)].metrics, got[WorkUnit(5, "harness", 1)].metrics
     assert set(gen) == {"exact_match"} and 0.0 <= gen["exact_match"] <= 1.0
@@ -122,7 +123,7 @@ def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: P
 
     run = harness_run(tmp_path)
     snap = publish_model(tmp_path, run.snapshots, 7)
-    spec = run.manifest().eval.harness[0]
+    spec = run.manifest().entry("harness")
     engine = HFEngine(device="cpu")
     engine.load(str(snap), "7")
     via_engine = run_task(engine, run, spec, TASKS[1], str(snap))
@@ -151,9 +152,9 @@ def test_an_lm_eval_task_runs_through_an_attached_server_with_lm_evals_completio
 
     run = harness_run(tmp_path)
     manifest = run.manifest()
-    only_gen = replace(manifest.eval.harness[0], tasks=(TASKS[0],))
+    only_gen = replace(manifest.entry("harness"), tasks=(TASKS[0],))
     run.manifest_path.unlink()
-    RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, harness=(only_gen,))))
+    RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, entries=(manifest.entry("addition"), only_gen))))
     snap = publish_model(tmp_path, run.snapshots, 5)
     url, server = start_serve(snap, "0", tmp_path / "serve.log")
     try:
@@ -197,13 +198,13 @@ def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp
 
 
 def test_lm_eval_entries_refuse_engines_without_an_lm_eval_adapter(tmp_path: Path) -> None:
-    from ckpteval.jobs.eval.evaluators import check_harness_engines
+    from ckpteval.jobs.eval.evaluators import check_entry_engines
 
     manifest = harness_run(tmp_path).manifest()
     for kinds, replicas in ((["fn"], 1), (["hf"], 2), (["hf", "http"], 1)):
         with pytest.raises(ValueError, match="need exactly one hf, http:URL or sglang engine"):
-            check_harness_engines(manifest, kinds, replicas)
-    check_harness_engines(manifest, ["http"], 1)  # one engine with an adapter: accepted
+            check_entry_engines(manifest, kinds, replicas)
+    check_entry_engines(manifest, ["http"], 1)  # one engine with an adapter: accepted
 
 
 def test_a_task_lm_eval_cannot_run_on_the_model_is_that_unit_s_skip_with_lm_evals_message(tmp_path: Path) -> None:
@@ -225,7 +226,7 @@ def test_a_task_lm_eval_cannot_run_on_the_model_is_that_unit_s_skip_with_lm_eval
 
 def test_the_shipped_lm_eval_example_runs_on_the_demo_model(tmp_path: Path) -> None:
     """``examples/lmeval/eval.json`` as the guide shows it, on a snapshot of the demo (reference) model."""
-    from ckpteval.jobs.eval.service import create_run_from_config
+    from ckpteval.jobs.eval.evalconfig import create_run_from_config
 
     publish_model(tmp_path, tmp_path / "snaps", 5)
     run = create_run_from_config(tmp_path / "run", REPO / "examples" / "lmeval" / "eval.json", (tmp_path / "snaps",))

@@ -210,7 +210,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
     for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(k, v)
     spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=2, scorer="judge", shard_size=1)
-    manifest = RunManifest(run_id="judged", eval=EvalSpec(datasets=(spec,)), snapshot_roots=())
+    manifest = RunManifest(run_id="judged", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
     ident = {"kind": "judge", "model": "judge-a", "template_sha256": "ab" * 32}
     results = {u: ok_result(u, [1.0], [f"{u.step}"], scorer=ident) for u in units_for_step(manifest, 0)}
     sink = MetricsSink(tmp_path / "metrics.jsonl", init_wandb(tmp_path, "run-judged", {"x": 1}))
@@ -235,7 +235,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
 def test_judge_settings_are_checked_where_run_json_is_parsed(
     tmp_path: Path, options: dict[str, Any], says: str
 ) -> None:
-    from ckpteval.jobs.eval.service import read_eval_config
+    from ckpteval.jobs.eval.evalconfig import read_eval_config
 
     (tmp_path / "qa.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cfg = tmp_path / "eval.json"
@@ -257,7 +257,7 @@ def test_a_reward_model_template_has_no_reference(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["judged.eval.json", "reward_model.eval.json"])
 def test_example_judge_configs_are_valid(name: str) -> None:
-    from ckpteval.jobs.eval.service import read_eval_config
+    from ckpteval.jobs.eval.evalconfig import read_eval_config
 
     config = read_eval_config(Path(__file__).resolve().parents[1] / "examples" / "judge" / name)
     assert [d.scorer for d in config.spec.datasets] == [name.split(".")[0].replace("judged", "judge")]
@@ -267,13 +267,14 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
     """Two real judges serving different models score the two shards of one point: each unit records the
     model its judge reported, and the point logs no eval/qa for the mix (eval/qa/scorer_mixed instead)."""
     from ckpteval.coord.manifest import EvalSpec, RunManifest
-    from ckpteval.coord.results import derive_point, ok_result, point_metrics
+    from ckpteval.coord.points import derive_point, point_metrics
+    from ckpteval.coord.results import ok_result
     from ckpteval.coord.units import units_for_step
 
     other_url, other = start_judge("exact", tmp_path / "other.log", "--served-model-name", "judge-b")
     try:
         spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
-        manifest = RunManifest(run_id="r", eval=EvalSpec(datasets=(spec,)), snapshot_roots=())
+        manifest = RunManifest(run_id="r", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
         results = {}
         for unit, url, pairs in zip(units_for_step(manifest, 0), (exact_judge, other_url), (PAIRS[:2], PAIRS[2:]),
                                     strict=True):

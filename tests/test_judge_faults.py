@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, RunManifest
-from ckpteval.coord.results import derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerCrashed, ScorerInfraError, score_samples
@@ -286,7 +287,7 @@ def test_the_model_that_answered_is_recorded_and_a_moved_alias_is_never_pooled(t
     default) or is judge_failed (``skip``); units answered by different models are not pooled, and status
     says so."""
     spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
-    manifest = RunManifest(run_id="r", eval=EvalSpec(datasets=(spec,)), snapshot_roots=())
+    manifest = RunManifest(run_id="r", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
     results = {}
     for unit, answering, pairs in zip(units_for_step(manifest, 0), (None, "judge-a-2026-01-01"),
                                       ([("4", "4"), ("5", "4")], [("7", "7"), ("x", "9")]), strict=True):

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import load_manifest
-from ckpteval.coord.results import Result, ResultIndex, derive_point, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import unit_dir
 from ckpteval.coord.units import shard_range
 from tests.support.workers import finish, kill_all, spawn, start_judge
@@ -118,7 +119,7 @@ def test_judged_run_judge_killed_mid_run_then_backfilled(tmp_path: Path) -> None
     assert all(r.ok for r in after.values()), [r.message for r in after.values() if not r.ok]
     retried = [after[r.unit] for r in failed]
     assert all(index.generation(r.unit) == 1 for r in retried)
-    assert all((unit_dir(run / "results", r.unit.step, per_step=True) / r.unit.result_name_at(1)).is_file()
+    assert all((unit_dir(run / "results", r.unit.step) / r.unit.result_name_at(1)).is_file()
                for r in retried)
     for r in retried:
         assert list(r.scores) == verdicts(run, r)

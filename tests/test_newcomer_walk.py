@@ -23,7 +23,7 @@ def _service_run(tmp_path: Path, scorer: str = "judge", options: dict | None = N
     cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "qa", "path": "qa.jsonl", "n_prompts": 1, "scorer": scorer,
                                                       "scorer_options": options or {}, "shard_size": 1,
                                                       "max_new_tokens": 2}]}}))
-    from ckpteval.jobs.eval.service import create_run_from_config
+    from ckpteval.jobs.eval.evalconfig import create_run_from_config
 
     return create_run_from_config(tmp_path / "run", cfg, (tmp_path / "out",)).path
 

@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import units_for_step
@@ -60,7 +61,7 @@ def chat_run(tmp: Path, chat_template: bool) -> tuple[RunDir, RunManifest, Path]
     save_tokenizer(base, chat=chat_template)
     spec = DatasetSpec("chat", "data/chat.jsonl", n_prompts=len(CHAT_ROWS), shard_size=2, max_new_tokens=4,
                        prompt_format="chat", system_prompt="1")
-    manifest = RunManifest(run_id="chat", eval=EvalSpec(datasets=(spec,)),
+    manifest = RunManifest(run_id="chat", eval=EvalSpec(entries=(spec,)),
                            snapshot_roots=(str(tmp / "run" / "snapshots"),), lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(tmp / "run", manifest)
     write_jsonl(run.data / "chat.jsonl", CHAT_ROWS)
@@ -155,7 +156,7 @@ def test_chat_rendering_is_identical_across_engines(chat: tuple[RunDir, RunManif
     assert sent == expected
     assert sent[0] == "=1\n+07+35=\n " and sent[1].startswith("=9\n")  # the row's own system turn wins
 
-    spec = manifest.dataset("chat")
+    spec = manifest.entry("chat")
     fn_prompts = []
     for u in units:
         work = unit_input(cache, u, str(snapshot))
@@ -222,7 +223,7 @@ def test_sharding_leaves_samples_and_every_metric_unchanged(tmp_path: Path, tiny
             spec = DatasetSpec("s", "data/s.jsonl", n_prompts=6, shard_size=shard_size, n_samples=4,
                                temperature=1.5, max_new_tokens=3, pass_k=(1, 4),
                                scorer="tests.support.workers:digit_overlap")
-            manifest = RunManifest(run_id="s", eval=EvalSpec(datasets=(spec,)), lease=LeaseSettings(30.0, 5.0),
+            manifest = RunManifest(run_id="s", eval=EvalSpec(entries=(spec,)), lease=LeaseSettings(30.0, 5.0),
                                    snapshot_roots=(str(tmp_path / f"r{shard_size}" / "snapshots"),))
             run = RunDir.create(tmp_path / f"r{shard_size}", manifest)
             write_jsonl(run.data / "s.jsonl", rows)

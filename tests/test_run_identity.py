@@ -17,7 +17,8 @@ import torch
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.gc import StagingGC
 from ckpteval.coord.identity import run_key, version_step, weight_version
-from ckpteval.coord.results import derive_point, ok_result, point_metrics
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ok_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot, read_marker, verify_snapshot
 from ckpteval.coord.units import units_for_step

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.results import ResultIndex, derive_point, ok_result, point_metrics, write_result
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.engines.hf import HFEngine
@@ -76,7 +77,7 @@ def test_rows_keep_their_fields_and_the_scorer_s_needs_are_checked_at_load(tmp_p
 def _length_run(tmp: Path, scorer: str, options: dict | None = None) -> tuple[RunDir, RunManifest]:
     spec = DatasetSpec("len", "data/len.jsonl", n_prompts=4, shard_size=2, scorer=scorer, max_new_tokens=3,
                        scorer_options=options or {})
-    manifest = RunManifest(run_id="len", eval=EvalSpec(datasets=(spec,)), snapshot_roots=(str(tmp / "snaps"),),
+    manifest = RunManifest(run_id="len", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(tmp / "snaps"),),
                            lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(tmp / "run", manifest)
     write_jsonl(run.data / "len.jsonl", [{"prompt": f"{i}{i}+11=", "want_len": 99} for i in range(4)])

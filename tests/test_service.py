@@ -63,7 +63,7 @@ def test_service_admits_markerless_checkpoint_after_quiescence(tmp_path: Path) -
     assert code == EXIT_DONE, out
     run = RunDir.open(run_dir)
     manifest = run.manifest()
-    assert manifest.snapshot_roots == (str(watch.resolve()),) and manifest.dataset("addition").n_prompts == 4
+    assert manifest.snapshot_roots == (str(watch.resolve()),) and manifest.entry("addition").n_prompts == 4
     got = results(run)
     assert sorted(got) == [WorkUnit(30, "addition", 0), WorkUnit(30, "addition", 1)]
     assert all(r.ok and r.weight_versions == (version(run, 30),) * 2 for r in got.values()), out

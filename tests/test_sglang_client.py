@@ -25,14 +25,8 @@ import pytest
 
 from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.results import (
-    ResultIndex,
-    derive_point,
-    ok_result,
-    parse_result,
-    point_metrics,
-    retry_due,
-)
+from ckpteval.coord.points import derive_point, point_metrics
+from ckpteval.coord.results import ResultIndex, ok_result, parse_result, retry_due
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
@@ -448,7 +442,7 @@ def _with_dataset(run: RunDir, **fields: Any) -> RunDir:
     """``run`` with its one dataset's settings changed (run.json rewritten, as a run is created)."""
     manifest = run.manifest()
     datasets = tuple(replace(d, **fields) for d in manifest.eval.datasets)
-    return RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, datasets=datasets)))
+    return RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, entries=datasets)))
 
 
 def test_a_datasets_generate_timeout_bounds_its_requests(stub: tuple[Stub, str], tmp_path: Path) -> None:
@@ -499,7 +493,7 @@ def test_a_unit_shed_by_an_overloaded_server_is_retried_after_a_backoff_and_scor
     code, _ = run_inprocess(opts, out=lines.append)
     assert code == 0, lines
     unit = WorkUnit(1, "addition", 0)
-    step_dir = unit_dir(run.results, unit.step, per_step=True)
+    step_dir = unit_dir(run.results, unit.step)
     first, retry = (parse_result(read_json_object(p), p) for p in (step_dir / f"{unit.id}.json",
                                                                    step_dir / f"{unit.id}.retry1.json"))
     assert first.skip_reason == "overloaded" and "queue is full" in first.message

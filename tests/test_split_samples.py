@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.results import ResultIndex, derive_point, point_metrics, prompt_major
+from ckpteval.coord.points import derive_point, point_metrics, prompt_major
+from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit, dataset_units, units_for_step
+from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.evalsets import write_addition_dataset
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE
@@ -35,7 +36,7 @@ def scored_run(tmp: Path, name: str, engine: str, samples_per_unit: int | None, 
     run = RunDir.create(tmp / name)
     spec = replace(write_addition_dataset(run, n=5, shard_size=2, n_samples=4, temperature=1.5, pass_k=(1, 2, 4),
                                           samples_per_unit=samples_per_unit), **sampling)  # type: ignore[arg-type]
-    manifest = RunManifest(run_id="split", eval=EvalSpec(datasets=(spec,)), snapshot_roots=(str(run.snapshots),),
+    manifest = RunManifest(run_id="split", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),),
                            lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(run.path, manifest)
     publish_model(tmp, run.snapshots, STEP, seed=0)
@@ -82,9 +83,9 @@ def test_split_samples_on_the_hf_engine_draw_the_same_samples_and_point(tmp_path
 
     def pooled(name: str) -> list[str | None]:
         run = RunDir.open(tmp_path / name)
-        spec = run.manifest().dataset("addition")
+        spec = run.manifest().entry("addition")
         results = ResultIndex(run.results).refresh()
-        answers = prompt_major(spec, [results[u] for u in dataset_units(spec, STEP)]).answers
+        answers = prompt_major(spec, [results[u] for u in spec.units(STEP)]).answers
         assert answers is not None
         return answers
 
@@ -96,7 +97,7 @@ def test_split_samples_on_the_hf_engine_draw_the_same_samples_and_point(tmp_path
 def test_split_unit_ids_carry_their_sample_range_and_read_back(tmp_path: Path) -> None:
     run = RunDir.create(tmp_path / "r")
     spec = write_addition_dataset(run, n=3, shard_size=2, n_samples=4, temperature=1.0, samples_per_unit=2)
-    manifest = RunManifest(run_id="r", eval=EvalSpec(datasets=(spec,)), snapshot_roots=(str(run.snapshots),))
+    manifest = RunManifest(run_id="r", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),))
     units = units_for_step(manifest, 7)
     assert [u.id for u in units] == [
         "0000000007.addition.00000.s00000-00002", "0000000007.addition.00000.s00002-00004",
@@ -110,12 +111,13 @@ def test_split_unit_ids_carry_their_sample_range_and_read_back(tmp_path: Path) -
         with pytest.raises(ValueError, match="is not a unit id"):
             WorkUnit.from_id(bad)
     # samples_per_unit == n_samples is the unsplit run: same ids, so an existing run keeps its results
-    whole = replace(manifest, eval=EvalSpec(datasets=(replace(spec, samples_per_unit=4),)))
+    whole = replace(manifest, eval=EvalSpec(entries=(replace(spec, samples_per_unit=4),)))
     assert [u.id for u in units_for_step(whole, 7)] == ["0000000007.addition.00000", "0000000007.addition.00001"]
-    # run.json round trip: the setting is written when set, and left out when not
+    # run.json round trip: the setting is written when set, and written as null (unsplit) when not
     assert parse_manifest(manifest.to_json(), Path("run.json")) == manifest
-    unsplit = replace(manifest, eval=EvalSpec(datasets=(replace(spec, samples_per_unit=None),)))
-    assert "samples_per_unit" not in unsplit.to_json()["eval"]["datasets"][0]
+    unsplit = replace(manifest, eval=EvalSpec(entries=(replace(spec, samples_per_unit=None),)))
+    assert unsplit.to_json()["eval"]["datasets"][0]["samples_per_unit"] is None
+    assert parse_manifest(unsplit.to_json(), Path("run.json")) == unsplit
 
 
 @pytest.mark.parametrize(("value", "why"), [

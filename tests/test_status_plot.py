@@ -37,7 +37,7 @@ def _build_run(tmp_path: Path):
             f.write(json.dumps({"step": step, "eval/step": step, "eval/lag_steps": 3}) + "\n")
     write_point_skip(run.results, m, 30, "busy")
     publish_snapshot(run.snapshots, 40, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
-    claim = UnitClaimer(run.leases, m.lease, per_step=m.per_step_dirs).try_claim(WorkUnit(40, "add", 0))
+    claim = UnitClaimer(run.leases, m.lease).try_claim(WorkUnit(40, "add", 0))
     return run, claim
 
 
@@ -247,7 +247,7 @@ def _hf_weights(directory: Path) -> None:
 
 
 def _watched_run(tmp_path: Path, watch: Path) -> Path:
-    from ckpteval.jobs.eval.service import create_run_from_config
+    from ckpteval.jobs.eval.evalconfig import create_run_from_config
 
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "sums.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")

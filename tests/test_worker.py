@@ -15,7 +15,8 @@ import pytest
 
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.results import derive_point, write_point_skip
+from ckpteval.coord.points import derive_point
+from ckpteval.coord.results import write_point_skip
 from ckpteval.coord.rundir import unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams
@@ -254,7 +255,7 @@ def test_fleet_waits_for_dispatched_steps_until_training_done(tmp_path: Path) ->
 def test_malformed_result_is_left_alone(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2)
     publish_model(tmp_path, run.snapshots, 1)
-    bad = unit_dir(run.results, 1, per_step=True) / f"{WorkUnit(1, 'addition', 0).id}.json"
+    bad = unit_dir(run.results, 1) / f"{WorkUnit(1, 'addition', 0).id}.json"
     bad.parent.mkdir()
     bad.write_text("{torn")
     assert _engine_worker(run, HFEngine()).run() == EXIT_DONE

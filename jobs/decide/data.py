@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.results import ResultIndex, correct, derive_point, majority_score, pass_at_k, prompt_major
+from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, prompt_major
+from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import dataset_units
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def parse_metric(text: str, manifest: RunManifest) -> Metric:
     names = [d.name for d in manifest.eval.datasets]
     if parts[1] not in names:
         raise ValueError(f"--metric {text!r}: no dataset {parts[1]!r} in this run (datasets: {', '.join(names)})")
-    spec = manifest.dataset(parts[1])
+    spec = manifest.entry(parts[1])
     if len(parts) == 2:
         return Metric(parts[1], "mean")
     kind, _, k = parts[2].partition("@")
@@ -82,8 +82,8 @@ class RunValues:
         if step not in self.steps_with(metric.dataset):
             raise ValueError(f"{self.run.path}: step {step} has no complete {metric.dataset} point "
                              f"(steps with one: {self.steps_with(metric.dataset) or 'none'})")
-        spec = self.manifest.dataset(metric.dataset)
-        pooled = prompt_major(spec, [self.results[u] for u in dataset_units(spec, step)])
+        spec = self.manifest.entry(metric.dataset)
+        pooled = prompt_major(spec, [self.results[u] for u in spec.units(step)])
         scores, answers = pooled.scores, pooled.answers
         n = spec.n_samples
         groups = [scores[i : i + n] for i in range(0, len(scores), n)]
@@ -105,7 +105,7 @@ def _data_digest(run: RunDir, spec: DatasetSpec) -> str:
 
 def check_paired(a: RunValues, b: RunValues, dataset: str) -> None:
     """ValueError unless both runs evaluate ``dataset`` on the same rows with the same sampling."""
-    sa, sb = a.manifest.dataset(dataset), b.manifest.dataset(dataset)
+    sa, sb = a.manifest.entry(dataset), b.manifest.entry(dataset)
     same = (sa.n_prompts, sa.n_samples, sa.seed, sa.temperature) == (sb.n_prompts, sb.n_samples, sb.seed, sb.temperature)
     if not same or _data_digest(a.run, sa) != _data_digest(b.run, sb):
         raise ValueError(f"{a.run.path} and {b.run.path}: dataset {dataset!r} differs (rows, n_samples, seed or "

@@ -245,7 +245,7 @@ def write_summaries(run: RunDir, steps: set[int]) -> None:
         return
     manifest = run.manifest()
     index = ResultIndex(run.results)
-    index.refresh(only_steps=steps if manifest.per_step_dirs else None)
+    index.refresh(only_steps=steps)
     for step in sorted(steps):
         write_step_summary(index, manifest, step)
 

@@ -71,9 +71,9 @@ def load_rows(path: Path, scorer: type | None = None) -> list[Row]:
 
 
 def load_entry_rows(path: Path, spec: DatasetSpec) -> list[Row]:
-    """Every row of an entry's file: checked against its scorer's needs, or, for an ``env`` entry, any
-    JSON objects (its environment reads them; checked at worker start)."""
-    if spec.kind == "env":
+    """Every row of an entry's file: checked against its scorer's needs, or, for an entry whose rows no
+    scorer reads (``SCORER_ROWS`` false: an ``env`` entry), any JSON objects (checked at worker start)."""
+    if not spec.SCORER_ROWS:
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path}: eval set not found")
         return [row for _lineno, row in read_jsonl_file(Path(path), what="env row")]

@@ -198,7 +198,7 @@ class FnEvaluator:
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
         manifest = self.cache.manifest
-        spec = manifest.dataset(unit.dataset)
+        spec = manifest.entry(unit.dataset)
         rows = [self.cache.rows(spec)[i] for i in shard_range(manifest, unit)]
         work = unit_input(self.cache, unit, str(ref.path))
         want = str(unit.step)
@@ -255,16 +255,24 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
     return skip_result(unit, reason, message, timings=timings)
 
 
-def check_harness_engines(manifest: RunManifest, kinds: list[str], replicas: int) -> None:
-    """lm_eval entries run through lm-eval's own adapters: one hf, http or sglang engine, no pool."""
+def check_entry_engines(manifest: RunManifest, kinds: list[str], replicas: int) -> None:
+    """Entries that need exactly one engine (``ENGINES == "one"``: lm_eval, through lm-eval's own adapters)
+    get one hf, http or sglang engine, no pool; entries that need an engine (``"generating"``: env) get no
+    fn: backend (it scores whole units, one completion per prompt)."""
     from ckpteval.jobs.eval.engines.factory import ENGINES
 
-    if manifest.eval.harness and (len(kinds) != 1 or replicas != 1 or ENGINES[kinds[0]].unit_backend):
-        names = [h.name for h in manifest.eval.harness]
+    unit_backend = len(kinds) == 1 and ENGINES[kinds[0]].unit_backend
+    one = [e for e in manifest.eval.entries if e.ENGINES == "one"]
+    if one and (len(kinds) != 1 or replicas != 1 or unit_backend):
         raise ValueError(
-            f"run {manifest.run_id} has lm_eval entries {names}: they need exactly one hf, http:URL or sglang "
-            f"engine (got --engine {'+'.join(kinds)} x{replicas})"
+            f"run {manifest.run_id} has {one[0].kind} entries {[e.name for e in one]}: they need exactly one hf, "
+            f"http:URL or sglang engine (got --engine {'+'.join(kinds)} x{replicas})"
         )
+    generating = [e for e in manifest.eval.entries if e.ENGINES == "generating"]
+    if generating and unit_backend:
+        raise ValueError(f"run {manifest.run_id} has {generating[0].kind} entries {[e.name for e in generating]}: "
+                         "they need an engine (hf, http:URL, sglang), not an fn: backend (it scores whole units, "
+                         "one completion per prompt)")
 
 
 def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
@@ -274,7 +282,7 @@ def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
 
     settings = engine_settings(manifest.eval.engine, kind)
     if ENGINES[kind].deterministic_when_sampling:
-        settings.setdefault("deterministic", any(d.temperature > 0 for d in manifest.eval.datasets))
+        settings.setdefault("deterministic", any(e.samples_randomly for e in manifest.eval.entries))
     return settings
 
 
@@ -285,12 +293,8 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
     if list(specs) != list(opts.engines):
         print(f"ckpteval worker: --engine auto -> {', '.join(specs)} (device {opts.device})", file=sys.stderr)
     kinds = [spec_kind(s) for s in specs]
-    check_harness_engines(manifest, kinds, opts.replicas)
+    check_entry_engines(manifest, kinds, opts.replicas)
     if len(kinds) == 1 and ENGINES[kinds[0]].unit_backend:
-        envs = [d.name for d in manifest.eval.datasets if d.kind == "env"]
-        if envs:
-            raise ValueError(f"run {manifest.run_id} has env entries {envs}: episodes need an engine (hf, http:URL, "
-                             f"sglang), not an fn: backend (it scores whole units, one completion per prompt)")
         backend = make_engine(specs[0], opts.device, _settings(manifest, kinds[0]))
         return FnEvaluator(backend, cache)  # type: ignore[arg-type]
     if manifest.eval.adapters:

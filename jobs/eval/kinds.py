@@ -1,7 +1,7 @@
 """Dataset kinds, and the one path that evaluates a unit on an engine already pinned to its step.
 
-An entry of run.json's ``eval.datasets`` has a ``kind`` (:data:`ckpteval.coord.manifest.DATASET_KINDS` holds its
-settings dataclass; coord knows no engine): ``generate`` (the default; ``jsonl`` is its old name) —
+An entry of run.json's ``eval.datasets`` has a ``kind``: one line of :data:`ckpteval.coord.entries.KINDS` names its
+settings dataclass and the two jobs-side functions this module calls (coord knows no engine): ``generate`` (the default) —
 prompts from a JSONL file, sampled on the engine and scored by the dataset's scorer
 (:func:`ckpteval.jobs.eval.scoring.evaluate_generate`); ``lm_eval`` — one EleutherAI lm-evaluation-harness task per
 unit (:func:`ckpteval.jobs.eval.harness.evaluate_harness`); ``env`` — multi-turn episodes of a Python environment
@@ -13,42 +13,29 @@ both call it after pinning, and turn what it returns into a result with :func:`u
 checks the pin itself (each sample's version, or the version read back around a library task) and
 raises :class:`~ckpteval.jobs.eval.pinning.PinViolation` when it does not hold.
 
-Adding a kind: a settings dataclass in :mod:`ckpteval.coord.manifest` (one line in ``DATASET_KINDS``), a function
-``evaluate_<kind>(engine, cache, spec, unit, snapshot, want) -> Evaluation`` (and optionally
-``check_<kind>(cache, spec)`` run at worker start), one line in :data:`UNIT_KINDS`. User code a kind runs
+Adding a kind: see :mod:`ckpteval.coord.entries` — a module with the settings dataclass and
+``evaluate(engine, cache, spec, unit, snapshot, want) -> Evaluation`` (and optionally ``check(cache, spec)``,
+run at worker start), and one line in :data:`ckpteval.coord.entries.KINDS` naming them. User code a kind runs
 (a library's task, a scorer) raises anything: wrap it with :func:`user_code` so its failure is the unit's
 ``crashed`` skip at once, never the engine's.
 
-Limits: the points of a new kind need a rule in :mod:`ckpteval.coord.results` unless it reports per-sample
-scores (``generate``'s rules) or per-unit metrics (``lm_eval``'s).
+Limits: a kind's point is one of the two rules of :mod:`ckpteval.coord.results` (its ``POINT_RULE``): per-sample
+scores (``samples``: ``generate``, ``env``) or per-unit metrics (``metrics``: ``lm_eval``).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpteval.coord.entries import KINDS, load_target
 from ckpteval.coord.results import Result, harness_result, ok_result
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.pinning import WorkerSkip
 from ckpteval.jobs.eval.scorers import last_line
-
-# kind -> "module:function" evaluating one unit of it on a pinned engine (imported when first used)
-UNIT_KINDS: dict[str, str] = {
-    "generate": "ckpteval.jobs.eval.scoring:evaluate_generate",
-    "lm_eval": "ckpteval.jobs.eval.harness:evaluate_harness",
-    "env": "ckpteval.jobs.eval.envs.runner:evaluate_env",
-}
-# kind -> "module:function" checking an entry at worker start (rows, scorer, library present)
-KIND_CHECKS: dict[str, str] = {
-    "generate": "ckpteval.jobs.eval.scoring:check_generate",
-    "lm_eval": "ckpteval.jobs.eval.harness:check_harness_entry",
-    "env": "ckpteval.jobs.eval.envs.runner:check_env_entry",
-}
 
 
 @dataclass
@@ -75,25 +62,17 @@ class UserCodeFailed(WorkerSkip):
     blame = "user_code"
 
 
-def _load(registry: dict[str, str], kind: str) -> Callable[..., Any]:
-    target = registry.get(kind)
-    if target is None:
-        raise ValueError(f"dataset kind {kind!r} has no evaluator (known: {', '.join(UNIT_KINDS)})")
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
-
-
 def evaluate_pinned(engine: Any, cache: Any, unit: WorkUnit, snapshot: str, want: str) -> Evaluation:
-    """Evaluate ``unit`` on ``engine`` (pinned to version ``want``) by its dataset's kind."""
+    """Evaluate ``unit`` on ``engine`` (pinned to version ``want``) by its entry's kind (``KINDS[kind].evaluate``)."""
     spec = cache.manifest.entry(unit.dataset)
-    return _load(UNIT_KINDS, spec.kind)(engine, cache, spec, unit, snapshot, want)  # type: ignore[no-any-return]
+    return load_target(KINDS[spec.kind].evaluate)(engine, cache, spec, unit, snapshot, want)  # type: ignore[no-any-return]
 
 
 def check_entries(cache: Any) -> None:
-    """At worker (or shared-posture) start: every entry's kind check (rows, scorer, library)."""
-    for spec in cache.manifest.entries():
-        if spec.kind in KIND_CHECKS:
-            _load(KIND_CHECKS, spec.kind)(cache, spec)
+    """At worker (or shared-posture) start: every entry's kind check (rows, scorer, library), if it has one."""
+    for spec in cache.manifest.eval.entries:
+        if KINDS[spec.kind].check:
+            load_target(KINDS[spec.kind].check)(cache, spec)
 
 
 def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:

@@ -71,8 +71,7 @@ class Worker:
     def __post_init__(self) -> None:
         self.manifest = self.rundir.manifest()
         self.selection = run_step_selection(self.manifest.trainer, str(self.rundir.manifest_path))
-        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results,
-                                   per_step=self.manifest.per_step_dirs)
+        self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results)
         self.index = ResultIndex(self.rundir.results)
         self.discoveries = self._make_discoveries()
         self.identity = {
@@ -171,8 +170,8 @@ class Worker:
             self.on_poll(len(outstanding))
         return claimable, len(outstanding)
 
-    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # per-step run: only unsettled ``steps``' dirs
-        return self.index.refresh(self.settled, only_steps=steps if self.manifest.per_step_dirs else None)
+    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # only unsettled ``steps``' dirs
+        return self.index.refresh(self.settled, only_steps=steps)
 
     def _give_up_finding(self, outstanding: list[WorkUnit]) -> None:
         """Training is done, so every snapshot the trainer will publish is published: a dispatched step no
@@ -354,7 +353,7 @@ class Worker:
                 attempt=claim.attempt,
                 snapshot=str(self.refs[unit.step].path),
             )
-            first = self.index.publish(result, claim.generation, per_step=self.manifest.per_step_dirs)
+            first = self.index.publish(result, claim.generation)
             self.written += 1
             if first and self.on_result is not None:
                 self.on_result(result)

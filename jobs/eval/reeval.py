@@ -2,7 +2,7 @@
 
 ``ckpteval backfill --run-dir NEW --from-run OLD --eval-config F [--steps S]`` (and
 ``ckpteval submit backfill`` with the same flags) creates NEW whose ``run.json`` has the eval of ``F``
-(:func:`ckpteval.jobs.eval.service.read_eval_config`), OLD's snapshot roots (and foreign roots) as its own, and
+(:func:`ckpteval.jobs.eval.evalconfig.read_eval_config`), OLD's snapshot roots (and foreign roots) as its own, and
 ``trainer = {"kind": "reeval", "from_run", "from_run_id", "steps"}``; then NEW is backfilled like any
 run. ``steps`` (:mod:`ckpteval.coord.steps`; ``latest`` resolved to a number at creation) limits the steps
 every consumer of NEW considers — workers, backfill array tasks, status.
@@ -31,7 +31,7 @@ from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.manifest import RunManifest, parse_manifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.steps import REEVAL_KIND, StepSelection, parse_steps
-from ckpteval.jobs.eval.service import EvalConfig, publish_run, read_eval_config
+from ckpteval.jobs.eval.evalconfig import EvalConfig, publish_run, read_eval_config
 
 
 def source_steps(old: RunDir, manifest: RunManifest) -> list[int]:

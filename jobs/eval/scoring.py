@@ -114,7 +114,7 @@ class UnitInput:
 
 def unit_input(cache: DatasetCache, unit: WorkUnit, snapshot_dir: str | None) -> UnitInput:
     """Render the unit's rows for the snapshot at ``snapshot_dir`` and derive their seeds."""
-    spec = cache.manifest.dataset(unit.dataset)
+    spec = cache.manifest.entry(unit.dataset)
     indices = shard_range(cache.manifest, unit)
     rows = [cache.rows(spec)[i] for i in indices]
     texts = render_prompts(spec, rows, snapshot_dir)

@@ -21,7 +21,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckpteval.coord.manifest import EnvSpec, RunManifest
+from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.jobs.eval.envs import ENVIRONMENTS
 from ckpteval.jobs.eval.scorers import SCORERS
@@ -35,8 +35,8 @@ class UntrustedRunCode(ValueError):
 
 def run_code(manifest: RunManifest) -> list[str]:
     """The ``module:function`` names run.json asks this process to import (empty: nothing to trust)."""
-    envs = {d.env for d in manifest.eval.datasets if isinstance(d, EnvSpec) and d.env not in ENVIRONMENTS}
-    return sorted({d.scorer for d in manifest.eval.datasets if d.scorer not in SCORERS} | envs)
+    named = {name for e in manifest.eval.entries for name in e.user_code()}
+    return sorted(name for name in named if name not in SCORERS and name not in ENVIRONMENTS)
 
 
 def foreign_writers(paths: list[Path]) -> list[str]:

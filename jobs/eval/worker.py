@@ -109,6 +109,7 @@ from typing import Any
 
 from ckpteval.coord.rundir import RunDir
 from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.evalconfig import create_run_from_config
 from ckpteval.jobs.eval.evaluators import Evaluator, build_evaluator
 from ckpteval.jobs.eval.kinds import check_entries
 from ckpteval.jobs.eval.loop import Worker
@@ -116,7 +117,7 @@ from ckpteval.jobs.eval.options import WorkerOptions, add_worker_flags, options_
 from ckpteval.jobs.eval.pinning import call_with_timeout
 from ckpteval.jobs.eval.scorers import ScorerContext
 from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.service import create_run_from_config, service_ingestion
+from ckpteval.jobs.eval.service import service_ingestion
 from ckpteval.jobs.eval.trust import check_run_code
 from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
 from ckpteval.jobs.lifecycle import (

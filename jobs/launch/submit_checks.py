@@ -101,7 +101,7 @@ def _check_train_eval(args: argparse.Namespace) -> None:
 def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
     run = Path(args.run_dir)
     if args.eval_config is not None:
-        from ckpteval.jobs.eval.service import read_eval_config
+        from ckpteval.jobs.eval.evalconfig import read_eval_config
 
         try:
             read_eval_config(args.eval_config)

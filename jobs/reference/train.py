@@ -10,7 +10,7 @@ end. Read top to bottom:
    and an existing run are checked before anything is written or trained.
 2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
    or the datasets and lm-eval tasks of ``--eval-config FILE`` (read by
-   :func:`ckpteval.jobs.eval.service.read_eval_config`, the service's reader, and checked before anything is
+   :func:`ckpteval.jobs.eval.evalconfig.read_eval_config`, the service's reader, and checked before anything is
    written), sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
    exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
 3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
@@ -64,8 +64,8 @@ from ckpteval.coord.ledger import LedgerError
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
+from ckpteval.jobs.eval.evalconfig import EvalConfig, install_eval_data
 from ckpteval.jobs.eval.evalsets import write_addition_dataset
-from ckpteval.jobs.eval.service import EvalConfig, install_eval_data
 from ckpteval.jobs.flags import fail
 from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED, EXIT_TRAIN_PREEMPTED, STOP_SIGNALS
 from ckpteval.jobs.metrics import MetricsSink, init_wandb
@@ -155,7 +155,7 @@ def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> 
             run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size),
             n_samples=cfg.eval_samples, temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
         ))
-    return EvalSpec(datasets=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
+    return EvalSpec(entries=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ckpteval.coord.conditions import check_metric, parse_condition
 from ckpteval.coord.identity import run_key
+from ckpteval.coord.manifest import LeaseSettings
 from ckpteval.coord.rundir import RunDir
 from ckpteval.jobs.flags import (
     Parser,
@@ -29,7 +30,7 @@ from ckpteval.jobs.flags import (
     option,
     run_dir_from_args,
 )
-from ckpteval.jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, DispatchConfig
+from ckpteval.jobs.trainer.config import FLEETS, OVERFLOW_POLICIES, WAITS, DispatchConfig
 
 if TYPE_CHECKING:
     from ckpteval.jobs.reference.model import ModelConfig
@@ -110,16 +111,16 @@ class TrainConfig:
     eval_n_prompts: int = option(128, "prompts in the built-in addition eval set", metavar="N", min=1,
                                  group=EVAL)
     eval_shard_size: int = option(64, "prompts per work unit", metavar="N", min=1, group=EVAL)
-    eval_poll_interval: float = option(2.0, "seconds between listings of results/ (0: at every step)",
+    eval_poll_interval: float = option(WAITS.poll_interval_s, "seconds between listings of results/ (0: at every step)",
                                        metavar="S", min=0,
                                        group=EVAL)
-    eval_backpressure_timeout: float = option(300.0, "longest wait for the fleet under backpressure before "
+    eval_backpressure_timeout: float = option(WAITS.backpressure_timeout_s, "longest wait for the fleet under backpressure before "
                                               "the point is skipped", metavar="S", min=0, group=EVAL)
-    eval_drain_timeout: float = option(300.0, "longest wait at the end for outstanding points", metavar="S",
+    eval_drain_timeout: float = option(WAITS.drain_timeout_s, "longest wait at the end for outstanding points", metavar="S",
                                        min=0, group=EVAL)
-    lease_duration: float = option(60.0, "work-unit lease duration written to run.json", metavar="S", gt=0,
+    lease_duration: float = option(LeaseSettings.duration_s, "work-unit lease duration written to run.json", metavar="S", gt=0,
                                    group=EVAL)
-    lease_heartbeat: float = option(10.0, "lease heartbeat interval (< --lease-duration)", metavar="S", gt=0,
+    lease_heartbeat: float = option(LeaseSettings.heartbeat_s, "lease heartbeat interval (< --lease-duration)", metavar="S", gt=0,
                                     group=EVAL)
     trainer_nodes: tuple[str, ...] | None = option(None, "comma list of the trainer's nodes (node-locality "
                                                    "check of the staging dir)", metavar="N1,N2",

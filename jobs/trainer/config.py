@@ -18,6 +18,29 @@ FLEETS = ("attached", "none")
 NODE_LOCAL_FS = {"tmpfs", "ramfs"}
 
 
+@dataclass(frozen=True)
+class Waits:
+    """How long the dispatcher waits for the eval fleet: the one statement of these defaults, which the
+    library entry point (:class:`ckpteval.jobs.trainer.session.EvalRun`), the dispatcher's keyword arguments and
+    the reference trainer's ``--eval-poll-interval`` / ``--eval-backpressure-timeout`` /
+    ``--eval-drain-timeout`` flags all take from :data:`WAITS`."""
+
+    poll_interval_s: float = 2.0
+    """Seconds between listings of ``results/`` (0: at every step)."""
+    backpressure_timeout_s: float = 300.0
+    """Longest wait for the fleet under backpressure before the point is skipped."""
+    drain_timeout_s: float = 300.0
+    """Longest wait at the end for outstanding points."""
+
+    def __post_init__(self) -> None:
+        for key in ("poll_interval_s", "backpressure_timeout_s", "drain_timeout_s"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{key} must be >= 0 seconds, got {getattr(self, key)}")
+
+
+WAITS = Waits()
+
+
 @dataclass
 class DispatchConfig:
     """What the trainer's ``--eval-*`` flags mean, validated as one."""

@@ -98,7 +98,8 @@ from ckpteval.coord.discovery import shards_present
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import Point, Result, ResultIndex, derive_point, point_metrics, write_point_skip
+from ckpteval.coord.points import Point, derive_point, point_metrics
+from ckpteval.coord.results import Result, ResultIndex, write_point_skip
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
 from ckpteval.coord.units import WorkUnit, units_for_step
@@ -108,7 +109,7 @@ from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.eval.trust import check_run_code
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 from ckpteval.jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
@@ -138,9 +139,9 @@ class EvalDispatcher:
         base_model_dir: Path | None,
         *,
         shared: SharedEval | None = None,
-        poll_interval_s: float = 2.0,
-        backpressure_timeout_s: float = 300.0,
-        drain_timeout_s: float = 300.0,
+        poll_interval_s: float = WAITS.poll_interval_s,
+        backpressure_timeout_s: float = WAITS.backpressure_timeout_s,
+        drain_timeout_s: float = WAITS.drain_timeout_s,
         room_check: RoomCheck = has_room,
         clock: Callable[[], float] = time.monotonic,
         should_stop: Callable[[], bool] = lambda: False,
@@ -166,7 +167,7 @@ class EvalDispatcher:
         if self.config.mode == "staging":
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
-                                run=self.key, per_step=self.manifest.per_step_dirs)
+                                run=self.key)
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
             check_run_code(run, self.manifest, trusted=shared.trust_run_code)
         self._cache = DatasetCache(run, self.manifest) if shared is not None else None
@@ -387,8 +388,8 @@ class EvalDispatcher:
         self.poll(force=True)
 
     # -- ingestion -------------------------------------------------------------------------------------
-    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # per-step run: only these steps' dirs
-        return self.index.refresh(only_steps=steps if self.manifest.per_step_dirs else None)
+    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # only these steps' dirs
+        return self.index.refresh(only_steps=steps)
 
     def _results_for(self, step: int) -> dict[WorkUnit, Result]:
         return {u: r for u in units_for_step(self.manifest, step) if (r := self.index.get(u)) is not None}

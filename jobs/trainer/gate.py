@@ -190,7 +190,6 @@ def _unit_skip(unit: WorkUnit, error: Exception, snapshot: str) -> Result:
 
 
 def _write_all(run: RunDir, results: list[Result]) -> list[Result]:
-    per_step = run.manifest().per_step_dirs if results else False
     for result in results:
-        write_result(run.results, result, per_step=per_step)
+        write_result(run.results, result)
     return results

@@ -3,7 +3,7 @@
 What ``ckpteval train`` does for its own run, as a library call any training loop can make — the
 reference trainer itself goes through it::
 
-    from ckpteval.jobs.trainer.config import DispatchConfig
+    from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
     from ckpteval.jobs.trainer.session import EvalRun, start_eval
 
     dispatcher = start_eval(EvalRun(
@@ -21,7 +21,7 @@ defaults: ``dispatch`` is :class:`~ckpteval.jobs.trainer.config.DispatchConfig`)
 
 Guarantee (the same checks as ``ckpteval train``): everything is validated before anything is
 written — the eval flags as one (:meth:`DispatchConfig.validate`), the eval-config file and every row
-of its datasets (:func:`ckpteval.jobs.eval.service.read_eval_config`), ``stop_when`` against the run's datasets;
+of its datasets (:func:`ckpteval.jobs.eval.evalconfig.read_eval_config`), ``stop_when`` against the run's datasets;
 an existing run is continued only with ``resume=True`` and only with the same eval; ``run.json`` is
 written last, once. Limits: the caller's model dir must hold ``config.json`` and the tokenizer files
 (exports copy them into each snapshot; weights are not needed); one trainer per run dir.
@@ -42,10 +42,10 @@ from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
-from ckpteval.jobs.eval.service import EvalConfig, install_eval_data, read_eval_config
+from ckpteval.jobs.eval.evalconfig import EvalConfig, install_eval_data, read_eval_config
 from ckpteval.jobs.flags import check_dir_creatable
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
 # a trainer-specific builder of the eval section and RUN/base (the reference trainer's built-in set);
@@ -64,10 +64,10 @@ class EvalRun:
     resume: bool = False  # continue an existing run (--resume); without it an existing run.json is refused
     run_id: str | None = None  # default: the eval-config's run_id, else the run dir's name
     trainer: dict[str, Any] = field(default_factory=dict)  # who trains: recorded in run.json's trainer section
-    lease: LeaseSettings = field(default_factory=lambda: LeaseSettings(60.0, 10.0))  # --lease-duration/-heartbeat
-    poll_interval_s: float = 2.0  # --eval-poll-interval: seconds between listings of results/
-    backpressure_timeout_s: float = 300.0  # --eval-backpressure-timeout
-    drain_timeout_s: float = 300.0  # --eval-drain-timeout: longest wait at the end for outstanding points
+    lease: LeaseSettings = field(default_factory=LeaseSettings)  # --lease-duration/-heartbeat
+    poll_interval_s: float = WAITS.poll_interval_s  # --eval-poll-interval (defaults: config.Waits)
+    backpressure_timeout_s: float = WAITS.backpressure_timeout_s  # --eval-backpressure-timeout
+    drain_timeout_s: float = WAITS.drain_timeout_s  # --eval-drain-timeout
     stop_when: str | None = None  # --eval-stop-when: a point meeting it sets dispatcher.stop_requested
 
     def __post_init__(self) -> None:

@@ -87,7 +87,7 @@ def _unit_rows(run: RunDir, manifest: RunManifest, steps: list[int], facts: dict
     for step in steps:
         f = facts[step]
         for unit_id in f.missing:
-            lease = _lease_info(lease_path(run.leases, unit_id, step if manifest.per_step_dirs else None), duration, now)
+            lease = _lease_info(lease_path(run.leases, unit_id, step), duration, now)
             pending.append({"unit": unit_id, **({"lease": lease} if lease else {})})
         done += f.done
         for reason, n in f.skipped.items():

@@ -130,7 +130,7 @@ def test_malformed_protocol_files(tmp_path: Path, procs: harness.Procs, request:
         planted[WorkUnit(14, "addition", 1).result_name] = b'{"unit": {"step": 14, "dataset": "addition", ' \
             b'"shard": 1}, "status": "ok", "scores": [1.0], "weight_versions": []}\n'
     def planted_at(name: str) -> Path:  # a protocol 2 run: the unit's step directory
-        return unit_dir(results_dir, WorkUnit.from_id(name[:-5]).step, per_step=True) / name
+        return unit_dir(results_dir, WorkUnit.from_id(name[:-5]).step) / name
 
     for name, data in planted.items():
         planted_at(name).parent.mkdir(exist_ok=True)

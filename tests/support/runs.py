@@ -18,7 +18,7 @@ def make_run(tmp: Path, n_prompts: int = 10, shard_size: int = 5, lease: LeaseSe
                   for n in datasets)
     manifest = RunManifest(
         run_id="test-run",
-        eval=EvalSpec(datasets=specs),
+        eval=EvalSpec(entries=specs),
         snapshot_roots=(str(tmp / "run" / "snapshots"),),
         lease=lease or LeaseSettings(30.0, 5.0),
     )

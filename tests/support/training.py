@@ -75,7 +75,7 @@ def make_train_run(
     dataset = dataclasses.replace(write_addition_dataset(run, n=eval_n_prompts, shard_size=eval_shard_size),
                                   scorer=eval_scorer)
     manifest = RunManifest(
-        run_id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:64], eval=EvalSpec(datasets=(dataset,), engine={"dtype": "float32"}),
+        run_id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:64], eval=EvalSpec(entries=(dataset,), engine={"dtype": "float32"}),
         snapshot_roots=(), trainer={"program": "tests", **producer_identity()},
         lease=LeaseSettings(lease_duration, lease_heartbeat), created=time.time(),
     )
@@ -90,8 +90,7 @@ def fill_results(run: RunDir, step: int, score: float = 1.0, version: str | None
     manifest = manifest or run.manifest()
     for unit in units_for_step(manifest, step):
         n = len(shard_range(manifest, unit))
-        write_result(run.results, ok_result(unit, [score] * n, [version or str(step)] * n),
-                     per_step=run.manifest().per_step_dirs)
+        write_result(run.results, ok_result(unit, [score] * n, [version or str(step)] * n))
 
 
 class InstantFleet(threading.Thread):
@@ -141,7 +140,7 @@ def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeou
     manifest = run.manifest()
     discoveries = [SnapshotDiscovery(Path(root)) for root in manifest.snapshot_roots]
     index = ResultIndex(run.results)
-    claimer = UnitClaimer(run.leases, manifest.lease, results_dir=run.results, per_step=manifest.per_step_dirs)
+    claimer = UnitClaimer(run.leases, manifest.lease, results_dir=run.results)
     cache = DatasetCache(run, manifest)
     engine = HFEngine(device="cpu")
     written = 0
@@ -164,7 +163,7 @@ def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeou
             time.sleep(delay_s)
             write_result(run.results, ok_result(claim.unit, scores.scores, scores.weight_versions, scores.answers,
                                                 snapshot=str(ref.path), lease_token=claim.token,
-                                                attempt=claim.attempt), per_step=manifest.per_step_dirs)
+                                                attempt=claim.attempt))
             written += 1
         finally:
             claim.release()

@@ -55,7 +55,7 @@ def make_eval_run(
     spec = replace(spec, scorer=scorer, max_new_tokens=max_new_tokens, n_samples=n_samples)
     manifest = RunManifest(
         run_id=f"test-{name}",
-        eval=EvalSpec(datasets=(spec,), engine=engine or {}),
+        eval=EvalSpec(entries=(spec,), engine=engine or {}),
         snapshot_roots=(str(snapshot_root or run.snapshots),),
         lease=lease or LeaseSettings(30.0, 5.0),
     )
@@ -127,7 +127,7 @@ def lease_holder_pid(run: RunDir) -> dict[str, int]:
 def counted_claimers(run: RunDir, unit_id: str) -> list[int]:
     """The pids whose claims of ``unit_id`` were counted (``<unit>.attempts``), in claim order."""
     try:
-        step = WorkUnit.from_id(unit_id).step if run.manifest().per_step_dirs else None
+        step = WorkUnit.from_id(unit_id).step
         return [int(line) for line in attempts_path(run.leases, unit_id, step).read_text().split()]
     except FileNotFoundError:
         return []

@@ -14,7 +14,7 @@ per-sample versions, it cannot prevent it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class EngineError(RuntimeError):
@@ -145,13 +145,70 @@ class Engine(Protocol):
         """Release every resource (processes, memory). Idempotent."""
 
 
+# -- optional capabilities: what only some engines have. Code that needs one asks ``isinstance(engine, Cap)``
+# (each is runtime-checkable: the check is the attribute's presence); a pool answers through its members.
+@runtime_checkable
+class Pooled(Protocol):
+    """Several interchangeable engines behind one (:class:`~ckpteval.jobs.eval.engines.factory.EnginePool`)."""
+
+    engines: list[Engine]
+
+
+@runtime_checkable
+class OccupiesGPUs(Protocol):
+    """GPUs the engine holds (cost accounting: GPU-seconds of a unit)."""
+
+    @property
+    def gpus(self) -> int: ...
+
+
+@runtime_checkable
+class LaunchesServer(Protocol):
+    """An engine that launches its own server (sglang): how long a launch may take, and whether the next
+    load launches."""
+
+    @property
+    def launch_timeout_s(self) -> float | None: ...
+
+    @property
+    def launch_pending(self) -> bool: ...
+
+
+@runtime_checkable
+class DigestsWeights(Protocol):
+    """Per-tensor digests of the loaded weights, in each tensor's stored dtype (in-process attestation)."""
+
+    def weight_digests(self, dtypes: dict[str, str], digest: str = "crc32") -> WeightDigests: ...
+
+
+@runtime_checkable
+class ChecksumsWeights(Protocol):
+    """The server's own checksum of its loaded weights (sglang's consistency proof)."""
+
+    def weights_checksum(self) -> EngineChecksum: ...
+
+
+@runtime_checkable
+class TeacherForced(Protocol):
+    """Log-probs of given completions under the loaded weights (the canary's comparison)."""
+
+    def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class ReportsComputeDtype(Protocol):
+    """The dtype the engine computes in (the canary's bound depends on it)."""
+
+    @property
+    def compute_dtype(self) -> str | None: ...
+
+
 def engine_gpus(engine: object) -> int:
     """How many GPUs an engine occupies (its ``gpus`` attribute; a pool: the sum; unknown: 0), for
     GPU-seconds in the cost of a unit."""
-    members = getattr(engine, "engines", None)
-    if members:
-        return sum(engine_gpus(e) for e in members)
-    return int(getattr(engine, "gpus", 0) or 0)
+    if isinstance(engine, Pooled) and engine.engines:
+        return sum(engine_gpus(e) for e in engine.engines)
+    return int(engine.gpus or 0) if isinstance(engine, OccupiesGPUs) else 0
 
 
 def launch_timeout(engine: object, pending_only: bool = False) -> float:
@@ -159,9 +216,8 @@ def launch_timeout(engine: object, pending_only: bool = False) -> float:
     minutes on a big model, far past a weight load); a pool: the sum (it loads and restarts its engines in
     turn); 0: nothing to launch. ``pending_only``: count only engines whose next load launches
     (``launch_pending``), i.e. what a first load adds to the load's own bound."""
-    members = getattr(engine, "engines", None)
-    if members:
-        return sum(launch_timeout(e, pending_only) for e in members)
-    if pending_only and not getattr(engine, "launch_pending", False):
+    if isinstance(engine, Pooled) and engine.engines:
+        return sum(launch_timeout(e, pending_only) for e in engine.engines)
+    if not isinstance(engine, LaunchesServer) or (pending_only and not engine.launch_pending):
         return 0.0
-    return float(getattr(engine, "launch_timeout_s", None) or 0.0)
+    return float(engine.launch_timeout_s or 0.0)
