@@ -250,7 +250,7 @@ def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) 
         "bwrap", *unshare, "--die-with-parent", "--new-session",
         *_root_binds(prefix),
         "--proc", "/proc", *_dev(),
-        "--perms", "1777", "--size", str(limits.file_mb << 20), "--tmpfs", "/tmp",
+        "--dir", "/tmp",  # a mount point only: the launcher mounts the capped tmpfs there (a bwrap --tmpfs: 0.8 ms)
         "--perms", "0755", "--dir", "/sandbox", "--ro-bind", program_file, PROGRAM,
         "--remount-ro", "/",  # in a user namespace the root tmpfs is the program's to write, uncapped
         "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
