@@ -54,6 +54,7 @@ run in a bounded pool (:attr:`Sandbox.concurrency`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import selectors
@@ -204,13 +205,15 @@ def default_concurrency() -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
+@functools.cache
 def interpreter() -> tuple[str, str]:
     """The base interpreter (not a venv's wrapper) and its installation prefix."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     return exe, os.path.realpath(sys.base_prefix)
 
 
-def _root_binds(prefix: str) -> list[str]:
+@functools.cache
+def _root_binds(prefix: str) -> tuple[str, ...]:
     """bwrap arguments for the read-only root: /usr, the top-level links/dirs into it, the prefix."""
     args = ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -225,10 +228,11 @@ def _root_binds(prefix: str) -> list[str]:
         for i in range(1, len(parts)):  # parents created world-traversable (e.g. /root is 0700)
             args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
         args += ["--ro-bind", prefix, prefix]
-    return args
+    return tuple(args)
 
 
-def _dev() -> list[str]:
+@functools.cache
+def _dev() -> tuple[str, ...]:
     """A minimal read-only /dev: the harmless character devices and the fd links (not bwrap's --dev, whose
     devpts mount makes a later tmpfs mount fail in a user namespace, and whose /dev/shm is writable there)."""
     args = ["--perms", "0755", "--dir", "/dev"]
@@ -236,11 +240,12 @@ def _dev() -> list[str]:
         args += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         args += ["--symlink", f"/proc/self/fd/{i}", f"/dev/{name}"]
-    return [*args, "--symlink", "/proc/self/fd", "/dev/fd"]
+    return (*args, "--symlink", "/proc/self/fd", "/dev/fd")
 
 
-def bwrap_command(program_file: str, limits: Limits, label: str, as_root: bool) -> list[str]:
-    """The full bwrap command line that runs ``program_file`` (a host path) under the launcher."""
+def bwrap_command(program_file: str, label: str, as_root: bool) -> list[str]:
+    """The full bwrap command line that runs ``program_file`` (a host path) under the launcher (the parts that
+    depend on the node only are computed once per process)."""
     exe, prefix = interpreter()
     # root: no user namespace (uid 0 in one is still uid 0 to RLIMIT_NPROC; the launcher drops to a
     # real unprivileged uid instead); others: --unshare-all, whose user namespace they need.
@@ -645,7 +650,7 @@ class Sandbox:
         cgroup = (self.cgroup, group) if self.cgroup is not None and group is not None else None
         procs = os.open(group / "cgroup.procs", os.O_WRONLY) if cgroup is not None and group is not None else -1
         if self.mode == "bwrap":
-            cmd = bwrap_command(program, limits, self.label, self.as_root)
+            cmd = bwrap_command(program, self.label, self.as_root)
             cmd += launcher_args(limits, uid, ready_w, PROGRAM, bwrap=True, cgroup_fd=procs)
             return _Run(cmd, limits, tmp, None, stdin_path, ready_w, ready_r, cgroup, procs)
         work = os.path.join(tmp, "work")
