@@ -31,9 +31,15 @@ from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import write_jsonl
-from ckpteval.jobs.eval.sandbox import probe_bwrap
-from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
-from ckpteval.jobs.eval.scorers.code import extract_code, harness_stdin, row_tests, same_output
+from ckpteval.jobs.eval.sandbox import Limits, Sandbox, probe_bwrap
+from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, code_harness, make_scorer
+from ckpteval.jobs.eval.scorers.code import (
+    extract_code,
+    harness_program,
+    harness_stdin,
+    row_tests,
+    same_output,
+)
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.sandbox import survivors
@@ -555,3 +561,31 @@ def test_the_tests_free_names_call_the_solution_except_modules_and_builtins() ->
     spec_ = json.loads(harness_stdin(["import os\nassert f(len([1])) == math.floor(g.x)", "def check(c):\n    c(1)\n"
                                       "check(numbers)\n"], entry_point="numbers"))
     assert (spec_["proxies"], spec_["modules"]) == (["f", "g", "numbers"], ["math"])
+
+
+def test_the_harness_speaks_json_through_jsons_own_c_codec_and_refuses_what_json_would_not_carry() -> None:
+    """The harness uses json's C half (``_json``): the same bytes as ``json.dumps``, the same values back, and a
+    ValueError for anything malformed, trailing or non-finite (the solution process writes the answers)."""
+    for value in [{"value": ["l", [["u", "x\u00e9\n\""], None, True]], "after": {}}, {"name": "f", "args": [], "kwargs": []},
+                  {"tests": ["assert f(1) == 2\n"], "proxies": ["f"], "modules": ["math"]}, "s", []]:
+        assert code_harness._dumps(value) == json.dumps(value)
+        assert code_harness._loads(json.dumps(value).encode()) == value
+    for bad in [b"", b"[1,", b"NaN", b'{"value": Infinity}', b"[1] x", b'"\x01"', b"\xff"]:
+        with pytest.raises(ValueError):
+            code_harness._loads(bad)
+    with pytest.raises(ValueError):
+        code_harness._dumps({"value": float("nan")})
+
+
+@needs_bwrap
+def test_the_harness_loads_none_of_the_slow_modules() -> None:
+    """json (re, enum), signal (enum) and ctypes cost a sample more than the interpreter's start-up: the
+    harness does without them (throughput, #26); the solution process, forked from it, sees its modules."""
+    probe = "import sys\nprint([m for m in ('json', 're', 'enum', 'signal', 'ctypes') if m in sys.modules], flush=True)\ndef f():\n    return 1\n"
+    box = Sandbox(Limits(wall_s=10.0), concurrency=1)
+    try:
+        outcome = box.run(harness_program(probe), harness_stdin(["assert f() == 1"]))
+    finally:
+        box.close()
+    assert outcome.status == "passed" and b"pass 0" in outcome.stdout and b"done" in outcome.stdout, outcome
+    assert b"[]\n" in outcome.stderr, outcome

@@ -30,12 +30,17 @@ or ``solution signal <n>`` (how the solution process ended), ``setup-error <why>
 
 from __future__ import annotations
 
+import _signal  # signal's C half: signal itself imports enum (2 ms a sample)
 import builtins
-import json
 import os
-import signal
+import select
 import sys
 import time
+
+try:  # json's C half: json's own imports (re, enum, ...) cost more than the interpreter's start-up
+    import _json
+except ImportError:  # a build without it: _harness reports a setup error (infrastructure, never the model's)
+    _json = None
 
 MAX_DEPTH = 200
 
@@ -98,8 +103,45 @@ def _dec(x: object) -> object:
     return kinds[tag](_dec(y) for y in body)
 
 
+class _Plain:
+    """JSON decoding settings for ``_json``'s scanner (those of ``json.loads``, without NaN/Infinity)."""
+
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int
+
+    @staticmethod
+    def parse_constant(name: str) -> object:
+        raise ValueError(f"{name} is not plain JSON")
+
+
+_SCAN = _json.make_scanner(_Plain()) if _json is not None else None
+
+
+def _not_json(value: object) -> object:
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def _dumps(value: object) -> str:
+    """``json.dumps(value)`` (ASCII, no NaN), by the C encoder ``json`` itself uses."""
+    encode = _json.make_encoder({}, _not_json, _json.encode_basestring_ascii, None, ": ", ", ", False, False, False)
+    return "".join(encode(value, 0))
+
+
+def _loads(data: bytes) -> object:
+    """``json.loads(data)`` of UTF-8 bytes (ValueError when malformed or followed by anything)."""
+    text = data.decode("utf-8").strip()
+    try:
+        value, end = _SCAN(text, 0)
+    except StopIteration:
+        raise ValueError("malformed JSON") from None
+    if end != len(text):
+        raise ValueError("malformed JSON: extra data")
+    return value
+
+
 def _send(out: object, msg: dict[str, object]) -> None:
-    out.write(json.dumps(msg).encode() + b"\n")
+    out.write(_dumps(msg).encode() + b"\n")
     out.flush()
 
 
@@ -126,7 +168,7 @@ def _serve(source: str, requests: int, answers: int) -> None:
 
 
 def _answer(g: dict[str, object], line: bytes) -> dict[str, object]:
-    req = json.loads(line)
+    req = _loads(line)
     try:
         args = [_dec(a) for a in req["args"]]
         kwargs = {k: _dec(v) for k, v in req["kwargs"]}
@@ -155,7 +197,7 @@ class _Solution:
         if not line:
             self.lost = True
             return None
-        msg = json.loads(line)
+        msg = _loads(line)
         if type(msg) is not dict:
             raise ValueError("malformed answer")
         return msg
@@ -181,19 +223,35 @@ class _Solution:
     def end(self) -> str:
         """Hang up, then how the solution process ended (killed if it does not end within a second)."""
         self.out.close()
-        give_up = time.monotonic() + 1.0
-        while True:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > give_up:
-                os.kill(self.pid, signal.SIGKILL)
-                pid, status = os.waitpid(self.pid, 0)
-                break
-            time.sleep(0.005)
-        if os.WIFSIGNALED(status):
-            return f"solution signal {os.WTERMSIG(status)}"
-        return f"solution exit {os.waitstatus_to_exitcode(status)}"
+        if not _exited_within(self.pid, 1.0):
+            os.kill(self.pid, _signal.SIGKILL)
+        return _ending(os.waitpid(self.pid, 0)[1])
+
+
+def _exited_within(pid: int, seconds: float) -> bool:
+    """Whether the child ``pid`` (not reaped) exits within ``seconds``: woken at its exit through a pidfd,
+    else polled every 5 ms."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = -1
+    if fd >= 0:
+        try:
+            return bool(select.select([fd], [], [], seconds)[0])
+        finally:
+            os.close(fd)
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def _ending(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"solution signal {os.WTERMSIG(status)}"
+    return f"solution exit {os.waitstatus_to_exitcode(status)}"
 
 
 def _exception(name: str, text: str, solution: _Solution) -> BaseException:
@@ -222,10 +280,22 @@ def _proxy(solution: _Solution, name: str) -> object:
 
 
 def _non_dumpable() -> str | None:
+    """prctl(PR_SET_DUMPABLE, 0), checked; through ``_ctypes`` (``ctypes``'s imports cost 2 ms per sample)."""
     try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(4, 0, 0, 0, 0) != 0 or libc.prctl(3, 0, 0, 0, 0) != 0:  # PR_SET/GET_DUMPABLE
+        import _ctypes
+
+        class Int(_ctypes._SimpleCData):
+            _type_ = "i"
+
+        class Prctl(_ctypes.CFuncPtr):
+            _flags_ = _ctypes.FUNCFLAG_CDECL
+            _restype_ = Int
+
+        class Libc:
+            _handle = _ctypes.dlopen(None, 0)
+
+        prctl = Prctl(("prctl", Libc))
+        if prctl(4, 0, 0, 0, 0) != 0 or prctl(3, 0, 0, 0, 0) != 0:  # PR_SET/GET_DUMPABLE
             return "prctl(PR_SET_DUMPABLE, 0) failed"
     except (ImportError, OSError, AttributeError) as e:
         return f"cannot call prctl: {e}"
@@ -241,7 +311,7 @@ def _harness(source: str) -> None:
     def say(line: str) -> None:
         os.write(report, (line + "\n").encode())
 
-    why = _non_dumpable()
+    why = _non_dumpable() if _json is not None else "the interpreter has no _json module"
     if why is not None:
         say(f"setup-error {why}")
         os._exit(3)
@@ -256,7 +326,7 @@ def _harness(source: str) -> None:
     os.close(requests_r)
     os.close(answers_w)
     solution = _Solution(pid, requests_w, answers_r)
-    spec = json.loads(sys.stdin.buffer.read())  # read only now: the solution process never held the tests
+    spec = _loads(sys.stdin.buffer.read())  # read only now: the solution process never held the tests
     loaded = solution.receive()
     if loaded is None or "loaded" not in loaded:
         say("load-error")
