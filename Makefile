@@ -11,14 +11,19 @@ ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py
+	@echo "ckpteval setup: first run installs a venv in $(VENV) (torch, transformers, megatron-core, ...): a few minutes"
 	# bubblewrap: the code scorer's sandbox (jobs/eval/sandbox.py).
 	command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	# CPU torch first: a local wheel on these machines; pyproject keeps a range so GPU clusters keep their build.
+	@echo "ckpteval setup: torch (CPU wheel)"
 	$(BIN)/python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -m pip install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -c "import torch, transformers, filelock, safetensors, submitit, megatron.core, wandb"
+	@echo "ckpteval setup: ckpteval and its dependencies (editable)"
+	# PYTHONWARNINGS: setuptools' notice on editable builds, megatron's on missing Transformer Engine (expected on CPU).
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+	PYTHONWARNINGS=ignore $(BIN)/python -c "import torch, transformers, filelock, safetensors, submitit, megatron.core, wandb"
+	@echo "ckpteval setup: done"
 	touch $(STAMP)
 
 # The whole suite, set-up included. The SLURM tests start a throw-away cluster (tests/slurm/cluster.sh).

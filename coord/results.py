@@ -7,7 +7,7 @@ double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for 
 A result holds per-sample scores, the scorer's extracted answer of each sample (``answers``, optional:
 results written before it existed have none), the weight versions that produced them, how many samples
 the grader gave up on (``grader_timeouts``), the scorer's per-sample ``counters`` summed and ``extras``
-as ``{"sum", "n"}``, the scorer's identity (``scorer``: what scored, e.g. a judge's model id), how the
+as ``{"sum", "n"}``, its per-sample ``notes`` when it had something to say (why a code program failed), the scorer's identity (``scorer``: what scored, e.g. a judge's model id), how the
 engine's weights were attested (``attest``), the canary's comparison (``fidelity``), what the unit cost
 (``cost``: tokens, engine/load/attestation seconds, GPUs; summed per point as ``eval/cost/*``), timings,
 the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
@@ -85,6 +85,7 @@ class Result:
     cost: dict[str, float] = field(default_factory=dict)  # what the unit cost (tokens, engine seconds, GPUs)
     fidelity: dict[str, float] = field(default_factory=dict)  # the canary's comparison; {}: no canary
     episodes: tuple[dict[str, Any], ...] = ()  # env units: per episode reward, turns, tokens, versions, ended
+    notes: tuple[str | None, ...] = ()  # per sample: why it scored so, when the scorer said (e.g. a code error)
 
     @property
     def ok(self) -> bool:
@@ -118,6 +119,7 @@ class Result:
             **({"cost": self.cost} if self.cost else {}),
             **({"fidelity": self.fidelity} if self.fidelity else {}),
             **({"episodes": list(self.episodes)} if self.episodes else {}),
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
 
@@ -181,6 +183,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         cost = {str(k): float(v) for k, v in (obj.get("cost") or {}).items()}
         fidelity = {str(k): float(v) for k, v in (obj.get("fidelity") or {}).items()}
         episodes = tuple(dict(e) for e in obj.get("episodes") or ())
+        notes = tuple(None if n is None else str(n) for n in obj.get("notes") or ())
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -192,6 +195,8 @@ def parse_result(obj: Any, source: Path) -> Result:
         raise ValueError(f"{source}: {len(scores)} scores but {len(versions)} weight_versions")
     if answers and len(answers) != len(scores):
         raise ValueError(f"{source}: {len(scores)} scores but {len(answers)} answers")
+    if notes and len(notes) != len(scores):
+        raise ValueError(f"{source}: {len(scores)} scores but {len(notes)} notes")
     return Result(
         unit=unit,
         status=status,
@@ -216,6 +221,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         cost=cost,
         fidelity=fidelity,
         episodes=episodes,
+        notes=notes,
     )
 
 

@@ -12,7 +12,7 @@ own. Layout::
     RUN/results/step-<N>/step.summary  the step's results summed up for status and plot (ckpteval.coord.summary)
     RUN/adopted/          markers of foreign checkpoints admitted after quiescence (ckpteval.coord.discovery)
     RUN/lost/             <step>.json per foreign save seen but rotated away before admission (ckpteval.coord.discovery)
-    RUN/best.json         the best step and the steps not distinguishable from it (ckpteval.jobs.decide)
+    RUN/best/<metric>.json  per metric: the best step and the steps not distinguishable from it (ckpteval.jobs.decide)
     RUN/until.json        backfill --until: the condition, the first passing step, the steps evaluated
     RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (ckpteval.coord.ledger)
     RUN/metrics.jsonl     every metric the trainer logged
@@ -103,9 +103,10 @@ class RunDir:
     def lost(self) -> Path:
         return self.path / "lost"
 
-    @property
-    def best_path(self) -> Path:
-        return self.path / "best.json"
+    def best_path(self, metric: str) -> Path:
+        """``RUN/best/<metric>.json``: ``ckpteval best``'s decision by ``metric`` ("/" written "__": one file
+        per metric, so deciding by another metric never overwrites a decision)."""
+        return self.path / "best" / f"{metric.replace('/', '__')}.json"
 
     @property
     def until_path(self) -> Path:

@@ -355,7 +355,8 @@ def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(se
         box.procs.append(_start_listening(args, box.tmp / "relaunch.log", 60.0, "tests.support.stale_serve")[1])
 
     with HTTPEngine(url, launcher=relaunch) as engine:
-        engine.launch_timeout_s = 60.0  # type: ignore[attr-defined]  # a launched server (launch_timeout > 0)
+        engine.launch_timeout_s = 60.0  # type: ignore[attr-defined]  # a launched server (base.LaunchesServer)
+        engine.launch_pending = False  # type: ignore[attr-defined]
         (result,) = _evaluate(engine, run, refs, [WorkUnit(2, "addition", 1)])
     assert result.ok and result.attest["attested"] is True and "reproduces" in result.attest["detail"], result.message
     observations, standing = _records(run)

@@ -589,3 +589,29 @@ def test_the_harness_loads_none_of_the_slow_modules() -> None:
         box.close()
     assert outcome.status == "passed" and b"pass 0" in outcome.stdout and b"done" in outcome.stdout, outcome
     assert b"[]\n" in outcome.stderr, outcome
+
+
+@needs_bwrap
+def test_a_failed_sample_says_why_in_the_results_notes(tmp_path: Path) -> None:
+    """#31: a code error carries its text — the result's ``notes`` say per sample how many tests passed,
+    what ended the program (the first failing case for stdin/stdout) and its stderr's last line; a pass
+    has no note, and the notes survive the result file's round trip."""
+    from ckpteval.coord.results import ok_result, parse_result
+    from ckpteval.coord.units import WorkUnit
+    from ckpteval.jobs.eval.scorers import UnitTally
+
+    add, stdio = EXAMPLE[0], EXAMPLE[10]
+    scorer = make_scorer(spec([add, stdio]), ScorerContext(tmp_path, {}))
+    samples = [Sample(fenced("1 / 0\n"), add, ""), Sample(fenced("print('wrong')\n"), stdio, ""),
+               Sample(fenced("import sys\nsys.stderr.write('bad input\\n')\nsys.exit(3)\n"), stdio, ""),
+               Sample(fenced(add["solution"]), add, "")]
+    scored = scorer.score(samples)
+    notes = [s.note for s in scored]
+    assert notes[0] is not None and notes[0].startswith("error: 0/") and "ZeroDivisionError" in notes[0], notes[0]
+    assert notes[1] is not None and notes[1].startswith("wrong answer: 0/") and "case 0: wrong output" in notes[1]
+    assert notes[2] is not None and "case 0: exit status 3" in notes[2] and notes[2].endswith("bad input"), notes[2]
+    assert notes[3] is None and scored[3].score == 1.0
+    tally = UnitTally.of(scored)
+    result = ok_result(WorkUnit(1, "code", 0), [s.score for s in scored], ["1"] * 4, **tally.as_result_fields())
+    assert parse_result(json.loads(json.dumps(result.to_json())), tmp_path / "r.json").notes == tuple(notes)
+    assert UnitTally.of(scored[3:]).notes == ()  # no note at all: no notes field

@@ -113,12 +113,24 @@ def test_compare_two_runs_pairs_prompt_by_prompt(decided_run: RunDir, tmp_path: 
 def test_best_writes_best_json_with_the_indistinguishable_steps(decided_run: RunDir) -> None:
     code, out = finish(spawn("best", str(decided_run.path), "--metric", "eval/add"), 60)
     assert code == 0, out
-    rec = json.loads(decided_run.best_path.read_text())
+    rec = json.loads(decided_run.best_path("eval/add").read_text())
     assert rec["best_step"] in (200, 300) and rec["not_distinguishable"] == [200, 300]
     assert "Bonferroni" in rec["correction"] and rec["steps"]["100"]["diff_to_best"]["high"] < 0
     assert f"best step by eval/add (higher is better): {rec['best_step']}" in out
     code, out = finish(spawn("best", str(decided_run.path), "--metric", "eval/add", "--lower-is-better", "--json"), 60)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["best_step"] == 100
+
+
+def test_a_decision_by_one_metric_never_overwrites_another_metrics(decided_run: RunDir) -> None:
+    """#31: ``best`` writes one file per metric (before: one ``RUN/best.json`` whatever the metric)."""
+    other = decided_run.best_path("eval/add/pass@4")
+    assert other != decided_run.best_path("eval/add") and other.name == "eval__add__pass@4.json"
+    other.parent.mkdir()
+    other.write_text('{"metric": "eval/add/pass@4", "best_step": 100}')
+    code, out = finish(spawn("best", str(decided_run.path), "--metric", "eval/add"), 60)
+    assert code == 0, out
+    assert json.loads(other.read_text())["best_step"] == 100  # untouched
+    assert json.loads(decided_run.best_path("eval/add").read_text())["metric"] == "eval/add"
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -147,7 +159,7 @@ def test_best_writes_the_wandb_summary(decided_run: RunDir) -> None:
     (wandb_file,) = decided_run.path.glob("wandb/offline-run-*/run-train-7.wandb")
     summary = {i.key: json.loads(i.value_json) for r in wandb_records(wandb_file)
                if r.WhichOneof("record_type") == "summary" for i in r.summary.update}
-    rec = json.loads(decided_run.best_path.read_text())
+    rec = json.loads(decided_run.best_path("eval/add").read_text())
     assert summary["best/step"] == rec["best_step"] and summary["best/not_distinguishable"] == [200, 300]
     assert summary["best/metric"] == "eval/add"
 

@@ -194,6 +194,7 @@ def test_backfill_dry_run_array(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_service_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "ckpts").mkdir()  # a --watch dir must exist (a typo is refused at submit)
     (tmp_path / "qa.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
         {"name": "qa", "path": "qa.jsonl", "n_prompts": 1}]}}))

@@ -4,7 +4,7 @@ the run's first dataset's mean).
 The best step by the metric (``--higher-is-better``, the default, or ``--lower-is-better``), its
 interval, and every step *not distinguishable from it*: each other step's paired difference to the
 best (per-prompt differences, paired t interval), Bonferroni-corrected for the number of steps
-compared, contains 0 (:func:`ckpteval.jobs.decide.stats.best_step`). Written to ``RUN/best.json`` (atomic) and
+compared, contains 0 (:func:`ckpteval.jobs.decide.stats.best_step`). Written to ``RUN/best/<metric>.json`` (atomic; ``/`` written ``__``: one file per metric) and
 printed; ``--json`` prints the file's content; ``--wandb-run-id ID`` also writes it into that wandb
 run's summary (``best/step``, ``best/mean``, ``best/low``, ``best/high``, ``best/not_distinguishable``,
 ``best/metric``) as a shared writer (:func:`ckpteval.jobs.metrics.init_wandb`).
@@ -26,7 +26,7 @@ PROG = "ckpteval best"
 
 
 def best_record(best: Best, metric: str, higher: bool, means: dict[int, float]) -> dict[str, Any]:
-    """The ``RUN/best.json`` content (docs/PROTOCOL.md)."""
+    """The ``RUN/best/<metric>.json`` content (docs/PROTOCOL.md)."""
     return {"metric": metric, "higher_is_better": higher, "best_step": best.step, "interval": best.interval.to_json(),
             "not_distinguishable": list(best.tied), "correction": best.correction,
             "steps": {str(s): {"mean": means[s], **({"diff_to_best": best.differences[s].to_json()}
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
                      help="the largest mean is best (default)")
     way.add_argument("--lower-is-better", dest="higher", action="store_false", help="the smallest mean is best")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="family confidence level (default 0.95)")
-    parser.add_argument("--json", action="store_true", help="print RUN/best.json's content")
+    parser.add_argument("--json", action="store_true", help="print the decision file's content (RUN/best/<metric>.json)")
     parser.add_argument("--wandb-run-id", metavar="ID", help="also write the result into this wandb run's summary")
     args = parser.parse_args(argv)
     if not 0.0 < args.level < 1.0:
@@ -72,7 +72,9 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         return fail(PROG, e)
     rec = best_record(best, metric.name, args.higher, {s: float(v.mean()) for s, v in values.items()})
-    write_json_atomic(side.run.best_path, rec)
+    target = side.run.best_path(metric.name)
+    target.parent.mkdir(exist_ok=True)
+    write_json_atomic(target, rec)
     if args.wandb_run_id:
         try:
             write_wandb_summary(side.run.path, args.wandb_run_id, rec)

@@ -90,7 +90,9 @@ class Scored:
 
     ``timed_out``: the ``math`` grader gave up (counted as ``grader_timeouts``). ``counters``: per-sample
     counts summed per unit and point (``eval/<ds>/<counter>``, e.g. ``code_timeouts``). ``extras``:
-    per-sample numbers averaged per point (``eval/<ds>/<name>``, e.g. ``tests_passed_fraction``).
+    per-sample numbers averaged per point (``eval/<ds>/<name>``, e.g. ``tests_passed_fraction``). ``note``:
+    why the sample scored as it did, in words, when the scorer knows (a code program's error), kept in the
+    result's ``notes`` (at most :data:`NOTE_CHARS` characters).
     """
 
     score: float
@@ -98,6 +100,10 @@ class Scored:
     timed_out: bool = False
     counters: dict[str, int] = field(default_factory=dict)
     extras: dict[str, float] = field(default_factory=dict)
+    note: str | None = None
+
+
+NOTE_CHARS = 300  # a per-sample note's length in a result (a program's stderr can be any length)
 
 
 @dataclass(frozen=True)
@@ -246,10 +252,13 @@ class UnitTally:
     grader_timeouts: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     extras: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {"sum": s, "n": k}
+    notes: tuple[str | None, ...] = ()  # per sample, when any sample has one (Scored.note)
 
     @classmethod
     def of(cls, scored: list[Scored]) -> UnitTally:
-        tally = cls(grader_timeouts=sum(s.timed_out for s in scored))
+        notes = tuple(None if s.note is None else s.note[:NOTE_CHARS] for s in scored)
+        tally = cls(grader_timeouts=sum(s.timed_out for s in scored),
+                    notes=notes if any(n is not None for n in notes) else ())
         for s in scored:
             for name, n in s.counters.items():
                 tally.counters[name] = tally.counters.get(name, 0) + int(n)

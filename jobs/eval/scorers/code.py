@@ -22,8 +22,9 @@ point) is the fraction of its tests that passed. The model's failures are scored
 sample: ``code_timeouts`` (a program over its deadline or CPU limit) and ``code_errors`` (out of
 memory, killed by a signal, over the output cap, code that does not load or is not valid UTF-8, or a
 stdin/stdout program exiting non-zero). A sandbox that cannot run is an infrastructure failure: :class:`ScorerInfraError`
-``sandbox_failed`` (after the sandbox's own retries), never a score. The extracted answer is ``None``
-(no ``maj@n`` for code sets); ``pass@k`` works as for any set with ``n_samples``.
+``sandbox_failed`` (after the sandbox's own retries), never a score. A failed sample's result ``notes``
+entry says why in one line (tests passed, what ended the program, its stderr's last line). The extracted
+answer is ``None`` (no ``maj@n`` for code sets); ``pass@k`` works as for any set with ``n_samples``.
 
 Options (the dataset's ``scorer_options``): :class:`CodeOptions`. Worker settings
 (``ScorerContext.options``): ``sandbox_concurrency`` (programs at once; 0 = min(4, CPUs)) and
@@ -278,8 +279,27 @@ def verdict(outcomes: list[Outcome], plan: Plan) -> Scored:
         verdicts = [o.status == "passed" and same_output(o.stdout, w) for o, w in zip(outcomes, wants, strict=True)]
         n_passed, ok = sum(verdicts), all(verdicts)
         errors = errors or any(o.status == "failed" for o in outcomes)
+    case = None if plan.asserts else next((i for i, v in enumerate(verdicts) if not v), 0)
+    note = None if ok else failure_note(outcomes[case or 0], case, n_passed, plan.n_tests, timeouts, errors)
     return Scored(float(ok), None, counters={"code_timeouts": int(timeouts), "code_errors": int(errors)},
-                  extras={"tests_passed_fraction": n_passed / plan.n_tests})
+                  extras={"tests_passed_fraction": n_passed / plan.n_tests}, note=note)
+
+
+def failure_note(bad: Outcome, case: int | None, n_passed: int, n_tests: int, timeouts: bool, errors: bool) -> str:
+    """Why a sample failed, in one line (the result's ``notes``): how many tests passed, the first failing
+    stdin/stdout ``case`` (None: assert-style, one program), what ended that program and the last line its
+    stderr printed (the program's own words: informative, never part of a verdict)."""
+    why = "timeout" if timeouts else "error" if errors else "wrong answer"
+    ended = bad.detail or (f"exit {bad.exit_code}" if bad.exit_code else "")
+    if case is not None:
+        ended = f"case {case}: {ended or 'wrong output'}"
+    return "; ".join(p for p in (f"{why}: {n_passed}/{n_tests} tests passed", ended, _last_line(bad.stderr)) if p)
+
+
+def _last_line(stderr: bytes) -> str:
+    """The last non-blank line of a program's stderr, printable characters only."""
+    lines = [ln.strip() for ln in stderr.decode("utf-8", errors="replace").splitlines() if ln.strip()]
+    return "".join(c for c in lines[-1] if c.isprintable()) if lines else ""
 
 
 _PROBED: dict[str, str | None] = {}
