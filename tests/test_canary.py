@@ -19,11 +19,17 @@ from tokenizers import processors
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.snapshot import CANARY, read_marker
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval.canary import CanaryFailed, canary_bytes, check_canary, probe_rows
+from ckpteval.jobs.eval.canary import (
+    CANARY_MAX_DIFF_NARROWER,
+    CANARY_MAX_DIFF_SAME_DTYPE,
+    CanaryFailed,
+    canary_bytes,
+    check_canary,
+    probe_rows,
+)
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.eval.evalsets import load_dataset
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from ckpteval.jobs.eval.options import CANARY_MAX_DIFF_NARROWER, CANARY_MAX_DIFF_SAME_DTYPE
 from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.reference.model import build_model, build_tokenizer
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter

@@ -25,17 +25,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval.canary import canary_bytes, probe_rows
+from ckpteval.jobs.eval.canary import CANARY_MAX_DIFF_SAME_DTYPE, canary_bytes, probe_rows
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.eval.engines.http import HTTPEngine
 from ckpteval.jobs.eval.engines.sglang import SGLangEngine
 from ckpteval.jobs.eval.evalsets import load_dataset
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from ckpteval.jobs.eval.options import CANARY_MAX_DIFF_SAME_DTYPE
 from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.reference.model import build_model
-from ckpteval.jobs.reference.serve import EngineHTTPServer
 from ckpteval.jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.reference.serve_http import EngineHTTPServer
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.workers import base_dir, make_eval_run, version
 

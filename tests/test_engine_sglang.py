@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplingParams, launch_timeout
+from ckpteval.jobs.eval.engines.base import (
+    EngineError,
+    RequestRejected,
+    SamplingParams,
+    gpu_count,
+    launch_timeout,
+)
 from ckpteval.jobs.eval.engines.http import UnsupportedServer
 from ckpteval.jobs.eval.engines.sglang import (
     DETERMINISTIC_FLAG,
@@ -25,7 +31,6 @@ from ckpteval.jobs.eval.engines.sglang import (
     determinism_flags,
     device_flags,
     free_port,
-    gpu_count,
     installed_sglang_version,
     launch_command,
 )

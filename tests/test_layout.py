@@ -80,6 +80,102 @@ def test_imports_point_one_way_between_rooms() -> None:
     assert not bad, "\n".join(bad)
 
 
+# Import cycles that stay, each with its reason (a deferred import that keeps a slow one off a light path)
+KNOWN_CYCLES = {
+    frozenset({"ckpteval.jobs.reference.train", "ckpteval.jobs.reference.train_config"}):
+        "train_config's main imports the trainer (torch) only after its flags validated",
+}
+
+
+def module_imports(path: Path) -> dict[str, int]:
+    """The ckpteval modules ``path`` imports (top-level and in functions; not ``if TYPE_CHECKING:``
+    blocks), each with the line of its first import: ``from a.b import c`` counts ``a.b.c`` when that
+    is a module, else ``a.b``; relative imports are resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
+    package = module_of(path).split(".")[: None if path.name == "__init__.py" else -1]
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[: len(package) - node.level + 1], node.module or ""]).strip(".") \
+                if node.level else node.module or ""
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            if name.startswith("ckpteval."):
+                found.setdefault(name, node.lineno)
+    return found
+
+
+def import_graph(paths: list[Path]) -> dict[str, dict[str, int]]:
+    """module -> {module of the tree it imports: line}; a name that is no module counts as its package."""
+    modules = {module_of(p): p for p in paths}
+
+    def resolve(name: str) -> str:
+        while name not in modules and "." in name:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        graph[module] = {}
+        for name, line in module_imports(path).items():
+            if (target := resolve(name)) in modules and target != module:
+                graph[module].setdefault(target, line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_jobs_has_no_import_cycle() -> None:
+    """Every import of a ckpteval module by a module of jobs/, in a function or not, points down: a cycle
+    (printed with the line of each import in it) is a leaf in the wrong module."""
+    graph = import_graph(sorted(ROOT.glob("jobs/**/*.py")))
+    found = [c for c in cycles(graph) if frozenset(c) not in KNOWN_CYCLES]
+    assert not found, "import cycles in jobs/:\n" + "\n".join(
+        f"{len(c)} modules: " + "; ".join(f"{m} -> {t} (line {graph[m][t]})" for m in c for t in graph[m] if t in c)
+        for c in found)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    """The check above on a known graph: a -> b -> c -> a is one cycle, d alone none."""
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
 @pytest.mark.parametrize("package", ["ckpteval.jobs.views", "ckpteval.jobs.launch", "ckpteval.jobs.decide"])
 def test_views_and_launchers_import_no_torch(package: str) -> None:
     """Checked in a fresh interpreter: ``sys.modules`` after importing every module of the room."""

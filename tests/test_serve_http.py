@@ -33,8 +33,8 @@ from ckpteval.jobs.eval.engines.http_auth import ADMIN_API_KEY_ENV, API_KEY_ENV,
 from ckpteval.jobs.eval.engines.http_limits import ServerBusy
 from ckpteval.jobs.eval.engines.sglang import free_port
 from ckpteval.jobs.reference.model import make_addition_examples
-from ckpteval.jobs.reference.serve import EngineHTTPServer
 from ckpteval.jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.reference.serve_http import EngineHTTPServer
 
 REPO = Path(__file__).resolve().parents[1]
 SnapshotFactory = Callable[..., Path]

@@ -63,7 +63,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
 from ckpteval.coord.weight_checksums import ChecksumRecords, records_dir
 from ckpteval.jobs.eval.engines.base import Engine, EngineChecksum, EngineError
-from ckpteval.jobs.eval.pinning import WorkerSkip
+from ckpteval.jobs.eval.skips import WorkerSkip
 
 
 class AttestFailed(WorkerSkip):

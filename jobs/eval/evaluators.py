@@ -29,12 +29,21 @@ from ckpteval.coord.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.attest import NOT_ATTESTED, Attestation, AttestDisputed, AttestFailed, attest, settle
 from ckpteval.jobs.eval.canary import CanaryFailed, check_canary
 from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus, launch_timeout
+from ckpteval.jobs.eval.engines.factory import (
+    ENGINES,
+    EnginePool,
+    engine_settings,
+    make_engine,
+    resolve_specs,
+    spec_kind,
+)
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from ckpteval.jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.pinning import PinViolation, WorkerSkip, pin, restart
+from ckpteval.jobs.eval.pinning import PinViolation, pin, restart
 from ckpteval.jobs.eval.prompts import NoChatTemplate
 from ckpteval.jobs.eval.scoring import DatasetCache, unit_input
+from ckpteval.jobs.eval.skips import WorkerSkip
 from ckpteval.jobs.eval.tokenizer_files import offer_run_tokenizer
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
@@ -259,8 +268,6 @@ def check_entry_engines(manifest: RunManifest, kinds: list[str], replicas: int) 
     """Entries that need exactly one engine (``ENGINES == "one"``: lm_eval, through lm-eval's own adapters)
     get one hf, http or sglang engine, no pool; entries that need an engine (``"generating"``: env) get no
     fn: backend (it scores whole units, one completion per prompt)."""
-    from ckpteval.jobs.eval.engines.factory import ENGINES
-
     unit_backend = len(kinds) == 1 and ENGINES[kinds[0]].unit_backend
     one = [e for e in manifest.eval.entries if e.ENGINES == "one"]
     if one and (len(kinds) != 1 or replicas != 1 or unit_backend):
@@ -278,8 +285,6 @@ def check_entry_engines(manifest: RunManifest, kinds: list[str], replicas: int) 
 def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
     """run.json's settings for ``kind``; a launched server that needs it (sglang: per-sample seeds only
     with ``--enable-deterministic-inference``) is made deterministic when any dataset samples."""
-    from ckpteval.jobs.eval.engines.factory import ENGINES, engine_settings
-
     settings = engine_settings(manifest.eval.engine, kind)
     if ENGINES[kind].deterministic_when_sampling:
         settings.setdefault("deterministic", any(e.samples_randomly for e in manifest.eval.entries))
@@ -287,8 +292,6 @@ def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
 
 
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
-    from ckpteval.jobs.eval.engines.factory import ENGINES, EnginePool, make_engine, resolve_specs, spec_kind
-
     specs = resolve_specs(opts.engines, opts.device)  # --engine auto: decided here, on the node
     if list(specs) != list(opts.engines):
         print(f"ckpteval worker: --engine auto -> {', '.join(specs)} (device {opts.device})", file=sys.stderr)

@@ -34,8 +34,8 @@ from ckpteval.coord.entries import KINDS, load_target
 from ckpteval.coord.results import Result, harness_result, ok_result
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError
-from ckpteval.jobs.eval.pinning import WorkerSkip
 from ckpteval.jobs.eval.scorers import last_line
+from ckpteval.jobs.eval.skips import WorkerSkip
 
 
 @dataclass

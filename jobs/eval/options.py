@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.layouts import layout_choices, resolve_layout
+from ckpteval.jobs.eval.canary import CANARY_MAX_DIFF_NARROWER, CANARY_MAX_DIFF_SAME_DTYPE
+from ckpteval.jobs.eval.engines.factory import ENGINES, normalize_spec, spec_kind
 from ckpteval.jobs.flags import (
     META_KEY,
     accept_positional_run_dir,
@@ -25,12 +27,6 @@ from ckpteval.jobs.flags import (
     http_url,
     option,
 )
-
-# --canary-max-diff's defaults (None: by the engine's dtype), from the bounds measured on the reference
-# model (bench/RESULTS.md "Canary"): an engine computing in the trainer's dtype gave 0 on CPU (the margin
-# covers another device's kernels); a bf16 engine vs the fp32 trainer gave at most 0.015, x3 here
-CANARY_MAX_DIFF_SAME_DTYPE = 1e-3
-CANARY_MAX_DIFF_NARROWER = 0.05
 
 INGESTION = "logging finished points into the training run's wandb run"
 # Flags of this group are the scorers' (a sandbox's concurrency, a judge URL override): handed to every
@@ -153,12 +149,6 @@ def validate_options(opts: WorkerOptions) -> None:
     check_bounds(opts)
     if not DEVICE_RE.match(opts.device):
         raise ValueError(f"--device {opts.device!r}: expected cpu, cuda, cuda:N (or mps, xpu)")
-    from ckpteval.jobs.eval.engines.factory import (  # light: engines imported lazily
-        ENGINES,
-        normalize_spec,
-        spec_kind,
-    )
-
     opts.engines = tuple(normalize_spec(spec) for spec in opts.engines)  # http://HOST:PORT -> http:http://...
     for spec in opts.engines:
         spec_kind(spec)

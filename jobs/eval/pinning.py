@@ -30,15 +30,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ckpteval.jobs.eval.engines.base import Engine, EngineError, launch_timeout
-
-
-class WorkerSkip(RuntimeError):
-    """A unit outcome that is a skip with :attr:`reason`; :attr:`blame` names user code that failed
-    (a scorer, a library task): such a skip is written at once, never retried elsewhere."""
-
-    reason = "crashed"
-    blame: str | None = None
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, WeightVersionMismatch, launch_timeout
+from ckpteval.jobs.eval.skips import WorkerSkip
 
 
 class PinViolation(WorkerSkip):
@@ -93,7 +86,7 @@ def pin(
         try:
             call_with_timeout(lambda: engine.load(snapshot, want), bound, "weight load")
         except EngineError as e:
-            if not _is_version_mismatch(e):
+            if not isinstance(e, WeightVersionMismatch):
                 raise
             # loaded, but the engine reads back another version: the read-back below decides
     deadline, delay = time.monotonic() + pin_timeout_s, 0.02
@@ -119,11 +112,3 @@ def check_pinned(engine: Engine, want: str, sample_versions: Iterable[str | None
     if wrong or after != want:
         raise PinViolation(f"want version {want}; samples carried {wrong or 'it'}, engine reports after={after!r}")
 
-
-def _is_version_mismatch(error: EngineError) -> bool:
-    """An HTTP engine's load that succeeded but read back another version (not a dead engine)."""
-    if type(error).__name__ != "WeightVersionMismatch":
-        return False
-    from ckpteval.jobs.eval.engines.http import WeightVersionMismatch
-
-    return isinstance(error, WeightVersionMismatch)

@@ -30,7 +30,6 @@ running request takes effect when its batch finishes (the output is kept, marked
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 import time
@@ -39,14 +38,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams, context_problem
+from ckpteval.jobs.eval.logprobs import token_logprobs  # torch-free at import time
+from ckpteval.jobs.reference.serve_info import weights_checker
 from ckpteval.jobs.reference.serve_requests import GenerateRequest, Refused
 
 if TYPE_CHECKING:
     from ckpteval.jobs.eval.engines.hf import Completion, HFEngine
 
-# sglang 0.5.23 srt/utils/weight_checker.py: buffers recomputed from shapes, never checksummed
-NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
-EMULATED_SGLANG_VERSION = "0.5.23"
 DEFAULT_WEIGHT_VERSION = "default"  # sglang's ServerArgs.weight_version default
 DETERMINISTIC_DEFAULT_SEED = 42  # sampling_batch_info.py: the seed of unseeded requests in deterministic mode
 
@@ -291,10 +289,6 @@ class EngineService:
             return
         vocab = int(getattr(getattr(self.engine.model, "config", None), "vocab_size", 1 << 62))
         off = self.logprob_offset
-        from ckpteval.jobs.eval.canary import (
-            token_logprobs,  # at run time: importing this module stays torch-free
-        )
-
         with self.engine.held() as (model, _):
             scored = token_logprobs(model, [r.ids for r in rows], top_k)
         for row, (lps, tops) in zip(rows, scored, strict=True):
@@ -316,6 +310,11 @@ class EngineService:
         if before == after or n < 2:
             return [{"version": after, "start": 0, "end": n}]
         return [{"version": before, "start": 0, "end": n - 1}, {"version": after, "start": n - 1, "end": n}]
+
+    def check_weights(self, action: str) -> dict[str, Any]:
+        """``/weights_checker`` (:func:`~ckpteval.jobs.reference.serve_info.weights_checker`), under the engine lock."""
+        with self.lock:
+            return weights_checker(self.engine.model, action)
 
     # ---------------------------------------------------------------- control
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
@@ -371,82 +370,7 @@ class EngineService:
             message += f" Weight version updated to {version}."
         return True, message
 
-    def check_weights(self, action: str) -> dict[str, Any]:
-        """``/weights_checker`` as sglang 0.5.23 answers ``action: "checksum"`` on one GPU
-        (``srt/utils/weight_checker.py`` ``_compute_checksum``, ``srt/managers/tokenizer_control_mixin.py``
-        ``check_weights``): per tensor (parameters, then buffers; non-persistent ones skipped) the first
-        8 bytes of SHA-256 of its bytes as 16 hex digits, ``per_gpu_checksum`` the SHA-256 over the
-        sorted names and checksums, ``per_engine_checksum`` the SHA-256 of the ranks' per-GPU checksums.
-        Other actions (``snapshot``, ``compare``, ``reset_tensors``) are refused (:class:`Refused`)."""
-        if action != "checksum":
-            raise Refused(f"Unsupported action={action!r} (the stand-in answers 'checksum' only)")
-        with self.lock:
-            model = self.engine.model
-            if model is None:
-                raise Refused("no model loaded")
-            tensors = [*model.named_parameters(), *model.named_buffers()]
-            checksums = {
-                name: hashlib.sha256(_raw_bytes(t)).digest()[:8].hex()
-                for name, t in tensors
-                if not any(p in name for p in NON_PERSISTENT_BUFFER_PATTERNS)
-            }
-        overall = hashlib.sha256()
-        for name in sorted(checksums):
-            overall.update(name.encode())
-            overall.update(checksums[name].encode())
-        per_gpu = overall.hexdigest()
-        placement = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
-        rank = {"checksums": checksums, "per_gpu_checksum": per_gpu,
-                "parallelism_info": [{"role": "target", **placement}]}
-        return {"success": True, "message": "Success.", "ranks": [rank],
-                "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest()}
-
-    # ---------------------------------------------------------------- info and health
-    def model_info(self) -> dict[str, Any]:
-        model = self.engine.model
-        config = model.config if model is not None else None
-        return {
-            "model_path": self.model_path,
-            "served_model_name": self.model_path,
-            "tokenizer_path": self.launch_model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.label,
-            "load_format": "auto",
-            "reasoning_parser": None,
-            "tool_call_parser": None,
-            "disaggregation_mode": "null",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": getattr(config, "model_type", None),
-            "architectures": getattr(config, "architectures", None),
-        }
-
-    def server_info(self) -> dict[str, Any]:
-        """``/server_info`` as 0.5.23 builds it (``http_server.py`` ``server_info``: the server args, one
-        ``internal_states`` entry per DP rank with ``effective_max_running_requests_per_dp``,
-        ``scheduler_components/internal_state.py``): one GPU's worth (tp, dp, pp 1)."""
-        return {
-            "tp_size": 1, "dp_size": 1, "pp_size": 1, "enable_dp_attention": False,
-            "max_running_requests": self.max_running, "max_queued_requests": self.max_queued,
-            "max_total_tokens": self.max_total_tokens,
-            "model_path": self.launch_model_path,
-            "served_model_name": self.launch_model_path,
-            "weight_version": self.launch_label,
-            "enable_deterministic_inference": self.deterministic,
-            "enable_lora": False,
-            "load_format": "auto",
-            "context_length": None,
-            "internal_states": [{"effective_max_running_requests_per_dp": self.max_running, "dp_rank": 0}],
-            # resolved server args that change /weights_checker's checksum (srt/utils/common.py build_server_info)
-            "dtype": self.launch_dtype,
-            "quantization": None,
-            "device": "cuda" if self.engine.gpus else "cpu",
-            "startup_time": self.startup_time,
-            "version": EMULATED_SGLANG_VERSION,
-            "frontend": "python",
-        }
-
+    # ---------------------------------------------------------------- health
     def healthy(self) -> bool:
         """http_server.py ``health_generate``: 200 once any output arrives within the health budget."""
         deadline = time.monotonic() + health_check_timeout()
@@ -473,10 +397,3 @@ def _logprob_start(req: GenerateRequest, index: int, ids: list[int]) -> int | No
         raise Refused(f"req.logprob_start_len={start} is higher than the number of input tokens "
                       f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len.")
     return len(ids) if start == -1 else start
-
-
-def _raw_bytes(tensor: Any) -> bytes:
-    import torch  # the engine already imported it; kept out of this module's import time
-
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

@@ -50,7 +50,7 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 
 from ckpteval.jobs.eval.scorers.judge_rule import QUOTED_RESPONSE
-from ckpteval.jobs.reference.serve import Handler
+from ckpteval.jobs.reference.serve_http import Handler
 from ckpteval.jobs.reference.serve_requests import BadRequest
 
 JUDGE_MODES = ("exact", "garbage", "error", "slow", "quote-after", "quote-before")

@@ -13,6 +13,8 @@ per-sample versions, it cannot prevent it.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,6 +24,11 @@ class EngineError(RuntimeError):
 
     reason = "unhealthy"  # the skip reason of a unit that ends on this error
     restart_helps = True  # whether restarting the engine is a sensible reaction
+
+
+class WeightVersionMismatch(EngineError):
+    """A load that succeeded but after which the engine reports another ``weight_version`` than the one
+    loaded: not a dead engine (pinning's read-back decides, :func:`ckpteval.jobs.eval.pinning.pin`)."""
 
 
 class RequestRejected(EngineError):
@@ -201,6 +208,17 @@ class ReportsComputeDtype(Protocol):
 
     @property
     def compute_dtype(self) -> str | None: ...
+
+
+def gpu_count(env: Mapping[str, str] | None = None) -> int:
+    """GPUs visible to a child: entries of ``CUDA_VISIBLE_DEVICES``, else what torch sees."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    import torch  # only when nothing says otherwise: keeps this module light
+
+    return torch.cuda.device_count()
 
 
 def engine_gpus(engine: object) -> int:

@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpteval.jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams, gpu_count
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn
 
 
@@ -100,8 +100,6 @@ def resolve_auto(device: str, env: Mapping[str, str] | None = None) -> str:
     least one), otherwise ``hf``."""
     if not device.startswith("cuda") or importlib.util.find_spec("sglang") is None:
         return "hf"
-    from ckpteval.jobs.eval.engines.sglang import gpu_count
-
     return "sglang" if gpu_count(os.environ if env is None else env) > 0 else "hf"
 
 

@@ -95,6 +95,7 @@ from ckpteval.jobs.eval.engines.hf_weights import (
     resolve_dtype,
     weight_files,
 )
+from ckpteval.jobs.eval.logprobs import teacher_forced
 from ckpteval.jobs.eval.tokenizer_files import tokenizer_dir
 
 # transformers builds models under process-global contexts (meta device, skipped init): two builds
@@ -278,10 +279,8 @@ class HFEngine:
             return param_digests(model, dtypes, digest)
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """The canary's recomputation (:func:`ckpteval.jobs.eval.canary.teacher_forced`) of each ``(prompt,
+        """The canary's recomputation (:func:`ckpteval.jobs.eval.logprobs.teacher_forced`) of each ``(prompt,
         continuation)`` with the held model and the tokenizer it generates with, under the lock."""
-        from ckpteval.jobs.eval.canary import teacher_forced
-
         with self._lock:
             model, tokenizer = self._require_loaded()
             return teacher_forced(model, tokenizer, pairs)

@@ -77,16 +77,19 @@ from ckpteval.jobs.eval.engines.base import (
     RequestRejected,
     SamplesAborted,
     SamplingParams,
+    WeightVersionMismatch,
 )
 from ckpteval.jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
 from ckpteval.jobs.eval.engines.http_limits import (
     DEFAULT_TOKEN_TIMEOUT_S,
     BatchTooLarge,
     dataset_timeout,
+    error_message,
     generate_timeout,
     queue_chunk,
     send_retrying_busy,
 )
+from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
 from ckpteval.jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exported: callers import them from here
     SUPPORTED_SGLANG,
     UnsupportedServer,
@@ -98,10 +101,6 @@ from ckpteval.jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exp
 HEALTH_TIMEOUT_S = 30.0
 TRANSIENT_4XX = (408, 429)  # timeouts and rate limits: the server's state, not the request's fault
 FINISH_TYPES = ("stop", "length", "abort")
-
-
-class WeightVersionMismatch(EngineError):
-    """The server reports a different ``weight_version`` than the one just loaded."""
 
 
 def sampling_json(params: SamplingParams) -> dict[str, Any]:
@@ -127,23 +126,6 @@ def request_sampling(params: SamplingParams, seeds: list[int] | None) -> dict[st
     if seeds is None or params.temperature == 0:
         return base
     return [base | {"sampling_seed": int(s)} for s in seeds]
-
-
-def error_message(response: httpx.Response) -> str:
-    """The server's explanation of a failed request, whatever shape its body has."""
-    try:
-        body = response.json()
-    except ValueError:
-        return f"HTTP {response.status_code}: {response.text[:500]}"
-    if isinstance(body, dict):
-        nested = body.get("error")
-        if isinstance(nested, str):
-            return f"HTTP {response.status_code}: {nested}"
-        if isinstance(nested, dict) and "message" in nested:
-            return f"HTTP {response.status_code}: {nested['message']}"
-        if "message" in body:
-            return f"HTTP {response.status_code}: {body['message']}"
-    return f"HTTP {response.status_code}: {body!r}"[:600]
 
 
 def sample_version(meta: dict[str, Any]) -> str | None:
@@ -464,8 +446,6 @@ class HTTPEngine:
         generates with: one ``/generate`` of input-token log-probs (:mod:`~ckpteval.jobs.eval.engines.sglang_logprobs`),
         handled like a generate: a busy 503 is retried (:func:`send_retrying_busy`, never a restart), aborted
         items are resent (``abort_retries``, then :class:`SamplesAborted`)."""
-        from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
-
         self.server_info()
 
         def post(body: dict[str, Any]) -> httpx.Response:

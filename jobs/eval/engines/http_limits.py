@@ -113,6 +113,23 @@ def dataset_timeout(timeout_s: float | None, prompts: int) -> Iterator[None]:
                                "left (not restarted)") from e
 
 
+def error_message(response: httpx.Response) -> str:
+    """The server's explanation of a failed request, whatever shape its body has."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    if isinstance(body, dict):
+        nested = body.get("error")
+        if isinstance(nested, str):
+            return f"HTTP {response.status_code}: {nested}"
+        if isinstance(nested, dict) and "message" in nested:
+            return f"HTTP {response.status_code}: {nested['message']}"
+        if "message" in body:
+            return f"HTTP {response.status_code}: {body['message']}"
+    return f"HTTP {response.status_code}: {body!r}"[:600]
+
+
 def busy_message(response: httpx.Response) -> str | None:
     """The message of a 503 that says why (sglang's ``ErrorResponse`` ``message``, or ``detail``), else None."""
     if response.status_code != BUSY_STATUS:

@@ -59,29 +59,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError, WeightVersionMismatch, gpu_count
 from ckpteval.jobs.eval.engines.http import (
     HEALTH_TIMEOUT_S,
     HTTPEngine,
     UnsupportedServer,
-    WeightVersionMismatch,
     check_sglang_version,
 )
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # sglang arg_groups/fields/exec_.py
 LAUNCH_POLL_S = 0.5  # between health probes while a server starts (each is cheap: refused or 503)
 LAUNCH_SLACK_S = 30.0  # past the launch's own bounds, before its caller gives up on it
-
-
-def gpu_count(env: Mapping[str, str] | None = None) -> int:
-    """GPUs visible to a child: entries of ``CUDA_VISIBLE_DEVICES``, else what torch sees."""
-    env = os.environ if env is None else env
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    import torch  # only when nothing says otherwise: keeps this module light
-
-    return torch.cuda.device_count()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,7 +2,7 @@
 
 What it owns: the request that makes an sglang server (or ``ckpteval serve``) score a probe
 (:func:`teacher_forced_request`) and the reading of its reply into the canary's per-probe records
-(:func:`parse_teacher_forced`, the shape :func:`ckpteval.jobs.eval.canary.teacher_forced` gives), and the
+(:func:`parse_teacher_forced`, the shape :func:`ckpteval.jobs.eval.logprobs.teacher_forced` gives), and the
 round trip (:func:`server_teacher_forced`) behind
 :meth:`ckpteval.jobs.eval.engines.http.HTTPEngine.teacher_forced`: every engine speaking sglang's native API
 (``http:URL``, ``sglang``, their LoRA variants, whose ``/generate`` names the adapter) runs the canary.
@@ -45,9 +45,9 @@ from typing import Any
 
 import httpx
 
-from ckpteval.jobs.eval.canary import probe_result
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted
-from ckpteval.jobs.eval.engines.http import error_message
+from ckpteval.jobs.eval.engines.http_limits import error_message
+from ckpteval.jobs.eval.logprobs import probe_result
 
 
 def server_teacher_forced(post: Callable[[dict[str, Any]], httpx.Response], pairs: list[tuple[str, str]],

@@ -81,7 +81,8 @@ from typing import Any
 
 from ckpteval.coord.snapshot import ADAPTER_CONFIG
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, RequestRejected
-from ckpteval.jobs.eval.engines.http import HTTPEngine, error_message
+from ckpteval.jobs.eval.engines.http import HTTPEngine
+from ckpteval.jobs.eval.engines.http_limits import error_message
 from ckpteval.jobs.eval.engines.sglang import SGLangEngine
 
 BASE_LABEL = "base"  # the base model's weight_version on a LoRA server this engine launches

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
-from ckpteval.jobs.eval.pinning import WorkerSkip
+from ckpteval.jobs.eval.skips import WorkerSkip
 
 SCORERS: dict[str, str] = {
     "exact": "ckpteval.jobs.eval.scorers.basic:ExactScorer",
