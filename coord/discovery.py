@@ -49,15 +49,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
 from ckpteval.coord.identity import weight_version
 from ckpteval.coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
-from ckpteval.coord.layouts.base import entries as layout_entries
 from ckpteval.coord.layouts.plain import step_from_dir
+from ckpteval.coord.saves import FOREIGN_TEMP_PREFIXES, file_names, shards_present, tree_signature
 from ckpteval.coord.snapshot import (
-    ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MARKER,
     Marker,
@@ -69,7 +67,6 @@ from ckpteval.coord.snapshot import (
     step_from_name,
 )
 
-FOREIGN_TEMP_PREFIXES = ("tmp-", "tmp_", "temp-")
 CAPTURED = "captured"  # RUN/captured/step_N: ephemeral saves (prime-rl broadcasts) taken before cleanup
 CONFIG = "config.json"
 
@@ -83,21 +80,6 @@ class SnapshotRef:
     @property
     def foreign(self) -> bool:
         return self.marker.mode == "foreign"
-
-
-def shards_present(path: Path, names: set[str]) -> bool:
-    """Every weight file the checkpoint promises is there (index-named shards or a single file; for a
-    LoRA adapter checkpoint, its weights and its config)."""
-    if ADAPTER_WEIGHTS in names:
-        return ADAPTER_CONFIG in names
-    index = path / "model.safetensors.index.json"
-    if "model.safetensors.index.json" in names:
-        try:
-            weight_map = read_json_object(index).get("weight_map")
-        except (FileNotFoundError, ValueError):
-            return False
-        return isinstance(weight_map, dict) and bool(weight_map) and set(weight_map.values()) <= names
-    return "model.safetensors" in names
 
 
 @dataclass
@@ -253,11 +235,11 @@ class SnapshotDiscovery:
             self._lose(key, self._pending.pop(key).step)
             return None
         origin = None
-        if found.ephemeral and shards_present(found.weights, _names(found.weights)):
+        if found.ephemeral and shards_present(found.weights, file_names(found.weights)):
             if (captured := self._capture(found, key)) is None:
                 return None
             found, origin = Located(found.step, captured, True), str(self.root)
-        if not shards_present(found.weights, _names(found.weights)):
+        if not shards_present(found.weights, file_names(found.weights)):
             self.problems.setdefault(f"noweights:{key}", f"{path}: the {self.active_layout.name} save is finished "
                                      f"but {found.weights} holds no HF weights ({self.active_layout.no_weights_hint})")
             return None
@@ -282,7 +264,7 @@ class SnapshotDiscovery:
             if marker is None:
                 raise FileNotFoundError(found.weights)  # finished when located, gone (or reset) since
             signal = _identity(marker)
-            seen = {name: _link_or_copy(found.weights / name, tmp / name) for name in sorted(_names(found.weights))}
+            seen = {name: _link_or_copy(found.weights / name, tmp / name) for name in sorted(file_names(found.weights))}
             unchanged = signal == _identity(marker) and all(
                 _identity(found.weights / n) == i for n, i in seen.items())
         except (FileNotFoundError, NotADirectoryError):
@@ -292,9 +274,9 @@ class SnapshotDiscovery:
             self._lose(key, self._pending.pop(key, _Pending((), 0.0, found.step)).step)
             return None
         base = target.parent.parent / "base"
-        for name in sorted(_names(base) - _names(tmp)):
+        for name in sorted(file_names(base) - file_names(tmp)):
             shutil.copy2(base / name, tmp / name)
-        names = _names(tmp)
+        names = file_names(tmp)
         if CONFIG not in names and ADAPTER_WEIGHTS not in names:
             shutil.rmtree(tmp, ignore_errors=True)
             self.problems.setdefault(f"noconfig:{key}", f"{found.weights}: the {self.active_layout.name} save holds "
@@ -321,7 +303,7 @@ class SnapshotDiscovery:
         if pending is None or pending.signature != signature:
             self._pending[key] = _Pending(signature, now, found.step)
             return None
-        if now - pending.since < self.quiescence_s or not shards_present(found.weights, _names(found.weights)):
+        if now - pending.since < self.quiescence_s or not shards_present(found.weights, file_names(found.weights)):
             return None
         return self._adopt(found.weights, found.step, key)
 
@@ -357,57 +339,6 @@ class SnapshotDiscovery:
         record.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(record, {**marker.to_json(), "source": str(path), **({"origin": origin} if origin else {})})
         return SnapshotRef(marker.step, path, marker)
-
-
-def waiting_saves(root: Path, layout: str = AUTO, adoption_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Saves under the watched ``root`` that are found but not admitted: what ``ckpteval status`` shows.
-
-    One row per save its layout places (step, path, layout, ``waits_for`` — the trainer's signal, quiescence,
-    HF weights, or a worker to admit it — and ``since``: the newest mtime of the save dir and its weights
-    dir, wall clock). Admitted saves (``adoption_dir`` records, ckpteval markers) are left out. Only reads
-    names and stats; an ambiguous ``auto`` is one row naming the layouts. Stateless: a save a watcher saw
-    and lost to rotation is in ``RUN/lost/`` (:func:`lost_steps`), not here."""
-    root = Path(root)
-    try:
-        chosen = resolve_layout(root, layout) or get_layout(FALLBACK)
-    except ValueError as e:
-        return [{"step": None, "path": str(root), "layout": layout, "waits_for": str(e), "since": None}]
-    rows = []
-    for container in chosen.containers(root):
-        for entry in layout_entries(container):
-            if entry.name.startswith(FOREIGN_TEMP_PREFIXES) or (found := chosen.locate(entry)) is None:
-                continue
-            if adoption_dir is not None and (adoption_dir / f"{found.step:010d}.json").exists():
-                continue
-            if not chosen.owns_marker_name and (entry / MARKER).is_file():
-                continue  # a ckpteval snapshot (reuse mode, another run's): discovered as such
-            rows.append({"step": found.step, "path": str(entry), "layout": chosen.name,
-                         "waits_for": _waits_for(chosen, found), "since": _newest_mtime(entry, found.weights)})
-    return sorted(rows, key=lambda r: r["step"])
-
-
-def _waits_for(layout: Layout, found: Located) -> str:
-    """What an unadmitted save waits for, in words."""
-    weights = shards_present(found.weights, _names(found.weights))
-    if found.complete is False:
-        return f"the trainer's signal: {layout.signal}"
-    if found.complete is None:
-        return "quiescence (no change for --quiescence s)" + ("" if weights else " and its HF weights/indexed shards")
-    if not weights:
-        return f"HF weights in {found.weights.name}/ ({layout.no_weights_hint})"
-    return "a worker to admit it (none is polling this dir with --watch?)"
-
-
-def _newest_mtime(*paths: Path) -> float | None:
-    """The newest mtime of ``paths`` and the files directly in them (None if all are gone)."""
-    times = []
-    for path in paths:
-        try:
-            times.append(path.stat().st_mtime)
-            times += [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path)]
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-    return max(times) if times else None
 
 
 def adopted_refs(adoption_dir: Path, origin: str | None = None) -> list[SnapshotRef]:
@@ -447,40 +378,4 @@ def _link_or_copy(src: Path, dst: Path) -> tuple[int, int, int]:
     return before
 
 
-def lost_steps(lost_dir: Path) -> list[int]:
-    """The steps recorded in ``lost_dir`` (``RUN/lost/``) as seen but rotated away before admission."""
-    try:
-        names = os.listdir(lost_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
-
-
-def _names(path: Path) -> set[str]:
-    """File names directly in ``path`` (empty if it is gone)."""
-    try:
-        return {e.name for e in os.scandir(path) if e.is_file(follow_symlinks=False)}
-    except (FileNotFoundError, NotADirectoryError):
-        return set()
-
-
-def tree_signature(path: Path) -> tuple[tuple[str, int, int], ...] | None:
-    """(relative name, size, mtime) of every file under ``path``, subdirectories included (a trainer's
-    ``global_stepN/`` shards are written after the weights); None if ``path`` itself is gone. A file
-    deleted between the listing and its stat is left out (the next poll sees the change)."""
-    if not path.is_dir():
-        return None
-    found = []
-    for root, dirs, files in os.walk(path):
-        dirs.sort()
-        for name in files:
-            full = os.path.join(root, name)
-            try:
-                st = os.stat(full, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            found.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns))
-    return tuple(sorted(found)) if path.is_dir() else None
-
-
-__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "adopted_refs", "lost_steps", "waiting_saves", "shards_present", "step_from_dir", "tree_signature"]
+__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "adopted_refs", "shards_present", "step_from_dir"]

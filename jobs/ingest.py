@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckpteval.coord.discovery import lost_steps
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.points import Point, derive_point, point_metrics
 from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.saves import lost_steps
 from ckpteval.coord.summary import write_step_summary
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.metrics import MetricsSink

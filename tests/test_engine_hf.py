@@ -50,30 +50,46 @@ def test_hf_engine_implements_the_engine_protocol() -> None:
 def test_optional_engine_capabilities_are_declared_protocols_a_pool_answers_through_its_members() -> None:
     """The capabilities only some engines have (issue 27) are runtime-checkable protocols in engines/base.py:
     the in-process engine digests its weights, teacher-forces and reports its dtype and GPUs, launches no
-    server; a pool of two answers GPUs and launch time as the sum of its members'."""
+    server and reads the run's tokenizer; an HTTP client checksums, teacher-forces, names its server and canary
+    kind and serves lm-eval; a pool of two answers GPUs and launch time as the sum of its members'."""
     from ckpteval.jobs.eval.engines.base import (
         ChecksumsWeights,
         DigestsWeights,
         LaunchesServer,
+        NamesCanaryKind,
         OccupiesGPUs,
         Pooled,
+        ReadsRunTokenizer,
         ReportsComputeDtype,
+        ServesHTTP,
+        ServesLmEval,
         TeacherForced,
         engine_gpus,
         launch_timeout,
+        members,
     )
     from ckpteval.jobs.eval.engines.factory import EnginePool
+    from ckpteval.jobs.eval.engines.http import HTTPEngine
 
     hf = HFEngine(device="cpu")
-    assert all(isinstance(hf, cap) for cap in (DigestsWeights, TeacherForced, ReportsComputeDtype, OccupiesGPUs))
-    assert not isinstance(hf, (LaunchesServer, ChecksumsWeights, Pooled))
+    assert all(isinstance(hf, cap) for cap in (DigestsWeights, TeacherForced, ReportsComputeDtype, OccupiesGPUs,
+                                               ReadsRunTokenizer))
+    assert not isinstance(hf, (LaunchesServer, ChecksumsWeights, Pooled, NamesCanaryKind, ServesHTTP, ServesLmEval))
+    assert members(hf) == [hf]
+    client = HTTPEngine("http://127.0.0.1:9")  # a client of sglang's API: nothing is contacted until a call
+    try:
+        assert all(isinstance(client, cap) for cap in (ChecksumsWeights, TeacherForced, NamesCanaryKind, ServesHTTP,
+                                                       ServesLmEval, OccupiesGPUs))
+        assert not isinstance(client, (DigestsWeights, ReadsRunTokenizer, Pooled, LaunchesServer))
+    finally:
+        client.close()
     assert engine_gpus(hf) == 0 and launch_timeout(hf) == 0.0  # on CPU: no GPU held, nothing to launch
 
     class OnTwoGPUs(HFEngine):
         gpus = 2  # type: ignore[assignment]
 
     pool = EnginePool([OnTwoGPUs(device="cpu"), OnTwoGPUs(device="cpu")])
-    assert isinstance(pool, Pooled) and engine_gpus(pool) == 4
+    assert isinstance(pool, Pooled) and engine_gpus(pool) == 4 and members(pool) == pool.engines
 
 
 def test_first_load_builds_model_and_stamps_every_generation(engine: HFEngine, tiny_snapshot: Path) -> None:

@@ -62,7 +62,15 @@ from ckpteval.coord.digests import compare_digests, digest_name
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
 from ckpteval.coord.weight_checksums import ChecksumRecords, records_dir
-from ckpteval.jobs.eval.engines.base import Engine, EngineChecksum, EngineError
+from ckpteval.jobs.eval.engines.base import (
+    ChecksumsWeights,
+    DigestsWeights,
+    Engine,
+    EngineChecksum,
+    EngineError,
+    ServesHTTP,
+    members,
+)
 from ckpteval.jobs.eval.skips import WorkerSkip
 
 
@@ -123,8 +131,7 @@ def attest(engine: Engine, snapshot: Path, marker: Marker, run: RunDir, *, loade
     t0 = time.perf_counter()
     if is_adapter_snapshot(marker.files):
         return Attestation(False, "none", "a LoRA adapter snapshot: the engine holds base + adapter, not the files")
-    members = getattr(engine, "engines", None) or [engine]
-    results = [_attest_one(e, snapshot, marker, run, loaded) for e in members]
+    results = [_attest_one(e, snapshot, marker, run, loaded) for e in members(engine)]
     return _combine(results, time.perf_counter() - t0)
 
 
@@ -167,19 +174,19 @@ def _combine(results: list[Attestation], seconds: float) -> Attestation:
 
 def _provenance(engine: Any, loaded: bool, instance: str | None = None) -> dict[str, Any]:
     """Who holds the weights: the engine (a server's URL, else its class), its instance, when, and how."""
-    name = getattr(engine, "base_url", None) or type(engine).__name__
+    name = engine.base_url if isinstance(engine, ServesHTTP) else type(engine).__name__
     return {"engine": str(name), "instance": instance or f"{socket.gethostname()}:{os.getpid()}",
             "loaded": "self" if loaded else "adopted", "at": time.time()}
 
 
 def _attest_one(engine: Any, snapshot: Path, marker: Marker, run: RunDir, loaded: bool) -> Attestation:
     try:
-        if hasattr(engine, "weight_digests"):
+        if isinstance(engine, DigestsWeights):
             return replace(_by_digests(engine, marker), by=_provenance(engine, loaded))
-        if hasattr(engine, "weights_checksum"):
+        if isinstance(engine, ChecksumsWeights):
             return _by_consistency(engine, engine.weights_checksum(), snapshot, marker, run, loaded)
     except EngineError as e:
-        if hasattr(engine, "weight_digests"):
+        if isinstance(engine, DigestsWeights):
             raise
         return Attestation(False, "none", f"the engine did not report a checksum: {e}",
                            by=_provenance(engine, loaded))

@@ -44,7 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.snapshot import CANARY, Marker
-from ckpteval.jobs.eval.engines.base import RequestRejected
+from ckpteval.jobs.eval.engines.base import (
+    NamesCanaryKind,
+    ReportsComputeDtype,
+    RequestRejected,
+    TeacherForced,
+    members,
+)
 from ckpteval.jobs.eval.logprobs import teacher_forced
 from ckpteval.jobs.eval.skips import WorkerSkip
 
@@ -79,7 +85,7 @@ def measured_bounds() -> dict[tuple[str, str], MeasuredBound]:
 def engine_kind(engine: Any) -> str:
     """The kind the bound table is keyed by: an engine's ``canary_kind`` (``sglang`` for sglang's HTTP
     API), else ``hf`` (in-process transformers)."""
-    return str(getattr(engine, "canary_kind", "hf"))
+    return str(engine.canary_kind) if isinstance(engine, NamesCanaryKind) else "hf"
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,8 @@ def check_canary(
     trainer's, :func:`default_bound`) ``on_fail`` decides (run.json ``eval.canary``): ``skip`` raises
     :class:`CanaryFailed`, ``flag`` logs one line on stderr and returns the fidelity ``flagged``.
     ValueError for an unreadable canary file."""
-    members = [e for e in (getattr(engine, "engines", None) or [engine]) if hasattr(e, "teacher_forced")]
-    if CANARY not in marker.files or not members:
+    forcing = [e for e in members(engine) if isinstance(e, TeacherForced)]
+    if CANARY not in marker.files or not forcing:
         return None
     t0 = time.perf_counter()
     try:
@@ -124,13 +130,14 @@ def check_canary(
         pairs = [(p["prompt"], p["continuation"]) for p in stored["probes"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{snapshot / CANARY}: unreadable canary ({e})") from e
-    results = [compare(stored, got) for e in members if (got := _recompute(e, pairs, marker.step)) is not None]
+    results = [compare(stored, got) for e in forcing if (got := _recompute(e, pairs, marker.step)) is not None]
     if not results:
         return None
     worst = max(results, key=lambda f: (f.max_abs_logprob_diff, -f.argmax_agreement))
     unmeasured = False
     if max_abs_diff is None:
-        bounds = [default_bound(getattr(e, "compute_dtype", None), stored.get("dtype"), engine_kind(e)) for e in members]
+        bounds = [default_bound(e.compute_dtype if isinstance(e, ReportsComputeDtype) else None, stored.get("dtype"),
+                                engine_kind(e)) for e in forcing]
         max_abs_diff = max(b.bound for b in bounds)
         unmeasured = any(b.where == UNMEASURED for b in bounds)
     failed = 0 < max_abs_diff < worst.max_abs_logprob_diff

@@ -43,6 +43,7 @@ from typing import Any
 from ckpteval.coord.manifest import HarnessSpec
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import ServesLmEval
 from ckpteval.jobs.eval.kinds import Evaluation, user_code
 from ckpteval.jobs.eval.pinning import PinViolation
 
@@ -199,7 +200,7 @@ def evaluate_harness(engine: Any, cache: Any, spec: HarnessSpec, unit: WorkUnit,
     before and after it. The library's own failure (an assertion, a task that cannot run on this model)
     is the unit's ``crashed`` skip with lm-eval's message."""
     before = engine.weight_version()
-    if hasattr(engine, "lm_eval_model"):  # a LoRA engine lm-eval cannot address: skipped rejected, one line
+    if isinstance(engine, ServesLmEval):  # a LoRA engine lm-eval cannot address: skipped rejected, one line
         engine.lm_eval_model(snapshot)
     t0 = time.perf_counter()
     task = spec.tasks[unit.shard]

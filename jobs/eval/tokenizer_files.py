@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.snapshot import SnapshotError
+from ckpteval.jobs.eval.engines.base import ReadsRunTokenizer, members
 
 # One of these makes a directory loadable by AutoTokenizer (fast tokenizer, or a slow one's vocab).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -60,8 +61,8 @@ def tokenizer_dir(snapshot: Path, fallback: Path | None) -> Path:
 def offer_run_tokenizer(engine: Any, run_base: Path) -> None:
     """Give every in-process engine (an HF engine, or each of a pool's) the run's tokenizer dir as the
     fallback for snapshots saved without one; engines that do not read tokenizers are left alone."""
-    for e in getattr(engine, "engines", [engine]):
-        if hasattr(e, "tokenizer_fallback"):
+    for e in members(engine):
+        if isinstance(e, ReadsRunTokenizer):
             e.tokenizer_fallback = Path(run_base)
 
 

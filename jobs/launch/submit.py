@@ -39,12 +39,17 @@ from pathlib import Path
 
 from ckpteval.jobs.flags import Parser, fail, http_url, non_negative_int, positive_int
 from ckpteval.jobs.launch.judge_server import add_judge_flags, judge_command
-from ckpteval.jobs.launch.sbatch_template import render
+from ckpteval.jobs.launch.sbatch_template import (
+    component,
+    fleet_gpus_per_node,
+    job_lines,
+    render,
+    settings_lines,
+    worker_argv,
+)
 from ckpteval.jobs.launch.submit_checks import (
     NothingToDo,
     check_on_submit_host,
-    check_sbatch_line,
-    check_time_vs_signal,
     runs_with_work,
     time_limit,
     trailing,
@@ -182,81 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -------------------------------------------------------------------------------------- rendering
-def _component(
-    *, partition: str | None, account: str | None, qos: str | None, time_limit: str | None, nodes: int,
-    cpus: int, gpus_per_node: int, mem: str | None, constraint: str | None,
-) -> list[str]:
-    lines = []
-    for opt, value in (("partition", partition), ("account", account), ("qos", qos), ("time", time_limit)):
-        if value:
-            check_sbatch_line(value, f"--{opt}")
-            lines.append(f"--{opt}={value}")
-    lines += [f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}"]
-    if gpus_per_node:
-        lines.append(f"--gpus-per-node={gpus_per_node}")
-    if mem:
-        check_sbatch_line(mem, "--mem")
-        lines.append(f"--mem={mem}")
-    if constraint:
-        check_sbatch_line(constraint, "--constraint")
-        lines.append(f"--constraint={constraint}")
-    return lines
-
-
-def _fleet_gpus_per_node(workers: int, nodes: int, gpus_per_worker: int) -> int:
-    if workers < nodes:
-        raise ValueError(f"--workers ({workers}) must be >= the fleet's nodes ({nodes}): a node would idle")
-    per_node = -(-workers // nodes)
-    return per_node * gpus_per_worker
-
-
-def _job_lines(args: argparse.Namespace, default_name: str, output: str) -> list[str]:
-    check_time_vs_signal(args)
-    check_sbatch_line(output, "--output" if args.output else "--run-dir")
-    check_sbatch_line(args.job_name or default_name, "--job-name")
-    lines = [f"--job-name={args.job_name or default_name}", "--requeue", "--open-mode=append",
-             f"--output={output}", f"--signal=B:USR1@{args.signal_before}"]
-    for extra in args.sbatch_arg:
-        if not extra.startswith("-"):
-            raise ValueError(f"--sbatch-arg {extra!r}: give an sbatch option such as --mail-type=END")
-        check_sbatch_line(extra, "--sbatch-arg")
-        lines.append(extra)
-    return lines
-
-
-def _quote(value: str | Path) -> str:
-    return shlex.quote(str(value))
-
-
-def _settings(args: argparse.Namespace, values: dict[str, str | Path | int | list[str] | None]) -> list[str]:
-    common: dict[str, str | Path | int | list[str] | None] = {
-        "CKPTEVAL_PYTHON": args.python,
-        "CKPTEVAL_SBATCH_DIR": Path(args.sbatch_dir).resolve(),
-        "CKPTEVAL_ENGINE": args.engine,
-        "CKPTEVAL_DEVICE": args.device,
-        "CKPTEVAL_WORKERS": args.workers,
-        "CKPTEVAL_GPUS_PER_WORKER": args.gpus_per_worker,
-        "CKPTEVAL_GRACE_S": args.grace,
-        "CKPTEVAL_WORKER_ARGV": _worker_argv(args),
-    }
-    common.update(values)
-    lines = []
-    for name, value in common.items():
-        if value is None:
-            continue
-        if isinstance(value, list):
-            lines.append(f"{name}=({' '.join(_quote(v) for v in value)})")
-        else:
-            lines.append(f"export {name}={_quote(value)}")
-    lines += [f"export {key}={_quote(value)}" for key, value in args.env]
-    return lines
-
-
-def _worker_argv(args: argparse.Namespace) -> list[str]:
-    return list(args.worker_arg) + (["--judge-url", args.judge_url] if args.judge_url else [])
-
-
 def train_cmd_words(command: str | None) -> list[str] | None:
     """``--train-cmd`` split as a shell would (``'cfg a.yaml'`` stays one word), written into the script as a
     bash array so the job runs exactly these words; ValueError for unbalanced quotes or an empty command."""
@@ -279,31 +209,23 @@ def _prepare_train_eval(args: argparse.Namespace) -> Prepared:
     run = _abs(args.run_dir)
     log_dir = run / "slurm"
     output = args.output or str(log_dir / "%x-%j.out")
-    gpn = _fleet_gpus_per_node(args.workers, args.fleet_nodes, args.gpus_per_worker)
-    trainer = _component(
-        partition=args.trainer_partition or args.partition, account=args.account, qos=args.qos,
-        time_limit=args.time, nodes=1, cpus=args.trainer_cpus, gpus_per_node=args.trainer_gpus,
-        mem=args.trainer_mem, constraint=None,
-    )
-    fleet = _component(
-        partition=args.fleet_partition or args.partition, account=args.account, qos=args.qos,
-        time_limit=args.time, nodes=args.fleet_nodes, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem,
-        constraint=args.constraint,
-    )
+    gpn = fleet_gpus_per_node(args.workers, args.fleet_nodes, args.gpus_per_worker)
+    trainer = component(args, partition=args.trainer_partition or args.partition, nodes=1, cpus=args.trainer_cpus,
+                        gpus_per_node=args.trainer_gpus, mem=args.trainer_mem)
+    fleet = component(args, partition=args.fleet_partition or args.partition, nodes=args.fleet_nodes, cpus=args.cpus,
+                      gpus_per_node=gpn, mem=args.mem, constraint=args.constraint)
     judge_cmd = judge_command(args)
-    settings = _settings(args, {
+    settings = settings_lines(args, {
         "CKPTEVAL_RUN_DIR": run,
         "CKPTEVAL_TRAIN_CMD": train_cmd_words(args.train_cmd),
         "CKPTEVAL_TRAIN_ARGV": trailing(args.trainer_args),
         "CKPTEVAL_JUDGE_CMD": judge_cmd,
     })
-    components = [_job_lines(args, "ckpteval-train-eval", output) + trainer, fleet]
+    components = [job_lines(args, "ckpteval-train-eval", output) + trainer, fleet]
     if judge_cmd is not None:
-        components.append(_component(
-            partition=args.judge_partition or args.partition, account=args.account, qos=args.qos,
-            time_limit=args.time, nodes=1, cpus=args.judge_cpus, gpus_per_node=args.judge_gpus if args.judge_model
-            else 0, mem=args.judge_mem, constraint=None,
-        ))
+        components.append(component(args, partition=args.judge_partition or args.partition, nodes=1,
+                                    cpus=args.judge_cpus, gpus_per_node=args.judge_gpus if args.judge_model else 0,
+                                    mem=args.judge_mem))
     script = render(_template(args, "train-eval"), components, settings)
     return Prepared("train-eval", script, [run], log_dir)
 
@@ -329,15 +251,13 @@ def _prepare_backfill(args: argparse.Namespace) -> Prepared:
     output = args.output or str(log_dir / "%x-%A_%a.out")
     array = f"0-{args.tasks - 1}" + (f"%{args.parallelism}" if args.parallelism else "")
     gpn = args.workers * args.gpus_per_worker
-    comp = _component(
-        partition=args.partition, account=args.account, qos=args.qos, time_limit=args.time, nodes=1,
-        cpus=args.cpus, gpus_per_node=gpn, mem=args.mem, constraint=args.constraint,
-    )
-    settings = _settings(args, {
+    comp = component(args, partition=args.partition, nodes=1, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem,
+                     constraint=args.constraint)
+    settings = settings_lines(args, {
         "CKPTEVAL_RUN_DIRS": [str(r) for r in runs],
         "CKPTEVAL_BACKFILL_CMD": args.backfill_cmd,
     })
-    lines = _job_lines(args, "ckpteval-backfill", output) + [f"--array={array}"] + comp
+    lines = job_lines(args, "ckpteval-backfill", output) + [f"--array={array}"] + comp
     script = render(_template(args, "backfill"), [lines], settings)
     return Prepared("backfill", script, runs, log_dir, before_submit=create)
 
@@ -346,19 +266,16 @@ def _prepare_service(args: argparse.Namespace) -> Prepared:
     run = _abs(args.run_dir)
     log_dir = run / "slurm"
     output = args.output or str(log_dir / "%x-%j.out")
-    gpn = _fleet_gpus_per_node(args.workers, args.nodes, args.gpus_per_worker)
-    comp = _component(
-        partition=args.partition, account=args.account, qos=args.qos, time_limit=args.time,
-        nodes=args.nodes, cpus=args.cpus, gpus_per_node=gpn, mem=args.mem, constraint=args.constraint,
-    )
-    worker_argv = _worker_argv(args) + trailing(args.worker_args)
-    settings = _settings(args, {
+    gpn = fleet_gpus_per_node(args.workers, args.nodes, args.gpus_per_worker)
+    comp = component(args, partition=args.partition, nodes=args.nodes, cpus=args.cpus, gpus_per_node=gpn,
+                     mem=args.mem, constraint=args.constraint)
+    settings = settings_lines(args, {
         "CKPTEVAL_RUN_DIR": run,
         "CKPTEVAL_WATCH_DIRS": [str(_abs(w)) for w in args.watch],
         "CKPTEVAL_EVAL_CONFIG": _abs(args.eval_config) if args.eval_config else None,
-        "CKPTEVAL_WORKER_ARGV": worker_argv,
+        "CKPTEVAL_WORKER_ARGV": worker_argv(args) + trailing(args.worker_args),
     })
-    lines = _job_lines(args, "ckpteval-service", output) + comp
+    lines = job_lines(args, "ckpteval-service", output) + comp
     return Prepared("service", render(_template(args, "service"), [lines], settings), [run], log_dir)
 
 

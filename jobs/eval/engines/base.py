@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -153,17 +154,21 @@ class Engine(Protocol):
 
 
 # -- optional capabilities: what only some engines have. Code that needs one asks ``isinstance(engine, Cap)``
-# (each is runtime-checkable: the check is the attribute's presence); a pool answers through its members.
+# (each is runtime-checkable: the check is the attribute's presence, never a call); a pool answers through
+# its members (:func:`members`). Each docstring states what an engine promises by having it.
 @runtime_checkable
 class Pooled(Protocol):
-    """Several interchangeable engines behind one (:class:`~ckpteval.jobs.eval.engines.factory.EnginePool`)."""
+    """Several interchangeable engines behind one (:class:`~ckpteval.jobs.eval.engines.factory.EnginePool`).
+    Promises: ``engines`` are the members, each an :class:`Engine` holding the pool's weights after a load;
+    a capability of the pool is asked of each member."""
 
     engines: list[Engine]
 
 
 @runtime_checkable
 class OccupiesGPUs(Protocol):
-    """GPUs the engine holds (cost accounting: GPU-seconds of a unit)."""
+    """Promises: ``gpus`` is how many GPUs the engine holds while it lives (0: none), the count a unit's
+    GPU-seconds are charged for."""
 
     @property
     def gpus(self) -> int: ...
@@ -171,8 +176,9 @@ class OccupiesGPUs(Protocol):
 
 @runtime_checkable
 class LaunchesServer(Protocol):
-    """An engine that launches its own server (sglang): how long a launch may take, and whether the next
-    load launches."""
+    """An engine that launches its own server (sglang). Promises: a launch ends within ``launch_timeout_s``
+    (None: unbounded) and ``launch_pending`` is true exactly when the next load launches first — the
+    caller widens its load bound by it (:func:`launch_timeout`)."""
 
     @property
     def launch_timeout_s(self) -> float | None: ...
@@ -183,31 +189,81 @@ class LaunchesServer(Protocol):
 
 @runtime_checkable
 class DigestsWeights(Protocol):
-    """Per-tensor digests of the loaded weights, in each tensor's stored dtype (in-process attestation)."""
+    """In-process attestation. Promises: ``weight_digests`` digests the tensors the engine computes with
+    (not a copy of the files), each cast to the snapshot's dtype, and names the ones held narrower
+    (``lossy``); a digest it cannot compute raises, it never reports a match it did not see."""
 
     def weight_digests(self, dtypes: dict[str, str], digest: str = "crc32") -> WeightDigests: ...
 
 
 @runtime_checkable
 class ChecksumsWeights(Protocol):
-    """The server's own checksum of its loaded weights (sglang's consistency proof)."""
+    """A server's consistency proof (sglang's ``/weights_checker``). Promises: ``weights_checksum`` is the
+    server's own hash of the weights it holds now, with the layout it depends on and the launch that
+    answered (:class:`EngineChecksum`); an engine that cannot ask raises :class:`EngineError`."""
 
     def weights_checksum(self) -> EngineChecksum: ...
 
 
 @runtime_checkable
 class TeacherForced(Protocol):
-    """Log-probs of given completions under the loaded weights (the canary's comparison)."""
+    """The canary's recomputation (:mod:`ckpteval.jobs.eval.canary`). Promises: ``teacher_forced(pairs)``
+    scores each ``(prompt, continuation)`` with the loaded weights and the tokenizer the engine generates
+    with, one record per pair in :func:`ckpteval.jobs.eval.logprobs.probe_result`'s shape; a server that
+    refuses to score prompts raises :class:`RequestRejected` (the canary is then absent, not failed)."""
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]: ...
 
 
 @runtime_checkable
 class ReportsComputeDtype(Protocol):
-    """The dtype the engine computes in (the canary's bound depends on it)."""
+    """Promises: ``compute_dtype`` is the dtype the engine computes in (``"bfloat16"``...; None: unknown),
+    which picks the canary's default bound against the trainer's dtype."""
 
     @property
     def compute_dtype(self) -> str | None: ...
+
+
+@runtime_checkable
+class NamesCanaryKind(Protocol):
+    """An engine whose kernels are not in-process transformers' (every engine of sglang's HTTP API).
+    Promises: ``canary_kind`` keys the canary's bound table (:func:`ckpteval.jobs.eval.canary.measured_bounds`);
+    an engine without it is bounded as ``hf``."""
+
+    canary_kind: str
+
+
+@runtime_checkable
+class ServesHTTP(Protocol):
+    """An engine that is a client of one server. Promises: ``base_url`` is where every request of the
+    engine goes, fixed for its life (attestation records it as who held the weights)."""
+
+    @property
+    def base_url(self) -> str: ...
+
+
+@runtime_checkable
+class ServesLmEval(Protocol):
+    """An engine lm-eval's ``local-completions`` adapter can address (``lm_eval`` entries). Promises:
+    ``lm_eval_model(snapshot_dir)`` names the ``(model, tokenizer)`` under which the server's
+    ``/v1/completions`` serves the snapshot just loaded, or raises :class:`EngineError` before any task
+    runs (a LoRA adapter whose base tokenizer is not on this worker)."""
+
+    def lm_eval_model(self, snapshot_dir: str) -> tuple[str, str]: ...
+
+
+@runtime_checkable
+class ReadsRunTokenizer(Protocol):
+    """An in-process engine that loads the snapshot's tokenizer itself. Promises: a snapshot saved without
+    tokenizer files is tokenized with the files in ``tokenizer_fallback`` (the run's, set by the worker),
+    never with whatever tokenizer the engine held before."""
+
+    tokenizer_fallback: Path | None
+
+
+def members(engine: object) -> list[Any]:
+    """The engines behind ``engine``: a pool's members, else ``engine`` itself."""
+    return list(engine.engines) if isinstance(engine, Pooled) and engine.engines else [engine]
 
 
 def gpu_count(env: Mapping[str, str] | None = None) -> int:
