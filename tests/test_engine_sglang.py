@@ -24,7 +24,6 @@ from ckpteval.jobs.eval.engines.base import (
     gpu_count,
     launch_timeout,
 )
-from ckpteval.jobs.eval.engines.http import UnsupportedServer
 from ckpteval.jobs.eval.engines.sglang import (
     DETERMINISTIC_FLAG,
     SGLangEngine,
@@ -34,6 +33,7 @@ from ckpteval.jobs.eval.engines.sglang import (
     installed_sglang_version,
     launch_command,
 )
+from ckpteval.jobs.eval.engines.sglang_version import UnsupportedServer
 from ckpteval.jobs.eval.pinning import pin, restart
 from ckpteval.jobs.reference.model import (
     ModelConfig,

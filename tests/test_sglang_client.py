@@ -30,7 +30,7 @@ from ckpteval.coord.results import ResultIndex, ok_result, parse_result, retry_d
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
-from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine, UnsupportedServer
+from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine
 from ckpteval.jobs.eval.engines.http_limits import (
     BUSY_MESSAGES,
     QUEUE_FULL,
@@ -38,6 +38,7 @@ from ckpteval.jobs.eval.engines.http_limits import (
     RunningTimedOut,
     ServerBusy,
 )
+from ckpteval.jobs.eval.engines.sglang_version import UnsupportedServer
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.scoring import DatasetCache

@@ -61,10 +61,8 @@ Seeds: ``sampling_seed`` is validated always and applied only with ``--enable-de
 (``srt/sampling/sampling_batch_info.py``; unseeded requests then use 42), where a sample depends on its
 prompt, settings and seed only: identical (prompt, seed) pairs give identical samples.
 
-Limits (stand-in, not sglang): one engine lock serializes generation and loads, so weights never
-change under a running generation and a relabel during one is attributed to its last token; an abort
-of a running request takes effect when its batch finishes (the output is kept, marked aborted);
-sglang fields the stand-in cannot honour (streaming, output logprobs, ``n`` > 1, stop strings, grammars,
+Limits (stand-in, not sglang): the engine service's (one lock for generation and loads,
+:mod:`ckpteval.jobs.reference.serve_engine`); sglang fields the stand-in cannot honour (streaming, output logprobs, ``n`` > 1, stop strings, grammars,
 multimodal input, ...) are refused with 400 ``{"error": {"message"}}`` naming them; out-of-vocabulary
 ``input_ids`` are refused (sglang leaves them undefined).
 

@@ -90,11 +90,7 @@ from ckpteval.jobs.eval.engines.http_limits import (
     send_retrying_busy,
 )
 from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
-from ckpteval.jobs.eval.engines.sglang_version import (  # noqa: F401 — re-exported: callers import them from here
-    SUPPORTED_SGLANG,
-    UnsupportedServer,
-    check_sglang_version,
-)
+from ckpteval.jobs.eval.engines.sglang_version import check_sglang_version
 
 # sglang's health_generate gives up after HEALTH_CHECK_TIMEOUT = 20 s (SGLANG_HEALTH_CHECK_TIMEOUT),
 # polling once a second (srt/entrypoints/http_server.py): wait past that before calling it dead.

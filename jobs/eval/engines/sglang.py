@@ -27,7 +27,7 @@ to tear its own server down before launching again on the same port.
 Version floor: an engine that will launch sglang first reads the installed sglang's version in the
 launch interpreter (``importlib.metadata``, no import of sglang) and refuses one outside
 :data:`~ckpteval.jobs.eval.engines.sglang_version.SUPPORTED_SGLANG` with
-:class:`~ckpteval.jobs.eval.engines.http.UnsupportedServer` at construction, i.e. at worker start (0.4.x
+:class:`~ckpteval.jobs.eval.engines.sglang_version.UnsupportedServer` at construction, i.e. at worker start (0.4.x
 rejects ``--weight-version`` at start, 0.5.1/0.5.2 know no ``sampling_seed``, spans need 0.5.19);
 the running server's ``/server_info`` version is checked again on first contact (also when attached).
 
@@ -60,12 +60,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpteval.jobs.eval.engines.base import EngineError, WeightVersionMismatch, gpu_count
-from ckpteval.jobs.eval.engines.http import (
-    HEALTH_TIMEOUT_S,
-    HTTPEngine,
-    UnsupportedServer,
-    check_sglang_version,
-)
+from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine
+from ckpteval.jobs.eval.engines.sglang_version import UnsupportedServer, check_sglang_version
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # sglang arg_groups/fields/exec_.py
 LAUNCH_POLL_S = 0.5  # between health probes while a server starts (each is cheap: refused or 503)
