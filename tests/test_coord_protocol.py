@@ -263,11 +263,11 @@ def test_has_room(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"eval_interval": None, "staging_dir": "/tmp/s"}, "positive eval interval"),
-        ({"eval_interval": 10}, "no snapshot source"),
+        ({"eval_interval": None, "staging_dir": "/tmp/s"}, "eval_interval .* positive integer"),
+        ({"eval_interval": 0}, r"eval_interval \(--eval-interval\) must be >= 1"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "save_hf_dir": "/tmp/h", "save_interval": 5}, "choose"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "max_in_flight": 3, "keep_snapshots": 2}, "keep-snapshots"),
-        ({"eval_interval": 10, "save_hf_dir": "/tmp/h", "save_interval": 4}, "multiple of --save-interval"),
+        ({"eval_interval": 10, "save_hf_dir": "/tmp/h", "save_interval": 4}, "multiple of save_interval"),
         ({"eval_interval": 10, "save_hf_dir": "/tmp/h"}, "needs --save-interval"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "overflow_policy": "drop"}, "overflow-policy"),
         (
@@ -278,17 +278,18 @@ def test_has_room(tmp_path: Path) -> None:
 )
 def test_dispatch_config_rejects(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        DispatchConfig(**kwargs).validate()
+        DispatchConfig(**kwargs).for_run(Path("/tmp/run"))
 
 
 def test_dispatch_config_accepts_and_resolves(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    cfg = DispatchConfig(eval_interval=10, staging_dir=Path("rel/staging")).validate()
+    cfg = DispatchConfig(eval_interval=10, staging_dir=Path("rel/staging")).for_run(tmp_path / "run")
     assert cfg.staging_dir == tmp_path / "rel" / "staging" and cfg.mode == "staging"
+    assert DispatchConfig().for_run(Path("run")).staging_dir == tmp_path / "run" / "snapshots"  # the default
     same_node = DispatchConfig(eval_interval=10, staging_dir=Path("/dev/shm/ck"), trainer_nodes=("n1",),
                                fleet_nodes=("n1",))
-    same_node.validate()
-    reuse = DispatchConfig(eval_interval=10, save_hf_dir=tmp_path, save_interval=5).validate()
+    same_node.for_run(tmp_path)
+    reuse = DispatchConfig(eval_interval=10, save_hf_dir=tmp_path, save_interval=5).for_run(tmp_path)
     assert reuse.mode == "reuse"
 
 

@@ -31,9 +31,10 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return build_model(SMALL, "llama", seed=seed)
 
 
-def _dispatcher(run: RunDir, dispatch: DispatchConfig, **kw) -> EvalDispatcher:
-    kw.setdefault("poll_interval_s", 0.0)
-    return EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, **kw)
+def _dispatcher(run: RunDir, dispatch: DispatchConfig, room_check=None, **waits: float) -> EvalDispatcher:
+    waits.setdefault("poll_interval_s", 0.0)
+    kw = {} if room_check is None else {"room_check": room_check}
+    return EvalDispatcher(dispatch.with_waits(**waits), run, MetricsSink(run.metrics_path), run.base, **kw)
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:

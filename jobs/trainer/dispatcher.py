@@ -93,7 +93,7 @@ from typing import Any
 
 import torch
 
-from ckpteval.coord.conditions import Condition, point_value, top_steps
+from ckpteval.coord.conditions import Condition, parse_condition, point_value, top_steps
 from ckpteval.coord.discovery import shards_present
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.identity import run_key
@@ -109,7 +109,7 @@ from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.eval.trust import check_run_code
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
+from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 from ckpteval.jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
 
@@ -139,22 +139,17 @@ class EvalDispatcher:
         base_model_dir: Path | None,
         *,
         shared: SharedEval | None = None,
-        poll_interval_s: float = WAITS.poll_interval_s,
-        backpressure_timeout_s: float = WAITS.backpressure_timeout_s,
-        drain_timeout_s: float = WAITS.drain_timeout_s,
         room_check: RoomCheck = has_room,
         clock: Callable[[], float] = time.monotonic,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.config = config.validate()
+        self.config = config.for_run(run.path)
+        self.waits = self.config.waits
         self.should_stop = should_stop  # a stop signal arrived: every wait below ends at once
         self.run = run
         self.manifest = run.manifest()
         self.sink = sink
         self.shared = shared
-        self.poll_interval_s = poll_interval_s
-        self.backpressure_timeout_s = backpressure_timeout_s
-        self.drain_timeout_s = drain_timeout_s
         self.clock = clock
         self.key = run_key(self.manifest)
         self.root = self._snapshot_root()
@@ -177,7 +172,8 @@ class EvalDispatcher:
         self._lost: set[int] = set()
         self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
         self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
-        self.stop_when: Condition | None = None  # --eval-stop-when: a point meeting it asks training to end
+        self.stop_when: Condition | None = (  # --eval-stop-when: a point meeting it asks training to end
+            None if self.config.stop_when is None else parse_condition(self.config.stop_when, "--eval-stop-when"))
         self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
         self._replay()
 
@@ -246,7 +242,7 @@ class EvalDispatcher:
     def poll(self, force: bool = False) -> None:
         """Collect finished exports and ingest finished points (at most once per ``poll_interval_s``)."""
         now = self.clock()
-        if not force and now - self._last_poll < self.poll_interval_s:
+        if not force and now - self._last_poll < self.waits.poll_interval_s:
             return
         self._last_poll = now
         self._collect_exports()
@@ -295,7 +291,7 @@ class EvalDispatcher:
         if self.config.fleet == "none":
             self.poll(force=True)  # a backfill that already landed is logged; the rest stays pending
             return True
-        deadline = self.clock() + self.drain_timeout_s
+        deadline = self.clock() + self.waits.drain_timeout_s
         while self.pending and self.clock() < deadline and not self.should_stop():
             self._sleep_and_poll()
         for step in self.pending:
@@ -378,7 +374,7 @@ class EvalDispatcher:
     def _wait_for_slot(self) -> float:
         """Backpressure: wait (ingesting) until a slot frees or the timeout passes; returns the wait."""
         start = self.clock()
-        deadline = start + self.backpressure_timeout_s
+        deadline = start + self.waits.backpressure_timeout_s
         while len(self.pending) >= self.config.max_in_flight and self.clock() < deadline and not self.should_stop():
             self._sleep_and_poll()
         return self.clock() - start
