@@ -3,7 +3,9 @@
 A snapshot is a directory ``AutoModelForCausalLM.from_pretrained`` can load (config.json, safetensors
 shards + index, tokenizer files) plus a ``.complete`` JSON marker written *last*: step, weight_version,
 every file with its byte size and CRC-32, producer, time, and ``run``: the key of the run whose trainer
-wrote it (:mod:`ckpteval.coord.identity`; absent in legacy markers, which stay readable).
+wrote it (:mod:`ckpteval.coord.identity`; absent when the snapshot belongs to no run). One format: a
+marker of another ``protocol``, or whose tensor digests lack ``xxh3`` (written before XXH3), is refused
+when read, in one line naming the file and what it has.
 
 Guarantees:
 - :func:`publish_snapshot` writes into a hidden temp dir (``.tmp-*``), fsyncs every file, writes the
@@ -292,6 +294,9 @@ def parse_marker(obj: Any, source: Path) -> Marker:
     """Validate a decoded marker; ValueError names the file and field."""
     if not isinstance(obj, dict):
         raise ValueError(f"{source}: marker must be a JSON object")
+    if obj.get("protocol") != PROTOCOL_VERSION:
+        raise ValueError(f"{source}: marker protocol {obj.get('protocol')!r}: this ckpteval reads only protocol "
+                         f"{PROTOCOL_VERSION} markers (an older format: export or mark the snapshot again)")
 
     def need(key: str, kind: type | tuple[type, ...]) -> Any:
         if key not in obj:
@@ -309,6 +314,9 @@ def parse_marker(obj: Any, source: Path) -> Marker:
         ok = isinstance(info, dict) and all(_is_count(info.get(k)) for k in ("bytes", "crc32"))
         if not ok or os.path.isabs(name) or ".." in Path(name).parts or not _valid_tensors(info.get("tensors")):
             raise ValueError(f"{source}: marker field files[{name!r}] is invalid")
+        if any("xxh3" not in d for d in (info.get("tensors") or {}).values()):
+            raise ValueError(f"{source}: marker field files[{name!r}] has tensor digests without xxh3, an older "
+                             "format (written before XXH3): export or mark the snapshot again")
     return Marker(
         step=step,
         weight_version=need("weight_version", str),
@@ -325,7 +333,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _valid_tensors(tensors: Any) -> bool:
-    """A file's optional ``tensors``: name -> {"dtype": str, "shape": [int], "crc32": int, "xxh3"?: int}."""
+    """A file's optional ``tensors``: name -> {"dtype": str, "shape": [int], "crc32": int, "xxh3": int}."""
     if tensors is None:
         return True
     return isinstance(tensors, dict) and all(

@@ -299,21 +299,6 @@ def test_filesystem_type_of_dev_shm() -> None:
     assert filesystem_type(Path("/dev/shm/does/not/exist")) == "tmpfs"
 
 
-OLD_STYLE_LEDGER = [  # before explicit events: facts were re-appended as fuller `dispatched` records
-    {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
-    {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0,
-     "export_time_seconds": 1.5, "export_blocked_seconds": 0.25, "snapshot": "/s/step-0000000002"},
-    {"event": "dispatched", "step": 4, "mode": "staging", "backpressure_wait_seconds": 0.0},
-    {"event": "dispatched", "step": 4, "mode": "staging", "backpressure_wait_seconds": 0.0,
-     "export_time_seconds": 0.5, "export_blocked_seconds": 0.25, "skipped": "export_failed", "message": "full"},
-    {"event": "dispatched", "step": 6, "mode": "staging", "backpressure_wait_seconds": 3.0, "skipped": "busy",
-     "message": "4 points in flight"},
-    {"event": "dispatched", "step": 8, "mode": "staging", "backpressure_wait_seconds": 0.0},
-    {"event": "dispatched", "step": 8, "mode": "staging", "backpressure_wait_seconds": 0.0,
-     "snapshot": "/s/step-0000000008", "shared_eval_seconds": 2.0},
-    {"event": "ingested", "step": 2, "outcome": "complete"},
-    {"event": "retired", "step": 2},
-]
 NEW_STYLE_LEDGER = [
     {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
     {"event": "exported", "step": 2, "export_time_seconds": 1.5, "export_blocked_seconds": 0.25,
@@ -331,11 +316,10 @@ NEW_STYLE_LEDGER = [
 ]
 
 
-@pytest.mark.parametrize("records", [OLD_STYLE_LEDGER, NEW_STYLE_LEDGER], ids=["old-style", "explicit-events"])
-def test_ledger_replay_reads_old_style_and_explicit_events_alike(tmp_path: Path, records: list[dict]) -> None:
-    """A ledger written before the explicit events replays to the same facts as one written after."""
+def test_ledger_replay_folds_each_steps_events_into_one_record(tmp_path: Path) -> None:
+    """Replay folds a step's dispatch, export, shared eval and skip events into the step's facts."""
     path = tmp_path / "ledger.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text("".join(json.dumps(r) + "\n" for r in NEW_STYLE_LEDGER))
     state = Ledger(path).state
     assert state.pending == [4, 6, 8] and state.ingested == state.retired == {2}
     assert state.skipped == {4: ("export_failed", "full"), 6: ("busy", "4 points in flight")}

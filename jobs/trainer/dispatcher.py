@@ -89,7 +89,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -104,14 +104,15 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.canary import TrainerCanary
-from ckpteval.jobs.eval.engines.base import Engine
-from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.trust import check_run_code
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
-from ckpteval.jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
+
+if TYPE_CHECKING:  # the shared posture's parts are imported when a SharedEval is given (a fleet trainer needs none)
+    from ckpteval.jobs.eval.engines.base import Engine
+    from ckpteval.jobs.eval.scoring import DatasetCache
+    from ckpteval.jobs.trainer.gate import ProducerGate
 
 Model = torch.nn.Module | Mapping[str, Any]
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
@@ -163,9 +164,13 @@ class EvalDispatcher:
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
                                 run=self.key)
+        self._cache: DatasetCache | None = None
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
+            from ckpteval.jobs.eval.scoring import DatasetCache
+            from ckpteval.jobs.eval.trust import check_run_code
+
             check_run_code(run, self.manifest, trusted=shared.trust_run_code)
-        self._cache = DatasetCache(run, self.manifest) if shared is not None else None
+            self._cache = DatasetCache(run, self.manifest)
         self.step = 0  # the trainer's latest step seen
         self.landed = len(self.ledger.state.ingested)
         self._last_poll = -float("inf")
@@ -354,6 +359,8 @@ class EvalDispatcher:
             self._skip(step, "crashed", "the trainer died before this step's snapshot was published")
 
     def _evaluate_shared(self, step: int) -> None:
+        from ckpteval.jobs.trainer.gate import StopRequested, shared_eval
+
         if self.shared is None or self._cache is None:
             raise RuntimeError("shared evaluation without a shared engine")
         if step not in self.ledger.state.pending or not self._snapshot_published(step):
