@@ -17,16 +17,14 @@ Liveness (take over at once instead of after ``duration_s``): only when the hold
 its host identity (hostname, boot id, PID and time namespace inodes) equals ours, so two containers that
 share a hostname, two boots of a node, or a reader whose process start times are shifted by another time
 namespace never match — and its pid is gone, or alive with another process start time (a recycled pid;
-Linux ``/proc/<pid>/stat``). Anything unknown (no ``/proc``, an unreadable start time) counts as alive:
-the claim then expires on time. Limits: a node with two hostnames' worth of identity (a changed hostname
+Linux ``/proc/<pid>/stat``). Anything unknown (no ``/proc``, so no PID namespace: every non-Linux host;
+an unreadable start time) counts as alive: the claim then expires on time. Limits: a node with two hostnames' worth of identity (a changed hostname
 while a worker runs) waits for expiry.
 
-Why not ``filelock.SoftFileLease`` itself: on a shared filesystem every path operation is a round trip to
-the metadata server (issue 20). filelock's lease costs ~11 of them per claim and release (it resolves the
-lease path one ``lstat`` per component, makes sure of the directory with ``mkdir`` + ``stat``, ``lstat``\\ s
-the marker before creating it and twice before unlinking it) and a heartbeat thread per claim. This module
-costs **one** ``open(O_CREAT|O_EXCL)`` to claim and **one** ``unlink`` to release (a missing step directory
-adds one ``mkdir`` per step), and one heartbeat thread per :class:`LeaseKeeper` (per worker).
+Why not ``filelock.SoftFileLease``: on a shared filesystem every path operation is a round trip to the
+metadata server (issue 20); filelock's lease costs ~11 per claim and release and a heartbeat thread per
+claim, this module **one** ``open(O_CREAT|O_EXCL)`` to claim, **one** ``unlink`` to release (plus one
+``mkdir`` per step) and one heartbeat thread per :class:`LeaseKeeper` (per worker).
 
 Guarantees:
 
@@ -100,8 +98,10 @@ def _ns(kind: str) -> str:
 
 
 def host_identity() -> str:
-    """Who can judge our pids: hostname, boot id, PID and time namespaces (see the module docstring)."""
-    return "|".join((socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), _ns("pid"), _ns("time")))
+    """Who can judge our pids: hostname, boot id, PID and time namespaces (see the module docstring); ""
+    when the PID namespace cannot be read (then nobody can prove a holder dead: expiry only)."""
+    pid_ns = _ns("pid")
+    return pid_ns and "|".join((socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), pid_ns, _ns("time")))
 
 
 def process_start(pid: int) -> int | None:
@@ -117,7 +117,7 @@ def _pid_gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     except OSError:  # EPERM: alive, another user's
-        return False
+        pass
     return False
 
 
@@ -137,7 +137,7 @@ class LeaseHolder:
 
     def dead_here(self) -> bool:
         """The holder ran on this host and its process is gone (or its pid now names another process)."""
-        if self.host_id != _Me.host_id() or self.pid <= 0:
+        if not self.host_id or self.host_id != _Me.host_id() or self.pid <= 0:
             return False
         if _pid_gone(self.pid):
             return True
@@ -145,22 +145,21 @@ class LeaseHolder:
         return self.start is not None and now is not None and now != self.start
 
 
+_TYPES = {"pid": (int,), "hostname": (str,), "host_id": (str,), "token": (str,), "duration_s": (int, float),
+          "start": (int, type(None))}
+
+
 def parse_holder(text: str) -> LeaseHolder | None:
     """The record of a lease file's text; None when it is not a complete record of this format (being
     written, torn, or another format: it then counts as held and expires)."""
     try:
         obj = json.loads(text)
-        if not isinstance(obj, dict) or obj.pop("format", None) != FORMAT:
-            return None
-        holder = LeaseHolder(**obj)
-    except (ValueError, TypeError):  # not JSON, missing or unknown fields
+    except ValueError:
         return None
-    types_ok = all(isinstance(getattr(holder, k), t) and not isinstance(getattr(holder, k), bool)
-                   for k, t in (("pid", int), ("hostname", str), ("host_id", str), ("token", str),
-                                ("duration_s", int | float)))
-    if not types_ok or not math.isfinite(holder.duration_s) or not isinstance(holder.start, int | None):
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT or any(
+            type(obj.get(k)) not in kinds for k, kinds in _TYPES.items()) or not math.isfinite(obj["duration_s"]):
         return None
-    return holder
+    return LeaseHolder(**{k: obj[k] for k in _TYPES})
 
 
 class _Me:

@@ -3,9 +3,8 @@
 A snapshot is a directory ``AutoModelForCausalLM.from_pretrained`` can load (config.json, safetensors
 shards + index, tokenizer files) plus a ``.complete`` JSON marker written *last*: step, weight_version,
 every file with its byte size and CRC-32, producer, time, and ``run``: the key of the run whose trainer
-wrote it (:mod:`ckpteval.coord.identity`; absent when the snapshot belongs to no run). One format: a
-marker of another ``protocol``, or whose tensor digests lack ``xxh3`` (written before XXH3), is refused
-when read, in one line naming the file and what it has.
+wrote it (:mod:`ckpteval.coord.identity`; absent: no run's). Older formats (another ``protocol``, tensor
+digests without ``xxh3``) are refused when read, in one line naming the file and what it has.
 
 Guarantees:
 - :func:`publish_snapshot` writes into a hidden temp dir (``.tmp-*``), fsyncs every file, writes the
@@ -18,10 +17,9 @@ Guarantees:
   what the marker lists, never that a model's config.json is there, so a LoRA adapter snapshot
   (``adapter_config.json`` + ``adapter_model.safetensors``, no config.json) verifies like any other.
 
-Why CRC-32 (zlib): it detects the faults that matter here (truncation, torn or bit-flipped pages) at
-≈3.8 GB/s here vs ≈1.6 GB/s for SHA-256 (tmpfs writes: ≈2 GB/s; bench/RESULTS.md), so computing it on the
-bytes as they are written does not halve export speed. It is no defence against a malicious writer (not
-in the threat model). Limits: ``fast`` verification cannot see a bit flip in tensor data; ``full`` can.
+Why CRC-32 (zlib): it detects truncation, torn or bit-flipped pages at ≈3.8 GB/s vs ≈1.6 for SHA-256
+(tmpfs writes ≈2 GB/s; bench/RESULTS.md), so checksumming while writing does not halve export speed; no
+defence against a malicious writer. Limits: ``fast`` verification misses a bit flip in tensor data.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ from ckpteval.coord.digests import TensorDigest, safetensors_digests
 from ckpteval.coord.identity import weight_version
 
 MARKER = ".complete"
-# A LoRA adapter snapshot (a run whose run.json names ``eval.base_model``) holds these two files instead
-# of config.json + model weights; PEFT's own names, which sglang's LoRA loader also reads.
+# A LoRA adapter snapshot (run.json names ``eval.base_model``): PEFT's names, which sglang's loader reads
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The canary a trainer may store with a snapshot (ckpteval.jobs.eval.canary): teacher-forced log-probs of a probe.
@@ -81,7 +78,7 @@ class Marker:
     producer: dict[str, Any]
     mode: str  # staging | reuse | foreign
     created: float
-    run: str | None = None  # run key (ckpteval.coord.identity) of the run that wrote it; None: a legacy marker
+    run: str | None = None  # run key (ckpteval.coord.identity) of the run that wrote it; None: no run's
 
     @property
     def total_bytes(self) -> int:
@@ -89,25 +86,17 @@ class Marker:
 
     @property
     def tensors(self) -> dict[str, TensorDigest] | None:
-        """Every tensor's digest with its ``file``; None unless every safetensors file lists them (a
-        legacy marker, or a writer that reported file checksums only: nothing to attest against)."""
+        """Every tensor's digest with its ``file``; None unless every safetensors file lists them (a writer
+        that reported file checksums only: nothing to attest against)."""
         shards = {n: f for n, f in self.files.items() if n.endswith(".safetensors")}
         if not shards or any(not isinstance(f.get("tensors"), dict) for f in shards.values()):
             return None
         return {t: {**d, "file": n} for n, f in shards.items() for t, d in f["tensors"].items()}
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "protocol": PROTOCOL_VERSION,
-            "step": self.step,
-            "weight_version": self.weight_version,
-            "checksum": "crc32",
-            "files": self.files,
-            "producer": self.producer,
-            "mode": self.mode,
-            "created": self.created,
-            **({"run": self.run} if self.run is not None else {}),
-        }
+        return {"protocol": PROTOCOL_VERSION, "step": self.step, "weight_version": self.weight_version,
+                "checksum": "crc32", "files": self.files, "producer": self.producer, "mode": self.mode,
+                "created": self.created, **({"run": self.run} if self.run is not None else {})}
 
 
 # -- location rules: the one place that builds or parses a snapshot directory's name ----------------

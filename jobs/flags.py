@@ -6,10 +6,9 @@ back, and the one-line error convention of every parser.
 * :func:`option` declares a field: ``steps: int = option(600, "training steps", min=1)``. The flag
   name defaults to ``--<field-name-with-dashes>``; the argparse type comes from the annotation (``int``,
   ``float``, ``str``, ``Path``, ``X | None``; ``bool`` is a switch, ``--no-x`` when the default is True;
-  ``tuple[X, ...]``/``list[X]`` is a repeatable flag unless ``parse`` reads one value; a ``Literal`` gives
-  the choices). Without a help text the field's docstring (the string literal below it) is its help.
-* :func:`nested` declares a component: a field holding another options dataclass (torchtitan's
-  pattern), whose flags are its parent's; any other field without ``option`` metadata is not a flag.
+  ``tuple[X, ...]``/``list[X]`` repeats unless ``parse`` reads one value; a ``Literal`` gives the choices);
+  no help text: the field's docstring is its help. :func:`nested` declares a component (another options
+  dataclass whose flags are its parent's: torchtitan's pattern); other fields are not flags.
 * :func:`add_options` adds a dataclass's flags to a parser (argument groups by the ``group`` title);
   :func:`from_args` builds the dataclass from the parsed namespace (a repeatable flag given no times
   keeps the field's default); :func:`check_bounds` enforces the declared bounds on an instance built in
@@ -79,30 +78,24 @@ def option(
     return dataclasses.field(default=default, metadata=meta)
 
 
-def nested(cls: type) -> Any:
-    """A field holding the options dataclass ``cls`` (default: ``cls()``): its flags are its parent's."""
+def nested(cls: type) -> Any:  # a field holding options dataclass ``cls`` (default ``cls()``), flags its parent's
     return dataclasses.field(default_factory=cls, metadata={NESTED_KEY: cls})
 
 
-def components(cls: type) -> list[tuple[str, type]]:
-    """The :func:`nested` fields of dataclass ``cls``: (name, options dataclass)."""
+def components(cls: type) -> list[tuple[str, type]]:  # the nested() fields: (name, options dataclass)
     return [(f.name, f.metadata[NESTED_KEY]) for f in dataclasses.fields(cls) if NESTED_KEY in f.metadata]
 
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstrings of ``cls``'s fields (a string literal right below the field), one line each."""
+    """The docstrings of ``cls``'s fields (the string literal right below a field), one line each."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     except (OSError, TypeError):  # no source (a frozen app): the flags keep their explicit help texts
         return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs = {}
-    for field, doc in zip(body, body[1:], strict=False):
-        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(doc, ast.Expr)
-                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
-            docs[field.target.id] = " ".join(doc.value.value.split())
-    return docs
+    return {f.target.id: " ".join(d.value.value.split()) for f, d in zip(body, body[1:], strict=False)
+            if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name) and isinstance(d, ast.Expr)
+            and isinstance(d.value, ast.Constant) and isinstance(d.value.value, str)}
 
 
 class Parser(argparse.ArgumentParser):
@@ -210,8 +203,8 @@ class _Spec:
     base: Any  # the scalar type (int, float, str, Path, bool)
     repeat: bool  # tuple/list: a repeatable flag
     container: type | None
-    help: str  # the option's help text, else the field's docstring
-    choices: tuple[Any, ...] | None  # the option's, else a Literal annotation's
+    help: str  # the option's, else the field's docstring
+    choices: tuple[Any, ...] | None  # the option's, else the Literal's
 
     @property
     def flag(self) -> str:
@@ -234,15 +227,7 @@ def _unwrap(hint: Any) -> tuple[Any, bool, type | None]:
     origin = typing.get_origin(hint)
     if origin in (tuple, list):
         return args[0], True, origin
-    if origin is typing.Literal:
-        return type(args[0]), False, None
-    return hint, False, None
-
-
-def _literal_choices(hint: Any) -> tuple[Any, ...] | None:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return next(filter(None, map(_literal_choices, typing.get_args(hint))), None)
-    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+    return (type(args[0]) if origin is typing.Literal else hint), False, None
 
 
 def specs(cls: type) -> list[_Spec]:
@@ -258,8 +243,8 @@ def specs(cls: type) -> list[_Spec]:
         help_text = meta.help or field_docs(cls).get(f.name, "")
         if not help_text:
             raise ValueError(f"{cls.__name__}.{f.name}: every flag needs a help text or a docstring")
-        out.append(_Spec(f, meta, base, repeat and meta.parse is None, container, help_text,
-                         meta.choices or _literal_choices(hint)))
+        literal = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        out.append(_Spec(f, meta, base, repeat and meta.parse is None, container, help_text, meta.choices or literal))
     return out
 
 
@@ -277,8 +262,8 @@ def _help(spec: _Spec) -> str:
 def add_options(
     parser: argparse.ArgumentParser, cls: type, *, exclude: Sequence[str] = (), only: Sequence[str] | None = None
 ) -> None:
-    """Add the flags of dataclass ``cls`` and of its :func:`nested` components to ``parser`` (fields named in
-    ``exclude`` are left out); flags of one ``group`` title share one argument group."""
+    """Add the flags of dataclass ``cls`` and its :func:`nested` components to ``parser`` (but those in
+    ``exclude``), one argument group per ``group`` title."""
     groups = {g.title: g for g in parser._action_groups if g.title}
     for spec in specs(cls):
         name = spec.field.name

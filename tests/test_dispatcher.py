@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import threading
@@ -360,7 +361,7 @@ def test_gc_keeps_the_best_k_points_snapshots(tmp_path: Path) -> None:
     """``--eval-keep-best 1``: the best point's snapshot survives GC beyond the newest ``keep``; once a
     better point lands, the old best becomes an ordinary retired snapshot and is collected."""
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=1, eval_keep_snapshots=1)
-    dispatch.keep_best = 1
+    dispatch = dataclasses.replace(dispatch, keep_best=1)
     d = _dispatcher(run, dispatch, drain_timeout_s=0.2)
     model = _model()
     scores = {2: 0.9, 4: 0.5, 6: 0.3, 8: 0.95, 10: 0.1}

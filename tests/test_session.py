@@ -98,3 +98,16 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, change: di
                     "dispatch": DispatchConfig(eval_interval=2, waits=waits, **dispatch), **change}
         start_eval(EvalRun(**settings))
     assert not (tmp_path / "run").exists()
+
+
+def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
+    """``import ckpteval.jobs.trainer.session`` (what a training loop imports) loads neither the eval worker
+    nor the shared posture's scoring stack: 44 ckpteval modules (53 before issue 27)."""
+    import subprocess
+    import sys
+
+    code = "import sys, ckpteval.jobs.trainer.session; print(' '.join(m for m in sys.modules if m.startswith('ckpteval')))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    unwanted = {"ckpteval.jobs.eval.worker", "ckpteval.jobs.eval.loop", "ckpteval.jobs.eval.scoring",
+                "ckpteval.jobs.eval.kinds", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.attest"}
+    assert not loaded & unwanted and len(loaded) <= 44, sorted(loaded)

@@ -281,7 +281,7 @@ def test_resume_on_a_malformed_ledger_is_a_named_usage_error(tmp_path: Path) -> 
     ("kwargs", "message"),
     [
         ({"eval_interval": 0}, "--eval-interval"),
-        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of save_interval (--save-interval"),
+        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of save_interval"),
         ({"keep_snapshots": 1, "max_in_flight": 2}, "--eval-keep-snapshots"),
         ({"overflow_policy": "drop"}, "--eval-overflow-policy"),
         ({"max_in_flight": 0}, "--eval-max-in-flight"),
@@ -295,3 +295,22 @@ def test_validation_matrix_fails_at_construction(tmp_path: Path, kwargs: dict, m
             kwargs[key] = tmp_path / kwargs[key]
     with pytest.raises(ValueError, match=message):
         _config(tmp_path / "run", **kwargs).validate()
+
+
+def test_the_eval_flags_are_the_dispatch_config_and_its_defaults_are_stated_once(tmp_path: Path) -> None:
+    """``ckpteval train``'s ``--eval-*`` dispatch flags are DispatchConfig's fields (its nested Waits too):
+    parsed into that one object, a flag not given is the dataclass default, the help text is the field's
+    docstring, and a value outside a Literal is refused by the parser."""
+    from ckpteval.jobs.reference.train_config import build_parser, parse_args
+    from ckpteval.jobs.trainer.config import Waits
+
+    run = str(tmp_path / "run")
+    assert parse_args([run]).dispatch == DispatchConfig()
+    cfg = parse_args([run, "--eval-interval", "4", "--save-hf", "X", "--save-interval", "2", "--eval-fleet", "none",
+                      "--eval-poll-interval", "0.5", "--trainer-nodes", "n1,n2"])
+    assert cfg.dispatch == DispatchConfig(eval_interval=4, save_hf_dir=Path("X"), save_interval=2, fleet="none",
+                                          trainer_nodes=("n1", "n2"), waits=Waits(poll_interval_s=0.5))
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    assert helps["drain_timeout_s"].startswith("longest wait at the end for outstanding points (default: 300.0)")
+    with pytest.raises(SystemExit):
+        parse_args([run, "--eval-overflow-policy", "drop"])

@@ -12,8 +12,8 @@ Cadence: a dataset with ``every`` > 1 (run.json) is part only of the points at m
 ``every``, which must be a multiple of ``eval_interval`` (checked at construction); a step at which
 no dataset is due is not dispatched at all (the final step excepted).
 
-Snapshot source (from :class:`ckpteval.jobs.trainer.config.DispatchConfig`, validated at construction — before
-training):
+Settings: one :class:`ckpteval.jobs.trainer.config.DispatchConfig`, taken whole (its ``waits`` and
+``stop_when`` too) and checked for this run at construction — before training. Snapshot source:
 
 - **staging**: the weights are exported into the staging root by :class:`AsyncExporter` (the loop
   blocks only for the host copy).
