@@ -9,8 +9,8 @@ per-tensor digests) under ``--dir`` (default /dev/shm). Then, best of ``--repeat
 * ``attest (tensor digests, xxh3)``: :func:`ckpteval.jobs.eval.attest.attest` of the engine against the marker —
   every tensor cast to the snapshot dtype and XXH3-64'd, compared with the marker (what the worker adds
   after each load);
-* ``attest (tensor digests, crc32)``: the same against the marker without its ``xxh3`` entries (a marker
-  written before them: the engine digests with CRC-32, what every attestation cost before);
+* ``engine digests (crc32)``: the engine's digests of every tensor with CRC-32 instead (what every
+  attestation cost before XXH3; markers without ``xxh3`` are no longer read);
 * ``stand-in /weights_checker checksum``: the sglang-style per-tensor SHA-256 the stand-in server
   computes (:meth:`ckpteval.jobs.reference.serve_engine.EngineService.check_weights`, no HTTP), for scale.
 
@@ -25,7 +25,6 @@ runs, not a measurement). Numbers are only comparable on a quiet machine: the lo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import Marker, publish_snapshot, read_marker
+from ckpteval.coord.snapshot import publish_snapshot, read_marker
 from ckpteval.jobs.eval.attest import attest
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_base_model_dir
@@ -60,13 +59,6 @@ def best(fn: Callable[[], Any], repeats: int) -> float:
 def publish(root: Path, base: Path, cfg: ModelConfig, step: int, dtype: torch.dtype) -> Path:
     sd = {k: v.to(dtype).contiguous() for k, v in build_model(cfg, seed=step).state_dict().items()}
     return publish_snapshot(root, step, lambda d: write_hf_files(d, sd, base))
-
-
-def without_xxh3(marker: Marker) -> Marker:
-    """``marker`` as written before XXH3 digests: its tensors carry CRC-32 only."""
-    files = {n: {**f, "tensors": {t: {k: v for k, v in d.items() if k != "xxh3"} for t, d in f["tensors"].items()}}
-             if "tensors" in f else f for n, f in marker.files.items()}
-    return dataclasses.replace(marker, files=files)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.load(str(b), f"b{next(versions)}")
             engine.load(str(a), f"a{next(versions)}")
 
-        legacy = without_xxh3(marker)
+        dtypes = {name: d["dtype"] for name, d in (marker.tensors or {}).items()}
         contenders = {"reload in place": reload, "attest (tensor digests, xxh3)": lambda: attest(engine, a, marker, run),
-                      "attest (tensor digests, crc32)": lambda: attest(engine, a, legacy, run)}
+                      "engine digests (crc32)": lambda: engine.weight_digests(dtypes, "crc32")}
         rounds: dict[str, list[float]] = {name: [] for name in contenders}
         for _ in range(args.repeats):  # interleaved: a change in the machine's load hits every contender alike
             for name, fn in contenders.items():

@@ -87,9 +87,11 @@ def measure_final_export(root: Path) -> float:
     from ckpteval.jobs.metrics import MetricsSink
     from ckpteval.jobs.reference.model import ModelConfig, build_model
     from ckpteval.jobs.reference.train import TrainConfig, base_model_dir, prepare_run
+    from ckpteval.jobs.trainer.config import DispatchConfig
     from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
-    cfg = TrainConfig(run_dir=root / "final-export", eval_interval=2, eval_n_prompts=4, eval_shard_size=2)
+    cfg = TrainConfig(run_dir=root / "final-export", dispatch=DispatchConfig(eval_interval=2), eval_n_prompts=4,
+                      eval_shard_size=2)
     dispatch = cfg.validate()
     run = prepare_run(cfg, dispatch)
     got: list[float] = []

@@ -8,8 +8,8 @@ What it owns:
   combined from). The exporter (computed while it writes, :mod:`ckpteval.jobs.trainer.export`) and the marking of
   a reused or foreign checkpoint (:func:`safetensors_digests`, one read that also yields the file's CRC)
   record both per tensor; an engine digests the parameters it holds (cast to the snapshot's dtype) with
-  the fastest one every entry of the marker has (:func:`digest_name`: ``crc32`` for markers written
-  before ``xxh3``, or without the ``xxhash`` package);
+  ``xxh3`` (a marker whose tensors lack it is an older format, refused when read:
+  :func:`ckpteval.coord.snapshot.parse_marker`);
 * :func:`crc32_combine` — the CRC of ``A + B`` from the CRCs of ``A`` and ``B`` (zlib's algorithm),
   so a file's CRC is derived from its header's and its tensors' without checksumming a byte twice;
 * :func:`compare_digests` — what differs between a marker's tensors and an engine's report: missing,
@@ -32,10 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-try:
-    import xxhash
-except ImportError:  # optional at run time: markers then carry crc32 only and engines digest with it
-    xxhash = None
+import xxhash
 
 READ_CHUNK = 8 << 20
 TensorDigest = dict[str, Any]  # {"dtype": "BF16", "shape": [..], "crc32": c, "xxh3": x} (+ "file" in a marker)
@@ -45,22 +42,13 @@ DIGESTS = ("xxh3", "crc32")  # the per-tensor digests a marker may hold, the fas
 def tensor_digest(data: Any, name: str) -> int:
     """Digest ``name`` (one of :data:`DIGESTS`) of a bytes-like object."""
     if name == "xxh3":
-        if xxhash is None:
-            raise ValueError("the xxh3 digest needs the xxhash package (pip install xxhash)")
         return xxhash.xxh3_64_intdigest(data)
     return zlib.crc32(data)
 
 
 def new_xxh3() -> Any:
-    """A streaming XXH3-64 (``update(chunk)``, ``intdigest()``), or None without the xxhash package."""
-    return None if xxhash is None else xxhash.xxh3_64()
-
-
-def digest_name(expected: Mapping[str, Mapping[str, Any]]) -> str:
-    """The digest to compare ``expected`` (a marker's tensors) with: ``xxh3`` when every entry has it and
-    this process can compute it, else ``crc32`` (which every entry has)."""
-    usable = xxhash is not None and all(isinstance(d.get("xxh3"), int) for d in expected.values())
-    return "xxh3" if usable else "crc32"
+    """A streaming XXH3-64 (``update(chunk)``, ``intdigest()``)."""
+    return xxhash.xxh3_64()
 
 _POLY = 0xEDB88320  # CRC-32 (reflected), as zlib
 
@@ -130,9 +118,7 @@ def safetensors_digests(path: Path) -> tuple[dict[str, int], dict[str, TensorDig
             if gap:  # bytes between tensors (not written by safetensors itself) still count for the file
                 crc, size = crc32_combine(crc, _crc_of_next(f, gap, path), gap), size + gap
             value, fast = _digests_of_next(f, end - begin, path)
-            tensors[name] = {"dtype": meta["dtype"], "shape": list(meta["shape"]), "crc32": value}
-            if fast is not None:
-                tensors[name]["xxh3"] = fast
+            tensors[name] = {"dtype": meta["dtype"], "shape": list(meta["shape"]), "crc32": value, "xxh3": fast}
             crc, size = crc32_combine(crc, value, end - begin), size + end - begin
         while rest := f.read(READ_CHUNK):  # trailing bytes no tensor claims still count for the file
             crc, size = zlib.crc32(rest, crc), size + len(rest)
@@ -156,7 +142,7 @@ def _crc_of_next(f: Any, length: int, path: Path) -> int:
 
 
 def _digests_of_next(f: Any, length: int, path: Path, fast: bool = True) -> tuple[int, int | None]:
-    """CRC-32 and (``fast`` and xxhash present) XXH3-64 of the next ``length`` bytes of ``f``."""
+    """CRC-32 and (``fast``) XXH3-64 of the next ``length`` bytes of ``f``."""
     crc, left, xxh = 0, length, new_xxh3() if fast else None
     while left:
         chunk = f.read(min(left, READ_CHUNK))

@@ -14,7 +14,7 @@ Rules (each a guarantee):
   retired ones are kept; so is every step in ``protected`` (the trainer's best ``--eval-keep-best K``),
   on top of those ``keep``.
 - A snapshot with a live lease on any of its units is never deleted. Liveness is judged like
-  filelock judges it: a lease file counts as live until this collector has seen it unchanged for the
+  a contender judges it (:mod:`ckpteval.coord.lease`): a lease file counts as live until this collector has seen it unchanged for the
   lease duration on its own monotonic clock, so clock skew cannot make a live lease look expired.
   Call :meth:`StagingGC.collect` repeatedly with one instance for those observations to accumulate.
 

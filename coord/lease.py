@@ -1,33 +1,39 @@
 """Unit leases: a marker file per claimed unit, refreshed by its holder, taken over once it stops changing.
 
-Owns the lease file's life: create, heartbeat, release, and the takeover of an expired one. The file's
-content is filelock's owner record (``filelock/2``, ``mode=lease``, pid, host, process start, token,
-duration: :func:`filelock._soft._records.encode_marker`), so filelock's parser reads it
-(:func:`ckpteval.coord.units.read_lease_holder`) and a filelock ``SoftFileLease`` contender of an older
-ckpteval would recognise it.
+Owns the lease file's life — create, heartbeat, release, the takeover of an expired one — and its
+content: the holder record (:class:`LeaseHolder`, one JSON object of < 300 bytes: format, pid,
+hostname, host identity, process start, token, duration), parsed by :func:`parse_holder` (also for
+:func:`ckpteval.coord.units.read_lease_holder`), and the liveness check (:meth:`LeaseHolder.dead_here`).
 
-filelock's version is bounded to the minor tested (``pyproject.toml``: ``>=4.3.1,<4.4``; issue 27) rather than
-this module owning the marker format: the record, its parser and the liveness check (:func:`owner_is_stale`:
-pid + process start time, per platform) are filelock's private ``_identity`` and ``_soft._records``, and
-keeping them filelock's keeps a marker readable by filelock itself. A filelock release past the bound is
-taken only after the lease tests pass on it (``tests/test_coord_leases.py`` checks the installed version is
-inside the bound).
+Why this module owns the format rather than filelock (issue 27): until then the record and the liveness
+check were filelock's *private* ``_identity`` and ``_soft._records`` modules, so a filelock minor release
+could break every claim, and the version had to be pinned to one minor. What we need of them is a few
+lines — and the check below only ever errs towards waiting — so ckpteval depends on no filelock name at
+all (``tests/test_coord_leases.py`` fails if coord/ or jobs/ import a private one). A marker in another
+format (filelock's ``filelock/2`` record, written by an older ckpteval) is never parsed as a holder: it
+counts as held and is taken over once it expires, like a torn one.
 
-Why not ``filelock.SoftFileLease`` itself: on a shared filesystem every path operation is a round trip to
-the metadata server (issue 20). filelock's lease costs ~11 of them per claim and release (it resolves the
-lease path one ``lstat`` per component, makes sure of the directory with ``mkdir`` + ``stat``, ``lstat``\\ s
-the marker before creating it and twice before unlinking it) and a heartbeat thread per claim. This module
-costs **one** ``open(O_CREAT|O_EXCL)`` to claim and **one** ``unlink`` to release (a missing step directory
-adds one ``mkdir`` per step), and one heartbeat thread per :class:`LeaseKeeper` (per worker).
+Liveness (take over at once instead of after ``duration_s``): only when the holder ran on *this* host —
+its host identity (hostname, boot id, PID and time namespace inodes) equals ours, so two containers that
+share a hostname, two boots of a node, or a reader whose process start times are shifted by another time
+namespace never match — and its pid is gone, or alive with another process start time (a recycled pid;
+Linux ``/proc/<pid>/stat``). Anything unknown (no ``/proc``, so no PID namespace: every non-Linux host;
+an unreadable start time) counts as alive: the claim then expires on time. Limits: a node with two hostnames' worth of identity (a changed hostname
+while a worker runs) waits for expiry.
+
+Why not ``filelock.SoftFileLease``: on a shared filesystem every path operation is a round trip to the
+metadata server (issue 20); filelock's lease costs ~11 per claim and release and a heartbeat thread per
+claim, this module **one** ``open(O_CREAT|O_EXCL)`` to claim, **one** ``unlink`` to release (plus one
+``mkdir`` per step) and one heartbeat thread per :class:`LeaseKeeper` (per worker).
 
 Guarantees:
 
 - **Exclusive creation.** A claim is the ``O_EXCL`` create of the marker: of two contenders at once one wins.
 - **Expiry on the contender's clock.** A contender takes a claim over only after observing the marker's
   identity (inode, mtime, ctime) *unchanged* for ``duration_s`` on its own monotonic clock — clock skew
-  between nodes cannot expire a live claim — or at once when the holder is on this host and its process is
-  dead (filelock's :func:`owner_is_stale`, pid + start time). The takeover renames the marker aside,
-  checks that what it moved is the marker it watched, and puts back (``link``) one it did not watch.
+  between nodes cannot expire a live claim — or at once when the holder is dead on this host (above).
+  The takeover renames the marker aside, checks that what it moved is the marker it watched, and puts
+  back (``link``) one it did not watch.
 - **Release without a check while fresh.** A takeover needs ``duration_s`` of an unchanged marker after the
   holder's last touch (the create counts as one), so within ``duration_s / 2`` of its last touch on the
   holder's ``CLOCK_BOOTTIME`` (which runs through suspend) nobody can have taken it: the holder unlinks
@@ -36,27 +42,28 @@ Guarantees:
   it; a marker missing or replaced on two refreshes in a row (one miss is allowed: a takeover that moved it
   aside by mistake puts it back) marks the lease compromised and calls ``on_compromise``.
 
-Limits: a lease is **a hint about who should be working, not a fence** (as filelock's): a holder stalled
-past ``duration_s`` can come back after a takeover and still finish; results are first-writer-wins
+Limits: a lease is **a hint about who should be working, not a fence**: a holder stalled past
+``duration_s`` can come back after a takeover and still finish; results are first-writer-wins
 (:mod:`ckpteval.coord.results`), so that costs compute, never correctness. The unlink of a release that is
 no longer fresh is a check-then-act (``lstat`` then ``unlink``): a takeover in between is possible in
 principle and costs at most one more evaluation. Every participant must use the run's ``duration_s``;
-a marker with another duration raises :class:`filelock.LeaseSettingsMismatch` naming the file.
+a marker with another duration raises :class:`LeaseMismatch` naming the file.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import filelock
-from filelock._identity import host_name, owner_is_stale, process_start_token
-from filelock._soft._records import encode_marker, parse_marker
-
+FORMAT = "ckpteval-lease/1"
 FRESH_FRACTION = 0.5  # of duration_s since the last touch: a release/ownership check needs no syscall
 BREAK_INFIX = ".break."  # <lease>.break.<pid>.<hex>: a marker moved aside during a takeover (never *.lock)
 _BOOTTIME = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
@@ -72,17 +79,104 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns
 
 
-class _Me:
-    """This process's owner fields, read once (a lease is never inherited across fork: claimers are per process)."""
+class LeaseMismatch(ValueError):
+    """A lease file holds a claim with another duration than this run's lease settings."""
 
-    _cached: tuple[int, str, int | None] | None = None
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _ns(kind: str) -> str:
+    try:
+        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+    except OSError:
+        return ""
+
+
+def host_identity() -> str:
+    """Who can judge our pids: hostname, boot id, PID and time namespaces (see the module docstring); ""
+    when the PID namespace cannot be read (then nobody can prove a holder dead: expiry only)."""
+    pid_ns = _ns("pid")
+    return pid_ns and "|".join((socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), pid_ns, _ns("time")))
+
+
+def process_start(pid: int) -> int | None:
+    """``pid``'s start time in clock ticks since boot (Linux), None where unknown."""
+    stat = _read(f"/proc/{pid}/stat")
+    fields = stat[stat.rfind(")") + 1:].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: alive, another user's
+        pass
+    return False
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """The record in a lease file: who holds it, the claim's token and the lease duration."""
+
+    pid: int
+    hostname: str
+    host_id: str  # host_identity() of the holder
+    token: str
+    duration_s: float
+    start: int | None  # process_start(pid) when it claimed
+
+    def encode(self) -> bytes:
+        return (json.dumps({"format": FORMAT, **asdict(self)}, separators=(",", ":")) + "\n").encode()
+
+    def dead_here(self) -> bool:
+        """The holder ran on this host and its process is gone (or its pid now names another process)."""
+        if not self.host_id or self.host_id != _Me.host_id() or self.pid <= 0:
+            return False
+        if _pid_gone(self.pid):
+            return True
+        now = process_start(self.pid)
+        return self.start is not None and now is not None and now != self.start
+
+
+_TYPES = {"pid": (int,), "hostname": (str,), "host_id": (str,), "token": (str,), "duration_s": (int, float),
+          "start": (int, type(None))}
+
+
+def parse_holder(text: str) -> LeaseHolder | None:
+    """The record of a lease file's text; None when it is not a complete record of this format (being
+    written, torn, or another format: it then counts as held and expires)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT or any(
+            type(obj.get(k)) not in kinds for k, kinds in _TYPES.items()) or not math.isfinite(obj["duration_s"]):
+        return None
+    return LeaseHolder(**{k: obj[k] for k in _TYPES})
+
+
+class _Me:
+    """This process's identity, read once per process (a lease is never inherited across fork)."""
+
+    _cached: tuple[int, str, str, int | None] | None = None
 
     @classmethod
-    def fields(cls) -> tuple[int, str, int | None]:
+    def fields(cls) -> tuple[int, str, str, int | None]:
         if cls._cached is None or cls._cached[0] != os.getpid():
             pid = os.getpid()
-            cls._cached = (pid, host_name(), process_start_token(pid))
+            cls._cached = (pid, socket.gethostname(), host_identity(), process_start(pid))
         return cls._cached
+
+    @classmethod
+    def host_id(cls) -> str:
+        return cls.fields()[2]
 
 
 class UnitLease:
@@ -103,7 +197,7 @@ class UnitLease:
         self._touched = 0.0  # _now() just before the last create/touch that succeeded
         self._misses = 0
         self._seen: tuple[tuple[int, int, int, int], float] | None = None  # a contender's watch: identity, since
-        self._record: tuple[tuple[int, int], filelock.OwnerRecord | None] | None = None  # the watched marker's
+        self._record: tuple[tuple[int, int], LeaseHolder | None] | None = None  # the watched marker's
         self.watched_at = -float("inf")  # time.monotonic() of the last look at another holder's marker
 
     @property
@@ -122,9 +216,8 @@ class UnitLease:
 
     def _create(self) -> bool:
         token = secrets.token_hex(16)
-        pid, host, start = _Me.fields()
-        record = encode_marker(filelock.OwnerRecord(pid=pid, hostname=host, mode="lease", token=token,
-                                                    lease_duration=self.duration_s, start=start))
+        pid, hostname, host_id, start = _Me.fields()
+        record = LeaseHolder(pid, hostname, host_id, token, self.duration_s, start).encode()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         touched = _now()
         try:
@@ -138,7 +231,7 @@ class UnitLease:
             except FileExistsError:
                 return False
         try:
-            os.write(fd, record)  # one write of < 200 bytes; a reader that sees it empty treats it as held
+            os.write(fd, record)  # one write of < 300 bytes; a reader that sees it empty treats it as held
             st = os.fstat(fd)
         except OSError:
             os.close(fd)
@@ -167,22 +260,22 @@ class UnitLease:
 
     def _holder_dead_here(self, st: os.stat_result) -> bool:
         """Whether the marker's holder is a dead process of this host (take over at once). The record is
-        read once per marker (inode); liveness is asked each time. Raises :class:`filelock.LeaseSettingsMismatch`
-        for a holder with another lease duration."""
+        read once per marker (inode); liveness is asked each time. Raises :class:`LeaseMismatch` for a
+        holder with another lease duration."""
         inode = (st.st_dev, st.st_ino)
         if self._record is None or self._record[0] != inode or self._record[1] is None:
             try:
-                self._record = (inode, parse_marker(self.path.read_bytes().decode("utf-8", errors="replace")))
+                self._record = (inode, parse_holder(self.path.read_bytes().decode("utf-8", errors="replace")))
             except OSError:
                 return False
         record = self._record[1]
         if record is None:
             return False  # being written, or torn: it expires like any marker
-        if record.mode == "lease" and record.lease_duration != self.duration_s:
-            raise filelock.LeaseSettingsMismatch(
-                f"{self.path} holds a lease of {record.lease_duration!r}s but this run's lease is "
+        if record.duration_s != self.duration_s:
+            raise LeaseMismatch(
+                f"{self.path} holds a lease of {record.duration_s!r}s but this run's lease is "
                 f"{self.duration_s!r}s: every participant of a run must use run.json's lease settings")
-        return owner_is_stale(record.pid, record.hostname, record.start)
+        return record.dead_here()
 
     def _move_aside(self, watched: tuple[int, int, int, int]) -> bool:
         aside = self.path.with_name(f"{self.path.name}{BREAK_INFIX}{os.getpid()}.{secrets.token_hex(4)}")

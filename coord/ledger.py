@@ -17,10 +17,8 @@ ingested exactly once) and which are still pending (re-adopted): :class:`LedgerS
 event of a step into one record (``dispatched[step]``, the fields of its latest dispatch and of the
 events after it).
 
-Backward compatible: ledgers written before the explicit events carried export times, the shared
-eval time and skips as *re-appended* ``dispatched`` records, each a superset of the previous one
-(``skipped``: the reason). Replay reads them the same way: a ``dispatched`` record replaces the step's
-record, and a ``skipped`` field there is the skip reason.
+One format: a ledger of the older one (export times, the shared eval time and skips re-appended as
+``dispatched`` records) is refused on open, in one line naming the file, the line and the field.
 
 Guarantees: each append is one ``write`` of a whole line followed by fsync, and "ingested" is appended
 only *after* the point's metrics were written, so a crash between the two re-ingests at most the
@@ -47,6 +45,7 @@ from ckpteval.coord.atomic import append_line, read_jsonl_numbered
 
 EVENTS = ("dispatched", "exported", "evaluated_shared", "skipped", "ingested", "retired", "stop_requested")
 RECORD_EVENTS = ("exported", "evaluated_shared", "skipped")  # fold their fields into the step's record
+OLDER_FORMAT_FIELDS = frozenset({"skipped", "export_time_seconds", "shared_eval_seconds"})  # in a dispatched record
 
 
 class LedgerError(ValueError):
@@ -71,8 +70,6 @@ class LedgerState:
         if event == "dispatched":
             self.dispatched[step] = fields
             self.skipped.pop(step, None)
-            if isinstance(fields.get("skipped"), str):  # an old-style ledger's re-appended skip
-                self.skipped[step] = (fields["skipped"], str(fields.get("message", "")))
         elif event in RECORD_EVENTS:
             self.dispatched.setdefault(step, {}).update(fields)
             if event == "skipped":
@@ -106,6 +103,10 @@ class Ledger:
     def _check(self, rec: dict[str, Any], lineno: int) -> dict[str, Any]:
         if rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
             raise LedgerError(f"{self.path}:{lineno}: ledger line needs an 'event' in {EVENTS} and an integer 'step'")
+        if rec["event"] == "dispatched" and (old := sorted(OLDER_FORMAT_FIELDS & set(rec))):
+            raise LedgerError(f"{self.path}:{lineno}: a dispatched record carrying {', '.join(old)}: a ledger of the "
+                              "older format (facts re-appended as dispatched records), which this ckpteval does not "
+                              "read; continue in a new run dir")
         return rec
 
     def append(self, event: str, step: int, **fields: Any) -> None:

@@ -47,7 +47,8 @@ __all__ = ["DatasetSpec", "Entry", "EnvSpec", "HarnessSpec", "FieldError", "Fiel
 
 @dataclass(frozen=True)
 class LeaseSettings:
-    """Lease timing every participant of a run must share (filelock refuses mismatches)."""
+    """Lease timing every participant of a run must share (a lease file with another duration is refused:
+    :class:`ckpteval.coord.lease.LeaseMismatch`)."""
 
     duration_s: float = 60.0
     """Seconds a claim stays a contender's to wait out after its marker last changed."""

@@ -3,7 +3,8 @@
 A snapshot is a directory ``AutoModelForCausalLM.from_pretrained`` can load (config.json, safetensors
 shards + index, tokenizer files) plus a ``.complete`` JSON marker written *last*: step, weight_version,
 every file with its byte size and CRC-32, producer, time, and ``run``: the key of the run whose trainer
-wrote it (:mod:`ckpteval.coord.identity`; absent in legacy markers, which stay readable).
+wrote it (:mod:`ckpteval.coord.identity`; absent: no run's). Older formats (another ``protocol``, tensor
+digests without ``xxh3``) are refused when read, in one line naming the file and what it has.
 
 Guarantees:
 - :func:`publish_snapshot` writes into a hidden temp dir (``.tmp-*``), fsyncs every file, writes the
@@ -16,10 +17,9 @@ Guarantees:
   what the marker lists, never that a model's config.json is there, so a LoRA adapter snapshot
   (``adapter_config.json`` + ``adapter_model.safetensors``, no config.json) verifies like any other.
 
-Why CRC-32 (zlib): it detects the faults that matter here (truncation, torn or bit-flipped pages) at
-≈3.8 GB/s here vs ≈1.6 GB/s for SHA-256 (tmpfs writes: ≈2 GB/s; bench/RESULTS.md), so computing it on the
-bytes as they are written does not halve export speed. It is no defence against a malicious writer (not
-in the threat model). Limits: ``fast`` verification cannot see a bit flip in tensor data; ``full`` can.
+Why CRC-32 (zlib): it detects truncation, torn or bit-flipped pages at ≈3.8 GB/s vs ≈1.6 for SHA-256
+(tmpfs writes ≈2 GB/s; bench/RESULTS.md), so checksumming while writing does not halve export speed; no
+defence against a malicious writer. Limits: ``fast`` verification misses a bit flip in tensor data.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ from ckpteval.coord.digests import TensorDigest, safetensors_digests
 from ckpteval.coord.identity import weight_version
 
 MARKER = ".complete"
-# A LoRA adapter snapshot (a run whose run.json names ``eval.base_model``) holds these two files instead
-# of config.json + model weights; PEFT's own names, which sglang's LoRA loader also reads.
+# A LoRA adapter snapshot (run.json names ``eval.base_model``): PEFT's names, which sglang's loader reads
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The canary a trainer may store with a snapshot (ckpteval.jobs.eval.canary): teacher-forced log-probs of a probe.
@@ -79,7 +78,7 @@ class Marker:
     producer: dict[str, Any]
     mode: str  # staging | reuse | foreign
     created: float
-    run: str | None = None  # run key (ckpteval.coord.identity) of the run that wrote it; None: a legacy marker
+    run: str | None = None  # run key (ckpteval.coord.identity) of the run that wrote it; None: no run's
 
     @property
     def total_bytes(self) -> int:
@@ -87,25 +86,17 @@ class Marker:
 
     @property
     def tensors(self) -> dict[str, TensorDigest] | None:
-        """Every tensor's digest with its ``file``; None unless every safetensors file lists them (a
-        legacy marker, or a writer that reported file checksums only: nothing to attest against)."""
+        """Every tensor's digest with its ``file``; None unless every safetensors file lists them (a writer
+        that reported file checksums only: nothing to attest against)."""
         shards = {n: f for n, f in self.files.items() if n.endswith(".safetensors")}
         if not shards or any(not isinstance(f.get("tensors"), dict) for f in shards.values()):
             return None
         return {t: {**d, "file": n} for n, f in shards.items() for t, d in f["tensors"].items()}
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "protocol": PROTOCOL_VERSION,
-            "step": self.step,
-            "weight_version": self.weight_version,
-            "checksum": "crc32",
-            "files": self.files,
-            "producer": self.producer,
-            "mode": self.mode,
-            "created": self.created,
-            **({"run": self.run} if self.run is not None else {}),
-        }
+        return {"protocol": PROTOCOL_VERSION, "step": self.step, "weight_version": self.weight_version,
+                "checksum": "crc32", "files": self.files, "producer": self.producer, "mode": self.mode,
+                "created": self.created, **({"run": self.run} if self.run is not None else {})}
 
 
 # -- location rules: the one place that builds or parses a snapshot directory's name ----------------
@@ -292,6 +283,9 @@ def parse_marker(obj: Any, source: Path) -> Marker:
     """Validate a decoded marker; ValueError names the file and field."""
     if not isinstance(obj, dict):
         raise ValueError(f"{source}: marker must be a JSON object")
+    if obj.get("protocol") != PROTOCOL_VERSION:
+        raise ValueError(f"{source}: marker protocol {obj.get('protocol')!r}: this ckpteval reads only protocol "
+                         f"{PROTOCOL_VERSION} markers (an older format: export or mark the snapshot again)")
 
     def need(key: str, kind: type | tuple[type, ...]) -> Any:
         if key not in obj:
@@ -309,6 +303,9 @@ def parse_marker(obj: Any, source: Path) -> Marker:
         ok = isinstance(info, dict) and all(_is_count(info.get(k)) for k in ("bytes", "crc32"))
         if not ok or os.path.isabs(name) or ".." in Path(name).parts or not _valid_tensors(info.get("tensors")):
             raise ValueError(f"{source}: marker field files[{name!r}] is invalid")
+        if any("xxh3" not in d for d in (info.get("tensors") or {}).values()):
+            raise ValueError(f"{source}: marker field files[{name!r}] has tensor digests without xxh3, an older "
+                             "format (written before XXH3): export or mark the snapshot again")
     return Marker(
         step=step,
         weight_version=need("weight_version", str),
@@ -325,7 +322,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _valid_tensors(tensors: Any) -> bool:
-    """A file's optional ``tensors``: name -> {"dtype": str, "shape": [int], "crc32": int, "xxh3"?: int}."""
+    """A file's optional ``tensors``: name -> {"dtype": str, "shape": [int], "crc32": int, "xxh3": int}."""
     if tensors is None:
         return True
     return isinstance(tensors, dict) and all(

@@ -1,7 +1,7 @@
 """Which work units a step has (:class:`~ckpteval.coord.workunit.WorkUnit`, asked of the entries) and their claims.
 
 A unit is claimed through a lease file ``leases/step-<N>/<unit>.lock`` (:func:`ckpteval.coord.rundir.unit_dir`): a :class:`ckpteval.coord.lease.UnitLease` — one
-``O_EXCL`` create to claim, one ``unlink`` to release, filelock's owner record inside, refreshed by one
+``O_EXCL`` create to claim, one ``unlink`` to release, the holder record inside, refreshed by one
 heartbeat thread per worker. A contender takes a claim over only after observing it *unchanged* for
 ``lease.duration_s`` on its own monotonic clock (clock skew between nodes cannot expire a live claim), or at
 once from a holder on this host whose process is dead. If the holder loses its claim (taken over after a
@@ -14,7 +14,7 @@ still finish. That is harmless by construction: results are published first-writ
 compute, never correctness, and a lost unit is impossible as long as some worker keeps polling.
 
 Every participant of a run must use the run's :class:`~ckpteval.coord.manifest.LeaseSettings`
-(``filelock.LeaseSettingsMismatch`` otherwise). A :class:`UnitClaimer` keeps one lease object per unit so that
+(:class:`~ckpteval.coord.lease.LeaseMismatch` otherwise). A :class:`UnitClaimer` keeps one lease object per unit so that
 its watch of another holder's claim accumulates across polls — create it once per worker, not per poll.
 A claimer looks at a unit another worker holds at most once per ``recheck_s`` (half the heartbeat): a fleet
 of hundreds polling the same step costs the metadata server one ``lstat`` per held unit per worker per
@@ -32,11 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import filelock
-from filelock._soft import parse_marker  # filelock's parser of its owner record
-
 from ckpteval.coord.atomic import append_and_count_lines
-from ckpteval.coord.lease import LeaseKeeper, UnitLease
+from ckpteval.coord.lease import LeaseHolder, LeaseKeeper, UnitLease, parse_holder
 from ckpteval.coord.manifest import DatasetSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import STEP_DIR_PREFIX, unit_dir
 from ckpteval.coord.workunit import WorkUnit
@@ -81,22 +78,18 @@ def attempts_path(leases_dir: Path, unit_id: str, step: int) -> Path:
     return unit_dir(leases_dir, step) / f"{unit_id}{ATTEMPTS_SUFFIX}"
 
 
-def read_lease_holder(path: Path) -> filelock.OwnerRecord | None:
-    """filelock's owner record of a lease file (pid, hostname, token, duration), parsed by filelock.
+def read_lease_holder(path: Path) -> LeaseHolder | None:
+    """The holder record of a lease file (pid, hostname, token, duration: :class:`ckpteval.coord.lease.LeaseHolder`).
 
     The one reader of lease files besides :mod:`ckpteval.coord.lease` itself (``ckpteval status``, the
     harness's holder listing, tests). ``FileNotFoundError`` when there is no lease file (nobody holds it); None when the file
-    holds no complete record (being written or broken by a contender, or not UTF-8).
+    holds no complete record (being written or broken by a contender, or in another format).
     Other ``OSError`` propagates: the caller decides what an unreadable file means.
     """
-    raw = Path(path).read_bytes()
-    try:
-        return parse_marker(raw.decode())
-    except UnicodeDecodeError:
-        return None
+    return parse_holder(Path(path).read_bytes().decode("utf-8", errors="replace"))
 
 
-def lease_holders(leases_dir: Path) -> dict[str, filelock.OwnerRecord]:
+def lease_holders(leases_dir: Path) -> dict[str, LeaseHolder]:
     """unit id -> owner record of every lease file (under ``leases/step-<N>/``) that has one right now (a
     snapshot, racy by nature)."""
     held = {}

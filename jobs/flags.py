@@ -6,8 +6,9 @@ back, and the one-line error convention of every parser.
 * :func:`option` declares a field: ``steps: int = option(600, "training steps", min=1)``. The flag
   name defaults to ``--<field-name-with-dashes>``; the argparse type comes from the annotation (``int``,
   ``float``, ``str``, ``Path``, ``X | None``; ``bool`` is a switch, ``--no-x`` when the default is True;
-  ``tuple[X, ...]``/``list[X]`` is a repeatable flag unless ``parse`` reads one value). A field without
-  ``option`` metadata (a nested config) is not a flag.
+  ``tuple[X, ...]``/``list[X]`` repeats unless ``parse`` reads one value; a ``Literal`` gives the choices);
+  no help text: the field's docstring is its help. :func:`nested` declares a component (another options
+  dataclass whose flags are its parent's: torchtitan's pattern); other fields are not flags.
 * :func:`add_options` adds a dataclass's flags to a parser (argument groups by the ``group`` title);
   :func:`from_args` builds the dataclass from the parsed namespace (a repeatable flag given no times
   keeps the field's default); :func:`check_bounds` enforces the declared bounds on an instance built in
@@ -24,10 +25,14 @@ Adding a flag to a program is adding one field. Limits: cross-flag rules (``--sa
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
 import math
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 META_KEY = "ckpteval_flag"
+NESTED_KEY = "ckpteval_nested"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +71,31 @@ def option(
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
 ) -> Any:
     """A dataclass field that is also a command-line flag (see the module docstring)."""
-    if not help:
-        raise ValueError(f"option {flag or ''}: every flag needs a help text")
     meta = {META_KEY: Flag(help, flag, metavar, tuple(choices) if choices else None, min, gt, parse, group,
                            show_default)}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def nested(cls: type) -> Any:  # a field holding options dataclass ``cls`` (default ``cls()``), flags its parent's
+    return dataclasses.field(default_factory=cls, metadata={NESTED_KEY: cls})
+
+
+def components(cls: type) -> list[tuple[str, type]]:  # the nested() fields: (name, options dataclass)
+    return [(f.name, f.metadata[NESTED_KEY]) for f in dataclasses.fields(cls) if NESTED_KEY in f.metadata]
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings of ``cls``'s fields (the string literal right below a field), one line each."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError):  # no source (a frozen app): the flags keep their explicit help texts
+        return {}
+    return {f.target.id: " ".join(d.value.value.split()) for f, d in zip(body, body[1:], strict=False)
+            if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name) and isinstance(d, ast.Expr)
+            and isinstance(d.value, ast.Constant) and isinstance(d.value.value, str)}
 
 
 class Parser(argparse.ArgumentParser):
@@ -179,6 +203,8 @@ class _Spec:
     base: Any  # the scalar type (int, float, str, Path, bool)
     repeat: bool  # tuple/list: a repeatable flag
     container: type | None
+    help: str  # the option's, else the field's docstring
+    choices: tuple[Any, ...] | None  # the option's, else the Literal's
 
     @property
     def flag(self) -> str:
@@ -201,7 +227,7 @@ def _unwrap(hint: Any) -> tuple[Any, bool, type | None]:
     origin = typing.get_origin(hint)
     if origin in (tuple, list):
         return args[0], True, origin
-    return hint, False, None
+    return (type(args[0]) if origin is typing.Literal else hint), False, None
 
 
 def specs(cls: type) -> list[_Spec]:
@@ -214,12 +240,16 @@ def specs(cls: type) -> list[_Spec]:
             continue  # not a flag; its annotation is never evaluated (it may name a torch-side type)
         hint = eval(f.type, namespace) if isinstance(f.type, str) else f.type  # noqa: S307 (our own source)
         base, repeat, container = _unwrap(hint)
-        out.append(_Spec(f, meta, base, repeat and meta.parse is None, container))
+        help_text = meta.help or field_docs(cls).get(f.name, "")
+        if not help_text:
+            raise ValueError(f"{cls.__name__}.{f.name}: every flag needs a help text or a docstring")
+        literal = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        out.append(_Spec(f, meta, base, repeat and meta.parse is None, container, help_text, meta.choices or literal))
     return out
 
 
 def _help(spec: _Spec) -> str:
-    text = spec.meta.help.replace("%", "%%")
+    text = spec.help.replace("%", "%%")
     default = spec.default
     shown = spec.meta.show_default and not (default is None or isinstance(default, bool) or default in ((), [])
                                             or default is dataclasses.MISSING)
@@ -232,8 +262,9 @@ def _help(spec: _Spec) -> str:
 def add_options(
     parser: argparse.ArgumentParser, cls: type, *, exclude: Sequence[str] = (), only: Sequence[str] | None = None
 ) -> None:
-    """Add the flags of dataclass ``cls`` to ``parser`` (fields named in ``exclude`` are left out)."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    """Add the flags of dataclass ``cls`` and its :func:`nested` components to ``parser`` (but those in
+    ``exclude``), one argument group per ``group`` title."""
+    groups = {g.title: g for g in parser._action_groups if g.title}
     for spec in specs(cls):
         name = spec.field.name
         if name in exclude or (only is not None and name not in only):
@@ -251,14 +282,16 @@ def add_options(
         kw["type"] = bounded(kind, min=meta.min, gt=meta.gt) if kind in (int, float) else kind
         if meta.metavar:
             kw["metavar"] = meta.metavar
-        if meta.choices:
-            kw["choices"] = meta.choices
+        if spec.choices:
+            kw["choices"] = spec.choices
         if spec.default is dataclasses.MISSING:
             kw["required"] = True
         if spec.repeat:
             kw["action"] = "append"
         kw["default"] = None  # from_args fills in the field's own default: declared once
         target.add_argument(spec.flag, **kw)
+    for _name, component in components(cls):
+        add_options(parser, component, exclude=exclude, only=only)
 
 
 def from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
@@ -272,24 +305,30 @@ def from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
         if spec.container is not None and isinstance(value, list | tuple):
             value = spec.container(value)
         values[name] = value
+    for name, component in components(cls):
+        values[name] = from_args(component, args)
     values.update(fixed)
     return cls(**values)
 
 
-def check_bounds(obj: Any) -> None:
-    """Enforce the declared bounds and choices on a dataclass built in Python (ValueError names the flag)."""
+def check_bounds(obj: Any, fields: bool = False) -> None:
+    """Enforce the declared bounds and choices on a dataclass built in Python (ValueError names the flag;
+    with ``fields``, the field and its flag: ``max_in_flight (--eval-max-in-flight) must be >= 1, got 0``)."""
     for spec in specs(type(obj)):
+        label = f"{spec.field.name} ({spec.flag})" if fields else spec.flag
         value = getattr(obj, spec.field.name)
         if value is None or isinstance(value, bool):
             continue
         values = value if spec.repeat else (value,)
         for v in values:
-            if spec.meta.choices and v not in spec.meta.choices:
-                raise ValueError(f"{spec.flag} must be one of {', '.join(map(str, spec.meta.choices))}, got {v!r}")
+            if spec.choices and v not in spec.choices:
+                raise ValueError(f"{label} must be one of {', '.join(map(str, spec.choices))}, got {v!r}")
             if isinstance(v, int | float):
                 problem = bound_problem(v, min=spec.meta.min, gt=spec.meta.gt)
                 if problem:
-                    raise ValueError(f"{spec.flag} {problem}")
+                    raise ValueError(f"{label} {problem}")
+    for name, _component in components(type(obj)):
+        check_bounds(getattr(obj, name), fields)
 
 
 # ------------------------------------------------------------------------------------- file checks

@@ -8,6 +8,7 @@ issue names; the relabel is done by another HTTP client on the real server.
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 from typing import Any
@@ -128,26 +129,25 @@ def test_an_engine_keeping_a_stale_layer_under_the_new_label_fails_attestation(t
     assert "different" in second.message and "model.layers.0.self_attn" in second.message
 
 
-def test_a_marker_written_before_xxh3_is_attested_by_crc32(tmp_path: Path) -> None:
-    """A marker whose tensors carry CRC-32 only (written before XXH3): engines digest with CRC-32, an
-    honest one passes and the stale-layer one still fails."""
-    from bench.bench_attest import without_xxh3
-    from ckpteval.jobs.eval.attest import AttestFailed, attest
-
-    run, refs = _run_with_steps(tmp_path, (1, 2))
-    legacy = without_xxh3(read_marker(refs[1].path))
-    assert all("xxh3" not in d and "crc32" in d for d in legacy.tensors.values())
-    honest, stale = HFEngine(), StaleLayerEngine()
-    try:
-        honest.load(str(refs[1].path), "1")
-        assert "crc32 digests" in attest(honest, refs[1].path, legacy, run).detail
-        stale.load(str(refs[2].path), "2")
-        stale.load(str(refs[1].path), "1")
-        with pytest.raises(AttestFailed, match="model.layers.0.self_attn"):
-            attest(stale, refs[1].path, legacy, run)
-    finally:
-        honest.close()
-        stale.close()
+@pytest.mark.parametrize("older, says", [
+    ("no_xxh3", r"marker field files\['model.safetensors'\] has tensor digests without xxh3, an older format \(written before XXH3\)"),
+    ("protocol_1", r"marker protocol 1: this ckpteval reads only protocol 2 markers"),
+])
+def test_a_marker_of_an_older_format_is_refused_naming_the_file(tmp_path: Path, older: str, says: str) -> None:
+    """A marker written before XXH3 (tensors with CRC-32 only) or of another protocol is not read: one
+    line naming the marker file and what it has (no attestation falls back to a weaker digest)."""
+    ckpt = tmp_path / "checkpoint-7"
+    write_hf_files(ckpt, build_model(seed=7).state_dict(), base_dir(tmp_path))
+    mark_complete(ckpt, 7)
+    obj = read_json_object(ckpt / ".complete")
+    if older == "no_xxh3":
+        for d in obj["files"]["model.safetensors"]["tensors"].values():
+            del d["xxh3"]
+    else:
+        obj["protocol"] = 1
+    (ckpt / ".complete").write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=f"^{ckpt / '.complete'}: {says}"):
+        read_marker(ckpt)
 
 
 def test_an_engine_that_drops_a_tensor_fails_attestation(tmp_path: Path) -> None:

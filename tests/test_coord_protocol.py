@@ -263,11 +263,11 @@ def test_has_room(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"eval_interval": None, "staging_dir": "/tmp/s"}, "positive eval interval"),
-        ({"eval_interval": 10}, "no snapshot source"),
+        ({"eval_interval": None, "staging_dir": "/tmp/s"}, "eval_interval .* positive integer"),
+        ({"eval_interval": 0}, r"eval_interval \(--eval-interval\) must be >= 1"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "save_hf_dir": "/tmp/h", "save_interval": 5}, "choose"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "max_in_flight": 3, "keep_snapshots": 2}, "keep-snapshots"),
-        ({"eval_interval": 10, "save_hf_dir": "/tmp/h", "save_interval": 4}, "multiple of --save-interval"),
+        ({"eval_interval": 10, "save_hf_dir": "/tmp/h", "save_interval": 4}, "multiple of save_interval"),
         ({"eval_interval": 10, "save_hf_dir": "/tmp/h"}, "needs --save-interval"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "overflow_policy": "drop"}, "overflow-policy"),
         (
@@ -278,17 +278,18 @@ def test_has_room(tmp_path: Path) -> None:
 )
 def test_dispatch_config_rejects(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        DispatchConfig(**kwargs).validate()
+        DispatchConfig(**kwargs).for_run(Path("/tmp/run"))
 
 
 def test_dispatch_config_accepts_and_resolves(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    cfg = DispatchConfig(eval_interval=10, staging_dir=Path("rel/staging")).validate()
+    cfg = DispatchConfig(eval_interval=10, staging_dir=Path("rel/staging")).for_run(tmp_path / "run")
     assert cfg.staging_dir == tmp_path / "rel" / "staging" and cfg.mode == "staging"
+    assert DispatchConfig().for_run(Path("run")).staging_dir == tmp_path / "run" / "snapshots"  # the default
     same_node = DispatchConfig(eval_interval=10, staging_dir=Path("/dev/shm/ck"), trainer_nodes=("n1",),
                                fleet_nodes=("n1",))
-    same_node.validate()
-    reuse = DispatchConfig(eval_interval=10, save_hf_dir=tmp_path, save_interval=5).validate()
+    same_node.for_run(tmp_path)
+    reuse = DispatchConfig(eval_interval=10, save_hf_dir=tmp_path, save_interval=5).for_run(tmp_path)
     assert reuse.mode == "reuse"
 
 
@@ -298,21 +299,6 @@ def test_filesystem_type_of_dev_shm() -> None:
     assert filesystem_type(Path("/dev/shm/does/not/exist")) == "tmpfs"
 
 
-OLD_STYLE_LEDGER = [  # before explicit events: facts were re-appended as fuller `dispatched` records
-    {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
-    {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0,
-     "export_time_seconds": 1.5, "export_blocked_seconds": 0.25, "snapshot": "/s/step-0000000002"},
-    {"event": "dispatched", "step": 4, "mode": "staging", "backpressure_wait_seconds": 0.0},
-    {"event": "dispatched", "step": 4, "mode": "staging", "backpressure_wait_seconds": 0.0,
-     "export_time_seconds": 0.5, "export_blocked_seconds": 0.25, "skipped": "export_failed", "message": "full"},
-    {"event": "dispatched", "step": 6, "mode": "staging", "backpressure_wait_seconds": 3.0, "skipped": "busy",
-     "message": "4 points in flight"},
-    {"event": "dispatched", "step": 8, "mode": "staging", "backpressure_wait_seconds": 0.0},
-    {"event": "dispatched", "step": 8, "mode": "staging", "backpressure_wait_seconds": 0.0,
-     "snapshot": "/s/step-0000000008", "shared_eval_seconds": 2.0},
-    {"event": "ingested", "step": 2, "outcome": "complete"},
-    {"event": "retired", "step": 2},
-]
 NEW_STYLE_LEDGER = [
     {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
     {"event": "exported", "step": 2, "export_time_seconds": 1.5, "export_blocked_seconds": 0.25,
@@ -330,11 +316,10 @@ NEW_STYLE_LEDGER = [
 ]
 
 
-@pytest.mark.parametrize("records", [OLD_STYLE_LEDGER, NEW_STYLE_LEDGER], ids=["old-style", "explicit-events"])
-def test_ledger_replay_reads_old_style_and_explicit_events_alike(tmp_path: Path, records: list[dict]) -> None:
-    """A ledger written before the explicit events replays to the same facts as one written after."""
+def test_ledger_replay_folds_each_steps_events_into_one_record(tmp_path: Path) -> None:
+    """Replay folds a step's dispatch, export, shared eval and skip events into the step's facts."""
     path = tmp_path / "ledger.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text("".join(json.dumps(r) + "\n" for r in NEW_STYLE_LEDGER))
     state = Ledger(path).state
     assert state.pending == [4, 6, 8] and state.ingested == state.retired == {2}
     assert state.skipped == {4: ("export_failed", "full"), 6: ("busy", "4 points in flight")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import threading
@@ -13,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ckpteval.coord.gc import StagingGC
-from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.ledger import Ledger, LedgerError
 from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
@@ -31,9 +32,10 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return build_model(SMALL, "llama", seed=seed)
 
 
-def _dispatcher(run: RunDir, dispatch: DispatchConfig, **kw) -> EvalDispatcher:
-    kw.setdefault("poll_interval_s", 0.0)
-    return EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, **kw)
+def _dispatcher(run: RunDir, dispatch: DispatchConfig, room_check=None, **waits: float) -> EvalDispatcher:
+    waits.setdefault("poll_interval_s", 0.0)
+    kw = {} if room_check is None else {"room_check": room_check}
+    return EvalDispatcher(dispatch.with_waits(**waits), run, MetricsSink(run.metrics_path), run.base, **kw)
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:
@@ -339,34 +341,27 @@ def test_point_landing_while_a_resumed_trainer_retrains_has_lag_zero_not_negativ
     assert _by_step(run.path)[6]["eval/lag_steps"] == 0
 
 
-def test_restart_on_an_old_style_ledger_rewrites_skips_and_logs_export_times(tmp_path: Path) -> None:
-    """A trainer requeued onto a ledger written before the explicit events (facts re-appended as
-    ``dispatched`` records) re-adopts its points the same way: the pending skip is written and logged,
-    the exported point is logged with its export times."""
+def test_a_ledger_of_the_older_format_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A trainer requeued onto a ledger of the older format (facts re-appended as ``dispatched`` records)
+    is refused before anything happens, naming the file, the line and the field; nothing is written."""
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=4, eval_keep_snapshots=4)
     old = [
         {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
         {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0,
          "export_time_seconds": 1.5, "export_blocked_seconds": 0.25, "snapshot": str(run.snapshots / "step-2")},
-        {"event": "dispatched", "step": 4, "mode": "staging", "backpressure_wait_seconds": 0.0,
-         "export_time_seconds": 0.5, "export_blocked_seconds": 0.25, "skipped": "export_failed", "message": "full"},
     ]
     run.ledger_path.write_text("".join(json.dumps(r) + "\n" for r in old))
-    fill_results(run, 2)  # step 2's point finished while the trainer was dead
-    d = _dispatcher(run, dispatch)
-    assert d.pending == [2, 4]
-    d.maybe_dispatch(5, _model())
-    points = _by_step(run.path)
-    assert points[2]["eval/export_time_seconds"] == 1.5 and points[2]["eval/export_blocked_seconds"] == 0.25
-    assert points[4]["eval/skipped_export_failed"] == 2 and points[4]["eval/export_time_seconds"] == 0.5
-    assert d.pending == [] and ledger_counts(run.path, "ingested") == {2: 1, 4: 1}
+    with pytest.raises(LedgerError, match=r"ledger\.jsonl:2: a dispatched record carrying export_time_seconds: "
+                                          r"a ledger of the older format"):
+        _dispatcher(run, dispatch)
+    assert not run.metrics_path.exists() and len(run.ledger_path.read_text().splitlines()) == 2
 
 
 def test_gc_keeps_the_best_k_points_snapshots(tmp_path: Path) -> None:
     """``--eval-keep-best 1``: the best point's snapshot survives GC beyond the newest ``keep``; once a
     better point lands, the old best becomes an ordinary retired snapshot and is collected."""
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=1, eval_keep_snapshots=1)
-    dispatch.keep_best = 1
+    dispatch = dataclasses.replace(dispatch, keep_best=1)
     d = _dispatcher(run, dispatch, drain_timeout_s=0.2)
     model = _model()
     scores = {2: 0.9, 4: 0.5, 6: 0.3, 8: 0.95, 10: 0.1}

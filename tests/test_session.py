@@ -9,6 +9,7 @@ written. (The plain PyTorch loop is the user guide's "Your trainer" block, run b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from ckpteval.jobs.reference.model import (
     make_addition_examples,
     save_base_model_dir,
 )
-from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.config import DispatchConfig, Waits
 from ckpteval.jobs.trainer.hf_callback import EvalDispatchCallback
 from ckpteval.jobs.trainer.session import EvalRun, start_eval
 from tests.support.training import InstantFleet, eval_lines
@@ -55,7 +56,7 @@ def _train(out: Path, dispatcher, **args) -> None:  # noqa: ANN001
 def test_hf_trainer_staging_through_the_entry_point(tmp_path: Path) -> None:
     cfg, model_dir = _inputs(tmp_path)
     dispatcher = start_eval(EvalRun(run_dir=tmp_path / "run", eval_config=cfg, base_model_dir=model_dir,
-                                    dispatch=DispatchConfig(eval_interval=2), poll_interval_s=0.0))
+                                    dispatch=DispatchConfig(eval_interval=2, waits=Waits(poll_interval_s=0.0))))
     _train(tmp_path / "out", dispatcher, save_strategy="no")
     run = RunDir(tmp_path / "run")
     assert sorted(r["eval/step"] for r in eval_lines(run.path)) == [0, 2, 4, 5] and run.training_done() == 5
@@ -68,9 +69,9 @@ def test_hf_trainer_staging_through_the_entry_point(tmp_path: Path) -> None:
 def test_hf_trainer_reuse_through_the_entry_point_and_resume(tmp_path: Path) -> None:
     cfg, model_dir = _inputs(tmp_path)
     out = tmp_path / "out"
-    spec = EvalRun(run_dir=tmp_path / "run", eval_config=cfg, base_model_dir=model_dir, poll_interval_s=0.0,
+    spec = EvalRun(run_dir=tmp_path / "run", eval_config=cfg, base_model_dir=model_dir,
                    dispatch=DispatchConfig(eval_interval=2, save_hf_dir=out, save_interval=2, max_in_flight=3,
-                                           keep_snapshots=3))
+                                           keep_snapshots=3, waits=Waits(poll_interval_s=0.0)))
     _train(out, start_eval(spec), save_strategy="steps", save_steps=2)
     for step in (0, 2, 4, 5):
         assert read_marker(out / f"checkpoint-{step}").mode == "reuse"
@@ -81,17 +82,32 @@ def test_hf_trainer_reuse_through_the_entry_point_and_resume(tmp_path: Path) -> 
     assert again.landed == 4 and sorted(r["eval/step"] for r in eval_lines(again.run.path)) == [0, 2, 4, 5]
 
 
-@pytest.mark.parametrize("change, says", [
-    ({"eval_config": None}, "no datasets: give eval_config"),
-    ({"base_model_dir": None}, "base_model_dir: exports copy its config"),
-    ({"stop_when": "eval/nope >= 1"}, "no dataset or task 'nope'"),
-    ({"stop_when": "loss < 1"}, "--eval-stop-when 'loss < 1': expected"),
-    ({"dispatch": DispatchConfig(eval_interval=2, max_in_flight=3, keep_snapshots=1)}, "--eval-keep-snapshots"),
+@pytest.mark.parametrize("change, dispatch, says", [
+    ({"eval_config": None}, {}, "no datasets: give eval_config"),
+    ({"base_model_dir": None}, {}, "base_model_dir: exports copy its config"),
+    ({}, {"stop_when": "eval/nope >= 1"}, "no dataset or task 'nope'"),
+    ({}, {"stop_when": "loss < 1"}, "--eval-stop-when 'loss < 1': expected"),
+    ({}, {"max_in_flight": 3, "keep_snapshots": 1}, "keep_snapshots (--eval-keep-snapshots, 1)"),
+    ({}, {"waits": {"drain_timeout_s": -1.0}}, "drain_timeout_s (--eval-drain-timeout) must be >= 0"),
 ])
-def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, change: dict, says: str) -> None:
+def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, change: dict, dispatch: dict, says: str) -> None:
     cfg, model_dir = _inputs(tmp_path)
-    settings = {"run_dir": tmp_path / "run", "eval_config": cfg, "base_model_dir": model_dir,
-                "dispatch": DispatchConfig(eval_interval=2), **change}
-    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("'", "'")):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        waits = Waits(**dispatch.pop("waits", {}))
+        settings = {"run_dir": tmp_path / "run", "eval_config": cfg, "base_model_dir": model_dir,
+                    "dispatch": DispatchConfig(eval_interval=2, waits=waits, **dispatch), **change}
         start_eval(EvalRun(**settings))
     assert not (tmp_path / "run").exists()
+
+
+def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
+    """``import ckpteval.jobs.trainer.session`` (what a training loop imports) loads neither the eval worker
+    nor the shared posture's scoring stack: 44 ckpteval modules (53 before issue 27)."""
+    import subprocess
+    import sys
+
+    code = "import sys, ckpteval.jobs.trainer.session; print(' '.join(m for m in sys.modules if m.startswith('ckpteval')))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    unwanted = {"ckpteval.jobs.eval.worker", "ckpteval.jobs.eval.loop", "ckpteval.jobs.eval.scoring",
+                "ckpteval.jobs.eval.kinds", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.attest"}
+    assert not loaded & unwanted and len(loaded) <= 44, sorted(loaded)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from ckpteval.jobs.reference.train_ckpt import (
     load_train_checkpoint,
     save_train_checkpoint,
 )
+from ckpteval.jobs.trainer.config import DispatchConfig
 from tests.support.training import (
     InstantFleet,
     dispatched_steps,
@@ -43,11 +45,18 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64)
 
 
+def _config(run_dir: Path, **settings) -> TrainConfig:
+    """``TrainConfig`` from flat settings: the dispatch fields go to its nested ``DispatchConfig``."""
+    names = {f.name for f in dataclasses.fields(DispatchConfig)}
+    dispatch = DispatchConfig(**{k: settings.pop(k) for k in list(settings) if k in names})
+    return TrainConfig(run_dir=Path(run_dir), dispatch=dispatch, **settings)
+
+
 def _prepared(run_dir: Path, **overrides) -> tuple[RunDir, object]:
     """A run dir as ``ckpteval train`` prepares it (its own prepare_run; small eval set), and its eval config."""
     settings = {"eval_n_prompts": 4, "eval_shard_size": 2, "eval_interval": 2, "lease_duration": 5.0,
                 "lease_heartbeat": 1.0, **overrides}
-    cfg = TrainConfig(run_dir=Path(run_dir), **settings)
+    cfg = _config(run_dir, **settings)
     dispatch = cfg.validate()
     return prepare_run(cfg, dispatch), dispatch
 
@@ -272,17 +281,36 @@ def test_resume_on_a_malformed_ledger_is_a_named_usage_error(tmp_path: Path) -> 
     ("kwargs", "message"),
     [
         ({"eval_interval": 0}, "--eval-interval"),
-        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of --save-interval"),
-        ({"eval_keep_snapshots": 1, "eval_max_in_flight": 2}, "--eval-keep-snapshots"),
-        ({"eval_overflow_policy": "drop"}, "--eval-overflow-policy"),
-        ({"eval_max_in_flight": 0}, "--eval-max-in-flight"),
+        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of save_interval"),
+        ({"keep_snapshots": 1, "max_in_flight": 2}, "--eval-keep-snapshots"),
+        ({"overflow_policy": "drop"}, "--eval-overflow-policy"),
+        ({"max_in_flight": 0}, "--eval-max-in-flight"),
         ({"save_hf_dir": "X"}, "--save-interval"),
-        ({"eval_staging_dir": "S", "save_hf_dir": "X", "save_interval": 2}, "choose"),
+        ({"staging_dir": "S", "save_hf_dir": "X", "save_interval": 2}, "choose"),
     ],
 )
 def test_validation_matrix_fails_at_construction(tmp_path: Path, kwargs: dict, message: str) -> None:
-    for key in ("save_hf_dir", "eval_staging_dir"):
+    for key in ("save_hf_dir", "staging_dir"):
         if key in kwargs:
             kwargs[key] = tmp_path / kwargs[key]
     with pytest.raises(ValueError, match=message):
-        TrainConfig(run_dir=tmp_path / "run", **kwargs).validate()
+        _config(tmp_path / "run", **kwargs).validate()
+
+
+def test_the_eval_flags_are_the_dispatch_config_and_its_defaults_are_stated_once(tmp_path: Path) -> None:
+    """``ckpteval train``'s ``--eval-*`` dispatch flags are DispatchConfig's fields (its nested Waits too):
+    parsed into that one object, a flag not given is the dataclass default, the help text is the field's
+    docstring, and a value outside a Literal is refused by the parser."""
+    from ckpteval.jobs.reference.train_config import build_parser, parse_args
+    from ckpteval.jobs.trainer.config import Waits
+
+    run = str(tmp_path / "run")
+    assert parse_args([run]).dispatch == DispatchConfig()
+    cfg = parse_args([run, "--eval-interval", "4", "--save-hf", "X", "--save-interval", "2", "--eval-fleet", "none",
+                      "--eval-poll-interval", "0.5", "--trainer-nodes", "n1,n2"])
+    assert cfg.dispatch == DispatchConfig(eval_interval=4, save_hf_dir=Path("X"), save_interval=2, fleet="none",
+                                          trainer_nodes=("n1", "n2"), waits=Waits(poll_interval_s=0.5))
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    assert helps["drain_timeout_s"].startswith("longest wait at the end for outstanding points (default: 300.0)")
+    with pytest.raises(SystemExit):
+        parse_args([run, "--eval-overflow-policy", "drop"])

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.digests import compare_digests, digest_name
+from ckpteval.coord.digests import compare_digests
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
 from ckpteval.coord.weight_checksums import ChecksumRecords, records_dir
@@ -197,7 +197,7 @@ def _by_digests(engine: Any, marker: Marker) -> Attestation:
     expected = marker.tensors
     if expected is None:
         return Attestation(False, "none", "the snapshot's marker holds no tensor digests (written before them)")
-    digest = digest_name(expected)  # xxh3 when the marker has it: a fraction of CRC-32's cost
+    digest = "xxh3"  # every marker's tensors carry it (parse_marker): a fraction of CRC-32's cost
     report = engine.weight_digests({name: d["dtype"] for name, d in expected.items()}, digest)
     lossy = set(report.lossy)
     comparable = {n: d for n, d in expected.items() if n not in lossy}

@@ -6,7 +6,7 @@ show how a training loop uses it: build an :class:`~ckpteval.jobs.trainer.dispat
 end. Read top to bottom:
 
 1. :class:`TrainConfig` from the command line (:mod:`ckpteval.jobs.reference.train_config`, importable without
-   torch); every flag, the eval flags as one (:meth:`ckpteval.jobs.trainer.config.DispatchConfig.validate`),
+   torch); every flag, the eval flags as one (:class:`ckpteval.jobs.trainer.config.DispatchConfig`),
    and an existing run are checked before anything is written or trained.
 2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
    or the datasets and lm-eval tasks of ``--eval-config FILE`` (read by
@@ -113,8 +113,6 @@ def eval_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> EvalRun:
     return EvalRun(
         run_dir=cfg.run_dir, dispatch=dispatch, eval_config=cfg.eval_config, resume=cfg.resume, run_id=cfg.run_id,
         trainer=trainer_identity(cfg, dispatch), lease=LeaseSettings(cfg.lease_duration, cfg.lease_heartbeat),
-        poll_interval_s=cfg.eval_poll_interval, backpressure_timeout_s=cfg.eval_backpressure_timeout,
-        drain_timeout_s=cfg.eval_drain_timeout, stop_when=cfg.eval_stop_when,
     )
 
 
@@ -133,9 +131,9 @@ def check_resume_cadence(cfg: TrainConfig, dispatch: DispatchConfig | None) -> N
     if dispatch is None or not cfg.resume or not run.manifest_path.is_file():
         return
     was = run.manifest().trainer.get("eval_interval")
-    if isinstance(was, int) and was != cfg.eval_interval:
+    if isinstance(was, int) and was != dispatch.eval_interval:
         raise ValueError(f"--resume: {run.manifest_path} was created with --eval-interval {was}, not "
-                         f"{cfg.eval_interval}; resume with --eval-interval {was} (or start a new --run-dir)")
+                         f"{dispatch.eval_interval}; resume with --eval-interval {was} (or start a new --run-dir)")
 
 
 def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> EvalSpec:
@@ -179,7 +177,7 @@ def trainer_identity(cfg: TrainConfig, dispatch: DispatchConfig | None) -> dict[
         "lr_schedule": cfg.lr_schedule,
         "warmup_steps": cfg.warmup_steps,
         "seed": cfg.seed,
-        "eval_interval": cfg.eval_interval if dispatch else None,
+        "eval_interval": dispatch.eval_interval if dispatch else None,
         "eval_mode": dispatch.mode if dispatch else None,
         "eval_posture": cfg.eval_posture if dispatch else None,
         "lora_rank": cfg.lora_rank if cfg.lora else None,
@@ -295,9 +293,10 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     final_step = cfg.steps
     bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
+    save_dir, save_interval = cfg.dispatch.save_hf_dir, cfg.dispatch.save_interval  # reuse mode (also --no-eval)
     if dispatcher is not None and cfg.eval_at_start and start == 0:
-        if cfg.save_hf_dir is not None:  # reuse mode: the initial weights' checkpoint is the snapshot
-            save_hf_checkpoint(cfg.save_hf_dir, 0, model)
+        if save_dir is not None:  # reuse mode: the initial weights' checkpoint is the snapshot
+            save_hf_checkpoint(save_dir, 0, model)
         dispatcher.dispatch_initial(model)
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -310,8 +309,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
             opt.zero_grad(set_to_none=True)
 
             last = step == cfg.steps  # the final point: dispatched now, never skipped busy
-            if cfg.save_hf_dir is not None and cfg.save_interval and (step % cfg.save_interval == 0 or last):
-                save_hf_checkpoint(cfg.save_hf_dir, step, model)
+            if save_dir is not None and save_interval and (step % save_interval == 0 or last):
+                save_hf_checkpoint(save_dir, step, model)
             if dispatcher is not None:
                 dispatcher.maybe_dispatch(step, model, final=last)
             if step % cfg.log_interval == 0:
@@ -335,8 +334,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     train_seconds = time.perf_counter() - t_start
 
     save_train_checkpoint(run, final_step, model, opt)
-    if cfg.save_hf_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
-        save_hf_checkpoint(cfg.save_hf_dir, final_step, model)
+    if save_dir is not None:  # the final point is never skipped: reuse mode needs its checkpoint
+        save_hf_checkpoint(save_dir, final_step, model)
     preempt = _Preemption()  # the end's waits (final export, drain) end on a stop signal too
     try:
         if dispatcher is not None:
@@ -356,7 +355,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
         "points_landed": dispatcher.landed if dispatcher else 0,
     }
     if dispatcher is not None and dispatcher.stop_requested is not None:
-        summary["stopped"] = {"reason": f"--eval-stop-when {cfg.eval_stop_when}",
+        summary["stopped"] = {"reason": f"--eval-stop-when {cfg.dispatch.stop_when}",
                               "point_step": dispatcher.stop_requested}
     print(json.dumps(summary), flush=True)
     return 0

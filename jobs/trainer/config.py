@@ -1,62 +1,116 @@
-"""Validation of a trainer's eval settings: the whole posture matrix, checked before training starts.
+"""The trainer's eval configuration: one nested object, declared once (torchtitan's pattern).
 
-Every error is a ``ValueError`` whose message names the flag and says how to fix it. The checks are
-pure (paths, numbers, filesystem type); node lists are *given* (the launcher reads them from the
-scheduler), so this module knows no scheduler.
+:class:`DispatchConfig` is what a trainer says about evaluation — cadence, snapshot source, overflow,
+the fleet, the node lists, ``stop_when`` — and its component :class:`Waits` (how long it waits for the
+fleet). Every field states its default and its documentation once: the docstring below the field is
+also the ``--help`` text of its flag (:func:`ckpteval.jobs.flags.option`). Everything maps onto it:
+the library entry point (``EvalRun(dispatch=DispatchConfig(...))``,
+:mod:`ckpteval.jobs.trainer.session`), the reference trainer's ``--eval-*`` flags (its ``TrainConfig``
+nests this class, :func:`ckpteval.jobs.flags.nested`), the HF ``Trainer`` callback (which reads the
+dispatcher's config) and :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher`, which takes it whole.
 
-Limits: node-locality is detected from the filesystem type (tmpfs/ramfs are node-local); a local
-ext4/xfs disk is not flagged, since this module cannot know whether it is shared.
+Guarantee: a config that exists is consistent — every rule that needs no filesystem is checked in
+``__post_init__`` (``ValueError`` naming the field and its flag); :meth:`DispatchConfig.for_run` adds
+what needs the run dir and the filesystem (the default staging dir ``RUN/snapshots``, absolute paths,
+node-locality). Limits: node-locality is detected from the filesystem type (tmpfs/ramfs are node-local);
+a local ext4/xfs disk is not flagged, since this module cannot know whether it is shared. Node lists
+are *given* (the launcher reads them from the scheduler): this module knows no scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
-OVERFLOW_POLICIES = ("backpressure", "skip")
-FLEETS = ("attached", "none")
+from ckpteval.coord.conditions import parse_condition
+from ckpteval.jobs.flags import check_bounds, nested, option
+
+OverflowPolicy = Literal["backpressure", "skip"]
+Fleet = Literal["attached", "none"]
 NODE_LOCAL_FS = {"tmpfs", "ramfs"}
+EVAL = "evaluation"
+
+
+def _node_list(text: str) -> tuple[str, ...]:
+    return tuple(n for n in text.split(",") if n)
 
 
 @dataclass(frozen=True)
 class Waits:
-    """How long the dispatcher waits for the eval fleet: the one statement of these defaults, which the
-    library entry point (:class:`ckpteval.jobs.trainer.session.EvalRun`), the dispatcher's keyword arguments and
-    the reference trainer's ``--eval-poll-interval`` / ``--eval-backpressure-timeout`` /
-    ``--eval-drain-timeout`` flags all take from :data:`WAITS`."""
+    """How long the dispatcher waits for the eval fleet (never for eval itself between points)."""
 
-    poll_interval_s: float = 2.0
-    """Seconds between listings of ``results/`` (0: at every step)."""
-    backpressure_timeout_s: float = 300.0
-    """Longest wait for the fleet under backpressure before the point is skipped."""
-    drain_timeout_s: float = 300.0
-    """Longest wait at the end for outstanding points."""
+    poll_interval_s: float = option(2.0, flag="--eval-poll-interval", metavar="S", min=0, group=EVAL)
+    """seconds between listings of results/ (0: at every step)"""
+    backpressure_timeout_s: float = option(300.0, flag="--eval-backpressure-timeout", metavar="S", min=0,
+                                           group=EVAL)
+    """longest wait for the fleet under backpressure before the point is skipped"""
+    drain_timeout_s: float = option(300.0, flag="--eval-drain-timeout", metavar="S", min=0, group=EVAL)
+    """longest wait at the end for outstanding points"""
 
     def __post_init__(self) -> None:
-        for key in ("poll_interval_s", "backpressure_timeout_s", "drain_timeout_s"):
-            if not getattr(self, key) >= 0:
-                raise ValueError(f"{key} must be >= 0 seconds, got {getattr(self, key)}")
+        check_bounds(self, fields=True)
 
 
-WAITS = Waits()
-
-
-@dataclass
+@dataclass(frozen=True)
 class DispatchConfig:
-    """What the trainer's ``--eval-*`` flags mean, validated as one."""
+    """What the trainer's ``--eval-*`` flags mean, validated as one (see the module docstring)."""
 
-    eval_interval: int | None = None
-    staging_dir: Path | None = None  # staging mode: export snapshots here
-    save_hf_dir: Path | None = None  # reuse mode: the periodic HF checkpoints are the snapshots
-    save_interval: int | None = None
-    max_in_flight: int = 2
-    keep_snapshots: int = 2
-    overflow_policy: str = "backpressure"
-    trainer_nodes: tuple[str, ...] | None = None
-    fleet_nodes: tuple[str, ...] | None = None
-    fleet: str = "attached"  # "none": no eval fleet runs during training; points wait for a backfill
-    keep_best: int = 0  # GC never deletes a snapshot currently among the best K points (0: off)
-    best_metric: str | None = None  # what ranks them: a point metric (None: eval/<first dataset>), higher better
+    eval_interval: int = option(100, metavar="N", min=1, group=EVAL)
+    """dispatch an eval point every N steps (and at the last step)"""
+    staging_dir: Path | None = option(None, flag="--eval-staging-dir", metavar="DIR", group=EVAL)
+    """staging mode: export snapshots here (default RUN/snapshots)"""
+    save_hf_dir: Path | None = option(None, flag="--save-hf", metavar="DIR", group=EVAL)
+    """reuse mode: save HF checkpoints here; they are the snapshots (needs --save-interval)"""
+    save_interval: int | None = option(None, metavar="N", min=1, group=EVAL)
+    """reuse mode: save an HF checkpoint every N steps"""
+    max_in_flight: int = option(2, flag="--eval-max-in-flight", metavar="N", min=1, group=EVAL)
+    """points dispatched but not yet landed before the overflow policy applies"""
+    keep_snapshots: int = option(2, flag="--eval-keep-snapshots", metavar="N", min=1, group=EVAL)
+    """snapshots kept on disk (>= --eval-max-in-flight)"""
+    keep_best: int = option(0, flag="--eval-keep-best", metavar="K", min=0, group=EVAL)
+    """GC never deletes a snapshot currently among the best K points by --eval-best-metric (0: off)"""
+    best_metric: str | None = option(None, flag="--eval-best-metric", metavar="M", group=EVAL)
+    """the point metric ranking --eval-keep-best, higher is better (default eval/<first dataset>)"""
+    stop_when: str | None = option(None, flag="--eval-stop-when", metavar="COND", group=EVAL)
+    """finish training cleanly (final snapshot, final point) once an ingested point meets COND, e.g.
+    'eval/addition >= 0.9'"""
+    overflow_policy: OverflowPolicy = option("backpressure", flag="--eval-overflow-policy", group=EVAL)
+    """when too many points are in flight: wait for the fleet (backpressure) or skip the point (skip)"""
+    fleet: Fleet = option("attached", flag="--eval-fleet", group=EVAL)
+    """none: no eval fleet runs while training (reuse mode) — never wait for one; points stay pending for a
+    later `ckpteval backfill` (ingested if it lands while training runs)"""
+    trainer_nodes: tuple[str, ...] | None = option(None, metavar="N1,N2", parse=_node_list, group=EVAL)
+    """comma list of the trainer's nodes (node-locality check of the staging dir)"""
+    fleet_nodes: tuple[str, ...] | None = option(None, metavar="N1,N2", parse=_node_list, group=EVAL)
+    """comma list of the eval fleet's nodes (node-locality check)"""
+    waits: Waits = nested(Waits)
+    """how long the dispatcher waits for the fleet (a component: its flags are this config's)"""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.eval_interval, int):
+            raise ValueError(f"eval_interval (--eval-interval) must be a positive integer, got {self.eval_interval!r}")
+        check_bounds(self, fields=True)
+        if self.staging_dir is not None and self.save_hf_dir is not None:
+            raise ValueError("staging_dir (--eval-staging-dir) and save_hf_dir (--save-hf) both given: choose "
+                             "staging export or checkpoint reuse")
+        if self.keep_snapshots < self.max_in_flight:
+            raise ValueError(f"keep_snapshots (--eval-keep-snapshots, {self.keep_snapshots}) must be >= "
+                             f"max_in_flight (--eval-max-in-flight, {self.max_in_flight}); raise keep or lower in-flight")
+        if self.best_metric is not None and not self.best_metric.startswith("eval/"):
+            raise ValueError(f"best_metric (--eval-best-metric) {self.best_metric!r}: expected a point metric "
+                             "eval/<dataset>[/...]")
+        if self.stop_when is not None:
+            parse_condition(self.stop_when, "--eval-stop-when")
+        if self.fleet == "none" and self.mode != "reuse":
+            raise ValueError("--eval-fleet none (fleet) keeps every point pending for a later backfill: use reuse "
+                             "mode (--save-hf DIR --save-interval N) so no snapshot piles up in a staging dir")
+        if self.save_hf_dir is not None and self.save_interval is None:
+            raise ValueError("save_hf_dir (--save-hf) needs --save-interval N (save_interval >= 1)")
+        if self.save_interval and self.mode == "reuse" and self.eval_interval % self.save_interval:
+            raise ValueError(f"eval_interval (--eval-interval, {self.eval_interval}) must be a multiple of "
+                             f"save_interval (--save-interval, {self.save_interval}) in reuse mode: only saved "
+                             "checkpoints can be evaluated")
 
     @property
     def mode(self) -> str:
@@ -66,8 +120,23 @@ class DispatchConfig:
     def snapshot_root(self) -> Path:
         root = self.save_hf_dir if self.mode == "reuse" else self.staging_dir
         if root is None:
-            raise ValueError("no snapshot source configured")
+            raise ValueError("no snapshot source configured: DispatchConfig.for_run(run_dir) names RUN/snapshots")
         return root
+
+    def with_waits(self, **waits: float) -> DispatchConfig:
+        """This config with some :class:`Waits` changed: ``config.with_waits(poll_interval_s=0)``."""
+        return replace(self, waits=replace(self.waits, **waits))
+
+    def for_run(self, run_dir: Path) -> DispatchConfig:
+        """This config for the run at ``run_dir``: staging into ``RUN/snapshots`` unless a snapshot dir is
+        given, paths absolute, the node-locality rule checked (ValueError naming the field)."""
+        staging = self.staging_dir
+        if staging is None and self.save_hf_dir is None:
+            staging = Path(run_dir) / "snapshots"
+        resolved = replace(self, staging_dir=_resolve("staging_dir (--eval-staging-dir)", staging),
+                           save_hf_dir=_resolve("save_hf_dir (--save-hf)", self.save_hf_dir))
+        resolved._check_locality()
+        return resolved
 
     def run_snapshot_root(self, key: str, run_dir: Path) -> Path:
         """Where this run's snapshots go: in staging mode a per-run subdir ``<staging>/<run key>`` (runs
@@ -81,68 +150,18 @@ class DispatchConfig:
 
     def listed_snapshot_root(self, listed_roots: tuple[str, ...] | list[str], key: str, run_dir: Path,
                              manifest_path: Path) -> Path:
-        """The root of this run's snapshots that run.json lists: the run-scoped root
-        (:meth:`run_snapshot_root`), or the configured root itself (a manifest written before run-scoped
-        staging). ``ValueError`` naming ``manifest_path`` if it lists neither (the flags differ from the
-        ones the run started with). The one check behind ``--resume`` and the dispatcher."""
-        listed = {Path(r).resolve() for r in listed_roots}
+        """This run's snapshot root (:meth:`run_snapshot_root`), which run.json must list: ``ValueError``
+        naming ``manifest_path`` if it does not (the flags differ from the ones the run started with).
+        The one check behind ``--resume`` and the dispatcher."""
         scoped = self.run_snapshot_root(key, run_dir)
-        for root in (scoped, self.snapshot_root):
-            if root.resolve() in listed:
-                return root
-        raise ValueError(
-            f"{manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {scoped}: "
-            "continue the run with the snapshot flags it started with (--eval-staging-dir / --save-hf)"
-        )
+        listed = {Path(r).resolve() for r in listed_roots}
+        if scoped.resolve() not in listed:
+            raise ValueError(
+                f"{manifest_path}: snapshot_roots {sorted(map(str, listed))} does not list {scoped}: "
+                "continue the run with the snapshot flags it started with (--eval-staging-dir / --save-hf)")
+        return scoped
 
-    def validate(self) -> DispatchConfig:
-        """Check every rule; returns self with paths resolved to absolute ones."""
-        if self.eval_interval is None or self.eval_interval < 1:
-            raise ValueError("--eval-interval: an eval fleet needs a positive eval interval (e.g. --eval-interval 100)")
-        if self.staging_dir is None and self.save_hf_dir is None:
-            raise ValueError(
-                "no snapshot source: pass --eval-staging-dir DIR (export snapshots) or "
-                "--save-hf DIR --save-interval N (reuse the periodic HF checkpoints)"
-            )
-        if self.staging_dir is not None and self.save_hf_dir is not None:
-            raise ValueError("--eval-staging-dir and --save-hf both given: choose staging export or checkpoint reuse")
-        if self.max_in_flight < 1:
-            raise ValueError(f"--eval-max-in-flight must be >= 1, got {self.max_in_flight}")
-        if self.keep_snapshots < self.max_in_flight:
-            raise ValueError(
-                f"--eval-keep-snapshots ({self.keep_snapshots}) must be >= --eval-max-in-flight "
-                f"({self.max_in_flight}); raise keep or lower in-flight"
-            )
-        if self.keep_best < 0:
-            raise ValueError(f"--eval-keep-best must be >= 0, got {self.keep_best}")
-        if self.best_metric is not None and not self.best_metric.startswith("eval/"):
-            raise ValueError(f"--eval-best-metric {self.best_metric!r}: expected a point metric eval/<dataset>[/...]")
-        if self.overflow_policy not in OVERFLOW_POLICIES:
-            raise ValueError(f"--eval-overflow-policy must be one of {OVERFLOW_POLICIES}, got {self.overflow_policy!r}")
-        if self.fleet not in FLEETS:
-            raise ValueError(f"--eval-fleet must be one of {FLEETS}, got {self.fleet!r}")
-        if self.fleet == "none" and self.mode != "reuse":
-            raise ValueError(
-                "--eval-fleet none keeps every point pending for a later backfill: use reuse mode "
-                "(--save-hf DIR --save-interval N) so no snapshot piles up in a staging dir"
-            )
-        if self.mode == "reuse":
-            self._validate_reuse()
-        self.staging_dir = _resolve("--eval-staging-dir", self.staging_dir)
-        self.save_hf_dir = _resolve("--save-hf", self.save_hf_dir)
-        self._validate_locality()
-        return self
-
-    def _validate_reuse(self) -> None:
-        if self.save_interval is None or self.save_interval < 1:
-            raise ValueError("--save-hf needs --save-interval N (N >= 1)")
-        if self.eval_interval is not None and self.eval_interval % self.save_interval:
-            raise ValueError(
-                f"--eval-interval ({self.eval_interval}) must be a multiple of --save-interval "
-                f"({self.save_interval}) in reuse mode: only saved checkpoints can be evaluated"
-            )
-
-    def _validate_locality(self) -> None:
+    def _check_locality(self) -> None:
         root = self.snapshot_root
         fs = filesystem_type(root)
         if fs not in NODE_LOCAL_FS or self.fleet_nodes is None:
@@ -157,13 +176,13 @@ class DispatchConfig:
             )
 
 
-def _resolve(flag: str, path: Path | None) -> Path | None:
+def _resolve(what: str, path: Path | None) -> Path | None:
     if path is None:
         return None
     try:
         return Path(path).expanduser().resolve()
     except (OSError, RuntimeError) as e:
-        raise ValueError(f"{flag}: cannot resolve {path!r} ({e})") from None
+        raise ValueError(f"{what}: cannot resolve {path!r} ({e})") from None
 
 
 def filesystem_type(path: Path, mounts_file: Path = Path("/proc/mounts")) -> str | None:
@@ -184,3 +203,4 @@ def filesystem_type(path: Path, mounts_file: Path = Path("/proc/mounts")) -> str
         if target.is_relative_to(mount) and len(str(mount)) > best:
             best, best_type = len(str(mount)), parts[2]
     return best_type
+

@@ -12,8 +12,8 @@ Cadence: a dataset with ``every`` > 1 (run.json) is part only of the points at m
 ``every``, which must be a multiple of ``eval_interval`` (checked at construction); a step at which
 no dataset is due is not dispatched at all (the final step excepted).
 
-Snapshot source (from :class:`ckpteval.jobs.trainer.config.DispatchConfig`, validated at construction — before
-training):
+Settings: one :class:`ckpteval.jobs.trainer.config.DispatchConfig`, taken whole (its ``waits`` and
+``stop_when`` too) and checked for this run at construction — before training. Snapshot source:
 
 - **staging**: the weights are exported into the staging root by :class:`AsyncExporter` (the loop
   blocks only for the host copy).
@@ -89,11 +89,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpteval.coord.conditions import Condition, point_value, top_steps
+from ckpteval.coord.conditions import Condition, parse_condition, point_value, top_steps
 from ckpteval.coord.discovery import shards_present
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.identity import run_key
@@ -104,14 +104,15 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.canary import TrainerCanary
-from ckpteval.jobs.eval.engines.base import Engine
-from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.trust import check_run_code
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
+from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
-from ckpteval.jobs.trainer.gate import ProducerGate, StopRequested, shared_eval
+
+if TYPE_CHECKING:  # the shared posture's parts are imported when a SharedEval is given (a fleet trainer needs none)
+    from ckpteval.jobs.eval.engines.base import Engine
+    from ckpteval.jobs.eval.scoring import DatasetCache
+    from ckpteval.jobs.trainer.gate import ProducerGate
 
 Model = torch.nn.Module | Mapping[str, Any]
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
@@ -139,22 +140,17 @@ class EvalDispatcher:
         base_model_dir: Path | None,
         *,
         shared: SharedEval | None = None,
-        poll_interval_s: float = WAITS.poll_interval_s,
-        backpressure_timeout_s: float = WAITS.backpressure_timeout_s,
-        drain_timeout_s: float = WAITS.drain_timeout_s,
         room_check: RoomCheck = has_room,
         clock: Callable[[], float] = time.monotonic,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.config = config.validate()
+        self.config = config.for_run(run.path)
+        self.waits = self.config.waits
         self.should_stop = should_stop  # a stop signal arrived: every wait below ends at once
         self.run = run
         self.manifest = run.manifest()
         self.sink = sink
         self.shared = shared
-        self.poll_interval_s = poll_interval_s
-        self.backpressure_timeout_s = backpressure_timeout_s
-        self.drain_timeout_s = drain_timeout_s
         self.clock = clock
         self.key = run_key(self.manifest)
         self.root = self._snapshot_root()
@@ -168,16 +164,21 @@ class EvalDispatcher:
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
                                 run=self.key)
+        self._cache: DatasetCache | None = None
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
+            from ckpteval.jobs.eval.scoring import DatasetCache
+            from ckpteval.jobs.eval.trust import check_run_code
+
             check_run_code(run, self.manifest, trusted=shared.trust_run_code)
-        self._cache = DatasetCache(run, self.manifest) if shared is not None else None
+            self._cache = DatasetCache(run, self.manifest)
         self.step = 0  # the trainer's latest step seen
         self.landed = len(self.ledger.state.ingested)
         self._last_poll = -float("inf")
         self._lost: set[int] = set()
         self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
         self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
-        self.stop_when: Condition | None = None  # --eval-stop-when: a point meeting it asks training to end
+        self.stop_when: Condition | None = (  # --eval-stop-when: a point meeting it asks training to end
+            None if self.config.stop_when is None else parse_condition(self.config.stop_when, "--eval-stop-when"))
         self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
         self._replay()
 
@@ -246,7 +247,7 @@ class EvalDispatcher:
     def poll(self, force: bool = False) -> None:
         """Collect finished exports and ingest finished points (at most once per ``poll_interval_s``)."""
         now = self.clock()
-        if not force and now - self._last_poll < self.poll_interval_s:
+        if not force and now - self._last_poll < self.waits.poll_interval_s:
             return
         self._last_poll = now
         self._collect_exports()
@@ -295,7 +296,7 @@ class EvalDispatcher:
         if self.config.fleet == "none":
             self.poll(force=True)  # a backfill that already landed is logged; the rest stays pending
             return True
-        deadline = self.clock() + self.drain_timeout_s
+        deadline = self.clock() + self.waits.drain_timeout_s
         while self.pending and self.clock() < deadline and not self.should_stop():
             self._sleep_and_poll()
         for step in self.pending:
@@ -358,6 +359,8 @@ class EvalDispatcher:
             self._skip(step, "crashed", "the trainer died before this step's snapshot was published")
 
     def _evaluate_shared(self, step: int) -> None:
+        from ckpteval.jobs.trainer.gate import StopRequested, shared_eval
+
         if self.shared is None or self._cache is None:
             raise RuntimeError("shared evaluation without a shared engine")
         if step not in self.ledger.state.pending or not self._snapshot_published(step):
@@ -378,7 +381,7 @@ class EvalDispatcher:
     def _wait_for_slot(self) -> float:
         """Backpressure: wait (ingesting) until a slot frees or the timeout passes; returns the wait."""
         start = self.clock()
-        deadline = start + self.backpressure_timeout_s
+        deadline = start + self.waits.backpressure_timeout_s
         while len(self.pending) >= self.config.max_in_flight and self.clock() < deadline and not self.should_stop():
             self._sleep_and_poll()
         return self.clock() - start

@@ -5,7 +5,8 @@ events:
 
 - staging mode: ``on_step_end`` → ``maybe_dispatch(global_step, model)`` (the export snapshots the
   live model's weights; training goes on while they are written);
-- reuse mode: ``on_save`` → ``maybe_dispatch`` — the Trainer calls it right after writing
+- reuse mode (:func:`reuse_config`: the ``DispatchConfig`` whose save dir and interval are the
+  ``TrainingArguments``'): ``on_save`` → ``maybe_dispatch`` — the Trainer calls it right after writing
   ``<output_dir>/checkpoint-<step>``, which is then marked ``.complete`` in place (zero extra
   export); ``on_step_end`` only ingests. ``on_train_begin`` checks (before the first step) that the
   dispatcher's save dir is ``args.output_dir``, its save interval ``args.save_steps``, and that
@@ -39,6 +40,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ckpteval.coord.results import write_point_skip
+from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
 ROTATED = "ckpt_missing"
@@ -118,6 +120,13 @@ class EvalDispatchCallback(TrainerCallback):
         model.save_pretrained(directory, safe_serialization=True)
         if processing_class is not None:
             processing_class.save_pretrained(directory)
+
+
+def reuse_config(args: TrainingArguments, **settings: Any) -> DispatchConfig:
+    """The dispatch config of reuse mode for a Trainer run with ``args``: its ``output_dir`` and
+    ``save_steps`` are the snapshot dir and save interval; ``settings`` are the other
+    :class:`~ckpteval.jobs.trainer.config.DispatchConfig` fields (``eval_interval=...``)."""
+    return DispatchConfig(save_hf_dir=Path(args.output_dir), save_interval=int(args.save_steps), **settings)
 
 
 def min_total_limit(max_in_flight: int, eval_interval: int, save_steps: int) -> int:

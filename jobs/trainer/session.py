@@ -3,7 +3,7 @@
 What ``ckpteval train`` does for its own run, as a library call any training loop can make — the
 reference trainer itself goes through it::
 
-    from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
+    from ckpteval.jobs.trainer.config import DispatchConfig
     from ckpteval.jobs.trainer.session import EvalRun, start_eval
 
     dispatcher = start_eval(EvalRun(
@@ -16,8 +16,9 @@ reference trainer itself goes through it::
     dispatcher.close(steps, model)                   # final point, TRAINING_DONE, drain
 
 With an HF ``Trainer``, pass the dispatcher to :class:`ckpteval.jobs.trainer.hf_callback.EvalDispatchCallback`.
-:class:`EvalRun` is the trainer's ``--eval-*`` and run flags as one object (the same names and
-defaults: ``dispatch`` is :class:`~ckpteval.jobs.trainer.config.DispatchConfig`).
+:class:`EvalRun` is the trainer's run flags; its ``dispatch`` is the one eval config,
+:class:`~ckpteval.jobs.trainer.config.DispatchConfig` (the ``--eval-*`` flags: the same names and defaults,
+declared once there; waits: ``DispatchConfig(..., waits=Waits(poll_interval_s=0.2))``).
 
 Guarantee (the same checks as ``ckpteval train``): everything is validated before anything is
 written — the eval flags as one (:meth:`DispatchConfig.validate`), the eval-config file and every row
@@ -45,7 +46,7 @@ from ckpteval.coord.snapshot import producer_identity
 from ckpteval.jobs.eval.evalconfig import EvalConfig, install_eval_data, read_eval_config
 from ckpteval.jobs.flags import check_dir_creatable
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.config import WAITS, DispatchConfig
+from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
 # a trainer-specific builder of the eval section and RUN/base (the reference trainer's built-in set);
@@ -55,20 +56,24 @@ BuildEval = Callable[[RunDir, EvalConfig | None], EvalSpec]
 
 @dataclass
 class EvalRun:
-    """A trainer's eval settings, as ``ckpteval train`` takes them on its command line."""
+    """A trainer's run, as ``ckpteval train`` takes it on its command line."""
 
-    run_dir: Path  # the run directory (--run-dir)
-    dispatch: DispatchConfig | None  # the --eval-* snapshot flags (no snapshot dir: RUN/snapshots); None: --no-eval
-    eval_config: Path | None = None  # the datasets: an eval-config file (the format `worker --eval-config` takes)
-    base_model_dir: Path | None = None  # config.json + tokenizer files, copied into RUN/base when the run is created
-    resume: bool = False  # continue an existing run (--resume); without it an existing run.json is refused
-    run_id: str | None = None  # default: the eval-config's run_id, else the run dir's name
-    trainer: dict[str, Any] = field(default_factory=dict)  # who trains: recorded in run.json's trainer section
-    lease: LeaseSettings = field(default_factory=LeaseSettings)  # --lease-duration/-heartbeat
-    poll_interval_s: float = WAITS.poll_interval_s  # --eval-poll-interval (defaults: config.Waits)
-    backpressure_timeout_s: float = WAITS.backpressure_timeout_s  # --eval-backpressure-timeout
-    drain_timeout_s: float = WAITS.drain_timeout_s  # --eval-drain-timeout
-    stop_when: str | None = None  # --eval-stop-when: a point meeting it sets dispatcher.stop_requested
+    run_dir: Path
+    """the run directory (--run-dir)"""
+    dispatch: DispatchConfig | None
+    """the eval config, the --eval-* flags (no snapshot dir: RUN/snapshots); None: --no-eval"""
+    eval_config: Path | None = None
+    """the datasets: an eval-config file (the format `worker --eval-config` takes)"""
+    base_model_dir: Path | None = None
+    """config.json + tokenizer files, copied into RUN/base when the run is created"""
+    resume: bool = False
+    """continue an existing run (--resume); without it an existing run.json is refused"""
+    run_id: str | None = None
+    """default: the eval-config's run_id, else the run dir's name"""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """who trains: recorded in run.json's trainer section"""
+    lease: LeaseSettings = field(default_factory=LeaseSettings)
+    """--lease-duration/-heartbeat, written to run.json (an eval-config's lease settings win)"""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -76,16 +81,9 @@ class EvalRun:
         self.base_model_dir = None if self.base_model_dir is None else Path(self.base_model_dir)
         check_dir_creatable("--run-dir", self.run_dir)
         if self.dispatch is not None:
-            if self.dispatch.staging_dir is None and self.dispatch.save_hf_dir is None:  # as ckpteval train
-                self.dispatch = replace(self.dispatch, staging_dir=self.run_dir / "snapshots")
-            self.dispatch = self.dispatch.validate()
+            self.dispatch = self.dispatch.for_run(self.run_dir)
         if self.base_model_dir is not None and not (self.base_model_dir / "config.json").is_file():
             raise ValueError(f"base_model_dir {self.base_model_dir}: no config.json (an HF model dir: config + tokenizer)")
-        if self.stop_when is not None:
-            parse_condition(self.stop_when, "--eval-stop-when")
-        for name in ("poll_interval_s", "backpressure_timeout_s", "drain_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def _copy_base(run: RunDir, base: Path) -> None:
@@ -148,8 +146,9 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
 
 
 def _check_stop_when(spec: EvalRun, manifest: RunManifest) -> None:
-    if spec.stop_when is not None:
-        check_metric(parse_condition(spec.stop_when, "--eval-stop-when"), eval_names(manifest), "--eval-stop-when")
+    if spec.dispatch is not None and spec.dispatch.stop_when is not None:
+        check_metric(parse_condition(spec.dispatch.stop_when, "--eval-stop-when"), eval_names(manifest),
+                     "--eval-stop-when")
 
 
 def _run_id(path: Path) -> str:
@@ -157,18 +156,12 @@ def _run_id(path: Path) -> str:
 
 
 def open_dispatcher(spec: EvalRun, run: RunDir, sink: MetricsSink | None = None, **kw: Any) -> EvalDispatcher:
-    """The run's :class:`EvalDispatcher` with ``spec``'s timeouts and ``stop_when``; ``sink`` defaults to
-    ``RUN/metrics.jsonl`` alone (give a :class:`MetricsSink` with a wandb run to log there too); ``kw``
-    goes to the dispatcher (``shared``, ``should_stop``)."""
+    """The run's :class:`EvalDispatcher` with ``spec.dispatch``; ``sink`` defaults to ``RUN/metrics.jsonl``
+    alone (give a :class:`MetricsSink` with a wandb run to log there too); ``kw`` goes to the dispatcher
+    (``shared``, ``should_stop``)."""
     if spec.dispatch is None:
         raise ValueError("no dispatch config: this run trains without evaluation")
-    dispatcher = EvalDispatcher(spec.dispatch, run, sink or MetricsSink(run.metrics_path), run.base,
-                                poll_interval_s=spec.poll_interval_s,
-                                backpressure_timeout_s=spec.backpressure_timeout_s,
-                                drain_timeout_s=spec.drain_timeout_s, **kw)
-    if spec.stop_when is not None:
-        dispatcher.stop_when = parse_condition(spec.stop_when, "--eval-stop-when")
-    return dispatcher
+    return EvalDispatcher(spec.dispatch, run, sink or MetricsSink(run.metrics_path), run.base, **kw)
 
 
 def start_eval(spec: EvalRun, sink: MetricsSink | None = None, **kw: Any) -> EvalDispatcher:

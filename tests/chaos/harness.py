@@ -250,8 +250,8 @@ class InProcTrainer:
         self.sink = MetricsSink(self.run.metrics_path)
         extra = {} if room_check is None else {"room_check": room_check}
         self.dispatcher = EvalDispatcher(
-            dispatch, self.run, self.sink, self.run.base, poll_interval_s=poll_interval,
-            drain_timeout_s=drain_timeout, backpressure_timeout_s=600.0, **extra,
+            dispatch.with_waits(poll_interval_s=poll_interval, drain_timeout_s=drain_timeout,
+                                backpressure_timeout_s=600.0), self.run, self.sink, self.run.base, **extra,
         )
         self.eval_interval = eval_interval
         self.sentinel = guard_outside(self.dispatcher.root, Path(run_dir).with_name(Path(run_dir).name + "-outside"))

@@ -64,12 +64,11 @@ def make_train_run(
     )
 
     run_dir = Path(run_dir)
-    staging = eval_staging_dir if eval_staging_dir is not None or save_hf_dir is not None else run_dir / "snapshots"
     dispatch = DispatchConfig(
-        eval_interval=eval_interval, staging_dir=staging, save_hf_dir=save_hf_dir, save_interval=save_interval,
+        eval_interval=eval_interval, staging_dir=eval_staging_dir, save_hf_dir=save_hf_dir, save_interval=save_interval,
         max_in_flight=eval_max_in_flight, keep_snapshots=eval_keep_snapshots, overflow_policy=eval_overflow_policy,
         fleet=eval_fleet,
-    ).validate()
+    ).for_run(run_dir)
     run = RunDir.create(run_dir)
     save_base_model_dir(run.base, model or ModelConfig(), "llama")
     dataset = dataclasses.replace(write_addition_dataset(run, n=eval_n_prompts, shard_size=eval_shard_size),

@@ -123,7 +123,7 @@ class _ChecksumThread:
         self._value = 0
         self._crcs: list[int] = []
         self._lengths: list[int] = []
-        self._xxh: list[Any] = []  # a streaming XXH3-64 per segment (None without the xxhash package)
+        self._xxh: list[Any] = []  # a streaming XXH3-64 per segment
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckpteval-checksum", daemon=True)
         self._thread.start()
@@ -150,8 +150,7 @@ class _ChecksumThread:
             self._lengths.append(0)
             self._xxh.append(new_xxh3())
         self._crcs[segment] = zlib.crc32(chunk, self._crcs[segment])
-        if self._xxh[segment] is not None:
-            self._xxh[segment].update(chunk)
+        self._xxh[segment].update(chunk)
         self._lengths[segment] += len(chunk)
         if not self._combine:
             self._value = self._crc(chunk, self._value)
@@ -181,9 +180,9 @@ class _ChecksumThread:
         """The CRC-32 of each segment (after :meth:`result`); empty segments are 0."""
         return list(self._crcs)
 
-    def fast_digests(self) -> list[int | None]:
-        """The XXH3-64 of each segment (after :meth:`result`); None without the xxhash package."""
-        return [None if x is None else x.intdigest() for x in self._xxh]
+    def fast_digests(self) -> list[int]:
+        """The XXH3-64 of each segment (after :meth:`result`)."""
+        return [x.intdigest() for x in self._xxh]
 
 
 def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum, fsync: bool) -> FileRecord:
@@ -198,9 +197,8 @@ def write_safetensors(path: Path, shard: dict[str, torch.Tensor], crc: Checksum,
     """Write one safetensors shard like :func:`write_chunks`; the record also holds ``"tensors"``:
     each tensor's dtype, shape and digests (CRC-32 and XXH3-64 of its bytes, :mod:`ckpteval.coord.digests`)."""
     record, crcs, fast = _write_tagged(path, _tagged_chunks(shard), crc, fsync)
-    empty = new_xxh3()  # trailing empty tensors fed no chunk
-    crcs += [0] * (len(shard) + 1 - len(crcs))
-    fast += [None if empty is None else empty.intdigest()] * (len(shard) + 1 - len(fast))
+    crcs += [0] * (len(shard) + 1 - len(crcs))  # trailing empty tensors fed no chunk
+    fast += [new_xxh3().intdigest()] * (len(shard) + 1 - len(fast))
     record["tensors"] = {
         name: _digest(shard[name], crcs[segment], fast[segment])
         for segment, name in enumerate(_file_order(shard), start=1)
@@ -208,14 +206,13 @@ def write_safetensors(path: Path, shard: dict[str, torch.Tensor], crc: Checksum,
     return record
 
 
-def _digest(tensor: torch.Tensor, crc: int, fast: int | None) -> TensorDigest:
-    digest = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "crc32": crc}
-    return digest if fast is None else digest | {"xxh3": fast}
+def _digest(tensor: torch.Tensor, crc: int, fast: int) -> TensorDigest:
+    return {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape), "crc32": crc, "xxh3": fast}
 
 
 def _write_tagged(
     path: Path, chunks: Iterable[tuple[int, bytes | memoryview]], crc: Checksum, fsync: bool
-) -> tuple[FileRecord, list[int], list[int | None]]:
+) -> tuple[FileRecord, list[int], list[int]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     size = 0
     with open(path, "xb", buffering=0) as f:
