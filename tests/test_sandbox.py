@@ -207,8 +207,10 @@ def test_the_program_holds_no_capability(sandbox: Sandbox) -> None:
     assert outcome.stdout == b"['0000000000000000', '0000000000000000', '0000000000000000']\n", outcome
 
 
+# the parent waits for its children: it never ends the sandbox before they have allocated (under load they may be slow)
 CHILDREN_MEMORY = ("import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n        x = bytearray(100 << 20)\n"
-                   "        time.sleep(1.5)\n        os._exit(0)\ntime.sleep(1)\nprint('all alive')\n")
+                   "        time.sleep(1.5)\n        os._exit(0)\nends = [os.wait()[1] for _ in range(6)]\n"
+                   "print('all alive' if ends == [0] * 6 else ends)\n")
 
 
 @needs_bwrap
