@@ -39,7 +39,7 @@ class MemoryCgroup:
     @classmethod
     def find(cls) -> MemoryCgroup | None:
         """This process's own memory cgroup, if it can make a child there and limit it; else None."""
-        for version, parent in _own_cgroups():
+        for version, parent in own_cgroups():
             group = cls(version, parent)
             try:
                 probe = group.create(64)
@@ -136,7 +136,7 @@ class MemoryCgroup:
                 time.sleep(0.01)
 
 
-def _own_cgroups() -> list[tuple[str, Path]]:
+def own_cgroups() -> list[tuple[str, Path]]:
     """(version, dir) of this process's cgroups that could hold memory-limited children: v2 first."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()

@@ -43,7 +43,7 @@ REPLY_S = 30.0  # how long the host waits for the spawner to start or to answer 
 # Runs as the spawner (argv: the socket's fd, the cgroup's cgroup.procs or ""). Trusted, and it never reads
 # program data: it receives (argv, env, cwd) and four fds (stdin, stdout, stderr, ready) per sandbox.
 SPAWNER = r"""
-import array, fcntl, marshal, os, select, socket, sys
+import array, fcntl, marshal, os, select, signal, socket, sys
 sock = socket.socket(fileno=int(sys.argv[1]))
 procs = sys.argv[2]
 try:
@@ -87,6 +87,8 @@ def start(argv, env, cwd, fds):
         except OSError:
             pass
         os.setsid()
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python: defaults again, as Popen restores them
+            signal.signal(sig, signal.SIG_DFL)
         for i, fd in enumerate(high):
             os.dup2(fd, i)
         os.closerange(len(high), 1 << 16)
