@@ -132,10 +132,13 @@ def probe_bwrap() -> str | None:
     """None when bwrap can start a sandbox here; else one line saying why not."""
     if shutil.which("bwrap") is None:
         return "bwrap (bubblewrap) is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    box = Sandbox(Limits(wall_s=30.0), concurrency=1, retries=0)
     try:
-        outcome = Sandbox(Limits(wall_s=30.0), concurrency=1, retries=0).run("print('ok')")
+        outcome = box.run("print('ok')")
     except SandboxUnavailable as e:
         return f"bwrap cannot start a sandbox on this node ({e}); are unprivileged user namespaces disabled?"
+    finally:
+        box.close()  # its spawner and cgroup
     if outcome.status != "passed" or outcome.stdout.strip() != b"ok":
         return f"bwrap started but a trivial program ended {outcome.status} ({outcome.stderr[-200:]!r})"
     return None

@@ -62,16 +62,25 @@ class MemoryCgroup:
         path = self.parent / f"ckpteval-{os.getpid()}-{next(self._n)}"
         path.mkdir()
         try:
-            limit = str(memory_mb << 20)
-            files = (("memory.max", "memory.swap.max") if self.version == "v2"
-                     else ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
-            (path / files[0]).write_text(limit)
-            if (path / files[1]).exists():
-                (path / files[1]).write_text("0" if self.version == "v2" else limit)
+            self.limit(path, memory_mb, raising=False)  # from unlimited
         except OSError:
             path.rmdir()
             raise
         return path
+
+    def limit(self, path: Path, memory_mb: int, raising: bool) -> None:
+        """Set the child's limit to ``memory_mb`` MiB (OSError when the kernel refuses, e.g. usage above it).
+        v1 keeps memory+swap >= memory: raised, memsw goes first; lowered, memory goes first."""
+        limit = str(memory_mb << 20)
+        if self.version == "v2":
+            (path / "memory.max").write_text(limit)
+            if (path / "memory.swap.max").exists():
+                (path / "memory.swap.max").write_text("0")
+            return
+        memsw = path / "memory.memsw.limit_in_bytes"
+        order = [path / "memory.limit_in_bytes", *([memsw] if memsw.exists() else [])]
+        for file in reversed(order) if raising else order:
+            file.write_text(limit)
 
     def oom_kills(self, path: Path) -> int:
         """Processes of this child the kernel killed for memory."""

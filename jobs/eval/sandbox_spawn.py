@@ -231,12 +231,18 @@ class Spawner:
         return self.cgroup.oom_kills(self.group) if self.cgroup is not None and self.group is not None else 0
 
     def ready_for(self, memory_mb: int, wait_s: float = 1.0) -> bool:
-        """Alive, limited to ``memory_mb``, and its cgroup holds nothing but itself (waiting for the kernel to
+        """Alive, limited to ``memory_mb`` (set here), and its cgroup holds nothing but itself (waiting for the kernel to
         finish tearing down the last program's processes, at most ``wait_s``)."""
-        if self.broken or self.proc.poll() is not None or memory_mb != self.memory_mb:
+        if self.broken or self.proc.poll() is not None:
             return False
         if self.cgroup is None or self.group is None:
             return True
+        if memory_mb != self.memory_mb:  # another call's limits: the same child, its limit changed
+            try:
+                self.cgroup.limit(self.group, memory_mb, raising=memory_mb > self.memory_mb)
+            except OSError:
+                return False
+            self.memory_mb = memory_mb
         give_up = time.monotonic() + wait_s
         while self.cgroup.procs(self.group) - {self.proc.pid}:
             if time.monotonic() > give_up:
