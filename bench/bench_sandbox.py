@@ -5,8 +5,9 @@ The programs are the example code set's reference solutions with their tests
 (``examples/evalsets/code.jsonl``: assert-style rows run solution + asserts, stdin/stdout rows run the
 solution once per case with that case's input), all passing. *Plain* runs each as ``python -I -S -c
 PROGRAM`` with the same stdin, no isolation, no limits; *sandboxed* runs it through
-:class:`ckpteval.jobs.eval.sandbox.Sandbox` (a fresh bwrap namespace set, the rlimits launcher, the outside
-deadline). Both use a thread pool of the same size (``--concurrency``). The load average is printed
+:class:`ckpteval.jobs.eval.sandbox.Sandbox` (a fresh bwrap namespace set, the rlimits launcher, the memory
+cgroup, the outside deadline). Rounds alternate plain / sandboxed; the ratio of the best rounds and of the
+median rounds are printed. Both use a thread pool of the same size (``--concurrency``). The load average is printed
 first: on a shared machine, numbers mean little when it is high.
 
     .venv/bin/python bench/bench_sandbox.py [--repeats 3] [--concurrency 2] [--json OUT] [--smoke]
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         jobs, args.repeats = jobs[::3], 1
     box = Sandbox(Limits(wall_s=30.0, cpu_s=30), concurrency=args.concurrency)
     pool = ThreadPoolExecutor(args.concurrency)
-    best: dict[str, float] = {}
+    times: dict[str, list[float]] = {"plain": [], "sandboxed": []}
     try:
         for _ in range(args.repeats):
             for name in ("plain", "sandboxed"):
@@ -75,19 +77,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 seconds = time.perf_counter() - start
                 if ok != len(jobs):
                     raise RuntimeError(f"{name}: {len(jobs) - ok} of {len(jobs)} reference programs did not pass")
-                best[name] = min(best.get(name, float("inf")), seconds)
+                times[name].append(seconds)
     finally:
         box.close()
         pool.shutdown()
+    best = {name: min(t) for name, t in times.items()}
     rates = {name: len(jobs) / s for name, s in best.items()}
     for name in ("plain", "sandboxed"):
         print(f"{name:>9}: {len(jobs)} programs in {best[name]:.2f}s = {rates[name]:.1f} programs/s "
               f"(best of {args.repeats}, concurrency {args.concurrency})")
     ratio = rates["sandboxed"] / rates["plain"]
     overhead_ms = (best["sandboxed"] - best["plain"]) / len(jobs) * args.concurrency * 1000
-    print(f"  ratio: sandboxed / plain = {ratio:.2f}x; {overhead_ms:.0f} ms more per program")
+    median_ratio = statistics.median(times["plain"]) / statistics.median(times["sandboxed"])
+    print(f"  ratio: sandboxed / plain = {ratio:.2f}x (medians: {median_ratio:.2f}x); {overhead_ms:.0f} ms more per program")
     out = {"programs": len(jobs), "repeats": args.repeats, "concurrency": args.concurrency, "cpus": os.cpu_count(),
-           "plain_per_s": rates["plain"], "sandboxed_per_s": rates["sandboxed"], "ratio": ratio,
+           "plain_per_s": rates["plain"], "sandboxed_per_s": rates["sandboxed"], "ratio": ratio, "median_ratio": median_ratio,
            "overhead_ms_per_program": overhead_ms, "load_at_start": os.getloadavg()}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")

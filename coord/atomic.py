@@ -4,6 +4,11 @@ Guarantee: a reader sees either no file or the complete file written by one writ
 one — because every file is written under a temporary name in the *same* directory, fsync'd,
 renamed over the final name, and the directory is fsync'd so the rename survives a crash.
 
+JSON: every encoder here refuses NaN and ±Infinity (``allow_nan=False``: a ValueError, never a bare ``NaN``
+that strict parsers reject). Where a non-finite number is a legitimate value (a statistic over too few
+samples), the writer states its form: :func:`tag_nonfinite` / :func:`untag_nonfinite` (``{"nonfinite":
+"nan" | "inf" | "-inf"}``, an exact round trip) or a documented ``null``.
+
 Limits: two writers racing for one name both succeed and the last rename wins (use
 :func:`publish_exclusive` where the *first* writer must win). On NFS/Lustre the rename is atomic
 per client, but another client may see the old name for its attribute-cache lifetime.
@@ -14,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import os
 import uuid
 from pathlib import Path
@@ -82,13 +88,45 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def dumps(obj: Any) -> bytes:
-    """The one JSON encoding used for protocol files (sorted keys, UTF-8, trailing newline)."""
-    return (json.dumps(obj, sort_keys=True, indent=1) + "\n").encode()
+    """The one JSON encoding used for protocol files (sorted keys, UTF-8, trailing newline); ValueError on
+    NaN or ±Infinity anywhere in ``obj``."""
+    return (json.dumps(obj, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically."""
-    write_bytes_atomic(path, dumps(obj))
+    """Write ``obj`` as JSON to ``path`` atomically (ValueError naming ``path`` on a non-finite number)."""
+    try:
+        data = dumps(obj)
+    except ValueError as e:
+        raise ValueError(f"{path}: not written: {e} (NaN/Infinity are not JSON)") from None
+    write_bytes_atomic(path, data)
+
+
+NONFINITE = "nonfinite"
+_NONFINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def tag_nonfinite(obj: Any) -> Any:
+    """``obj`` with every NaN/±inf float replaced by ``{"nonfinite": "nan" | "inf" | "-inf"}`` (tuples
+    become lists, as JSON has them): what a strict encoder can write, undone by :func:`untag_nonfinite`."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {NONFINITE: "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"}
+    if isinstance(obj, dict):
+        return {k: tag_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [tag_nonfinite(v) for v in obj]
+    return obj
+
+
+def untag_nonfinite(obj: Any) -> Any:
+    """The inverse of :func:`tag_nonfinite` (a one-key ``{"nonfinite": name}`` object becomes the float)."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and obj.get(NONFINITE) in _NONFINITE_NAMES:
+            return _NONFINITE_NAMES[obj[NONFINITE]]
+        return {k: untag_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [untag_nonfinite(v) for v in obj]
+    return obj
 
 
 def publish_exclusive(path: Path, data: bytes, *, sync_dir: bool = True, keep_dir_open: bool = False) -> bool:

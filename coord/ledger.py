@@ -113,5 +113,5 @@ class Ledger:
         if event not in EVENTS:
             raise ValueError(f"unknown ledger event {event!r}; expected one of {EVENTS}")
         rec = {"event": event, "step": step, **fields}
-        append_line(self.path, (json.dumps(rec, sort_keys=True) + "\n").encode())
+        append_line(self.path, (json.dumps(rec, sort_keys=True, allow_nan=False) + "\n").encode())
         self.state.apply(rec)

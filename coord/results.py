@@ -33,6 +33,7 @@ the cache is never stale, but a result deleted by hand stays in the cache until 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Collection
@@ -59,6 +60,10 @@ INFRA_SKIPS = frozenset({"judge_failed", "sandbox_failed", "env_failed", "overlo
 BACKOFF_SKIPS = frozenset({"overloaded"})  # retried only after a backoff (retry_due): the server sheds load
 SKIP_REASONS = ("busy", "export_failed", "ckpt_missing", "ckpt_corrupt", "unhealthy", "pin_violation", "crashed")
 
+
+SCORE_BOUND = 1e15
+"""The largest |score| (and |extra|) a scorer, reward, environment or backend may return: a run's sums of
+millions of them stay finite (1e308 + 1e308 is inf) and exact to well below a unit."""
 
 @dataclass(frozen=True)
 class Result:
@@ -117,7 +122,8 @@ class Result:
             **({"blame": self.blame} if self.blame else {}),
             **({"attest": self.attest} if self.attest else {}),
             **({"cost": self.cost} if self.cost else {}),
-            **({"fidelity": self.fidelity} if self.fidelity else {}),
+            **({"fidelity": {k: v if math.isfinite(v) else None for k, v in self.fidelity.items()}}
+               if self.fidelity else {}),  # null: infinite (the canary's token ids differed), never bare
             **({"episodes": list(self.episodes)} if self.episodes else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
         }
@@ -181,7 +187,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         scorer = dict(obj.get("scorer") or {})
         attest = dict(obj.get("attest") or {})
         cost = {str(k): float(v) for k, v in (obj.get("cost") or {}).items()}
-        fidelity = {str(k): float(v) for k, v in (obj.get("fidelity") or {}).items()}
+        fidelity = {str(k): math.inf if v is None else float(v) for k, v in (obj.get("fidelity") or {}).items()}
         episodes = tuple(dict(e) for e in obj.get("episodes") or ())
         notes = tuple(None if n is None else str(n) for n in obj.get("notes") or ())
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -20,7 +20,9 @@ Limits: a result landing after its step was ingested (a retry by a worker, not a
 summary stale — every reader then reads that step in full, as before summaries; so does a step no ingester
 and no backfill saw whole (a worker-only run without the service). Float sums here use ``math.fsum`` (exact, in any
 order), so they do not depend on the order a directory lists its files. Key order inside the file is part
-of its content (the order status prints in), so it is not written with the sorted protocol encoding.
+of its content (the order status prints in), so it is not written with the sorted protocol encoding. NaN
+and ±inf in the facts are written ``{"nonfinite": "nan" | "inf" | "-inf"}`` (strict JSON, exact round
+trip); a summary holding a bare ``NaN``/``Infinity`` is ignored (read as stale).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.atomic import dumps, write_bytes_atomic
+from ckpteval.coord.atomic import dumps, tag_nonfinite, untag_nonfinite, write_bytes_atomic
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.points import derive_point
 from ckpteval.coord.results import Result, ResultIndex, result_names
@@ -106,23 +108,29 @@ def manifest_digest(manifest: RunManifest) -> str:
 
 
 def encode_summary(facts: StepFacts, step: int, names: str, run: str) -> bytes:
-    obj = {"summary": SUMMARY_VERSION, "step": step, "names": names, "run": run, "facts": asdict(facts)}
-    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()  # key order kept: it is content
+    """The summary file's bytes: NaN/±inf (a stderr over one prompt, no attestation recorded, a canary over
+    other token ids) as ``{"nonfinite": ...}`` (:func:`ckpteval.coord.atomic.tag_nonfinite`), never bare."""
+    obj = {"summary": SUMMARY_VERSION, "step": step, "names": names, "run": run, "facts": tag_nonfinite(asdict(facts))}
+    return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode()  # key order kept: it is content
 
 
 def read_summary(path: Path, step: int, names: str, run: str) -> StepFacts | None:
     """The facts in the summary at ``path`` if it is whole, of this version and step, and made from result
     files ``names`` under manifest ``run``; None otherwise (missing, stale or corrupt: never an error)."""
     try:
-        obj = json.loads(path.read_bytes())
+        obj = json.loads(path.read_bytes(), parse_constant=_refuse)
         if obj["summary"] != SUMMARY_VERSION or obj["step"] != step or obj["names"] != names or obj["run"] != run:
             return None
-        f = obj["facts"]
+        f = untag_nonfinite(obj["facts"])
         point = {**f["point"], "mixed_scorers": tuple(f["point"]["mixed_scorers"])}  # asdict keeps the tuple
         return StepFacts(point=point, missing=tuple(f["missing"]), done=int(f["done"]), skipped=dict(f["skipped"]),
                          engines=dict(f["engines"]), gpu_s=float(f["gpu_s"]), has_results=bool(f["has_results"]))
     except (OSError, ValueError, KeyError, TypeError):  # ValueError: JSON or UTF-8; a summary is only a shortcut
         return None
+
+
+def _refuse(name: str) -> None:
+    raise ValueError(f"a bare {name} in a step summary")  # written by an older ckpteval: read the results
 
 
 def write_step_summary(index: ResultIndex, manifest: RunManifest, step: int) -> bool:

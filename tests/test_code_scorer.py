@@ -207,6 +207,9 @@ def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None
         assert r.counters == {"code_timeouts": 0, "code_errors": 0}
         assert r.extras["tests_passed_fraction"] == {"sum": 6.0, "n": 8}
         assert r.scorer["sandbox"] == "bwrap" and r.scorer["name"] == "code"
+        # each bound is recorded with the result (#26 §2): how total memory is bounded here, the /tmp caps
+        assert r.scorer["memory_total_by"] in ("cgroup-v1", "cgroup-v2", "rlimit_as x nproc"), r.scorer
+        assert r.scorer["memory_total_mb"] > 0 and r.scorer["tmp_mb"] > 0 and r.scorer["tmp_inodes"] > 0, r.scorer
     (ds,) = run.manifest().eval.datasets
     point = dataset_score(ds, run_key(run.manifest()), 1, [got[WorkUnit(1, "code", i)] for i in (0, 1)])
     assert (point.score, point.derived["pass@1"], point.derived["pass@2"]) == (0.75, 0.75, 1.0)

@@ -26,6 +26,7 @@ from ckpteval.jobs.eval.sandbox import (
     memory_cgroup,
     probe_bwrap,
 )
+from ckpteval.jobs.eval.sandbox_cgroup import own_cgroups
 from tests.support.sandbox import survivors
 
 WHY_NOT = probe_bwrap()
@@ -207,8 +208,10 @@ def test_the_program_holds_no_capability(sandbox: Sandbox) -> None:
     assert outcome.stdout == b"['0000000000000000', '0000000000000000', '0000000000000000']\n", outcome
 
 
+# the parent waits for its children: it never ends the sandbox before they have allocated (under load they may be slow)
 CHILDREN_MEMORY = ("import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n        x = bytearray(100 << 20)\n"
-                   "        time.sleep(1.5)\n        os._exit(0)\ntime.sleep(1)\nprint('all alive')\n")
+                   "        time.sleep(1.5)\n        os._exit(0)\nends = [os.wait()[1] for _ in range(6)]\n"
+                   "print('all alive' if ends == [0] * 6 else ends)\n")
 
 
 @needs_bwrap
@@ -222,7 +225,31 @@ def test_memory_is_capped_for_the_program_and_its_children_together(mode: str) -
         assert outcome.status == "oom" and "children" in outcome.detail, outcome
         assert box.bounds() == {"memory_total_mb": TIGHT.memory_mb, "memory_total_by": f"cgroup-{CGROUP.version}",
                                 "nproc": 16, "tmp_mb": 4, "tmp_inodes": 256 if mode == "bwrap" else None}
-        assert box.run(CHILDREN_MEMORY.replace("100 << 20", "10 << 20")).stdout == b"all alive\n"
+        small = box.run(CHILDREN_MEMORY.replace("100 << 20", "10 << 20"), limits=Limits(wall_s=10.0, memory_mb=192))
+        assert small.stdout == b"all alive\n", small
+    finally:
+        box.close()
+    assert survivors(box.label) == []
+
+
+V2 = [parent for version, parent in own_cgroups() if version == "v2"]
+V2_WHY_NOT = ("no cgroup v2 hierarchy with the memory controller delegated to this process's cgroup here (this node: "
+              + ", ".join(f"{v} at {p}" for v, p in own_cgroups()) + "; v1 is tested above)")
+
+
+@needs_bwrap
+@pytest.mark.skipif(not V2, reason=V2_WHY_NOT)
+def test_the_cgroup_v2_path_caps_the_program_and_its_children_together() -> None:
+    """The same bound through v2's files (memory.max, memory.swap.max, memory.events), forced even where v1
+    is found too."""
+    box = Sandbox(TIGHT, concurrency=1, label=f"test-cgroup-v2-{os.getpid()}")
+    box.cgroup = MemoryCgroup("v2", V2[0])
+    try:
+        outcome = box.run(CHILDREN_MEMORY, limits=Limits(wall_s=10.0, memory_mb=192))
+        assert outcome.status == "oom" and "children" in outcome.detail, outcome
+        assert box.bounds()["memory_total_by"] == "cgroup-v2"
+        small = box.run(CHILDREN_MEMORY.replace("100 << 20", "10 << 20"), limits=Limits(wall_s=10.0, memory_mb=192))
+        assert small.stdout == b"all alive\n", small
     finally:
         box.close()
     assert survivors(box.label) == []

@@ -101,13 +101,13 @@ def metric_name(key: str) -> str | None:
 
 
 def flatten_metrics(task_results: dict[str, Any]) -> dict[str, float]:
-    """One task's ``results[task]`` block as ``{metric name: float}``; non-numbers are dropped."""
+    """One task's ``results[task]`` block as ``{metric name: float}``; non-numbers and non-finite ones are dropped."""
     out: dict[str, float] = {}
     for key, value in task_results.items():
         name = metric_name(key)
         if name is None or isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        if not math.isnan(float(value)):
+        if math.isfinite(float(value)):  # lm-eval's NaN (and an inf) is no number a point can carry
             out[name] = float(value)
     return out
 

@@ -64,6 +64,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.results import SCORE_BOUND
 from ckpteval.coord.units import WorkUnit
 
 
@@ -160,8 +161,9 @@ def parse_output(output: Any, expected_n: int, weight_version: str) -> FnOutput:
     if not isinstance(scores, list) or len(scores) != expected_n:
         got = len(scores) if isinstance(scores, list) else type(scores).__name__
         raise ValueError(f"output 'scores' must be a list of {expected_n} numbers, got {got}")
-    if not all(isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
-        raise ValueError("output 'scores' must hold finite numbers only")
+    if not all(isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s) and abs(s) <= SCORE_BOUND
+               for s in scores):
+        raise ValueError(f"output 'scores' must hold finite numbers within ±{SCORE_BOUND:g} only")
     versions = output.get("weight_versions")
     if versions is None:
         versions = [weight_version] * expected_n

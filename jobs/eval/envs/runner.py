@@ -51,7 +51,7 @@ from ckpteval.jobs.eval.kinds import Evaluation
 from ckpteval.jobs.eval.pinning import check_pinned
 from ckpteval.jobs.eval.prompts import render_chat, snapshot_tokenizer
 from ckpteval.jobs.eval.sandbox import Sandbox, shared_sandbox
-from ckpteval.jobs.eval.scorers import Scored, ScorerInfraError, UnitTally, last_line
+from ckpteval.jobs.eval.scorers import Scored, ScorerInfraError, UnitTally, check_scored, last_line
 from ckpteval.jobs.eval.scoring import DatasetCache, sample_seed, sampling_params
 
 
@@ -297,6 +297,7 @@ def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkU
     episodes, generate_s, tool_format = run_unit(engine, cache, spec, unit, snapshot, want)
     scored = [Scored(ep.reward, ep.answer, counters={"infra_retries": ep.retries},
                      extras={"reward": ep.reward, "turns": float(ep.turns)}) for ep in episodes]
+    check_scored(scored, f"env {spec.name}")  # a reward of nan/inf/1e308 is the env's crash, never a point
     fields = {**UnitTally.of(scored).as_result_fields(), "scorer": identity(spec, env_sandbox(cache), tool_format),
               "episodes": [ep.record() for ep in episodes]}
     return Evaluation([s.score for s in scored], [ep.versions[-1] for ep in episodes],

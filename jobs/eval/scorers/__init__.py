@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
+from ckpteval.coord.results import SCORE_BOUND
 from ckpteval.jobs.eval.skips import WorkerSkip
 
 SCORERS: dict[str, str] = {
@@ -242,7 +244,23 @@ def score_samples(scorer: Scorer, samples: list[Sample]) -> list[Scored]:
     if not isinstance(scored, list) or len(scored) != len(samples) or not all(isinstance(s, Scored) for s in scored):
         raise ScorerCrashed(f"scorer returned {type(scored).__name__} of {len(scored) if isinstance(scored, list) else '?'} "
                             f"items for {len(samples)} samples; expected one Scored per sample")
+    check_scored(scored, getattr(getattr(scorer, "spec", None), "scorer", type(scorer).__name__))
     return scored
+
+
+def check_scored(scored: list[Scored], name: str) -> None:
+    """:class:`ScorerCrashed` (the unit's ``crashed`` skip, naming scorer ``name`` and the sample) unless every
+    score and extra is a finite number within ±:data:`SCORE_BOUND` and every counter an integer."""
+    for i, s in enumerate(scored):
+        values = {"score": s.score, **{f"extra {k!r}": v for k, v in s.extras.items()}}
+        for what, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and abs(v) <= SCORE_BOUND):
+                raise ScorerCrashed(f"scorer {name!r} returned {what} {v!r} for sample {i}; expected a finite number "
+                                    f"within ±{SCORE_BOUND:g}")
+        bad = [k for k, n in s.counters.items() if isinstance(n, bool) or not isinstance(n, int)]
+        if bad:
+            raise ScorerCrashed(f"scorer {name!r} returned counter {bad[0]!r} = {s.counters[bad[0]]!r} for sample {i}; "
+                                "expected an integer")
 
 
 @dataclass
