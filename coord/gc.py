@@ -1,4 +1,5 @@
-"""Garbage collection of a staging root, and the free-space check before export.
+"""Garbage collection of a staging root (and of a run's captures, :class:`CaptureGC`), and the free-space
+check before export.
 
 Rules (each a guarantee):
 - Only direct children of the staging root that are real directories are candidates; a symlink is
@@ -26,6 +27,7 @@ the check.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Collection
@@ -114,7 +116,6 @@ class StagingGC:
     def collect(self, retired_steps: set[int], protected: frozenset[int] | set[int] = frozenset()) -> GCReport:
         """Delete retired staging snapshots beyond the newest ``keep``, never one of ``protected``."""
         report = GCReport()
-        live = self.live_lease_steps(retired_steps)
         candidates: list[tuple[int, Path]] = []
         for entry in sorted(os.scandir(self.root), key=lambda e: e.name) if self.root.is_dir() else []:
             path = Path(entry.path)
@@ -129,30 +130,37 @@ class StagingGC:
             if not self._inside_root(path):
                 report.refused.append((path, "resolves outside the staging root"))
                 continue
-            try:
-                marker = read_marker(path)
-            except (FileNotFoundError, ValueError):
-                report.refused.append((path, "no valid marker: not ours to delete"))
-                continue
-            if marker.mode != "staging":
-                report.refused.append((path, f"mode {marker.mode}: never deleted"))
-                continue
-            if self.run is not None and marker.run != self.run:
-                report.refused.append((path, f"run {marker.run}: not this run's ({self.run}) to delete"))
-                continue
-            if marker.step in protected:
+            step = self._step_of(path, report)
+            if step is not None and step in protected:
                 report.kept.append(path)
-            elif marker.step in retired_steps:
-                candidates.append((marker.step, path))
+            elif step is not None and step in retired_steps:
+                candidates.append((step, path))
         candidates.sort()
         doomed = candidates[: max(0, len(candidates) - self.keep)]
         report.kept.extend(p for _, p in candidates[len(doomed) :])
+        live = self.live_lease_steps({step for step, _ in doomed}) if doomed else set()
         for step, path in doomed:
             if step in live:
                 report.refused.append((path, "under a live lease"))
                 continue
             self._delete(path, report)
         return report
+
+    def _step_of(self, path: Path, report: GCReport) -> int | None:
+        """The step of a candidate dir, or None (with the reason in ``report``) when it is not ours to delete:
+        no valid marker, not a staging snapshot, another run's."""
+        try:
+            marker = read_marker(path)
+        except (FileNotFoundError, ValueError):
+            report.refused.append((path, "no valid marker: not ours to delete"))
+            return None
+        if marker.mode != "staging":
+            report.refused.append((path, f"mode {marker.mode}: never deleted"))
+            return None
+        if self.run is not None and marker.run != self.run:
+            report.refused.append((path, f"run {marker.run}: not this run's ({self.run}) to delete"))
+            return None
+        return marker.step
 
     def _collect_stale_tmp(self, path: Path, report: GCReport) -> None:
         try:
@@ -171,6 +179,32 @@ class StagingGC:
         if not path.exists():
             report.deleted.append(path)
             report.freed_bytes += size
+
+
+@dataclass
+class CaptureGC(StagingGC):
+    """``RUN/captured/``: the run's captures of ephemeral saves (prime-rl broadcasts, taken by discovery
+    before the trainer's cleanup; :mod:`ckpteval.coord.discovery`). :meth:`collect` takes the *final* steps —
+    every unit has a result that no later evaluation will supersede — and deletes their captures beyond the
+    newest ``keep`` (default 0: the trainer keeps its newest broadcast anyway).
+
+    The staging rules hold here too: only direct children of the (resolved) root, each resolving inside it;
+    a symlink is never followed or deleted; never a capture under a live lease; a dead process's
+    ``.tmp-`` capture once older than ``stale_tmp_s``. A capture has no marker (its record is
+    ``RUN/adopted/<step>.json``): a candidate is a dir named ``step_<10 digits>``, anything else is left alone.
+    The adoption record stays, so the step is never captured again (its broadcast may still be listed).
+    """
+
+    keep: int = 0
+
+    def _step_of(self, path: Path, report: GCReport) -> int | None:
+        if (match := CAPTURE_NAME.fullmatch(path.name)) is None:
+            report.refused.append((path, "not a capture (step_<10 digits>): not ours to delete"))
+            return None
+        return int(match.group(1))
+
+
+CAPTURE_NAME = re.compile(r"step_(\d{10})")  # coord.discovery's RUN/captured/step_<N:010d>
 
 
 def has_room(path: Path, nbytes: int, margin_fraction: float = 0.05, margin_bytes: int = 64 << 20) -> bool:

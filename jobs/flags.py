@@ -17,6 +17,9 @@ back, and the one-line error convention of every parser.
   (``ckpteval train: error: argument --steps: must be >= 1, got 0 (see --help)``) and exit 2; every
   ``ckpteval`` parser is one, so a usage error never prints a usage block or a traceback.
 
+* :func:`output_width` and :func:`wrap`: the width every program's text output fits (``COLUMNS``, the
+  terminal's, 80 when piped) and lines broken between words to fit it.
+
 Bounds: ``min`` (>=) and ``gt`` (>) on numbers; every float must be finite (NaN and inf are refused).
 Adding a flag to a program is adding one field. Limits: cross-flag rules (``--save-hf`` needs
 ``--save-interval``) stay in the program's own ``validate``.
@@ -31,6 +34,7 @@ import functools
 import inspect
 import math
 import re
+import shutil
 import sys
 import textwrap
 import types
@@ -146,6 +150,19 @@ def fail(prog: str, error: str | BaseException, code: int = 2) -> int:
         message = f"{error.filename}: {error.strerror.lower()}"
     print(f"{prog}: {' '.join(message.split())}", file=sys.stderr, flush=True)
     return code
+
+
+def output_width() -> int:
+    """The columns text output must fit: ``COLUMNS`` when set, else the terminal's, else 80 (a pipe, a log)."""
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """``text`` as lines of at most ``width`` columns, broken at spaces only (a longer word — a path, a run
+    id — stays whole on its own line); continuation lines are indented two spaces."""
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False, subsequent_indent="  ") or [text]
 
 
 # ------------------------------------------------------------------------------------------- values

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import ckpteval.coord.discovery as discovery_mod
 from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.gc import StagingGC, has_room
+from ckpteval.coord.gc import CaptureGC, StagingGC, has_room
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_point_skip, write_result
@@ -250,6 +250,36 @@ def test_gc_never_touches_reused_or_unmarked(tmp_path: Path) -> None:
     (root / "someones-data").mkdir()
     report = StagingGC(root, tmp_path, lease_duration_s=1, keep=0).collect({10})
     assert report.deleted == [] and reused.exists() and (root / "someones-data").exists()
+
+
+def test_capture_gc_deletes_final_captures_only_inside_the_runs_captured_dir(tmp_path: Path) -> None:
+    """RUN/captured/ (prime-rl broadcasts captured before the trainer's cleanup): a final step's capture is
+    deleted; a step not final, a live lease, a planted symlink (its target outside survives), a dir that is
+    no capture and a fresh temp capture are left alone."""
+    root, leases = tmp_path / "run" / "captured", tmp_path / "run" / "leases"
+    leases.mkdir(parents=True)
+    for step in (2, 4, 6):
+        (capture := root / f"step_{step:010d}").mkdir(parents=True)
+        write_tiny_shards(capture, n_shards=1, numel=8)
+    outside = tmp_path / "broadcasts" / "step_8"
+    outside.mkdir(parents=True)
+    (outside / "model.safetensors").write_bytes(b"the trainer's")
+    os.symlink(outside, root / "step_0000000008")  # planted under a capture's name
+    (root / "notes").mkdir()
+    (root / ".tmp-step_0000000010-123").mkdir()  # a capture being taken right now
+    (leases / "step-0000000004").mkdir()
+    (leases / "step-0000000004" / "0000000004.add.00000.lock").write_text("held")
+    now = [0.0]
+    gc = CaptureGC(root, leases, lease_duration_s=30, clock=lambda: now[0])
+    report = gc.collect({2, 4, 8})
+    assert [p.name for p in report.deleted] == ["step_0000000002"]
+    assert (root / "step_0000000004").is_dir() and (root / "step_0000000006").is_dir()  # leased; not final
+    assert (outside / "model.safetensors").read_bytes() == b"the trainer's" and (root / "step_0000000008").is_symlink()
+    assert (root / "notes").is_dir() and (root / ".tmp-step_0000000010-123").is_dir()
+    reasons = dict((p.name, why) for p, why in report.refused)
+    assert "symlink" in reasons["step_0000000008"] and "live lease" in reasons["step_0000000004"]
+    now[0] = 31.0  # the lease unchanged for a whole lease duration: expired
+    assert [p.name for p in gc.collect({2, 4, 8}).deleted] == ["step_0000000004"]
 
 
 def test_has_room(tmp_path: Path) -> None:

@@ -197,3 +197,20 @@ def test_compare_metric_is_the_metric_compared(decided_run: RunDir) -> None:
 def test_best_defaults_to_the_first_datasets_mean(decided_run: RunDir) -> None:
     code, out = finish(spawn("best", str(decided_run.path)), 60)
     assert code == 0 and "best step by eval/add" in out, out
+
+
+def _too_wide(out: str) -> list[str]:
+    """Lines over 80 columns that are not one unbreakable word (a path)."""
+    return [line for line in out.splitlines() if len(line) > 80 and len(line.split()) > 1]
+
+
+def test_compare_and_best_fit_80_columns_and_use_the_width_they_have(decided_run: RunDir) -> None:
+    """#31: ``compare`` rows were 107 wide whatever ``COLUMNS``; at 80 each dataset takes two lines."""
+    code, out = finish(spawn("compare", str(decided_run.path), "--steps", "200", "300", env={"COLUMNS": "80"}), 60)
+    assert code == 0 and not _too_wide(out) and "over 40 prompts: not distinguishable from noise" in out, out
+    code, wide = finish(spawn("compare", str(decided_run.path), "--steps", "200", "300", env={"COLUMNS": "160"}), 60)
+    assert code == 0 and any(len(line) > 80 and line.endswith("not distinguishable from noise")
+                             for line in wide.splitlines()), wide  # one row per dataset when it fits
+    code, out = finish(spawn("best", str(decided_run.path), env={"COLUMNS": "80"}), 60)
+    rec = json.loads(decided_run.best_path("eval/add").read_text())
+    assert code == 0 and not _too_wide(out) and f"best step by eval/add (higher is better): {rec['best_step']}" in out, out

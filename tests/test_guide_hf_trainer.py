@@ -111,7 +111,8 @@ def test_watched_checkpoint_without_any_tokenizer_is_a_named_skip(tmp_path: Path
 def test_prime_rl_broadcast_scored_after_the_trainer_deleted_it(tmp_path: Path) -> None:
     """A current prime-rl run dir (``broadcasts/step_N`` weights only + STABLE) watched by a real worker with
     the model's config and tokenizer in RUN/base: the broadcast is captured, the trainer's cleanup deletes
-    the source, and the point is still scored from the capture."""
+    the source, and the point is still scored from the capture; the point final, the worker collects the
+    capture (RUN/captured/ is not kept forever) and the adoption record keeps it from being captured again."""
     import shutil
 
     out = tmp_path / "prime"
@@ -142,3 +143,5 @@ def test_prime_rl_broadcast_scored_after_the_trainer_deleted_it(tmp_path: Path) 
     results = list(ResultIndex(run / "results").refresh().values())
     assert [(r.unit.step, r.ok) for r in results] == [(4, True)], [r.message for r in results]
     assert ref.path.parent == run / "captured"
+    assert not ref.path.exists() and (run / "adopted" / "0000000004.json").is_file()  # final: capture collected
+    assert disc.poll() == [] and not (run / "captured" / "step_0000000004").exists()  # gone, not re-captured

@@ -145,10 +145,12 @@ def test_unparsed_zero_scores_and_counts_instead_of_skipping(tmp_path: Path) -> 
     assert [x.counters["judge_unparsed"] for x in scored] == [1, 1]
 
 
-def test_the_url_comes_from_the_flag_then_the_published_file(tmp_path: Path, exact_judge: str) -> None:
+def test_the_url_comes_from_the_flag_then_the_published_file(tmp_path: Path, exact_judge: str, capsys) -> None:  # noqa: ANN001
     s = scorer(tmp_path, {"wait_s": 0.2})
     with pytest.raises(ScorerInfraError, match="no judge URL"):
         s.score(samples(PAIRS[:1]))
+    said = capsys.readouterr().err  # #31: the wait is said at its start, not 0% in silence for wait_s
+    assert said.count("waits up to 0.2s for a judge") == 1 and "judge.json" in said and "--judge-url" in said, said
     publish_judge(RunDir(tmp_path / "run").judge_path, exact_judge, "judge-a")
     assert [x.score for x in s.score(samples(PAIRS[:1]))] == [1.0]
     flagged = scorer(tmp_path, {}, judge_url="http://127.0.0.1:9/v1")  # the worker's --judge-url wins

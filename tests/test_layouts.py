@@ -11,6 +11,7 @@ admission is counted and recorded, never silently absent. The last tests drive a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.layouts import LAYOUTS, detect_layouts, resolve_layout
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import verify_snapshot
+from ckpteval.coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_snapshot, verify_snapshot
 
 Action = Callable[[], None]
 QUIET_S = 30.0
@@ -436,6 +437,26 @@ def test_prime_rl_broadcast_is_captured_and_outlives_the_trainers_cleanup(tmp_pa
     assert disc.lost == {} and disc.problems == {} and not list((tmp_path / "captured").glob(".tmp-*"))
 
 
+def test_prime_rl_lora_broadcast_is_captured_as_an_adapter(tmp_path: Path) -> None:
+    """A LoRA run broadcasts the adapter only (``save_lora_config``: ``adapter_model.safetensors`` +
+    ``adapter_config.json``, then STABLE): captured like full weights (no ``config.json`` needed), whole after
+    the trainer's cleanup, and an adapter snapshot (what a run with ``eval.base_model`` loads through its LoRA
+    engine, ``jobs/eval/engines/hf_lora.py``; scoring an adapter end to end is tests/test_lora.py's)."""
+    root, now = _prime_run(tmp_path)
+    disc = _discovery(tmp_path, root, "auto", now)
+    d = root / "broadcasts" / "step_3"
+    d.mkdir(parents=True)
+    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.zeros(2, 8)}, str(d / ADAPTER_WEIGHTS))
+    assert disc.poll() == []  # STABLE not yet there
+    (d / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    (d / "STABLE").touch()
+    [ref] = disc.poll()
+    assert ref.path == tmp_path / "captured" / f"step_{3:010d}" and is_adapter_snapshot(ref.marker.files)
+    assert {ADAPTER_WEIGHTS, ADAPTER_CONFIG} <= set(ref.marker.files) and disc.problems == {}
+    shutil.rmtree(d)  # the trainer's cleanup
+    verify_snapshot(ref.path, "full", ref.marker)
+
+
 def _handshake_broadcast(root: Path, step: int) -> tuple[list[Action], Path]:
     """The same broadcast under PR #3357's four-stage handshake: the trainer offers (``.sender_ready``), its
     consumer acknowledges (``.receiver_ready``: here the test plays the orchestrator), ``.started``, the
@@ -569,3 +590,23 @@ def test_two_watchers_capturing_the_same_broadcast_share_one_capture(tmp_path: P
     assert state["raced"] and ref.path == tmp_path / "captured" / f"step_{8:010d}"
     assert not list((tmp_path / "captured").glob(".tmp-*")) and mine.problems == {} and mine.lost == {}
     verify_snapshot(ref.path, "full", ref.marker)
+
+
+CITED = re.compile(r"\b(?:commit [0-9a-f]{7,40}|[0-9a-f]{40}|transformers \d+\.\d+\.\d+)\b")
+
+
+def test_every_trainer_layout_cites_what_it_was_read_from_and_the_guide_names_it() -> None:
+    """#31: each layout module cites the trainer commit (or release) it was read from, and the guide's
+    "Trainer versions known to work" names that commit's short hash (or the release)."""
+    import importlib
+
+    guide = (Path(__file__).parents[1] / "docs" / "USER_GUIDE.md").read_text()
+    known = guide.split("Trainer versions known to work", 1)[1].split("\n\n", 1)[0]
+    for name, target in LAYOUTS.items():
+        if name == "plain":
+            continue  # no trainer: a dir of snapshot dirs
+        doc = importlib.import_module(target.split(":")[0]).__doc__ or ""
+        cited = CITED.search(doc)
+        assert cited, f"layout {name}: its module docstring cites no commit or release"
+        ref = cited.group(0).removeprefix("commit ")
+        assert (ref if " " in ref else ref[:7]) in known, (name, ref, known)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,25 @@ def test_train_cmd_keeps_quoted_arguments_one_word(tmp_path: Path) -> None:
     bad = subprocess.run(["ckpteval", "submit", "train-eval", "--run-dir", str(tmp_path / "r"), "--dry-run",
                           "--train-cmd", "python t.py 'unbalanced"], env=ENV, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--train-cmd" in bad.stderr and "quotation" in bad.stderr
+
+
+def test_readmes_own_trainer_example_renders_and_the_docs_show_its_settings(tmp_path: Path) -> None:
+    """#31: README's ``--train-cmd`` example (its own trainer, quoted config path), rendered as written, keeps
+    the quoted argument one word; README and guide both show ``--trainer-gpus``, ``CKPTEVAL_RUN_DIR``, the
+    resume and the 600 s wait for run.json (before, their examples submitted only the toy trainer)."""
+    root = Path(__file__).parents[1]
+    readme, guide = (root / "README.md").read_text(), (root / "docs" / "USER_GUIDE.md").read_text()
+    example = re.search(r"^ckpteval submit train-eval --run-dir \S+ (--trainer-gpus.*?--train-cmd \"[^\"]+\")$", readme,
+                        re.S | re.M)
+    assert example is not None
+    words = shlex.split(example.group(1).replace("\\\n", " "))
+    proc = subprocess.run(["ckpteval", "submit", "train-eval", "--run-dir", str(tmp_path / "r"), "--dry-run", *words],
+                          env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert _train_words(proc.stdout)[-2:] == ["--config", "configs/my run.yaml"]
+    for doc in (readme, guide):
+        for shown in ("--train-cmd", "--trainer-gpus", "CKPTEVAL_RUN_DIR", "run.json\").exists()", "600 s"):
+            assert shown in doc, shown
 
 
 def test_resume_with_another_eval_interval_is_refused(tmp_path: Path) -> None:

@@ -156,13 +156,14 @@ def test_ctrl_c_saves_a_checkpoint_and_says_so_in_one_line(tmp_path: Path) -> No
     assert ckpt is not None and int(ckpt.name.split("-")[1]) >= 10
 
 
-def test_no_progress_silences_transformers_bars_too(tmp_path: Path) -> None:
-    """``--no-progress`` with ``--save-hf``: transformers' "Writing model shards" bar (one per checkpoint) is
-    gone too — stderr holds no progress bar at all."""
+def test_no_progress_bar_lands_in_a_log_file(tmp_path: Path) -> None:
+    """A stderr that is no terminal (a log file, a SLURM ``.out``; here a pipe) gets no bar, without
+    ``--no-progress`` (#31): neither the training bar nor transformers' "Writing model shards" (one per
+    ``--save-hf`` checkpoint) — stderr holds no progress bar at all, as with ``--no-progress``."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(_train_cmd(run_dir, "--steps", "4", "--no-eval", "--save-hf", str(tmp_path / "hf"),
-                                     "--save-interval", "2"), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    cmd = [w for w in _train_cmd(run_dir, "--steps", "4", "--no-eval", "--save-hf", str(tmp_path / "hf"),
+                                 "--save-interval", "2") if w != "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [f"checkpoint-{s}" for s in (2, 4)]
     assert "Writing model shards" not in proc.stderr and "it/s]" not in proc.stderr and "\r" not in proc.stderr, \

@@ -1,6 +1,9 @@
 """Hugging Face ``transformers.Trainer`` and every trainer built on it (TRL's SFT/DPO/GRPO/PPO trainers).
 
-Checked against transformers 5.24.0 (the pinned version; the suite runs a real ``Trainer``).
+Checked against transformers 5.24.0 (the pinned version; the suite runs a real ``Trainer``) and trl 1.16.0
+(``GRPOTrainer`` in ``trl/trainer/grpo_trainer.py`` subclasses ``Trainer``; its ``_save_checkpoint`` calls the
+Trainer's, then with ``use_adaptive_entropy`` writes ``entropy_ctrl_state.json`` — after ``trainer_state.json``,
+but no file eval loads; ``examples/trl/grpo.py`` runs it).
 
 Read in huggingface/transformers ``src/transformers/trainer.py`` (``Trainer._save_checkpoint``) and
 ``trainer_utils.py`` (``PREFIX_CHECKPOINT_DIR = "checkpoint"``): a save is ``OUTPUT_DIR/checkpoint-<global_step>/``;

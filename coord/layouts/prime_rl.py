@@ -38,8 +38,9 @@ new offer (a resume re-broadcasting its step) changes the marker's identity, so 
 it is discarded as lost, never scored.
 
 Limits: a capture holds full weights once the trainer deletes its source (hardlinks cost nothing until
-then); ``RUN/captured/`` is not garbage-collected yet — evaluate every k-th broadcast (a dataset's ``every``:
-only steps with units are captured) and clear old captures by hand. A capture on another filesystem is a
+then), until the workers collect it once its point is final (:class:`ckpteval.coord.gc.CaptureGC`); a step
+with an infrastructure skip keeps its capture (a retry may need it) — evaluate every k-th broadcast (a dataset's
+``every``: only steps with units are captured) to bound what is held. A capture on another filesystem is a
 copy (the trainer's cleanup two steps later may then beat it: recorded as lost).
 
 Completion signal: ``.finished`` (since #3357), else ``STABLE`` (before). ``--watch`` may name ``<output_dir>``, its ``broadcasts/`` or its ``weights/``.

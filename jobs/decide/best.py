@@ -20,7 +20,7 @@ from typing import Any
 from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.jobs.decide.data import open_run, parse_metric
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
-from ckpteval.jobs.flags import Parser, fail
+from ckpteval.jobs.flags import Parser, fail, output_width, wrap
 
 PROG = "ckpteval best"
 
@@ -34,12 +34,15 @@ def best_record(best: Best, metric: str, higher: bool, means: dict[int, float]) 
             "time": time.time()}
 
 
-def render(rec: dict[str, Any]) -> str:
+def render(rec: dict[str, Any], width: int = 10_000) -> str:
+    """The decision as text at most ``width`` columns wide: the best step and its interval, the steps not
+    distinguishable from it, then a line per step."""
     iv = rec["interval"]
-    lines = [f"best step by {rec['metric']} ({'higher' if rec['higher_is_better'] else 'lower'} is better): "
-             f"{rec['best_step']}  mean {iv['estimate']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}] "
-             f"({iv['level']:.0%}, {iv['n']} prompts)",
-             f"not distinguishable from it: {', '.join(map(str, rec['not_distinguishable']))} ({rec['correction']})"]
+    lines = [*wrap(f"best step by {rec['metric']} ({'higher' if rec['higher_is_better'] else 'lower'} is better): "
+                   f"{rec['best_step']}  mean {iv['estimate']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}] "
+                   f"({iv['level']:.0%}, {iv['n']} prompts)", width),
+             *wrap(f"not distinguishable from it: {', '.join(map(str, rec['not_distinguishable']))} "
+                   f"({rec['correction']})", width)]
     for step, row in rec["steps"].items():
         d = row.get("diff_to_best")
         diff = f"  diff {d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else "  (best)"
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> int:
             write_wandb_summary(side.run.path, args.wandb_run_id, rec)
         except RuntimeError as e:
             return fail(PROG, e)
-    print(json.dumps(rec) if args.json else render(rec))
+    print(json.dumps(rec) if args.json else render(rec, output_width()))
     return 0
 
 

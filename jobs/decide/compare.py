@@ -17,7 +17,7 @@ from typing import Any
 
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
-from ckpteval.jobs.flags import Parser, fail
+from ckpteval.jobs.flags import Parser, fail, output_width, wrap
 
 PROG = "ckpteval compare"
 
@@ -91,15 +91,25 @@ def plan(args: Any) -> tuple[RunValues, int, RunValues, int]:
     return a, step, b, step
 
 
-def render(rows: list[dict[str, Any]], a: str, b: str) -> str:
-    lines = [f"A = {a}", f"B = {b}",
-             f"{'dataset':<16} {'A':>8} {'B':>8} {'B - A':>9}  {'interval':<21} {'prompts':>7}  verdict"]
-    for r in rows:
-        span = f"[{r['low']:+.4f}, {r['high']:+.4f}]"
-        lines.append(f"{r['dataset']:<16} {r['a']:8.4f} {r['b']:8.4f} {r['diff']:+9.4f}  {span:<21} "
-                     f"{r['n_prompts']:>7}  {r['verdict']}")
-    lines.append(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided)")
+def render(rows: list[dict[str, Any]], a: str, b: str, width: int = 10_000) -> str:
+    """The comparison as text at most ``width`` columns wide (a path longer than it stays whole): a row per
+    dataset when that fits, else two lines per dataset (the numbers, then prompts and verdict)."""
+    lines = [*wrap(f"A = {a}", width), *wrap(f"B = {b}", width)]
+    head = f"{'dataset':<16} {'A':>8} {'B':>8} {'B - A':>9}  {'interval':<21} {'prompts':>7}  verdict"
+    wide = [f"{r['dataset']:<16} {r['a']:8.4f} {r['b']:8.4f} {r['diff']:+9.4f}  {_span(r):<21} "
+            f"{r['n_prompts']:>7}  {r['verdict']}" for r in rows]
+    if max(len(line) for line in [head, *wide]) <= width:
+        lines += [head, *wide]
+    else:
+        for r in rows:
+            lines += wrap(f"{r['dataset']}: A {r['a']:.4f}, B {r['b']:.4f}, B - A {r['diff']:+.4f} {_span(r)}", width)
+            lines += wrap(f"  over {r['n_prompts']} prompts: {r['verdict']}", width)
+    lines += wrap(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided)", width)
     return "\n".join(lines)
+
+
+def _span(row: dict[str, Any]) -> str:
+    return f"[{row['low']:+.4f}, {row['high']:+.4f}]"
 
 
 def main(argv: list[str]) -> int:
@@ -121,5 +131,5 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
     label_a, label_b = f"{a.run.path} step {step_a}", f"{b.run.path} step {step_b}"
-    print(json.dumps({"a": label_a, "b": label_b, "datasets": rows}) if args.json else render(rows, label_a, label_b))
+    print(json.dumps({"a": label_a, "b": label_b, "datasets": rows}) if args.json else render(rows, label_a, label_b, output_width()))
     return 0

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.discovery import CAPTURED, SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.gc import CaptureGC
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.layouts import FALLBACK
 from ckpteval.coord.ledger import Ledger
@@ -97,6 +98,8 @@ class Worker:
         self._done_seen_at: float | None = None  # monotonic time this worker first saw TRAINING_DONE
         self._dispatches: dict[int, dict[str, Any]] = {}  # ledger records, read once training is done
         self._unfound_since: dict[int, float] = {}
+        self.captures = CaptureGC(self.rundir.path / CAPTURED, self.rundir.leases, self.manifest.lease.duration_s)
+        self._final: set[int] = set()  # settled steps no later evaluation supersedes (no infra skip)
 
     def _make_discoveries(self) -> list[_Discovered]:
         foreign = {
@@ -161,6 +164,7 @@ class Worker:
             for u in self._open_units(s, results)
             if u not in broken  # a human must look at it; re-evaluating could never publish
         ]
+        self._collect_captures()  # after _open_units: the steps settled by this poll's results
         if self.step_limit is not None and (limit := self.step_limit(results)) is not None:
             outstanding = [u for u in outstanding if u.step <= limit]
         self._give_up_finding(outstanding)
@@ -172,6 +176,17 @@ class Worker:
 
     def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # only unsettled ``steps``' dirs
         return self.index.refresh(self.settled, only_steps=steps)
+
+    def _collect_captures(self) -> None:
+        """Captured broadcasts (``RUN/captured/``) of final steps are deleted (:class:`CaptureGC`): settled, and
+        no unit's result an infrastructure skip that a ``--retry-infra-skips`` pass could still supersede."""
+        if not self.captures.root.is_dir():
+            return  # one stat per poll when nothing was ever captured
+        for step in self.settled - self._final:
+            if all((r := self.index.get(u)) is not None and r.skip_reason not in INFRA_SKIPS
+                   for u in units_for_step(self.manifest, step)):
+                self._final.add(step)
+        self.captures.collect(self._final)
 
     def _give_up_finding(self, outstanding: list[WorkUnit]) -> None:
         """Training is done, so every snapshot the trainer will publish is published: a dispatched step no

@@ -261,8 +261,8 @@ def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 
 
 def silence_library_progress_bars() -> None:
-    """``--no-progress`` means no bar at all: also transformers' ("Writing model shards" on every
-    ``--save-hf`` checkpoint, "Loading weights") and huggingface_hub's."""
+    """``--no-progress`` (or stderr not a terminal) means no bar at all: also transformers' ("Writing model
+    shards" on every ``--save-hf`` checkpoint, "Loading weights") and huggingface_hub's."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -273,7 +273,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     """The training loop; ``dispatch`` and ``run`` come from :func:`main`'s validation and set-up."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if not cfg.progress:
+    bars = cfg.progress and sys.stderr.isatty()  # a log file or a SLURM .out gets no bar redrawn into it
+    if not bars:
         silence_library_progress_bars()
     manifest = run.manifest()
 
@@ -291,7 +292,7 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
     preempt = _Preemption()  # before the dispatcher: a stop signal ends its waits too
     dispatcher = build_dispatcher(cfg, dispatch, run, sink, preempt)
     final_step = cfg.steps
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not bars, dynamic_ncols=True)
     t_start = t_window = time.perf_counter()
     save_dir, save_interval = cfg.dispatch.save_hf_dir, cfg.dispatch.save_interval  # reuse mode (also --no-eval)
     if dispatcher is not None and cfg.eval_at_start and start == 0:

@@ -157,11 +157,16 @@ class JudgeScorer(BaseScorer):
             return self.opts.url
         if flag := self.ctx.option("judge_url"):
             return str(flag)
-        deadline = time.monotonic() + self.opts.wait_s
+        deadline, said = time.monotonic() + self.opts.wait_s, False
         while True:
             published = read_judge(self.run.judge_path)
             if published is not None:
                 return str(published["url"])
+            if not said:  # not 0% in silence for wait_s: say what it waits for, once per wait
+                said = True
+                print(f"ckpteval worker: dataset {self.spec.name!r} waits up to {self.opts.wait_s:g}s for a judge: "
+                      f"{self.run.judge_path} (a judge job publishes it); the dataset sets no scorer_options.url "
+                      "and the worker has no --judge-url", file=sys.stderr, flush=True)
             if time.monotonic() >= deadline:
                 raise ScorerInfraError("judge_failed", f"no judge URL: dataset {self.spec.name!r} sets no url, the "
                                        f"worker has no --judge-url, and {self.run.judge_path} did not appear "

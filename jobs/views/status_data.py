@@ -1,0 +1,192 @@
+"""What a run's files say, as plain data: :func:`collect_status` is ``ckpteval status --json``'s object
+and what every status view (tables, plot, demo, the notebook API) is drawn from.
+
+Read-only: it never writes to the run dir, so it is safe to run anywhere, any time, as often as
+you like. Everything is derived from the protocol files (docs/PROTOCOL.md): snapshots from their
+markers, units from results and lease files, points from results, lag from ``metrics.jsonl``.
+
+Limits: lease ages use this machine's wall clock against the lease file's mtime, so a skewed clock
+shifts them; "expired" here is a display hint — the protocol's real expiry is judged by each
+contender on its own monotonic clock (see ckpteval.coord.units).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ckpteval.coord.atomic import read_json_object, read_jsonl
+from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs
+from ckpteval.coord.saves import lost_steps, waiting_saves
+from ckpteval.coord.layouts import AUTO
+from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.manifest import RunManifest
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.steps import run_step_selection
+from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
+from ckpteval.coord.units import lease_path, read_lease_holder
+from ckpteval.coord.weight_checksums import summarize
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Lines of metrics.jsonl (:func:`ckpteval.coord.atomic.read_jsonl`: a torn last line is ignored, any other
+    bad line names the file)."""
+    return read_jsonl(path, what="metrics line")
+
+
+def eval_lags(metrics: list[dict[str, Any]]) -> dict[int, float]:
+    return {int(m["eval/step"]): m["eval/lag_steps"] for m in metrics if "eval/step" in m and "eval/lag_steps" in m}
+
+
+def _lease_info(path: Path, duration: float, now: float) -> dict[str, Any]:
+    try:
+        holder = read_lease_holder(path)
+        age = now - path.stat().st_mtime
+    except FileNotFoundError:
+        return {}
+    info: dict[str, Any] = {}
+    if holder is not None:
+        info.update(host=holder.hostname, pid=str(holder.pid))
+        if holder.token is not None:
+            info["token"] = holder.token
+    info["age_s"] = round(age, 1)
+    info["expired"] = age > duration
+    return info
+
+
+def _snapshot_rows(roots: tuple[str, ...], retired: set[int], adopted: Path) -> list[dict[str, Any]]:
+    """Marked snapshots under the run's roots, plus the watched checkpoints it adopted (``RUN/adopted/``)."""
+    rows = []
+    refs = [ref for root in roots for ref in SnapshotDiscovery(Path(root)).poll()]
+    marked = {ref.step for ref in refs}
+    for ref in refs + [a for a in adopted_refs(adopted) if a.step not in marked and a.path.is_dir()]:
+            rows.append({
+                "step": ref.step,
+                "path": str(ref.path),
+                "bytes": ref.marker.total_bytes,
+                "mode": ref.marker.mode,
+                "complete": True,
+                "retired": ref.step in retired,
+            })
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _unit_rows(run: RunDir, manifest: RunManifest, steps: list[int], facts: dict[int, StepFacts]) -> dict[str, Any]:
+    duration = manifest.lease.duration_s
+    now = time.time()
+    pending, done, skipped = [], 0, {}
+    for step in steps:
+        f = facts[step]
+        for unit_id in f.missing:
+            lease = _lease_info(lease_path(run.leases, unit_id, step), duration, now)
+            pending.append({"unit": unit_id, **({"lease": lease} if lease else {})})
+        done += f.done
+        for reason, n in f.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    return {"pending": pending, "done": done, "skipped": skipped}
+
+
+def _point_rows(steps: list[int], facts: dict[int, StepFacts], lags: dict[int, float]) -> list[dict[str, Any]]:
+    return [{**facts[step].point, "lag_steps": lags.get(step)} for step in steps]
+
+
+def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any]]) -> dict[str, Any]:
+    """What evaluation cost next to what training took: total eval GPU-hours (every unit's ``cost``),
+    GPU-seconds per complete point, tokens/s per engine (per worker ``host:pid``: its generated tokens
+    over its engine seconds), and training's wall time — ``TRAINING_DONE``'s time (now while it runs)
+    minus ``run.json``'s modification time, so an approximation (a re-written run.json moves it)."""
+    per_engine: dict[str, tuple[list[float], list[float]]] = {}
+    for f in facts:
+        for key, (tokens, seconds) in f.engines.items():
+            acc = per_engine.setdefault(key, ([], []))
+            acc[0].append(tokens)
+            acc[1].append(seconds)
+    gpu_s = math.fsum(f.gpu_s for f in facts)
+    complete = [p["cost"].get("gpu_s", 0.0) for p in points if p["complete"] and p.get("cost")]
+    try:
+        done_at = float(read_json_object(run.done_path).get("time", time.time()))
+    except FileNotFoundError:
+        done_at = time.time()
+    rates = {k: (math.fsum(tok), math.fsum(s)) for k, (tok, s) in per_engine.items()}
+    return {
+        "eval_gpu_hours": gpu_s / 3600,
+        "gpu_s_per_point": sum(complete) / len(complete) if complete else None,
+        "training_wall_hours": max(0.0, done_at - run.manifest_path.stat().st_mtime) / 3600,
+        "tokens_per_s": {k: (tok / s if s > 0 else None) for k, (tok, s) in sorted(rates.items())},
+    }
+
+
+def collect_status(run_dir: Path) -> dict[str, Any]:
+    """Everything status shows, as plain data (the ``--json`` output). Each step comes from its summary when
+    that is fresh, else from its result files (:mod:`ckpteval.coord.summary`): the same either way."""
+    run = RunDir.open(run_dir)
+    manifest = run.manifest()
+    facts, errors = read_step_facts(run.results, manifest)
+    ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
+    retired = ledger.retired if ledger else set()
+    snapshots = _snapshot_rows(manifest.snapshot_roots, retired, run.adopted)
+    waiting = [w for root in manifest.trainer.get("foreign_roots", []) if isinstance(root, str)
+               for w in waiting_saves(Path(root), AUTO, run.adopted)]
+    with_results = {s for s, f in facts.items() if f.has_results}
+    steps = sorted({s["step"] for s in snapshots} | with_results | set(ledger.dispatched if ledger else ()))
+    selection = run_step_selection(manifest.trainer, str(run.manifest_path))
+    if selection is not None:  # a re-evaluation run shows only the steps it evaluates
+        steps = [s for s in steps if s in selection]
+    for step in steps:
+        if step not in facts:  # known (a snapshot, the ledger) but without a result yet
+            facts[step] = step_facts(manifest, step, {})
+    units = _unit_rows(run, manifest, steps, facts)
+    lags = eval_lags(read_metrics(run.metrics_path))
+    points = _point_rows(steps, facts, lags)
+    expired = [p for p in units["pending"] if p.get("lease", {}).get("expired")]
+    complete = {p["step"] for p in points if p.get("complete")}
+    free = {}
+    for root in manifest.snapshot_roots:
+        if os.path.isdir(root):
+            st = os.statvfs(root)
+            free[root] = st.f_bavail * st.f_frsize
+    return {
+        "run_id": manifest.run_id,
+        "run_dir": str(run.path),
+        "training_done": run.training_done(),
+        "interrupted": run.interrupted(),
+        "reeval": {k: manifest.trainer.get(k) for k in ("from_run", "steps")} if selection is not None else None,
+        "datasets": [d.name for d in manifest.eval.datasets],
+        "harness_metrics": harness_columns(points),
+        "snapshots": snapshots,
+        "waiting": waiting,
+        "units": units,
+        "points": points,
+        "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
+        "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
+        "health": {
+            "expired_leases": len(expired),
+            "stuck_units": [p["unit"] for p in expired],
+            "malformed_results": errors,
+            "staging_free_bytes": free,
+            # dispatched, not ingested: still being evaluated, or scored and not (yet) logged by the trainer
+            "ledger_pending": [s for s in (ledger.pending if ledger else []) if s not in complete],
+            "scored_not_logged": [s for s in (ledger.pending if ledger else []) if s in complete],
+            "lost_before_admission": lost_steps(run.lost),
+        },
+    }
+
+
+def harness_columns(points: list[dict[str, Any]]) -> list[str]:
+    """The lm-eval metrics (``"<task>/<metric>"``) any point carries, pin evidence left out."""
+    return sorted({k for p in points for k in p["metrics"] if "/weight_version/" not in k})
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float as None: JSON has neither (``status --json`` prints no
+    bare ``NaN``/``Infinity`` a strict parser refuses)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
