@@ -20,11 +20,11 @@ from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, read_jsonl
 from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs
-from ckpteval.coord.saves import lost_steps, waiting_saves
 from ckpteval.coord.layouts import AUTO
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.saves import lost_steps, waiting_saves
 from ckpteval.coord.steps import run_step_selection
 from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
