@@ -22,7 +22,10 @@ from ckpteval.coord.points import derive_point, pass_at_k, pass_hat_k, point_met
 from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
-from ckpteval.jobs.eval.engines.http import HTTPEngine
+from ckpteval.jobs.eval.engines.base import Generation
+from ckpteval.jobs.eval.engines.fn import parse_output
+from ckpteval.jobs.eval.engines.hf import Completion
+from ckpteval.jobs.eval.engines.http import HTTPEngine, parse_generation
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.kinds import evaluate_pinned, unit_result
 from ckpteval.jobs.eval.prompts import render_prompts
@@ -163,3 +166,19 @@ def test_chat_template_kwargs_reach_the_template_and_decide_where_reasoning_star
     assert split_reasoning("42", THINK, prompt_on).answer is None
     assert split_reasoning("42", THINK, prompt_off).answer == "42"
     assert split_reasoning("41</think>42", THINK, prompt_on).answer == "42"
+
+
+# -- finish reasons from every engine ------------------------------------------------------------------
+def test_every_engine_reports_how_a_generation_stopped() -> None:
+    """sglang's ``meta_info.finish_reason`` (http), the hf engine's completion, an fn backend's output."""
+    meta = {"completion_tokens": 3, "prompt_tokens": 2, "weight_version": "r@1"}
+    for kind, want in (({"type": "length", "length": 3}, "length"), ({"type": "stop", "matched": 2}, "stop"),
+                       ({"type": "stop", "matched": "</s>"}, "stop")):
+        assert parse_generation({"text": "x", "meta_info": {**meta, "finish_reason": kind}}).generation.finish_reason == want
+    cut = Completion("x", [5, 6], {"type": "length", "length": 2}, 3, "r@1").generation()
+    assert cut.finish_reason == "length" and Generation("x", None, 1).finish_reason is None
+    out = parse_output({"scores": [1.0, 0.0, 0.0], "finish_reasons": ["stop", "length", None]}, 3, "1")
+    assert out.extras() == {"truncated": {"sum": 1.0, "n": 2}}  # the unknown one is not counted
+    assert parse_output({"scores": [1.0]}, 1, "1").extras() == {}
+    with pytest.raises(ValueError, match="finish_reasons"):
+        parse_output({"scores": [1.0], "finish_reasons": ["eos"]}, 1, "1")
