@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from ckpteval.coord.identity import run_key, weight_version
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
@@ -22,6 +23,7 @@ from ckpteval.coord.points import derive_point, pass_at_k, pass_hat_k, point_met
 from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
+from ckpteval.jobs.eval.answering import resolve_reasoning
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.engines.fn import parse_output
 from ckpteval.jobs.eval.engines.hf import Completion
@@ -32,6 +34,8 @@ from ckpteval.jobs.eval.prompts import render_prompts
 from ckpteval.jobs.eval.reasoning import ReasoningSetting, split_reasoning
 from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.reference.model import save_tokenizer
+from ckpteval.jobs.views.plot import plot_series
+from ckpteval.jobs.views.status import collect_status, points_table
 from tests.support.canned_engine import CannedEngine
 
 THINK = ReasoningSetting(end="</think>", start="<think>")
@@ -138,6 +142,13 @@ def test_scripted_reasoning_traces_score_their_answers_only(tmp_path: Path) -> N
     ids = {json.dumps(r.scorer, sort_keys=True) for u, r in results.items() if u.dataset == "think"}
     assert len(ids) == 1 and json.loads(ids.pop())["reasoning"] == {"end": "</think>", "start": "<think>", "always": False}
     assert "reasoning" not in next(r for u, r in results.items() if u.dataset == "plain").scorer
+    # status shows them in the "<ds> length" column, the plot in its length panel
+    status = collect_status(run.path)
+    table = points_table(status)
+    headers = [c.header for c in table.columns]
+    assert table.rows[0][headers.index("think length")].startswith("trunc=0.31 noans=0.56 tok=")
+    assert table.rows[0][headers.index("pass^4")] == "0.250"  # the first pass^4 column is think's
+    assert plot_series(status)["lengths"]["think truncated"] == ([5], [5 / 16])
 
 
 # -- chat_template_kwargs ------------------------------------------------------------------------------
@@ -182,3 +193,23 @@ def test_every_engine_reports_how_a_generation_stopped() -> None:
     assert parse_output({"scores": [1.0]}, 1, "1").extras() == {}
     with pytest.raises(ValueError, match="finish_reasons"):
         parse_output({"scores": [1.0], "finish_reasons": ["eos"]}, 1, "1")
+
+
+def test_reasoning_end_tokenizer_reads_the_snapshot_tokenizers_own_pair(tmp_path: Path) -> None:
+    """``{"end": "tokenizer"}``: the pair in the tokenizer's vocabulary; none, or an end that decoding drops
+    (a special token), is a clear error naming the dataset and snapshot, never a silent no-strip."""
+    spec = DatasetSpec("d", "d.jsonl", 1, reasoning={"end": "tokenizer"})
+    plain, thinking, special = tmp_path / "plain", tmp_path / "thinking", tmp_path / "special"
+    for path in (plain, thinking, special):
+        save_tokenizer(path)
+    with pytest.raises(RuntimeError, match="none of the known pairs"):
+        resolve_reasoning(spec, str(plain))
+    tok = AutoTokenizer.from_pretrained(thinking)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(thinking)
+    assert resolve_reasoning(spec, str(thinking)).setting == ReasoningSetting("</think>", "<think>")
+    tok = AutoTokenizer.from_pretrained(special)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tok.save_pretrained(special)
+    with pytest.raises(RuntimeError, match="special token"):
+        resolve_reasoning(spec, str(special))
