@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from ckpteval.coord.entries import EnvSpec
 from ckpteval.coord.identity import run_key, weight_version
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.points import derive_point, pass_at_k, pass_hat_k, point_metrics
@@ -28,6 +29,7 @@ from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.engines.fn import parse_output
 from ckpteval.jobs.eval.engines.hf import Completion
 from ckpteval.jobs.eval.engines.http import HTTPEngine, parse_generation
+from ckpteval.jobs.eval.envs.runner import Episode, Renderer
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.kinds import evaluate_pinned, unit_result
 from ckpteval.jobs.eval.prompts import render_prompts
@@ -177,6 +179,13 @@ def test_chat_template_kwargs_reach_the_template_and_decide_where_reasoning_star
     assert split_reasoning("42", THINK, prompt_on).answer is None
     assert split_reasoning("42", THINK, prompt_off).answer == "42"
     assert split_reasoning("41</think>42", THINK, prompt_on).answer == "42"
+    # the multi-turn path (env episodes, and the pinned OpenAI endpoint, which renders through the same Renderer)
+    env = EnvSpec(name="e", path="e.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
+                  chat_template_kwargs={"enable_thinking": False})
+    episode = Episode(0, 0, {}, messages=[{"role": "user", "content": "q"}], tools=[])
+    assert Renderer(env, str(snap))(episode) == prompt_off
+    with pytest.raises(ValueError, match="not applied to env"):
+        EnvSpec(name="e", path="e.jsonl", n_prompts=1, env="arithmetic", reasoning={"end": "</think>"})
 
 
 # -- finish reasons from every engine ------------------------------------------------------------------
