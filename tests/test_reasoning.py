@@ -12,6 +12,7 @@ template is a real tokenizer's (the reference tokenizer saved with a template th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,9 @@ def test_scripted_reasoning_traces_score_their_answers_only(tmp_path: Path) -> N
     ids = {json.dumps(r.scorer, sort_keys=True) for u, r in results.items() if u.dataset == "think"}
     assert len(ids) == 1 and json.loads(ids.pop())["reasoning"] == {"end": "</think>", "start": "<think>", "always": False}
     assert "reasoning" not in next(r for u, r in results.items() if u.dataset == "plain").scorer
+    other = {u: replace(r, scorer={**r.scorer, "reasoning": {**r.scorer["reasoning"], "end": "</answer>"}})
+             if u == first_q1.unit else r for u, r in results.items()}
+    assert derive_point(manifest, 5, other).mixed_scorers == ("think",)  # one unit stripped otherwise: not pooled
     # status shows them in the "<ds> length" column, the plot in its length panel
     status = collect_status(run.path)
     table = points_table(status)
