@@ -163,6 +163,15 @@ class DatasetSpec:
     """Seconds one ``/generate`` request of an HTTP engine (sglang, ``ckpteval serve``) may take, for this
     dataset's batches; None: the engine derives it from ``max_new_tokens`` and the batch
     (:func:`ckpteval.jobs.eval.engines.http_limits.generate_timeout`). In-process engines ignore it."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    """``chat`` only: keyword arguments every rendering of the chat template gets, as sglang's
+    ``chat_template_kwargs`` (``{"enable_thinking": false}``, ``{"reasoning_effort": "low"}``); recorded in
+    each result's scoring identity, so units rendered with different ones never pool."""
+    reasoning: dict[str, Any] | None = field(default=None, hash=False)
+    """Where a completion's reasoning ends (:mod:`ckpteval.jobs.eval.reasoning`): ``{"end": "</think>"}``
+    (``"start"``: the opening tag; ``"always"``: every completion begins in reasoning), or ``{"end":
+    "tokenizer"}`` (the snapshot tokenizer's own pair). Scorers and judges see only the text after it; a
+    completion whose reasoning never ends has no answer (scores 0). None: the whole completion is scored."""
 
     KIND: ClassVar[str] = "generate"  # the kind this class holds (a subclass: another kind, same settings)
     POINT_RULE: ClassVar[str] = "samples"  # pooled per-sample scores (ckpteval.coord.results.dataset_score)
@@ -199,6 +208,8 @@ class DatasetSpec:
         if self.system_prompt is not None and self.prompt_format != "chat":
             raise FieldError("system_prompt", "needs prompt_format 'chat' (a raw prompt has no system turn)")
         self._check_samples_per_unit()
+        check_template_kwargs(self.chat_template_kwargs, self.prompt_format)
+        check_reasoning(self.reasoning)
         for k in self.pass_k:
             if not 1 <= k <= self.n_samples:
                 raise FieldError("pass_k", f"has k={k}; each k must be in 1..n_samples ({self.n_samples})")
@@ -345,6 +356,36 @@ class HarnessSpec:
 
 
 
+RENDER_ARGS = frozenset({"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+                         "return_dict", "documents", "chat_template"})  # apply_chat_template's own arguments
+REASONING_KEYS = frozenset({"end", "start", "always"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any], prompt_format: str) -> None:
+    """``chat_template_kwargs``: only with ``chat`` prompts, and none of the arguments rendering sets itself."""
+    if not kwargs:
+        return
+    if prompt_format != "chat":
+        raise FieldError("chat_template_kwargs", "needs prompt_format 'chat' (a raw prompt renders no template)")
+    taken = sorted(set(kwargs) & RENDER_ARGS)
+    if taken:
+        raise FieldError("chat_template_kwargs", f"sets {', '.join(taken)}, which rendering sets itself")
+
+
+def check_reasoning(value: dict[str, Any] | None) -> None:
+    """``reasoning``: ``{"end": str[, "start": str][, "always": bool]}`` (``end`` may be ``"tokenizer"``)."""
+    if value is None:
+        return
+    unknown = sorted(set(value) - REASONING_KEYS)
+    if unknown:
+        raise FieldError("reasoning", f"has {', '.join(unknown)}; its keys are end, start, always")
+    for key in ("end", "start"):
+        if (key in value or key == "end") and not (isinstance(value.get(key), str) and value[key]):
+            raise FieldError("reasoning", f"{key} must be a non-empty string (end: the delimiter, or 'tokenizer')")
+    if not isinstance(value.get("always", False), bool):
+        raise FieldError("reasoning", "always must be true or false")
+
+
 def subset_rows(n_rows: int, spec: DatasetSpec) -> list[int]:
     """The file rows (0-based, in file order) a dataset evaluates: all, the first ``subset``, or the
     ``subset`` rows whose ``blake2b(f"ckpteval-subset:{subset_seed}:{i}")`` sort first. Every worker
@@ -395,6 +436,8 @@ class EnvSpec(DatasetSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.reasoning is not None:
+            raise FieldError("reasoning", "is not applied to env episodes (the environment reads whole replies)")
         if not self.env:
             raise FieldError("env", "must name an environment (a registered name or module:Class)")
         if self.max_turns < 1:

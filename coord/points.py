@@ -34,7 +34,7 @@ class DatasetScore:
     weight_version_mean: float
     mixed_version_ratio: float
     stderr: float = math.nan  # standard error of the mean over prompts (of per-prompt means)
-    derived: dict[str, float] = field(default_factory=dict)  # "pass@k" for each k, "maj@n" when n > 1
+    derived: dict[str, float] = field(default_factory=dict)  # "pass@k", "pass^k" for each k, "maj@n" when n > 1
     grader_timeouts: int = 0
     counters: dict[str, int] = field(default_factory=dict)  # the scorer's counts, summed over the shards
     extras: dict[str, float] = field(default_factory=dict)  # the scorer's per-sample numbers, averaged
@@ -84,6 +84,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass^k of one prompt with ``c`` correct of ``n`` samples: the chance that ``k`` samples drawn
+    without replacement are *all* correct, C(c, k) / C(n, k) (tau-bench, Yao et al. 2024), exact in integers."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass^k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return math.comb(c, k) / math.comb(n, k)
 
 
 def majority_score(answers: Sequence[str | None], scores: Sequence[float]) -> float:
@@ -158,8 +166,11 @@ def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) 
     prompts = [scores[i : i + n] for i in range(0, len(scores), n)]
     derived: dict[str, float] = {}
     if prompts and all(len(p) == n for p in prompts):
+        right = [sum(correct(x, threshold) for x in p) for p in prompts]
         for k in spec.pass_k:
-            derived[f"pass@{k}"] = sum(pass_at_k(n, sum(correct(x, threshold) for x in p), k) for p in prompts) / len(prompts)
+            derived[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(prompts)
+            if k > 1:  # pass^1 is pass@1
+                derived[f"pass^{k}"] = sum(pass_hat_k(n, c, k) for c in right) / len(prompts)
         if n > 1 and (answers := pooled.answers) is not None:  # old results carry no answers
             votes = [majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)]
             derived[f"maj@{n}"] = sum(votes) / len(votes)

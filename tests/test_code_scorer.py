@@ -213,7 +213,8 @@ def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None
     (ds,) = run.manifest().eval.datasets
     point = dataset_score(ds, run_key(run.manifest()), 1, [got[WorkUnit(1, "code", i)] for i in (0, 1)])
     assert (point.score, point.derived["pass@1"], point.derived["pass@2"]) == (0.75, 0.75, 1.0)
-    assert point.extras == {"tests_passed_fraction": 0.75} and point.counters["code_errors"] == 0
+    assert point.extras["tests_passed_fraction"] == 0.75 and point.counters["code_errors"] == 0
+    assert (point.extras["truncated"], point.extras["no_answer"]) == (0.0, 0.0)  # every canned one stopped, with a program
     assert survivors(f"ckpteval-{pid}") == []
 
 

@@ -221,6 +221,7 @@ class FnEvaluator:
         if wrong:
             raise PinViolation(f"want version {want}; backend reported {wrong}")
         ev = Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers,
+                        scored={"extras": parsed.extras()} if parsed.extras() else {},
                         attest=NOT_ATTESTED.to_json(), generate_s=timings["generate_s"])
         return replace(ev, cost=unit_cost(ev, timings, 0))
 

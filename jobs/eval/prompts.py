@@ -5,7 +5,8 @@ A dataset's ``prompt_format`` (run.json) decides:
 - ``raw``: a row's ``prompt`` string is sent as is (rows with ``messages`` are refused when loaded).
 - ``chat``: the row's ``messages`` (a list of ``{"role", "content"}``; a ``prompt`` string is one user
   message) are rendered with the **snapshot's own tokenizer** chat template,
-  ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)``; a dataset
+  ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)``
+  (the dataset's ``chat_template_kwargs``: ``enable_thinking``, ``reasoning_effort``, ...); a dataset
   ``system_prompt`` is put first unless the row starts with its own system message.
 
 The worker's engines (hf, http, sglang, pools), the trainer's shared posture and the ``fn`` backends'
@@ -77,12 +78,14 @@ def row_messages(spec: DatasetSpec, row: dict[str, Any]) -> list[dict[str, str]]
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], where: str,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """``messages`` in the tokenizer's chat template, ready for the assistant's turn (``tools``: the
-    OpenAI-style tool schemas of a tool-using episode, rendered by the template's own ``tools`` support)."""
+    OpenAI-style tool schemas of a tool-using episode, rendered by the template's own ``tools`` support;
+    ``template_kwargs``: the dataset's ``chat_template_kwargs``, variables of the template such as
+    ``enable_thinking``, as sglang passes a request's ``chat_template_kwargs``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate(f"{where}: the tokenizer has no chat template, and the dataset is prompt_format 'chat'")
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     if not isinstance(text, str):
         raise RuntimeError(f"{where}: apply_chat_template returned {type(text).__name__}, not text")
@@ -98,4 +101,5 @@ def render_prompts(
     if snapshot_dir is None:
         raise ValueError(f"dataset {spec.name!r} is prompt_format 'chat': rendering needs the snapshot's tokenizer")
     tokenizer = (tokenizers or _TOKENIZERS).get(snapshot_dir)
-    return [render_chat(tokenizer, row_messages(spec, row), snapshot_dir) for row in rows]
+    return [render_chat(tokenizer, row_messages(spec, row), snapshot_dir, template_kwargs=spec.chat_template_kwargs)
+            for row in rows]

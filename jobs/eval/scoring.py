@@ -5,7 +5,9 @@ and writes nothing (the worker, or the trainer's shared posture, does that aroun
 keeps the weight version the engine reported for it and the answer its scorer extracted.
 
 Prompts are rendered by :func:`ckpteval.jobs.eval.prompts.render_prompts` (raw, or the snapshot's chat
-template), so every engine receives the same text for the same row.
+template), so every engine receives the same text for the same row. Completions are scored by
+:func:`ckpteval.jobs.eval.answering.score_generations`: the scorer sees each answer with its reasoning
+stripped, and every sample carries ``truncated``/``no_answer``/token counts.
 
 Seeds: greedy decoding (``temperature == 0``) is deterministic and sends no seeds. Sampled decoding
 gives sample ``j`` of prompt row ``i`` (``i`` the row's index in the whole dataset and ``j`` the sample's
@@ -23,13 +25,14 @@ from typing import Any
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
+from ckpteval.jobs.eval.answering import resolve_reasoning, score_generations, scoring_identity
 from ckpteval.jobs.eval.engines.base import Engine, SamplingParams
 from ckpteval.jobs.eval.evalsets import Row, load_dataset
 from ckpteval.jobs.eval.kinds import Evaluation
 from ckpteval.jobs.eval.options import scorer_options
 from ckpteval.jobs.eval.pinning import check_pinned
 from ckpteval.jobs.eval.prompts import render_prompts
-from ckpteval.jobs.eval.scorers import Sample, Scorer, ScorerContext, UnitTally, make_scorer, score_samples
+from ckpteval.jobs.eval.scorers import Sample, Scorer, ScorerContext, UnitTally, make_scorer
 
 SEED_MASK = 0x7FFFFFFF  # 31 bits: a non-negative int32 every engine accepts
 
@@ -150,7 +153,8 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
     scorer = cache.scorer(work.spec)
     samples = [Sample(c, r, p) for c, r, p in zip(completions, work.rows, work.prompts, strict=True)]
     t1 = time.perf_counter()
-    scored = score_samples(scorer, samples)
+    reasoning = resolve_reasoning(work.spec, snapshot_dir)  # scorers see answers, never reasoning
+    scored = score_generations(scorer, samples, generations, reasoning)
     score_s = time.perf_counter() - t1
     return UnitScores(
         scores=[s.score for s in scored],
@@ -162,7 +166,7 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
         score_s=score_s,
         answers=[s.answer for s in scored],
         tally=UnitTally.of(scored),
-        scorer=scorer.identity(),
+        scorer=scoring_identity(scorer, work.spec, reasoning),
     )
 
 

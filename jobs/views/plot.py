@@ -4,7 +4,9 @@ there is lag); several runs are overlaid on one step axis, a colour per run.
 The plotted series are exactly the derived points (ckpteval.coord.results.derive_point) of complete steps;
 :func:`plot_series` returns them so a test can check the picture shows what the run says. Each
 dataset's pooled mean is drawn with a band of ± its standard error over prompts, and its pass@k /
-maj@n (when it has them) as dashed lines of the same colour. A dataset evaluated every few points
+maj@n (when it has them) as dashed lines of the same colour; a generated set's mean completion and
+reasoning tokens and its truncated / no-answer shares in a length panel below (:data:`LENGTH_SERIES`).
+A dataset evaluated every few points
 (its ``every``) is drawn at exactly the steps it was evaluated at.
 Matplotlib runs headless (Agg). Limits: incomplete points are not drawn.
 """
@@ -32,6 +34,7 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
     series: dict[str, tuple[list[int], list[float]]] = {name: ([], []) for name in names}
     bands: dict[str, tuple[list[int], list[float], list[float]]] = {ds: ([], [], []) for ds in status["datasets"]}
     derived: dict[str, tuple[list[int], list[float]]] = {}
+    lengths: dict[str, tuple[list[int], list[float]]] = {}  # "<ds> <extra>" of LENGTH_SERIES
     skipped: list[tuple[int, str]] = []
     lag: tuple[list[int], list[float]] = ([], [])
     for p in status["points"]:
@@ -49,6 +52,10 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
                 steps, values = derived.setdefault(f"{ds} {key}", ([], []))
                 steps.append(p["step"])
                 values.append(value)
+            for key in (k for k in LENGTH_SERIES if k in d.get("extras", {})):
+                steps, values = lengths.setdefault(f"{ds} {key}", ([], []))
+                steps.append(p["step"])
+                values.append(d["extras"][key])
         for name in status.get("harness_metrics", []):  # lm-eval tasks: "<task>/<metric>"
             if name in p["metrics"]:
                 series[name][0].append(p["step"])
@@ -58,7 +65,7 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
         if p["lag_steps"] is not None:
             lag[0].append(p["step"])
             lag[1].append(p["lag_steps"])
-    return {"series": series, "bands": bands, "derived": derived, "skipped": skipped, "lag": lag}
+    return {"series": series, "bands": bands, "derived": derived, "lengths": lengths, "skipped": skipped, "lag": lag}
 
 
 def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) -> Any:
@@ -72,12 +79,15 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
 
     runs = [("", data)] if isinstance(data, dict) else data
     has_lag = any(d["lag"][0] for _, d in runs)
-    fig = Figure(figsize=(9, 6) if has_lag else (9, 4.5))
+    has_len = any(d.get("lengths") for _, d in runs)
+    ratios = [3] + [1.5] * has_len + [1] * has_lag
+    fig = Figure(figsize=(9, 4.5 + 2 * has_len + 1.5 * has_lag))
     FigureCanvasAgg(fig)
-    if has_lag:
-        ax, ax_lag = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    else:
-        ax = fig.subplots(1, 1)
+    axes = list(fig.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios})) if len(ratios) > 1 \
+        else [fig.subplots(1, 1)]
+    ax, ax_lag = axes[0], axes[-1]
+    if has_len:
+        _draw_lengths(axes[1], runs)
     for i, (label, d) in enumerate(runs):
         _draw_scores(ax, d, label, f"C{i}" if len(runs) > 1 else None, 0.02 + 0.33 * (i % 3))
     ax.set_ylabel("score")
@@ -96,7 +106,7 @@ def figure(data: dict[str, Any] | list[tuple[str, dict[str, Any]]], title: str) 
                        color=f"C{i}" if len(runs) > 1 else "gray")
         ax_lag.set_ylabel("lag (steps)")
         ax_lag.grid(alpha=0.3)
-    (ax_lag if has_lag else ax).set_xlabel("training step")
+    axes[-1].set_xlabel("training step")
     _integer_steps(ax, runs)
     fig.tight_layout()
     fig.set_layout_engine(None)  # laid out once: savefig need not draw the whole figure an extra time first
@@ -122,6 +132,34 @@ def _draw_scores(ax: Any, data: dict[str, Any], run: str, colour: str | None, no
         ax.axvline(step, color=colour or "red", alpha=0.3, linestyle="--")
         ax.annotate(f"{prefix}skipped: {reasons}", (step, note_y), rotation=90, fontsize=7, color=colour or "red",
                     xycoords=("data", "axes fraction"))
+
+
+LENGTH_SERIES = {"completion_tokens": ("tokens", "-"), "reasoning_tokens": ("tokens", "--"),
+                 "truncated": ("share", ":"), "no_answer": ("share", "-.")}
+"""The generation numbers drawn in the length panel: mean tokens on its left axis, shares on its right."""
+
+
+def _draw_lengths(ax: Any, runs: list[tuple[str, dict[str, Any]]]) -> None:
+    """The length panel: per dataset its mean completion (solid) and reasoning (dashed) tokens, and on a
+    right-hand axis in [0, 1] its truncated (dotted) and no-answer (dash-dot) shares."""
+    share = ax.twinx()
+    for i, (label, d) in enumerate(runs):
+        prefix = f"{label} " if label else ""
+        colours: dict[str, str] = {}
+        for name, (steps, values) in d.get("lengths", {}).items():
+            ds, key = name.rsplit(" ", 1)
+            axis, style = LENGTH_SERIES[key]
+            colour = f"C{i}" if len(runs) > 1 else colours.setdefault(ds, f"C{list(d['series']).index(ds) % 10}")
+            (share if axis == "share" else ax).plot(steps, values, linestyle=style, marker=".", color=colour,
+                                                    label=f"{prefix}{name}")
+    ax.set_ylabel("mean tokens")
+    share.set_ylabel("share")
+    share.set_ylim(-0.02, 1.02)
+    handles = ax.get_legend_handles_labels()
+    more = share.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", bbox_to_anchor=(1.08, 1.0),
+              borderaxespad=0.0, fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 def _integer_steps(ax: Any, runs: list[tuple[str, dict[str, Any]]]) -> None:

@@ -10,7 +10,9 @@ of texts in, one item per text with ``meta_info.finish_reason`` ``stop`` and the
 version) and ``/health_generate``.
 
 Completions: ``{prompt: [completion, ...]}``; the i-th request for a prompt gets the i-th completion
-(cycling), so ``n_samples`` samples of one prompt can differ. A prompt not in the map gets ``""``.
+(cycling), so ``n_samples`` samples of one prompt can differ. A prompt not in the map gets ``""``. A
+completion is a text (it stopped: ``finish_reason`` ``stop``) or a ``(text, "length")`` pair: cut at the
+length limit, sglang's ``{"type": "length", "length": n}`` (``srt/managers/schedule_batch.py`` ``FINISH_LENGTH``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 class CannedEngine:
     """The server: ``with CannedEngine(completions) as url:`` serves at ``url`` until the block ends."""
 
-    def __init__(self, completions: dict[str, list[str]]) -> None:
+    def __init__(self, completions: dict[str, list[str | tuple[str, str]]]) -> None:
         self.completions = completions
         self.label = "default"
         self.seen: Counter[str] = Counter()
@@ -119,9 +121,11 @@ class ScriptedEngine(CannedEngine):
             return [_item(reply, text, self.label, len(self.texts)) for reply, text in zip(replies, texts, strict=True)]
 
 
-def _item(completion: str, text: str, label: str, serial: int) -> dict[str, Any]:
+def _item(completion: str | tuple[str, str], text: str, label: str, serial: int) -> dict[str, Any]:
+    completion, finish = completion if isinstance(completion, tuple) else (completion, "stop")
     n = max(1, len(completion.split()))
+    reason = {"type": "stop", "matched": 0} if finish == "stop" else {"type": "length", "length": n}
     return {"text": completion, "output_ids": list(range(n)), "meta_info": {
-        "id": f"canned-{serial}", "finish_reason": {"type": "stop", "matched": 0},
+        "id": f"canned-{serial}", "finish_reason": reason,
         "prompt_tokens": len(text.split()), "completion_tokens": n, "weight_version": label,
         "weight_versions": [{"version": label, "start": 0, "end": n}]}}

@@ -91,6 +91,15 @@ class Generation:
     weight_version: str | None
     n_tokens: int
     prompt_tokens: int | None = None  # the prompt's length in tokens, when the engine reports it
+    finish_reason: str | None = None  # "stop" | "length"; None when the engine does not say
+
+
+def finish_kind(finish: Any) -> str | None:
+    """sglang's ``meta_info.finish_reason`` (``{"type": "stop" | "length" | ..., ...}``, ``srt/managers/
+    schedule_batch.py`` ``FINISH_MATCHED_TOKEN``/``FINISH_LENGTH``...) as :attr:`Generation.finish_reason`:
+    ``"stop"`` or ``"length"``; None for anything else (an engine that does not say)."""
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    return kind if kind in ("stop", "length") else None
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
        "weight_versions": [str, ...],        # optional: the version that produced each sample;
                                              #   omitted means every sample is input["weight_version"]
        "answers": [str | None, ...],         # optional: each sample's extracted answer (maj@n)
+       "finish_reasons": ["stop" | "length" | None, ...],  # optional: how each sample's generation
+                                             #   stopped (eval/<ds>/truncated; None: not known)
        "message": str}                        # optional: kept in the result
 
   A version differing from ``input["weight_version"]`` on any sample makes the unit a
@@ -97,6 +99,12 @@ class FnOutput:
     weight_versions: list[str | None]
     message: str
     answers: list[str | None] | None = None
+    finish_reasons: list[str | None] | None = None  # "stop" | "length" | None per sample; None: not reported
+
+    def extras(self) -> dict[str, dict[str, float]]:
+        """The result's ``extras`` of what the backend reported: ``truncated`` over the samples it said."""
+        known = [f for f in self.finish_reasons or () if f is not None]
+        return {"truncated": {"sum": float(sum(f == "length" for f in known)), "n": len(known)}} if known else {}
 
 
 def load_fn_class(path: str) -> type[CheckpointEvalFn]:
@@ -172,10 +180,15 @@ def parse_output(output: Any, expected_n: int, weight_version: str) -> FnOutput:
     answers = output.get("answers")
     if answers is not None and (not isinstance(answers, list) or len(answers) != expected_n):
         raise ValueError(f"output 'answers' must be a list of {expected_n} extracted answers (str or null)")
+    finish = output.get("finish_reasons")
+    if finish is not None and (not isinstance(finish, list) or len(finish) != expected_n
+                               or any(f not in ("stop", "length", None) for f in finish)):
+        raise ValueError(f"output 'finish_reasons' must be a list of {expected_n} of 'stop', 'length' or null")
     message = output.get("message", "")
     return FnOutput(
         scores=[float(s) for s in scores],
         weight_versions=[None if v is None else str(v) for v in versions],
         message=message if isinstance(message, str) else str(message),
         answers=None if answers is None else [None if a is None else str(a) for a in answers],
+        finish_reasons=finish,
     )

@@ -116,7 +116,8 @@ class Renderer:
         """A conversation and its tools as the prompt of the next assistant turn."""
         if self.tokenizer is None:
             return render_transcript(messages, tools)
-        return render_chat(self.tokenizer, messages, str(self.snapshot), [t.schema() for t in tools] or None)
+        return render_chat(self.tokenizer, messages, str(self.snapshot), [t.schema() for t in tools] or None,
+                           self.spec.chat_template_kwargs)
 
     @property
     def tool_format(self) -> str:

@@ -24,6 +24,7 @@ parser all go through this registry):
 
            def score(self, samples: list[Sample]) -> list[Scored]: ...
            def identity(self) -> dict[str, Any]: ...          # what scored (model id, hashes, mode)
+           # optional: def no_answer(self, sample, scored) -> bool: nothing extracted (default: empty answer)
 
    ``__init__(spec, ctx)`` (:class:`BaseScorer`'s) sets ``self.spec``, ``self.ctx`` (a
    :class:`ScorerContext`) and ``self.options`` (``parse_options``' value).
@@ -171,6 +172,11 @@ class BaseScorer:
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.spec.scorer}
+
+    def no_answer(self, sample: Sample, scored: Scored) -> bool:
+        """Whether nothing could be extracted from ``sample`` (``eval/<ds>/no_answer``): by default an answer
+        empty after stripping whitespace; a scorer that extracts (math, code) says so itself."""
+        return not sample.completion.strip()
 
 
 def options_fields(spec: DatasetSpec) -> Fields:

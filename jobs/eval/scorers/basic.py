@@ -57,6 +57,10 @@ class MathScorer(BaseScorer):
         pairs = [(s.completion, a) for s, a in zip(samples, _answers(samples), strict=True)]
         return [Scored(g.score, g.answer, g.timed_out) for g in default_pool().grade(pairs, self.spec.grader_timeout_s)]
 
+    def no_answer(self, sample: Sample, scored: Scored) -> bool:
+        """math-verify extracted no answer (a timed-out grade included: nothing was extracted in time)."""
+        return scored.answer is None
+
     def identity(self) -> dict[str, Any]:
         return {"name": "math", "grader_timeout_s": self.spec.grader_timeout_s}
 

@@ -212,6 +212,10 @@ class CodeScorer(BaseScorer):
         self.limits = Limits(wall_s=opts.timeout_s, cpu_s=max(1, math.ceil(opts.timeout_s)),
                              memory_mb=opts.memory_mb)
 
+    def no_answer(self, sample: Sample, scored: Scored) -> bool:
+        """No program in the completion (the answer counted as ``no_answer``)."""
+        return not extract_code(sample.completion).strip()
+
     def identity(self) -> dict[str, Any]:
         opts: CodeOptions = self.options
         return {"name": "code", "sandbox": self.mode, "timeout_s": opts.timeout_s, "memory_mb": opts.memory_mb,
