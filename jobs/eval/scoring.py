@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ckpteval.coord.completions import Completions, record_generations, rows_digest
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
@@ -62,6 +63,7 @@ class UnitScores:
     answers: list[str | None]
     tally: UnitTally
     scorer: dict[str, Any]  # the scorer's identity()
+    kept: Completions | None = None  # the completions as generated (ckpteval.coord.completions), kept beside the result
 
     def result_fields(self) -> dict[str, Any]:
         """The result fields besides scores/versions/answers (:func:`ckpteval.coord.results.ok_result` keywords)."""
@@ -146,23 +148,36 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
     elapsed = time.perf_counter() - t0
     if len(generations) != len(work.prompts):
         raise RuntimeError(f"engine returned {len(generations)} generations for {len(work.prompts)} prompts")
-    completions = [g.text for g in generations]
-    scorer = cache.scorer(work.spec)
-    samples = [Sample(c, r, p) for c, r, p in zip(completions, work.rows, work.prompts, strict=True)]
+    per_prompt = len(work.samples)
+    kept = record_generations(unit, work.prompts[::per_prompt], rows_digest(work.rows[::per_prompt]), work.seeds,
+                              generations)
+    return unit_scores(cache.scorer(work.spec), [g.text for g in generations], work.rows, work.prompts,
+                       [g.weight_version for g in generations], generate_s=elapsed,
+                       n_tokens=sum(g.n_tokens for g in generations),
+                       prompt_tokens=sum(g.prompt_tokens or 0 for g in generations), kept=kept)
+
+
+def unit_scores(scorer: Scorer, completions: list[str], rows: list[Row], prompts: list[str],
+                versions: list[str | None], *, generate_s: float = 0.0, n_tokens: int = 0, prompt_tokens: int = 0,
+                kept: Completions | None = None) -> UnitScores:
+    """Score a unit's completions (one per sample, prompt-major, with its row and prompt): the one scoring path
+    of a fresh generation, a re-score of kept completions and a completion-store hit alike."""
+    samples = [Sample(c, r, p) for c, r, p in zip(completions, rows, prompts, strict=True)]
     t1 = time.perf_counter()
     scored = score_samples(scorer, samples)
     score_s = time.perf_counter() - t1
     return UnitScores(
         scores=[s.score for s in scored],
-        weight_versions=[g.weight_version for g in generations],
+        weight_versions=list(versions),
         completions=completions,
-        generate_s=elapsed,
-        n_tokens=sum(g.n_tokens for g in generations),
-        prompt_tokens=sum(g.prompt_tokens or 0 for g in generations),
+        generate_s=generate_s,
+        n_tokens=n_tokens,
+        prompt_tokens=prompt_tokens,
         score_s=score_s,
         answers=[s.answer for s in scored],
         tally=UnitTally.of(scored),
         scorer=scorer.identity(),
+        kept=kept,
     )
 
 
@@ -175,7 +190,7 @@ def evaluate_generate(
     cost = {"generated_tokens": float(scored.n_tokens), "prompt_tokens": float(scored.prompt_tokens),
             "score_s": scored.score_s}
     return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers, scored=scored.result_fields(),
-                      generate_s=scored.generate_s, cost=cost)
+                      generate_s=scored.generate_s, cost=cost, kept=scored.kept)
 
 
 def check_generate(cache: DatasetCache, spec: DatasetSpec) -> None:

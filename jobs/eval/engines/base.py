@@ -83,6 +83,7 @@ class Generation:
     weight_version: str | None
     n_tokens: int
     prompt_tokens: int | None = None  # the prompt's length in tokens, when the engine reports it
+    finish_reason: str | None = None  # "stop" | "length"; None when the engine does not say
 
 
 @dataclass(frozen=True)
