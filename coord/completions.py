@@ -8,7 +8,8 @@ scorer options or a reasoning setting can be applied later on CPU (``ckpteval re
 
 ``{"format": "ckpteval-completions", "version": 1, "unit": {...}, "generation": k, "lease_token": t,
 "rows_sha256": h, "prompts": [one rendered prompt per prompt row], "text": [...], "finish_reason": [...],
-"n_tokens": [...], "prompt_tokens": [...], "seed": [...], "weight_version": [...]}``
+"n_tokens": [...], "prompt_tokens": [...], "seed": [...], "weight_version": [...]}`` (a completion store's
+entry adds ``"store_key"``, the content key it is filed under).
 
 Guarantees: the file is published after its unit's result won first-writer-wins, itself first-writer-wins (temp
 name, fsync, ``renameat2(RENAME_NOREPLACE)`` or link), so a name never holds a torn file and never a loser's
@@ -75,6 +76,7 @@ class Completions:
     rows_sha256: str
     generation: int = 0
     lease_token: str | None = None
+    store_key: str | None = None  # a completion store entry's content key (ckpteval.jobs.eval.store); None elsewhere
 
     def __post_init__(self) -> None:
         n = len(self.text)
@@ -95,7 +97,8 @@ class Completions:
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "unit": self.unit.to_json(), "generation": self.generation,
                 "lease_token": self.lease_token, "rows_sha256": self.rows_sha256, "prompts": list(self.prompts),
-                **{name: list(getattr(self, name)) for name in PER_SAMPLE}}
+                **{name: list(getattr(self, name)) for name in PER_SAMPLE},
+                **({"store_key": self.store_key} if self.store_key is not None else {})}
 
 
 def encode(record: Completions) -> bytes:
@@ -125,6 +128,7 @@ def decode(data: bytes, source: Path) -> Completions:
             rows_sha256=_str(obj["rows_sha256"], "rows_sha256"),
             generation=int(obj.get("generation", 0)),
             lease_token=obj.get("lease_token") if isinstance(obj.get("lease_token"), str) else None,
+            store_key=obj.get("store_key") if isinstance(obj.get("store_key"), str) else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{source}: malformed kept completions ({type(e).__name__}: {e})") from None
