@@ -124,6 +124,20 @@ def test_changing_any_one_key_input_misses(filled: tuple[RunDir, Path], tmp_path
     cache = DatasetCache(run, run.manifest())
     ref = SnapshotDiscovery(other).poll()[0]
     assert store.key(cache, units_for_step(run.manifest(), 0)[0], ref)[0] not in base  # type: ignore[index]
+    # the same weights with a chat template added to the tokenizer (a prompt rendering input) miss too
+    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.jobs.reference.model import build_model, save_tokenizer
+    from ckpteval.jobs.trainer.export.hf_files import write_hf_files
+    from tests.support.workers import base_dir
+
+    chat_base = shutil.copytree(base_dir(tmp_path), tmp_path / "chat-base")
+    save_tokenizer(chat_base, json.loads((chat_base / "config.json").read_text())["max_position_embeddings"], chat=True)
+    templated = tmp_path / "templated"
+    publish_snapshot(templated, 0, lambda d: write_hf_files(d, build_model(seed=0).state_dict(), chat_base))
+    ref = SnapshotDiscovery(templated).poll()[0]
+    plain = SnapshotDiscovery(run.snapshots).poll()[0]
+    assert ref.marker.tensors == plain.marker.tensors  # equal weights, bit for bit
+    assert store.key(cache, units_for_step(run.manifest(), 0)[0], ref)[0] not in base  # type: ignore[index]
 
 
 def test_template_kwargs_change_the_key(filled: tuple[RunDir, Path], tmp_path: Path) -> None:
