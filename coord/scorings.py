@@ -64,6 +64,11 @@ def open_scoring(run: RunDir, name: str) -> Path:
     return path
 
 
+def scoring_label(name: str | None) -> str:
+    """`` (scoring NAME)`` for a view of a scoring (titles name what they show), ``""`` for the original."""
+    return f" (scoring {name})" if name else ""
+
+
 def overlay(original: Mapping[WorkUnit, Result], rescored: Mapping[WorkUnit, Result]) -> dict[WorkUnit, Result]:
     """Each unit's re-scored result where there is one, else its original."""
     return {**original, **rescored}

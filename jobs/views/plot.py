@@ -16,8 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.scorings import scoring_label
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, run_dirs_from_args
-from ckpteval.jobs.views.status import collect_status, scoring_label
+from ckpteval.jobs.views.status import collect_status
 
 FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
 _STYLES = ("--", ":", "-.")
@@ -149,7 +150,7 @@ def _min_gap(steps: list[int]) -> float:
 def plot_run(run_dir: Path, out: Path, scoring: str | None = None) -> dict[str, Any]:
     status = collect_status(run_dir, scoring)
     data = plot_series(status)
-    draw(data, out, f"ckpteval run {status['run_id']}{scoring_label(status)}")
+    draw(data, out, f"ckpteval run {status['run_id']}{scoring_label(scoring)}")
     return data
 
 
@@ -160,7 +161,7 @@ def plot_runs(run_dirs: list[Path], out: Path, scoring: str | None = None) -> li
     ids = [s["run_id"] for s in statuses]
     labels = ids if len(set(ids)) == len(ids) else [str(d) for d in run_dirs]
     runs = [(label, plot_series(s)) for label, s in zip(labels, statuses, strict=True)]
-    draw(runs, out, "ckpteval runs " + ", ".join(labels) + scoring_label(statuses[0]))
+    draw(runs, out, "ckpteval runs " + ", ".join(labels) + scoring_label(scoring))
     return runs
 
 

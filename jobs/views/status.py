@@ -27,9 +27,8 @@ from ckpteval.coord.layouts import AUTO
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.scorings import scoring_step_facts
+from ckpteval.coord.scorings import StepFacts, scoring_label, scoring_step_facts, step_facts
 from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.summary import StepFacts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
@@ -128,8 +127,7 @@ def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any
 
 def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
     """Everything status shows, as plain data (the ``--json`` output). Each step comes from its summary when
-    that is fresh, else from its result files (:mod:`ckpteval.coord.summary`): the same either way.
-    ``scoring``: show the units a ``ckpteval rescore`` scoring re-scored with its scores (:mod:`ckpteval.coord.scorings`)."""
+    that is fresh, else from its result files (:mod:`ckpteval.coord.summary`); ``scoring``: a rescore's (coord.scorings)."""
     run = RunDir.open(run_dir)
     manifest = run.manifest()
     facts, errors = scoring_step_facts(run, manifest, scoring)
@@ -157,9 +155,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
             st = os.statvfs(root)
             free[root] = st.f_bavail * st.f_frsize
     return {
-        "run_id": manifest.run_id,
-        "run_dir": str(run.path),
-        "scoring": scoring,  # None: the results as generated; else the rescore scoring shown
+        "run_id": manifest.run_id, "run_dir": str(run.path), "scoring": scoring,  # scoring: None: as generated
         "training_done": run.training_done(),
         "interrupted": run.interrupted(),
         "reeval": {k: manifest.trainer.get(k) for k in ("from_run", "steps")} if selection is not None else None,
@@ -255,7 +251,7 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     errors, timeouts) gets a ``<ds> counts`` column of those counters, summed over the point: :func:`points_tables` splits it so when narrow."""
     datasets = status["datasets"] if datasets is None else datasets
     harness = status.get("harness_metrics", []) if harness is None else harness
-    table = _table(title or f"points of {status['run_id']}{scoring_label(status)}")
+    table = _table(title or f"points of {status['run_id']}{scoring_label(status.get('scoring'))}")
     table.add_column("step", justify="right", overflow="fold")
     extra = derived_keys(status)
     counted = {ds for p in status["points"] for ds, d in p["datasets"].items() if d.get("counters")}
@@ -306,11 +302,6 @@ def points_tables(status: dict[str, Any], width: int) -> list[Any]:
     return [*(points_table(status, [ds], [], False, f"{ds} of {run}") for ds in status["datasets"]),
             *(points_table(status, [], names, False, f"{task} of {run}") for task, names in tasks.items()),
             points_table(status, [], [], True, f"points of {run}: pin proof, lag, units, skips")]
-
-
-def scoring_label(status: dict[str, Any]) -> str:
-    """`` (scoring NAME)`` when the status shows a rescore scoring, else ``""``."""
-    return f" (scoring {status['scoring']})" if status.get("scoring") else ""
 
 
 def _table(title: str) -> PlainTable:
@@ -444,8 +435,7 @@ def main(argv: list[str]) -> int:
     add_run_dir_argument(ap, many=True)
     ap.add_argument("--json", action="store_true",
                     help="print machine-readable JSON instead of tables (a list of objects for several RUNs)")
-    ap.add_argument("--scoring", metavar="NAME", help="show the scores of this ckpteval rescore scoring where it "
-                    "re-scored a unit (default: the scores as generated)")
+    ap.add_argument("--scoring", metavar="NAME", help="show this ckpteval rescore scoring's scores (default: as generated)")
     ap.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), default=None, metavar="S",
                     help=f"refresh every S seconds until Ctrl-C (S defaults to {DEFAULT_WATCH_S:g})")
     args = ap.parse_args(argv)
