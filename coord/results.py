@@ -15,6 +15,10 @@ the worker's identity, the lease token and attempt — or a skip record with a r
 also holds ``episodes``: per episode its reward, turns, tokens, the version of every turn and how it ended. A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.
 
+A result that carries its unit's completions (``Result.kept``, never part of its JSON) has them published beside
+it by :func:`write_result` once it has won (:mod:`ckpteval.coord.completions`); a failure to keep them is one line
+on stderr, never the result's.
+
 Points (one step's metrics) are derived from these by :mod:`ckpteval.coord.points`.
 
 **Infrastructure skips are superseded, never overwritten.** A skip whose reason is in

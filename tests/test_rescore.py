@@ -152,3 +152,15 @@ def test_concurrent_rescores_share_the_units_exactly_once(run: RunDir) -> None:
     assert written == 4  # each unit scored by exactly one of them
     assert not (run.path / "scorings" / "par" / "results" / "duplicates").exists()
     assert not list((run.path / "scorings" / "par" / "leases").rglob("*.lock"))
+
+
+def test_keeping_off_keeps_nothing_and_rescore_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)
+    publish_model(tmp_path, run.snapshots, 0)
+    opts = WorkerOptions(run_dir=run.path, poll_interval_s=0.05, pin_timeout_s=0.3, once=True, keep_completions=False)
+    assert run_inprocess(opts, **QUIET)[0] == EXIT_DONE
+    (unit, r), = results(run).items()
+    assert r.ok and not completions_path(run.results, unit).exists()
+    assert rescore_main([str(run.path), "--name", "none"]) == 0
+    assert "no kept completions" in capsys.readouterr().err
+    assert not list((run.path / "scorings" / "none" / "results").rglob("*.json"))

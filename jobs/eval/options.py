@@ -95,9 +95,9 @@ class WorkerOptions:
         "seconds after it was written, k its retry generation, so a fleet does not hammer the server",
         flag="--retry-backoff", metavar="S", min=0)
     keep_completions: bool = option(
-        True, "keep every sample's completion (text, finish reason, tokens, seed, version) gzip'd beside its "
-        "result, for ckpteval rescore and the completion store (about 0.3 KB per short sample; see "
-        "docs/USER_GUIDE.md)")
+        True, "do not keep the completions (default: every sample's text, finish reason, tokens, seed and version "
+        "is kept gzip'd beside its result, for ckpteval rescore; about 0.4 KB per 256-token sample, 5 KB per "
+        "4,096-token one: docs/USER_GUIDE.md)", flag="--no-keep-completions")
     completion_store: Path | None = option(
         None, "a completion store shared across runs (a directory on the shared filesystem): a unit whose "
         "content key (weights' digests, rows, sampling, seeds, prompts, engine) is stored is answered from it "
