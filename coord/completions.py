@@ -57,8 +57,8 @@ def completions_path(results_dir: Path, unit: WorkUnit, generation: int = 0) -> 
 def rows_digest(rows: Sequence[Any]) -> str:
     """SHA-256 of the canonical JSON of a unit's rows (sorted keys, no whitespace, UTF-8): what the kept
     completions answered, so a re-score on edited rows is refused rather than scored against new gold."""
-    blob = json.dumps(list(rows), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    blob = json.dumps(list(rows), sort_keys=True, separators=(",", ":"), allow_nan=False)  # ASCII: a lone
+    return hashlib.sha256(blob.encode()).hexdigest()  # surrogate (a "\ud800" escape in a row) still encodes
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,9 @@ class Completions:
 
 
 def encode(record: Completions) -> bytes:
-    """The file's bytes: gzip (mtime 0, so equal records give equal bytes) of compact, NaN-free JSON."""
-    blob = json.dumps(record.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    """The file's bytes: gzip (mtime 0, so equal records give equal bytes) of compact, NaN-free, ASCII JSON (an
+    engine's text may hold a lone surrogate, which UTF-8 cannot carry; escaped, it round-trips)."""
+    blob = json.dumps(record.to_json(), sort_keys=True, separators=(",", ":"), allow_nan=False)
     return gzip.compress(blob.encode(), compresslevel=GZIP_LEVEL, mtime=0)
 
 
@@ -183,7 +184,7 @@ def keep_beside(results_dir: Path, record: Completions, generation: int, lease_t
     stamped = dataclasses.replace(record, generation=generation, lease_token=lease_token)
     try:
         return publish_completions(results_dir, stamped)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # a full disk, a read-only dir; a value JSON cannot carry
         print(f"ckpteval: {completions_path(results_dir, record.unit, generation)}: completions not kept ({e})",
               file=sys.stderr, flush=True)
         return False

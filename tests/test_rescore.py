@@ -164,3 +164,13 @@ def test_keeping_off_keeps_nothing_and_rescore_says_so(tmp_path: Path, capsys: p
     assert rescore_main([str(run.path), "--name", "none"]) == 0
     assert "no kept completions" in capsys.readouterr().err
     assert not list((run.path / "scorings" / "none" / "results").rglob("*.json"))
+
+
+def test_a_bad_scorer_or_selection_is_one_error_and_writes_nothing(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    assert rescore_main([str(run.path), "--scorer", "no_such_scorer"]) == 2
+    assert rescore_main([str(run.path), "--scorer", "exact", "--scorer-options", '{"no_such_option": 1}']) == 2
+    assert rescore_main([str(run.path), "--datasets", "nope"]) == 2
+    assert rescore_main([str(run.path), "--scorer-options", "[1]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("ckpteval rescore:") == 4 and "Traceback" not in err
+    assert not (run.path / "scorings").exists()

@@ -205,8 +205,18 @@ class Rescorer:
                              f"{len(original.scores)} samples")
         return kept
 
+    def check(self, datasets: set[str] | None) -> None:
+        """Before any claim: the scorer of every selected dataset builds with its options (a typo is one error
+        line, never a crashed skip per unit)."""
+        for entry in self.manifest.eval.entries:
+            if entry.kind == "generate" and (datasets is None or entry.name in datasets):
+                self.cache.scorer(self.spec(entry.name))
+
     def rows_of(self, unit: WorkUnit, spec: DatasetSpec, kept: Completions) -> list[Any]:
-        rows = [self.cache.rows(spec)[i] for i in shard_range(self.manifest, unit)]
+        try:
+            rows = [self.cache.rows(spec)[i] for i in shard_range(self.manifest, unit)]
+        except (OSError, ValueError, IndexError) as e:
+            raise Unscorable(f"the rows of {unit.id} cannot be read ({e})") from None
         if rows_digest(rows) != kept.rows_sha256:
             raise Unscorable(f"the rows of {unit.id} in {spec.path} changed since it was generated (rows' SHA-256 "
                              "differs): not re-scored against other gold")
@@ -255,13 +265,12 @@ def main(argv: list[str]) -> int:
         run = RunDir.open(run_dir)
         manifest = run.manifest()
         rescoring = Rescoring(args.scorer, parse_options(args.scorer_options))
-        for entry in manifest.eval.entries:  # run.json's checks of the new scorer and options, before any work
-            if entry.kind == "generate" and (args.datasets is None or entry.name in args.datasets):
-                rescoring.spec(entry)
         name = check_name(args.name) if args.name else rescoring.default_name()
-        root = open_or_create(run, name, rescoring)
-        rescorer = Rescorer(run, manifest, rescoring, root)
-        units = rescorer.candidates(args.steps, set(args.datasets) if args.datasets else None)
+        datasets = set(args.datasets) if args.datasets else None
+        rescorer = Rescorer(run, manifest, rescoring, scoring_dir(run, name))
+        units = rescorer.candidates(args.steps, datasets)  # the selection, checked before anything is written
+        rescorer.check(datasets)  # the scorer and its options, before anything is written
+        open_or_create(run, name, rescoring)
     except (OSError, ValueError) as e:
         return fail(PROG, e)
     t0 = time.perf_counter()

@@ -106,14 +106,14 @@ def unit_key(weights: Mapping[str, Any], engine: Mapping[str, Any], work: UnitIn
         "weights": weights,
         "engine": engine,
         "rows": rows_digest(work.rows[::per_prompt]),
-        "prompts": hashlib.sha256(json.dumps(work.prompts, ensure_ascii=False).encode()).hexdigest(),
+        "prompts": hashlib.sha256(json.dumps(work.prompts).encode()).hexdigest(),
         "render": {"prompt_format": spec.prompt_format, "system_prompt": spec.system_prompt,
                    "chat_template_kwargs": getattr(spec, "chat_template_kwargs", None)},
         "sampling": params,
         "seeds": work.seeds,
         "samples": [work.samples.start, work.samples.stop],
     }
-    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -179,7 +179,7 @@ class CompletionStore:
                 self._bad.discard(key)
                 return True
             return publish_exclusive(path, encode(entry))
-        except OSError as e:
+        except (OSError, ValueError) as e:
             print(f"ckpteval completion store: {path}: not stored ({e})", file=sys.stderr, flush=True)
             return False
 
