@@ -41,7 +41,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.scorings import SCORING_FILE, check_name, scoring_dir
 from ckpteval.coord.snapshot import producer_identity
 from ckpteval.coord.steps import parse_steps
-from ckpteval.coord.units import UnitClaimer, WorkUnit, shard_range
+from ckpteval.coord.units import Claim, UnitClaimer, WorkUnit, shard_range
 from ckpteval.jobs.eval.kinds import UserCodeFailed, user_code
 from ckpteval.jobs.eval.pinning import WorkerSkip
 from ckpteval.jobs.eval.scoring import DatasetCache, unit_scores
@@ -123,33 +123,41 @@ class Rescorer:
         return sorted(units, key=lambda u: (u.step, u.dataset, u.shard, u.sample_start))
 
     def run_all(self, units: list[WorkUnit], poll_s: float, out: Any = print) -> int:
-        """Claim and re-score ``units`` until each has a result in the scoring or was passed over."""
-        passed: set[WorkUnit] = set()
-        while True:
-            done = self.index.refresh()
-            todo = [u for u in units if u not in done and u not in passed]
-            if not todo:
-                return 0
-            claim = self.claimer.claim_first(todo)
-            if claim is None:  # every one held by another process: wait, take over expired ones
+        """Claim and re-score ``units`` until each has a result in the scoring or was passed over: one pass in
+        order (a claim checks for the unit's result after it is taken), then the steps of units others held are
+        listed once and the rest tried again after ``poll_s`` (a dead process's claims expire and are taken over)."""
+        pending = [u for u in units if u not in self.index.refresh()]
+        while pending:
+            missed = []
+            for unit in pending:
+                claim = self.claimer.try_claim(unit)
+                if claim is None:  # held by another process, or done since
+                    missed.append(unit)
+                    continue
+                self._one(claim, out)
+                self.claimer.forget(unit)
+            done = self.index.refresh(only_steps={u.step for u in missed}) if missed else {}
+            pending = [u for u in missed if u not in done]
+            if pending:
                 time.sleep(poll_s)
-                continue
-            try:
-                result = self.rescore(claim.unit)
-                if result is None:
-                    passed.add(claim.unit)
-                    continue
-                if not claim.still_ours():
-                    out(f"{claim.unit.id}: claim lost; nothing written")
-                    continue
-                stamped = replace(result, lease_token=claim.token, attempt=claim.attempt)
-                self.written += write_result(self.root / "results", stamped)
-            except Unscorable as e:
-                passed.add(claim.unit)
-                self.passed += 1
-                out(f"{claim.unit.id}: passed over: {e}")
-            finally:
-                claim.release()
+        return 0
+
+    def _one(self, claim: Claim, out: Any) -> None:
+        """Re-score one claimed unit and publish its result, unless passed over or the claim was lost."""
+        try:
+            result = self.rescore(claim.unit)
+            if result is None:
+                return
+            if not claim.still_ours():
+                out(f"{claim.unit.id}: claim lost; nothing written")
+                return
+            stamped = replace(result, lease_token=claim.token, attempt=claim.attempt)
+            self.written += write_result(self.root / "results", stamped)
+        except Unscorable as e:
+            self.passed += 1
+            out(f"{claim.unit.id}: passed over: {e}")
+        finally:
+            claim.release()
 
     def spec(self, dataset: str) -> DatasetSpec:
         if dataset not in self._specs:
