@@ -9,6 +9,9 @@
    unit), its results and kept completions written as a worker writes them: the time of ``rescore`` with the
    dataset's own scorer (CPU only, one process), against reading the same run's results (the ratio), and the
    check that every re-scored score and answer equals the original exactly.
+3. **Step 0 once per base** (``--store-prompts`` > 0): two runs from the same base (the tiny model, the hf engine on
+   CPU), each with step 0's snapshot, evaluated one after the other with one ``--completion-store``: the second
+   run's engine and load seconds (zero when answered from the store) and its wall time against the first's.
 
     .venv/bin/python bench/bench_rescore.py [--points 1000] [--prompts 128] [--shard-size 64] [--json OUT]
 """
@@ -106,19 +109,61 @@ def bench_rescore(points: int, prompts: int, shard_size: int) -> dict[str, float
         originals = ResultIndex(run.results).refresh()
         read_s = time.perf_counter() - t0
         rescoring = Rescoring(None, None)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rescorer = Rescorer(run, run.manifest(), rescoring, open_or_create(run, "same", rescoring))
         units = rescorer.candidates("all", None)
         rescorer.run_all(units, 0.5, out=print)
-        rescore_s = time.perf_counter() - t0
+        rescore_s, rescore_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         again = ResultIndex(run.path / "scorings" / "same" / "results").refresh()
         exact = len(again) == len(originals) and all(
             again[u].scores == r.scores and again[u].answers == r.answers for u, r in originals.items())
         samples = sum(len(r.scores) for r in originals.values())
         kept_total = sum(p.stat().st_size for p in run.results.rglob("*.completions.json.gz"))
     return {"points": points, "units": len(units), "samples": samples, "write_run_s": made_s, "read_results_s": read_s,
-            "rescore_s": rescore_s, "ratio": rescore_s / read_s, "exact": exact,
+            "rescore_s": rescore_s, "rescore_cpu_s": rescore_cpu_s, "ratio": rescore_s / read_s, "exact": exact,
             "kept_bytes_per_sample": kept_total / samples, "units_per_s": len(units) / rescore_s}
+
+
+def store_run(tmp: Path, name: str, base: Path, prompts: int) -> RunDir:
+    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.jobs.reference.model import build_model
+    from ckpteval.jobs.trainer.export.hf_files import write_hf_files
+
+    run = RunDir.create(tmp / name)
+    spec = write_addition_dataset(run, n=prompts, shard_size=max(1, prompts // 2), max_new_tokens=4)
+    manifest = RunManifest(run_id=f"bench-{name}", eval=EvalSpec(entries=(spec,)),
+                           snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(60.0, 10.0))
+    run = RunDir.create(run.path, manifest)
+    publish_snapshot(run.snapshots, 0, lambda d: write_hf_files(d, build_model(seed=0).state_dict(), base))
+    return run
+
+
+def bench_store(prompts: int) -> dict[str, float]:
+    """Two runs from one base, step 0 each, one store: the second run's cost against the first's."""
+    import transformers  # noqa: F401  (imported before timing: the first run does not pay the imports)
+
+    from ckpteval.jobs.eval.options import WorkerOptions
+    from ckpteval.jobs.eval.worker import prepare_worker
+    from ckpteval.jobs.reference.model import save_base_model_dir
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = save_base_model_dir(Path(tmp) / "base")
+        for name in ("first", "second"):
+            run = store_run(Path(tmp), name, base, prompts)
+            opts = WorkerOptions(run_dir=run.path, poll_interval_s=0.05, once=True, completion_store=Path(tmp) / "store")
+            t0 = time.perf_counter()
+            worker = prepare_worker(opts, out=lambda _line: None)
+            try:
+                worker.run()
+            finally:
+                worker.evaluator.close()
+            out[f"{name}_wall_s"] = time.perf_counter() - t0
+            got = ResultIndex(run.results).refresh().values()
+            out[f"{name}_engine_s"] = sum(r.cost.get("engine_s", 0.0) + r.cost.get("load_s", 0.0) for r in got)
+            out[f"{name}_store_hits"] = sum(r.cost.get("store_hits", 0.0) for r in got)
+    out["ratio"] = out["second_wall_s"] / out["first_wall_s"]
+    return out
 
 
 def main() -> None:
@@ -127,6 +172,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--shard-size", type=int, default=64)
     ap.add_argument("--lengths", type=int, nargs="+", default=[8, 256, 4096], metavar="TOKENS")
+    ap.add_argument("--store-prompts", type=int, default=64, metavar="N", help="prompts of step 0 in the store "
+                    "phase (0: skip it)")
     ap.add_argument("--json", type=Path, metavar="OUT")
     args = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
@@ -139,12 +186,17 @@ def main() -> None:
               f"{s['kept_bytes_per_sample'] / s['result_bytes_per_sample']:.2f}")
     r = bench_rescore(args.points, args.prompts, args.shard_size)
     print(f"rescore {r['points']} points x 1 set ({r['units']} units, {r['samples']} samples): {r['rescore_s']:.2f}s "
-          f"({r['units_per_s']:.0f} units/s) vs reading the results {r['read_results_s']:.2f}s: ratio "
+          f"({r['rescore_cpu_s']:.2f}s CPU, {r['units_per_s']:.0f} units/s) vs reading the results {r['read_results_s']:.2f}s: ratio "
           f"{r['ratio']:.1f}; exact re-score: {r['exact']}; kept {r['kept_bytes_per_sample']:.0f} B/sample")
     if not r["exact"]:
         raise SystemExit("re-scoring with the same scorer changed a score or an answer")
+    st = bench_store(args.store_prompts) if args.store_prompts else {}
+    if st:
+        print(f"step 0 of a second run from the same base: {st['second_store_hits']:.0f} units from the store, engine + "
+              f"load {st['second_engine_s']:.3f}s (first run {st['first_engine_s']:.2f}s), wall {st['second_wall_s']:.2f}s "
+              f"vs {st['first_wall_s']:.2f}s: ratio {st['ratio']:.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"sizes": sizes, "rescore": r}, indent=1))
+        args.json.write_text(json.dumps({"sizes": sizes, "rescore": r, "store": st}, indent=1))
 
 
 if __name__ == "__main__":
