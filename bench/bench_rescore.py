@@ -130,7 +130,7 @@ def store_run(tmp: Path, name: str, base: Path, prompts: int) -> RunDir:
     from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 
     run = RunDir.create(tmp / name)
-    spec = write_addition_dataset(run, n=prompts, shard_size=max(1, prompts // 2), max_new_tokens=4)
+    spec = write_addition_dataset(run, n=prompts, shard_size=max(1, prompts // 2))
     manifest = RunManifest(run_id=f"bench-{name}", eval=EvalSpec(entries=(spec,)),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(60.0, 10.0))
     run = RunDir.create(run.path, manifest)
