@@ -104,6 +104,8 @@ SMOKE: dict[str, list[str]] = {
     "bench_attest.py": ["--smoke", "--dir", os.environ.get("TMPDIR", tempfile.gettempdir())],
     "bench_canary.py": ["--smoke"],
     "bench_envs.py": ["--smoke"],
+    "bench_rescore.py": ["--points", "3", "--prompts", "8", "--shard-size", "4", "--lengths", "8", "256",
+                         "--store-prompts", "4"],
     "bench_scale.py": ["--smoke"],
     "bench_fleet.py": ["--workers", "2", "--points", "1", "--datasets", "1", "--shards", "4", "--sleep", "0.01",
                        "--baseline-units", "1", "--bound", "60"],

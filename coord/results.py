@@ -15,6 +15,10 @@ the worker's identity, the lease token and attempt — or a skip record with a r
 also holds ``episodes``: per episode its reward, turns, tokens, the version of every turn and how it ended. A unit of an ``lm_eval`` entry holds the task's ``metrics`` instead of
 per-sample scores, with the version read back before and after.
 
+A result that carries its unit's completions (``Result.kept``, never part of its JSON) has them published beside
+it by :func:`write_result` once it has won (:mod:`ckpteval.coord.completions`); a failure to keep them is one line
+on stderr, never the result's.
+
 Points (one step's metrics) are derived from these by :mod:`ckpteval.coord.points`.
 
 **Infrastructure skips are superseded, never overwritten.** A skip whose reason is in
@@ -49,6 +53,7 @@ from ckpteval.coord.atomic import (
     read_json_object,
     write_json_atomic,
 )
+from ckpteval.coord.completions import keep_beside
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
 from ckpteval.coord.snapshot import producer_identity
@@ -91,6 +96,9 @@ class Result:
     fidelity: dict[str, float] = field(default_factory=dict)  # the canary's comparison; {}: no canary
     episodes: tuple[dict[str, Any], ...] = ()  # env units: per episode reward, turns, tokens, versions, ended
     notes: tuple[str | None, ...] = ()  # per sample: why it scored so, when the scorer said (e.g. a code error)
+    # the unit's completions (ckpteval.coord.completions.Completions), published beside the result when it wins;
+    # never part of the result's JSON
+    kept: Any = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -249,6 +257,8 @@ def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool
         fsync_dir(results_dir)
         won = publish_exclusive(final, data, keep_dir_open=True)
     if won:
+        if result.kept is not None:
+            keep_beside(results_dir, result.kept, generation, stamped.lease_token, len(result.scores))
         return True
     dup_dir = results_dir / DUPLICATES
     dup_dir.mkdir(exist_ok=True)

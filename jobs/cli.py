@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("ckpteval.jobs.reference.train_config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
     "worker": ("ckpteval.jobs.eval.worker", "eval worker: fleet, service (--watch) or --once"),
     "backfill": ("ckpteval.jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
+    "rescore": ("ckpteval.jobs.eval.rescore", "score kept completions again (new scorer/options) as a new scoring, on CPU"),
     "status": ("ckpteval.jobs.views.status", "show snapshots, units, points and health of a run"),
     "plot": ("ckpteval.jobs.views.plot", "plot score vs step (PNG)"),
     "compare": ("ckpteval.jobs.decide.compare", "paired difference of two steps or runs, with its interval"),

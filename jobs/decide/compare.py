@@ -78,13 +78,13 @@ def plan(args: Any) -> tuple[RunValues, int, RunValues, int]:
     if len(args.runs) == 1:
         if args.steps is None or args.step is not None or args.best:
             raise ValueError("one run: give --steps A B (two steps of it); --step/--best compare two runs")
-        side = open_run(args.runs[0])
+        side = open_run(args.runs[0], args.scoring)
         return side, args.steps[0], side, args.steps[1]
     if len(args.runs) != 2:
         raise ValueError(f"give one run (with --steps A B) or two runs, got {len(args.runs)}")
     if args.steps is not None:
         raise ValueError("--steps A B compares two steps of one run; for two runs give --step S or --best")
-    a, b = open_run(args.runs[0]), open_run(args.runs[1])
+    a, b = open_run(args.runs[0], args.scoring), open_run(args.runs[1], args.scoring)
     if args.best:
         return a, _best_of(a, args.metric, args.level), b, _best_of(b, args.metric, args.level)
     step = args.step if args.step is not None else _common_newest(a, b)
@@ -120,6 +120,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--best", action="store_true", help="two runs: each run's best step by --metric")
     parser.add_argument("--metric", metavar="M", help="compare this metric only (eval/<dataset>[/pass@k|/maj@n]); with --best: "
                         "also what best means (default with --best: eval/<first dataset>)")
+    parser.add_argument("--scoring", metavar="NAME", help="compare this ckpteval rescore scoring's scores where it "
+                        "re-scored a unit (default: the scores as generated); the output names it")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="confidence level (default 0.95)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
@@ -130,6 +132,7 @@ def main(argv: list[str]) -> int:
         rows = compare_sides(a, step_a, b, step_b, args.level, args.metric)
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
-    label_a, label_b = f"{a.run.path} step {step_a}", f"{b.run.path} step {step_b}"
+    shown = f" (scoring {args.scoring})" if args.scoring else ""
+    label_a, label_b = f"{a.run.path} step {step_a}{shown}", f"{b.run.path} step {step_b}{shown}"
     print(json.dumps({"a": label_a, "b": label_b, "datasets": rows}) if args.json else render(rows, label_a, label_b, output_width()))
     return 0

@@ -21,8 +21,8 @@ import numpy as np
 
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, prompt_major
-from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.scorings import scoring_results
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,11 @@ class RunValues:
     """One run's results, read once: per-prompt values of any step and metric."""
 
     run: RunDir
+    scoring: str | None = None  # a ckpteval rescore scoring's scores where it re-scored a unit (None: as generated)
 
     def __post_init__(self) -> None:
         self.manifest = self.run.manifest()
-        self.results = ResultIndex(self.run.results).refresh()
+        self.results = scoring_results(self.run, self.scoring)[0]
         self._steps: dict[str, list[int]] = {}
 
     def steps_with(self, dataset: str) -> list[int]:
@@ -112,5 +113,5 @@ def check_paired(a: RunValues, b: RunValues, dataset: str) -> None:
                          "temperature): the scores are not paired prompt by prompt")
 
 
-def open_run(path: Path) -> RunValues:
-    return RunValues(RunDir.open(path))
+def open_run(path: Path, scoring: str | None = None) -> RunValues:
+    return RunValues(RunDir.open(path), scoring)

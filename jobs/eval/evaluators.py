@@ -44,6 +44,7 @@ from ckpteval.jobs.eval.pinning import PinViolation, pin, restart
 from ckpteval.jobs.eval.prompts import NoChatTemplate
 from ckpteval.jobs.eval.scoring import DatasetCache, unit_input
 from ckpteval.jobs.eval.skips import WorkerSkip
+from ckpteval.jobs.eval.store import CompletionStore, answer_from_store, open_store
 from ckpteval.jobs.eval.tokenizer_files import offer_run_tokenizer
 
 # What scoring may raise and still be a ``crashed`` unit rather than a dead worker: engine/runtime, bad
@@ -73,9 +74,10 @@ class EngineEvaluator:
 
     def __init__(
         self, engine: Engine, cache: DatasetCache, pin_timeout_s: float, load_timeout_s: float,
-        canary_max_diff: float | None = None,
+        canary_max_diff: float | None = None, store: CompletionStore | None = None,
     ) -> None:
         self.engine, self.cache = engine, cache
+        self.store = store  # --completion-store: units already known are answered without the engine
         offer_run_tokenizer(engine, cache.run.base)  # a checkpoint saved without its tokenizer uses the run's
         self.key = run_key(cache.manifest)  # versions are <run key>@<step>: a shared engine never
         # passes one run's pin while holding another run's weights of the same step
@@ -92,6 +94,10 @@ class EngineEvaluator:
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
         want = weight_version(self.key, unit.step)
+        keyed = self.store.key(self.cache, unit, ref) if self.store is not None else None
+        if keyed is not None and self.store is not None and (entry := self.store.get(*keyed)) is not None:
+            timings["load_s"] = timings["generate_s"] = 0.0
+            return answer_from_store(self.cache, unit, keyed[1], entry, want, self.store.path(keyed[0]), str(ref.path))
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
@@ -105,6 +111,9 @@ class EngineEvaluator:
             attestation, fidelity = self._attest(ref, want, timings)
             ev = evaluate_pinned(self.engine, self.cache, unit, str(ref.path), want)
         timings["generate_s"] = ev.generate_s
+        if keyed is not None and self.store is not None and ev.kept is not None:
+            self.store.put(keyed[0], ev.kept)
+            ev = replace(ev, cost={**ev.cost, "store_misses": 1.0})
         return replace(ev, attest=attestation.to_json(), fidelity=fidelity,
                        cost=unit_cost(ev, timings, engine_gpus(self.engine)))
 
@@ -316,4 +325,6 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
         for _ in range(opts.replicas)
     ]
     engine: Engine = engines[0] if len(engines) == 1 else EnginePool(engines)  # type: ignore[assignment,arg-type]
-    return EngineEvaluator(engine, cache, opts.pin_timeout_s, opts.load_timeout_s, opts.canary_max_diff)
+    store = open_store(opts.completion_store, manifest, list(specs),
+                       {k: _settings(manifest, k) for k in kinds}, opts.device, opts.replicas)
+    return EngineEvaluator(engine, cache, opts.pin_timeout_s, opts.load_timeout_s, opts.canary_max_diff, store)

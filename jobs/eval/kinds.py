@@ -52,6 +52,7 @@ class Evaluation:
     attest: dict[str, Any] = field(default_factory=dict)  # ckpteval.jobs.eval.attest.Attestation.to_json()
     cost: dict[str, float] = field(default_factory=dict)  # tokens, busy seconds: what the unit cost
     fidelity: dict[str, float] = field(default_factory=dict)  # ckpteval.jobs.eval.canary.Fidelity.to_json(); {}: no canary
+    kept: Any = None  # the completions to keep beside the result (ckpteval.coord.completions.Completions)
 
 
 class UserCodeFailed(WorkerSkip):
@@ -80,7 +81,8 @@ def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:
     kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, **kw}
     if ev.metrics is not None:
         return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, **kw)
-    return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, **kw, **ev.scored)
+    return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, kept=ev.kept, **kw,
+                     **ev.scored)
 
 
 @contextmanager

@@ -367,6 +367,7 @@ class Worker:
                 lease_token=claim.token,
                 attempt=claim.attempt,
                 snapshot=str(self.refs[unit.step].path),
+                kept=result.kept if self.opts.keep_completions else None,
             )
             first = self.index.publish(result, claim.generation)
             self.written += 1

@@ -90,6 +90,14 @@ class WorkerOptions:
         60.0, "an overloaded skip (an inference server shedding load) is re-evaluated no sooner than S x 2^k "
         "seconds after it was written, k its retry generation, so a fleet does not hammer the server",
         flag="--retry-backoff", metavar="S", min=0)
+    keep_completions: bool = option(
+        True, "do not keep the completions (default: every sample's text, finish reason, tokens, seed and version "
+        "is kept gzip'd beside its result, for ckpteval rescore; about 0.4 KB per 256-token sample, 5 KB per "
+        "4,096-token one: docs/USER_GUIDE.md)", flag="--no-keep-completions")
+    completion_store: Path | None = option(
+        None, "a completion store shared across runs (a directory on the shared filesystem): a unit whose "
+        "content key (weights' digests, rows, sampling, seeds, prompts, engine) is stored is answered from it "
+        "without loading an engine, and every unit generated here is stored", metavar="DIR")
     wait_for_run_s: float = option(0.0, "wait up to S seconds for RUN/run.json to appear (a fleet started "
                                    "before its trainer)", flag="--wait-for-run", metavar="S", min=0)
     trust_run_code: bool = option(

@@ -22,11 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ckpteval.coord.completions import Completions, record_generations, rows_digest
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
-from ckpteval.jobs.eval.answering import resolve_reasoning, score_generations, scoring_identity
-from ckpteval.jobs.eval.engines.base import Engine, SamplingParams
+from ckpteval.jobs.eval.answering import Reasoning, resolve_reasoning, score_generations, scoring_identity
+from ckpteval.jobs.eval.engines.base import Engine, Generation, SamplingParams
 from ckpteval.jobs.eval.evalsets import Row, load_dataset
 from ckpteval.jobs.eval.kinds import Evaluation
 from ckpteval.jobs.eval.options import scorer_options
@@ -65,6 +66,7 @@ class UnitScores:
     answers: list[str | None]
     tally: UnitTally
     scorer: dict[str, Any]  # the scorer's identity()
+    kept: Completions | None = None  # the completions as generated (ckpteval.coord.completions), kept beside the result
 
     def result_fields(self) -> dict[str, Any]:
         """The result fields besides scores/versions/answers (:func:`ckpteval.coord.results.ok_result` keywords)."""
@@ -149,24 +151,41 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
     elapsed = time.perf_counter() - t0
     if len(generations) != len(work.prompts):
         raise RuntimeError(f"engine returned {len(generations)} generations for {len(work.prompts)} prompts")
-    completions = [g.text for g in generations]
-    scorer = cache.scorer(work.spec)
-    samples = [Sample(c, r, p) for c, r, p in zip(completions, work.rows, work.prompts, strict=True)]
+    per_prompt = len(work.samples)
+    kept = record_generations(unit, work.prompts[::per_prompt], rows_digest(work.rows[::per_prompt]), work.seeds,
+                              generations)
+    return unit_scores(cache.scorer(work.spec), work.spec, generations, work.rows, work.prompts,
+                       resolve_reasoning(work.spec, snapshot_dir), generate_s=elapsed, kept=kept)
+
+
+def kept_generations(kept: Completions, versions: list[str | None] | None = None) -> list[Generation]:
+    """Kept completions as the engine's generations (``versions``: each sample's weight version, else the kept ones)."""
+    versions = list(kept.weight_version) if versions is None else versions
+    return [Generation(text, version, n, prompt_tokens=p, finish_reason=finish) for text, version, n, p, finish
+            in zip(kept.text, versions, kept.n_tokens, kept.prompt_tokens, kept.finish_reason, strict=True)]
+
+
+def unit_scores(scorer: Scorer, spec: DatasetSpec, generations: list[Generation], rows: list[Row], prompts: list[str],
+                reasoning: Reasoning, *, generate_s: float = 0.0, kept: Completions | None = None) -> UnitScores:
+    """Score a unit's generations (one per sample, prompt-major, with its row and prompt) through ``reasoning``
+    (answers only, :mod:`ckpteval.jobs.eval.answering`): the one scoring path of a fresh generation, a re-score
+    of kept completions and a completion-store hit alike."""
+    samples = [Sample(g.text, r, p) for g, r, p in zip(generations, rows, prompts, strict=True)]
     t1 = time.perf_counter()
-    reasoning = resolve_reasoning(work.spec, snapshot_dir)  # scorers see answers, never reasoning
     scored = score_generations(scorer, samples, generations, reasoning)
     score_s = time.perf_counter() - t1
     return UnitScores(
         scores=[s.score for s in scored],
         weight_versions=[g.weight_version for g in generations],
-        completions=completions,
-        generate_s=elapsed,
+        completions=[g.text for g in generations],
+        generate_s=generate_s,
         n_tokens=sum(g.n_tokens for g in generations),
         prompt_tokens=sum(g.prompt_tokens or 0 for g in generations),
         score_s=score_s,
         answers=[s.answer for s in scored],
         tally=UnitTally.of(scored),
-        scorer=scoring_identity(scorer, work.spec, reasoning),
+        scorer=scoring_identity(scorer, spec, reasoning),
+        kept=kept,
     )
 
 
@@ -179,7 +198,7 @@ def evaluate_generate(
     cost = {"generated_tokens": float(scored.n_tokens), "prompt_tokens": float(scored.prompt_tokens),
             "score_s": scored.score_s}
     return Evaluation(scored.scores, scored.weight_versions, answers=scored.answers, scored=scored.result_fields(),
-                      generate_s=scored.generate_s, cost=cost)
+                      generate_s=scored.generate_s, cost=cost, kept=scored.kept)
 
 
 def check_generate(cache: DatasetCache, spec: DatasetSpec) -> None:

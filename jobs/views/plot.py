@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.scorings import scoring_label
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, run_dirs_from_args
 from ckpteval.jobs.views.status import collect_status
 
@@ -184,21 +185,21 @@ def _min_gap(steps: list[int]) -> float:
     return min(gaps) if gaps else 1
 
 
-def plot_run(run_dir: Path, out: Path) -> dict[str, Any]:
-    status = collect_status(run_dir)
+def plot_run(run_dir: Path, out: Path, scoring: str | None = None) -> dict[str, Any]:
+    status = collect_status(run_dir, scoring)
     data = plot_series(status)
-    draw(data, out, f"ckpteval run {status['run_id']}")
+    draw(data, out, f"ckpteval run {status['run_id']}{scoring_label(scoring)}")
     return data
 
 
-def plot_runs(run_dirs: list[Path], out: Path) -> list[tuple[str, dict[str, Any]]]:
+def plot_runs(run_dirs: list[Path], out: Path, scoring: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     """Several runs overlaid, aligned by step; each labelled by its run id (by its dir as given when
     two runs share an id). Returns the ``(label, data)`` pairs drawn."""
-    statuses = [collect_status(d) for d in run_dirs]
+    statuses = [collect_status(d, scoring) for d in run_dirs]
     ids = [s["run_id"] for s in statuses]
     labels = ids if len(set(ids)) == len(ids) else [str(d) for d in run_dirs]
     runs = [(label, plot_series(s)) for label, s in zip(labels, statuses, strict=True)]
-    draw(runs, out, "ckpteval runs " + ", ".join(labels))
+    draw(runs, out, "ckpteval runs " + ", ".join(labels) + scoring_label(scoring))
     return runs
 
 
@@ -221,14 +222,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("-o", "--output", type=Path, default=Path("curve.png"), metavar="FILE",
                     help="image to write; the suffix picks the format: " + ", ".join(FORMATS)
                     + " (default: curve.png)")
+    ap.add_argument("--scoring", metavar="NAME", help="plot this ckpteval rescore scoring's scores where it re-scored "
+                    "a unit (default: the scores as generated); the title names it")
     args = ap.parse_args(argv)
     run_dirs = run_dirs_from_args(ap, args)
     try:
         check_output(args.output)
         if len(run_dirs) == 1:
-            plot_run(run_dirs[0], args.output)
+            plot_run(run_dirs[0], args.output, args.scoring)
         else:
-            plot_runs(run_dirs, args.output)
+            plot_runs(run_dirs, args.output, args.scoring)
     except (OSError, ValueError) as e:  # missing, unreadable or malformed run files; unwritable output
         return fail("ckpteval plot", e)
     print(args.output)

@@ -84,6 +84,7 @@ def show(console: Any, statuses: list[dict[str, Any]], as_json: bool) -> None:
 def main(argv: list[str]) -> int:
     ap = Parser(prog="ckpteval status", description=__doc__.split("\n")[0])
     add_run_dir_argument(ap, many=True)
+    ap.add_argument("--scoring", metavar="NAME", help="show this ckpteval rescore scoring's scores (default: as generated)")
     ap.add_argument("--json", action="store_true",
                     help="print machine-readable JSON instead of tables (a list of objects for several RUNs)")
     ap.add_argument("--watch", nargs="?", const=str(DEFAULT_WATCH_S), default=None, metavar="S",
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
     try:
         while True:
             try:
-                statuses = [collect_status(d) for d in run_dirs]
+                statuses = [collect_status(d, args.scoring) for d in run_dirs]
             except (OSError, ValueError) as e:  # missing, unreadable or malformed run files
                 return fail("ckpteval status", e)
             if interval and not args.json:

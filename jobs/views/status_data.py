@@ -25,8 +25,8 @@ from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.saves import lost_steps, waiting_saves
+from ckpteval.coord.scorings import StepFacts, scoring_step_facts, step_facts
 from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
 
@@ -119,12 +119,12 @@ def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any
     }
 
 
-def collect_status(run_dir: Path) -> dict[str, Any]:
+def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
     """Everything status shows, as plain data (the ``--json`` output). Each step comes from its summary when
-    that is fresh, else from its result files (:mod:`ckpteval.coord.summary`): the same either way."""
+    that is fresh, else from its result files (:mod:`ckpteval.coord.summary`); ``scoring``: a rescore's (coord.scorings)."""
     run = RunDir.open(run_dir)
     manifest = run.manifest()
-    facts, errors = read_step_facts(run.results, manifest)
+    facts, errors = scoring_step_facts(run, manifest, scoring)
     ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
     retired = ledger.retired if ledger else set()
     snapshots = _snapshot_rows(manifest.snapshot_roots, retired, run.adopted)
@@ -149,8 +149,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
             st = os.statvfs(root)
             free[root] = st.f_bavail * st.f_frsize
     return {
-        "run_id": manifest.run_id,
-        "run_dir": str(run.path),
+        "run_id": manifest.run_id, "run_dir": str(run.path), "scoring": scoring,  # scoring: None: as generated
         "training_done": run.training_done(),
         "interrupted": run.interrupted(),
         "reeval": {k: manifest.trainer.get(k) for k in ("from_run", "steps")} if selection is not None else None,

@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.cells import cell_len
 
+from ckpteval.coord.scorings import scoring_label
 from ckpteval.jobs.flags import wrap
 from ckpteval.jobs.views.tables import PlainTable
 
@@ -94,7 +95,7 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     tokens): :func:`points_tables` splits it so when narrow."""
     datasets = status["datasets"] if datasets is None else datasets
     harness = status.get("harness_metrics", []) if harness is None else harness
-    table = _table(title or f"points of {status['run_id']}")
+    table = _table(title or f"points of {status['run_id']}{scoring_label(status.get('scoring'))}")
     table.add_column("step", justify="right", overflow="fold")
     extra = derived_keys(status)
     counted = {ds for p in status["points"] for ds, d in p["datasets"].items() if d.get("counters")}

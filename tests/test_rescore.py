@@ -1,0 +1,176 @@
+"""Kept completions and ``ckpteval rescore``, on real tiny-model runs evaluated by the real hf worker.
+
+One run is generated per module (the worker's cost is paid once); each test copies it, so they are independent.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ckpteval.coord.completions import completions_path, read_completions, rows_digest
+from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.scorings import scoring_results
+from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.rescore import main as rescore_main
+from ckpteval.jobs.lifecycle import EXIT_DONE
+from ckpteval.jobs.views.status import collect_status
+from tests.support.workers import (
+    PYTHON,
+    REPO,
+    make_eval_run,
+    publish_model,
+    results,
+    run_inprocess,
+    worker_env,
+)
+
+QUIET = {"out": lambda _line: None}
+OTHER = "tests.support.workers:completion_hash"  # a scorer that reads the exact text: every score changes
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    tmp = tmp_path_factory.mktemp("kept")
+    run = make_eval_run(tmp, n_prompts=6, shard_size=3, scorer="tests.support.workers:digit_first", n_samples=2,
+                        max_new_tokens=3, engine={"hf": {"max_batch_size": 12}})
+    manifest = run.manifest()
+    spec = manifest.eval.entries[0]
+    from dataclasses import replace
+
+    from ckpteval.coord.manifest import save_manifest
+    save_manifest(run.manifest_path, replace(manifest, eval=replace(manifest.eval, entries=(
+        replace(spec, temperature=1.0, seed=7),))))
+    for step in (0, 10):
+        publish_model(tmp, run.snapshots, step)
+    opts = WorkerOptions(run_dir=run.path, poll_interval_s=0.05, pin_timeout_s=0.3, once=True)
+    code, _ = run_inprocess(opts, **QUIET)
+    assert code == EXIT_DONE
+    return run
+
+
+@pytest.fixture
+def run(evaluated: RunDir, tmp_path: Path) -> RunDir:
+    shutil.copytree(evaluated.path, tmp_path / "run", symlinks=True)
+    return RunDir.open(tmp_path / "run")
+
+
+def test_each_unit_keeps_its_completions_beside_its_result(run: RunDir) -> None:
+    got = results(run)
+    assert len(got) == 4 and all(r.ok for r in got.values())
+    for unit, r in got.items():
+        kept = read_completions(completions_path(run.results, unit))
+        assert kept.unit == unit and kept.lease_token == r.lease_token
+        assert len(kept.text) == len(r.scores) == 6 and len(kept.prompts) == 3
+        assert kept.weight_version == r.weight_versions
+        assert all(isinstance(s, int) for s in kept.seed) and len(set(kept.seed)) == 6  # sampled: a seed each
+        assert all(n >= 1 for n in kept.n_tokens) and all(p for p in kept.prompt_tokens)
+        # the scorer's answer is the whole completion: the kept text is the text that was scored
+        assert [t.strip() for t in kept.text] == list(r.answers)
+
+
+def test_a_partial_or_corrupt_completions_file_is_refused_naming_it(run: RunDir) -> None:
+    unit = sorted(results(run))[0]
+    path = completions_path(run.results, unit)
+    data = path.read_bytes()
+    path.write_bytes(data[:-9])  # cut inside the gzip trailer
+    with pytest.raises(ValueError, match=str(path)):
+        read_completions(path)
+    body = json.loads(gzip.decompress(data))
+    body["text"] = body["text"][:-1]  # a whole gzip of a record with one text missing
+    path.write_bytes(gzip.compress(json.dumps(body).encode()))
+    with pytest.raises(ValueError, match="texts but"):
+        read_completions(path)
+
+
+def test_rescore_with_the_same_scorer_equals_the_original_exactly(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    assert rescore_main([str(run.path), "--name", "same"]) == 0
+    original = results(run)
+    rescored, errors = scoring_results(run, "same")
+    assert not errors
+    own = ResultIndex(run.path / "scorings" / "same" / "results").refresh()
+    assert set(own) == set(original)
+    for unit, r in original.items():
+        again = own[unit]
+        assert again.scores == r.scores and again.answers == r.answers  # exact, not approximately
+        assert again.scorer == r.scorer and again.weight_versions == r.weight_versions
+        assert again.worker["rescore_of"] == unit.result_name_at(0)
+    assert "4 units re-scored here" in capsys.readouterr().out
+
+
+def test_rescore_publishes_a_new_scoring_and_views_name_it(run: RunDir) -> None:
+    before = {p: p.read_bytes() for p in run.results.rglob("*") if p.is_file()}
+    assert rescore_main([str(run.path), "--scorer", OTHER, "--steps", "10", "--name", "hash"]) == 0
+    assert {p: p.read_bytes() for p in run.results.rglob("*") if p.is_file()} == before  # the original stays
+    shown = collect_status(run.path, scoring="hash")
+    plain = collect_status(run.path)
+    assert shown["scoring"] == "hash" and plain["scoring"] is None
+    by_step = {p["step"]: p for p in shown["points"]}
+    orig = {p["step"]: p for p in plain["points"]}
+    assert by_step[0]["datasets"] == orig[0]["datasets"]  # step 0 not re-scored: the original shows
+    assert by_step[10]["datasets"]["addition"]["score"] != orig[10]["datasets"]["addition"]["score"]
+    assert not by_step[10]["mixed_scorers"]
+    own = ResultIndex(run.path / "scorings" / "hash" / "results").refresh()
+    assert {u.step for u in own} == {10} and all(r.scorer["name"] == OTHER for r in own.values())
+    # exactly once: a second rescore finds every unit done and writes nothing
+    assert rescore_main([str(run.path), "--scorer", OTHER, "--steps", "10", "--name", "hash"]) == 0
+    assert len(list((run.path / "scorings" / "hash" / "results").rglob("*.json"))) == 2
+    # a name is one scoring: another scorer under it is refused
+    assert rescore_main([str(run.path), "--name", "hash"]) == 2
+
+
+def test_changed_rows_or_foreign_completions_are_passed_over(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    units = sorted(results(run))
+    data = run.path / "data" / "addition.jsonl"
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[0]["answer"] = "999"  # shard 0's gold changed after generation
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a, b = (completions_path(run.results, u) for u in units if u.step == 10)
+    shutil.copy(b, a)  # shard 0 of step 10 now holds shard 1's completions
+    assert rescore_main([str(run.path), "--name", "x"]) == 0
+    err = capsys.readouterr().err
+    own = ResultIndex(run.path / "scorings" / "x" / "results").refresh()
+    assert sorted(own) == [u for u in units if u.shard == 1]
+    assert "changed since it was generated" in err and "belongs to another result" in err
+    assert rows_digest([rows[1]]) != rows_digest([rows[0]])
+
+
+def test_concurrent_rescores_share_the_units_exactly_once(run: RunDir) -> None:
+    cmd = [PYTHON, "-m", "ckpteval.jobs.cli", "rescore", str(run.path), "--scorer", OTHER, "--name", "par",
+           "--poll-interval", "0.05"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    written = sum(int(o.split("scoring par: ")[1].split(" ")[0]) for o in outs)
+    assert written == 4  # each unit scored by exactly one of them
+    assert not (run.path / "scorings" / "par" / "results" / "duplicates").exists()
+    assert not list((run.path / "scorings" / "par" / "leases").rglob("*.lock"))
+
+
+def test_keeping_off_keeps_nothing_and_rescore_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)
+    publish_model(tmp_path, run.snapshots, 0)
+    opts = WorkerOptions(run_dir=run.path, poll_interval_s=0.05, pin_timeout_s=0.3, once=True, keep_completions=False)
+    assert run_inprocess(opts, **QUIET)[0] == EXIT_DONE
+    (unit, r), = results(run).items()
+    assert r.ok and not completions_path(run.results, unit).exists()
+    assert rescore_main([str(run.path), "--name", "none"]) == 0
+    assert "no kept completions" in capsys.readouterr().err
+    assert not list((run.path / "scorings" / "none" / "results").rglob("*.json"))
+
+
+def test_a_bad_scorer_or_selection_is_one_error_and_writes_nothing(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    assert rescore_main([str(run.path), "--scorer", "no_such_scorer"]) == 2
+    assert rescore_main([str(run.path), "--scorer", "exact", "--scorer-options", '{"no_such_option": 1}']) == 2
+    assert rescore_main([str(run.path), "--datasets", "nope"]) == 2
+    assert rescore_main([str(run.path), "--scorer-options", "[1]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("ckpteval rescore:") == 4 and "Traceback" not in err
+    assert not (run.path / "scorings").exists()
