@@ -21,7 +21,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.store import CompletionStore, open_store
+from ckpteval.jobs.eval.store import CompletionStore, open_store, unit_key
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import make_eval_run, publish_model, results, run_inprocess, version
 
@@ -142,13 +142,16 @@ def test_changing_any_one_key_input_misses(filled: tuple[RunDir, Path], tmp_path
 
 def test_template_kwargs_change_the_key(filled: tuple[RunDir, Path], tmp_path: Path) -> None:
     a, _ = filled
-    fields = {f.name for f in dataclasses.fields(a.manifest().eval.entries[0])}
-    if "chat_template_kwargs" not in fields:
-        pytest.skip("datasets have no chat_template_kwargs on this branch (issue 28 §1 adds them)")
-    run = RunDir.open(shutil.copytree(a.path, tmp_path / "copy", symlinks=True))
-    base = _keys(run, _store(run, tmp_path))
-    _change_spec(run, chat_template_kwargs={"enable_thinking": False})
-    assert all(k not in base for k in _keys(run, _store(run, tmp_path)))
+    ref = SnapshotDiscovery(a.snapshots).poll()[0]
+    unit = units_for_step(a.manifest(), 0)[0]
+    keyed = _store(a, tmp_path).key(DatasetCache(a, a.manifest()), unit, ref)
+    assert keyed is not None
+    work = keyed[1]  # the same rendered prompts, only the kwargs differ (the tiny model has no chat template)
+    chat = dataclasses.replace(work.spec, prompt_format="chat")
+    thinking_off = dataclasses.replace(chat, chat_template_kwargs={"enable_thinking": False})
+    weights, engine = {"w": "digest"}, {"kind": "hf"}
+    assert unit_key(weights, engine, dataclasses.replace(work, spec=chat)) != unit_key(
+        weights, engine, dataclasses.replace(work, spec=thinking_off))
 
 
 def test_a_corrupt_or_foreign_entry_is_a_logged_miss_and_is_replaced(

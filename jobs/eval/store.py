@@ -116,7 +116,7 @@ def unit_key(weights: Mapping[str, Any], engine: Mapping[str, Any], work: UnitIn
         "rows": rows_digest(work.rows[::per_prompt]),
         "prompts": hashlib.sha256(json.dumps(work.prompts).encode()).hexdigest(),
         "render": {"prompt_format": spec.prompt_format, "system_prompt": spec.system_prompt,
-                   "chat_template_kwargs": getattr(spec, "chat_template_kwargs", None)},
+                   "chat_template_kwargs": spec.chat_template_kwargs},
         "sampling": params,
         "seeds": work.seeds,
         "samples": [work.samples.start, work.samples.stop],
