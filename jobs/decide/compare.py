@@ -5,8 +5,12 @@ RUN_B [--step S | --best --metric M]`` (the same step of two runs — the newest
 default — or each run's best step by ``M``). For every dataset both sides have, it prints the
 difference ``B - A`` of the mean score with a paired confidence interval over prompts
 (:func:`ckpteval.jobs.decide.stats.paired_interval`: per-prompt differences, paired t interval, two-sided)
-and says "not distinguishable from noise" when the interval contains 0. ``--json`` prints the same
-as JSON. Bad input (unknown step, a dataset that is not paired) is one line, exit 2.
+and says "not distinguishable from noise" when the interval contains 0. Beside it: the bootstrap interval
+(prompts resampled, clustered over their samples) and the difference's **minimum detectable effect** at
+``--power`` (:mod:`ckpteval.jobs.decide.noise`): a difference under it is said to be "below the MDE". When the
+runs have replays (``eval.replay``) the engine's measured shared noise is in the MDE and widens the
+interval the verdict is read from (``engine interval``). ``--json`` prints the same as JSON. Bad input
+(unknown step, a dataset that is not paired) is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
-from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
+from ckpteval.jobs.decide.noise import (
+    DEFAULT_POWER,
+    EngineNoise,
+    bootstrap_interval,
+    engine_noise,
+    mde_verdict,
+    noise_interval,
+)
+from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval, score_bounds
 from ckpteval.jobs.flags import Parser, fail
 
 PROG = "ckpteval compare"
@@ -30,8 +42,33 @@ def verdict(low: float, high: float) -> str:
     return "not distinguishable from noise"
 
 
+def side_noise(a: RunValues, b: RunValues, metric: Metric) -> EngineNoise | None:
+    """The engine noise replays measured for ``metric``: of the one run, or of two runs the larger shared
+    variance (None when neither has replays of it)."""
+    sides = [a] if a is b else [a, b]
+    found = [n for n in (engine_noise(s.replay_pairs(metric)) for s in sides) if n is not None]
+    return max(found, key=lambda n: n.shared_var) if found else None
+
+
+def noise_fields(va: Any, vb: Any, level: float, noise: EngineNoise | None, power: float,
+                 verdict_now: str) -> dict[str, Any]:
+    """The MDE, bootstrap and (with replays) engine-widened interval of one compared row, and the verdict
+    read from the widened interval."""
+    d = vb - va
+    boot = bootstrap_interval(d, level)
+    out: dict[str, Any] = {**mde_verdict(d, level, noise, power).to_json(),
+                           "bootstrap": {"low": boot.low, "high": boot.high}}
+    if noise is not None:
+        wide = noise_interval(d, level, noise.shared_var, (-1.0, 1.0) if score_bounds(va, vb) else None)
+        out["engine"] = noise.to_json()
+        out["engine_interval"] = {"low": wide.low, "high": wide.high}
+        if verdict_now != "not distinguishable from noise" and not wide.distinguishable:
+            out["verdict"] = "not distinguishable from engine noise"
+    return out
+
+
 def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float,
-                  metric_text: str | None = None) -> list[dict[str, Any]]:
+                  metric_text: str | None = None, power: float = DEFAULT_POWER) -> list[dict[str, Any]]:
     """Per dataset both sides have at their steps: the paired difference B - A of the mean and its verdict;
     with ``metric_text`` (``--metric``) only that metric of its dataset."""
     rows = []
@@ -49,9 +86,10 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
         metric = chosen or Metric(name, "mean")
         va, vb = a.values(step_a, metric), b.values(step_b, metric)
         iv = paired_interval(va, vb, level)
-        rows.append({"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
-                     "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
-                     "verdict": verdict(iv.low, iv.high)})
+        row = {"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
+               "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
+               "verdict": verdict(iv.low, iv.high)}
+        rows.append({**row, **noise_fields(va, vb, level, side_noise(a, b, metric), power, row["verdict"])})
     if not rows:
         raise ValueError(f"no dataset has a complete point at step {step_a} of {a.run.path} and step {step_b} "
                          f"of {b.run.path}")
@@ -98,8 +136,21 @@ def render(rows: list[dict[str, Any]], a: str, b: str) -> str:
         span = f"[{r['low']:+.4f}, {r['high']:+.4f}]"
         lines.append(f"{r['dataset']:<16} {r['a']:8.4f} {r['b']:8.4f} {r['diff']:+9.4f}  {span:<21} "
                      f"{r['n_prompts']:>7}  {r['verdict']}")
-    lines.append(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided)")
+        lines.append(noise_line(r))
+    lines.append(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided; MDE at power "
+                 f"{rows[0]['power']:.0%})")
     return "\n".join(lines)
+
+
+def noise_line(r: dict[str, Any]) -> str:
+    """The second line of a compared row: bootstrap interval, MDE, engine-widened interval."""
+    boot = r["bootstrap"]
+    text = (f"{'':<16} bootstrap [{boot['low']:+.4f}, {boot['high']:+.4f}]  MDE {r['mde']:.4f}"
+            f"{' (difference below the MDE)' if r['below_mde'] else ''}")
+    if "engine_interval" in r:
+        wide = r["engine_interval"]
+        return text + f"  engine interval [{wide['low']:+.4f}, {wide['high']:+.4f}] ({r['engine']['pairs']} replays)"
+    return text + "  (engine noise not measured: no replays)"
 
 
 def main(argv: list[str]) -> int:
@@ -111,13 +162,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--metric", metavar="M", help="compare this metric only (eval/<dataset>[/pass@k|/maj@n]); with --best: "
                         "also what best means (default with --best: eval/<first dataset>)")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="confidence level (default 0.95)")
+    parser.add_argument("--power", type=float, default=DEFAULT_POWER, help="power of the minimum detectable effect "
+                        "(default 0.8)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
-    if not 0.0 < args.level < 1.0:
-        parser.error(f"--level must be in (0, 1), got {args.level}")
+    for flag in ("level", "power"):
+        if not 0.0 < getattr(args, flag) < 1.0:
+            parser.error(f"--{flag} must be in (0, 1), got {getattr(args, flag)}")
     try:
         a, step_a, b, step_b = plan(args)
-        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric)
+        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric, args.power)
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
     label_a, label_b = f"{a.run.path} step {step_a}", f"{b.run.path} step {step_b}"

@@ -32,6 +32,7 @@ from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
+from ckpteval.jobs.views.noise import noise_lines, noise_status
 from ckpteval.jobs.views.tables import PlainTable
 
 DEFAULT_WATCH_S = 2.0
@@ -149,11 +150,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     points = _point_rows(steps, facts, lags)
     expired = [p for p in units["pending"] if p.get("lease", {}).get("expired")]
     complete = {p["step"] for p in points if p.get("complete")}
-    free = {}
-    for root in manifest.snapshot_roots:
-        if os.path.isdir(root):
-            st = os.statvfs(root)
-            free[root] = st.f_bavail * st.f_frsize
+    free = {r: (st := os.statvfs(r)).f_bavail * st.f_frsize for r in manifest.snapshot_roots if os.path.isdir(r)}
     return {
         "run_id": manifest.run_id,
         "run_dir": str(run.path),
@@ -167,6 +164,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "units": units,
         "points": points,
         "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
+        "noise": noise_status(run, points),  # MDE and replay spread per dataset (jobs.views.noise)
         "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
         "health": {
             "expired_leases": len(expired),
@@ -341,7 +339,7 @@ def render(status: dict[str, Any], width: int = 10_000) -> list[Any]:
         items.append(units)
     else:
         items.append("pending units: none")
-    lines = [cost_line(status["cost"]), health_line(status)]
+    lines = [cost_line(status["cost"]), *noise_lines(status.get("noise")), health_line(status)]
     if any((a := status.get("attestation") or {}).values()):
         lines.insert(1, attestation_line(a))
     return [*items, *points_tables(status, width), *lines]

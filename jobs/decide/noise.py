@@ -1,0 +1,159 @@
+"""The engine's noise floor and the minimum detectable effect (MDE): what a decision can and cannot see.
+
+**Model.** The score of prompt ``i`` at step ``s`` in evaluation ``r`` of that step's snapshot is
+
+    y[s,i,r] = mu[s] + a[s,i] + g[s,r] + e[s,i,r]
+
+with ``a`` the prompt's own effect (fixed per-sample seeds make it fixed too), ``g`` a shift the engine
+gives a whole evaluation (batch composition, kernels, concurrency: every prompt of one evaluation shares it;
+variance ``tau2``) and ``e`` the engine's per-prompt noise (a generation that comes out differently;
+variance ``s2e``), both mean 0 and independent across evaluations. A comparison of two single evaluations
+of steps A and B over the same ``n`` prompts looks at ``D = mean_i d_i``, ``d_i = y[B,i] - y[A,i]``:
+
+    Var(D) = sd2 / n + 2 tau2,     sd2 = Var_i(a[B,i] - a[A,i] + e[B,i] - e[A,i])
+
+The paired t interval (:func:`ckpteval.jobs.decide.stats.paired_interval`) estimates ``sd2`` by the sample
+variance of the ``d_i`` — so the per-prompt engine noise ``2 s2e`` is already inside it — but it cannot see
+``2 tau2``: a shift common to every prompt of an evaluation looks like a real difference. Only evaluating a
+snapshot twice shows it.
+
+**Replays** (:mod:`ckpteval.coord.replays`) give pairs of evaluations of one snapshot; per pair ``k`` the
+per-prompt replay differences ``r_i = y[s,i,1] - y[s,i,0] = (g1 - g0) + (e_i1 - e_i0)``, so
+``Var_i(r_i) = 2 s2e`` and ``E[mean(r)^2] = 2 tau2 + 2 s2e / n``. The estimates (:func:`engine_noise`):
+
+    s2e_hat  = pooled within-pair variance of r_i / 2
+    tau2_hat = max(0, mean_k mean(r)_k^2 / 2 - s2e_hat / n)
+
+**MDE.** The test "B differs from A" rejects at two-sided level ``alpha`` when ``|D| > z_{1-alpha/2} SE``,
+``SE = sqrt(sd2/n + 2 tau2)``. For a true difference ``delta`` it rejects with probability about
+``Phi(delta/SE - z_{1-alpha/2})``; setting that to the power ``1 - beta`` gives the smallest difference
+detected with that power:
+
+    MDE = (z_{1-alpha/2} + z_{1-beta}) * sqrt(sd2 / n + 2 tau2)           (:func:`mde`)
+
+With no replays ``tau2`` is taken as 0 and the MDE says so (``engine`` not measured). ``ckpteval status``
+shows, per dataset, the MDE of comparing its newest point with another step *unpaired*
+(``sd2 = 2 s2_y``, the newest point's per-prompt variance twice: what the issue's ``2 s2_prompt / n``
+states; pairing only lowers it for steps whose prompts agree, so it is an upper bound for them).
+
+**Bootstrap** (:func:`bootstrap_interval`): the percentile interval of ``mean(d)`` over ``B`` resamples of
+the prompts (fixed seed: deterministic). A prompt is resampled with all its ``n`` samples (its per-prompt
+value is their mean), so with ``n`` samples per prompt it is the *clustered* bootstrap — a sample-level
+bootstrap would treat a prompt's samples as independent and be too narrow.
+
+Guarantee: numpy and the standard library only; deterministic. Limits: ``tau2`` from a handful of replay
+pairs is itself noisy (one pair is one degree of freedom: its estimate can be several times the truth or 0),
+and it is assumed the same at every step of the run; the normal quantiles make the MDE approximate for
+few prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+
+from ckpteval.jobs.decide.stats import Interval, t_quantile
+
+DEFAULT_POWER = 0.8
+BOOTSTRAP_REPS = 2000
+BOOTSTRAP_SEED = 0
+
+
+@dataclass(frozen=True)
+class EngineNoise:
+    """What replays measured of one dataset's metric (see the module docstring for the model)."""
+
+    pairs: int  # replay pairs: (replayed step, copy) with both evaluations complete
+    prompts: int  # prompts per evaluation
+    prompt_var: float  # s2e_hat: the engine's per-prompt variance
+    shared_var: float  # tau2_hat: the variance of a shift shared by every prompt of an evaluation
+    changed: float  # mean fraction of prompts whose value moved between the two evaluations of a pair
+    max_abs_diff: float  # the largest |mean replay difference| of a pair
+    rms_diff: float  # root mean square of the pairs' mean replay differences
+
+    def to_json(self) -> dict[str, float | int]:
+        return {"pairs": self.pairs, "prompts": self.prompts, "prompt_var": self.prompt_var,
+                "shared_var": self.shared_var, "changed": self.changed, "max_abs_diff": self.max_abs_diff,
+                "rms_diff": self.rms_diff}
+
+
+def engine_noise(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> EngineNoise | None:
+    """The estimates from replay pairs (each: the point's per-prompt values, a replay's); None without any.
+    ValueError when a pair's two evaluations have different prompts."""
+    diffs = []
+    for own, again in pairs:
+        own, again = np.asarray(own, dtype=float), np.asarray(again, dtype=float)
+        if own.shape != again.shape or own.ndim != 1 or own.size < 2:
+            raise ValueError(f"a replay pair needs the same >= 2 prompts: {own.shape} vs {again.shape}")
+        diffs.append(again - own)
+    if not diffs:
+        return None
+    n = min(d.size for d in diffs)
+    means = np.array([d.mean() for d in diffs])
+    within = float(np.mean([d.var(ddof=1) for d in diffs]))  # pooled (equal sizes): 2 s2e
+    prompt_var = within / 2
+    shared = max(0.0, float(np.mean(means**2)) / 2 - prompt_var / n)
+    return EngineNoise(len(diffs), n, prompt_var, shared, float(np.mean([np.mean(d != 0) for d in diffs])),
+                       float(np.max(np.abs(means))), float(math.sqrt(np.mean(means**2))))
+
+
+def z(p: float) -> float:
+    """The standard normal quantile."""
+    return NormalDist().inv_cdf(p)
+
+
+def mde(diff_var: float, n: int, shared_var: float = 0.0, level: float = 0.95, power: float = DEFAULT_POWER) -> float:
+    """``(z_{1-alpha/2} + z_{power}) * sqrt(diff_var / n + 2 shared_var)`` (module docstring), ``alpha = 1 -
+    level``; ``diff_var`` is the per-prompt variance of the differences compared."""
+    if n < 1 or not 0 < level < 1 or not 0 < power < 1:
+        raise ValueError(f"an MDE needs n >= 1, level and power in (0, 1), got n={n} level={level} power={power}")
+    return (z(0.5 + level / 2) + z(power)) * math.sqrt(max(diff_var, 0.0) / n + 2 * max(shared_var, 0.0))
+
+
+def noise_interval(d: np.ndarray, level: float, shared_var: float, bounds: tuple[float, float] | None) -> Interval:
+    """The paired t interval of ``mean(d)`` widened by the engine's shared variance:
+    ``mean(d) ± t_{1-alpha/2, n-1} sqrt(s2_d/n + 2 tau2)`` (clipped to ``bounds``)."""
+    d = np.asarray(d, dtype=float)
+    if d.size < 2:
+        raise ValueError(f"an interval needs at least 2 prompts, got {d.size}")
+    half = t_quantile(0.5 + level / 2, d.size - 1) * math.sqrt(float(d.var(ddof=1)) / d.size + 2 * shared_var)
+    mean = float(d.mean())
+    lo, hi = bounds if bounds is not None else (-math.inf, math.inf)
+    return Interval(mean, max(lo, mean - half), min(hi, mean + half), int(d.size), level)
+
+
+def bootstrap_interval(d: np.ndarray, level: float, reps: int = BOOTSTRAP_REPS, seed: int = BOOTSTRAP_SEED) -> Interval:
+    """Percentile bootstrap interval of ``mean(d)``, prompts resampled (clustered over their samples)."""
+    d = np.asarray(d, dtype=float)
+    if d.size < 2:
+        raise ValueError(f"a bootstrap interval needs at least 2 prompts, got {d.size}")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(reps, d.size))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 0.5 + level / 2])
+    return Interval(float(d.mean()), float(lo), float(hi), int(d.size), level)
+
+
+@dataclass(frozen=True)
+class MdeVerdict:
+    """A paired difference against its MDE."""
+
+    mde: float
+    below: bool  # |mean difference| < MDE: too small for this many prompts and this engine to tell
+    engine_measured: bool  # replays measured the shared engine variance (else it was taken as 0)
+    power: float
+
+    def to_json(self) -> dict[str, float | bool]:
+        return {"mde": self.mde, "below_mde": self.below, "engine_measured": self.engine_measured,
+                "power": self.power}
+
+
+def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: float = DEFAULT_POWER) -> MdeVerdict:
+    """The MDE of the comparison whose per-prompt differences are ``d`` and whether ``mean(d)`` is under it."""
+    d = np.asarray(d, dtype=float)
+    shared = noise.shared_var if noise is not None else 0.0
+    value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power)
+    return MdeVerdict(value, abs(float(d.mean())) < value, noise is not None, power)
