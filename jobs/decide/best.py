@@ -61,12 +61,11 @@ def noise_rule(best: Best, values: dict[int, np.ndarray], noise: EngineNoise | N
     reasons: dict[str, str] = {}
     per_step: dict[str, dict[str, Any]] = {}
     for step, iv in best.differences.items():
-        d = np.asarray(values[step], dtype=float) - own
-        verdict = mde_verdict(d, iv.level, noise, power)
+        d, bounded = np.asarray(values[step], dtype=float) - own, score_bounds(own, values[step]) is not None
+        verdict = mde_verdict(d, iv.level, noise, power, bounded)
         boot = bootstrap_interval(d, iv.level)
         per_step[str(step)] = {"mde": verdict.mde, "bootstrap": {"low": boot.low, "high": boot.high}}
-        wide = noise_interval(d, iv.level, noise.shared_var, (-1.0, 1.0) if score_bounds(own, values[step]) else None) \
-            if noise is not None else iv
+        wide = noise_interval(d, iv.level, noise, (-1.0, 1.0) if bounded else None) if noise is not None else iv
         if step in best.tied or not wide.distinguishable:
             reasons[str(step)] = "interval contains 0" if step in best.tied else "engine interval contains 0"
         elif verdict.below:

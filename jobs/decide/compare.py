@@ -54,12 +54,12 @@ def noise_fields(va: Any, vb: Any, level: float, noise: EngineNoise | None, powe
                  verdict_now: str) -> dict[str, Any]:
     """The MDE, bootstrap and (with replays) engine-widened interval of one compared row, and the verdict
     read from the widened interval."""
-    d = vb - va
+    d, bounded = vb - va, score_bounds(va, vb) is not None
     boot = bootstrap_interval(d, level)
-    out: dict[str, Any] = {**mde_verdict(d, level, noise, power).to_json(),
+    out: dict[str, Any] = {**mde_verdict(d, level, noise, power, bounded).to_json(),
                            "bootstrap": {"low": boot.low, "high": boot.high}}
     if noise is not None:
-        wide = noise_interval(d, level, noise.shared_var, (-1.0, 1.0) if score_bounds(va, vb) else None)
+        wide = noise_interval(d, level, noise, (-1.0, 1.0) if bounded else None)
         out["engine"] = noise.to_json()
         out["engine_interval"] = {"low": wide.low, "high": wide.high}
         if verdict_now != "not distinguishable from noise" and not wide.distinguishable:

@@ -31,6 +31,10 @@ detected with that power:
 
     MDE = (z_{1-alpha/2} + z_{1-beta}) * sqrt(sd2 / n + 2 tau2)           (:func:`mde`)
 
+Both ``sd2`` and ``tau2`` are estimated, so the quantiles used are Student t's at the Welch-Satterthwaite
+degrees of freedom of the sum (:func:`effective_df`: ``n - 1`` for the prompts' part, one per replay pair for
+the engine's) — with few replays the band is wider, as it must be to keep its level.
+
 With no replays ``tau2`` is taken as 0 and the MDE says so (``engine`` not measured). ``ckpteval status``
 shows, per dataset, the MDE of comparing its newest point with another step *unpaired*
 (``sd2 = 2 s2_y``, the newest point's per-prompt variance twice: what the issue's ``2 s2_prompt / n``
@@ -106,21 +110,57 @@ def z(p: float) -> float:
     return NormalDist().inv_cdf(p)
 
 
-def mde(diff_var: float, n: int, shared_var: float = 0.0, level: float = 0.95, power: float = DEFAULT_POWER) -> float:
-    """``(z_{1-alpha/2} + z_{power}) * sqrt(diff_var / n + 2 shared_var)`` (module docstring), ``alpha = 1 -
-    level``; ``diff_var`` is the per-prompt variance of the differences compared."""
+def effective_df(diff_var: float, n: int, shared_var: float = 0.0, pairs: int = 0) -> float:
+    """Welch-Satterthwaite degrees of freedom of ``diff_var/n + 2 shared_var``: ``n - 1`` for the first
+    term, the number of replay ``pairs`` for the second (each pair is one squared mean difference)."""
+    a, b = max(diff_var, 0.0) / max(n, 1), 2 * max(shared_var, 0.0)
+    if b == 0.0 or pairs < 1:
+        return float(max(n - 1, 1))
+    if a == 0.0:
+        return float(pairs)
+    return max(1.0, (a + b) ** 2 / (a * a / max(n - 1, 1) + b * b / pairs))
+
+
+def quantile(p: float, df: float) -> float:
+    """Student-t quantile at ``df`` (the normal one past 10^6)."""
+    return z(p) if df > 1e6 else t_quantile(p, max(1, round(df)))
+
+
+def mde(diff_var: float, n: int, shared_var: float = 0.0, level: float = 0.95, power: float = DEFAULT_POWER,
+        pairs: int = 0, bounded: bool = False) -> float:
+    """``(t_{1-alpha/2} + t_{power}) * sqrt(diff_var / n + 2 shared_var)`` (module docstring; t at
+    :func:`effective_df`, which is ``n - 1`` without replays), ``alpha = 1 - level``; ``diff_var`` is the
+    per-prompt variance of the differences compared, ``pairs`` the replay pairs ``shared_var`` is from.
+
+    ``bounded`` (scores in [0, 1]): an effect ``delta`` is prompts that moved, which adds up to
+    ``delta (1 - delta)`` to the per-prompt variance under the alternative, so the MDE is the fixed point
+    ``delta = (t + t') sqrt((diff_var + delta (1 - delta)) / n + 2 shared_var)`` (found by iteration from the
+    equal-variance one; without it the power at the MDE falls short of ``power`` when the effect is made of
+    newly solved prompts: measured in tests/test_noise.py)."""
     if n < 1 or not 0 < level < 1 or not 0 < power < 1:
         raise ValueError(f"an MDE needs n >= 1, level and power in (0, 1), got n={n} level={level} power={power}")
-    return (z(0.5 + level / 2) + z(power)) * math.sqrt(max(diff_var, 0.0) / n + 2 * max(shared_var, 0.0))
+    diff_var, shared_var = max(diff_var, 0.0), max(shared_var, 0.0)
+    delta, extra = 0.0, 0.0
+    for _ in range(50 if bounded else 1):
+        var = diff_var + extra
+        df = effective_df(var, n, shared_var, pairs)
+        new = (quantile(0.5 + level / 2, df) + quantile(power, df)) * math.sqrt(var / n + 2 * shared_var)
+        if abs(new - delta) < 1e-9:
+            break
+        delta = new
+        extra = min(delta, 1.0) * (1 - min(delta, 1.0))
+    return delta
 
 
-def noise_interval(d: np.ndarray, level: float, shared_var: float, bounds: tuple[float, float] | None) -> Interval:
+def noise_interval(d: np.ndarray, level: float, noise: EngineNoise, bounds: tuple[float, float] | None) -> Interval:
     """The paired t interval of ``mean(d)`` widened by the engine's shared variance:
-    ``mean(d) ± t_{1-alpha/2, n-1} sqrt(s2_d/n + 2 tau2)`` (clipped to ``bounds``)."""
+    ``mean(d) ± t_{1-alpha/2, df} sqrt(s2_d/n + 2 tau2)``, ``df`` by :func:`effective_df` (clipped to ``bounds``)."""
     d = np.asarray(d, dtype=float)
     if d.size < 2:
         raise ValueError(f"an interval needs at least 2 prompts, got {d.size}")
-    half = t_quantile(0.5 + level / 2, d.size - 1) * math.sqrt(float(d.var(ddof=1)) / d.size + 2 * shared_var)
+    var = float(d.var(ddof=1))
+    df = effective_df(var, d.size, noise.shared_var, noise.pairs)
+    half = quantile(0.5 + level / 2, df) * math.sqrt(var / d.size + 2 * noise.shared_var)
     mean = float(d.mean())
     lo, hi = bounds if bounds is not None else (-math.inf, math.inf)
     return Interval(mean, max(lo, mean - half), min(hi, mean + half), int(d.size), level)
@@ -151,9 +191,11 @@ class MdeVerdict:
                 "power": self.power}
 
 
-def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: float = DEFAULT_POWER) -> MdeVerdict:
-    """The MDE of the comparison whose per-prompt differences are ``d`` and whether ``mean(d)`` is under it."""
+def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: float = DEFAULT_POWER,
+                bounded: bool = False) -> MdeVerdict:
+    """The MDE of the comparison whose per-prompt differences are ``d`` (of scores in [0, 1] with ``bounded``,
+    :func:`mde`) and whether ``mean(d)`` is under it."""
     d = np.asarray(d, dtype=float)
-    shared = noise.shared_var if noise is not None else 0.0
-    value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power)
+    shared, pairs = (noise.shared_var, noise.pairs) if noise is not None else (0.0, 0)
+    value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power, pairs, bounded)
     return MdeVerdict(value, abs(float(d.mean())) < value, noise is not None, power)
