@@ -62,7 +62,7 @@ def noise_rule(best: Best, values: dict[int, np.ndarray], noise: EngineNoise | N
     per_step: dict[str, dict[str, Any]] = {}
     for step, iv in best.differences.items():
         d, bounded = np.asarray(values[step], dtype=float) - own, score_bounds(own, values[step]) is not None
-        verdict = mde_verdict(d, iv.level, noise, power, bounded)
+        verdict = mde_verdict(d, iv.level, noise, power)
         boot = bootstrap_interval(d, iv.level)
         per_step[str(step)] = {"mde": verdict.mde, "bootstrap": {"low": boot.low, "high": boot.high}}
         wide = noise_interval(d, iv.level, noise, (-1.0, 1.0) if bounded else None) if noise is not None else iv

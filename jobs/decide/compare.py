@@ -56,7 +56,7 @@ def noise_fields(va: Any, vb: Any, level: float, noise: EngineNoise | None, powe
     read from the widened interval."""
     d, bounded = vb - va, score_bounds(va, vb) is not None
     boot = bootstrap_interval(d, level)
-    out: dict[str, Any] = {**mde_verdict(d, level, noise, power, bounded).to_json(),
+    out: dict[str, Any] = {**mde_verdict(d, level, noise, power).to_json(),
                            "bootstrap": {"low": boot.low, "high": boot.high}}
     if noise is not None:
         wide = noise_interval(d, level, noise, (-1.0, 1.0) if bounded else None)

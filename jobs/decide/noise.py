@@ -132,11 +132,13 @@ def mde(diff_var: float, n: int, shared_var: float = 0.0, level: float = 0.95, p
     :func:`effective_df`, which is ``n - 1`` without replays), ``alpha = 1 - level``; ``diff_var`` is the
     per-prompt variance of the differences compared, ``pairs`` the replay pairs ``shared_var`` is from.
 
-    ``bounded`` (scores in [0, 1]): an effect ``delta`` is prompts that moved, which adds up to
-    ``delta (1 - delta)`` to the per-prompt variance under the alternative, so the MDE is the fixed point
-    ``delta = (t + t') sqrt((diff_var + delta (1 - delta)) / n + 2 shared_var)`` (found by iteration from the
-    equal-variance one; without it the power at the MDE falls short of ``power`` when the effect is made of
-    newly solved prompts: measured in tests/test_noise.py)."""
+    ``bounded`` (scores in [0, 1]) is for a ``diff_var`` measured *without* the effect (from a pair of the same
+    true score, or from replays): an effect ``delta`` made of prompts that moved adds up to ``delta (1 - delta)``
+    to the per-prompt variance under the alternative, so the MDE is the fixed point
+    ``delta = (t + t') sqrt((diff_var + delta (1 - delta)) / n + 2 shared_var)`` (found by iteration; without
+    it the power at such an MDE falls short: 0.61 instead of 0.80 in tests/test_noise.py's simulation).
+    ``compare`` and ``best`` do not use it: their ``diff_var`` is the compared pair's own, effect included.
+    """
     if n < 1 or not 0 < level < 1 or not 0 < power < 1:
         raise ValueError(f"an MDE needs n >= 1, level and power in (0, 1), got n={n} level={level} power={power}")
     diff_var, shared_var = max(diff_var, 0.0), max(shared_var, 0.0)
@@ -191,11 +193,10 @@ class MdeVerdict:
                 "power": self.power}
 
 
-def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: float = DEFAULT_POWER,
-                bounded: bool = False) -> MdeVerdict:
-    """The MDE of the comparison whose per-prompt differences are ``d`` (of scores in [0, 1] with ``bounded``,
-    :func:`mde`) and whether ``mean(d)`` is under it."""
+def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: float = DEFAULT_POWER) -> MdeVerdict:
+    """The MDE of the comparison whose per-prompt differences are ``d`` (their own variance: the effect's
+    included) and whether ``mean(d)`` is under it."""
     d = np.asarray(d, dtype=float)
     shared, pairs = (noise.shared_var, noise.pairs) if noise is not None else (0.0, 0)
-    value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power, pairs, bounded)
+    value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power, pairs)
     return MdeVerdict(value, abs(float(d.mean())) < value, noise is not None, power)

@@ -5,8 +5,7 @@ variance ``s2_y``, what the run's replays (``eval.replay``) measured of the engi
 (:func:`ckpteval.jobs.decide.noise.engine_noise`: pairs, the fraction of prompts that changed, the largest
 replay difference of the mean, the shared engine variance ``tau2``), and the MDE of comparing that point
 with another step of the run at level 0.95 and power 0.8, *unpaired*:
-``MDE = (t_0.975 + t_0.8) sqrt(2 s2_y / n + 2 tau2)`` (:func:`ckpteval.jobs.decide.noise.mde`, scores in
-[0, 1] with the effect's own variance; an upper bound for steps whose prompts agree, which
+``MDE = (t_0.975 + t_0.8) sqrt(2 s2_y / n + 2 tau2)`` (:func:`ckpteval.jobs.decide.noise.mde`; an upper bound for steps whose prompts agree, which
 ``ckpteval compare`` pairs; ``tau2`` 0 and said so without replays). Also the replays' share of the run's
 eval compute (``eval/cost/replay_share`` over every point).
 
@@ -22,7 +21,6 @@ from typing import Any
 from ckpteval.coord.rundir import RunDir
 from ckpteval.jobs.decide.data import Metric, RunValues
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, engine_noise, mde
-from ckpteval.jobs.decide.stats import score_bounds
 
 LEVEL = 0.95
 
@@ -51,7 +49,7 @@ def noise_status(run: RunDir, points: list[dict[str, Any]]) -> dict[str, Any]:
         out["datasets"][name] = {
             "step": newest[name], "prompts": int(values.size), "prompt_var": s2,
             "mde": mde(2 * s2, max(int(values.size), 1), noise.shared_var if noise else 0.0, LEVEL, DEFAULT_POWER,
-                       noise.pairs if noise else 0, score_bounds(values) is not None),
+                       noise.pairs if noise else 0),
             "level": LEVEL, "power": DEFAULT_POWER, "engine": noise.to_json() if noise else None}
     return out
 
