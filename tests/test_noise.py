@@ -223,3 +223,22 @@ def test_compare_and_best_commands_show_the_mde_bootstrap_and_replays(tmp_path: 
     rec = json.loads(run.best_path("eval/add").read_text())
     assert rec["winner"] is None and rec["not_distinguishable"] == [5, 10] and "5" in rec["reasons"]
     assert "no single winner: steps 5, 10 cannot be told apart (engine noise from 2 replays" in out
+
+
+def test_a_target_can_require_a_margin(tmp_path: Path) -> None:
+    """``--until``/``--eval-stop-when`` ``margin``: a point just over the target, inside its own MDE, does not
+    pass with ``margin mde``; one clear of it does. Bad margins are one ValueError naming the flag."""
+    from ckpteval.coord.conditions import first_passing, parse_condition
+
+    run = make_run(tmp_path, n_prompts=40, shard_size=10)
+    _write(run, 5, np.array([1.0] * 37 + [0.0] * 3))  # 0.925, stderr 0.042: MDE 0.12
+    _write(run, 10, np.ones(40))
+    plain, strict = parse_condition("eval/add >= 0.9", "--until"), parse_condition("eval/add>=0.9 margin mde", "--until")
+    assert first_passing(run.manifest(), results(run), plain) == 5
+    assert first_passing(run.manifest(), results(run), strict) == 10 and strict.text == "eval/add >= 0.9 margin mde"
+    assert parse_condition("eval/add <= 0.1 margin 0.05", "--until").holds({"eval/add": 0.04})
+    assert not parse_condition("eval/add <= 0.1 margin 0.05", "--until").holds({"eval/add": 0.06})
+    for bad, says in (("eval/add/pass@4 >= 0.5 margin mde", "needs a dataset's mean"),
+                      ("eval/add >= 0.5 margin -0.1", "must be >= 0")):
+        with pytest.raises(ValueError, match=says):
+            parse_condition(bad, "--eval-stop-when")

@@ -95,7 +95,8 @@ class TrainConfig:
     eval_best_metric: str | None = option(None, "the point metric ranking --eval-keep-best, higher is better "
                                           "(default eval/<first dataset>)", metavar="M", group=EVAL)
     eval_stop_when: str | None = option(None, "finish training cleanly (final snapshot, final point) once an "
-                                        "ingested point meets COND, e.g. 'eval/addition >= 0.9'", metavar="COND",
+                                        "ingested point meets COND, e.g. 'eval/addition >= 0.9' (add 'margin mde' "
+                                        "or 'margin 0.02': it must pass by that much)", metavar="COND",
                                         group=EVAL)
     eval_overflow_policy: str = option(_D.overflow_policy, "when too many points are in flight: wait for "
                                        "the fleet (backpressure) or skip the point (skip)",
