@@ -77,7 +77,8 @@ def noise_rule(best: Best, values: dict[int, np.ndarray], noise: EngineNoise | N
 
 def render(rec: dict[str, Any]) -> str:
     iv = rec["interval"]
-    lines = [f"best step by {rec['metric']} ({'higher' if rec['higher_is_better'] else 'lower'} is better): "
+    head = "best step" if rec.get("winner") is not None else "highest mean (no single winner)"
+    lines = [f"{head} by {rec['metric']} ({'higher' if rec['higher_is_better'] else 'lower'} is better): "
              f"{rec['best_step']}  mean {iv['estimate']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}] "
              f"({iv['level']:.0%}, {iv['n']} prompts)",
              f"not distinguishable from it: {', '.join(map(str, rec['not_distinguishable']))} ({rec['correction']}; "
