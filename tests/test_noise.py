@@ -200,6 +200,7 @@ def test_best_never_names_a_winner_whose_margin_is_under_the_mde() -> None:
 
 
 def test_compare_and_best_commands_show_the_mde_bootstrap_and_replays(tmp_path: Path, capsys) -> None:
+    """Also: a "replay" whose samples came from other weights is not a replay (it never feeds the noise)."""
     run = _replayed_run(tmp_path, ReplaySettings(steps=(5,), copies=2))
     rng = np.random.default_rng(4)
     s5 = (rng.random(40) < 0.5).astype(float)
@@ -211,6 +212,14 @@ def test_compare_and_best_commands_show_the_mde_bootstrap_and_replays(tmp_path: 
     s10 = s5.copy()
     s10[np.flatnonzero(s5 == 0)[:3]] = 1.0
     _write(run, 10, s10)
+    assert len(open_run(run.path).replay_pairs(Metric("add", "mean"))) == 2
+    unit = next(u for u in units_for_step(run.manifest(), 5) if u.replay == 2)
+    (unit_dir(run.results, 5) / unit.result_name).unlink()  # copy 2 written again on step 10's weights
+    write_result(run.results, ok_result(unit, [0.0] * 10, ["10"] * 10))
+    assert len(open_run(run.path).replay_pairs(Metric("add", "mean"))) == 1  # not counted as a replay of step 5
+    (unit_dir(run.results, 5) / unit.result_name).unlink()
+    idx = list(shard_range(run.manifest(), unit))
+    write_result(run.results, ok_result(unit, [float(s5[i]) for i in idx], ["5"] * len(idx)))
     assert compare_cmd.main([str(run.path), "--steps", "5", "10", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["datasets"]
     assert row["below_mde"] and row["engine_measured"] and row["engine"]["pairs"] == 2

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ckpteval.coord.identity import run_key, version_matches
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, prompt_major
 from ckpteval.coord.results import ResultIndex
@@ -89,6 +90,10 @@ class RunValues:
         mine = [self.results.get(u.as_replay(replay)) for u in spec.units(step)]
         if any(r is None or not r.ok for r in mine):
             raise ValueError(f"{self.run.path}: replay {replay} of step {step} is not complete for {metric.dataset}")
+        key = run_key(self.manifest)
+        if replay and not all(version_matches(v, key, step) for r in mine for v in r.weight_versions):  # type: ignore[union-attr]
+            raise ValueError(f"{self.run.path}: replay {replay} of step {step} was not all produced by step {step}'s "
+                             "weights: not a replay of that point")
         pooled = prompt_major(spec, mine)  # type: ignore[arg-type]
         scores, answers = pooled.scores, pooled.answers
         n = spec.n_samples
