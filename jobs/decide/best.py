@@ -25,15 +25,8 @@ import numpy as np
 
 from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.jobs.decide.data import open_run, parse_metric
-from ckpteval.jobs.decide.noise import (
-    DEFAULT_POWER,
-    EngineNoise,
-    bootstrap_interval,
-    engine_noise,
-    mde_verdict,
-    noise_interval,
-)
-from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step, score_bounds
+from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
+from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
 from ckpteval.jobs.flags import Parser, fail
 
 PROG = "ckpteval best"
@@ -57,19 +50,15 @@ def noise_rule(best: Best, values: dict[int, np.ndarray], noise: EngineNoise | N
     """The MDE rule on top of :func:`best_step`: every other step's MDE (at the family level), bootstrap
     interval, and — when it cannot be told apart from the best — why: its interval (widened by the engine's
     measured noise, with replays) contains 0, or its margin is under the MDE. Returns the record's fields."""
-    own = np.asarray(values[best.step], dtype=float)
     reasons: dict[str, str] = {}
     per_step: dict[str, dict[str, Any]] = {}
     for step, iv in best.differences.items():
-        d, bounded = np.asarray(values[step], dtype=float) - own, score_bounds(own, values[step]) is not None
-        verdict = mde_verdict(d, iv.level, noise, power)
-        boot = bootstrap_interval(d, iv.level)
-        per_step[str(step)] = {"mde": verdict.mde, "bootstrap": {"low": boot.low, "high": boot.high}}
-        wide = noise_interval(d, iv.level, noise, (-1.0, 1.0) if bounded else None) if noise is not None else iv
-        if step in best.tied or not wide.distinguishable:
+        view = pair_view(values[best.step], values[step], iv.level, noise, power)
+        per_step[str(step)] = {"mde": view.verdict.mde, "bootstrap": view.to_json()["bootstrap"]}
+        if step in best.tied or not (view.engine_interval or iv).distinguishable:
             reasons[str(step)] = "interval contains 0" if step in best.tied else "engine interval contains 0"
-        elif verdict.below:
-            reasons[str(step)] = f"margin {abs(iv.estimate):.4f} under the MDE {verdict.mde:.4f}"
+        elif view.verdict.below:
+            reasons[str(step)] = f"margin {abs(iv.estimate):.4f} under the MDE {view.verdict.mde:.4f}"
     tied = sorted([best.step, *map(int, reasons)])
     return {"not_distinguishable": tied, "winner": best.step if tied == [best.step] else None, "reasons": reasons,
             "power": power, "engine": noise.to_json() if noise is not None else None, "per_step": per_step}

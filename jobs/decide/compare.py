@@ -20,15 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
-from ckpteval.jobs.decide.noise import (
-    DEFAULT_POWER,
-    EngineNoise,
-    bootstrap_interval,
-    engine_noise,
-    mde_verdict,
-    noise_interval,
-)
-from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval, score_bounds
+from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
+from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
 from ckpteval.jobs.flags import Parser, fail
 
 PROG = "ckpteval compare"
@@ -54,15 +47,11 @@ def noise_fields(va: Any, vb: Any, level: float, noise: EngineNoise | None, powe
                  verdict_now: str) -> dict[str, Any]:
     """The MDE, bootstrap and (with replays) engine-widened interval of one compared row, and the verdict
     read from the widened interval."""
-    d, bounded = vb - va, score_bounds(va, vb) is not None
-    boot = bootstrap_interval(d, level)
-    out: dict[str, Any] = {**mde_verdict(d, level, noise, power).to_json(),
-                           "bootstrap": {"low": boot.low, "high": boot.high}}
-    if noise is not None:
-        wide = noise_interval(d, level, noise, (-1.0, 1.0) if bounded else None)
+    view = pair_view(va, vb, level, noise, power)
+    out: dict[str, Any] = view.to_json()
+    if noise is not None and view.engine_interval is not None:
         out["engine"] = noise.to_json()
-        out["engine_interval"] = {"low": wide.low, "high": wide.high}
-        if verdict_now != "not distinguishable from noise" and not wide.distinguishable:
+        if verdict_now != "not distinguishable from noise" and not view.engine_interval.distinguishable:
             out["verdict"] = "not distinguishable from engine noise"
     return out
 

@@ -57,10 +57,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
-from ckpteval.jobs.decide.stats import Interval, t_quantile
+from ckpteval.jobs.decide.stats import Interval, score_bounds, t_quantile
 
 DEFAULT_POWER = 0.8
 BOOTSTRAP_REPS = 2000
@@ -200,3 +201,30 @@ def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: f
     shared, pairs = (noise.shared_var, noise.pairs) if noise is not None else (0.0, 0)
     value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power, pairs)
     return MdeVerdict(value, abs(float(d.mean())) < value, noise is not None, power)
+
+
+@dataclass(frozen=True)
+class PairView:
+    """What the noise says of one paired comparison: its MDE, bootstrap interval and, with replays, its
+    interval widened by the engine's shared variance (None without)."""
+
+    verdict: MdeVerdict
+    bootstrap: Interval
+    engine_interval: Interval | None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.verdict.to_json(),
+                               "bootstrap": {"low": self.bootstrap.low, "high": self.bootstrap.high}}
+        if self.engine_interval is not None:
+            out["engine_interval"] = {"low": self.engine_interval.low, "high": self.engine_interval.high}
+        return out
+
+
+def pair_view(a: np.ndarray, b: np.ndarray, level: float, noise: EngineNoise | None,
+              power: float = DEFAULT_POWER) -> PairView:
+    """:class:`PairView` of ``b - a`` (per prompt), at ``level`` (scores in [0, 1]: intervals clipped to [-1, 1])."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    d = b - a
+    bounds = (-1.0, 1.0) if score_bounds(a, b) else None
+    wide = noise_interval(d, level, noise, bounds) if noise is not None else None
+    return PairView(mde_verdict(d, level, noise, power), bootstrap_interval(d, level), wide)
