@@ -38,6 +38,7 @@ from ckpteval.coord import PROTOCOL_VERSION
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
 from ckpteval.coord.entries import KINDS, DatasetSpec, Entry, EnvSpec, HarnessSpec, entry_class, subset_rows
 from ckpteval.coord.fields import NAME_RE, FieldError, Fields, parse_dataclass
+from ckpteval.coord.replays import ReplaySettings
 
 CANARY_ON_FAIL = ("skip", "flag")
 
@@ -91,6 +92,7 @@ class EvalSpec:
     # adapter (``adapter_config.json`` + ``adapter_model.safetensors``); None: snapshots are full models.
     base_model: str | None = None
     canary: CanarySettings = CanarySettings()
+    replay: ReplaySettings = ReplaySettings()  # ``eval.replay``: steps evaluated again (ckpteval.coord.replays)
 
     @property
     def datasets(self) -> tuple[DatasetSpec, ...]:
@@ -158,7 +160,7 @@ def parse_entry(f: Fields) -> Entry:
 
 
 def _parse_eval(f: Fields) -> EvalSpec:
-    f.reject_unknown(["datasets", "engine", "adapters", "base_model", "canary"], "the eval section")
+    f.reject_unknown(["datasets", "engine", "adapters", "base_model", "canary", "replay"], "the eval section")
     raw_datasets = f.get("datasets", list)
     if not raw_datasets:
         raise f.error("datasets", "must list at least one dataset")
@@ -176,6 +178,7 @@ def _parse_eval(f: Fields) -> EvalSpec:
     return EvalSpec(
         entries=entries, engine=f.get("engine", dict, {}), adapters=tuple(adapters),
         base_model=base_model, canary=parse_dataclass(f.sub("canary", {}), CanarySettings, what="eval.canary"),
+        replay=parse_dataclass(f.sub("replay", {}), ReplaySettings, what="eval.replay"),
     )
 
 

@@ -54,6 +54,7 @@ class Point:
     mixed_scorers: tuple[str, ...] = ()  # datasets whose units disagree on the scorer identity: not pooled
     cost: dict[str, float] = field(default_factory=dict)  # every unit's cost summed (eval/cost/*)
     fidelity: dict[str, float] = field(default_factory=dict)  # the worst canary comparison (eval/fidelity/*)
+    replays: dict[str, float] = field(default_factory=dict)  # replay facts (replay_facts), never in the scores
 
     @property
     def skipped(self) -> bool:
@@ -209,7 +210,27 @@ def point_fidelity(done: list[Result]) -> dict[str, float]:
 
 
 def point_cost(done: list[Result]) -> dict[str, float]:
-    """Every unit's ``cost`` summed (``gpus``: the largest engine seen), plus the verification seconds."""
+    """Every unit's ``cost`` summed (``gpus``: the largest engine seen), plus the verification seconds —
+    replays included (they are eval compute); with replays also their own sums ``replay_<name>`` and
+    ``replay_share``, their part of the step's engine seconds (:func:`replay_share`)."""
+    total = _cost_sum(done)
+    replayed = [r for r in done if r.unit.replay]
+    if replayed and total:
+        total.update({f"replay_{name}": v for name, v in _cost_sum(replayed).items() if name != "gpus"})
+        total["replay_share"] = replay_share(total)
+    return total
+
+
+def replay_share(cost: dict[str, float]) -> float:
+    """The replays' part of a step's eval compute: their GPU-seconds over all (engine seconds when no
+    GPU-seconds were recorded, as on CPU); 0 when nothing was timed."""
+    for name in ("gpu_s", "engine_s"):
+        if cost.get(name, 0.0) > 0:
+            return cost.get(f"replay_{name}", 0.0) / cost[name]
+    return 0.0
+
+
+def _cost_sum(done: list[Result]) -> dict[str, float]:
     total: dict[str, float] = {}
     for r in done:
         for name, value in r.cost.items():
@@ -254,7 +275,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
     done = [results[u] for u in units if u in results]
     skips: dict[str, int] = {}
     for r in done:
-        if not r.ok:
+        if not r.ok and not r.unit.replay:  # a replay's skip is the replay's (replay_facts), not the point's
             skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
     datasets, mixed, metrics = {}, [], {}
     for entry in manifest.eval.entries:
@@ -281,7 +302,49 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         mixed_scorers=tuple(mixed),
         cost=point_cost(done),
         fidelity=point_fidelity(done),
+        replays=replay_facts(manifest, step, results),
     )
+
+
+def replay_facts(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> dict[str, float]:
+    """What a replayed step's replays say (:mod:`ckpteval.coord.replays`), each replay copy ``k`` against the
+    point's own units, per dataset whose units and copy all have ok results: ``<ds>/replay/diff`` (the copy's
+    mean minus the point's, the largest in absolute value over the copies) and ``<ds>/replay/changed`` (the
+    largest fraction of prompts whose score moved); ``replay_skipped_<reason>`` counts replays skipped. These
+    are facts for the noise estimates and the logs; the point's scores never include a replay."""
+    out: dict[str, float] = {}
+    for r in results.values():
+        if r.unit.replay and not r.ok:
+            name = f"replay_skipped_{r.skip_reason or 'unknown'}"
+            out[name] = out.get(name, 0.0) + 1.0
+    settings = manifest.eval.replay
+    if not settings.due(step):
+        return out
+    for entry in manifest.eval.entries:
+        if not entry.due(step) or entry.POINT_RULE != "samples":
+            continue
+        own = _prompt_means(entry, [results.get(u) for u in entry.units(step)])
+        if own is None:
+            continue
+        for k in range(1, settings.copies + 1):
+            again = _prompt_means(entry, [results.get(u.as_replay(k)) for u in entry.units(step)])
+            if again is None or len(again) != len(own):
+                continue
+            diff = (sum(again) - sum(own)) / len(own)
+            changed = sum(a != b for a, b in zip(again, own, strict=True)) / len(own)
+            if abs(diff) >= abs(out.get(f"{entry.name}/replay/diff", 0.0)):
+                out[f"{entry.name}/replay/diff"] = diff
+            out[f"{entry.name}/replay/changed"] = max(out.get(f"{entry.name}/replay/changed", 0.0), changed)
+    return out
+
+
+def _prompt_means(spec: Entry, results: list[Result | None]) -> list[float] | None:
+    """Per-prompt mean scores of one evaluation of a dataset (None unless every unit has an ok result)."""
+    if not results or any(r is None or not r.ok for r in results):
+        return None
+    scores = prompt_major(spec, results).scores  # type: ignore[arg-type]
+    n = spec.n_samples  # type: ignore[attr-defined]
+    return [sum(scores[i : i + n]) / n for i in range(0, len(scores), n)]
 
 
 def unit_metrics(entry: Entry, key: str, step: int, results: list[Result | None]) -> dict[str, float]:
@@ -315,6 +378,8 @@ def point_metrics(point: Point) -> dict[str, float]:
         metrics[f"eval/cost/{key}"] = value
     for key, value in point.fidelity.items():
         metrics[f"eval/fidelity/{key}"] = value
+    for key, value in point.replays.items():
+        metrics[f"eval/{key}"] = value
     for name in point.mixed_scorers:
         metrics[f"eval/{name}/scorer_mixed"] = 1.0
     metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})

@@ -22,7 +22,7 @@ a scoring reads the re-scored steps' result files.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from ckpteval.coord.manifest import RunManifest
@@ -74,15 +74,16 @@ def overlay(original: Mapping[WorkUnit, Result], rescored: Mapping[WorkUnit, Res
     return {**original, **rescored}
 
 
-def scoring_results(run: RunDir, name: str | None) -> tuple[dict[WorkUnit, Result], dict[str, str]]:
-    """Every unit's result as the scoring ``name`` shows it (None: the original results), and the malformed
-    result files read (name -> why)."""
+def scoring_results(run: RunDir, name: str | None,
+                    only_steps: Collection[int] | None = None) -> tuple[dict[WorkUnit, Result], dict[str, str]]:
+    """Every unit's result (of ``only_steps``; None: every step) as the scoring ``name`` shows it (None: the
+    original results), and the malformed result files read (name -> why)."""
     base = ResultIndex(run.results)
-    results = dict(base.refresh())
+    results = dict(base.refresh(only_steps=only_steps))
     if name is None:
         return results, dict(base.errors)
     index = ResultIndex(open_scoring(run, name) / "results")
-    merged = overlay(results, index.refresh())
+    merged = overlay(results, index.refresh(only_steps=only_steps))
     return merged, {**base.errors, **{f"{SCORINGS}/{name}/{k}": v for k, v in index.errors.items()}}
 
 

@@ -41,9 +41,20 @@ from ckpteval.coord.workunit import WorkUnit
 
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
     """Every unit of one eval point: the units of each entry due at ``step`` (:meth:`Entry.units`), in
-    run.json order. An entry with ``every`` > 1 has no units at the steps it is not due (it is not skipped
-    there: it is simply not part of that point)."""
-    return [u for e in manifest.eval.entries if e.due(step) for u in e.units(step)]
+    run.json order, then its replays (:func:`replay_units`; scored apart, never pooled into the point). An
+    entry with ``every`` > 1 has no units at the steps it is not due (it is not skipped there: it is simply
+    not part of that point)."""
+    return [u for e in manifest.eval.entries if e.due(step) for u in e.units(step)] + replay_units(manifest, step)
+
+
+def replay_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
+    """The replays of ``step`` (``eval.replay``, :mod:`ckpteval.coord.replays`): ``copies`` of every unit of each
+    per-sample entry due at the step, copy-major; none when the step is not replayed."""
+    settings = manifest.eval.replay
+    if not settings.due(step):
+        return []
+    return [u.as_replay(k) for k in range(1, settings.copies + 1)
+            for e in manifest.eval.entries if e.due(step) and e.POINT_RULE == "samples" for u in e.units(step)]
 
 
 def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
@@ -263,4 +274,4 @@ def order_units(units: Iterable[WorkUnit], newest_first: bool = False, spread: i
         return 0 if spread is None else zlib.crc32(f"{spread}:{u.id}".encode())
 
     return sorted(units, key=lambda u: (-u.step if newest_first else u.step, within_step(u), u.dataset, u.shard,
-                                       u.sample_start))
+                                       u.sample_start, u.replay))

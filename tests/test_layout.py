@@ -37,6 +37,7 @@ EXCEPTIONS = {
     ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.evalconfig"): "the one eval-config reader",
     ("ckpteval.jobs.launch.submit", "ckpteval.jobs.eval.reeval"): "the re-evaluation plan (validated before sbatch)",
     ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.reference.train_config"): "the reference trainer's own flag checks",
+    ("ckpteval.jobs.views.noise", "ckpteval.jobs.decide"): "status shows the decisions' MDE, computed one way (#29)",
 }
 
 

@@ -1,5 +1,6 @@
 """From points to decisions: paired comparisons of steps or runs, and the best checkpoint.
 
-``stats`` holds the statistics (numpy only), ``data`` reads per-prompt values out of a run's results,
-``compare`` and ``best`` are the ``ckpteval compare`` / ``ckpteval best`` commands.
+``stats`` holds the statistics (numpy only), ``noise`` the engine's noise from replays and the minimum
+detectable effect, ``data`` reads per-prompt values out of a run's results, ``compare`` and ``best`` are the
+``ckpteval compare`` / ``ckpteval best`` commands.
 """

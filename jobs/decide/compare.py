@@ -5,8 +5,12 @@ RUN_B [--step S | --best --metric M]`` (the same step of two runs — the newest
 default — or each run's best step by ``M``). For every dataset both sides have, it prints the
 difference ``B - A`` of the mean score with a paired confidence interval over prompts
 (:func:`ckpteval.jobs.decide.stats.paired_interval`: per-prompt differences, paired t interval, two-sided)
-and says "not distinguishable from noise" when the interval contains 0. ``--json`` prints the same
-as JSON. Bad input (unknown step, a dataset that is not paired) is one line, exit 2.
+and says "not distinguishable from noise" when the interval contains 0. Beside it: the bootstrap interval
+(prompts resampled, clustered over their samples) and the difference's **minimum detectable effect** at
+``--power`` (:mod:`ckpteval.jobs.decide.noise`): a difference under it is said to be "below the MDE". When the
+runs have replays (``eval.replay``) the engine's measured shared noise is in the MDE and widens the
+interval the verdict is read from (``engine interval``). ``--json`` prints the same as JSON. Bad input
+(unknown step, a dataset that is not paired) is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
+from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
 from ckpteval.jobs.flags import Parser, fail, output_width, wrap
 
@@ -30,8 +35,29 @@ def verdict(low: float, high: float) -> str:
     return "not distinguishable from noise"
 
 
+def side_noise(a: RunValues, b: RunValues, metric: Metric) -> EngineNoise | None:
+    """The engine noise replays measured for ``metric``: of the one run, or of two runs the larger shared
+    variance (None when neither has replays of it)."""
+    sides = [a] if a is b else [a, b]
+    found = [n for n in (engine_noise(s.replay_pairs(metric)) for s in sides) if n is not None]
+    return max(found, key=lambda n: n.shared_var) if found else None
+
+
+def noise_fields(va: Any, vb: Any, level: float, noise: EngineNoise | None, power: float,
+                 verdict_now: str) -> dict[str, Any]:
+    """The MDE, bootstrap and (with replays) engine-widened interval of one compared row, and the verdict
+    read from the widened interval."""
+    view = pair_view(va, vb, level, noise, power)
+    out: dict[str, Any] = view.to_json()
+    if noise is not None and view.engine_interval is not None:
+        out["engine"] = noise.to_json()
+        if verdict_now != "not distinguishable from noise" and not view.engine_interval.distinguishable:
+            out["verdict"] = "not distinguishable from engine noise"
+    return out
+
+
 def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float,
-                  metric_text: str | None = None) -> list[dict[str, Any]]:
+                  metric_text: str | None = None, power: float = DEFAULT_POWER) -> list[dict[str, Any]]:
     """Per dataset both sides have at their steps: the paired difference B - A of the mean and its verdict;
     with ``metric_text`` (``--metric``) only that metric of its dataset."""
     rows = []
@@ -49,9 +75,10 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
         metric = chosen or Metric(name, "mean")
         va, vb = a.values(step_a, metric), b.values(step_b, metric)
         iv = paired_interval(va, vb, level)
-        rows.append({"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
-                     "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
-                     "verdict": verdict(iv.low, iv.high)})
+        row = {"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
+               "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
+               "verdict": verdict(iv.low, iv.high)}
+        rows.append({**row, **noise_fields(va, vb, level, side_noise(a, b, metric), power, row["verdict"])})
     if not rows:
         raise ValueError(f"no dataset has a complete point at step {step_a} of {a.run.path} and step {step_b} "
                          f"of {b.run.path}")
@@ -93,23 +120,39 @@ def plan(args: Any) -> tuple[RunValues, int, RunValues, int]:
 
 def render(rows: list[dict[str, Any]], a: str, b: str, width: int = 10_000) -> str:
     """The comparison as text at most ``width`` columns wide (a path longer than it stays whole): a row per
-    dataset when that fits, else two lines per dataset (the numbers, then prompts and verdict)."""
+    dataset when that fits, else two lines per dataset (the numbers, then prompts and verdict); each followed
+    by its noise line (:func:`noise_line`)."""
     lines = [*wrap(f"A = {a}", width), *wrap(f"B = {b}", width)]
     head = f"{'dataset':<16} {'A':>8} {'B':>8} {'B - A':>9}  {'interval':<21} {'prompts':>7}  verdict"
     wide = [f"{r['dataset']:<16} {r['a']:8.4f} {r['b']:8.4f} {r['diff']:+9.4f}  {_span(r):<21} "
             f"{r['n_prompts']:>7}  {r['verdict']}" for r in rows]
     if max(len(line) for line in [head, *wide]) <= width:
-        lines += [head, *wide]
+        lines.append(head)
+        for r, line in zip(rows, wide, strict=True):
+            lines += [line, *wrap(f"{'':<16} {noise_line(r)}", width)]
     else:
         for r in rows:
             lines += wrap(f"{r['dataset']}: A {r['a']:.4f}, B {r['b']:.4f}, B - A {r['diff']:+.4f} {_span(r)}", width)
             lines += wrap(f"  over {r['n_prompts']} prompts: {r['verdict']}", width)
-    lines += wrap(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided)", width)
+            lines += wrap(f"  {noise_line(r)}", width)
+    lines += wrap(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided; MDE at power "
+                  f"{rows[0]['power']:.0%})", width)
     return "\n".join(lines)
 
 
 def _span(row: dict[str, Any]) -> str:
     return f"[{row['low']:+.4f}, {row['high']:+.4f}]"
+
+
+def noise_line(r: dict[str, Any]) -> str:
+    """What follows a compared row: bootstrap interval, MDE, engine-widened interval."""
+    boot = r["bootstrap"]
+    text = (f"bootstrap [{boot['low']:+.4f}, {boot['high']:+.4f}]  MDE {r['mde']:.4f}"
+            f"{' (difference below the MDE)' if r['below_mde'] else ''}")
+    if "engine_interval" in r:
+        wide = r["engine_interval"]
+        return text + f"  engine interval [{wide['low']:+.4f}, {wide['high']:+.4f}] ({r['engine']['pairs']} replays)"
+    return text + "  (engine noise not measured: no replays)"
 
 
 def main(argv: list[str]) -> int:
@@ -123,13 +166,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--scoring", metavar="NAME", help="compare this ckpteval rescore scoring's scores where it "
                         "re-scored a unit (default: the scores as generated); the output names it")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="confidence level (default 0.95)")
+    parser.add_argument("--power", type=float, default=DEFAULT_POWER, help="power of the minimum detectable effect "
+                        "(default 0.8)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
-    if not 0.0 < args.level < 1.0:
-        parser.error(f"--level must be in (0, 1), got {args.level}")
+    for flag in ("level", "power"):
+        if not 0.0 < getattr(args, flag) < 1.0:
+            parser.error(f"--{flag} must be in (0, 1), got {getattr(args, flag)}")
     try:
         a, step_a, b, step_b = plan(args)
-        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric)
+        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric, args.power)
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
     shown = f" (scoring {args.scoring})" if args.scoring else ""

@@ -14,11 +14,13 @@ Limits: two runs are paired only when their eval sets are the same bytes with th
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ckpteval.coord.identity import run_key, version_matches
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, prompt_major
 from ckpteval.coord.rundir import RunDir
@@ -64,10 +66,11 @@ class RunValues:
 
     run: RunDir
     scoring: str | None = None  # a ckpteval rescore scoring's scores where it re-scored a unit (None: as generated)
+    only_steps: Collection[int] | None = None  # read just these steps' results (None: every step)
 
     def __post_init__(self) -> None:
         self.manifest = self.run.manifest()
-        self.results = scoring_results(self.run, self.scoring)[0]
+        self.results = scoring_results(self.run, self.scoring, self.only_steps)[0]
         self._steps: dict[str, list[int]] = {}
 
     def steps_with(self, dataset: str) -> list[int]:
@@ -78,13 +81,21 @@ class RunValues:
                                     if dataset in derive_point(self.manifest, s, self.results).datasets]
         return self._steps[dataset]
 
-    def values(self, step: int, metric: Metric) -> np.ndarray:
-        """Per-prompt values of ``metric`` at ``step``; ValueError when the step has no such point."""
+    def values(self, step: int, metric: Metric, replay: int = 0) -> np.ndarray:
+        """Per-prompt values of ``metric`` at ``step`` (of its ``replay``-th replay, :mod:`ckpteval.coord.replays`);
+        ValueError when the step has no such point (or replay)."""
         if step not in self.steps_with(metric.dataset):
             raise ValueError(f"{self.run.path}: step {step} has no complete {metric.dataset} point "
                              f"(steps with one: {self.steps_with(metric.dataset) or 'none'})")
         spec = self.manifest.entry(metric.dataset)
-        pooled = prompt_major(spec, [self.results[u] for u in spec.units(step)])
+        mine = [self.results.get(u.as_replay(replay)) for u in spec.units(step)]
+        if any(r is None or not r.ok for r in mine):
+            raise ValueError(f"{self.run.path}: replay {replay} of step {step} is not complete for {metric.dataset}")
+        key = run_key(self.manifest)
+        if replay and not all(version_matches(v, key, step) for r in mine for v in r.weight_versions):  # type: ignore[union-attr]
+            raise ValueError(f"{self.run.path}: replay {replay} of step {step} was not all produced by step {step}'s "
+                             "weights: not a replay of that point")
+        pooled = prompt_major(spec, mine)  # type: ignore[arg-type]
         scores, answers = pooled.scores, pooled.answers
         n = spec.n_samples
         groups = [scores[i : i + n] for i in range(0, len(scores), n)]
@@ -95,6 +106,22 @@ class RunValues:
                 raise ValueError(f"{self.run.path}: step {step} results carry no extracted answers for maj@{n}")
             return np.array([majority_score(answers[i : i + n], scores[i : i + n]) for i in range(0, len(scores), n)])
         return np.array([sum(g) / len(g) for g in groups])
+
+
+    def replay_pairs(self, metric: Metric) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(the point's per-prompt values, a replay's) of every replayed step and copy of ``metric`` whose
+        point and replay are both complete — what :func:`ckpteval.jobs.decide.noise.engine_noise` estimates from."""
+        settings = self.manifest.eval.replay
+        pairs = []
+        for step in self.steps_with(metric.dataset) if settings.enabled else []:
+            if not settings.due(step):
+                continue
+            for k in range(1, settings.copies + 1):
+                try:
+                    pairs.append((self.values(step, metric), self.values(step, metric, replay=k)))
+                except ValueError:
+                    continue  # that replay is not done (or was skipped): no pair
+        return pairs
 
 
 def _data_digest(run: RunDir, spec: DatasetSpec) -> str:

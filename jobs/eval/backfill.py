@@ -153,7 +153,8 @@ def add_until_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--order", choices=("ascending", "descending"), default="ascending",
                    help="claim order by step (descending: same as --newest-first)")
     g.add_argument("--until", metavar="COND",
-                   help="stop at the first step whose point passes COND, e.g. 'eval/gsm8k >= 0.8' (ascending only)")
+                   help="stop at the first step whose point passes COND, e.g. 'eval/gsm8k >= 0.8' (ascending only); "
+                   "'... margin 0.02' or '... margin mde' (the point's own MDE): it must pass by that much")
 
 
 def until_plan(args: argparse.Namespace) -> Condition | None:

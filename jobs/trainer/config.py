@@ -74,7 +74,7 @@ class DispatchConfig:
     """the point metric ranking --eval-keep-best, higher is better (default eval/<first dataset>)"""
     stop_when: str | None = option(None, flag="--eval-stop-when", metavar="COND", group=EVAL)
     """finish training cleanly (final snapshot, final point) once an ingested point meets COND, e.g.
-    'eval/addition >= 0.9'"""
+    'eval/addition >= 0.9' (add 'margin mde' or 'margin 0.02': it must pass by that much)"""
     overflow_policy: OverflowPolicy = option("backpressure", flag="--eval-overflow-policy", group=EVAL)
     """when too many points are in flight: wait for the fleet (backpressure) or skip the point (skip)"""
     fleet: Fleet = option("attached", flag="--eval-fleet", group=EVAL)

@@ -29,6 +29,7 @@ from ckpteval.coord.scorings import StepFacts, scoring_step_facts, step_facts
 from ckpteval.coord.steps import run_step_selection
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
+from ckpteval.jobs.views.noise import noise_status
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -160,6 +161,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         "units": units,
         "points": points,
         "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
+        "noise": noise_status(run, points),  # MDE and replay spread per dataset (jobs.views.noise)
         "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
         "health": {
             "expired_leases": len(expired),

@@ -22,6 +22,7 @@ from rich.cells import cell_len
 
 from ckpteval.coord.scorings import scoring_label
 from ckpteval.jobs.flags import wrap
+from ckpteval.jobs.views.noise import noise_lines
 from ckpteval.jobs.views.tables import PlainTable
 
 NOT_POOLED = "not pooled: scorers differ"
@@ -302,6 +303,7 @@ def _attestation_lines(status: dict[str, Any], width: int) -> list[str]:
 
 RUN_LINES: list[Callable[[dict[str, Any], int], list[str]]] = [
     lambda status, width: join_parts(_cost_parts(status["cost"]), width),
+    lambda status, width: [part for line in noise_lines(status.get("noise")) for part in wrap(line, width)],
     _attestation_lines,
     health_lines,  # keep it last (add lines before it): its last line is the training state (tail -n 1)
 ]

@@ -9,6 +9,7 @@ torch is imported lazily so that fn-backend worker processes importing this modu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.results import Result, ResultIndex
@@ -44,8 +45,10 @@ def make_eval_run(
     name: str = "run",
     snapshot_root: Path | None = None,
     n_samples: int = 1,
+    replay: Any = None,
 ) -> RunDir:
-    """A run with the built-in addition eval set (``n_prompts`` rows) and one snapshot root."""
+    """A run with the built-in addition eval set (``n_prompts`` rows) and one snapshot root (``replay``: its
+    ``eval.replay``, a :class:`ckpteval.coord.replays.ReplaySettings`)."""
     from dataclasses import replace
 
     from ckpteval.jobs.eval.evalsets import write_addition_dataset
@@ -55,7 +58,7 @@ def make_eval_run(
     spec = replace(spec, scorer=scorer, max_new_tokens=max_new_tokens, n_samples=n_samples)
     manifest = RunManifest(
         run_id=f"test-{name}",
-        eval=EvalSpec(entries=(spec,), engine=engine or {}),
+        eval=EvalSpec(entries=(spec,), engine=engine or {}, **({"replay": replay} if replay is not None else {})),
         snapshot_roots=(str(snapshot_root or run.snapshots),),
         lease=lease or LeaseSettings(30.0, 5.0),
     )
@@ -235,6 +238,35 @@ class SeedBackend(SumBackend):
             raise ValueError(f"{len(seeds)} seeds for {len(input['rows'])} rows x samples {start}-{stop}")
         safetensors_sum(checkpoint_dir)
         return {"scores": [float(s % 3 == 0) for s in seeds], "answers": [str(s % 4) for s in seeds]}
+
+
+class FlipBackend(SumBackend):
+    """The scripted noisy engine of the replay tests (#29): a sample scores 1 when its row's
+    :func:`row_score` on the snapshot's weights is >= 0.5, else 0 — then is flipped at random with probability
+    ``flip`` per evaluation: the k-th time this process scores (step, prompt, sample) it flips when
+    ``blake2b(f"{seed}:{step}:{prompt}:{sample}:{k}")`` falls in the bottom ``flip`` of its range (counted per
+    process: a worker builds a backend per load). ``flip`` 0: the deterministic engine (every evaluation of a
+    snapshot scores the same)."""
+
+    seen: ClassVar[dict[tuple[int, str, int], int]] = {}
+
+    def __init__(self, flip: float = 0.0, seed: int = 0, delay_s: float = 0.0) -> None:
+        super().__init__(delay_s)
+        self.flip, self.seed = flip, seed
+
+    def evaluate_checkpoint(self, checkpoint_dir: str, input: dict[str, Any]) -> dict[str, Any]:  # noqa: A002
+        weight_sum = safetensors_sum(checkpoint_dir)
+        start, stop = input["samples"]
+        scores = []
+        for row in input["rows"]:
+            for sample in range(start, stop):
+                key = (input["step"], row["prompt"], sample)
+                k = self.seen[key] = self.seen.get(key, -1) + 1
+                base = float(row_score(weight_sum, row["prompt"]) >= 0.5)
+                digest = hashlib.blake2b(f"{self.seed}:{key[0]}:{key[1]}:{sample}:{k}".encode(), digest_size=8)
+                draw = int.from_bytes(digest.digest(), "big") / 2**64  # not crc32: linear, so its draws correlate
+                scores.append(1.0 - base if draw < self.flip else base)
+        return {"scores": scores, "weight_versions": [str(input["step"])] * len(scores)}
 
 
 class AdapterMissingBackend(SumBackend):

@@ -1,0 +1,235 @@
+"""The engine's noise floor and the minimum detectable effect (MDE): what a decision can and cannot see.
+
+**Model.** The score of prompt ``i`` at step ``s`` in evaluation ``r`` of that step's snapshot is
+
+    y[s,i,r] = mu[s] + a[s,i] + g[s,r] + e[s,i,r]
+
+with ``a`` the prompt's own effect (fixed per-sample seeds make it fixed too), ``g`` a shift the engine
+gives a whole evaluation (batch composition, kernels, concurrency: every prompt of one evaluation shares it;
+variance ``tau2``) and ``e`` the engine's per-prompt noise (a generation that comes out differently;
+variance ``s2e``), both mean 0 and independent across evaluations. A comparison of two single evaluations
+of steps A and B over the same ``n`` prompts looks at ``D = mean_i d_i``, ``d_i = y[B,i] - y[A,i]``:
+
+    Var(D) = sd2 / n + 2 tau2,     sd2 = Var_i(a[B,i] - a[A,i] + e[B,i] - e[A,i])
+
+The paired t interval (:func:`ckpteval.jobs.decide.stats.paired_interval`) estimates ``sd2`` by the sample
+variance of the ``d_i`` — so the per-prompt engine noise ``2 s2e`` is already inside it — but it cannot see
+``2 tau2``: a shift common to every prompt of an evaluation looks like a real difference. Only evaluating a
+snapshot twice shows it.
+
+**Replays** (:mod:`ckpteval.coord.replays`) give pairs of evaluations of one snapshot; per pair ``k`` the
+per-prompt replay differences ``r_i = y[s,i,1] - y[s,i,0] = (g1 - g0) + (e_i1 - e_i0)``, so
+``Var_i(r_i) = 2 s2e`` and ``E[mean(r)^2] = 2 tau2 + 2 s2e / n``. The estimates (:func:`engine_noise`):
+
+    s2e_hat  = pooled within-pair variance of r_i / 2
+    tau2_hat = max(0, mean_k mean(r)_k^2 / 2 - s2e_hat / n)
+
+**MDE.** The test "B differs from A" rejects at two-sided level ``alpha`` when ``|D| > z_{1-alpha/2} SE``,
+``SE = sqrt(sd2/n + 2 tau2)``. For a true difference ``delta`` it rejects with probability about
+``Phi(delta/SE - z_{1-alpha/2})``; setting that to the power ``1 - beta`` gives the smallest difference
+detected with that power:
+
+    MDE = (z_{1-alpha/2} + z_{1-beta}) * sqrt(sd2 / n + 2 tau2)           (:func:`mde`)
+
+Both ``sd2`` and ``tau2`` are estimated, so the quantiles used are Student t's at the Welch-Satterthwaite
+degrees of freedom of the sum (:func:`effective_df`: ``n - 1`` for the prompts' part, one per replay pair for
+the engine's) — with few replays the band is wider, as it must be to keep its level.
+
+With no replays ``tau2`` is taken as 0 and the MDE says so (``engine`` not measured). ``ckpteval status``
+shows, per dataset, the MDE of comparing its newest point with another step *unpaired*
+(``sd2 = 2 s2_y``, the newest point's per-prompt variance twice: what the issue's ``2 s2_prompt / n``
+states; pairing only lowers it for steps whose prompts agree, so it is an upper bound for them).
+
+**Bootstrap** (:func:`bootstrap_interval`): the percentile interval of ``mean(d)`` over ``B`` resamples of
+the prompts (fixed seed: deterministic). A prompt is resampled with all its ``n`` samples (its per-prompt
+value is their mean), so with ``n`` samples per prompt it is the *clustered* bootstrap — a sample-level
+bootstrap would treat a prompt's samples as independent and be too narrow.
+
+Guarantee: numpy and the standard library only; deterministic. Limits: ``tau2`` from a handful of replay
+pairs is itself noisy (one pair is one degree of freedom: its estimate can be several times the truth or 0;
+the t quantiles at the effective degrees of freedom pay for that), clipped at 0 (so where the engine has no
+shared shift the band is a little wide, never narrow), and assumed the same at every step of the run. The MDE
+takes the variance under the alternative to be the compared pair's own (``compare``/``best``: the effect is
+in it); for a variance measured without the effect see ``mde(..., bounded=True)``. Measured by simulation
+(tests/test_noise.py, :mod:`tests.support.noise_sim`): coverage of a same-true-score difference 0.94-0.96 at
+nominal 0.95 (the t interval alone: 0.90 when the engine shifts whole evaluations), power at the MDE
+0.77-0.85 at nominal 0.80.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from ckpteval.jobs.decide.stats import Interval, score_bounds, t_quantile
+
+DEFAULT_POWER = 0.8
+BOOTSTRAP_REPS = 2000
+BOOTSTRAP_SEED = 0
+
+
+@dataclass(frozen=True)
+class EngineNoise:
+    """What replays measured of one dataset's metric (see the module docstring for the model)."""
+
+    pairs: int  # replay pairs: (replayed step, copy) with both evaluations complete
+    prompts: int  # prompts per evaluation
+    prompt_var: float  # s2e_hat: the engine's per-prompt variance
+    shared_var: float  # tau2_hat: the variance of a shift shared by every prompt of an evaluation
+    changed: float  # mean fraction of prompts whose value moved between the two evaluations of a pair
+    max_abs_diff: float  # the largest |mean replay difference| of a pair
+    rms_diff: float  # root mean square of the pairs' mean replay differences
+
+    def to_json(self) -> dict[str, float | int]:
+        return {"pairs": self.pairs, "prompts": self.prompts, "prompt_var": self.prompt_var,
+                "shared_var": self.shared_var, "changed": self.changed, "max_abs_diff": self.max_abs_diff,
+                "rms_diff": self.rms_diff}
+
+
+def engine_noise(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> EngineNoise | None:
+    """The estimates from replay pairs (each: the point's per-prompt values, a replay's); None without any.
+    ValueError when a pair's two evaluations have different prompts."""
+    diffs = []
+    for own, again in pairs:
+        own, again = np.asarray(own, dtype=float), np.asarray(again, dtype=float)
+        if own.shape != again.shape or own.ndim != 1 or own.size < 2:
+            raise ValueError(f"a replay pair needs the same >= 2 prompts: {own.shape} vs {again.shape}")
+        diffs.append(again - own)
+    if not diffs:
+        return None
+    n = min(d.size for d in diffs)
+    means = np.array([d.mean() for d in diffs])
+    within = float(np.mean([d.var(ddof=1) for d in diffs]))  # pooled (equal sizes): 2 s2e
+    prompt_var = within / 2
+    shared = max(0.0, float(np.mean(means**2)) / 2 - prompt_var / n)
+    return EngineNoise(len(diffs), n, prompt_var, shared, float(np.mean([np.mean(d != 0) for d in diffs])),
+                       float(np.max(np.abs(means))), float(math.sqrt(np.mean(means**2))))
+
+
+def z(p: float) -> float:
+    """The standard normal quantile."""
+    return NormalDist().inv_cdf(p)
+
+
+def effective_df(diff_var: float, n: int, shared_var: float = 0.0, pairs: int = 0) -> float:
+    """Welch-Satterthwaite degrees of freedom of ``diff_var/n + 2 shared_var``: ``n - 1`` for the first
+    term, the number of replay ``pairs`` for the second (each pair is one squared mean difference)."""
+    a, b = max(diff_var, 0.0) / max(n, 1), 2 * max(shared_var, 0.0)
+    if b == 0.0 or pairs < 1:
+        return float(max(n - 1, 1))
+    if a == 0.0:
+        return float(pairs)
+    return max(1.0, (a + b) ** 2 / (a * a / max(n - 1, 1) + b * b / pairs))
+
+
+def quantile(p: float, df: float) -> float:
+    """Student-t quantile at ``df`` (the normal one past 10^6)."""
+    return z(p) if df > 1e6 else t_quantile(p, max(1, round(df)))
+
+
+def mde(diff_var: float, n: int, shared_var: float = 0.0, level: float = 0.95, power: float = DEFAULT_POWER,
+        pairs: int = 0, bounded: bool = False) -> float:
+    """``(t_{1-alpha/2} + t_{power}) * sqrt(diff_var / n + 2 shared_var)`` (module docstring; t at
+    :func:`effective_df`, which is ``n - 1`` without replays), ``alpha = 1 - level``; ``diff_var`` is the
+    per-prompt variance of the differences compared, ``pairs`` the replay pairs ``shared_var`` is from.
+
+    ``bounded`` (scores in [0, 1]) is for a ``diff_var`` measured *without* the effect (from a pair of the same
+    true score, or from replays): an effect ``delta`` made of prompts that moved adds up to ``delta (1 - delta)``
+    to the per-prompt variance under the alternative, so the MDE is the fixed point
+    ``delta = (t + t') sqrt((diff_var + delta (1 - delta)) / n + 2 shared_var)`` (found by iteration; without
+    it the power at such an MDE falls short: 0.61 instead of 0.80 in tests/test_noise.py's simulation).
+    ``compare`` and ``best`` do not use it: their ``diff_var`` is the compared pair's own, effect included.
+    """
+    if n < 1 or not 0 < level < 1 or not 0 < power < 1:
+        raise ValueError(f"an MDE needs n >= 1, level and power in (0, 1), got n={n} level={level} power={power}")
+    diff_var, shared_var = max(diff_var, 0.0), max(shared_var, 0.0)
+    delta, extra = 0.0, 0.0
+    for _ in range(50 if bounded else 1):
+        var = diff_var + extra
+        df = effective_df(var, n, shared_var, pairs)
+        new = (quantile(0.5 + level / 2, df) + quantile(power, df)) * math.sqrt(var / n + 2 * shared_var)
+        if abs(new - delta) < 1e-9:
+            break
+        delta = new
+        extra = min(delta, 1.0) * (1 - min(delta, 1.0))
+    return delta
+
+
+def noise_interval(d: np.ndarray, level: float, noise: EngineNoise, bounds: tuple[float, float] | None) -> Interval:
+    """The paired t interval of ``mean(d)`` widened by the engine's shared variance:
+    ``mean(d) ± t_{1-alpha/2, df} sqrt(s2_d/n + 2 tau2)``, ``df`` by :func:`effective_df` (clipped to ``bounds``)."""
+    d = np.asarray(d, dtype=float)
+    if d.size < 2:
+        raise ValueError(f"an interval needs at least 2 prompts, got {d.size}")
+    var = float(d.var(ddof=1))
+    df = effective_df(var, d.size, noise.shared_var, noise.pairs)
+    half = quantile(0.5 + level / 2, df) * math.sqrt(var / d.size + 2 * noise.shared_var)
+    mean = float(d.mean())
+    lo, hi = bounds if bounds is not None else (-math.inf, math.inf)
+    return Interval(mean, max(lo, mean - half), min(hi, mean + half), int(d.size), level)
+
+
+def bootstrap_interval(d: np.ndarray, level: float, reps: int = BOOTSTRAP_REPS, seed: int = BOOTSTRAP_SEED) -> Interval:
+    """Percentile bootstrap interval of ``mean(d)``, prompts resampled (clustered over their samples)."""
+    d = np.asarray(d, dtype=float)
+    if d.size < 2:
+        raise ValueError(f"a bootstrap interval needs at least 2 prompts, got {d.size}")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(reps, d.size))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 0.5 + level / 2])
+    return Interval(float(d.mean()), float(lo), float(hi), int(d.size), level)
+
+
+@dataclass(frozen=True)
+class MdeVerdict:
+    """A paired difference against its MDE."""
+
+    mde: float
+    below: bool  # |mean difference| < MDE: too small for this many prompts and this engine to tell
+    engine_measured: bool  # replays measured the shared engine variance (else it was taken as 0)
+    power: float
+
+    def to_json(self) -> dict[str, float | bool]:
+        return {"mde": self.mde, "below_mde": self.below, "engine_measured": self.engine_measured,
+                "power": self.power}
+
+
+def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: float = DEFAULT_POWER) -> MdeVerdict:
+    """The MDE of the comparison whose per-prompt differences are ``d`` (their own variance: the effect's
+    included) and whether ``mean(d)`` is under it."""
+    d = np.asarray(d, dtype=float)
+    shared, pairs = (noise.shared_var, noise.pairs) if noise is not None else (0.0, 0)
+    value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power, pairs)
+    return MdeVerdict(value, abs(float(d.mean())) < value, noise is not None, power)
+
+
+@dataclass(frozen=True)
+class PairView:
+    """What the noise says of one paired comparison: its MDE, bootstrap interval and, with replays, its
+    interval widened by the engine's shared variance (None without)."""
+
+    verdict: MdeVerdict
+    bootstrap: Interval
+    engine_interval: Interval | None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**self.verdict.to_json(),
+                               "bootstrap": {"low": self.bootstrap.low, "high": self.bootstrap.high}}
+        if self.engine_interval is not None:
+            out["engine_interval"] = {"low": self.engine_interval.low, "high": self.engine_interval.high}
+        return out
+
+
+def pair_view(a: np.ndarray, b: np.ndarray, level: float, noise: EngineNoise | None,
+              power: float = DEFAULT_POWER) -> PairView:
+    """:class:`PairView` of ``b - a`` (per prompt), at ``level`` (scores in [0, 1]: intervals clipped to [-1, 1])."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    d = b - a
+    bounds = (-1.0, 1.0) if score_bounds(a, b) else None
+    wide = noise_interval(d, level, noise, bounds) if noise is not None else None
+    return PairView(mde_verdict(d, level, noise, power), bootstrap_interval(d, level), wide)
