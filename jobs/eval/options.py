@@ -22,11 +22,11 @@ from ckpteval.jobs.flags import (
     accept_positional_run_dir,
     add_options,
     check_bounds,
-    check_watch_dir,
     from_args,
     http_url,
     option,
 )
+from ckpteval.jobs.pathchecks import check_watch_dir
 
 INGESTION = "logging finished points into the training run's wandb run"
 # Flags of this group are the scorers' (a sandbox's concurrency, a judge URL override): handed to every

@@ -26,7 +26,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from ckpteval.jobs.flags import check_watch_dir, parse_as
+from ckpteval.jobs.flags import parse_as
+from ckpteval.jobs.pathchecks import check_watch_dir
 
 
 def trailing(args: list[str]) -> list[str]:

@@ -55,7 +55,6 @@ from ckpteval.jobs.flags import (
     accept_positional_run_dir,
     add_options,
     check_bounds,
-    check_dir_creatable,
     fail,
     from_args,
     option,
@@ -63,6 +62,7 @@ from ckpteval.jobs.flags import (
     run_dir_from_args,
 )
 from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED
+from ckpteval.jobs.pathchecks import check_dir_creatable
 from ckpteval.jobs.views.plot import draw, plot_series
 from ckpteval.jobs.views.status import collect_status, points_table, read_metrics
 

@@ -89,7 +89,8 @@ from pathlib import Path
 
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.options import DEVICE_RE
-from ckpteval.jobs.flags import Parser, bounded, check_file_readable, fail, positive_int
+from ckpteval.jobs.flags import Parser, bounded, fail, positive_int
+from ckpteval.jobs.pathchecks import check_file_readable
 from ckpteval.jobs.reference.serve_engine import DEFAULT_WEIGHT_VERSION, EngineService
 from ckpteval.jobs.reference.serve_http import EngineHTTPServer
 from ckpteval.jobs.reference.serve_judge import JUDGE_MODES, JudgeHTTPServer

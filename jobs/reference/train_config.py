@@ -24,14 +24,13 @@ from ckpteval.jobs.flags import (
     accept_positional_run_dir,
     add_options,
     check_bounds,
-    check_dir_creatable,
     fail,
     from_args,
-    make_dir_writable,
     nested,
     option,
     run_dir_from_args,
 )
+from ckpteval.jobs.pathchecks import check_dir_creatable, make_dir_writable
 from ckpteval.jobs.trainer.config import EVAL, DispatchConfig
 
 if TYPE_CHECKING:

@@ -44,8 +44,8 @@ from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
 from ckpteval.jobs.eval.evalconfig import EvalConfig, install_eval_data, read_eval_config
-from ckpteval.jobs.flags import check_dir_creatable
 from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.pathchecks import check_dir_creatable
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 
