@@ -22,13 +22,13 @@ from ckpteval.jobs.eval.engines.http import UnsupportedServer
 from ckpteval.jobs.eval.engines.sglang import (
     DETERMINISTIC_FLAG,
     SGLangEngine,
-    determinism_flags,
     device_flags,
     free_port,
     gpu_count,
     installed_sglang_version,
     launch_command,
 )
+from ckpteval.jobs.eval.engines.sglang_deterministic import launch_flags as determinism_flags
 from ckpteval.jobs.eval.pinning import pin, restart
 from ckpteval.jobs.reference.model import (
     ModelConfig,

@@ -4,7 +4,9 @@ the run's first dataset's mean).
 The best step by the metric (``--higher-is-better``, the default, or ``--lower-is-better``), its
 interval, and every step *not distinguishable from it*: each other step's paired difference to the
 best (per-prompt differences, paired t interval), Bonferroni-corrected for the number of steps
-compared, contains 0 (:func:`ckpteval.jobs.decide.stats.best_step`). Written to ``RUN/best/<metric>.json`` (atomic; ``/`` written ``__``: one file per metric) and
+compared, contains 0 (:func:`ckpteval.jobs.decide.stats.best_step`). Steps measured on engines of
+different identities are refused, naming them and the fields that differ, unless ``--allow-engine-mismatch``
+(then recorded as ``engine_notes``). Written to ``RUN/best/<metric>.json`` (atomic; ``/`` written ``__``: one file per metric) and
 printed; ``--json`` prints the file's content; ``--wandb-run-id ID`` also writes it into that wandb
 run's summary (``best/step``, ``best/mean``, ``best/low``, ``best/high``, ``best/not_distinguishable``,
 ``best/metric``) as a shared writer (:func:`ckpteval.jobs.metrics.init_wandb`).
@@ -19,6 +21,7 @@ from typing import Any
 
 from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.jobs.decide.data import open_run, parse_metric
+from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
 from ckpteval.jobs.flags import Parser, fail
 
@@ -39,7 +42,8 @@ def render(rec: dict[str, Any]) -> str:
     lines = [f"best step by {rec['metric']} ({'higher' if rec['higher_is_better'] else 'lower'} is better): "
              f"{rec['best_step']}  mean {iv['estimate']:.4f} [{iv['low']:.4f}, {iv['high']:.4f}] "
              f"({iv['level']:.0%}, {iv['n']} prompts)",
-             f"not distinguishable from it: {', '.join(map(str, rec['not_distinguishable']))} ({rec['correction']})"]
+             f"not distinguishable from it: {', '.join(map(str, rec['not_distinguishable']))} ({rec['correction']})",
+             *(f"warning: {note}" for note in rec.get("engine_notes", ()))]
     for step, row in rec["steps"].items():
         d = row.get("diff_to_best")
         diff = f"  diff {d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else "  (best)"
@@ -59,6 +63,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="family confidence level (default 0.95)")
     parser.add_argument("--json", action="store_true", help="print the decision file's content (RUN/best/<metric>.json)")
     parser.add_argument("--wandb-run-id", metavar="ID", help="also write the result into this wandb run's summary")
+    parser.add_argument(ALLOW_FLAG, dest="allow_engine_mismatch", action="store_true",
+                        help="rank steps measured on engines of different identities anyway, recorded as notes "
+                        "(default: refused, naming the steps and the fields that differ)")
     args = parser.parse_args(argv)
     if not 0.0 < args.level < 1.0:
         parser.error(f"--level must be in (0, 1), got {args.level}")
@@ -68,10 +75,14 @@ def main(argv: list[str]) -> int:
         values = {s: side.values(s, metric) for s in side.steps_with(metric.dataset)}
         if not values:
             raise ValueError(f"{side.run.path}: no step has a complete {metric.dataset} point yet")
+        notes = check_engines([(f"step {s}", point_engine(side, s, metric.dataset)) for s in sorted(values)],
+                              args.allow_engine_mismatch)
         best = best_step(values, higher_is_better=args.higher, level=args.level)
     except (ValueError, FileNotFoundError) as e:
         return fail(PROG, e)
     rec = best_record(best, metric.name, args.higher, {s: float(v.mean()) for s, v in values.items()})
+    if notes:
+        rec["engine_notes"] = notes
     target = side.run.best_path(metric.name)
     target.parent.mkdir(exist_ok=True)
     write_json_atomic(target, rec)

@@ -5,7 +5,9 @@ RUN_B [--step S | --best --metric M]`` (the same step of two runs — the newest
 default — or each run's best step by ``M``). For every dataset both sides have, it prints the
 difference ``B - A`` of the mean score with a paired confidence interval over prompts
 (:func:`ckpteval.jobs.decide.stats.paired_interval`: per-prompt differences, paired t interval, two-sided)
-and says "not distinguishable from noise" when the interval contains 0. ``--json`` prints the same
+and says "not distinguishable from noise" when the interval contains 0. Two points measured on engines
+of different identities are refused, naming the fields that differ, unless ``--allow-engine-mismatch``
+(:mod:`ckpteval.jobs.decide.engines`). ``--json`` prints the same
 as JSON. Bad input (unknown step, a dataset that is not paired) is one line, exit 2.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
+from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
 from ckpteval.jobs.flags import Parser, fail
 
@@ -31,9 +34,10 @@ def verdict(low: float, high: float) -> str:
 
 
 def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float,
-                  metric_text: str | None = None) -> list[dict[str, Any]]:
+                  metric_text: str | None = None, allow_engine_mismatch: bool = False) -> list[dict[str, Any]]:
     """Per dataset both sides have at their steps: the paired difference B - A of the mean and its verdict;
-    with ``metric_text`` (``--metric``) only that metric of its dataset."""
+    with ``metric_text`` (``--metric``) only that metric of its dataset. Points of different engine
+    identities are refused (:func:`ckpteval.jobs.decide.engines.check_engines`) unless ``allow_engine_mismatch``."""
     rows = []
     chosen = None if metric_text is None else parse_metric(metric_text, a.manifest)
     for spec in a.manifest.eval.datasets:
@@ -46,12 +50,14 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
             continue
         if a is not b:
             check_paired(a, b, name)
+        notes = check_engines([(f"A step {step_a}", point_engine(a, step_a, name)),
+                               (f"B step {step_b}", point_engine(b, step_b, name))], allow_engine_mismatch)
         metric = chosen or Metric(name, "mean")
         va, vb = a.values(step_a, metric), b.values(step_b, metric)
         iv = paired_interval(va, vb, level)
         rows.append({"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
                      "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
-                     "verdict": verdict(iv.low, iv.high)})
+                     "verdict": verdict(iv.low, iv.high), **({"engine_notes": notes} if notes else {})})
     if not rows:
         raise ValueError(f"no dataset has a complete point at step {step_a} of {a.run.path} and step {step_b} "
                          f"of {b.run.path}")
@@ -99,6 +105,7 @@ def render(rows: list[dict[str, Any]], a: str, b: str) -> str:
         lines.append(f"{r['dataset']:<16} {r['a']:8.4f} {r['b']:8.4f} {r['diff']:+9.4f}  {span:<21} "
                      f"{r['n_prompts']:>7}  {r['verdict']}")
     lines.append(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided)")
+    lines += [f"warning: {r['dataset']}: {note}" for r in rows for note in r.get("engine_notes", ())]
     return "\n".join(lines)
 
 
@@ -112,12 +119,16 @@ def main(argv: list[str]) -> int:
                         "also what best means (default with --best: eval/<first dataset>)")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="confidence level (default 0.95)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(ALLOW_FLAG, dest="allow_engine_mismatch", action="store_true",
+                        help="compare points measured on engines of different identities (engine, version, dtype, "
+                        "tp/dp/pp, deterministic mode, concurrency) anyway, with a warning (default: refused, "
+                        "naming the fields that differ)")
     args = parser.parse_args(argv)
     if not 0.0 < args.level < 1.0:
         parser.error(f"--level must be in (0, 1), got {args.level}")
     try:
         a, step_a, b, step_b = plan(args)
-        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric)
+        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric, args.allow_engine_mismatch)
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
     label_a, label_b = f"{a.run.path} step {step_a}", f"{b.run.path} step {step_b}"

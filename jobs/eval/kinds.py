@@ -52,6 +52,7 @@ class Evaluation:
     attest: dict[str, Any] = field(default_factory=dict)  # ckpteval.jobs.eval.attest.Attestation.to_json()
     cost: dict[str, float] = field(default_factory=dict)  # tokens, busy seconds: what the unit cost
     fidelity: dict[str, float] = field(default_factory=dict)  # ckpteval.jobs.eval.canary.Fidelity.to_json(); {}: no canary
+    engine: dict[str, Any] = field(default_factory=dict)  # ckpteval.coord.engine_identity.EngineIdentity.to_json()
 
 
 class UserCodeFailed(WorkerSkip):
@@ -77,7 +78,7 @@ def check_entries(cache: Any) -> None:
 
 def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:
     """The ok result of an evaluation (``kw``: timings, worker, snapshot, ...)."""
-    kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, **kw}
+    kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, "engine": ev.engine, **kw}
     if ev.metrics is not None:
         return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, **kw)
     return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, **kw, **ev.scored)

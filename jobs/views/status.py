@@ -200,6 +200,17 @@ def finite(obj: Any) -> Any:
 
 NOT_POOLED = "not pooled: scorers differ"
 """The cell of a dataset whose units were scored differently (two judges): never one number."""
+ENGINES_DIFFER = "not pooled: engines differ ({})"
+"""The cell of a dataset whose units ran on engines of different identities (the fields that differ)."""
+
+
+def _unpooled_cell(point: dict[str, Any], ds: str) -> str:
+    """Why ``ds`` has no number at ``point``: its scorers or its engines differ (which fields); else ``-``."""
+    if ds in point.get("mixed_scorers", ()):
+        return NOT_POOLED
+    if fields := point.get("mixed_engines", {}).get(ds):
+        return ENGINES_DIFFER.format(", ".join(fields))
+    return "-"
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -245,7 +256,8 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     """The per-point table (also the demo's final table): per dataset the pooled mean ± its standard
     error over prompts and its pass@k / maj@n when it has them (``-`` where a dataset is not part of
     a point, by its cadence, or did not finish; :data:`NOT_POOLED` where its units were scored by
-    different scorers, e.g. two judge models, and so have no one number); then the pin proof over all datasets of the point
+    different scorers, e.g. two judge models, and so have no one number; ``not pooled: engines differ (tp,
+    deterministic)`` where they ran on engines of different identities, naming the fields); then the pin proof over all datasets of the point
     (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
     largest fraction of samples from another version, which must be 0). ``datasets``, ``harness`` and
     ``pins`` pick a part of it (all by default). A dataset whose scorer counts things per sample (code:
@@ -271,7 +283,7 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
         for ds in datasets:
             d = p["datasets"].get(ds)
             if d is None:
-                cells += [NOT_POOLED if ds in p.get("mixed_scorers", ()) else "-"]
+                cells += [_unpooled_cell(p, ds)]
                 cells += ["-"] * (len(extra[ds]) + (ds in counted))
             else:
                 cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds])]

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ckpteval.coord.engine_identity import EngineIdentity
+
 
 class EngineError(RuntimeError):
     """An engine failed in a way the worker should treat as unhealthy (restart, then skip)."""
@@ -201,6 +203,25 @@ class ReportsComputeDtype(Protocol):
 
     @property
     def compute_dtype(self) -> str | None: ...
+
+
+@runtime_checkable
+class ReportsIdentity(Protocol):
+    """What the engine is and how it runs (:class:`~ckpteval.coord.engine_identity.EngineIdentity`), recorded
+    with every result it produced."""
+
+    def engine_identity(self) -> EngineIdentity: ...
+
+
+def engine_identity(engine: object) -> EngineIdentity | None:
+    """The identity of ``engine`` (None: it does not report one). A pool of members of one identity has
+    that identity; of several, kind ``pool`` with the members' keys as its version (a unit split over
+    them is one identity of no single engine, never pooled with one)."""
+    if isinstance(engine, Pooled) and engine.engines:
+        members = [engine_identity(e) for e in engine.engines]
+        keys = sorted({"none" if m is None else m.key() for m in members})
+        return members[0] if len(keys) == 1 else EngineIdentity("pool", version="|".join(keys))
+    return engine.engine_identity() if isinstance(engine, ReportsIdentity) else None
 
 
 def engine_gpus(engine: object) -> int:
