@@ -57,6 +57,7 @@ class DispatchConfig:
     fleet: str = "attached"  # "none": no eval fleet runs during training; points wait for a backfill
     keep_best: int = 0  # GC never deletes a snapshot currently among the best K points (0: off)
     best_metric: str | None = None  # what ranks them: a point metric (None: eval/<first dataset>), higher better
+    trainer_gpus: int | None = None  # GPUs training holds, for eval/cost/fraction_of_training (None: detected)
 
     @property
     def mode(self) -> str:
@@ -113,6 +114,8 @@ class DispatchConfig:
                 f"--eval-keep-snapshots ({self.keep_snapshots}) must be >= --eval-max-in-flight "
                 f"({self.max_in_flight}); raise keep or lower in-flight"
             )
+        if self.trainer_gpus is not None and self.trainer_gpus < 0:
+            raise ValueError(f"trainer_gpus must be >= 0 (None: detected), got {self.trainer_gpus}")
         if self.keep_best < 0:
             raise ValueError(f"--eval-keep-best must be >= 0, got {self.keep_best}")
         if self.best_metric is not None and not self.best_metric.startswith("eval/"):

@@ -24,7 +24,7 @@ from typing import Any
 from ckpteval.coord.atomic import read_json_object, read_jsonl
 from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs, lost_steps, waiting_saves
 from ckpteval.coord.layouts import AUTO
-from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.ledger import Ledger, LedgerState
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.steps import run_step_selection
@@ -32,6 +32,7 @@ from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
+from ckpteval.jobs.trainer.cost import run_fraction
 from ckpteval.jobs.views.tables import PlainTable
 
 DEFAULT_WATCH_S = 2.0
@@ -99,11 +100,14 @@ def _point_rows(steps: list[int], facts: dict[int, StepFacts], lags: dict[int, f
     return [{**facts[step].point, "lag_steps": lags.get(step)} for step in steps]
 
 
-def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any]]) -> dict[str, Any]:
+def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any]],
+                 ledger: LedgerState | None = None) -> dict[str, Any]:
     """What evaluation cost next to what training took: total eval GPU-hours (every unit's ``cost``),
     GPU-seconds per complete point, tokens/s per engine (per worker ``host:pid``: its generated tokens
-    over its engine seconds), and training's wall time — ``TRAINING_DONE``'s time (now while it runs)
-    minus ``run.json``'s modification time, so an approximation (a re-written run.json moves it)."""
+    over its engine seconds), training's wall time — ``TRAINING_DONE``'s time (now while it runs)
+    minus ``run.json``'s modification time, so an approximation (a re-written run.json moves it) — and
+    ``fraction_of_training`` (:func:`ckpteval.jobs.trainer.cost.run_fraction`; None without a trainer ledger
+    that recorded its GPU-seconds)."""
     per_engine: dict[str, tuple[list[float], list[float]]] = {}
     for f in facts:
         for key, (tokens, seconds) in f.engines.items():
@@ -122,6 +126,8 @@ def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any
         "gpu_s_per_point": sum(complete) / len(complete) if complete else None,
         "training_wall_hours": max(0.0, done_at - run.manifest_path.stat().st_mtime) / 3600,
         "tokens_per_s": {k: (tok / s if s > 0 else None) for k, (tok, s) in sorted(rates.items())},
+        "fraction_of_training": run_fraction(ledger, {p["step"]: p["cost"].get("gpu_s", 0.0)
+                                                      for p in points if p.get("cost")}),
     }
 
 
@@ -166,7 +172,7 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         "waiting": waiting,
         "units": units,
         "points": points,
-        "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
+        "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points, ledger),
         "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
         "health": {
             "expired_leases": len(expired),
@@ -424,7 +430,9 @@ def watch_interval(ap: Parser, args: Any) -> float | None:
 def cost_line(cost: dict[str, Any]) -> str:
     """One line: eval GPU-hours beside training's wall time, GPU-s per point, tokens/s per engine."""
     rates = ", ".join(f"{k} {_fmt(v, 1)}" for k, v in cost["tokens_per_s"].items()) or "-"
-    return (f"eval cost {cost['eval_gpu_hours']:.3f} GPU-h (training wall {cost['training_wall_hours']:.2f} h)"
+    share = cost.get("fraction_of_training")
+    return (f"eval cost {cost['eval_gpu_hours']:.3f} GPU-h (training wall {cost['training_wall_hours']:.2f} h"
+            f"{'' if share is None else f'; {share:.1%} of training GPU-s'})"
             f" | {_fmt(cost['gpu_s_per_point'], 1)} GPU-s per point | tokens/s per engine: {rates}")
 
 
