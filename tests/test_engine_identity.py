@@ -30,7 +30,7 @@ from ckpteval.jobs.eval.engines.http import HTTPEngine
 from ckpteval.jobs.eval.engines.sglang_deterministic import DETERMINISTIC_FLAG
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, _settings, evaluate_unit
 from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.views.status import collect_status, points_table
+from ckpteval.jobs.views.status import collect_status, cost_line, points_table
 from tests.support import fake_sglang
 from tests.support.runs import make_run
 from tests.support.workers import REPO, make_eval_run, publish_model, results
@@ -198,3 +198,45 @@ def test_the_deterministic_stand_in_reports_its_identity_and_is_batch_invariant(
         alone = httpx.post(f"{url}/generate", json={**body, "text": "12+34="}).json()["text"]
         batch = httpx.post(f"{url}/generate", json={**body, "text": ["1+1=", "12+34=", "987+6="]}).json()
         assert batch[1]["text"] == alone
+
+
+# -- cost: eval/cost/fraction_of_training ----------------------------------------------------------------
+def test_fraction_of_training_is_eval_gpu_seconds_over_the_trainers_across_a_restart(tmp_path: Path) -> None:
+    """A 4-GPU trainer (its clock driven by the test) trains 100 s to step 2, is requeued, trains 50 s more to
+    step 4; each point's two units cost 10 GPU-s each. Fractions: 20/400 at step 2, (20+20)/600 at step 4."""
+    from ckpteval.coord.ledger import Ledger
+    from ckpteval.jobs.metrics import MetricsSink
+    from ckpteval.jobs.reference.model import ModelConfig, build_model
+    from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
+    from tests.support.training import eval_lines, make_train_run
+
+    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
+    dispatch = replace(dispatch, trainer_gpus=4)
+    model = build_model(ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2,
+                                    intermediate_size=64), "llama", seed=0)
+    now = [0.0]
+
+    def point(d: EvalDispatcher, step: int) -> None:
+        now[0] += {2: 100.0, 4: 50.0}[step]
+        d.maybe_dispatch(step, model)
+        assert d.exporter is not None and d.exporter.wait(60)
+        manifest = run.manifest()
+        for unit in units_for_step(manifest, step):
+            n = len(shard_range(manifest, unit))
+            write_result(run.results, ok_result(unit, [1.0] * n, [str(step)] * n, cost={"gpu_s": 10.0}))
+        d.poll(force=True)
+
+    def dispatcher() -> EvalDispatcher:
+        return EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base, poll_interval_s=0.0,
+                              clock=lambda: now[0])
+
+    point(dispatcher(), 2)
+    now[0] += 1000.0  # requeued: the time the trainer was down is not training
+    point(dispatcher(), 4)
+    logged = {int(r["eval/step"]): r for r in eval_lines(run.path)}
+    assert logged[2]["eval/cost/fraction_of_training"] == pytest.approx(20 / 400)
+    assert logged[4]["eval/cost/fraction_of_training"] == pytest.approx(40 / 600)
+    assert Ledger(run.ledger_path, repair=False).state.dispatched[4]["train_gpu_s"] == pytest.approx(600)
+    status = collect_status(run.path)
+    assert status["cost"]["fraction_of_training"] == pytest.approx(40 / 600)
+    assert "6.7% of training GPU-s" in cost_line(status["cost"])
