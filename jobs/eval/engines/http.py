@@ -242,7 +242,8 @@ def server_identity(info: dict[str, Any], max_batch_size: int) -> EngineIdentity
     """The :class:`~ckpteval.coord.engine_identity.EngineIdentity` of an sglang server from its ``/server_info``
     (0.5.23 ``srt/utils/common.py`` ``build_server_info``: the resolved server args, so ``attention_backend``
     is what ``--enable-deterministic-inference`` picked, ``srt/arg_groups/overrides.py``
-    ``_deterministic_attention_backend``). ``concurrency``: prompts per ``/generate`` this client sends
+    ``_deterministic_attention_backend``); ``deterministic`` only when the mode is on and LoRA is not (the
+    mode does not cover LoRA kernels). ``concurrency``: prompts per ``/generate`` this client sends
     (:func:`~ckpteval.jobs.eval.engines.http_limits.queue_chunk`), at most what the server runs at once."""
 
     def size(name: str) -> int:
@@ -258,7 +259,8 @@ def server_identity(info: dict[str, Any], max_batch_size: int) -> EngineIdentity
     return EngineIdentity(
         "sglang", version=text("version"), dtype=text("dtype"), quantization=text("quantization"),
         tp=size("tp_size"), dp=size("dp_size"), pp=size("pp_size"),
-        deterministic=info.get("enable_deterministic_inference") is True,
+        # LoRA kernels are outside the mode (srt/lora/backend/): a LoRA completion still depends on its batch
+        deterministic=info.get("enable_deterministic_inference") is True and info.get("enable_lora") is not True,
         attention_backend=text("attention_backend"), device=text("device"),
         concurrency=chunk if running is None else min(chunk, running),
     )
