@@ -172,6 +172,12 @@ class DatasetSpec:
     (``"start"``: the opening tag; ``"always"``: every completion begins in reasoning), or ``{"end":
     "tokenizer"}`` (the snapshot tokenizer's own pair). Scorers and judges see only the text after it; a
     completion whose reasoning never ends has no answer (scores 0). None: the whole completion is scored."""
+    deterministic: bool = True
+    """Run on the engine's batch-invariant mode where it has one (sglang ``--enable-deterministic-inference``:
+    a completion does not depend on its batch-mates, so a re-evaluation repeats it); greedy sets too. False
+    opts this set out (recorded in run.json; each result records whether the engine ran the mode, and the
+    mode is server-wide, so it is off only when every set opts out). A set that samples cannot opt out:
+    sglang applies per-sample seeds only in that mode."""
 
     KIND: ClassVar[str] = "generate"  # the kind this class holds (a subclass: another kind, same settings)
     POINT_RULE: ClassVar[str] = "samples"  # pooled per-sample scores (ckpteval.coord.results.dataset_score)
@@ -210,6 +216,9 @@ class DatasetSpec:
         self._check_samples_per_unit()
         check_template_kwargs(self.chat_template_kwargs, self.prompt_format)
         check_reasoning(self.reasoning)
+        if not self.deterministic and self.samples_randomly:
+            raise FieldError("deterministic", "cannot be false on a set that samples (temperature > 0): sglang "
+                                              "applies its per-sample seeds only in deterministic mode")
         for k in self.pass_k:
             if not 1 <= k <= self.n_samples:
                 raise FieldError("pass_k", f"has k={k}; each k must be in 1..n_samples ({self.n_samples})")
@@ -309,6 +318,8 @@ class HarnessSpec:
     """Stderr bootstraps (0: none)."""
     seed: int = 0
     """lm-eval's random, numpy, torch and few-shot seeds."""
+    deterministic: bool = True
+    """As a ``generate`` set's: run on the engine's deterministic mode (false: opt out, recorded)."""
 
     KIND: ClassVar[str] = "lm_eval"
     POINT_RULE: ClassVar[str] = "metrics"  # each task's own metrics, ``<task>/<metric>``

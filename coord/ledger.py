@@ -2,14 +2,15 @@
 
 Append-only, one JSON object per line ``{"event": E, "step": N, ...}``, one event per fact:
 
-- ``dispatched`` — the trainer made ``step`` evaluable (``mode``, ``backpressure_wait_seconds``);
+- ``dispatched`` — the trainer made ``step`` evaluable (``mode``, ``backpressure_wait_seconds``, and its
+  running GPU-seconds ``train_gpu_s`` with ``trainer_gpus``: ``ckpteval.jobs.trainer.cost``);
   starts a fresh record for the step (a lost dispatch that is dispatched again starts over);
 - ``exported`` — a staging export of ``step`` was published (``snapshot``, ``export_time_seconds``,
   ``export_blocked_seconds``);
 - ``evaluated_shared`` — the shared posture evaluated ``step`` in-process (``shared_eval_seconds``);
 - ``skipped`` — the whole point is skipped (``reason``, ``message``, and what the trainer knew, e.g.
   export times); a step skipped before any dispatch (``busy``) has only this record;
-- ``ingested`` — the point's metrics were logged (``outcome``, ``lag_steps``, ``time``, ...);
+- ``ingested`` — the point's metrics were logged (``outcome``, ``lag_steps``, ``time``, ``eval_gpu_s``, ...);
 - ``retired`` — the point is final; its staging snapshot may be collected.
 
 Replaying it on restart tells a requeued trainer which points it already logged (so each is
@@ -37,6 +38,7 @@ Limits: one writer per ledger (the trainer); concurrent appenders are not coordi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ class LedgerState:
     ingested: set[int] = field(default_factory=set)
     retired: set[int] = field(default_factory=set)
     stop_requested: dict[int, dict[str, Any]] = field(default_factory=dict)  # step whose point met --eval-stop-when
+    ingested_gpu_s: dict[int, float] = field(default_factory=dict)  # step -> its point's eval GPU-seconds (recorded)
 
     @property
     def pending(self) -> list[int]:
@@ -76,6 +79,9 @@ class LedgerState:
                 self.skipped[step] = (str(fields.get("reason", "unknown")), str(fields.get("message", "")))
         elif event == "ingested":
             self.ingested.add(step)
+            gpu_s = fields.get("eval_gpu_s")
+            if isinstance(gpu_s, int | float) and not isinstance(gpu_s, bool) and math.isfinite(gpu_s):
+                self.ingested_gpu_s[step] = float(gpu_s)
         elif event == "stop_requested":
             self.stop_requested[step] = fields
         else:

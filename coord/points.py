@@ -8,6 +8,11 @@ split over units (``samples_per_unit``) is pooled per prompt across its units fi
 so its point equals the unsplit one. Each entry's point rule (:attr:`~ckpteval.coord.entries.Entry.POINT_RULE`)
 picks how: ``samples`` (:func:`dataset_score`) or ``metrics`` (:func:`unit_metrics`).
 
+A dataset's units are pooled only when they agree on the scorer identity (two judge models are two
+measurements: ``mixed_scorers``) and on the engine identity (:mod:`ckpteval.coord.engine_identity`: engine,
+version, dtype, parallel layout, deterministic mode, concurrency — ``mixed_engines`` names the fields
+that differ); a unit that recorded neither is not compared (results written before they existed).
+
 Guarantee: a point is a pure function of run.json and the results read (the same on every reader); a result
 attributed to another run's weights is not scored (:func:`_attributed`). Limits: an incomplete point is
 returned as such (``complete`` False); callers decide whether to log it.
@@ -20,6 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ckpteval.coord.engine_identity import differing_fields, parse_identity
 from ckpteval.coord.entries import DatasetSpec, Entry
 from ckpteval.coord.identity import run_key, version_matches, version_runs, version_step
 from ckpteval.coord.manifest import RunManifest
@@ -55,6 +61,8 @@ class Point:
     cost: dict[str, float] = field(default_factory=dict)  # every unit's cost summed (eval/cost/*)
     fidelity: dict[str, float] = field(default_factory=dict)  # the worst canary comparison (eval/fidelity/*)
     replays: dict[str, float] = field(default_factory=dict)  # replay facts (replay_facts), never in the scores
+    mixed_engines: dict[str, tuple[str, ...]] = field(default_factory=dict)  # dataset -> the engine identity
+    # fields its units differ in (coord.engine_identity.differing_fields): not pooled
 
     @property
     def skipped(self) -> bool:
@@ -264,6 +272,16 @@ def scorers_agree(shards: list[Result]) -> bool:
     return len(ids) <= 1
 
 
+def engines_differ(shards: list[Result]) -> tuple[str, ...]:
+    """The engine-identity fields in which the shards that recorded one differ (``()``: one identity, or
+    none recorded); a shard without a record is not compared, as with :func:`scorers_agree`."""
+    ids = {i.key(): i for r in shards if (i := parse_identity(r.engine)) is not None}
+    if len(ids) <= 1:
+        return ()
+    first, *rest = ids.values()
+    return tuple(dict.fromkeys(f for other in rest for f in differing_fields(first, other)))
+
+
 def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> Point:
     """The point of ``step`` from whatever results exist (possibly incomplete).
 
@@ -278,6 +296,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         if not r.ok and not r.unit.replay:  # a replay's skip is the replay's (replay_facts), not the point's
             skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
     datasets, mixed, metrics = {}, [], {}
+    mixed_engines: dict[str, tuple[str, ...]] = {}
     for entry in manifest.eval.entries:
         if not entry.due(step):
             continue
@@ -287,6 +306,9 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         elif all(r is not None and r.ok for r in mine):
             if not scorers_agree(mine):  # type: ignore[arg-type]
                 mixed.append(entry.name)
+                continue
+            if differ := engines_differ(mine):  # type: ignore[arg-type]
+                mixed_engines[entry.name] = differ
                 continue
             datasets[entry.name] = dataset_score(entry, key, step, mine)  # type: ignore[arg-type]
     complete = len(done) == len(units)
@@ -303,6 +325,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         cost=point_cost(done),
         fidelity=point_fidelity(done),
         replays=replay_facts(manifest, step, results),
+        mixed_engines=mixed_engines,
     )
 
 
@@ -382,6 +405,8 @@ def point_metrics(point: Point) -> dict[str, float]:
         metrics[f"eval/{key}"] = value
     for name in point.mixed_scorers:
         metrics[f"eval/{name}/scorer_mixed"] = 1.0
+    for name in point.mixed_engines:
+        metrics[f"eval/{name}/engine_mixed"] = 1.0
     metrics.update({f"eval/{name}": value for name, value in point.metrics.items()})
     for reason, n in point.skips.items():
         metrics[f"eval/skipped_{reason}"] = n

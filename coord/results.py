@@ -7,7 +7,8 @@ double evaluation (a lease is not a fence) lands in ``results/duplicates/`` for 
 A result holds per-sample scores, the scorer's extracted answer of each sample (``answers``, optional:
 results written before it existed have none), the weight versions that produced them, how many samples
 the grader gave up on (``grader_timeouts``), the scorer's per-sample ``counters`` summed and ``extras``
-as ``{"sum", "n"}``, its per-sample ``notes`` when it had something to say (why a code program failed), the scorer's identity (``scorer``: what scored, e.g. a judge's model id), how the
+as ``{"sum", "n"}``, its per-sample ``notes`` when it had something to say (why a code program failed), the scorer's identity (``scorer``: what scored, e.g. a judge's model id), the engine's identity
+(``engine``: :class:`~ckpteval.coord.engine_identity.EngineIdentity`, what it was and how it ran), how the
 engine's weights were attested (``attest``), the canary's comparison (``fidelity``), what the unit cost
 (``cost``: tokens, engine/load/attestation seconds, GPUs; summed per point as ``eval/cost/*``), timings,
 the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
@@ -54,6 +55,7 @@ from ckpteval.coord.atomic import (
     write_json_atomic,
 )
 from ckpteval.coord.completions import keep_beside
+from ckpteval.coord.engine_identity import parse_identity
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
 from ckpteval.coord.snapshot import producer_identity
@@ -99,6 +101,7 @@ class Result:
     # the unit's completions (ckpteval.coord.completions.Completions), published beside the result when it wins;
     # never part of the result's JSON
     kept: Any = field(default=None, repr=False, compare=False)
+    engine: dict[str, Any] = field(default_factory=dict)  # the engine's identity (coord.engine_identity); {}: none
 
     @property
     def ok(self) -> bool:
@@ -134,6 +137,7 @@ class Result:
                if self.fidelity else {}),  # null: infinite (the canary's token ids differed), never bare
             **({"episodes": list(self.episodes)} if self.episodes else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
+            **({"engine": self.engine} if self.engine else {}),
         }
 
 
@@ -198,6 +202,8 @@ def parse_result(obj: Any, source: Path) -> Result:
         fidelity = {str(k): math.inf if v is None else float(v) for k, v in (obj.get("fidelity") or {}).items()}
         episodes = tuple(dict(e) for e in obj.get("episodes") or ())
         notes = tuple(None if n is None else str(n) for n in obj.get("notes") or ())
+        engine = dict(obj.get("engine") or {})
+        parse_identity(engine)  # a malformed identity is a malformed result, never pooled as "none"
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{source}: malformed result ({type(e).__name__}: {e})") from None
     if status not in {"ok", "skipped"}:
@@ -236,6 +242,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         fidelity=fidelity,
         episodes=episodes,
         notes=notes,
+        engine=engine,
     )
 
 

@@ -43,7 +43,7 @@ from ckpteval.coord.results import Result, ResultIndex, result_names
 from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name, step_of_dir
 from ckpteval.coord.units import WorkUnit, units_for_step
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 3  # 3: points carry mixed_engines and replays; non-finite statistics tagged
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,8 @@ def read_summary(path: Path, step: int, names: str, run: str) -> StepFacts | Non
         if obj["summary"] != SUMMARY_VERSION or obj["step"] != step or obj["names"] != names or obj["run"] != run:
             return None
         f = untag_nonfinite(obj["facts"])
-        point = {**f["point"], "mixed_scorers": tuple(f["point"]["mixed_scorers"])}  # asdict keeps the tuple
+        point = {**f["point"], "mixed_scorers": tuple(f["point"]["mixed_scorers"]),  # asdict keeps the tuples
+                 "mixed_engines": {k: tuple(v) for k, v in f["point"]["mixed_engines"].items()}}
         return StepFacts(point=point, missing=tuple(f["missing"]), done=int(f["done"]), skipped=dict(f["skipped"]),
                          engines=dict(f["engines"]), gpu_s=float(f["gpu_s"]), has_results=bool(f["has_results"]))
     except (OSError, ValueError, KeyError, TypeError):  # ValueError: JSON or UTF-8; a summary is only a shortcut

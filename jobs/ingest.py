@@ -1,7 +1,8 @@
 """Ingestion: turn a step's results into one logged point, exactly once — the one path for it.
 
 :func:`ingest_point` is what every ingester calls: derive the point (:func:`ckpteval.coord.results.derive_point`),
-its metrics (:func:`ckpteval.coord.results.point_metrics`), add ``eval/lag_steps`` and the caller's extras, log
+its metrics (:func:`ckpteval.coord.results.point_metrics`), add ``eval/lag_steps``, ``eval/cost/fraction_of_training``
+(when the ledger knows the trainer's GPU-seconds: :mod:`ckpteval.jobs.trainer.cost`) and the caller's extras, log
 it (:class:`ckpteval.jobs.metrics.MetricsSink`, which drops an ``eval/step`` it already has; the scorers' identities
 go into the wandb config as ``eval/scorer/<ds>``) and only then append ``ingested`` to the caller's ledger. The two callers differ only in what lag means and which
 ledger and sink they own.
@@ -37,6 +38,7 @@ from ckpteval.coord.saves import lost_steps
 from ckpteval.coord.summary import write_step_summary
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.trainer.cost import fraction_of_training
 
 DRAIN_TIMEOUT = "drain_timeout"
 
@@ -69,6 +71,9 @@ def ingest_point(
     if give_up:
         metrics["eval/skipped_drain_timeout"] = point.units_total - point.units_done
     metrics["eval/lag_steps"] = lag_steps
+    point_gpu_s = point.cost.get("gpu_s", 0.0)
+    if (fraction := fraction_of_training(ledger.state, step, point_gpu_s)) is not None:
+        metrics["eval/cost/fraction_of_training"] = fraction
     metrics.update(extra or {})
     if sink.log_eval(metrics):
         sink.record_config(scorer_config(step, results))
@@ -79,6 +84,7 @@ def ingest_point(
         lag_steps=lag_steps,
         units_done=point.units_done,
         units_total=point.units_total,
+        eval_gpu_s=point_gpu_s,
         time=time.time(),  # wall clock of ingestion: latency = this - result written_at (bench)
     )
     if index is not None:

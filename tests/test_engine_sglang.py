@@ -27,12 +27,12 @@ from ckpteval.jobs.eval.engines.base import (
 from ckpteval.jobs.eval.engines.sglang import (
     DETERMINISTIC_FLAG,
     SGLangEngine,
-    determinism_flags,
     device_flags,
     free_port,
     installed_sglang_version,
     launch_command,
 )
+from ckpteval.jobs.eval.engines.sglang_deterministic import launch_flags as determinism_flags
 from ckpteval.jobs.eval.engines.sglang_version import UnsupportedServer
 from ckpteval.jobs.eval.pinning import pin, restart
 from ckpteval.jobs.reference.model import (
@@ -131,7 +131,7 @@ def test_the_worker_launches_sglang_deterministic_when_a_dataset_samples(tmp_pat
     from tests.support.workers import make_eval_run
 
     manifest = make_eval_run(tmp_path).manifest()
-    assert _settings(manifest, "sglang")["deterministic"] is False  # greedy only
+    assert _settings(manifest, "sglang")["deterministic"] is True  # greedy sets too (#29)
     sampled = replace(manifest.eval.datasets[0], temperature=0.6)
     manifest = replace(manifest, eval=replace(manifest.eval, entries=(sampled,)))
     assert _settings(manifest, "sglang")["deterministic"] is True

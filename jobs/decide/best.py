@@ -8,7 +8,9 @@ compared, contains 0 (:func:`ckpteval.jobs.decide.stats.best_step`) — **or who
 minimum detectable effect** at ``--power`` (:mod:`ckpteval.jobs.decide.noise`; with replays, ``eval.replay``,
 the engine's measured noise is in it and widens the intervals). Every step of that set carries its reason;
 a single winner is named (``winner``) only when the set is the best alone, else ``winner`` is null and the
-output says which steps cannot be told apart. Each difference also has its bootstrap interval. Written to ``RUN/best/<metric>.json`` (atomic; ``/`` written ``__``: one file per metric) and
+output says which steps cannot be told apart. Each difference also has its bootstrap interval. Steps measured on engines of different identities are
+refused, naming them and the fields that differ, unless ``--allow-engine-mismatch`` (then recorded as
+``engine_notes``). Written to ``RUN/best/<metric>.json`` (atomic; ``/`` written ``__``: one file per metric) and
 printed; ``--json`` prints the file's content; ``--wandb-run-id ID`` also writes it into that wandb
 run's summary (``best/step``, ``best/mean``, ``best/low``, ``best/high``, ``best/not_distinguishable``,
 ``best/metric``) as a shared writer (:func:`ckpteval.jobs.metrics.init_wandb`).
@@ -25,6 +27,7 @@ import numpy as np
 
 from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.jobs.decide.data import open_run, parse_metric
+from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
 from ckpteval.jobs.flags import Parser, fail, output_width, wrap
@@ -74,7 +77,8 @@ def render(rec: dict[str, Any], width: int = 10_000) -> str:
                    f"({iv['level']:.0%}, {iv['n']} prompts)", width),
              *wrap(f"not distinguishable from it: {', '.join(map(str, rec['not_distinguishable']))} "
                    f"({rec['correction']}; MDE at power {rec['power']:.0%})", width),
-             *wrap(noise_summary(rec), width)]
+             *wrap(noise_summary(rec), width),
+             *(part for note in rec.get("engine_notes", ()) for part in wrap(f"warning: {note}", width))]
     for step, row in rec["steps"].items():
         d = row.get("diff_to_best")
         diff = f"  diff {d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else "  (best)"
@@ -109,6 +113,9 @@ def main(argv: list[str]) -> int:
                         "a margin must reach to name a single winner (default 0.8)")
     parser.add_argument("--json", action="store_true", help="print the decision file's content (RUN/best/<metric>.json)")
     parser.add_argument("--wandb-run-id", metavar="ID", help="also write the result into this wandb run's summary")
+    parser.add_argument(ALLOW_FLAG, dest="allow_engine_mismatch", action="store_true",
+                        help="rank steps measured on engines of different identities anyway, recorded as notes "
+                        "(default: refused, naming the steps and the fields that differ)")
     args = parser.parse_args(argv)
     for flag in ("level", "power"):
         if not 0.0 < getattr(args, flag) < 1.0:
@@ -119,11 +126,15 @@ def main(argv: list[str]) -> int:
         values = {s: side.values(s, metric) for s in side.steps_with(metric.dataset)}
         if not values:
             raise ValueError(f"{side.run.path}: no step has a complete {metric.dataset} point yet")
+        notes = check_engines([(f"step {s}", point_engine(side, s, metric.dataset)) for s in sorted(values)],
+                              args.allow_engine_mismatch)
         best = best_step(values, higher_is_better=args.higher, level=args.level)
         rule = noise_rule(best, values, engine_noise(side.replay_pairs(metric)), args.power)
     except (ValueError, FileNotFoundError) as e:
         return fail(PROG, e)
     rec = best_record(best, metric.name, args.higher, {s: float(v.mean()) for s, v in values.items()}, rule)
+    if notes:
+        rec["engine_notes"] = notes
     target = side.run.best_path(metric.name)
     target.parent.mkdir(exist_ok=True)
     write_json_atomic(target, rec)

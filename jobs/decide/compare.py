@@ -10,7 +10,9 @@ and says "not distinguishable from noise" when the interval contains 0. Beside i
 ``--power`` (:mod:`ckpteval.jobs.decide.noise`): a difference under it is said to be "below the MDE". When the
 runs have replays (``eval.replay``) the engine's measured shared noise is in the MDE and widens the
 interval the verdict is read from (``engine interval``). ``--json`` prints the same as JSON. Bad input
-(unknown step, a dataset that is not paired) is one line, exit 2.
+(unknown step, a dataset that is not paired) is one line, exit 2. Two points measured on engines of different
+identities are refused, naming the fields that differ, unless ``--allow-engine-mismatch``
+(:mod:`ckpteval.jobs.decide.engines`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
+from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
 from ckpteval.jobs.flags import Parser, fail, output_width, wrap
@@ -57,9 +60,11 @@ def noise_fields(va: Any, vb: Any, level: float, noise: EngineNoise | None, powe
 
 
 def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float,
-                  metric_text: str | None = None, power: float = DEFAULT_POWER) -> list[dict[str, Any]]:
+                  metric_text: str | None = None, power: float = DEFAULT_POWER,
+                  allow_engine_mismatch: bool = False) -> list[dict[str, Any]]:
     """Per dataset both sides have at their steps: the paired difference B - A of the mean and its verdict;
-    with ``metric_text`` (``--metric``) only that metric of its dataset."""
+    with ``metric_text`` (``--metric``) only that metric of its dataset. Points of different engine
+    identities are refused (:func:`ckpteval.jobs.decide.engines.check_engines`) unless ``allow_engine_mismatch``."""
     rows = []
     chosen = None if metric_text is None else parse_metric(metric_text, a.manifest)
     for spec in a.manifest.eval.datasets:
@@ -72,12 +77,14 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
             continue
         if a is not b:
             check_paired(a, b, name)
+        notes = check_engines([(f"A step {step_a}", point_engine(a, step_a, name)),
+                               (f"B step {step_b}", point_engine(b, step_b, name))], allow_engine_mismatch)
         metric = chosen or Metric(name, "mean")
         va, vb = a.values(step_a, metric), b.values(step_b, metric)
         iv = paired_interval(va, vb, level)
         row = {"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
                "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
-               "verdict": verdict(iv.low, iv.high)}
+               "verdict": verdict(iv.low, iv.high), **({"engine_notes": notes} if notes else {})}
         rows.append({**row, **noise_fields(va, vb, level, side_noise(a, b, metric), power, row["verdict"])})
     if not rows:
         raise ValueError(f"no dataset has a complete point at step {step_a} of {a.run.path} and step {step_b} "
@@ -137,6 +144,8 @@ def render(rows: list[dict[str, Any]], a: str, b: str, width: int = 10_000) -> s
             lines += wrap(f"  {noise_line(r)}", width)
     lines += wrap(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided; MDE at power "
                   f"{rows[0]['power']:.0%})", width)
+    lines += [part for r in rows for note in r.get("engine_notes", ())
+              for part in wrap(f"warning: {r['dataset']}: {note}", width)]
     return "\n".join(lines)
 
 
@@ -169,13 +178,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--power", type=float, default=DEFAULT_POWER, help="power of the minimum detectable effect "
                         "(default 0.8)")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(ALLOW_FLAG, dest="allow_engine_mismatch", action="store_true",
+                        help="compare points measured on engines of different identities (engine, version, dtype, "
+                        "tp/dp/pp, deterministic mode, concurrency) anyway, with a warning (default: refused, "
+                        "naming the fields that differ)")
     args = parser.parse_args(argv)
     for flag in ("level", "power"):
         if not 0.0 < getattr(args, flag) < 1.0:
             parser.error(f"--{flag} must be in (0, 1), got {getattr(args, flag)}")
     try:
         a, step_a, b, step_b = plan(args)
-        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric, args.power)
+        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric, args.power, args.allow_engine_mismatch)
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
     shown = f" (scoring {args.scoring})" if args.scoring else ""

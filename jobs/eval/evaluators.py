@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckpteval.coord.discovery import SnapshotRef
+from ckpteval.coord.engine_identity import EngineIdentity
 from ckpteval.coord.identity import run_key, weight_version
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.results import Result, skip_result
@@ -28,7 +29,7 @@ from ckpteval.coord.snapshot import (
 from ckpteval.coord.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.attest import NOT_ATTESTED, Attestation, AttestDisputed, AttestFailed, attest, settle
 from ckpteval.jobs.eval.canary import CanaryFailed, check_canary
-from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus, launch_timeout
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus, engine_identity, launch_timeout
 from ckpteval.jobs.eval.engines.factory import (
     ENGINES,
     EnginePool,
@@ -97,7 +98,9 @@ class EngineEvaluator:
         keyed = self.store.key(self.cache, unit, ref) if self.store is not None else None
         if keyed is not None and self.store is not None and (entry := self.store.get(*keyed)) is not None:
             timings["load_s"] = timings["generate_s"] = 0.0
-            return answer_from_store(self.cache, unit, keyed[1], entry, want, self.store.path(keyed[0]), str(ref.path))
+            ev = answer_from_store(self.cache, unit, keyed[1], entry, want, self.store.path(keyed[0]), str(ref.path))
+            identity = engine_identity(self.engine)  # the store key holds the engine's: an entry is this identity's
+            return replace(ev, engine={} if identity is None else identity.to_json())
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
@@ -114,8 +117,10 @@ class EngineEvaluator:
         if keyed is not None and self.store is not None and ev.kept is not None:
             self.store.put(keyed[0], ev.kept)
             ev = replace(ev, cost={**ev.cost, "store_misses": 1.0})
+        identity = engine_identity(self.engine)  # what produced the samples (EngineError: unhealthy)
         return replace(ev, attest=attestation.to_json(), fidelity=fidelity,
-                       cost=unit_cost(ev, timings, engine_gpus(self.engine)))
+                       cost=unit_cost(ev, timings, engine_gpus(self.engine)),
+                       engine={} if identity is None else identity.to_json())
 
     def _attest(self, ref: SnapshotRef, want: str, timings: dict[str, float],
                 rederive: bool = True) -> tuple[Attestation, dict[str, float]]:
@@ -211,8 +216,9 @@ def unit_cost(ev: Evaluation, timings: dict[str, float], gpus: int) -> dict[str,
 class FnEvaluator:
     """A :class:`~ckpteval.jobs.eval.engines.fn.CheckpointEvalFn`: hands it the unit, checks what comes back."""
 
-    def __init__(self, backend: CheckpointEvalFn, cache: DatasetCache) -> None:
+    def __init__(self, backend: CheckpointEvalFn, cache: DatasetCache, spec: str = "fn") -> None:
         self.backend, self.cache = backend, cache
+        self.identity = EngineIdentity("fn", version=spec.partition(":")[2] or None)  # the backend's module:Class
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
         manifest = self.cache.manifest
@@ -232,7 +238,7 @@ class FnEvaluator:
         ev = Evaluation(parsed.scores, parsed.weight_versions, parsed.message, parsed.answers,
                         scored={"extras": parsed.extras()} if parsed.extras() else {},
                         attest=NOT_ATTESTED.to_json(), generate_s=timings["generate_s"])
-        return replace(ev, cost=unit_cost(ev, timings, 0))
+        return replace(ev, cost=unit_cost(ev, timings, 0), engine=self.identity.to_json())
 
     def probe(self) -> None:
         """An fn backend was built (and its constructor ran) at start; nothing more to probe."""
@@ -293,12 +299,20 @@ def check_entry_engines(manifest: RunManifest, kinds: list[str], replicas: int) 
 
 
 def _settings(manifest: RunManifest, kind: str) -> dict[str, Any]:
-    """run.json's settings for ``kind``; a launched server that needs it (sglang: per-sample seeds only
-    with ``--enable-deterministic-inference``) is made deterministic when any dataset samples."""
+    """run.json's settings for ``kind``; an engine with a batch-invariant mode (sglang:
+    ``--enable-deterministic-inference``) runs it unless every entry opts out (``"deterministic": false``;
+    the mode is server-wide, so one entry that keeps it keeps it for all). run.json's own
+    ``eval.engine.<kind>.deterministic`` wins."""
     settings = engine_settings(manifest.eval.engine, kind)
-    if ENGINES[kind].deterministic_when_sampling:
-        settings.setdefault("deterministic", any(e.samples_randomly for e in manifest.eval.entries))
+    if ENGINES[kind].deterministic_mode:
+        settings.setdefault("deterministic", any(wants_determinism(e) for e in manifest.eval.entries))
     return settings
+
+
+def wants_determinism(entry: object) -> bool:
+    """Whether an entry asks for the engine's deterministic mode (its ``deterministic`` setting; a kind
+    without one: yes)."""
+    return bool(getattr(entry, "deterministic", True))
 
 
 def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCache) -> Evaluator:
@@ -309,7 +323,7 @@ def build_evaluator(opts: WorkerOptions, manifest: RunManifest, cache: DatasetCa
     check_entry_engines(manifest, kinds, opts.replicas)
     if len(kinds) == 1 and ENGINES[kinds[0]].unit_backend:
         backend = make_engine(specs[0], opts.device, _settings(manifest, kinds[0]))
-        return FnEvaluator(backend, cache)  # type: ignore[arg-type]
+        return FnEvaluator(backend, cache, specs[0])  # type: ignore[arg-type]
     if manifest.eval.adapters:
         raise ValueError(
             f"run {manifest.run_id} evaluates adapters {list(manifest.eval.adapters)}; engines here would score the "

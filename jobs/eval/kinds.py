@@ -53,6 +53,7 @@ class Evaluation:
     cost: dict[str, float] = field(default_factory=dict)  # tokens, busy seconds: what the unit cost
     fidelity: dict[str, float] = field(default_factory=dict)  # ckpteval.jobs.eval.canary.Fidelity.to_json(); {}: no canary
     kept: Any = None  # the completions to keep beside the result (ckpteval.coord.completions.Completions)
+    engine: dict[str, Any] = field(default_factory=dict)  # ckpteval.coord.engine_identity.EngineIdentity.to_json()
 
 
 class UserCodeFailed(WorkerSkip):
@@ -78,7 +79,7 @@ def check_entries(cache: Any) -> None:
 
 def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:
     """The ok result of an evaluation (``kw``: timings, worker, snapshot, ...)."""
-    kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, **kw}
+    kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, "engine": ev.engine, **kw}
     if ev.metrics is not None:
         return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, **kw)
     return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, kept=ev.kept, **kw,

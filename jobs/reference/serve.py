@@ -57,9 +57,14 @@ Status codes and bodies for bad requests, as sglang answers them:
   ``tokenizer_manager.py`` ``_handle_abort_finish_reason`` rendered by ``http_server.py``
   ``validation_exception_handler``).
 
-Seeds: ``sampling_seed`` is validated always and applied only with ``--enable-deterministic-inference``
-(``srt/sampling/sampling_batch_info.py``; unseeded requests then use 42), where a sample depends on its
-prompt, settings and seed only: identical (prompt, seed) pairs give identical samples.
+Deterministic mode (``--enable-deterministic-inference``; what sglang's covers:
+:mod:`ckpteval.jobs.eval.engines.sglang_deterministic`): ``sampling_seed`` is validated always and applied
+only in this mode (``srt/sampling/sampling_batch_info.py``; unseeded requests then use 42), and a
+completion depends on its prompt, settings and seed only, never on its batch-mates — greedy included (each
+distinct prompt runs alone: the stand-in's batch invariance, paid in throughput as sglang pays for its
+kernels). An ``--attention-backend`` sglang refuses in this mode is refused at start with sglang's message
+(exit 2); ``/server_info`` reports the backend, ``sampling_backend`` and ``disable_radix_cache`` as sglang
+resolves them (``srt/arg_groups/overrides.py``, on a Hopper-or-older GPU).
 
 Limits (stand-in, not sglang): the engine service's (one lock for generation and loads,
 :mod:`ckpteval.jobs.reference.serve_engine`); sglang fields the stand-in cannot honour (streaming, output logprobs, ``n`` > 1, stop strings, grammars,
@@ -88,6 +93,12 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.sglang_deterministic import (
+    ATTENTION_BACKENDS,
+    DETERMINISTIC_ATTENTION_BACKENDS,
+    FALLBACK_ATTENTION_BACKEND,
+    resolve,
+)
 from ckpteval.jobs.eval.options import DEVICE_RE
 from ckpteval.jobs.flags import Parser, bounded, fail, positive_int
 from ckpteval.jobs.pathchecks import check_file_readable
@@ -139,8 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
-        help="apply each request's sampling_params.sampling_seed (unseeded: 42), as sglang does with this flag",
+        help="sglang's batch-invariant mode: a completion depends on its prompt, settings and seed only, never on "
+        "its batch-mates (each distinct prompt runs alone), and each request's sampling_params.sampling_seed "
+        "applies (unseeded: 42); refuses an --attention-backend sglang refuses in this mode",
     )
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, metavar="NAME",
+                        help="reported on /server_info as sglang resolves it (with --enable-deterministic-inference: "
+                        f"one of {', '.join(DETERMINISTIC_ATTENTION_BACKENDS)}; none given: "
+                        f"{FALLBACK_ATTENTION_BACKEND}); the stand-in's kernels stay the same (default: none)")
     parser.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but "
                         "/health* (and on admin routes unless --admin-api-key), as sglang's flag does")
     parser.add_argument("--admin-api-key", metavar="KEY", help="require this key on admin routes (weight loads, "
@@ -179,6 +196,11 @@ def main(argv: list[str]) -> int:
         return _main_judge(args)
     if (problem := _check_start(args)) is not None:
         return fail("ckpteval serve", problem)
+    try:  # sglang resolves (or refuses) its server args before it loads anything
+        resolved = resolve(args.enable_deterministic_inference, args.attention_backend)
+    except ValueError as e:
+        return fail("ckpteval serve", f"--attention-backend {args.attention_backend} with "
+                    f"--enable-deterministic-inference: {e}")
     try:  # bind first: a port in use is a usage error, found before a long model load
         server = EngineHTTPServer((args.host, args.port), None, args.verbose)  # type: ignore[arg-type]
     except OSError as e:
@@ -193,7 +215,8 @@ def main(argv: list[str]) -> int:
         return fail("ckpteval serve", f"cannot load {args.model}: {e}", 1)
     server.service = EngineService(engine, args.model, args.enable_deterministic_inference,
                                    max_queued=args.max_queued_requests, max_running=args.max_batch_size,
-                                   max_total_tokens=args.max_total_tokens, logprob_offset=args.logprob_offset)
+                                   max_total_tokens=args.max_total_tokens, logprob_offset=args.logprob_offset,
+                                   resolved=resolved)
     server.api_keys = (args.api_key, args.admin_api_key)
     try:
         serve_until_signalled(server, "ckpteval-serve")

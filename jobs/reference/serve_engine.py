@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams, context_problem
+from ckpteval.jobs.eval.engines.sglang_deterministic import Resolved, resolve
 from ckpteval.jobs.eval.logprobs import token_logprobs  # torch-free at import time
 from ckpteval.jobs.reference.serve_info import weights_checker
 from ckpteval.jobs.reference.serve_requests import GenerateRequest, Refused
@@ -97,9 +98,10 @@ class EngineService:
     def __init__(
         self, engine: HFEngine, model_path: str, deterministic: bool = False, label: str | None = None,
         max_queued: int | None = None, *, max_running: int = 256, max_total_tokens: int | None = None,
-        logprob_offset: float = 0.0,
+        logprob_offset: float = 0.0, resolved: Resolved | None = None,
     ) -> None:
         self.engine = engine
+        self.resolved = resolved or resolve(deterministic, None)  # server args the deterministic mode decides
         self.model_path = self.launch_model_path = model_path
         self.deterministic = deterministic
         self.label = label if label is not None else engine.weight_version() or DEFAULT_WEIGHT_VERSION
@@ -208,11 +210,12 @@ class EngineService:
         return replace(params, max_new_tokens=budget, seed=seed)
 
     def _groups(self, rows: list[Row]) -> list[list[Row]]:
-        """Rows that can share one engine call. A seeded (deterministic) row runs alone, once per distinct
-        prompt, so its sample depends on prompt, settings and seed only, never on its batch-mates."""
+        """Rows that can share one engine call. In deterministic mode every row runs alone, once per
+        distinct prompt and settings (seed included), so its completion depends on those only, never on its
+        batch-mates (sglang's batch-invariant kernels; greedy too)."""
         groups: dict[Any, list[Row]] = {}
         for row in rows:
-            key = (row.params, tuple(row.ids)) if row.params.seed is not None else (row.params,)
+            key = (row.params, tuple(row.ids)) if self.deterministic else (row.params,)
             groups.setdefault(key, []).append(row)
         return list(groups.values())
 
@@ -237,7 +240,7 @@ class EngineService:
 
             done = [Completion("", [], {"type": "length", "length": 0}, len(r.ids), label) for r in todo]
             self._score([r for r in todo if r.logprob_start is not None], top_k)
-        elif params.seed is not None:
+        elif self.deterministic:  # one distinct prompt (_groups): generated once, alone
             once = self.engine.generate_ids([todo[0].ids], params)[0]
             done = [once] * len(todo)
         else:

@@ -84,6 +84,8 @@ class DispatchConfig:
     """comma list of the trainer's nodes (node-locality check of the staging dir)"""
     fleet_nodes: tuple[str, ...] | None = option(None, metavar="N1,N2", parse=_node_list, group=EVAL)
     """comma list of the eval fleet's nodes (node-locality check)"""
+    trainer_gpus: int | None = None
+    """GPUs training holds, for eval/cost/fraction_of_training (None: detected, jobs.trainer.cost); not a flag"""
     waits: Waits = nested(Waits)
     """how long the dispatcher waits for the fleet (a component: its flags are this config's)"""
 
@@ -91,6 +93,8 @@ class DispatchConfig:
         if not isinstance(self.eval_interval, int):
             raise ValueError(f"eval_interval (--eval-interval) must be a positive integer, got {self.eval_interval!r}")
         check_bounds(self, fields=True)
+        if self.trainer_gpus is not None and self.trainer_gpus < 0:
+            raise ValueError(f"trainer_gpus must be >= 0 (None: detected), got {self.trainer_gpus}")
         if self.staging_dir is not None and self.save_hf_dir is not None:
             raise ValueError("staging_dir (--eval-staging-dir) and save_hf_dir (--save-hf) both given: choose "
                              "staging export or checkpoint reuse")

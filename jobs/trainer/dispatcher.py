@@ -107,6 +107,7 @@ from ckpteval.jobs.eval.canary import TrainerCanary
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 
 if TYPE_CHECKING:  # the shared posture's parts are imported when a SharedEval is given (a fleet trainer needs none)
@@ -180,6 +181,8 @@ class EvalDispatcher:
         self.stop_when: Condition | None = (  # --eval-stop-when: a point meeting it asks training to end
             None if self.config.stop_when is None else parse_condition(self.config.stop_when, "--eval-stop-when"))
         self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
+        gpus = self.config.trainer_gpus if self.config.trainer_gpus is not None else trainer_gpus()
+        self._training = TrainingClock(gpus, self.ledger.state, clock)  # eval/cost/fraction_of_training
         self._replay()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -255,9 +258,17 @@ class EvalDispatcher:
         self._ingest_ready()
 
     def dispatch(self, step: int, model: Model, final: bool = False) -> None:
-        """Make ``step`` evaluable now (unless already dispatched by this run or a previous incarnation)."""
+        """Make ``step`` evaluable now (unless already dispatched by this run or a previous incarnation).
+        The time spent here (export, backpressure, shared evaluation) is not charged as training."""
         if step in self.ledger.state.dispatched and step not in self._lost:
             return
+        train_gpu_s = self._training.charge()
+        try:
+            self._dispatch(step, model, final, train_gpu_s)
+        finally:
+            self._training.resume()
+
+    def _dispatch(self, step: int, model: Model, final: bool, train_gpu_s: float) -> None:
         self._lost.discard(step)
         waited = 0.0
         if not final and self.config.fleet != "none" and len(self.pending) >= self.config.max_in_flight:
@@ -267,7 +278,8 @@ class EvalDispatcher:
                 message = f"{len(self.pending)} points in flight (max {self.config.max_in_flight})"
                 self._skip(step, "busy", message, extra={"backpressure_wait_seconds": waited})
                 return
-        self.ledger.append("dispatched", step, mode=self.config.mode, backpressure_wait_seconds=waited)
+        self.ledger.append("dispatched", step, mode=self.config.mode, backpressure_wait_seconds=waited,
+                           train_gpu_s=train_gpu_s, trainer_gpus=self._training.gpus)
         if self.config.mode == "staging":
             self._export(step, model)
         else:

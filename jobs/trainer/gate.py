@@ -40,7 +40,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.attest import AttestFailed, attest_dir
-from ckpteval.jobs.eval.engines.base import Engine, EngineError
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_identity
 from ckpteval.jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from ckpteval.jobs.eval.pinning import PinViolation, WorkerSkip, pin
 from ckpteval.jobs.eval.prompts import NoChatTemplate
@@ -158,6 +158,7 @@ def shared_eval(
         try:
             pin(engine, snapshot, version, reload=True)
             attestation = attest_dir(engine, Path(snapshot_dir), run)
+            identity = engine_identity(engine)
             for unit in units:
                 try:
                     done.append((unit, evaluate_pinned(engine, cache, unit, snapshot, version)))
@@ -171,6 +172,7 @@ def shared_eval(
     return _write_all(run, [
         out if isinstance(out, Result) else unit_result(
             u, out, snapshot=snapshot, worker=worker, attest=attestation.to_json(),
+            engine={} if identity is None else identity.to_json(),
             timings={"generate_s": out.generate_s, "attest_s": attestation.seconds, "point_s": elapsed})
         for u, out in done
     ])

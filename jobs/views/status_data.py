@@ -21,7 +21,7 @@ from typing import Any
 from ckpteval.coord.atomic import read_json_object, read_jsonl
 from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs
 from ckpteval.coord.layouts import AUTO
-from ckpteval.coord.ledger import Ledger
+from ckpteval.coord.ledger import Ledger, LedgerState
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.saves import lost_steps, waiting_saves
@@ -29,6 +29,7 @@ from ckpteval.coord.scorings import StepFacts, scoring_step_facts, step_facts
 from ckpteval.coord.steps import run_step_selection
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
+from ckpteval.jobs.trainer.cost import run_fraction
 from ckpteval.jobs.views.noise import noise_status
 
 
@@ -94,7 +95,8 @@ def _point_rows(steps: list[int], facts: dict[int, StepFacts], lags: dict[int, f
     return [{**facts[step].point, "lag_steps": lags.get(step)} for step in steps]
 
 
-def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any]]) -> dict[str, Any]:
+def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any]],
+                 ledger: LedgerState | None = None) -> dict[str, Any]:
     """What evaluation cost next to what training took: total eval GPU-hours (every unit's ``cost``),
     GPU-seconds per complete point, tokens/s per engine (per worker ``host:pid``: its generated tokens
     over its engine seconds), and training's wall time — ``TRAINING_DONE``'s time (now while it runs)
@@ -117,6 +119,8 @@ def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any
         "gpu_s_per_point": sum(complete) / len(complete) if complete else None,
         "training_wall_hours": max(0.0, done_at - run.manifest_path.stat().st_mtime) / 3600,
         "tokens_per_s": {k: (tok / s if s > 0 else None) for k, (tok, s) in sorted(rates.items())},
+        "fraction_of_training": run_fraction(ledger, {p["step"]: p["cost"].get("gpu_s", 0.0)
+                                                      for p in points if p.get("cost")}),
     }
 
 
@@ -160,7 +164,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         "waiting": waiting,
         "units": units,
         "points": points,
-        "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points),
+        "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points, ledger),
         "noise": noise_status(run, points),  # MDE and replay spread per dataset (jobs.views.noise)
         "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
         "health": {

@@ -28,9 +28,12 @@ from ckpteval.jobs.views.tables import PlainTable
 NOT_POOLED = "not pooled: scorers differ"
 """The cell of a dataset whose units were scored differently (two judges): never one number."""
 
-UNPOOLED: dict[str, str] = {"mixed_scorers": NOT_POOLED}
+ENGINES_DIFFER = "not pooled: engines differ ({})"
+"""The cell of a dataset whose units ran on engines of different identities (``{}``: the fields that differ)."""
+
+UNPOOLED: dict[str, str] = {"mixed_scorers": NOT_POOLED, "mixed_engines": ENGINES_DIFFER}
 """A point's key listing the datasets that have no one number at it -> the cell shown for them (the first
-that lists the dataset wins)."""
+that lists the dataset wins; ``{}`` in the cell: what the key holds for the dataset, e.g. the engine fields)."""
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -87,7 +90,8 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     """The per-point table (also the demo's final table): per dataset the pooled mean ± its standard
     error over prompts and its pass@k / maj@n when it has them (``-`` where a dataset is not part of
     a point, by its cadence, or did not finish; :data:`NOT_POOLED` where its units were scored by
-    different scorers, e.g. two judge models, and so have no one number); then the pin proof over all datasets of the point
+    different scorers, e.g. two judge models, and so have no one number; ``not pooled: engines differ (tp,
+    deterministic)`` where they ran on engines of different identities, naming the fields); then the pin proof over all datasets of the point
     (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
     largest fraction of samples from another version, which must be 0). ``datasets``, ``harness`` and
     ``pins`` pick a part of it (all by default). A dataset whose scorer counts things per sample (code:
@@ -137,7 +141,12 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
 
 def _unpooled_cell(point: dict[str, Any], ds: str) -> str:
     """``-`` (no value at this point), or why its units have no one number (:data:`UNPOOLED`)."""
-    return next((cell for key, cell in UNPOOLED.items() if ds in point.get(key, ())), "-")
+    for key, cell in UNPOOLED.items():
+        held = point.get(key, ())
+        if ds in held:
+            detail = held[ds] if isinstance(held, dict) else ()
+            return cell.format(", ".join(detail)) if "{}" in cell else cell
+    return "-"
 
 
 def points_tables(status: dict[str, Any], width: int) -> list[Any]:
@@ -292,7 +301,9 @@ def cost_line(cost: dict[str, Any]) -> str:
 
 def _cost_parts(cost: dict[str, Any]) -> list[str]:
     rates = ", ".join(f"{k} {_fmt(v, 1)}" for k, v in cost["tokens_per_s"].items()) or "-"
-    return [f"eval cost {cost['eval_gpu_hours']:.3f} GPU-h (training wall {cost['training_wall_hours']:.2f} h)",
+    share = cost.get("fraction_of_training")
+    return [f"eval cost {cost['eval_gpu_hours']:.3f} GPU-h (training wall {cost['training_wall_hours']:.2f} h"
+            f"{'' if share is None else f'; {share:.1%} of training GPU-s'})",
             f"{_fmt(cost['gpu_s_per_point'], 1)} GPU-s per point", f"tokens/s per engine: {rates}"]
 
 

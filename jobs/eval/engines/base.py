@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ckpteval.coord.engine_identity import EngineIdentity
+
 
 class EngineError(RuntimeError):
     """An engine failed in a way the worker should treat as unhealthy (restart, then skip)."""
@@ -284,6 +286,25 @@ def gpu_count(env: Mapping[str, str] | None = None) -> int:
     import torch  # only when nothing says otherwise: keeps this module light
 
     return torch.cuda.device_count()
+
+
+@runtime_checkable
+class ReportsIdentity(Protocol):
+    """What the engine is and how it runs (:class:`~ckpteval.coord.engine_identity.EngineIdentity`), recorded
+    with every result it produced."""
+
+    def engine_identity(self) -> EngineIdentity: ...
+
+
+def engine_identity(engine: object) -> EngineIdentity | None:
+    """The identity of ``engine`` (None: it does not report one). A pool of members of one identity has
+    that identity; of several, kind ``pool`` with the members' keys as its version (a unit split over
+    them is one identity of no single engine, never pooled with one)."""
+    if isinstance(engine, Pooled) and engine.engines:
+        ids = [engine_identity(e) for e in engine.engines]
+        keys = sorted({"none" if m is None else m.key() for m in ids})
+        return ids[0] if len(keys) == 1 else EngineIdentity("pool", version="|".join(keys))
+    return engine.engine_identity() if isinstance(engine, ReportsIdentity) else None
 
 
 def engine_gpus(engine: object) -> int:

@@ -75,9 +75,11 @@ class EngineKind:
     """The LoRA variant gets ``base_model=`` (a server attached by URL already has its base)."""
     unit_backend: bool = False
     """Scores whole units itself (a :class:`~ckpteval.jobs.eval.engines.fn.CheckpointEvalFn`), not an Engine."""
-    deterministic_when_sampling: bool = False
-    """Gets ``deterministic=True`` when a dataset of the run samples (unless run.json sets it): an
-    sglang server honours per-sample seeds only with ``--enable-deterministic-inference``."""
+    deterministic_mode: bool = False
+    """Has a batch-invariant mode, switched by ``deterministic=``: True unless every dataset of the run opts
+    out (``"deterministic": false``; run.json ``eval.engine.<kind>.deterministic`` overrides). sglang's
+    ``--enable-deterministic-inference`` (:mod:`ckpteval.jobs.eval.engines.sglang_deterministic`); it also
+    honours per-sample seeds only then."""
 
 
 ENGINES: dict[str, EngineKind] = {
@@ -85,7 +87,7 @@ ENGINES: dict[str, EngineKind] = {
     "http": EngineKind("ckpteval.jobs.eval.engines.http:HTTPEngine", arg="URL", lora="ckpteval.jobs.eval.engines.sglang_lora:HTTPLoRAEngine",
                        lora_takes_base=False),
     "sglang": EngineKind("ckpteval.jobs.eval.engines.sglang:SGLangEngine", device=True,
-                         lora="ckpteval.jobs.eval.engines.sglang_lora:SGLangLoRAEngine", deterministic_when_sampling=True),
+                         lora="ckpteval.jobs.eval.engines.sglang_lora:SGLangLoRAEngine", deterministic_mode=True),
     "fn": EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True),
 }
 KINDS = tuple(ENGINES)

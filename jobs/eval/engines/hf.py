@@ -75,6 +75,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from ckpteval.coord.engine_identity import EngineIdentity
 from ckpteval.jobs.eval.engines.base import (
     EngineError,
     Generation,
@@ -196,6 +197,17 @@ class HFEngine:
         """The dtype the held model computes in (``"float32"``, ``"bfloat16"``, ...); None before a load."""
         model = self._model
         return None if model is None else str(model.dtype).removeprefix("torch.")
+
+    def engine_identity(self) -> EngineIdentity:
+        """In-process transformers: its and torch's versions, the compute dtype, one device (named, on
+        CUDA), ``max_batch_size`` prompts per forward; no batch-invariant mode (``deterministic`` False)."""
+        import transformers
+
+        device = str(self._device)
+        if self._device.type == "cuda" and torch.cuda.is_available():
+            device = f"cuda:{torch.cuda.get_device_name(self._device)}"
+        return EngineIdentity("hf", version=f"transformers {transformers.__version__}, torch {torch.__version__}",
+                              dtype=self.compute_dtype, device=device, concurrency=self._max_batch_size)
 
     @property
     def gpus(self) -> int:

@@ -69,6 +69,7 @@ from typing import Any
 
 import httpx
 
+from ckpteval.coord.engine_identity import EngineIdentity
 from ckpteval.coord.identity import MIXED_SEP
 from ckpteval.jobs.eval.engines.base import (
     EngineChecksum,
@@ -88,6 +89,7 @@ from ckpteval.jobs.eval.engines.http_limits import (
     error_message,
     generate_timeout,
     queue_chunk,
+    running_at_once,
     send_retrying_busy,
 )
 from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
@@ -215,6 +217,34 @@ def server_gpus(info: dict[str, Any]) -> int:
     return tp * pp * (1 if info.get("enable_dp_attention") else dp)
 
 
+def server_identity(info: dict[str, Any], max_batch_size: int) -> EngineIdentity:
+    """The :class:`~ckpteval.coord.engine_identity.EngineIdentity` of an sglang server from its ``/server_info``
+    (0.5.23 ``srt/utils/common.py`` ``build_server_info``: the resolved server args, so ``attention_backend``
+    is what ``--enable-deterministic-inference`` picked, ``srt/arg_groups/overrides.py``
+    ``_deterministic_attention_backend``); ``deterministic`` only when the mode is on and LoRA is not (the
+    mode does not cover LoRA kernels). ``concurrency``: prompts per ``/generate`` this client sends
+    (:func:`~ckpteval.jobs.eval.engines.http_limits.queue_chunk`), at most what the server runs at once."""
+
+    def size(name: str) -> int:
+        value = info.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+    def text(name: str) -> str | None:
+        value = info.get(name)
+        return None if value is None else str(value)
+
+    chunk = queue_chunk(max_batch_size, info)
+    running = running_at_once(info)
+    return EngineIdentity(
+        "sglang", version=text("version"), dtype=text("dtype"), quantization=text("quantization"),
+        tp=size("tp_size"), dp=size("dp_size"), pp=size("pp_size"),
+        # LoRA kernels are outside the mode (srt/lora/backend/): a LoRA completion still depends on its batch
+        deterministic=info.get("enable_deterministic_inference") is True and info.get("enable_lora") is not True,
+        attention_backend=text("attention_backend"), device=text("device"),
+        concurrency=chunk if running is None else min(chunk, running),
+    )
+
+
 def check_seeds(seeds: list[int] | None, n: int) -> None:
     if seeds is None:
         return
@@ -340,6 +370,13 @@ class HTTPEngine:
             return server_gpus(self.server_info())
         except (EngineError, ValueError):
             return 0
+
+    def engine_identity(self) -> EngineIdentity:
+        """:func:`server_identity` of a fresh ``/server_info`` (a server relaunched by someone else with
+        other flags is another identity)."""
+        self.server_info()  # the version floor
+        _, info = self._get_json(("/server_info", "/get_server_info"))
+        return server_identity(info, self._max_batch_size)
 
     def weights_checksum(self) -> EngineChecksum:
         """sglang's ``POST /weights_checker {"action": "checksum"}`` (0.5.23:

@@ -31,8 +31,10 @@ launch interpreter (``importlib.metadata``, no import of sglang) and refuses one
 rejects ``--weight-version`` at start, 0.5.1/0.5.2 know no ``sampling_seed``, spans need 0.5.19);
 the running server's ``/server_info`` version is checked again on first contact (also when attached).
 
-Seeds: ``deterministic=True`` adds ``--enable-deterministic-inference`` (the worker sets it when a
-dataset of the run samples): sglang applies ``sampling_seed`` only in that mode
+Determinism: ``deterministic=True`` adds ``--enable-deterministic-inference`` (the worker sets it unless
+every dataset of the run opts out, ``"deterministic": false``), after refusing launch options sglang refuses
+in that mode (:func:`~ckpteval.jobs.eval.engines.sglang_deterministic.launch_flags`; what the mode covers and
+costs: :mod:`ckpteval.jobs.eval.engines.sglang_deterministic`). Seeds: sglang applies ``sampling_seed`` only in that mode
 (``srt/sampling/sampling_batch_info.py``), and there an unseeded request uses seed 42, which is why
 the client sends one seed per sample. A seeded sample repeats only on the same GPU generation, TP size
 and sglang version (``srt/arg_groups/overrides.py`` ``_deterministic_attention_backend`` picks kernels
@@ -61,9 +63,12 @@ from typing import Any
 
 from ckpteval.jobs.eval.engines.base import EngineError, WeightVersionMismatch, gpu_count
 from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine
+from ckpteval.jobs.eval.engines.sglang_deterministic import (  # noqa: F401 — DETERMINISTIC_FLAG re-exported
+    DETERMINISTIC_FLAG,
+    launch_flags,
+)
 from ckpteval.jobs.eval.engines.sglang_version import UnsupportedServer, check_sglang_version
 
-DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # sglang arg_groups/fields/exec_.py
 LAUNCH_POLL_S = 0.5  # between health probes while a server starts (each is cheap: refused or 503)
 LAUNCH_SLACK_S = 30.0  # past the launch's own bounds, before its caller gives up on it
 
@@ -107,11 +112,6 @@ def installed_sglang_version(python: str, env: Mapping[str, str], timeout: float
             f"sglang is not installed for {python} (pip install 'ckpteval[sglang]'): {done.stderr.strip()[-300:]}"
         )
     return done.stdout.strip()
-
-
-def determinism_flags(deterministic: bool, extra_args: Sequence[str]) -> list[str]:
-    """``--enable-deterministic-inference`` when asked for and not already among ``extra_args``."""
-    return [DETERMINISTIC_FLAG] if deterministic and DETERMINISTIC_FLAG not in extra_args else []
 
 
 def device_flags(device: str | None) -> tuple[list[str], int | None]:
@@ -184,6 +184,7 @@ class SGLangEngine(HTTPEngine):
         if url is not None:
             super().__init__(url, timeout, load_timeout=load_timeout, health_timeout=health_timeout, **http_settings)
             return
+        determinism = launch_flags(deterministic, extra_args)  # ValueError: sglang would refuse to start
         flags, implied_tp = device_flags(device)
         tp = tp_size if tp_size is not None else implied_tp or gpu_count(self._env)
         if tp < 1:
@@ -192,7 +193,7 @@ class SGLangEngine(HTTPEngine):
         port = port if port is not None else free_port(host)
         super().__init__(f"http://{host}:{port}", timeout, load_timeout=load_timeout, health_timeout=health_timeout,
                          **http_settings)
-        flags += determinism_flags(deterministic, extra_args)
+        flags += determinism
         self._launch_settings = LaunchSettings(
             python, host, port, tp, (*flags, *extra_args), log_path or self._new_log_path()
         )

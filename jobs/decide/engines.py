@@ -1,0 +1,49 @@
+"""The engine-identity check of ``compare`` and ``best``: points measured by engines of different
+identities (:mod:`ckpteval.coord.engine_identity`: engine, version, dtype, parallel layout, deterministic
+mode, concurrency) are not compared unless the caller says so (``--allow-engine-mismatch``).
+
+Why: the same weights move by points between engines and engine settings (a greedy sglang run without
+its deterministic mode changes about half its generations between two runs at 64-way concurrency), so a
+difference between two such points is partly the engine's; the paired interval does not know that.
+
+Guarantee: :func:`check_engines` refuses (ValueError naming the points and the fields that differ, and
+the flag) whenever two of the given points' identities differ by :func:`~ckpteval.coord.engine_identity.differing_fields`;
+a point that recorded no identity (results from before it) differs from one that did, two that did not
+are not told apart. Allowed, it returns the same differences as notes for the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckpteval.coord.engine_identity import EngineIdentity, differing_fields, explain, parse_identity
+from ckpteval.jobs.decide.data import RunValues
+
+ALLOW_FLAG = "--allow-engine-mismatch"
+
+
+def point_engine(side: RunValues, step: int, dataset: str) -> EngineIdentity | None:
+    """The engine identity of ``dataset``'s point at ``step`` (one: a point pools only units of one
+    identity, :func:`ckpteval.coord.points.derive_point`); None when its units recorded none."""
+    spec = side.manifest.entry(dataset)
+    for unit in spec.units(step):
+        result = side.results.get(unit)
+        if result is not None and (identity := parse_identity(result.engine)) is not None:
+            return identity
+    return None
+
+
+def check_engines(points: Sequence[tuple[str, EngineIdentity | None]], allow: bool) -> list[str]:
+    """Every point against the first (``(label, identity)`` pairs): ValueError on a difference unless
+    ``allow``; the differences as notes (empty when there are none)."""
+    if not points:
+        return []
+    (first_label, first), notes = points[0], []
+    for label, identity in points[1:]:
+        if fields := differing_fields(first, identity):
+            notes.append(f"{first_label} and {label} ran on different engines "
+                         f"({', '.join(fields)}: {explain(fields, first, identity)})")
+    if notes and not allow:
+        raise ValueError(f"{notes[0]}; their difference is partly the engine's — rerun one side on the other's "
+                         f"engine, or pass {ALLOW_FLAG} to compare anyway")
+    return notes
