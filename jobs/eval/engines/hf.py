@@ -226,23 +226,15 @@ class HFEngine:
 
     # ------------------------------------------------------------------ loading
     def load(self, snapshot_dir: str, weight_version: str) -> None:
-        """Copy ``snapshot_dir``'s tensors into the held model when its shape signature matches
-        (:meth:`_load_signature`), else build a new one; the version is stamped with the weights."""
         if not isinstance(weight_version, str):
             raise ValueError(f"weight_version must be a str, got {weight_version!r}")
         snapshot = Path(snapshot_dir)
-        signature = self._load_signature(snapshot)
+        signature = arch_signature(read_config(snapshot))
         with self._load_lock:
-            if self._model is not None and signature == self._held_signature():
+            if self._model is not None and signature == self._signature:
                 self._reload_in_place(snapshot, weight_version)
             else:
                 self._instantiate(snapshot, weight_version, signature)
-
-    def _load_signature(self, snapshot: Path) -> dict[str, Any]:
-        return arch_signature(read_config(snapshot))
-
-    def _held_signature(self) -> dict[str, Any] | None:
-        return self._signature
 
     def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
         model, tokenizer = self._build(snapshot)

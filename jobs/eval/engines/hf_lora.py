@@ -89,13 +89,18 @@ class HFLoRAEngine(HFEngine):
     def base_model(self) -> str:
         return str(self._base)
 
-    def _load_signature(self, snapshot: Path) -> dict[str, Any]:
-        return adapter_signature(read_adapter_config(snapshot))
+    def load(self, snapshot_dir: str, weight_version: str) -> None:
+        if not isinstance(weight_version, str):
+            raise ValueError(f"weight_version must be a str, got {weight_version!r}")
+        snapshot = Path(snapshot_dir)
+        signature = adapter_signature(read_adapter_config(snapshot))
+        with self._load_lock:
+            if self._model is not None and signature == self._adapter_signature:
+                self._reload_in_place(snapshot, weight_version)
+            else:
+                self._build_with_adapter(snapshot, weight_version)
 
-    def _held_signature(self) -> dict[str, Any] | None:
-        return self._adapter_signature
-
-    def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
+    def _build_with_adapter(self, snapshot: Path, version: str | None) -> None:
         """Base from disk + the snapshot's LoRA layers and tensors; installed only when all succeeded."""
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -110,7 +115,7 @@ class HFLoRAEngine(HFEngine):
         model.to(self._device)
         self._copy_adapter(model, snapshot)
         self._install(model, tokenizer, arch_signature(read_config(self._base)), version, snapshot)
-        self._adapter_signature = signature
+        self._adapter_signature = adapter_signature(config)
 
     def _targets(self, model: torch.nn.Module, snapshot: Path) -> tuple[dict[str, torch.Tensor], TensorIndex]:
         """LoRA parameters by file name, checked against the adapter file's names and shapes."""
@@ -151,4 +156,4 @@ class HFLoRAEngine(HFEngine):
             self._adapter_signature = None
             if snapshot is not None and snapshot.is_dir():
                 with contextlib.suppress(EngineError):
-                    self._instantiate(snapshot, version, self._load_signature(snapshot))
+                    self._build_with_adapter(snapshot, version)
