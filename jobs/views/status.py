@@ -32,6 +32,7 @@ from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, positive_float, run_dirs_from_args
+from ckpteval.jobs.views.columns import derived_keys, length_cell
 from ckpteval.jobs.views.tables import PlainTable
 
 DEFAULT_WATCH_S = 2.0
@@ -210,36 +211,11 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
-def derived_keys(status: dict[str, Any]) -> dict[str, list[str]]:
-    """Per dataset, the derived metrics (``pass@k``, ``pass^k``, ``maj@n``) any of its points has, in that order."""
-    keys: dict[str, set[str]] = {ds: set() for ds in status["datasets"]}
-    for p in status["points"]:
-        for ds, d in p["datasets"].items():
-            keys.setdefault(ds, set()).update(d.get("derived", {}))
-
-    def order(key: str) -> tuple[int, int]:
-        k = key[5:] if key.startswith(("pass@", "pass^")) else key.partition("@")[2]
-        return ({"pass@": 0, "pass^": 1}.get(key[:5], 2), int(k) if k.isdigit() else 0)
-
-    return {ds: sorted(ks, key=order) for ds, ks in keys.items()}
-
-
 def _score_cell(d: dict[str, Any]) -> str:
     se = d.get("stderr")
     if isinstance(se, float) and math.isfinite(se):
         return f"{_fmt(d['score'])}±{se:.3f}"
     return _fmt(d["score"])
-
-
-LENGTH_CELL = (("truncated", "trunc", 2), ("no_answer", "noans", 2), ("completion_tokens", "tok", 0),
-               ("reasoning_tokens", "think", 0))
-"""The ``<ds> length`` cell: share cut at the length limit, share with no answer, mean tokens, mean reasoning tokens."""
-
-
-def _length_cell(d: dict[str, Any]) -> str:
-    extras = d.get("extras", {})
-    parts = [f"{short}={extras[key]:.{digits}f}" for key, short, digits in LENGTH_CELL if key in extras]
-    return " ".join(parts) or "-"
 
 
 def _pin_cells(datasets: list[dict[str, Any]]) -> list[str]:
@@ -260,16 +236,15 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     (``wv/mean``: the mean weight version of the samples, which must be the step; ``mixed``: the
     largest fraction of samples from another version, which must be 0). ``datasets``, ``harness`` and
     ``pins`` pick a part of it (all by default). A dataset whose scorer counts things per sample (code:
-    errors, timeouts) gets a ``<ds> counts`` column of those counters, summed over the point; a generated set a
-    ``<ds> length`` column (:data:`LENGTH_CELL`: truncated and no-answer shares, mean completion and reasoning
-    tokens): :func:`points_tables` splits it so when narrow."""
+    errors, timeouts) gets a ``<ds> counts`` column of those counters, summed over the point, a generated set a
+    ``<ds> length`` column (:func:`~ckpteval.jobs.views.columns.length_cell`): :func:`points_tables` splits it so when narrow."""
     datasets = status["datasets"] if datasets is None else datasets
     harness = status.get("harness_metrics", []) if harness is None else harness
     table = _table(title or f"points of {status['run_id']}")
     table.add_column("step", justify="right", overflow="fold")
     extra = derived_keys(status)
     counted = {ds for p in status["points"] for ds, d in p["datasets"].items() if d.get("counters")}
-    lengths = {ds for p in status["points"] for ds, d in p["datasets"].items() if _length_cell(d) != "-"}
+    lengths = {ds for p in status["points"] for ds, d in p["datasets"].items() if length_cell(d) != "-"}
     for ds in datasets:
         table.add_column(f"{ds} ±se", justify="right", overflow="fold")
         for key in extra[ds]:
@@ -294,7 +269,7 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
                 if ds in counted:  # the scorer's per-sample counters, summed (code errors, timeouts, ...)
                     cells.append(" ".join(f"{k}={v}" for k, v in sorted(d.get("counters", {}).items())) or "-")
                 if ds in lengths:
-                    cells.append(_length_cell(d))
+                    cells.append(length_cell(d))
         cells += [_fmt(p["metrics"].get(name)) for name in harness]
         if pins:
             cells += _pin_cells(list(p["datasets"].values()))
