@@ -96,14 +96,6 @@ class Generation:
     finish_reason: str | None = None  # "stop" | "length"; None when the engine does not say
 
 
-def finish_kind(finish: Any) -> str | None:
-    """sglang's ``meta_info.finish_reason`` (``{"type": "stop" | "length" | ..., ...}``, ``srt/managers/
-    schedule_batch.py`` ``FINISH_MATCHED_TOKEN``/``FINISH_LENGTH``...) as :attr:`Generation.finish_reason`:
-    ``"stop"`` or ``"length"``; None for anything else (an engine that does not say)."""
-    kind = finish.get("type") if isinstance(finish, dict) else finish
-    return kind if kind in ("stop", "length") else None
-
-
 @dataclass(frozen=True)
 class WeightDigests:
     """What an in-process engine reports about the weights it holds (:mod:`ckpteval.jobs.eval.attest`).

@@ -76,13 +76,7 @@ from transformers import (
 )
 
 from ckpteval.coord.engine_identity import EngineIdentity
-from ckpteval.jobs.eval.engines.base import (
-    EngineError,
-    Generation,
-    SamplingParams,
-    WeightDigests,
-    finish_kind,
-)
+from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams, WeightDigests
 from ckpteval.jobs.eval.engines.hf_sampling import (
     SeededSampler,
     check_context,
@@ -128,7 +122,7 @@ class Completion:
 
     def generation(self) -> Generation:
         return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids),
-                          prompt_tokens=self.prompt_tokens, finish_reason=finish_kind(self.finish_reason))
+                          prompt_tokens=self.prompt_tokens, finish_reason=self.finish_reason["type"])
 
 
 @contextlib.contextmanager

@@ -79,7 +79,6 @@ from ckpteval.jobs.eval.engines.base import (
     SamplesAborted,
     SamplingParams,
     WeightVersionMismatch,
-    finish_kind,
 )
 from ckpteval.jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
 from ckpteval.jobs.eval.engines.http_limits import (
@@ -176,7 +175,7 @@ def parse_generation(item: Any) -> Sample:
         raise EngineError(f"malformed /generate result {str(item)[:200]}")
     prompt = meta.get("prompt_tokens")
     return Sample(Generation(text=text, weight_version=version, n_tokens=n_tokens,
-                             prompt_tokens=prompt if isinstance(prompt, int) else None, finish_reason=finish_kind(finish)))
+                             prompt_tokens=prompt if isinstance(prompt, int) else None, finish_reason=kind))  # stop | length
 
 
 def checksum_layout(ranks: list[Any], info: dict[str, Any] | None = None) -> str:

@@ -1,0 +1,41 @@
+"""run.json checks of a ``generate`` dataset's chat settings: ``chat_template_kwargs`` and ``reasoning``.
+
+Guarantee: a malformed setting is refused when run.json is parsed (a :class:`~ckpteval.coord.fields.FieldError`
+naming the field), never at the first unit. Limits: the shape only — whether a template reads a kwarg, or a
+``tokenizer`` reasoning end resolves, is known only on a snapshot (:mod:`ckpteval.jobs.eval.reasoning`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpteval.coord.fields import FieldError
+
+RENDER_ARGS = frozenset({"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+                         "return_dict", "documents", "chat_template"})  # apply_chat_template's own arguments
+REASONING_KEYS = frozenset({"end", "start", "always"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any], prompt_format: str) -> None:
+    """``chat_template_kwargs``: only with ``chat`` prompts, and none of the arguments rendering sets itself."""
+    if not kwargs:
+        return
+    if prompt_format != "chat":
+        raise FieldError("chat_template_kwargs", "needs prompt_format 'chat' (a raw prompt renders no template)")
+    taken = sorted(set(kwargs) & RENDER_ARGS)
+    if taken:
+        raise FieldError("chat_template_kwargs", f"sets {', '.join(taken)}, which rendering sets itself")
+
+
+def check_reasoning(value: dict[str, Any] | None) -> None:
+    """``reasoning``: ``{"end": str[, "start": str][, "always": bool]}`` (``end`` may be ``"tokenizer"``)."""
+    if value is None:
+        return
+    unknown = sorted(set(value) - REASONING_KEYS)
+    if unknown:
+        raise FieldError("reasoning", f"has {', '.join(unknown)}; its keys are end, start, always")
+    for key in ("end", "start"):
+        if (key in value or key == "end") and not (isinstance(value.get(key), str) and value[key]):
+            raise FieldError("reasoning", f"{key} must be a non-empty string (end: the delimiter, or 'tokenizer')")
+    if not isinstance(value.get("always", False), bool):
+        raise FieldError("reasoning", "always must be true or false")
