@@ -104,9 +104,10 @@ def test_rescore_with_the_same_scorer_equals_the_original_exactly(run: RunDir, c
     assert "4 units re-scored here" in capsys.readouterr().out
 
 
-def test_rescore_publishes_a_new_scoring_and_views_name_it(run: RunDir) -> None:
+def test_rescore_publishes_a_new_scoring_and_views_name_it(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
     before = {p: p.read_bytes() for p in run.results.rglob("*") if p.is_file()}
     assert rescore_main([str(run.path), "--scorer", OTHER, "--steps", "10", "--name", "hash"]) == 0
+    capsys.readouterr()
     assert {p: p.read_bytes() for p in run.results.rglob("*") if p.is_file()} == before  # the original stays
     shown = collect_status(run.path, scoring="hash")
     plain = collect_status(run.path)
@@ -118,6 +119,15 @@ def test_rescore_publishes_a_new_scoring_and_views_name_it(run: RunDir) -> None:
     assert not by_step[10]["mixed_scorers"]
     own = ResultIndex(run.path / "scorings" / "hash" / "results").refresh()
     assert {u.step for u in own} == {10} and all(r.scorer["name"] == OTHER for r in own.values())
+    from ckpteval.jobs.decide.compare import main as compare_main
+
+    compared = {}
+    for extra in ([], ["--scoring", "hash"]):
+        assert compare_main([str(run.path), "--steps", "0", "10", "--json", *extra]) == 0
+        compared[bool(extra)] = json.loads(capsys.readouterr().out)
+    assert compared[True]["b"].endswith("(scoring hash)") and "scoring" not in compared[False]["b"]
+    assert compared[True]["datasets"][0]["b"] == pytest.approx(by_step[10]["datasets"]["addition"]["score"])
+    assert compared[False]["datasets"][0]["b"] == pytest.approx(orig[10]["datasets"]["addition"]["score"])
     # exactly once: a second rescore finds every unit done and writes nothing
     assert rescore_main([str(run.path), "--scorer", OTHER, "--steps", "10", "--name", "hash"]) == 0
     assert len(list((run.path / "scorings" / "hash" / "results").rglob("*.json"))) == 2
@@ -146,7 +156,7 @@ def test_concurrent_rescores_share_the_units_exactly_once(run: RunDir) -> None:
            "--poll-interval", "0.05"]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = [p.communicate(timeout=300)[0] for p in procs]  # two interpreters starting on a loaded machine
     assert all(p.returncode == 0 for p in procs), outs
     written = sum(int(o.split("scoring par: ")[1].split(" ")[0]) for o in outs)
     assert written == 4  # each unit scored by exactly one of them
