@@ -42,7 +42,7 @@ def _run_snippet(tmp_path: Path, snippet: str) -> tuple[int, float, str]:
     """Set-up, worker, snippet (all real processes); returns the worker's exit code, the seconds from the
     snippet's start to its first scored point, and the worker's stderr."""
     subprocess.run([sys.executable, "-c", SETUP.group(1)], cwd=tmp_path, env=ENV, check=True, timeout=120)
-    worker = subprocess.Popen(["ckpteval", "worker", "--run-dir", "runs/hf", "--wait-for-run", "120", "--engine", "hf",
+    worker = subprocess.Popen(["ckpteval", "worker", "--run-dir", "runs/hf", "--wait-for-run", "600", "--engine", "hf",
                                "--poll-interval", "0.2"], cwd=tmp_path, env=ENV, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     trainer = subprocess.Popen([sys.executable, "-c", snippet], cwd=tmp_path, env=ENV)
