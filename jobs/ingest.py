@@ -36,9 +36,9 @@ from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.saves import lost_steps
 from ckpteval.coord.summary import write_step_summary
+from ckpteval.coord.training_cost import fraction_of_training
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.cost import fraction_of_training
 
 DRAIN_TIMEOUT = "drain_timeout"
 

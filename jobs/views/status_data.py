@@ -27,9 +27,9 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.saves import lost_steps, waiting_saves
 from ckpteval.coord.scorings import StepFacts, scoring_step_facts, step_facts
 from ckpteval.coord.steps import run_step_selection
+from ckpteval.coord.training_cost import run_fraction
 from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
-from ckpteval.jobs.trainer.cost import run_fraction
 from ckpteval.jobs.views.noise import noise_status
 
 
