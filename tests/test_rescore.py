@@ -184,3 +184,23 @@ def test_a_bad_scorer_or_selection_is_one_error_and_writes_nothing(run: RunDir, 
     err = capsys.readouterr().err
     assert err.count("ckpteval rescore:") == 4 and "Traceback" not in err
     assert not (run.path / "scorings").exists()
+
+
+def test_rescore_applies_a_reasoning_strip_to_the_kept_text(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    """#28: a reasoning strip applied later to kept completions. Forced reasoning whose end never appears leaves
+    no answer (every score 0, never scored from the trace); one whose opening tag never appears leaves the whole
+    text the answer (the original scores, exactly). A tokenizer-named end needs the snapshot: refused."""
+    original = results(run)
+    assert any(s > 0 for r in original.values() for s in r.scores)  # else "all 0" below proves nothing
+    assert rescore_main([str(run.path), "--reasoning", '{"end": "</think>"}', "--name", "forced"]) == 0
+    assert rescore_main([str(run.path), "--reasoning", '{"end": "</think>", "start": "<think>"}',
+                         "--name", "unforced"]) == 0
+    forced = ResultIndex(run.path / "scorings" / "forced" / "results").refresh()
+    unforced = ResultIndex(run.path / "scorings" / "unforced" / "results").refresh()
+    for unit, r in original.items():
+        assert list(forced[unit].scores) == [0.0] * len(r.scores)
+        assert forced[unit].scorer["reasoning"] == {"end": "</think>", "start": None, "always": True}
+        assert unforced[unit].scores == r.scores and unforced[unit].answers == r.answers
+    capsys.readouterr()
+    assert rescore_main([str(run.path), "--reasoning", '{"end": "tokenizer"}']) == 2
+    assert "needs the snapshot's tokenizer" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object
+from ckpteval.coord.chat_settings import check_reasoning
 from ckpteval.coord.completions import Completions, completions_path, read_completions, rows_digest
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.results import Result, ResultIndex, ok_result, skip_result, write_result
@@ -44,8 +45,9 @@ from ckpteval.coord.steps import parse_steps
 from ckpteval.coord.units import Claim, UnitClaimer, WorkUnit, shard_range
 from ckpteval.jobs.eval.answering import Reasoning, resolve_reasoning
 from ckpteval.jobs.eval.kinds import UserCodeFailed, user_code
-from ckpteval.jobs.eval.pinning import WorkerSkip
+from ckpteval.jobs.eval.reasoning import TOKENIZER
 from ckpteval.jobs.eval.scoring import DatasetCache, kept_generations, unit_scores
+from ckpteval.jobs.eval.skips import WorkerSkip
 from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
 
 PROG = "ckpteval rescore"
@@ -53,13 +55,22 @@ PROG = "ckpteval rescore"
 
 @dataclass(frozen=True)
 class Rescoring:
-    """What a scoring applies: a scorer (None: each dataset's own) and its options (None: the dataset's own)."""
+    """What a scoring applies: a scorer (None: each dataset's own), its options (None: the dataset's own) and a
+    reasoning strip (None: the dataset's own; :mod:`ckpteval.jobs.eval.reasoning`, with a named delimiter — the
+    snapshot tokenizer of ``"end": "tokenizer"`` is not at hand here)."""
 
     scorer: str | None
     scorer_options: dict[str, Any] | None
+    reasoning: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_reasoning(self.reasoning)
+        if self.reasoning is not None and self.reasoning["end"] == TOKENIZER:
+            raise ValueError("--reasoning: end 'tokenizer' needs the snapshot's tokenizer, which a rescore does "
+                             "not load; name the delimiter (e.g. {\"end\": \"</think>\"})")
 
     def to_json(self) -> dict[str, Any]:
-        return {"scorer": self.scorer, "scorer_options": self.scorer_options}
+        return {"scorer": self.scorer, "scorer_options": self.scorer_options, "reasoning": self.reasoning}
 
     def default_name(self) -> str:
         digest = hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:10]
@@ -73,6 +84,8 @@ class Rescoring:
             changes["scorer"] = self.scorer
         if self.scorer_options is not None:
             changes["scorer_options"] = dict(self.scorer_options)
+        if self.reasoning is not None:
+            changes["reasoning"] = dict(self.reasoning)
         return replace(spec, **changes) if changes else spec
 
 
@@ -242,15 +255,15 @@ class Rescorer:
         return rows
 
 
-def parse_options(text: str | None) -> dict[str, Any] | None:
+def parse_options(text: str | None, flag: str = "--scorer-options") -> dict[str, Any] | None:
     if text is None:
         return None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--scorer-options {text!r}: not JSON ({e.msg})") from None
+        raise ValueError(f"{flag} {text!r}: not JSON ({e.msg})") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"--scorer-options {text!r}: must be a JSON object")
+        raise ValueError(f"{flag} {text!r}: must be a JSON object")
     return obj
 
 
@@ -263,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: each dataset's own, e.g. after its code changed)")
     ap.add_argument("--scorer-options", metavar="JSON", help="the scorer's options as a JSON object (default: the "
                     "dataset's own scorer_options)")
+    ap.add_argument("--reasoning", metavar="JSON", help="the reasoning strip to apply, e.g. '{\"end\": \"</think>\"}' "
+                    "(default: the dataset's own; see the user guide's reasoning models)")
     ap.add_argument("--steps", default="all", metavar="SPEC", help="steps to re-score: all (default), latest, N, "
                     "START:STOP[:EVERY] (inclusive), or a comma list")
     ap.add_argument("--datasets", nargs="+", metavar="NAME", help="datasets to re-score (default: every generate "
@@ -281,7 +296,8 @@ def main(argv: list[str]) -> int:
     try:
         run = RunDir.open(run_dir)
         manifest = run.manifest()
-        rescoring = Rescoring(args.scorer, parse_options(args.scorer_options))
+        rescoring = Rescoring(args.scorer, parse_options(args.scorer_options),
+                              None if args.reasoning is None else parse_options(args.reasoning, "--reasoning"))
         name = check_name(args.name) if args.name else rescoring.default_name()
         datasets = set(args.datasets) if args.datasets else None
         rescorer = Rescorer(run, manifest, rescoring, scoring_dir(run, name))
