@@ -560,7 +560,7 @@ def metadata_section(rec: dict[str, Any]) -> str:
         "filelock's `SoftFileLease` (which resolved the lease path one `lstat` per component, made sure of the "
         "directory with `mkdir` + `stat`, `lstat`ed the marker before creating it and twice before unlinking it, "
         "and started a heartbeat thread per claim) by one `O_CREAT|O_EXCL` create per claim and one `unlink` per "
-        "release — filelock's owner record inside, one heartbeat thread per worker; a release within half the "
+        "release — its own holder record inside (issue 27), one heartbeat thread per worker; a release within half the "
         "lease duration of the last touch needs no check, as no takeover can have happened. A result is "
         "published by `renameat2(RENAME_NOREPLACE)` (one call instead of `link` + `unlink`), and a worker keeps "
         "the result it published in its index instead of reading it back at the next poll.",

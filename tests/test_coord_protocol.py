@@ -297,7 +297,7 @@ def test_has_room(tmp_path: Path) -> None:
         ({"eval_interval": 0}, r"eval_interval \(--eval-interval\) must be >= 1"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "save_hf_dir": "/tmp/h", "save_interval": 5}, "choose"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "max_in_flight": 3, "keep_snapshots": 2}, "keep-snapshots"),
-        ({"eval_interval": 10, "save_hf_dir": "/tmp/h", "save_interval": 4}, "multiple of save_interval"),
+        ({"eval_interval": 10, "save_hf_dir": "/tmp/h", "save_interval": 4}, "multiple of --save-interval"),
         ({"eval_interval": 10, "save_hf_dir": "/tmp/h"}, "needs --save-interval"),
         ({"eval_interval": 10, "staging_dir": "/tmp/s", "overflow_policy": "drop"}, "overflow-policy"),
         (

@@ -282,7 +282,7 @@ def test_resume_on_a_malformed_ledger_is_a_named_usage_error(tmp_path: Path) -> 
     ("kwargs", "message"),
     [
         ({"eval_interval": 0}, "--eval-interval"),
-        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of save_interval"),
+        ({"save_hf_dir": "X", "save_interval": 3, "eval_interval": 4}, "multiple of --save-interval"),
         ({"keep_snapshots": 1, "max_in_flight": 2}, "--eval-keep-snapshots"),
         ({"overflow_policy": "drop"}, "--eval-overflow-policy"),
         ({"max_in_flight": 0}, "--eval-max-in-flight"),

@@ -112,9 +112,8 @@ class DispatchConfig:
         if self.save_hf_dir is not None and self.save_interval is None:
             raise ValueError("save_hf_dir (--save-hf) needs --save-interval N (save_interval >= 1)")
         if self.save_interval and self.mode == "reuse" and self.eval_interval % self.save_interval:
-            raise ValueError(f"eval_interval (--eval-interval, {self.eval_interval}) must be a multiple of "
-                             f"save_interval (--save-interval, {self.save_interval}) in reuse mode: only saved "
-                             "checkpoints can be evaluated")
+            raise ValueError(f"eval_interval (--eval-interval {self.eval_interval}) must be a multiple of --save-interval "
+                             f"{self.save_interval} (save_interval) in reuse mode: only saved checkpoints can be evaluated")
 
     @property
     def mode(self) -> str:
