@@ -46,12 +46,3 @@ def tiny_snapshot(snapshot_factory: SnapshotFactory) -> Path:
     """A tiny Llama snapshot (seed 0)."""
     return snapshot_factory(seed=0)
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test`` runs ``-n`` workers, ``--dist loadgroup``): the SLURM tests share one
-    throw-away cluster (a session fixture, fixed ports), so they all go to one worker."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if "slurm" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
