@@ -33,6 +33,7 @@ from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.results import ResultIndex, dumps, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, shard_range, units_for_step
+from ckpteval.jobs.eval.answering import Reasoning
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.evalsets import write_addition_dataset
 from ckpteval.jobs.eval.rescore import Rescorer, Rescoring, open_or_create
@@ -93,7 +94,7 @@ def synthetic_run(root: Path, points: int, prompts: int, shard_size: int) -> Run
             prompt_texts = [r["prompt"] for r in mine]
             gens = [Generation(t, version, 4, 6, "stop") for t in texts]
             kept: Completions = record_generations(unit, prompt_texts, rows_digest(mine), None, gens)
-            scored = unit_scores(scorer, texts, mine, prompt_texts, [version] * len(texts), kept=kept)
+            scored = unit_scores(scorer, spec, gens, mine, prompt_texts, Reasoning(None), kept=kept)
             result = ok_result(unit, scored.scores, scored.weight_versions, scored.answers,
                                lease_token=secrets.token_hex(16), kept=kept, **scored.result_fields())
             write_result(run.results, result)

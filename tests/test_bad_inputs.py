@@ -169,10 +169,12 @@ def worker_cases(cmd: str) -> list[str]:
         f"{base} --newest-first=yes",
         f"{base} --trust-run-code=yes",
         f"{base} --unsafe-code-rlimits-only=yes",
+        f"{base} --no-keep-completions=yes",
         f"{base} --judge-url ftp://judge:8000/v1",
         f"{base} --bogus-flag",
     ]
-    cases += _no_value(base, "--worker-id", "--wandb-run-id", "--engine", "--watch", "--eval-config", "--judge-url")
+    cases += _no_value(base, "--worker-id", "--wandb-run-id", "--engine", "--watch", "--eval-config", "--judge-url",
+                       "--completion-store")
     if cmd == "worker":
         cases += [f"{base} --catchup bogus", f"{base} --once=yes", f"{base} --retry-infra-skips=yes"]
     else:
@@ -254,7 +256,9 @@ def decide_cases() -> list[str]:
         "best", "best {S}/run", "best {S}/nope --metric eval/addition", "best {S}/run --metric eval/nope",
         "best {S}/run --metric eval/addition/pass@3", best, f"{best} --higher-is-better --lower-is-better",
         f"{best} --level 0", f"{best} --json=yes", f"{best} --wandb-run-id", f"{best} --higher-is-better=yes",
-        f"{best} --lower-is-better=yes",
+        f"{best} --lower-is-better=yes", f"{best} --power 1", f"{best} --allow-engine-mismatch=yes",
+        "compare {S}/run --steps 1 2 --power 0", "compare {S}/run --steps 1 2 --scoring",
+        "compare {S}/run --steps 1 2 --allow-engine-mismatch=yes",
     ]
 
 
@@ -267,6 +271,8 @@ def view_cases() -> list[str]:
         "status",
         "status {S}/run --json=yes",
         "status {S}/run --bogus-flag",
+        "status {S}/run --scoring",
+        "plot {S}/run -o {S}/out.png --scoring",
         "plot {S}/run -o {S}/nope/out.png",
         "plot {S}/run -o {S}/empty",
         "plot {S}/run --output {S}/out.xyz",
@@ -309,7 +315,7 @@ def serve_cases() -> list[str]:
         "serve --judge bogus",
         "serve --judge exact --judge-delay -1",
         "serve --judge exact --judge-delay x",
-        *_no_value(base, "--weight-version", "--host", "--api-key", "--admin-api-key"),
+        *_no_value(base, "--weight-version", "--host", "--api-key", "--admin-api-key", "--attention-backend"),
         *_no_value("serve --judge exact", "--served-model-name"),
     ] + _flag_cases(base, {"--max-batch-size": "int>=1", "--max-queued-requests": "int>=0",
                            "--max-total-tokens": "int>=1", "--logprob-offset": "float>=0"})

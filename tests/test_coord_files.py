@@ -161,7 +161,7 @@ def test_marker_that_lies_about_sizes_is_caught_by_header_check(tmp_path: Path) 
 
 def test_malformed_marker_is_corrupt_and_named(tmp_path: Path) -> None:
     snap = publish_snapshot(tmp_path, 7, lambda d: write_tiny_shards(d))
-    (snap / ".complete").write_text('{"step": "seven"}')
+    (snap / ".complete").write_text('{"protocol": 2, "step": "seven"}')  # this protocol, a malformed field
     with pytest.raises(SnapshotCorrupt, match=r"\.complete: marker field step"):
         verify_snapshot(snap)
     with pytest.raises(ValueError, match=r"\.complete"):

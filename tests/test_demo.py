@@ -35,7 +35,7 @@ def test_demo_posture_lands_every_point_pinned(tmp_path: Path, posture: str) -> 
     # steps 0 (initial weights), 10 and 20 (the final point); the service only sees the saved checkpoints
     assert summary["points_scored"] == (2 if posture == "service" else 3), summary
     assert summary["all_points_pinned"]
-    assert set(summary["last_sampled"]) == {"score", "pass@1", "pass@2", "maj@2"}, summary
+    assert set(summary["last_sampled"]) == {"score", "pass@1", "pass@2", "pass^2", "maj@2"}, summary
     assert "pass@2" in proc.stdout and "maj@2" in proc.stdout
     assert summary["skips"] == {}
     assert Path(summary["curve_png"]).read_bytes()[:4] == b"\x89PNG"

@@ -84,7 +84,7 @@ def render(rec: dict[str, Any], width: int = 10_000) -> str:
         diff = f"  diff {d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else "  (best)"
         extra = f"  MDE {row['mde']:.4f}" if "mde" in row else ""
         why = f"  <- {rec['reasons'][step]}" if step in rec["reasons"] else ""
-        lines.append(f"  step {step:>8}  mean {row['mean']:.4f}{diff}{extra}{why}")
+        lines += wrap(f"  step {step:>8}  mean {row['mean']:.4f}{diff}{extra}{why}", width)
     return "\n".join(lines)
 
 
