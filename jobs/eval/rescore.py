@@ -208,7 +208,7 @@ class Rescorer:
         return ok_result(
             unit, scored.scores, list(original.weight_versions), scored.answers, message=original.message,
             timings={"score_s": scored.score_s}, cost={**original.cost, "score_s": scored.score_s},
-            attest=original.attest, fidelity=original.fidelity, snapshot=original.snapshot,
+            attest=original.attest, fidelity=original.fidelity, snapshot=original.snapshot, engine=original.engine,
             worker=self.identity(original, unit), **scored.result_fields(),
         )
 
