@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> None:
                         disable_tqdm=True, logging_steps=1)
     dispatcher = start_eval(EvalRun(run_dir=args.run_dir, eval_config=HERE / "eval.json", base_model_dir=base,
                                     dispatch=DispatchConfig(eval_interval=args.save_steps, save_hf_dir=config.output_dir,
-                                                            save_interval=config.save_steps),
-                                    poll_interval_s=0.2))
+                                                            save_interval=config.save_steps).with_waits(poll_interval_s=0.2)))
     GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
                 processing_class=tok, callbacks=[EvalDispatchCallback(dispatcher)]).train()
 
