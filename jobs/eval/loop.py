@@ -303,12 +303,13 @@ class Worker:
             if claim is None:  # all held by other workers: wait, take over expired ones later
                 self._sleep(self.opts.poll_interval_s)
                 continue
+            claimed_at = time.perf_counter()  # before the step-limit read: a unit's total_s covers that check
             if self._above_step_limit(claim.unit):  # a step passed between the poll and this claim
                 claim.release()
                 continue
             self._tried.add(claim.unit)
             self.released_last = False
-            result = self._process(claim)
+            result = self._process(claim, claimed_at)
             if self.stop_signal is not None:
                 break
             if self.released_last or (result is not None and result.skip_reason == "unhealthy"):
@@ -334,8 +335,10 @@ class Worker:
         limit = self.step_limit(self._refresh(set(self.refs) | set(self._dispatches)))
         return limit is not None and unit.step > limit
 
-    def _process(self, claim: Claim) -> Result | None:
-        """Evaluate one claimed unit and publish its result; None when abandoned (nothing written)."""
+    def _process(self, claim: Claim, claimed_at: float) -> Result | None:
+        """Evaluate one claimed unit and publish its result; None when abandoned (nothing written).
+        ``claimed_at`` (``perf_counter``) starts the result's ``total_s``, and ``written_at`` is stamped with it,
+        so ``written_at - total_s`` is the wall time this worker held the claim from."""
         unit = claim.unit
         try:
             if claim.generation:
@@ -343,7 +346,6 @@ class Worker:
             if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
                 self.out(f"step={unit.step} {unit.label} abandoned: stop signal, lease released")
                 return None
-            t0 = time.perf_counter()
             result = self._evaluate_interruptibly(unit, self.refs[unit.step])
             if result is None:
                 self.out(
@@ -362,7 +364,8 @@ class Worker:
                 return None
             result = dataclasses.replace(
                 result,
-                timings={**result.timings, "total_s": time.perf_counter() - t0},
+                timings={**result.timings, "total_s": time.perf_counter() - claimed_at},
+                written_at=time.time(),
                 worker=self.identity,
                 lease_token=claim.token,
                 attempt=claim.attempt,
