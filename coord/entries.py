@@ -393,7 +393,8 @@ class EnvSpec(DatasetSpec):
     turns sampled with the entry's sampling settings (``max_new_tokens`` per turn). The reward of an
     episode is its score: ``eval/<name>`` and ``eval/<name>/reward`` are the mean reward, ``pass@k``
     counts an episode with reward >= ``pass_threshold`` as passed. ``scorer`` is unused (the environment
-    rewards)."""
+    rewards). ``reasoning`` is applied to every turn before the environment reads it (a turn whose reasoning
+    never ends ends its episode ``no_answer``, reward 0: :mod:`ckpteval.jobs.eval.envs.runner`)."""
 
     KIND: ClassVar[str] = "env"
     ENGINES: ClassVar[str] = "generating"  # episodes need an engine, not an fn: backend
@@ -418,8 +419,6 @@ class EnvSpec(DatasetSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.reasoning is not None:
-            raise FieldError("reasoning", "is not applied to env episodes (the environment reads whole replies)")
         if not self.env:
             raise FieldError("env", "must name an environment (a registered name or module:Class)")
         if self.max_turns < 1:

@@ -410,3 +410,58 @@ def test_pass_at_k_counts_an_episode_passed_from_its_entrys_pass_threshold() -> 
                        pass_threshold=threshold)
         score = dataset_score(spec, "k", 1, [result])
         assert (score.score, score.derived["pass@1"]) == (0.4375, want)
+
+
+# -- reasoning models: every turn's thoughts are stripped before the environment reads it ----------------------
+THINK = {"end": "</think>", "start": "<think>"}
+
+
+def thinking(text: str, _engine: ScriptedEngine) -> str | tuple[str, str]:
+    """A reasoning model per row (ROWS[0..3]): a wrong answer in its thoughts and the right one after; the
+    right one in its thoughts and a wrong one after; cut at the length limit thinking the right one; a tool
+    call inside its thoughts and no answer after it, then (reminded) the right answer."""
+    m = EXPR.search(text)
+    row = next(i for i, r in enumerate(ROWS) if m and r["expression"] == m.group(1))
+    right = ROWS[row]["answer"]
+    if row == 0:
+        return f"<think>is it ANSWER: 0?</think> ANSWER: {right}"
+    if row == 1:
+        return f"<think>ANSWER: {right}</think> ANSWER: 0"
+    if row == 2:
+        return (f"<think>ANSWER: {right} " * 3, "length")
+    if "Reply ANSWER" in text.split("\n")[-2]:
+        return f"<think>ok</think>ANSWER: {right}"
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{ROWS[row]["expression"]}"}}}}</tool_call>'
+    return f"<think>I could {call}</think>hmm"
+
+
+def test_each_turns_reasoning_is_stripped_before_the_environment_and_a_cut_turn_is_no_answer(tmp_path: Path) -> None:
+    """``reasoning`` on an env entry, through the real HTTP engine and the real arithmetic environment: the
+    environment reads each turn's answer only (a number in the thoughts never counts, a tool call in the
+    thoughts never runs), a turn whose reasoning never ends ends its episode ``no_answer`` unseen, and the
+    point reports truncated / no_answer / completion_tokens per episode. The same replies without the
+    setting score the thoughts (the control)."""
+    from ckpteval.coord.results import ResultIndex
+    from ckpteval.jobs.eval.kinds import unit_result
+
+    run = env_run(tmp_path / "think", ROWS, reasoning=THINK)
+    server = ScriptedEngine(thinking)
+    with server as url:
+        ev = evaluate(run, url)
+    eps = ev.scored["episodes"]
+    assert ev.scores == [1.0, 0.0, 0.0, 1.0]
+    assert [e["ended"] for e in eps] == ["done", "done", "no_answer", "done"]
+    assert [e["answer"] for e in eps] == [str(ROWS[0]["answer"]), "0", None, str(ROWS[3]["answer"])]
+    assert [e["turns"] for e in eps] == [1, 1, 1, 2] and {e["blame"] for e in eps} == {"model"}
+    assert "reasoning never ended" in eps[2]["cause"]
+    assert not any("\ntool: " in t for t in server.texts)  # the call in the thoughts never ran
+    reminded = next(t for t in server.texts if "Reply ANSWER" in t)
+    assert reminded.endswith("assistant: hmm\nuser: Reply ANSWER: <integer>, or call the calculator.\nassistant:")
+    assert ev.scored["scorer"]["reasoning"] == {"end": "</think>", "start": "<think>", "always": False}
+    assert ResultIndex(run.results).publish(unit_result(WorkUnit(1, "arith", 0), ev))
+    metrics = point_metrics(derive_point(run.manifest(), 1, results(run)))
+    assert metrics["eval/arith/truncated"] == 0.25 and metrics["eval/arith/no_answer"] == 0.25
+    assert metrics["eval/arith/completion_tokens"] == sum(e["tokens"] for e in eps) / 4
+    control = env_run(tmp_path / "whole", ROWS[:3])
+    with ScriptedEngine(thinking) as url:
+        assert evaluate(control, url).scores == [0.0, 1.0, 1.0]  # the environment read the thoughts

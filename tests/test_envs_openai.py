@@ -189,3 +189,49 @@ def test_an_engine_that_fails_during_a_verifiers_episode_fails_the_unit_not_the_
     with ScriptedEngine(dying) as url, pytest.raises(EngineError) as caught:
         evaluate(run, url)
     assert caught.value.reason == "unhealthy" and "/generate failed" in str(caught.value)  # the engine's, re-raised
+
+
+def test_a_verifiers_episode_reads_the_answer_and_a_turn_that_never_stops_thinking_is_no_answer(tmp_path: Path) -> None:
+    """``reasoning`` on a driven entry: the endpoint replies as sglang's reasoning parser does (``content``
+    the answer, ``reasoning_content`` the thoughts; ``""`` when they never end), so verifiers' reward reads
+    the answer only; an episode with a turn whose reasoning never ended is ``no_answer`` like the runner's."""
+    from tests.test_envs import evaluate
+
+    def thinking(text: str, engine: ScriptedEngine) -> str | tuple[str, str]:
+        reply = answering(text, engine)  # right for tasks 0 and 2, "ANSWER: 0" for task 1
+        right = next(f"ANSWER: {r['answer']}" for r in vf_rows() if f"What is {r['expression']}?" in text)
+        if right.endswith(str(vf_rows()[2]["answer"])):
+            return (f"<think>{right} " * 3, "length")
+        return f"<think>{'ANSWER: 0' if reply == right else right}</think> {reply}"
+
+    run = vf_run(tmp_path, [0, 1, 2], reasoning={"end": "</think>", "start": "<think>"})
+    with ScriptedEngine(thinking) as url:
+        out = evaluate(run, url)
+    episodes = out.scored["episodes"]
+    assert [e["reward"] for e in episodes] == [1.0, 0.0, 0.0]
+    assert [e["ended"] for e in episodes] == ["done", "done", "no_answer"]
+    assert out.scored["extras"]["no_answer"] == {"sum": 1.0, "n": 3} and out.scored["extras"]["truncated"]["sum"] == 1.0
+
+
+def test_the_endpoint_replies_with_the_answer_as_content_and_the_thoughts_as_reasoning_content(tmp_path: Path) -> None:
+    spec = EnvSpec(name="chat", path="data/chat.jsonl", n_prompts=1, env="arithmetic", max_new_tokens=8,
+                   reasoning={"end": "</think>", "start": "<think>"})
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+    replies = {"a": "<think>ANSWER: 5</think>ANSWER: 4", "b": f"<think>{call}</think>no call", "c": ("<think>4 4 4", "length")}
+
+    def scripted(text: str, _engine: ScriptedEngine) -> str | tuple[str, str]:
+        return replies[text.split("\n")[-2].removeprefix("user: ")]
+
+    snap = snapshot(tmp_path)
+    with ScriptedEngine(scripted) as url:
+        engine = make_engine(f"http:{url}", "cpu", {})
+        pin(engine, snap, "1")
+        with Endpoint(engine, "1", spec, Renderer(spec, None)) as endpoint:
+            got = {key: client(endpoint, i).chat.completions.create(
+                       model="m", messages=[{"role": "user", "content": key}], tools=TOOLS).choices[0]  # type: ignore[arg-type]
+                   for i, key in enumerate(replies)}
+            assert [endpoint.turns(i, 0).unanswered for i in range(3)] == [0, 0, 1]
+    assert (got["a"].message.content, got["a"].message.model_extra["reasoning_content"]) == ("ANSWER: 4", "ANSWER: 5")
+    assert got["b"].message.content == "no call" and not got["b"].message.tool_calls  # a call in thoughts is not made
+    assert got["c"].message.content == "" and got["c"].finish_reason == "length"
+    assert got["c"].message.model_extra["reasoning_content"] == "4 4 4"

@@ -188,8 +188,6 @@ def test_chat_template_kwargs_reach_the_template_and_decide_where_reasoning_star
                   chat_template_kwargs={"enable_thinking": False})
     episode = Episode(0, 0, {}, messages=[{"role": "user", "content": "q"}], tools=[])
     assert Renderer(env, str(snap))(episode) == prompt_off
-    with pytest.raises(ValueError, match="not applied to env"):
-        EnvSpec(name="e", path="e.jsonl", n_prompts=1, env="arithmetic", reasoning={"end": "</think>"})
 
 
 # -- finish reasons from every engine ------------------------------------------------------------------

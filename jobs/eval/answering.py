@@ -66,14 +66,20 @@ def resolve_reasoning(spec: DatasetSpec, snapshot_dir: str | None) -> Reasoning:
     return Reasoning(setting, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
 
 
-def scoring_identity(scorer: Scorer, spec: DatasetSpec, reasoning: Reasoning) -> dict[str, Any]:
-    """The result's ``scorer`` identity: the scorer's own, plus the template kwargs and reasoning strip when set."""
-    out = dict(scorer.identity())
+def chat_identity(spec: DatasetSpec, reasoning: Reasoning) -> dict[str, Any]:
+    """What a result's scoring identity records of the chat settings: the template kwargs and the resolved
+    reasoning strip, each only when set (``generate`` and ``env`` sets alike)."""
+    out: dict[str, Any] = {}
     if spec.chat_template_kwargs:
         out["chat_template_kwargs"] = dict(spec.chat_template_kwargs)
     if reasoning.setting is not None:
         out["reasoning"] = reasoning.setting.identity()
     return out
+
+
+def scoring_identity(scorer: Scorer, spec: DatasetSpec, reasoning: Reasoning) -> dict[str, Any]:
+    """The result's ``scorer`` identity: the scorer's own, plus :func:`chat_identity`."""
+    return {**scorer.identity(), **chat_identity(spec, reasoning)}
 
 
 def found_nothing(scorer: Scorer, sample: Sample, scored: Scored) -> bool:

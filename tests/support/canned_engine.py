@@ -103,10 +103,11 @@ def _handler(engine: CannedEngine) -> type[BaseHTTPRequestHandler]:
 class ScriptedEngine(CannedEngine):
     """The same server, replying by a scripted policy: ``policy(prompt_text, engine) -> reply`` for every
     text of every ``/generate`` (multi-turn episodes: the policy reads the transcript it is sent). The
-    policy may change ``engine.label`` (a reload between two turns) or block (a worker killed mid-episode).
+    policy may change ``engine.label`` (a reload between two turns) or block (a worker killed mid-episode);
+    a reply is a text or, as a canned completion, a ``(text, "length")`` pair (cut at the length limit).
     ``texts`` records every text received, in order."""
 
-    def __init__(self, policy: Callable[[str, ScriptedEngine], str]) -> None:
+    def __init__(self, policy: Callable[[str, ScriptedEngine], str | tuple[str, str]]) -> None:
         super().__init__({})
         self.policy = policy
         self.texts: list[str] = []

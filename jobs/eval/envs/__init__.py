@@ -30,7 +30,8 @@ How an episode ends (recorded per episode, ``ended``) and who is to blame (``bla
 
 - ``model``: ``done`` (``step`` returned :class:`Done`; its reward, wrong answers included),
   ``malformed_tool_call`` (not JSON, an unknown tool, arguments the tool's function does not take),
-  ``out_of_turns`` — reward 0 unless ``done``;
+  ``out_of_turns``, ``no_answer`` (a turn whose reasoning never ended, with the entry's ``reasoning`` setting:
+  :mod:`ckpteval.jobs.eval.envs.runner`) — reward 0 unless ``done``;
 - ``infra``: ``env_error`` (``start``/``step`` raised), ``tool_error`` (a tool raised, exited non-zero or
   was killed), ``tool_timeout`` (past ``tool_timeout_s``), ``sandbox_failed`` — never scored: the episode
   is re-run up to ``infra_retries`` times, then its unit is skipped ``env_failed`` with the cause.

@@ -26,6 +26,14 @@ the pinned one is refused (HTTP 409 naming both versions: no further turn is fed
 recorded; :meth:`Endpoint.check` is the one pin check (:func:`ckpteval.jobs.eval.pinning.check_pinned`) over
 every version the endpoint produced, so a unit with such a turn is a ``pin_violation``.
 
+Reasoning, as sglang 0.5.23 serves it with a reasoning parser (``serving_chat.py``, the non-streaming
+choice: ``content=text if text else ""``, ``reasoning_content`` the parsed thoughts or None; tool calls
+parsed from the text after the reasoning): each turn is split by the entry's ``reasoning`` setting
+(:meth:`~ckpteval.jobs.eval.envs.runner.Renderer.reply`), the reply's ``content`` is the answer ("" when the
+reasoning never ended) and its ``reasoning_content`` the thoughts; a request's assistant messages keep
+their ``reasoning_content`` for the template. The turn is recorded (:class:`~ckpteval.jobs.eval.envs.turns.Turns`);
+an episode with a turn whose reasoning never ended is ended ``no_answer`` after ``play`` (the runner's rule).
+
 Limits: non-streaming, one choice (``n`` 1); requests run one ``generate`` at a time (episodes are not
 batched together on this path); ``logprobs`` are not returned; a malformed tool call comes back as the
 reply's text with no ``tool_calls`` (the model's failure, as the environment will judge it).
@@ -38,7 +46,6 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -48,6 +55,7 @@ from ckpteval.jobs.eval.engines.base import Engine, EngineError
 from ckpteval.jobs.eval.engines.http import sample_version
 from ckpteval.jobs.eval.envs import Tool
 from ckpteval.jobs.eval.envs.tools import MalformedCall
+from ckpteval.jobs.eval.envs.turns import Turns
 from ckpteval.jobs.eval.pinning import check_pinned
 from ckpteval.jobs.eval.scoring import sample_seed, sampling_params
 
@@ -56,14 +64,6 @@ PATH_RE = re.compile(r"^/e/(\d+)/(\d+)/v1/chat/completions$")
 
 class Refused(ValueError):
     """A request this endpoint does not serve (HTTP 400 with the message)."""
-
-
-@dataclass
-class Turns:
-    """What one episode's client was served: the version, tokens and finish of each turn."""
-
-    versions: list[str | None] = field(default_factory=list)
-    tokens: int = 0
 
 
 def reply_version(body: dict[str, Any]) -> str | None:
@@ -108,7 +108,8 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], list[Tool]
         if not isinstance(role, str):
             raise Refused(f"a message without a string 'role': {str(m)[:200]}")
         content = _text(m.get("content")) + "".join(_call_text(c) for c in m.get("tool_calls") or [])
-        out.append({"role": role, "content": content, **({"name": m["name"]} if isinstance(m.get("name"), str) else {})})
+        kept = {k: m[k] for k in ("name", "reasoning_content") if isinstance(m.get(k), str)}
+        out.append({"role": role, "content": content, **kept})
     tools = []
     for t in body.get("tools") or []:
         fn = t.get("function") if isinstance(t, dict) else None
@@ -173,22 +174,25 @@ class Endpoint:
             turns = self.episodes.setdefault((row, sample), Turns())
             seeds = None if self.spec.temperature == 0 else [sample_seed(self.spec.seed, row, sample, len(turns.versions))]
             (g,) = self.engine.generate([prompt], self.params, seeds=seeds)
-            turns.versions.append(g.weight_version)
-            turns.tokens += g.n_tokens
+            split = self.render.reply(g.text, prompt)
+            turns.add(g, split, self.render.reasoning)
         if g.weight_version != self.want:
             return HTTPStatus.CONFLICT, {"error": {"message": f"weight version changed mid-episode: pinned {self.want}, "
                                                               f"this turn was produced by {g.weight_version!r}",
                                                    "type": "pin_violation"}}
-        message: dict[str, Any] = {"role": "assistant", "content": g.text}
+        message: dict[str, Any] = {"role": "assistant", "content": split.answer or ""}
+        if self.render.reasoning.setting is not None:
+            message["reasoning_content"] = split.reasoning or None
         try:
-            calls = self.render.calls(g.text, prompt, tools)
+            calls = self.render.calls(split.answer, prompt, tools) if split.answer else []
         except MalformedCall:
             calls = []  # the text goes back as it is: the environment judges the model's malformed call
         if calls:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
                                       "function": {"name": c.tool.name, "arguments": json.dumps(c.arguments)}}
                                      for c in calls]
-        finish = "tool_calls" if calls else "length" if g.n_tokens >= self.params.max_new_tokens else "stop"
+        cut = g.finish_reason == "length" if g.finish_reason is not None else g.n_tokens >= self.params.max_new_tokens
+        finish = "tool_calls" if calls else "length" if cut else "stop"  # the engine's word, where it says
         used = (g.prompt_tokens or 0, g.n_tokens)
         return HTTPStatus.OK, {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

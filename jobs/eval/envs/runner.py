@@ -16,6 +16,17 @@ An environment that drives the model itself (``DRIVES_MODEL = True``: ``verifier
 endpoint instead (:func:`play_driven`): the same rendering, ``generate``, seeds and tool-call parsing per
 turn, every turn's version recorded by the endpoint; the same re-runs, pin check and records below.
 
+Reasoning (a ``reasoning`` setting, as a ``generate`` set's: :mod:`ckpteval.jobs.eval.reasoning`): each turn's
+text is split by :func:`~ckpteval.jobs.eval.reasoning.split_reasoning` (the turn's rendered prompt decides
+whether it began inside its reasoning) before anything reads it: tool calls are parsed from the answer,
+``step`` gets the answer, and the conversation keeps the answer as the assistant's ``content`` with the
+thoughts as ``reasoning_content`` (the field chat templates such as Qwen3's read; the raw transcript shows
+the answer only). A turn whose reasoning never ended has no answer: the environment is not handed it and the
+episode ends ``no_answer`` (the model's, reward 0), as a ``generate`` sample whose reasoning never ended
+scores 0 unseen by its scorer (:mod:`ckpteval.jobs.eval.answering`). Per episode the result records the
+turns' ``truncated`` / ``no_answer`` / ``completion_tokens`` / ``reasoning_tokens``
+(:mod:`ckpteval.jobs.eval.envs.turns`), which a point averages over episodes like a ``generate`` set's.
+
 Guarantees: every turn's reply carries the engine's version; the unit's result is written only if every
 turn of every episode (retried attempts included) and the engine after the unit carry the pinned version
 (else :class:`~ckpteval.jobs.eval.pinning.PinViolation`). An episode that ended ``infra`` is never scored: it is
@@ -23,7 +34,7 @@ re-run (from its start) up to ``infra_retries`` times, then the unit is skipped 
 cause (:class:`~ckpteval.jobs.eval.scorers.ScorerInfraError`). The result records, per episode: reward, turns,
 tokens, the version of every turn, how it ended, whose fault, its infra retries (field ``episodes``).
 Metrics: ``eval/<env>`` and ``eval/<env>/reward`` (mean reward), ``pass@k`` (reward >= ``pass_threshold``),
-``eval/<env>/turns`` (mean turns), ``eval/<env>/infra_retries`` (summed).
+``eval/<env>/turns`` (mean turns), ``eval/<env>/infra_retries`` (summed), and the generation numbers above.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from typing import Any
 
 from ckpteval.coord.manifest import EnvSpec
 from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
+from ckpteval.jobs.eval.answering import Reasoning, chat_identity, resolve_reasoning
 from ckpteval.jobs.eval.engines.base import Engine
 from ckpteval.jobs.eval.envs import ENDINGS_INFRA, Done, Tool, env_class
 from ckpteval.jobs.eval.envs.tools import (
@@ -47,9 +59,11 @@ from ckpteval.jobs.eval.envs.tools import (
     parse_with_template,
     run_calls,
 )
+from ckpteval.jobs.eval.envs.turns import ENDED_NO_ANSWER, Turns
 from ckpteval.jobs.eval.kinds import Evaluation
 from ckpteval.jobs.eval.pinning import check_pinned
 from ckpteval.jobs.eval.prompts import render_chat, snapshot_tokenizer
+from ckpteval.jobs.eval.reasoning import Split, split_reasoning
 from ckpteval.jobs.eval.sandbox import Sandbox, shared_sandbox
 from ckpteval.jobs.eval.scorers import Scored, ScorerInfraError, UnitTally, check_scored, last_line
 from ckpteval.jobs.eval.scoring import DatasetCache, sample_seed, sampling_params
@@ -65,14 +79,24 @@ class Episode:
     env: Any = None
     messages: list[dict[str, str]] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
-    turns: int = 0
-    tokens: int = 0
-    versions: list[str | None] = field(default_factory=list)
+    log: Turns = field(default_factory=Turns)
     ended: str | None = None
     reward: float = 0.0
     answer: str | None = None
     cause: str = ""
     retries: int = 0
+
+    @property
+    def versions(self) -> list[str | None]:
+        return self.log.versions
+
+    @property
+    def turns(self) -> int:
+        return len(self.log.versions)
+
+    @property
+    def tokens(self) -> int:
+        return self.log.tokens
 
     @property
     def blame(self) -> str:
@@ -108,6 +132,11 @@ class Renderer:
         self.tokenizer = snapshot_tokenizer(snapshot) if spec.prompt_format == "chat" and snapshot else None
         if spec.prompt_format == "chat" and self.tokenizer is None:
             raise ValueError(f"dataset {spec.name!r} is prompt_format 'chat': rendering needs the snapshot's tokenizer")
+        self.reasoning = resolve_reasoning(spec, snapshot)
+
+    def reply(self, text: str, prompt: str) -> Split:
+        """A turn's ``text`` (generated after ``prompt``) split by the entry's reasoning setting."""
+        return split_reasoning(text, self.reasoning.setting, prompt)
 
     def __call__(self, ep: Episode) -> str:
         return self.render(ep.messages, ep.tools)
@@ -130,6 +159,13 @@ class Renderer:
         if self.tool_format == FORMAT:
             return parse_tool_calls(reply, tools)
         return parse_with_template(self.tokenizer, reply, prompt, tools)
+
+
+def assistant_message(split: Split) -> dict[str, str]:
+    """The conversation's record of an answered turn: the answer as ``content``, the thoughts (when any) as
+    ``reasoning_content``."""
+    return {"role": "assistant", "content": split.answer or "",
+            **({"reasoning_content": split.reasoning} if split.reasoning else {})}
 
 
 def _check_messages(messages: Any, what: str) -> list[dict[str, str]]:
@@ -204,18 +240,21 @@ def play(engine: Engine, spec: EnvSpec, episodes: list[Episode], render: Rendere
             raise RuntimeError(f"engine returned {len(generations)} generations for {len(live)} prompts")
         pending = []
         for ep, g, prompt in zip(live, generations, prompts, strict=True):
-            ep.turns, ep.tokens = ep.turns + 1, ep.tokens + g.n_tokens
-            ep.versions.append(g.weight_version)
-            ep.messages.append({"role": "assistant", "content": g.text})
+            split = render.reply(g.text, prompt)
+            ep.log.add(g, split, render.reasoning)
+            if split.answer is None:
+                ep.end(ENDED_NO_ANSWER, f"turn {turn + 1}: its reasoning never ended (finish {g.finish_reason})")
+                continue
+            ep.messages.append(assistant_message(split))
             try:
-                calls = render.calls(g.text, prompt, ep.tools)
+                calls = render.calls(split.answer, prompt, ep.tools)
             except MalformedCall as e:
                 ep.end("malformed_tool_call", str(e))
                 continue
             if calls:
                 pending.append((ep, calls))
             else:
-                step(ep, g.text)
+                step(ep, split.answer)
         if pending and turn < spec.max_turns - 1:  # on the last turn no reply could read the results
             run_tools(pending, sandbox, spec.tool_timeout_s)
     for ep in episodes:
@@ -240,10 +279,11 @@ def play_driven(engine: Engine, want: str, spec: EnvSpec, episodes: list[Episode
                 if ep.ended is None:
                     ep.end("env_error", f"play() raised {last_line(e)}")
     for ep in episodes:
-        turns = endpoint.turns(ep.index, ep.sample)
-        ep.versions, ep.turns, ep.tokens = list(turns.versions), len(turns.versions), turns.tokens
+        ep.log = endpoint.turns(ep.index, ep.sample)
         if ep.ended is None:
             ep.end("env_error", "play() did not end the episode")
+        if ep.log.unanswered and ep.blame == "model":  # as on the lockstep path: that turn ended the episode
+            ep.end(ENDED_NO_ANSWER, f"{ep.log.unanswered} turn(s) whose reasoning never ended (was: {ep.ended})")
     endpoint.raise_engine_error()
     return time.perf_counter() - t0
 
@@ -255,16 +295,17 @@ def env_sandbox(cache: DatasetCache) -> Sandbox:
     return shared_sandbox(mode, cache.ctx.option("sandbox_concurrency", 0) or None)
 
 
-def identity(spec: EnvSpec, sandbox: Sandbox, tool_format: str) -> dict[str, Any]:
+def identity(spec: EnvSpec, sandbox: Sandbox, tool_format: str, reasoning: Reasoning) -> dict[str, Any]:
     """What scored the unit (the result's ``scorer``): units disagreeing on it are never pooled."""
     return {"env": spec.env, "env_options": dict(spec.env_options), "max_turns": spec.max_turns,
-            "tool_format": tool_format, "prompt_format": spec.prompt_format, "sandbox": sandbox.mode}
+            "tool_format": tool_format, "prompt_format": spec.prompt_format, "sandbox": sandbox.mode,
+            **chat_identity(spec, reasoning)}
 
 
 def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit, snapshot: str | None,
-             want: str) -> tuple[list[Episode], float, str]:
+             want: str) -> tuple[list[Episode], float, Renderer]:
     """The unit's episodes, infra ones re-run within the budget, pinned (every turn) before returning; the
-    seconds spent generating; the tool-call format used."""
+    seconds spent generating; the renderer used (its tool-call format and reasoning setting)."""
     rows = cache.rows(spec)
     cls, sandbox = env_class(spec.env), env_sandbox(cache)
     render = Renderer(spec, snapshot)
@@ -289,17 +330,18 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
         ep = episodes[todo[0]]
         raise ScorerInfraError("env_failed", f"{len(todo)} episode(s) still failed by the infrastructure after "
                                f"{spec.infra_retries} re-run(s); row {ep.index} episode {ep.sample}: {ep.ended}: {ep.cause}")
-    return episodes, generate_s, render.tool_format
+    return episodes, generate_s, render
 
 
 def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit, snapshot: str,
                  want: str) -> Evaluation:
     """The ``env`` kind (:mod:`ckpteval.jobs.eval.kinds`): the unit's episodes, their rewards as its scores."""
-    episodes, generate_s, tool_format = run_unit(engine, cache, spec, unit, snapshot, want)
+    episodes, generate_s, render = run_unit(engine, cache, spec, unit, snapshot, want)
     scored = [Scored(ep.reward, ep.answer, counters={"infra_retries": ep.retries},
-                     extras={"reward": ep.reward, "turns": float(ep.turns)}) for ep in episodes]
+                     extras={"reward": ep.reward, "turns": float(ep.turns), **ep.log.extras()}) for ep in episodes]
     check_scored(scored, f"env {spec.name}")  # a reward of nan/inf/1e308 is the env's crash, never a point
-    fields = {**UnitTally.of(scored).as_result_fields(), "scorer": identity(spec, env_sandbox(cache), tool_format),
+    scorer = identity(spec, env_sandbox(cache), render.tool_format, render.reasoning)
+    fields = {**UnitTally.of(scored).as_result_fields(), "scorer": scorer,
               "episodes": [ep.record() for ep in episodes]}
     return Evaluation([s.score for s in scored], [ep.versions[-1] for ep in episodes],
                       answers=[s.answer for s in scored], scored=fields, generate_s=generate_s)
