@@ -1,4 +1,5 @@
-"""run.json checks of a ``generate`` dataset's chat settings: ``chat_template_kwargs`` and ``reasoning``.
+"""run.json checks of an entry's chat settings: ``chat_template_kwargs`` (``generate``, ``env``, ``lm_eval``) and
+``reasoning`` (``generate``, ``env``).
 
 Guarantee: a malformed setting is refused when run.json is parsed (a :class:`~ckpteval.coord.fields.FieldError`
 naming the field), never at the first unit. Limits: the shape only — whether a template reads a kwarg, or a
@@ -18,10 +19,16 @@ REASONING_KEYS = frozenset({"end", "start", "always"})
 
 def check_template_kwargs(kwargs: dict[str, Any], prompt_format: str) -> None:
     """``chat_template_kwargs``: only with ``chat`` prompts, and none of the arguments rendering sets itself."""
+    check_rendered_kwargs(kwargs, prompt_format == "chat", "needs prompt_format 'chat' (a raw prompt renders no template)")
+
+
+def check_rendered_kwargs(kwargs: dict[str, Any], renders_chat: bool, needs: str) -> None:
+    """``chat_template_kwargs`` of an entry that renders a chat template only when ``renders_chat`` (else the
+    FieldError says what it ``needs``), and none of the arguments rendering sets itself."""
     if not kwargs:
         return
-    if prompt_format != "chat":
-        raise FieldError("chat_template_kwargs", "needs prompt_format 'chat' (a raw prompt renders no template)")
+    if not renders_chat:
+        raise FieldError("chat_template_kwargs", needs)
     taken = sorted(set(kwargs) & RENDER_ARGS)
     if taken:
         raise FieldError("chat_template_kwargs", f"sets {', '.join(taken)}, which rendering sets itself")

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from ckpteval.coord.chat_settings import check_reasoning, check_template_kwargs
+from ckpteval.coord.chat_settings import check_reasoning, check_rendered_kwargs, check_template_kwargs
 from ckpteval.coord.fields import NAME_RE, FieldError
 from ckpteval.coord.workunit import WorkUnit
 
@@ -315,6 +315,10 @@ class HarnessSpec:
     """Overrides every task's ``generation_kwargs``."""
     apply_chat_template: bool = False
     """Render prompts with the snapshot's chat template."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    """With ``apply_chat_template``: keyword arguments every rendering of the chat template gets, as a
+    ``generate`` set's (``{"enable_thinking": false}``), passed through lm-eval's own chat path
+    (:mod:`ckpteval.jobs.eval.harness`)."""
     bootstrap_iters: int = 0
     """Stderr bootstraps (0: none)."""
     seed: int = 0
@@ -342,6 +346,8 @@ class HarnessSpec:
             value = getattr(self, key)
             if value is not None and value < low:
                 raise FieldError(key, f"must be >= {low}, got {value}")
+        check_rendered_kwargs(self.chat_template_kwargs, self.apply_chat_template,
+                              "needs apply_chat_template true (lm-eval renders no template without it)")
         if not self.include_defaults and self.include_path is None:
             raise FieldError("include_defaults", "is false but no include_path is given: no task could be found")
 

@@ -73,6 +73,10 @@ def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path:
         ({"tasks": ["a"], "include_defaults": False}, "no include_path"),
         ({"tasks": ["a"], "fewshots": 3}, "fewshots is not a setting of a dataset of kind 'lm_eval' .*did you mean 'num_fewshot'"),
         ({"tasks": ["a"], "kind": "lmeval"}, "kind 'lmeval' must be one of generate, lm_eval, env \\(did you mean 'lm_eval'"),
+        ({"tasks": ["a"], "chat_template_kwargs": {"enable_thinking": False}},
+         "chat_template_kwargs needs apply_chat_template true"),
+        ({"tasks": ["a"], "apply_chat_template": True, "chat_template_kwargs": {"add_generation_prompt": False}},
+         "chat_template_kwargs sets add_generation_prompt, which rendering sets itself"),
     ],
 )
 def test_bad_lm_eval_entries_are_one_error_naming_the_field(entry: dict, why: str) -> None:
@@ -235,3 +239,36 @@ def test_the_shipped_lm_eval_example_runs_on_the_demo_model(tmp_path: Path) -> N
     assert code == 0, out
     (r,) = results(run).values()
     assert r.ok and set(r.metrics) == {"exact_match"}, (r.skip_reason, r.message)
+
+
+def test_chat_template_kwargs_reach_lm_evals_chat_rendering_on_both_adapters(tmp_path: Path) -> None:
+    """``chat_template_kwargs`` on an ``lm_eval`` entry: lm-eval's HFLM (its own ``chat_template_args``) and
+    the ``local-completions`` adapter of an HTTP engine render a Qwen3-style template with thinking off, as a
+    ``generate`` set's rendering does; without them the template opens ``<think>``. The completions adapter
+    renders text (lm-eval's own would hand ``/v1/completions`` the messages as JSON)."""
+    from transformers import AutoTokenizer
+
+    from ckpteval.jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.eval.engines.http import HTTPEngine
+    from ckpteval.jobs.eval.harness import completions_lm, hf_lm
+    from ckpteval.jobs.eval.prompts import render_chat
+    from tests.test_reasoning import save_thinking_tokenizer
+
+    thinking = tmp_path / "thinking"
+    save_thinking_tokenizer(thinking)
+    tokenizer = AutoTokenizer.from_pretrained(thinking)
+    chat = [{"role": "user", "content": "2+2?"}]
+    off = HarnessSpec(name="h", tasks=("t",), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False})
+    on = HarnessSpec(name="h", tasks=("t",), apply_chat_template=True)
+    want_off = render_chat(tokenizer, chat, "t", template_kwargs={"enable_thinking": False})
+    assert want_off.endswith("<|assistant|><think>\n\n</think>\n\n")
+    engine = HFEngine(device="cpu")
+    engine.load(str(publish_model(tmp_path, tmp_path / "snapshots", 1)), "1")
+    try:
+        assert hf_lm(engine.model, tokenizer, off).apply_chat_template(chat) == want_off
+        assert hf_lm(engine.model, tokenizer, on).apply_chat_template(chat).endswith("<|assistant|><think>\n")
+    finally:
+        engine.close()
+    http = HTTPEngine("http://127.0.0.1:9")  # never contacted: the adapter only renders here
+    assert completions_lm(http, str(thinking), off).apply_chat_template(chat) == want_off
+    assert completions_lm(http, str(thinking), on).apply_chat_template(chat).endswith("<|assistant|><think>\n")

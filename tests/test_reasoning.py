@@ -166,15 +166,20 @@ THINKING_TEMPLATE = (
 )
 
 
-def test_chat_template_kwargs_reach_the_template_and_decide_where_reasoning_starts(tmp_path: Path) -> None:
-    """A Qwen3-style template: thinking on opens ``<think>`` in the prompt (an answer without ``</think>``
-    is then unterminated reasoning: no answer); ``enable_thinking: false`` closes it there (all answer)."""
-    snap = tmp_path / "snap"
+def save_thinking_tokenizer(snap: Path) -> None:
+    """The reference tokenizer saved at ``snap`` with :data:`THINKING_TEMPLATE` as its chat template."""
     save_tokenizer(snap, chat=True)
     config = json.loads((snap / "tokenizer_config.json").read_text())
     (snap / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
     (snap / "chat_template.jinja").unlink(missing_ok=True)
     (snap / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+
+
+def test_chat_template_kwargs_reach_the_template_and_decide_where_reasoning_starts(tmp_path: Path) -> None:
+    """A Qwen3-style template: thinking on opens ``<think>`` in the prompt (an answer without ``</think>``
+    is then unterminated reasoning: no answer); ``enable_thinking: false`` closes it there (all answer)."""
+    snap = tmp_path / "snap"
+    save_thinking_tokenizer(snap)
     rows = [{"prompt": "q", "answer": "42"}]
     on = DatasetSpec("on", "d.jsonl", 1, prompt_format="chat")
     off = DatasetSpec("off", "d.jsonl", 1, prompt_format="chat", chat_template_kwargs={"enable_thinking": False})

@@ -12,8 +12,13 @@ harness's *own* model adapters — nothing of the harness is re-implemented here
   snapshot's tokenizer; on a LoRA engine ``model`` is ``<base>:<adapter name>`` (how sglang's OpenAI
   layer selects an adapter: ``srt/entrypoints/openai/serving_base.py`` ``_parse_model_parameter``) and
   the tokenizer the base's (:meth:`ckpteval.jobs.eval.engines.sglang_lora._LoRAClient.lm_eval_model`).
-  The request carries the engine's sglang key (``CKPTEVAL_SGLANG_API_KEY``,
+  The chat template (``apply_chat_template``) is rendered here with the snapshot's tokenizer, as the
+  ``hf`` adapter renders it (lm-eval's ``local-completions`` would send the messages as JSON, which
+  ``/v1/completions`` refuses). The request carries the engine's sglang key (``CKPTEVAL_SGLANG_API_KEY``,
   :mod:`ckpteval.jobs.eval.engines.http_auth`), never ``OPENAI_API_KEY`` (lm-eval's default).
+
+An entry's ``chat_template_kwargs`` (with ``apply_chat_template``) reach every rendering on both adapters:
+HFLM's own ``chat_template_args``, and the ``local-completions`` rendering above.
 
 The metrics come back as ``{"<metric>": value}`` (``"<metric>/<filter>"`` for a task's named filters,
 ``"<metric>_stderr"`` when bootstrapped); non-numeric values (``"N/A"``) are dropped. The worker logs
@@ -123,7 +128,8 @@ def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
 
     _quiet()
     # a copy: HFLM sets a missing pad token on the tokenizer it gets, and the engine's must stay as loaded
-    return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size)
+    return HFLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), batch_size=spec.batch_size,
+                chat_template_args=dict(spec.chat_template_kwargs))
 
 
 def completions_lm(engine: Any, snapshot_dir: str, spec: HarnessSpec) -> Any:
@@ -132,11 +138,22 @@ def completions_lm(engine: Any, snapshot_dir: str, spec: HarnessSpec) -> Any:
     its key in the header (a non-empty header: lm-eval would otherwise send ``OPENAI_API_KEY``)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
+    class RenderedChatCompletions(LocalCompletionsAPI):  # type: ignore[misc]
+        """``local-completions`` whose chat template is rendered with the snapshot's tokenizer and the
+        entry's ``chat_template_kwargs``, as HFLM's ``apply_chat_template`` renders (lm-eval 0.4.13
+        ``models/huggingface.py``): lm-eval's own one, with untokenized requests, hands the messages on as
+        JSON, which ``/v1/completions`` cannot take, and takes no template kwargs."""
+
+        def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+            return self.tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+                chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt, **spec.chat_template_kwargs)
+
     _quiet()
     model, tokenizer = engine.lm_eval_model(snapshot_dir)
     header = {"Accept": "application/json", **engine.auth_header("/v1/completions")}
     try:
-        return LocalCompletionsAPI(
+        return RenderedChatCompletions(
             base_url=f"{engine.base_url.rstrip('/')}/v1/completions",
             model=model,
             tokenizer=tokenizer,
