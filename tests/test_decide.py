@@ -138,6 +138,8 @@ def test_a_decision_by_one_metric_never_overwrites_another_metrics(decided_run: 
     (["compare", "{run}"], "give --steps A B"),
     (["best", "{run}", "--metric", "eval/nope"], "no dataset 'nope'"),
     (["best", "{run}", "--metric", "eval/add/pass@3"], "is not logged for add"),
+    (["best", "{run}", "--metric", "eval/add/pass^1"], "pass^1 is pass@1"),
+    (["compare", "{run}", "--steps", "100", "200", "--metric", "eval/add/pass^x"], "'pass^x' is not logged for add"),
     (["best", "{missing}", "--metric", "eval/add"], "no run.json"),
 ])
 def test_bad_input_is_one_line(decided_run: RunDir, tmp_path: Path, argv: list[str], says: str) -> None:
@@ -214,3 +216,52 @@ def test_compare_and_best_fit_80_columns_and_use_the_width_they_have(decided_run
     code, out = finish(spawn("best", str(decided_run.path), env={"COLUMNS": "80"}), 60)
     rec = json.loads(decided_run.best_path("eval/add").read_text())
     assert code == 0 and not _too_wide(out) and f"by eval/add (higher is better): {rec['best_step']}" in out, out
+
+
+# -- pass^k: all k samples right ----------------------------------------------------------------------
+@pytest.fixture
+def sampled_run(tmp_path: Path) -> RunDir:
+    """40 prompts x 4 samples: step 100 gets 2 of 4 right on every prompt (pass@2 5/6, pass^2 1/6); step 200
+    all 4 on the first 20 prompts and none on the rest (pass@2 = pass^2 = 1/2): pass^2 and pass@2 disagree."""
+    from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+
+    spec = DatasetSpec(name="add", path="data/add.jsonl", n_prompts=40, shard_size=10, n_samples=4,
+                       temperature=1.0, pass_k=(1, 2, 4))
+    run = RunDir.create(tmp_path / "run", RunManifest(run_id="sampled", eval=EvalSpec(entries=(spec,)),
+                                                      snapshot_roots=(str(tmp_path / "snaps"),),
+                                                      lease=LeaseSettings(30.0, 5.0)))
+    per_prompt = {100: [[1.0, 0.0, 1.0, 0.0]] * 40, 200: [[1.0] * 4] * 20 + [[0.0] * 4] * 20}
+    for step, samples in per_prompt.items():
+        for unit in units_for_step(run.manifest(), step):
+            scores = [x for i in shard_range(run.manifest(), unit) for x in samples[i]]
+            write_result(run.results, ok_result(unit, scores, [str(step)] * len(scores)))
+    return run
+
+
+def test_pass_hat_k_per_prompt_values_are_the_points_own(sampled_run: RunDir) -> None:
+    """``eval/<ds>/pass^k``'s per-prompt values are C(c, k) / C(n, k) (coord.points.pass_hat_k), their mean
+    the logged point; pass@k's stay pass@k's."""
+    from ckpteval.coord.points import derive_point
+    from ckpteval.jobs.decide.data import RunValues, parse_metric
+
+    values, manifest = RunValues(sampled_run), sampled_run.manifest()
+    hat, at = parse_metric("eval/add/pass^2", manifest), parse_metric("eval/add/pass@2", manifest)
+    assert hat.name == "eval/add/pass^2" and at.name == "eval/add/pass@2"
+    assert values.values(100, hat) == pytest.approx([1 / 6] * 40) and values.values(100, at) == pytest.approx([5 / 6] * 40)
+    assert values.values(200, hat).tolist() == [1.0] * 20 + [0.0] * 20
+    for step in (100, 200):
+        logged = derive_point(manifest, step, values.results).datasets["add"].derived["pass^2"]
+        assert values.values(step, hat).mean() == pytest.approx(logged)
+
+
+def test_compare_and_best_decide_by_pass_hat_k(sampled_run: RunDir) -> None:
+    code, out = finish(spawn("compare", str(sampled_run.path), "--steps", "100", "200", "--metric", "eval/add/pass^2",
+                             "--json"), 60)
+    assert code == 0, out
+    (row,) = json.loads(out.strip().splitlines()[-1])["datasets"]
+    assert row["dataset"] == "eval/add/pass^2" and row["verdict"] == "B better"  # by pass@2, A is better
+    assert (row["a"], row["b"], row["diff"]) == pytest.approx((1 / 6, 1 / 2, 1 / 3))
+    code, out = finish(spawn("best", str(sampled_run.path), "--metric", "eval/add/pass^2"), 60)
+    assert code == 0 and "by eval/add/pass^2" in out, out
+    rec = json.loads(sampled_run.best_path("eval/add/pass^2").read_text())
+    assert rec["metric"] == "eval/add/pass^2" and rec["best_step"] == 200

@@ -1,4 +1,4 @@
-"""``ckpteval best RUN [--metric eval/<ds>[/pass@k|/maj@n]]``: which checkpoint to ship (default metric:
+"""``ckpteval best RUN [--metric eval/<ds>[/pass@k|/pass^k|/maj@n]]``: which checkpoint to ship (default metric:
 the run's first dataset's mean).
 
 The best step by the metric (``--higher-is-better``, the default, or ``--lower-is-better``), its
@@ -102,7 +102,7 @@ def noise_summary(rec: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, metavar="RUN")
-    parser.add_argument("--metric", metavar="M", help="eval/<dataset>[/pass@k|/maj@n] (default: eval/<the run's "
+    parser.add_argument("--metric", metavar="M", help="eval/<dataset>[/pass@k|/pass^k|/maj@n] (default: eval/<the run's "
                         "first dataset>)")
     way = parser.add_mutually_exclusive_group()
     way.add_argument("--higher-is-better", dest="higher", action="store_true", default=True,

@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", nargs=2, type=int, metavar=("A", "B"), help="two steps of one run")
     parser.add_argument("--step", type=int, metavar="S", help="two runs: this step of each (default: newest in common)")
     parser.add_argument("--best", action="store_true", help="two runs: each run's best step by --metric")
-    parser.add_argument("--metric", metavar="M", help="compare this metric only (eval/<dataset>[/pass@k|/maj@n]); with --best: "
+    parser.add_argument("--metric", metavar="M", help="compare this metric only (eval/<dataset>[/pass@k|/pass^k|/maj@n]); with --best: "
                         "also what best means (default with --best: eval/<first dataset>)")
     parser.add_argument("--scoring", metavar="NAME", help="compare this ckpteval rescore scoring's scores where it "
                         "re-scored a unit (default: the scores as generated); the output names it")

@@ -1,8 +1,9 @@
 """Per-prompt values of a run's points: what the paired statistics of :mod:`ckpteval.jobs.decide.stats` compare.
 
 A metric name is ``eval/<ds>`` (mean over the prompt's samples), ``eval/<ds>/pass@k`` (the unbiased
-pass@k of each prompt) or ``eval/<ds>/maj@n`` (majority vote), the same per-prompt quantities whose
-average is the logged point (:func:`ckpteval.coord.results.dataset_score`). Prompts are the dataset's rows in
+pass@k of each prompt), ``eval/<ds>/pass^k`` (the unbiased pass^k of each prompt, C(c, k) / C(n, k):
+:func:`ckpteval.coord.points.pass_hat_k`; logged for each k > 1 of ``pass_k``) or ``eval/<ds>/maj@n`` (majority
+vote), the same per-prompt quantities whose average is the logged point (:func:`ckpteval.coord.results.dataset_score`). Prompts are the dataset's rows in
 order; shard results are concatenated in shard order, so index ``i`` is the same prompt at every step.
 
 Guarantee: a step is used only when its point has this dataset (every shard an ok result of this
@@ -22,35 +23,43 @@ import numpy as np
 
 from ckpteval.coord.identity import run_key, version_matches
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, prompt_major
+from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, pass_hat_k, prompt_major
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.scorings import scoring_results
 
 
 @dataclass(frozen=True)
 class Metric:
-    """A parsed ``eval/<ds>[/pass@k|/maj@n]`` name."""
+    """A parsed ``eval/<ds>[/pass@k|/pass^k|/maj@n]`` name."""
 
     dataset: str
-    kind: str  # "mean", "pass" or "maj"
+    kind: str  # "mean", "pass", "pass^" (all k right) or "maj"
     k: int = 0
 
     @property
     def name(self) -> str:
-        return f"eval/{self.dataset}" + {"mean": "", "pass": f"/pass@{self.k}", "maj": f"/maj@{self.k}"}[self.kind]
+        suffix = {"mean": "", "pass": f"/pass@{self.k}", "pass^": f"/pass^{self.k}", "maj": f"/maj@{self.k}"}
+        return f"eval/{self.dataset}" + suffix[self.kind]
 
 
 def parse_metric(text: str, manifest: RunManifest) -> Metric:
-    """``eval/<ds>[/pass@k|/maj@n]`` checked against the run's datasets; ValueError names what is wrong."""
+    """``eval/<ds>[/pass@k|/pass^k|/maj@n]`` checked against the run's datasets; ValueError names what is wrong."""
     parts = text.split("/")
     if parts[0] != "eval" or len(parts) not in (2, 3):
-        raise ValueError(f"--metric {text!r}: expected eval/<dataset>, eval/<dataset>/pass@k or eval/<dataset>/maj@n")
+        raise ValueError(f"--metric {text!r}: expected eval/<dataset>, eval/<dataset>/pass@k, eval/<dataset>/pass^k "
+                         "or eval/<dataset>/maj@n")
     names = [d.name for d in manifest.eval.datasets]
     if parts[1] not in names:
         raise ValueError(f"--metric {text!r}: no dataset {parts[1]!r} in this run (datasets: {', '.join(names)})")
     spec = manifest.entry(parts[1])
     if len(parts) == 2:
         return Metric(parts[1], "mean")
+    if parts[2].startswith("pass^"):
+        k = parts[2][len("pass^"):]
+        if k.isdigit() and int(k) in spec.pass_k and int(k) > 1:
+            return Metric(parts[1], "pass^", int(k))
+        raise ValueError(f"--metric {text!r}: {parts[2]!r} is not logged for {parts[1]} (pass^k for each k > 1 of "
+                         f"pass_k {list(spec.pass_k)}; pass^1 is pass@1)")
     kind, _, k = parts[2].partition("@")
     if kind == "pass" and k.isdigit() and int(k) in spec.pass_k:
         return Metric(parts[1], "pass", int(k))
@@ -99,8 +108,9 @@ class RunValues:
         scores, answers = pooled.scores, pooled.answers
         n = spec.n_samples
         groups = [scores[i : i + n] for i in range(0, len(scores), n)]
-        if metric.kind == "pass":
-            return np.array([pass_at_k(n, sum(map(correct, g)), metric.k) for g in groups])
+        if metric.kind in ("pass", "pass^"):
+            estimate = pass_at_k if metric.kind == "pass" else pass_hat_k
+            return np.array([estimate(n, sum(correct(x, spec.pass_threshold) for x in g), metric.k) for g in groups])
         if metric.kind == "maj":
             if answers is None:
                 raise ValueError(f"{self.run.path}: step {step} results carry no extracted answers for maj@{n}")
