@@ -265,3 +265,24 @@ def test_compare_and_best_decide_by_pass_hat_k(sampled_run: RunDir) -> None:
     assert code == 0 and "by eval/add/pass^2" in out, out
     rec = json.loads(sampled_run.best_path("eval/add/pass^2").read_text())
     assert rec["metric"] == "eval/add/pass^2" and rec["best_step"] == 200
+
+
+def test_per_prompt_pass_counts_a_sample_passed_from_the_entrys_pass_threshold(tmp_path: Path) -> None:
+    """An env entry with ``pass_threshold`` 0.5: the per-prompt pass@k / pass^k that compare and best pair are
+    the logged point's (a reward of 0.5 passes), not a full-credit count."""
+    from ckpteval.coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.points import derive_point
+    from ckpteval.jobs.decide.data import RunValues, parse_metric
+
+    spec = EnvSpec(name="g", path="data/g.jsonl", n_prompts=2, shard_size=2, n_samples=2, temperature=1.0,
+                   env="guess", pass_k=(1, 2), pass_threshold=0.5)
+    run = RunDir.create(tmp_path / "run", RunManifest(run_id="env", eval=EvalSpec(entries=(spec,)),
+                                                      snapshot_roots=(str(tmp_path / "snaps"),),
+                                                      lease=LeaseSettings(30.0, 5.0)))
+    (unit,) = units_for_step(run.manifest(), 7)
+    write_result(run.results, ok_result(unit, [1.0, 0.5, 0.25, 0.0], ["7"] * 4))
+    values = RunValues(run)
+    derived = derive_point(run.manifest(), 7, values.results).datasets["g"].derived
+    assert derived["pass@1"] == 0.5 and derived["pass^2"] == 0.5
+    for name in ("pass@1", "pass^2"):
+        assert values.values(7, parse_metric(f"eval/g/{name}", run.manifest())).tolist() == [1.0, 0.0]
