@@ -60,7 +60,6 @@ class ProducerGate:
         self._cond = threading.Condition()
         self._paused_by: int | None = None  # thread id holding paused()
         self._in_flight = 0
-        self.submissions = 0  # started, ever
         self.pauses = 0
 
     @property
@@ -83,7 +82,6 @@ class ProducerGate:
             while self._paused_by is not None:
                 self._cond.wait()
             self._in_flight += 1
-            self.submissions += 1
         try:
             yield
         finally:
