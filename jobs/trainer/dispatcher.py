@@ -52,9 +52,8 @@ pending point whose units all have results goes through :func:`ckpteval.jobs.ing
 service's ingestion path too): derived (:func:`ckpteval.coord.results.derive_point`), its
 metrics (:func:`ckpteval.coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
 step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
-``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
-(``keep_snapshots`` newest retired kept, plus the best ``keep_best`` points by ``best_metric``; reused
-checkpoints are never deleted).
+``ingested`` appended to the ledger; a complete point then retires (:mod:`ckpteval.jobs.trainer.retire`:
+``--eval-stop-when``, ``retired`` in the ledger, staging GC with ``keep_snapshots``/``keep_best``).
 
 Restart safety (SLURM requeue): the dispatcher replays ``ledger.jsonl`` on construction. Points
 ingested before are never logged again (the ledger, and the sink's own ``eval/step`` check for a
@@ -93,12 +92,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpteval.coord.conditions import Condition, parse_condition, point_value, top_steps
 from ckpteval.coord.discovery import shards_present
-from ckpteval.coord.gc import StagingGC, has_room
+from ckpteval.coord.gc import has_room
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.points import Point, derive_point, point_metrics
+from ckpteval.coord.points import Point, derive_point
 from ckpteval.coord.results import Result, ResultIndex, write_point_skip
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
@@ -109,6 +107,7 @@ from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
+from ckpteval.jobs.trainer.retire import Retirement
 
 if TYPE_CHECKING:  # the shared posture's parts are imported when a SharedEval is given (a fleet trainer needs none)
     from ckpteval.jobs.eval.engines.base import Engine
@@ -160,11 +159,9 @@ class EvalDispatcher:
         self.index = ResultIndex(run.results)
         self.exporter: AsyncExporter | None = None
         self._canary = TrainerCanary(run, self.manifest, base_model_dir)
-        self.gc: StagingGC | None = None
         if self.config.mode == "staging":
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
-            self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
-                                run=self.key)
+        self.retirement = Retirement(self.config, run, self.manifest, self.root, self.key, self.ledger, self.index)
         self._cache: DatasetCache | None = None
         if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
             from ckpteval.jobs.eval.scoring import DatasetCache
@@ -177,10 +174,6 @@ class EvalDispatcher:
         self._last_poll = -float("inf")
         self._lost: set[int] = set()
         self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
-        self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
-        self.stop_when: Condition | None = (  # --eval-stop-when: a point meeting it asks training to end
-            None if self.config.stop_when is None else parse_condition(self.config.stop_when, "--eval-stop-when"))
-        self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
         gpus = self.config.trainer_gpus if self.config.trainer_gpus is not None else trainer_gpus()
         self._training = TrainingClock(gpus, self.ledger.state, clock)  # eval/cost/fraction_of_training
         self._replay()
@@ -225,6 +218,11 @@ class EvalDispatcher:
         return marker.run in {self.key, None}
 
     # -- the training loop's API -----------------------------------------------------------------------
+    @property
+    def stop_requested(self) -> int | None:
+        """The step of the point that met ``--eval-stop-when`` (:mod:`ckpteval.jobs.trainer.retire`), if any."""
+        return self.retirement.stop_requested
+
     @property
     def pending(self) -> list[int]:
         """Steps dispatched and not yet ingested (lost ones excluded): what counts as in flight."""
@@ -434,27 +432,7 @@ class EvalDispatcher:
             return
         self.landed += 1
         if point.complete and not give_up:
-            self._check_stop_when(step, point)
-            self.ledger.append("retired", step)
-            if self.gc is not None:
-                self.gc.collect(self.ledger.state.retired, self._best_steps())
-
-    def _check_stop_when(self, step: int, point: Point) -> None:
-        """``--eval-stop-when``: record (ledger ``stop_requested``) the first point that meets it."""
-        if self.stop_when is not None and self.stop_requested is None and self.stop_when.holds(point_metrics(point)):
-            self.stop_requested = step
-            self.ledger.append("stop_requested", step, condition=self.stop_when.text, at_step=self.step,
-                               time=time.time())
-
-    def _best_steps(self) -> set[int]:
-        """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""
-        if self.config.keep_best < 1:
-            return set()
-        metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
-        results = self._refresh(self.ledger.state.retired - set(self._ranked))
-        for step in self.ledger.state.retired - set(self._ranked):
-            self._ranked[step] = point_value(self.manifest, results, step, metric)
-        return top_steps(self._ranked, self.config.keep_best)
+            self.retirement.retire(step, point, self.step)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
