@@ -88,6 +88,7 @@ from ckpteval.jobs.eval.engines.hf_sampling import (
     validate_seeds,
 )
 from ckpteval.jobs.eval.engines.hf_weights import (
+    TensorIndex,
     arch_signature,
     copy_into_resident,
     index_tensors,
@@ -162,11 +163,6 @@ class HFEngine:
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
-
-    @property
-    def snapshot_dir(self) -> str | None:
-        """The snapshot the current weights came from."""
-        return None if self._snapshot is None else str(self._snapshot)
 
     def weight_version(self) -> str | None:
         with self._lock:
@@ -257,10 +253,13 @@ class HFEngine:
             self._model_dtype = model.dtype
             self._signature, self._version, self._snapshot = signature, version, snapshot
 
-    def _reload_in_place(self, snapshot: Path, version: str) -> None:
-        model = self._model
+    def _targets(self, model: torch.nn.Module, snapshot: Path) -> tuple[dict[str, torch.Tensor], TensorIndex]:
+        """The resident tensors ``snapshot``'s files overwrite in place, names and shapes checked."""
         index = index_tensors(weight_files(snapshot))
-        targets = resident_targets(model, index)  # names and shapes checked: nothing touched yet
+        return resident_targets(model, index), index
+
+    def _reload_in_place(self, snapshot: Path, version: str) -> None:
+        targets, index = self._targets(self._model, snapshot)  # nothing touched yet
         with self._lock:
             try:
                 copy_into_resident(targets, index, self._device)
@@ -287,18 +286,12 @@ class HFEngine:
     def generate(
         self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
     ) -> list[Generation]:
-        return [c.generation() for c in self.complete(prompts, params, seeds)]
-
-    def complete(
-        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
-    ) -> list[Completion]:
-        """Like :meth:`generate`, with output ids, finish reason and prompt length."""
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a list of str")
         with self._lock:
             tokenizer = self._require_loaded()[1]
             rows = tokenizer(prompts)["input_ids"] if prompts else []
-            return self.generate_ids(rows, params, seeds)
+            return [c.generation() for c in self.generate_ids(rows, params, seeds)]
 
     def generate_ids(
         self, input_ids: list[list[int]], params: SamplingParams, seeds: list[int] | None = None

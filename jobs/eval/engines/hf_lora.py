@@ -118,7 +118,8 @@ class HFLoRAEngine(HFEngine):
         self._adapter_signature = adapter_signature(config)
 
     def _targets(self, model: torch.nn.Module, snapshot: Path) -> tuple[dict[str, torch.Tensor], TensorIndex]:
-        """LoRA parameters by file name, checked against the adapter file's names and shapes."""
+        """LoRA parameters by file name, checked against the adapter file's names and shapes (in-place
+        reloads of :class:`HFEngine` copy into these)."""
         index = index_tensors([snapshot / ADAPTER_WEIGHTS])
         params = lora_parameters(model)
         missing, unexpected = sorted(params.keys() - index.keys()), sorted(index.keys() - params.keys())
@@ -134,17 +135,6 @@ class HFLoRAEngine(HFEngine):
     def _copy_adapter(self, model: torch.nn.Module, snapshot: Path) -> None:
         targets, index = self._targets(model, snapshot)
         copy_into_resident(targets, index, self._device)
-
-    def _reload_in_place(self, snapshot: Path, version: str) -> None:
-        model = self._model
-        targets, index = self._targets(model, snapshot)  # nothing touched yet
-        with self._lock:
-            try:
-                copy_into_resident(targets, index, self._device)
-            except (RuntimeError, OSError) as e:
-                self._version = None
-                raise EngineError(f"in-place adapter load of {snapshot} failed midway: {e}") from e
-            self._version, self._snapshot = version, snapshot
 
     def restart(self) -> None:
         """Rebuild base + adapter from the last snapshot (version kept); if that snapshot is gone, drop
