@@ -224,7 +224,7 @@ def test_reuse_mode_marks_checkpoints_exports_nothing_and_gc_never_deletes(tmp_p
                                    eval_max_in_flight=3, eval_keep_snapshots=3)
     assert run.manifest().snapshot_roots == (str(save.resolve()),)
     d = _dispatcher(run, dispatch)
-    assert d.exporter is None and d.retirement.gc is None
+    assert d.exporter is None and d.gc is None
     model = _model()
     for step in range(1, 7):
         if step in (2, 4):  # the trainer "forgets" to save 6

@@ -52,8 +52,9 @@ pending point whose units all have results goes through :func:`ckpteval.jobs.ing
 service's ingestion path too): derived (:func:`ckpteval.coord.results.derive_point`), its
 metrics (:func:`ckpteval.coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
 step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
-``ingested`` appended to the ledger; a complete point then retires (:mod:`ckpteval.jobs.trainer.retire`:
-``--eval-stop-when``, ``retired`` in the ledger, staging GC with ``keep_snapshots``/``keep_best``).
+``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
+(``keep_snapshots`` newest retired kept, plus the best ``keep_best`` points by ``best_metric``; reused
+checkpoints are never deleted).
 
 Restart safety (SLURM requeue): the dispatcher replays ``ledger.jsonl`` on construction. Points
 ingested before are never logged again (the ledger, and the sink's own ``eval/step`` check for a
@@ -72,11 +73,11 @@ drain_timeout``. No result is written for them: results are facts, and the units
 fleet or a backfill to finish; only the trainer stops waiting. Their snapshots are not retired, so
 GC leaves them for that backfill.
 
-Shared posture: given a :class:`SharedEval` (the trainer's own engine and its :class:`ProducerGate`),
-a dispatch is blocking instead: publish the snapshot, evaluate it with
-:func:`ckpteval.jobs.trainer.gate.shared_eval`, ingest it at once (lag 0). The eval's wall time (what training waited
-on top of the export) is logged as ``eval/shared_eval_seconds``; in-flight producer requests that do
-not finish within ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
+Shared posture: given a :class:`ckpteval.jobs.trainer.gate.SharedEval` (the trainer's own engine and its
+producer gate), a dispatch is blocking instead: publish the snapshot, evaluate it (:meth:`SharedEval.evaluate`),
+ingest it at once (lag 0). The eval's wall time (what training waited on top of the export) is logged as
+``eval/shared_eval_seconds``; in-flight producer requests that do not finish within
+``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
 Limits: one dispatcher per run dir. Export times, the shared eval time and skips survive a restart
 as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`ckpteval.coord.ledger`).
@@ -86,17 +87,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckpteval.coord.conditions import Condition, parse_condition, point_value, top_steps
 from ckpteval.coord.discovery import shards_present
-from ckpteval.coord.gc import has_room
+from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.points import Point, derive_point
+from ckpteval.coord.points import Point, derive_point, point_metrics
 from ckpteval.coord.results import Result, ResultIndex, write_point_skip
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
@@ -107,26 +108,14 @@ from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
-from ckpteval.jobs.trainer.retire import Retirement
 
-if TYPE_CHECKING:  # the shared posture's parts are imported when a SharedEval is given (a fleet trainer needs none)
-    from ckpteval.jobs.eval.engines.base import Engine
+if TYPE_CHECKING:  # the shared posture's parts are imported with a SharedEval (a fleet trainer needs none)
     from ckpteval.jobs.eval.scoring import DatasetCache
-    from ckpteval.jobs.trainer.gate import ProducerGate
+    from ckpteval.jobs.trainer.gate import SharedEval
 
 Model = torch.nn.Module | Mapping[str, Any]
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
 WAIT_SLICE_S = 0.1
-
-
-@dataclass
-class SharedEval:
-    """The trainer's own engine and the gate its producers go through (shared posture)."""
-
-    engine: Engine
-    gate: ProducerGate
-    drain_timeout_s: float | None = 600.0
-    trust_run_code: bool = False  # import run.json's module:function scorers even from a run others can write
 
 
 class EvalDispatcher:
@@ -159,21 +148,21 @@ class EvalDispatcher:
         self.index = ResultIndex(run.results)
         self.exporter: AsyncExporter | None = None
         self._canary = TrainerCanary(run, self.manifest, base_model_dir)
+        self.gc: StagingGC | None = None
         if self.config.mode == "staging":
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
-        self.retirement = Retirement(self.config, run, self.manifest, self.root, self.key, self.ledger, self.index)
-        self._cache: DatasetCache | None = None
-        if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
-            from ckpteval.jobs.eval.scoring import DatasetCache
-            from ckpteval.jobs.eval.trust import check_run_code
-
-            check_run_code(run, self.manifest, trusted=shared.trust_run_code)
-            self._cache = DatasetCache(run, self.manifest)
+            self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
+                                run=self.key)
+        self._cache: DatasetCache | None = None if shared is None else shared.attach(run, self.manifest)
         self.step = 0  # the trainer's latest step seen
         self.landed = len(self.ledger.state.ingested)
         self._last_poll = -float("inf")
         self._lost: set[int] = set()
         self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
+        self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
+        self.stop_when: Condition | None = (  # --eval-stop-when: a point meeting it asks training to end
+            None if self.config.stop_when is None else parse_condition(self.config.stop_when, "--eval-stop-when"))
+        self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
         gpus = self.config.trainer_gpus if self.config.trainer_gpus is not None else trainer_gpus()
         self._training = TrainingClock(gpus, self.ledger.state, clock)  # eval/cost/fraction_of_training
         self._replay()
@@ -218,11 +207,6 @@ class EvalDispatcher:
         return marker.run in {self.key, None}
 
     # -- the training loop's API -----------------------------------------------------------------------
-    @property
-    def stop_requested(self) -> int | None:
-        """The step of the point that met ``--eval-stop-when`` (:mod:`ckpteval.jobs.trainer.retire`), if any."""
-        return self.retirement.stop_requested
-
     @property
     def pending(self) -> list[int]:
         """Steps dispatched and not yet ingested (lost ones excluded): what counts as in flight."""
@@ -283,7 +267,7 @@ class EvalDispatcher:
         else:
             self._mark_checkpoint(step)
         if self.shared is not None:
-            self._evaluate_shared(step)
+            self._evaluate_shared(self.shared, step)
 
     def close(self, final_step: int, model: Model) -> bool:
         """End of training: dispatch the final point, mark training done, drain (bounded).
@@ -368,25 +352,17 @@ class EvalDispatcher:
             self._lost.discard(step)
             self._skip(step, "crashed", "the trainer died before this step's snapshot was published")
 
-    def _evaluate_shared(self, step: int) -> None:
-        from ckpteval.jobs.trainer.gate import StopRequested, shared_eval
-
-        if self.shared is None or self._cache is None:
-            raise RuntimeError("shared evaluation without a shared engine")
+    def _evaluate_shared(self, shared: SharedEval, step: int) -> None:
         if step not in self.ledger.state.pending or not self._snapshot_published(step):
             return  # skipped (export failed, checkpoint missing): nothing to evaluate
-        t0 = time.perf_counter()
         try:
-            shared_eval(self.shared.engine, self.shared.gate, self.run, step, self.snapshot_dir(step),
-                        cache=self._cache, drain_timeout_s=self.shared.drain_timeout_s,
-                        should_stop=self.should_stop)
-        except StopRequested:  # preempted while producers drained: nothing written, the point stays open
-            return
+            seconds = shared.evaluate(self.run, step, self.snapshot_dir(step), self._cache, self.should_stop)
         except TimeoutError as e:  # producers' in-flight requests did not finish: the engine is busy
             self._skip(step, "busy", str(e))
             return
-        self.ledger.append("evaluated_shared", step, shared_eval_seconds=time.perf_counter() - t0)
-        self._ingest_ready(steps=[step])
+        if seconds is not None:  # None: preempted while producers drained; nothing written, the point stays open
+            self.ledger.append("evaluated_shared", step, shared_eval_seconds=seconds)
+            self._ingest_ready(steps=[step])
 
     def _wait_for_slot(self) -> float:
         """Backpressure: wait (ingesting) until a slot frees or the timeout passes; returns the wait."""
@@ -432,7 +408,27 @@ class EvalDispatcher:
             return
         self.landed += 1
         if point.complete and not give_up:
-            self.retirement.retire(step, point, self.step)
+            self._check_stop_when(step, point)
+            self.ledger.append("retired", step)
+            if self.gc is not None:
+                self.gc.collect(self.ledger.state.retired, self._best_steps())
+
+    def _check_stop_when(self, step: int, point: Point) -> None:
+        """``--eval-stop-when``: record (ledger ``stop_requested``) the first point that meets it."""
+        if self.stop_when is not None and self.stop_requested is None and self.stop_when.holds(point_metrics(point)):
+            self.stop_requested = step
+            self.ledger.append("stop_requested", step, condition=self.stop_when.text, at_step=self.step,
+                               time=time.time())
+
+    def _best_steps(self) -> set[int]:
+        """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""
+        if self.config.keep_best < 1:
+            return set()
+        metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
+        results = self._refresh(self.ledger.state.retired - set(self._ranked))
+        for step in self.ledger.state.retired - set(self._ranked):
+            self._ranked[step] = point_value(self.manifest, results, step, metric)
+        return top_steps(self._ranked, self.config.keep_best)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
