@@ -23,10 +23,9 @@ Promises:
 - :meth:`HTTPEngine.generate` sends each batch (up to ``max_batch_size`` prompts, and at most half the
   server's ``max_queued_requests``: a batch larger than sglang's queue can never pass; a queue-full
   503 halves it, finished chunks kept: :mod:`ckpteval.jobs.eval.engines.http_limits`) as one request.
-  ``seeds`` (one per prompt, sampled decoding only) go as ``sampling_params[i]["sampling_seed"]``, a
-  list of one dict per prompt (``srt/managers/io_struct.py`` ``_normalize_sampling_params``); sglang
-  applies them only when launched with ``--enable-deterministic-inference``
-  (``srt/sampling/sampling_batch_info.py``), which the engine reports once on stderr when missing.
+  ``seeds`` (one per prompt, sampled decoding only) go as ``sampling_seed`` per prompt; sglang applies them
+  only when launched with ``--enable-deterministic-inference`` (``srt/sampling/sampling_batch_info.py``),
+  which the engine reports once on stderr when missing.
 - **Aborts are never scored**: sglang answers HTTP 200 with ``meta_info.finish_reason.type ==
   "abort"`` and partial text for requests cut by ``/abort_request``, ``/pause_generation`` (abort
   mode), a weight update with ``abort_all_requests`` or ``/update_weight_version``
@@ -45,9 +44,8 @@ Promises:
   server, retried with backoff and never restarted (:mod:`ckpteval.jobs.eval.engines.http_limits`, which also
   sizes each ``/generate`` timeout from ``max_new_tokens`` and the batch); a 401 is
   :class:`~ckpteval.jobs.eval.engines.http_auth.Unauthorized` (keys come from the environment only:
-  :mod:`ckpteval.jobs.eval.engines.http_auth`). Error bodies are read in the three
-  shapes sglang uses: ``{"error": "<str>"}`` (the 0.5.22+ schema gate), ``{"error": {"message"}}``
-  (``_create_error_response``) and ``{"object": "error", "message"}`` (``ErrorResponse``).
+  :mod:`ckpteval.jobs.eval.engines.http_auth`); the server's message is read in every shape sglang uses
+  (:func:`~ckpteval.jobs.eval.engines.http_limits.error_message`).
 - **The canary** (:meth:`HTTPEngine.teacher_forced`): the probe's input-token log-probs from one
   ``/generate`` (:mod:`ckpteval.jobs.eval.engines.sglang_logprobs`), for every engine of this API.
 - :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
@@ -87,6 +85,7 @@ from ckpteval.jobs.eval.engines.http_limits import (
     error_message,
     generate_timeout,
     queue_chunk,
+    reply_object,
     send_retrying_busy,
 )
 from ckpteval.jobs.eval.engines.http_server_info import checksum_layout, server_gpus, server_identity
@@ -163,12 +162,9 @@ class HTTPEngine:
                 continue
             if response.status_code != 200:
                 raise EngineError(f"GET {path}: {error_message(response)}")
-            try:
-                body = response.json()
-            except ValueError as e:
-                raise EngineError(f"GET {path}: reply is not JSON: {response.text[:200]}") from e
-            if not isinstance(body, dict):
-                raise EngineError(f"GET {path}: expected an object, got {str(body)[:200]}")
+            body = reply_object(response)
+            if body is None:
+                raise EngineError(f"GET {path}: reply is not a JSON object: {response.text[:200]}")
             return path, body
         raise EngineError(f"none of {paths} answered")  # unreachable: the last path returns or raises
 
@@ -187,11 +183,8 @@ class HTTPEngine:
         body = {"model_path": str(snapshot_dir), "weight_version": weight_version, "abort_all_requests": False}
         self._weights_unknown = True  # until the server confirms the load
         response = self._request("POST", "/update_weights_from_disk", json=body, timeout=self._load_timeout)
-        try:
-            reply = response.json()
-        except ValueError:
-            reply = None
-        if response.status_code != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
+        reply = reply_object(response)
+        if response.status_code != 200 or reply is None or reply.get("success") is not True:
             raise EngineError(f"update_weights_from_disk({snapshot_dir}) failed: {error_message(response)}; the "
                               "server's weights are now unknown (a failed sglang load can leave them partly replaced)")
         self._weights_unknown = False
@@ -230,11 +223,8 @@ class HTTPEngine:
         afresh) and the instance (``startup_time`` of ``/server_info``, in 0.5.19 and 0.5.23). :class:`EngineError` when the
         server cannot answer (an older sglang 404s the route; ``success: false``)."""
         response = self._request("POST", "/weights_checker", json={"action": "checksum"}, timeout=self._load_timeout)
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if response.status_code != 200 or not isinstance(body, dict) or body.get("success") is not True:
+        body = reply_object(response)
+        if response.status_code != 200 or body is None or body.get("success") is not True:
             raise EngineError(f"POST /weights_checker: {error_message(response)}")
         ranks, checksum = body.get("ranks"), body.get("per_engine_checksum")
         if not isinstance(ranks, list) or not ranks or not isinstance(checksum, str):
