@@ -377,21 +377,18 @@ class EvalDispatcher:
         self.poll(force=True)
 
     # -- ingestion -------------------------------------------------------------------------------------
-    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # only these steps' dirs
-        return self.index.refresh(only_steps=steps)
-
     def _results_for(self, step: int) -> dict[WorkUnit, Result]:
         return {u: r for u in units_for_step(self.manifest, step) if (r := self.index.get(u)) is not None}
 
     def _derive(self, step: int) -> Point:
-        self._refresh({step})
+        self.index.refresh(only_steps={step})
         return derive_point(self.manifest, step, self._results_for(step))
 
     def _ingest_ready(self, steps: list[int] | None = None) -> None:
         candidates = [s for s in (self.pending if steps is None else steps) if s not in self._exporting]
         if not candidates:
             return
-        self._refresh(set(candidates))
+        self.index.refresh(only_steps=set(candidates))
         for step in candidates:
             if step not in self.ledger.state.ingested:
                 self._ingest(step)
@@ -425,12 +422,12 @@ class EvalDispatcher:
         if self.config.keep_best < 1:
             return set()
         metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
-        results = self._refresh(self.ledger.state.retired - set(self._ranked))
+        results = self.index.refresh(only_steps=self.ledger.state.retired - set(self._ranked))
         for step in self.ledger.state.retired - set(self._ranked):
             self._ranked[step] = point_value(self.manifest, results, step, metric)
         return top_steps(self._ranked, self.config.keep_best)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
-        self._refresh({step})
+        self.index.refresh(only_steps={step})
         self._ingest(step, give_up=True)

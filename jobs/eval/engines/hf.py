@@ -205,12 +205,16 @@ class HFEngine:
         if not isinstance(weight_version, str):
             raise ValueError(f"weight_version must be a str, got {weight_version!r}")
         snapshot = Path(snapshot_dir)
-        signature = arch_signature(read_config(snapshot))
+        signature = self._signature_of(snapshot)
         with self._load_lock:
             if self._model is not None and signature == self._signature:
                 self._reload_in_place(snapshot, weight_version)
             else:
                 self._instantiate(snapshot, weight_version, signature)
+
+    def _signature_of(self, snapshot: Path) -> dict[str, Any]:
+        """What must equal the resident model's for ``snapshot`` to load in place: its architecture."""
+        return arch_signature(read_config(snapshot))
 
     def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
         model, tokenizer = self._build(snapshot)

@@ -32,12 +32,10 @@ from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingPar
 FINISH_TYPES = ("stop", "length", "abort")
 
 
-def sampling_json(params: SamplingParams) -> dict[str, Any]:
-    """sglang ``sampling_params`` for :class:`SamplingParams` (``sampling_seed`` only when set).
-
-    Only keys sglang knows (0.5.22+ rejects unknown ones), ints as JSON ints; ``top_k`` 0 (our "off")
-    becomes sglang's -1, since sglang answers ``top_k: 0`` with a 400 (``sampling_params.py`` verify).
-    """
+def request_sampling(params: SamplingParams, seeds: list[int] | None) -> dict[str, Any] | list[dict[str, Any]]:
+    """sglang ``sampling_params``: one dict for the batch (``sampling_seed`` when ``params.seed`` is set), or one
+    per prompt carrying its seed (sampled decoding only). Ints go as JSON ints; ``top_k`` 0 (our "off") as -1:
+    sglang answers ``top_k: 0`` with a 400 (``srt/sampling/sampling_params.py`` ``verify``)."""
     body: dict[str, Any] = {
         "max_new_tokens": int(params.max_new_tokens),
         "temperature": float(params.temperature),
@@ -46,20 +44,13 @@ def sampling_json(params: SamplingParams) -> dict[str, Any]:
     }
     if params.seed is not None:
         body["sampling_seed"] = int(params.seed)
-    return body
-
-
-def request_sampling(params: SamplingParams, seeds: list[int] | None) -> dict[str, Any] | list[dict[str, Any]]:
-    """One dict for the batch, or one per prompt carrying its ``sampling_seed`` (sampled decoding only)."""
-    base = sampling_json(params)
     if seeds is None or params.temperature == 0:
-        return base
-    return [base | {"sampling_seed": int(s)} for s in seeds]
+        return body
+    return [body | {"sampling_seed": int(s)} for s in seeds]
 
 
 def sample_version(meta: dict[str, Any]) -> str | None:
-    """The version that produced a sample: its ``weight_versions`` spans when present (``"a|b"`` when they
-    differ), else ``weight_version``; :class:`EngineError` for malformed spans."""
+    """The version that produced a sample (the module docstring); :class:`EngineError` for malformed spans."""
     spans = meta.get("weight_versions")
     if spans is None:
         version = meta.get("weight_version")
@@ -83,12 +74,8 @@ class Sample:
 
 
 def parse_generation(item: Any) -> Sample:
-    """One ``/generate`` result -> :class:`Sample`; :class:`EngineError` if malformed.
-
-    An aborted result (``finish_reason.type == "abort"``) may lack ``prompt_tokens`` and carries
-    partial text (``tokenizer_manager.py`` ``_handle_abort_req``): it is returned as an abort, never as
-    a generation to score.
-    """
+    """One ``/generate`` result -> :class:`Sample`; :class:`EngineError` if malformed. An abort may lack
+    ``prompt_tokens`` and carries partial text (``tokenizer_manager.py`` ``_handle_abort_req``): never scored."""
     try:
         meta = item["meta_info"]
         finish = meta.get("finish_reason")
