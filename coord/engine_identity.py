@@ -86,13 +86,6 @@ class EngineIdentity:
         text = json.dumps(self.completion_fields(), sort_keys=True, separators=(",", ":"))
         return f"{self.kind}-{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
 
-    def describe(self) -> str:
-        """One line for people: ``sglang 0.5.23 bfloat16 tp2 dp1 pp1 deterministic concurrency 64``."""
-        bits = [self.kind, self.version or "?", self.dtype or "?", *([f"q={self.quantization}"] if self.quantization else []),
-                f"tp{self.tp} dp{self.dp} pp{self.pp}", "deterministic" if self.deterministic else "nondeterministic",
-                *([self.attention_backend] if self.attention_backend else []), f"concurrency {self.concurrency or '?'}"]
-        return " ".join(bits)
-
 
 def parse_identity(obj: Any) -> EngineIdentity | None:
     """A result's ``engine`` object as an identity; None when it recorded none (``{}``/absent)."""

@@ -186,7 +186,6 @@ class UnitLease:
     def __init__(self, path: Path, duration_s: float, keeper: LeaseKeeper,
                  on_compromise: Callable[[], None] | None = None) -> None:
         self.path = Path(path)
-        self.lock_file = str(self.path)
         self.duration_s = duration_s
         self.keeper = keeper
         self.on_compromise = on_compromise
@@ -199,10 +198,6 @@ class UnitLease:
         self._seen: tuple[tuple[int, int, int, int], float] | None = None  # a contender's watch: identity, since
         self._record: tuple[tuple[int, int], LeaseHolder | None] | None = None  # the watched marker's
         self.watched_at = -float("inf")  # time.monotonic() of the last look at another holder's marker
-
-    @property
-    def is_locked(self) -> bool:
-        return self._fd is not None
 
     # -- claiming --------------------------------------------------------------------------------------
     def acquire(self) -> bool:

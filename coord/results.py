@@ -65,7 +65,6 @@ from ckpteval.coord.units import WorkUnit, units_for_step
 # may supersede them with a result of the next generation (module docstring).
 INFRA_SKIPS = frozenset({"judge_failed", "sandbox_failed", "env_failed", "overloaded"})
 BACKOFF_SKIPS = frozenset({"overloaded"})  # retried only after a backoff (retry_due): the server sheds load
-SKIP_REASONS = ("busy", "export_failed", "ckpt_missing", "ckpt_corrupt", "unhealthy", "pin_violation", "crashed")
 
 
 SCORE_BOUND = 1e15
@@ -281,15 +280,10 @@ def stamp(result: Result) -> Result:
     return stamped if stamped.worker else Result(**{**stamped.__dict__, "worker": producer_identity()})
 
 
-def is_result_name(name: str) -> bool:
-    """Whether a name in ``results/`` (or a step directory) is a result file: ``*.json``, not temporary
-    (``TMP_PREFIX``) or private (any name starting with ``.``)."""
-    return name.endswith(".json") and not name.startswith(".")
-
-
 def result_names(directory: Path) -> list[str]:
-    """The result file names in one directory, in listing order (one listing; FileNotFoundError if it is gone)."""
-    return [n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith(".")]  # is_result_name
+    """The result file names in one directory, in listing order (one listing; FileNotFoundError if it is gone):
+    ``*.json``, not temporary (``TMP_PREFIX``) or private (any name starting with ``.``)."""
+    return [n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith(".")]
 
 
 def result_generation(name: str) -> int:

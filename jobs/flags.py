@@ -201,7 +201,6 @@ def _kind_word(kind: Callable[[str], Any]) -> str:
 positive_int = bounded(int, min=1)
 non_negative_int = bounded(int, min=0)
 positive_float = bounded(float, gt=0)
-non_negative_float = bounded(float, min=0)
 
 
 def http_url(text: str) -> str:

@@ -392,7 +392,7 @@ def test_checksum_layout_reads_both_sglang_shapes_of_parallelism_info() -> None:
     ``ChecksumInfo``), 0.5.23 a list of one per role: both give the same parallel part of the key; the key
     also names dtype, quantization, version and the device the hash runs on (the old code read 0.5.19's
     object as no information: ``tp?-dp?-pp?``)."""
-    from ckpteval.jobs.eval.engines.http import checksum_layout
+    from ckpteval.jobs.eval.engines.http_server_info import checksum_layout
 
     placement = {"tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
                  "rank": 0, "size": 2}

@@ -28,8 +28,9 @@ from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.answering import resolve_reasoning
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.engines.fn import parse_output
-from ckpteval.jobs.eval.engines.hf import Completion
-from ckpteval.jobs.eval.engines.http import HTTPEngine, parse_generation
+from ckpteval.jobs.eval.engines.hf_decode import Completion
+from ckpteval.jobs.eval.engines.http import HTTPEngine
+from ckpteval.jobs.eval.engines.http_generate import parse_generation
 from ckpteval.jobs.eval.envs.runner import Episode, Renderer
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.kinds import evaluate_pinned, unit_result

@@ -24,8 +24,8 @@ from ckpteval.jobs.eval.scorers import SCORERS
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.reference.model import ModelConfig, build_model
-from ckpteval.jobs.trainer.dispatcher import EvalDispatcher, SharedEval
-from ckpteval.jobs.trainer.gate import ProducerGate, shared_eval
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
+from ckpteval.jobs.trainer.gate import ProducerGate, SharedEval, shared_eval
 from tests.support.training import eval_lines, make_train_run
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn
 

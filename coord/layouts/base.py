@@ -19,8 +19,6 @@ from typing import ClassVar
 
 from ckpteval.coord.atomic import read_json_object
 
-WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
-
 
 @dataclass(frozen=True)
 class Located:

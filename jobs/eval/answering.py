@@ -36,9 +36,6 @@ from ckpteval.jobs.eval.prompts import snapshot_tokenizer
 from ckpteval.jobs.eval.reasoning import TOKENIZER, ReasoningSetting, Split, parse_setting, split_reasoning
 from ckpteval.jobs.eval.scorers import Sample, Scored, Scorer, score_samples
 
-GENERATION_EXTRAS = ("truncated", "no_answer", "completion_tokens", "reasoning_tokens")
-"""The per-sample numbers every ``generate`` sample carries (the module docstring)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Reasoning:

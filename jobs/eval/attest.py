@@ -21,7 +21,7 @@ itself (``loaded: "self"``) or was found holding it (``"adopted"``).
   ``checksum``: fused, sharded tensors that no file can be compared with). The record is
   :mod:`ckpteval.coord.weight_checksums` (``RUN/weight_checksums/``), keyed by the snapshot (its marker's
   identity) and the *checksum layout* (parallelism and roles, dtype, quantization, sglang version and the
-  device the hash runs on: :func:`~ckpteval.jobs.eval.engines.http.checksum_layout`). Only an engine that
+  device the hash runs on: :func:`~ckpteval.jobs.eval.engines.http_server_info.checksum_layout`). Only an engine that
   loaded the snapshot from disk itself, and whose canary did not fail or flag, adds an observation; a
   checksum *stands* only once two engine instances (two servers, or two launches of one — never an
   in-place reload on the same launch) observed it. Then:

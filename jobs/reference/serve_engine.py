@@ -44,7 +44,8 @@ from ckpteval.jobs.reference.serve_info import weights_checker
 from ckpteval.jobs.reference.serve_requests import GenerateRequest, Refused
 
 if TYPE_CHECKING:
-    from ckpteval.jobs.eval.engines.hf import Completion, HFEngine
+    from ckpteval.jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.eval.engines.hf_decode import Completion
 
 DEFAULT_WEIGHT_VERSION = "default"  # sglang's ServerArgs.weight_version default
 DETERMINISTIC_DEFAULT_SEED = 42  # sampling_batch_info.py: the seed of unseeded requests in deterministic mode
@@ -234,7 +235,7 @@ class EngineService:
             raise Overloaded(RETRACTED)
         started = time.monotonic()
         if params.max_new_tokens == 0:  # prefill only: nothing generated (schedule_batch.py FINISH_LENGTH)
-            from ckpteval.jobs.eval.engines.hf import (
+            from ckpteval.jobs.eval.engines.hf_decode import (
                 Completion,  # at run time: importing this module stays torch-free
             )
 

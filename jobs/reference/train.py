@@ -86,7 +86,7 @@ from ckpteval.jobs.reference.train_ckpt import (
 )
 from ckpteval.jobs.reference.train_config import TrainConfig, parse_args
 from ckpteval.jobs.trainer.config import DispatchConfig
-from ckpteval.jobs.trainer.dispatcher import EvalDispatcher, SharedEval
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 from ckpteval.jobs.trainer.session import EvalRun, open_dispatcher, prepare_eval_run
 
 __all__ = ["TrainConfig", "main", "parse_args", "prepare_run", "run_training", "train"]
@@ -234,7 +234,7 @@ def build_dispatcher(
     shared = None
     if cfg.eval_posture == "shared":
         from ckpteval.jobs.eval.engines.hf import HFEngine
-        from ckpteval.jobs.trainer.gate import ProducerGate
+        from ckpteval.jobs.trainer.gate import ProducerGate, SharedEval
 
         engine = HFEngine(device="cpu")
         if cfg.lora:

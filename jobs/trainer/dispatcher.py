@@ -73,11 +73,11 @@ drain_timeout``. No result is written for them: results are facts, and the units
 fleet or a backfill to finish; only the trainer stops waiting. Their snapshots are not retired, so
 GC leaves them for that backfill.
 
-Shared posture: given a :class:`SharedEval` (the trainer's own engine and its :class:`ProducerGate`),
-a dispatch is blocking instead: publish the snapshot, evaluate it with
-:func:`ckpteval.jobs.trainer.gate.shared_eval`, ingest it at once (lag 0). The eval's wall time (what training waited
-on top of the export) is logged as ``eval/shared_eval_seconds``; in-flight producer requests that do
-not finish within ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
+Shared posture: given a :class:`ckpteval.jobs.trainer.gate.SharedEval` (the trainer's own engine and its
+producer gate), a dispatch is blocking instead: publish the snapshot, evaluate it (:meth:`SharedEval.evaluate`),
+ingest it at once (lag 0). The eval's wall time (what training waited on top of the export) is logged as
+``eval/shared_eval_seconds``; in-flight producer requests that do not finish within
+``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
 Limits: one dispatcher per run dir. Export times, the shared eval time and skips survive a restart
 as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`ckpteval.coord.ledger`).
@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,24 +109,13 @@ from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 
-if TYPE_CHECKING:  # the shared posture's parts are imported when a SharedEval is given (a fleet trainer needs none)
-    from ckpteval.jobs.eval.engines.base import Engine
+if TYPE_CHECKING:  # the shared posture's parts are imported with a SharedEval (a fleet trainer needs none)
     from ckpteval.jobs.eval.scoring import DatasetCache
-    from ckpteval.jobs.trainer.gate import ProducerGate
+    from ckpteval.jobs.trainer.gate import SharedEval
 
 Model = torch.nn.Module | Mapping[str, Any]
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
 WAIT_SLICE_S = 0.1
-
-
-@dataclass
-class SharedEval:
-    """The trainer's own engine and the gate its producers go through (shared posture)."""
-
-    engine: Engine
-    gate: ProducerGate
-    drain_timeout_s: float | None = 600.0
-    trust_run_code: bool = False  # import run.json's module:function scorers even from a run others can write
 
 
 class EvalDispatcher:
@@ -165,13 +153,7 @@ class EvalDispatcher:
             self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
             self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
                                 run=self.key)
-        self._cache: DatasetCache | None = None
-        if shared is not None:  # the trainer imports run.json's scorers too: same trust rule as a worker
-            from ckpteval.jobs.eval.scoring import DatasetCache
-            from ckpteval.jobs.eval.trust import check_run_code
-
-            check_run_code(run, self.manifest, trusted=shared.trust_run_code)
-            self._cache = DatasetCache(run, self.manifest)
+        self._cache: DatasetCache | None = None if shared is None else shared.attach(run, self.manifest)
         self.step = 0  # the trainer's latest step seen
         self.landed = len(self.ledger.state.ingested)
         self._last_poll = -float("inf")
@@ -285,7 +267,7 @@ class EvalDispatcher:
         else:
             self._mark_checkpoint(step)
         if self.shared is not None:
-            self._evaluate_shared(step)
+            self._evaluate_shared(self.shared, step)
 
     def close(self, final_step: int, model: Model) -> bool:
         """End of training: dispatch the final point, mark training done, drain (bounded).
@@ -370,25 +352,17 @@ class EvalDispatcher:
             self._lost.discard(step)
             self._skip(step, "crashed", "the trainer died before this step's snapshot was published")
 
-    def _evaluate_shared(self, step: int) -> None:
-        from ckpteval.jobs.trainer.gate import StopRequested, shared_eval
-
-        if self.shared is None or self._cache is None:
-            raise RuntimeError("shared evaluation without a shared engine")
+    def _evaluate_shared(self, shared: SharedEval, step: int) -> None:
         if step not in self.ledger.state.pending or not self._snapshot_published(step):
             return  # skipped (export failed, checkpoint missing): nothing to evaluate
-        t0 = time.perf_counter()
         try:
-            shared_eval(self.shared.engine, self.shared.gate, self.run, step, self.snapshot_dir(step),
-                        cache=self._cache, drain_timeout_s=self.shared.drain_timeout_s,
-                        should_stop=self.should_stop)
-        except StopRequested:  # preempted while producers drained: nothing written, the point stays open
-            return
+            seconds = shared.evaluate(self.run, step, self.snapshot_dir(step), self._cache, self.should_stop)
         except TimeoutError as e:  # producers' in-flight requests did not finish: the engine is busy
             self._skip(step, "busy", str(e))
             return
-        self.ledger.append("evaluated_shared", step, shared_eval_seconds=time.perf_counter() - t0)
-        self._ingest_ready(steps=[step])
+        if seconds is not None:  # None: preempted while producers drained; nothing written, the point stays open
+            self.ledger.append("evaluated_shared", step, shared_eval_seconds=seconds)
+            self._ingest_ready(steps=[step])
 
     def _wait_for_slot(self) -> float:
         """Backpressure: wait (ingesting) until a slot frees or the timeout passes; returns the wait."""
@@ -403,21 +377,18 @@ class EvalDispatcher:
         self.poll(force=True)
 
     # -- ingestion -------------------------------------------------------------------------------------
-    def _refresh(self, steps: set[int]) -> dict[WorkUnit, Result]:  # only these steps' dirs
-        return self.index.refresh(only_steps=steps)
-
     def _results_for(self, step: int) -> dict[WorkUnit, Result]:
         return {u: r for u in units_for_step(self.manifest, step) if (r := self.index.get(u)) is not None}
 
     def _derive(self, step: int) -> Point:
-        self._refresh({step})
+        self.index.refresh(only_steps={step})
         return derive_point(self.manifest, step, self._results_for(step))
 
     def _ingest_ready(self, steps: list[int] | None = None) -> None:
         candidates = [s for s in (self.pending if steps is None else steps) if s not in self._exporting]
         if not candidates:
             return
-        self._refresh(set(candidates))
+        self.index.refresh(only_steps=set(candidates))
         for step in candidates:
             if step not in self.ledger.state.ingested:
                 self._ingest(step)
@@ -451,12 +422,12 @@ class EvalDispatcher:
         if self.config.keep_best < 1:
             return set()
         metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
-        results = self._refresh(self.ledger.state.retired - set(self._ranked))
+        results = self.index.refresh(only_steps=self.ledger.state.retired - set(self._ranked))
         for step in self.ledger.state.retired - set(self._ranked):
             self._ranked[step] = point_value(self.manifest, results, step, metric)
         return top_steps(self._ranked, self.config.keep_best)
 
     def _give_up(self, step: int) -> None:
         """Drain timeout: log what exists, count the rest as skipped; write no result (see docstring)."""
-        self._refresh({step})
+        self.index.refresh(only_steps={step})
         self._ingest(step, give_up=True)

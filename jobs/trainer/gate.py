@@ -20,6 +20,10 @@ after, or on any sample, makes *every* unit of the point a ``pin_violation`` ski
 provably measure the intended weights. Pinning comes from call order: nothing else may load weights
 while the gate is paused, and nothing else can submit.
 
+:class:`SharedEval` is what a trainer hands its dispatcher for this posture (engine, gate, drain bound,
+trust): :meth:`SharedEval.attach` checks run.json's scorer code once, with a worker's trust rule
+(:func:`ckpteval.jobs.eval.trust.check_run_code`), and :meth:`SharedEval.evaluate` is one timed :func:`shared_eval`.
+
 Limits: a producer that calls the engine without ``gate.submission()`` is not gated; the gate is not
 reentrant (a thread must not enter ``submission()`` while it holds ``paused()``: that deadlocks, so
 it raises ``RuntimeError`` instead); an engine reloaded by another *process* is detected (the
@@ -32,9 +36,11 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpteval.coord.identity import run_key, weight_version
+from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.results import Result, skip_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
@@ -45,6 +51,7 @@ from ckpteval.jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
 from ckpteval.jobs.eval.pinning import PinViolation, WorkerSkip, pin
 from ckpteval.jobs.eval.prompts import NoChatTemplate
 from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.trust import check_run_code
 
 STOP_SLICE_S = 0.1  # how often a paused() drain looks at its stop flag
 
@@ -60,7 +67,6 @@ class ProducerGate:
         self._cond = threading.Condition()
         self._paused_by: int | None = None  # thread id holding paused()
         self._in_flight = 0
-        self.submissions = 0  # started, ever
         self.pauses = 0
 
     @property
@@ -83,7 +89,6 @@ class ProducerGate:
             while self._paused_by is not None:
                 self._cond.wait()
             self._in_flight += 1
-            self.submissions += 1
         try:
             yield
         finally:
@@ -176,6 +181,33 @@ def shared_eval(
             timings={"generate_s": out.generate_s, "attest_s": attestation.seconds, "point_s": elapsed})
         for u, out in done
     ])
+
+
+@dataclass
+class SharedEval:
+    """The trainer's own engine and the gate its producers go through (shared posture); see the module docstring."""
+
+    engine: Engine
+    gate: ProducerGate
+    drain_timeout_s: float | None = 600.0
+    trust_run_code: bool = False  # import run.json's module:function scorers even from a run others can write
+
+    def attach(self, run: RunDir, manifest: RunManifest) -> DatasetCache:
+        """The run's datasets, once run.json's scorer code passed the trust check (``ValueError`` if not)."""
+        check_run_code(run, manifest, trusted=self.trust_run_code)
+        return DatasetCache(run, manifest)
+
+    def evaluate(self, run: RunDir, step: int, snapshot_dir: Path, cache: DatasetCache | None,
+                 should_stop: Callable[[], bool]) -> float | None:
+        """:func:`shared_eval` of ``step``; its seconds, or None when a stop signal ended the producers' drain
+        (nothing written). ``TimeoutError``: in-flight producer requests outlived ``drain_timeout_s``."""
+        t0 = time.perf_counter()
+        try:
+            shared_eval(self.engine, self.gate, run, step, snapshot_dir, cache=cache,
+                        drain_timeout_s=self.drain_timeout_s, should_stop=should_stop)
+        except StopRequested:
+            return None
+        return time.perf_counter() - t0
 
 
 # What ends one unit of a shared point, not the point: no chat template, a scorer's or a library task's own

@@ -114,7 +114,7 @@ class EngineChecksum:
     """sglang's ``/weights_checker`` ``checksum`` answer, reduced: ``checksum`` (its
     ``per_engine_checksum``), ``layout`` (everything the checksum depends on besides the weights:
     parallelism, roles, dtype, quantization, sglang version, the device the hash runs on —
-    :func:`ckpteval.jobs.eval.engines.http.checksum_layout`): equal only between engines of the same
+    :func:`ckpteval.jobs.eval.engines.http_server_info.checksum_layout`): equal only between engines of the same
     layout holding the same weights; ``instance``: which server launch answered (``<url>@<startup
     time>``), so an in-place reload is never taken for an independent load."""
 

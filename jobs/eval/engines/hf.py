@@ -35,7 +35,8 @@ What it owns and promises:
   decoder takes it, so a row's sample depends on its prompt and seed only, not on its batch-mates
   (up to the float noise of padding), and identical prompts with distinct seeds draw independently
   (the checks, the seeded RNG and the per-row sampler are :mod:`ckpteval.jobs.eval.engines.hf_sampling`'s). Only
-  new tokens are decoded, cut at the first ``eos``; ``n_tokens`` counts generated tokens including that ``eos``.
+  new tokens are decoded, cut at the first ``eos``; ``n_tokens`` counts generated tokens including that ``eos``
+  (the decoder's settings and the reading of its output are :mod:`ckpteval.jobs.eval.engines.hf_decode`'s).
 - Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused (reading and
   checking a snapshot's weights is :mod:`ckpteval.jobs.eval.engines.hf_weights`'s).
 - Several engines in one process (a pool) are safe: model builds, which transformers runs under
@@ -60,7 +61,6 @@ import contextlib
 import gc
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,7 @@ from transformers import (
 
 from ckpteval.coord.engine_identity import EngineIdentity
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams, WeightDigests
+from ckpteval.jobs.eval.engines.hf_decode import Completion, completion, eos_ids, generation_config, pad_id
 from ckpteval.jobs.eval.engines.hf_sampling import (
     SeededSampler,
     check_context,
@@ -87,6 +88,7 @@ from ckpteval.jobs.eval.engines.hf_sampling import (
     validate_seeds,
 )
 from ckpteval.jobs.eval.engines.hf_weights import (
+    TensorIndex,
     arch_signature,
     copy_into_resident,
     index_tensors,
@@ -108,21 +110,6 @@ _DTYPES: dict[str, torch.dtype | str] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One completion with what a server reports about it (sglang's ``meta_info`` fields)."""
-
-    text: str
-    output_ids: list[int]  # generated ids, including the eos that stopped it, if any
-    finish_reason: dict[str, Any]  # {"type": "stop", "matched": id} | {"type": "length", "length": n}
-    prompt_tokens: int
-    weight_version: str | None
-
-    def generation(self) -> Generation:
-        return Generation(text=self.text, weight_version=self.weight_version, n_tokens=len(self.output_ids),
-                          prompt_tokens=self.prompt_tokens, finish_reason=self.finish_reason["type"])
 
 
 @contextlib.contextmanager
@@ -177,11 +164,6 @@ class HFEngine:
     def tokenizer(self) -> Any:
         return self._tokenizer
 
-    @property
-    def snapshot_dir(self) -> str | None:
-        """The snapshot the current weights came from."""
-        return None if self._snapshot is None else str(self._snapshot)
-
     def weight_version(self) -> str | None:
         with self._lock:
             return self._version
@@ -223,12 +205,16 @@ class HFEngine:
         if not isinstance(weight_version, str):
             raise ValueError(f"weight_version must be a str, got {weight_version!r}")
         snapshot = Path(snapshot_dir)
-        signature = arch_signature(read_config(snapshot))
+        signature = self._signature_of(snapshot)
         with self._load_lock:
             if self._model is not None and signature == self._signature:
                 self._reload_in_place(snapshot, weight_version)
             else:
                 self._instantiate(snapshot, weight_version, signature)
+
+    def _signature_of(self, snapshot: Path) -> dict[str, Any]:
+        """What must equal the resident model's for ``snapshot`` to load in place: its architecture."""
+        return arch_signature(read_config(snapshot))
 
     def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
         model, tokenizer = self._build(snapshot)
@@ -271,10 +257,13 @@ class HFEngine:
             self._model_dtype = model.dtype
             self._signature, self._version, self._snapshot = signature, version, snapshot
 
-    def _reload_in_place(self, snapshot: Path, version: str) -> None:
-        model = self._model
+    def _targets(self, model: torch.nn.Module, snapshot: Path) -> tuple[dict[str, torch.Tensor], TensorIndex]:
+        """The resident tensors ``snapshot``'s files overwrite in place, names and shapes checked."""
         index = index_tensors(weight_files(snapshot))
-        targets = resident_targets(model, index)  # names and shapes checked: nothing touched yet
+        return resident_targets(model, index), index
+
+    def _reload_in_place(self, snapshot: Path, version: str) -> None:
+        targets, index = self._targets(self._model, snapshot)  # nothing touched yet
         with self._lock:
             try:
                 copy_into_resident(targets, index, self._device)
@@ -301,18 +290,12 @@ class HFEngine:
     def generate(
         self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
     ) -> list[Generation]:
-        return [c.generation() for c in self.complete(prompts, params, seeds)]
-
-    def complete(
-        self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
-    ) -> list[Completion]:
-        """Like :meth:`generate`, with output ids, finish reason and prompt length."""
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts must be a list of str")
         with self._lock:
             tokenizer = self._require_loaded()[1]
             rows = tokenizer(prompts)["input_ids"] if prompts else []
-            return self.generate_ids(rows, params, seeds)
+            return [c.generation() for c in self.generate_ids(rows, params, seeds)]
 
     def generate_ids(
         self, input_ids: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
@@ -341,12 +324,12 @@ class HFEngine:
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
-        input_ids, attention_mask = left_pad(rows, self._pad_id(tokenizer))
-        config = self._generation_config(params, tokenizer)
+        input_ids, attention_mask = left_pad(rows, pad_id(model.config, tokenizer))
         processors = LogitsProcessorList()
         if seeds is not None:  # per-row generators draw the token; the decoder itself is greedy
-            config = self._generation_config(SamplingParams(max_new_tokens=params.max_new_tokens), tokenizer)
             processors.append(SeededSampler(seeds, params, self._device))
+        decoding = params if seeds is None else SamplingParams(max_new_tokens=params.max_new_tokens)
+        config = generation_config(decoding, model.config, tokenizer)
         try:
             with torch.inference_mode():
                 out = model.generate(
@@ -358,54 +341,8 @@ class HFEngine:
         except RuntimeError as e:
             raise EngineError(f"generation failed: {e}") from e
         new_tokens = out[:, input_ids.shape[1] :].tolist()
-        eos_ids = self._eos_ids(tokenizer)
-        return [
-            self._completion(tokenizer, row, new, eos_ids) for row, new in zip(rows, new_tokens, strict=True)
-        ]
-
-    def _completion(self, tokenizer: Any, prompt: list[int], new: list[int], eos_ids: set[int]) -> Completion:
-        stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
-        if stop is None:
-            output_ids, finish = new, {"type": "length", "length": len(new)}
-        else:
-            output_ids, finish = new[: stop + 1], {"type": "stop", "matched": new[stop]}
-        text_ids = output_ids if stop is None else output_ids[:-1]
-        return Completion(
-            text=tokenizer.decode(text_ids, skip_special_tokens=True),
-            output_ids=output_ids,
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            weight_version=self._version,
-        )
-
-    def _generation_config(self, params: SamplingParams, tokenizer: Any) -> GenerationConfig:
-        common = dict(
-            max_new_tokens=params.max_new_tokens,
-            pad_token_id=self._pad_id(tokenizer),
-            eos_token_id=sorted(self._eos_ids(tokenizer)),
-            use_cache=True,
-        )
-        if params.temperature == 0:
-            return GenerationConfig(do_sample=False, **common)
-        return GenerationConfig(
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else 0,  # 0 disables transformers' top-k filter
-            **common,
-        )
-
-    def _eos_ids(self, tokenizer: Any) -> set[int]:
-        ids = self._model.config.eos_token_id if self._model is not None else None
-        found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-        if tokenizer.eos_token_id is not None:
-            found.add(tokenizer.eos_token_id)
-        return found
-
-    def _pad_id(self, tokenizer: Any) -> int:
-        if tokenizer.pad_token_id is not None:
-            return tokenizer.pad_token_id
-        return min(self._eos_ids(tokenizer), default=0)
+        eos = eos_ids(model.config, tokenizer)
+        return [completion(tokenizer, row, new, eos, self._version) for row, new in zip(rows, new_tokens, strict=True)]
 
     def _require_loaded(self) -> tuple[PreTrainedModel, Any]:
         if self._model is None:

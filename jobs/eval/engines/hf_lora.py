@@ -36,13 +36,7 @@ import torch
 from ckpteval.coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.hf_weights import (
-    TensorIndex,
-    arch_signature,
-    copy_into_resident,
-    index_tensors,
-    read_config,
-)
+from ckpteval.jobs.eval.engines.hf_weights import TensorIndex, copy_into_resident, index_tensors
 
 # adapter_config.json keys that do not change the adapter's layout or scaling.
 _ADAPTER_BOOKKEEPING = frozenset({"base_model_name_or_path", "peft_version", "revision", "inference_mode", "auto_mapping"})
@@ -83,24 +77,16 @@ class HFLoRAEngine(HFEngine):
                  max_batch_size: int = 256) -> None:
         super().__init__(device=device, dtype=dtype, max_batch_size=max_batch_size)
         self._base = Path(base_model)
-        self._adapter_signature: dict[str, Any] | None = None
 
     @property
     def base_model(self) -> str:
         return str(self._base)
 
-    def load(self, snapshot_dir: str, weight_version: str) -> None:
-        if not isinstance(weight_version, str):
-            raise ValueError(f"weight_version must be a str, got {weight_version!r}")
-        snapshot = Path(snapshot_dir)
-        signature = adapter_signature(read_adapter_config(snapshot))
-        with self._load_lock:
-            if self._model is not None and signature == self._adapter_signature:
-                self._reload_in_place(snapshot, weight_version)
-            else:
-                self._build_with_adapter(snapshot, weight_version)
+    def _signature_of(self, snapshot: Path) -> dict[str, Any]:
+        """The adapter's layout and scaling (the base is fixed): a new one rebuilds base + adapter."""
+        return adapter_signature(read_adapter_config(snapshot))
 
-    def _build_with_adapter(self, snapshot: Path, version: str | None) -> None:
+    def _instantiate(self, snapshot: Path, version: str | None, signature: dict[str, Any]) -> None:
         """Base from disk + the snapshot's LoRA layers and tensors; installed only when all succeeded."""
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -114,11 +100,11 @@ class HFLoRAEngine(HFEngine):
             raise EngineError(f"cannot apply {snapshot / ADAPTER_CONFIG} to {self._base}: {e}") from e
         model.to(self._device)
         self._copy_adapter(model, snapshot)
-        self._install(model, tokenizer, arch_signature(read_config(self._base)), version, snapshot)
-        self._adapter_signature = adapter_signature(config)
+        self._install(model, tokenizer, signature, version, snapshot)
 
     def _targets(self, model: torch.nn.Module, snapshot: Path) -> tuple[dict[str, torch.Tensor], TensorIndex]:
-        """LoRA parameters by file name, checked against the adapter file's names and shapes."""
+        """LoRA parameters by file name, checked against the adapter file's names and shapes (in-place
+        reloads of :class:`HFEngine` copy into these)."""
         index = index_tensors([snapshot / ADAPTER_WEIGHTS])
         params = lora_parameters(model)
         missing, unexpected = sorted(params.keys() - index.keys()), sorted(index.keys() - params.keys())
@@ -135,25 +121,13 @@ class HFLoRAEngine(HFEngine):
         targets, index = self._targets(model, snapshot)
         copy_into_resident(targets, index, self._device)
 
-    def _reload_in_place(self, snapshot: Path, version: str) -> None:
-        model = self._model
-        targets, index = self._targets(model, snapshot)  # nothing touched yet
-        with self._lock:
-            try:
-                copy_into_resident(targets, index, self._device)
-            except (RuntimeError, OSError) as e:
-                self._version = None
-                raise EngineError(f"in-place adapter load of {snapshot} failed midway: {e}") from e
-            self._version, self._snapshot = version, snapshot
-
     def restart(self) -> None:
         """Rebuild base + adapter from the last snapshot (version kept); if that snapshot is gone, drop
         the model (version ``None``): the next :meth:`load` rebuilds it."""
         with self._load_lock:
-            snapshot, version = self._snapshot, self._version
+            snapshot, version, signature = self._snapshot, self._version, self._signature
             with self._lock:
                 self._release_model()
-            self._adapter_signature = None
-            if snapshot is not None and snapshot.is_dir():
+            if snapshot is not None and snapshot.is_dir() and signature is not None:
                 with contextlib.suppress(EngineError):
-                    self._build_with_adapter(snapshot, version)
+                    self._instantiate(snapshot, version, signature)

@@ -23,20 +23,19 @@ Promises:
 - :meth:`HTTPEngine.generate` sends each batch (up to ``max_batch_size`` prompts, and at most half the
   server's ``max_queued_requests``: a batch larger than sglang's queue can never pass; a queue-full
   503 halves it, finished chunks kept: :mod:`ckpteval.jobs.eval.engines.http_limits`) as one request.
-  ``seeds`` (one per prompt, sampled decoding only) go as ``sampling_params[i]["sampling_seed"]``, a
-  list of one dict per prompt (``srt/managers/io_struct.py`` ``_normalize_sampling_params``); sglang
-  applies them only when launched with ``--enable-deterministic-inference``
-  (``srt/sampling/sampling_batch_info.py``), which the engine reports once on stderr when missing.
+  ``seeds`` (one per prompt, sampled decoding only) go as ``sampling_seed`` per prompt; sglang applies them
+  only when launched with ``--enable-deterministic-inference`` (``srt/sampling/sampling_batch_info.py``),
+  which the engine reports once on stderr when missing.
 - **Aborts are never scored**: sglang answers HTTP 200 with ``meta_info.finish_reason.type ==
   "abort"`` and partial text for requests cut by ``/abort_request``, ``/pause_generation`` (abort
   mode), a weight update with ``abort_all_requests`` or ``/update_weight_version``
   (``tokenizer_manager.py`` ``_handle_abort_finish_reason`` turns only aborts carrying a status code
   into errors). Aborted samples are resent (``abort_retries`` times, same seeds); still aborted, the
   call raises :class:`~ckpteval.jobs.eval.engines.base.SamplesAborted`.
-- **Versions per sample**: a sample's version is its ``meta_info.weight_versions`` spans (sglang
-  >= 0.5.19, ``srt/utils/weight_versions.py``) when present: one version if every span has it, else
-  the span versions joined by ``|`` (``"3|4"``), which equals no pin and no step, so a sample that
-  spans a weight update fails the pin check and counts as mixed. Without spans, ``weight_version``.
+- **Versions per sample**: a sample's version is its ``meta_info.weight_versions`` spans, joined by ``|``
+  when they differ, so a sample that spans a weight update fails the pin check (the request body and the
+  reply items are :mod:`ckpteval.jobs.eval.engines.http_generate`'s; what ``/server_info`` says,
+  :mod:`ckpteval.jobs.eval.engines.http_server_info`'s).
 - **Rejected is not dead**: a 4xx from ``/generate`` (other than 408/429) is the request's fault
   (too long a prompt, a bad setting: ``tokenizer_manager.py`` ``_validate_one_request``,
   ``srt/sampling/sampling_params.py`` ``verify``) and raises
@@ -45,9 +44,8 @@ Promises:
   server, retried with backoff and never restarted (:mod:`ckpteval.jobs.eval.engines.http_limits`, which also
   sizes each ``/generate`` timeout from ``max_new_tokens`` and the batch); a 401 is
   :class:`~ckpteval.jobs.eval.engines.http_auth.Unauthorized` (keys come from the environment only:
-  :mod:`ckpteval.jobs.eval.engines.http_auth`). Error bodies are read in the three
-  shapes sglang uses: ``{"error": "<str>"}`` (the 0.5.22+ schema gate), ``{"error": {"message"}}``
-  (``_create_error_response``) and ``{"object": "error", "message"}`` (``ErrorResponse``).
+  :mod:`ckpteval.jobs.eval.engines.http_auth`); the server's message is read in every shape sglang uses
+  (:func:`~ckpteval.jobs.eval.engines.http_limits.error_message`).
 - **The canary** (:meth:`HTTPEngine.teacher_forced`): the probe's input-token log-probs from one
   ``/generate`` (:mod:`ckpteval.jobs.eval.engines.sglang_logprobs`), for every engine of this API.
 - :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
@@ -64,13 +62,11 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from ckpteval.coord.engine_identity import EngineIdentity
-from ckpteval.coord.identity import MIXED_SEP
 from ckpteval.jobs.eval.engines.base import (
     EngineChecksum,
     EngineError,
@@ -81,6 +77,7 @@ from ckpteval.jobs.eval.engines.base import (
     WeightVersionMismatch,
 )
 from ckpteval.jobs.eval.engines.http_auth import auth_headers, keys_from_env, unauthorized
+from ckpteval.jobs.eval.engines.http_generate import Sample, check_seeds, parse_generation, request_sampling
 from ckpteval.jobs.eval.engines.http_limits import (
     DEFAULT_TOKEN_TIMEOUT_S,
     BatchTooLarge,
@@ -88,9 +85,10 @@ from ckpteval.jobs.eval.engines.http_limits import (
     error_message,
     generate_timeout,
     queue_chunk,
-    running_at_once,
+    reply_object,
     send_retrying_busy,
 )
+from ckpteval.jobs.eval.engines.http_server_info import checksum_layout, server_gpus, server_identity
 from ckpteval.jobs.eval.engines.sglang_logprobs import server_teacher_forced
 from ckpteval.jobs.eval.engines.sglang_version import check_sglang_version
 
@@ -98,159 +96,6 @@ from ckpteval.jobs.eval.engines.sglang_version import check_sglang_version
 # polling once a second (srt/entrypoints/http_server.py): wait past that before calling it dead.
 HEALTH_TIMEOUT_S = 30.0
 TRANSIENT_4XX = (408, 429)  # timeouts and rate limits: the server's state, not the request's fault
-FINISH_TYPES = ("stop", "length", "abort")
-
-
-def sampling_json(params: SamplingParams) -> dict[str, Any]:
-    """sglang ``sampling_params`` for :class:`SamplingParams` (``sampling_seed`` only when set).
-
-    Only keys sglang knows (0.5.22+ rejects unknown ones), ints as JSON ints; ``top_k`` 0 (our "off")
-    becomes sglang's -1, since sglang answers ``top_k: 0`` with a 400 (``sampling_params.py`` verify).
-    """
-    body: dict[str, Any] = {
-        "max_new_tokens": int(params.max_new_tokens),
-        "temperature": float(params.temperature),
-        "top_p": float(params.top_p),
-        "top_k": int(params.top_k) if params.top_k > 0 else -1,
-    }
-    if params.seed is not None:
-        body["sampling_seed"] = int(params.seed)
-    return body
-
-
-def request_sampling(params: SamplingParams, seeds: list[int] | None) -> dict[str, Any] | list[dict[str, Any]]:
-    """One dict for the batch, or one per prompt carrying its ``sampling_seed`` (sampled decoding only)."""
-    base = sampling_json(params)
-    if seeds is None or params.temperature == 0:
-        return base
-    return [base | {"sampling_seed": int(s)} for s in seeds]
-
-
-def sample_version(meta: dict[str, Any]) -> str | None:
-    """The version that produced a sample: its ``weight_versions`` spans when present (``"a|b"`` when they
-    differ), else ``weight_version``; :class:`EngineError` for malformed spans."""
-    spans = meta.get("weight_versions")
-    if spans is None:
-        version = meta.get("weight_version")
-        return None if version is None else str(version)
-    if not isinstance(spans, list) or not spans:
-        raise EngineError(f"malformed meta_info.weight_versions {str(spans)[:200]}")
-    versions = []
-    for span in spans:
-        if not isinstance(span, dict) or span.get("version") is None:
-            raise EngineError(f"malformed meta_info.weight_versions span {str(span)[:200]}")
-        versions.append(str(span["version"]))
-    return versions[0] if len(set(versions)) == 1 else MIXED_SEP.join(versions)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One parsed ``/generate`` result: a generation, or why the server aborted it."""
-
-    generation: Generation
-    abort_message: str | None = None
-
-
-def parse_generation(item: Any) -> Sample:
-    """One ``/generate`` result -> :class:`Sample`; :class:`EngineError` if malformed.
-
-    An aborted result (``finish_reason.type == "abort"``) may lack ``prompt_tokens`` and carries
-    partial text (``tokenizer_manager.py`` ``_handle_abort_req``): it is returned as an abort, never as
-    a generation to score.
-    """
-    try:
-        meta = item["meta_info"]
-        finish = meta.get("finish_reason")
-    except (KeyError, TypeError, AttributeError) as e:
-        raise EngineError(f"malformed /generate result {str(item)[:200]}: missing {e}") from e
-    kind = finish.get("type") if isinstance(finish, dict) else None
-    if kind not in FINISH_TYPES:
-        raise EngineError(f"/generate result without a finish_reason type in {FINISH_TYPES}: {str(item)[:200]}")
-    version = sample_version(meta)
-    if kind == "abort":
-        message = str(finish.get("message") or "Aborted")
-        return Sample(Generation(text="", weight_version=version, n_tokens=0), message)
-    text, n_tokens = item.get("text"), meta.get("completion_tokens")
-    if not isinstance(text, str) or not isinstance(n_tokens, int):
-        raise EngineError(f"malformed /generate result {str(item)[:200]}")
-    prompt = meta.get("prompt_tokens")
-    return Sample(Generation(text=text, weight_version=version, n_tokens=n_tokens,
-                             prompt_tokens=prompt if isinstance(prompt, int) else None, finish_reason=kind))  # stop | length
-
-
-def checksum_layout(ranks: list[Any], info: dict[str, Any] | None = None) -> str:
-    """Everything a ``/weights_checker`` checksum depends on besides the weights, as one key:
-    ``tp<T>-dp<D>-pp<P>-ranks<N>-roles<r1+r2>-<dtype>-q<quantization>-sglang<version>-on<device>``.
-
-    Parallelism from the ranks' ``parallelism_info``: one object per rank in sglang 0.5.19
-    (``srt/managers/io_struct.py`` ``ChecksumInfo.parallelism_info: ParallelismInfo``, no role: the
-    target), a list of one object per role in 0.5.23 (``List[ParallelismInfo]`` with ``role``; draft
-    checksums merged in under a role prefix, ``srt/managers/scheduler_components/weight_updater.py``
-    ``_merge_checksum_payloads``). The rest from ``/server_info`` (``info``; ``?`` when absent): ``dtype``
-    and ``quantization`` change the tensors held, the version changes what is hashed (0.5.23 skips
-    non-persistent buffers such as ``cos_cache``, 0.5.19 does not: ``srt/utils/weight_checker.py``
-    ``_compute_checksum``), and ``device`` where the hash runs (``srt/managers/mm_utils.py``
-    ``tensor_hash``: a triton kernel for CUDA tensors, SHA-256 of the bytes on the CPU)."""
-    infos = [i for r in ranks if isinstance(r, dict) for i in _rank_infos(r.get("parallelism_info"))]
-    target = next((i for i in infos if i.get("role", "target") == "target"), infos[0] if infos else {})
-    roles = "+".join(sorted({str(i.get("role", "target")) for i in infos}))
-    info = info or {}
-    return (f"tp{target.get('tp_size', '?')}-dp{target.get('dp_size', '?')}-pp{target.get('pp_size', '?')}"
-            f"-ranks{len(ranks)}-roles{roles or '?'}-{info.get('dtype') or '?'}-q{info.get('quantization') or 'none'}"
-            f"-sglang{info.get('version') or '?'}-on{info.get('device') or '?'}")
-
-
-def _rank_infos(value: Any) -> list[dict[str, Any]]:
-    """A rank's ``parallelism_info``: one object (0.5.19) or a list of them (0.5.23)."""
-    items = value if isinstance(value, list) else [value]
-    return [i for i in items if isinstance(i, dict)]
-
-
-def server_gpus(info: dict[str, Any]) -> int:
-    """GPUs a server holds from its server args: ``tp_size * pp_size * dp_size``, where DP attention's
-    ``dp_size`` splits the TP group instead of replicating it (``srt/runtime_context.py``
-    ``derive_attn_tp_size``: attention TP is ``tp_size // attn_dp_size``), so then ``tp_size * pp_size``. 0 when ``tp_size`` is missing."""
-    tp, dp, pp = info.get("tp_size"), info.get("dp_size") or 1, info.get("pp_size") or 1
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (tp, dp, pp)):
-        return 0
-    return tp * pp * (1 if info.get("enable_dp_attention") else dp)
-
-
-def server_identity(info: dict[str, Any], max_batch_size: int) -> EngineIdentity:
-    """The :class:`~ckpteval.coord.engine_identity.EngineIdentity` of an sglang server from its ``/server_info``
-    (0.5.23 ``srt/utils/common.py`` ``build_server_info``: the resolved server args, so ``attention_backend``
-    is what ``--enable-deterministic-inference`` picked, ``srt/arg_groups/overrides.py``
-    ``_deterministic_attention_backend``); ``deterministic`` only when the mode is on and LoRA is not (the
-    mode does not cover LoRA kernels). ``concurrency``: prompts per ``/generate`` this client sends
-    (:func:`~ckpteval.jobs.eval.engines.http_limits.queue_chunk`), at most what the server runs at once."""
-
-    def size(name: str) -> int:
-        value = info.get(name)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-    def text(name: str) -> str | None:
-        value = info.get(name)
-        return None if value is None else str(value)
-
-    chunk = queue_chunk(max_batch_size, info)
-    running = running_at_once(info)
-    return EngineIdentity(
-        "sglang", version=text("version"), dtype=text("dtype"), quantization=text("quantization"),
-        tp=size("tp_size"), dp=size("dp_size"), pp=size("pp_size"),
-        # LoRA kernels are outside the mode (srt/lora/backend/): a LoRA completion still depends on its batch
-        deterministic=info.get("enable_deterministic_inference") is True and info.get("enable_lora") is not True,
-        attention_backend=text("attention_backend"), device=text("device"),
-        concurrency=chunk if running is None else min(chunk, running),
-    )
-
-
-def check_seeds(seeds: list[int] | None, n: int) -> None:
-    if seeds is None:
-        return
-    if not isinstance(seeds, list) or len(seeds) != n:
-        raise ValueError(f"seeds must be a list of one int per prompt ({n})")
-    if not all(isinstance(s, int) and not isinstance(s, bool) and -(2**63) <= s < 2**63 for s in seeds):
-        raise ValueError("seeds must be ints in sglang's sampling_seed range [-2**63, 2**63-1]")
 
 
 class HTTPEngine:
@@ -317,12 +162,9 @@ class HTTPEngine:
                 continue
             if response.status_code != 200:
                 raise EngineError(f"GET {path}: {error_message(response)}")
-            try:
-                body = response.json()
-            except ValueError as e:
-                raise EngineError(f"GET {path}: reply is not JSON: {response.text[:200]}") from e
-            if not isinstance(body, dict):
-                raise EngineError(f"GET {path}: expected an object, got {str(body)[:200]}")
+            body = reply_object(response)
+            if body is None:
+                raise EngineError(f"GET {path}: reply is not a JSON object: {response.text[:200]}")
             return path, body
         raise EngineError(f"none of {paths} answered")  # unreachable: the last path returns or raises
 
@@ -341,11 +183,8 @@ class HTTPEngine:
         body = {"model_path": str(snapshot_dir), "weight_version": weight_version, "abort_all_requests": False}
         self._weights_unknown = True  # until the server confirms the load
         response = self._request("POST", "/update_weights_from_disk", json=body, timeout=self._load_timeout)
-        try:
-            reply = response.json()
-        except ValueError:
-            reply = None
-        if response.status_code != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
+        reply = reply_object(response)
+        if response.status_code != 200 or reply is None or reply.get("success") is not True:
             raise EngineError(f"update_weights_from_disk({snapshot_dir}) failed: {error_message(response)}; the "
                               "server's weights are now unknown (a failed sglang load can leave them partly replaced)")
         self._weights_unknown = False
@@ -384,11 +223,8 @@ class HTTPEngine:
         afresh) and the instance (``startup_time`` of ``/server_info``, in 0.5.19 and 0.5.23). :class:`EngineError` when the
         server cannot answer (an older sglang 404s the route; ``success: false``)."""
         response = self._request("POST", "/weights_checker", json={"action": "checksum"}, timeout=self._load_timeout)
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if response.status_code != 200 or not isinstance(body, dict) or body.get("success") is not True:
+        body = reply_object(response)
+        if response.status_code != 200 or body is None or body.get("success") is not True:
             raise EngineError(f"POST /weights_checker: {error_message(response)}")
         ranks, checksum = body.get("ranks"), body.get("per_engine_checksum")
         if not isinstance(ranks, list) or not ranks or not isinstance(checksum, str):

@@ -114,7 +114,9 @@ def dataset_timeout(timeout_s: float | None, prompts: int) -> Iterator[None]:
 
 
 def error_message(response: httpx.Response) -> str:
-    """The server's explanation of a failed request, whatever shape its body has."""
+    """The server's explanation of a failed request, in the three shapes sglang uses: ``{"error": "<str>"}`` (the
+    0.5.22+ schema gate), ``{"error": {"message"}}`` (``_create_error_response``) and ``{"object": "error",
+    "message"}`` (``ErrorResponse``); any other body as it is."""
     try:
         body = response.json()
     except ValueError:
@@ -130,15 +132,19 @@ def error_message(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {body!r}"[:600]
 
 
-def busy_message(response: httpx.Response) -> str | None:
-    """The message of a 503 that says why (sglang's ``ErrorResponse`` ``message``, or ``detail``), else None."""
-    if response.status_code != BUSY_STATUS:
-        return None
+def reply_object(response: httpx.Response) -> dict[str, Any] | None:
+    """A reply's JSON object; None when its body is not JSON or not an object."""
     try:
         body = response.json()
     except ValueError:
         return None
-    if not isinstance(body, dict):
+    return body if isinstance(body, dict) else None
+
+
+def busy_message(response: httpx.Response) -> str | None:
+    """The message of a 503 that says why (sglang's ``ErrorResponse`` ``message``, or ``detail``), else None."""
+    body = reply_object(response) if response.status_code == BUSY_STATUS else None
+    if body is None:
         return None
     message = body.get("message", body.get("detail"))
     if isinstance(body.get("error"), dict):

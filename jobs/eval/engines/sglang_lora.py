@@ -82,7 +82,7 @@ from typing import Any
 from ckpteval.coord.snapshot import ADAPTER_CONFIG
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, RequestRejected
 from ckpteval.jobs.eval.engines.http import HTTPEngine
-from ckpteval.jobs.eval.engines.http_limits import error_message
+from ckpteval.jobs.eval.engines.http_limits import error_message, reply_object
 from ckpteval.jobs.eval.engines.sglang import SGLangEngine
 
 BASE_LABEL = "base"  # the base model's weight_version on a LoRA server this engine launches
@@ -163,12 +163,9 @@ class _LoRAClient:
 
     def _lora_call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         response = self._request("POST", route, json=body)
-        try:
-            reply = response.json()
-        except ValueError:
-            reply = None
-        if response.status_code != 200 or not isinstance(reply, dict) or reply.get("success") is not True:
-            message = reply.get("error_message") if isinstance(reply, dict) else None
+        reply = reply_object(response)
+        if response.status_code != 200 or reply is None or reply.get("success") is not True:
+            message = None if reply is None else reply.get("error_message")
             raise EngineError(f"{route} {body.get('lora_name')}: {message or error_message(response)}")
         return reply
 

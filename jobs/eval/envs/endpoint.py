@@ -20,7 +20,7 @@ Versions, as sglang stamps them (sglang 0.5.23 ``srt/entrypoints/openai/serving_
 of the non-streaming reply; ``srt/utils/weight_versions.py`` ``build_endpoint_weight_version_metadata``:
 ``{"weight_version": ..., "weight_versions": spans}``; ``serving_completions.py`` does the same for
 ``/v1/completions``): every reply carries ``metadata.weight_version`` (the generation's version, spans
-resolved by the engine, :func:`ckpteval.jobs.eval.engines.http.sample_version`). :func:`reply_version` reads it
+resolved by the engine, :func:`ckpteval.jobs.eval.engines.http_generate.sample_version`). :func:`reply_version` reads it
 back from any such reply, this endpoint's or an sglang server's own. A generation whose version is not
 the pinned one is refused (HTTP 409 naming both versions: no further turn is fed by other weights) and
 recorded; :meth:`Endpoint.check` is the one pin check (:func:`ckpteval.jobs.eval.pinning.check_pinned`) over
@@ -52,7 +52,7 @@ from typing import Any
 
 from ckpteval.coord.manifest import EnvSpec
 from ckpteval.jobs.eval.engines.base import Engine, EngineError
-from ckpteval.jobs.eval.engines.http import sample_version
+from ckpteval.jobs.eval.engines.http_generate import sample_version
 from ckpteval.jobs.eval.envs import Tool
 from ckpteval.jobs.eval.envs.tools import MalformedCall
 from ckpteval.jobs.eval.envs.turns import Turns

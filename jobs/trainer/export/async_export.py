@@ -106,18 +106,11 @@ class AsyncExporter:
         self.max_shard_bytes = max_shard_bytes
         self.producer = producer
         self._thread: threading.Thread | None = None
-        self._step: int | None = None
         self._lock = threading.Lock()
         self._done: list[ExportOutcome] = []
         self._bug: BaseException | None = None
 
     # -- trainer side -------------------------------------------------------------------------------
-    @property
-    def busy_step(self) -> int | None:
-        """The step whose export is being written now, or None."""
-        thread = self._thread
-        return self._step if thread is not None and thread.is_alive() else None
-
     def submit(
         self, step: int, model: torch.nn.Module | Mapping[str, Any], config: Any = None, canary: bytes | None = None
     ) -> None:
@@ -159,7 +152,6 @@ class AsyncExporter:
             self._finish(ExportOutcome(step, False, None, elapsed, elapsed, f"host copy failed: {e}"))
             return
         blocked = time.perf_counter() - t0
-        self._step = step
         self._thread = threading.Thread(
             target=self._write,
             args=(step, host, config, t0, blocked, adapter_config is not None, canary),
