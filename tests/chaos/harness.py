@@ -22,7 +22,8 @@ Counting (one :class:`Row` per fault class, printed at the end of the session an
 * *dup ingestions*: extra ``eval/step`` lines for one step plus extra ``ingested`` ledger records — must be 0;
 * *double evals*: results kept in ``results/duplicates/`` (a lease is a hint, not a fence: allowed, shown);
 * *trainer stalls*: in-process trainers, dispatcher calls that blocked the loop longer than
-  :data:`STALL_S`; subprocess trainers, gaps between consecutive ``train/*`` lines longer than
+  :data:`STALL_S`, not counting the backpressure wait the scenario configured (``max_in_flight``: the wait
+  the dispatcher logs as ``eval/backpressure_wait_seconds``, the behaviour a user asked for); subprocess trainers, gaps between consecutive ``train/*`` lines longer than
   :data:`PROC_STALL_S` (eval backpressure is configured out of reach, so any stall is the eval side's);
 * *bytes deleted outside*: bytes of a sentinel directory outside the staging root that vanished — must be 0.
 """
@@ -227,7 +228,8 @@ class InProcTrainer:
     """This process as a training loop: a real tiny model whose weights change every step, and the real
     :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher` (staging export, ledger, metrics.jsonl, ingestion, GC).
 
-    Every dispatcher call is timed; one longer than :data:`STALL_S` counts as a trainer stall.
+    Every dispatcher call is timed, less the backpressure wait it logged for a point it dispatched (a
+    configured ``max_in_flight`` reached); one longer than :data:`STALL_S` counts as a trainer stall.
     """
 
     def __init__(self, run_dir: Path, *, n_prompts: int = 8, shard_size: int = 4, eval_interval: int = 5,
@@ -269,12 +271,15 @@ class InProcTrainer:
             with self.torch.no_grad():
                 self.param.add_(1e-3)
             t0 = time.monotonic()
+            before = self.dispatcher.ledger.state.dispatched.get(self.step)
             if dispatch:
                 self.dispatcher.maybe_dispatch(self.step, self.model)
             else:
                 self.dispatcher.step = self.step
                 self.dispatcher.poll()
-            self.blocked.append(time.monotonic() - t0)
+            record = self.dispatcher.ledger.state.dispatched.get(self.step)
+            waited = float(record.get("backpressure_wait_seconds", 0.0)) if record and record is not before else 0.0
+            self.blocked.append(time.monotonic() - t0 - waited)
             if step_s:
                 time.sleep(step_s)
 
