@@ -79,7 +79,7 @@ class SleepBackend(CheckpointEvalFn):
 def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
     """``ckpteval worker ARGV`` with every ``try_claim`` counted (module docstring); the counts go to
     ``counts_path`` as JSON when the worker returns."""
-    from ckpteval.coord.units import UnitClaimer
+    from ckpteval.coord.claims import UnitClaimer
     from ckpteval.jobs.cli import main
 
     counts: Counter[str] = Counter()

@@ -12,7 +12,7 @@ round trip to the metadata server, shared by every user of the filesystem. This 
    the venv are not) by kind and by area
    (``results/``, ``leases/``, snapshots, the rest of the run dir), plus every syscall (``getpid``, thread
    starts, ...) and the process's CPU ms per unit (measured again without strace).
-2. **protocol**: claim + result + release alone (:class:`ckpteval.coord.units.UnitClaimer`, :func:`ckpteval.coord.results.
+2. **protocol**: claim + result + release alone (:class:`ckpteval.coord.claims.UnitClaimer`, :func:`ckpteval.coord.results.
    write_result`, per-step directories as in a new run), one process, under strace; baseline: publishing the
    result alone (temp + fsync + link + dir fsync, the irreducible torn-write-safe, first-writer-wins
    publication), measured in the same run.
@@ -155,7 +155,8 @@ import os, sys, time
 from pathlib import Path
 from ckpteval.coord.manifest import LeaseSettings
 from ckpteval.coord.results import ok_result, write_result
-from ckpteval.coord.units import UnitClaimer, WorkUnit
+from ckpteval.coord.claims import UnitClaimer
+from ckpteval.coord.units import WorkUnit
 base, n, leased = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 (base / "leases").mkdir(parents=True)
 (base / "results").mkdir()

@@ -633,9 +633,10 @@ def test_files_ckpteval_creates_follow_a_tight_umask(tmp_path: Path) -> None:
     """Under umask 077 nothing ckpteval writes (run layout, run.json, results, ledger lines, leases,
     snapshots, a submitted batch script) is readable or writable by anyone but the user."""
     from ckpteval.coord.atomic import append_line
+    from ckpteval.coord.claims import UnitClaimer
     from ckpteval.coord.results import skip_result, write_result
     from ckpteval.coord.snapshot import publish_snapshot
-    from ckpteval.coord.units import UnitClaimer, units_for_step
+    from ckpteval.coord.units import units_for_step
     from ckpteval.jobs.launch import submit
 
     with _umask(0o077):

@@ -12,13 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 import ckpteval.coord.discovery as discovery_mod
+from ckpteval.coord.claims import order_units
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.gc import CaptureGC, StagingGC, has_room
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_point_skip, write_result
 from ckpteval.coord.snapshot import mark_complete, publish_snapshot
-from ckpteval.coord.units import WorkUnit, order_units, units_for_step
+from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.trainer.config import DispatchConfig, filesystem_type
 from tests.support.runs import make_run, write_tiny_shards
 

@@ -20,11 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ckpteval.coord.claims import attempts_path, lease_holders
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.units import WorkUnit, attempts_path, lease_holders
+from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
 from tests.support.runs import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
@@ -123,7 +124,7 @@ def duplicates(run: RunDir) -> list[dict[str, Any]]:
 
 
 def lease_holder_pid(run: RunDir) -> dict[str, int]:
-    """unit id -> pid of the process holding its lease (filelock's owner record, via ckpteval.coord.units)."""
+    """unit id -> pid of the process holding its lease (filelock's owner record, via ckpteval.coord.claims)."""
     return {unit: record.pid for unit, record in lease_holders(run.leases).items()}
 
 
