@@ -97,6 +97,7 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
+    from ckpteval.coord.identity import run_key
     from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
     from ckpteval.coord.rundir import RunDir
     from ckpteval.coord.snapshot import publish_snapshot
@@ -104,15 +105,16 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
 
     run = RunDir.create(base / "run")
     spec = write_addition_dataset(run, n=shards, shard_size=1)
-    RunDir.create(run.path, RunManifest(run_id="bench-metadata", eval=EvalSpec(entries=(spec,)),
-                                        snapshot_roots=(str(base / "snapshots"),), lease=LeaseSettings(60.0, 20.0)))
+    manifest = RunManifest(run_id="bench-metadata", eval=EvalSpec(entries=(spec,)),
+                           snapshot_roots=(str(base / "snapshots"),), lease=LeaseSettings(60.0, 20.0))
+    RunDir.create(run.path, manifest)
 
     def write(d: Path) -> None:
         save_file({"w": np.ones(16, dtype=np.float32)}, str(d / "model.safetensors"))
         (d / "config.json").write_text("{}")
 
     for step in range(1, steps + 1):
-        publish_snapshot(base / "snapshots", step * 10, write)
+        publish_snapshot(base / "snapshots", step * 10, write, run=run_key(manifest))  # as the trainer stamps it
     return run.path
 
 
