@@ -23,7 +23,8 @@ import torch
 
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot, read_marker
-from ckpteval.jobs.eval.canary import canary_bytes, check_canary, probe_rows
+from ckpteval.jobs.eval.canary import canary_bytes, probe_rows
+from ckpteval.jobs.eval.canary_check import check_canary
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.eval.evalsets import load_dataset, write_addition_dataset
 from ckpteval.jobs.reference.model import (

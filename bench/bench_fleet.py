@@ -79,7 +79,7 @@ class SleepBackend(CheckpointEvalFn):
 def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
     """``ckpteval worker ARGV`` with every ``try_claim`` counted (module docstring); the counts go to
     ``counts_path`` as JSON when the worker returns."""
-    from ckpteval.coord.units import UnitClaimer
+    from ckpteval.coord.claims import UnitClaimer
     from ckpteval.jobs.cli import main
 
     counts: Counter[str] = Counter()
@@ -111,6 +111,7 @@ def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
 # -- the run ------------------------------------------------------------------------------------------------
 def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float, lease_s: float) -> Any:
     from bench.bench_scale import write_weights
+    from ckpteval.coord.identity import run_key
     from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
     from ckpteval.coord.rundir import RunDir
     from ckpteval.coord.snapshot import publish_snapshot
@@ -125,7 +126,7 @@ def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(lease_s, lease_s / 6))
     run = RunDir.create(path, manifest)
     for i in range(points):
-        publish_snapshot(run.snapshots, (i + 1) * 100, write_weights)
+        publish_snapshot(run.snapshots, (i + 1) * 100, write_weights, run=run_key(manifest))  # as the trainer stamps it
     return run
 
 

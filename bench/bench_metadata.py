@@ -12,7 +12,7 @@ round trip to the metadata server, shared by every user of the filesystem. This 
    the venv are not) by kind and by area
    (``results/``, ``leases/``, snapshots, the rest of the run dir), plus every syscall (``getpid``, thread
    starts, ...) and the process's CPU ms per unit (measured again without strace).
-2. **protocol**: claim + result + release alone (:class:`ckpteval.coord.units.UnitClaimer`, :func:`ckpteval.coord.results.
+2. **protocol**: claim + result + release alone (:class:`ckpteval.coord.claims.UnitClaimer`, :func:`ckpteval.coord.results.
    write_result`, per-step directories as in a new run), one process, under strace; baseline: publishing the
    result alone (temp + fsync + link + dir fsync, the irreducible torn-write-safe, first-writer-wins
    publication), measured in the same run.
@@ -97,6 +97,7 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
+    from ckpteval.coord.identity import run_key
     from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
     from ckpteval.coord.rundir import RunDir
     from ckpteval.coord.snapshot import publish_snapshot
@@ -104,15 +105,16 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
 
     run = RunDir.create(base / "run")
     spec = write_addition_dataset(run, n=shards, shard_size=1)
-    RunDir.create(run.path, RunManifest(run_id="bench-metadata", eval=EvalSpec(entries=(spec,)),
-                                        snapshot_roots=(str(base / "snapshots"),), lease=LeaseSettings(60.0, 20.0)))
+    manifest = RunManifest(run_id="bench-metadata", eval=EvalSpec(entries=(spec,)),
+                           snapshot_roots=(str(base / "snapshots"),), lease=LeaseSettings(60.0, 20.0))
+    RunDir.create(run.path, manifest)
 
     def write(d: Path) -> None:
         save_file({"w": np.ones(16, dtype=np.float32)}, str(d / "model.safetensors"))
         (d / "config.json").write_text("{}")
 
     for step in range(1, steps + 1):
-        publish_snapshot(base / "snapshots", step * 10, write)
+        publish_snapshot(base / "snapshots", step * 10, write, run=run_key(manifest))  # as the trainer stamps it
     return run.path
 
 
@@ -155,7 +157,8 @@ import os, sys, time
 from pathlib import Path
 from ckpteval.coord.manifest import LeaseSettings
 from ckpteval.coord.results import ok_result, write_result
-from ckpteval.coord.units import UnitClaimer, WorkUnit
+from ckpteval.coord.claims import UnitClaimer
+from ckpteval.coord.units import WorkUnit
 base, n, leased = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 (base / "leases").mkdir(parents=True)
 (base / "results").mkdir()

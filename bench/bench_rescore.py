@@ -135,7 +135,8 @@ def store_run(tmp: Path, name: str, base: Path, prompts: int) -> RunDir:
     manifest = RunManifest(run_id=f"bench-{name}", eval=EvalSpec(entries=(spec,)),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(60.0, 10.0))
     run = RunDir.create(run.path, manifest)
-    publish_snapshot(run.snapshots, 0, lambda d: write_hf_files(d, build_model(seed=0).state_dict(), base))
+    publish_snapshot(run.snapshots, 0, lambda d: write_hf_files(d, build_model(seed=0).state_dict(), base),
+                     run=run_key(manifest))  # as the trainer stamps it
     return run
 
 

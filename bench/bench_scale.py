@@ -52,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ckpteval.coord.identity import run_key  # noqa: E402
 from ckpteval.coord.ledger import Ledger  # noqa: E402
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
 from ckpteval.coord.results import Result, ResultIndex, ok_result, write_result  # noqa: E402
@@ -129,7 +130,7 @@ def write_weights(directory: Path) -> None:
 
 
 def publish(run: RunDir, step: int) -> None:
-    publish_snapshot(run.snapshots, step, write_weights)
+    publish_snapshot(run.snapshots, step, write_weights, run=run_key(run.manifest()))  # as the trainer stamps it
 
 
 def build_run(path: Path, points: int, datasets: int, shards: int, pending: int, procs: int) -> dict[str, Any]:

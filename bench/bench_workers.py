@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
@@ -53,7 +54,8 @@ def make_run(root: Path, steps: int, n_prompts: int, shard_size: int) -> RunDir:
     base = save_base_model_dir(root / "base")
     for step in range(1, steps + 1):
         model = build_model(seed=step)
-        publish_snapshot(run.snapshots, step * 100, lambda d, m=model: write_hf_files(d, m.state_dict(), base))
+        publish_snapshot(run.snapshots, step * 100, lambda d, m=model: write_hf_files(d, m.state_dict(), base),
+                         run=run_key(manifest))  # as the trainer stamps it
     return run
 
 

@@ -18,8 +18,11 @@ Guarantees:
   ``save_total_limit``: before, during or after admission) is silence here, never an exception.
 - Run identity: with ``run`` (this run's key, :mod:`ckpteval.coord.identity`), a snapshot whose marker names
   another run is never reported as this run's — under a watched (foreign) root it is adopted like any
-  finished checkpoint into this run's own ``adoption_dir``, elsewhere ignored. Legacy markers (no
-  ``run`` field, written before run identity) are reported as before.
+  finished checkpoint into this run's own ``adoption_dir``, elsewhere ignored. In a run's own root (not
+  ``admit_foreign``: its staging or reuse dir, where its trainer stamps every marker with its key) a
+  marker *without* a run key is ignored too, with one line in :attr:`SnapshotDiscovery.problems`: it was
+  written by an older ckpteval or another tool, and in a staging dir several runs share it could be
+  anyone's weights. Under a watched root such a marker is a finished checkpoint and is reported as it is.
 
 - Never trusted: symlinked entries (a link can point anywhere; publish and checkpoint saves create
   real directories), and a marked directory whose name's trailing digits disagree with its marker's
@@ -197,11 +200,16 @@ class SnapshotDiscovery:
             return None  # a malformed marker is never trusted; the worker's verify reports it
         if (named := step_from_name(path)) is not None and named != marker.step:
             return None  # a marked dir under another step's name (copied, moved, planted): not trusted
-        if self.run is not None and marker.run is not None and marker.run != self.run:
-            # another run's snapshot (a shared staging dir): never ours; under a watched dir it is a
-            # finished checkpoint like any other, adopted into this run's own record
-            return self._adopt_marked(path, marker) if self.admit_foreign else None
-        return SnapshotRef(marker.step, path, marker)
+        if self.run is None or marker.run == self.run:
+            return SnapshotRef(marker.step, path, marker)
+        if self.admit_foreign:
+            # another run's finished checkpoint under a watched dir: adopted into this run's own record;
+            # a run-less one there is a finished checkpoint as it is (module docstring)
+            return self._adopt_marked(path, marker) if marker.run is not None else SnapshotRef(marker.step, path, marker)
+        if marker.run is None:  # in this run's own root every marker its trainer writes names the run
+            self.problems.setdefault(f"runless:{path.name}", f"{path}: ignored: marker without a run key: written by "
+                                     f"an older ckpteval or another tool; not this run's ({self.run}) snapshot")
+        return None  # another run's snapshot (a shared staging dir): never ours
 
     def _adoption_path(self, step: int) -> Path:
         if self.adoption_dir is None:

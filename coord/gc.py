@@ -8,9 +8,10 @@ Rules (each a guarantee):
 - Only snapshots whose marker says ``mode == "staging"`` are deleted; reused checkpoints (``reuse``)
   and foreign ones are never touched, nor are directories without a readable marker (that could be
   someone's data) — except our own temp dirs (``.tmp-step-*``) older than ``stale_tmp_s``.
-- Only this run's snapshots: with ``run`` (the run's key, :mod:`ckpteval.coord.identity`), a snapshot whose
-  marker names another run — or no run (a legacy marker, which cannot be attributed) — is never
-  deleted, so runs sharing one staging dir never collect each other's snapshots.
+- Only this run's snapshots: a snapshot whose marker has no run key (written by an older ckpteval or
+  another tool: it cannot be attributed) is never deleted, and with ``run`` (the run's key,
+  :mod:`ckpteval.coord.identity`) neither is one whose marker names another run, so runs sharing one
+  staging dir never collect each other's snapshots.
 - Only *retired* steps (their point has settled, any outcome) are deleted, and the newest ``keep``
   retired ones are kept; so is every step in ``protected`` (the trainer's best ``--eval-keep-best K``),
   on top of those ``keep``.
@@ -80,7 +81,7 @@ class StagingGC:
     keep: int = 2
     stale_tmp_s: float = 3600.0
     clock: Callable[[], float] = time.monotonic
-    run: str | None = None  # the run's key: only snapshots marked with it are deleted
+    run: str | None = None  # the run's key: only snapshots marked with it are deleted (None: any run's)
     _seen: dict[str, tuple[tuple[int, int], float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -156,6 +157,10 @@ class StagingGC:
             return None
         if marker.mode != "staging":
             report.refused.append((path, f"mode {marker.mode}: never deleted"))
+            return None
+        if marker.run is None:
+            report.refused.append((path, "marker without a run key: written by an older ckpteval or another tool; "
+                                         "never deleted"))
             return None
         if self.run is not None and marker.run != self.run:
             report.refused.append((path, f"run {marker.run}: not this run's ({self.run}) to delete"))

@@ -3,7 +3,7 @@
 Owns the lease file's life — create, heartbeat, release, the takeover of an expired one — and its
 content: the holder record (:class:`LeaseHolder`, one JSON object of < 300 bytes: format, pid,
 hostname, host identity, process start, token, duration), parsed by :func:`parse_holder` (also for
-:func:`ckpteval.coord.units.read_lease_holder`), and the liveness check (:meth:`LeaseHolder.dead_here`).
+:func:`ckpteval.coord.claims.read_lease_holder`), and the liveness check (:meth:`LeaseHolder.dead_here`).
 
 Why this module owns the format rather than filelock (issue 27): until then the record and the liveness
 check were filelock's *private* ``_identity`` and ``_soft._records`` modules, so a filelock minor release

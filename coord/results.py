@@ -54,7 +54,6 @@ from ckpteval.coord.atomic import (
     read_json_object,
     write_json_atomic,
 )
-from ckpteval.coord.completions import keep_beside
 from ckpteval.coord.engine_identity import parse_identity
 from ckpteval.coord.manifest import RunManifest
 from ckpteval.coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
@@ -264,6 +263,9 @@ def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool
         won = publish_exclusive(final, data, keep_dir_open=True)
     if won:
         if result.kept is not None:
+            # whoever built ``kept`` (a worker) has coord.completions loaded; a trainer never needs it
+            from ckpteval.coord.completions import keep_beside
+
             keep_beside(results_dir, result.kept, generation, stamped.lease_token, len(result.scores))
         return True
     dup_dir = results_dir / DUPLICATES

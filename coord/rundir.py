@@ -5,7 +5,7 @@ own. Layout::
 
     RUN/run.json          manifest (ckpteval.coord.manifest)
     RUN/snapshots/        default staging root for exported snapshots (ckpteval.coord.snapshot)
-    RUN/leases/           one lease file per claimed work unit (ckpteval.coord.units), under
+    RUN/leases/           one lease file per claimed work unit (ckpteval.coord.claims), under
                           leases/step-<N>/ (unit_dir)
     RUN/results/          one result JSON per work unit (ckpteval.coord.results), under results/step-<N>/
     RUN/results/duplicates/  later copies of a unit's result (first writer wins), for audit

@@ -3,7 +3,7 @@
 Guarantee: :attr:`WorkUnit.id` and :meth:`WorkUnit.from_id` round-trip, and a unit's result file names
 (:attr:`WorkUnit.result_name`, :meth:`WorkUnit.result_name_at`) derive from its id alone, so every reader
 and writer of a run agrees on them. Which units a step has is the entries' answer
-(:mod:`ckpteval.coord.entries`); who holds one is :mod:`ckpteval.coord.units`'. Limits: a dataset name is
+(:mod:`ckpteval.coord.entries`); who holds one is :mod:`ckpteval.coord.claims`'. Limits: a dataset name is
 not checked here (the manifest checks names).
 """
 

@@ -39,7 +39,7 @@ import pytest
 
 from ckpteval.coord.manifest import parse_manifest
 from ckpteval.coord.rundir import RunDir
-from tests.support.workers import REPO, make_eval_run
+from tests.support.workers import REPO, make_eval_run, publish_as_trainer
 
 CASE_TIMEOUT_S = 60.0  # generous: a case that runs this long is a silent accept
 TRUST_SCORER = "tests.support.workers:digit_overlap"
@@ -634,15 +634,15 @@ def test_files_ckpteval_creates_follow_a_tight_umask(tmp_path: Path) -> None:
     """Under umask 077 nothing ckpteval writes (run layout, run.json, results, ledger lines, leases,
     snapshots, a submitted batch script) is readable or writable by anyone but the user."""
     from ckpteval.coord.atomic import append_line
+    from ckpteval.coord.claims import UnitClaimer
     from ckpteval.coord.results import skip_result, write_result
-    from ckpteval.coord.snapshot import publish_snapshot
-    from ckpteval.coord.units import UnitClaimer, units_for_step
+    from ckpteval.coord.units import units_for_step
     from ckpteval.jobs.launch import submit
 
     with _umask(0o077):
         run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)
         append_line(run.ledger_path, b'{"event": "test"}\n')
-        publish_snapshot(run.snapshots, 1, lambda d: (d / "w.bin").write_bytes(b"x") and None)
+        publish_as_trainer(run.snapshots, 1, lambda d: (d / "w.bin").write_bytes(b"x") and None)
         manifest = run.manifest()
         unit = units_for_step(manifest, 1)[0]
         claimer = UnitClaimer(run.leases, manifest.lease, results_dir=run.results)

@@ -22,11 +22,10 @@ from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.canary import (
     CANARY_MAX_DIFF_NARROWER,
     CANARY_MAX_DIFF_SAME_DTYPE,
-    CanaryFailed,
     canary_bytes,
-    check_canary,
     probe_rows,
 )
+from ckpteval.jobs.eval.canary_check import CanaryFailed, check_canary
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.eval.evalsets import load_dataset
 from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit

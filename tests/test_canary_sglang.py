@@ -155,7 +155,7 @@ def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from ckpteval.coord.snapshot import read_marker
-    from ckpteval.jobs.eval.canary import check_canary
+    from ckpteval.jobs.eval.canary_check import check_canary
 
     class Refusing(BaseHTTPRequestHandler):
         def do_GET(self) -> None:

@@ -27,7 +27,6 @@ from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.points import dataset_score, derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import write_jsonl
@@ -43,7 +42,7 @@ from ckpteval.jobs.eval.scorers.code import (
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.sandbox import survivors
-from tests.support.workers import PYTHON, REPO, finish, results, worker_env
+from tests.support.workers import PYTHON, REPO, finish, publish_as_trainer, results, worker_env
 
 WHY_NOT = probe_bwrap()
 needs_bwrap = pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
@@ -173,7 +172,7 @@ def code_run(tmp: Path, rows: list[dict[str, Any]], **kw: Any) -> RunDir:
     manifest = RunManifest(run_id="test-code", eval=EvalSpec(entries=(spec(rows, **kw),)),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(run.path, manifest)
-    publish_snapshot(run.snapshots, 1, lambda d: write_tiny_shards(d))
+    publish_as_trainer(run.snapshots, 1, lambda d: write_tiny_shards(d))
     return run
 
 

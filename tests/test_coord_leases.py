@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.claims import UnitClaimer, lease_holders, lease_path, read_lease_holder
 from ckpteval.coord.manifest import LeaseSettings
 from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.units import UnitClaimer, WorkUnit, lease_holders, lease_path, read_lease_holder
+from ckpteval.coord.units import WorkUnit
 
 ROOT = Path(__file__).parents[1]
 
@@ -74,7 +75,8 @@ HOLDER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from ckpteval.coord.manifest import LeaseSettings
-    from ckpteval.coord.units import UnitClaimer, WorkUnit
+    from ckpteval.coord.claims import UnitClaimer
+    from ckpteval.coord.units import WorkUnit
     claimer = UnitClaimer(Path(sys.argv[1]), LeaseSettings(float(sys.argv[2]), float(sys.argv[2]) / 6))
     claim = claimer.try_claim(WorkUnit(1, "ds", 0))
     print("held" if claim else "busy", flush=True)
@@ -185,7 +187,8 @@ STALLED_HOLDER = textwrap.dedent(
     import sys
     from pathlib import Path
     from ckpteval.coord.manifest import LeaseSettings
-    from ckpteval.coord.units import UnitClaimer, WorkUnit
+    from ckpteval.coord.claims import UnitClaimer
+    from ckpteval.coord.units import WorkUnit
     claimer = UnitClaimer(Path(sys.argv[1]), LeaseSettings(float(sys.argv[2]), float(sys.argv[2]) / 6))
     claim = claimer.try_claim(WorkUnit(1, "ds", 0))
     print("held" if claim else "busy", flush=True)

@@ -12,13 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 import ckpteval.coord.discovery as discovery_mod
+from ckpteval.coord.claims import order_units
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.gc import CaptureGC, StagingGC, has_room
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_point_skip, write_result
 from ckpteval.coord.snapshot import mark_complete, publish_snapshot
-from ckpteval.coord.units import WorkUnit, order_units, units_for_step
+from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.trainer.config import DispatchConfig, filesystem_type
 from tests.support.runs import make_run, write_tiny_shards
 
@@ -208,6 +209,9 @@ def test_ledger_malformed_middle_line_is_an_error(tmp_path: Path) -> None:
 
 
 # -- GC ----------------------------------------------------------------------------------------------
+RUN = "test-run-00000001"  # the run key a trainer stamps its staging markers with (GC spares run-less ones)
+
+
 def test_gc_never_follows_symlinks_outside_and_keeps_newest(tmp_path: Path) -> None:
     root, leases = tmp_path / "staging", tmp_path / "leases"
     leases.mkdir()
@@ -215,10 +219,10 @@ def test_gc_never_follows_symlinks_outside_and_keeps_newest(tmp_path: Path) -> N
     outside.mkdir()
     (outside / "data.bin").write_bytes(b"do not delete")
     for step in (1, 2, 3, 4):
-        publish_snapshot(root, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+        publish_snapshot(root, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8), run=RUN)
     os.symlink(outside, root / "step-0000000099")  # planted link to a dir outside
     os.symlink(outside, root / "step-0000000003" / "escape")  # and one inside a snapshot
-    gc = StagingGC(root, leases, lease_duration_s=30, keep=1)
+    gc = StagingGC(root, leases, lease_duration_s=30, keep=1, run=RUN)
     report = gc.collect(retired_steps={1, 2, 3, 4, 99})
     assert sorted(p.name for p in report.deleted) == ["step-0000000001", "step-0000000002", "step-0000000003"]
     assert [p.name for p in report.kept] == ["step-0000000004"]
@@ -229,11 +233,11 @@ def test_gc_never_follows_symlinks_outside_and_keeps_newest(tmp_path: Path) -> N
 def test_gc_spares_live_leases_until_seen_expired(tmp_path: Path) -> None:
     root, leases = tmp_path / "staging", tmp_path / "leases"
     leases.mkdir()
-    publish_snapshot(root, 1, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    publish_snapshot(root, 1, lambda d: write_tiny_shards(d, n_shards=1, numel=8), run=RUN)
     (leases / "step-0000000001").mkdir()
     (leases / "step-0000000001" / "0000000001.add.00000.lock").write_text("held")
     now = [0.0]
-    gc = StagingGC(root, leases, lease_duration_s=30, keep=0, clock=lambda: now[0])
+    gc = StagingGC(root, leases, lease_duration_s=30, keep=0, clock=lambda: now[0], run=RUN)
     assert gc.collect({1}).deleted == []
     now[0] = 29.0
     assert gc.collect({1}).deleted == []

@@ -14,22 +14,23 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.claims import lease_holders
 from ckpteval.coord.manifest import load_manifest, parse_manifest
 from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir, step_dir_name
 from ckpteval.coord.snapshot import SnapshotCorrupt, VerifiedSnapshots, publish_snapshot, read_marker
-from ckpteval.coord.units import WorkUnit, lease_holders
+from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.runner import UnitRunner
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.runs import write_tiny_shards
-from tests.support.workers import counted_claimers, make_eval_run, results, run_inprocess
+from tests.support.workers import counted_claimers, make_eval_run, publish_as_trainer, results, run_inprocess
 
 FN = "fn:tests.support.workers:SumBackend"
 
 
 def _snapshot(run: RunDir, step: int) -> Path:
-    return publish_snapshot(run.snapshots, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8, seed=step))
+    return publish_as_trainer(run.snapshots, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8, seed=step))
 
 
 def _work(run: RunDir) -> int:

@@ -24,7 +24,6 @@ from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.factory import make_engine
 from ckpteval.jobs.eval.envs.examples import arithmetic_rows
@@ -46,6 +45,7 @@ from tests.support.workers import (
     REPO,
     finish,
     kill_all,
+    publish_as_trainer,
     results,
     run_inprocess,
     spawn,
@@ -90,7 +90,7 @@ def env_run(tmp: Path, rows: list[dict[str, Any]], env: str = "arithmetic", leas
     manifest = RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),),
                            lease=lease or LeaseSettings(30.0, 5.0))
     run = RunDir.create(run.path, manifest)
-    publish_snapshot(run.snapshots, 1, lambda d: write_tiny_shards(d))
+    publish_as_trainer(run.snapshots, 1, lambda d: write_tiny_shards(d))
     return run
 
 
@@ -369,7 +369,7 @@ def test_a_tokenizer_with_its_own_response_template_parses_its_tool_calls(tmp_pa
                    max_turns=3, max_new_tokens=32)
     run = RunDir.create(run.path, RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)),
                                               snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0)))
-    publish_snapshot(run.snapshots, 1, with_template)
+    publish_as_trainer(run.snapshots, 1, with_template)
     expression, answer = ROWS[0]["expression"], str(ROWS[0]["answer"])
 
     def own_format(text: str, _engine: ScriptedEngine) -> str:

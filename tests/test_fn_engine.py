@@ -89,13 +89,13 @@ def test_malformed_backend_output_burns_no_unit(tmp_path: Path) -> None:
 
 
 def test_sharding_does_not_change_the_point_fn(tmp_path: Path) -> None:
-    """Same snapshot, shard sizes 1, 7 and N: identical derived scores (pooled per sample)."""
+    """Same weights (each run's own snapshot of one seed), shard sizes 1, 7 and N: identical derived scores
+    (pooled per sample)."""
     n = 15
-    root = tmp_path / "shared-snapshots"
-    publish_model(tmp_path, root, 42)
     points = []
     for size in (1, 7, n):
-        run = make_eval_run(tmp_path, n_prompts=n, shard_size=size, name=f"run-s{size}", snapshot_root=root)
+        run = make_eval_run(tmp_path, n_prompts=n, shard_size=size, name=f"run-s{size}")
+        publish_model(tmp_path, run.snapshots, 42)
         run_inprocess(_opts(run.path, "fn:tests.support.workers:SumBackend"), out=lambda _l: None)
         got = results(run)
         assert len(got) == -(-n // size)

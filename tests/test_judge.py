@@ -292,9 +292,10 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
 
 
 def test_an_infra_skip_is_superseded_by_the_next_generation_never_overwritten(tmp_path: Path) -> None:
+    from ckpteval.coord.claims import UnitClaimer
     from ckpteval.coord.manifest import LeaseSettings
     from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_result
-    from ckpteval.coord.units import UnitClaimer, WorkUnit
+    from ckpteval.coord.units import WorkUnit
 
     results = tmp_path / "results"
     results.mkdir()

@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ckpteval.coord.claims import UnitClaimer
 from ckpteval.coord.manifest import parse_manifest
 from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.replays import ReplaySettings
 from ckpteval.coord.results import ok_result, skip_result, write_result
 from ckpteval.coord.rundir import RunDir, unit_dir
-from ckpteval.coord.units import UnitClaimer, WorkUnit, shard_range, units_for_step
+from ckpteval.coord.units import WorkUnit, shard_range, units_for_step
 from ckpteval.jobs.decide import best as best_cmd
 from ckpteval.jobs.decide import compare as compare_cmd
 from ckpteval.jobs.decide.data import Metric, open_run

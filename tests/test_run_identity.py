@@ -20,7 +20,7 @@ from ckpteval.coord.identity import run_key, version_step, weight_version
 from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import ok_result
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot, read_marker, verify_snapshot
+from ckpteval.coord.snapshot import mark_complete, publish_snapshot, read_marker, verify_snapshot
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.engines.hf import HFEngine
 from ckpteval.jobs.eval.evaluators import EngineEvaluator
@@ -28,9 +28,10 @@ from ckpteval.jobs.eval.loop import Worker
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.reference.model import ModelConfig, build_model
+from ckpteval.jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
 from ckpteval.jobs.reference.train import base_model_dir
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
+from tests.support.runs import write_tiny_shards
 from tests.support.training import make_train_run
 from tests.support.workers import (
     make_eval_run,
@@ -99,8 +100,8 @@ def test_two_runs_sharing_one_staging_dir_never_bleed(tmp_path: Path) -> None:
 
 
 def test_gc_deletes_only_its_own_runs_snapshots(tmp_path: Path) -> None:
-    """A flat staging root holding snapshots of run A, run B and a legacy (run-less) marker: A's GC
-    deletes only A's retired ones."""
+    """A flat staging root holding snapshots of run A, run B and a run-less marker: A's GC deletes only
+    A's retired ones."""
     root = tmp_path / "staging"
     for step, run in ((1, "A-00000001"), (2, "B-00000002"), (3, None), (4, "A-00000001")):
         publish_snapshot(root, step, model_writer(tmp_path, step), run=run)
@@ -108,6 +109,48 @@ def test_gc_deletes_only_its_own_runs_snapshots(tmp_path: Path) -> None:
     report = gc.collect({1, 2, 3, 4})
     assert sorted(p.name for p in report.deleted) == ["step-0000000001", "step-0000000004"]
     assert sorted(p.name for p in root.iterdir()) == ["step-0000000002", "step-0000000003"]
+
+
+RUNLESS = "marker without a run key"
+
+
+def test_a_runless_marker_in_a_runs_own_staging_is_not_its_snapshot_but_a_watched_one_is_admitted(tmp_path: Path) -> None:
+    """A staging dir shared by runs holds run A's step 1 and a run-less marker at step 2 (an older ckpteval,
+    another tool: anyone's weights). A's discovery reports step 1 only and says why step 2 is ignored;
+    under a watched (foreign) root the same marker is a finished checkpoint and is admitted."""
+    root = tmp_path / "staging"
+    publish_snapshot(root, 1, lambda d: write_tiny_shards(d, n_shards=1, numel=8), run="A-00000001")
+    publish_snapshot(root, 2, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    own = SnapshotDiscovery(root, run="A-00000001")
+    assert [r.step for r in own.poll()] == [1]
+    (line,) = own.problems.values()
+    assert RUNLESS in line and "step-0000000002" in line
+    watched = SnapshotDiscovery(root, admit_foreign=True, adoption_dir=tmp_path / "adopted", run="A-00000001")
+    assert [r.step for r in watched.poll()] == [1, 2] and not watched.problems
+
+
+def test_a_runless_marker_is_never_deleted_by_any_gc(tmp_path: Path) -> None:
+    """A retired step's run-less staging snapshot survives a run-keyed GC and a GC given no run alike."""
+    root = tmp_path / "staging"
+    publish_snapshot(root, 3, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    for run in ("A-00000001", None):
+        report = StagingGC(root, tmp_path / "leases", lease_duration_s=1.0, keep=0, run=run).collect({3})
+        assert report.deleted == [] and [why for _, why in report.refused] == [
+            f"{RUNLESS}: written by an older ckpteval or another tool; never deleted"]
+    assert read_marker(root / "step-0000000003").run is None
+
+
+def test_the_dispatcher_does_not_take_a_runless_marker_for_its_own(tmp_path: Path) -> None:
+    """Reuse mode: the trainer's own checkpoint-2 already holds a run-less marker (planted, or an older
+    ckpteval's); the dispatcher does not count it as published but marks the checkpoint with its run key."""
+    save = tmp_path / "hf"
+    run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=save, save_interval=2, eval_interval=2)
+    d, model = _dispatcher(run, dispatch), build_model(SMALL, "llama", seed=1)
+    save_hf_checkpoint(save, 2, model)
+    mark_complete(save / "checkpoint-2", 2)
+    for step in (1, 2):
+        d.maybe_dispatch(step, model)
+    assert read_marker(save / "checkpoint-2").run == run_key(run.manifest())
 
 
 def test_publish_refuses_another_runs_snapshot_under_the_same_name(tmp_path: Path) -> None:

@@ -102,12 +102,17 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, change: di
 
 def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
     """``import ckpteval.jobs.trainer.session`` (what a training loop imports) loads neither the eval worker
-    nor the shared posture's scoring stack: 53 ckpteval modules (44 before #28 and #29 landed: results now know kept completions and engine identity; to bring down again, #27)."""
+    nor the shared posture's scoring stack, nor the engines, the canary's engine side, unit claims (leases) or
+    kept completions: 49 ckpteval modules (53 before #27 cut those four chains). The rest is what the
+    dispatcher imports at its top (discovery with the layouts, GC, ledger, points, ingest, export, the canary's
+    trainer side) and what run.json parsing needs."""
     import subprocess
     import sys
 
     code = "import sys, ckpteval.jobs.trainer.session; print(' '.join(m for m in sys.modules if m.startswith('ckpteval')))"
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
     unwanted = {"ckpteval.jobs.eval.worker", "ckpteval.jobs.eval.loop", "ckpteval.jobs.eval.scoring",
-                "ckpteval.jobs.eval.kinds", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.attest"}
-    assert not loaded & unwanted and len(loaded) <= 53, sorted(loaded)
+                "ckpteval.jobs.eval.kinds", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.attest",
+                "ckpteval.jobs.eval.engines.base", "ckpteval.jobs.eval.canary_check", "ckpteval.coord.claims",
+                "ckpteval.coord.lease", "ckpteval.coord.completions"}
+    assert not loaded & unwanted and len(loaded) <= 49, sorted(loaded)

@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ckpteval.coord.claims import UnitClaimer
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.results import ok_result, write_point_skip, write_result
 from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.units import UnitClaimer, WorkUnit, units_for_step
+from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.views.plot import figure, plot_run, plot_series
 from ckpteval.jobs.views.status import collect_status, health_line
 from tests.support.runs import make_run, write_tiny_shards

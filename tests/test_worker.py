@@ -66,14 +66,15 @@ def test_hf_worker_end_to_end(tmp_path: Path) -> None:
 
 
 def test_sharding_does_not_change_the_point_hf(tmp_path: Path) -> None:
-    """Shard sizes 1, 7, N on one snapshot: equal points. The scorer hashes the completion text, so
+    """Shard sizes 1, 7, N on the same weights (each run's own snapshot of one seed: a trainer stamps its
+    run's key, so runs never share a marker): equal points. The scorer hashes the completion text, so
     equal scores mean equal generations; max_batch_size=1 keeps every prompt's batch identical."""
-    n, root = 9, tmp_path / "snaps"
-    publish_model(tmp_path, root, 3)
+    n = 9
     points = []
     for size in (1, 7, n):
-        run = make_eval_run(tmp_path, n_prompts=n, shard_size=size, name=f"r{size}", snapshot_root=root,
+        run = make_eval_run(tmp_path, n_prompts=n, shard_size=size, name=f"r{size}",
                             scorer="tests.support.workers:completion_hash", engine={"hf": {"max_batch_size": 1}})
+        publish_model(tmp_path, run.snapshots, 3)
         run_inprocess(_opts(run.path), **QUIET)
         points.append(derive_point(run.manifest(), 3, results(run)))
     assert [p.units_total for p in points] == [9, 2, 1] and all(p.complete for p in points)
@@ -224,7 +225,9 @@ def test_order_and_catchup(tmp_path: Path) -> None:
     worker.out = lambda line: order.append(int(line.split()[0].split("=")[1]))
     worker.run()
     assert order == [3, 2, 1]
-    run2 = make_eval_run(tmp_path, n_prompts=2, shard_size=2, name="latest", snapshot_root=run.snapshots)
+    run2 = make_eval_run(tmp_path, n_prompts=2, shard_size=2, name="latest")
+    for step in (1, 2, 3):  # its own trainer's snapshots (run's carry run's key: never run2's)
+        publish_model(tmp_path, run2.snapshots, step)
     _engine_worker(run2, HFEngine(), catchup="latest").run()
     assert [u.step for u in results(run2)] == [3]
 

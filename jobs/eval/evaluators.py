@@ -28,7 +28,7 @@ from ckpteval.coord.snapshot import (
 )
 from ckpteval.coord.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.attest import NOT_ATTESTED, Attestation, AttestDisputed, AttestFailed, attest, settle
-from ckpteval.jobs.eval.canary import CanaryFailed, check_canary
+from ckpteval.jobs.eval.canary_check import CanaryFailed, check_canary
 from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus, engine_identity, launch_timeout
 from ckpteval.jobs.eval.engines.factory import (
     ENGINES,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.claims import Claim, UnitClaimer, order_units
 from ckpteval.coord.discovery import CAPTURED, SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.gc import CaptureGC
 from ckpteval.coord.identity import run_key
@@ -25,7 +26,7 @@ from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, retry_due
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
 from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.units import Claim, UnitClaimer, WorkUnit, order_units, units_for_step
+from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.evaluators import Evaluator, evaluate_unit
 from ckpteval.jobs.eval.options import WorkerOptions
 from ckpteval.jobs.eval.runner import UnitRunner

@@ -8,7 +8,7 @@ generation (:func:`ckpteval.jobs.eval.scoring.unit_scores`), and publishes the r
 options>``). No engine is loaded; the original results and completions are never written.
 
 Promises: exactly once per unit and scoring, array-task safe — units are claimed through the run's lease
-machinery (:class:`ckpteval.coord.units.UnitClaimer`, leases under the scoring) and results published first
+machinery (:class:`ckpteval.coord.claims.UnitClaimer`, leases under the scoring) and results published first
 writer wins, so N concurrent ``rescore`` processes (a SLURM array) share the work, a dead one's units are taken
 over after its lease expires, and a second run finds nothing to do. A re-score with the scorer that produced a
 result gives exactly its scores and answers (the completions, rows and prompts are the ones scored then). A unit is
@@ -35,6 +35,7 @@ from typing import Any
 
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object
 from ckpteval.coord.chat_settings import check_reasoning
+from ckpteval.coord.claims import Claim, UnitClaimer
 from ckpteval.coord.completions import Completions, completions_path, read_completions, rows_digest
 from ckpteval.coord.manifest import DatasetSpec, RunManifest
 from ckpteval.coord.results import Result, ResultIndex, ok_result, skip_result, write_result
@@ -42,7 +43,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.scorings import SCORING_FILE, check_name, scoring_dir
 from ckpteval.coord.snapshot import producer_identity
 from ckpteval.coord.steps import parse_steps
-from ckpteval.coord.units import Claim, UnitClaimer, WorkUnit, shard_range
+from ckpteval.coord.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.answering import Reasoning, resolve_reasoning
 from ckpteval.jobs.eval.kinds import UserCodeFailed, user_code
 from ckpteval.jobs.eval.reasoning import TOKENIZER

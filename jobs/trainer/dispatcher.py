@@ -204,7 +204,7 @@ class EvalDispatcher:
             marker = read_marker(self.snapshot_dir(step))
         except (FileNotFoundError, NotADirectoryError, ValueError):
             return False
-        return marker.run in {self.key, None}
+        return marker.run == self.key
 
     # -- the training loop's API -----------------------------------------------------------------------
     @property

@@ -7,7 +7,7 @@ markers, units from results and lease files, points from results, lag from ``met
 
 Limits: lease ages use this machine's wall clock against the lease file's mtime, so a skewed clock
 shifts them; "expired" here is a display hint — the protocol's real expiry is judged by each
-contender on its own monotonic clock (see ckpteval.coord.units).
+contender on its own monotonic clock (see ckpteval.coord.claims).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, read_jsonl
+from ckpteval.coord.claims import lease_path, read_lease_holder
 from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs
 from ckpteval.coord.layouts import AUTO
 from ckpteval.coord.ledger import Ledger, LedgerState
@@ -28,7 +29,6 @@ from ckpteval.coord.saves import lost_steps, waiting_saves
 from ckpteval.coord.scorings import StepFacts, scoring_step_facts, step_facts
 from ckpteval.coord.steps import run_step_selection
 from ckpteval.coord.training_cost import run_fraction
-from ckpteval.coord.units import lease_path, read_lease_holder
 from ckpteval.coord.weight_checksums import summarize
 from ckpteval.jobs.views.noise import noise_status
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.claims import lease_holders as coord_lease_holders
 from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import lease_holders as coord_lease_holders
 from ckpteval.coord.units import units_for_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,7 +206,7 @@ class Fleet:
 
 
 def lease_holders(run: RunDir) -> dict[str, tuple[str, int]]:
-    """unit id -> (host, pid) of its lease holder (filelock's owner record, via ckpteval.coord.units)."""
+    """unit id -> (host, pid) of its lease holder (filelock's owner record, via ckpteval.coord.claims)."""
     return {unit: (record.hostname, record.pid) for unit, record in coord_lease_holders(run.leases).items()}
 
 

@@ -20,11 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ckpteval.coord.claims import attempts_path, lease_holders
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.units import WorkUnit, attempts_path, lease_holders
+from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
 from tests.support.runs import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
@@ -101,8 +102,27 @@ def model_writer(tmp: Path, seed: int) -> Callable[[Path], dict[str, dict[str, i
 
 
 def publish_model(tmp: Path, root: Path, step: int, seed: int | None = None) -> Path:
-    """Publish a real HF snapshot of the tiny model for ``step`` under ``root``."""
-    return publish_snapshot(root, step, model_writer(tmp, step if seed is None else seed))
+    """Publish a real HF snapshot of the tiny model for ``step`` under ``root`` (as :func:`publish_as_trainer`)."""
+    return publish_as_trainer(root, step, model_writer(tmp, step if seed is None else seed))
+
+
+def publish_as_trainer(root: Path, step: int, write_files: Callable[[Path], Any]) -> Path:
+    """``publish_snapshot`` as a run's trainer does it: under a run's own ``RUN/snapshots`` the marker names
+    that run (:func:`own_run_key`; a worker ignores a run-less marker there), elsewhere no run."""
+    return publish_snapshot(root, step, write_files, run=own_run_key(root))
+
+
+def own_run_key(root: Path) -> str | None:
+    """The run key of the run whose ``RUN/snapshots`` ``root`` is (its ``run.json`` lists it), else None (also
+    when that run.json is one this ckpteval refuses: a test of the refusal)."""
+    from ckpteval.coord.identity import run_key
+
+    try:
+        manifest = RunDir(Path(root).parent).manifest()
+    except (FileNotFoundError, ValueError):
+        return None
+    listed = {Path(r).resolve() for r in manifest.snapshot_roots}
+    return run_key(manifest) if Path(root).resolve() in listed else None
 
 
 def write_foreign_checkpoint(tmp: Path, path: Path, step: int) -> Path:
@@ -123,7 +143,7 @@ def duplicates(run: RunDir) -> list[dict[str, Any]]:
 
 
 def lease_holder_pid(run: RunDir) -> dict[str, int]:
-    """unit id -> pid of the process holding its lease (filelock's owner record, via ckpteval.coord.units)."""
+    """unit id -> pid of the process holding its lease (filelock's owner record, via ckpteval.coord.claims)."""
     return {unit: record.pid for unit, record in lease_holders(run.leases).items()}
 
 
