@@ -103,8 +103,8 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, change: di
 def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
     """``import ckpteval.jobs.trainer.session`` (what a training loop imports) loads neither the eval worker
     nor the shared posture's scoring stack, nor the engines, the canary's engine side, unit claims (leases) or
-    kept completions: 49 ckpteval modules (53 before #27 cut those four chains). The rest is what the
-    dispatcher imports at its top (discovery with the layouts, GC, ledger, points, ingest, export, the canary's
+    kept completions, nor snapshot discovery: 47 ckpteval modules (53 before #27 cut those five chains). The rest
+    is what the dispatcher imports at its top (GC, ledger, points, ingest, export, the canary's
     trainer side) and what run.json parsing needs."""
     import subprocess
     import sys
@@ -114,5 +114,5 @@ def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
     unwanted = {"ckpteval.jobs.eval.worker", "ckpteval.jobs.eval.loop", "ckpteval.jobs.eval.scoring",
                 "ckpteval.jobs.eval.kinds", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.attest",
                 "ckpteval.jobs.eval.engines.base", "ckpteval.jobs.eval.canary_check", "ckpteval.coord.claims",
-                "ckpteval.coord.lease", "ckpteval.coord.completions"}
-    assert not loaded & unwanted and len(loaded) <= 49, sorted(loaded)
+                "ckpteval.coord.lease", "ckpteval.coord.completions", "ckpteval.coord.discovery"}
+    assert not loaded & unwanted and len(loaded) <= 47, sorted(loaded)

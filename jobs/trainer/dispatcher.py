@@ -93,7 +93,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpteval.coord.conditions import Condition, parse_condition, point_value, top_steps
-from ckpteval.coord.discovery import shards_present
+from ckpteval.coord.saves import shards_present
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.ledger import Ledger
