@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,15 +30,49 @@ def test_docs_have_runnable_blocks() -> None:
     assert {"README.md", "USER_GUIDE.md"} <= names
 
 
+RUN_NAME = re.compile(r"(?:runs|RUNS)/([\w-]+)")  # runs/NAME, or $RUNS/NAME with RUNS=$PWD/runs
+
+
+def block_chains(blocks: list[tuple[str, int, str]]) -> list[list[tuple[str, int, str]]]:
+    """The blocks in chains, each in document order: blocks naming a common ``runs/<name>`` share a chain (a
+    later block uses what an earlier one made there); chains share nothing and may run side by side."""
+    chains: list[tuple[set[str], list[tuple[str, int, str]]]] = []
+    for block in blocks:
+        names = set(RUN_NAME.findall(block[2]))
+        joined = [c for c in chains if c[0] & names]
+        merged = (names.union(*(c[0] for c in joined)), [b for c in joined for b in c[1]] + [block])
+        chains = [c for c in chains if c not in joined] + [merged]
+    return [sorted(c[1], key=blocks.index) for c in chains]
+
+
 @pytest.mark.timeout(1200)  # every runnable block of every doc, demos included: minutes on a loaded 2-core box
 def test_doc_commands_run_on_cpu(tmp_path: Path) -> None:
-    """All blocks in order, in one directory: later blocks may use what earlier ones made."""
+    """Every block, in one directory; the blocks of one chain (:func:`block_chains`) in document order, two
+    chains at a time (they wait on their trainers and workers much of the time)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ROOT)}
-    for name, i, script in runnable_blocks():
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{name} block {i} failed:\n{script}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+
+    def run_chain(chain: list[tuple[str, int, str]]) -> list[str]:
+        for name, i, script in chain:
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                return [f"{name} block {i} failed:\n{script}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"]
+        return []
+
+    blocks = runnable_blocks()
+    chains = sorted(block_chains(blocks), key=len, reverse=True)  # the longest chain starts first
+    assert sorted(b for c in chains for b in c) == sorted(blocks) and len(chains) >= 2
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [f for fs in pool.map(run_chain, chains) for f in fs]
+    assert not failures, "\n\n".join(failures)
+
+
+def test_doc_blocks_naming_one_run_dir_share_a_chain() -> None:
+    """A block that uses a run an earlier block made runs after it, in the same chain."""
+    blocks = [("a", 0, "ckpteval train --run-dir runs/x"), ("a", 1, "ls runs/y"), ("a", 2, 'RUN=$PWD/runs/x; ls "$RUN"'),
+              ("a", 3, 'cat runs/y/z "$RUNS/w"'), ("a", 4, "echo alone"), ("a", 5, 'ls "$RUNS/w"')]
+    assert sorted(block_chains(blocks)) == sorted([[blocks[0], blocks[2]], [blocks[1], blocks[3], blocks[5]], [blocks[4]]])
 
 
 def test_flags_reference_is_current() -> None:

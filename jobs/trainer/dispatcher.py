@@ -93,13 +93,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpteval.coord.conditions import Condition, parse_condition, point_value, top_steps
-from ckpteval.coord.saves import shards_present
 from ckpteval.coord.gc import StagingGC, has_room
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.points import Point, derive_point, point_metrics
 from ckpteval.coord.results import Result, ResultIndex, write_point_skip
 from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.saves import shards_present
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.canary import TrainerCanary
