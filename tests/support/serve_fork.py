@@ -93,7 +93,9 @@ class ServeForker:
         request = {"module": module, "argv": argv, "stdout": str(out), "stderr": str(log)}
         self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
-        server = ForkedServer(int(self._reply(30.0)))
+        if not (pid := self._reply(30.0)).isdigit():
+            raise RuntimeError(f"the serve zygote did not fork (exit code {self.proc.poll()}, answered {pid!r})")
+        server = ForkedServer(int(pid))
         self.launched.append(server)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and server.poll() is None:
