@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import submitit
@@ -54,10 +55,19 @@ def _executor(tmp_path: Path) -> submitit.AutoExecutor:
     return ex
 
 
+FAST_POLL = ["--poll-interval", "0.2"]  # a worker whose units are all held by the other polls again soon (default 2 s)
+
+
+def _results(jobs: list[submitit.Job]) -> list[Any]:
+    """Each job's result, once all are done: polled every 0.05 s (``Job.result`` itself sleeps in 1 s steps)."""
+    wait_for(lambda: all(job.done() for job in jobs), 170, 0.05, "the submitit jobs to end")
+    return [job.result() for job in jobs]
+
+
 def test_fleet_on_local_executor(tmp_path: Path, worker_env: None) -> None:
     run = _finished_run(tmp_path, (10, 20))
-    jobs = api.submit_fleet(_executor(tmp_path), run.path, 2, engine=FN)
-    outcomes = [job.result() for job in jobs]
+    jobs = api.submit_fleet(_executor(tmp_path), run.path, 2, engine=FN, worker_args=FAST_POLL)
+    outcomes = _results(jobs)
     assert [o["exit_code"] for o in outcomes] == [0, 0]
     got = results(run)
     assert len(got) == 4 and all(r.ok for r in got.values())
@@ -68,16 +78,16 @@ def test_fleet_on_local_executor(tmp_path: Path, worker_env: None) -> None:
 def test_backfill_map_array_is_idempotent(tmp_path: Path, worker_env: None) -> None:
     run = _finished_run(tmp_path, (1, 2, 3))
     ex = _executor(tmp_path)
-    first = api.submit_backfill(ex, run.path, n_tasks=2, parallelism=2, engine=FN)
-    assert [j.result()["exit_code"] for j in first] == [0, 0]
+    first = api.submit_backfill(ex, run.path, n_tasks=2, parallelism=2, engine=FN, worker_args=FAST_POLL)
+    assert [r["exit_code"] for r in _results(first)] == [0, 0]
     got = results(run)
     assert len(got) == 6 and all(r.ok for r in got.values())
     written = {u: r.written_at for u, r in got.items()}
     tasks = {r.worker["worker_id"].rsplit("-t", 1)[-1] for r in got.values()}
     assert tasks <= {"0", "1"}
 
-    again = api.submit_backfill(ex, run.path, n_tasks=2, engine=FN)
-    assert [j.result()["exit_code"] for j in again] == [0, 0]
+    again = api.submit_backfill(ex, run.path, n_tasks=2, engine=FN, worker_args=FAST_POLL)
+    assert [r["exit_code"] for r in _results(again)] == [0, 0]
     assert {u: r.written_at for u, r in results(run).items()} == written  # nothing re-evaluated
     assert "nothing to do" in again[0].stdout()
     assert duplicates(run) == []
@@ -85,7 +95,7 @@ def test_backfill_map_array_is_idempotent(tmp_path: Path, worker_env: None) -> N
 
 def test_checkpoint_stops_the_worker_and_requeues(tmp_path: Path, worker_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     run = _finished_run(tmp_path, (5,), n_prompts=12, shard_size=4)  # 3 units
-    monkeypatch.setenv("SUMBACKEND_DELAY_S", "2")
+    monkeypatch.setenv("SUMBACKEND_DELAY_S", "1")  # a unit lasts 1 s: the lease is seen (0.1 s polls) and signalled mid-unit
     job = api.submit_fleet(_executor(tmp_path), run.path, 1, engine=FN)[0]
 
     # a unit is in progress: its lease file names the worker's pid; its parent is the submitit task
@@ -99,7 +109,7 @@ def test_checkpoint_stops_the_worker_and_requeues(tmp_path: Path, worker_env: No
         task_pid = int(f.read().rsplit(")", 1)[1].split()[1])
     os.kill(task_pid, signal.SIGUSR2)  # what submitit's timeout/preemption signal does
 
-    assert job.result()["exit_code"] == 0  # the requeued task finished the run
+    assert _results([job])[0]["exit_code"] == 0  # the requeued task finished the run
     got = results(run)
     assert len(got) == 3 and all(r.ok for r in got.values())
     assert duplicates(run) == []

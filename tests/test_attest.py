@@ -33,8 +33,9 @@ from ckpteval.jobs.eval.scoring import DatasetCache
 from ckpteval.jobs.reference.model import build_model
 from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 from ckpteval.jobs.views.status import collect_status, render
+from tests.support.serve_fork import ServeForker
 from tests.support.stale_serve import StaleLayerEngine
-from tests.support.workers import base_dir, make_eval_run, publish_model, start_serve, version
+from tests.support.workers import base_dir, make_eval_run, publish_model, version
 
 
 # -- the digests themselves ------------------------------------------------------------------------------
@@ -178,15 +179,30 @@ def test_a_snapshot_modified_after_its_marker_fails_attestation(tmp_path: Path) 
 
 
 # -- sglang's consistency proof, against the stand-in's /weights_checker (#26 §3) ---------------------------
+@pytest.fixture(scope="module")
+def forker() -> Any:
+    """One zygote for the module's many launches (tests.support.serve_fork): each launch is still its own
+    ``ckpteval serve`` process loading its model itself, without ~5-15 s of interpreter start and imports."""
+    zygote = ServeForker()
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 class Servers:
     """Real ``ckpteval serve`` processes for one test (honest, or with the stale-layer engine); all killed after."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp, self.procs = tmp_path, []
+    def __init__(self, tmp_path: Path, forker: ServeForker) -> None:
+        self.tmp, self.forker, self.procs = tmp_path, forker, []
 
     def start(self, snapshot: Path, label: str, stale: bool = False) -> str:
+        return self.launch(["--model", str(snapshot), "--weight-version", label], stale)
+
+    def launch(self, args: list[str], stale: bool = False) -> str:
+        """``ckpteval serve ARGS`` (``tests.support.stale_serve serve ARGS`` when ``stale``); its URL."""
         module = "tests.support.stale_serve" if stale else "ckpteval.jobs.cli"
-        url, proc = start_serve(snapshot, label, self.tmp / f"serve{len(self.procs)}.log", module=module)
+        url, proc = self.forker.start(args, self.tmp / f"serve{len(self.procs)}.log", module=module)
         self.procs.append(proc)
         return url
 
@@ -197,9 +213,9 @@ class Servers:
 
 
 @pytest.fixture
-def servers(tmp_path: Path) -> Any:
+def servers(tmp_path: Path, forker: ServeForker) -> Any:
     run, refs = _run_with_steps(tmp_path, (1, 2))
-    box = Servers(tmp_path)
+    box = Servers(tmp_path, forker)
     try:
         yield run, refs, box
     finally:
@@ -341,8 +357,6 @@ def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(se
     """A server the worker launched (it can restart it) whose checksum disputes an honest load is relaunched
     within the unit: the fresh launch is an independent load, its checksum reproduces the honest one, which
     then stands, and the unit scores ``compared`` (the stale server loads correctly when launched fresh)."""
-    from tests.support.workers import _start_listening
-
     run, refs, box = servers
     assert _unit(box.start(refs[2].path, version(run, 2)), run, refs).attest["state"] == "reference"
     url = box.start(refs[1].path, version(run, 1), stale=True)
@@ -351,8 +365,7 @@ def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(se
     def relaunch() -> None:  # what SGLangEngine.restart does: a new server process on the same port
         box.procs[-1].kill()
         box.procs[-1].wait()
-        args = ["--model", str(refs[2].path), "--weight-version", version(run, 2), "--port", port]
-        box.procs.append(_start_listening(args, box.tmp / "relaunch.log", 60.0, "tests.support.stale_serve")[1])
+        box.launch(["--model", str(refs[2].path), "--weight-version", version(run, 2), "--port", port], stale=True)
 
     with HTTPEngine(url, launcher=relaunch) as engine:
         engine.launch_timeout_s = 60.0  # type: ignore[attr-defined]  # a launched server (base.LaunchesServer)
@@ -363,7 +376,7 @@ def test_a_disputed_checksum_on_a_launched_server_is_re_derived_by_a_relaunch(se
     assert len(observations) == 3 and len(standing) == 1  # honest, the stale launch, the fresh launch
 
 
-def test_a_unit_whose_canary_fails_records_no_checksum(tmp_path: Path) -> None:
+def test_a_unit_whose_canary_fails_records_no_checksum(tmp_path: Path, forker: ServeForker) -> None:
     """The stale-layer server's canary catches it (the snapshot carries the trainer's probe log-probs): under
     an explicit bound the unit is ``canary_failed``, under sglang's unmeasured default it is scored but
     flagged; either way its checksum is not recorded, so it can never become a reference."""
@@ -372,7 +385,7 @@ def test_a_unit_whose_canary_fails_records_no_checksum(tmp_path: Path) -> None:
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4, max_new_tokens=2)
     other, path = _export(tmp_path, run, 2), _export(tmp_path, run, 1)
     refs = {ref.step: ref for ref in SnapshotDiscovery(run.snapshots).poll()}
-    box = Servers(tmp_path)
+    box = Servers(tmp_path, forker)
     try:
         url = box.start(other, version(run, 2), stale=True)
         with HTTPEngine(url) as engine:
@@ -406,16 +419,16 @@ def test_checksum_layout_reads_both_sglang_shapes_of_parallelism_info() -> None:
     assert checksum_layout(draft).startswith("tp2-dp1-pp1-ranks1-rolesdraft+target-?-qnone-sglang?-on?")
 
 
-def test_the_stand_in_answers_weights_checker_as_sglang_does(tmp_path: Path) -> None:
+def test_the_stand_in_answers_weights_checker_as_sglang_does(tmp_path: Path, forker: ServeForker) -> None:
     run, refs = _run_with_steps(tmp_path, (2,))
-    url, proc = start_serve(refs[2].path, version(run, 2), tmp_path / "serve.log")
+    box = Servers(tmp_path, forker)
     try:
+        url = box.start(refs[2].path, version(run, 2))
         body = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=30).json()
         info = httpx.get(f"{url}/server_info", timeout=30).json()
         bad = httpx.post(f"{url}/weights_checker", json={"action": "snapshot"}, timeout=30)
     finally:
-        proc.kill()
-        proc.wait()
+        box.close()
     assert body["success"] is True and isinstance(body["per_engine_checksum"], str)
     (rank,) = body["ranks"]
     assert rank["parallelism_info"][0]["role"] == "target" and rank["parallelism_info"][0]["tp_size"] == 1

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import RunDir
 
@@ -27,6 +24,9 @@ def make_run(tmp: Path, n_prompts: int = 10, shard_size: int = 5, lease: LeaseSe
 
 def write_tiny_shards(out: Path, n_shards: int = 2, numel: int = 1024, seed: int = 0) -> None:
     """Real safetensors shards (no model needed for protocol tests)."""
+    import torch  # here, not at module level: fn-backend worker processes import this module (via workers.py)
+    from safetensors.torch import save_file
+
     g = torch.Generator().manual_seed(seed)
     for i in range(n_shards):
         save_file({f"w{i}": torch.randn(numel, generator=g)}, str(out / f"model-{i:05d}.safetensors"))
