@@ -19,6 +19,7 @@ from ckpteval.coord.conditions import check_metric, parse_condition
 from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import LeaseSettings
 from ckpteval.coord.rundir import RunDir
+from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.flags import (
     Parser,
     accept_positional_run_dir,
@@ -108,6 +109,8 @@ class TrainConfig:
             if self.eval_config is None:  # the built-in sets: checked before anything is written
                 check_metric(condition, {"addition"} | ({"addition-sampled"} if self.eval_samples else set()),
                              "--eval-stop-when")
+        if self.eval and self.eval_config is not None:
+            read_eval_config(Path(self.eval_config))  # and its data files: a bad one fails before torch loads
         return self.dispatch.for_run(self.run_dir) if self.eval else None
 
 
