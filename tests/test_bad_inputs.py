@@ -1,6 +1,8 @@
 """Every bad input is one clear line: a sweep over every subcommand with bad values for every flag.
 
-Each case runs ``python -m ckpteval.jobs.cli ...`` as a real process in its own copy of a sandbox (a valid run,
+Each case runs ``ckpteval.jobs.cli`` as ``__main__`` in a real process of its own (a fork of one interpreter warmed
+up as ``python -m ckpteval.jobs.cli`` is, :mod:`tests.support.forkcli`: the same output, without the start-up
+per case) in its own copy of a sandbox (a valid run,
 broken runs, files where dirs belong, malformed eval configs) and must end with exit 2, exactly one
 line on stderr (the convention of every ``ckpteval`` parser and check: ``prog: what is wrong``; no
 argparse usage block), no traceback anywhere, and the sandbox tree unchanged (nothing created,
