@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--only", help="comma list of config names to run (default: all)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per trainer run")
     ap.add_argument("--keep", action="store_true", help="keep the run dirs")
+    ap.add_argument("--smoke", action="store_true", help="run each config once (tests/test_bench_smoke.py)")
     ap.add_argument("--eval-config", type=Path, help="evaluate this eval-config's datasets instead of the built-in "
                     "addition set (e.g. examples/evalsets/code_tiny.eval.json: every point runs programs in the sandbox)")
     ap.add_argument("--json", type=Path, help="also write the results here as JSON")
@@ -365,6 +366,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.only:
         wanted = set(args.only.split(","))
         todo = [c for c in todo if c.name in wanted]
+    if args.smoke:  # each config once: the closing baseline runs no code path its first run did not
+        todo = list(dict.fromkeys(todo))
     rows = []
     try:
         for i, cfg in enumerate(todo):

@@ -52,7 +52,8 @@ def run_without_eval(base: Path, args: argparse.Namespace) -> dict[str, Any]:
 def run_with_fleet(base: Path, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     run_dir = base / "eval"
     trainer = subprocess.Popen(
-        trainer_cmd(run_dir, args, "--eval-interval", str(args.eval_interval), "--eval-poll-interval", "1",
+        trainer_cmd(run_dir, args, "--eval-interval", str(args.eval_interval), "--eval-poll-interval",
+                    "0.1" if args.smoke else "1",
                     "--eval-n-prompts", str(args.n_prompts), "--eval-shard-size", str(args.shard_size)),
         cwd=ROOT, env=env(args.trainer_threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -62,7 +63,7 @@ def run_with_fleet(base: Path, args: argparse.Namespace) -> tuple[dict[str, Any]
         time.sleep(0.05)
     workers = [
         subprocess.Popen([sys.executable, "-m", "ckpteval.jobs.cli", "worker", "--run-dir", str(run_dir), "--poll-interval",
-                          "0.5"], cwd=ROOT, env=env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          "0.1" if args.smoke else "0.5"], cwd=ROOT, env=env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         for _ in range(args.workers)
     ]
     out, err = trainer.communicate()
@@ -87,6 +88,7 @@ def main() -> int:
     p.add_argument("--shard-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--trainer-threads", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="trainer and workers poll every 0.1 s (tests/test_bench_smoke.py)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         base = Path(tmp)

@@ -87,8 +87,8 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
 # bench/bench_*.py with these in `make test`, so a benchmark that no longer runs fails CI. Adding a benchmark:
 # add its smoke arguments here (the test fails for a script without them); it must print a line with "ratio".
 SMOKE: dict[str, list[str]] = {
-    "bench_stall.py": ["--steps", "20", "--eval-interval", "10", "--batch-size", "8", "--workers", "1",
-                       "--repeats", "1", "--no-pinned", "--poll", "0.2", "--only", "no-eval,fleet-staging"],
+    "bench_stall.py": ["--steps", "4", "--eval-interval", "2", "--batch-size", "2", "--workers", "1",
+                       "--repeats", "1", "--no-pinned", "--poll", "0.1", "--only", "no-eval,fleet-staging", "--smoke"],
     "bench_export.py": ["--mb", "4", "--reps", "1"],
     "bench_coord.py": ["--procs", "2", "--units", "10", "--gb", "0.005", "--snapshots", "10"],
     "bench_metadata.py": ["--steps", "1", "--small", "2", "--large", "4", "--units", "10", "--no-cpu"],
@@ -96,8 +96,8 @@ SMOKE: dict[str, list[str]] = {
     "bench_grader.py": ["--answers", "8", "--repeats", "1"],
     "bench_reload.py": ["--hidden", "64", "--layers", "1", "--repeats", "1"],
     "bench_workers.py": ["--workers", "1", "--steps", "1", "--n-prompts", "8", "--shard-size", "4"],
-    "bench_trainer.py": ["--steps", "10", "--eval-interval", "5", "--batch-size", "8", "--n-prompts", "8",
-                         "--shard-size", "4"],
+    "bench_trainer.py": ["--steps", "4", "--eval-interval", "2", "--batch-size", "2", "--n-prompts", "4",
+                         "--shard-size", "4", "--smoke"],
     "bench_stop.py": ["--waits", "backpressure", "--signals", "SIGUSR1", "--bound", "60", "--settle", "0.2"],
     "bench_sandbox.py": ["--smoke"],
     "bench_judge.py": ["--smoke"],

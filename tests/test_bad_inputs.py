@@ -1,6 +1,8 @@
 """Every bad input is one clear line: a sweep over every subcommand with bad values for every flag.
 
-Each case runs ``python -m ckpteval.jobs.cli ...`` as a real process in its own copy of a sandbox (a valid run,
+Each case runs ``ckpteval.jobs.cli`` as ``__main__`` in a real process of its own (a fork of one interpreter warmed
+up as ``python -m ckpteval.jobs.cli`` is, :mod:`tests.support.forkcli`: the same output, without the start-up
+per case) in its own copy of a sandbox (a valid run,
 broken runs, files where dirs belong, malformed eval configs) and must end with exit 2, exactly one
 line on stderr (the convention of every ``ckpteval`` parser and check: ``prog: what is wrong``; no
 argparse usage block), no traceback anywhere, and the sandbox tree unchanged (nothing created,
@@ -39,6 +41,7 @@ import pytest
 
 from ckpteval.coord.manifest import parse_manifest
 from ckpteval.coord.rundir import RunDir
+from tests.support.forkcli import ForkCli
 from tests.support.workers import REPO, make_eval_run, publish_as_trainer
 
 CASE_TIMEOUT_S = 60.0  # generous: a case that runs this long is a silent accept
@@ -462,12 +465,17 @@ def tree(root: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def cli_env(repo: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTEVAL_", "SLURM_"))}
+    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    return env
+
+
 def cli(argv: list[str], cwd: Path, repo: Path = REPO, prefix: list[str] | None = None) -> tuple[int | None, str, str]:
     """``python -m ckpteval.jobs.cli argv`` in ``cwd`` (behind ``prefix``, e.g. :func:`unprivileged`): (exit code or
     None if killed at the timeout, stdout, stderr)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTEVAL_", "SLURM_"))}
-    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ckpteval.jobs.cli", *argv], cwd=cwd, env=env, text=True,
+    proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ckpteval.jobs.cli", *argv], cwd=cwd, env=cli_env(repo),
+                            text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=CASE_TIMEOUT_S)
@@ -478,11 +486,12 @@ def cli(argv: list[str], cwd: Path, repo: Path = REPO, prefix: list[str] | None 
         return None, out, err
 
 
-def run_case(case: str, template: Path, work: Path, repo: Path, port: int) -> Outcome:
+def run_case(case: str, template: Path, work: Path, fork: ForkCli, port: int) -> Outcome:
     sandbox = work / f"case-{abs(hash(case)):x}"
     shutil.copytree(template, sandbox, symlinks=True, copy_function=shutil.copy2)
     before = tree(sandbox)
-    code, out, err = cli(shlex.split(case.replace("{S}", str(sandbox)).replace("{PORT}", str(port))), sandbox, repo)
+    argv = shlex.split(case.replace("{S}", str(sandbox)).replace("{PORT}", str(port)))
+    code, out, err = fork.run(argv, sandbox, CASE_TIMEOUT_S)
     after = tree(sandbox)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     shutil.rmtree(sandbox, ignore_errors=True)
@@ -495,8 +504,8 @@ def sweep(work: Path, repo: Path = REPO, cases: list[str] | None = None, jobs: i
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        with ThreadPoolExecutor(jobs) as pool:
-            return list(pool.map(lambda c: run_case(c, template, work, repo, port), cases or all_cases()))
+        with ForkCli(cli_env(repo), work / "fork") as fork, ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(lambda c: run_case(c, template, work, fork, port), cases or all_cases()))
 
 
 def summary(outcomes: list[Outcome]) -> dict[str, int]:
