@@ -94,13 +94,15 @@ def _status_cmd(*args: str) -> list[str]:
 
 def test_status_watch_takes_run_either_way_and_ends_quietly_on_ctrl_c_or_sigterm(tmp_path: Path) -> None:
     """``status --watch RUN`` reads RUN as the run dir (not as a bad interval); Ctrl-C and SIGTERM end a
-    watch without a traceback."""
+    watch without a traceback, also when the watch was started with SIGINT ignored (a background job)."""
     run, claim = _build_run(tmp_path)
     claim.release()
     for argv, sig in ((["--watch", str(run.path)], signal.SIGINT),
                       (["--watch", "0.2", "--run-dir", str(run.path)], signal.SIGTERM)):
+        # started as a shell starts a background job (``&``, nohup): SIGINT ignored, which the watch must undo
         proc = subprocess.Popen(_status_cmd(*argv), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env={**os.environ, "COLUMNS": "200"})
+                                text=True, env={**os.environ, "COLUMNS": "200"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         try:
             wait_for(lambda p=proc: p.poll() is not None or _printed(run.path, p), 60, what="a first refresh")
             assert proc.poll() is None, proc.communicate()

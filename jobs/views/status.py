@@ -97,6 +97,9 @@ def main(argv: list[str]) -> int:
     console = Console()
     if interval is not None:  # SIGTERM (kill, timeout) ends a watch as quietly as Ctrl-C
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+        # and Ctrl-C always does: a shell starting a job in the background (``&``, nohup) leaves SIGINT ignored,
+        # which Python keeps, so the watch would never end on SIGINT
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             try:
