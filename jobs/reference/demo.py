@@ -64,7 +64,7 @@ from ckpteval.jobs.flags import (
 from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED
 from ckpteval.jobs.pathchecks import check_dir_creatable
 from ckpteval.jobs.views.plot import draw, plot_series
-from ckpteval.jobs.views.status import collect_status, points_table, read_metrics
+from ckpteval.jobs.views.status import collect_status, points_tables, read_metrics
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
 TABLE_WIDTH = 120
@@ -311,7 +311,8 @@ def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc]
 def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
     console = _console()
     status = collect_status(run_dir)
-    console.print(points_table(status))
+    for table in points_tables(status, console.width):  # a table per part when one would fold its cells
+        console.print(table)
     png = run_dir / "curve.png"
     draw(plot_series(status), png, f"ckpteval demo {status['run_id']}")
     scored = [p for p in status["points"] if p["complete"] and p["datasets"]]
