@@ -28,6 +28,7 @@ from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunMan
 from ckpteval.coord.points import dataset_score, derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval import sandbox as sandbox_module
 from ckpteval.jobs.eval.evalconfig import read_eval_config
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.eval.sandbox import Limits, Sandbox, probe_bwrap
@@ -157,11 +158,17 @@ def bwrap_failing_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, good_ca
 
 @needs_bwrap
 def test_a_sandbox_that_stops_starting_is_an_infra_failure_never_a_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # this process's shared pools may already hold warm runners (started before bwrap broke): the scorer gets new ones
+    monkeypatch.setattr(sandbox_module, "_SHARED", {})
     row = EXAMPLE[0]
     scorer = make_scorer(spec([row]), ScorerContext(tmp_path, {}))
     bwrap_failing_after(tmp_path, monkeypatch, good_calls=0)
-    with pytest.raises(ScorerInfraError) as info:
-        scorer.score([Sample(fenced(row["solution"]), row, "")])
+    try:
+        with pytest.raises(ScorerInfraError) as info:
+            scorer.score([Sample(fenced(row["solution"]), row, "")])
+    finally:
+        for box in sandbox_module._SHARED.values():
+            box.close()
     assert info.value.reason == "sandbox_failed" and "uid map" in str(info.value)
 
 

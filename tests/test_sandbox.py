@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -154,8 +156,8 @@ def test_rlimits_only_mode_bounds_a_program_without_bwrap(tmp_path: Path, monkey
 
 @needs_bwrap
 def test_bwrap_killed_under_a_running_program_is_an_infra_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A real bwrap, SIGKILLed from outside a second after it starts (what the OOM killer or an operator
-    does): not the program's failure."""
+    """A real bwrap (the warm runner's), SIGKILLed from outside a second after it starts (what the OOM killer or
+    an operator does): the runner and its program die with it, which is not the program's failure."""
     real = shutil.which("bwrap")
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -164,14 +166,48 @@ def test_bwrap_killed_under_a_running_program_is_an_infra_failure(tmp_path: Path
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     box = Sandbox(Limits(wall_s=20.0), concurrency=1, retries=1)
-    with pytest.raises(SandboxUnavailable, match="bwrap was killed by signal 9"):
+    with pytest.raises(SandboxUnavailable, match="the sandbox spawner (died|is gone)"):
         box.run("import time; time.sleep(15)")
+    box.close()
+
+
+def ns_pids(pid: int) -> list[str]:
+    """The pid of ``pid`` in each PID namespace it is in, outermost first (NSpid)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return line.split()[1:]
+    return []
+
+
+@needs_bwrap
+def test_the_programs_init_killed_from_outside_is_an_infra_failure() -> None:
+    """The init of a program's own PID namespace (forked by the warm runner), SIGKILLed from outside while the
+    program sleeps: the sandbox died under the program, not the program's failure; the next program runs."""
+    label = f"test-init-killed-{os.getpid()}"
+    box = Sandbox(Limits(wall_s=20.0), concurrency=1, retries=0, label=label)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(box.run, "import time; time.sleep(15)")
+            inits: list[int] = []
+            deadline = time.monotonic() + 15
+            while not inits and time.monotonic() < deadline:  # runner: NSpid host 1; init: host n 1; program: host n+1 2
+                inits = [p for p in labelled_processes(label) if len(ns_pids(p)) == 3 and ns_pids(p)[-1] == "1"]
+                time.sleep(0.05)
+            assert len(inits) == 1, [ns_pids(p) for p in labelled_processes(label)]
+            os.kill(inits[0], signal.SIGKILL)
+            with pytest.raises(SandboxUnavailable, match="the sandbox was killed by signal 9"):
+                running.result(timeout=30)
+        assert box.run("print('next')").stdout == b"next\n"
+    finally:
+        box.close()
+    assert survivors(label) == []
 
 
 @needs_bwrap
 def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> None:
     """A real process running a sandboxed program (which forked a child) is SIGKILLed, as a preempted or
-    OOM-killed worker is: bwrap's --die-with-parent ends the sandbox and every process in it."""
+    OOM-killed worker is: bwrap's --die-with-parent ends the warm runner, and with its PID namespace every
+    program's namespace nested in it."""
     label = f"test-killed-worker-{os.getpid()}"
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
               "from ckpteval.jobs.eval.sandbox import Limits, Sandbox\n"
@@ -179,9 +215,9 @@ def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> N
     worker = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 30
-        while len(labelled_processes(label)) < 2 and time.monotonic() < deadline:  # the program and its child
+        while len(labelled_processes(label)) < 4 and time.monotonic() < deadline:  # runner, init, program, child
             time.sleep(0.1)
-        assert len(labelled_processes(label)) == 2
+        assert len(labelled_processes(label)) == 4
     finally:
         worker.kill()
         worker.wait()

@@ -82,11 +82,10 @@ from ckpteval.jobs.eval.sandbox_launch import (
     SANDBOX_UID_BASE,
     UIDS_PER_PROCESS,
     Limits,
-    bwrap_command,
     interpreter,
     launcher_args,
 )
-from ckpteval.jobs.eval.sandbox_spawn import SandboxUnavailable, Spawner, _Run, program_files
+from ckpteval.jobs.eval.sandbox_spawn import SandboxUnavailable, Spawner, Warm, _Run, program_files
 
 __all__ = ["INTERPRETER_FLAGS", "MODES", "STATUSES", "Limits", "MemoryCgroup", "Outcome", "Sandbox",
            "SandboxUnavailable", "interpreter", "labelled_processes", "memory_cgroup", "probe_bwrap",
@@ -220,12 +219,10 @@ class Sandbox:
         except UnicodeEncodeError as e:  # the model's text (a lone surrogate): this program's error only
             return Outcome("crashed", None, None, b"", str(e).encode(), 0.0, "the program is not valid UTF-8")
         spawner = self._spawner(limits)
-        tmp = tempfile.mkdtemp(prefix="ckpteval-sandbox-")
+        tmp = tempfile.mkdtemp(prefix="ckpteval-sandbox-") if self.mode != "bwrap" else ""
         try:
-            program, stdin_path = program_files(tmp, encoded, stdin)
             oom_before = spawner.oom_kills()
-            run = self._start(spawner, program, stdin_path, tmp, limits)
-            os.unlink(stdin_path)  # held open by the program only: no path to it (rlimits-only mode)
+            run = self._start(spawner, tmp, encoded, stdin, limits)
             rc, wall = run.wait()
             oom_kills = spawner.oom_kills() - oom_before
             if not run.ready and not run.timed_out:
@@ -234,12 +231,13 @@ class Sandbox:
             if not run.ready:
                 raise SandboxUnavailable(f"the sandbox did not start within {limits.wall_s:g} s")
             if self.mode == "bwrap" and rc < 0 and not (run.timed_out or run.overflow or oom_kills):
-                # bwrap reports the program's signals as 128 + n; bwrap itself killed by a signal we did not
-                # send is the sandbox dying under the program (an operator, the node's OOM killer), not its fault
-                raise SandboxUnavailable(f"bwrap was killed by signal {-rc} while the program ran")
+                # the program's signals come as 128 + n; its init killed by a signal we did not send is the
+                # sandbox dying under the program (an operator, the node's OOM killer), not its fault
+                raise SandboxUnavailable(f"the sandbox was killed by signal {-rc} while the program ran")
             return _classify(run, rc, wall, self.mode == "bwrap", oom_kills)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _spawner(self, limits: Limits) -> Spawner:
         """This thread's spawner, ready for a program under ``limits`` (a new one when it is not)."""
@@ -248,7 +246,8 @@ class Sandbox:
             self._retire(spawner)
             spawner = None
         if spawner is None:
-            spawner = Spawner(self.cgroup, limits.memory_mb)
+            warm = Warm(self.label, self.as_root) if self.mode == "bwrap" else None
+            spawner = Spawner(self.cgroup, limits.memory_mb, warm)
             self._local.spawner = spawner
             with self._lock:
                 self._spawners.append(spawner)
@@ -261,18 +260,20 @@ class Sandbox:
                 self._spawners.remove(spawner)
         spawner.close()
 
-    def _start(self, spawner: Spawner, program: str, stdin_path: str, tmp: str, limits: Limits) -> _Run:
-        uid = self._uid() if self.as_root else -1
+    def _start(self, spawner: Spawner, tmp: str, encoded: bytes, stdin: bytes, limits: Limits) -> _Run:
+        """Start one program: in the thread's warm runner (bwrap), or as an rlimits-only launcher in ``tmp``."""
         if self.mode == "bwrap":
-            cmd = bwrap_command(program, self.label, self.as_root)
-            cmd += launcher_args(limits, uid, READY_FD, PROGRAM, bwrap=True)
-            return _Run(spawner, cmd, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, tmp, stdin_path, limits)
+            uid = self._uid() if self.as_root else -1
+            _, stdin_path = program_files(spawner.box, spawner.dir, encoded, stdin)
+            return _Run(spawner, tuple(launcher_args(limits, uid, READY_FD, PROGRAM, bwrap=True)), stdin_path, limits)
+        program, stdin_path = program_files(tmp, tmp, encoded, stdin)
         work = os.path.join(tmp, "work")
         os.mkdir(work, 0o700)
         env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
-        cmd = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER,
-               *launcher_args(limits, -1, READY_FD, program, bwrap=False)]
-        return _Run(spawner, cmd, env, work, stdin_path, limits)
+        argv = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER, *launcher_args(limits, -1, READY_FD, program, bwrap=False)]
+        run = _Run(spawner, (argv, env, work), stdin_path, limits)
+        os.unlink(stdin_path)  # held open by the program only: no path to it
+        return run
 
     def bounds(self, limits: Limits | None = None) -> dict[str, object]:
         """The limits a program runs under here, as recorded with its results (how total memory is bounded:

@@ -26,64 +26,75 @@ SANDBOX_UID_BASE = 200_000
 UIDS_PER_PROCESS = 65_536
 ENV_LABEL = "CKPTEVAL_SANDBOX"  # set in every sandboxed process's environment: who started it
 PROGRAM = "/sandbox/main.py"
-READY_FD = 3  # the launcher's "up" pipe: the spawner puts it at this fd in every sandbox's first process
+READY_FD = 3  # the launcher's "up" pipe: the spawner puts it at this fd in every program's first process
 # -I: no environment, no user site, no script dir on sys.path; -S: no site-packages (and none of their
 # .pth start-up hooks): programs get the standard library only, and start faster.
 INTERPRETER_FLAGS = ("-I", "-S")
 
-# Runs inside the sandbox (argv: cpu_s memory_bytes file_bytes nproc nofile uid ready_fd tmp_bytes tmp_inodes
-# program). Trusted code: mount the private /tmp with an inode cap (bwrap only), set the limits, drop root (or,
-# in a user namespace, the one capability kept for the mount), report "up" on ready_fd, then run the program
-# as __main__ in this interpreter (compiled as UTF-8; no runpy: its imports cost more than bwrap does).
-LAUNCHER = r"""
-import posix, resource, sys  # posix, not os: os's import costs more than bwrap
-cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes = (int(a) for a in sys.argv[1:10])
-program = sys.argv[10]
-if inodes > 0:  # _ctypes, not ctypes: ctypes's import costs a third of an interpreter's start-up
-    import _ctypes
-    class Int(_ctypes._SimpleCData):
-        _type_ = "i"
-    class Func(_ctypes.CFuncPtr):
-        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-        _restype_ = Int
-    class Libc:
-        _handle = _ctypes.dlopen(None, 0)
-    opts = b"size=%d,nr_inodes=%d,mode=1777" % (tmp_bytes, inodes)
-    if Func(("mount", Libc))(b"tmpfs", b"/tmp", b"tmpfs", 6, opts) != 0:  # MS_NOSUID | MS_NODEV
-        sys.exit("ckpteval launcher: cannot mount the private /tmp (errno %d)" % _ctypes.get_errno())
-    posix.chdir("/tmp")
-    if uid < 0:  # in a user namespace: give up CAP_SYS_ADMIN (kept by bwrap for the mount)
-        Func(("prctl", Libc))(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
-        class Header(_ctypes.Array):
-            _type_, _length_ = Int, 2
-        class Data(_ctypes.Array):
-            _type_, _length_ = Int, 6
-        if Func(("capset", Libc))(Header(0x20080522, 0), Data()) != 0:  # _LINUX_CAPABILITY_VERSION_3, all 0
-            sys.exit("ckpteval launcher: cannot drop capabilities (errno %d)" % _ctypes.get_errno())
-for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
-                        (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
-                        (resource.RLIMIT_CORE, 0, 0)):
-    resource.setrlimit(res, (soft, hard))
-if uid >= 0 and posix.getuid() == 0:
-    posix.setgroups([]); posix.setgid(uid); posix.setuid(uid)
-resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-if inodes > 0:  # bwrap: the program must hold no capability
-    with open("/proc/self/status") as status:
-        caps = [line.split()[1] for line in status if line.startswith(("CapEff:", "CapPrm:"))]
-    if any(int(c, 16) for c in caps):
-        sys.exit("ckpteval launcher: the program would keep capabilities %s" % caps)
-posix.write(ready, b"R"); posix.close(ready)
-sys.argv = [program]
-sys.path.insert(0, program.rpartition("/")[0])
-def run(path, g):
-    with open(path, "rb") as f:
-        code = compile(f.read(), path, "exec")
+# Trusted code that becomes the program's process (inside the sandbox in bwrap mode, a plain subprocess in
+# rlimits-only mode): launch(cpu_s, memory_bytes, file_bytes, nproc, nofile, uid, ready_fd, tmp_bytes, tmp_inodes,
+# program, fresh_proc) mounts a fresh /proc (fresh_proc: the warm runner's program, in its own PID namespace) and
+# the private /tmp with an inode cap (bwrap only), sets the limits, drops root (or, in a user namespace, the
+# capabilities the mounts needed), checks none is left, reports "up" on ready_fd, then runs the program as
+# __main__ in this interpreter (compiled as UTF-8; no runpy: its imports cost more than bwrap does). Only C
+# modules: posix, not os; _ctypes, not ctypes (their imports cost a third of an interpreter's start-up).
+LAUNCH = r"""
+import posix, resource, sys
+def libc_function(name, types={}):
+    if not types:  # once: three tiny declarations instead of importing ctypes
+        import _ctypes
+        class Int(_ctypes._SimpleCData):
+            _type_ = "i"
+        class Func(_ctypes.CFuncPtr):
+            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+            _restype_ = Int
+        class Libc:
+            _handle = _ctypes.dlopen(None, 0)
+        types.update(func=Func, libc=Libc, errno=_ctypes.get_errno)
+    function = types["func"]((name, types["libc"]))
+    def call(*args):
+        if function(*args) != 0:
+            raise OSError(types["errno"](), "%s failed" % name)
+    return call
+def launch(cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes, program, fresh_proc):
+    try:
+        if fresh_proc:  # this PID namespace's own /proc; dumpable again (its init is not, see the runner)
+            libc_function("prctl")(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+            libc_function("mount")(b"proc", b"/proc", b"proc", 14, None)  # MS_NOSUID | MS_NODEV | MS_NOEXEC
+        if inodes > 0:
+            libc_function("mount")(b"tmpfs", b"/tmp", b"tmpfs", 6, b"size=%d,nr_inodes=%d,mode=1777" % (tmp_bytes, inodes))
+            posix.chdir("/tmp")
+            if uid < 0:  # in a user namespace: give up CAP_SYS_ADMIN (kept by bwrap for the mounts)
+                libc_function("prctl")(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+                header = (0x20080522).to_bytes(4, sys.byteorder) + bytes(4)  # _LINUX_CAPABILITY_VERSION_3, this process
+                libc_function("capset")(header, bytes(24))  # permitted, effective, inheritable: all 0
+    except OSError as e:
+        sys.exit("ckpteval launcher: cannot set the sandbox up (%s, errno %d)" % (e.strerror, e.errno))
+    for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
+                            (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
+                            (resource.RLIMIT_CORE, 0, 0)):
+        resource.setrlimit(res, (soft, hard))
+    if uid >= 0 and posix.getuid() == 0:
+        posix.setgroups([]); posix.setgid(uid); posix.setuid(uid)
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if inodes > 0:  # bwrap: the program must hold no capability
+        with open("/proc/self/status") as status:
+            caps = [line.split()[1] for line in status if line.startswith(("CapEff:", "CapPrm:"))]
+        if any(int(c, 16) for c in caps):
+            sys.exit("ckpteval launcher: the program would keep capabilities %s" % caps)
+    posix.write(ready, b"R"); posix.close(ready)
+    sys.argv = [program]
+    sys.path.insert(0, program.rpartition("/")[0])
+    with open(program, "rb") as f:
+        code = compile(f.read(), program, "exec")
+    g = sys.modules["__main__"].__dict__
     b = g["__builtins__"]
     g.clear()  # the program's globals: __main__'s, emptied of the launcher's names
-    g.update(__name__="__main__", __file__=path, __builtins__=b)
+    g.update(__name__="__main__", __file__=program, __builtins__=b)
     exec(code, g)
-run(program, sys.modules["__main__"].__dict__)
 """
+# The rlimits-only mode's program process: ``python -I -S -c LAUNCHER <the launch arguments>``.
+LAUNCHER = LAUNCH + "launch(*(int(a) for a in sys.argv[1:10]), sys.argv[10], 0)\n"
 
 
 
@@ -155,29 +166,29 @@ def _dev() -> tuple[str, ...]:
     return (*args, "--symlink", "/proc/self/fd", "/dev/fd")
 
 
-def bwrap_command(program_file: str, label: str, as_root: bool) -> list[str]:
-    """The full bwrap command line that runs ``program_file`` (a host path) under the launcher (the parts that
-    depend on the node only are computed once per process)."""
-    exe, prefix = interpreter()
+def bwrap_prefix(box_dir: str, label: str, as_root: bool, info_fd: int) -> list[str]:
+    """The bwrap command line, up to the command, of a pool thread's warm runner: the sandbox's namespaces,
+    read-only root and environment; ``box_dir`` (a host dir holding the current program only) read-only at
+    /sandbox; the runner is the namespace's PID 1 (``--as-pid-1``) and bwrap writes its host pid to
+    ``info_fd`` (the parts that depend on the node only are computed once per process)."""
     # root: no user namespace (uid 0 in one is still uid 0 to RLIMIT_NPROC; the launcher drops to a
     # real unprivileged uid instead); others: --unshare-all, whose user namespace they need.
     unshare = (["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
                if as_root else ["--unshare-all", "--cap-add", "CAP_SYS_ADMIN"])  # the launcher drops it
     return [
-        "bwrap", *unshare, "--die-with-parent", "--new-session",
-        *_root_binds(prefix),
+        "bwrap", *unshare, "--die-with-parent", "--new-session", "--as-pid-1", "--info-fd", str(info_fd),
+        *_root_binds(interpreter()[1]),
         "--proc", "/proc", *_dev(),
-        "--dir", "/tmp",  # a mount point only: the launcher mounts the capped tmpfs there (a bwrap --tmpfs: 0.8 ms)
-        "--perms", "0755", "--dir", "/sandbox", "--ro-bind", program_file, PROGRAM,
+        "--dir", "/tmp",  # a mount point only: each program's launcher mounts its capped tmpfs there
+        "--ro-bind", box_dir, PROGRAM.rpartition("/")[0],
         "--remount-ro", "/",  # in a user namespace the root tmpfs is the program's to write, uncapped
         "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
         "--setenv", "HOME", "/tmp", "--setenv", ENV_LABEL, label,
-        exe, *INTERPRETER_FLAGS, "-c", LAUNCHER,
     ]
 
 
 def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str, bwrap: bool) -> list[str]:
-    """The launcher's argv (see :data:`LAUNCHER`); the inode-capped /tmp is mounted under bwrap only."""
+    """The arguments of ``launch`` (see :data:`LAUNCH`) as strings; the inode-capped /tmp is mounted under bwrap only."""
     inodes = limits.tmp_inodes if bwrap else 0
     return [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.file_mb << 20), str(limits.nproc),
             str(limits.nofile), str(uid), str(ready_fd), str(limits.file_mb << 20), str(inodes),

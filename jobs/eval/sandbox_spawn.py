@@ -26,37 +26,56 @@ a memory cgroup the spawner still starts the processes (no cgroup, memory bounde
 from __future__ import annotations
 
 import array
+import json
 import marshal
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpteval.jobs.eval.sandbox_cgroup import MemoryCgroup
-from ckpteval.jobs.eval.sandbox_launch import INTERPRETER_FLAGS, Limits, interpreter
+from ckpteval.jobs.eval.sandbox_launch import INTERPRETER_FLAGS, LAUNCH, Limits, bwrap_prefix, interpreter
 
 REPLY_S = 30.0  # how long the host waits for the spawner to start or to answer a spawn
 
-# Runs as the spawner (argv: the socket's fd, the cgroup's cgroup.procs or ""). Trusted, and it never reads
-# program data: it receives (argv, env, cwd) and four fds (stdin, stdout, stderr, ready) per sandbox.
-SPAWNER = r"""
-import array, fcntl, marshal, os, select, signal, socket, sys
-sock = socket.socket(fileno=int(sys.argv[1]))
-procs = sys.argv[2]
-try:
-    with open("/proc/self/oom_score_adj", "w") as f:
-        f.write("-1000")
-except OSError:
-    pass
-child = -1
-me = os.getpid()
-def kill_all():
-    if child > 0:
+# Runs as the spawner (argv: the socket's fd, the cgroup's cgroup.procs or "", the mode: "exec" or "launch").
+# Trusted, and it never reads program data: per program it receives a message and four fds (stdin, stdout,
+# stderr, ready). "exec" (rlimits-only): the message is (argv, env, cwd); the process is exec'd in a new
+# session. "launch" (the warm runner, PID 1 of bwrap's sandbox): the message is launch()'s arguments; the
+# runner forks the program's init into a new PID namespace, which unshares the mount, IPC, UTS, network and
+# cgroup namespaces, brings the loopback up and forks the program's process: it breaks out of the loop below
+# and runs launch() (LAUNCH, prepended), the program's own set-up, then the program, in this interpreter's copy.
+# The init reaps every process of its namespace and exits as bwrap does: the program's status, or 128 + the
+# signal that killed it; its exit kills whatever is left in the namespace. Only C modules are imported, so the
+# program's interpreter holds no module a fresh `python -I -S` would not load on demand.
+SPAWNER = LAUNCH + r"""
+import fcntl, marshal, select, _signal, _socket
+sock = _socket.socket(fileno=int(sys.argv[1]))
+procs, mode = sys.argv[2], sys.argv[3]
+def oom_score(value):
+    try:
+        fd = posix.open("/proc/self/oom_score_adj", posix.O_WRONLY)
         try:
-            os.killpg(child, 9)
+            posix.write(fd, value)
+        finally:
+            posix.close(fd)
+    except OSError:
+        pass
+oom_score(b"-1000")
+if mode == "launch":
+    unshare, setns, mount, prctl = (libc_function(f) for f in ("unshare", "setns", "mount", "prctl"))
+    own_pid_ns = posix.open("/proc/self/ns/pid", posix.O_RDONLY | posix.O_CLOEXEC)
+child = -1
+def kill_all():
+    for kill in (posix.kill, posix.killpg):  # "launch": the program's init, and with it its PID namespace
+        try:
+            kill(child, 9) if child > 0 else None
         except OSError:
             pass
     try:
@@ -65,39 +84,65 @@ def kill_all():
     except OSError:
         pids = []
     for p in pids:
-        if p != me:
+        if p != posix.getpid():
             try:
-                os.kill(p, 9)
+                posix.kill(p, 9)
             except OSError:
                 pass
-def start(argv, env, cwd, fds):
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]
-    try:
-        pid = os.fork()
-    finally:
-        if os.getpid() == me:
-            for fd in high:
-                os.close(fd)
+def become(fds):  # in a child: fds as its 0, 1, ...; nothing else open
+    sock.detach()
+    for i, fd in enumerate(fds):
+        posix.dup2(fd, i)
+    posix.closerange(len(fds), 1 << 16)
+def start_exec(argv, env, cwd, fds):
+    pid = posix.fork()
     if pid:
         return pid
     try:
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("0")
-        except OSError:
-            pass
-        os.setsid()
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by Python: defaults again, as Popen restores them
-            signal.signal(sig, signal.SIG_DFL)
-        for i, fd in enumerate(high):
-            os.dup2(fd, i)
-        os.closerange(len(high), 1 << 16)
-        os.chdir(cwd)
-        os.execvpe(argv[0], argv, env)
+        oom_score(b"0")
+        posix.setsid()
+        for sig in (13, 25):  # SIGPIPE, SIGXFSZ: ignored by Python, defaults again (as Popen restores them)
+            _signal.signal(sig, _signal.SIG_DFL)
+        become(fds)
+        posix.chdir(cwd)
+        posix.execve(argv[0], argv, env)
     except BaseException as e:
-        os.write(2, ("ckpteval spawner: cannot start %s: %s\n" % (argv[0], e)).encode(errors="replace"))
+        posix.write(2, ("ckpteval spawner: cannot start %s: %s\n" % (argv[0], e)).encode(errors="replace"))
     finally:
-        os._exit(127)
+        posix._exit(127)
+def start_launch(args, fds):
+    unshare(0x20000000)  # CLONE_NEWPID: the next child is PID 1 of a namespace of its own
+    pid = posix.fork()
+    if pid:
+        setns(own_pid_ns, 0x20000000)  # and only that child
+        return pid
+    try:  # the program's init
+        oom_score(b"0")
+        become(fds)
+        _signal.signal(2, _signal.SIG_DFL)  # Python's SIGINT handler would make a KeyboardInterrupt of a signal
+        unshare(0x00020000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000)  # NEWNS IPC UTS NET CGROUP
+        mount(None, b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing propagates back
+        lo = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
+        fcntl.ioctl(lo.fileno(), 0x8914, b"lo".ljust(16, b"\0") + (1).to_bytes(2, sys.byteorder) + bytes(22))
+        lo.close()  # SIOCSIFFLAGS IFF_UP: the new network namespace's loopback, as bwrap brings it up
+        prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no same-uid process may ptrace the init or read its /proc
+        program = posix.fork()
+    except BaseException as e:
+        posix.write(2, ("ckpteval runner: cannot set the program's namespaces up: %s\n" % e).encode(errors="replace"))
+        posix._exit(127)
+    if program == 0:
+        _signal.signal(2, _signal.default_int_handler)
+        return 0
+    for fd in range(len(fds)):
+        posix.close(fd)
+    while True:
+        try:
+            pid, status = posix.wait()
+        except OSError:
+            posix._exit(127)
+        if pid == program:
+            code = posix.waitstatus_to_exitcode(status)
+            posix._exit(code if code >= 0 else 128 - code)
 def wait_child(pidfd):
     poll = select.poll()
     poll.register(sock, select.POLLIN)
@@ -105,41 +150,51 @@ def wait_child(pidfd):
     while True:
         ready = dict(poll.poll())
         if pidfd in ready:
-            info = os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
-            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            info = posix.waitid(posix.P_PID, child, posix.WEXITED | posix.WNOWAIT)
+            return info.si_status if info.si_code == posix.CLD_EXITED else -info.si_status
         if sock.fileno() in ready:  # the host sends nothing during a run: it went away
             return None
+start = start_launch if mode == "launch" else start_exec
 sock.send(b"U")
 while True:
     try:
-        msg, anc, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(4 * 4))
+        msg, anc, _, _ = sock.recvmsg(1 << 20, _socket.CMSG_SPACE(4 * 4))
     except OSError:
         msg, anc = b"", []
-    fds = [fd for level, kind, data in anc if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-           for fd in array.array("i", data[: len(data) - len(data) % 4])] if anc else []
+    data = b"".join(d for level, kind, d in anc if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS)
+    fds = [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
     if child > 0:
-        os.waitpid(child, 0)  # the last sandbox: a zombie until now, so its pid stayed the host's to kill
+        posix.waitpid(child, 0)  # the last program: a zombie until now, so its pid stayed the host's to kill
         child = -1
     if not msg:
         kill_all()
         break
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]  # above 0..3, where the child puts them
+    for fd in fds:
+        posix.close(fd)
     try:
-        child = start(*marshal.loads(msg), fds)
+        args = marshal.loads(msg)
+        child = start(*args, high) if mode == "exec" else start(args, high)
         reply = b"P%d" % child
     except (OSError, ValueError, EOFError, TypeError) as e:
         reply = ("E%s" % e).encode(errors="replace")
-    for fd in fds:
-        os.close(fd)
-    sock.send(reply)
+    if child == 0:
+        break  # the program's process
+    for fd in high:
+        posix.close(fd)
+    pidfd = posix.pidfd_open(child) if child > 0 else -1
+    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))] if pidfd >= 0 else []
+    sock.sendmsg([reply], anc)
     if child > 0:
-        pidfd = os.pidfd_open(child)
         code = wait_child(pidfd)
-        os.close(pidfd)
+        posix.close(pidfd)
         if code is None:
             kill_all()
-            os.waitpid(child, 0)
+            posix.waitpid(child, 0)
             break
         sock.send(b"X%d" % code)
+if child == 0:
+    launch(*(int(a) for a in args[:9]), args[9], 1)
 """
 
 
@@ -148,65 +203,127 @@ class SandboxUnavailable(RuntimeError):
     spawner died): an infrastructure failure, never the program's."""
 
 
+@dataclass(frozen=True)
+class Warm:
+    """A bwrap-mode spawner: the warm runner, PID 1 of a bwrap sandbox started once per spawner."""
+
+    label: str
+    """The sandbox's label (``CKPTEVAL_SANDBOX`` in every process of it)."""
+    as_root: bool
+    """Whether the worker runs as root (then no user namespace; each program drops to a fresh uid)."""
+
+
 class Spawner:
     """One pool thread's spawner process and its memory cgroup (see the module docstring)."""
 
-    def __init__(self, cgroup: MemoryCgroup | None, memory_mb: int) -> None:
+    def __init__(self, cgroup: MemoryCgroup | None, memory_mb: int, warm: Warm | None = None) -> None:
         self.cgroup, self.memory_mb, self.broken = cgroup, memory_mb, False
+        self.warm = warm
         try:
             self.group = cgroup.create(memory_mb) if cgroup is not None else None
         except OSError as e:
             raise SandboxUnavailable(f"cannot create a memory cgroup under {cgroup.parent}: {e}") from None  # type: ignore[union-attr]
+        self.dir = tempfile.mkdtemp(prefix="ckpteval-sandbox-")  # the runner's program (box/) and stdin
+        self.box = os.path.join(self.dir, "box")
+        os.mkdir(self.box)
+        os.chmod(self.dir, 0o755)  # the program's uid reads box/main.py
+        os.chmod(self.box, 0o755)
         host, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        procs = str(self.group / "cgroup.procs") if self.group is not None else ""
+        info_r, info_w = os.pipe()
+        self.sock, self.spare = host, -1
         try:
-            self.proc = subprocess.Popen([interpreter()[0], *INTERPRETER_FLAGS, "-c", SPAWNER, str(far.fileno()), procs],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(far.fileno(),),
-                                         start_new_session=True)
+            with open(os.path.join(self.dir, "log"), "wb") as log:  # bwrap's and the spawner's own errors
+                self.proc = subprocess.Popen(self._command(far.fileno(), info_w), stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.DEVNULL, stderr=log, pass_fds=(far.fileno(), info_w),
+                                             start_new_session=True)
         except OSError as e:
+            for fd in (info_r, info_w):
+                os.close(fd)
             host.close()
-            self._drop_group()
+            self._drop_dirs()
             raise SandboxUnavailable(f"cannot start the sandbox spawner: {e}") from None
         finally:
             far.close()
-        self.sock = host
+        os.close(info_w)
         try:
             if self._reply(REPLY_S) != b"U":
-                raise SandboxUnavailable("the sandbox spawner did not start")
+                raise SandboxUnavailable(self._why_not_started())
+            self.spare = self._runner_pid(info_r) if warm is not None else self.proc.pid
             if self.group is not None:  # the one migration of this thread: after the spawner's start-up
-                (self.group / "cgroup.procs").write_text(str(self.proc.pid))
-        except (SandboxUnavailable, OSError) as e:
+                (self.group / "cgroup.procs").write_text(str(self.spare))
+        except (SandboxUnavailable, OSError, ValueError) as e:
             self.close()
-            raise SandboxUnavailable(f"cannot start the sandbox spawner in its cgroup: {e}") from None
+            raise SandboxUnavailable(f"cannot start the sandbox spawner: {e}") from None
+        finally:
+            os.close(info_r)
+
+    def _why_not_started(self) -> str:
+        """The last line the spawner (or bwrap) wrote before it failed to start."""
+        try:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            lines = Path(self.dir, "log").read_bytes().decode(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return lines[-1] if lines else "the sandbox spawner did not start"
+
+    def _command(self, sock_fd: int, info_fd: int) -> list[str]:
+        """The spawner's command: the warm runner under bwrap, or a plain spawner (rlimits-only)."""
+        exe = interpreter()[0]
+        if self.warm is None:
+            procs = str(self.group / "cgroup.procs") if self.group is not None else ""
+            return [exe, *INTERPRETER_FLAGS, "-c", SPAWNER, str(sock_fd), procs, "exec"]
+        prefix = bwrap_prefix(self.box, self.warm.label, self.warm.as_root, info_fd)
+        return [*prefix, exe, *INTERPRETER_FLAGS, "-c", SPAWNER, str(sock_fd), "", "launch"]
+
+    @staticmethod
+    def _runner_pid(info_fd: int) -> int:
+        """The runner's pid here, from bwrap's ``--info-fd`` (JSON written before the runner starts)."""
+        info = b""
+        while chunk := os.read(info_fd, 4096):
+            info += chunk
+        return int(json.loads(info)["child-pid"])
 
     def _reply(self, timeout: float) -> bytes:
         """The spawner's next message ("" when it is gone or silent for ``timeout`` seconds: then broken)."""
+        return self._reply_fd(timeout)[0]
+
+    def _reply_fd(self, timeout: float) -> tuple[bytes, int]:
+        """The spawner's next message and the fd that came with it (-1: none)."""
         sel = selectors.DefaultSelector()
         sel.register(self.sock, selectors.EVENT_READ)
         try:
             got = sel.select(timeout)
         finally:
             sel.close()
+        fds: list[int] = []
         try:
-            msg = self.sock.recv(256) if got else b""
+            msg, fds, _, _ = socket.recv_fds(self.sock, 256, 1) if got else (b"", [], 0, None)
         except OSError:
             msg = b""
         self.broken = self.broken or not msg
-        return msg
+        for extra in fds[1:]:
+            os.close(extra)
+        return msg, (fds[0] if fds else -1)
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> int:
-        """Start ``argv`` in a new session with ``fds`` as its fds 0.. (stdin, stdout, stderr, ready): its pid."""
+    def spawn(self, message: tuple[object, ...], fds: list[int]) -> tuple[int, int]:
+        """Start a program (``message``: the mode's, see :data:`SPAWNER`) with ``fds`` as its fds 0.. (stdin,
+        stdout, stderr, ready): its pid as the spawner sees it, and a pidfd of it."""
         try:
-            self.sock.sendmsg([marshal.dumps((argv, env, cwd))],
+            self.sock.sendmsg([marshal.dumps(message)],
                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         except OSError as e:
             self.broken = True
             raise SandboxUnavailable(f"the sandbox spawner is gone ({e})") from None
-        reply = self._reply(REPLY_S)
-        if reply.startswith(b"P") and reply[1:].isdigit():
-            return int(reply[1:])
+        reply, pidfd = self._reply_fd(REPLY_S)
+        if reply.startswith(b"P") and reply[1:].isdigit() and pidfd >= 0:
+            return int(reply[1:]), pidfd
+        if pidfd >= 0:
+            os.close(pidfd)
         if reply.startswith(b"E"):
-            raise SandboxUnavailable(f"cannot start {argv[0]}: {reply[1:].decode(errors='replace')}")
+            raise SandboxUnavailable(f"cannot start the program: {reply[1:].decode(errors='replace')}")
         self.broken = True
         raise SandboxUnavailable(f"the sandbox spawner did not answer within {REPLY_S:g} s ({reply[:40]!r})")
 
@@ -218,14 +335,18 @@ class Spawner:
         self.broken = True
         return None
 
-    def kill(self, pid: int) -> None:
-        """SIGKILL ``pid``'s process group and every process in the cgroup but the spawner."""
+    def kill(self, pid: int, pidfd: int) -> None:
+        """SIGKILL the program: the warm runner's program init (its PID namespace dies with it), or the
+        rlimits-only launcher's process group; and every process in the cgroup but the spawner."""
         try:
-            os.killpg(pid, signal.SIGKILL)
+            if self.warm is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            else:
+                os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         if self.cgroup is not None and self.group is not None:
-            self.cgroup.kill(self.group, spare=self.proc.pid)
+            self.cgroup.kill(self.group, spare=self.spare)
 
     def oom_kills(self) -> int:
         return self.cgroup.oom_kills(self.group) if self.cgroup is not None and self.group is not None else 0
@@ -244,10 +365,10 @@ class Spawner:
                 return False
             self.memory_mb = memory_mb
         give_up = time.monotonic() + wait_s
-        while self.cgroup.procs(self.group) - {self.proc.pid}:
+        while self.cgroup.procs(self.group) - {self.spare}:
             if time.monotonic() > give_up:
                 return False
-            self.cgroup.kill(self.group, spare=self.proc.pid)
+            self.cgroup.kill(self.group, spare=self.spare)
             time.sleep(0.002)
         return True
 
@@ -259,24 +380,24 @@ class Spawner:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self._drop_group()
+        self._drop_dirs()
 
-    def _drop_group(self) -> None:
+    def _drop_dirs(self) -> None:
         if self.cgroup is not None and self.group is not None:
             self.cgroup.discard(self.group)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _Run:
     """One program's first process (bwrap, or the rlimits-only launcher) and the reading of its pipes until
     it ends or the deadline passes."""
 
-    def __init__(self, spawner: Spawner, cmd: list[str], env: dict[str, str], cwd: str, stdin_path: str,
-                 limits: Limits) -> None:
+    def __init__(self, spawner: Spawner, message: tuple[object, ...], stdin_path: str, limits: Limits) -> None:
         self.limits, self.spawner = limits, spawner
         pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, ready
         try:
             with open(stdin_path, "rb") as stdin:
-                self.pid = spawner.spawn(cmd, env, cwd, [stdin.fileno(), *(w for _, w in pipes)])
+                self.pid, self.pidfd = spawner.spawn(message, [stdin.fileno(), *(w for _, w in pipes)])
         except BaseException:
             for r, _ in pipes:
                 os.close(r)
@@ -314,7 +435,7 @@ class _Run:
             rc = self._reap()
         finally:
             sel.close()
-            for fd in self.fds:
+            for fd in (*self.fds, self.pidfd):
                 os.close(fd)
         return rc, time.monotonic() - start
 
@@ -348,15 +469,18 @@ class _Run:
             self.overflow = f"{key.data} over {self.limits.output_bytes} bytes"
 
     def kill(self) -> None:
-        """SIGKILL bwrap's (or the rlimits-only launcher's) process group: bwrap's PID namespace, and with it
-        every process of the program, dies with it; and whatever is in the cgroup but the spawner."""
-        self.spawner.kill(self.pid)
+        """SIGKILL the program's init (its PID namespace, every process of the program, dies with it) or the
+        rlimits-only launcher's process group; and whatever is in the cgroup but the spawner."""
+        self.spawner.kill(self.pid, self.pidfd)
 
 
-def program_files(tmp: str, encoded: bytes, stdin: bytes) -> tuple[str, str]:
-    """Write the program (world-readable: the sandbox's uid reads it) and its stdin into ``tmp``."""
-    program, stdin_path = os.path.join(tmp, "main.py"), os.path.join(tmp, "stdin")
-    Path(program).write_bytes(encoded)
-    os.chmod(program, 0o644)
-    Path(stdin_path).write_bytes(stdin)
+def program_files(program_dir: str, stdin_dir: str, encoded: bytes, stdin: bytes) -> tuple[str, str]:
+    """Write the program (world-readable: the sandbox's uid reads it) into ``program_dir`` and its stdin into
+    ``stdin_dir`` (the program's stdin is the open file, never a path it sees)."""
+    program, stdin_path = os.path.join(program_dir, "main.py"), os.path.join(stdin_dir, "stdin")
+    with open(program, "wb") as f:
+        os.fchmod(f.fileno(), 0o644)
+        f.write(encoded)
+    with open(stdin_path, "wb") as f:
+        f.write(stdin)
     return program, stdin_path
