@@ -123,6 +123,48 @@ def test_pool_runs_programs_in_order_and_isolated_from_each_other(sandbox: Sandb
     assert [o.stdout for o in sandbox.run_many(jobs)] == [f"{i}\n".encode() for i in range(4)]
 
 
+@needs_bwrap
+def test_a_program_sees_only_its_own_pid_namespace_and_cannot_touch_its_init(sandbox: Sandbox) -> None:
+    """The warm runner forks each program into a PID namespace of its own with a fresh /proc: it sees its init
+    (1) and itself (2), cannot read the init's memory (non-dumpable) and cannot signal it."""
+    probe = ("import os, signal\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.getpid())\n"
+             "try:\n    open('/proc/1/mem', 'rb').read(1)\n    print('read the init')\nexcept OSError as e:\n    print('no', e.errno)\n"
+             "try:\n    os.kill(1, signal.SIGKILL)\nexcept OSError as e:\n    print('kill', e.errno)\nprint('alive')\n")
+    outcome = sandbox.run(probe)
+    lines = outcome.stdout.decode().splitlines()
+    assert outcome.status == "passed" and lines[0] == "[1, 2] 2" and lines[1].startswith("no "), outcome
+    assert lines[-1] == "alive", outcome
+
+
+SHM = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+
+
+@needs_bwrap
+def test_programs_of_one_runner_share_no_ipc_no_processes_and_no_files() -> None:
+    """Two programs in turn in one warm runner: the first leaves a SysV shared-memory segment, a daemon and a
+    file in its /tmp, and tries to write /sandbox; the second finds none of them."""
+    label = f"test-one-runner-{os.getpid()}"
+    box = Sandbox(TIGHT, concurrency=1, label=label)
+    first = (SHM + "print(libc.shmget(4242, 4096, 0o1000 | 0o666) >= 0)\nopen('/tmp/left', 'w').write('x')\n"
+             "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
+             "try:\n    open('/sandbox/planted', 'w')\nexcept OSError as e:\n    print('ro', e.errno)\n")
+    second = (SHM + "import os\nprint(libc.shmget(4242, 0, 0), ctypes.get_errno() == 2)\n"
+              "print(os.listdir('/tmp'), os.listdir('/sandbox'), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n")
+    try:
+        one = box.run(first)
+        assert one.stdout == b"True\nro 30\n", one
+        runners, gone_by = {s.spare for s in box._spawners}, time.monotonic() + 10
+        while set(labelled_processes(label)) - runners and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        assert set(labelled_processes(label)) == runners  # the daemon died with its program, the runner lives on
+        two = box.run(second)
+        assert two.stdout == b"-1 True\n[] ['main.py'] [1, 2]\n", two
+        assert len(box._spawners) == 1  # the same runner ran both
+    finally:
+        box.close()
+    assert survivors(label) == []
+
+
 def fake_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A real executable named bwrap on PATH that fails as bwrap does on a node without user namespaces."""
     bindir = tmp_path / "bin"
@@ -171,12 +213,20 @@ def test_bwrap_killed_under_a_running_program_is_an_infra_failure(tmp_path: Path
     box.close()
 
 
-def ns_pids(pid: int) -> list[str]:
-    """The pid of ``pid`` in each PID namespace it is in, outermost first (NSpid)."""
+def status_field(pid: int, field: str) -> list[str]:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("NSpid:"):
+        if line.startswith(field + ":"):
             return line.split()[1:]
     return []
+
+
+def ns_pids(pid: int) -> list[str]:
+    """The pid of ``pid`` in each PID namespace it is in, outermost first (NSpid)."""
+    return status_field(pid, "NSpid")
+
+
+def parent(pid: int) -> int:
+    return int(status_field(pid, "PPid")[0])
 
 
 @needs_bwrap
@@ -188,13 +238,15 @@ def test_the_programs_init_killed_from_outside_is_an_infra_failure() -> None:
     try:
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(box.run, "import time; time.sleep(15)")
-            inits: list[int] = []
+            programs: list[int] = []
             deadline = time.monotonic() + 15
-            while not inits and time.monotonic() < deadline:  # runner: NSpid host 1; init: host n 1; program: host n+1 2
-                inits = [p for p in labelled_processes(label) if len(ns_pids(p)) == 3 and ns_pids(p)[-1] == "1"]
+            while not programs and time.monotonic() < deadline:  # runner: NSpid host 1; program: host n 2
+                programs = [p for p in labelled_processes(label) if len(ns_pids(p)) == 3 and ns_pids(p)[-1] == "2"]
                 time.sleep(0.05)
-            assert len(inits) == 1, [ns_pids(p) for p in labelled_processes(label)]
-            os.kill(inits[0], signal.SIGKILL)
+            assert len(programs) == 1, [ns_pids(p) for p in labelled_processes(label)]
+            init = parent(programs[0])  # its environment is root's to read (non-dumpable): found as the parent
+            assert ns_pids(init)[-1] == "1"
+            os.kill(init, signal.SIGKILL)
             with pytest.raises(SandboxUnavailable, match="the sandbox was killed by signal 9"):
                 running.result(timeout=30)
         assert box.run("print('next')").stdout == b"next\n"
@@ -215,9 +267,11 @@ def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> N
     worker = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + 30
-        while len(labelled_processes(label)) < 4 and time.monotonic() < deadline:  # runner, init, program, child
+        # the runner, the program's init (non-dumpable: its environment is for root to read), the program, its child
+        expected = 4 if os.geteuid() == 0 else 3
+        while len(labelled_processes(label)) < expected and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(labelled_processes(label)) == 4
+        assert len(labelled_processes(label)) == expected
     finally:
         worker.kill()
         worker.wait()

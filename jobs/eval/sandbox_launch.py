@@ -174,7 +174,8 @@ def bwrap_prefix(box_dir: str, label: str, as_root: bool, info_fd: int) -> list[
     # root: no user namespace (uid 0 in one is still uid 0 to RLIMIT_NPROC; the launcher drops to a
     # real unprivileged uid instead); others: --unshare-all, whose user namespace they need.
     unshare = (["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-               if as_root else ["--unshare-all", "--cap-add", "CAP_SYS_ADMIN"])  # the launcher drops it
+               if as_root else ["--unshare-all", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"])  # the
+    # runner's, for each program's namespaces, mounts and loopback; every program's launcher drops them all
     return [
         "bwrap", *unshare, "--die-with-parent", "--new-session", "--as-pid-1", "--info-fd", str(info_fd),
         *_root_binds(interpreter()[1]),

@@ -71,6 +71,7 @@ oom_score(b"-1000")
 if mode == "launch":
     unshare, setns, mount, prctl = (libc_function(f) for f in ("unshare", "setns", "mount", "prctl"))
     own_pid_ns = posix.open("/proc/self/ns/pid", posix.O_RDONLY | posix.O_CLOEXEC)
+    prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: die with bwrap (its --die-with-parent is lost when exec adds caps)
 child = -1
 def kill_all():
     for kill in (posix.kill, posix.killpg):  # "launch": the program's init, and with it its PID namespace
@@ -317,6 +318,7 @@ class Spawner:
         except OSError as e:
             self.broken = True
             raise SandboxUnavailable(f"the sandbox spawner is gone ({e})") from None
+        asked = time.monotonic()
         reply, pidfd = self._reply_fd(REPLY_S)
         if reply.startswith(b"P") and reply[1:].isdigit() and pidfd >= 0:
             return int(reply[1:]), pidfd
@@ -325,6 +327,8 @@ class Spawner:
         if reply.startswith(b"E"):
             raise SandboxUnavailable(f"cannot start the program: {reply[1:].decode(errors='replace')}")
         self.broken = True
+        if not reply and time.monotonic() - asked < REPLY_S:
+            raise SandboxUnavailable("the sandbox spawner died before it started the program")
         raise SandboxUnavailable(f"the sandbox spawner did not answer within {REPLY_S:g} s ({reply[:40]!r})")
 
     def status(self, timeout: float) -> int | None:
