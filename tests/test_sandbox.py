@@ -137,28 +137,36 @@ def test_a_program_sees_only_its_own_pid_namespace_and_cannot_touch_its_init(san
 
 
 SHM = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+# add_key and keyctl, by architecture (no libc wrapper): a key left in the uid's user keyring is kernel state
+# that outlives every process of a program
+KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine)
 
 
 @needs_bwrap
 def test_programs_of_one_runner_share_no_ipc_no_processes_and_no_files() -> None:
-    """Two programs in turn in one warm runner: the first leaves a SysV shared-memory segment, a daemon and a
-    file in its /tmp, and tries to write /sandbox; the second finds none of them."""
+    """Two programs in turn in one warm runner: the first leaves a SysV shared-memory segment, a key in its
+    uid's user keyring, a daemon and a file in its /tmp, and tries to write /sandbox; the second finds none
+    of them (as root each program has a fresh uid, otherwise a user namespace of its own)."""
     label = f"test-one-runner-{os.getpid()}"
     box = Sandbox(TIGHT, concurrency=1, label=label)
+    add_key, keyctl = KEY_SYSCALLS or (-1, -1)
     first = (SHM + "print(libc.shmget(4242, 4096, 0o1000 | 0o666) >= 0)\nopen('/tmp/left', 'w').write('x')\n"
+             f"print({add_key} < 0 or libc.syscall({add_key}, b'user', b'left', b'x', 1, ctypes.c_int(-4)) > 0)\n"
              "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
              "try:\n    open('/sandbox/planted', 'w')\nexcept OSError as e:\n    print('ro', e.errno)\n")
     second = (SHM + "import os\nprint(libc.shmget(4242, 0, 0), ctypes.get_errno() == 2)\n"
+              f"print({keyctl} < 0 or libc.syscall({keyctl}, 11, ctypes.c_int(-4), None, 0))\n"  # KEYCTL_READ: bytes
               "print(os.listdir('/tmp'), os.listdir('/sandbox'), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n")
     try:
         one = box.run(first)
-        assert one.stdout == b"True\nro 30\n", one
+        assert one.stdout == b"True\nTrue\nro 30\n", one
         runners, gone_by = {s.spare for s in box._spawners}, time.monotonic() + 10
         while set(labelled_processes(label)) - runners and time.monotonic() < gone_by:
             time.sleep(0.05)
         assert set(labelled_processes(label)) == runners  # the daemon died with its program, the runner lives on
         two = box.run(second)
-        assert two.stdout == b"-1 True\n[] ['main.py'] [1, 2]\n", two
+        keys = b"0" if KEY_SYSCALLS else b"True"  # the user keyring holds 0 bytes of key ids
+        assert two.stdout == b"-1 True\n" + keys + b"\n[] ['main.py'] [1, 2]\n", two
         assert len(box._spawners) == 1  # the same runner ran both
     finally:
         box.close()

@@ -265,12 +265,13 @@ class Sandbox:
         if self.mode == "bwrap":
             uid = self._uid() if self.as_root else -1
             _, stdin_path = program_files(spawner.box, spawner.dir, encoded, stdin)
-            return _Run(spawner, tuple(launcher_args(limits, uid, READY_FD, PROGRAM, bwrap=True)), stdin_path, limits)
+            message = (launcher_args(limits, uid, READY_FD, PROGRAM), limits.file_mb << 20, limits.tmp_inodes)
+            return _Run(spawner, message, stdin_path, limits)
         program, stdin_path = program_files(tmp, tmp, encoded, stdin)
         work = os.path.join(tmp, "work")
         os.mkdir(work, 0o700)
         env = {"PATH": "/usr/bin:/bin", "HOME": work, ENV_LABEL: self.label}
-        argv = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER, *launcher_args(limits, -1, READY_FD, program, bwrap=False)]
+        argv = [interpreter()[0], *INTERPRETER_FLAGS, "-c", LAUNCHER, *launcher_args(limits, -1, READY_FD, program)]
         run = _Run(spawner, (argv, env, work), stdin_path, limits)
         os.unlink(stdin_path)  # held open by the program only: no path to it
         return run

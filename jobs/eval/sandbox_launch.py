@@ -31,13 +31,12 @@ READY_FD = 3  # the launcher's "up" pipe: the spawner puts it at this fd in ever
 # .pth start-up hooks): programs get the standard library only, and start faster.
 INTERPRETER_FLAGS = ("-I", "-S")
 
-# Trusted code that becomes the program's process (inside the sandbox in bwrap mode, a plain subprocess in
-# rlimits-only mode): launch(cpu_s, memory_bytes, file_bytes, nproc, nofile, uid, ready_fd, tmp_bytes, tmp_inodes,
-# program, fresh_proc) mounts a fresh /proc (fresh_proc: the warm runner's program, in its own PID namespace) and
-# the private /tmp with an inode cap (bwrap only), sets the limits, drops root (or, in a user namespace, the
-# capabilities the mounts needed), checks none is left, reports "up" on ready_fd, then runs the program as
-# __main__ in this interpreter (compiled as UTF-8; no runpy: its imports cost more than bwrap does). Only C
-# modules: posix, not os; _ctypes, not ctypes (their imports cost a third of an interpreter's start-up).
+# Trusted code that becomes the program's process (forked by the warm runner in bwrap mode, a plain subprocess in
+# rlimits-only mode): launch(cpu_s, memory_bytes, file_bytes, nproc, nofile, uid, ready_fd, program, sandboxed)
+# sets the limits, drops root (or, in a user namespace, the capabilities it holds there), checks that none is
+# left (sandboxed), reports "up" on ready_fd, then runs the program as __main__ in this interpreter (compiled as
+# UTF-8; no runpy: its imports cost more than the sandbox does). Only C modules: posix, not os; _ctypes, not
+# ctypes (their imports cost a third of an interpreter's start-up; the runner's program never pays them).
 LAUNCH = r"""
 import posix, resource, sys
 def libc_function(name, types={}):
@@ -56,20 +55,16 @@ def libc_function(name, types={}):
         if function(*args) != 0:
             raise OSError(types["errno"](), "%s failed" % name)
     return call
-def launch(cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes, program, fresh_proc):
-    try:
-        if fresh_proc:  # this PID namespace's own /proc; dumpable again (its init is not, see the runner)
-            libc_function("prctl")(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
-            libc_function("mount")(b"proc", b"/proc", b"proc", 14, None)  # MS_NOSUID | MS_NODEV | MS_NOEXEC
-        if inodes > 0:
-            libc_function("mount")(b"tmpfs", b"/tmp", b"tmpfs", 6, b"size=%d,nr_inodes=%d,mode=1777" % (tmp_bytes, inodes))
-            posix.chdir("/tmp")
-            if uid < 0:  # in a user namespace: give up CAP_SYS_ADMIN (kept by bwrap for the mounts)
+def launch(cpu, mem, fsize, nproc, nofile, uid, ready, program, sandboxed):
+    if sandboxed:  # the warm runner's program (its namespaces, /proc and /tmp are set up by its init)
+        try:
+            libc_function("prctl")(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: as an exec'd process is (its init is not)
+            if uid < 0:  # in a user namespace: give up the capabilities it holds there
                 libc_function("prctl")(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
                 header = (0x20080522).to_bytes(4, sys.byteorder) + bytes(4)  # _LINUX_CAPABILITY_VERSION_3, this process
                 libc_function("capset")(header, bytes(24))  # permitted, effective, inheritable: all 0
-    except OSError as e:
-        sys.exit("ckpteval launcher: cannot set the sandbox up (%s, errno %d)" % (e.strerror, e.errno))
+        except OSError as e:
+            sys.exit("ckpteval launcher: cannot drop capabilities (%s, errno %d)" % (e.strerror, e.errno))
     for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
                             (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
                             (resource.RLIMIT_CORE, 0, 0)):
@@ -77,7 +72,7 @@ def launch(cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes, progra
     if uid >= 0 and posix.getuid() == 0:
         posix.setgroups([]); posix.setgid(uid); posix.setuid(uid)
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if inodes > 0:  # bwrap: the program must hold no capability
+    if sandboxed:  # the program must hold no capability
         with open("/proc/self/status") as status:
             caps = [line.split()[1] for line in status if line.startswith(("CapEff:", "CapPrm:"))]
         if any(int(c, 16) for c in caps):
@@ -94,7 +89,7 @@ def launch(cpu, mem, fsize, nproc, nofile, uid, ready, tmp_bytes, inodes, progra
     exec(code, g)
 """
 # The rlimits-only mode's program process: ``python -I -S -c LAUNCHER <the launch arguments>``.
-LAUNCHER = LAUNCH + "launch(*(int(a) for a in sys.argv[1:10]), sys.argv[10], 0)\n"
+LAUNCHER = LAUNCH + "launch(*(int(a) for a in sys.argv[1:8]), sys.argv[8], 0)\n"
 
 
 
@@ -188,9 +183,7 @@ def bwrap_prefix(box_dir: str, label: str, as_root: bool, info_fd: int) -> list[
     ]
 
 
-def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str, bwrap: bool) -> list[str]:
-    """The arguments of ``launch`` (see :data:`LAUNCH`) as strings; the inode-capped /tmp is mounted under bwrap only."""
-    inodes = limits.tmp_inodes if bwrap else 0
+def launcher_args(limits: Limits, uid: int, ready_fd: int, program: str) -> list[str]:
+    """The arguments of ``launch`` but the last (see :data:`LAUNCH`), as strings."""
     return [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.file_mb << 20), str(limits.nproc),
-            str(limits.nofile), str(uid), str(ready_fd), str(limits.file_mb << 20), str(inodes),
-            program]
+            str(limits.nofile), str(uid), str(ready_fd), program]

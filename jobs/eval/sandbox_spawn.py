@@ -111,7 +111,7 @@ def start_exec(argv, env, cwd, fds):
         posix.write(2, ("ckpteval spawner: cannot start %s: %s\n" % (argv[0], e)).encode(errors="replace"))
     finally:
         posix._exit(127)
-def start_launch(args, fds):
+def start_launch(args, tmp_bytes, inodes, fds):
     unshare(0x20000000)  # CLONE_NEWPID: the next child is PID 1 of a namespace of its own
     pid = posix.fork()
     if pid:
@@ -123,9 +123,22 @@ def start_launch(args, fds):
         _signal.signal(2, _signal.SIG_DFL)  # Python's SIGINT handler would make a KeyboardInterrupt of a signal
         unshare(0x00020000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000)  # NEWNS IPC UTS NET CGROUP
         mount(None, b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing propagates back
+        mount(b"proc", b"/proc", b"proc", 14, None)  # this PID namespace's own; MS_NOSUID | MS_NODEV | MS_NOEXEC
+        mount(b"tmpfs", b"/tmp", b"tmpfs", 6, b"size=%d,nr_inodes=%d,mode=1777" % (tmp_bytes, inodes))
+        posix.chdir("/tmp")
         lo = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
         fcntl.ioctl(lo.fileno(), 0x8914, b"lo".ljust(16, b"\0") + (1).to_bytes(2, sys.byteorder) + bytes(22))
         lo.close()  # SIOCSIFFLAGS IFF_UP: the new network namespace's loopback, as bwrap brings it up
+        if int(args[5]) < 0:  # not root: a user namespace of the program's own (kernel keyrings are per user
+            ids = posix.getuid(), posix.getgid()  # namespace and uid); it owns none of the namespaces above
+            unshare(0x10000000)  # CLONE_NEWUSER
+            for name, line in (("setgroups", b"deny"), ("uid_map", b"%d %d 1" % (ids[0], ids[0])),
+                               ("gid_map", b"%d %d 1" % (ids[1], ids[1]))):
+                fd = posix.open("/proc/self/" + name, posix.O_WRONLY)
+                try:
+                    posix.write(fd, line)
+                finally:
+                    posix.close(fd)
         prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no same-uid process may ptrace the init or read its /proc
         program = posix.fork()
     except BaseException as e:
@@ -175,7 +188,7 @@ while True:
         posix.close(fd)
     try:
         args = marshal.loads(msg)
-        child = start(*args, high) if mode == "exec" else start(args, high)
+        child = start(*args, high)
         reply = b"P%d" % child
     except (OSError, ValueError, EOFError, TypeError) as e:
         reply = ("E%s" % e).encode(errors="replace")
@@ -195,7 +208,7 @@ while True:
             break
         sock.send(b"X%d" % code)
 if child == 0:
-    launch(*(int(a) for a in args[:9]), args[9], 1)
+    launch(*(int(a) for a in args[0][:7]), args[0][7], 1)
 """
 
 
