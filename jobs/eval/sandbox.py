@@ -5,38 +5,46 @@ whose ``status`` is the program's own ending: ``passed`` (exit 0), ``failed`` (a
 ``timeout`` (the wall-clock deadline or the CPU limit's SIGXCPU), ``oom`` (``MemoryError`` under the
 address-space limit, or a kill by the program's memory cgroup) or ``crashed`` (killed by any other
 signal, stdout/stderr over the output cap, or a source that is not valid UTF-8). Those are the model's
-failures. When the sandbox itself cannot start (bwrap refused, no process could be forked, the spawner
-died) or bwrap is killed by a signal it was not sent by this module, it is
+failures. When the sandbox itself cannot start (bwrap refused, no process could be forked, the runner
+died) or the program's init is killed by a signal it was not sent by this module, it is
 retried, then :class:`SandboxUnavailable` is raised: an infrastructure failure the caller must never
 score as 0.
 
-Isolation (``mode="bwrap"``, the default): each program runs under bubblewrap (``bwrap``) with
+Isolation (``mode="bwrap"``, the default): each pool thread starts one bubblewrap (``bwrap``) sandbox whose
+PID 1 is a trusted *runner* (:mod:`ckpteval.jobs.eval.sandbox_spawn`); every program is a fork of it into
+namespaces of its own, so each program has
 
-- new PID, network, IPC and UTS namespaces (``--unshare-all`` when not root; as root the same list
-  without the user namespace, so that the launcher can drop to an unprivileged uid, see below), no
-  network at all (an empty network namespace), ``--die-with-parent`` and ``--new-session``;
+- new PID (its own init as PID 1, the program PID 2, a fresh ``/proc`` of that namespace), mount, network
+  (an empty namespace with its loopback up: no network at all), IPC, UTS and cgroup namespaces, inside
+  bwrap's (``--unshare-all`` when not root, and then also a user namespace of the program's own; as root
+  the same list without user namespaces, so that the launcher can drop to an unprivileged uid, see
+  below), ``--die-with-parent`` and ``--new-session``: nothing one program leaves (a process, a file, a
+  SysV or POSIX IPC object, a kernel key of its uid) is there for the next;
 - a root made of read-only binds of only what the interpreter needs: ``/usr`` (and the ``/bin``,
   ``/lib*`` links or dirs), the interpreter's own prefix (``sys.base_prefix``; e.g. a pyenv build
-  under ``/root``, whose parent dirs are created empty), ``/etc/ld.so.cache``; a fresh ``/proc`` of the
-  PID namespace and a minimal ``/dev`` (null, zero, full, random, urandom, the fd links); the program at
-  ``/sandbox/main.py``; the root remounted read-only (in a user namespace it is the program's own);
+  under ``/root``, whose parent dirs are created empty), ``/etc/ld.so.cache``; a minimal ``/dev``
+  (null, zero, full, random, urandom, the fd links); the program at ``/sandbox/main.py`` (a host dir of
+  the runner's that holds the current program only); the root remounted read-only;
 - a private writable tmpfs ``/tmp`` capped in bytes (``file_mb``) and in inodes (``tmp_inodes``),
-  mounted by the launcher (``CAP_SYS_ADMIN``, given up before the program runs) as the working directory. Nothing else of the host
-  is visible: no run dir, results, leases, home directory or environment (``--clearenv``).
+  mounted by the program's init as the working directory. Nothing else of the host is visible: no run
+  dir, results, leases, home directory or environment (``--clearenv``).
 
-Inside, a trusted launcher (``python -I -S -c LAUNCHER``) mounts that /tmp, sets the rlimits (CPU seconds, address space,
-file size, process count, open files), drops to a fresh unprivileged uid per program when it runs as
-root (RLIMIT_NPROC is never enforced for uid 0, and counts per uid: a fork bomb still being torn down
-must not count against the next program), tells the host it is up (one byte on an
-inherited pipe), closes that pipe and runs the program in its own interpreter. A wall-clock deadline is
-enforced from outside: the host SIGKILLs bwrap, whose PID namespace dies with it (every process the
-program forked, daemonized or ``setsid``-ed included), whatever the program did with its stdout/stderr.
-stdout and stderr are read as they come and capped (``output_bytes``): a program that writes more is
+The program's process (:data:`~ckpteval.jobs.eval.sandbox_launch.LAUNCH`) sets the rlimits (CPU seconds,
+address space, file size, process count, open files), drops to a fresh unprivileged uid per program when
+it runs as root (RLIMIT_NPROC is never enforced for uid 0, and counts per uid: a fork bomb still being
+torn down must not count against the next program) or gives up every capability in its user namespace,
+checks that none is left, tells the host it is up (one byte on an inherited pipe), closes that pipe and
+runs the program in its interpreter: the runner's, already started, so a program does not pay an
+interpreter's start-up (what programs of one runner share is what a fork shares: the hash seed and the
+C modules the runner loaded, no state a program can write). A wall-clock deadline is enforced from
+outside: the host SIGKILLs the program's init through a pidfd, and its PID namespace dies with it (every
+process the program forked, daemonized or ``setsid``-ed included), whatever the program did with its
+stdout/stderr. stdout and stderr are read as they come and capped (``output_bytes``): a program that writes more is
 killed, never buffered whole. Memory: where :class:`MemoryCgroup` finds a cgroup this process may
 create children in (v2 with the memory controller delegated, or v1's memory hierarchy), each pool thread
-has its own child, limited to ``memory_mb``, holding one program (and all its processes) at a time, born
-there from the thread's spawner (:mod:`ckpteval.jobs.eval.sandbox_spawn`); else the bound is ``memory_mb``
-× ``nproc``. :meth:`Sandbox.bounds` states which holds (recorded with results).
+has its own child, limited to ``memory_mb``, holding its runner and one program (and all its processes)
+at a time, born there; else the bound is ``memory_mb`` × ``nproc``. :meth:`Sandbox.bounds` states which
+holds (recorded with results).
 
 ``mode="rlimits-only"`` (the worker's ``--unsafe-code-rlimits-only`` opt-in, for nodes that cannot
 start bwrap) runs the same launcher as a plain subprocess in a new session, in a private temp dir, with
@@ -54,8 +62,8 @@ run in a bounded pool (:attr:`Sandbox.concurrency`).
 
 The parts: :mod:`ckpteval.jobs.eval.sandbox_launch` (limits, bwrap command line, trusted launcher),
 :mod:`ckpteval.jobs.eval.sandbox_cgroup` (memory cgroups), :mod:`ckpteval.jobs.eval.sandbox_spawn` (the
-per-thread spawner and the deadline/output loop); this module runs programs with them and classifies how
-they ended.
+per-thread spawner or runner and the deadline/output loop); this module runs programs with them and
+classifies how they ended.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
-"""What runs a sandboxed program: its limits, the bwrap command line and the trusted launcher inside it.
+"""What runs a sandboxed program: its limits, the warm runner's bwrap command line and the trusted launcher.
 
-Guarantee: :func:`bwrap_command` + :func:`launcher_args` start a program with new PID, network, IPC and UTS
+Guarantee: :func:`bwrap_prefix` starts a pool thread's runner with new PID, network, IPC, UTS and cgroup
 namespaces (and a user namespace when not root), no network, a read-only root made of only what the
-interpreter needs, an empty environment, a private ``/tmp`` capped in bytes and inodes, the rlimits of
-:class:`Limits`, a fresh unprivileged uid per program when run as root, and no capability left when the
-program's first line runs (the :data:`LAUNCHER` checks it and refuses to run the program otherwise).
+interpreter needs, the thread's program dir read-only at ``/sandbox`` and an empty environment; the runner
+(:mod:`ckpteval.jobs.eval.sandbox_spawn`) gives each program namespaces, a ``/proc`` and a capped ``/tmp`` of
+its own, and :data:`LAUNCH` then sets the rlimits of :class:`Limits`, a fresh unprivileged uid per program when
+run as root, and leaves no capability when the program's first line runs (it checks, and refuses to run the
+program otherwise).
 
-Limits: this module only builds argv; the deadline, the output cap, the memory cgroup and the killing are
-the caller's (:mod:`ckpteval.jobs.eval.sandbox_spawn`, :mod:`ckpteval.jobs.eval.sandbox`). Programs get the
-base interpreter's standard library only (``-I -S``). The CPU limit is per process. Without bwrap
-(``rlimits-only``) the same launcher sets the same rlimits but mounts nothing and isolates nothing.
+Limits: this module only builds argv and the launcher's source; the namespaces per program, the deadline,
+the output cap, the memory cgroup and the killing are the caller's (:mod:`ckpteval.jobs.eval.sandbox_spawn`,
+:mod:`ckpteval.jobs.eval.sandbox`). Programs get the base interpreter's standard library only (``-I -S``).
+The CPU limit is per process. Without bwrap (``rlimits-only``) :data:`LAUNCHER` sets the same rlimits but
+mounts nothing and isolates nothing.
 """
 
 from __future__ import annotations

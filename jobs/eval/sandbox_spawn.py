@@ -1,26 +1,35 @@
-"""Starting a sandbox's first process inside its memory cgroup, and reading it until it ends or its deadline.
+"""Starting programs inside their memory cgroup, and reading each until it ends or its deadline.
 
 Each pool thread of a :class:`ckpteval.jobs.eval.sandbox.Sandbox` owns a :class:`Spawner`: a small trusted
-process (``python -I -S -c SPAWNER``) that lives in the thread's own memory cgroup and forks every sandbox
+process (``python -I -S -c SPAWNER``) that lives in the thread's own memory cgroup and starts every program
 of that thread there, one at a time. A process *born* in a cgroup costs nothing to place; *moving* one in
 (writing ``cgroup.procs``) takes the kernel's cgroup threadgroup lock for writing, which on cgroup v1 waits
 for an RCU grace period (~8 ms median here, per program). The spawner is moved once, after its own start-up
 (so the pages it touched stay charged where the host's are: v1 and v2 never move charges), and it asks the
 OOM killer to spare it (``oom_score_adj`` -1000, root only; its children reset theirs to 0).
 
-Guarantee (:class:`_Run`): the program's stdout and stderr are read as they come and capped; the outside
-wall-clock deadline holds whatever the program does with its stdio (the process group is SIGKILLed, and with
-a cgroup every process in it but the spawner); the exit status comes from the spawner, which keeps the
-child a zombie until the next spawn, so the pid the host kills is never a reused one. Before each program
-the thread's cgroup holds the spawner only (else the spawner and its cgroup are replaced), so a program
-never shares its memory limit with what is left of the previous one. When the host dies the spawner sees
-its socket close and kills its child and everything in its cgroup. A spawner that dies, hangs or answers
-out of protocol raises :class:`SandboxUnavailable` (the caller retries with a new one): never the program's
-failure.
+In bwrap mode the spawner is the *warm runner* (:mod:`ckpteval.jobs.eval.sandbox_runner`): PID 1 of a bwrap
+sandbox started once per spawner, which forks each program into namespaces of its own. In rlimits-only mode
+the spawner exec's the launcher in a new session instead.
 
-Limits: the spawner's own memory after it joined (a few pages) counts against the program's limit; without
-root the OOM killer may pick the spawner (then the run is :class:`SandboxUnavailable`, and retried). Without
-a memory cgroup the spawner still starts the processes (no cgroup, memory bounded per process).
+Guarantee (:class:`_Run`): the program's stdout and stderr are read as they come and capped; the outside
+wall-clock deadline holds whatever the program does with its stdio (the program's init is SIGKILLed through
+a pidfd, and its PID namespace with it, or in rlimits-only mode the process group; with a cgroup, every
+process in it but the spawner too); the exit status comes from the spawner, which keeps its child a zombie
+until the next program, so the pid the host kills is never a reused one. Before each program the thread's
+cgroup holds the spawner only (else the spawner and its cgroup are replaced), so a program never shares its
+memory limit with what is left of the previous one. When the host dies bwrap's ``--die-with-parent`` and the
+runner's own parent-death signal end the runner and every program namespace nested in its own; a plain
+spawner sees its socket close and kills its child and everything in its cgroup. A spawner that dies, hangs or
+answers out of protocol raises :class:`SandboxUnavailable` (the caller retries with a new one): never the
+program's failure.
+
+Limits: the spawner's own memory after it joined counts against the program's limit (the runner's pages a
+program's process writes are copied into the program's charge); without root the OOM killer may pick the
+spawner (then the run is :class:`SandboxUnavailable`, and retried). Without a memory cgroup the spawner
+still starts the processes (no cgroup, memory bounded per process). Programs of one runner share what a fork
+shares: the interpreter's hash seed and the C modules the runner imported (only C modules, so a program's
+``sys.modules`` holds nothing a fresh ``python -I -S`` would not load on demand).
 """
 
 from __future__ import annotations
@@ -40,177 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpteval.jobs.eval.sandbox_cgroup import MemoryCgroup
-from ckpteval.jobs.eval.sandbox_launch import INTERPRETER_FLAGS, LAUNCH, Limits, bwrap_prefix, interpreter
+from ckpteval.jobs.eval.sandbox_launch import INTERPRETER_FLAGS, Limits, bwrap_prefix, interpreter
+from ckpteval.jobs.eval.sandbox_runner import SPAWNER
 
 REPLY_S = 30.0  # how long the host waits for the spawner to start or to answer a spawn
-
-# Runs as the spawner (argv: the socket's fd, the cgroup's cgroup.procs or "", the mode: "exec" or "launch").
-# Trusted, and it never reads program data: per program it receives a message and four fds (stdin, stdout,
-# stderr, ready). "exec" (rlimits-only): the message is (argv, env, cwd); the process is exec'd in a new
-# session. "launch" (the warm runner, PID 1 of bwrap's sandbox): the message is launch()'s arguments; the
-# runner forks the program's init into a new PID namespace, which unshares the mount, IPC, UTS, network and
-# cgroup namespaces, brings the loopback up and forks the program's process: it breaks out of the loop below
-# and runs launch() (LAUNCH, prepended), the program's own set-up, then the program, in this interpreter's copy.
-# The init reaps every process of its namespace and exits as bwrap does: the program's status, or 128 + the
-# signal that killed it; its exit kills whatever is left in the namespace. Only C modules are imported, so the
-# program's interpreter holds no module a fresh `python -I -S` would not load on demand.
-SPAWNER = LAUNCH + r"""
-import fcntl, marshal, select, _signal, _socket
-sock = _socket.socket(fileno=int(sys.argv[1]))
-procs, mode = sys.argv[2], sys.argv[3]
-def oom_score(value):
-    try:
-        fd = posix.open("/proc/self/oom_score_adj", posix.O_WRONLY)
-        try:
-            posix.write(fd, value)
-        finally:
-            posix.close(fd)
-    except OSError:
-        pass
-oom_score(b"-1000")
-if mode == "launch":
-    unshare, setns, mount, prctl = (libc_function(f) for f in ("unshare", "setns", "mount", "prctl"))
-    own_pid_ns = posix.open("/proc/self/ns/pid", posix.O_RDONLY | posix.O_CLOEXEC)
-    prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: die with bwrap (its --die-with-parent is lost when exec adds caps)
-child = -1
-def kill_all():
-    for kill in (posix.kill, posix.killpg):  # "launch": the program's init, and with it its PID namespace
-        try:
-            kill(child, 9) if child > 0 else None
-        except OSError:
-            pass
-    try:
-        with open(procs) as f:
-            pids = [int(p) for p in f.read().split()] if procs else []
-    except OSError:
-        pids = []
-    for p in pids:
-        if p != posix.getpid():
-            try:
-                posix.kill(p, 9)
-            except OSError:
-                pass
-def become(fds):  # in a child: fds as its 0, 1, ...; nothing else open
-    sock.detach()
-    for i, fd in enumerate(fds):
-        posix.dup2(fd, i)
-    posix.closerange(len(fds), 1 << 16)
-def start_exec(argv, env, cwd, fds):
-    pid = posix.fork()
-    if pid:
-        return pid
-    try:
-        oom_score(b"0")
-        posix.setsid()
-        for sig in (13, 25):  # SIGPIPE, SIGXFSZ: ignored by Python, defaults again (as Popen restores them)
-            _signal.signal(sig, _signal.SIG_DFL)
-        become(fds)
-        posix.chdir(cwd)
-        posix.execve(argv[0], argv, env)
-    except BaseException as e:
-        posix.write(2, ("ckpteval spawner: cannot start %s: %s\n" % (argv[0], e)).encode(errors="replace"))
-    finally:
-        posix._exit(127)
-def start_launch(args, tmp_bytes, inodes, fds):
-    unshare(0x20000000)  # CLONE_NEWPID: the next child is PID 1 of a namespace of its own
-    pid = posix.fork()
-    if pid:
-        setns(own_pid_ns, 0x20000000)  # and only that child
-        return pid
-    try:  # the program's init
-        oom_score(b"0")
-        become(fds)
-        _signal.signal(2, _signal.SIG_DFL)  # Python's SIGINT handler would make a KeyboardInterrupt of a signal
-        unshare(0x00020000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000)  # NEWNS IPC UTS NET CGROUP
-        mount(None, b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing propagates back
-        mount(b"proc", b"/proc", b"proc", 14, None)  # this PID namespace's own; MS_NOSUID | MS_NODEV | MS_NOEXEC
-        mount(b"tmpfs", b"/tmp", b"tmpfs", 6, b"size=%d,nr_inodes=%d,mode=1777" % (tmp_bytes, inodes))
-        posix.chdir("/tmp")
-        lo = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
-        fcntl.ioctl(lo.fileno(), 0x8914, b"lo".ljust(16, b"\0") + (1).to_bytes(2, sys.byteorder) + bytes(22))
-        lo.close()  # SIOCSIFFLAGS IFF_UP: the new network namespace's loopback, as bwrap brings it up
-        if int(args[5]) < 0:  # not root: a user namespace of the program's own (kernel keyrings are per user
-            ids = posix.getuid(), posix.getgid()  # namespace and uid); it owns none of the namespaces above
-            unshare(0x10000000)  # CLONE_NEWUSER
-            for name, line in (("setgroups", b"deny"), ("uid_map", b"%d %d 1" % (ids[0], ids[0])),
-                               ("gid_map", b"%d %d 1" % (ids[1], ids[1]))):
-                fd = posix.open("/proc/self/" + name, posix.O_WRONLY)
-                try:
-                    posix.write(fd, line)
-                finally:
-                    posix.close(fd)
-        prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no same-uid process may ptrace the init or read its /proc
-        program = posix.fork()
-    except BaseException as e:
-        posix.write(2, ("ckpteval runner: cannot set the program's namespaces up: %s\n" % e).encode(errors="replace"))
-        posix._exit(127)
-    if program == 0:
-        _signal.signal(2, _signal.default_int_handler)
-        return 0
-    for fd in range(len(fds)):
-        posix.close(fd)
-    while True:
-        try:
-            pid, status = posix.wait()
-        except OSError:
-            posix._exit(127)
-        if pid == program:
-            code = posix.waitstatus_to_exitcode(status)
-            posix._exit(code if code >= 0 else 128 - code)
-def wait_child(pidfd):
-    poll = select.poll()
-    poll.register(sock, select.POLLIN)
-    poll.register(pidfd, select.POLLIN)
-    while True:
-        ready = dict(poll.poll())
-        if pidfd in ready:
-            info = posix.waitid(posix.P_PID, child, posix.WEXITED | posix.WNOWAIT)
-            return info.si_status if info.si_code == posix.CLD_EXITED else -info.si_status
-        if sock.fileno() in ready:  # the host sends nothing during a run: it went away
-            return None
-start = start_launch if mode == "launch" else start_exec
-sock.send(b"U")
-while True:
-    try:
-        msg, anc, _, _ = sock.recvmsg(1 << 20, _socket.CMSG_SPACE(4 * 4))
-    except OSError:
-        msg, anc = b"", []
-    data = b"".join(d for level, kind, d in anc if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS)
-    fds = [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
-    if child > 0:
-        posix.waitpid(child, 0)  # the last program: a zombie until now, so its pid stayed the host's to kill
-        child = -1
-    if not msg:
-        kill_all()
-        break
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]  # above 0..3, where the child puts them
-    for fd in fds:
-        posix.close(fd)
-    try:
-        args = marshal.loads(msg)
-        child = start(*args, high)
-        reply = b"P%d" % child
-    except (OSError, ValueError, EOFError, TypeError) as e:
-        reply = ("E%s" % e).encode(errors="replace")
-    if child == 0:
-        break  # the program's process
-    for fd in high:
-        posix.close(fd)
-    pidfd = posix.pidfd_open(child) if child > 0 else -1
-    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))] if pidfd >= 0 else []
-    sock.sendmsg([reply], anc)
-    if child > 0:
-        code = wait_child(pidfd)
-        posix.close(pidfd)
-        if code is None:
-            kill_all()
-            posix.waitpid(child, 0)
-            break
-        sock.send(b"X%d" % code)
-if child == 0:
-    launch(*(int(a) for a in args[0][:7]), args[0][7], 1)
-"""
-
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox could not run the program (bwrap refused to start, no process could be forked, the
