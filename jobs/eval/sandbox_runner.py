@@ -144,6 +144,9 @@ def wait_child(pidfd):
         if sock.fileno() in ready:  # the host sends nothing during a run: it went away
             return None
 start = start_launch if mode == "launch" else start_exec
+if mode == "launch":  # the runner's objects in GC's permanent generation: the program's collections, its exit's
+    import gc  # included, never walk them (each walk writes their headers: a copy of every page, 1 ms a program)
+    gc.freeze()
 sock.send(b"U")
 while True:
     try:
