@@ -61,6 +61,7 @@ def libc_function(name, types={}):
 def launch(cpu, mem, fsize, nproc, nofile, uid, ready, program, sandboxed):
     if sandboxed:  # the warm runner's program (its namespaces, /proc and /tmp are set up by its init)
         try:
+            posix.setsid()  # its own process group: kill(0, ...) must not reach its init or the runner
             libc_function("prctl")(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: as an exec'd process is (its init is not)
             if uid < 0:  # in a user namespace: give up the capabilities it holds there
                 libc_function("prctl")(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL

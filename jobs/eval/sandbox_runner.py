@@ -43,7 +43,8 @@ def oom_score(value):
     except OSError:
         pass
 oom_score(b"-1000")
-if mode == "launch":
+if mode == "launch":  # PID 1 of bwrap's namespace: with SIGINT's default, a signal from a program is ignored
+    _signal.signal(2, _signal.SIG_DFL)  # (Python's handler would make a KeyboardInterrupt of it)
     unshare, setns, mount, prctl = (libc_function(f) for f in ("unshare", "setns", "mount", "prctl"))
     own_pid_ns = posix.open("/proc/self/ns/pid", posix.O_RDONLY | posix.O_CLOEXEC)
     prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: die with bwrap (its --die-with-parent is lost when exec adds caps)
@@ -75,7 +76,7 @@ def start_exec(argv, env, cwd, fds):
     if pid:
         return pid
     try:
-        oom_score(b"0")
+        oom_score(b"1000")  # the OOM killer's first choice, before the spawner (-1000 as root, 0 otherwise)
         posix.setsid()
         for sig in (13, 25):  # SIGPIPE, SIGXFSZ: ignored by Python, defaults again (as Popen restores them)
             _signal.signal(sig, _signal.SIG_DFL)
@@ -93,9 +94,8 @@ def start_launch(args, tmp_bytes, inodes, fds):
         setns(own_pid_ns, 0x20000000)  # and only that child
         return pid
     try:  # the program's init
-        oom_score(b"0")
+        oom_score(b"1000")  # the OOM killer's first choice, before the spawner (-1000 as root, 0 otherwise)
         become(fds)
-        _signal.signal(2, _signal.SIG_DFL)  # Python's SIGINT handler would make a KeyboardInterrupt of a signal
         unshare(0x00020000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000)  # NEWNS IPC UTS NET CGROUP
         mount(None, b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing propagates back
         mount(b"proc", b"/proc", b"proc", 14, None)  # this PID namespace's own; MS_NOSUID | MS_NODEV | MS_NOEXEC
