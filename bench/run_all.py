@@ -16,7 +16,7 @@ metadata           bench_metadata.py: strace of a backfill, per unit by syscall 
 engine             bench_engine.py: hf batched vs one prompt at a time          >= 4x
                    bench_engine.py: per-sample seeds vs one seed per call      >= 0.8x
 grader             bench_grader.py: math answers/s, pool vs inline             (reported)
-sandbox            bench_sandbox.py: code programs/s, bwrap vs plain subprocess (reported)
+sandbox            bench_sandbox.py: code programs/s, sandboxed vs plain subprocess (goal >= 0.5x, #26)
 reload             bench_reload.py: hf in-place reload GB/s vs a plain read     (reported)
                    (``--device cuda`` too where a GPU is visible, else skipped)
 workers            bench_workers.py: units/s with 1, 2, 4 workers               (reported)
@@ -71,7 +71,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "metadata": ("bench_metadata.py", [], ["--steps", "2", "--small", "4", "--large", "16", "--units", "50"]),
     "engine": ("bench_engine.py", [], ["--prompts", "16", "--repeats", "1"]),
     "grader": ("bench_grader.py", [], ["--answers", "40", "--repeats", "1"]),
-    "sandbox": ("bench_sandbox.py", [], ["--smoke"]),
+    "sandbox": ("bench_sandbox.py", ["--repeats", "6"], ["--smoke"]),
     "envs": ("bench_envs.py", [], ["--smoke"]),
     "reload": ("bench_reload.py", ["--repeats", "5"], ["--hidden", "256", "--layers", "2", "--repeats", "1"]),
     "reload_cuda": ("bench_reload.py", ["--repeats", "5", "--device", "cuda"],
@@ -273,6 +273,10 @@ def goals(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
             rows.append(["hf engine tokens/s, sampled with per-sample seeds", f"{d['seeded_tokens_per_s']:,.0f}",
                          f"{d['sampled_tokens_per_s']:,.0f} (one seed per call)", f"{d['seeded_ratio']:.2f}x",
                          ">= 0.8x", met(d["seeded_ratio"] >= 0.8)])
+    if d := results.get("sandbox", {}).get("data"):
+        rows.append(["code programs/s, sandboxed", f"{d['sandboxed_per_s']:.1f}",
+                     f"{d['plain_per_s']:.1f} (plain subprocess)", f"{d['ratio']:.2f}x", ">= 0.5x",
+                     met(d["ratio"] >= 0.5)])
     if d := results.get("grader", {}).get("data"):
         rows.append(["math grader answers/s, pool", f"{d['pooled_per_s']:,.0f}",
                      f"{d['inline_per_s']:,.0f} (inline, no deadline)", f"{d['ratio']:.2f}x", "(reported)", "-"])
@@ -629,13 +633,15 @@ def sandbox_section(rec: dict[str, Any]) -> str:
         f"once, {d['cpus']} cores.", "",
         table(["mode", "programs/s"], [["plain subprocess (`python -I -S -c`, no isolation, no limits)",
                                         f"{d['plain_per_s']:.1f}"],
-                                       ["sandboxed (bwrap namespaces + rlimits launcher + outside deadline)",
-                                        f"{d['sandboxed_per_s']:.1f}"]]), "",
-        f"Ratio sandboxed / plain: **{d['ratio']:.2f}x** ({d['overhead_ms_per_program']:.0f} ms more per program). "
-        "Both start one interpreter per program; the sandbox adds bwrap's set-up (namespaces, bind mounts, a "
-        "fresh /proc and /dev, the tmpfs), the launcher (rlimits, the uid drop, the readiness pipe) and a private "
-        "temp dir per program. The reference programs do milliseconds of work each, so this is the worst case: "
-        "real test suites spend longer in the program and the ratio moves toward 1.",
+                                       ["sandboxed (warm runner: namespaces, /proc, capped /tmp, rlimits, "
+                                        "memory cgroup, outside deadline per program)", f"{d['sandboxed_per_s']:.1f}"]]),
+        "",
+        f"Ratio sandboxed / plain: **{d['ratio']:.2f}x** (medians {d.get('median_ratio', d['ratio']):.2f}x; "
+        f"{d['overhead_ms_per_program']:.0f} ms more per program). Plain starts an interpreter per program; a "
+        "sandboxed program is a fork of its thread's warm runner (already started) into new PID, mount, network, "
+        "IPC, UTS and cgroup namespaces (and a user namespace when not root) with its own /proc and capped /tmp, "
+        "then the launcher's rlimits, uid or capability drop and readiness pipe: it pays the namespaces and two "
+        "forks instead of an interpreter's start-up. The reference programs do milliseconds of work each.",
     ])
 
 
