@@ -262,7 +262,8 @@ def decide_cases() -> list[str]:
         f"{best} --level 0", f"{best} --json=yes", f"{best} --wandb-run-id", f"{best} --higher-is-better=yes",
         f"{best} --lower-is-better=yes", f"{best} --power 1", f"{best} --allow-engine-mismatch=yes",
         "compare {S}/run --steps 1 2 --power 0", "compare {S}/run --steps 1 2 --scoring",
-        "compare {S}/run --steps 1 2 --allow-engine-mismatch=yes",
+        "compare {S}/run --steps 1 2 --allow-engine-mismatch=yes", f"{best} --allow-scorer-mismatch=yes",
+        "compare {S}/run --steps 1 2 --allow-scorer-mismatch=yes",
     ]
 
 

@@ -286,3 +286,58 @@ def test_per_prompt_pass_counts_a_sample_passed_from_the_entrys_pass_threshold(t
     assert derived["pass@1"] == 0.5 and derived["pass^2"] == 0.5
     for name in ("pass@1", "pass^2"):
         assert values.values(7, parse_metric(f"eval/g/{name}", run.manifest())).tolist() == [1.0, 0.0]
+
+
+# -- scorer identities (compare / best refuse points scored differently) --------------------------------------
+EXACT = {"name": "exact_match"}
+THINKING = {"name": "exact_match", "chat_template_kwargs": {"enable_thinking": True}}
+
+
+@pytest.fixture
+def rescored_run(tmp_path: Path) -> RunDir:
+    """Steps 100 and 200 scored by one scorer identity; step 300 with thinking switched on in the template;
+    step 400's results recorded no identity (as results from before identities)."""
+    run = make_run(tmp_path, n_prompts=20, shard_size=10)
+    manifest, rng = run.manifest(), np.random.default_rng(11)
+    for step, scorer in ((100, EXACT), (200, EXACT), (300, THINKING), (400, {})):
+        per_prompt = (rng.random(20) < 0.5).astype(float)
+        for unit in units_for_step(manifest, step):
+            idx = list(shard_range(manifest, unit))
+            write_result(run.results, ok_result(unit, [float(per_prompt[i]) for i in idx], [str(step)] * len(idx),
+                                                scorer=scorer))
+    return run
+
+
+def test_compare_refuses_points_of_different_scorers_naming_the_fields_unless_told(
+    rescored_run: RunDir, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckpteval.jobs.decide import compare
+
+    path = str(rescored_run.path)
+    assert compare.main([path, "--steps", "100", "200"]) == 0  # one identity
+    capsys.readouterr()
+    assert compare.main([path, "--steps", "200", "300"]) == 2
+    err = capsys.readouterr().err
+    assert ("A step 200 and B step 300 were scored by different scorers (chat_template_kwargs: chat_template_kwargs "
+            'none vs {"enable_thinking": true})') in err, err
+    assert "--allow-scorer-mismatch" in err and "ckpteval rescore" in err, err
+    assert compare.main([path, "--steps", "100", "400"]) == 2  # an identity vs none recorded
+    assert "one recorded no scorer identity" in capsys.readouterr().err
+    assert compare.main([path, "--steps", "200", "300", "--allow-scorer-mismatch", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["datasets"]
+    assert "chat_template_kwargs" in row["scorer_notes"][0] and "engine_notes" not in row
+    assert compare.main([path, "--steps", "200", "300", "--allow-scorer-mismatch"]) == 0
+    assert "warning: add: A step 200 and B step 300 were scored by different scorers" in capsys.readouterr().out
+
+
+def test_best_refuses_steps_of_different_scorers_unless_told(rescored_run: RunDir,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from ckpteval.jobs.decide import best
+
+    assert best.main([str(rescored_run.path)]) == 2
+    err = capsys.readouterr().err
+    assert "step 100 and step 300 were scored by different scorers" in err and "--allow-scorer-mismatch" in err, err
+    assert not rescored_run.best_path("eval/add").exists()
+    assert best.main([str(rescored_run.path), "--allow-scorer-mismatch"]) == 0
+    rec = json.loads(rescored_run.best_path("eval/add").read_text())
+    assert [n.split(" were ")[0] for n in rec["scorer_notes"]] == ["step 100 and step 300", "step 100 and step 400"]

@@ -100,6 +100,8 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
         assert r.scores == ()
         raw = json.loads((unit_dir(run.results, r.unit.step) / r.unit.result_name).read_text())
         assert parse_result(raw, Path("x")).metrics == r.metrics  # the file carries them
+        assert r.scorer["name"] == "lm_eval" and r.scorer["lm_eval"] != "unknown", r.scorer  # what scored it
+        assert r.scorer["chat_template_kwargs"] == {} and r.scorer["apply_chat_template"] is False
     gen, mc = got[WorkUnit(5, "harness", 0)].metrics, got[WorkUnit(5, "harness", 1)].metrics
     assert set(gen) == {"exact_match"} and 0.0 <= gen["exact_match"] <= 1.0
     assert "acc" in mc and mc["acc"] in {i / 8 for i in range(9)}  # 8 docs in the shipped JSONL
@@ -272,3 +274,16 @@ def test_chat_template_kwargs_reach_lm_evals_chat_rendering_on_both_adapters(tmp
     http = HTTPEngine("http://127.0.0.1:9")  # never contacted: the adapter only renders here
     assert completions_lm(http, str(thinking), off).apply_chat_template(chat) == want_off
     assert completions_lm(http, str(thinking), on).apply_chat_template(chat).endswith("<|assistant|><think>\n")
+
+
+def test_a_harness_results_scorer_identity_tells_chat_template_kwargs_apart() -> None:
+    """Two lm_eval entries that differ only in ``chat_template_kwargs`` record different scorer identities, so
+    ``compare`` and ``best`` refuse to put their points side by side (tests/test_decide.py)."""
+    from ckpteval.jobs.decide.scorers import scorer_difference
+    from ckpteval.jobs.eval.harness import identity
+
+    off = identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False}))
+    on = identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True))
+    assert off["chat_template_kwargs"] == {"enable_thinking": False} and on["chat_template_kwargs"] == {}
+    assert "chat_template_kwargs" in (scorer_difference(on, off) or "")
+    assert scorer_difference(on, identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True))) is None

@@ -10,7 +10,8 @@ the engine's measured noise is in it and widens the intervals). Every step of th
 a single winner is named (``winner``) only when the set is the best alone, else ``winner`` is null and the
 output says which steps cannot be told apart. Each difference also has its bootstrap interval. Steps measured on engines of different identities are
 refused, naming them and the fields that differ, unless ``--allow-engine-mismatch`` (then recorded as
-``engine_notes``). Written to ``RUN/best/<metric>.json`` (atomic; ``/`` written ``__``: one file per metric) and
+``engine_notes``); so are steps scored by scorers of different identities, unless ``--allow-scorer-mismatch``
+(``scorer_notes``; :mod:`ckpteval.jobs.decide.scorers`). Written to ``RUN/best/<metric>.json`` (atomic; ``/`` written ``__``: one file per metric) and
 printed; ``--json`` prints the file's content; ``--wandb-run-id ID`` also writes it into that wandb
 run's summary (``best/step``, ``best/mean``, ``best/low``, ``best/high``, ``best/not_distinguishable``,
 ``best/metric``) as a shared writer (:func:`ckpteval.jobs.metrics.init_wandb`).
@@ -29,6 +30,7 @@ from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.jobs.decide.data import open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
+from ckpteval.jobs.decide.scorers import ALLOW_SCORER_FLAG, check_scorers, point_scorer
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
 from ckpteval.jobs.flags import Parser, fail, output_width, wrap
 
@@ -78,7 +80,8 @@ def render(rec: dict[str, Any], width: int = 10_000) -> str:
              *wrap(f"not distinguishable from it: {', '.join(map(str, rec['not_distinguishable']))} "
                    f"({rec['correction']}; MDE at power {rec['power']:.0%})", width),
              *wrap(noise_summary(rec), width),
-             *(part for note in rec.get("engine_notes", ()) for part in wrap(f"warning: {note}", width))]
+             *(part for note in (*rec.get("engine_notes", ()), *rec.get("scorer_notes", ()))
+               for part in wrap(f"warning: {note}", width))]
     for step, row in rec["steps"].items():
         d = row.get("diff_to_best")
         diff = f"  diff {d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else "  (best)"
@@ -116,6 +119,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument(ALLOW_FLAG, dest="allow_engine_mismatch", action="store_true",
                         help="rank steps measured on engines of different identities anyway, recorded as notes "
                         "(default: refused, naming the steps and the fields that differ)")
+    parser.add_argument(ALLOW_SCORER_FLAG, dest="allow_scorer_mismatch", action="store_true",
+                        help="rank steps scored by scorers of different identities anyway, recorded as notes "
+                        "(default: refused, naming the steps and the fields that differ)")
     args = parser.parse_args(argv)
     for flag in ("level", "power"):
         if not 0.0 < getattr(args, flag) < 1.0:
@@ -128,6 +134,8 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"{side.run.path}: no step has a complete {metric.dataset} point yet")
         notes = check_engines([(f"step {s}", point_engine(side, s, metric.dataset)) for s in sorted(values)],
                               args.allow_engine_mismatch)
+        scorer_notes = check_scorers([(f"step {s}", point_scorer(side, s, metric.dataset)) for s in sorted(values)],
+                                     args.allow_scorer_mismatch)
         best = best_step(values, higher_is_better=args.higher, level=args.level)
         rule = noise_rule(best, values, engine_noise(side.replay_pairs(metric)), args.power)
     except (ValueError, FileNotFoundError) as e:
@@ -135,6 +143,8 @@ def main(argv: list[str]) -> int:
     rec = best_record(best, metric.name, args.higher, {s: float(v.mean()) for s, v in values.items()}, rule)
     if notes:
         rec["engine_notes"] = notes
+    if scorer_notes:
+        rec["scorer_notes"] = scorer_notes
     target = side.run.best_path(metric.name)
     target.parent.mkdir(exist_ok=True)
     write_json_atomic(target, rec)

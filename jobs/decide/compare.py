@@ -12,7 +12,8 @@ runs have replays (``eval.replay``) the engine's measured shared noise is in the
 interval the verdict is read from (``engine interval``). ``--json`` prints the same as JSON. Bad input
 (unknown step, a dataset that is not paired) is one line, exit 2. Two points measured on engines of different
 identities are refused, naming the fields that differ, unless ``--allow-engine-mismatch``
-(:mod:`ckpteval.jobs.decide.engines`).
+(:mod:`ckpteval.jobs.decide.engines`); so are two points scored by scorers of different identities, unless
+``--allow-scorer-mismatch`` (:mod:`ckpteval.jobs.decide.scorers`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
+from ckpteval.jobs.decide.scorers import ALLOW_SCORER_FLAG, check_scorers, point_scorer
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
 from ckpteval.jobs.flags import Parser, fail, output_width, wrap
 
@@ -61,10 +63,11 @@ def noise_fields(va: Any, vb: Any, level: float, noise: EngineNoise | None, powe
 
 def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: float,
                   metric_text: str | None = None, power: float = DEFAULT_POWER,
-                  allow_engine_mismatch: bool = False) -> list[dict[str, Any]]:
+                  allow_engine_mismatch: bool = False, allow_scorer_mismatch: bool = False) -> list[dict[str, Any]]:
     """Per dataset both sides have at their steps: the paired difference B - A of the mean and its verdict;
     with ``metric_text`` (``--metric``) only that metric of its dataset. Points of different engine
-    identities are refused (:func:`ckpteval.jobs.decide.engines.check_engines`) unless ``allow_engine_mismatch``."""
+    identities are refused (:func:`ckpteval.jobs.decide.engines.check_engines`) unless ``allow_engine_mismatch``,
+    of different scorer identities (:func:`ckpteval.jobs.decide.scorers.check_scorers`) unless ``allow_scorer_mismatch``."""
     rows = []
     chosen = None if metric_text is None else parse_metric(metric_text, a.manifest)
     for spec in a.manifest.eval.datasets:
@@ -79,12 +82,15 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
             check_paired(a, b, name)
         notes = check_engines([(f"A step {step_a}", point_engine(a, step_a, name)),
                                (f"B step {step_b}", point_engine(b, step_b, name))], allow_engine_mismatch)
+        scorer_notes = check_scorers([(f"A step {step_a}", point_scorer(a, step_a, name)),
+                                      (f"B step {step_b}", point_scorer(b, step_b, name))], allow_scorer_mismatch)
         metric = chosen or Metric(name, "mean")
         va, vb = a.values(step_a, metric), b.values(step_b, metric)
         iv = paired_interval(va, vb, level)
         row = {"dataset": name if chosen is None else metric_text, "a": float(va.mean()), "b": float(vb.mean()), "diff": iv.estimate,
                "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
-               "verdict": verdict(iv.low, iv.high), **({"engine_notes": notes} if notes else {})}
+               "verdict": verdict(iv.low, iv.high), **({"engine_notes": notes} if notes else {}),
+               **({"scorer_notes": scorer_notes} if scorer_notes else {})}
         rows.append({**row, **noise_fields(va, vb, level, side_noise(a, b, metric), power, row["verdict"])})
     if not rows:
         raise ValueError(f"no dataset has a complete point at step {step_a} of {a.run.path} and step {step_b} "
@@ -144,7 +150,7 @@ def render(rows: list[dict[str, Any]], a: str, b: str, width: int = 10_000) -> s
             lines += wrap(f"  {noise_line(r)}", width)
     lines += wrap(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided; MDE at power "
                   f"{rows[0]['power']:.0%})", width)
-    lines += [part for r in rows for note in r.get("engine_notes", ())
+    lines += [part for r in rows for note in (*r.get("engine_notes", ()), *r.get("scorer_notes", ()))
               for part in wrap(f"warning: {r['dataset']}: {note}", width)]
     return "\n".join(lines)
 
@@ -182,13 +188,18 @@ def main(argv: list[str]) -> int:
                         help="compare points measured on engines of different identities (engine, version, dtype, "
                         "tp/dp/pp, deterministic mode, concurrency) anyway, with a warning (default: refused, "
                         "naming the fields that differ)")
+    parser.add_argument(ALLOW_SCORER_FLAG, dest="allow_scorer_mismatch", action="store_true",
+                        help="compare points scored by scorers of different identities (the scorer and its settings, "
+                        "judge model, sandbox bounds, chat template arguments, reasoning) anyway, with a warning "
+                        "(default: refused, naming the fields that differ)")
     args = parser.parse_args(argv)
     for flag in ("level", "power"):
         if not 0.0 < getattr(args, flag) < 1.0:
             parser.error(f"--{flag} must be in (0, 1), got {getattr(args, flag)}")
     try:
         a, step_a, b, step_b = plan(args)
-        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric, args.power, args.allow_engine_mismatch)
+        rows = compare_sides(a, step_a, b, step_b, args.level, args.metric, args.power, args.allow_engine_mismatch,
+                             args.allow_scorer_mismatch)
     except (ValueError, FileNotFoundError, KeyError) as e:
         return fail(PROG, e.args[0] if isinstance(e, KeyError) else e)
     shown = f" (scoring {args.scoring})" if args.scoring else ""

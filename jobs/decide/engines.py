@@ -14,12 +14,14 @@ are not told apart. Allowed, it returns the same differences as notes for the ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from ckpteval.coord.engine_identity import EngineIdentity, differing_fields, explain, parse_identity
 from ckpteval.jobs.decide.data import RunValues
 
 ALLOW_FLAG = "--allow-engine-mismatch"
+T = TypeVar("T")
 
 
 def point_engine(side: RunValues, step: int, dataset: str) -> EngineIdentity | None:
@@ -33,16 +35,25 @@ def point_engine(side: RunValues, step: int, dataset: str) -> EngineIdentity | N
     return None
 
 
+def mismatch_notes(points: Sequence[tuple[str, T]], differs: Callable[[T, T], str | None]) -> list[str]:
+    """``"<first> and <label> <how they differ>"`` for every point (``(label, identity)`` pairs) whose identity
+    ``differs`` from the first's (``differs`` returns None for the same identity)."""
+    if not points:
+        return []
+    first_label, first = points[0]
+    return [f"{first_label} and {label} {how}" for label, identity in points[1:]
+            if (how := differs(first, identity)) is not None]
+
+
+def engine_difference(a: EngineIdentity | None, b: EngineIdentity | None) -> str | None:
+    fields = differing_fields(a, b)
+    return f"ran on different engines ({', '.join(fields)}: {explain(fields, a, b)})" if fields else None
+
+
 def check_engines(points: Sequence[tuple[str, EngineIdentity | None]], allow: bool) -> list[str]:
     """Every point against the first (``(label, identity)`` pairs): ValueError on a difference unless
     ``allow``; the differences as notes (empty when there are none)."""
-    if not points:
-        return []
-    (first_label, first), notes = points[0], []
-    for label, identity in points[1:]:
-        if fields := differing_fields(first, identity):
-            notes.append(f"{first_label} and {label} ran on different engines "
-                         f"({', '.join(fields)}: {explain(fields, first, identity)})")
+    notes = mismatch_notes(points, engine_difference)
     if notes and not allow:
         raise ValueError(f"{notes[0]}; their difference is partly the engine's — rerun one side on the other's "
                          f"engine, or pass {ALLOW_FLAG} to compare anyway")

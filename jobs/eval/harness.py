@@ -37,6 +37,7 @@ working directory (use absolute paths); lm-eval seeds Python's, numpy's and torc
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import logging
 import math
 import os
@@ -227,7 +228,25 @@ def evaluate_harness(engine: Any, cache: Any, spec: HarnessSpec, unit: WorkUnit,
     after = engine.weight_version()
     if before != want or after != want:
         raise PinViolation(f"want version {want}; engine reported {before!r} before the task, {after!r} after")
-    return Evaluation([], [before, after], metrics=metrics, generate_s=elapsed)
+    return Evaluation([], [before, after], metrics=metrics, generate_s=elapsed, scored={"scorer": identity(spec)})
+
+
+def identity(spec: HarnessSpec) -> dict[str, Any]:
+    """What scored the unit (the result's ``scorer``): lm-eval's version and the entry's settings that change a
+    task's metrics (few-shot, limit, generation overrides, chat template and its arguments, seed, local tasks).
+    ``compare`` and ``best`` refuse points whose identities differ (:mod:`ckpteval.jobs.decide.scorers`)."""
+    return {"name": "lm_eval", "lm_eval": lm_eval_version(), "num_fewshot": spec.num_fewshot, "limit": spec.limit,
+            "gen_kwargs": spec.gen_kwargs, "apply_chat_template": spec.apply_chat_template,
+            "chat_template_kwargs": dict(spec.chat_template_kwargs), "seed": spec.seed,
+            "include_path": spec.include_path}
+
+
+@lru_cache(maxsize=1)
+def lm_eval_version() -> str:
+    try:
+        return importlib.metadata.version("lm_eval")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def check_harness_entry(cache: Any, spec: HarnessSpec) -> None:

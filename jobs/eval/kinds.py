@@ -81,7 +81,7 @@ def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:
     """The ok result of an evaluation (``kw``: timings, worker, snapshot, ...)."""
     kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, "engine": ev.engine, **kw}
     if ev.metrics is not None:
-        return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, **kw)
+        return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, **kw, **ev.scored)
     return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, kept=ev.kept, **kw,
                      **ev.scored)
 
