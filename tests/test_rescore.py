@@ -121,10 +121,14 @@ def test_rescore_publishes_a_new_scoring_and_views_name_it(run: RunDir, capsys: 
     assert {u.step for u in own} == {10} and all(r.scorer["name"] == OTHER for r in own.values())
     from ckpteval.jobs.decide.compare import main as compare_main
 
+    # step 0 (not re-scored) against step 10 re-scored by another scorer: refused, naming the scorer; allowed, noted
+    assert compare_main([str(run.path), "--steps", "0", "10", "--scoring", "hash"]) == 2
+    assert "were scored by different scorers (name" in capsys.readouterr().err
     compared = {}
-    for extra in ([], ["--scoring", "hash"]):
+    for extra in ([], ["--scoring", "hash", "--allow-scorer-mismatch"]):
         assert compare_main([str(run.path), "--steps", "0", "10", "--json", *extra]) == 0
         compared[bool(extra)] = json.loads(capsys.readouterr().out)
+    assert "scorer_notes" in compared[True]["datasets"][0] and "scorer_notes" not in compared[False]["datasets"][0]
     assert compared[True]["b"].endswith("(scoring hash)") and "scoring" not in compared[False]["b"]
     assert compared[True]["datasets"][0]["b"] == pytest.approx(by_step[10]["datasets"]["addition"]["score"])
     assert compared[False]["datasets"][0]["b"] == pytest.approx(orig[10]["datasets"]["addition"]["score"])
