@@ -22,7 +22,9 @@ Guarantees:
   ``admit_foreign``: its staging or reuse dir, where its trainer stamps every marker with its key) a
   marker *without* a run key is ignored too, with one line in :attr:`SnapshotDiscovery.problems`: it was
   written by an older ckpteval or another tool, and in a staging dir several runs share it could be
-  anyone's weights. Under a watched root such a marker is a finished checkpoint and is reported as it is.
+  anyone's weights. Under a watched root such a marker is a finished checkpoint and is reported as it is,
+  unless ``adopt_only`` names a run key: then (a re-evaluation of that run's own snapshot dirs) only markers
+  naming that key are adopted, the rest ignored with one line each.
 
 - Never trusted: symlinked entries (a link can point anywhere; publish and checkpoint saves create
   real directories), and a marked directory whose name's trailing digits disagree with its marker's
@@ -102,6 +104,7 @@ class SnapshotDiscovery:
     adoption_dir: Path | None = None
     clock: Callable[[], float] = time.monotonic
     run: str | None = None  # this run's key (ckpteval.coord.identity): another run's marker is not ours
+    adopt_only: str | None = None  # under a foreign root, adopt only markers naming this key (None: any marked)
     layout: str = FALLBACK  # ckpteval.coord.layouts name, or "auto": how foreign saves under root are laid out
     lost_dir: Path | None = None  # where a save lost to rotation before admission is recorded (<step>.json)
     wanted: Callable[[int], bool] | None = None  # steps worth capturing (ephemeral saves); None: every step
@@ -202,6 +205,10 @@ class SnapshotDiscovery:
             return None  # a marked dir under another step's name (copied, moved, planted): not trusted
         if self.run is None or marker.run == self.run:
             return SnapshotRef(marker.step, path, marker)
+        if self.admit_foreign and self.adopt_only is not None and marker.run != self.adopt_only:
+            self.problems.setdefault(f"notsource:{path.name}", f"{path}: ignored: its marker names "
+                                     f"{marker.run or 'no run'}, not the re-evaluated run {self.adopt_only}")
+            return None
         if self.admit_foreign:
             # another run's finished checkpoint under a watched dir: adopted into this run's own record;
             # a run-less one there is a finished checkpoint as it is (module docstring)

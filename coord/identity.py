@@ -33,6 +33,13 @@ def run_key(manifest: RunManifest) -> str:
     return f"{manifest.run_id}-{digest:08x}"
 
 
+def snapshots_key(manifest: RunManifest) -> str:
+    """The run key the markers under ``manifest``'s own ``snapshot_roots`` carry: the run's own, or for a
+    re-evaluation (its ``trainer.from_run_key``) the key of the run whose snapshots it evaluates."""
+    source = manifest.trainer.get("from_run_key")
+    return source if isinstance(source, str) and source else run_key(manifest)
+
+
 def weight_version(key: str, step: int) -> str:
     """The version an engine is stamped with for ``step`` of the run ``key``."""
     return f"{key}{VERSION_SEP}{step}"
@@ -72,4 +79,4 @@ def version_matches(version: str | None, key: str, step: int) -> bool:
     return version in {weight_version(key, step), str(step)}
 
 
-__all__ = ["MIXED_SEP", "run_key", "version_matches", "version_run", "version_runs", "version_step", "weight_version"]
+__all__ = ["MIXED_SEP", "run_key", "snapshots_key", "version_matches", "version_run", "version_runs", "version_step", "weight_version"]

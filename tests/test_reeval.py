@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.identity import run_key
 from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.steps import parse_steps
 from ckpteval.jobs.eval.evalsets import write_jsonl
 from ckpteval.jobs.reference.model import make_addition_examples
 from ckpteval.jobs.views.status import collect_status
-from tests.support.workers import finish, make_eval_run, publish_model, results, spawn
+from tests.support.workers import finish, make_eval_run, model_writer, publish_model, results, spawn
 
 FN = ("--engine", "fn:tests.support.workers:SumBackend", "--poll-interval", "0.2")
 
@@ -84,6 +86,21 @@ def test_reevaluating_a_steps_subset_writes_only_into_the_new_run(tmp_path: Path
                          "--steps", "20:40:20")
     assert code == 0 and "nothing to do" in out, out
     assert fingerprint(old_run.path) == before
+
+
+def test_only_the_old_runs_own_snapshots_are_reevaluated(tmp_path: Path, old_run: RunDir) -> None:
+    """OLD's snapshot dir also holds a marker without a run key (step 50) and another run's marker (step 60):
+    neither is OLD's snapshot, so neither is counted, adopted or evaluated (a point on other weights)."""
+    publish_snapshot(old_run.snapshots, 50, model_writer(tmp_path, 50))
+    publish_snapshot(old_run.snapshots, 60, model_writer(tmp_path, 60), run="another-run-0000beef")
+    new = tmp_path / "new"
+    code, out = backfill("--run-dir", str(new), "--from-run", str(old_run.path), "--eval-config", str(eval_config(tmp_path)))
+    assert code == 0, out
+    assert "re-evaluating 4 step(s)" in out, out
+    assert sorted({u.step for u in results(RunDir(new))}) == [10, 20, 30, 40]
+    assert sorted(p.name for p in RunDir(new).adopted.glob("*.json")) == [f"{s:010d}.json" for s in (10, 20, 30, 40)]
+    assert RunDir.open(new).manifest().trainer["from_run_key"] == run_key(old_run.manifest())
+    assert [s["step"] for s in collect_status(new)["snapshots"]] == [10, 20, 30, 40]
 
 
 def test_steps_latest_is_resolved_once_and_stored(tmp_path: Path, old_run: RunDir) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ckpteval.coord.claims import UnitClaimer
+from ckpteval.coord.identity import run_key
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.results import ok_result, write_point_skip, write_result
 from ckpteval.coord.snapshot import publish_snapshot
@@ -28,8 +29,9 @@ def _build_run(tmp_path: Path):
     run = make_run(tmp_path, n_prompts=4, shard_size=2)
     m = run.manifest()
     ledger = Ledger(run.ledger_path)
+    key = run_key(m)  # as the run's trainer stamps its markers
     for step, score in ((10, 0.25), (20, 0.75)):
-        publish_snapshot(run.snapshots, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+        publish_snapshot(run.snapshots, step, lambda d: write_tiny_shards(d, n_shards=1, numel=8), run=key)
         ledger.append("dispatched", step)
         for unit in units_for_step(m, step):
             write_result(run.results, ok_result(unit, [score, score], [str(step)] * 2))
@@ -37,7 +39,9 @@ def _build_run(tmp_path: Path):
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "eval/step": step, "eval/lag_steps": 3}) + "\n")
     write_point_skip(run.results, m, 30, "busy")
-    publish_snapshot(run.snapshots, 40, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
+    publish_snapshot(run.snapshots, 40, lambda d: write_tiny_shards(d, n_shards=1, numel=8), run=key)
+    # a marker without a run key in the run's own staging: not its snapshot (the worker ignores it too)
+    publish_snapshot(run.snapshots, 50, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
     claim = UnitClaimer(run.leases, m.lease).try_claim(WorkUnit(40, "add", 0))
     return run, claim
 

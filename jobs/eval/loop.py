@@ -109,9 +109,10 @@ class Worker:
             if isinstance(r, str)
         }
         foreign |= {str(Path(w).resolve()) for w in self.opts.watch}
-        roots = list(
-            dict.fromkeys([str(Path(r).resolve()) for r in self.manifest.snapshot_roots] + sorted(foreign))
-        )
+        own = [str(Path(r).resolve()) for r in self.manifest.snapshot_roots]
+        roots = list(dict.fromkeys(own + sorted(foreign)))
+        # a re-evaluation adopts its source run's snapshot dirs (its snapshot_roots): that run's markers only
+        source = self.manifest.trainer.get("from_run_key")
         return [
             _Discovered(
                 SnapshotDiscovery(
@@ -120,6 +121,7 @@ class Worker:
                     quiescence_s=self.opts.quiescence_s,
                     adoption_dir=self.rundir.adopted,
                     run=run_key(self.manifest),
+                    adopt_only=source if isinstance(source, str) and r in own else None,
                     layout=self.opts.layout if r in foreign else FALLBACK,
                     lost_dir=self.rundir.lost,
                     wanted=lambda step: bool(units_for_step(self.manifest, step)),

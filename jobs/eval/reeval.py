@@ -10,7 +10,9 @@ every consumer of NEW considers — workers, backfill array tasks, status.
 Promises: **OLD is never written to.** Everything is validated before anything is written (OLD is a
 run, NEW is neither OLD nor inside it, the config and its data files, the selection, at least one
 selected snapshot present); then only NEW is created. Foreign checkpoints of OLD are re-admitted
-with NEW's own adoption records. Re-running the same command is idempotent (NEW exists with the same
+with NEW's own adoption records. Only OLD's own snapshots are re-evaluated: under OLD's snapshot roots a
+marker must name OLD's run key (recorded as ``trainer.from_run_key``; a run-less or another run's marker
+there is not OLD's weights). Re-running the same command is idempotent (NEW exists with the same
 source, eval and steps: it is backfilled again, finding nothing to do); any other existing NEW is an
 error. With ``--wandb`` the points go into OLD's wandb run (its run id unless ``--wandb-run-id``)
 through the service's ingestion (:func:`ckpteval.jobs.eval.service.service_ingestion`).
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import RunManifest, parse_manifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.steps import REEVAL_KIND, StepSelection, parse_steps
@@ -37,7 +40,8 @@ from ckpteval.jobs.eval.evalconfig import EvalConfig, publish_run, read_eval_con
 def source_steps(old: RunDir, manifest: RunManifest) -> list[int]:
     """Steps with a snapshot present in OLD: marked snapshots under its roots, and foreign checkpoints
     it adopted whose dirs still exist (read only)."""
-    steps = {ref.step for root in _roots(manifest) for ref in SnapshotDiscovery(Path(root)).poll()}
+    key = run_key(manifest)  # OLD's own markers only: a run-less or another run's marker is not OLD's snapshot
+    steps = {ref.step for root in _roots(manifest) for ref in SnapshotDiscovery(Path(root), run=key).poll()}
     for record in sorted(old.adopted.glob("*.json")) if old.adopted.is_dir() else []:
         try:
             obj = read_json_object(record)
@@ -101,6 +105,7 @@ def plan_reeval(new_dir: Path, old_dir: Path, config_path: Path, steps_text: str
         "eval": config.eval,
         "snapshot_roots": _roots(old_manifest),
         "trainer": {"kind": REEVAL_KIND, "from_run": str(old.path), "from_run_id": old_manifest.run_id,
+                    "from_run_key": run_key(old_manifest),
                     "steps": selection.text, "foreign_roots": foreign},
         "lease": config.raw.get("lease", old_manifest.to_json()["lease"]),
         "created": time.time(),

@@ -21,6 +21,7 @@ from typing import Any
 from ckpteval.coord.atomic import read_json_object, read_jsonl
 from ckpteval.coord.claims import lease_path, read_lease_holder
 from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs
+from ckpteval.coord.identity import snapshots_key
 from ckpteval.coord.layouts import AUTO
 from ckpteval.coord.ledger import Ledger, LedgerState
 from ckpteval.coord.manifest import RunManifest
@@ -59,10 +60,12 @@ def _lease_info(path: Path, duration: float, now: float) -> dict[str, Any]:
     return info
 
 
-def _snapshot_rows(roots: tuple[str, ...], retired: set[int], adopted: Path) -> list[dict[str, Any]]:
-    """Marked snapshots under the run's roots, plus the watched checkpoints it adopted (``RUN/adopted/``)."""
+def _snapshot_rows(manifest: RunManifest, retired: set[int], adopted: Path) -> list[dict[str, Any]]:
+    """Marked snapshots under the run's roots (its own: a run-less or another run's marker is not), plus the
+    watched checkpoints it adopted (``RUN/adopted/``)."""
     rows = []
-    refs = [ref for root in roots for ref in SnapshotDiscovery(Path(root)).poll()]
+    key = snapshots_key(manifest)
+    refs = [ref for root in manifest.snapshot_roots for ref in SnapshotDiscovery(Path(root), run=key).poll()]
     marked = {ref.step for ref in refs}
     for ref in refs + [a for a in adopted_refs(adopted) if a.step not in marked and a.path.is_dir()]:
             rows.append({
@@ -132,7 +135,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
     facts, errors = scoring_step_facts(run, manifest, scoring)
     ledger = Ledger(run.ledger_path, repair=False).state if run.ledger_path.exists() else None
     retired = ledger.retired if ledger else set()
-    snapshots = _snapshot_rows(manifest.snapshot_roots, retired, run.adopted)
+    snapshots = _snapshot_rows(manifest, retired, run.adopted)
     waiting = [w for root in manifest.trainer.get("foreign_roots", []) if isinstance(root, str)
                for w in waiting_saves(Path(root), AUTO, run.adopted)]
     with_results = {s for s, f in facts.items() if f.has_results}
