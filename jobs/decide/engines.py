@@ -50,11 +50,18 @@ def engine_difference(a: EngineIdentity | None, b: EngineIdentity | None) -> str
     return f"ran on different engines ({', '.join(fields)}: {explain(fields, a, b)})" if fields else None
 
 
+def refuse_mismatches(points: Sequence[tuple[str, T]], differs: Callable[[T, T], str | None], remedy: str,
+                      allow: bool) -> list[str]:
+    """Every point against the first: ValueError (the first difference, then ``remedy``) unless ``allow``;
+    the differences as notes (empty when there are none)."""
+    notes = mismatch_notes(points, differs)
+    if notes and not allow:
+        raise ValueError(f"{notes[0]}; {remedy}")
+    return notes
+
+
 def check_engines(points: Sequence[tuple[str, EngineIdentity | None]], allow: bool) -> list[str]:
     """Every point against the first (``(label, identity)`` pairs): ValueError on a difference unless
     ``allow``; the differences as notes (empty when there are none)."""
-    notes = mismatch_notes(points, engine_difference)
-    if notes and not allow:
-        raise ValueError(f"{notes[0]}; their difference is partly the engine's — rerun one side on the other's "
-                         f"engine, or pass {ALLOW_FLAG} to compare anyway")
-    return notes
+    return refuse_mismatches(points, engine_difference, "their difference is partly the engine's — rerun one side "
+                             f"on the other's engine, or pass {ALLOW_FLAG} to compare anyway", allow)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckpteval.jobs.decide.data import RunValues
-from ckpteval.jobs.decide.engines import mismatch_notes
+from ckpteval.jobs.decide.engines import refuse_mismatches
 
 ALLOW_SCORER_FLAG = "--allow-scorer-mismatch"
 
@@ -55,8 +55,6 @@ def scorer_difference(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str
 def check_scorers(points: Sequence[tuple[str, dict[str, Any] | None]], allow: bool) -> list[str]:
     """Every point against the first (``(label, identity)`` pairs): ValueError on a difference unless
     ``allow``; the differences as notes (empty when there are none)."""
-    notes = mismatch_notes(points, scorer_difference)
-    if notes and not allow:
-        raise ValueError(f"{notes[0]}; their difference is partly the scorer's — rescore one side with the other's "
-                         f"scorer (ckpteval rescore), or pass {ALLOW_SCORER_FLAG} to compare anyway")
-    return notes
+    return refuse_mismatches(points, scorer_difference, "their difference is partly the scorer's — rescore one "
+                             f"side with the other's scorer (ckpteval rescore), or pass {ALLOW_SCORER_FLAG} to "
+                             "compare anyway", allow)
