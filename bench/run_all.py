@@ -50,6 +50,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -964,6 +965,28 @@ def merged(old: dict[str, Any], new: dict[str, Any], names: list[str]) -> dict[s
     return out
 
 
+def sections(md: str) -> list[tuple[str, str]]:
+    """``md`` cut at its ``## `` headings: (title, text) pairs; the text before the first heading has title ""."""
+    parts = re.split(r"(?m)^(?=## )", md)
+    return [(part.splitlines()[0][3:].strip() if part.startswith("## ") else "", part) for part in parts if part]
+
+
+def keep_written(new_md: str, old_md: str, replaced: set[str]) -> str:
+    """``new_md`` (a full report) laid over ``old_md``: the header and the ``replaced`` sections (titles) are the
+    new ones; every other section of the old file stays as it was, in its place — the hand-written ones
+    (a benchmark run by hand, notes) and generated ones not re-measured; new sections go last."""
+    fresh = dict(sections(new_md))
+    out = [fresh.get("", "")]
+    seen = {""}
+    for title, text in sections(old_md):
+        if title in seen:
+            continue
+        seen.add(title)
+        out.append(fresh[title] if title in fresh and (title in replaced or title in ("Machine", "Goals")) else text)
+    out += [text for title, text in sections(new_md) if title not in seen]
+    return "".join(part if part.endswith("\n") else part + "\n" for part in out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the pipeline")
@@ -973,7 +996,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where benchmark run dirs go (local disk; staging always on /dev/shm)")
     ap.add_argument("--merge", action="store_true",
                     help="with --only: replace only those benchmarks' results in the existing RESULTS.json next to "
-                         "--out (the others keep theirs) and rewrite --out from it")
+                         "--out (the others keep theirs) and, in --out, only their sections, the header and the goals "
+                         "(every other section, hand-written ones included, stays as it is)")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="only rewrite --out from the raw results a previous run saved (RESULTS.json)")
     args = ap.parse_args(argv)
@@ -1008,7 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
         raw = merged(json.loads(args.out.with_suffix(".json").read_text()), raw, names)
         mach, results, crc, total = raw["machine"], raw["results"], raw["crc"], raw["total_s"]
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
-    args.out.write_text(report(mach, results, crc, total, args.quick))
+    text = report(mach, results, crc, total, args.quick)
+    if args.merge and args.out.is_file():  # the sections not re-measured, hand-written ones included, stay
+        text = keep_written(text, args.out.read_text(), {SECTIONS[n][0] for n in names if n in SECTIONS})
+    args.out.write_text(text)
     print("\n=== goals")
     for row in goals(results):
         print("  " + " | ".join(f(c) for c in row))

@@ -32,3 +32,17 @@ def test_benchmark_smoke_run(script: str, tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{out[-4000:]}"
     assert re.search(r"\bratio\b", proc.stdout, re.IGNORECASE), f"{script} printed no ratio line:\n{out[-4000:]}"
+
+
+def test_a_merge_rewrites_only_the_re_measured_sections_and_keeps_the_hand_written_ones() -> None:
+    """``run_all.py --only X --merge``: the header, the goals and X's section are the new report's; every other
+    section of the old RESULTS.md (a hand-measured one, another benchmark's) stays as it was, in its place."""
+    from bench.run_all import keep_written
+
+    old = ("# results\nold header\n## Machine\nold machine\n## Goals\nold goals\n## Code sandbox\nold sandbox\n"
+           "## Code sandbox: by hand\nnotes\n## Export\nold export\n")
+    new = "# results\nnew header\n## Machine\nnew machine\n## Goals\nnew goals\n## Code sandbox\nnew sandbox\n" \
+          "## Export\nnew export\n## Fleet\nnew fleet\n"
+    assert keep_written(new, old, {"Code sandbox"}) == (
+        "# results\nnew header\n## Machine\nnew machine\n## Goals\nnew goals\n## Code sandbox\nnew sandbox\n"
+        "## Code sandbox: by hand\nnotes\n## Export\nold export\n## Fleet\nnew fleet\n")
