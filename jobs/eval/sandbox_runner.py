@@ -32,6 +32,8 @@ from ckpteval.jobs.eval.sandbox_launch import LAUNCH
 SPAWNER = LAUNCH + r"""
 import fcntl, marshal, select, _signal, _socket
 sock = _socket.socket(fileno=int(sys.argv[1]))
+posix.closerange(3, sock.fileno())  # nothing but stdio and the socket: whatever else came through bwrap
+posix.closerange(sock.fileno() + 1, 1 << 16)
 procs, mode = sys.argv[2], sys.argv[3]
 def oom_score(value):
     try:
