@@ -42,8 +42,18 @@ def oom_score(value):
             posix.write(fd, value)
         finally:
             posix.close(fd)
+        return True
     except OSError:
-        pass
+        return False
+def program_oom_score():  # in a program's first process, still holding the spawner's own score
+    try:
+        with open("/proc/self/oom_score_adj", "rb") as f:
+            protected = f.read().strip() == b"-1000"
+    except OSError:
+        protected = False
+    # a spawner the OOM killer never picks (root: itself, or the host for the runner) leaves its programs at 0;
+    # else they are its first choice (1000), so a program that exhausts its cgroup is killed, not the spawner
+    oom_score(b"0" if protected else b"1000")
 oom_score(b"-1000")
 if mode == "launch":  # PID 1 of bwrap's namespace: with SIGINT's default, a signal from a program is ignored
     _signal.signal(2, _signal.SIG_DFL)  # (Python's handler would make a KeyboardInterrupt of it)
@@ -78,7 +88,7 @@ def start_exec(argv, env, cwd, fds):
     if pid:
         return pid
     try:
-        oom_score(b"1000")  # the OOM killer's first choice, before the spawner (-1000 as root, 0 otherwise)
+        program_oom_score()
         posix.setsid()
         for sig in (13, 25):  # SIGPIPE, SIGXFSZ: ignored by Python, defaults again (as Popen restores them)
             _signal.signal(sig, _signal.SIG_DFL)
@@ -96,7 +106,7 @@ def start_launch(args, tmp_bytes, inodes, fds):
         setns(own_pid_ns, 0x20000000)  # and only that child
         return pid
     try:  # the program's init
-        oom_score(b"1000")  # the OOM killer's first choice, before the spawner (-1000 as root, 0 otherwise)
+        program_oom_score()
         become(fds)
         unshare(0x00020000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000)  # NEWNS IPC UTS NET CGROUP
         mount(None, b"/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing propagates back

@@ -6,7 +6,10 @@ of that thread there, one at a time. A process *born* in a cgroup costs nothing 
 (writing ``cgroup.procs``) takes the kernel's cgroup threadgroup lock for writing, which on cgroup v1 waits
 for an RCU grace period (~8 ms median here, per program). The spawner is moved once, after its own start-up
 (so the pages it touched stay charged where the host's are: v1 and v2 never move charges), and it asks the
-OOM killer to spare it (``oom_score_adj`` -1000, root only; its children reset theirs to 0).
+OOM killer to spare it (``oom_score_adj`` -1000, where the worker holds ``CAP_SYS_RESOURCE``: the host writes it
+for the runner, whom bwrap leaves without that capability); its programs then reset theirs to 0. Where it
+cannot be spared, its programs' processes are the OOM killer's first choice instead (1000), so a program
+that exhausts its cgroup is what gets killed, never the spawner.
 
 In bwrap mode the spawner is the *warm runner* (:mod:`ckpteval.jobs.eval.sandbox_runner`): PID 1 of a bwrap
 sandbox started once per spawner, which forks each program into namespaces of its own. In rlimits-only mode
@@ -25,8 +28,9 @@ answers out of protocol raises :class:`SandboxUnavailable` (the caller retries w
 program's failure.
 
 Limits: the spawner's own memory after it joined counts against the program's limit (the runner's pages a
-program's process writes are copied into the program's charge); without root the OOM killer may pick the
-spawner (then the run is :class:`SandboxUnavailable`, and retried). Without a memory cgroup the spawner
+program's process writes are copied into the program's charge); where the spawner cannot be spared, a program
+that lowers its own processes' score back to 0 can still make the OOM killer pick the spawner (then the run is
+:class:`SandboxUnavailable`, and retried), and its programs are the node's first choice too. Without a memory cgroup the spawner
 still starts the processes (no cgroup, memory bounded per process). Programs of one runner share what a fork
 shares: the interpreter's hash seed and the C modules the runner imported (only C modules, so a program's
 ``sys.modules`` holds nothing a fresh ``python -I -S`` would not load on demand).
@@ -105,6 +109,8 @@ class Spawner:
             if self._reply(REPLY_S) != b"U":
                 raise SandboxUnavailable(self._why_not_started())
             self.spare = self._runner_pid(info_r) if warm is not None else self.proc.pid
+            if warm is not None:
+                spare_from_oom_killer(self.spare)  # bwrap leaves the runner no CAP_SYS_RESOURCE to say it itself
             if self.group is not None:  # the one migration of this thread: after the spawner's start-up
                 (self.group / "cgroup.procs").write_text(str(self.spare))
         except (SandboxUnavailable, OSError, ValueError) as e:
@@ -331,6 +337,15 @@ class _Run:
         """SIGKILL the program's init (its PID namespace, every process of the program, dies with it) or the
         rlimits-only launcher's process group; and whatever is in the cgroup but the spawner."""
         self.spawner.kill(self.pid, self.pidfd)
+
+
+def spare_from_oom_killer(pid: int) -> bool:
+    """Ask the OOM killer never to pick ``pid`` (``oom_score_adj`` -1000: root only; False where refused)."""
+    try:
+        Path(f"/proc/{pid}/oom_score_adj").write_text("-1000")
+        return True
+    except OSError:
+        return False
 
 
 def program_files(program_dir: str, stdin_dir: str, encoded: bytes, stdin: bytes) -> tuple[str, str]:
