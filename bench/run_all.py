@@ -638,7 +638,8 @@ def sandbox_section(rec: dict[str, Any]) -> str:
                                         "memory cgroup, outside deadline per program)", f"{d['sandboxed_per_s']:.1f}"]]),
         "",
         f"Ratio sandboxed / plain: **{d['ratio']:.2f}x** (medians {d.get('median_ratio', d['ratio']):.2f}x; "
-        f"{d['overhead_ms_per_program']:.0f} ms more per program). Plain starts an interpreter per program; a "
+        f"{abs(d['overhead_ms_per_program']):.1f} ms {'more' if d['overhead_ms_per_program'] >= 0 else 'less'} per "
+        "program). Plain starts an interpreter per program; a "
         "sandboxed program is a fork of its thread's warm runner (already started) into new PID, mount, network, "
         "IPC, UTS and cgroup namespaces (and a user namespace when not root) with its own /proc and capped /tmp, "
         "then the launcher's rlimits, uid or capability drop and readiness pipe: it pays the namespaces and two "
