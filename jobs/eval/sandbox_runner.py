@@ -19,7 +19,8 @@ until the next message, and a closed socket makes it kill what it started and ex
 Guarantee: the spawner and the runner never execute, parse or read program data; everything here runs
 before the program's first line or outside its namespaces. Limits: the program's process is a fork of the
 runner, so it shares the runner's hash seed and imported C modules (``posix``, ``_socket``, ``select``,
-``fcntl``, ``marshal``, ``_signal``, ``resource``, ``_ctypes``).
+``fcntl``, ``marshal``, ``_signal``, ``resource``, ``_ctypes``, ``gc``), and the runner's objects stay in GC's
+permanent generation (``gc.freeze``) in it.
 """
 
 from __future__ import annotations
