@@ -11,7 +11,7 @@ retried, then :class:`SandboxUnavailable` is raised: an infrastructure failure t
 score as 0.
 
 Isolation (``mode="bwrap"``, the default): each pool thread starts one bubblewrap (``bwrap``) sandbox whose
-PID 1 is a trusted *runner* (:mod:`ckpteval.jobs.eval.sandbox_spawn`); every program is a fork of it into
+PID 1 is a trusted *runner* (:mod:`ckpteval.jobs.eval.sandbox_runner`); every program is a fork of it into
 namespaces of its own, so each program has
 
 - new PID (its own init as PID 1, the program PID 2, a fresh ``/proc`` of that namespace), mount, network
