@@ -8,6 +8,7 @@ the first step passing ``eval/addition >= 0.3`` is step 30.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tests.support.workers import (
 )
 
 FN = "fn:tests.test_backfill_until:StepBackend"
+CTIME_SLACK_S = max(0.02, 4 * time.clock_getres(5))  # 5: CLOCK_REALTIME_COARSE, the clock file times come from
 
 
 class StepBackend(SumBackend):
@@ -49,8 +51,12 @@ def test_until_stops_every_array_task_at_the_first_passing_step(tmp_path: Path) 
     assert all("first step passing eval/addition >= 0.3: 30" in out for _, out in outs), outs
     got = results(run)
     # the point of step 30 completed when its last result became visible: the ctime its publication (rename or
-    # link) set, not its written_at, stamped before the fsync that may take long on a loaded disk
-    passed_at = max(p.stat().st_ctime for p in (run.results / step_dir_name(30)).glob("*.json"))
+    # link) set, not its written_at, stamped before the fsync that may take long on a loaded disk. A ctime comes
+    # from the kernel's coarse clock, up to a tick or two behind the precise one claimed_at reads (4 ms ticks
+    # here; 7.7 ms seen between a time.time() and the ctime of a file created right after it): a claim within
+    # that slack may have read the step limit before the result was there. A unit that ignored the pass would
+    # start after a whole unit's delay (0.2 s), far past it.
+    passed_at = max(p.stat().st_ctime for p in (run.results / step_dir_name(30)).glob("*.json")) + CTIME_SLACK_S
     assert {u.step for u in got} >= {10, 20, 30}
     late = [u for u, r in got.items() if u.step > 30 and claimed_at(r) > passed_at]
     assert late == [], f"units of later steps started after step 30 passed: {late}"
