@@ -19,7 +19,7 @@ from typing import Any
 from ckpteval.coord.claims import Claim, UnitClaimer, order_units
 from ckpteval.coord.discovery import CAPTURED, SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.gc import CaptureGC
-from ckpteval.coord.identity import run_key
+from ckpteval.coord.identity import run_key, snapshots_key
 from ckpteval.coord.layouts import FALLBACK
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, retry_due
@@ -112,7 +112,7 @@ class Worker:
         own = [str(Path(r).resolve()) for r in self.manifest.snapshot_roots]
         roots = list(dict.fromkeys(own + sorted(foreign)))
         # a re-evaluation adopts its source run's snapshot dirs (its snapshot_roots): that run's markers only
-        source = self.manifest.trainer.get("from_run_key")
+        key, source = run_key(self.manifest), snapshots_key(self.manifest)
         return [
             _Discovered(
                 SnapshotDiscovery(
@@ -120,8 +120,8 @@ class Worker:
                     admit_foreign=r in foreign,
                     quiescence_s=self.opts.quiescence_s,
                     adoption_dir=self.rundir.adopted,
-                    run=run_key(self.manifest),
-                    adopt_only=source if isinstance(source, str) and r in own else None,
+                    run=key,
+                    adopt_only=source if source != key and r in own else None,
                     layout=self.opts.layout if r in foreign else FALLBACK,
                     lost_dir=self.rundir.lost,
                     wanted=lambda step: bool(units_for_step(self.manifest, step)),

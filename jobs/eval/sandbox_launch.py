@@ -3,7 +3,7 @@
 Guarantee: :func:`bwrap_prefix` starts a pool thread's runner with new PID, network, IPC, UTS and cgroup
 namespaces (and a user namespace when not root), no network, a read-only root made of only what the
 interpreter needs, the thread's program dir read-only at ``/sandbox`` and an empty environment; the runner
-(:mod:`ckpteval.jobs.eval.sandbox_spawn`) gives each program namespaces, a ``/proc`` and a capped ``/tmp`` of
+(:mod:`ckpteval.jobs.eval.sandbox_runner`) gives each program namespaces, a ``/proc`` and a capped ``/tmp`` of
 its own, and :data:`LAUNCH` then sets the rlimits of :class:`Limits`, a fresh unprivileged uid per program when
 run as root, and leaves no capability when the program's first line runs (it checks, and refuses to run the
 program otherwise).
@@ -179,7 +179,7 @@ def bwrap_prefix(box_dir: str, label: str, as_root: bool, info_fd: int) -> list[
         "bwrap", *unshare, "--die-with-parent", "--new-session", "--as-pid-1", "--info-fd", str(info_fd),
         *_root_binds(interpreter()[1]),
         "--proc", "/proc", *_dev(),
-        "--dir", "/tmp",  # a mount point only: each program's launcher mounts its capped tmpfs there
+        "--dir", "/tmp",  # a mount point only: each program's init mounts its capped tmpfs there
         "--ro-bind", box_dir, PROGRAM.rpartition("/")[0],
         "--remount-ro", "/",  # in a user namespace the root tmpfs is the program's to write, uncapped
         "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
