@@ -12,7 +12,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py
 	@echo "ckpteval setup: first run installs a venv in $(VENV) (torch, transformers, megatron-core, ...): a few minutes"
-	# bubblewrap: the code scorer's sandbox (jobs/eval/sandbox.py).
+	# bubblewrap: the code scorer's sandbox (jobs/eval/sandbox/core.py).
 	command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true

@@ -6,13 +6,13 @@ per-tensor digests) under ``--dir`` (default /dev/shm). Then, best of ``--repeat
 
 * ``first load (from_pretrained)``: a fresh :class:`HFEngine` builds the model from snapshot A;
 * ``reload in place``: the engine loads B, then A, as new versions (what a fleet worker does per step);
-* ``attest (tensor digests, xxh3)``: :func:`ckpteval.jobs.eval.attest.attest` of the engine against the marker —
+* ``attest (tensor digests, xxh3)``: :func:`ckpteval.jobs.eval.proof.attest.attest` of the engine against the marker —
   every tensor cast to the snapshot dtype and XXH3-64'd, compared with the marker (what the worker adds
   after each load);
 * ``engine digests (crc32)``: the engine's digests of every tensor with CRC-32 instead (what every
   attestation cost before XXH3; markers without ``xxh3`` are no longer read);
 * ``stand-in /weights_checker checksum``: the sglang-style per-tensor SHA-256 the stand-in server
-  computes (:meth:`ckpteval.jobs.reference.serve_engine.EngineService.check_weights`, no HTTP), for scale.
+  computes (:meth:`ckpteval.jobs.reference.serve.engine.EngineService.check_weights`, no HTTP), for scale.
 
 Printed: seconds (best of ``--repeats``; reload and the two attestations interleaved round by round,
 their medians too) and the ratio of each attestation to the in-place reload (goal: under 0.10).
@@ -38,10 +38,10 @@ import torch
 
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot, read_marker
-from ckpteval.jobs.eval.attest import attest
-from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.proof.attest import attest
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_base_model_dir
-from ckpteval.jobs.reference.serve_engine import EngineService
+from ckpteval.jobs.reference.serve.engine import EngineService
 from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -2,7 +2,7 @@
 
 For ``--seeds`` snapshots of the reference model (the trainer's fp32 weights; ``--train-steps`` of the
 reference trainer's addition task first, so the probe's distributions are peaked as in a real run), the
-canary is stored at export (:func:`ckpteval.jobs.eval.canary.canary_bytes`, probe: the built-in addition eval
+canary is stored at export (:func:`ckpteval.jobs.eval.proof.canary.canary_bytes`, probe: the built-in addition eval
 set) and recomputed by an :class:`HFEngine` in float32 (the trainer's dtype) and in bfloat16. Printed:
 the largest max |Δ log-prob| and the smallest argmax agreement of each, over every seed, which is what
 ``--canary-max-diff``'s default is chosen from, and the canary's seconds against an in-place reload.
@@ -23,10 +23,10 @@ import torch
 
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot, read_marker
-from ckpteval.jobs.eval.canary import canary_bytes, probe_rows
-from ckpteval.jobs.eval.canary_check import check_canary
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.evalsets import load_dataset, write_addition_dataset
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset, write_addition_dataset
+from ckpteval.jobs.eval.proof.canary import canary_bytes, probe_rows
+from ckpteval.jobs.eval.proof.canary_check import check_canary
 from ckpteval.jobs.reference.model import (
     build_model,
     build_tokenizer,

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ckpteval.jobs.eval.engines.base import SamplingParams
-from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.reference.model import (
     ModelConfig,
     build_model,

@@ -38,12 +38,12 @@ from ckpteval.coord.manifest import EnvSpec, EvalSpec, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import Generation, SamplingParams
-from ckpteval.jobs.eval.envs import Tool
-from ckpteval.jobs.eval.envs.examples import CALCULATOR, ArithmeticEnv, arithmetic_rows
-from ckpteval.jobs.eval.envs.runner import Episode, render_transcript, run_unit
-from ckpteval.jobs.eval.evalsets import write_jsonl
-from ckpteval.jobs.eval.sandbox import probe_bwrap
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.kinds.env import Tool
+from ckpteval.jobs.eval.kinds.env.examples import CALCULATOR, ArithmeticEnv, arithmetic_rows
+from ckpteval.jobs.eval.kinds.env.runner import Episode, render_transcript, run_unit
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.sandbox.core import probe_bwrap
 
 EXPR = re.compile(r"What is (.+?)\? You may")
 
@@ -138,7 +138,7 @@ def env_cache(tmp: Path, name: str, rows: list[dict[str, Any]], **kw: Any) -> tu
 
 
 def overhead(tmp: Path, episodes: int, turns: int, tokens: int) -> dict[str, float]:
-    from ckpteval.jobs.eval.engines.hf import HFEngine
+    from ckpteval.jobs.eval.engines.hf.engine import HFEngine
     from ckpteval.jobs.reference.model import (
         ModelConfig,
         build_model,

@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn  # noqa: E402
 
 BACKEND = "fn:bench.bench_fleet:SleepBackend"
-DROPPED = re.compile(r"\] (abandoned: [^,(]+|released after attempt \d+: \w+)")  # ckpteval.jobs.eval.loop's unit lines
+DROPPED = re.compile(r"\] (abandoned: [^,(]+|released after attempt \d+: \w+)")  # ckpteval.jobs.eval.worker.loop's unit lines
 
 
 class SleepBackend(CheckpointEvalFn):
@@ -115,7 +115,7 @@ def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float
     from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
     from ckpteval.coord.rundir import RunDir
     from ckpteval.coord.snapshot import publish_snapshot
-    from ckpteval.jobs.eval.evalsets import write_jsonl
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 
     run = RunDir.create(path)
     specs = []

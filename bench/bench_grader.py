@@ -3,7 +3,7 @@
 Both are measured in the same run on the same answers: a GSM8K/MATH-like mix of boxed integers,
 ``#### n`` endings (some wrong), LaTeX fractions and decimals. *Inline* grades in the calling thread
 with math-verify's timeouts off (no deadline at all: the fastest possible, and what a hung answer
-would hang); *pooled* is :class:`ckpteval.jobs.eval.grader.GraderPool` (spawned processes, a per-answer
+would hang); *pooled* is :class:`ckpteval.jobs.eval.scorers.grader.GraderPool` (spawned processes, a per-answer
 deadline), started before timing — its start-up is reported separately. The load average is printed
 first: on a shared machine, numbers mean little when it is high.
 
@@ -19,7 +19,7 @@ import random
 import time
 from pathlib import Path
 
-from ckpteval.jobs.eval.grader import GraderPool, grade_inline
+from ckpteval.jobs.eval.scorers.grader import GraderPool, grade_inline
 
 
 def answers(n: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -2,7 +2,7 @@
 
 Starts the judge stand-in (``ckpteval serve --judge MODE``, a real HTTP server process; ``--judge-delay``
 stands in for an LLM's latency with mode ``slow``), then scores the same N distinct (question, response)
-samples through :class:`ckpteval.jobs.eval.scorers.judge.JudgeScorer` twice in one run dir:
+samples through :class:`ckpteval.jobs.eval.scorers.judge.scorer.JudgeScorer` twice in one run dir:
 
 - cold: an empty ``RUN/judge_cache/`` — every sample is a judge request (plus a cache write);
 - warm: the same samples again — every sample is a cache read, the judge is not called.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from ckpteval.coord.manifest import DatasetSpec  # noqa: E402
 from ckpteval.coord.rundir import RunDir  # noqa: E402
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext  # noqa: E402
-from ckpteval.jobs.eval.scorers.judge import JudgeScorer  # noqa: E402
+from ckpteval.jobs.eval.scorers.judge.scorer import JudgeScorer  # noqa: E402
 
 
 def start_judge(delay_s: float) -> tuple[str, subprocess.Popen[str]]:
@@ -74,7 +74,7 @@ def trainer_stall(url: str, steps: int, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_stall import Config, run_one
 
-    from ckpteval.jobs.eval.evalsets import write_jsonl
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
     from ckpteval.jobs.reference.model import make_addition_examples
 
     write_jsonl(tmp / "qa.jsonl", make_addition_examples(32, 1234))

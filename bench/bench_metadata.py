@@ -101,7 +101,7 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
     from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
     from ckpteval.coord.rundir import RunDir
     from ckpteval.coord.snapshot import publish_snapshot
-    from ckpteval.jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 
     run = RunDir.create(base / "run")
     spec = write_addition_dataset(run, n=shards, shard_size=1)

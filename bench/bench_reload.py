@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.hf_weights import complete_tied, read_state_dict, weight_files
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.engines.hf.weights import complete_tied, read_state_dict, weight_files
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_base_model_dir
 
 CHUNK = 16 << 20

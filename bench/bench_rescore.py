@@ -33,11 +33,11 @@ from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.results import ResultIndex, dumps, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, shard_range, units_for_step
-from ckpteval.jobs.eval.answering import Reasoning
 from ckpteval.jobs.eval.engines.base import Generation
-from ckpteval.jobs.eval.evalsets import write_addition_dataset
-from ckpteval.jobs.eval.rescore import Rescorer, Rescoring, open_or_create
-from ckpteval.jobs.eval.scoring import DatasetCache, unit_scores
+from ckpteval.jobs.eval.kinds.generate.answering import Reasoning
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache, unit_scores
+from ckpteval.jobs.eval.worker.rescore import Rescorer, Rescoring, open_or_create
 
 REPO = Path(__file__).resolve().parents[1]
 CHARS_PER_TOKEN = 4
@@ -144,8 +144,8 @@ def bench_store(prompts: int) -> dict[str, float]:
     """Two runs from one base, step 0 each, one store: the second run's cost against the first's."""
     import transformers  # noqa: F401  (imported before timing: the first run does not pay the imports)
 
-    from ckpteval.jobs.eval.options import WorkerOptions
-    from ckpteval.jobs.eval.worker import prepare_worker
+    from ckpteval.jobs.eval.worker.main import prepare_worker
+    from ckpteval.jobs.eval.worker.options import WorkerOptions
     from ckpteval.jobs.reference.model import save_base_model_dir
 
     out: dict[str, float] = {}

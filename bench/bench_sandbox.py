@@ -1,11 +1,11 @@
-"""Programs/s of the code sandbox (bwrap + rlimits, :mod:`ckpteval.jobs.eval.sandbox`) vs the same programs as
+"""Programs/s of the code sandbox (bwrap + rlimits, :mod:`ckpteval.jobs.eval.sandbox.core`) vs the same programs as
 plain subprocesses, in the same run.
 
 The programs are the example code set's reference solutions with their tests
 (``examples/evalsets/code.jsonl``: assert-style rows run solution + asserts, stdin/stdout rows run the
 solution once per case with that case's input), all passing. *Plain* runs each as ``python -I -S -c
 PROGRAM`` with the same stdin, no isolation, no limits; *sandboxed* runs it through
-:class:`ckpteval.jobs.eval.sandbox.Sandbox` (each program forked by its thread's warm runner into namespaces,
+:class:`ckpteval.jobs.eval.sandbox.core.Sandbox` (each program forked by its thread's warm runner into namespaces,
 a /proc and a capped /tmp of its own, the rlimits launcher, the memory cgroup, the outside deadline). Rounds alternate plain / sandboxed; the ratio of the best rounds and of the
 median rounds are printed. Both use a thread pool of the same size (``--concurrency``). The load average is printed
 first: on a shared machine, numbers mean little when it is high.
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckpteval.jobs.eval.sandbox import INTERPRETER_FLAGS, Limits, Sandbox, interpreter, probe_bwrap
+from ckpteval.jobs.eval.sandbox.core import INTERPRETER_FLAGS, Limits, Sandbox, interpreter, probe_bwrap
 
 CODE_SET = Path(__file__).resolve().parents[1] / "examples" / "evalsets" / "code.jsonl"
 

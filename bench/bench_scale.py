@@ -13,7 +13,7 @@ built the same way, in the same run:
    dispatcher: ledger replay, first read of every result, the pending points ingested); *steady* (one more
    point's results landed since the previous poll; it is ingested); *idle* (nothing pending); *waiting*
    (one point pending, its results not there yet);
-2. a worker's idle poll (:meth:`ckpteval.jobs.eval.loop.Worker.poll`: discovery + results, every unit done);
+2. a worker's idle poll (:meth:`ckpteval.jobs.eval.worker.loop.Worker.poll`: discovery + results, every unit done);
 3. ``ckpteval status RUN`` (tables, to a file) and ``ckpteval plot RUN -o curve.png`` as a user runs them
    (fresh processes, interpreter start-up included) — goal < 2 s each, as for the steady ingestion poll —
    reading the step summaries ingestion wrote (:mod:`ckpteval.coord.summary`); then again with every summary
@@ -166,8 +166,8 @@ def dispatcher(run: RunDir) -> Any:
 
 
 def worker(run: RunDir) -> Any:
-    from ckpteval.jobs.eval.loop import Worker
-    from ckpteval.jobs.eval.options import WorkerOptions
+    from ckpteval.jobs.eval.worker.loop import Worker
+    from ckpteval.jobs.eval.worker.options import WorkerOptions
 
     return Worker(run, WorkerOptions(run_dir=run.path), evaluator=None)  # type: ignore[arg-type]  # poll only
 
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.points, args.baseline_points, args.datasets, args.shards, args.pending = 4, 2, 2, 2, 1
     if not 0 <= args.pending < min(args.points, args.baseline_points):
         ap.error("--pending must be below both --points and --baseline-points")
-    import ckpteval.jobs.eval.loop  # noqa: F401  (imported before any timing: torch, transformers)
+    import ckpteval.jobs.eval.worker.loop  # noqa: F401  (imported before any timing: torch, transformers)
     import ckpteval.jobs.trainer.dispatcher  # noqa: F401
 
     load0 = os.getloadavg()

@@ -17,7 +17,7 @@ Configurations run in ``--repeats`` interleaved rounds with one more baseline at
 drifting on a shared machine hits each alike; a config's steps/s is the mean of its runs and its ratio
 is against the mean of its baseline's runs.
 
-The run dir is prepared first (``ckpteval.jobs.reference.train.prepare_run``, as ``ckpteval train`` does) and the workers
+The run dir is prepared first (``ckpteval.jobs.reference.train.main.prepare_run``, as ``ckpteval train`` does) and the workers
 are started and left to finish their start-up (torch/transformers import; detected as their CPU time
 no longer growing) before the trainer starts with ``--resume`` (nothing to resume: it starts at step 0),
 so the trainer's loop competes with the fleet's evaluation, not with its Python start-up.
@@ -141,7 +141,7 @@ def wait_started(procs: list[subprocess.Popen], timeout_s: float = 120.0) -> flo
 
 
 def run_one(cfg: Config, base: Path, staging_base: Path, args: argparse.Namespace, index: int) -> dict[str, Any]:
-    from ckpteval.jobs.reference.train import parse_args, prepare_run
+    from ckpteval.jobs.reference.train.main import parse_args, prepare_run
 
     run_dir = base / f"{index:02d}-{cfg.name.replace(' ', '-').replace('+', '-')}"
     staging = staging_base / run_dir.name

@@ -86,7 +86,7 @@ def measure_final_export(root: Path) -> float:
     sys.path.insert(0, str(REPO))
     from ckpteval.jobs.metrics import MetricsSink
     from ckpteval.jobs.reference.model import ModelConfig, build_model
-    from ckpteval.jobs.reference.train import TrainConfig, base_model_dir, prepare_run
+    from ckpteval.jobs.reference.train.main import TrainConfig, base_model_dir, prepare_run
     from ckpteval.jobs.trainer.config import DispatchConfig
     from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 

@@ -34,7 +34,7 @@ from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.results import Result, ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.jobs.eval.evalsets import write_addition_dataset
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 from ckpteval.jobs.reference.model import build_model, save_base_model_dir
 from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 

@@ -1,12 +1,12 @@
 """Measure the canary's bound for sglang on one GPU (#30): max |Δ log-prob| of sglang vs the trainer's function.
 
 Until this has run on a GPU, the ``sglang`` engine kind has no entry in
-:func:`ckpteval.jobs.eval.canary.measured_bounds`, and its canary only flags (never skips). This script
+:func:`ckpteval.jobs.eval.proof.canary.measured_bounds`, and its canary only flags (never skips). This script
 produces the number that entry needs: for an HF model dir it computes the canary a trainer stores
-(:func:`ckpteval.jobs.eval.canary.canary_bytes`: transformers, the trainer's dtype, on the GPU) for probe rows,
+(:func:`ckpteval.jobs.eval.proof.canary.canary_bytes`: transformers, the trainer's dtype, on the GPU) for probe rows,
 then asks sglang for the same rows' input-token log-probs (:meth:`HTTPEngine.teacher_forced`, launched
 here with ``--dtype`` unless ``--url`` attaches to a running server) and prints the comparison
-(:func:`ckpteval.jobs.eval.canary.compare`) per trainer dtype, and a bound (x3 the worst, as for the hf
+(:func:`ckpteval.jobs.eval.proof.canary.compare`) per trainer dtype, and a bound (x3 the worst, as for the hf
 entries in bench/RESULTS.md "Canary").
 
     python bench/canary_gpu.py --model /models/Qwen2.5-0.5B [--trainer-dtype float32 bfloat16]
@@ -38,7 +38,7 @@ def trainer_canary(model_dir: str, dtype: str, pairs: list[tuple[str, str]]) -> 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ckpteval.jobs.eval.canary import canary_bytes
+    from ckpteval.jobs.eval.proof.canary import canary_bytes
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
@@ -63,9 +63,9 @@ def main(argv: list[str]) -> int:
     pairs = ROWS[: args.rows]
     stored = {dtype: trainer_canary(args.model, dtype, pairs) for dtype in args.trainer_dtype}  # before sglang
 
-    from ckpteval.jobs.eval.canary import compare
-    from ckpteval.jobs.eval.engines.http import HTTPEngine
-    from ckpteval.jobs.eval.engines.sglang import SGLangEngine
+    from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+    from ckpteval.jobs.eval.engines.sglang.engine import SGLangEngine
+    from ckpteval.jobs.eval.proof.canary import compare
 
     if args.url:
         engine: HTTPEngine = HTTPEngine(args.url)

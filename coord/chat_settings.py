@@ -3,7 +3,7 @@
 
 Guarantee: a malformed setting is refused when run.json is parsed (a :class:`~ckpteval.coord.fields.FieldError`
 naming the field), never at the first unit. Limits: the shape only — whether a template reads a kwarg, or a
-``tokenizer`` reasoning end resolves, is known only on a snapshot (:mod:`ckpteval.jobs.eval.reasoning`).
+``tokenizer`` reasoning end resolves, is known only on a snapshot (:mod:`ckpteval.jobs.eval.kinds.generate.reasoning`).
 """
 
 from __future__ import annotations

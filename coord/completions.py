@@ -3,7 +3,7 @@
 A unit of a ``generate`` entry keeps what its engine produced in ``results/step-<N>/<unit>.completions.json.gz``
 (generation ``k`` > 0: ``<unit>.retry<k>.completions.json.gz``; :func:`completions_name`), so a new scorer, new
 scorer options or a reasoning setting can be applied later on CPU (``ckpteval rescore``) and a completion store
-(:mod:`ckpteval.jobs.eval.store`) can answer an identical unit of another run. One gzip'd JSON object, columnar
+(:mod:`ckpteval.jobs.eval.kinds.generate.store`) can answer an identical unit of another run. One gzip'd JSON object, columnar
 (one list per field, one entry per sample, prompt-major):
 
 ``{"format": "ckpteval-completions", "version": 1, "unit": {...}, "generation": k, "lease_token": t,
@@ -76,7 +76,7 @@ class Completions:
     rows_sha256: str
     generation: int = 0
     lease_token: str | None = None
-    store_key: str | None = None  # a completion store entry's content key (ckpteval.jobs.eval.store); None elsewhere
+    store_key: str | None = None  # a completion store entry's content key (ckpteval.jobs.eval.kinds.generate.store); None elsewhere
 
     def __post_init__(self) -> None:
         n = len(self.text)

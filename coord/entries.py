@@ -13,7 +13,7 @@ everyone who would otherwise branch on ``kind`` (the :class:`Entry` protocol):
 :data:`KINDS` maps a kind's name to both halves as ``module:attribute`` strings, imported on first use
 (lm-evaluation-harness's ``lm_eval/models/__init__.py`` pattern): the settings class (coord side) and the
 jobs-side functions that evaluate one unit on a pinned engine and check an entry at worker start
-(:mod:`ckpteval.jobs.eval.kinds` loads them; coord itself never imports ``jobs``).
+(:mod:`ckpteval.jobs.eval.kinds.evaluate` loads them; coord itself never imports ``jobs``).
 
 Adding a kind:
 
@@ -83,12 +83,12 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {
-    "generate": Kind("ckpteval.coord.entries:DatasetSpec", "ckpteval.jobs.eval.scoring:evaluate_generate",
-                     "ckpteval.jobs.eval.scoring:check_generate"),
-    "lm_eval": Kind("ckpteval.coord.entries:HarnessSpec", "ckpteval.jobs.eval.harness:evaluate_harness",
-                    "ckpteval.jobs.eval.harness:check_harness_entry"),
-    "env": Kind("ckpteval.coord.entries:EnvSpec", "ckpteval.jobs.eval.envs.runner:evaluate_env",
-                "ckpteval.jobs.eval.envs.runner:check_env_entry"),
+    "generate": Kind("ckpteval.coord.entries:DatasetSpec", "ckpteval.jobs.eval.kinds.generate.scoring:evaluate_generate",
+                     "ckpteval.jobs.eval.kinds.generate.scoring:check_generate"),
+    "lm_eval": Kind("ckpteval.coord.entries:HarnessSpec", "ckpteval.jobs.eval.kinds.lm_eval:evaluate_harness",
+                    "ckpteval.jobs.eval.kinds.lm_eval:check_harness_entry"),
+    "env": Kind("ckpteval.coord.entries:EnvSpec", "ckpteval.jobs.eval.kinds.env.runner:evaluate_env",
+                "ckpteval.jobs.eval.kinds.env.runner:check_env_entry"),
 }
 
 
@@ -163,13 +163,13 @@ class DatasetSpec:
     generate_timeout_s: float | None = None
     """Seconds one ``/generate`` request of an HTTP engine (sglang, ``ckpteval serve``) may take, for this
     dataset's batches; None: the engine derives it from ``max_new_tokens`` and the batch
-    (:func:`ckpteval.jobs.eval.engines.http_limits.generate_timeout`). In-process engines ignore it."""
+    (:func:`ckpteval.jobs.eval.engines.http.limits.generate_timeout`). In-process engines ignore it."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     """``chat`` only: keyword arguments every rendering of the chat template gets, as sglang's
     ``chat_template_kwargs`` (``{"enable_thinking": false}``, ``{"reasoning_effort": "low"}``); recorded in
     each result's scoring identity, so units rendered with different ones never pool."""
     reasoning: dict[str, Any] | None = field(default=None, hash=False)
-    """Where a completion's reasoning ends (:mod:`ckpteval.jobs.eval.reasoning`): ``{"end": "</think>"}``
+    """Where a completion's reasoning ends (:mod:`ckpteval.jobs.eval.kinds.generate.reasoning`): ``{"end": "</think>"}``
     (``"start"``: the opening tag; ``"always"``: every completion begins in reasoning), or ``{"end":
     "tokenizer"}`` (the snapshot tokenizer's own pair). Scorers and judges see only the text after it; a
     completion whose reasoning never ends has no answer (scores 0). None: the whole completion is scored."""
@@ -318,7 +318,7 @@ class HarnessSpec:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     """With ``apply_chat_template``: keyword arguments every rendering of the chat template gets, as a
     ``generate`` set's (``{"enable_thinking": false}``), passed through lm-eval's own chat path
-    (:mod:`ckpteval.jobs.eval.harness`)."""
+    (:mod:`ckpteval.jobs.eval.kinds.lm_eval`)."""
     bootstrap_iters: int = 0
     """Stderr bootstraps (0: none)."""
     seed: int = 0
@@ -394,13 +394,13 @@ def subset_rows(n_rows: int, spec: DatasetSpec) -> list[int]:
 
 @dataclass(frozen=True)
 class EnvSpec(DatasetSpec):
-    """An ``env`` entry: multi-turn episodes of a Python environment (:mod:`ckpteval.jobs.eval.envs`) on the pinned
+    """An ``env`` entry: multi-turn episodes of a Python environment (:mod:`ckpteval.jobs.eval.kinds.env`) on the pinned
     engine, ``n_samples`` episodes per row of the JSONL file ``path``, each of at most ``max_turns`` model
     turns sampled with the entry's sampling settings (``max_new_tokens`` per turn). The reward of an
     episode is its score: ``eval/<name>`` and ``eval/<name>/reward`` are the mean reward, ``pass@k``
     counts an episode with reward >= ``pass_threshold`` as passed. ``scorer`` is unused (the environment
     rewards). ``reasoning`` is applied to every turn before the environment reads it (a turn whose reasoning
-    never ends ends its episode ``no_answer``, reward 0: :mod:`ckpteval.jobs.eval.envs.runner`)."""
+    never ends ends its episode ``no_answer``, reward 0: :mod:`ckpteval.jobs.eval.kinds.env.runner`)."""
 
     KIND: ClassVar[str] = "env"
     ENGINES: ClassVar[str] = "generating"  # episodes need an engine, not an fn: backend
@@ -409,7 +409,7 @@ class EnvSpec(DatasetSpec):
     kind: str = "env"
     """The dataset kind (``env``)."""
     env: str = ""
-    """The environment: a name of :data:`ckpteval.jobs.eval.envs.ENVIRONMENTS` (``arithmetic``, ``guess``) or
+    """The environment: a name of :data:`ckpteval.jobs.eval.kinds.env.ENVIRONMENTS` (``arithmetic``, ``guess``) or
     ``module:Class`` (imported under the run-code trust rule)."""
     env_options: dict[str, Any] = field(default_factory=dict, hash=False)
     """The environment's own settings (passed to its constructor as keyword arguments)."""

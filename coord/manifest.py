@@ -64,7 +64,7 @@ class LeaseSettings:
 @dataclass(frozen=True)
 class CanarySettings:
     """``eval.canary`` in run.json: what a unit whose engine disagrees with the trainer on the canary
-    (teacher-forced log-probs of a probe stored with the snapshot, :mod:`ckpteval.jobs.eval.canary`) becomes."""
+    (teacher-forced log-probs of a probe stored with the snapshot, :mod:`ckpteval.jobs.eval.proof.canary`) becomes."""
 
     max_abs_logprob_diff: float | None = None
     """The largest max |Δ log-prob| over the probe tokens a unit may show; None: the measured default
@@ -137,7 +137,7 @@ def set_scorer_check(check: ScorerCheck) -> None:
 
 def set_env_check(check: ScorerCheck) -> None:
     """Install the environment registry's check of an ``env`` entry's ``env`` name and ``env_options``
-    (:mod:`ckpteval.jobs.eval.envs` installs it when imported, as the scorer registry does its own)."""
+    (:mod:`ckpteval.jobs.eval.kinds.env` installs it when imported, as the scorer registry does its own)."""
     _checks["env"] = check
 
 

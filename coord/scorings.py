@@ -1,6 +1,6 @@
 """Scorings: the results of a run re-scored from kept completions, beside the original ones.
 
-``ckpteval rescore`` (:mod:`ckpteval.jobs.eval.rescore`) applies another scorer (or other scorer options) to the
+``ckpteval rescore`` (:mod:`ckpteval.jobs.eval.worker.rescore`) applies another scorer (or other scorer options) to the
 kept completions (:mod:`ckpteval.coord.completions`) of chosen steps and datasets and publishes each unit's new
 result under ``RUN/scorings/<name>/``::
 

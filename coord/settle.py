@@ -12,7 +12,7 @@ wins), only for steps the trainer's ledger says it dispatched (a service run's w
 not the trainer's to settle), only when the run has ended. Limits: it trusts this host's view of the
 snapshot roots; call it only when nothing publishes into them any more (the supervisor has stopped its
 trainer and removed its staging) — the worker's own path for a missing snapshot
-(:mod:`ckpteval.jobs.eval.loop`, after one lease duration) covers shared filesystems with slow visibility.
+(:mod:`ckpteval.jobs.eval.worker.loop`, after one lease duration) covers shared filesystems with slow visibility.
 """
 
 from __future__ import annotations

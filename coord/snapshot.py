@@ -46,7 +46,7 @@ MARKER = ".complete"
 # A LoRA adapter snapshot (run.json names ``eval.base_model``): PEFT's names, which sglang's loader reads
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The canary a trainer may store with a snapshot (ckpteval.jobs.eval.canary): teacher-forced log-probs of a probe.
+# The canary a trainer may store with a snapshot (ckpteval.jobs.eval.proof.canary): teacher-forced log-probs of a probe.
 CANARY = "canary.json"
 CHUNK = 8 << 20
 FileInfo = dict[str, Any]  # {"bytes": n, "crc32": c} (+ "tensors": {name: TensorDigest} for a safetensors file)
@@ -387,7 +387,7 @@ class VerifiedSnapshots:
 
     Limits: damage to a file under an unchanged marker after it passed here is not seen before the next
     unit of this process: the unit then reads the damaged file (an engine already holding the weights
-    does not), and a failed unit is checked again without this cache (``ckpteval.jobs.eval.evaluators``), so it
+    does not), and a failed unit is checked again without this cache (``ckpteval.jobs.eval.worker.evaluators``), so it
     still ends ``ckpt_missing`` / ``ckpt_corrupt``. A foreign checkpoint (marker kept elsewhere) is always
     verified in full.
     """

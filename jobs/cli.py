@@ -15,15 +15,15 @@ import sys
 from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED, record_early_stops
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("ckpteval.jobs.reference.train_config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
-    "worker": ("ckpteval.jobs.eval.worker", "eval worker: fleet, service (--watch) or --once"),
-    "backfill": ("ckpteval.jobs.eval.backfill", "evaluate every pending unit of a run once (array-task safe)"),
-    "rescore": ("ckpteval.jobs.eval.rescore", "score kept completions again (new scorer/options) as a new scoring, on CPU"),
-    "status": ("ckpteval.jobs.views.status", "show snapshots, units, points and health of a run"),
+    "train": ("ckpteval.jobs.reference.train.config", "reference trainer (tiny model on CPU) with the eval dispatcher"),
+    "worker": ("ckpteval.jobs.eval.worker.main", "eval worker: fleet, service (--watch) or --once"),
+    "backfill": ("ckpteval.jobs.eval.worker.backfill", "evaluate every pending unit of a run once (array-task safe)"),
+    "rescore": ("ckpteval.jobs.eval.worker.rescore", "score kept completions again (new scorer/options) as a new scoring, on CPU"),
+    "status": ("ckpteval.jobs.views.status.main", "show snapshots, units, points and health of a run"),
     "plot": ("ckpteval.jobs.views.plot", "plot score vs step (PNG)"),
     "compare": ("ckpteval.jobs.decide.compare", "paired difference of two steps or runs, with its interval"),
     "best": ("ckpteval.jobs.decide.best", "best step by a metric and the steps not distinguishable from it"),
-    "serve": ("ckpteval.jobs.reference.serve", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
+    "serve": ("ckpteval.jobs.reference.serve.main", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
     "submit": ("ckpteval.jobs.launch.submit", "render and sbatch the batch scripts"),
     "demo": ("ckpteval.jobs.reference.demo", "the embedded default: trainer + eval fleet on CPU"),
 }

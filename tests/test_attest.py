@@ -26,13 +26,13 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, read_marker
 from ckpteval.coord.units import WorkUnit
 from ckpteval.coord.weight_checksums import summarize
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.http import HTTPEngine
-from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.reference.model import build_model
 from ckpteval.jobs.trainer.export.hf_files import write_hf_files
-from ckpteval.jobs.views.status import collect_status, render
+from ckpteval.jobs.views.status.main import collect_status, render
 from tests.support.serve_fork import ServeForker
 from tests.support.stale_serve import StaleLayerEngine
 from tests.support.workers import base_dir, make_eval_run, publish_model, version
@@ -244,7 +244,7 @@ def _relabel(url: str, snapshot: Path, label: str) -> None:
 
 def _adopted(url: str, run: RunDir, refs: dict[int, SnapshotRef]) -> Any:
     """Attest the server at ``url`` for step 2 as an engine found holding it (not loaded by the caller)."""
-    from ckpteval.jobs.eval.attest import attest, settle
+    from ckpteval.jobs.eval.proof.attest import attest, settle
 
     with HTTPEngine(url) as engine:
         return settle(attest(engine, refs[2].path, read_marker(refs[2].path), run, loaded=False))
@@ -256,7 +256,7 @@ def test_a_relabelled_server_is_never_the_reference(servers: Any, order: str) ->
     label it did not load), an attestation of it as found is compared and never recorded, and the checksum of
     step 2 stands only once two independent servers reproduced it. The old code adopted the relabelled server,
     recorded its step-1 checksum as step 2's reference and failed every honest load after it."""
-    from ckpteval.jobs.eval.attest import AttestFailed
+    from ckpteval.jobs.eval.proof.attest import AttestFailed
 
     run, refs, box = servers
     fooled = box.start(refs[1].path, "x")
@@ -405,7 +405,7 @@ def test_checksum_layout_reads_both_sglang_shapes_of_parallelism_info() -> None:
     ``ChecksumInfo``), 0.5.23 a list of one per role: both give the same parallel part of the key; the key
     also names dtype, quantization, version and the device the hash runs on (the old code read 0.5.19's
     object as no information: ``tp?-dp?-pp?``)."""
-    from ckpteval.jobs.eval.engines.http_server_info import checksum_layout
+    from ckpteval.jobs.eval.engines.http.server_info import checksum_layout
 
     placement = {"tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
                  "rank": 0, "size": 2}
@@ -442,7 +442,7 @@ def test_the_stand_in_answers_weights_checker_as_sglang_does(tmp_path: Path, for
 def test_units_record_their_cost_and_the_point_and_status_sum_it(tmp_path: Path) -> None:
     from ckpteval.coord.points import derive_point, point_metrics
     from ckpteval.coord.results import write_result
-    from ckpteval.jobs.views.status import collect_status, cost_line
+    from ckpteval.jobs.views.status.main import collect_status, cost_line
 
     run, refs = _run_with_steps(tmp_path, (1,))
     engine = HFEngine()

@@ -15,7 +15,7 @@ from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name
 from ckpteval.coord.settle import settle_vanished
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_DONE
-from ckpteval.jobs.views.status import collect_status
+from ckpteval.jobs.views.status.main import collect_status
 from tests.support.workers import (
     duplicates,
     finish,

@@ -555,14 +555,16 @@ def test_every_flag_says_what_it_does() -> None:
 
 def test_every_run_command_takes_the_run_dir_positionally_or_as_a_flag(tmp_path: Path) -> None:
     """``ckpteval status RUN`` and ``ckpteval worker --run-dir RUN`` both work: so do the other forms."""
-    from ckpteval.jobs.eval import backfill, worker
+    from ckpteval.jobs.eval.worker import backfill
+    from ckpteval.jobs.eval.worker import main as worker
     from ckpteval.jobs.flags import Parser, run_dir_from_args
-    from ckpteval.jobs.reference import demo, train_config
+    from ckpteval.jobs.reference import demo
+    from ckpteval.jobs.reference.train import config as train_config
 
     run = tmp_path / "run"
     for module in (worker, backfill):
         parser = Parser(prog="p")
-        from ckpteval.jobs.eval.options import add_worker_flags
+        from ckpteval.jobs.eval.worker.options import add_worker_flags
 
         add_worker_flags(parser, pass_flags=module is worker)
         for argv in ([str(run)], ["--run-dir", str(run)]):
@@ -603,8 +605,8 @@ def test_group_writable_run_json_refuses_run_code(tmp_path: Path, capsys: pytest
     """A run.json naming a ``module:function`` scorer, writable by the group: the worker refuses to
     import it (exit 2, one line) and writes nothing; ``--trust-run-code`` lets it proceed; a private
     run.json with the same scorer needs no opt-in; built-in scorers never need one."""
-    from ckpteval.jobs.eval.options import WorkerOptions
-    from ckpteval.jobs.eval.worker import EXIT_DONE, EXIT_USAGE, run_worker
+    from ckpteval.jobs.eval.worker.main import EXIT_DONE, EXIT_USAGE, run_worker
+    from ckpteval.jobs.eval.worker.options import WorkerOptions
 
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2, scorer=TRUST_SCORER)
     run.manifest_path.chmod(0o664)

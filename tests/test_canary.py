@@ -19,17 +19,17 @@ from tokenizers import processors
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.snapshot import CANARY, read_marker
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval.canary import (
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.proof.canary import (
     CANARY_MAX_DIFF_NARROWER,
     CANARY_MAX_DIFF_SAME_DTYPE,
     canary_bytes,
     probe_rows,
 )
-from ckpteval.jobs.eval.canary_check import CanaryFailed, check_canary
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.evalsets import load_dataset
-from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.proof.canary_check import CanaryFailed, check_canary
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.reference.model import build_model, build_tokenizer
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.workers import base_dir, make_eval_run, version

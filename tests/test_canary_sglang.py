@@ -5,7 +5,7 @@ the real tokenizer, and the sglang stand-in (``ckpteval serve``'s :class:`Engine
 :class:`EngineService` over a real :class:`HFEngine`) listening on a real socket, in this process (a
 subprocess would add seconds of imports per test). :class:`SGLangEngine` is attached to it by URL, as
 the worker attaches to a running sglang. Real sglang needs a GPU; the stand-in answers ``return_logprob``
-the way sglang 0.5.23 does (cited in ``jobs/eval/engines/sglang_logprobs.py``).
+the way sglang 0.5.23 does (cited in ``jobs/eval/engines/sglang/logprobs.py``).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval.canary import CANARY_MAX_DIFF_SAME_DTYPE, canary_bytes, probe_rows
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.http import HTTPEngine
-from ckpteval.jobs.eval.engines.sglang import SGLangEngine
-from ckpteval.jobs.eval.evalsets import load_dataset
-from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+from ckpteval.jobs.eval.engines.sglang.engine import SGLangEngine
+from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.proof.canary import CANARY_MAX_DIFF_SAME_DTYPE, canary_bytes, probe_rows
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.reference.model import build_model
-from ckpteval.jobs.reference.serve_engine import EngineService
-from ckpteval.jobs.reference.serve_http import EngineHTTPServer
+from ckpteval.jobs.reference.serve.engine import EngineService
+from ckpteval.jobs.reference.serve.http import EngineHTTPServer
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.workers import base_dir, make_eval_run, version
 
@@ -155,7 +155,7 @@ def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from ckpteval.coord.snapshot import read_marker
-    from ckpteval.jobs.eval.canary_check import check_canary
+    from ckpteval.jobs.eval.proof.canary_check import check_canary
 
     class Refusing(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -226,7 +226,7 @@ def test_an_unmeasured_engine_kind_is_flagged_not_skipped(
 def test_ids_are_compared_modulo_sglangs_clip_of_the_last_vocabulary_id(served: tuple[Any, str, EngineService]) -> None:
     """sglang reports input ids >= vocab_size - 1 as 0 (logprob_result_processor.py): the stand-in does, and
     the canary compares ids modulo that clip when the trainer stored its vocab_size."""
-    from ckpteval.jobs.eval.canary import compare
+    from ckpteval.jobs.eval.proof.canary import compare
 
     run, url, service = served
     vocab = service.engine.model.config.vocab_size

@@ -1,4 +1,4 @@
-"""Scorer ``code`` (jobs/eval/scorers/code.py) through a real worker: canned completions, known scores.
+"""Scorer ``code`` (jobs/eval/scorers/code/scorer.py) through a real worker: canned completions, known scores.
 
 Real processes throughout: ``ckpteval worker --engine http:URL`` against
 :class:`tests.support.canned_engine.CannedEngine` (a real HTTP server replaying canned completions, so
@@ -28,18 +28,19 @@ from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunMan
 from ckpteval.coord.points import dataset_score, derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval import sandbox as sandbox_module
-from ckpteval.jobs.eval.evalconfig import read_eval_config
-from ckpteval.jobs.eval.evalsets import write_jsonl
-from ckpteval.jobs.eval.sandbox import Limits, Sandbox, probe_bwrap
-from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, code_harness, make_scorer
-from ckpteval.jobs.eval.scorers.code import (
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
+from ckpteval.jobs.eval.sandbox import core as sandbox_module
+from ckpteval.jobs.eval.sandbox.core import Limits, Sandbox, probe_bwrap
+from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError, make_scorer
+from ckpteval.jobs.eval.scorers.code import harness as code_harness
+from ckpteval.jobs.eval.scorers.code.scorer import (
     extract_code,
     harness_program,
     harness_stdin,
     row_tests,
     same_output,
 )
+from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 from tests.support.canned_engine import CannedEngine
 from tests.support.runs import write_tiny_shards
 from tests.support.sandbox import survivors

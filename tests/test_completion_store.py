@@ -19,9 +19,9 @@ from ckpteval.coord.manifest import save_manifest
 from ckpteval.coord.points import derive_point
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.store import CompletionStore, open_store, unit_key
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.kinds.generate.store import CompletionStore, open_store, unit_key
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import make_eval_run, publish_model, results, run_inprocess, version
 

@@ -15,7 +15,7 @@ import pytest
 
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import RequestRejected, SamplingParams, context_problem
-from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn, start_serve, version
 

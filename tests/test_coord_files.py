@@ -105,7 +105,7 @@ def test_jsonl_torn_tail_is_ignored_by_readers_and_cut_by_the_writer(tmp_path: P
 def test_jsonl_utf8_bom_is_accepted_and_a_json_array_is_named(tmp_path: Path) -> None:
     """Editors (Notepad, Excel exports) write a UTF-8 BOM: it is not data. A file that is one JSON array
     is named as such (not "malformed JSON line 1"), for protocol files and eval sets alike."""
-    from ckpteval.jobs.eval.evalsets import load_rows
+    from ckpteval.jobs.eval.kinds.generate.evalsets import load_rows
 
     path = tmp_path / "set.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}')

@@ -20,8 +20,8 @@ from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir, step_dir_name
 from ckpteval.coord.snapshot import SnapshotCorrupt, VerifiedSnapshots, publish_snapshot, read_marker
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.runner import UnitRunner
+from ckpteval.jobs.eval.worker.options import WorkerOptions
+from ckpteval.jobs.eval.worker.runner import UnitRunner
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.runs import write_tiny_shards
 from tests.support.workers import counted_claimers, make_eval_run, publish_as_trainer, results, run_inprocess

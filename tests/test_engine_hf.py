@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ckpteval.jobs.eval.engines.base import Engine, EngineError, SamplingParams
-from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.reference.model import make_addition_examples
 
 SnapshotFactory = Callable[..., Path]
@@ -69,7 +69,7 @@ def test_optional_engine_capabilities_are_declared_protocols_a_pool_answers_thro
         members,
     )
     from ckpteval.jobs.eval.engines.factory import EnginePool
-    from ckpteval.jobs.eval.engines.http import HTTPEngine
+    from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
 
     hf = HFEngine(device="cpu")
     assert all(isinstance(hf, cap) for cap in (DigestsWeights, TeacherForced, ReportsComputeDtype, OccupiesGPUs,

@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ckpteval.jobs.eval.engines import hf, hf_weights
 from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.hf_weights import cpu_supports, snapshot_dtype
+from ckpteval.jobs.eval.engines.hf import engine as hf
+from ckpteval.jobs.eval.engines.hf import weights as hf_weights
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.engines.hf.weights import cpu_supports, snapshot_dtype
 from ckpteval.jobs.reference.model import build_model, save_base_model_dir
 from tests.conftest import TINY_CFG
 

@@ -25,12 +25,12 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, shard_range, units_for_step
 from ckpteval.jobs.decide import best, compare
 from ckpteval.jobs.eval.engines.factory import make_engine
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.http import HTTPEngine
-from ckpteval.jobs.eval.engines.sglang_deterministic import DETERMINISTIC_FLAG
-from ckpteval.jobs.eval.evaluators import EngineEvaluator, _settings, evaluate_unit
-from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.views.status import collect_status, cost_line, points_table
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+from ckpteval.jobs.eval.engines.sglang.deterministic import DETERMINISTIC_FLAG
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, _settings, evaluate_unit
+from ckpteval.jobs.views.status.main import collect_status, cost_line, points_table
 from tests.support import fake_sglang
 from tests.support.runs import make_run
 from tests.support.workers import REPO, make_eval_run, publish_model, results

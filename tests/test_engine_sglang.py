@@ -24,7 +24,8 @@ from ckpteval.jobs.eval.engines.base import (
     gpu_count,
     launch_timeout,
 )
-from ckpteval.jobs.eval.engines.sglang import (
+from ckpteval.jobs.eval.engines.sglang.deterministic import launch_flags as determinism_flags
+from ckpteval.jobs.eval.engines.sglang.engine import (
     DETERMINISTIC_FLAG,
     SGLangEngine,
     device_flags,
@@ -32,9 +33,8 @@ from ckpteval.jobs.eval.engines.sglang import (
     installed_sglang_version,
     launch_command,
 )
-from ckpteval.jobs.eval.engines.sglang_deterministic import launch_flags as determinism_flags
-from ckpteval.jobs.eval.engines.sglang_version import UnsupportedServer
-from ckpteval.jobs.eval.pinning import pin, restart
+from ckpteval.jobs.eval.engines.sglang.version import UnsupportedServer
+from ckpteval.jobs.eval.proof.pinning import pin, restart
 from ckpteval.jobs.reference.model import (
     ModelConfig,
     build_model,
@@ -55,7 +55,7 @@ PROMPTS = [ex["prompt"] for ex in make_addition_examples(8, seed=3)]
 
 
 def test_module_imports_without_sglang() -> None:
-    code = "import sys; sys.modules['sglang'] = None; import ckpteval.jobs.eval.engines.sglang"
+    code = "import sys; sys.modules['sglang'] = None; import ckpteval.jobs.eval.engines.sglang.engine"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -127,7 +127,7 @@ def test_deterministic_engines_launch_with_the_flag(tmp_path: Path) -> None:
 def test_the_worker_launches_sglang_deterministic_when_a_dataset_samples(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from ckpteval.jobs.eval.evaluators import _settings
+    from ckpteval.jobs.eval.worker.evaluators import _settings
     from tests.support.workers import make_eval_run
 
     manifest = make_eval_run(tmp_path).manifest()

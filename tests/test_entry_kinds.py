@@ -19,8 +19,8 @@ from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, units_for_step
-from ckpteval.jobs.eval.evalsets import write_addition_dataset
-from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support import echo_kind
 from tests.support.echo_kind import EchoEntry

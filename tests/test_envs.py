@@ -1,6 +1,6 @@
 """The ``env`` dataset kind (jobs/eval/envs): episodes with known rewards, failures attributed right.
 
-What is real: the engine path is the real :class:`ckpteval.jobs.eval.engines.http.HTTPEngine` (load, pin,
+What is real: the engine path is the real :class:`ckpteval.jobs.eval.engines.http.engine.HTTPEngine` (load, pin,
 ``/generate`` with per-sample versions) against :class:`tests.support.canned_engine.ScriptedEngine`, a real
 stdlib HTTP server whose replies come from a scripted policy reading the transcript it is sent (a model
 cannot be scripted, and the ``fn`` backend cannot play turns); tools run in the real sandbox (bwrap);
@@ -26,16 +26,16 @@ from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.factory import make_engine
-from ckpteval.jobs.eval.envs.examples import arithmetic_rows
-from ckpteval.jobs.eval.envs.runner import evaluate_env
-from ckpteval.jobs.eval.envs.tools import MalformedCall, parse_tool_calls
-from ckpteval.jobs.eval.evalconfig import read_eval_config
-from ckpteval.jobs.eval.evalsets import write_jsonl
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.pinning import PinViolation, pin
-from ckpteval.jobs.eval.sandbox import probe_bwrap
+from ckpteval.jobs.eval.kinds.env.examples import arithmetic_rows
+from ckpteval.jobs.eval.kinds.env.runner import evaluate_env
+from ckpteval.jobs.eval.kinds.env.tools import MalformedCall, parse_tool_calls
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.proof.pinning import PinViolation, pin
+from ckpteval.jobs.eval.sandbox.core import probe_bwrap
 from ckpteval.jobs.eval.scorers import ScorerInfraError
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from tests.support import envs as test_envs
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards
@@ -107,7 +107,7 @@ def evaluate(run: RunDir, url: str) -> Any:
 
 # -- pure parts ---------------------------------------------------------------------------------------------
 def test_tool_calls_parse_in_the_hermes_format_and_malformed_ones_are_the_models() -> None:
-    from ckpteval.jobs.eval.envs.examples import CALCULATOR
+    from ckpteval.jobs.eval.kinds.env.examples import CALCULATOR
 
     (call,) = parse_tool_calls('ok <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>',
                                [CALCULATOR])
@@ -307,8 +307,8 @@ def test_trainer_logs_the_rewards_its_episodes_results_say(tmp_path: Path) -> No
 
 # -- where episodes may run, and what they may import ------------------------------------------------------------
 def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path: Path) -> None:
-    from ckpteval.jobs.eval.evaluators import build_evaluator
-    from ckpteval.jobs.eval.trust import run_code
+    from ckpteval.jobs.eval.proof.trust import run_code
+    from ckpteval.jobs.eval.worker.evaluators import build_evaluator
 
     run = env_run(tmp_path, [ROWS[0]], env="tests.support.envs:FlakyToolEnv")
     assert run_code(run.manifest()) == ["tests.support.envs:FlakyToolEnv"]  # imported only under the trust rule
@@ -318,7 +318,7 @@ def test_env_entries_need_an_engine_and_their_module_class_is_run_code(tmp_path:
 
 
 def test_worker_start_refuses_options_the_environment_does_not_take_and_rows_it_cannot_read(tmp_path: Path) -> None:
-    from ckpteval.jobs.eval.envs.runner import check_env_entry
+    from ckpteval.jobs.eval.kinds.env.runner import check_env_entry
 
     bad = env_run(tmp_path / "a", [ROWS[0]], env="tests.support.envs:FlakyToolEnv", env_options={"flaky": 1})
     with pytest.raises(ValueError, match=r"dataset 'arith': environment .*unexpected keyword argument 'flaky'"):
@@ -331,8 +331,8 @@ def test_worker_start_refuses_options_the_environment_does_not_take_and_rows_it_
 def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from ckpteval.jobs.eval.envs.examples import CALCULATOR
-    from ckpteval.jobs.eval.envs.runner import Episode, Renderer
+    from ckpteval.jobs.eval.kinds.env.examples import CALCULATOR
+    from ckpteval.jobs.eval.kinds.env.runner import Episode, Renderer
     from ckpteval.jobs.reference.model import save_tokenizer
 
     snapshot = tmp_path / "snap"
@@ -442,7 +442,7 @@ def test_each_turns_reasoning_is_stripped_before_the_environment_and_a_cut_turn_
     point reports truncated / no_answer / completion_tokens per episode. The same replies without the
     setting score the thoughts (the control)."""
     from ckpteval.coord.results import ResultIndex
-    from ckpteval.jobs.eval.kinds import unit_result
+    from ckpteval.jobs.eval.kinds.evaluate import unit_result
 
     run = env_run(tmp_path / "think", ROWS, reasoning=THINK)
     server = ScriptedEngine(thinking)

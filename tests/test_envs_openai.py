@@ -1,7 +1,7 @@
-"""The pinned engine's OpenAI-compatible endpoint (jobs/eval/envs/endpoint.py) and the verifiers adapter.
+"""The pinned engine's OpenAI-compatible endpoint (jobs/eval/kinds/env/endpoint.py) and the verifiers adapter.
 
 What is real: the engines (the in-process hf engine on the reference trainer's tiny model; the real
-:class:`ckpteval.jobs.eval.engines.http.HTTPEngine` against :class:`tests.support.canned_engine.ScriptedEngine`, a
+:class:`ckpteval.jobs.eval.engines.http.engine.HTTPEngine` against :class:`tests.support.canned_engine.ScriptedEngine`, a
 real stdlib HTTP server replying by a scripted policy, where a reply must be a chosen text), the
 endpoint's real HTTP server on loopback, and the real ``openai`` client talking to it.
 """
@@ -18,10 +18,10 @@ from ckpteval.coord.manifest import EnvSpec
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.factory import make_engine
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.envs.endpoint import Endpoint, reply_version
-from ckpteval.jobs.eval.envs.runner import Renderer, render_transcript
-from ckpteval.jobs.eval.pinning import PinViolation, pin
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.env.endpoint import Endpoint, reply_version
+from ckpteval.jobs.eval.kinds.env.runner import Renderer, render_transcript
+from ckpteval.jobs.eval.proof.pinning import PinViolation, pin
 from ckpteval.jobs.eval.scorers import ScorerInfraError
 from tests.support.canned_engine import ScriptedEngine
 from tests.support.runs import write_tiny_shards
@@ -165,7 +165,7 @@ def test_a_verifiers_entry_is_refused_at_worker_start_without_the_extra_or_with_
     it ('.[envs]', '.[test]'), a row must name a task by index."""
     import importlib.util
 
-    from ckpteval.jobs.eval.envs.verifiers_env import INSTALL, VerifiersEnv
+    from ckpteval.jobs.eval.kinds.env.verifiers_env import INSTALL, VerifiersEnv
 
     if importlib.util.find_spec("verifiers") is None:
         with pytest.raises(ValueError, match=re.escape(INSTALL)):

@@ -14,8 +14,8 @@ import pytest
 
 from ckpteval.coord.manifest import DatasetSpec, load_manifest, parse_manifest, subset_rows
 from ckpteval.jobs.eval.engines.factory import normalize_spec, spec_kind
-from ckpteval.jobs.eval.evalconfig import create_run_from_config, read_eval_config
-from ckpteval.jobs.eval.evalsets import load_dataset
+from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset
+from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config, read_eval_config
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn, start_serve
 

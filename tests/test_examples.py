@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.rundir import RunDir
-from ckpteval.jobs.eval.evalconfig import read_eval_config
-from ckpteval.jobs.eval.evalsets import load_rows
+from ckpteval.jobs.eval.kinds.generate.evalsets import load_rows
 from ckpteval.jobs.eval.scorers import scorer_class
+from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 from tests.support.training import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_each_example_fits_the_demo_model_or_says_it_needs_a_real_one(name: str)
 
 def test_the_demos_own_eval_set_fits_its_model(tmp_path: Path) -> None:
     from ckpteval.jobs.eval.engines.base import context_problem
-    from ckpteval.jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
     from ckpteval.jobs.reference.model import build_tokenizer
 
     run = RunDir.create(tmp_path / "run")
@@ -114,7 +114,7 @@ def test_the_demos_own_eval_set_fits_its_model(tmp_path: Path) -> None:
 
 def test_example_lm_eval_config_names_a_task_in_its_include_path() -> None:
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
-    from ckpteval.jobs.eval.harness import check_harness
+    from ckpteval.jobs.eval.kinds.lm_eval import check_harness
 
     config = read_eval_config(EXAMPLES / "lmeval" / "eval.json")
     lm_eval = tuple(e for e in config.spec.entries if e.kind == "lm_eval")

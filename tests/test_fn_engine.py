@@ -15,7 +15,7 @@ from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
 from ckpteval.jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
-from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY
 from tests.support.workers import (
     SumBackend,

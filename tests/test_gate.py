@@ -11,7 +11,7 @@ import pytest
 from ckpteval.coord.points import derive_point
 from ckpteval.coord.results import ResultIndex
 from ckpteval.jobs.eval.engines.base import SamplingParams
-from ckpteval.jobs.eval.engines.hf import HFEngine
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.reference.model import ModelConfig, build_model
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher

@@ -13,11 +13,11 @@ from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.evalsets import write_jsonl
-from ckpteval.jobs.eval.grader import GraderPool, grade_math
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache, score_unit
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, make_scorer
-from ckpteval.jobs.eval.scoring import DatasetCache, score_unit
+from ckpteval.jobs.eval.scorers.grader import GraderPool, grade_math
 
 # sympy tries to evaluate a power tower this tall and never comes back
 PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"

@@ -131,7 +131,7 @@ def test_prime_rl_broadcast_scored_after_the_trainer_deleted_it(tmp_path: Path) 
     cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "sums", "path": "sums.jsonl", "n_prompts": 4,
                                                       "scorer": "exact", "shard_size": 4, "max_new_tokens": 2}]}}))
     from ckpteval.coord.discovery import SnapshotDiscovery
-    from ckpteval.jobs.eval.evalconfig import create_run_from_config
+    from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config
 
     create_run_from_config(run, cfg, (out,))
     disc = SnapshotDiscovery(out, admit_foreign=True, adoption_dir=run / "adopted", layout="auto")

@@ -25,9 +25,9 @@ from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import parse_result
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit, units_for_step
-from ckpteval.jobs.eval.envs.endpoint import reply_version
+from ckpteval.jobs.eval.kinds.env.endpoint import reply_version
 from ckpteval.jobs.views.plot import plot_series
-from ckpteval.jobs.views.status import collect_status, points_table
+from ckpteval.jobs.views.status.main import collect_status, points_table
 from tests.support.workers import REPO, finish, publish_model, results, spawn, version
 
 pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
@@ -38,7 +38,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 def harness_run(tmp: Path, **fields: object) -> RunDir:
-    from ckpteval.jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 
     run = RunDir.create(tmp / "run")
     spec = write_addition_dataset(run, n=4, shard_size=4)
@@ -122,8 +122,8 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
 def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Running the task on the engine through ckpteval gives what lm-eval's HFLM gives on that model."""
-    from ckpteval.jobs.eval.engines.hf import HFEngine
-    from ckpteval.jobs.eval.harness import evaluate_task, hf_lm, run_task
+    from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+    from ckpteval.jobs.eval.kinds.lm_eval import evaluate_task, hf_lm, run_task
 
     monkeypatch.chdir(REPO)  # the task YAML's data_files path is relative to the working directory
 
@@ -204,7 +204,7 @@ def test_serve_v1_completions_cuts_at_stop_strings_and_refuses_loglikelihood(tmp
 
 
 def test_lm_eval_entries_refuse_engines_without_an_lm_eval_adapter(tmp_path: Path) -> None:
-    from ckpteval.jobs.eval.evaluators import check_entry_engines
+    from ckpteval.jobs.eval.worker.evaluators import check_entry_engines
 
     manifest = harness_run(tmp_path).manifest()
     for kinds, replicas in ((["fn"], 1), (["hf"], 2), (["hf", "http"], 1)):
@@ -232,7 +232,7 @@ def test_a_task_lm_eval_cannot_run_on_the_model_is_that_unit_s_skip_with_lm_eval
 
 def test_the_shipped_lm_eval_example_runs_on_the_demo_model(tmp_path: Path) -> None:
     """``examples/lmeval/eval.json`` as the guide shows it, on a snapshot of the demo (reference) model."""
-    from ckpteval.jobs.eval.evalconfig import create_run_from_config
+    from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config
 
     publish_model(tmp_path, tmp_path / "snaps", 5)
     run = create_run_from_config(tmp_path / "run", REPO / "examples" / "lmeval" / "eval.json", (tmp_path / "snaps",))
@@ -250,10 +250,10 @@ def test_chat_template_kwargs_reach_lm_evals_chat_rendering_on_both_adapters(tmp
     renders text (lm-eval's own would hand ``/v1/completions`` the messages as JSON)."""
     from transformers import AutoTokenizer
 
-    from ckpteval.jobs.eval.engines.hf import HFEngine
-    from ckpteval.jobs.eval.engines.http import HTTPEngine
-    from ckpteval.jobs.eval.harness import completions_lm, hf_lm
-    from ckpteval.jobs.eval.prompts import render_chat
+    from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+    from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+    from ckpteval.jobs.eval.kinds.generate.prompts import render_chat
+    from ckpteval.jobs.eval.kinds.lm_eval import completions_lm, hf_lm
     from tests.test_reasoning import save_thinking_tokenizer
 
     thinking = tmp_path / "thinking"
@@ -280,7 +280,7 @@ def test_a_harness_results_scorer_identity_tells_chat_template_kwargs_apart() ->
     """Two lm_eval entries that differ only in ``chat_template_kwargs`` record different scorer identities, so
     ``compare`` and ``best`` refuse to put their points side by side (tests/test_decide.py)."""
     from ckpteval.jobs.decide.scorers import scorer_difference
-    from ckpteval.jobs.eval.harness import identity
+    from ckpteval.jobs.eval.kinds.lm_eval import identity
 
     off = identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False}))
     on = identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True))

@@ -16,7 +16,7 @@ from ckpteval.coord.manifest import DatasetSpec
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.verdicts import VerdictCache, cache_key, publish_judge
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError
-from ckpteval.jobs.eval.scorers.judge import JudgeOptions, JudgeScorer, RewardModelScorer, read_verdict
+from ckpteval.jobs.eval.scorers.judge.scorer import JudgeOptions, JudgeScorer, RewardModelScorer, read_verdict
 from tests.support.workers import start_judge
 
 pytest.importorskip("openai")
@@ -237,7 +237,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
 def test_judge_settings_are_checked_where_run_json_is_parsed(
     tmp_path: Path, options: dict[str, Any], says: str
 ) -> None:
-    from ckpteval.jobs.eval.evalconfig import read_eval_config
+    from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 
     (tmp_path / "qa.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cfg = tmp_path / "eval.json"
@@ -259,7 +259,7 @@ def test_a_reward_model_template_has_no_reference(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["judged.eval.json", "reward_model.eval.json"])
 def test_example_judge_configs_are_valid(name: str) -> None:
-    from ckpteval.jobs.eval.evalconfig import read_eval_config
+    from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 
     config = read_eval_config(Path(__file__).resolve().parents[1] / "examples" / "judge" / name)
     assert [d.scorer for d in config.spec.datasets] == [name.split(".")[0].replace("judged", "judge")]

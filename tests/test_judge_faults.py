@@ -25,15 +25,15 @@ from ckpteval.coord.results import ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerCrashed, ScorerInfraError, score_samples
-from ckpteval.jobs.eval.scorers.judge import JudgeScorer, RewardModelScorer
-from ckpteval.jobs.eval.scorers.judge_rule import (
+from ckpteval.jobs.eval.scorers.judge.rule import (
     JudgeOptions,
     quote_response,
     read_verdict,
     unquoted,
     verdict_schema,
 )
-from ckpteval.jobs.views.status import NOT_POOLED, points_table
+from ckpteval.jobs.eval.scorers.judge.scorer import JudgeScorer, RewardModelScorer
+from ckpteval.jobs.views.status.main import NOT_POOLED, points_table
 from tests.support.runs import make_run
 from tests.support.workers import start_judge
 

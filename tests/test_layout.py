@@ -31,13 +31,13 @@ ALLOWED = {
 }
 # single module-level exceptions, each with its reason
 EXCEPTIONS = {
-    ("ckpteval.jobs.eval.evalsets", "ckpteval.jobs.reference.model"): "the built-in addition eval set is the reference task's",
+    ("ckpteval.jobs.eval.kinds.generate.evalsets", "ckpteval.jobs.reference.model"): "the built-in addition eval set is the reference task's",
     # submit checks on the submit host what the job would refuse, with the programs' own parsers and
     # readers (imported lazily: no torch at import time, see test_views_and_launchers_import_no_torch)
-    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.options"): "the worker's own option checks",
-    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.evalconfig"): "the one eval-config reader",
-    ("ckpteval.jobs.launch.submit", "ckpteval.jobs.eval.reeval"): "the re-evaluation plan (validated before sbatch)",
-    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.reference.train_config"): "the reference trainer's own flag checks",
+    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.worker.options"): "the worker's own option checks",
+    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.eval.worker.evalconfig"): "the one eval-config reader",
+    ("ckpteval.jobs.launch.submit", "ckpteval.jobs.eval.worker.reeval"): "the re-evaluation plan (validated before sbatch)",
+    ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.reference.train.config"): "the reference trainer's own flag checks",
     ("ckpteval.jobs.views.noise", "ckpteval.jobs.decide"): "status shows the decisions' MDE, computed one way (#29)",
 }
 
@@ -52,7 +52,7 @@ def room_of(module: str) -> str | None:
 
 
 def module_of(path: Path) -> str:
-    """``jobs/eval/worker.py`` -> ``ckpteval.jobs.eval.worker`` (the folders install under ckpteval, setup.py)."""
+    """``jobs/eval/worker/main.py`` -> ``ckpteval.jobs.eval.worker.main`` (the folders install under ckpteval, setup.py)."""
     return "ckpteval." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
@@ -84,7 +84,7 @@ def test_imports_point_one_way_between_rooms() -> None:
 
 # Import cycles that stay, each with its reason (a deferred import that keeps a slow one off a light path)
 KNOWN_CYCLES = {
-    frozenset({"ckpteval.jobs.reference.train", "ckpteval.jobs.reference.train_config"}):
+    frozenset({"ckpteval.jobs.reference.train.main", "ckpteval.jobs.reference.train.config"}):
         "train_config's main imports the trainer (torch) only after its flags validated",
 }
 
@@ -181,7 +181,7 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 @pytest.mark.parametrize("package", ["ckpteval.jobs.views", "ckpteval.jobs.launch", "ckpteval.jobs.decide"])
 def test_views_and_launchers_import_no_torch(package: str) -> None:
     """Checked in a fresh interpreter: ``sys.modules`` after importing every module of the room."""
-    modules = [module_of(p) for p in sorted((ROOT / package.removeprefix("ckpteval.").replace(".", "/")).glob("*.py"))]
+    modules = [module_of(p) for p in sorted((ROOT / package.removeprefix("ckpteval.").replace(".", "/")).rglob("*.py"))]
     code = ("import importlib, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
             "print(sorted(k for k in ('torch', 'transformers', 'safetensors.torch') if k in sys.modules))")
@@ -194,6 +194,17 @@ def test_no_module_in_jobs_or_coord_is_near_500_lines() -> None:
     long = {str(p.relative_to(ROOT)): n for p in [*ROOT.glob("jobs/**/*.py"), *ROOT.glob("coord/**/*.py")]
             if (n := len(p.read_text().splitlines())) > 450}
     assert not long, f"split these along their seams: {long}"
+
+
+LOOSE_FILES = 12  # a folder's own modules (besides __init__.py): past this, its concepts want folders of their own
+
+
+def test_no_folder_in_jobs_or_coord_has_many_loose_modules() -> None:
+    """A concept that outgrows one module becomes a folder named for it, never prefix-named siblings: no
+    folder of jobs/ or coord/ holds more than LOOSE_FILES modules of its own."""
+    crowded = {str(d.relative_to(ROOT)): n for d in [ROOT / "jobs", ROOT / "coord", *ROOT.glob("jobs/**/"), *ROOT.glob("coord/**/")]
+               if d.is_dir() and (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > LOOSE_FILES}
+    assert not crowded, f"give these folders' concepts rooms of their own: {crowded}"
 
 
 def test_readme_layout_table_matches_the_tree() -> None:

@@ -291,7 +291,7 @@ def test_worker_refuses_an_ambiguous_watch_dir_in_one_line(tmp_path: Path) -> No
 
 
 def test_status_shows_saves_lost_before_admission(tmp_path: Path) -> None:
-    from ckpteval.jobs.views.status import collect_status, render
+    from ckpteval.jobs.views.status.main import collect_status, render
     from tests.support.runs import make_run
 
     run = make_run(tmp_path)
@@ -441,7 +441,7 @@ def test_prime_rl_lora_broadcast_is_captured_as_an_adapter(tmp_path: Path) -> No
     """A LoRA run broadcasts the adapter only (``save_lora_config``: ``adapter_model.safetensors`` +
     ``adapter_config.json``, then STABLE): captured like full weights (no ``config.json`` needed), whole after
     the trainer's cleanup, and an adapter snapshot (what a run with ``eval.base_model`` loads through its LoRA
-    engine, ``jobs/eval/engines/hf_lora.py``; scoring an adapter end to end is tests/test_lora.py's)."""
+    engine, ``jobs/eval/engines/hf/lora.py``; scoring an adapter end to end is tests/test_lora.py's)."""
     root, now = _prime_run(tmp_path)
     disc = _discovery(tmp_path, root, "auto", now)
     d = root / "broadcasts" / "step_3"

@@ -28,7 +28,7 @@ from ckpteval.coord.snapshot import (
     verify_snapshot,
 )
 from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
-from ckpteval.jobs.eval.engines.hf_lora import HFLoRAEngine
+from ckpteval.jobs.eval.engines.hf.lora import HFLoRAEngine
 from ckpteval.jobs.reference.model import build_model, build_tokenizer, save_base_model_dir
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter
 from tests.support.training import eval_lines

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckpteval.jobs.eval.backfill import Progress
+from ckpteval.jobs.eval.worker.backfill import Progress
 
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 
@@ -24,7 +24,7 @@ def _service_run(tmp_path: Path, scorer: str = "judge", options: dict | None = N
     cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "qa", "path": "qa.jsonl", "n_prompts": 1, "scorer": scorer,
                                                       "scorer_options": options or {}, "shard_size": 1,
                                                       "max_new_tokens": 2}]}}))
-    from ckpteval.jobs.eval.evalconfig import create_run_from_config
+    from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config
 
     return create_run_from_config(tmp_path / "run", cfg, (tmp_path / "out",)).path
 
@@ -180,7 +180,7 @@ def test_backfill_tally_counts_a_retried_unit_once_and_says_when_nothing_scored(
     unit in the summary (before: two), and a backfill that scored nothing says so."""
     from ckpteval.coord.results import ok_result, skip_result
     from ckpteval.coord.units import WorkUnit
-    from ckpteval.jobs.eval.backfill import Tally
+    from ckpteval.jobs.eval.worker.backfill import Tally
 
     tally = Tally()
     unit = WorkUnit(10, "qa", 0)

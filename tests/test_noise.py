@@ -28,9 +28,9 @@ from ckpteval.jobs.decide import compare as compare_cmd
 from ckpteval.jobs.decide.data import Metric, open_run
 from ckpteval.jobs.decide.noise import engine_noise, mde
 from ckpteval.jobs.decide.stats import best_step
-from ckpteval.jobs.eval.options import WorkerOptions
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE
-from ckpteval.jobs.views.status import collect_status, render
+from ckpteval.jobs.views.status.main import collect_status, render
 from tests.support.noise_sim import coverage
 from tests.support.runs import make_run
 from tests.support.workers import make_eval_run, publish_model, results, run_inprocess

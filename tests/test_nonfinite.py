@@ -25,7 +25,7 @@ from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name
 from ckpteval.coord.summary import read_step_facts
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.engines.fn import parse_output
-from ckpteval.jobs.eval.harness import flatten_metrics
+from ckpteval.jobs.eval.kinds.lm_eval import flatten_metrics
 from ckpteval.jobs.eval.scorers import (
     Sample,
     Scored,
@@ -36,7 +36,7 @@ from ckpteval.jobs.eval.scorers import (
 )
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.views.status import collect_status, show
+from ckpteval.jobs.views.status.main import collect_status, show
 from tests.support.runs import make_run
 
 HOSTILE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "1e308": 1e308, "-1e16": -1e16}

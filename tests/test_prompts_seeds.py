@@ -28,11 +28,11 @@ from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.factory import EnginePool
 from ckpteval.jobs.eval.engines.fn import build_input
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.http import HTTPEngine
-from ckpteval.jobs.eval.evalsets import write_jsonl
-from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from ckpteval.jobs.eval.scoring import DatasetCache, sample_seed, score_unit, unit_input
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache, sample_seed, score_unit, unit_input
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, evaluate_unit
 from ckpteval.jobs.reference.model import (
     build_model,
     make_addition_examples,

@@ -25,21 +25,21 @@ from ckpteval.coord.points import derive_point, pass_at_k, pass_hat_k, point_met
 from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
-from ckpteval.jobs.eval.answering import resolve_reasoning
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.engines.fn import parse_output
-from ckpteval.jobs.eval.engines.hf_decode import Completion
-from ckpteval.jobs.eval.engines.http import HTTPEngine
-from ckpteval.jobs.eval.engines.http_generate import parse_generation
-from ckpteval.jobs.eval.envs.runner import Episode, Renderer
-from ckpteval.jobs.eval.evalsets import write_jsonl
-from ckpteval.jobs.eval.kinds import evaluate_pinned, unit_result
-from ckpteval.jobs.eval.prompts import render_prompts
-from ckpteval.jobs.eval.reasoning import ReasoningSetting, split_reasoning
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.engines.hf.decode import Completion
+from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+from ckpteval.jobs.eval.engines.http.generate import parse_generation
+from ckpteval.jobs.eval.kinds.env.runner import Episode, Renderer
+from ckpteval.jobs.eval.kinds.evaluate import evaluate_pinned, unit_result
+from ckpteval.jobs.eval.kinds.generate.answering import resolve_reasoning
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
+from ckpteval.jobs.eval.kinds.generate.prompts import render_prompts
+from ckpteval.jobs.eval.kinds.generate.reasoning import ReasoningSetting, split_reasoning
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
 from ckpteval.jobs.reference.model import save_tokenizer
 from ckpteval.jobs.views.plot import plot_series
-from ckpteval.jobs.views.status import collect_status, points_table
+from ckpteval.jobs.views.status.main import collect_status, points_table
 from tests.support.canned_engine import CannedEngine
 
 THINK = ReasoningSetting(end="</think>", start="<think>")

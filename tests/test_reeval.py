@@ -18,9 +18,9 @@ from ckpteval.coord.identity import run_key
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.steps import parse_steps
-from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 from ckpteval.jobs.reference.model import make_addition_examples
-from ckpteval.jobs.views.status import collect_status
+from ckpteval.jobs.views.status.main import collect_status
 from tests.support.workers import finish, make_eval_run, model_writer, publish_model, results, spawn
 
 FN = ("--engine", "fn:tests.support.workers:SumBackend", "--poll-interval", "0.2")

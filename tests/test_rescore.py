@@ -17,10 +17,10 @@ from ckpteval.coord.completions import completions_path, read_completions, rows_
 from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.scorings import scoring_results
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.rescore import main as rescore_main
+from ckpteval.jobs.eval.worker.options import WorkerOptions
+from ckpteval.jobs.eval.worker.rescore import main as rescore_main
 from ckpteval.jobs.lifecycle import EXIT_DONE
-from ckpteval.jobs.views.status import collect_status
+from ckpteval.jobs.views.status.main import collect_status
 from tests.support.workers import (
     PYTHON,
     REPO,

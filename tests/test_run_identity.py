@@ -22,14 +22,14 @@ from ckpteval.coord.results import ok_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import mark_complete, publish_snapshot, read_marker, verify_snapshot
 from ckpteval.coord.units import units_for_step
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.evaluators import EngineEvaluator
-from ckpteval.jobs.eval.loop import Worker
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator
+from ckpteval.jobs.eval.worker.loop import Worker
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
-from ckpteval.jobs.reference.train import base_model_dir
+from ckpteval.jobs.reference.train.main import base_model_dir
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 from tests.support.runs import write_tiny_shards
 from tests.support.training import make_train_run

@@ -1,4 +1,4 @@
-"""The code sandbox (jobs/eval/sandbox.py): real programs under real bwrap, real rlimits, real signals.
+"""The code sandbox (jobs/eval/sandbox/core.py): real programs under real bwrap, real rlimits, real signals.
 
 Each test runs real processes; outcomes are how the program really ended. Limits are tight (a 2 s
 deadline, 1 s of CPU, 192 MiB) so the file stays fast. bwrap is installed by ``make setup``; where it
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.jobs.eval.sandbox import (
+from ckpteval.jobs.eval.sandbox.cgroup import own_cgroups
+from ckpteval.jobs.eval.sandbox.core import (
     Limits,
     MemoryCgroup,
     Sandbox,
@@ -28,7 +29,6 @@ from ckpteval.jobs.eval.sandbox import (
     memory_cgroup,
     probe_bwrap,
 )
-from ckpteval.jobs.eval.sandbox_cgroup import own_cgroups
 from tests.support.sandbox import survivors
 
 WHY_NOT = probe_bwrap()
@@ -209,7 +209,7 @@ def test_every_sandbox_test_passes_as_a_worker_that_is_not_root() -> None:
     """The path of a worker that is not root (bwrap's user namespace, one user namespace per program, capabilities
     given up rather than a uid dropped): this whole file again, in a child made uid 1000 by ``unshare --user``
     (its files are still read as the kernel's uid 0, so the interpreter stays readable)."""
-    probe = subprocess.run([*UNPRIVILEGED, sys.executable, "-c", "from ckpteval.jobs.eval.sandbox import probe_bwrap; "
+    probe = subprocess.run([*UNPRIVILEGED, sys.executable, "-c", "from ckpteval.jobs.eval.sandbox.core import probe_bwrap; "
                             "print(probe_bwrap() or 'ok')"], cwd=Path(__file__).parents[1], capture_output=True,
                            text=True, timeout=120)
     if probe.stdout.strip() != "ok":
@@ -323,7 +323,7 @@ def test_a_killed_worker_takes_its_running_programs_with_it(tmp_path: Path) -> N
     program's namespace nested in it."""
     label = f"test-killed-worker-{os.getpid()}"
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
-              "from ckpteval.jobs.eval.sandbox import Limits, Sandbox\n"
+              "from ckpteval.jobs.eval.sandbox.core import Limits, Sandbox\n"
               f"Sandbox(Limits(wall_s=60), label={label!r}).run('import os, time\\nos.fork()\\ntime.sleep(60)')\n")
     worker = subprocess.Popen([sys.executable, "-c", script])
     try:

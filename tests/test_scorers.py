@@ -18,8 +18,8 @@ from ckpteval.coord.points import derive_point, point_metrics
 from ckpteval.coord.results import ResultIndex, ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit, units_for_step
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.evalsets import load_dataset, write_jsonl
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset, write_jsonl
 from ckpteval.jobs.eval.scorers import SCORERS
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from ckpteval.jobs.metrics import MetricsSink

@@ -27,14 +27,14 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.engines.http import HTTPEngine
-from ckpteval.jobs.eval.engines.http_auth import ADMIN_API_KEY_ENV, API_KEY_ENV, Unauthorized
-from ckpteval.jobs.eval.engines.http_limits import ServerBusy
-from ckpteval.jobs.eval.engines.sglang import free_port
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.engines.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, Unauthorized
+from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+from ckpteval.jobs.eval.engines.http.limits import ServerBusy
+from ckpteval.jobs.eval.engines.sglang.engine import free_port
 from ckpteval.jobs.reference.model import make_addition_examples
-from ckpteval.jobs.reference.serve_engine import EngineService
-from ckpteval.jobs.reference.serve_http import EngineHTTPServer
+from ckpteval.jobs.reference.serve.engine import EngineService
+from ckpteval.jobs.reference.serve.http import EngineHTTPServer
 
 REPO = Path(__file__).resolve().parents[1]
 SnapshotFactory = Callable[..., Path]
@@ -540,7 +540,7 @@ def test_retraction_shrinks_the_batch_and_a_running_timeout_is_not_retried(
     """The two other 503s of 0.5.23: a retraction without a KV backup (schedule_batch.py retract_decode;
     a smaller batch needs less KV) and SGLANG_REQ_RUNNING_TIMEOUT (scheduler.py _poll_timeout_aborts:
     the same generation runs as long again, so no retry, no restart)."""
-    from ckpteval.jobs.eval.engines.http_limits import BatchTooLarge, RunningTimedOut
+    from ckpteval.jobs.eval.engines.http.limits import BatchTooLarge, RunningTimedOut
 
     with in_process(tiny_snapshot, max_total_tokens=40) as (service, url):
         reply = httpx.post(url + "/generate", json={"text": PROMPTS[:8], "sampling_params": {"max_new_tokens": 6}})
@@ -595,7 +595,7 @@ def test_the_lm_eval_path_sends_the_sglang_key_not_openais(
     answers 401. The harness passes the engine's own key (CKPTEVAL_SGLANG_API_KEY)."""
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
     from ckpteval.coord.manifest import HarnessSpec
-    from ckpteval.jobs.eval.harness import completions_lm
+    from ckpteval.jobs.eval.kinds.lm_eval import completions_lm
 
     monkeypatch.setenv(API_KEY_ENV, "user-secret")
     monkeypatch.setenv("OPENAI_API_KEY", "an-openai-key")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval.evalsets import write_jsonl
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from ckpteval.jobs.reference.model import make_addition_examples
 from tests.support.workers import (

@@ -111,8 +111,8 @@ def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
 
     code = "import sys, ckpteval.jobs.trainer.session; print(' '.join(m for m in sys.modules if m.startswith('ckpteval')))"
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
-    unwanted = {"ckpteval.jobs.eval.worker", "ckpteval.jobs.eval.loop", "ckpteval.jobs.eval.scoring",
-                "ckpteval.jobs.eval.kinds", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.attest",
-                "ckpteval.jobs.eval.engines.base", "ckpteval.jobs.eval.canary_check", "ckpteval.coord.claims",
+    unwanted = {"ckpteval.jobs.eval.worker.main", "ckpteval.jobs.eval.worker.loop", "ckpteval.jobs.eval.kinds.generate.scoring",
+                "ckpteval.jobs.eval.kinds.evaluate", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.proof.attest",
+                "ckpteval.jobs.eval.engines.base", "ckpteval.jobs.eval.proof.canary_check", "ckpteval.coord.claims",
                 "ckpteval.coord.lease", "ckpteval.coord.completions", "ckpteval.coord.discovery"}
     assert not loaded & unwanted and len(loaded) <= 47, sorted(loaded)

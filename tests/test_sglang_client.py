@@ -30,18 +30,18 @@ from ckpteval.coord.results import ResultIndex, ok_result, parse_result, retry_d
 from ckpteval.coord.rundir import RunDir, unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
-from ckpteval.jobs.eval.engines.http import HEALTH_TIMEOUT_S, HTTPEngine
-from ckpteval.jobs.eval.engines.http_limits import (
+from ckpteval.jobs.eval.engines.http.engine import HEALTH_TIMEOUT_S, HTTPEngine
+from ckpteval.jobs.eval.engines.http.limits import (
     BUSY_MESSAGES,
     QUEUE_FULL,
     RUNNING_TIMEOUT,
     RunningTimedOut,
     ServerBusy,
 )
-from ckpteval.jobs.eval.engines.sglang_version import UnsupportedServer
-from ckpteval.jobs.eval.evaluators import EngineEvaluator, evaluate_unit
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.engines.sglang.version import UnsupportedServer
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, evaluate_unit
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from tests.support.workers import make_eval_run, publish_model, run_inprocess
 
 Reply = tuple[int, Any]

@@ -1,7 +1,7 @@
 """The sglang LoRA client against a small real HTTP server.
 
 sglang needs a GPU, so the server here is a stub (a real ``ThreadingHTTPServer``) that implements the
-LoRA routes as sglang 0.5.23's source describes them (see :mod:`ckpteval.jobs.eval.engines.sglang_lora`):
+LoRA routes as sglang 0.5.23's source describes them (see :mod:`ckpteval.jobs.eval.engines.sglang.lora`):
 ``/load_lora_adapter`` / ``/unload_lora_adapter`` (200/400 with ``success``, ``error_message``,
 ``loaded_adapters``; duplicate names refused), ``/v1/models`` adapter cards, ``/generate`` answering only
 for a registered ``lora_path`` name (400 otherwise) with the base's ``weight_version``; past
@@ -24,7 +24,7 @@ import pytest
 
 from ckpteval.jobs.eval.engines.base import EngineError, SamplingParams
 from ckpteval.jobs.eval.engines.factory import make_engine
-from ckpteval.jobs.eval.engines.sglang_lora import (
+from ckpteval.jobs.eval.engines.sglang.lora import (
     HTTPLoRAEngine,
     UnservableAdapter,
     adapter_name,
@@ -252,8 +252,8 @@ def test_sglang_lora_engine_launches_nothing_before_the_first_adapter(
 ) -> None:
     """Built by the factory for a LoRA run (no GPU needed until the first load launches sglang).
     sglang is not installed here: its installed-version check answers a version inside the pin."""
-    from ckpteval.jobs.eval.engines import sglang as sglang_engine
-    from ckpteval.jobs.eval.engines.sglang_lora import SGLangLoRAEngine
+    from ckpteval.jobs.eval.engines.sglang import engine as sglang_engine
+    from ckpteval.jobs.eval.engines.sglang.lora import SGLangLoRAEngine
 
     monkeypatch.setattr(sglang_engine, "installed_sglang_version", lambda *_a, **_k: "0.5.23")
 
@@ -306,7 +306,7 @@ def test_lm_eval_addresses_the_adapter_and_tokenizes_with_the_base(stub: LoRAStu
     _parse_model_parameter); the adapter dir has no tokenizer, the base has."""
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
     from ckpteval.coord.manifest import HarnessSpec
-    from ckpteval.jobs.eval.harness import completions_lm
+    from ckpteval.jobs.eval.kinds.lm_eval import completions_lm
     from tests.support.workers import base_dir
 
     stub.base = str(base_dir(tmp_path))

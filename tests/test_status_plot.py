@@ -18,7 +18,7 @@ from ckpteval.coord.results import ok_result, write_point_skip, write_result
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import WorkUnit, units_for_step
 from ckpteval.jobs.views.plot import figure, plot_run, plot_series
-from ckpteval.jobs.views.status import collect_status, health_line
+from ckpteval.jobs.views.status.main import collect_status, health_line
 from tests.support.runs import make_run, write_tiny_shards
 from tests.support.workers import wait_for
 
@@ -254,7 +254,7 @@ def _hf_weights(directory: Path) -> None:
 
 
 def _watched_run(tmp_path: Path, watch: Path) -> Path:
-    from ckpteval.jobs.eval.evalconfig import create_run_from_config
+    from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config
 
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "sums.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
@@ -267,7 +267,7 @@ def _watched_run(tmp_path: Path, watch: Path) -> Path:
 def test_status_shows_saves_waiting_for_their_trainers_signal(tmp_path: Path) -> None:
     """A verl save without its tracker file and a prime-rl step without its marker are not admitted; status
     names each, its layout, the signal it waits for and since when — not `snapshots: none` alone."""
-    from ckpteval.jobs.views.status import render, waiting_table
+    from ckpteval.jobs.views.status.main import render, waiting_table
 
     verl = tmp_path / "verl"
     _hf_weights(verl / "global_step_20" / "actor" / "huggingface")
@@ -295,7 +295,7 @@ def test_status_shows_saves_waiting_for_their_trainers_signal(tmp_path: Path) ->
 
 def test_status_table_shows_the_scorers_counters(tmp_path: Path) -> None:
     """Counters a scorer keeps per sample (code: errors, timeouts) are in the table, not only in --json."""
-    from ckpteval.jobs.views.status import points_table
+    from ckpteval.jobs.views.status.main import points_table
 
     run = make_run(tmp_path, n_prompts=4, shard_size=2)
     m = run.manifest()

@@ -18,8 +18,8 @@ from ckpteval.coord.results import ok_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import publish_snapshot
 from ckpteval.coord.units import units_for_step
-from ckpteval.jobs.views import status_text
-from ckpteval.jobs.views.status import collect_status, show
+from ckpteval.jobs.views.status import text as status_text
+from ckpteval.jobs.views.status.main import collect_status, show
 from tests.support.runs import write_tiny_shards
 
 RUN_ID = "grpo-qwen3-8b-math-lr3e-6-warmup-20261203-a"  # long, as real run ids are

@@ -19,7 +19,7 @@ from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.views.plot import plot_series
-from ckpteval.jobs.views.status import collect_status, show
+from ckpteval.jobs.views.status.main import collect_status, show
 from ckpteval.jobs.views.tables import PlainTable
 from tests.support.runs import make_run
 

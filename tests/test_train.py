@@ -17,17 +17,17 @@ import torch
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import read_marker, snapshot_dirname
 from ckpteval.jobs.reference.model import ModelConfig, build_model, build_tokenizer
-from ckpteval.jobs.reference.train import (
+from ckpteval.jobs.reference.train.ckpt import (
+    latest_train_checkpoint,
+    load_train_checkpoint,
+    save_train_checkpoint,
+)
+from ckpteval.jobs.reference.train.main import (
     PREEMPTED_EXIT,
     TrainConfig,
     main,
     prepare_run,
     training_batch,
-)
-from ckpteval.jobs.reference.train_ckpt import (
-    latest_train_checkpoint,
-    load_train_checkpoint,
-    save_train_checkpoint,
 )
 from ckpteval.jobs.trainer.config import DispatchConfig
 from tests.support.training import (
@@ -302,7 +302,7 @@ def test_the_eval_flags_are_the_dispatch_config_and_its_defaults_are_stated_once
     """``ckpteval train``'s ``--eval-*`` dispatch flags are DispatchConfig's fields (its nested Waits too):
     parsed into that one object, a flag not given is the dataclass default, the help text is the field's
     docstring, and a value outside a Literal is refused by the parser."""
-    from ckpteval.jobs.reference.train_config import build_parser, parse_args
+    from ckpteval.jobs.reference.train.config import build_parser, parse_args
     from ckpteval.jobs.trainer.config import Waits
 
     run = str(tmp_path / "run")

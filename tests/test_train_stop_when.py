@@ -14,7 +14,7 @@ from pathlib import Path
 from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.rundir import RunDir
-from ckpteval.jobs.reference.train import main
+from ckpteval.jobs.reference.train.main import main
 from tests.support.training import eval_lines, fill_results, make_train_run
 
 

@@ -19,7 +19,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.units import units_for_step
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
-from ckpteval.jobs.reference.train import main as train_main
+from ckpteval.jobs.reference.train.main import main as train_main
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 from tests.support.training import eval_lines, fill_results, make_train_run
 from tests.support.workers import finish, spawn, wait_for

@@ -21,12 +21,12 @@ from ckpteval.coord.rundir import unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams
 from ckpteval.jobs.eval.engines.factory import EnginePool
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.evaluators import EngineEvaluator
-from ckpteval.jobs.eval.loop import Worker
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.worker import run_worker
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator
+from ckpteval.jobs.eval.worker.loop import Worker
+from ckpteval.jobs.eval.worker.main import run_worker
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY, EXIT_USAGE
 from tests.support.workers import flip_byte, make_eval_run, publish_model, results, run_inprocess, version
 

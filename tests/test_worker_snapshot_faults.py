@@ -19,11 +19,11 @@ from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
 from ckpteval.coord.ledger import Ledger
 from ckpteval.coord.manifest import LeaseSettings
 from ckpteval.coord.units import WorkUnit
-from ckpteval.jobs.eval.engines.hf import HFEngine
-from ckpteval.jobs.eval.evaluators import EngineEvaluator, Evaluation, FnEvaluator, evaluate_unit
-from ckpteval.jobs.eval.loop import Worker
-from ckpteval.jobs.eval.options import WorkerOptions
-from ckpteval.jobs.eval.scoring import DatasetCache
+from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, Evaluation, FnEvaluator, evaluate_unit
+from ckpteval.jobs.eval.worker.loop import Worker
+from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import SumBackend, make_eval_run, publish_model, results
 

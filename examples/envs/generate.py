@@ -4,7 +4,7 @@
 
 Deterministic (fixed seeds): running it again reproduces the committed files byte for byte
 (``tests/test_envs.py`` checks that). The rows are read by the registered environments of
-:mod:`ckpteval.jobs.eval.envs.examples`:
+:mod:`ckpteval.jobs.eval.kinds.env.examples`:
 
 * ``arithmetic.jsonl`` — ``{"expression", "answer"}`` for ``"env": "arithmetic"`` (a calculator tool);
 * ``guess.jsonl`` — ``{"target", "low", "high"}`` for ``"env": "guess"`` (higher/lower feedback).
@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from ckpteval.jobs.eval.envs.examples import arithmetic_rows, guess_rows  # noqa: E402
+from ckpteval.jobs.eval.kinds.env.examples import arithmetic_rows, guess_rows  # noqa: E402
 
 N = 16
 

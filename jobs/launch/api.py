@@ -263,7 +263,7 @@ class SbatchJob:
 
     def status(self) -> dict[str, Any]:
         """What ``ckpteval status RUN --json`` prints: snapshots, units, points, leases."""
-        from ckpteval.jobs.views.status import collect_status
+        from ckpteval.jobs.views.status.main import collect_status
 
         return collect_status(self.run_dir)
 

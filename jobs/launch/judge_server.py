@@ -7,7 +7,7 @@ a free port, starts ``CMD`` with every ``{port}`` in it replaced (sglang by defa
 cluster uses ``ckpteval serve --judge exact --host 0.0.0.0 --port {port}``), waits until the server's
 ``GET /v1/models`` answers, and then writes ``RUN/judge.json`` (:func:`ckpteval.coord.verdicts.publish_judge`:
 ``{"url": "http://<this host>:<port>/v1", "model": <the id it reports>, "slurm_job_id", "pid"}``),
-which the run's workers read (:mod:`ckpteval.jobs.eval.scorers.judge`). It then waits for the server; USR1,
+which the run's workers read (:mod:`ckpteval.jobs.eval.scorers.judge.scorer`). It then waits for the server; USR1,
 TERM or INT stop it (SIGTERM to the server, SIGKILL after ``--grace``), and it exits with the
 server's code (0 after a requested stop).
 

@@ -238,7 +238,7 @@ def _reeval_step(args: argparse.Namespace) -> Callable[[], object] | None:
         return None
     if len(args.run_dir) != 1 or args.eval_config is None:
         raise ValueError("--from-run needs exactly one --run-dir (the new run) and --eval-config FILE")
-    from ckpteval.jobs.eval.reeval import create_reeval_run, plan_reeval
+    from ckpteval.jobs.eval.worker.reeval import create_reeval_run, plan_reeval
 
     plan = plan_reeval(args.run_dir[0], args.from_run, args.eval_config, "all" if args.steps is None else args.steps)
     return lambda: create_reeval_run(plan)

@@ -49,7 +49,7 @@ def check_on_submit_host(args: argparse.Namespace, templates: Mapping[str, str])
         path = Path(args.sbatch_dir) / name
         if not path.is_file() or not os.access(path, os.R_OK):
             raise ValueError(f"--sbatch-dir {args.sbatch_dir}: no readable {name} there")
-    from ckpteval.jobs.eval.options import DEVICE_RE, WorkerOptions, validate_options
+    from ckpteval.jobs.eval.worker.options import DEVICE_RE, WorkerOptions, validate_options
 
     if args.device is not None and not DEVICE_RE.match(args.device):
         raise ValueError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
@@ -87,7 +87,7 @@ def _check_train_eval(args: argparse.Namespace) -> None:
     run = Path(args.run_dir)
     trainer_args = trailing(args.trainer_args)
     if args.train_cmd is None:
-        from ckpteval.jobs.reference.train_config import TrainConfig
+        from ckpteval.jobs.reference.train.config import TrainConfig
 
         parse_as(TrainConfig, ["--run-dir", str(run), *trainer_args], "trainer argument").validate()  # what
         # `ckpteval train` itself refuses (--eval-interval vs --save-interval, ...): before queueing, not in the job
@@ -102,7 +102,7 @@ def _check_train_eval(args: argparse.Namespace) -> None:
 def _check_service(args: argparse.Namespace, worker_args: list[str]) -> None:
     run = Path(args.run_dir)
     if args.eval_config is not None:
-        from ckpteval.jobs.eval.evalconfig import read_eval_config
+        from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 
         try:
             read_eval_config(args.eval_config)
@@ -175,7 +175,7 @@ def finished_without_work(run: Path) -> bool:
     """Whether a backfill of ``run`` could only find nothing: no trainer will publish more (training done,
     interrupted, or a re-evaluation run) and every unit of it has a result. A run status cannot read is
     left to the job (which reports it); a service run, fed by a watched dir, never counts as finished."""
-    from ckpteval.jobs.views.status import collect_status
+    from ckpteval.jobs.views.status.main import collect_status
 
     try:
         status = collect_status(run)

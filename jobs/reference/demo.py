@@ -64,7 +64,7 @@ from ckpteval.jobs.flags import (
 from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED
 from ckpteval.jobs.pathchecks import check_dir_creatable
 from ckpteval.jobs.views.plot import draw, plot_series
-from ckpteval.jobs.views.status import collect_status, points_tables, read_metrics
+from ckpteval.jobs.views.status.main import collect_status, points_tables, read_metrics
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
 TABLE_WIDTH = 120
@@ -122,7 +122,7 @@ def parse_args(argv: list[str]) -> DemoConfig:
         check_dir_creatable("--run-dir", cfg.run_dir)
         if (cfg.run_dir / "run.json").exists():
             raise ValueError(f"--run-dir {cfg.run_dir} already holds a run: pick another --run-dir")
-    from ckpteval.jobs.reference.train_config import TrainConfig
+    from ckpteval.jobs.reference.train.config import TrainConfig
 
     # the trainer's arguments (--train-arg included) are checked here, before the demo creates anything
     parse_as(TrainConfig, trainer_args(cfg, default_run_dir(cfg))[1:], "--train-arg").validate()

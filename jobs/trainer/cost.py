@@ -2,7 +2,7 @@
 
 Definition (docs/USER_GUIDE.md glossary): at the point of step ``N``, the eval GPU-seconds of every point
 ingested so far at a step ``<= N`` (each unit's ``cost.gpu_s``: (generation + load + attestation seconds)
-x the engine's GPUs, :func:`ckpteval.jobs.eval.evaluators.unit_cost`) divided by the trainer's GPU-seconds
+x the engine's GPUs, :func:`ckpteval.jobs.eval.worker.evaluators.unit_cost`) divided by the trainer's GPU-seconds
 up to its dispatch of step ``N``. The trainer's GPU-seconds are its wall time outside the dispatcher
 (time spent exporting, waiting under backpressure or evaluating in the shared posture is not training)
 times its GPUs (:func:`trainer_gpus`), summed over its incarnations: each ``dispatched`` ledger record

@@ -102,7 +102,7 @@ from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.saves import shards_present
 from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
 from ckpteval.coord.units import WorkUnit, units_for_step
-from ckpteval.jobs.eval.canary import TrainerCanary
+from ckpteval.jobs.eval.proof.canary import TrainerCanary
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.trainer.config import DispatchConfig
@@ -110,7 +110,7 @@ from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
 
 if TYPE_CHECKING:  # the shared posture's parts are imported with a SharedEval (a fleet trainer needs none)
-    from ckpteval.jobs.eval.scoring import DatasetCache
+    from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
     from ckpteval.jobs.trainer.gate import SharedEval
 
 Model = torch.nn.Module | Mapping[str, Any]

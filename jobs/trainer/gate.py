@@ -11,8 +11,8 @@ With no dedicated eval GPUs, an eval point runs on the engine that serves the tr
 :func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
 disk into the engine (weights reach an engine only from disk) and reads the engine's version back
 (must be ``<run key>@<step>``, :func:`ckpteval.coord.identity.weight_version`), scores every unit of the step
-with the one unit path, :func:`ckpteval.jobs.eval.kinds.evaluate_pinned` (which checks the version again) — the
-fleet's pin routine and check (:mod:`ckpteval.jobs.eval.pinning`, which says why the settings differ) — then
+with the one unit path, :func:`ckpteval.jobs.eval.kinds.evaluate.evaluate_pinned` (which checks the version again) — the
+fleet's pin routine and check (:mod:`ckpteval.jobs.eval.proof.pinning`, which says why the settings differ) — then
 writes one result per unit. A unit whose scorer or library task fails is that unit's skip; training
 goes on.
 A version other than that before or
@@ -22,7 +22,7 @@ while the gate is paused, and nothing else can submit.
 
 :class:`SharedEval` is what a trainer hands its dispatcher for this posture (engine, gate, drain bound,
 trust): :meth:`SharedEval.attach` checks run.json's scorer code once, with a worker's trust rule
-(:func:`ckpteval.jobs.eval.trust.check_run_code`), and :meth:`SharedEval.evaluate` is one timed :func:`shared_eval`.
+(:func:`ckpteval.jobs.eval.proof.trust.check_run_code`), and :meth:`SharedEval.evaluate` is one timed :func:`shared_eval`.
 
 Limits: a producer that calls the engine without ``gate.submission()`` is not gated; the gate is not
 reentrant (a thread must not enter ``submission()`` while it holds ``paused()``: that deadlocks, so
@@ -45,13 +45,13 @@ from ckpteval.coord.results import Result, skip_result, write_result
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
 from ckpteval.coord.units import WorkUnit, units_for_step
-from ckpteval.jobs.eval.attest import AttestFailed, attest_dir
 from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_identity
-from ckpteval.jobs.eval.kinds import Evaluation, evaluate_pinned, unit_result
-from ckpteval.jobs.eval.pinning import PinViolation, WorkerSkip, pin
-from ckpteval.jobs.eval.prompts import NoChatTemplate
-from ckpteval.jobs.eval.scoring import DatasetCache
-from ckpteval.jobs.eval.trust import check_run_code
+from ckpteval.jobs.eval.kinds.evaluate import Evaluation, evaluate_pinned, unit_result
+from ckpteval.jobs.eval.kinds.generate.prompts import NoChatTemplate
+from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+from ckpteval.jobs.eval.proof.attest import AttestFailed, attest_dir
+from ckpteval.jobs.eval.proof.pinning import PinViolation, WorkerSkip, pin
+from ckpteval.jobs.eval.proof.trust import check_run_code
 
 STOP_SLICE_S = 0.1  # how often a paused() drain looks at its stop flag
 

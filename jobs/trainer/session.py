@@ -22,7 +22,7 @@ declared once there; waits: ``DispatchConfig(..., waits=Waits(poll_interval_s=0.
 
 Guarantee (the same checks as ``ckpteval train``): everything is validated before anything is
 written — the eval flags as one (:meth:`DispatchConfig.validate`), the eval-config file and every row
-of its datasets (:func:`ckpteval.jobs.eval.evalconfig.read_eval_config`), ``stop_when`` against the run's datasets;
+of its datasets (:func:`ckpteval.jobs.eval.worker.evalconfig.read_eval_config`), ``stop_when`` against the run's datasets;
 an existing run is continued only with ``resume=True`` and only with the same eval; ``run.json`` is
 written last, once. Limits: the caller's model dir must hold ``config.json`` and the tokenizer files
 (exports copy them into each snapshot; weights are not needed); one trainer per run dir.
@@ -43,7 +43,7 @@ from ckpteval.coord.identity import run_key
 from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.rundir import RunDir
 from ckpteval.coord.snapshot import producer_identity
-from ckpteval.jobs.eval.evalconfig import EvalConfig, install_eval_data, read_eval_config
+from ckpteval.jobs.eval.worker.evalconfig import EvalConfig, install_eval_data, read_eval_config
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.pathchecks import check_dir_creatable
 from ckpteval.jobs.trainer.config import DispatchConfig

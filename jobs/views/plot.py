@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpteval.coord.scorings import scoring_label
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, run_dirs_from_args
-from ckpteval.jobs.views.status import collect_status
+from ckpteval.jobs.views.status.main import collect_status
 
 FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
 _STYLES = ("--", ":", "-.")

@@ -23,7 +23,7 @@ from ckpteval.coord.results import ResultIndex
 from ckpteval.coord.rundir import unit_dir
 from ckpteval.coord.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_USAGE
-from ckpteval.jobs.views.status import collect_status
+from ckpteval.jobs.views.status.main import collect_status
 from tests.chaos import harness
 
 RUN_JSON_VARIANTS = {

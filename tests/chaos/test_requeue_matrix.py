@@ -116,7 +116,7 @@ def shm_dir() -> Iterator[Path]:
 
 def sampled_sparse_config(tmp: Path) -> Path:
     """An eval config with a sampled dataset and a sparse one (every second point)."""
-    from ckpteval.jobs.eval.evalsets import write_jsonl
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
     from ckpteval.jobs.reference.model import make_addition_examples
 
     d = tmp / "cfg"
@@ -248,7 +248,7 @@ def record(request: pytest.FixtureRequest, cell: str, faults: list[str], t: harn
 
 # -- evaluation-only postures: the service and a re-evaluation run ----------------------------------------------
 def service_config(tmp: Path) -> Path:
-    from ckpteval.jobs.eval.evalsets import write_jsonl
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
     from ckpteval.jobs.reference.model import make_addition_examples
 
     (tmp / "cfg").mkdir()

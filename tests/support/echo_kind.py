@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from ckpteval.coord.fields import NAME_RE, FieldError
 from ckpteval.coord.workunit import WorkUnit
 from ckpteval.jobs.eval.engines.base import SamplingParams
-from ckpteval.jobs.eval.kinds import Evaluation
+from ckpteval.jobs.eval.kinds.evaluate import Evaluation
 
 CHECKED: list[str] = []  # the entries check() saw: the proof the jobs-side check ran at worker start
 

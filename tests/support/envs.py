@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckpteval.jobs.eval.envs import Done, Tool
-from ckpteval.jobs.eval.envs.examples import CALCULATOR, ArithmeticEnv
+from ckpteval.jobs.eval.kinds.env import Done, Tool
+from ckpteval.jobs.eval.kinds.env.examples import CALCULATOR, ArithmeticEnv
 
 CRASHING = Tool(CALCULATOR.name, CALCULATOR.description, CALCULATOR.parameters,
                 "def calculator(expression):\n    raise RuntimeError('calculator backend is down')\n")

@@ -1,10 +1,10 @@
-"""Finding processes that outlived their sandbox (tests of jobs/eval/sandbox.py and the code scorer)."""
+"""Finding processes that outlived their sandbox (tests of jobs/eval/sandbox/core.py and the code scorer)."""
 
 from __future__ import annotations
 
 import time
 
-from ckpteval.jobs.eval.sandbox import labelled_processes
+from ckpteval.jobs.eval.sandbox.core import labelled_processes
 
 
 def survivors(label: str, wait_s: float = 30.0) -> list[int]:

@@ -31,8 +31,8 @@ from typing import Any
 
 PRELOAD = (  # what ``serve`` imports before it listens (hf.py at module level, the model classes on load)
     "ckpteval.jobs.cli",
-    "ckpteval.jobs.reference.serve",
-    "ckpteval.jobs.eval.engines.hf",
+    "ckpteval.jobs.reference.serve.main",
+    "ckpteval.jobs.eval.engines.hf.engine",
     "transformers.models.llama.modeling_llama",
     "tests.support.stale_serve",
 )

@@ -1,6 +1,6 @@
 """``ckpteval serve`` with a deliberately buggy engine (``python -m tests.support.stale_serve serve ARGS``).
 
-Everything is the real stand-in (:mod:`ckpteval.jobs.reference.serve`) except its engine's load: every
+Everything is the real stand-in (:mod:`ckpteval.jobs.reference.serve.main`) except its engine's load: every
 load after the first keeps layer 0's attention weights of the weights held before (:class:`StaleLayerEngine`),
 the deterministic stale-layer bug attestation must not take for the truth. A fresh launch loads correctly
 (nothing was held before), an in-place reload does not.
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from ckpteval.jobs.eval.engines import hf
+from ckpteval.jobs.eval.engines.hf import engine as hf
 
 
 class StaleLayerEngine(hf.HFEngine):
@@ -31,7 +31,7 @@ class StaleLayerEngine(hf.HFEngine):
 
 
 def main(argv: list[str]) -> int:
-    from ckpteval.jobs.reference import serve
+    from ckpteval.jobs.reference.serve import main as serve
 
     if argv[:1] != ["serve"]:
         raise ValueError("usage: python -m tests.support.stale_serve serve ARGS (the arguments of ckpteval serve)")

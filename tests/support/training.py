@@ -3,7 +3,7 @@
 ``python -m tests.support.training consume RUN [--delay S] [--until-done]`` is a minimal consumer that
 speaks only the coord protocol: it discovers complete snapshots under ``run.json``'s snapshot roots,
 claims units with :class:`ckpteval.coord.claims.UnitClaimer`, scores them on a real
-:class:`ckpteval.jobs.eval.engines.hf.HFEngine` with :func:`ckpteval.jobs.eval.scoring.score_unit`, and publishes results with
+:class:`ckpteval.jobs.eval.engines.hf.engine.HFEngine` with :func:`ckpteval.jobs.eval.kinds.generate.scoring.score_unit`, and publishes results with
 :func:`ckpteval.coord.results.write_result`. ``--delay`` slows each unit down (to make points overlap);
 ``--until-done`` exits once ``TRAINING_DONE`` exists and every dispatched step has all its results.
 """
@@ -58,7 +58,7 @@ def make_train_run(
     """A trainer's run dir built from the library (what any trainer integrating ckpteval writes):
     ``base/`` for the toy model, a small addition eval set, ``run.json`` listing the snapshot root; and
     the validated eval config (staging into ``RUN/snapshots`` unless a staging dir or ``--save-hf``)."""
-    from ckpteval.jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
     from ckpteval.jobs.reference.model import (  # torch: imported only when needed
         ModelConfig,
         save_base_model_dir,
@@ -133,8 +133,8 @@ def dispatched_steps(run_dir: Path) -> set[int]:
 
 def consume(run_dir: Path, delay_s: float = 0.0, until_done: bool = True, timeout_s: float = 300.0) -> int:
     """Evaluate every unit of every complete snapshot; returns the number of results written."""
-    from ckpteval.jobs.eval.engines.hf import HFEngine
-    from ckpteval.jobs.eval.scoring import DatasetCache, score_unit
+    from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+    from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache, score_unit
 
     run = RunDir.open(run_dir)
     manifest = run.manifest()

@@ -1,5 +1,5 @@
 """A small verifiers taskset for tests (id ``tests.support.vf_arith``; nothing downloaded): the arithmetic
-rows of :func:`ckpteval.jobs.eval.envs.examples.arithmetic_rows`, one turn (a ``@vf.stop`` after the first
+rows of :func:`ckpteval.jobs.eval.kinds.env.examples.arithmetic_rows`, one turn (a ``@vf.stop`` after the first
 reply), reward 1 when the reply's ``ANSWER: <n>`` is the value. A task whose expression is ``"raise"``
 has a reward function that raises (a verifier's crash: infra). Imports verifiers (the optional extra)."""
 
@@ -9,7 +9,7 @@ import re
 
 import verifiers.v1 as vf
 
-from ckpteval.jobs.eval.envs.examples import arithmetic_rows
+from ckpteval.jobs.eval.kinds.env.examples import arithmetic_rows
 
 ANSWER_RE = re.compile(r"ANSWER:\s*(-?\d+)")
 ROWS = [*arithmetic_rows(3, seed=7), {"expression": "raise", "answer": 0}]

@@ -52,7 +52,7 @@ def make_eval_run(
     ``eval.replay``, a :class:`ckpteval.coord.replays.ReplaySettings`)."""
     from dataclasses import replace
 
-    from ckpteval.jobs.eval.evalsets import write_addition_dataset
+    from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 
     run = RunDir.create(tmp / name)
     spec = write_addition_dataset(run, n=n_prompts, shard_size=shard_size)
@@ -323,7 +323,7 @@ def digit_first(completion: str, answer: str) -> tuple[float, str]:
 
 def run_inprocess(opts: Any, **kw: Any) -> tuple[int, Any]:
     """Build and run a worker in this process (no signal handlers); returns (exit code, worker)."""
-    from ckpteval.jobs.eval.worker import prepare_worker
+    from ckpteval.jobs.eval.worker.main import prepare_worker
 
     worker = prepare_worker(opts, **kw)
     try:

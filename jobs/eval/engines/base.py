@@ -4,7 +4,7 @@ An engine holds one set of weights at a time, stamped with a ``weight_version`` 
 weights change is :meth:`Engine.load`, which swaps weights *and* version together (a reader never sees
 new weights under an old version or the reverse). Every generation carries the version that produced
 it, so a worker can prove which weights a sample measured. Prompts arrive as final text (chat
-templates are rendered before, by :mod:`ckpteval.jobs.eval.prompts`).
+templates are rendered before, by :mod:`ckpteval.jobs.eval.kinds.generate.prompts`).
 
 Limits: an engine shared with other clients (an sglang server someone else also reloads) can change
 version between two calls; the worker detects that by re-reading the version after a unit and by the
@@ -31,7 +31,7 @@ class EngineError(RuntimeError):
 
 class WeightVersionMismatch(EngineError):
     """A load that succeeded but after which the engine reports another ``weight_version`` than the one
-    loaded: not a dead engine (pinning's read-back decides, :func:`ckpteval.jobs.eval.pinning.pin`)."""
+    loaded: not a dead engine (pinning's read-back decides, :func:`ckpteval.jobs.eval.proof.pinning.pin`)."""
 
 
 class RequestRejected(EngineError):
@@ -98,7 +98,7 @@ class Generation:
 
 @dataclass(frozen=True)
 class WeightDigests:
-    """What an in-process engine reports about the weights it holds (:mod:`ckpteval.jobs.eval.attest`).
+    """What an in-process engine reports about the weights it holds (:mod:`ckpteval.jobs.eval.proof.attest`).
 
     ``digests``: name -> CRC-32 of the tensor's bytes cast to the snapshot's dtype
     (:mod:`ckpteval.coord.digests`); ``aliases``: a name -> the name it shares storage with (tied weights);
@@ -114,7 +114,7 @@ class EngineChecksum:
     """sglang's ``/weights_checker`` ``checksum`` answer, reduced: ``checksum`` (its
     ``per_engine_checksum``), ``layout`` (everything the checksum depends on besides the weights:
     parallelism, roles, dtype, quantization, sglang version, the device the hash runs on —
-    :func:`ckpteval.jobs.eval.engines.http_server_info.checksum_layout`): equal only between engines of the same
+    :func:`ckpteval.jobs.eval.engines.http.server_info.checksum_layout`): equal only between engines of the same
     layout holding the same weights; ``instance``: which server launch answered (``<url>@<startup
     time>``), so an in-place reload is never taken for an independent load."""
 
@@ -210,9 +210,9 @@ class ChecksumsWeights(Protocol):
 
 @runtime_checkable
 class TeacherForced(Protocol):
-    """The canary's recomputation (:mod:`ckpteval.jobs.eval.canary`). Promises: ``teacher_forced(pairs)``
+    """The canary's recomputation (:mod:`ckpteval.jobs.eval.proof.canary`). Promises: ``teacher_forced(pairs)``
     scores each ``(prompt, continuation)`` with the loaded weights and the tokenizer the engine generates
-    with, one record per pair in :func:`ckpteval.jobs.eval.logprobs.probe_result`'s shape; a server that
+    with, one record per pair in :func:`ckpteval.jobs.eval.proof.logprobs.probe_result`'s shape; a server that
     refuses to score prompts raises :class:`RequestRejected` (the canary is then absent, not failed)."""
 
     def teacher_forced(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]: ...
@@ -230,7 +230,7 @@ class ReportsComputeDtype(Protocol):
 @runtime_checkable
 class NamesCanaryKind(Protocol):
     """An engine whose kernels are not in-process transformers' (every engine of sglang's HTTP API).
-    Promises: ``canary_kind`` keys the canary's bound table (:func:`ckpteval.jobs.eval.canary.measured_bounds`);
+    Promises: ``canary_kind`` keys the canary's bound table (:func:`ckpteval.jobs.eval.proof.canary.measured_bounds`);
     an engine without it is bounded as ``hf``."""
 
     canary_kind: str

@@ -4,12 +4,12 @@ engines as one.
 Specs (what ``--engine`` accepts) are ``KIND`` or ``KIND:ARG``, ``KIND`` a name of :data:`ENGINES`:
 
 ========================  =====================================================================
-``hf``                    :class:`ckpteval.jobs.eval.engines.hf.HFEngine` in this process on ``--device``
-``http:URL``              :class:`ckpteval.jobs.eval.engines.http.HTTPEngine` talking to a server at ``URL``
+``hf``                    :class:`ckpteval.jobs.eval.engines.hf.engine.HFEngine` in this process on ``--device``
+``http:URL``              :class:`ckpteval.jobs.eval.engines.http.engine.HTTPEngine` talking to a server at ``URL``
                           (sglang's native API: ``ckpteval serve`` or a real sglang server). Also
                           written ``http://HOST:PORT``, ``https://HOST:PORT`` or ``http:HOST:PORT``
                           (:func:`normalize_spec`)
-``sglang``                :class:`ckpteval.jobs.eval.engines.sglang.SGLangEngine`: launches its own sglang server
+``sglang``                :class:`ckpteval.jobs.eval.engines.sglang.engine.SGLangEngine`: launches its own sglang server
 ``fn:module:Class``       a :class:`ckpteval.jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
 ``auto``                  resolved on the node when the worker starts (:func:`resolve_auto`): ``sglang`` when
                           sglang is importable and the worker has GPUs (``--device cuda*`` and at least one
@@ -20,7 +20,7 @@ Adding an engine: write ``jobs/eval/engines/<name>.py`` with a class implementin
 :class:`~ckpteval.jobs.eval.engines.base.Engine` (import-light at module level), then add one line to
 :data:`ENGINES`: ``"<name>": EngineKind("ckpteval.jobs.eval.engines.<name>:MyEngine", arg=..., device=...,
 lora=...)``. Nothing else: ``--engine <name>`` is parsed, checked, built, pooled and pinned from there
-(an engine that subclasses :class:`~ckpteval.jobs.eval.engines.http.HTTPEngine` also runs lm-eval tasks).
+(an engine that subclasses :class:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine` also runs lm-eval tasks).
 
 Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
 way): ``eval.engine`` may hold one object per kind, passed as keyword arguments to that kind's
@@ -78,16 +78,16 @@ class EngineKind:
     deterministic_mode: bool = False
     """Has a batch-invariant mode, switched by ``deterministic=``: True unless every dataset of the run opts
     out (``"deterministic": false``; run.json ``eval.engine.<kind>.deterministic`` overrides). sglang's
-    ``--enable-deterministic-inference`` (:mod:`ckpteval.jobs.eval.engines.sglang_deterministic`); it also
+    ``--enable-deterministic-inference`` (:mod:`ckpteval.jobs.eval.engines.sglang.deterministic`); it also
     honours per-sample seeds only then."""
 
 
 ENGINES: dict[str, EngineKind] = {
-    "hf": EngineKind("ckpteval.jobs.eval.engines.hf:HFEngine", device=True, check_device=True, lora="ckpteval.jobs.eval.engines.hf_lora:HFLoRAEngine"),
-    "http": EngineKind("ckpteval.jobs.eval.engines.http:HTTPEngine", arg="URL", lora="ckpteval.jobs.eval.engines.sglang_lora:HTTPLoRAEngine",
+    "hf": EngineKind("ckpteval.jobs.eval.engines.hf.engine:HFEngine", device=True, check_device=True, lora="ckpteval.jobs.eval.engines.hf.lora:HFLoRAEngine"),
+    "http": EngineKind("ckpteval.jobs.eval.engines.http.engine:HTTPEngine", arg="URL", lora="ckpteval.jobs.eval.engines.sglang.lora:HTTPLoRAEngine",
                        lora_takes_base=False),
-    "sglang": EngineKind("ckpteval.jobs.eval.engines.sglang:SGLangEngine", device=True,
-                         lora="ckpteval.jobs.eval.engines.sglang_lora:SGLangLoRAEngine", deterministic_mode=True),
+    "sglang": EngineKind("ckpteval.jobs.eval.engines.sglang.engine:SGLangEngine", device=True,
+                         lora="ckpteval.jobs.eval.engines.sglang.lora:SGLangLoRAEngine", deterministic_mode=True),
     "fn": EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True),
 }
 KINDS = tuple(ENGINES)

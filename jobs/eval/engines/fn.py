@@ -26,10 +26,10 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
                                                                  #   ({"messages": [...], ...} in chat sets)
        "prompts": [str, ...],                                     # each row's final prompt text (chat
                                                                  #   sets rendered with the snapshot's
-                                                                 #   chat template: ckpteval.jobs.eval.prompts)
+                                                                 #   chat template: ckpteval.jobs.eval.kinds.generate.prompts)
        "seeds": [int, ...] | None,                                # per-sample seeds, prompt-major, of
                                                                  #   the samples above (sample_seed of
-                                                                 #   the absolute index: ckpteval.jobs.eval.scoring);
+                                                                 #   the absolute index: ckpteval.jobs.eval.kinds.generate.scoring);
                                                                  #   None for greedy sets
        "adapters": [...], "engine": {...},                        # run.json's eval.adapters / engine
        "base_model": str | None}                                  # eval.base_model: set = LoRA snapshots

@@ -42,7 +42,7 @@ averaged per point into ``eval/<ds>/<name>``. ``identity()`` is recorded in ever
 (``scorer``); a point whose units disagree on it is not pooled (:mod:`ckpteval.coord.results`).
 
 Limits: a scorer runs in the worker's process with its privileges (``module:function`` code is imported
-only under the trust rule, :mod:`ckpteval.jobs.eval.trust`); scoring is synchronous per unit.
+only under the trust rule, :mod:`ckpteval.jobs.eval.proof.trust`); scoring is synchronous per unit.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ from ckpteval.jobs.eval.skips import WorkerSkip
 SCORERS: dict[str, str] = {
     "exact": "ckpteval.jobs.eval.scorers.basic:ExactScorer",
     "math": "ckpteval.jobs.eval.scorers.basic:MathScorer",
-    "code": "ckpteval.jobs.eval.scorers.code:CodeScorer",
-    "judge": "ckpteval.jobs.eval.scorers.judge:JudgeScorer",
-    "reward_model": "ckpteval.jobs.eval.scorers.judge:RewardModelScorer",
+    "code": "ckpteval.jobs.eval.scorers.code.scorer:CodeScorer",
+    "judge": "ckpteval.jobs.eval.scorers.judge.scorer:JudgeScorer",
+    "reward_model": "ckpteval.jobs.eval.scorers.judge.scorer:RewardModelScorer",
 }
 FUNCTION_SCORER = "ckpteval.jobs.eval.scorers.basic:FunctionScorer"  # every "module:function" name
 
@@ -113,7 +113,7 @@ NOTE_CHARS = 300  # a per-sample note's length in a result (a program's stderr c
 class ScorerContext:
     """What a scorer may know of where it runs: the run dir (for caches, e.g. ``RUN/judge_cache/``) and
     the process's scorer-related options (the worker's ``--...`` flags of the "scoring" group in
-    :class:`ckpteval.jobs.eval.options.WorkerOptions`, by field name; their defaults in the shared posture)."""
+    :class:`ckpteval.jobs.eval.worker.options.WorkerOptions`, by field name; their defaults in the shared posture)."""
 
     run_dir: Path
     options: Mapping[str, Any] = field(default_factory=dict)

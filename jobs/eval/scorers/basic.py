@@ -3,7 +3,7 @@
 - ``exact`` (:class:`ExactScorer`): whitespace-stripped equality with the row's ``answer``; the extracted
   answer is the stripped completion.
 - ``math`` (:class:`MathScorer`): Hugging Face's math-verify in the process's grading pool with a
-  per-answer deadline (the dataset's ``grader_timeout_s``, :mod:`ckpteval.jobs.eval.grader`); a timed-out answer
+  per-answer deadline (the dataset's ``grader_timeout_s``, :mod:`ckpteval.jobs.eval.scorers.grader`); a timed-out answer
   scores 0 and is counted (``grader_timeouts``).
 - ``module:function`` (:class:`FunctionScorer`): a function taking ``(completion, answer)`` and returning
   a float, or ``(float, extracted answer or None)``; a bare float has no extracted answer (such a
@@ -52,7 +52,7 @@ class MathScorer(BaseScorer):
             raise ValueError("scorer 'math' needs the math-verify package: pip install math-verify") from None
 
     def score(self, samples: list[Sample]) -> list[Scored]:
-        from ckpteval.jobs.eval.grader import default_pool
+        from ckpteval.jobs.eval.scorers.grader import default_pool
 
         pairs = [(s.completion, a) for s, a in zip(samples, _answers(samples), strict=True)]
         return [Scored(g.score, g.answer, g.timed_out) for g in default_pool().grade(pairs, self.spec.grader_timeout_s)]

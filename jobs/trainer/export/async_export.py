@@ -116,7 +116,7 @@ class AsyncExporter:
     ) -> None:
         """Start exporting ``step``; returns after the host copy. The outcome comes from :meth:`poll`.
 
-        ``canary``: the bytes of the snapshot's :data:`ckpteval.coord.snapshot.CANARY` (:mod:`ckpteval.jobs.eval.canary`),
+        ``canary``: the bytes of the snapshot's :data:`ckpteval.coord.snapshot.CANARY` (:mod:`ckpteval.jobs.eval.proof.canary`),
         written with the weights and listed in the marker."""
         t0 = time.perf_counter()
         self._join()

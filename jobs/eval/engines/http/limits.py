@@ -1,0 +1,201 @@
+"""How long one ``/generate`` may take, and when a busy sglang server is retried instead of restarted.
+
+Owns two rules of :class:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine`, read from sglang 0.5.23's source:
+
+- **Busy is not dead.** sglang answers HTTP 503 with a message when it sheds load, in
+  ``ErrorResponse`` form ``{"object": "error", "message", "type": "503", "code": 503}``
+  (``srt/entrypoints/http_server.py`` ``validation_exception_handler`` renders the ``HTTPException``
+  that ``srt/managers/tokenizer_manager.py`` ``_handle_abort_finish_reason`` raises for an abort
+  carrying a status code). The messages of 0.5.23 are :data:`BUSY_MESSAGES`: a full waiting queue
+  (``--max-queued-requests``; ``srt/managers/scheduler.py`` ``_abort_on_queued_limit``), a request-timeout
+  abort (``SGLANG_REQ_WAITING_TIMEOUT`` / ``SGLANG_REQ_RUNNING_TIMEOUT``; ``scheduler.py``
+  ``_poll_timeout_aborts``) and a retraction without a KV backup (``srt/managers/schedule_batch.py``
+  ``retract_decode``). Any 503 whose body carries a message is retried (:func:`send_retrying_busy`:
+  ``retries`` more times, exponential backoff from ``delay``), never answered with a restart; still busy,
+  it raises :class:`ServerBusy` (skip reason ``overloaded``, no restart). A 503 without a message (a
+  proxy, a server shutting down: ``health_generate`` answers a bare 503) and every other 5xx stay
+  :class:`~ckpteval.jobs.eval.engines.base.EngineError` (restart).
+- **A long batch is given its time.** :func:`generate_timeout` is the base timeout plus
+  ``token_timeout_s`` per new token per *wave*: ``ceil(prompts / R)``, ``R`` the requests the server
+  runs at once — the sum over DP ranks of ``internal_states[].effective_max_running_requests_per_dp``
+  in ``/server_info`` (``srt/managers/scheduler_components/internal_state.py`` ``_add_topology``),
+  else its ``max_running_requests`` server arg, else one wave. A 32k-token chain of thought is not
+  cut at a flat 300 s. A timed-out client disconnects, and sglang
+  aborts a non-streaming request whose client is gone (``tokenizer_manager.py`` ``generate_request``,
+  ``request.is_disconnected``), so a timeout too short is never recovered by resending.
+- **A dataset may set its own bound.** ``generate_timeout_s`` of a dataset (run.json; it travels as
+  :attr:`~ckpteval.jobs.eval.engines.base.SamplingParams.timeout_s`) replaces the derived timeout for
+  that dataset's requests. A request that outlives it raises :class:`GenerateTimedOut` (skip reason
+  ``generate_timeout``, no restart: sglang aborts a request whose client left, ``tokenizer_manager.py``
+  ``_wait_one_response``; the server is not dead, and resending would only time out again). A derived timeout that expires stays an
+  :class:`~ckpteval.jobs.eval.engines.base.EngineError` (a server that slow is presumed hung: restart).
+
+- **A batch fits the server's queue.** sglang queues a ``/generate`` batch's items one by one and sheds
+  every item past ``--max-queued-requests`` (``scheduler.py`` ``_abort_on_queued_limit``: the limit counts
+  *prompts* in the waiting queue); one shed item fails the whole batch with a 503 and the items that
+  finished are thrown away (``tokenizer_manager.py`` ``_collect_batch_responses`` gathers every item).
+  :func:`queue_chunk` sizes each ``/generate`` to :data:`QUEUE_MARGIN` of the server's
+  ``max_queued_requests`` (``/server_info``; per DP rank, the smallest unit sglang queues against),
+  so other clients' prompts fit beside ours; a queue-full 503 that persists (or a retraction without a KV
+  backup: a smaller batch needs less KV) halves the chunk, down to one prompt, and resends only the
+  prompts still missing (:class:`BatchTooLarge`).
+- **A running timeout recurs.** ``SGLANG_REQ_RUNNING_TIMEOUT`` aborts a request that has *run* longer than
+  the bound (``scheduler.py`` ``_poll_timeout_aborts``); the same prompt and settings run as long again,
+  so it is not retried (:class:`RunningTimedOut`, skip ``generate_timeout``, no restart).
+
+Limits: the backoff sleeps in the calling thread; a server that stays overloaded past the retries
+skips the unit ``overloaded`` (the point lacks it until a backfill), it is not queued client-side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+
+from ckpteval.jobs.eval.engines.base import EngineError
+
+BUSY_STATUS = 503
+BUSY_MESSAGES = (
+    "The request queue is full.",  # scheduler.py _abort_on_queued_limit
+    "Request waiting timeout reached.",  # scheduler.py _poll_timeout_aborts
+    "Request running timeout reached.",  # scheduler.py _poll_timeout_aborts
+    "Retracted under decode memory pressure without a KV backup. Retry later.",  # schedule_batch.py
+)
+QUEUE_FULL = BUSY_MESSAGES[0]
+RUNNING_TIMEOUT = BUSY_MESSAGES[2]
+RETRACTED = BUSY_MESSAGES[3]
+QUEUE_MARGIN = 0.5  # of --max-queued-requests a client fills with one /generate (others share the queue)
+DEFAULT_TOKEN_TIMEOUT_S = 0.1  # per new token per wave: 10 tokens/s, slower than any healthy decode
+
+
+class ServerBusy(EngineError):
+    """sglang kept answering 503 with a message (it shed the request) after the bounded retries: the
+    server is overloaded, not dead. No restart; the unit is skipped ``overloaded``."""
+
+    reason = "overloaded"
+    restart_helps = False
+
+
+class BatchTooLarge(ServerBusy):
+    """The busy answer was sglang's full waiting queue or a retraction under KV pressure: a smaller batch
+    may pass (the caller shrinks it)."""
+
+
+class GenerateTimedOut(EngineError):
+    """A ``/generate`` outlived its dataset's ``generate_timeout_s``: the dataset's bound, not a dead server.
+    No restart; the unit is skipped ``generate_timeout``."""
+
+    reason = "generate_timeout"
+    restart_helps = False
+
+
+class RunningTimedOut(GenerateTimedOut):
+    """sglang aborted a running generation at ``SGLANG_REQ_RUNNING_TIMEOUT`` (503): the same generation
+    runs as long again, so it is neither retried nor restarted; the unit is skipped ``generate_timeout``."""
+
+
+@contextlib.contextmanager
+def dataset_timeout(timeout_s: float | None, prompts: int) -> Iterator[None]:
+    """Within it, a request timing out under a dataset's own ``timeout_s`` raises :class:`GenerateTimedOut`
+    (None: the derived timeout, whose expiry stays a plain EngineError)."""
+    try:
+        yield
+    except EngineError as e:
+        if timeout_s is None or not isinstance(e.__cause__, httpx.TimeoutException):
+            raise
+        raise GenerateTimedOut(f"POST /generate of {prompts} prompts took longer than the dataset's "
+                               f"generate_timeout_s ({timeout_s:g} s); sglang aborts a request whose client "
+                               "left (not restarted)") from e
+
+
+def error_message(response: httpx.Response) -> str:
+    """The server's explanation of a failed request, in the three shapes sglang uses: ``{"error": "<str>"}`` (the
+    0.5.22+ schema gate), ``{"error": {"message"}}`` (``_create_error_response``) and ``{"object": "error",
+    "message"}`` (``ErrorResponse``); any other body as it is."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    if isinstance(body, dict):
+        nested = body.get("error")
+        if isinstance(nested, str):
+            return f"HTTP {response.status_code}: {nested}"
+        if isinstance(nested, dict) and "message" in nested:
+            return f"HTTP {response.status_code}: {nested['message']}"
+        if "message" in body:
+            return f"HTTP {response.status_code}: {body['message']}"
+    return f"HTTP {response.status_code}: {body!r}"[:600]
+
+
+def reply_object(response: httpx.Response) -> dict[str, Any] | None:
+    """A reply's JSON object; None when its body is not JSON or not an object."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def busy_message(response: httpx.Response) -> str | None:
+    """The message of a 503 that says why (sglang's ``ErrorResponse`` ``message``, or ``detail``), else None."""
+    body = reply_object(response) if response.status_code == BUSY_STATUS else None
+    if body is None:
+        return None
+    message = body.get("message", body.get("detail"))
+    if isinstance(body.get("error"), dict):
+        message = body["error"].get("message", message)
+    return message if isinstance(message, str) and message.strip() else None
+
+
+def send_retrying_busy(
+    send: Callable[[], httpx.Response], retries: int, delay: float, what: str
+) -> httpx.Response:
+    """``send()`` until it is not a 503 with a message, at most ``retries`` more times with exponential
+    backoff from ``delay`` seconds; :class:`BatchTooLarge` (a full queue) or :class:`ServerBusy` if the last
+    answer is still one; :class:`RunningTimedOut` at once for sglang's running timeout (it recurs)."""
+    for attempt in range(retries + 1):
+        response = send()
+        message = busy_message(response)
+        if message is None:
+            return response
+        if message == RUNNING_TIMEOUT:
+            raise RunningTimedOut(f"{what}: HTTP 503 {message!r}: a generation ran past the server's "
+                                  "SGLANG_REQ_RUNNING_TIMEOUT; it would again (not retried, not restarted)")
+        if attempt < retries:
+            time.sleep(delay * 2**attempt)
+    error = BatchTooLarge if message in (QUEUE_FULL, RETRACTED) else ServerBusy
+    raise error(f"{what}: HTTP 503 {message!r} on {retries + 1} tries: the server is overloaded (not restarted)")
+
+
+def queue_chunk(max_batch_size: int, server_info: dict[str, Any]) -> int:
+    """Prompts per ``/generate``: ``max_batch_size``, capped at :data:`QUEUE_MARGIN` of the server's
+    ``max_queued_requests`` (at least one prompt) when it has one (module doc)."""
+    limit = server_info.get("max_queued_requests")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return max(1, min(max_batch_size, math.floor(limit * QUEUE_MARGIN)))
+    return max_batch_size
+
+
+def generate_timeout(
+    base_s: float, token_timeout_s: float, max_new_tokens: int, prompts: int, server_info: dict[str, Any]
+) -> float:
+    """Seconds one ``/generate`` of ``prompts`` prompts of up to ``max_new_tokens`` may take (module doc)."""
+    running = running_at_once(server_info)
+    waves = math.ceil(prompts / running) if running else 1
+    return base_s + token_timeout_s * max(0, max_new_tokens) * waves
+
+
+def running_at_once(server_info: dict[str, Any]) -> int | None:
+    """How many requests the server decodes at once (module doc), or None when it does not say."""
+    states = server_info.get("internal_states")
+    per_dp = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)] \
+        if isinstance(states, list) else []
+    if per_dp and all(isinstance(n, int) and n > 0 for n in per_dp):
+        return sum(per_dp)
+    arg = server_info.get("max_running_requests")
+    return arg if isinstance(arg, int) and arg > 0 else None

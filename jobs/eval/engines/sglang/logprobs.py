@@ -1,0 +1,126 @@
+"""The canary over sglang's ``/generate``: teacher-forced input-token log-probs, tokenized by the server.
+
+What it owns: the request that makes an sglang server (or ``ckpteval serve``) score a probe
+(:func:`teacher_forced_request`) and the reading of its reply into the canary's per-probe records
+(:func:`parse_teacher_forced`, the shape :func:`ckpteval.jobs.eval.proof.logprobs.teacher_forced` gives), and the
+round trip (:func:`server_teacher_forced`) behind
+:meth:`ckpteval.jobs.eval.engines.http.engine.HTTPEngine.teacher_forced`: every engine speaking sglang's native API
+(``http:URL``, ``sglang``, their LoRA variants, whose ``/generate`` names the adapter) runs the canary.
+
+How sglang 0.5.23 answers it (paths inside the sglang package):
+
+- ``POST /generate`` with ``text`` (the server's tokenizer encodes it, ``srt/managers/tokenizer_manager.py``
+  ``_tokenize_texts``: ``self.tokenizer(texts)``, special tokens added as transformers does by default),
+  ``sampling_params: {"max_new_tokens": 0, "temperature": 0}`` (a prefill-only request,
+  ``srt/managers/schedule_batch.py`` ``Req.is_prefill_only``), ``return_logprob: true``,
+  ``logprob_start_len: 0`` and ``top_logprobs_num: 1`` (``srt/managers/io_struct.py``
+  ``GenerateReqInput``); sglang's own tests score prompts exactly so (``test/kits/spec_server_kits.py``).
+- ``meta_info.input_token_logprobs`` is one ``[logprob, token_id, text]`` per input token from
+  ``logprob_start_len``: ``[None] + logprobs[:-1]`` against ``origin_input_ids[logprob_start_len:]``
+  (``srt/managers/scheduler_components/logprob_result_processor.py`` ``_process_input_token_logprobs``;
+  triples built by ``tokenizer_manager.py`` ``detokenize_logprob_tokens``, text None unless
+  ``return_text_in_logprobs``). ``input_top_logprobs`` has, per position, the ``top_logprobs_num``
+  best ``[logprob, id, text]`` (entry 0 None; ``_process_input_top_logprobs``): the argmax.
+- The values are the log-softmax of the raw logits (no temperature), in float32
+  (``srt/layers/logprob_processor.py`` ``InputLogprobProcessor``); a cached prefix never hides a
+  position from ``logprob_start_len`` on (``schedule_batch.py``: the prefix match is capped at it).
+
+The prompts alone ride in the same request so the server's own tokenization says where each
+continuation starts; token ids that differ from the trainer's (another tokenizer: sglang keeps the one
+it was launched with across ``update_weights_from_disk``) make the probe incomparable, as in
+:func:`ckpteval.jobs.eval.proof.canary.compare`.
+
+Input ids ``>= vocab_size - 1`` come back as 0 (``logprob_result_processor.py``
+``_process_input_token_logprobs``): :func:`ckpteval.jobs.eval.proof.canary.compare` matches ids modulo that clip.
+
+Limits: one request for the whole probe (a few short rows); what the reply lacks or garbles raises
+:class:`~ckpteval.jobs.eval.engines.base.EngineError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted
+from ckpteval.jobs.eval.engines.http.limits import error_message
+from ckpteval.jobs.eval.proof.logprobs import probe_result
+
+
+def server_teacher_forced(post: Callable[[dict[str, Any]], httpx.Response], pairs: list[tuple[str, str]],
+                          abort_retries: int = 2, abort_retry_delay: float = 1.0) -> list[dict[str, Any]]:
+    """The canary's records from the server: ``post`` (a ``POST /generate`` of a JSON body, which handles
+    busy 503s) of :func:`teacher_forced_request`, read by :func:`parse_teacher_forced`. A reply with an
+    aborted item (``finish_reason.type == "abort"``: ``/abort_request``, a pause, a weight update) is sent
+    again, ``abort_retries`` times, then :class:`SamplesAborted` (not a restart, as for a generate).
+    :class:`RequestRejected` when the server refuses it (a 4xx: it cannot score prompts; the canary is then
+    absent), else :class:`EngineError`."""
+    body = teacher_forced_request(pairs)
+    message = ""
+    for attempt in range(abort_retries + 1):
+        if attempt:
+            time.sleep(abort_retry_delay * attempt)
+        response = post(body)
+        if response.status_code != 200:
+            message = f"POST /generate (canary log-probs): {error_message(response)}"
+            raise (RequestRejected if 400 <= response.status_code < 500 else EngineError)(message)
+        try:
+            reply = response.json()
+        except ValueError as e:
+            raise EngineError(f"POST /generate (canary log-probs): reply is not JSON: {response.text[:200]}") from e
+        message = _abort_message(reply)
+        if message is None:
+            return parse_teacher_forced(pairs, reply)
+    raise SamplesAborted(f"the canary's /generate came back aborted {abort_retries + 1} times (last: {message!r}); "
+                         "not compared")
+
+
+def _abort_message(reply: Any) -> str | None:
+    """The message of the first aborted item of a ``/generate`` list reply, else None."""
+    for item in reply if isinstance(reply, list) else []:
+        finish = item.get("meta_info", {}).get("finish_reason") if isinstance(item, dict) else None
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            return str(finish.get("message") or "Aborted")
+    return None
+
+
+def teacher_forced_request(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """The ``/generate`` body scoring every ``prompt + continuation``, then every prompt alone."""
+    return {
+        "text": [p + c for p, c in pairs] + [p for p, _ in pairs],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 1,
+    }
+
+
+def parse_teacher_forced(pairs: list[tuple[str, str]], reply: Any) -> list[dict[str, Any]]:
+    """The canary's records (``ids``, ``start``, ``logprobs``, ``argmax`` per probe) from the reply to
+    :func:`teacher_forced_request`; :class:`EngineError` when it is not what sglang sends."""
+    if not isinstance(reply, list) or len(reply) != 2 * len(pairs):
+        raise EngineError(f"/generate returned {str(reply)[:200]} for {2 * len(pairs)} canary texts")
+    out = []
+    for i, pair in enumerate(pairs):
+        ids, logprobs, argmax = _scored(reply[i])
+        prompt_ids = _scored(reply[len(pairs) + i])[0]
+        out.append(probe_result(pair, ids, len(prompt_ids), logprobs, argmax))
+    return out
+
+
+def _scored(item: Any) -> tuple[list[int], list[float | None], list[int | None]]:
+    """Token ids, log-probs and argmax per position of one scored text."""
+    try:
+        meta = item["meta_info"]
+        tokens, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        ids = [int(t[1]) for t in tokens]
+        logprobs = [None if t[0] is None else float(t[0]) for t in tokens]
+        argmax = [None if not top else int(top[0][1]) for top in tops]
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise EngineError(f"/generate: no input logprobs in {str(item)[:200]} ({type(e).__name__}: {e})") from e
+    if len(argmax) != len(ids) or not ids or any(v is None for v in logprobs[1:] + argmax[1:]):
+        raise EngineError(f"/generate: input logprobs of unequal or missing lengths in {str(item)[:200]}")
+    return ids, logprobs, argmax

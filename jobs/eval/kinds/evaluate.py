@@ -1,0 +1,100 @@
+"""Dataset kinds, and the one path that evaluates a unit on an engine already pinned to its step.
+
+An entry of run.json's ``eval.datasets`` has a ``kind``: one line of :data:`ckpteval.coord.entries.KINDS` names its
+settings dataclass and the two jobs-side functions this module calls (coord knows no engine): ``generate`` (the default) —
+prompts from a JSONL file, sampled on the engine and scored by the dataset's scorer
+(:func:`ckpteval.jobs.eval.kinds.generate.scoring.evaluate_generate`); ``lm_eval`` — one EleutherAI lm-evaluation-harness task per
+unit (:func:`ckpteval.jobs.eval.kinds.lm_eval.evaluate_harness`); ``env`` — multi-turn episodes of a Python environment
+(:func:`ckpteval.jobs.eval.kinds.env.runner.evaluate_env`).
+
+:func:`evaluate_pinned` is the only place a unit is evaluated: the fleet's
+:class:`ckpteval.jobs.eval.worker.evaluators.EngineEvaluator` and the shared posture's :func:`ckpteval.jobs.trainer.gate.shared_eval`
+both call it after pinning, and turn what it returns into a result with :func:`unit_result`. Every kind
+checks the pin itself (each sample's version, or the version read back around a library task) and
+raises :class:`~ckpteval.jobs.eval.proof.pinning.PinViolation` when it does not hold.
+
+Adding a kind: see :mod:`ckpteval.coord.entries` — a module with the settings dataclass and
+``evaluate(engine, cache, spec, unit, snapshot, want) -> Evaluation`` (and optionally ``check(cache, spec)``,
+run at worker start), and one line in :data:`ckpteval.coord.entries.KINDS` naming them. User code a kind runs
+(a library's task, a scorer) raises anything: wrap it with :func:`user_code` so its failure is the unit's
+``crashed`` skip at once, never the engine's.
+
+Limits: a kind's point is one of the two rules of :mod:`ckpteval.coord.results` (its ``POINT_RULE``): per-sample
+scores (``samples``: ``generate``, ``env``) or per-unit metrics (``metrics``: ``lm_eval``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpteval.coord.entries import KINDS, load_target
+from ckpteval.coord.results import Result, harness_result, ok_result
+from ckpteval.coord.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.scorers import last_line
+from ckpteval.jobs.eval.skips import WorkerSkip
+
+
+@dataclass
+class Evaluation:
+    """What one unit produced: per-sample scores with their versions, or a task's metrics."""
+
+    scores: list[float]
+    weight_versions: list[str | None]
+    message: str = ""
+    answers: list[str | None] | None = None  # the scorer's extracted answers (None: not reported)
+    scored: dict[str, Any] = field(default_factory=dict)  # UnitScores.result_fields(): counters, scorer, ...
+    metrics: dict[str, float] | None = None  # a library task's metrics (weight_versions: the read-backs)
+    generate_s: float = 0.0
+    attest: dict[str, Any] = field(default_factory=dict)  # ckpteval.jobs.eval.proof.attest.Attestation.to_json()
+    cost: dict[str, float] = field(default_factory=dict)  # tokens, busy seconds: what the unit cost
+    fidelity: dict[str, float] = field(default_factory=dict)  # ckpteval.jobs.eval.proof.canary.Fidelity.to_json(); {}: no canary
+    kept: Any = None  # the completions to keep beside the result (ckpteval.coord.completions.Completions)
+    engine: dict[str, Any] = field(default_factory=dict)  # ckpteval.coord.engine_identity.EngineIdentity.to_json()
+
+
+class UserCodeFailed(WorkerSkip):
+    """Code the unit ran on the user's behalf (a scorer, a library task) raised: the unit's ``crashed``
+    skip, written at once with :attr:`blame` (another worker would fail the same way)."""
+
+    reason = "crashed"
+    blame = "user_code"
+
+
+def evaluate_pinned(engine: Any, cache: Any, unit: WorkUnit, snapshot: str, want: str) -> Evaluation:
+    """Evaluate ``unit`` on ``engine`` (pinned to version ``want``) by its entry's kind (``KINDS[kind].evaluate``)."""
+    spec = cache.manifest.entry(unit.dataset)
+    return load_target(KINDS[spec.kind].evaluate)(engine, cache, spec, unit, snapshot, want)  # type: ignore[no-any-return]
+
+
+def check_entries(cache: Any) -> None:
+    """At worker (or shared-posture) start: every entry's kind check (rows, scorer, library), if it has one."""
+    for spec in cache.manifest.eval.entries:
+        if KINDS[spec.kind].check:
+            load_target(KINDS[spec.kind].check)(cache, spec)
+
+
+def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:
+    """The ok result of an evaluation (``kw``: timings, worker, snapshot, ...)."""
+    kw = {"attest": ev.attest, "cost": ev.cost, "fidelity": ev.fidelity, "engine": ev.engine, **kw}
+    if ev.metrics is not None:
+        return harness_result(unit, ev.metrics, ev.weight_versions, message=ev.message, **kw, **ev.scored)
+    return ok_result(unit, ev.scores, ev.weight_versions, ev.answers, message=ev.message, kept=ev.kept, **kw,
+                     **ev.scored)
+
+
+@contextmanager
+def user_code(what: str, blame: str) -> Iterator[None]:
+    """Around code run on the user's behalf: an exception other than a skip or an engine error becomes
+    :class:`UserCodeFailed` naming ``what`` and the exception's last line."""
+    try:
+        yield
+    except (WorkerSkip, EngineError):
+        raise
+    except Exception as e:  # noqa: BLE001  # user code: its failure is the unit's crashed skip
+        failure = UserCodeFailed(f"{what} failed: {last_line(e)}")
+        failure.blame = blame
+        raise failure from e

@@ -1,0 +1,166 @@
+"""Talking to a judge server: an OpenAI-compatible chat endpoint, or a reward model served by sglang.
+
+Owns the HTTP side of :mod:`ckpteval.jobs.eval.scorers.judge.scorer`, through the ``openai`` Python client (its
+``base_url``, per-request ``timeout`` and ``max_retries``: connection errors, timeouts, 408/409/429 and
+5xx answers are retried with exponential backoff, 0.5 s doubling up to 8 s, with jitter). So one request
+costs at most ``(retries + 1) * timeout_s`` plus about 16 s of backoff; after that it raises
+:class:`JudgeUnavailable` with the judge's own message, which the scorer turns into the unit's
+``judge_failed`` skip. Nothing here ever turns a failure into a score.
+
+Endpoints, as sglang 0.5.23 serves them (read in its wheel):
+
+- ``GET /v1/models`` (``srt/entrypoints/http_server.py`` ``available_models``): ``{"object": "list",
+  "data": [{"id": <served model name>, "root": <the same>, ...}]}``; vLLM and hosted APIs answer the
+  same shape. The judge's identity is read from here, never trusted from config.
+- ``POST /v1/chat/completions`` (``srt/entrypoints/openai/serving_chat.py``, request model
+  ``ChatCompletionRequest`` in ``srt/entrypoints/openai/protocol.py``): ``model``, ``messages``,
+  ``temperature``, ``top_p``, ``max_tokens``, ``seed``; the verdict is read from
+  ``choices[0].message.content``.
+- ``POST /classify`` (``srt/entrypoints/http_server.py`` ``classify_request``: "a reward model request.
+  Now the arguments and return values are the same as embedding models"): the body is an
+  ``EmbeddingReqInput`` (``srt/managers/io_struct.py``): ``{"text": str | list[str]}`` — the full
+  conversation already rendered with the reward model's chat template (the server applies none) — and
+  the answer is, per text, ``{"embedding": [float, ...], "meta_info": {...}}`` (a list for list input,
+  ``srt/managers/tokenizer_manager.py``); a reward model's reward is ``embedding[0]``. It lives at the
+  server root, not under ``/v1``.
+- ``POST /v1/score`` (``srt/entrypoints/openai/serving_score.py``, ``ScoringRequest`` in
+  ``protocol.py``) takes ``query``, ``items`` and ``label_token_ids`` and answers ``{"scores":
+  [[p_label, ...] per item], "model", ...}``: per-label-token probabilities (a causal LM) or class logits
+  (a sequence classifier) — a yes/no judge without generation, not a reward. It is not used here; the
+  chat judge with a verdict rule covers the yes/no case on every OpenAI-compatible server.
+
+Every answer is read from its raw body and its shape checked here: a 200 whose body is not JSON, is
+empty, or lacks the fields above (``choices[0].message.content`` a string or null; ``/classify`` items
+with a finite ``embedding[0]``; ``/v1/models`` ``data[].id`` strings) is :class:`JudgeUnavailable` like
+any failure — never an exception the scorer did not expect. A non-JSON 200 is not retried (the client
+retries only what the server marks as failed); the unit's skip is (by ``backfill``).
+
+Limits: ``api_key`` comes from an environment variable named in the settings (never from run.json);
+requests are synchronous, made concurrently by the scorer's thread pool (the client is thread-safe).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class JudgeUnavailable(RuntimeError):
+    """The judge did not answer usably after the client's retries (the message is the judge's)."""
+
+
+def _import_openai() -> Any:
+    try:
+        import openai
+    except ImportError:
+        raise JudgeUnavailable("judged datasets need the openai package: pip install 'ckpteval[judge]'") from None
+    return openai
+
+
+def _describe(e: Exception) -> str:
+    """The judge's own message: status code and body for an HTTP answer, the cause for no answer."""
+    openai = _import_openai()
+    if isinstance(e, openai.APIStatusError):
+        return f"HTTP {e.status_code}: {e.message}"
+    if isinstance(e, openai.APITimeoutError):
+        return "request timed out"
+    cause = e.__cause__ or e.__context__
+    return f"{e}" + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
+
+
+def server_root(url: str) -> str:
+    """The server root of an OpenAI base URL: ``http://h:p/v1`` -> ``http://h:p`` (sglang's ``/classify``)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """One chat completion: the reply text (``""`` for a null content) and the ``model`` it says answered."""
+
+    content: str
+    model: str | None
+
+
+def _json_of(what: str, raw: Any) -> Any:
+    """The JSON body of a 200 answer; JudgeUnavailable when it is not JSON (empty, HTML, cut short)."""
+    text = raw.text
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise JudgeUnavailable(f"{what} answered HTTP {raw.status_code} with a body that is not JSON: "
+                               f"{text[:200]!r}") from None
+
+
+def _shape_error(what: str, body: Any, expected: str) -> JudgeUnavailable:
+    return JudgeUnavailable(f"{what} answered {json.dumps(body, default=str)[:200]}; expected {expected}")
+
+
+class JudgeEndpoint:
+    """One judge server at ``base_url`` (its OpenAI base, ``http://host:port/v1``)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, retries: int) -> None:
+        openai = _import_openai()
+        self.base_url = base_url.rstrip("/")
+        kwargs = {"api_key": api_key or "EMPTY", "timeout": timeout_s, "max_retries": retries}
+        self.client = openai.OpenAI(base_url=self.base_url, **kwargs)
+        self.root = openai.OpenAI(base_url=server_root(self.base_url), **kwargs)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn``'s raw answer as parsed JSON; every failure (no answer, an error status, a body that is
+        not JSON) is JudgeUnavailable naming the route — the caller checks the shape."""
+        openai = _import_openai()
+        what = f"judge at {self.base_url}: {what}"
+        try:
+            raw = fn(*args, **kwargs)
+        except openai.OpenAIError as e:
+            raise JudgeUnavailable(f"{what}: {_describe(e)}") from None
+        return _json_of(what, getattr(raw, "http_response", raw))
+
+    def model_ids(self) -> list[str]:
+        """What ``GET /v1/models`` lists (the judge's identity)."""
+        what = "GET /models"
+        body = self._call(what, self.client.models.with_raw_response.list)
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise _shape_error(f"judge at {self.base_url}: {what}", body, '{"data": [{"id": ...}, ...]}')
+        return [m["id"] for m in data]
+
+    def chat(self, model: str, messages: list[dict[str, str]], sampling: dict[str, Any],
+             response_format: dict[str, Any] | None = None) -> ChatReply:
+        """One chat completion: ``choices[0].message.content`` (null: ``""``) and the reply's ``model``.
+        ``response_format``: OpenAI's structured output (``{"type": "json_schema", ...}``)."""
+        what = "POST /chat/completions"
+        extra = {"response_format": response_format} if response_format is not None else {}
+        body = self._call(what, self.client.chat.completions.with_raw_response.create,
+                          model=model, messages=messages, **sampling, **extra)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        first = choices[0] if isinstance(choices, list) and choices else None
+        message = first.get("message") if isinstance(first, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or not isinstance(content, str | None):
+            raise _shape_error(f"judge at {self.base_url}: {what}", body,
+                               '{"choices": [{"message": {"content": "..."}}], "model": ...}')
+        answered = body.get("model")
+        return ChatReply(content or "", answered if isinstance(answered, str) else None)
+
+    def classify(self, model: str, texts: list[str]) -> list[float]:
+        """sglang's ``POST /classify``: one reward (``embedding[0]``, a finite number) per rendered text."""
+        what = f"judge at {self.base_url}: POST /classify"
+        answer = self._call("POST /classify", self.root.post, "/classify", cast_to=httpx.Response,
+                            body={"model": model, "text": texts})
+        items = answer if isinstance(answer, list) else [answer]
+        rewards = []
+        for item in items:
+            emb = item.get("embedding") if isinstance(item, dict) else None
+            value = emb[0] if isinstance(emb, list) and emb else None
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise _shape_error(what, item, "{'embedding': [reward, ...]} with a finite reward")
+            rewards.append(float(value))
+        if len(rewards) != len(texts):
+            raise JudgeUnavailable(f"{what} answered {len(rewards)} rewards for {len(texts)} texts")
+        return rewards
