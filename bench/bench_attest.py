@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot, read_marker
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import publish_snapshot, read_marker
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.proof.attest import attest
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_base_model_dir

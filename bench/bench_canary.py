@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot, read_marker
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import publish_snapshot, read_marker
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset, write_addition_dataset
 from ckpteval.jobs.eval.proof.canary import canary_bytes, probe_rows

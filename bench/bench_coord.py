@@ -31,12 +31,12 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ckpteval.coord.claims import UnitClaimer, order_units  # noqa: E402
-from ckpteval.coord.discovery import SnapshotDiscovery  # noqa: E402
-from ckpteval.coord.manifest import LeaseSettings  # noqa: E402
-from ckpteval.coord.results import ResultIndex, ok_result, write_result  # noqa: E402
-from ckpteval.coord.snapshot import publish_snapshot, verify_snapshot  # noqa: E402
-from ckpteval.coord.units import WorkUnit  # noqa: E402
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result  # noqa: E402
+from ckpteval.coord.run.manifest import LeaseSettings  # noqa: E402
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery  # noqa: E402
+from ckpteval.coord.snapshots.snapshot import publish_snapshot, verify_snapshot  # noqa: E402
+from ckpteval.coord.work.claims import UnitClaimer, order_units  # noqa: E402
+from ckpteval.coord.work.units import WorkUnit  # noqa: E402
 
 
 def _worker(base: str, n_units: int, with_lease: bool, out: mp.Queue) -> None:
@@ -139,7 +139,7 @@ def bench_verify(base: Path, gb: float) -> dict[str, float]:
 
 POLLER = """
 import sys, os
-from ckpteval.coord.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
 d = SnapshotDiscovery(sys.argv[1])
 n = len(d.poll())
 os.write(1, b"IDLE-POLL-START\\n")

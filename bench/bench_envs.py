@@ -34,9 +34,9 @@ from typing import Any
 
 import httpx
 
-from ckpteval.coord.manifest import EnvSpec, EvalSpec, RunManifest
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.manifest import EnvSpec, EvalSpec, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import Generation, SamplingParams
 from ckpteval.jobs.eval.kinds.env import Tool
 from ckpteval.jobs.eval.kinds.env.examples import CALCULATOR, ArithmeticEnv, arithmetic_rows

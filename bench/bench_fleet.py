@@ -79,7 +79,7 @@ class SleepBackend(CheckpointEvalFn):
 def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
     """``ckpteval worker ARGV`` with every ``try_claim`` counted (module docstring); the counts go to
     ``counts_path`` as JSON when the worker returns."""
-    from ckpteval.coord.claims import UnitClaimer
+    from ckpteval.coord.work.claims import UnitClaimer
     from ckpteval.jobs.cli import main
 
     counts: Counter[str] = Counter()
@@ -111,10 +111,10 @@ def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
 # -- the run ------------------------------------------------------------------------------------------------
 def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float, lease_s: float) -> Any:
     from bench.bench_scale import write_weights
-    from ckpteval.coord.identity import run_key
-    from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-    from ckpteval.coord.rundir import RunDir
-    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.coord.run.identity import run_key
+    from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.run.rundir import RunDir
+    from ckpteval.coord.snapshots.snapshot import publish_snapshot
     from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 
     run = RunDir.create(path)
@@ -186,7 +186,7 @@ def supervise(procs: list[subprocess.Popen], bound_s: float, t0: float) -> dict[
 def twice(run: Any) -> dict[str, Any]:
     """Units evaluated more than once, by cause (module docstring)."""
     from ckpteval.coord.atomic import read_json_object
-    from ckpteval.coord.results import ResultIndex, parse_result
+    from ckpteval.coord.results.files import ResultIndex, parse_result
 
     results = ResultIndex(run.results).refresh()
     dup_dir = run.results / "duplicates"
@@ -208,7 +208,7 @@ def twice(run: Any) -> dict[str, Any]:
 
 
 def fleet(run: Any, n: int, args: argparse.Namespace, tmp: Path, extra: list[str] | None = None) -> dict[str, Any]:
-    from ckpteval.coord.results import ResultIndex
+    from ckpteval.coord.results.files import ResultIndex
 
     counts_dir = tmp / f"counts-{n}-{len(extra or [])}"
     counts_dir.mkdir()

@@ -37,8 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ckpteval.coord.manifest import DatasetSpec  # noqa: E402
-from ckpteval.coord.rundir import RunDir  # noqa: E402
+from ckpteval.coord.run.manifest import DatasetSpec  # noqa: E402
+from ckpteval.coord.run.rundir import RunDir  # noqa: E402
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext  # noqa: E402
 from ckpteval.jobs.eval.scorers.judge.scorer import JudgeScorer  # noqa: E402
 

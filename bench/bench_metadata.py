@@ -12,7 +12,7 @@ round trip to the metadata server, shared by every user of the filesystem. This 
    the venv are not) by kind and by area
    (``results/``, ``leases/``, snapshots, the rest of the run dir), plus every syscall (``getpid``, thread
    starts, ...) and the process's CPU ms per unit (measured again without strace).
-2. **protocol**: claim + result + release alone (:class:`ckpteval.coord.claims.UnitClaimer`, :func:`ckpteval.coord.results.
+2. **protocol**: claim + result + release alone (:class:`ckpteval.coord.work.claims.UnitClaimer`, :func:`ckpteval.coord.results.files.
    write_result`, per-step directories as in a new run), one process, under strace; baseline: publishing the
    result alone (temp + fsync + link + dir fsync, the irreducible torn-write-safe, first-writer-wins
    publication), measured in the same run.
@@ -97,10 +97,10 @@ def make_run(base: Path, steps: int, shards: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from ckpteval.coord.identity import run_key
-    from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
-    from ckpteval.coord.rundir import RunDir
-    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.coord.run.identity import run_key
+    from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.run.rundir import RunDir
+    from ckpteval.coord.snapshots.snapshot import publish_snapshot
     from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 
     run = RunDir.create(base / "run")
@@ -155,10 +155,10 @@ def marginal(small: dict[str, Any], large: dict[str, Any], key: str) -> dict[str
 PROTOCOL = """
 import os, sys, time
 from pathlib import Path
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.results import ok_result, write_result
-from ckpteval.coord.claims import UnitClaimer
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.results.files import ok_result, write_result
+from ckpteval.coord.work.claims import UnitClaimer
+from ckpteval.coord.work.units import WorkUnit
 base, n, leased = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 (base / "leases").mkdir(parents=True)
 (base / "results").mkdir()

@@ -1,6 +1,6 @@
 """Kept completions and ``ckpteval rescore`` (issue 28 §2): bytes per kept sample, and re-scoring a synthetic run.
 
-1. **Bytes per kept sample**: kept-completions files (:mod:`ckpteval.coord.completions`, gzip'd JSON) of units of
+1. **Bytes per kept sample**: kept-completions files (:mod:`ckpteval.coord.results.completions`, gzip'd JSON) of units of
    64 prompts x 4 samples at three completion lengths (about 8, 256 and 4,096 tokens at 4 characters a token).
    Texts are non-overlapping windows of this repository's own prose and code (docs/*.md, *.py), picked at random,
    so gzip finds no repeats a real completion would not have; the short ones are digit strings like the tiny
@@ -27,12 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckpteval.coord.completions import Completions, encode, record_generations, rows_digest
-from ckpteval.coord.identity import run_key, weight_version
-from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import ResultIndex, dumps, ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit, shard_range, units_for_step
+from ckpteval.coord.results.completions import Completions, encode, record_generations, rows_digest
+from ckpteval.coord.results.files import ResultIndex, dumps, ok_result, write_result
+from ckpteval.coord.run.identity import run_key, weight_version
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit, shard_range, units_for_step
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.kinds.generate.answering import Reasoning
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
@@ -126,7 +126,7 @@ def bench_rescore(points: int, prompts: int, shard_size: int) -> dict[str, float
 
 
 def store_run(tmp: Path, name: str, base: Path, prompts: int) -> RunDir:
-    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.coord.snapshots.snapshot import publish_snapshot
     from ckpteval.jobs.reference.model import build_model
     from ckpteval.jobs.trainer.export.hf_files import write_hf_files
 

@@ -2,7 +2,7 @@
 
 Builds a synthetic run of ``--points`` points (steps 100, 200, ...: a 100k-step run evaluated every 100 steps
 at the default 1,000) × ``--datasets`` eval sets × ``--shards`` shards, no model: every unit's result is
-written by the project's own writer (:func:`ckpteval.coord.results.write_result`, in ``--procs`` processes), and every
+written by the project's own writer (:func:`ckpteval.coord.results.files.write_result`, in ``--procs`` processes), and every
 point but the last ``--pending`` is dispatched and ingested through the trainer's own path (ledger
 ``dispatched``, :func:`ckpteval.jobs.ingest.ingest_point` → ``metrics.jsonl`` + ledger ``ingested``, ``retired``). The
 last ``--pending`` points are dispatched (snapshot published) and complete but not yet ingested: what a
@@ -16,7 +16,7 @@ built the same way, in the same run:
 2. a worker's idle poll (:meth:`ckpteval.jobs.eval.worker.loop.Worker.poll`: discovery + results, every unit done);
 3. ``ckpteval status RUN`` (tables, to a file) and ``ckpteval plot RUN -o curve.png`` as a user runs them
    (fresh processes, interpreter start-up included) — goal < 2 s each, as for the steady ingestion poll —
-   reading the step summaries ingestion wrote (:mod:`ckpteval.coord.summary`); then again with every summary
+   reading the step summaries ingestion wrote (:mod:`ckpteval.coord.results.summary`); then again with every summary
    hidden (``status_full_s``, ``plot_full_s``: every result file read, the path before summaries), and the
    printouts and PNGs of the two must be the same (the benchmark fails otherwise);
 4. the syscalls of one idle poll — trainer idle (nothing pending), trainer waiting (one point pending, no
@@ -52,13 +52,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ckpteval.coord.identity import run_key  # noqa: E402
-from ckpteval.coord.ledger import Ledger  # noqa: E402
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
-from ckpteval.coord.results import Result, ResultIndex, ok_result, write_result  # noqa: E402
-from ckpteval.coord.rundir import STEP_SUMMARY, RunDir  # noqa: E402
-from ckpteval.coord.snapshot import publish_snapshot  # noqa: E402
-from ckpteval.coord.units import units_for_step  # noqa: E402
+from ckpteval.coord.results.files import Result, ResultIndex, ok_result, write_result  # noqa: E402
+from ckpteval.coord.run.identity import run_key  # noqa: E402
+from ckpteval.coord.run.ledger import Ledger  # noqa: E402
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
+from ckpteval.coord.run.rundir import STEP_SUMMARY, RunDir  # noqa: E402
+from ckpteval.coord.snapshots.snapshot import publish_snapshot  # noqa: E402
+from ckpteval.coord.work.units import units_for_step  # noqa: E402
 from ckpteval.jobs.ingest import ingest_point  # noqa: E402
 from ckpteval.jobs.metrics import MetricsSink  # noqa: E402
 

@@ -206,8 +206,8 @@ def snapshot_dir_fn(mode: str, staging: Path, run_dir: Path) -> Callable[[int], 
     """Where a step's snapshot (and its marker) is: in staging mode under the root run.json lists (the
     staging dir's per-run subdir), in reuse mode the HF checkpoint."""
     if mode == "staging":
-        from ckpteval.coord.rundir import RunDir
-        from ckpteval.coord.snapshot import snapshot_dirname
+        from ckpteval.coord.run.rundir import RunDir
+        from ckpteval.coord.snapshots.snapshot import snapshot_dirname
 
         root = Path(RunDir(run_dir).manifest().snapshot_roots[0])
         return lambda step: root / snapshot_dirname(step)

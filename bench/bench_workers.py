@@ -1,7 +1,7 @@
 """Benchmark: eval throughput (units/s) of 1, 2 and 4 worker processes sharing one run.
 
 Builds a run of ``--steps`` snapshots of the reference tiny model (``ckpteval.jobs.reference.model.build_model``,
-published with ``ckpteval.coord.snapshot.publish_snapshot``) and the built-in addition eval set, then for each
+published with ``ckpteval.coord.snapshots.snapshot.publish_snapshot``) and the built-in addition eval set, then for each
 worker count starts that many ``python -m ckpteval.jobs.cli worker --once --engine hf`` processes on a fresh
 copy of the run's results and leases, and prints
 
@@ -29,11 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import Result, ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.coord.results.files import Result, ResultIndex
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 from ckpteval.jobs.reference.model import build_model, save_base_model_dir
 from ckpteval.jobs.trainer.export.hf_files import write_hf_files

@@ -561,7 +561,7 @@ def metadata_section(rec: dict[str, Any]) -> str:
         "once per unit; verification runs once per snapshot per process while its `.complete` keeps its identity "
         "(one `stat` per unit); one long-lived unit thread; the attempt count is one `open` (no `fsync`: a lost line "
         "only allows one more attempt); the results directory's `fsync` goes through a kept descriptor; results and "
-        "leases live in `step-<N>/` directories (protocol 2). Then the lease itself: `coord/lease.py` replaced "
+        "leases live in `step-<N>/` directories (protocol 2). Then the lease itself: `coord/work/lease.py` replaced "
         "filelock's `SoftFileLease` (which resolved the lease path one `lstat` per component, made sure of the "
         "directory with `mkdir` + `stat`, `lstat`ed the marker before creating it and twice before unlinking it, "
         "and started a heartbeat thread per claim) by one `O_CREAT|O_EXCL` create per claim and one `unlink` per "
@@ -751,7 +751,7 @@ def scale_section(rec: dict[str, Any]) -> str:
     return "\n".join([
         f"`bench_scale.py` — a synthetic run of {s['points']} points (steps 100..{s['last_step']}) × {d['datasets']} "
         f"eval sets × {d['shards']} shards = {s['units']:,} result files on {d['root']}, no model: written by "
-        f"`ckpteval.coord.results.write_result` ({d['procs']} processes, {s['files_per_s']:,.0f} files/s: "
+        f"`ckpteval.coord.results.files.write_result` ({d['procs']} processes, {s['files_per_s']:,.0f} files/s: "
         f"{s['write_s']:.0f} s), every point but the last {d['pending']} ingested by `ckpteval.jobs.ingest.ingest_point` "
         f"(ledger + metrics.jsonl). Baseline: the same shape at {b['points']} points ({b['units']:,} files), same "
         f"run. Load average {load_str(d['load_at_start'])} at start, {load_str(d['load_at_end'])} at end"
@@ -774,7 +774,7 @@ def scale_notes(d: dict[str, Any]) -> str:
         return ""
     return "\n".join([
         "**Where the time goes.**",
-        f"- **status and plot read a summary per step** (`results/step-<N>/step.summary`, `coord/summary.py`, written "
+        f"- **status and plot read a summary per step** (`results/step-<N>/step.summary`, `coord/results/summary.py`, written "
         f"by `ingest_point`): one listing per step directory, its result names fingerprinted against the summary's, "
         f"and the summary read — {s['status_s']:.2f} s and {s.get('plot_s', float('nan')):.2f} s, against "
         f"{s['status_full_s']:.1f} s and {s.get('plot_full_s', float('nan')):.1f} s reading every result file "

@@ -5,6 +5,6 @@ Everything two jobs agree on lives here, and nothing else does: this package imp
 """
 
 # The one protocol this code reads and writes: 2, one directory per step under ``results/`` and ``leases/``
-# (``results/step-<N>/``, ``leases/step-<N>/``, :mod:`ckpteval.coord.rundir`). A run dir of another version
-# (1: flat, never released) is refused naming it (:func:`ckpteval.coord.manifest.parse_manifest`).
+# (``results/step-<N>/``, ``leases/step-<N>/``, :mod:`ckpteval.coord.run.rundir`). A run dir of another version
+# (1: flat, never released) is refused naming it (:func:`ckpteval.coord.run.manifest.parse_manifest`).
 PROTOCOL_VERSION = 2

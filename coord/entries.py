@@ -1,12 +1,12 @@
 """Entries of run.json's ``eval.datasets``: one settings dataclass per kind, registered in :data:`KINDS`.
 
 Each kind is one frozen dataclass whose fields are its run.json settings (parsed by
-:func:`ckpteval.coord.fields.parse_dataclass`; its checks in ``__post_init__``) and which answers, for
+:func:`ckpteval.coord.run.fields.parse_dataclass`; its checks in ``__post_init__``) and which answers, for
 everyone who would otherwise branch on ``kind`` (the :class:`Entry` protocol):
 
 - which units it has at a step (:meth:`Entry.due`, :meth:`Entry.units`),
 - its point rule (:attr:`Entry.POINT_RULE`: ``samples``, pooled per-sample scores, or ``metrics``, a task's own
-  metrics per unit; :mod:`ckpteval.coord.results`) and the names its metrics start with,
+  metrics per unit; :mod:`ckpteval.coord.results.files`) and the names its metrics start with,
 - which engines can run it (:attr:`Entry.ENGINES`), the user code it names (trust), the registry hooks its
   parse runs (:attr:`Entry.CHECKED`).
 
@@ -19,7 +19,7 @@ Adding a kind:
 
 1. one module holding its settings dataclass (the fields, ``KIND``, ``POINT_RULE``, ``ENGINES``, ``CHECKED``,
    and ``due``/``units``/``metric_roots``/``user_code``; a ``samples`` kind also has the fields
-   :func:`ckpteval.coord.results.dataset_score` reads: ``n_prompts``, ``shard_size``, ``n_samples``,
+   :func:`ckpteval.coord.results.files.dataset_score` reads: ``n_prompts``, ``shard_size``, ``n_samples``,
    ``sample_parts``, ``pass_k``, ``pass_threshold``, ``every``) and its jobs-side
    ``evaluate(engine, cache, spec, unit, snapshot, want) -> Evaluation`` (and optionally ``check(cache, spec)``);
 2. one line in :data:`KINDS`.
@@ -38,9 +38,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from ckpteval.coord.chat_settings import check_reasoning, check_rendered_kwargs, check_template_kwargs
-from ckpteval.coord.fields import NAME_RE, FieldError
-from ckpteval.coord.workunit import WorkUnit
+from ckpteval.coord.run.chat_settings import check_reasoning, check_rendered_kwargs, check_template_kwargs
+from ckpteval.coord.run.fields import NAME_RE, FieldError
+from ckpteval.coord.work.workunit import WorkUnit
 
 PROMPT_FORMATS = ("raw", "chat")
 
@@ -181,7 +181,7 @@ class DatasetSpec:
     sglang applies per-sample seeds only in that mode."""
 
     KIND: ClassVar[str] = "generate"  # the kind this class holds (a subclass: another kind, same settings)
-    POINT_RULE: ClassVar[str] = "samples"  # pooled per-sample scores (ckpteval.coord.results.dataset_score)
+    POINT_RULE: ClassVar[str] = "samples"  # pooled per-sample scores (ckpteval.coord.results.files.dataset_score)
     ENGINES: ClassVar[str] = "any"  # an engine or an fn: backend (which scores whole units)
     CHECKED: ClassVar[tuple[tuple[str, str], ...]] = (("scorer", "scorer_options"),)  # (name, options) hooks
     SCORER_ROWS: ClassVar[bool] = True  # each row is checked against the scorer's needs

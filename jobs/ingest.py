@@ -1,7 +1,7 @@
 """Ingestion: turn a step's results into one logged point, exactly once — the one path for it.
 
-:func:`ingest_point` is what every ingester calls: derive the point (:func:`ckpteval.coord.results.derive_point`),
-its metrics (:func:`ckpteval.coord.results.point_metrics`), add ``eval/lag_steps``, ``eval/cost/fraction_of_training``
+:func:`ingest_point` is what every ingester calls: derive the point (:func:`ckpteval.coord.results.files.derive_point`),
+its metrics (:func:`ckpteval.coord.results.files.point_metrics`), add ``eval/lag_steps``, ``eval/cost/fraction_of_training``
 (when the ledger knows the trainer's GPU-seconds: :mod:`ckpteval.jobs.trainer.cost`) and the caller's extras, log
 it (:class:`ckpteval.jobs.metrics.MetricsSink`, which drops an ``eval/step`` it already has; the scorers' identities
 go into the wandb config as ``eval/scorer/<ds>``) and only then append ``ingested`` to the caller's ledger. The two callers differ only in what lag means and which
@@ -13,7 +13,7 @@ service posture the trainer knows nothing of eval, so the service does it: after
 one once — to ``RUN/service_metrics.jsonl`` and, with ``--wandb``, into the *training* run's wandb
 run (``eval/*`` against ``eval/step``, so late points land at their checkpoint's step).
 
-Exactly once: a point is logged, then recorded in ``RUN/service_ledger.jsonl`` (ckpteval.coord.ledger); a
+Exactly once: a point is logged, then recorded in ``RUN/service_ledger.jsonl`` (ckpteval.coord.run.ledger); a
 restarted service replays the ledger, and the sink drops an ``eval/step`` already in its file, so a
 crash between the two writes does not log twice. ``eval/lag_steps`` here is the newest
 checkpoint the service has discovered (or with any result) minus the point's step: how far the
@@ -29,15 +29,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.points import Point, derive_point, point_metrics
-from ckpteval.coord.results import Result, ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.saves import lost_steps
-from ckpteval.coord.summary import write_step_summary
-from ckpteval.coord.training_cost import fraction_of_training
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import Result, ResultIndex
+from ckpteval.coord.results.points import Point, derive_point, point_metrics
+from ckpteval.coord.results.summary import write_step_summary
+from ckpteval.coord.results.training_cost import fraction_of_training
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.saves import lost_steps
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.metrics import MetricsSink
 
 DRAIN_TIMEOUT = "drain_timeout"
@@ -62,7 +62,7 @@ def ingest_point(
     and the ledger records ``outcome: drain_timeout``. ``extra`` metrics (export, backpressure and
     shared-eval times) are logged with the point. ``index``: the index ``results`` came from; given, the
     step's summary for status and plot is written from it once the point is logged
-    (:func:`ckpteval.coord.summary.write_step_summary`: only if that read of the step is whole and current).
+    (:func:`ckpteval.coord.results.summary.write_step_summary`: only if that read of the step is whole and current).
     """
     point = derive_point(manifest, step, dict(results))
     if not point.complete and not give_up:

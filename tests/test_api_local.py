@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import submitit
 
-from ckpteval.coord.rundir import unit_dir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.rundir import unit_dir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.launch import api
 from tests.support.workers import (
     REPO,

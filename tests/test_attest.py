@@ -20,12 +20,12 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 from ckpteval.coord.atomic import read_json_object
-from ckpteval.coord.digests import compare_digests, crc32_combine, safetensors_digests
-from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import mark_complete, read_marker
-from ckpteval.coord.units import WorkUnit
-from ckpteval.coord.weight_checksums import summarize
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.digests import compare_digests, crc32_combine, safetensors_digests
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.snapshots.snapshot import mark_complete, read_marker
+from ckpteval.coord.snapshots.weight_checksums import summarize
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
@@ -440,8 +440,8 @@ def test_the_stand_in_answers_weights_checker_as_sglang_does(tmp_path: Path, for
 
 # -- what a point cost (#19 §3) ---------------------------------------------------------------------------
 def test_units_record_their_cost_and_the_point_and_status_sum_it(tmp_path: Path) -> None:
-    from ckpteval.coord.points import derive_point, point_metrics
-    from ckpteval.coord.results import write_result
+    from ckpteval.coord.results.files import write_result
+    from ckpteval.coord.results.points import derive_point, point_metrics
     from ckpteval.jobs.views.status.main import collect_status, cost_line
 
     run, refs = _run_with_steps(tmp_path, (1,))

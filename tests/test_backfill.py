@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name
-from ckpteval.coord.settle import settle_vanished
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.run.rundir import STEP_SUMMARY, step_dir_name
+from ckpteval.coord.work.settle import settle_vanished
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from ckpteval.jobs.views.status.main import collect_status
 from tests.support.workers import (

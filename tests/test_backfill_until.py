@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.rundir import step_dir_name
+from ckpteval.coord.run.rundir import step_dir_name
 from ckpteval.jobs.lifecycle import EXIT_DONE
 from tests.support.workers import (
     SumBackend,

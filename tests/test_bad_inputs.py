@@ -39,8 +39,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import parse_manifest
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.manifest import parse_manifest
+from ckpteval.coord.run.rundir import RunDir
 from tests.support.forkcli import ForkCli
 from tests.support.workers import REPO, make_eval_run, publish_as_trainer
 
@@ -646,9 +646,9 @@ def test_files_ckpteval_creates_follow_a_tight_umask(tmp_path: Path) -> None:
     """Under umask 077 nothing ckpteval writes (run layout, run.json, results, ledger lines, leases,
     snapshots, a submitted batch script) is readable or writable by anyone but the user."""
     from ckpteval.coord.atomic import append_line
-    from ckpteval.coord.claims import UnitClaimer
-    from ckpteval.coord.results import skip_result, write_result
-    from ckpteval.coord.units import units_for_step
+    from ckpteval.coord.results.files import skip_result, write_result
+    from ckpteval.coord.work.claims import UnitClaimer
+    from ckpteval.coord.work.units import units_for_step
     from ckpteval.jobs.launch import submit
 
     with _umask(0o077):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, make_eval_run, publish_model, results, spawn, version
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from tokenizers import processors
 
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.snapshot import CANARY, read_marker
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.snapshot import CANARY, read_marker
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
@@ -138,8 +138,8 @@ def test_the_runs_canary_policy_skips_or_flags_a_unit_over_its_threshold(snapsho
     marks the fidelity (and the point's ``eval/fidelity/flagged``)."""
     from dataclasses import replace
 
-    from ckpteval.coord.manifest import CanarySettings, save_manifest
-    from ckpteval.coord.points import point_fidelity
+    from ckpteval.coord.results.points import point_fidelity
+    from ckpteval.coord.run.manifest import CanarySettings, save_manifest
 
     run, _ = snapshot
     manifest = run.manifest()

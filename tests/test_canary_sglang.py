@@ -23,8 +23,8 @@ import torch
 from tokenizers import processors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
 from ckpteval.jobs.eval.engines.sglang.engine import SGLangEngine
@@ -154,7 +154,7 @@ def test_a_server_that_refuses_to_score_prompts_reports_the_canary_absent(
     absent for it (None, one line on stderr), not failed and not an engine error."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from ckpteval.coord.snapshot import read_marker
+    from ckpteval.coord.snapshots.snapshot import read_marker
     from ckpteval.jobs.eval.proof.canary_check import check_canary
 
     class Refusing(BaseHTTPRequestHandler):

@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.points import dataset_score, derive_point, point_metrics
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.points import dataset_score, derive_point, point_metrics
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 from ckpteval.jobs.eval.sandbox import core as sandbox_module
 from ckpteval.jobs.eval.sandbox.core import Limits, Sandbox, probe_bwrap
@@ -607,8 +607,8 @@ def test_a_failed_sample_says_why_in_the_results_notes(tmp_path: Path) -> None:
     """#31: a code error carries its text — the result's ``notes`` say per sample how many tests passed,
     what ended the program (the first failing case for stdin/stdout) and its stderr's last line; a pass
     has no note, and the notes survive the result file's round trip."""
-    from ckpteval.coord.results import ok_result, parse_result
-    from ckpteval.coord.units import WorkUnit
+    from ckpteval.coord.results.files import ok_result, parse_result
+    from ckpteval.coord.work.units import WorkUnit
     from ckpteval.jobs.eval.scorers import UnitTally
 
     add, stdio = EXAMPLE[0], EXAMPLE[10]

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.completions import Completions, encode, read_completions
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.manifest import save_manifest
-from ckpteval.coord.points import derive_point
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.completions import Completions, encode, read_completions
+from ckpteval.coord.results.points import derive_point
+from ckpteval.coord.run.manifest import save_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
 from ckpteval.jobs.eval.kinds.generate.store import CompletionStore, open_store, unit_key
 from ckpteval.jobs.eval.worker.options import WorkerOptions
@@ -125,7 +125,7 @@ def test_changing_any_one_key_input_misses(filled: tuple[RunDir, Path], tmp_path
     ref = SnapshotDiscovery(other).poll()[0]
     assert store.key(cache, units_for_step(run.manifest(), 0)[0], ref)[0] not in base  # type: ignore[index]
     # the same weights with a chat template added to the tokenizer (a prompt rendering input) miss too
-    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.coord.snapshots.snapshot import publish_snapshot
     from ckpteval.jobs.reference.model import build_model, save_tokenizer
     from ckpteval.jobs.trainer.export.hf_files import write_hf_files
     from tests.support.workers import base_dir
@@ -175,7 +175,7 @@ def test_a_corrupt_or_foreign_entry_is_a_logged_miss_and_is_replaced(
 
 
 def test_concurrent_writers_of_one_key_leave_one_whole_entry(tmp_path: Path) -> None:
-    from ckpteval.coord.units import WorkUnit
+    from ckpteval.coord.work.units import WorkUnit
 
     store = CompletionStore(tmp_path / "s", {"kind": "hf"})
     key = "ab" + "0" * 62

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import RequestRejected, SamplingParams, context_problem
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.lifecycle import EXIT_DONE

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.atomic import publish_exclusive, read_json, read_jsonl, write_json_atomic
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.manifest import load_manifest
-from ckpteval.coord.snapshot import (
+from ckpteval.coord.run.manifest import load_manifest
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.snapshot import (
     SnapshotCorrupt,
     SnapshotMissing,
     checkpoint_dirname,
@@ -188,7 +188,7 @@ SLOW_PUBLISHER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from ckpteval.coord.snapshot import publish_snapshot
+    from ckpteval.coord.snapshots.snapshot import publish_snapshot
 
     def write(d: Path) -> None:
         for i in range(1000):

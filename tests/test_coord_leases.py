@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.claims import UnitClaimer, lease_holders, lease_path, read_lease_holder
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.work.claims import UnitClaimer, lease_holders, lease_path, read_lease_holder
+from ckpteval.coord.work.units import WorkUnit
 
 ROOT = Path(__file__).parents[1]
 
@@ -74,9 +74,9 @@ HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from ckpteval.coord.manifest import LeaseSettings
-    from ckpteval.coord.claims import UnitClaimer
-    from ckpteval.coord.units import WorkUnit
+    from ckpteval.coord.run.manifest import LeaseSettings
+    from ckpteval.coord.work.claims import UnitClaimer
+    from ckpteval.coord.work.units import WorkUnit
     claimer = UnitClaimer(Path(sys.argv[1]), LeaseSettings(float(sys.argv[2]), float(sys.argv[2]) / 6))
     claim = claimer.try_claim(WorkUnit(1, "ds", 0))
     print("held" if claim else "busy", flush=True)
@@ -186,9 +186,9 @@ STALLED_HOLDER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from ckpteval.coord.manifest import LeaseSettings
-    from ckpteval.coord.claims import UnitClaimer
-    from ckpteval.coord.units import WorkUnit
+    from ckpteval.coord.run.manifest import LeaseSettings
+    from ckpteval.coord.work.claims import UnitClaimer
+    from ckpteval.coord.work.units import WorkUnit
     claimer = UnitClaimer(Path(sys.argv[1]), LeaseSettings(float(sys.argv[2]), float(sys.argv[2]) / 6))
     claim = claimer.try_claim(WorkUnit(1, "ds", 0))
     print("held" if claim else "busy", flush=True)
@@ -234,7 +234,7 @@ def test_takeover_that_moved_a_renewed_marker_puts_it_back(tmp_path: Path) -> No
     """Two contenders watched the same expired marker; the first took it over. The second's takeover
     (it still believes the old marker is there) moves the new one aside, sees it is not the marker it
     watched, and links it back: the new holder keeps its claim and its inode."""
-    from ckpteval.coord.lease import LeaseKeeper, UnitLease
+    from ckpteval.coord.work.lease import LeaseKeeper, UnitLease
 
     path = tmp_path / "u.lock"
     path.write_text("torn")  # a marker nobody refreshes
@@ -253,7 +253,7 @@ def test_takeover_that_moved_a_renewed_marker_puts_it_back(tmp_path: Path) -> No
 
 
 def test_marker_with_another_lease_duration_is_refused_naming_the_file(tmp_path: Path) -> None:
-    from ckpteval.coord.lease import LeaseMismatch
+    from ckpteval.coord.work.lease import LeaseMismatch
 
     holder = UnitClaimer(tmp_path, LeaseSettings(30.0, 5.0)).try_claim(WorkUnit(2, "ds", 0))
     assert holder is not None
@@ -309,7 +309,7 @@ def test_a_walk_lists_a_contended_step_once_and_passes_over_its_held_units(tmp_p
 
 
 def test_coord_and_jobs_use_no_private_filelock_name() -> None:
-    """The lease format and liveness check are ckpteval's own (coord/lease.py): no module of coord/ or
+    """The lease format and liveness check are ckpteval's own (coord/work/lease.py): no module of coord/ or
     jobs/ imports or touches a private filelock name (``filelock._identity``, ``filelock._soft``, ...), so
     no filelock release can break a claim."""
     import ast
@@ -332,7 +332,7 @@ def test_coord_and_jobs_use_no_private_filelock_name() -> None:
 def test_a_record_in_another_format_counts_as_held_and_expires(tmp_path: Path) -> None:
     """A lease file holding filelock's owner record (what an older ckpteval wrote) is no holder record:
     not parsed as one, not taken over at once although its pid is dead here, taken over once expired."""
-    from ckpteval.coord.lease import LeaseKeeper, UnitLease
+    from ckpteval.coord.work.lease import LeaseKeeper, UnitLease
 
     path = tmp_path / "u.lock"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -349,7 +349,7 @@ def test_a_record_in_another_format_counts_as_held_and_expires(tmp_path: Path) -
 def test_liveness_takes_over_only_a_dead_or_recycled_pid_of_this_host(tmp_path: Path) -> None:
     """dead_here: our host and a gone pid, or our host and a pid now naming a process started at another
     time (recycled); never another host's holder, never a live one."""
-    from ckpteval.coord.lease import LeaseHolder, host_identity, process_start
+    from ckpteval.coord.work.lease import LeaseHolder, host_identity, process_start
 
     me = os.getpid()
     here = host_identity()

@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import ckpteval.coord.discovery as discovery_mod
-from ckpteval.coord.claims import order_units
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.gc import CaptureGC, StagingGC, has_room
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_point_skip, write_result
-from ckpteval.coord.snapshot import mark_complete, publish_snapshot
-from ckpteval.coord.units import WorkUnit, units_for_step
+import ckpteval.coord.snapshots.discovery as discovery_mod
+from ckpteval.coord.results.files import ResultIndex, ok_result, skip_result, write_point_skip, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.gc import CaptureGC, StagingGC, has_room
+from ckpteval.coord.snapshots.snapshot import mark_complete, publish_snapshot
+from ckpteval.coord.work.claims import order_units
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.trainer.config import DispatchConfig, filesystem_type
 from tests.support.runs import make_run, write_tiny_shards
 

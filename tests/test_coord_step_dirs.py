@@ -14,12 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.claims import lease_holders
-from ckpteval.coord.manifest import load_manifest, parse_manifest
-from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.rundir import RunDir, step_dir_name
-from ckpteval.coord.snapshot import SnapshotCorrupt, VerifiedSnapshots, publish_snapshot, read_marker
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.run.manifest import load_manifest, parse_manifest
+from ckpteval.coord.run.rundir import RunDir, step_dir_name
+from ckpteval.coord.snapshots.snapshot import (
+    SnapshotCorrupt,
+    VerifiedSnapshots,
+    publish_snapshot,
+    read_marker,
+)
+from ckpteval.coord.work.claims import lease_holders
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.eval.worker.runner import UnitRunner
 from ckpteval.jobs.lifecycle import EXIT_DONE

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpteval.coord.results import ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import shard_range, units_for_step
+from ckpteval.coord.results.files import ok_result, write_result
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import shard_range, units_for_step
 from ckpteval.jobs.decide.stats import best_step, paired_interval, t_quantile
 from tests.support.runs import make_run
 from tests.support.workers import finish, spawn
@@ -223,7 +223,7 @@ def test_compare_and_best_fit_80_columns_and_use_the_width_they_have(decided_run
 def sampled_run(tmp_path: Path) -> RunDir:
     """40 prompts x 4 samples: step 100 gets 2 of 4 right on every prompt (pass@2 5/6, pass^2 1/6); step 200
     all 4 on the first 20 prompts and none on the rest (pass@2 = pass^2 = 1/2): pass^2 and pass@2 disagree."""
-    from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
 
     spec = DatasetSpec(name="add", path="data/add.jsonl", n_prompts=40, shard_size=10, n_samples=4,
                        temperature=1.0, pass_k=(1, 2, 4))
@@ -241,7 +241,7 @@ def sampled_run(tmp_path: Path) -> RunDir:
 def test_pass_hat_k_per_prompt_values_are_the_points_own(sampled_run: RunDir) -> None:
     """``eval/<ds>/pass^k``'s per-prompt values are C(c, k) / C(n, k) (coord.points.pass_hat_k), their mean
     the logged point; pass@k's stay pass@k's."""
-    from ckpteval.coord.points import derive_point
+    from ckpteval.coord.results.points import derive_point
     from ckpteval.jobs.decide.data import RunValues, parse_metric
 
     values, manifest = RunValues(sampled_run), sampled_run.manifest()
@@ -270,8 +270,8 @@ def test_compare_and_best_decide_by_pass_hat_k(sampled_run: RunDir) -> None:
 def test_per_prompt_pass_counts_a_sample_passed_from_the_entrys_pass_threshold(tmp_path: Path) -> None:
     """An env entry with ``pass_threshold`` 0.5: the per-prompt pass@k / pass^k that compare and best pair are
     the logged point's (a reward of 0.5 passes), not a full-credit count."""
-    from ckpteval.coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest
-    from ckpteval.coord.points import derive_point
+    from ckpteval.coord.results.points import derive_point
+    from ckpteval.coord.run.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest
     from ckpteval.jobs.decide.data import RunValues, parse_metric
 
     spec = EnvSpec(name="g", path="data/g.jsonl", n_prompts=2, shard_size=2, n_samples=2, temperature=1.0,

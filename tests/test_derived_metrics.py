@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.points import derive_point, majority_score, pass_at_k, point_metrics
-from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.rundir import RunDir, unit_dir
-from ckpteval.coord.units import shard_range, units_for_step
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.results.points import derive_point, majority_score, pass_at_k, point_metrics
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.rundir import RunDir, unit_dir
+from ckpteval.coord.work.units import shard_range, units_for_step
 
 
 def brute_pass_at_k(correct: list[bool], k: int) -> float:

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ckpteval.coord.gc import StagingGC
-from ckpteval.coord.ledger import Ledger, LedgerError
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.run.ledger import Ledger, LedgerError
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.gc import StagingGC
+from ckpteval.coord.snapshots.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
 from ckpteval.jobs.trainer.config import DispatchConfig

@@ -84,8 +84,8 @@ def test_flags_reference_is_current() -> None:
 
 
 def test_protocol_layout_lists_every_run_dir_name(tmp_path: Path) -> None:
-    """Every name ckpteval.coord.rundir.RunDir defines (what a second process reads) is in PROTOCOL.md §1."""
-    from ckpteval.coord.rundir import RunDir
+    """Every name ckpteval.coord.run.rundir.RunDir defines (what a second process reads) is in PROTOCOL.md §1."""
+    from ckpteval.coord.run.rundir import RunDir
 
     run = RunDir(tmp_path)
     names = {getattr(run, attr).name for attr, value in vars(RunDir).items()
@@ -93,7 +93,7 @@ def test_protocol_layout_lists_every_run_dir_name(tmp_path: Path) -> None:
     layout = (ROOT / "docs" / "PROTOCOL.md").read_text().split("## 1. Layout", 1)[1].split("## 2.", 1)[0]
     listed = set(re.findall(r"^RUN/([^/\s]+)", layout, re.M))
     assert len(names) >= 12 and names <= listed, f"missing from PROTOCOL.md §1: {sorted(names - listed)}"
-    from ckpteval.coord.rundir import DUPLICATES, STEP_DIR_PREFIX, STEP_SUMMARY, step_dir_name
+    from ckpteval.coord.run.rundir import DUPLICATES, STEP_DIR_PREFIX, STEP_SUMMARY, step_dir_name
 
     for name in (f"{DUPLICATES}/", f"{STEP_DIR_PREFIX}<S:010d>/", "<unit>.attempts", "<unit>.retry<k>.json",
                  f"{STEP_DIR_PREFIX}<S:010d>/{STEP_SUMMARY}"):

@@ -17,12 +17,12 @@ import httpx
 import numpy as np
 import pytest
 
-from ckpteval.coord.engine_identity import EngineIdentity, differing_fields
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit, shard_range, units_for_step
+from ckpteval.coord.results.engine_identity import EngineIdentity, differing_fields
+from ckpteval.coord.results.files import ok_result, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit, shard_range, units_for_step
 from ckpteval.jobs.decide import best, compare
 from ckpteval.jobs.eval.engines.factory import make_engine
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
@@ -58,7 +58,7 @@ def _evaluate(tmp_path: Path, engines: list[HFEngine]) -> RunDir:
     """Step 1's two units, unit i evaluated by ``engines[i]`` (real HF engines on a real snapshot)."""
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=2, max_new_tokens=2)
     publish_model(tmp_path, run.snapshots, 1)
-    from ckpteval.coord.discovery import SnapshotDiscovery
+    from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
 
     (ref,) = SnapshotDiscovery(run.snapshots).poll()
     cache = DatasetCache(run, run.manifest())
@@ -171,7 +171,7 @@ def test_the_launch_refuses_an_attention_backend_sglang_refuses_in_deterministic
 
 def test_a_sampling_set_cannot_opt_out() -> None:
     from ckpteval.coord.entries import DatasetSpec
-    from ckpteval.coord.fields import FieldError
+    from ckpteval.coord.run.fields import FieldError
 
     with pytest.raises(FieldError, match="deterministic"):
         DatasetSpec("s", "s.jsonl", 4, temperature=0.7, deterministic=False)
@@ -204,7 +204,7 @@ def test_the_deterministic_stand_in_reports_its_identity_and_is_batch_invariant(
 def test_fraction_of_training_is_eval_gpu_seconds_over_the_trainers_across_a_restart(tmp_path: Path) -> None:
     """A 4-GPU trainer (its clock driven by the test) trains 100 s to step 2, is requeued, trains 50 s more to
     step 4; each point's two units cost 10 GPU-s each. Fractions: 20/400 at step 2, (20+20)/600 at step 4."""
-    from ckpteval.coord.ledger import Ledger
+    from ckpteval.coord.run.ledger import Ledger
     from ckpteval.jobs.metrics import MetricsSink
     from ckpteval.jobs.reference.model import ModelConfig, build_model
     from ckpteval.jobs.trainer.dispatcher import EvalDispatcher

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.factory import make_engine
 from ckpteval.jobs.eval.kinds.env.examples import arithmetic_rows
 from ckpteval.jobs.eval.kinds.env.runner import evaluate_env
@@ -400,8 +400,8 @@ def test_arguments_the_tool_does_not_take_are_the_models_malformed_call(tmp_path
 
 
 def test_pass_at_k_counts_an_episode_passed_from_its_entrys_pass_threshold() -> None:
-    from ckpteval.coord.points import dataset_score
-    from ckpteval.coord.results import ok_result
+    from ckpteval.coord.results.files import ok_result
+    from ckpteval.coord.results.points import dataset_score
 
     rewards = [1.0, 0.5, 0.25, 0.0]  # e.g. guess with efficiency: 1/guesses
     result = ok_result(WorkUnit(1, "g", 0), rewards, ["k@1"] * 4)
@@ -441,7 +441,7 @@ def test_each_turns_reasoning_is_stripped_before_the_environment_and_a_cut_turn_
     thoughts never runs), a turn whose reasoning never ends ends its episode ``no_answer`` unseen, and the
     point reports truncated / no_answer / completion_tokens per episode. The same replies without the
     setting score the thoughts (the control)."""
-    from ckpteval.coord.results import ResultIndex
+    from ckpteval.coord.results.files import ResultIndex
     from ckpteval.jobs.eval.kinds.evaluate import unit_result
 
     run = env_run(tmp_path / "think", ROWS, reasoning=THINK)

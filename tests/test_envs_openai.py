@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from ckpteval.coord.manifest import EnvSpec
-from ckpteval.coord.snapshot import publish_snapshot
+from ckpteval.coord.run.manifest import EnvSpec
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.factory import make_engine
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine

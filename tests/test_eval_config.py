@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import DatasetSpec, load_manifest, parse_manifest, subset_rows
+from ckpteval.coord.run.manifest import DatasetSpec, load_manifest, parse_manifest, subset_rows
 from ckpteval.jobs.eval.engines.factory import normalize_spec, spec_kind
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset
 from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config, read_eval_config

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_rows
 from ckpteval.jobs.eval.scorers import scorer_class
 from ckpteval.jobs.eval.worker.evalconfig import read_eval_config

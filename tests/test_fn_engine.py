@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
 from ckpteval.jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
 from ckpteval.jobs.eval.worker.options import WorkerOptions

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.points import derive_point
-from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.results.points import derive_point
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.metrics import MetricsSink

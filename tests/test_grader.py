@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache, score_unit

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.results.files import ResultIndex
 from ckpteval.jobs.reference.model import build_model, save_tokenizer
 from tests.conftest import TINY_CFG
 from tests.support.training import eval_lines
@@ -130,7 +130,7 @@ def test_prime_rl_broadcast_scored_after_the_trainer_deleted_it(tmp_path: Path) 
     cfg = tmp_path / "eval.json"
     cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "sums", "path": "sums.jsonl", "n_prompts": 4,
                                                       "scorer": "exact", "shard_size": 4, "max_new_tokens": 2}]}}))
-    from ckpteval.coord.discovery import SnapshotDiscovery
+    from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
     from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config
 
     create_run_from_config(run, cfg, (out,))

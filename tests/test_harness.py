@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import (
+from ckpteval.coord.results.files import parse_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import (
     EvalSpec,
     HarnessSpec,
     LeaseSettings,
@@ -21,10 +23,8 @@ from ckpteval.coord.manifest import (
     load_manifest,
     parse_manifest,
 )
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import parse_result
-from ckpteval.coord.rundir import RunDir, unit_dir
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.run.rundir import RunDir, unit_dir
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.kinds.env.endpoint import reply_version
 from ckpteval.jobs.views.plot import plot_series
 from ckpteval.jobs.views.status.main import collect_status, points_table

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.snapshot import read_marker, snapshot_dirname
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.snapshots.snapshot import read_marker, snapshot_dirname
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.reference.model import (
     ModelConfig,

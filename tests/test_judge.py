@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ckpteval.coord.manifest import DatasetSpec
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.verdicts import VerdictCache, cache_key, publish_judge
+from ckpteval.coord.results.verdicts import VerdictCache, cache_key, publish_judge
+from ckpteval.coord.run.manifest import DatasetSpec
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError
 from ckpteval.jobs.eval.scorers.judge.scorer import JudgeOptions, JudgeScorer, RewardModelScorer, read_verdict
 from tests.support.workers import start_judge
@@ -201,10 +201,10 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
     """wandb offline (read back from its own .wandb file): ingesting a judged point records the judge's
     identity, as its units recorded it, under ``eval/scorer/<ds>`` in the run's config."""
     pytest.importorskip("wandb")
-    from ckpteval.coord.ledger import Ledger
-    from ckpteval.coord.manifest import EvalSpec, RunManifest
-    from ckpteval.coord.results import ok_result
-    from ckpteval.coord.units import units_for_step
+    from ckpteval.coord.results.files import ok_result
+    from ckpteval.coord.run.ledger import Ledger
+    from ckpteval.coord.run.manifest import EvalSpec, RunManifest
+    from ckpteval.coord.work.units import units_for_step
     from ckpteval.jobs.ingest import ingest_point
     from ckpteval.jobs.metrics import MetricsSink, init_wandb
     from tests.test_metrics import finished_wandb_records
@@ -249,7 +249,7 @@ def test_judge_settings_are_checked_where_run_json_is_parsed(
 
 
 def test_a_reward_model_template_has_no_reference(tmp_path: Path) -> None:
-    from ckpteval.coord.manifest import Fields
+    from ckpteval.coord.run.manifest import Fields
     from ckpteval.jobs.eval.scorers import scorer_class
 
     fields = Fields(tmp_path / "run.json", {"template": "{question}{response}{reference}"}, "scorer_options")
@@ -268,10 +268,10 @@ def test_example_judge_configs_are_valid(name: str) -> None:
 def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact_judge: str) -> None:
     """Two real judges serving different models score the two shards of one point: each unit records the
     model its judge reported, and the point logs no eval/qa for the mix (eval/qa/scorer_mixed instead)."""
-    from ckpteval.coord.manifest import EvalSpec, RunManifest
-    from ckpteval.coord.points import derive_point, point_metrics
-    from ckpteval.coord.results import ok_result
-    from ckpteval.coord.units import units_for_step
+    from ckpteval.coord.results.files import ok_result
+    from ckpteval.coord.results.points import derive_point, point_metrics
+    from ckpteval.coord.run.manifest import EvalSpec, RunManifest
+    from ckpteval.coord.work.units import units_for_step
 
     other_url, other = start_judge("exact", tmp_path / "other.log", "--served-model-name", "judge-b")
     try:
@@ -292,10 +292,10 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
 
 
 def test_an_infra_skip_is_superseded_by_the_next_generation_never_overwritten(tmp_path: Path) -> None:
-    from ckpteval.coord.claims import UnitClaimer
-    from ckpteval.coord.manifest import LeaseSettings
-    from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_result
-    from ckpteval.coord.units import WorkUnit
+    from ckpteval.coord.results.files import ResultIndex, ok_result, skip_result, write_result
+    from ckpteval.coord.run.manifest import LeaseSettings
+    from ckpteval.coord.work.claims import UnitClaimer
+    from ckpteval.coord.work.units import WorkUnit
 
     results = tmp_path / "results"
     results.mkdir()

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, RunManifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ok_result, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerCrashed, ScorerInfraError, score_samples
 from ckpteval.jobs.eval.scorers.judge.rule import (
     JudgeOptions,
@@ -186,7 +186,7 @@ def test_only_a_whole_verdict_within_its_range_is_read(
     ({"on_model_mismatch": "ignore"}, "on_model_mismatch 'ignore' must be one of record, skip"),
 ])
 def test_range_and_structure_settings_are_checked(options: dict[str, Any], says: str, tmp_path: Path) -> None:
-    from ckpteval.coord.manifest import Fields
+    from ckpteval.coord.run.manifest import Fields
     from ckpteval.jobs.eval.scorers import scorer_class
 
     with pytest.raises(ValueError, match=None) as e:

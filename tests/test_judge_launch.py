@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.verdicts import read_judge
+from ckpteval.coord.results.verdicts import read_judge
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.launch import submit
 from tests.support.workers import PYTHON, REPO, worker_env
 from tests.test_submit import bash_n, sbatch_lines

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import load_manifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import Result, ResultIndex
-from ckpteval.coord.rundir import unit_dir
-from ckpteval.coord.units import shard_range
+from ckpteval.coord.results.files import Result, ResultIndex
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import load_manifest
+from ckpteval.coord.run.rundir import unit_dir
+from ckpteval.coord.work.units import shard_range
 from tests.support.workers import finish, kill_all, spawn, start_judge
 
 pytest.importorskip("openai")

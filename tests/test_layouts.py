@@ -1,4 +1,4 @@
-"""Checkpoint layouts of real trainers (ckpteval.coord.layouts) through ckpteval.coord.discovery.
+"""Checkpoint layouts of real trainers (ckpteval.coord.layouts) through ckpteval.coord.snapshots.discovery.
 
 Each trainer's save is rebuilt here file by file in the order its own source writes it (cited in the
 layout modules' docstrings), with real safetensors files, and polled after every file: a save is
@@ -22,10 +22,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpteval.coord.discovery import SnapshotDiscovery
 from ckpteval.coord.layouts import LAYOUTS, detect_layouts, resolve_layout
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_snapshot, verify_snapshot
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.snapshot import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    is_adapter_snapshot,
+    verify_snapshot,
+)
 
 Action = Callable[[], None]
 QUIET_S = 30.0
@@ -359,7 +364,7 @@ def _service(tmp: Path, out: Path, run_dir: Path, delay_s: float, max_units: int
 
 
 def _results(run_dir: Path) -> dict[int, Any]:
-    from ckpteval.coord.results import ResultIndex
+    from ckpteval.coord.results.files import ResultIndex
 
     return {u.step: r for u, r in ResultIndex(RunDir(run_dir).results).refresh().items()}
 
@@ -494,7 +499,7 @@ def test_prime_rl_handshake_broadcast_is_admitted_on_finished_and_never_acknowle
 def test_prime_rl_broadcast_reset_while_captured_is_a_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer resets a finished step dir for a new offer (a resume re-broadcasting its step) while it
     is being linked: the marker's identity changed, so the capture is discarded and counted lost."""
-    import ckpteval.coord.discovery as discovery
+    import ckpteval.coord.snapshots.discovery as discovery
 
     root, now = _prime_run(tmp_path)
     acts, d = _handshake_broadcast(root, 4)
@@ -519,7 +524,7 @@ def test_prime_rl_capture_racing_the_cleanup_is_a_loss_never_a_point(tmp_path: P
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer deletes the broadcast while it is being linked: nothing admitted, the loss recorded,
     no half capture left; a real link/copy is used for every file but the one the cleanup beats."""
-    import ckpteval.coord.discovery as discovery
+    import ckpteval.coord.snapshots.discovery as discovery
 
     root, now = _prime_run(tmp_path)
     acts, d = _broadcast(root, 6)
@@ -565,7 +570,7 @@ def test_two_watchers_capturing_the_same_broadcast_share_one_capture(tmp_path: P
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers of one run capture the same broadcast at once: the one whose rename comes second finds
     the other's capture and uses it (no crash, no second copy, no temp dir left)."""
-    import ckpteval.coord.discovery as discovery
+    import ckpteval.coord.snapshots.discovery as discovery
 
     root, now = _prime_run(tmp_path)
     for act in _broadcast(root, 8)[0]:

@@ -16,10 +16,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.manifest import load_manifest
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import (
+from ckpteval.coord.run.manifest import load_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.snapshot import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MARKER,

@@ -178,8 +178,8 @@ def test_submit_refuses_what_train_refuses(tmp_path: Path) -> None:
 def test_backfill_tally_counts_a_retried_unit_once_and_says_when_nothing_scored() -> None:
     """The judge down: a unit skipped judge_failed, retried in the same backfill and skipped again, is one
     unit in the summary (before: two), and a backfill that scored nothing says so."""
-    from ckpteval.coord.results import ok_result, skip_result
-    from ckpteval.coord.units import WorkUnit
+    from ckpteval.coord.results.files import ok_result, skip_result
+    from ckpteval.coord.work.units import WorkUnit
     from ckpteval.jobs.eval.worker.backfill import Tally
 
     tally = Tally()

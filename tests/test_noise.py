@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckpteval.coord.claims import UnitClaimer
-from ckpteval.coord.manifest import parse_manifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.replays import ReplaySettings
-from ckpteval.coord.results import ok_result, skip_result, write_result
-from ckpteval.coord.rundir import RunDir, unit_dir
-from ckpteval.coord.units import WorkUnit, shard_range, units_for_step
+from ckpteval.coord.results.files import ok_result, skip_result, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.results.replays import ReplaySettings
+from ckpteval.coord.run.manifest import parse_manifest
+from ckpteval.coord.run.rundir import RunDir, unit_dir
+from ckpteval.coord.work.claims import UnitClaimer
+from ckpteval.coord.work.units import WorkUnit, shard_range, units_for_step
 from ckpteval.jobs.decide import best as best_cmd
 from ckpteval.jobs.decide import compare as compare_cmd
 from ckpteval.jobs.decide.data import Metric, open_run
@@ -238,7 +238,7 @@ def test_compare_and_best_commands_show_the_mde_bootstrap_and_replays(tmp_path: 
 def test_a_target_can_require_a_margin(tmp_path: Path) -> None:
     """``--until``/``--eval-stop-when`` ``margin``: a point just over the target, inside its own MDE, does not
     pass with ``margin mde``; one clear of it does. Bad margins are one ValueError naming the flag."""
-    from ckpteval.coord.conditions import first_passing, parse_condition
+    from ckpteval.coord.results.conditions import first_passing, parse_condition
 
     run = make_run(tmp_path, n_prompts=40, shard_size=10)
     _write(run, 5, np.array([1.0] * 37 + [0.0] * 3))  # 0.925, stderr 0.042: MDE 0.12

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 
 from ckpteval.coord.atomic import dumps, tag_nonfinite, untag_nonfinite, write_json_atomic
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.manifest import DatasetSpec
-from ckpteval.coord.results import ResultIndex, ok_result, parse_result, write_result
-from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name
-from ckpteval.coord.summary import read_step_facts
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ResultIndex, ok_result, parse_result, write_result
+from ckpteval.coord.results.summary import read_step_facts
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.manifest import DatasetSpec
+from ckpteval.coord.run.rundir import STEP_SUMMARY, step_dir_name
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.fn import parse_output
 from ckpteval.jobs.eval.kinds.lm_eval import flatten_metrics
 from ckpteval.jobs.eval.scorers import (

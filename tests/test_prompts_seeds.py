@@ -18,13 +18,13 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.factory import EnginePool
 from ckpteval.jobs.eval.engines.fn import build_input

@@ -19,12 +19,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from ckpteval.coord.entries import EnvSpec
-from ckpteval.coord.identity import run_key, weight_version
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.points import derive_point, pass_at_k, pass_hat_k, point_metrics
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.results.points import derive_point, pass_at_k, pass_hat_k, point_metrics
+from ckpteval.coord.run.identity import run_key, weight_version
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.engines.fn import parse_output
 from ckpteval.jobs.eval.engines.hf.decode import Completion

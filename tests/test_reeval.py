@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.steps import parse_steps
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
+from ckpteval.coord.work.steps import parse_steps
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 from ckpteval.jobs.reference.model import make_addition_examples
 from ckpteval.jobs.views.status.main import collect_status

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.completions import completions_path, read_completions, rows_digest
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.scorings import scoring_results
+from ckpteval.coord.results.completions import completions_path, read_completions, rows_digest
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.results.scorings import scoring_results
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.eval.worker.rescore import main as rescore_main
 from ckpteval.jobs.lifecycle import EXIT_DONE
@@ -44,7 +44,7 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
     spec = manifest.eval.entries[0]
     from dataclasses import replace
 
-    from ckpteval.coord.manifest import save_manifest
+    from ckpteval.coord.run.manifest import save_manifest
     save_manifest(run.manifest_path, replace(manifest, eval=replace(manifest.eval, entries=(
         replace(spec, temperature=1.0, seed=7),))))
     for step in (0, 10):

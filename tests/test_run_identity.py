@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.gc import StagingGC
-from ckpteval.coord.identity import run_key, version_step, weight_version
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ok_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import mark_complete, publish_snapshot, read_marker, verify_snapshot
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ok_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.identity import run_key, version_step, weight_version
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.gc import StagingGC
+from ckpteval.coord.snapshots.snapshot import mark_complete, publish_snapshot, read_marker, verify_snapshot
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
 from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator

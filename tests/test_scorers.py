@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset, write_jsonl
 from ckpteval.jobs.eval.scorers import SCORERS

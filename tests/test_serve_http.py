@@ -594,7 +594,7 @@ def test_the_lm_eval_path_sends_the_sglang_key_not_openais(
     """lm-eval's local-completions sends ``Bearer $OPENAI_API_KEY`` by default: a key-protected sglang
     answers 401. The harness passes the engine's own key (CKPTEVAL_SGLANG_API_KEY)."""
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
-    from ckpteval.coord.manifest import HarnessSpec
+    from ckpteval.coord.run.manifest import HarnessSpec
     from ckpteval.jobs.eval.kinds.lm_eval import completions_lm
 
     monkeypatch.setenv(API_KEY_ENV, "user-secret")

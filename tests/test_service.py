@@ -11,8 +11,8 @@ import json
 import time
 from pathlib import Path
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from ckpteval.jobs.reference.model import make_addition_examples
@@ -107,8 +107,8 @@ def test_eval_config_must_match_an_existing_run(tmp_path: Path) -> None:
 
 
 def test_discovery_reports_dirs_awaiting_quiescence(tmp_path: Path) -> None:
-    """ckpteval.coord.discovery.SnapshotDiscovery.awaiting_quiescence (added for --once over --watch dirs)."""
-    from ckpteval.coord.discovery import SnapshotDiscovery
+    """ckpteval.coord.snapshots.discovery.SnapshotDiscovery.awaiting_quiescence (added for --once over --watch dirs)."""
+    from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
 
     now = [0.0]
     watch = tmp_path / "w"

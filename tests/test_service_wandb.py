@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ckpteval.coord.atomic import read_jsonl
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
 from tests.support.workers import finish, spawn, write_foreign_checkpoint
 from tests.test_metrics import wandb_records

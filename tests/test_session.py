@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from transformers import Trainer, TrainingArguments
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import read_marker, snapshot_dirname
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import read_marker, snapshot_dirname
 from ckpteval.jobs.reference.model import (
     build_model,
     build_tokenizer,
@@ -113,6 +113,6 @@ def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
     unwanted = {"ckpteval.jobs.eval.worker.main", "ckpteval.jobs.eval.worker.loop", "ckpteval.jobs.eval.kinds.generate.scoring",
                 "ckpteval.jobs.eval.kinds.evaluate", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.proof.attest",
-                "ckpteval.jobs.eval.engines.base", "ckpteval.jobs.eval.proof.canary_check", "ckpteval.coord.claims",
-                "ckpteval.coord.lease", "ckpteval.coord.completions", "ckpteval.coord.discovery"}
+                "ckpteval.jobs.eval.engines.base", "ckpteval.jobs.eval.proof.canary_check", "ckpteval.coord.work.claims",
+                "ckpteval.coord.work.lease", "ckpteval.coord.results.completions", "ckpteval.coord.snapshots.discovery"}
     assert not loaded & unwanted and len(loaded) <= 47, sorted(loaded)

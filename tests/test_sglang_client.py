@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 
 from ckpteval.coord.atomic import read_json_object
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import ResultIndex, ok_result, parse_result, retry_due
-from ckpteval.coord.rundir import RunDir, unit_dir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import ResultIndex, ok_result, parse_result, retry_due
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.rundir import RunDir, unit_dir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted, SamplingParams
 from ckpteval.jobs.eval.engines.http.engine import HEALTH_TIMEOUT_S, HTTPEngine
 from ckpteval.jobs.eval.engines.http.limits import (

@@ -305,7 +305,7 @@ def test_lm_eval_addresses_the_adapter_and_tokenizes_with_the_base(stub: LoRAStu
     """sglang's OpenAI layer selects an adapter only from model="<base>:<adapter>" (serving_base.py
     _parse_model_parameter); the adapter dir has no tokenizer, the base has."""
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
-    from ckpteval.coord.manifest import HarnessSpec
+    from ckpteval.coord.run.manifest import HarnessSpec
     from ckpteval.jobs.eval.kinds.lm_eval import completions_lm
     from tests.support.workers import base_dir
 

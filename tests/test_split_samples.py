@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
-from ckpteval.coord.points import derive_point, point_metrics, prompt_major
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.results.points import derive_point, point_metrics, prompt_major
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE

@@ -11,12 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckpteval.coord.claims import UnitClaimer
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import ok_result, write_point_skip, write_result
-from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.files import ok_result, write_point_skip, write_result
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
+from ckpteval.coord.work.claims import UnitClaimer
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.views.plot import figure, plot_run, plot_series
 from ckpteval.jobs.views.status.main import collect_status, health_line
 from tests.support.runs import make_run, write_tiny_shards

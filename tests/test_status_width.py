@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ok_result, write_result
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.views.status import text as status_text
 from ckpteval.jobs.views.status.main import collect_status, show
 from tests.support.runs import write_tiny_shards

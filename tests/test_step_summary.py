@@ -1,4 +1,4 @@
-"""Step summaries (ckpteval.coord.summary): ingestion writes them, status and plot read them when fresh, and
+"""Step summaries (ckpteval.coord.results.summary): ingestion writes them, status and plot read them when fresh, and
 what they print is the same with a summary, without one, with a stale one and with a corrupt one."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import ResultIndex, ok_result, skip_result, write_result
-from ckpteval.coord.rundir import STEP_SUMMARY, RunDir, step_dir_name
-from ckpteval.coord.summary import read_step_facts, write_step_summary
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ResultIndex, ok_result, skip_result, write_result
+from ckpteval.coord.results.summary import read_step_facts, write_step_summary
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.rundir import STEP_SUMMARY, RunDir, step_dir_name
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.views.plot import plot_series

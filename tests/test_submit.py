@@ -269,7 +269,7 @@ def test_time_limit_is_checked_and_must_outlast_the_signal(tmp_path: Path, capsy
 def test_backfill_of_a_finished_run_with_nothing_left_submits_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ckpteval.coord.results import write_point_skip
+    from ckpteval.coord.results.files import write_point_skip
     from tests.support.workers import make_eval_run
 
     bin_dir = tmp_path / "bin"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import read_marker, snapshot_dirname
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import read_marker, snapshot_dirname
 from ckpteval.jobs.reference.model import ModelConfig, build_model, build_tokenizer
 from ckpteval.jobs.reference.train.ckpt import (
     latest_train_checkpoint,

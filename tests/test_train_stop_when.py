@@ -11,9 +11,9 @@ import json
 import threading
 from pathlib import Path
 
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
 from ckpteval.jobs.reference.train.main import main
 from tests.support.training import eval_lines, fill_results, make_train_run
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.reference.model import ModelConfig, build_model, save_hf_checkpoint
 from ckpteval.jobs.reference.train.main import main as train_main

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.points import derive_point
-from ckpteval.coord.results import write_point_skip
-from ckpteval.coord.rundir import unit_dir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import write_point_skip
+from ckpteval.coord.results.points import derive_point
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.run.rundir import unit_dir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams
 from ckpteval.jobs.eval.engines.factory import EnginePool
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE
 from tests.support.workers import (
     claimed_at,

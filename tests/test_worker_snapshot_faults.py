@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.discovery import SnapshotDiscovery, SnapshotRef
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
 from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, Evaluation, FnEvaluator, evaluate_unit

@@ -2,7 +2,7 @@
 
 What it owns: for a watched directory (``ckpteval worker --watch``, ``backfill``), how to find each save's
 step, the directory holding its Hugging Face weights, and the trainer's own "this save is finished"
-signal (:class:`ckpteval.coord.layouts.base.Layout`). Discovery (:mod:`ckpteval.coord.discovery`) admits a save as soon as
+signal (:class:`ckpteval.coord.layouts.base.Layout`). Discovery (:mod:`ckpteval.coord.snapshots.discovery`) admits a save as soon as
 the signal is there and every indexed shard is present, and falls back to quiescence only for a
 trainer that gives no signal.
 

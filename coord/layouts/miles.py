@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpteval.coord.layouts.base import Layout, Located
-from ckpteval.coord.snapshot import MARKER, step_from_name
+from ckpteval.coord.snapshots.snapshot import MARKER, step_from_name
 
 STAGING = ("_tmp_", "_old_")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpteval.coord.layouts.base import Layout, Located, json_int
-from ckpteval.coord.snapshot import step_from_name
+from ckpteval.coord.snapshots.snapshot import step_from_name
 
 
 class PlainLayout(Layout):

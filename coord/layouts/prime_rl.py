@@ -38,7 +38,7 @@ new offer (a resume re-broadcasting its step) changes the marker's identity, so 
 it is discarded as lost, never scored.
 
 Limits: a capture holds full weights once the trainer deletes its source (hardlinks cost nothing until
-then), until the workers collect it once its point is final (:class:`ckpteval.coord.gc.CaptureGC`); a step
+then), until the workers collect it once its point is final (:class:`ckpteval.coord.snapshots.gc.CaptureGC`); a step
 with an infrastructure skip keeps its capture (a retry may need it) — evaluate every k-th broadcast (a dataset's
 ``every``: only steps with units are captured) to bound what is held. A capture on another filesystem is a
 copy (the trainer's cleanup two steps later may then beat it: recorded as lost).

@@ -2,12 +2,12 @@
 
 A metric name is ``eval/<ds>`` (mean over the prompt's samples), ``eval/<ds>/pass@k`` (the unbiased
 pass@k of each prompt), ``eval/<ds>/pass^k`` (the unbiased pass^k of each prompt, C(c, k) / C(n, k):
-:func:`ckpteval.coord.points.pass_hat_k`; logged for each k > 1 of ``pass_k``) or ``eval/<ds>/maj@n`` (majority
-vote), the same per-prompt quantities whose average is the logged point (:func:`ckpteval.coord.results.dataset_score`). Prompts are the dataset's rows in
+:func:`ckpteval.coord.results.points.pass_hat_k`; logged for each k > 1 of ``pass_k``) or ``eval/<ds>/maj@n`` (majority
+vote), the same per-prompt quantities whose average is the logged point (:func:`ckpteval.coord.results.files.dataset_score`). Prompts are the dataset's rows in
 order; shard results are concatenated in shard order, so index ``i`` is the same prompt at every step.
 
 Guarantee: a step is used only when its point has this dataset (every shard an ok result of this
-run's weights, :func:`ckpteval.coord.results.derive_point`); values come from the results files as written.
+run's weights, :func:`ckpteval.coord.results.files.derive_point`); values come from the results files as written.
 Limits: two runs are paired only when their eval sets are the same bytes with the same sampling
 (:func:`check_paired`); lm-eval harness tasks carry no per-sample scores and cannot be compared here.
 """
@@ -21,11 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ckpteval.coord.identity import run_key, version_matches
-from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.points import correct, derive_point, majority_score, pass_at_k, pass_hat_k, prompt_major
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.scorings import scoring_results
+from ckpteval.coord.results.points import (
+    correct,
+    derive_point,
+    majority_score,
+    pass_at_k,
+    pass_hat_k,
+    prompt_major,
+)
+from ckpteval.coord.results.scorings import scoring_results
+from ckpteval.coord.run.identity import run_key, version_matches
+from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.run.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ class RunValues:
         return self._steps[dataset]
 
     def values(self, step: int, metric: Metric, replay: int = 0) -> np.ndarray:
-        """Per-prompt values of ``metric`` at ``step`` (of its ``replay``-th replay, :mod:`ckpteval.coord.replays`);
+        """Per-prompt values of ``metric`` at ``step`` (of its ``replay``-th replay, :mod:`ckpteval.coord.results.replays`);
         ValueError when the step has no such point (or replay)."""
         if step not in self.steps_with(metric.dataset):
             raise ValueError(f"{self.run.path}: step {step} has no complete {metric.dataset} point "

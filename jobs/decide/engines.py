@@ -1,5 +1,5 @@
 """The engine-identity check of ``compare`` and ``best``: points measured by engines of different
-identities (:mod:`ckpteval.coord.engine_identity`: engine, version, dtype, parallel layout, deterministic
+identities (:mod:`ckpteval.coord.results.engine_identity`: engine, version, dtype, parallel layout, deterministic
 mode, concurrency) are not compared unless the caller says so (``--allow-engine-mismatch``).
 
 Why: the same weights move by points between engines and engine settings (a greedy sglang run without
@@ -7,7 +7,7 @@ its deterministic mode changes about half its generations between two runs at 64
 difference between two such points is partly the engine's; the paired interval does not know that.
 
 Guarantee: :func:`check_engines` refuses (ValueError naming the points and the fields that differ, and
-the flag) whenever two of the given points' identities differ by :func:`~ckpteval.coord.engine_identity.differing_fields`;
+the flag) whenever two of the given points' identities differ by :func:`~ckpteval.coord.results.engine_identity.differing_fields`;
 a point that recorded no identity (results from before it) differs from one that did, two that did not
 are not told apart. Allowed, it returns the same differences as notes for the output.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ckpteval.coord.engine_identity import EngineIdentity, differing_fields, explain, parse_identity
+from ckpteval.coord.results.engine_identity import EngineIdentity, differing_fields, explain, parse_identity
 from ckpteval.jobs.decide.data import RunValues
 
 ALLOW_FLAG = "--allow-engine-mismatch"
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 def point_engine(side: RunValues, step: int, dataset: str) -> EngineIdentity | None:
     """The engine identity of ``dataset``'s point at ``step`` (one: a point pools only units of one
-    identity, :func:`ckpteval.coord.points.derive_point`); None when its units recorded none."""
+    identity, :func:`ckpteval.coord.results.points.derive_point`); None when its units recorded none."""
     spec = side.manifest.entry(dataset)
     for unit in spec.units(step):
         result = side.results.get(unit)

@@ -17,7 +17,7 @@ variance of the ``d_i`` — so the per-prompt engine noise ``2 s2e`` is already 
 ``2 tau2``: a shift common to every prompt of an evaluation looks like a real difference. Only evaluating a
 snapshot twice shows it.
 
-**Replays** (:mod:`ckpteval.coord.replays`) give pairs of evaluations of one snapshot; per pair ``k`` the
+**Replays** (:mod:`ckpteval.coord.results.replays`) give pairs of evaluations of one snapshot; per pair ``k`` the
 per-prompt replay differences ``r_i = y[s,i,1] - y[s,i,0] = (g1 - g0) + (e_i1 - e_i0)``, so
 ``Var_i(r_i) = 2 s2e`` and ``E[mean(r)^2] = 2 tau2 + 2 s2e / n``. The estimates (:func:`engine_noise`):
 

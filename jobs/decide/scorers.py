@@ -3,7 +3,7 @@
 the chat template's arguments, the reasoning setting, an lm-eval task's settings) are not compared unless
 the caller says so (``--allow-scorer-mismatch``).
 
-Why: a point pools only units of one scorer identity (:func:`ckpteval.coord.points.derive_point`), but two
+Why: a point pools only units of one scorer identity (:func:`ckpteval.coord.results.points.derive_point`), but two
 points of one run (a judge model that changed between steps, ``enable_thinking`` switched on) or of two runs
 can each be whole and still not measure the same thing; their difference is then partly the scorer's.
 

@@ -5,7 +5,7 @@ The judge component of ``ckpteval submit train-eval --judge-model PATH`` runs th
 a free port, starts ``CMD`` with every ``{port}`` in it replaced (sglang by default:
 ``python -m sglang.launch_server --model-path PATH --host 0.0.0.0 --port {port} --tp N``; the test
 cluster uses ``ckpteval serve --judge exact --host 0.0.0.0 --port {port}``), waits until the server's
-``GET /v1/models`` answers, and then writes ``RUN/judge.json`` (:func:`ckpteval.coord.verdicts.publish_judge`:
+``GET /v1/models`` answers, and then writes ``RUN/judge.json`` (:func:`ckpteval.coord.results.verdicts.publish_judge`:
 ``{"url": "http://<this host>:<port>/v1", "model": <the id it reports>, "slurm_job_id", "pid"}``),
 which the run's workers read (:mod:`ckpteval.jobs.eval.scorers.judge.scorer`). It then waits for the server; USR1,
 TERM or INT stop it (SIGTERM to the server, SIGKILL after ``--grace``), and it exits with the
@@ -34,8 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.verdicts import publish_judge
+from ckpteval.coord.results.verdicts import publish_judge
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.flags import Parser, bounded, fail, positive_int
 
 PROG = "python -m ckpteval.jobs.launch.judge_server"

@@ -21,7 +21,7 @@ Postures (docs/USER_GUIDE.md "Postures"; each a composition of the same flags):
 Stopping it: Ctrl-C (SIGINT) or SIGTERM stops the trainer and every worker (SIGTERM to each process
 group, SIGKILL after a grace period: no orphans), removes this run's tmpfs staging, marks the run
 ``RUN/INTERRUPTED`` and makes each unit whose snapshot is gone a ``ckpt_missing`` result
-(:mod:`ckpteval.coord.settle`), so ``ckpteval status`` and ``ckpteval backfill`` agree on what is left; then it
+(:mod:`ckpteval.coord.work.settle`), so ``ckpteval status`` and ``ckpteval backfill`` agree on what is left; then it
 prints one line and exits 130 (SIGINT) or 143 (SIGTERM). Snapshots kept in ``RUN/snapshots``
 (``--staging run``) stay pending: ``ckpteval backfill --run-dir RUN`` evaluates them.
 
@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.gc import has_room
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.settle import settle_vanished
-from ckpteval.coord.snapshot import CHECKPOINT_PREFIX, step_from_name
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.gc import has_room
+from ckpteval.coord.snapshots.snapshot import CHECKPOINT_PREFIX, step_from_name
+from ckpteval.coord.work.settle import settle_vanished
 from ckpteval.jobs.flags import (
     Parser,
     accept_positional_run_dir,
@@ -398,7 +398,7 @@ def remove_shm_staging(cfg: DemoConfig, run_dir: Path) -> None:
 
 def end_interrupted(cfg: DemoConfig, run_dir: Path, signum: int) -> None:
     """After the children stopped: mark the run interrupted, drop the tmpfs staging, and settle every unit
-    whose snapshot is now gone as ``ckpt_missing`` (:mod:`ckpteval.coord.settle`), so no tool reports it pending."""
+    whose snapshot is now gone as ``ckpt_missing`` (:mod:`ckpteval.coord.work.settle`), so no tool reports it pending."""
     run = RunDir(run_dir)
     if not run.manifest_path.is_file():
         return  # the trainer never wrote run.json: there is no run to mark

@@ -51,7 +51,7 @@ from transformers import (
 )
 
 from ckpteval.coord.atomic import fsync_dir, tmp_name
-from ckpteval.coord.snapshot import MARKER, checkpoint_dirname
+from ckpteval.coord.snapshots.snapshot import MARKER, checkpoint_dirname
 
 # --------------------------------------------------------------------------------------------------
 # 1. Tokenizer

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from ckpteval.coord.conditions import parse_condition
+from ckpteval.coord.results.conditions import parse_condition
 from ckpteval.jobs.flags import check_bounds, nested, option
 
 OverflowPolicy = Literal["backpressure", "skip"]

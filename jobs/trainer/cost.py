@@ -21,7 +21,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 
-from ckpteval.coord.ledger import LedgerState
+from ckpteval.coord.run.ledger import LedgerState
 
 
 def trainer_gpus(env: Mapping[str, str] | None = None) -> int:

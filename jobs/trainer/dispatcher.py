@@ -18,7 +18,7 @@ Settings: one :class:`ckpteval.jobs.trainer.config.DispatchConfig`, taken whole 
 - **staging**: the weights are exported into the staging root by :class:`AsyncExporter` (the loop
   blocks only for the host copy).
 - **reuse**: the trainer's periodic HF checkpoint ``<save_hf_dir>/checkpoint-<step>`` is marked
-  ``.complete`` in place (:func:`ckpteval.coord.snapshot.mark_complete`): zero extra export. The loop must
+  ``.complete`` in place (:func:`ckpteval.coord.snapshots.snapshot.mark_complete`): zero extra export. The loop must
   have saved it before calling :meth:`maybe_dispatch` for that step; a missing one (or one without
   weights) is a ``ckpt_missing`` skip.
 
@@ -27,7 +27,7 @@ where workers look.
 
 Overflow — at most ``max_in_flight`` points dispatched and not yet ingested:
 
-- ``skip``: the step is recorded as skipped ``busy`` (:func:`ckpteval.coord.results.write_point_skip`), nothing
+- ``skip``: the step is recorded as skipped ``busy`` (:func:`ckpteval.coord.results.files.write_point_skip`), nothing
   is exported, and ``eval/skipped_busy`` is logged at that step.
 - ``backpressure``: the loop waits (ingesting meanwhile) until the oldest pending point lands, for
   at most ``backpressure_timeout_s``; on timeout the step is skipped ``busy`` as above rather than
@@ -49,8 +49,8 @@ an ``export_failed`` skip at its step.
 
 Ingestion (rate-limited to one results listing per ``poll_interval_s``, never waiting for eval): a
 pending point whose units all have results goes through :func:`ckpteval.jobs.ingest.ingest_point` (the
-service's ingestion path too): derived (:func:`ckpteval.coord.results.derive_point`), its
-metrics (:func:`ckpteval.coord.results.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
+service's ingestion path too): derived (:func:`ckpteval.coord.results.files.derive_point`), its
+metrics (:func:`ckpteval.coord.results.files.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
 step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
 ``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
 (``keep_snapshots`` newest retired kept, plus the best ``keep_best`` points by ``best_metric``; reused
@@ -80,7 +80,7 @@ ingest it at once (lag 0). The eval's wall time (what training waited on top of 
 ``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
 
 Limits: one dispatcher per run dir. Export times, the shared eval time and skips survive a restart
-as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`ckpteval.coord.ledger`).
+as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`ckpteval.coord.run.ledger`).
 """
 
 from __future__ import annotations
@@ -92,16 +92,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpteval.coord.conditions import Condition, parse_condition, point_value, top_steps
-from ckpteval.coord.gc import StagingGC, has_room
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.points import Point, derive_point, point_metrics
-from ckpteval.coord.results import Result, ResultIndex, write_point_skip
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.saves import shards_present
-from ckpteval.coord.snapshot import mark_complete, read_marker, snapshot_path
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.conditions import Condition, parse_condition, point_value, top_steps
+from ckpteval.coord.results.files import Result, ResultIndex, write_point_skip
+from ckpteval.coord.results.points import Point, derive_point, point_metrics
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.gc import StagingGC, has_room
+from ckpteval.coord.snapshots.saves import shards_present
+from ckpteval.coord.snapshots.snapshot import mark_complete, read_marker, snapshot_path
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.proof.canary import TrainerCanary
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink

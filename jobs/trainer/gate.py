@@ -10,7 +10,7 @@ With no dedicated eval GPUs, an eval point runs on the engine that serves the tr
 
 :func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
 disk into the engine (weights reach an engine only from disk) and reads the engine's version back
-(must be ``<run key>@<step>``, :func:`ckpteval.coord.identity.weight_version`), scores every unit of the step
+(must be ``<run key>@<step>``, :func:`ckpteval.coord.run.identity.weight_version`), scores every unit of the step
 with the one unit path, :func:`ckpteval.jobs.eval.kinds.evaluate.evaluate_pinned` (which checks the version again) — the
 fleet's pin routine and check (:mod:`ckpteval.jobs.eval.proof.pinning`, which says why the settings differ) — then
 writes one result per unit. A unit whose scorer or library task fails is that unit's skip; training
@@ -39,12 +39,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpteval.coord.identity import run_key, weight_version
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, skip_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import producer_identity
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.files import Result, skip_result, write_result
+from ckpteval.coord.run.identity import run_key, weight_version
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import producer_identity
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_identity
 from ckpteval.jobs.eval.kinds.evaluate import Evaluation, evaluate_pinned, unit_result
 from ckpteval.jobs.eval.kinds.generate.prompts import NoChatTemplate
@@ -149,7 +149,7 @@ def shared_eval(
 
     Engine failures (:class:`EngineError`) become ``unhealthy`` skips of every unit; a unit the engine refused
     (``rejected``: a prompt over the model's context) or aborted is that unit's skip alone. Results are published
-    first-writer-wins (:func:`ckpteval.coord.results.write_result`), so re-running a step is harmless.
+    first-writer-wins (:func:`ckpteval.coord.results.files.write_result`), so re-running a step is harmless.
     """
     manifest = run.manifest() if cache is None else cache.manifest
     cache = cache or DatasetCache(run, manifest)

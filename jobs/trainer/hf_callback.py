@@ -39,7 +39,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ckpteval.coord.results import write_point_skip
+from ckpteval.coord.results.files import write_point_skip
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.conditions import check_metric, eval_names, parse_condition
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import producer_identity
+from ckpteval.coord.results.conditions import check_metric, eval_names, parse_condition
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import producer_identity
 from ckpteval.jobs.eval.worker.evalconfig import EvalConfig, install_eval_data, read_eval_config
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.pathchecks import check_dir_creatable

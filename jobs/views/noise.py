@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.decide.data import Metric, RunValues
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, engine_noise, mde
 

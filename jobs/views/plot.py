@@ -1,7 +1,7 @@
 """``ckpteval plot RUN [RUN ...] -o curve.png``: score vs step per dataset, skips marked, lag below (when
 there is lag); several runs are overlaid on one step axis, a colour per run.
 
-The plotted series are exactly the derived points (ckpteval.coord.results.derive_point) of complete steps;
+The plotted series are exactly the derived points (ckpteval.coord.results.files.derive_point) of complete steps;
 :func:`plot_series` returns them so a test can check the picture shows what the run says. Each
 dataset's pooled mean is drawn with a band of ± its standard error over prompts, and its pass@k /
 maj@n (when it has them) as dashed lines of the same colour; a generated set's mean completion and
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.scorings import scoring_label
+from ckpteval.coord.results.scorings import scoring_label
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, run_dirs_from_args
 from ckpteval.jobs.views.status.main import collect_status
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.claims import lease_holders as coord_lease_holders
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import units_for_step
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.claims import lease_holders as coord_lease_holders
+from ckpteval.coord.work.units import units_for_step
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -206,7 +206,7 @@ class Fleet:
 
 
 def lease_holders(run: RunDir) -> dict[str, tuple[str, int]]:
-    """unit id -> (host, pid) of its lease holder (filelock's owner record, via ckpteval.coord.claims)."""
+    """unit id -> (host, pid) of its lease holder (filelock's owner record, via ckpteval.coord.work.claims)."""
     return {unit: (record.hostname, record.pid) for unit, record in coord_lease_holders(run.leases).items()}
 
 

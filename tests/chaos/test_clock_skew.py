@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.results.files import ResultIndex
 from tests.chaos import harness
 
 LEASE = (3.0, 0.5)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import unit_dir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.run.rundir import unit_dir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_USAGE
 from ckpteval.jobs.views.status.main import collect_status
 from tests.chaos import harness

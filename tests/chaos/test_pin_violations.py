@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ckpteval.coord.identity import run_key, version_matches
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import snapshot_dirname
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.run.identity import run_key, version_matches
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import snapshot_dirname
 from tests.chaos import harness
 from tests.support.workers import start_serve
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.lifecycle import EXIT_PREEMPTED, EXIT_TRAIN_PREEMPTED
 from tests.chaos import harness
 

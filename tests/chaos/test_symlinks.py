@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckpteval.coord.atomic import write_json_atomic
-from ckpteval.coord.snapshot import MARKER, Marker, snapshot_dirname
+from ckpteval.coord.snapshots.snapshot import MARKER, Marker, snapshot_dirname
 from tests.chaos import harness
 
 

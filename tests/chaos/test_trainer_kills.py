@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.rundir import RunDir
 from tests.chaos import harness
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import submitit
 
-from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.results.files import ResultIndex
 from ckpteval.jobs.launch import api
 from tests.slurm.test_jobs_helpers import FN, finished_run, unit_in_progress, wait_until
 from tests.support.workers import REPO

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import submitit
 
-from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.results.files import ResultIndex
 from ckpteval.jobs.launch import api
 from ckpteval.jobs.launch.submit_checks import NothingToDo
 from tests.slurm.test_jobs_helpers import FN, finished_run, job_log, submit_job

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.launch import submit
 from tests.support.workers import REPO, make_eval_run, publish_model
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.verdicts import read_judge
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.results.verdicts import read_judge
 from tests.slurm.test_jobs_helpers import completed_job_log, submit_job
 from tests.slurm.test_jobs_train_eval import _eval_points
 

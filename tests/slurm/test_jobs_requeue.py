@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import ResultIndex
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.run.rundir import RunDir
 from tests.slurm.test_jobs_helpers import FN, finished_run, job_log, submit_job, unit_in_progress, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(170)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results import ResultIndex
+from ckpteval.coord.results.files import ResultIndex
 from ckpteval.jobs.launch import api
 from tests.slurm.test_jobs_helpers import JOB_ENV, completed_job_log, job_log, pids_of, wait_until
 from tests.support.workers import REPO

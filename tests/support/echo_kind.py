@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ckpteval.coord.fields import NAME_RE, FieldError
-from ckpteval.coord.workunit import WorkUnit
+from ckpteval.coord.run.fields import NAME_RE, FieldError
+from ckpteval.coord.work.workunit import WorkUnit
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.kinds.evaluate import Evaluation
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckpteval.coord.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
 
 
 def make_run(tmp: Path, n_prompts: int = 10, shard_size: int = 5, lease: LeaseSettings | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpteval.coord.manifest import FieldError, Fields, parse_dataclass
+from ckpteval.coord.run.manifest import FieldError, Fields, parse_dataclass
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored
 
 

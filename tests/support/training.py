@@ -2,9 +2,9 @@
 
 ``python -m tests.support.training consume RUN [--delay S] [--until-done]`` is a minimal consumer that
 speaks only the coord protocol: it discovers complete snapshots under ``run.json``'s snapshot roots,
-claims units with :class:`ckpteval.coord.claims.UnitClaimer`, scores them on a real
+claims units with :class:`ckpteval.coord.work.claims.UnitClaimer`, scores them on a real
 :class:`ckpteval.jobs.eval.engines.hf.engine.HFEngine` with :func:`ckpteval.jobs.eval.kinds.generate.scoring.score_unit`, and publishes results with
-:func:`ckpteval.coord.results.write_result`. ``--delay`` slows each unit down (to make points overlap);
+:func:`ckpteval.coord.results.files.write_result`. ``--delay`` slows each unit down (to make points overlap);
 ``--until-done`` exits once ``TRAINING_DONE`` exists and every dispatched step has all its results.
 """
 
@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpteval.coord.atomic import read_jsonl
-from ckpteval.coord.claims import UnitClaimer
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import ResultIndex, ok_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import producer_identity
-from ckpteval.coord.units import shard_range, units_for_step
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.snapshots.snapshot import producer_identity
+from ckpteval.coord.work.claims import UnitClaimer
+from ckpteval.coord.work.units import shard_range, units_for_step
 from ckpteval.jobs.trainer.config import DispatchConfig
 
 if TYPE_CHECKING:

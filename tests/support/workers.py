@@ -1,7 +1,7 @@
 """Shared helpers for the eval-side tests: real runs, real tiny-model snapshots, real fn backends.
 
 Nothing here is a fake of ckpteval: runs are created with :mod:`coord`, snapshots are published with
-``ckpteval.coord.snapshot.publish_snapshot`` around ``ckpteval.jobs.trainer.export.hf_files.write_hf_files`` of a tiny
+``ckpteval.coord.snapshots.snapshot.publish_snapshot`` around ``ckpteval.jobs.trainer.export.hf_files.write_hf_files`` of a tiny
 ``ckpteval.jobs.reference.model.build_model`` Llama, and the fn backends below are real ``CheckpointEvalFn`` classes
 (loaded by import path in worker subprocesses) that score from the snapshot's actual safetensors.
 torch is imported lazily so that fn-backend worker processes importing this module stay light.
@@ -20,12 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ckpteval.coord.claims import attempts_path, lease_holders
-from ckpteval.coord.manifest import EvalSpec, LeaseSettings, RunManifest
-from ckpteval.coord.results import Result, ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import publish_snapshot
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import Result, ResultIndex
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
+from ckpteval.coord.work.claims import attempts_path, lease_holders
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip
 from tests.support.runs import flip_byte  # noqa: F401  (re-exported for the worker tests)
 
@@ -49,7 +49,7 @@ def make_eval_run(
     replay: Any = None,
 ) -> RunDir:
     """A run with the built-in addition eval set (``n_prompts`` rows) and one snapshot root (``replay``: its
-    ``eval.replay``, a :class:`ckpteval.coord.replays.ReplaySettings`)."""
+    ``eval.replay``, a :class:`ckpteval.coord.results.replays.ReplaySettings`)."""
     from dataclasses import replace
 
     from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
@@ -67,8 +67,8 @@ def make_eval_run(
 
 
 def version(run: RunDir, step: int) -> str:
-    """The weight version a worker of ``run`` stamps an engine with for ``step`` (ckpteval.coord.identity)."""
-    from ckpteval.coord.identity import run_key, weight_version
+    """The weight version a worker of ``run`` stamps an engine with for ``step`` (ckpteval.coord.run.identity)."""
+    from ckpteval.coord.run.identity import run_key, weight_version
 
     return weight_version(run_key(run.manifest()), step)
 
@@ -115,7 +115,7 @@ def publish_as_trainer(root: Path, step: int, write_files: Callable[[Path], Any]
 def own_run_key(root: Path) -> str | None:
     """The run key of the run whose ``RUN/snapshots`` ``root`` is (its ``run.json`` lists it), else None (also
     when that run.json is one this ckpteval refuses: a test of the refusal)."""
-    from ckpteval.coord.identity import run_key
+    from ckpteval.coord.run.identity import run_key
 
     try:
         manifest = RunDir(Path(root).parent).manifest()
@@ -143,7 +143,7 @@ def duplicates(run: RunDir) -> list[dict[str, Any]]:
 
 
 def lease_holder_pid(run: RunDir) -> dict[str, int]:
-    """unit id -> pid of the process holding its lease (filelock's owner record, via ckpteval.coord.claims)."""
+    """unit id -> pid of the process holding its lease (filelock's owner record, via ckpteval.coord.work.claims)."""
     return {unit: record.pid for unit, record in lease_holders(run.leases).items()}
 
 

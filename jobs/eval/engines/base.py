@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ckpteval.coord.engine_identity import EngineIdentity
+from ckpteval.coord.results.engine_identity import EngineIdentity
 
 
 class EngineError(RuntimeError):
@@ -101,7 +101,7 @@ class WeightDigests:
     """What an in-process engine reports about the weights it holds (:mod:`ckpteval.jobs.eval.proof.attest`).
 
     ``digests``: name -> CRC-32 of the tensor's bytes cast to the snapshot's dtype
-    (:mod:`ckpteval.coord.digests`); ``aliases``: a name -> the name it shares storage with (tied weights);
+    (:mod:`ckpteval.coord.snapshots.digests`); ``aliases``: a name -> the name it shares storage with (tied weights);
     ``lossy``: names held in a dtype narrower than the snapshot's, whose digest cannot match."""
 
     digests: dict[str, int]
@@ -282,7 +282,7 @@ def gpu_count(env: Mapping[str, str] | None = None) -> int:
 
 @runtime_checkable
 class ReportsIdentity(Protocol):
-    """What the engine is and how it runs (:class:`~ckpteval.coord.engine_identity.EngineIdentity`), recorded
+    """What the engine is and how it runs (:class:`~ckpteval.coord.results.engine_identity.EngineIdentity`), recorded
     with every result it produced."""
 
     def engine_identity(self) -> EngineIdentity: ...

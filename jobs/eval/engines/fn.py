@@ -65,9 +65,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.results import SCORE_BOUND
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import SCORE_BOUND
+from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.work.units import WorkUnit
 
 
 class EvalSkip(Exception):

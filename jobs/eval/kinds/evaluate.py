@@ -19,7 +19,7 @@ run at worker start), and one line in :data:`ckpteval.coord.entries.KINDS` namin
 (a library's task, a scorer) raises anything: wrap it with :func:`user_code` so its failure is the unit's
 ``crashed`` skip at once, never the engine's.
 
-Limits: a kind's point is one of the two rules of :mod:`ckpteval.coord.results` (its ``POINT_RULE``): per-sample
+Limits: a kind's point is one of the two rules of :mod:`ckpteval.coord.results.files` (its ``POINT_RULE``): per-sample
 scores (``samples``: ``generate``, ``env``) or per-unit metrics (``metrics``: ``lm_eval``).
 """
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpteval.coord.entries import KINDS, load_target
-from ckpteval.coord.results import Result, harness_result, ok_result
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import Result, harness_result, ok_result
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.scorers import last_line
 from ckpteval.jobs.eval.skips import WorkerSkip
@@ -52,8 +52,8 @@ class Evaluation:
     attest: dict[str, Any] = field(default_factory=dict)  # ckpteval.jobs.eval.proof.attest.Attestation.to_json()
     cost: dict[str, float] = field(default_factory=dict)  # tokens, busy seconds: what the unit cost
     fidelity: dict[str, float] = field(default_factory=dict)  # ckpteval.jobs.eval.proof.canary.Fidelity.to_json(); {}: no canary
-    kept: Any = None  # the completions to keep beside the result (ckpteval.coord.completions.Completions)
-    engine: dict[str, Any] = field(default_factory=dict)  # ckpteval.coord.engine_identity.EngineIdentity.to_json()
+    kept: Any = None  # the completions to keep beside the result (ckpteval.coord.results.completions.Completions)
+    engine: dict[str, Any] = field(default_factory=dict)  # ckpteval.coord.results.engine_identity.EngineIdentity.to_json()
 
 
 class UserCodeFailed(WorkerSkip):

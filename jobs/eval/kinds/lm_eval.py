@@ -1,6 +1,6 @@
 """lm-evaluation-harness tasks as work units: the glue between a pinned engine and ``lm_eval``.
 
-A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`ckpteval.coord.manifest.HarnessSpec`) has one unit per
+A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`ckpteval.coord.run.manifest.HarnessSpec`) has one unit per
 task (shard ``i`` runs ``tasks[i]``). The worker pins its engine to the step exactly as for any unit
 (:meth:`ckpteval.jobs.eval.worker.evaluators.EngineEvaluator._pin`), then :func:`run_task` runs the task through the
 harness's *own* model adapters — nothing of the harness is re-implemented here:
@@ -46,9 +46,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.manifest import HarnessSpec
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.manifest import HarnessSpec
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import ServesLmEval
 from ckpteval.jobs.eval.kinds.evaluate import Evaluation, user_code
 from ckpteval.jobs.eval.proof.pinning import PinViolation

@@ -12,14 +12,14 @@ itself (``loaded: "self"``) or was found holding it (``"adopted"``).
 * ``tensor_digests`` — an engine that digests what it holds (the in-process hf engine,
   :meth:`~ckpteval.jobs.eval.engines.hf.engine.HFEngine.weight_digests`): every tensor cast to the snapshot's dtype,
   XXH3-64 of its bytes (CRC-32 for a marker written before XXH3), compared with the digests the
-  exporter recorded in the snapshot's marker (:mod:`ckpteval.coord.digests`). Any missing, extra or
+  exporter recorded in the snapshot's marker (:mod:`ckpteval.coord.snapshots.digests`). Any missing, extra or
   different tensor fails. **Proves**: the engine holds bit for bit the tensors the marker lists (up to
   digest collisions, not a defence against forgery), on every load, first or not. An engine holding a
   narrower dtype than the file (bf16 for an F32 snapshot) cannot match: ``attested: false``, state
   ``incomparable``, not failed.
 * ``consistency`` — an engine that reports checksums in its own layout (sglang's ``/weights_checker``
   ``checksum``: fused, sharded tensors that no file can be compared with). The record is
-  :mod:`ckpteval.coord.weight_checksums` (``RUN/weight_checksums/``), keyed by the snapshot (its marker's
+  :mod:`ckpteval.coord.snapshots.weight_checksums` (``RUN/weight_checksums/``), keyed by the snapshot (its marker's
   identity) and the *checksum layout* (parallelism and roles, dtype, quantization, sglang version and the
   device the hash runs on: :func:`~ckpteval.jobs.eval.engines.http.server_info.checksum_layout`). Only an engine that
   loaded the snapshot from disk itself, and whose canary did not fail or flag, adds an observation; a
@@ -58,10 +58,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.digests import compare_digests
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
-from ckpteval.coord.weight_checksums import ChecksumRecords, records_dir
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.digests import compare_digests
+from ckpteval.coord.snapshots.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
+from ckpteval.coord.snapshots.weight_checksums import ChecksumRecords, records_dir
 from ckpteval.jobs.eval.engines.base import (
     ChecksumsWeights,
     DigestsWeights,

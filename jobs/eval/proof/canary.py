@@ -4,7 +4,7 @@ Attestation (:mod:`ckpteval.jobs.eval.proof.attest`) proves an engine holds the 
 tokenizer, a dtype or a kernel that makes the same tensors compute something else. At export a trainer
 holding an HF-style model stores teacher-forced log-probabilities of a probe — the first
 :data:`PROBE_ROWS` rows (``prompt`` + reference ``answer``) of the run's first eval set — in the
-snapshot as :data:`ckpteval.coord.snapshot.CANARY` (listed in the marker like every file): per probe the text,
+snapshot as :data:`ckpteval.coord.snapshots.snapshot.CANARY` (listed in the marker like every file): per probe the text,
 the token ids the trainer's tokenizer gave, each continuation token's log-probability and the argmax.
 After pinning, an engine that can (:meth:`~ckpteval.jobs.eval.engines.hf.engine.HFEngine.teacher_forced`, every engine of
 sglang's HTTP API: :meth:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine.teacher_forced`) recomputes
@@ -117,7 +117,7 @@ def probe_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def canary_bytes(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> bytes:
-    """The :data:`ckpteval.coord.snapshot.CANARY` file a trainer stores with a snapshot."""
+    """The :data:`ckpteval.coord.snapshots.snapshot.CANARY` file a trainer stores with a snapshot."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     probes = teacher_forced(model, tokenizer, pairs)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.snapshot import CANARY, Marker
+from ckpteval.coord.snapshots.snapshot import CANARY, Marker
 from ckpteval.jobs.eval.engines.base import (
     NamesCanaryKind,
     ReportsComputeDtype,

@@ -21,8 +21,8 @@ import os
 import stat
 from pathlib import Path
 
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.kinds.env import ENVIRONMENTS
 from ckpteval.jobs.eval.scorers import SCORERS
 

@@ -4,7 +4,7 @@ A dataset's ``scorer`` (run.json ``eval.datasets[i].scorer``) is a name of :data
 ``module:function`` — a per-sample ``(completion, answer) -> float | (float, answer)`` function
 (:class:`ckpteval.jobs.eval.scorers.basic.FunctionScorer`). Its settings are the dataset entry's
 ``scorer_options`` object, validated by the scorer class's ``parse_options`` wherever run.json is parsed
-(:func:`check_scorer`, installed into :mod:`ckpteval.coord.manifest` at import: coord imports nothing from jobs).
+(:func:`check_scorer`, installed into :mod:`ckpteval.coord.run.manifest` at import: coord imports nothing from jobs).
 
 Adding a scorer (nothing else to edit; the worker, the shared posture, backfill and the run.json
 parser all go through this registry):
@@ -39,7 +39,7 @@ the engine is not restarted and its health is not counted.
 Counters and extras: ``Scored.counters`` (per-sample counts) are summed per unit into the result's
 ``counters`` and per point into ``eval/<ds>/<counter>``; ``Scored.extras`` (per-sample numbers) are
 averaged per point into ``eval/<ds>/<name>``. ``identity()`` is recorded in every unit's result
-(``scorer``); a point whose units disagree on it is not pooled (:mod:`ckpteval.coord.results`).
+(``scorer``); a point whose units disagree on it is not pooled (:mod:`ckpteval.coord.results.files`).
 
 Limits: a scorer runs in the worker's process with its privileges (``module:function`` code is imported
 only under the trust rule, :mod:`ckpteval.jobs.eval.proof.trust`); scoring is synchronous per unit.
@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
-from ckpteval.coord.results import SCORE_BOUND
+from ckpteval.coord.results.files import SCORE_BOUND
+from ckpteval.coord.run.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
 from ckpteval.jobs.eval.skips import WorkerSkip
 
 SCORERS: dict[str, str] = {
@@ -208,7 +208,7 @@ def scorer_class(name: str) -> type:
 
 
 def check_scorer(name: str, options: Fields) -> None:
-    """The run.json parser's check (:func:`ckpteval.coord.manifest.set_scorer_check`): a known name, valid options."""
+    """The run.json parser's check (:func:`ckpteval.coord.run.manifest.set_scorer_check`): a known name, valid options."""
     scorer_class(name).parse_options(options)
 
 

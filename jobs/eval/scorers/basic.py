@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ckpteval.coord.manifest import DatasetSpec
+from ckpteval.coord.run.manifest import DatasetSpec
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext
 
 

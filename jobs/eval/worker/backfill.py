@@ -7,7 +7,7 @@ never from flags. It takes every worker flag except ``--once`` and ``--catchup``
 
 Promises: idempotent — a unit with a result is never evaluated again, so a second run finds nothing
 to do, says so and exits 0; except a unit skipped because an outside service failed (``judge_failed``,
-``sandbox_failed``, ``env_failed``, ``overloaded``: :data:`ckpteval.coord.results.INFRA_SKIPS`), which each
+``sandbox_failed``, ``env_failed``, ``overloaded``: :data:`ckpteval.coord.results.files.INFRA_SKIPS`), which each
 backfill evaluates once more, superseding the skip (``results/<unit>.retry<k>.json``) — a judge that came
 back fills it; an ``overloaded`` one no sooner than ``--retry-backoff`` after it was written (the backfill
 waits for that). Safe as N concurrent SLURM array tasks over one run: units are claimed
@@ -25,7 +25,7 @@ or a comma list of those.
 First passing checkpoint (MLPerf-style "evaluate saved checkpoints in order until one passes"):
 ``--until 'eval/<ds>[/pass@k] >= X'`` (``--order ascending``, the default, required) claims units oldest
 step first and starts no unit of a step above the lowest step whose complete point passes
-(:func:`ckpteval.coord.conditions.first_passing`), in every array task, since each reads the shared
+(:func:`ckpteval.coord.results.conditions.first_passing`), in every array task, since each reads the shared
 results; units already running finish, and earlier steps still running are finished (one of them may
 pass first). When it ends it writes ``RUN/until.json`` (condition, passing step or null, the steps
 evaluated) and prints the passing step. ``--order descending`` is ``--newest-first``.
@@ -45,10 +45,16 @@ from typing import Any
 from tqdm import tqdm
 
 from ckpteval.coord.atomic import write_json_atomic
-from ckpteval.coord.conditions import Condition, check_metric, eval_names, first_passing, parse_condition
-from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.summary import write_step_summary
+from ckpteval.coord.results.conditions import (
+    Condition,
+    check_metric,
+    eval_names,
+    first_passing,
+    parse_condition,
+)
+from ckpteval.coord.results.files import INFRA_SKIPS, Result, ResultIndex
+from ckpteval.coord.results.summary import write_step_summary
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.worker.main import run_worker
 from ckpteval.jobs.eval.worker.options import WorkerOptions, add_worker_flags, options_from_args
 from ckpteval.jobs.eval.worker.reeval import ReevalPlan, create_reeval_run, plan_reeval
@@ -238,7 +244,7 @@ def main(argv: list[str]) -> int:
 
 
 def write_summaries(run: RunDir, steps: set[int]) -> None:
-    """The step summaries status and plot read (:mod:`ckpteval.coord.summary`) of the steps this backfill
+    """The step summaries status and plot read (:mod:`ckpteval.coord.results.summary`) of the steps this backfill
     evaluated units of, when it ends with nothing left to do: a backfill run has no ingester to write them (a trainer
     that already ingested a step wrote its summary, which a retry here made stale). Each step's results are
     read once more; a step still changing gets none (readers then read its results)."""

@@ -15,18 +15,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpteval.coord.discovery import SnapshotRef
-from ckpteval.coord.engine_identity import EngineIdentity
-from ckpteval.coord.identity import run_key, weight_version
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, skip_result
-from ckpteval.coord.snapshot import (
+from ckpteval.coord.results.engine_identity import EngineIdentity
+from ckpteval.coord.results.files import Result, skip_result
+from ckpteval.coord.run.identity import run_key, weight_version
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.snapshots.discovery import SnapshotRef
+from ckpteval.coord.snapshots.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
     VerifiedSnapshots,
     verify_snapshot,
 )
-from ckpteval.coord.units import WorkUnit, shard_range
+from ckpteval.coord.work.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus, engine_identity, launch_timeout
 from ckpteval.jobs.eval.engines.factory import (
     ENGINES,

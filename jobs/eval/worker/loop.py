@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.claims import Claim, UnitClaimer, order_units
-from ckpteval.coord.discovery import CAPTURED, SnapshotDiscovery, SnapshotRef
-from ckpteval.coord.gc import CaptureGC
-from ckpteval.coord.identity import run_key, snapshots_key
 from ckpteval.coord.layouts import FALLBACK
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import INFRA_SKIPS, Result, ResultIndex, retry_due
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
-from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.files import INFRA_SKIPS, Result, ResultIndex, retry_due
+from ckpteval.coord.run.identity import run_key, snapshots_key
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import CAPTURED, SnapshotDiscovery, SnapshotRef
+from ckpteval.coord.snapshots.gc import CaptureGC
+from ckpteval.coord.snapshots.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
+from ckpteval.coord.work.claims import Claim, UnitClaimer, order_units
+from ckpteval.coord.work.steps import run_step_selection
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.worker.evaluators import Evaluator, evaluate_unit
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.eval.worker.runner import UnitRunner

@@ -30,7 +30,7 @@ Promises:
   ``--max-attempts`` — or once no healthy worker can be expected: ``TRAINING_DONE`` seen
   ``max_attempts × lease duration`` ago and the attempts used up (the step's deadline). The worker
   then moves on to the next unit.
-* **Pinning.** The engine loads ``(snapshot, weight_version="<run key>@<step>")`` (:mod:`ckpteval.coord.identity`:
+* **Pinning.** The engine loads ``(snapshot, weight_version="<run key>@<step>")`` (:mod:`ckpteval.coord.run.identity`:
   an engine shared with another run never passes this run's pin) only when its version differs;
   the version is read back (polled up to ``--pin-timeout``), every sample must carry it, and it is read
   again after the unit. With several engines (``--engines N`` or repeated ``--engine``) all must agree.
@@ -107,7 +107,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.kinds.evaluate import check_entries
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache

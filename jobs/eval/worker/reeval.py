@@ -4,7 +4,7 @@
 ``ckpteval submit backfill`` with the same flags) creates NEW whose ``run.json`` has the eval of ``F``
 (:func:`ckpteval.jobs.eval.worker.evalconfig.read_eval_config`), OLD's snapshot roots (and foreign roots) as its own, and
 ``trainer = {"kind": "reeval", "from_run", "from_run_id", "steps"}``; then NEW is backfilled like any
-run. ``steps`` (:mod:`ckpteval.coord.steps`; ``latest`` resolved to a number at creation) limits the steps
+run. ``steps`` (:mod:`ckpteval.coord.work.steps`; ``latest`` resolved to a number at creation) limits the steps
 every consumer of NEW considers — workers, backfill array tasks, status.
 
 Promises: **OLD is never written to.** Everything is validated before anything is written (OLD is a
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpteval.coord.atomic import read_json_object
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.manifest import RunManifest, parse_manifest
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.steps import REEVAL_KIND, StepSelection, parse_steps
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.manifest import RunManifest, parse_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.work.steps import REEVAL_KIND, StepSelection, parse_steps
 from ckpteval.jobs.eval.worker.evalconfig import EvalConfig, publish_run, read_eval_config
 
 

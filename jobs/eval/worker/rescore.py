@@ -1,14 +1,14 @@
 """``ckpteval rescore RUN``: score a run's kept completions again, on CPU, as a new scoring beside the original.
 
 For every ``ok`` unit of the chosen steps (``--steps``) and ``generate`` datasets (``--datasets``) it reads the
-unit's kept completions (:mod:`ckpteval.coord.completions`), scores them with ``--scorer`` / ``--scorer-options``
+unit's kept completions (:mod:`ckpteval.coord.results.completions`), scores them with ``--scorer`` / ``--scorer-options``
 (default: each dataset's own scorer and options from run.json) through the one scoring path of a fresh
 generation (:func:`ckpteval.jobs.eval.kinds.generate.scoring.unit_scores`), and publishes the result in the scoring
-``RUN/scorings/<name>/`` (:mod:`ckpteval.coord.scorings`; ``--name``, default ``<scorer>-<hash of scorer and
+``RUN/scorings/<name>/`` (:mod:`ckpteval.coord.results.scorings`; ``--name``, default ``<scorer>-<hash of scorer and
 options>``). No engine is loaded; the original results and completions are never written.
 
 Promises: exactly once per unit and scoring, array-task safe — units are claimed through the run's lease
-machinery (:class:`ckpteval.coord.claims.UnitClaimer`, leases under the scoring) and results published first
+machinery (:class:`ckpteval.coord.work.claims.UnitClaimer`, leases under the scoring) and results published first
 writer wins, so N concurrent ``rescore`` processes (a SLURM array) share the work, a dead one's units are taken
 over after its lease expires, and a second run finds nothing to do. A re-score with the scorer that produced a
 result gives exactly its scores and answers (the completions, rows and prompts are the ones scored then). A unit is
@@ -34,16 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object
-from ckpteval.coord.chat_settings import check_reasoning
-from ckpteval.coord.claims import Claim, UnitClaimer
-from ckpteval.coord.completions import Completions, completions_path, read_completions, rows_digest
-from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.results import Result, ResultIndex, ok_result, skip_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.scorings import SCORING_FILE, check_name, scoring_dir
-from ckpteval.coord.snapshot import producer_identity
-from ckpteval.coord.steps import parse_steps
-from ckpteval.coord.units import WorkUnit, shard_range
+from ckpteval.coord.results.completions import Completions, completions_path, read_completions, rows_digest
+from ckpteval.coord.results.files import Result, ResultIndex, ok_result, skip_result, write_result
+from ckpteval.coord.results.scorings import SCORING_FILE, check_name, scoring_dir
+from ckpteval.coord.run.chat_settings import check_reasoning
+from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import producer_identity
+from ckpteval.coord.work.claims import Claim, UnitClaimer
+from ckpteval.coord.work.steps import parse_steps
+from ckpteval.coord.work.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.kinds.evaluate import UserCodeFailed, user_code
 from ckpteval.jobs.eval.kinds.generate.answering import Reasoning, resolve_reasoning
 from ckpteval.jobs.eval.kinds.generate.reasoning import TOKENIZER

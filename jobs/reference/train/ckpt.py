@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from ckpteval.coord.atomic import fsync_dir, read_json_object, tmp_name, write_json_atomic
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import SNAPSHOT_PREFIX, snapshot_dirname
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import SNAPSHOT_PREFIX, snapshot_dirname
 
 KEEP_TRAIN_CKPTS = 2
 

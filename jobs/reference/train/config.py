@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpteval.coord.conditions import check_metric, parse_condition
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.results.conditions import check_metric, parse_condition
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 from ckpteval.jobs.flags import (
     Parser,

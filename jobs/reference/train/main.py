@@ -60,10 +60,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ckpteval.coord.ledger import LedgerError
-from ckpteval.coord.manifest import EvalSpec, LeaseSettings
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.snapshot import producer_identity
+from ckpteval.coord.run.ledger import LedgerError
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import producer_identity
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 from ckpteval.jobs.eval.worker.evalconfig import EvalConfig, install_eval_data
 from ckpteval.jobs.flags import fail

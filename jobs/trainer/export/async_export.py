@@ -3,13 +3,13 @@
 :meth:`AsyncExporter.submit` does, in the caller's (training) thread:
 
 1. wait for the previous export to finish — at most one export is in flight;
-2. check free space on the staging filesystem for the state dict's bytes (:func:`ckpteval.coord.gc.has_room`;
+2. check free space on the staging filesystem for the state dict's bytes (:func:`ckpteval.coord.snapshots.gc.has_room`;
    a full /dev/shm takes the node down) — no room is an ``export_failed`` outcome, nothing written;
 3. copy every tensor into host memory (:func:`ckpteval.jobs.trainer.export.hf_files.snapshot_host_copy`);
 
 and then returns. A background thread writes the HF files from the host copy
 (:func:`~ckpteval.jobs.trainer.export.hf_files.write_hf_files`, checksums computed while writing) and publishes them
-atomically with their ``.complete`` marker (:func:`ckpteval.coord.snapshot.publish_snapshot`, which fsyncs
+atomically with their ``.complete`` marker (:func:`ckpteval.coord.snapshots.snapshot.publish_snapshot`, which fsyncs
 every file before the marker).
 
 Times, per export (an :class:`ExportOutcome`): ``blocked_s`` is what the trainer waited (steps 1-3,
@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from ckpteval.coord.gc import has_room
-from ckpteval.coord.snapshot import CANARY, publish_snapshot
+from ckpteval.coord.snapshots.gc import has_room
+from ckpteval.coord.snapshots.snapshot import CANARY, publish_snapshot
 from ckpteval.jobs.trainer.export.adapter import adapter_state, is_peft_model
 from ckpteval.jobs.trainer.export.hf_files import snapshot_host_copy, write_adapter_files, write_hf_files
 from ckpteval.jobs.trainer.export.safetensors_io import write_chunks
@@ -98,7 +98,7 @@ class AsyncExporter:
         producer: dict[str, Any] | None = None,
         run: str | None = None,
     ) -> None:
-        self.run = run  # the run key stamped into every marker (ckpteval.coord.identity)
+        self.run = run  # the run key stamped into every marker (ckpteval.coord.run.identity)
         self.staging_root = Path(staging_root)
         self.staging_root.mkdir(parents=True, exist_ok=True)
         self.base_model_dir = None if base_model_dir is None else Path(base_model_dir)
@@ -116,7 +116,7 @@ class AsyncExporter:
     ) -> None:
         """Start exporting ``step``; returns after the host copy. The outcome comes from :meth:`poll`.
 
-        ``canary``: the bytes of the snapshot's :data:`ckpteval.coord.snapshot.CANARY` (:mod:`ckpteval.jobs.eval.proof.canary`),
+        ``canary``: the bytes of the snapshot's :data:`ckpteval.coord.snapshots.snapshot.CANARY` (:mod:`ckpteval.jobs.eval.proof.canary`),
         written with the weights and listed in the marker."""
         t0 = time.perf_counter()
         self._join()

@@ -9,7 +9,7 @@ This module owns two steps of an export:
   ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``), ``config.json`` and the
   base model's metadata files (generation config, tokenizer files, chat templates) into a directory,
   and returns ``{relative_path: {"bytes": n, "crc32": c}}`` for every file it wrote, each shard's
-  record also holding ``"tensors"``: every tensor's dtype, shape and digest (:mod:`ckpteval.coord.digests`),
+  record also holding ``"tensors"``: every tensor's dtype, shape and digest (:mod:`ckpteval.coord.snapshots.digests`),
   computed on the bytes as they are written (the marker's attestation record).
 
 Promises:
@@ -28,7 +28,7 @@ Promises:
 * Files are created exclusively: a file that already exists in ``out_dir`` is an error
   (``FileExistsError``), never overwritten.
 
-Limits: publishing (the ``.complete`` marker and the atomic rename) is ``ckpteval.coord.snapshot``'s job, not
+Limits: publishing (the ``.complete`` marker and the atomic rename) is ``ckpteval.coord.snapshots.snapshot``'s job, not
 this module's. Tensors must be contiguous, dense CPU tensors that nobody mutates while they are
 written (that is what :func:`snapshot_host_copy` is for). Sharded/distributed tensors (DTensor, TP or
 PP shards) must be gathered by the caller first. ``max_shard_bytes`` is a target: a single tensor
@@ -347,7 +347,7 @@ def write_adapter_files(
     ``adapter_config`` must be JSON-serialisable and say ``"peft_type": "LORA"``; its ``r`` and
     ``target_modules`` are what an sglang server sizes its LoRA memory pool from.
     """
-    from ckpteval.coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from ckpteval.coord.snapshots.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     if adapter_config.get("peft_type") != "LORA":
         raise ValueError(f"adapter_config must have peft_type 'LORA', got {adapter_config.get('peft_type')!r}")

@@ -9,9 +9,9 @@ What :mod:`ckpteval.jobs.trainer.export.hf_files` builds a snapshot's weight fil
   computing the running checksum of chunk *i* while the main thread writes it (``zlib.crc32`` and
   ``write`` both release the GIL); returns ``{"bytes": n, "crc32": c}``;
 * :func:`write_safetensors` — the same for one shard, also returning each tensor's digest
-  (:mod:`ckpteval.coord.digests`: CRC-32 of its bytes) under ``"tensors"``. With the default ``zlib.crc32``
+  (:mod:`ckpteval.coord.snapshots.digests`: CRC-32 of its bytes) under ``"tensors"``. With the default ``zlib.crc32``
   nothing is checksummed twice: the helper thread checksums the header and each tensor separately
-  and the file's CRC is combined from those (:func:`ckpteval.coord.digests.crc32_combine`).
+  and the file's CRC is combined from those (:func:`ckpteval.coord.snapshots.digests.crc32_combine`).
 
 Limits: tensors must be contiguous dense CPU tensors of a dtype in :data:`DTYPES`; nobody may mutate
 them while they are written. A failed write removes its partial file; an existing file is never
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ckpteval.coord.digests import TensorDigest, crc32_combine, new_xxh3
+from ckpteval.coord.snapshots.digests import TensorDigest, crc32_combine, new_xxh3
 
 Checksum = Callable[[bytes | memoryview, int], int]
 """A running checksum with ``zlib.crc32``'s signature: ``checksum(chunk, previous) -> value``."""
@@ -195,7 +195,7 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], crc: Checksum
 
 def write_safetensors(path: Path, shard: dict[str, torch.Tensor], crc: Checksum, fsync: bool) -> FileRecord:
     """Write one safetensors shard like :func:`write_chunks`; the record also holds ``"tensors"``:
-    each tensor's dtype, shape and digests (CRC-32 and XXH3-64 of its bytes, :mod:`ckpteval.coord.digests`)."""
+    each tensor's dtype, shape and digests (CRC-32 and XXH3-64 of its bytes, :mod:`ckpteval.coord.snapshots.digests`)."""
     record, crcs, fast = _write_tagged(path, _tagged_chunks(shard), crc, fsync)
     crcs += [0] * (len(shard) + 1 - len(crcs))  # trailing empty tensors fed no chunk
     fast += [new_xxh3().intdigest()] * (len(shard) + 1 - len(fast))

@@ -7,7 +7,7 @@ markers, units from results and lease files, points from results, lag from ``met
 
 Limits: lease ages use this machine's wall clock against the lease file's mtime, so a skewed clock
 shifts them; "expired" here is a display hint — the protocol's real expiry is judged by each
-contender on its own monotonic clock (see ckpteval.coord.claims).
+contender on its own monotonic clock (see ckpteval.coord.work.claims).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, read_jsonl
-from ckpteval.coord.claims import lease_path, read_lease_holder
-from ckpteval.coord.discovery import SnapshotDiscovery, adopted_refs
-from ckpteval.coord.identity import snapshots_key
 from ckpteval.coord.layouts import AUTO
-from ckpteval.coord.ledger import Ledger, LedgerState
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.saves import lost_steps, waiting_saves
-from ckpteval.coord.scorings import StepFacts, scoring_step_facts, step_facts
-from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.training_cost import run_fraction
-from ckpteval.coord.weight_checksums import summarize
+from ckpteval.coord.results.scorings import StepFacts, scoring_step_facts, step_facts
+from ckpteval.coord.results.training_cost import run_fraction
+from ckpteval.coord.run.identity import snapshots_key
+from ckpteval.coord.run.ledger import Ledger, LedgerState
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery, adopted_refs
+from ckpteval.coord.snapshots.saves import lost_steps, waiting_saves
+from ckpteval.coord.snapshots.weight_checksums import summarize
+from ckpteval.coord.work.claims import lease_path, read_lease_holder
+from ckpteval.coord.work.steps import run_step_selection
 from ckpteval.jobs.views.noise import noise_status
 
 
@@ -129,7 +129,7 @@ def cost_summary(run: RunDir, facts: list[StepFacts], points: list[dict[str, Any
 
 def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
     """Everything status shows, as plain data (the ``--json`` output). Each step comes from its summary when
-    that is fresh, else from its result files (:mod:`ckpteval.coord.summary`); ``scoring``: a rescore's (coord.scorings)."""
+    that is fresh, else from its result files (:mod:`ckpteval.coord.results.summary`); ``scoring``: a rescore's (coord.scorings)."""
     run = RunDir.open(run_dir)
     manifest = run.manifest()
     facts, errors = scoring_step_facts(run, manifest, scoring)

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.cells import cell_len
 
-from ckpteval.coord.scorings import scoring_label
+from ckpteval.coord.results.scorings import scoring_label
 from ckpteval.jobs.flags import wrap
 from ckpteval.jobs.views.noise import noise_lines
 from ckpteval.jobs.views.tables import PlainTable

@@ -75,7 +75,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from ckpteval.coord.engine_identity import EngineIdentity
+from ckpteval.coord.results.engine_identity import EngineIdentity
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams, WeightDigests
 from ckpteval.jobs.eval.engines.hf.decode import Completion, completion, eos_ids, generation_config, pad_id
 from ckpteval.jobs.eval.engines.hf.sampling import (

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ckpteval.coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ckpteval.coord.snapshots.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.engines.hf.weights import TensorIndex, copy_into_resident, index_tensors

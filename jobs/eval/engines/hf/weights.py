@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ckpteval.coord.digests import tensor_digest
+from ckpteval.coord.snapshots.digests import tensor_digest
 from ckpteval.jobs.eval.engines.base import EngineError, WeightDigests
 
 # config.json keys that say nothing about the weights' layout: a change here still reloads in place.
@@ -233,7 +233,7 @@ DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
 def param_digests(model: torch.nn.Module, dtypes: dict[str, str], digest: str = "crc32") -> WeightDigests:
     """Digests of every tensor the model holds (its state dict), each cast to the snapshot's dtype
     ``dtypes[name]`` (a safetensors dtype name; names absent keep their own dtype): ``digest`` (``xxh3``
-    or ``crc32``, :func:`ckpteval.coord.digests.tensor_digest`) of the bytes. Tensors sharing storage are digested once and reported as aliases of
+    or ``crc32``, :func:`ckpteval.coord.snapshots.digests.tensor_digest`) of the bytes. Tensors sharing storage are digested once and reported as aliases of
     the first of them that ``dtypes`` names. A tensor held in a dtype that cannot hold the snapshot's
     values exactly (bf16 held for an F32 file) is listed in ``lossy``. Tensors are digested on
     :data:`DIGEST_THREADS` threads (one tensor each at a time: at most that many host copies exist)."""

@@ -66,7 +66,7 @@ from typing import Any
 
 import httpx
 
-from ckpteval.coord.engine_identity import EngineIdentity
+from ckpteval.coord.results.engine_identity import EngineIdentity
 from ckpteval.jobs.eval.engines.base import (
     EngineChecksum,
     EngineError,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpteval.coord.identity import MIXED_SEP
+from ckpteval.coord.run.identity import MIXED_SEP
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, SamplingParams
 
 FINISH_TYPES = ("stop", "length", "abort")

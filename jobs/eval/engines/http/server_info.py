@@ -2,7 +2,7 @@
 
 Owns the readings of ``/server_info`` (0.5.19 .. 0.5.23; file names inside the sglang wheel) and of
 ``/weights_checker``'s per-rank ``parallelism_info``: :func:`server_gpus` (GPUs the server holds),
-:func:`server_identity` (the :class:`~ckpteval.coord.engine_identity.EngineIdentity` its completions
+:func:`server_identity` (the :class:`~ckpteval.coord.results.engine_identity.EngineIdentity` its completions
 depend on) and :func:`checksum_layout` (everything a weights checksum depends on besides the weights).
 Each is a pure function of the JSON the engine fetched; a field a server omits reads as unknown
 (``?``, 0 GPUs, size 1), never as an error.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpteval.coord.engine_identity import EngineIdentity
+from ckpteval.coord.results.engine_identity import EngineIdentity
 from ckpteval.jobs.eval.engines.http.limits import queue_chunk, running_at_once
 
 
@@ -57,7 +57,7 @@ def server_gpus(info: dict[str, Any]) -> int:
 
 
 def server_identity(info: dict[str, Any], max_batch_size: int) -> EngineIdentity:
-    """The :class:`~ckpteval.coord.engine_identity.EngineIdentity` of an sglang server from its ``/server_info``
+    """The :class:`~ckpteval.coord.results.engine_identity.EngineIdentity` of an sglang server from its ``/server_info``
     (0.5.23 ``srt/utils/common.py`` ``build_server_info``: the resolved server args, so ``attention_backend``
     is what ``--enable-deterministic-inference`` picked, ``srt/arg_groups/overrides.py``
     ``_deterministic_attention_backend``); ``deterministic`` only when the mode is on and LoRA is not (the

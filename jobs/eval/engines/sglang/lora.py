@@ -79,7 +79,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.snapshot import ADAPTER_CONFIG
+from ckpteval.coord.snapshots.snapshot import ADAPTER_CONFIG
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, RequestRejected
 from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
 from ckpteval.jobs.eval.engines.http.limits import error_message, reply_object

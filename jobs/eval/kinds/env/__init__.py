@@ -1,6 +1,6 @@
 """The environment registry and contract: multi-turn, tool-using episodes as an eval set (``kind: "env"``).
 
-An ``env`` entry of run.json's ``eval.datasets`` (:class:`ckpteval.coord.manifest.EnvSpec`) names an environment
+An ``env`` entry of run.json's ``eval.datasets`` (:class:`ckpteval.coord.run.manifest.EnvSpec`) names an environment
 (``env``): a name of :data:`ENVIRONMENTS`, or ``module:Class`` (imported only under the run-code trust
 rule, :mod:`ckpteval.jobs.eval.proof.trust`). Its rows are a JSONL file of objects (any fields: the environment reads
 them); ``n_samples`` episodes run per row, each of at most ``max_turns`` model turns. The episode loop is
@@ -52,7 +52,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpteval.coord.manifest import FieldError, Fields, set_env_check
+from ckpteval.coord.run.manifest import FieldError, Fields, set_env_check
 
 ENVIRONMENTS: dict[str, str] = {
     "arithmetic": "ckpteval.jobs.eval.kinds.env.examples:ArithmeticEnv",
@@ -113,7 +113,7 @@ def env_class(name: str) -> type:
 
 
 def check_env(name: str, options: Fields) -> None:
-    """The run.json parser's check (:func:`ckpteval.coord.manifest.set_env_check`): a registered name whose
+    """The run.json parser's check (:func:`ckpteval.coord.run.manifest.set_env_check`): a registered name whose
     constructor takes ``env_options``, or a ``module:Class`` form (not imported here: run.json's code is
     imported only after the trust check)."""
     if name in ENVIRONMENTS:

@@ -50,7 +50,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ckpteval.coord.manifest import EnvSpec
+from ckpteval.coord.run.manifest import EnvSpec
 from ckpteval.jobs.eval.engines.base import Engine, EngineError
 from ckpteval.jobs.eval.engines.http.generate import sample_version
 from ckpteval.jobs.eval.kinds.env import Tool

@@ -45,8 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpteval.coord.manifest import EnvSpec
-from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
+from ckpteval.coord.run.manifest import EnvSpec
+from ckpteval.coord.work.units import WorkUnit, shard_range, unit_samples
 from ckpteval.jobs.eval.engines.base import Engine
 from ckpteval.jobs.eval.kinds.env import ENDINGS_INFRA, Done, Tool, env_class
 from ckpteval.jobs.eval.kinds.env.tools import (

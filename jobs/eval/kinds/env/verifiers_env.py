@@ -35,7 +35,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from ckpteval.coord.manifest import EnvSpec
+from ckpteval.coord.run.manifest import EnvSpec
 
 LOOP_HARNESS = "ckpteval.jobs.eval.kinds.env.verifiers_loop"
 INSTALL = "pip install 'ckpteval[envs]'"

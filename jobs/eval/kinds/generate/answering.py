@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ckpteval.coord.manifest import DatasetSpec
+from ckpteval.coord.run.manifest import DatasetSpec
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.kinds.generate.prompts import snapshot_tokenizer
 from ckpteval.jobs.eval.kinds.generate.reasoning import (

@@ -1,6 +1,6 @@
 """Eval sets: JSONL files of prompt/answer rows, and the built-in addition set.
 
-The eval config lives in ``run.json`` (:class:`ckpteval.coord.manifest.DatasetSpec`); this module turns a spec
+The eval config lives in ``run.json`` (:class:`ckpteval.coord.run.manifest.DatasetSpec`); this module turns a spec
 into rows (scorers are :mod:`ckpteval.jobs.eval.scorers`'). Worker flags never change what is scored.
 
 Rows: ``{"prompt": str, "answer": any, ...}``, or for ``prompt_format: "chat"`` datasets
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import read_jsonl_file, write_bytes_atomic
-from ckpteval.coord.manifest import DatasetSpec, subset_rows
-from ckpteval.coord.rundir import RunDir
+from ckpteval.coord.run.manifest import DatasetSpec, subset_rows
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.scorers import check_row, scorer_class
 
 Row = dict[str, Any]
@@ -85,7 +85,7 @@ def load_entry_rows(path: Path, spec: DatasetSpec) -> list[Row]:
 
 
 def load_dataset(run: RunDir, spec: DatasetSpec) -> list[Row]:
-    """The rows a dataset evaluates (its ``subset`` of the file, :func:`ckpteval.coord.manifest.subset_rows`),
+    """The rows a dataset evaluates (its ``subset`` of the file, :func:`ckpteval.coord.run.manifest.subset_rows`),
     checked by :func:`load_entry_rows`; their count must match ``n_prompts``."""
     path = run.resolve_data_path(spec.path)
     rows = load_entry_rows(path, spec)
@@ -109,7 +109,7 @@ def write_addition_dataset(
 ) -> DatasetSpec:
     """The built-in eval set of the reference task, written into the run's ``data/`` dir.
 
-    ``sampling``: further :class:`~ckpteval.coord.manifest.DatasetSpec` fields (``n_samples``, ``temperature``,
+    ``sampling``: further :class:`~ckpteval.coord.run.manifest.DatasetSpec` fields (``n_samples``, ``temperature``,
     ``pass_k``, ``every``, ...); greedy, one sample per prompt by default.
     """
     from ckpteval.jobs.reference.model import make_addition_examples

@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from ckpteval.coord.manifest import DatasetSpec
+from ckpteval.coord.run.manifest import DatasetSpec
 
 _CACHE_SIZE = 4
 

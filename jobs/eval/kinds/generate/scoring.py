@@ -1,6 +1,6 @@
 """Scoring one work unit on an engine: the shard's prompts, sampled and scored per the run's config.
 
-Owns the mapping from a :class:`~ckpteval.coord.units.WorkUnit` to generations and scores; it pins nothing
+Owns the mapping from a :class:`~ckpteval.coord.work.units.WorkUnit` to generations and scores; it pins nothing
 and writes nothing (the worker, or the trainer's shared posture, does that around it). Every sample
 keeps the weight version the engine reported for it and the answer its scorer extracted.
 
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ckpteval.coord.completions import Completions, record_generations, rows_digest
-from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.units import WorkUnit, shard_range, unit_samples
+from ckpteval.coord.results.completions import Completions, record_generations, rows_digest
+from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit, shard_range, unit_samples
 from ckpteval.jobs.eval.engines.base import Engine, Generation, SamplingParams
 from ckpteval.jobs.eval.kinds.evaluate import Evaluation
 from ckpteval.jobs.eval.kinds.generate.answering import (
@@ -71,10 +71,10 @@ class UnitScores:
     answers: list[str | None]
     tally: UnitTally
     scorer: dict[str, Any]  # the scorer's identity()
-    kept: Completions | None = None  # the completions as generated (ckpteval.coord.completions), kept beside the result
+    kept: Completions | None = None  # the completions as generated (ckpteval.coord.results.completions), kept beside the result
 
     def result_fields(self) -> dict[str, Any]:
-        """The result fields besides scores/versions/answers (:func:`ckpteval.coord.results.ok_result` keywords)."""
+        """The result fields besides scores/versions/answers (:func:`ckpteval.coord.results.files.ok_result` keywords)."""
         return {**self.tally.as_result_fields(), "scorer": self.scorer}
 
 

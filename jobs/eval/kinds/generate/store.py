@@ -10,11 +10,11 @@ point as ``eval/cost/store_hits``).
 
 The key (:func:`unit_key`) is the SHA-256 of the canonical JSON of everything that changes a completion:
 
-* the snapshot's weights: every tensor's dtype, shape and digests from its marker (:mod:`ckpteval.coord.digests`;
+* the snapshot's weights: every tensor's dtype, shape and digests from its marker (:mod:`ckpteval.coord.snapshots.digests`;
   the file a tensor lies in does not count) and the CRC-32 of every other file eval loads (config, generation
   config, tokenizer, chat template; the shard index excepted) — a snapshot whose marker lists no tensor digests
   is never stored or answered;
-* the rows' SHA-256 (:func:`ckpteval.coord.completions.rows_digest`) and the rendered prompt of every sample
+* the rows' SHA-256 (:func:`ckpteval.coord.results.completions.rows_digest`) and the rendered prompt of every sample
   (chat template, system prompt and template kwargs all act through it), plus the dataset's prompt settings;
 * the sampling settings (``max_new_tokens``, temperature, top-p, top-k, seed) and every sample's seed, and
   the samples' range;
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import publish_exclusive
-from ckpteval.coord.completions import (
+from ckpteval.coord.results.completions import (
     SUFFIX,
     Completions,
     encode,
@@ -51,9 +51,9 @@ from ckpteval.coord.completions import (
     replace_completions,
     rows_digest,
 )
-from ckpteval.coord.discovery import SnapshotRef
-from ckpteval.coord.snapshot import Marker, is_eval_file
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.snapshots.discovery import SnapshotRef
+from ckpteval.coord.snapshots.snapshot import Marker, is_eval_file
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.kinds.evaluate import Evaluation
 from ckpteval.jobs.eval.kinds.generate.answering import resolve_reasoning
 from ckpteval.jobs.eval.kinds.generate.scoring import (

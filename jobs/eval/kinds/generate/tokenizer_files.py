@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.snapshot import SnapshotError
+from ckpteval.coord.snapshots.snapshot import SnapshotError
 from ckpteval.jobs.eval.engines.base import ReadsRunTokenizer, members
 
 # One of these makes a directory loadable by AutoTokenizer (fast tokenizer, or a slow one's vocab).

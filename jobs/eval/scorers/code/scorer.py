@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from ckpteval.coord.run.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
 from ckpteval.jobs.eval.sandbox.core import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 

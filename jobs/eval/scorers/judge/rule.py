@@ -30,7 +30,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ckpteval.coord.manifest import FieldError
+from ckpteval.coord.run.manifest import FieldError
 
 DEFAULT_VERDICT_REGEX = r"\bVERDICT:\s*([-+]?\d+(?:\.\d+)?)"
 JUDGE_RANGE = (0.0, 1.0)
@@ -58,7 +58,7 @@ def quote_response(response: str, boundary: str) -> str:
 @dataclass(frozen=True)
 class JudgeOptions:
     """A judged dataset's ``scorer_options`` (``"scorer": "judge"`` or ``"reward_model"``); checks in
-    ``__post_init__``, each failure a :class:`~ckpteval.coord.manifest.FieldError` naming the setting."""
+    ``__post_init__``, each failure a :class:`~ckpteval.coord.run.manifest.FieldError` naming the setting."""
 
     url: str | None = None
     """The judge's OpenAI base URL (``http://host:port/v1``); None: ``--judge-url``, else ``RUN/judge.json``."""

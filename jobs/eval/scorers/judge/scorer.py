@@ -30,7 +30,7 @@ Promises:
   naming another model than ``/v1/models`` is counted (``judge_model_mismatch``) and recorded
   (``on_model_mismatch: "record"``, since a hosted alias names its dated snapshot) or skips the unit
   (``"skip"``; a cached reply of another model is then asked again, not used).
-- **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`ckpteval.coord.verdicts`) keyed by (judge
+- **Cache.** Replies are cached in ``RUN/judge_cache/`` (:mod:`ckpteval.coord.results.verdicts`) keyed by (judge
   id, question, response, reference): a retry, a backfill, or identical completions (in this unit or any
   other) never pay the judge twice; hits are counted (``judge_cache_hits``; their share of the point's
   samples is ``judge_cache_hit_rate``). Replies (with their boundary and answering model), not
@@ -61,9 +61,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpteval.coord.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.verdicts import VerdictCache, cache_key, read_judge
+from ckpteval.coord.results.verdicts import VerdictCache, cache_key, read_judge
+from ckpteval.coord.run.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 from ckpteval.jobs.eval.scorers.judge.http import JudgeEndpoint, JudgeUnavailable
 from ckpteval.jobs.eval.scorers.judge.rule import (

@@ -1,15 +1,15 @@
-"""Which work units (:class:`~ckpteval.coord.workunit.WorkUnit`) a step has, asked of the entries, and the
+"""Which work units (:class:`~ckpteval.coord.work.workunit.WorkUnit`) a step has, asked of the entries, and the
 prompts and samples each covers.
 
-Who holds a unit (leases, claims, attempts, claim order) is :mod:`ckpteval.coord.claims`. Guarantee: pure
+Who holds a unit (leases, claims, attempts, claim order) is :mod:`ckpteval.coord.work.claims`. Guarantee: pure
 functions of run.json (every node, every reader derives the same units). Limits: a step's units are those of
 the entries due at it; an entry that is not due has none there (it is not skipped).
 """
 
 from __future__ import annotations
 
-from ckpteval.coord.manifest import DatasetSpec, RunManifest
-from ckpteval.coord.workunit import WorkUnit
+from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.work.workunit import WorkUnit
 
 
 def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
@@ -21,7 +21,7 @@ def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
 
 
 def replay_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
-    """The replays of ``step`` (``eval.replay``, :mod:`ckpteval.coord.replays`): ``copies`` of every unit of each
+    """The replays of ``step`` (``eval.replay``, :mod:`ckpteval.coord.results.replays`): ``copies`` of every unit of each
     per-sample entry due at the step, copy-major; none when the step is not replayed."""
     settings = manifest.eval.replay
     if not settings.due(step):

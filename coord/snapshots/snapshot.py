@@ -3,7 +3,7 @@
 A snapshot is a directory ``AutoModelForCausalLM.from_pretrained`` can load (config.json, safetensors
 shards + index, tokenizer files) plus a ``.complete`` JSON marker written *last*: step, weight_version,
 every file with its byte size and CRC-32, producer, time, and ``run``: the key of the run whose trainer
-wrote it (:mod:`ckpteval.coord.identity`; absent: no run's). Older formats (another ``protocol``, tensor
+wrote it (:mod:`ckpteval.coord.run.identity`; absent: no run's). Older formats (another ``protocol``, tensor
 digests without ``xxh3``) are refused when read, in one line naming the file and what it has.
 
 Guarantees:
@@ -39,8 +39,8 @@ from typing import Any
 
 from ckpteval.coord import PROTOCOL_VERSION
 from ckpteval.coord.atomic import TMP_PREFIX, fsync_dir, read_json_object, tmp_name, write_json_atomic
-from ckpteval.coord.digests import TensorDigest, safetensors_digests
-from ckpteval.coord.identity import weight_version
+from ckpteval.coord.run.identity import weight_version
+from ckpteval.coord.snapshots.digests import TensorDigest, safetensors_digests
 
 MARKER = ".complete"
 # A LoRA adapter snapshot (run.json names ``eval.base_model``): PEFT's names, which sglang's loader reads
@@ -78,7 +78,7 @@ class Marker:
     producer: dict[str, Any]
     mode: str  # staging | reuse | foreign
     created: float
-    run: str | None = None  # run key (ckpteval.coord.identity) of the run that wrote it; None: no run's
+    run: str | None = None  # run key (ckpteval.coord.run.identity) of the run that wrote it; None: no run's
 
     @property
     def total_bytes(self) -> int:

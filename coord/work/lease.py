@@ -3,7 +3,7 @@
 Owns the lease file's life — create, heartbeat, release, the takeover of an expired one — and its
 content: the holder record (:class:`LeaseHolder`, one JSON object of < 300 bytes: format, pid,
 hostname, host identity, process start, token, duration), parsed by :func:`parse_holder` (also for
-:func:`ckpteval.coord.claims.read_lease_holder`), and the liveness check (:meth:`LeaseHolder.dead_here`).
+:func:`ckpteval.coord.work.claims.read_lease_holder`), and the liveness check (:meth:`LeaseHolder.dead_here`).
 
 Why this module owns the format rather than filelock (issue 27): until then the record and the liveness
 check were filelock's *private* ``_identity`` and ``_soft._records`` modules, so a filelock minor release
@@ -44,7 +44,7 @@ Guarantees:
 
 Limits: a lease is **a hint about who should be working, not a fence**: a holder stalled past
 ``duration_s`` can come back after a takeover and still finish; results are first-writer-wins
-(:mod:`ckpteval.coord.results`), so that costs compute, never correctness. The unlink of a release that is
+(:mod:`ckpteval.coord.results.files`), so that costs compute, never correctness. The unlink of a release that is
 no longer fresh is a check-then-act (``lstat`` then ``unlink``): a takeover in between is possible in
 principle and costs at most one more evaluation. Every participant must use the run's ``duration_s``;
 a marker with another duration raises :class:`LeaseMismatch` naming the file.

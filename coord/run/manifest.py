@@ -11,7 +11,7 @@ settings must be finite and in range (temperature >= 0, top_p in (0, 1], top_k >
 max_new_tokens >= 1), so a run.json that every engine would refuse is refused before anything runs;
 an unknown key of a dataset entry (``temprature``) is refused naming the closest valid one. Each
 entry setting and its default is declared once, on its kind's settings dataclass
-(:mod:`ckpteval.coord.entries`); the parser (:func:`ckpteval.coord.fields.parse_dataclass`) derives from them.
+(:mod:`ckpteval.coord.entries`); the parser (:func:`ckpteval.coord.run.fields.parse_dataclass`) derives from them.
 
 Scorers: coord knows no scorer (it imports nothing from ``jobs/``). The scorer registry
 (:mod:`ckpteval.jobs.eval.scorers`) installs a pure function with :func:`set_scorer_check` when it is imported
@@ -37,8 +37,8 @@ from typing import Any
 from ckpteval.coord import PROTOCOL_VERSION
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
 from ckpteval.coord.entries import KINDS, DatasetSpec, Entry, EnvSpec, HarnessSpec, entry_class, subset_rows
-from ckpteval.coord.fields import NAME_RE, FieldError, Fields, parse_dataclass
-from ckpteval.coord.replays import ReplaySettings
+from ckpteval.coord.results.replays import ReplaySettings
+from ckpteval.coord.run.fields import NAME_RE, FieldError, Fields, parse_dataclass
 
 CANARY_ON_FAIL = ("skip", "flag")
 
@@ -49,7 +49,7 @@ __all__ = ["DatasetSpec", "Entry", "EnvSpec", "HarnessSpec", "FieldError", "Fiel
 @dataclass(frozen=True)
 class LeaseSettings:
     """Lease timing every participant of a run must share (a lease file with another duration is refused:
-    :class:`ckpteval.coord.lease.LeaseMismatch`)."""
+    :class:`ckpteval.coord.work.lease.LeaseMismatch`)."""
 
     duration_s: float = 60.0
     """Seconds a claim stays a contender's to wait out after its marker last changed."""
@@ -92,7 +92,7 @@ class EvalSpec:
     # adapter (``adapter_config.json`` + ``adapter_model.safetensors``); None: snapshots are full models.
     base_model: str | None = None
     canary: CanarySettings = CanarySettings()
-    replay: ReplaySettings = ReplaySettings()  # ``eval.replay``: steps evaluated again (ckpteval.coord.replays)
+    replay: ReplaySettings = ReplaySettings()  # ``eval.replay``: steps evaluated again (ckpteval.coord.results.replays)
 
     @property
     def datasets(self) -> tuple[DatasetSpec, ...]:

@@ -11,12 +11,12 @@ Guarantees:
   ``global_stepN/`` optimizer shards come after the weights), *and* every shard named by
   ``model.safetensors.index.json`` (or ``model.safetensors``; for a LoRA adapter checkpoint
   ``adapter_model.safetensors`` + ``adapter_config.json``) is present. The admission computes full
-  checksums once, of exactly the files eval loads (:func:`ckpteval.coord.snapshot.is_eval_file`: config,
+  checksums once, of exactly the files eval loads (:func:`ckpteval.coord.snapshots.snapshot.is_eval_file`: config,
   tokenizer, weights + index — not optimizer shards, ``rng_state*.pth``, ``trainer_state.json``), and
   records an *adopted* marker in ``adoption_dir`` — the foreign dir is never written to — so later
   verification has something to compare against. A checkpoint that vanishes at any moment (rotation by
   ``save_total_limit``: before, during or after admission) is silence here, never an exception.
-- Run identity: with ``run`` (this run's key, :mod:`ckpteval.coord.identity`), a snapshot whose marker names
+- Run identity: with ``run`` (this run's key, :mod:`ckpteval.coord.run.identity`), a snapshot whose marker names
   another run is never reported as this run's — under a watched (foreign) root it is adopted like any
   finished checkpoint into this run's own ``adoption_dir``, elsewhere ignored. In a run's own root (not
   ``admit_foreign``: its staging or reuse dir, where its trainer stamps every marker with its key) a
@@ -56,11 +56,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
-from ckpteval.coord.identity import weight_version
 from ckpteval.coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
 from ckpteval.coord.layouts.plain import step_from_dir
-from ckpteval.coord.saves import FOREIGN_TEMP_PREFIXES, file_names, shards_present, tree_signature
-from ckpteval.coord.snapshot import (
+from ckpteval.coord.run.identity import weight_version
+from ckpteval.coord.snapshots.saves import FOREIGN_TEMP_PREFIXES, file_names, shards_present, tree_signature
+from ckpteval.coord.snapshots.snapshot import (
     ADAPTER_WEIGHTS,
     MARKER,
     Marker,
@@ -103,7 +103,7 @@ class SnapshotDiscovery:
     quiescence_s: float = 30.0
     adoption_dir: Path | None = None
     clock: Callable[[], float] = time.monotonic
-    run: str | None = None  # this run's key (ckpteval.coord.identity): another run's marker is not ours
+    run: str | None = None  # this run's key (ckpteval.coord.run.identity): another run's marker is not ours
     adopt_only: str | None = None  # under a foreign root, adopt only markers naming this key (None: any marked)
     layout: str = FALLBACK  # ckpteval.coord.layouts name, or "auto": how foreign saves under root are laid out
     lost_dir: Path | None = None  # where a save lost to rotation before admission is recorded (<step>.json)
@@ -323,7 +323,7 @@ class SnapshotDiscovery:
         return self._adopt(found.weights, found.step, key)
 
     def _adopt(self, path: Path, step: int, key: str | None = None, origin: str | None = None) -> SnapshotRef | None:
-        """Checksum what eval loads (only that: :func:`ckpteval.coord.snapshot.is_eval_file`) and record it.
+        """Checksum what eval loads (only that: :func:`ckpteval.coord.snapshots.snapshot.is_eval_file`) and record it.
 
         A checkpoint that vanishes while it is read (rotation) is counted lost, nothing recorded."""
         key = path.name if key is None else key

@@ -1,7 +1,7 @@
 """run.json checks of an entry's chat settings: ``chat_template_kwargs`` (``generate``, ``env``, ``lm_eval``) and
 ``reasoning`` (``generate``, ``env``).
 
-Guarantee: a malformed setting is refused when run.json is parsed (a :class:`~ckpteval.coord.fields.FieldError`
+Guarantee: a malformed setting is refused when run.json is parsed (a :class:`~ckpteval.coord.run.fields.FieldError`
 naming the field), never at the first unit. Limits: the shape only — whether a template reads a kwarg, or a
 ``tokenizer`` reasoning end resolves, is known only on a snapshot (:mod:`ckpteval.jobs.eval.kinds.generate.reasoning`).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpteval.coord.fields import FieldError
+from ckpteval.coord.run.fields import FieldError
 
 RENDER_ARGS = frozenset({"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
                          "return_dict", "documents", "chat_template"})  # apply_chat_template's own arguments

@@ -4,7 +4,7 @@ The same weights do not give the same completions under every engine: a greedy s
 concurrency without its deterministic mode changes about half its generations from one run to the next
 (sgl-eval ``benchmarks.md``), two engines scored one checkpoint 10 points apart on AIME25 (sglang #39311).
 So each result records an :class:`EngineIdentity` (``engine`` in the result file, docs/PROTOCOL.md), a
-point pools only units of one identity (:func:`ckpteval.coord.points.derive_point`, like scorer
+point pools only units of one identity (:func:`ckpteval.coord.results.points.derive_point`, like scorer
 identities), and ``compare``/``best`` refuse to put points of two identities side by side unless told to
 (:func:`differing_fields`).
 

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import publish_exclusive, write_bytes_atomic
-from ckpteval.coord.rundir import unit_dir
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.run.rundir import unit_dir
+from ckpteval.coord.work.units import WorkUnit
 
 FORMAT = "ckpteval-completions"
 VERSION = 1
@@ -172,7 +172,7 @@ def read_completions(path: Path) -> Completions:
 
 
 def keep_beside(results_dir: Path, record: Completions, generation: int, lease_token: str | None, n_scores: int) -> bool:
-    """Publish a just-won result's completions (:func:`ckpteval.coord.results.write_result`); never raises for
+    """Publish a just-won result's completions (:func:`ckpteval.coord.results.files.write_result`); never raises for
     the disk: a failure to keep (a full disk, a read-only dir) is one line on stderr and the result stands."""
     import dataclasses
     import sys

@@ -1,7 +1,7 @@
 """What a watched root holds before discovery admits it, read only: the saves found but waiting (what
 ``ckpteval status`` shows), whether a save's weight files are all there, a tree's change signature (the
 quiescence test) and the steps recorded as lost to rotation (``RUN/lost/<step>.json``, written by
-:class:`ckpteval.coord.discovery.SnapshotDiscovery`).
+:class:`ckpteval.coord.snapshots.discovery.SnapshotDiscovery`).
 
 Guarantees: names and stats only — nothing here reads weights, writes, or trusts a save (admission and
 its checksums are discovery's). A file or dir that vanishes mid-read is silence (left out), never an
@@ -19,7 +19,7 @@ from typing import Any
 from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.layouts import AUTO, FALLBACK, Layout, Located, get_layout, resolve_layout
 from ckpteval.coord.layouts.base import entries as layout_entries
-from ckpteval.coord.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER
+from ckpteval.coord.snapshots.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MARKER
 
 FOREIGN_TEMP_PREFIXES = ("tmp-", "tmp_", "temp-")  # a trainer's save in progress (HF Trainer's tmp-checkpoint-N)
 

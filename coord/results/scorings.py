@@ -1,14 +1,14 @@
 """Scorings: the results of a run re-scored from kept completions, beside the original ones.
 
 ``ckpteval rescore`` (:mod:`ckpteval.jobs.eval.worker.rescore`) applies another scorer (or other scorer options) to the
-kept completions (:mod:`ckpteval.coord.completions`) of chosen steps and datasets and publishes each unit's new
+kept completions (:mod:`ckpteval.coord.results.completions`) of chosen steps and datasets and publishes each unit's new
 result under ``RUN/scorings/<name>/``::
 
     RUN/scorings/<name>/scoring.json            {"name", "scorer", "scorer_options", "created"}: what it applies
     RUN/scorings/<name>/results/step-<N>/<unit>.json   the unit's re-scored result (first writer wins)
     RUN/scorings/<name>/leases/step-<N>/<unit>.lock    the re-scoring claims (the run's lease settings)
 
-A re-scored result is a result (:mod:`ckpteval.coord.results`): the same weight versions as the original (the
+A re-scored result is a result (:mod:`ckpteval.coord.results.files`): the same weight versions as the original (the
 generation is the same), new scores, answers and ``scorer`` identity. The original results are never touched.
 
 A *view of a scoring* (status, plot, compare ``--scoring NAME``) takes each unit's re-scored result where the
@@ -25,11 +25,11 @@ import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, ResultIndex
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.summary import StepFacts, read_step_facts, step_facts
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import Result, ResultIndex
+from ckpteval.coord.results.summary import StepFacts, read_step_facts, step_facts
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.units import WorkUnit
 
 SCORINGS = "scorings"
 SCORING_FILE = "scoring.json"
@@ -89,7 +89,7 @@ def scoring_results(run: RunDir, name: str | None,
 
 def scoring_step_facts(run: RunDir, manifest: RunManifest,
                        name: str | None) -> tuple[dict[int, StepFacts], dict[str, str]]:
-    """:func:`ckpteval.coord.summary.read_step_facts` of the view of scoring ``name`` (None: the original)."""
+    """:func:`ckpteval.coord.results.summary.read_step_facts` of the view of scoring ``name`` (None: the original)."""
     facts, errors = read_step_facts(run.results, manifest)
     if name is None:
         return facts, errors

@@ -3,7 +3,7 @@
 Guarantee: :attr:`WorkUnit.id` and :meth:`WorkUnit.from_id` round-trip, and a unit's result file names
 (:attr:`WorkUnit.result_name`, :meth:`WorkUnit.result_name_at`) derive from its id alone, so every reader
 and writer of a run agrees on them. Which units a step has is the entries' answer
-(:mod:`ckpteval.coord.entries`); who holds one is :mod:`ckpteval.coord.claims`'. Limits: a dataset name is
+(:mod:`ckpteval.coord.entries`); who holds one is :mod:`ckpteval.coord.work.claims`'. Limits: a dataset name is
 not checked here (the manifest checks names).
 """
 
@@ -24,7 +24,7 @@ class WorkUnit:
     prompts. ``sample_stop == 0``: every sample of the prompts (the unsplit unit, whose id has no range).
 
     ``replay`` k >= 1: the k-th *replay* of that unit — the same snapshot, prompts, samples and seeds
-    evaluated again to measure the engine's own noise (``eval.replay``, :mod:`ckpteval.coord.replays`); its id
+    evaluated again to measure the engine's own noise (``eval.replay``, :mod:`ckpteval.coord.results.replays`); its id
     ends ``.r<k>``. A replay is claimed, leased and published like any unit (its own lease and result
     file, exactly once), and never pooled into the point's scores. 0: the unit itself."""
 
@@ -97,5 +97,5 @@ class WorkUnit:
 
     def result_name_at(self, generation: int) -> str:
         """File name of the unit's result of ``generation`` (0: :attr:`result_name`; k > 0: a re-evaluation
-        after an infrastructure skip, ``<id>.retry<k>.json``, see :mod:`ckpteval.coord.results`)."""
+        after an infrastructure skip, ``<id>.retry<k>.json``, see :mod:`ckpteval.coord.results.files`)."""
         return self.result_name if generation == 0 else f"{self.id}.retry{generation}.json"

@@ -9,7 +9,7 @@ What it owns:
   a reused or foreign checkpoint (:func:`safetensors_digests`, one read that also yields the file's CRC)
   record both per tensor; an engine digests the parameters it holds (cast to the snapshot's dtype) with
   ``xxh3`` (a marker whose tensors lack it is an older format, refused when read:
-  :func:`ckpteval.coord.snapshot.parse_marker`);
+  :func:`ckpteval.coord.snapshots.snapshot.parse_marker`);
 * :func:`crc32_combine` — the CRC of ``A + B`` from the CRCs of ``A`` and ``B`` (zlib's algorithm),
   so a file's CRC is derived from its header's and its tensors' without checksumming a byte twice;
 * :func:`compare_digests` — what differs between a marker's tensors and an engine's report: missing,

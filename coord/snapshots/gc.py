@@ -10,13 +10,13 @@ Rules (each a guarantee):
   someone's data) — except our own temp dirs (``.tmp-step-*``) older than ``stale_tmp_s``.
 - Only this run's snapshots: a snapshot whose marker has no run key (written by an older ckpteval or
   another tool: it cannot be attributed) is never deleted, and with ``run`` (the run's key,
-  :mod:`ckpteval.coord.identity`) neither is one whose marker names another run, so runs sharing one
+  :mod:`ckpteval.coord.run.identity`) neither is one whose marker names another run, so runs sharing one
   staging dir never collect each other's snapshots.
 - Only *retired* steps (their point has settled, any outcome) are deleted, and the newest ``keep``
   retired ones are kept; so is every step in ``protected`` (the trainer's best ``--eval-keep-best K``),
   on top of those ``keep``.
 - A snapshot with a live lease on any of its units is never deleted. Liveness is judged like
-  a contender judges it (:mod:`ckpteval.coord.lease`): a lease file counts as live until this collector has seen it unchanged for the
+  a contender judges it (:mod:`ckpteval.coord.work.lease`): a lease file counts as live until this collector has seen it unchanged for the
   lease duration on its own monotonic clock, so clock skew cannot make a live lease look expired.
   Call :meth:`StagingGC.collect` repeatedly with one instance for those observations to accumulate.
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpteval.coord.atomic import TMP_PREFIX
-from ckpteval.coord.rundir import step_dir_name, step_of_dir
-from ckpteval.coord.snapshot import read_marker
+from ckpteval.coord.run.rundir import step_dir_name, step_of_dir
+from ckpteval.coord.snapshots.snapshot import read_marker
 
 
 @dataclass
@@ -189,7 +189,7 @@ class StagingGC:
 @dataclass
 class CaptureGC(StagingGC):
     """``RUN/captured/``: the run's captures of ephemeral saves (prime-rl broadcasts, taken by discovery
-    before the trainer's cleanup; :mod:`ckpteval.coord.discovery`). :meth:`collect` takes the *final* steps —
+    before the trainer's cleanup; :mod:`ckpteval.coord.snapshots.discovery`). :meth:`collect` takes the *final* steps —
     every unit has a result that no later evaluation will supersede — and deletes their captures beyond the
     newest ``keep`` (default 0: the trainer keeps its newest broadcast anyway).
 

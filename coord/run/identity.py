@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import zlib
 
-from ckpteval.coord.manifest import RunManifest
+from ckpteval.coord.run.manifest import RunManifest
 
 VERSION_SEP = "@"
 

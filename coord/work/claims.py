@@ -1,6 +1,6 @@
-"""Who holds a work unit: lease files, claims, attempt counts and claim order (the units themselves: :mod:`ckpteval.coord.units`).
+"""Who holds a work unit: lease files, claims, attempt counts and claim order (the units themselves: :mod:`ckpteval.coord.work.units`).
 
-A unit is claimed through a lease file ``leases/step-<N>/<unit>.lock`` (:func:`ckpteval.coord.rundir.unit_dir`): a :class:`ckpteval.coord.lease.UnitLease` — one
+A unit is claimed through a lease file ``leases/step-<N>/<unit>.lock`` (:func:`ckpteval.coord.run.rundir.unit_dir`): a :class:`ckpteval.coord.work.lease.UnitLease` — one
 ``O_EXCL`` create to claim, one ``unlink`` to release, the holder record inside, refreshed by one
 heartbeat thread per worker. A contender takes a claim over only after observing it *unchanged* for
 ``lease.duration_s`` on its own monotonic clock (clock skew between nodes cannot expire a live claim), or at
@@ -10,11 +10,11 @@ stall), the :class:`Claim` is marked compromised: the holder must abandon the un
 Guarantee and its limits: a lease is **a hint about who should be working, not a fence**. A stalled
 holder (SIGSTOP, a long GC pause, a partitioned node) can come back after its lease was taken and
 still finish. That is harmless by construction: results are published first-writer-wins
-(:mod:`ckpteval.coord.results`) and readers take the first result per unit, so a rare double evaluation costs
+(:mod:`ckpteval.coord.results.files`) and readers take the first result per unit, so a rare double evaluation costs
 compute, never correctness, and a lost unit is impossible as long as some worker keeps polling.
 
-Every participant of a run must use the run's :class:`~ckpteval.coord.manifest.LeaseSettings`
-(:class:`~ckpteval.coord.lease.LeaseMismatch` otherwise). A :class:`UnitClaimer` keeps one lease object per unit so that
+Every participant of a run must use the run's :class:`~ckpteval.coord.run.manifest.LeaseSettings`
+(:class:`~ckpteval.coord.work.lease.LeaseMismatch` otherwise). A :class:`UnitClaimer` keeps one lease object per unit so that
 its watch of another holder's claim accumulates across polls — create it once per worker, not per poll.
 A claimer looks at a unit another worker holds at most once per ``recheck_s`` (half the heartbeat): a fleet
 of hundreds polling the same step costs the metadata server one ``lstat`` per held unit per worker per
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpteval.coord.atomic import append_and_count_lines
-from ckpteval.coord.lease import LeaseHolder, LeaseKeeper, UnitLease, parse_holder
-from ckpteval.coord.manifest import LeaseSettings
-from ckpteval.coord.rundir import STEP_DIR_PREFIX, unit_dir
-from ckpteval.coord.workunit import WorkUnit
+from ckpteval.coord.run.manifest import LeaseSettings
+from ckpteval.coord.run.rundir import STEP_DIR_PREFIX, unit_dir
+from ckpteval.coord.work.lease import LeaseHolder, LeaseKeeper, UnitLease, parse_holder
+from ckpteval.coord.work.workunit import WorkUnit
 
 LEASE_SUFFIX = ".lock"
 WATCHERS_PER_UNIT = 4  # workers of a busy fleet that watch one held unit for expiry (UnitClaimer.claim_next)
@@ -44,7 +44,7 @@ ATTEMPTS_SUFFIX = ".attempts"
 
 
 def lease_path(leases_dir: Path, unit_id: str, step: int) -> Path:
-    """The lease file of a unit of ``step``: ``leases/step-<N>/<unit id>.lock`` (:func:`ckpteval.coord.rundir.unit_dir`)."""
+    """The lease file of a unit of ``step``: ``leases/step-<N>/<unit id>.lock`` (:func:`ckpteval.coord.run.rundir.unit_dir`)."""
     return unit_dir(leases_dir, step) / f"{unit_id}{LEASE_SUFFIX}"
 
 
@@ -55,9 +55,9 @@ def attempts_path(leases_dir: Path, unit_id: str, step: int) -> Path:
 
 
 def read_lease_holder(path: Path) -> LeaseHolder | None:
-    """The holder record of a lease file (pid, hostname, token, duration: :class:`ckpteval.coord.lease.LeaseHolder`).
+    """The holder record of a lease file (pid, hostname, token, duration: :class:`ckpteval.coord.work.lease.LeaseHolder`).
 
-    The one reader of lease files besides :mod:`ckpteval.coord.lease` itself (``ckpteval status``, the
+    The one reader of lease files besides :mod:`ckpteval.coord.work.lease` itself (``ckpteval status``, the
     harness's holder listing, tests). ``FileNotFoundError`` when there is no lease file (nobody holds it); None when the file
     holds no complete record (being written or broken by a contender, or in another format).
     Other ``OSError`` propagates: the caller decides what an unreadable file means.

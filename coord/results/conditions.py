@@ -11,7 +11,7 @@ covers the prompts' sampling noise only: the engine's shared noise needs replays
 not (``ckpteval compare`` and ``best`` use them).
 Guarantee: :func:`parse_condition` accepts exactly that and raises one ValueError naming the flag
 otherwise; :func:`first_passing` judges only *complete* points (every unit has a result), with the
-metrics the point is logged with (:func:`ckpteval.coord.results.point_metrics`). :func:`top_steps` ranks steps by a metric value, best first. Limits: a metric
+metrics the point is logged with (:func:`ckpteval.coord.results.files.point_metrics`). :func:`top_steps` ranks steps by a metric value, best first. Limits: a metric
 the point does not have (a dataset not due at that step, a skipped dataset) never passes nor ranks.
 """
 
@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.points import derive_point, point_metrics
-from ckpteval.coord.results import Result
-from ckpteval.coord.units import WorkUnit
+from ckpteval.coord.results.files import Result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.work.units import WorkUnit
 
 OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, ">": operator.gt, "<=": operator.le,
                                                  "<": operator.lt}

@@ -8,7 +8,7 @@ A result holds per-sample scores, the scorer's extracted answer of each sample (
 results written before it existed have none), the weight versions that produced them, how many samples
 the grader gave up on (``grader_timeouts``), the scorer's per-sample ``counters`` summed and ``extras``
 as ``{"sum", "n"}``, its per-sample ``notes`` when it had something to say (why a code program failed), the scorer's identity (``scorer``: what scored, e.g. a judge's model id), the engine's identity
-(``engine``: :class:`~ckpteval.coord.engine_identity.EngineIdentity`, what it was and how it ran), how the
+(``engine``: :class:`~ckpteval.coord.results.engine_identity.EngineIdentity`, what it was and how it ran), how the
 engine's weights were attested (``attest``), the canary's comparison (``fidelity``), what the unit cost
 (``cost``: tokens, engine/load/attestation seconds, GPUs; summed per point as ``eval/cost/*``), timings,
 the worker's identity, the lease token and attempt — or a skip record with a reason (and ``blame``:
@@ -17,10 +17,10 @@ also holds ``episodes``: per episode its reward, turns, tokens, the version of e
 per-sample scores, with the version read back before and after.
 
 A result that carries its unit's completions (``Result.kept``, never part of its JSON) has them published beside
-it by :func:`write_result` once it has won (:mod:`ckpteval.coord.completions`); a failure to keep them is one line
+it by :func:`write_result` once it has won (:mod:`ckpteval.coord.results.completions`); a failure to keep them is one line
 on stderr, never the result's.
 
-Points (one step's metrics) are derived from these by :mod:`ckpteval.coord.points`.
+Points (one step's metrics) are derived from these by :mod:`ckpteval.coord.results.points`.
 
 **Infrastructure skips are superseded, never overwritten.** A skip whose reason is in
 :data:`INFRA_SKIPS` (a judge, a sandbox, an environment server failed, an inference server shed the load —
@@ -54,11 +54,11 @@ from ckpteval.coord.atomic import (
     read_json_object,
     write_json_atomic,
 )
-from ckpteval.coord.engine_identity import parse_identity
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
-from ckpteval.coord.snapshot import producer_identity
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.engine_identity import parse_identity
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
+from ckpteval.coord.snapshots.snapshot import producer_identity
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 
 # Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
 # may supersede them with a result of the next generation (module docstring).
@@ -96,7 +96,7 @@ class Result:
     fidelity: dict[str, float] = field(default_factory=dict)  # the canary's comparison; {}: no canary
     episodes: tuple[dict[str, Any], ...] = ()  # env units: per episode reward, turns, tokens, versions, ended
     notes: tuple[str | None, ...] = ()  # per sample: why it scored so, when the scorer said (e.g. a code error)
-    # the unit's completions (ckpteval.coord.completions.Completions), published beside the result when it wins;
+    # the unit's completions (ckpteval.coord.results.completions.Completions), published beside the result when it wins;
     # never part of the result's JSON
     kept: Any = field(default=None, repr=False, compare=False)
     engine: dict[str, Any] = field(default_factory=dict)  # the engine's identity (coord.engine_identity); {}: none
@@ -264,7 +264,7 @@ def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool
     if won:
         if result.kept is not None:
             # whoever built ``kept`` (a worker) has coord.completions loaded; a trainer never needs it
-            from ckpteval.coord.completions import keep_beside
+            from ckpteval.coord.results.completions import keep_beside
 
             keep_beside(results_dir, result.kept, generation, stamped.lease_token, len(result.scores))
         return True
@@ -306,7 +306,7 @@ def retry_due(result: Result, generation: int, backoff_s: float, now: float | No
 
 
 class ResultIndex:
-    """Reads ``results/step-<N>/`` incrementally (:mod:`ckpteval.coord.rundir`): one listing of ``results/`` per
+    """Reads ``results/step-<N>/`` incrementally (:mod:`ckpteval.coord.run.rundir`): one listing of ``results/`` per
     refresh (none with ``only_steps``) plus one per step directory not in ``skip_steps``, each result file read
     once. A ``*.json`` directly under ``results/`` is no result (protocol 2 keeps none there).
 

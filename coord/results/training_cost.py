@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ckpteval.coord.ledger import LedgerState
+from ckpteval.coord.run.ledger import LedgerState
 
 
 def fraction_of_training(state: LedgerState, step: int, point_gpu_s: float) -> float | None:

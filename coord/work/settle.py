@@ -1,7 +1,7 @@
 """Settling an ended run: units whose snapshot is gone for good become ``ckpt_missing`` results.
 
 Owns :func:`settle_vanished`. When a run has *ended* (``RUN/INTERRUPTED`` or ``RUN/TRAINING_DONE``, see
-:meth:`ckpteval.coord.rundir.RunDir.ended`) no trainer will publish another snapshot, so a unit without a result
+:meth:`ckpteval.coord.run.rundir.RunDir.ended`) no trainer will publish another snapshot, so a unit without a result
 whose dispatched step has no complete snapshot under any of the run's ``snapshot_roots`` can never be
 evaluated: left alone it would stay "pending" in ``ckpteval status`` forever while ``ckpteval backfill``
 (which only evaluates snapshots that exist) says there is nothing to do. Writing its ``ckpt_missing``
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpteval.coord.discovery import SnapshotDiscovery
-from ckpteval.coord.identity import run_key
-from ckpteval.coord.ledger import Ledger
-from ckpteval.coord.results import ResultIndex, skip_result, write_result
-from ckpteval.coord.rundir import RunDir
-from ckpteval.coord.steps import run_step_selection
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.files import ResultIndex, skip_result, write_result
+from ckpteval.coord.run.identity import run_key
+from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.work.steps import run_step_selection
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 
 
 def vanished_units(run: RunDir) -> list[WorkUnit]:

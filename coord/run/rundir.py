@@ -3,30 +3,30 @@
 Owns the layout (names below) and nothing about their contents, which the other ``coord`` modules
 own. Layout::
 
-    RUN/run.json          manifest (ckpteval.coord.manifest)
-    RUN/snapshots/        default staging root for exported snapshots (ckpteval.coord.snapshot)
-    RUN/leases/           one lease file per claimed work unit (ckpteval.coord.claims), under
+    RUN/run.json          manifest (ckpteval.coord.run.manifest)
+    RUN/snapshots/        default staging root for exported snapshots (ckpteval.coord.snapshots.snapshot)
+    RUN/leases/           one lease file per claimed work unit (ckpteval.coord.work.claims), under
                           leases/step-<N>/ (unit_dir)
-    RUN/results/          one result JSON per work unit (ckpteval.coord.results), under results/step-<N>/
+    RUN/results/          one result JSON per work unit (ckpteval.coord.results.files), under results/step-<N>/
     RUN/results/duplicates/  later copies of a unit's result (first writer wins), for audit
-    RUN/results/step-<N>/step.summary  the step's results summed up for status and plot (ckpteval.coord.summary)
-    RUN/adopted/          markers of foreign checkpoints admitted after quiescence (ckpteval.coord.discovery)
-    RUN/lost/             <step>.json per foreign save seen but rotated away before admission (ckpteval.coord.discovery)
+    RUN/results/step-<N>/step.summary  the step's results summed up for status and plot (ckpteval.coord.results.summary)
+    RUN/adopted/          markers of foreign checkpoints admitted after quiescence (ckpteval.coord.snapshots.discovery)
+    RUN/lost/             <step>.json per foreign save seen but rotated away before admission (ckpteval.coord.snapshots.discovery)
     RUN/best/<metric>.json  per metric: the best step and the steps not distinguishable from it (ckpteval.jobs.decide)
     RUN/until.json        backfill --until: the condition, the first passing step, the steps evaluated
-    RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (ckpteval.coord.ledger)
+    RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (ckpteval.coord.run.ledger)
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
     RUN/TRAINING_DONE     written once when training has finished (final step)
     RUN/INTERRUPTED       written when a supervisor (``ckpteval demo``) stopped the run early; removed on --resume
-    RUN/service_ledger.jsonl   the checkpoint-watching service's ingest record (ckpteval.coord.ledger)
+    RUN/service_ledger.jsonl   the checkpoint-watching service's ingest record (ckpteval.coord.run.ledger)
     RUN/service_metrics.jsonl  every point the service logged (ckpteval.jobs.metrics)
     RUN/base/             the base model dir (config, tokenizer) exports copy into each snapshot
     RUN/train_ckpt/       the reference trainer's resumable checkpoints (step-<N>/), read on --resume
-    RUN/judge_cache/      judge verdicts, one file per (judge, template, question, response, reference) (ckpteval.coord.verdicts)
-    RUN/judge.json        the judge server launched for this run: its URL (ckpteval.coord.verdicts)
+    RUN/judge_cache/      judge verdicts, one file per (judge, template, question, response, reference) (ckpteval.coord.results.verdicts)
+    RUN/judge.json        the judge server launched for this run: its URL (ckpteval.coord.results.verdicts)
     RUN/weight_checksums/ per (snapshot, checksum layout) a dir of engine checksums observed and the one that
-                          stands once reproduced (ckpteval.coord.weight_checksums: the sglang consistency proof)
+                          stands once reproduced (ckpteval.coord.snapshots.weight_checksums: the sglang consistency proof)
 
 Guarantee: :meth:`RunDir.create` is idempotent and leaves every directory fsync'd. Limits: it does not
 lock the run; two trainers writing one run dir is a user error the protocol does not detect.
@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpteval.coord.atomic import fsync_dir, read_json_object, write_json_atomic
-from ckpteval.coord.manifest import RunManifest, load_manifest, save_manifest
+from ckpteval.coord.run.manifest import RunManifest, load_manifest, save_manifest
 
 SUBDIRS = ("snapshots", "leases", "results", "adopted", "data")
 STEP_DIR_PREFIX = "step-"  # results/step-<N>/, leases/step-<N>/: one directory per step
 DUPLICATES = "duplicates"  # results/duplicates/: results that lost first-writer-wins, kept for audit
-# results/step-<N>/step.summary: what status and plot need of the step's results (ckpteval.coord.summary); not
+# results/step-<N>/step.summary: what status and plot need of the step's results (ckpteval.coord.results.summary); not
 # "*.json", so no result reader takes it for a result
 STEP_SUMMARY = "step.summary"
 

@@ -9,7 +9,7 @@ so its point equals the unsplit one. Each entry's point rule (:attr:`~ckpteval.c
 picks how: ``samples`` (:func:`dataset_score`) or ``metrics`` (:func:`unit_metrics`).
 
 A dataset's units are pooled only when they agree on the scorer identity (two judge models are two
-measurements: ``mixed_scorers``) and on the engine identity (:mod:`ckpteval.coord.engine_identity`: engine,
+measurements: ``mixed_scorers``) and on the engine identity (:mod:`ckpteval.coord.results.engine_identity`: engine,
 version, dtype, parallel layout, deterministic mode, concurrency — ``mixed_engines`` names the fields
 that differ); a unit that recorded neither is not compared (results written before they existed).
 
@@ -25,12 +25,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ckpteval.coord.engine_identity import differing_fields, parse_identity
 from ckpteval.coord.entries import DatasetSpec, Entry
-from ckpteval.coord.identity import run_key, version_matches, version_runs, version_step
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.results import Result, skip_result
-from ckpteval.coord.units import WorkUnit, prompt_range, units_for_step
+from ckpteval.coord.results.engine_identity import differing_fields, parse_identity
+from ckpteval.coord.results.files import Result, skip_result
+from ckpteval.coord.run.identity import run_key, version_matches, version_runs, version_step
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.work.units import WorkUnit, prompt_range, units_for_step
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
 
 
 def replay_facts(manifest: RunManifest, step: int, results: dict[WorkUnit, Result]) -> dict[str, float]:
-    """What a replayed step's replays say (:mod:`ckpteval.coord.replays`), each replay copy ``k`` against the
+    """What a replayed step's replays say (:mod:`ckpteval.coord.results.replays`), each replay copy ``k`` against the
     point's own units, per dataset whose units and copy all have ok results: ``<ds>/replay/diff`` (the copy's
     mean minus the point's, the largest in absolute value over the copies) and ``<ds>/replay/changed`` (the
     largest fraction of prompts whose score moved); ``replay_skipped_<reason>`` counts replays skipped. These

@@ -1,7 +1,7 @@
 """Step summaries: what ``ckpteval status`` and ``ckpteval plot`` need of one step's results, in one file.
 
 A reader that parses every result file of a 1,000-point run (640k files) takes half a minute. A step's
-summary, ``results/step-<N>/step.summary`` (:data:`ckpteval.coord.rundir.STEP_SUMMARY`, docs/PROTOCOL.md §1),
+summary, ``results/step-<N>/step.summary`` (:data:`ckpteval.coord.run.rundir.STEP_SUMMARY`, docs/PROTOCOL.md §1),
 holds its :class:`StepFacts` — the derived point and the per-unit facts status shows — computed from the
 result files whose names it fingerprints (:func:`names_fingerprint`), for the ``run.json`` it was derived
 under (:func:`manifest_digest`). Results are immutable once published (first writer wins, a superseding
@@ -12,7 +12,7 @@ since, a retry, a re-written run.json) it reads that step's results (:func:`read
 Guarantee: a summary is only a shortcut. Readers print the same with and without one; a missing, stale or
 corrupt summary costs time, never correctness (it is ignored, never an error). It is written atomically
 (temp + fsync + rename) by an ingester (:func:`write_step_summary`, from :func:`ckpteval.jobs.ingest.ingest_point`)
-from what its :class:`~ckpteval.coord.results.ResultIndex` read, only when that read of the directory was
+from what its :class:`~ckpteval.coord.results.files.ResultIndex` read, only when that read of the directory was
 whole and a listing after it shows the same names — and by ``ckpteval backfill`` when it ends (a backfill run
 has no ingester). Readers never write one (the run dir may be read-only).
 
@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import dumps, tag_nonfinite, untag_nonfinite, write_bytes_atomic
-from ckpteval.coord.manifest import RunManifest
-from ckpteval.coord.points import derive_point
-from ckpteval.coord.results import Result, ResultIndex, result_names
-from ckpteval.coord.rundir import STEP_SUMMARY, step_dir_name, step_of_dir
-from ckpteval.coord.units import WorkUnit, units_for_step
+from ckpteval.coord.results.files import Result, ResultIndex, result_names
+from ckpteval.coord.results.points import derive_point
+from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.run.rundir import STEP_SUMMARY, step_dir_name, step_of_dir
+from ckpteval.coord.work.units import WorkUnit, units_for_step
 
 SUMMARY_VERSION = 3  # 3: points carry mixed_engines and replays; non-finite statistics tagged
 
@@ -51,9 +51,9 @@ class StepFacts:
     """What status and plot show of one step, from the results of its units."""
 
     point: dict[str, Any]
-    """The derived point (:func:`ckpteval.coord.results.derive_point`) as ``dataclasses.asdict`` gives it."""
+    """The derived point (:func:`ckpteval.coord.results.files.derive_point`) as ``dataclasses.asdict`` gives it."""
     missing: tuple[str, ...]
-    """Ids of the step's units without a result, in :func:`ckpteval.coord.units.units_for_step` order."""
+    """Ids of the step's units without a result, in :func:`ckpteval.coord.work.units.units_for_step` order."""
     done: int
     """Units of the step whose result is ok (as written: before a pin violation is attributed)."""
     skipped: dict[str, int]

@@ -1,7 +1,7 @@
 """Replays: the same snapshot evaluated again under the run's real settings, to measure the engine's noise.
 
 ``eval.replay`` in run.json (:class:`ReplaySettings`) says which steps are replayed and how often. A
-replayed step's units gain ``copies`` replays each (:meth:`ckpteval.coord.workunit.WorkUnit.as_replay`, id
+replayed step's units gain ``copies`` replays each (:meth:`ckpteval.coord.work.workunit.WorkUnit.as_replay`, id
 ``<unit>.r<k>``): the same prompts, samples, per-sample seeds and engine settings, claimed through the same
 leases and published as the same kind of result file — so a replay is exactly-once like any unit, and it
 runs on whatever worker, engine and concurrency the fleet has at the time (the run's real conditions).
@@ -9,7 +9,7 @@ runs on whatever worker, engine and concurrency the fleet has at the time (the r
 Guarantee: which replays a step has is a pure function of run.json and the step (:func:`replay_units`), so
 every worker, the trainer, status and backfill agree on them. A replay is part of its step's *work* (the
 point is complete, and its snapshot retired, only once its replays have a result) but **never part of its
-score**: points pool only :meth:`~ckpteval.coord.entries.Entry.units` (:mod:`ckpteval.coord.points`); a
+score**: points pool only :meth:`~ckpteval.coord.entries.Entry.units` (:mod:`ckpteval.coord.results.points`); a
 replay's result is read only by the noise estimates (:mod:`ckpteval.jobs.decide.noise`) and its cost is
 reported apart (``eval/cost/replay_*``). Only entries scored per sample (point rule ``samples``) are
 replayed: an lm-eval task has no per-prompt scores to compare.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpteval.coord.fields import FieldError
+from ckpteval.coord.run.fields import FieldError
 
 
 @dataclass(frozen=True)
