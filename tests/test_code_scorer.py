@@ -128,6 +128,23 @@ def test_timeouts_and_errors_are_counted_and_printing_a_fake_pass_does_not_count
                                             {"code_timeouts": 0, "code_errors": 1}, {"code_timeouts": 0, "code_errors": 1}]
 
 
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits-only"])
+def test_an_exit_or_signal_the_program_chooses_scores_0_never_a_skip(tmp_path: Path, mode: str) -> None:
+    """Real-time signals (35-64) and bwrap's 128 + n exit statuses name no signal.Signals member: each is
+    the program's failure (0, an error), never an exception that ends the unit as a skip (#37)."""
+    if mode == "bwrap" and WHY_NOT is not None:
+        pytest.skip(f"bwrap cannot start here: {WHY_NOT}")
+    stdin_row, assert_row = EXAMPLE[10], EXAMPLE[0]
+    assert "inputs" in stdin_row and "tests" in assert_row
+    ctx = ScorerContext(tmp_path, {"unsafe_code_rlimits_only": mode == "rlimits-only"})
+    scorer = make_scorer(spec([stdin_row, assert_row], FAST), ctx)
+    chosen = ["import os\nos._exit(163)\n", "import os\nos.kill(os.getpid(), 50)\n"]
+    samples = [Sample(fenced(c), stdin_row, "") for c in chosen]
+    samples += [Sample(fenced(f"import os\nos.kill(os.getppid(), {sig})\n"), assert_row, "") for sig in (35, 63)]
+    scored = scorer.score(samples)
+    assert [(s.score, s.counters["code_errors"]) for s in scored] == [(0.0, 1)] * 4, [s.note for s in scored]
+
+
 @needs_bwrap
 def test_prepend_prompt_scores_humaneval_style_continuations(tmp_path: Path) -> None:
     row = {"prompt": "def gcd(a, b):\n", "tests": "def check(candidate):\n    assert candidate(12, 18) == 6\n",
@@ -369,6 +386,9 @@ HOSTILE: dict[str, str] = {
                       "    print('\\n'.join('%s pass %d' % (n, i) for i in range(10)) + '\\n' + n + ' done')\n",
     "kill_the_test_process": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
     "stop_the_test_process": "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n",
+    "rt_signal_to_the_test_process": "import os\nos.kill(os.getppid(), 35)\n",  # no signal.Signals member
+    "rt_signal_to_itself": "import os\nos.kill(os.getpid(), 50)\n",
+    "exit_163_reads_as_signal_35": "import os\nos._exit(163)\n",
 }
 EXITS = {"os_exit_0": "import os\nos._exit(0)\n", "sys_exit": "import sys\nsys.exit(0)\n",
          "system_exit": "raise SystemExit(0)\n", "exit_builtin": "exit()\n",

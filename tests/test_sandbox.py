@@ -56,7 +56,9 @@ def sandbox(request: pytest.FixtureRequest) -> Sandbox:
     ("import time; time.sleep(60)", b"", "timeout", b""),
     ("x = bytearray(10**10)", b"", "oom", b""),
     ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", b"", "crashed", b""),
-], ids=["ok", "stdin", "assert", "exit3", "busy-loop", "sleep", "memory", "segv"])
+    ("import os; os.kill(os.getpid(), 50)", b"", "crashed", b""),
+    ("import os; os._exit(163)", b"", "crashed", b""),  # bwrap's 128 + 35: a real-time signal's number
+], ids=["ok", "stdin", "assert", "exit3", "busy-loop", "sleep", "memory", "segv", "rt-signal", "exit-163"])
 def test_outcomes_are_how_the_program_ended(sandbox: Sandbox, source: str, stdin: bytes, status: str,
                                             stdout: bytes) -> None:
     outcome = sandbox.run(source, stdin)
@@ -249,6 +251,8 @@ def test_rlimits_only_mode_bounds_a_program_without_bwrap(tmp_path: Path, monkey
     assert box.run("print(2 + 2)").stdout == b"4\n"
     assert box.run("while True: pass").status == "timeout"
     assert box.run("x = bytearray(10**10)").status == "oom"
+    rt = box.run("import os; os.kill(os.getpid(), 50)")  # a real-time signal: no signal.Signals member
+    assert (rt.status, rt.signal, rt.detail) == ("crashed", 50, f"killed by SIGRTMIN+{50 - signal.SIGRTMIN}")
     assert not (tmp_path / "calls").exists()
 
 

@@ -151,6 +151,17 @@ def probe_bwrap() -> str | None:
     return None
 
 
+def signal_name(sig: int) -> str:
+    """A signal's name for any number (total: the real-time signals have no :class:`signal.Signals` member,
+    and a bwrap exit status over 128 that the program chose names no signal at all)."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        if signal.SIGRTMIN <= sig <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{sig - signal.SIGRTMIN}"
+        return f"signal {sig}"
+
+
 def _classify(run: _Run, rc: int, wall: float, bwrap: bool, oom_kills: int = 0) -> Outcome:
     """The program's outcome from how its process ended (bwrap reports a signal as 128 + signal)."""
     out, err = bytes(run.out["stdout"]), bytes(run.out["stderr"])
@@ -175,7 +186,7 @@ def _classify(run: _Run, rc: int, wall: float, bwrap: bool, oom_kills: int = 0) 
     if sig == signal.SIGKILL:  # not ours: the CPU hard limit, the kernel's OOM killer, or itself
         return outcome("crashed", "killed by SIGKILL")
     if sig is not None:
-        return outcome("crashed", f"killed by {signal.Signals(sig).name}" if sig in signal.valid_signals() else f"signal {sig}")
+        return outcome("crashed", f"killed by {signal_name(sig)}")
     if code == 0:
         return outcome("passed")
     if b"MemoryError" in err[-2048:]:

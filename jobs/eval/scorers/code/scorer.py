@@ -176,9 +176,9 @@ def harness_report(stdout: bytes) -> Report:
     report = Report(set())
     for line in stdout.decode(errors="replace").splitlines():
         word, _, rest = line.partition(" ")
-        if word == "pass" and rest.isdigit():
+        if word == "pass" and rest.isdecimal():
             report.passed.add(int(rest))
-        elif word == "solution" and rest.startswith("signal ") and rest[7:].isdigit():
+        elif word == "solution" and rest.startswith("signal ") and rest[7:].isdecimal():
             report.solution_signal = int(rest[7:])
         elif word == "setup-error":
             report.setup_error = rest
