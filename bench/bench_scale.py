@@ -162,7 +162,7 @@ def dispatcher(run: RunDir) -> Any:
 
     config = DispatchConfig(eval_interval=INTERVAL, staging_dir=run.snapshots, max_in_flight=1_000_000,
                             keep_snapshots=1_000_000)
-    return EvalDispatcher(config.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), None)
+    return EvalDispatcher.open(config.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), None)
 
 
 def worker(run: RunDir) -> Any:

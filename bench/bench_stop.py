@@ -96,7 +96,7 @@ def measure_final_export(root: Path) -> float:
     run = prepare_run(cfg, dispatch)
     got: list[float] = []
     previous = signal.signal(signal.SIGUSR1, lambda _s, _f: got.append(time.monotonic()))
-    d = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), should_stop=lambda: bool(got))
+    d = EvalDispatcher.open(dispatch, run, MetricsSink(run.metrics_path), base_model_dir(run), should_stop=lambda: bool(got))
     model = build_model(ModelConfig(num_layers=4, hidden_size=1024, num_heads=8, num_kv_heads=8,
                                     intermediate_size=4096), "llama")
     timer = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1))

@@ -35,7 +35,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
 def _dispatcher(run: RunDir, dispatch: DispatchConfig, room_check=None, **waits: float) -> EvalDispatcher:
     waits.setdefault("poll_interval_s", 0.0)
     kw = {} if room_check is None else {"room_check": room_check}
-    return EvalDispatcher(dispatch.with_waits(**waits), run, MetricsSink(run.metrics_path), run.base, **kw)
+    return EvalDispatcher.open(dispatch.with_waits(**waits), run, MetricsSink(run.metrics_path), run.base, **kw)
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:

@@ -227,7 +227,7 @@ def test_fraction_of_training_is_eval_gpu_seconds_over_the_trainers_across_a_res
         d.poll(force=True)
 
     def dispatcher() -> EvalDispatcher:
-        return EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
+        return EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
                               clock=lambda: now[0])
 
     point(dispatcher(), 2)

@@ -130,7 +130,7 @@ def test_dispatcher_shared_posture_evaluates_at_the_dispatch_step(tmp_path: Path
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
     engine = HFEngine(device="cpu")
     gate = ProducerGate()
-    d = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
+    d = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
                        shared=SharedEval(engine, gate))
     model = build_model(ModelConfig(), "llama")
     for step in range(1, 5):

@@ -49,7 +49,7 @@ def _trainer(output_dir: Path, dispatcher: EvalDispatcher, max_steps: int, **arg
 
 def test_staging_mode_dispatches_from_on_step_end(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
-    dispatcher = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0, drain_timeout_s=60), run,
+    dispatcher = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0, drain_timeout_s=60), run,
                                 MetricsSink(run.metrics_path), run.base)
     fleet = InstantFleet(run)
     fleet.start()
@@ -67,7 +67,7 @@ def test_reuse_mode_marks_trainer_checkpoints_from_on_save(tmp_path: Path) -> No
     out = tmp_path / "out"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=2,
                                    eval_max_in_flight=3, eval_keep_snapshots=3)
-    dispatcher = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0, drain_timeout_s=60), run,
+    dispatcher = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0, drain_timeout_s=60), run,
                                 MetricsSink(run.metrics_path), run.base)
     fleet = InstantFleet(run)
     fleet.start()
@@ -85,7 +85,7 @@ def test_reuse_mode_marks_trainer_checkpoints_from_on_save(tmp_path: Path) -> No
 def test_reuse_mode_refuses_a_mismatched_save_schedule(tmp_path: Path) -> None:
     out = tmp_path / "out"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=2)
-    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base)
+    dispatcher = EvalDispatcher.open(dispatch, run, MetricsSink(run.metrics_path), run.base)
     with pytest.raises(ValueError, match="save every 2 steps"):
         _trainer(out, dispatcher, max_steps=2, save_strategy="steps", save_steps=3).train()
 
@@ -95,7 +95,7 @@ def test_reuse_mode_refuses_a_save_total_limit_that_rotates_points_away(tmp_path
     out = tmp_path / "out"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=4,
                                    eval_max_in_flight=2)
-    dispatcher = EvalDispatcher(dispatch, run, MetricsSink(run.metrics_path), run.base)
+    dispatcher = EvalDispatcher.open(dispatch, run, MetricsSink(run.metrics_path), run.base)
     with pytest.raises(ValueError, match=r"save_total_limit=2 .* set save_total_limit >= 5 or None"):
         _trainer(out, dispatcher, max_steps=4, save_strategy="steps", save_steps=2, save_total_limit=2).train()
     assert not (out / "checkpoint-2").exists()  # refused before the first step
@@ -107,7 +107,7 @@ def test_reuse_checkpoint_rotated_away_is_recorded_as_rotation(tmp_path: Path) -
     out = tmp_path / "out"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=out, save_interval=2, eval_interval=2,
                                    eval_max_in_flight=8, eval_keep_snapshots=8, eval_fleet="none")
-    dispatcher = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base)
+    dispatcher = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base)
     _trainer(out, dispatcher, max_steps=6, save_strategy="steps", save_steps=2, save_total_limit=17).train()
     assert (out / "checkpoint-2").is_dir() and 4 in dispatcher.pending  # a sufficient limit rotates nothing
     shutil.rmtree(out / "checkpoint-4")  # what rotation does: the dir vanishes, then on_save runs

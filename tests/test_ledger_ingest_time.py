@@ -17,7 +17,7 @@ SMALL = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, i
 
 def test_ingested_record_has_wall_clock_time(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
-    d = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base)
+    d = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base)
     model = build_model(SMALL, "llama", seed=0)
     d.maybe_dispatch(2, model)
     d.exporter.wait()

@@ -52,7 +52,7 @@ def _worker(run: RunDir, engine: HFEngine, **kw) -> Worker:
 
 
 def _dispatcher(run: RunDir, dispatch) -> EvalDispatcher:
-    return EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), base_model_dir(run))
+    return EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), base_model_dir(run))
 
 
 def _dispatch_steps(d: EvalDispatcher, model: torch.nn.Module, steps: range) -> None:

@@ -139,7 +139,7 @@ def test_a_raising_scorer_is_its_unit_s_crashed_skip_at_once_in_the_fleet(tmp_pa
 def test_a_raising_scorer_in_the_shared_posture_skips_its_units_and_training_goes_on(tmp_path: Path) -> None:
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_scorer=RAISING)
     engine = HFEngine(device="cpu")
-    d = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
+    d = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
                        shared=SharedEval(engine, ProducerGate()))
     model = build_model(ModelConfig(), "llama")
     try:

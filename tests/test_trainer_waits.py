@@ -69,7 +69,7 @@ def test_a_backfill_landing_while_training_runs_is_ingested_without_a_fleet(tmp_
     save = tmp_path / "hf"
     run, dispatch = make_train_run(tmp_path / "run", save_hf_dir=save, save_interval=2, eval_interval=2,
                                    eval_max_in_flight=1, eval_keep_snapshots=1, eval_fleet="none")
-    d = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0, backpressure_timeout_s=600.0), run,
+    d = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0, backpressure_timeout_s=600.0), run,
                        MetricsSink(run.metrics_path), run.base)
     model = build_model(SMALL, "llama")
     for step in range(1, 5):
@@ -138,7 +138,7 @@ def test_a_stop_signal_ends_the_final_export_wait_and_training_is_not_marked_don
     run, dispatch = make_train_run(tmp_path / "run", eval_interval=2)
     got: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, _frame: got.append(signum))
-    d = EvalDispatcher(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
+    d = EvalDispatcher.open(dispatch.with_waits(poll_interval_s=0.0), run, MetricsSink(run.metrics_path), run.base,
                        should_stop=lambda: bool(got))
     model = build_model(big, "llama")
     timer = threading.Timer(0.05, lambda: __import__("os").kill(__import__("os").getpid(), signal.SIGUSR1))

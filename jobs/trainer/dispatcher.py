@@ -1,86 +1,18 @@
 """``EvalDispatcher``: the one object a training loop talks to about evaluation.
 
-The loop calls :meth:`EvalDispatcher.dispatch_initial` once before its first optimizer step (the
-initial weights become the point of step 0; skip it to start the curve at the first interval),
-:meth:`EvalDispatcher.maybe_dispatch` after every optimizer step and :meth:`EvalDispatcher.close`
-once at the end; that is all. Every ``eval_interval`` steps the dispatcher makes a snapshot of the
-step available to the eval fleet and goes on; finished points are ingested later, on a later call,
-and logged at their *dispatch* step. Step 0 is dispatched once per run: a resumed trainer calling
-:meth:`dispatch_initial` again finds it in the ledger and does nothing.
+The loop calls :meth:`~EvalDispatcher.dispatch_initial` (optional: step 0 is a point),
+:meth:`~EvalDispatcher.maybe_dispatch` after every optimizer step and :meth:`~EvalDispatcher.close` once;
+:meth:`EvalDispatcher.open` builds it (reads run.json, replays the ledger). Usage, settings, overflow
+(``skip``/``backpressure``, ``fleet == "none"``), stop signals and skip reasons: docs/USER_GUIDE.md
+"Your trainer", "Flags" and "Skip reasons and what to do"; the ledger's events: docs/PROTOCOL.md §8.
 
-Cadence: a dataset with ``every`` > 1 (run.json) is part only of the points at multiples of
-``every``, which must be a multiple of ``eval_interval`` (checked at construction); a step at which
-no dataset is due is not dispatched at all (the final step excepted).
-
-Settings: one :class:`ckpteval.jobs.trainer.config.DispatchConfig`, taken whole (its ``waits`` and
-``stop_when`` too) and checked for this run at construction — before training. Snapshot source:
-
-- **staging**: the weights are exported into the staging root by :class:`AsyncExporter` (the loop
-  blocks only for the host copy).
-- **reuse**: the trainer's periodic HF checkpoint ``<save_hf_dir>/checkpoint-<step>`` is marked
-  ``.complete`` in place (:func:`ckpteval.coord.snapshots.snapshot.mark_complete`): zero extra export. The loop must
-  have saved it before calling :meth:`maybe_dispatch` for that step; a missing one (or one without
-  weights) is a ``ckpt_missing`` skip.
-
-The snapshot root must be listed in ``run.json``'s ``snapshot_roots`` (else ``ValueError``): that is
-where workers look.
-
-Overflow — at most ``max_in_flight`` points dispatched and not yet ingested:
-
-- ``skip``: the step is recorded as skipped ``busy`` (:func:`ckpteval.coord.results.files.write_point_skip`), nothing
-  is exported, and ``eval/skipped_busy`` is logged at that step.
-- ``backpressure``: the loop waits (ingesting meanwhile) until the oldest pending point lands, for
-  at most ``backpressure_timeout_s``; on timeout the step is skipped ``busy`` as above rather than
-  hang. The wait is logged with the point as ``eval/backpressure_wait_seconds``.
-- the **final** point is never skipped as busy, whatever ``steps % eval_interval``: the loop passes
-  ``final=True`` to :meth:`maybe_dispatch` at its last step, or :meth:`close` dispatches it.
-- ``fleet == "none"`` (``--eval-fleet none``: "save checkpoints now, backfill later", reuse mode):
-  no limit, no wait, no busy skip; every point stays pending and is ingested if a backfill lands
-  while training runs; :meth:`close` does not drain.
-
-Stop signals: ``should_stop`` (the trainer's SIGTERM/SIGUSR1 flag) ends every wait at once — the
-backpressure wait (the step is then dispatched over the limit: the trainer is about to checkpoint
-this step and leave, so its weights exist only now and a resumed trainer starts after it), the shared posture's wait for
-in-flight producer requests (nothing is written: the point stays open for a backfill), the final
-export wait in :meth:`close` (which then returns False, training not marked done) and the drain.
-
-Failures never stop training: an export that fails, or finds no room on the staging filesystem, is
-an ``export_failed`` skip at its step.
-
-Ingestion (rate-limited to one results listing per ``poll_interval_s``, never waiting for eval): a
-pending point whose units all have results goes through :func:`ckpteval.jobs.ingest.ingest_point` (the
-service's ingestion path too): derived (:func:`ckpteval.coord.results.files.derive_point`), its
-metrics (:func:`ckpteval.coord.results.files.point_metrics`, ``eval/lag_steps`` = trainer step now − dispatch
-step, at least 0 — a resumed trainer re-trains steps below points it had dispatched —, ``eval/export_time_seconds``, ``eval/export_blocked_seconds``) logged at the dispatch step,
-``ingested`` and ``retired`` appended to the ledger, and in staging mode the staging GC run
-(``keep_snapshots`` newest retired kept, plus the best ``keep_best`` points by ``best_metric``; reused
-checkpoints are never deleted).
-
-Restart safety (SLURM requeue): the dispatcher replays ``ledger.jsonl`` on construction. Points
-ingested before are never logged again (the ledger, and the sink's own ``eval/step`` check for a
-crash between metrics line and ledger record); pending points are re-adopted and ingested once
-they finish; a skip recorded in the ledger but not yet written is written again. A pending point
-whose snapshot never got published (the trainer died mid-export, or between ledger and marker) is
-*lost*: it is dispatched again if the resumed loop reaches that step again, else skipped
-``crashed`` as soon as the loop is past it.
-
-:meth:`close` dispatches the final step if needed (waiting for its export), then marks training done
-(``RUN/TRAINING_DONE`` — only after the final snapshot is published, so a fleet that exits on
-"training done and nothing left" cannot miss it), then drains for up to ``drain_timeout_s``. Points
-still unfinished after that are logged with ``eval/skipped_drain_timeout`` = number of units without
-a result (plus the datasets that did finish) and recorded ``ingested`` with ``outcome:
-drain_timeout``. No result is written for them: results are facts, and the units stay open for a
-fleet or a backfill to finish; only the trainer stops waiting. Their snapshots are not retired, so
-GC leaves them for that backfill.
-
-Shared posture: given a :class:`ckpteval.jobs.trainer.gate.SharedEval` (the trainer's own engine and its
-producer gate), a dispatch is blocking instead: publish the snapshot, evaluate it (:meth:`SharedEval.evaluate`),
-ingest it at once (lag 0). The eval's wall time (what training waited on top of the export) is logged as
-``eval/shared_eval_seconds``; in-flight producer requests that do not finish within
-``SharedEval.drain_timeout_s`` make the point a ``busy`` skip.
-
-Limits: one dispatcher per run dir. Export times, the shared eval time and skips survive a restart
-as their own ledger events (``exported``, ``evaluated_shared``, ``skipped``: :mod:`ckpteval.coord.run.ledger`).
+Guarantees: failures never stop training (a failed or room-less export is an ``export_failed`` skip);
+the final point is never skipped ``busy``; a stop signal (``should_stop``) ends every wait at once;
+restart-safe through ``ledger.jsonl`` — a point ingested before is never logged again, a pending one is
+re-adopted, one whose snapshot was never published is dispatched again or skipped ``crashed``; points
+a drain gives up on are logged ``drain_timeout`` and keep their units open (no result written) for a
+backfill; ``TRAINING_DONE`` is written only after the final snapshot is published.
+Limits: one dispatcher per run dir; the snapshot root must be listed in run.json (else ``ValueError``).
 """
 
 from __future__ import annotations
@@ -92,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckpteval.coord.entries import scored_per_sample
 from ckpteval.coord.results.conditions import Condition, parse_condition, point_value, top_steps
 from ckpteval.coord.results.files import Result, ResultIndex, write_point_skip
 from ckpteval.coord.results.points import Point, derive_point, point_metrics
 from ckpteval.coord.run.identity import run_key
 from ckpteval.coord.run.ledger import Ledger
+from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.gc import StagingGC, has_room
 from ckpteval.coord.snapshots.saves import shards_present
@@ -118,11 +52,65 @@ RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure
 WAIT_SLICE_S = 0.1
 
 
+def _snapshot_root(config: DispatchConfig, run: RunDir, manifest: RunManifest, key: str) -> Path:
+    """This run's snapshot root as run.json lists it (:meth:`DispatchConfig.listed_snapshot_root`), made."""
+    root = config.listed_snapshot_root(manifest.snapshot_roots, key, run.path, run.manifest_path)
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _check_cadence(config: DispatchConfig, run: RunDir, manifest: RunManifest) -> None:
+    interval = config.eval_interval or 1
+    for i, ds in enumerate(manifest.eval.entries):  # i: the entry's index in run.json's eval.datasets
+        if ds.every > 1 and ds.every % interval:
+            raise ValueError(
+                f"{run.manifest_path}: field eval.datasets[{i}].every is {ds.every}, not a multiple of "
+                f"the eval interval {interval}: dataset {ds.name!r} would never be evaluated on schedule"
+            )
+
+
 class EvalDispatcher:
-    """See the module docstring."""
+    """See the module docstring; build it with :meth:`open`."""
 
     def __init__(
         self,
+        config: DispatchConfig,
+        run: RunDir,
+        manifest: RunManifest,
+        sink: MetricsSink,
+        ledger: Ledger,
+        *,
+        root: Path,
+        canary: TrainerCanary,
+        training: TrainingClock,
+        exporter: AsyncExporter | None = None,
+        gc: StagingGC | None = None,
+        shared: SharedEval | None = None,
+        cache: DatasetCache | None = None,
+        stop_when: Condition | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Only assigns the built parts; :meth:`open` builds them for a run dir."""
+        self.config, self.waits, self.run, self.manifest = config, config.waits, run, manifest
+        self.sink, self.ledger, self.root, self.key = sink, ledger, root, run_key(manifest)
+        self.index = ResultIndex(run.results)
+        self.exporter, self.gc, self._canary, self._training = exporter, gc, canary, training
+        self.shared, self._cache = shared, cache
+        self.clock = clock
+        self.should_stop = should_stop  # a stop signal arrived: every wait ends at once
+        self.stop_when = stop_when  # --eval-stop-when: a point meeting it asks training to end
+        self.stop_requested: int | None = min(ledger.state.stop_requested, default=None)  # that point's step
+        self.step = 0  # the trainer's latest step seen
+        self.landed = len(ledger.state.ingested)
+        self._last_poll = -float("inf")
+        self._lost: set[int] = set()
+        self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
+        self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
+
+    @classmethod
+    def open(
+        cls,
         config: DispatchConfig,
         run: RunDir,
         sink: MetricsSink,
@@ -132,57 +120,28 @@ class EvalDispatcher:
         room_check: RoomCheck = has_room,
         clock: Callable[[], float] = time.monotonic,
         should_stop: Callable[[], bool] = lambda: False,
-    ) -> None:
-        self.config = config.for_run(run.path)
-        self.waits = self.config.waits
-        self.should_stop = should_stop  # a stop signal arrived: every wait below ends at once
-        self.run = run
-        self.manifest = run.manifest()
-        self.sink = sink
-        self.shared = shared
-        self.clock = clock
-        self.key = run_key(self.manifest)
-        self.root = self._snapshot_root()
-        self._check_cadence()
-        self.ledger = Ledger(run.ledger_path)
-        self.index = ResultIndex(run.results)
-        self.exporter: AsyncExporter | None = None
-        self._canary = TrainerCanary(run, self.manifest, base_model_dir)
-        self.gc: StagingGC | None = None
-        if self.config.mode == "staging":
-            self.exporter = AsyncExporter(self.root, base_model_dir, room_check=room_check, run=self.key)
-            self.gc = StagingGC(self.root, run.leases, self.manifest.lease.duration_s, keep=self.config.keep_snapshots,
-                                run=self.key)
-        self._cache: DatasetCache | None = None if shared is None else shared.attach(run, self.manifest)
-        self.step = 0  # the trainer's latest step seen
-        self.landed = len(self.ledger.state.ingested)
-        self._last_poll = -float("inf")
-        self._lost: set[int] = set()
-        self._exporting: set[int] = set()  # submitted, outcome not yet recorded (export times pending)
-        self._ranked: dict[int, float] = {}  # retired step -> its best-metric value (--eval-keep-best)
-        self.stop_when: Condition | None = (  # --eval-stop-when: a point meeting it asks training to end
-            None if self.config.stop_when is None else parse_condition(self.config.stop_when, "--eval-stop-when"))
-        self.stop_requested: int | None = min(self.ledger.state.stop_requested, default=None)  # that point's step
-        gpus = self.config.trainer_gpus if self.config.trainer_gpus is not None else trainer_gpus()
-        self._training = TrainingClock(gpus, self.ledger.state, clock)  # eval/cost/fraction_of_training
-        self._replay()
-
-    # -- construction ---------------------------------------------------------------------------------
-    def _snapshot_root(self) -> Path:
-        """This run's snapshot root as run.json lists it (:meth:`DispatchConfig.listed_snapshot_root`)."""
-        root = self.config.listed_snapshot_root(self.manifest.snapshot_roots, self.key, self.run.path,
-                                                self.run.manifest_path)
-        root.mkdir(parents=True, exist_ok=True)
-        return root
-
-    def _check_cadence(self) -> None:
-        interval = self.config.eval_interval or 1
-        for i, ds in enumerate(self.manifest.eval.datasets):
-            if ds.every > 1 and ds.every % interval:
-                raise ValueError(
-                    f"{self.run.manifest_path}: field eval.datasets[{i}].every is {ds.every}, not a multiple of "
-                    f"the eval interval {interval}: dataset {ds.name!r} would never be evaluated on schedule"
-                )
+    ) -> EvalDispatcher:
+        """The run's dispatcher: ``config`` checked for this run, run.json read, the snapshot root made,
+        the ledger replayed (pending points re-adopted: the module docstring)."""
+        config = config.for_run(run.path)
+        manifest = run.manifest()
+        key = run_key(manifest)
+        root = _snapshot_root(config, run, manifest, key)
+        _check_cadence(config, run, manifest)
+        ledger = Ledger(run.ledger_path)
+        canary = TrainerCanary(run, manifest, base_model_dir)
+        exporter, gc = None, None
+        if config.mode == "staging":
+            exporter = AsyncExporter(root, base_model_dir, room_check=room_check, run=key)
+            gc = StagingGC(root, run.leases, manifest.lease.duration_s, keep=config.keep_snapshots, run=key)
+        cache = None if shared is None else shared.attach(run, manifest)
+        stop_when = None if config.stop_when is None else parse_condition(config.stop_when, "--eval-stop-when")
+        gpus = config.trainer_gpus if config.trainer_gpus is not None else trainer_gpus()
+        dispatcher = cls(config, run, manifest, sink, ledger, root=root, canary=canary,
+                         training=TrainingClock(gpus, ledger.state, clock), exporter=exporter, gc=gc,
+                         shared=shared, cache=cache, stop_when=stop_when, clock=clock, should_stop=should_stop)
+        dispatcher._replay()
+        return dispatcher
 
     def _replay(self) -> None:
         """Re-adopt what a previous incarnation left pending (see the module docstring)."""
@@ -421,7 +380,7 @@ class EvalDispatcher:
         """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""
         if self.config.keep_best < 1:
             return set()
-        metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
+        metric = self.config.best_metric or f"eval/{[e for e in self.manifest.eval.entries if scored_per_sample(e)][0].name}"
         results = self.index.refresh(only_steps=self.ledger.state.retired - set(self._ranked))
         for step in self.ledger.state.retired - set(self._ranked):
             self._ranked[step] = point_value(self.manifest, results, step, metric)

@@ -161,7 +161,7 @@ def open_dispatcher(spec: EvalRun, run: RunDir, sink: MetricsSink | None = None,
     (``shared``, ``should_stop``)."""
     if spec.dispatch is None:
         raise ValueError("no dispatch config: this run trains without evaluation")
-    return EvalDispatcher(spec.dispatch, run, sink or MetricsSink(run.metrics_path), run.base, **kw)
+    return EvalDispatcher.open(spec.dispatch, run, sink or MetricsSink(run.metrics_path), run.base, **kw)
 
 
 def start_eval(spec: EvalRun, sink: MetricsSink | None = None, **kw: Any) -> EvalDispatcher:

@@ -251,7 +251,7 @@ class InProcTrainer:
         )
         self.sink = MetricsSink(self.run.metrics_path)
         extra = {} if room_check is None else {"room_check": room_check}
-        self.dispatcher = EvalDispatcher(
+        self.dispatcher = EvalDispatcher.open(
             dispatch.with_waits(poll_interval_s=poll_interval, drain_timeout_s=drain_timeout,
                                 backpressure_timeout_s=600.0), self.run, self.sink, self.run.base, **extra,
         )
