@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.layouts import FALLBACK
-from ckpteval.coord.results.files import INFRA_SKIPS, Result, ResultIndex, retry_due
+from ckpteval.coord.results.files import INFRA_SKIPS, Result, ResultIndex
 from ckpteval.coord.run.identity import run_key, snapshots_key
 from ckpteval.coord.run.ledger import Ledger
 from ckpteval.coord.run.rundir import RunDir
@@ -29,15 +29,11 @@ from ckpteval.coord.work.steps import run_step_selection
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.worker.evaluators import Evaluator, evaluate_unit
 from ckpteval.jobs.eval.worker.options import WorkerOptions
+from ckpteval.jobs.eval.worker.policy import RetryPolicy
 from ckpteval.jobs.eval.worker.runner import UnitRunner
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNHEALTHY
 
 WAIT_SLICE_S = 0.05  # how often the main thread looks at the stop flag while a unit runs
-# Outcomes that may be the worker's own fault (its engine died, its setup makes scoring raise): such a
-# result is written only when the unit, not the worker, is to blame (see Worker._leave_for_another) —
-# at once when the result names user code to blame (a scorer, a library task raised). A disputed checksum
-# (ckpteval.jobs.eval.proof.attest.AttestDisputed) is left for another worker's independent load the same way.
-RETRYABLE = frozenset({"unhealthy", "crashed", "attest_disputed"})
 
 
 def dispatched_steps(ledger_path: Path) -> set[int]:
@@ -89,16 +85,11 @@ class Worker:
         self.stop_signal: int | None = None
         self.runner = UnitRunner()
         self.verified = VerifiedSnapshots()  # each snapshot's --verify check, once per process
+        self.policy = RetryPolicy(self.opts, self.manifest.lease.duration_s)  # when to poll, retry, give up
         self._tried: set[WorkUnit] = set()
-        self._retried: set[WorkUnit] = set()  # infra skips re-evaluated by this process (once each)
         self._warned: set[str] = set()
-        self._pending_since: dict[tuple[str, str], float] = {}
-        self._unhealthy_streak = 0
-        self.proven = False  # this worker has scored a unit of this run: its engine and setup work
         self.released_last = False  # the last unit was released for another worker, nothing written
-        self._done_seen_at: float | None = None  # monotonic time this worker first saw TRAINING_DONE
         self._dispatches: dict[int, dict[str, Any]] = {}  # ledger records, read once training is done
-        self._unfound_since: dict[int, float] = {}
         self.captures = CaptureGC(self.rundir.path / CAPTURED, self.rundir.leases, self.manifest.lease.duration_s)
         self._final: set[int] = set()  # settled steps no later evaluation supersedes (no infra skip)
 
@@ -171,8 +162,8 @@ class Worker:
         if self.step_limit is not None and (limit := self.step_limit(results)) is not None:
             outstanding = [u for u in outstanding if u.step <= limit]
         self._give_up_finding(outstanding)
-        claimable = [u for u in outstanding if u.step in self.refs and (u not in results or retry_due(
-            results[u], self.index.generation(u), self.opts.retry_backoff_s))]  # an overloaded skip waits
+        claimable = [u for u in outstanding if u.step in self.refs  # an overloaded skip waits its backoff
+                     and self.policy.claim_due(results.get(u), self.index.generation(u))]
         if self.on_poll is not None:
             self.on_poll(len(outstanding))
         return claimable, len(outstanding)
@@ -197,13 +188,8 @@ class Worker:
         shared filesystem's slow visibility) gets a ref to where its snapshot should be. Its units then
         take the normal path and verification makes them ``ckpt_missing`` (or ``ckpt_corrupt`` for an
         unreadable marker) — instead of the fleet waiting forever for a snapshot that is gone."""
-        now = time.monotonic()
         unfound = {u.step for u in outstanding if u.step not in self.refs and u.step in self._dispatches}
-        for step in set(self._unfound_since) - unfound:
-            del self._unfound_since[step]
-        for step in sorted(unfound):
-            if now - self._unfound_since.setdefault(step, now) < self.manifest.lease.duration_s:
-                continue
+        for step in self.policy.unfound_given_up(unfound):
             path = self._expected_snapshot(step)
             self.refs[step] = SnapshotRef(step, path, Marker(step, str(step), {}, {}, "missing", 0.0))
             self._warn_once(f"unfound:{step}", f"step {step} was dispatched but its snapshot {path} never appeared")
@@ -216,15 +202,11 @@ class Worker:
         return snapshot_path(root, step, str(record.get("mode", "staging")))
 
     def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
-        units = [u for u in units_for_step(self.manifest, step) if u not in results or self._to_retry(u, results[u])]
+        units = [u for u in units_for_step(self.manifest, step)
+                 if u not in results or self.policy.to_retry(u, results[u])]
         if not units:
             self.settled.add(step)
         return units
-
-    def _to_retry(self, unit: WorkUnit, result: Result) -> bool:
-        """With ``--retry-infra-skips``: an infrastructure skip this process has not re-evaluated yet."""
-        return (self.opts.retry_infra_skips and result.skip_reason in INFRA_SKIPS
-                and unit not in self._retried)
 
     def _generations(self, units: list[WorkUnit]) -> dict[WorkUnit, int]:
         """The result generation a claim of each unit writes: one past its current result, if it has one."""
@@ -235,8 +217,7 @@ class Worker:
         # ledger: the trainer appends its last dispatch before either, so a worker that sees the run ended
         # also sees every dispatched step.
         self.training_done = self.rundir.ended()
-        if self.training_done and self._done_seen_at is None:
-            self._done_seen_at = time.monotonic()
+        self.policy.saw_ended(self.training_done)
         steps = set(self.refs)
         if self.training_done:
             try:
@@ -268,33 +249,22 @@ class Worker:
             self._warned.add(key)
             print(f"ckpteval worker: {message}", file=sys.stderr, flush=True)
 
-    def _awaiting_foreign(self) -> bool:
-        """--once: whether a marker-less dir may still become quiescent (bounded wait per dir)."""
-        now, waiting = time.monotonic(), False
-        bound = 2 * self.opts.quiescence_s + 5 * self.opts.poll_interval_s
-        for d in self.discoveries:
-            for name in d.discovery.awaiting_quiescence if d.foreign else ():
-                since = self._pending_since.setdefault((str(d.discovery.root), name), now)
-                waiting |= now - since < bound
-        return waiting
-
     def _finished(self, outstanding: int) -> bool:
-        if self.opts.once:
-            return outstanding == 0 and not self._awaiting_foreign()
-        if self.opts.service:
-            return False
-        return outstanding == 0 and self.training_done
+        awaiting = self.opts.once and self.policy.awaiting(  # --once: marker-less dirs not yet quiescent
+            (str(d.discovery.root), name) for d in self.discoveries if d.foreign
+            for name in d.discovery.awaiting_quiescence)
+        return self.policy.finished(outstanding, self.training_done, awaiting)
 
     # -- units ---------------------------------------------------------------------------------------
     def run(self) -> int:
         """Work until done (see the module docstring); returns an exit code."""
         self.written = 0
         todo: deque[WorkUnit] = deque()  # the last poll's claimable units, in claim order, not yet tried
-        generations, polled_at = {}, -float("inf")
+        generations: dict[WorkUnit, int] = {}
         while self.stop_signal is None:
-            if not todo or time.monotonic() - polled_at >= self.opts.poll_interval_s:
+            if self.policy.poll_due(bool(todo)):
                 claimable, outstanding = self.poll()
-                polled_at = time.monotonic()
+                self.policy.polled()
                 if not claimable:
                     if self._finished(outstanding):
                         return EXIT_DONE
@@ -315,16 +285,10 @@ class Worker:
             result = self._process(claim, claimed_at)
             if self.stop_signal is not None:
                 break
-            if self.released_last or (result is not None and result.skip_reason == "unhealthy"):
-                self._unhealthy_streak += 1
-                if self.opts.max_unhealthy and self._unhealthy_streak >= self.opts.max_unhealthy:
-                    self.out(
-                        f"engine unhealthy or failing for {self._unhealthy_streak} units in a row: exiting "
-                        "for a fresh start"
-                    )
-                    return EXIT_UNHEALTHY
-            elif result is not None:
-                self._unhealthy_streak = 0
+            if self.policy.unhealthy_exit(result, self.released_last):
+                self.out(f"engine unhealthy or failing for {self.policy.unhealthy_streak} units in a row: "
+                         "exiting for a fresh start")
+                return EXIT_UNHEALTHY
             if self.opts.max_units is not None and self.written >= self.opts.max_units:
                 return EXIT_DONE
         return self._stop_code()
@@ -345,7 +309,7 @@ class Worker:
         unit = claim.unit
         try:
             if claim.generation:
-                self._retried.add(unit)
+                self.policy.retried.add(unit)
             if self.stop_signal is not None:  # signalled between claim and start: same as mid-unit
                 self.out(f"step={unit.step} {unit.label} abandoned: stop signal, lease released")
                 return None
@@ -358,11 +322,11 @@ class Worker:
             if not claim.still_ours():  # not lost, its marker still its own (no syscall while fresh)
                 self.out(f"step={unit.step} {unit.label} abandoned: lease lost (taken over)")
                 return None
-            if self._leave_for_another(result, claim):
+            if self.policy.leave_for_another(result, claim.attempt):
                 self.released_last = True
                 self.out(
                     f"step={unit.step} {unit.label} released after attempt {claim.attempt}: "
-                    f"{result.skip_reason}: {result.message[:120]} (left for another worker, nothing written)"
+                    f"{result.skip_reason}: {result.message} (left for another worker, nothing written)"
                 )
                 return None
             result = dataclasses.replace(
@@ -379,26 +343,11 @@ class Worker:
             self.written += 1
             if first and self.on_result is not None:
                 self.on_result(result)
-            self.proven |= result.ok
+            self.policy.proven |= result.ok
             self.out(_unit_line(result, first))
             return result
         finally:
             claim.release()
-
-    def _leave_for_another(self, result: Result, claim: Claim) -> bool:
-        """Whether a failed unit is released unwritten: a result is a permanent fact, so a failure that
-        may be this worker's own (:data:`RETRYABLE`) is written only when the unit is to blame — this
-        worker has scored a unit of the run (its engine works) and the unit has been claimed
-        ``--max-attempts`` times — or when no healthy worker can be expected: training is done and
-        ``max_attempts`` lease durations have passed since this worker first saw ``TRAINING_DONE``
-        (the step's deadline), with the unit claimed ``--max-attempts`` times."""
-        if result.skip_reason not in RETRYABLE or result.blame is not None:  # user code failed: the unit's
-            return False
-        if claim.attempt < self.opts.max_attempts:
-            return True
-        deadline = self.opts.max_attempts * self.manifest.lease.duration_s
-        past_deadline = self._done_seen_at is not None and time.monotonic() - self._done_seen_at >= deadline
-        return not (self.proven or past_deadline)
 
     def _evaluate_interruptibly(self, unit: WorkUnit, ref: SnapshotRef) -> Result | None:
         """Run the unit in the helper thread so a stop signal can release the lease at once (None then)."""
@@ -439,4 +388,4 @@ def _unit_line(result: Result, first: bool) -> str:
         n = len(result.scores)
         score = sum(result.scores) / n if n else float("nan")
         return f"{head} score={score:.4f} n={n} {secs:.2f}s{dup}"
-    return f"{head} SKIP {result.skip_reason}: {result.message[:120]} {secs:.2f}s{dup}"
+    return f"{head} SKIP {result.skip_reason}: {result.message} {secs:.2f}s{dup}"
