@@ -34,7 +34,8 @@ from typing import Any
 
 import httpx
 
-from ckpteval.coord.run.manifest import EnvSpec, EvalSpec, RunManifest
+from ckpteval.coord.entries.env import EnvEntry
+from ckpteval.coord.run.manifest import EvalSpec, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import Generation, SamplingParams
@@ -80,7 +81,7 @@ class DrivenEchoEnv:
 
     DRIVES_MODEL = True
 
-    def play(self, episodes: list[Episode], endpoint: Any, spec: EnvSpec) -> None:
+    def play(self, episodes: list[Episode], endpoint: Any, spec: EnvEntry) -> None:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda ep: self.one(ep, endpoint.base_url(ep.index, ep.sample), spec.max_turns), episodes))
 
@@ -129,10 +130,10 @@ class SolverEngine:
         pass
 
 
-def env_cache(tmp: Path, name: str, rows: list[dict[str, Any]], **kw: Any) -> tuple[DatasetCache, EnvSpec]:
+def env_cache(tmp: Path, name: str, rows: list[dict[str, Any]], **kw: Any) -> tuple[DatasetCache, EnvEntry]:
     run = RunDir.create(tmp / name)
     write_jsonl(run.data / f"{name}.jsonl", rows)
-    spec = EnvSpec(name=name, path=f"data/{name}.jsonl", n_prompts=len(rows), shard_size=len(rows), **kw)
+    spec = EnvEntry(name=name, path=f"data/{name}.jsonl", n_prompts=len(rows), shard_size=len(rows), **kw)
     run = RunDir.create(run.path, RunManifest(run_id=name, eval=EvalSpec(entries=(spec,)), snapshot_roots=()))
     return DatasetCache(run, run.manifest()), spec
 

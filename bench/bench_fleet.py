@@ -111,8 +111,9 @@ def claim_counting_worker(counts_path: str, argv: list[str]) -> int:
 # -- the run ------------------------------------------------------------------------------------------------
 def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float, lease_s: float) -> Any:
     from bench.bench_scale import write_weights
+    from ckpteval.coord.entries.generate import GenerateEntry
     from ckpteval.coord.run.identity import run_key
-    from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
     from ckpteval.coord.run.rundir import RunDir
     from ckpteval.coord.snapshots.snapshot import publish_snapshot
     from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
@@ -121,7 +122,7 @@ def make_run(path: Path, points: int, datasets: int, shards: int, sleep_s: float
     specs = []
     for i in range(datasets):  # one prompt per shard (the backend never reads them)
         write_jsonl(run.data / f"set{i}.jsonl", [{"prompt": f"{j}+{i}=", "answer": str(i + j)} for j in range(shards)])
-        specs.append(DatasetSpec(name=f"set{i}", path=f"data/set{i}.jsonl", n_prompts=shards, shard_size=1))
+        specs.append(GenerateEntry(name=f"set{i}", path=f"data/set{i}.jsonl", n_prompts=shards, shard_size=1))
     manifest = RunManifest(run_id=f"fleet-{path.name}", eval=EvalSpec(entries=tuple(specs), engine={"fn": {"sleep_s": sleep_s}}),
                            snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(lease_s, lease_s / 6))
     run = RunDir.create(path, manifest)

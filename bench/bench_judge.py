@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ckpteval.coord.run.manifest import DatasetSpec  # noqa: E402
+from ckpteval.coord.entries.generate import GenerateEntry  # noqa: E402
 from ckpteval.coord.run.rundir import RunDir  # noqa: E402
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext  # noqa: E402
 from ckpteval.jobs.eval.scorers.judge.scorer import JudgeScorer  # noqa: E402
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-judge-") as tmp:
             run = RunDir.create(Path(tmp) / "run")
-            spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=args.samples, scorer="judge",
+            spec = GenerateEntry(name="qa", path="data/qa.jsonl", n_prompts=args.samples, scorer="judge",
                                scorer_options={"url": url, "concurrency": args.concurrency, "retries": 0})
             scorer = JudgeScorer(spec, ScorerContext(run_dir=run.path))
             samples = [Sample(completion=str(i % 7), row={"prompt": f"q{i}", "answer": str(i % 5)}, prompt=f"q{i}")

@@ -52,10 +52,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ckpteval.coord.entries.generate import GenerateEntry  # noqa: E402
 from ckpteval.coord.results.files import Result, ResultIndex, ok_result, write_result  # noqa: E402
 from ckpteval.coord.run.identity import run_key  # noqa: E402
 from ckpteval.coord.run.ledger import Ledger  # noqa: E402
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest  # noqa: E402
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest  # noqa: E402
 from ckpteval.coord.run.rundir import STEP_SUMMARY, RunDir  # noqa: E402
 from ckpteval.coord.snapshots.snapshot import publish_snapshot  # noqa: E402
 from ckpteval.coord.work.units import units_for_step  # noqa: E402
@@ -73,7 +74,7 @@ GOALS = ("steady_s", "status_s", "plot_s")
 
 # -- the synthetic run ------------------------------------------------------------------------------------
 def make_manifest(path: Path, datasets: int, shards: int) -> RunDir:
-    specs = tuple(DatasetSpec(name=f"set{i:02d}", path=f"data/set{i:02d}.jsonl", n_prompts=shards * SHARD_SIZE,
+    specs = tuple(GenerateEntry(name=f"set{i:02d}", path=f"data/set{i:02d}.jsonl", n_prompts=shards * SHARD_SIZE,
                               shard_size=SHARD_SIZE) for i in range(datasets))
     run = RunDir.create(path)
     manifest = RunManifest(run_id=f"scale-{path.name}", eval=EvalSpec(entries=specs),

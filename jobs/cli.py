@@ -12,6 +12,7 @@ import io
 import os
 import sys
 
+from ckpteval.jobs.eval.kinds.evaluate import install_checks
 from ckpteval.jobs.lifecycle import EXIT_INTERRUPTED, record_early_stops
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if name in PREEMPTIBLE:
         record_early_stops()
+    install_checks()  # the registries' checks of run.json's names, before any command reads one
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
         return int(module.main(rest) or 0)

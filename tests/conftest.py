@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.jobs.eval.kinds.evaluate import install_checks
 from ckpteval.jobs.reference.model import ModelConfig, build_model, generation_config, save_tokenizer
+
+install_checks()  # as every ckpteval program does at start: the run.json parser asks the scorer and env registries
 
 # Larger init than training uses: peaked logits keep greedy decoding of an untrained model stable.
 TINY_CFG = ModelConfig(initializer_range=0.2)

@@ -38,7 +38,7 @@ from tests.support.workers import base_dir, make_eval_run, version
 def _export(tmp_path: Path, run, step: int) -> Path:  # noqa: ANN001
     """Export ``step`` of the tiny model with its canary, as the dispatcher does."""
     model = build_model(seed=step)
-    pairs = probe_rows(load_dataset(run, run.manifest().eval.datasets[0]))
+    pairs = probe_rows(load_dataset(run, run.manifest().eval.entries[0]))
     exporter = AsyncExporter(run.snapshots, base_dir(tmp_path), run=None)
     exporter.submit(step, model, canary=canary_bytes(model, build_tokenizer(), pairs))
     exporter.wait()

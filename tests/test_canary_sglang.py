@@ -43,7 +43,7 @@ def _export(run: Any, base: Path, step: int) -> Path:  # noqa: ANN401
     """Export ``step`` of the tiny model with ``base``'s tokenizer and a canary computed with it."""
     model = build_model(seed=step)
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
-    pairs = probe_rows(load_dataset(run, run.manifest().eval.datasets[0]))
+    pairs = probe_rows(load_dataset(run, run.manifest().eval.entries[0]))
     exporter = AsyncExporter(run.snapshots, base, run=None)
     exporter.submit(step, model, canary=canary_bytes(model, tokenizer, pairs))
     exporter.wait()

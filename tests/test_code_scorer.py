@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.points import dataset_score, derive_point, point_metrics
 from ckpteval.coord.run.identity import run_key
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_jsonl
@@ -89,8 +90,8 @@ def test_outputs_compare_line_by_line_ignoring_surrounding_whitespace() -> None:
 
 
 # -- in process: the scorer on the example set ----------------------------------------------------------
-def spec(rows: list[dict[str, Any]], options: dict[str, Any] | None = None, **kw: Any) -> DatasetSpec:
-    return DatasetSpec(name="code", path="data/code.jsonl", n_prompts=len(rows), scorer="code",
+def spec(rows: list[dict[str, Any]], options: dict[str, Any] | None = None, **kw: Any) -> GenerateEntry:
+    return GenerateEntry(name="code", path="data/code.jsonl", n_prompts=len(rows), scorer="code",
                        scorer_options=dict(options or FAST), **kw)
 
 
@@ -234,7 +235,7 @@ def test_worker_scores_canned_completions_with_pass_at_k(tmp_path: Path) -> None
         # each bound is recorded with the result (#26 §2): how total memory is bounded here, the /tmp caps
         assert r.scorer["memory_total_by"] in ("cgroup-v1", "cgroup-v2", "rlimit_as x nproc"), r.scorer
         assert r.scorer["memory_total_mb"] > 0 and r.scorer["tmp_mb"] > 0 and r.scorer["tmp_inodes"] > 0, r.scorer
-    (ds,) = run.manifest().eval.datasets
+    (ds,) = run.manifest().eval.entries
     point = dataset_score(ds, run_key(run.manifest()), 1, [got[WorkUnit(1, "code", i)] for i in (0, 1)])
     assert (point.score, point.derived["pass@1"], point.derived["pass@2"]) == (0.75, 0.75, 1.0)
     assert point.extras["tests_passed_fraction"] == 0.75 and point.counters["code_errors"] == 0

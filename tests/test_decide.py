@@ -223,9 +223,10 @@ def test_compare_and_best_fit_80_columns_and_use_the_width_they_have(decided_run
 def sampled_run(tmp_path: Path) -> RunDir:
     """40 prompts x 4 samples: step 100 gets 2 of 4 right on every prompt (pass@2 5/6, pass^2 1/6); step 200
     all 4 on the first 20 prompts and none on the rest (pass@2 = pass^2 = 1/2): pass^2 and pass@2 disagree."""
-    from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.entries.generate import GenerateEntry
+    from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 
-    spec = DatasetSpec(name="add", path="data/add.jsonl", n_prompts=40, shard_size=10, n_samples=4,
+    spec = GenerateEntry(name="add", path="data/add.jsonl", n_prompts=40, shard_size=10, n_samples=4,
                        temperature=1.0, pass_k=(1, 2, 4))
     run = RunDir.create(tmp_path / "run", RunManifest(run_id="sampled", eval=EvalSpec(entries=(spec,)),
                                                       snapshot_roots=(str(tmp_path / "snaps"),),
@@ -270,11 +271,12 @@ def test_compare_and_best_decide_by_pass_hat_k(sampled_run: RunDir) -> None:
 def test_per_prompt_pass_counts_a_sample_passed_from_the_entrys_pass_threshold(tmp_path: Path) -> None:
     """An env entry with ``pass_threshold`` 0.5: the per-prompt pass@k / pass^k that compare and best pair are
     the logged point's (a reward of 0.5 passes), not a full-credit count."""
+    from ckpteval.coord.entries.env import EnvEntry
     from ckpteval.coord.results.points import derive_point
-    from ckpteval.coord.run.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest
+    from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
     from ckpteval.jobs.decide.data import RunValues, parse_metric
 
-    spec = EnvSpec(name="g", path="data/g.jsonl", n_prompts=2, shard_size=2, n_samples=2, temperature=1.0,
+    spec = EnvEntry(name="g", path="data/g.jsonl", n_prompts=2, shard_size=2, n_samples=2, temperature=1.0,
                    env="guess", pass_k=(1, 2), pass_threshold=0.5)
     run = RunDir.create(tmp_path / "run", RunManifest(run_id="env", eval=EvalSpec(entries=(spec,)),
                                                       snapshot_roots=(str(tmp_path / "snaps"),),

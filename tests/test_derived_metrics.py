@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
 from ckpteval.coord.results.points import derive_point, majority_score, pass_at_k, point_metrics
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.run.rundir import RunDir, unit_dir
 from ckpteval.coord.work.units import shard_range, units_for_step
 
@@ -47,7 +48,7 @@ def test_maj_at_n_ties_go_to_the_answer_seen_first_and_none_does_not_vote() -> N
     assert majority_score(["7", "7", "8"], [0.0, 1.0, 1.0]) == 0.0  # the majority scores its first sample
 
 
-def _run(tmp: Path, *specs: DatasetSpec) -> tuple[RunDir, RunManifest]:
+def _run(tmp: Path, *specs: GenerateEntry) -> tuple[RunDir, RunManifest]:
     manifest = RunManifest(
         run_id="metrics", eval=EvalSpec(entries=specs), snapshot_roots=(str(tmp / "run" / "snapshots"),),
         lease=LeaseSettings(30.0, 5.0),
@@ -58,7 +59,7 @@ def _run(tmp: Path, *specs: DatasetSpec) -> tuple[RunDir, RunManifest]:
 def _fill(run: RunDir, manifest: RunManifest, step: int, scores: list[float], answers: list[str | None] | None,
           timeouts: int = 0) -> None:
     """Results for every unit of ``step`` of the first dataset, cut from prompt-major per-sample lists."""
-    spec = manifest.eval.datasets[0]
+    spec = manifest.eval.entries[0]
     for unit in units_for_step(manifest, step):
         rows = shard_range(manifest, unit)
         lo, hi = rows.start * spec.n_samples, rows.stop * spec.n_samples
@@ -79,7 +80,7 @@ def _samples(n_prompts: int, n: int, seed: int) -> tuple[list[float], list[str]]
 
 
 def test_point_metrics_pass_at_k_maj_and_stderr_from_per_sample_results(tmp_path: Path) -> None:
-    spec = DatasetSpec("gsm", "data/gsm.jsonl", n_prompts=6, shard_size=4, n_samples=4, temperature=1.0,
+    spec = GenerateEntry("gsm", "data/gsm.jsonl", n_prompts=6, shard_size=4, n_samples=4, temperature=1.0,
                        pass_k=(1, 2, 4))
     run, manifest = _run(tmp_path, spec)
     scores, answers = _samples(6, 4, seed=1)
@@ -101,7 +102,7 @@ def test_point_metrics_pass_at_k_maj_and_stderr_from_per_sample_results(tmp_path
 
 @pytest.mark.parametrize("shard_size", [1, 2, 5])
 def test_sharding_leaves_every_metric_unchanged(tmp_path: Path, shard_size: int) -> None:
-    spec = DatasetSpec("gsm", "data/gsm.jsonl", n_prompts=10, shard_size=10, n_samples=3, temperature=1.0,
+    spec = GenerateEntry("gsm", "data/gsm.jsonl", n_prompts=10, shard_size=10, n_samples=3, temperature=1.0,
                        pass_k=(1, 3))
     scores, answers = _samples(10, 3, seed=2)
     run, manifest = _run(tmp_path / "one", spec)
@@ -114,7 +115,7 @@ def test_sharding_leaves_every_metric_unchanged(tmp_path: Path, shard_size: int)
 
 def test_old_results_without_extracted_answers_derive_the_same_points(tmp_path: Path) -> None:
     """A result file as written before answers/grader_timeouts existed parses and derives the same point."""
-    spec = DatasetSpec("add", "data/add.jsonl", n_prompts=4, shard_size=2, n_samples=2, temperature=1.0,
+    spec = GenerateEntry("add", "data/add.jsonl", n_prompts=4, shard_size=2, n_samples=2, temperature=1.0,
                        pass_k=(2,))
     run, manifest = _run(tmp_path, spec)
     scores, answers = _samples(4, 2, seed=3)
@@ -137,8 +138,8 @@ def test_old_results_without_extracted_answers_derive_the_same_points(tmp_path: 
 
 
 def test_cadence_a_dataset_every_second_point_has_units_exactly_there(tmp_path: Path) -> None:
-    cheap = DatasetSpec("cheap", "data/cheap.jsonl", n_prompts=2, shard_size=2)
-    heavy = DatasetSpec("heavy", "data/heavy.jsonl", n_prompts=4, shard_size=2, every=20)
+    cheap = GenerateEntry("cheap", "data/cheap.jsonl", n_prompts=2, shard_size=2)
+    heavy = GenerateEntry("heavy", "data/heavy.jsonl", n_prompts=4, shard_size=2, every=20)
     run, manifest = _run(tmp_path, cheap, heavy)
     for step in (0, 10, 20, 30, 40):
         datasets = {u.dataset for u in units_for_step(manifest, step)}
@@ -162,10 +163,10 @@ def test_manifest_validates_the_new_dataset_fields(tmp_path: Path) -> None:
         obj["eval"]["datasets"][0].update(fields)
         return parse_manifest(obj, tmp_path / "run.json")
 
-    ds = parse(n_samples=4, pass_k=[1, 4], every=3, prompt_format="chat", system_prompt="be brief").eval.datasets[0]
+    ds = parse(n_samples=4, pass_k=[1, 4], every=3, prompt_format="chat", system_prompt="be brief").eval.entries[0]
     assert (ds.pass_k, ds.every, ds.prompt_format, ds.system_prompt) == ((1, 4), 3, "chat", "be brief")
-    assert parse().eval.datasets[0].prompt_format == "raw"  # old manifests: today's behaviour
-    assert parse(generate_timeout_s=60).eval.datasets[0].generate_timeout_s == 60.0
+    assert parse().eval.entries[0].prompt_format == "raw"  # old manifests: today's behaviour
+    assert parse(generate_timeout_s=60).eval.entries[0].generate_timeout_s == 60.0
     assert parse().to_json()["eval"]["datasets"][0]["generate_timeout_s"] is None  # unset: written as null
     assert parse_manifest(parse().to_json(), tmp_path / "run.json") == parse()  # and read back the same
     for bad, match in [({"pass_k": [2]}, "pass_k has k=2"), ({"n_samples": 2, "pass_k": [1, 1]}, "twice"),

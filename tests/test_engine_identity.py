@@ -170,11 +170,11 @@ def test_the_launch_refuses_an_attention_backend_sglang_refuses_in_deterministic
 
 
 def test_a_sampling_set_cannot_opt_out() -> None:
-    from ckpteval.coord.entries import DatasetSpec
+    from ckpteval.coord.entries.generate import GenerateEntry
     from ckpteval.coord.run.fields import FieldError
 
     with pytest.raises(FieldError, match="deterministic"):
-        DatasetSpec("s", "s.jsonl", 4, temperature=0.7, deterministic=False)
+        GenerateEntry("s", "s.jsonl", 4, temperature=0.7, deterministic=False)
 
 
 # -- the stand-in --------------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_the_worker_launches_sglang_deterministic_when_a_dataset_samples(tmp_pat
 
     manifest = make_eval_run(tmp_path).manifest()
     assert _settings(manifest, "sglang")["deterministic"] is True  # greedy sets too (#29)
-    sampled = replace(manifest.eval.datasets[0], temperature=0.6)
+    sampled = replace(manifest.eval.entries[0], temperature=0.6)
     manifest = replace(manifest, eval=replace(manifest.eval, entries=(sampled,)))
     assert _settings(manifest, "sglang")["deterministic"] is True
     assert "deterministic" not in _settings(manifest, "hf")

@@ -9,11 +9,14 @@ model running the kind's start check and its evaluation, the point derived by th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from ckpteval.coord.entries import KINDS, Kind
+from ckpteval.coord.entries.generate import GenerateEntry
+from ckpteval.coord.entries.lm_eval import LmEvalEntry
 from ckpteval.coord.results.files import ResultIndex
 from ckpteval.coord.results.points import derive_point, point_metrics
 from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, load_manifest, parse_manifest
@@ -22,9 +25,12 @@ from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE
+from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.trainer.config import DispatchConfig
+from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
 from tests.support import echo_kind
 from tests.support.echo_kind import EchoEntry
-from tests.support.workers import publish_model, run_inprocess, version
+from tests.support.workers import finish, make_eval_run, publish_model, run_inprocess, spawn, version
 
 ECHO = Kind("tests.support.echo_kind:EchoEntry", "tests.support.echo_kind:evaluate", "tests.support.echo_kind:check")
 
@@ -84,3 +90,31 @@ def test_a_kind_that_needs_an_engine_is_refused_an_fn_backend(tmp_path: Path, ec
     with pytest.raises(ValueError, match=r"has echo entries \['echo'\]: they need an engine"):
         run_inprocess(WorkerOptions(run_dir=run.path, engines=("fn:tests.support.workers:SumBackend",), once=True),
                       out=lambda _line: None)
+
+
+def test_a_cadence_error_names_the_entry_s_own_index_in_run_json(tmp_path: Path) -> None:
+    """#36: with an lm_eval entry first, the trainer's cadence check names the generate entry after it as
+    ``eval.datasets[1]`` (its place in run.json), not its place among the per-sample entries."""
+    run = RunDir.create(tmp_path / "run")
+    entries = (LmEvalEntry("harness", tasks=("t",)), GenerateEntry("g", "data/g.jsonl", n_prompts=1, every=3))
+    run = RunDir.create(run.path, RunManifest(run_id="cadence", eval=EvalSpec(entries=entries),
+                                              snapshot_roots=(str(run.snapshots),)))
+    with pytest.raises(ValueError, match=r"field eval.datasets\[1\].every is 3, not a multiple of the eval interval 2"):
+        EvalDispatcher.open(DispatchConfig(eval_interval=2), run, MetricsSink(run.metrics_path), None)
+
+
+@pytest.mark.parametrize(("entry", "says"), [
+    ({"name": "e", "kind": "env", "path": "data/e.jsonl", "n_prompts": 2, "env": "gues"},
+     r"eval.datasets\[0\].env 'gues' is not an environment \(did you mean 'guess'"),
+    ({"name": "d", "path": "data/d.jsonl", "n_prompts": 2, "scorer": "exakt"},
+     r"eval.datasets\[0\].scorer 'exakt' is not a scorer \(did you mean 'exact'"),
+])
+def test_status_checks_environment_names_as_it_checks_scorer_names(tmp_path: Path, entry: dict, says: str) -> None:
+    """#36: every program installs the registries' checks at start (not by what it happens to import), so
+    ``ckpteval status`` refuses a run.json naming an unknown environment as it does an unknown scorer."""
+    run = make_eval_run(tmp_path, n_prompts=2, shard_size=2)
+    obj = json.loads(run.manifest_path.read_text())
+    obj["eval"]["datasets"] = [entry]
+    run.manifest_path.write_text(json.dumps(obj))
+    code, out = finish(spawn("status", str(run.path)), timeout=120)
+    assert code != 0 and re.search(says, out), out

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
+from ckpteval.coord.entries.env import EnvEntry
 from ckpteval.coord.results.points import derive_point, point_metrics
 from ckpteval.coord.run.identity import run_key
-from ckpteval.coord.run.manifest import EnvSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.factory import make_engine
@@ -85,7 +86,7 @@ def env_run(tmp: Path, rows: list[dict[str, Any]], env: str = "arithmetic", leas
             **kw: Any) -> RunDir:
     run = RunDir.create(tmp / "run")
     write_jsonl(run.data / "arith.jsonl", rows)
-    spec = EnvSpec(name="arith", path="data/arith.jsonl", n_prompts=len(rows), env=env,
+    spec = EnvEntry(name="arith", path="data/arith.jsonl", n_prompts=len(rows), env=env,
                    **{"shard_size": len(rows), "max_turns": 3, "max_new_tokens": 32, **kw})
     manifest = RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),),
                            lease=lease or LeaseSettings(30.0, 5.0))
@@ -125,7 +126,7 @@ def test_env_entries_are_validated_where_run_json_is_parsed(tmp_path: Path) -> N
             {"name": "e", "kind": "env", "path": "e.jsonl", "n_prompts": 1, **entry}]}}
         return parse_manifest(obj, tmp_path / "run.json")
 
-    assert parse({"env": "guess", "env_options": {"efficiency": True}}).eval.datasets[0].max_turns == 4
+    assert parse({"env": "guess", "env_options": {"efficiency": True}}).eval.entries[0].max_turns == 4
     with pytest.raises(ValueError, match=r"datasets\[0\].env 'gues' is not an environment \(did you mean 'guess'"):
         parse({"env": "gues"})
     with pytest.raises(ValueError, match=r"env_options does not fit environment 'guess'"):
@@ -134,7 +135,7 @@ def test_env_entries_are_validated_where_run_json_is_parsed(tmp_path: Path) -> N
         parse({"env": "guess", "max_turns": 0})
     with pytest.raises(ValueError, match=r"max_turn is not a setting .*did you mean 'max_turns'"):
         parse({"env": "guess", "max_turn": 3})
-    spec = parse({"env": "tests.support.envs:FlakyToolEnv"}).eval.datasets[0]  # imported only after the trust check
+    spec = parse({"env": "tests.support.envs:FlakyToolEnv"}).eval.entries[0]  # imported only after the trust check
     assert spec.env == "tests.support.envs:FlakyToolEnv"
     manifest = parse({"env": "guess", "max_turns": 2})
     written = manifest.to_json()  # run.json keeps an env entry's kind (only the default kind is left out)
@@ -150,7 +151,7 @@ def test_example_env_sets_are_generated_and_their_configs_read(tmp_path: Path) -
     subprocess.run([PYTHON, str(copy / "generate.py")], check=True, capture_output=True, timeout=60)
     for name in ("arithmetic", "guess"):
         assert (copy / f"{name}.jsonl").read_bytes() == (REPO / f"examples/envs/{name}.jsonl").read_bytes()
-        (spec,) = read_eval_config(REPO / f"examples/envs/{name}.eval.json").spec.datasets
+        (spec,) = read_eval_config(REPO / f"examples/envs/{name}.eval.json").spec.entries
         assert (spec.kind, spec.env, spec.n_prompts) == ("env", name, 16)
 
 
@@ -337,7 +338,7 @@ def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(
 
     snapshot = tmp_path / "snap"
     save_tokenizer(snapshot, chat=True)
-    spec = EnvSpec(name="arith", path="a.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat")
+    spec = EnvEntry(name="arith", path="a.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat")
     ep = Episode(0, 0, ROWS[0], messages=[{"role": "user", "content": "What is 2+3?"},
                                           {"role": "assistant", "content": "<tool_call>...</tool_call>"},
                                           {"role": "tool", "content": "5"}], tools=[CALCULATOR])
@@ -345,7 +346,7 @@ def test_chat_episodes_render_with_the_snapshots_template_and_the_tools_schemas(
     want = tokenizer.apply_chat_template(ep.messages, tools=[CALCULATOR.schema()], tokenize=False,
                                          add_generation_prompt=True)
     assert Renderer(spec, str(snapshot))(ep) == want and "What is 2+3?" in want
-    raw = Renderer(EnvSpec(name="arith", path="a.jsonl", n_prompts=1, env="arithmetic"), None)(ep)
+    raw = Renderer(EnvEntry(name="arith", path="a.jsonl", n_prompts=1, env="arithmetic"), None)(ep)
     assert raw.endswith("user: What is 2+3?\nassistant: <tool_call>...</tool_call>\ntool: 5\nassistant:")
     assert '"name": "calculator"' in raw
 
@@ -365,7 +366,7 @@ def test_a_tokenizer_with_its_own_response_template_parses_its_tool_calls(tmp_pa
 
     run = RunDir.create(tmp_path / "run")
     write_jsonl(run.data / "arith.jsonl", ROWS[:1])
-    spec = EnvSpec(name="arith", path="data/arith.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
+    spec = EnvEntry(name="arith", path="data/arith.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
                    max_turns=3, max_new_tokens=32)
     run = RunDir.create(run.path, RunManifest(run_id="test-env", eval=EvalSpec(entries=(spec,)),
                                               snapshot_roots=(str(run.snapshots),), lease=LeaseSettings(30.0, 5.0)))
@@ -406,7 +407,7 @@ def test_pass_at_k_counts_an_episode_passed_from_its_entrys_pass_threshold() -> 
     rewards = [1.0, 0.5, 0.25, 0.0]  # e.g. guess with efficiency: 1/guesses
     result = ok_result(WorkUnit(1, "g", 0), rewards, ["k@1"] * 4)
     for threshold, want in ((1.0, 0.25), (0.5, 0.5), (0.25, 0.75)):
-        spec = EnvSpec(name="g", path="g.jsonl", n_prompts=1, env="guess", n_samples=4, pass_k=(1,),
+        spec = EnvEntry(name="g", path="g.jsonl", n_prompts=1, env="guess", n_samples=4, pass_k=(1,),
                        pass_threshold=threshold)
         score = dataset_score(spec, "k", 1, [result])
         assert (score.score, score.derived["pass@1"]) == (0.4375, want)

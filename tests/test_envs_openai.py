@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckpteval.coord.run.manifest import EnvSpec
+from ckpteval.coord.entries.env import EnvEntry
 from ckpteval.coord.snapshots.snapshot import publish_snapshot
 from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.factory import make_engine
@@ -29,7 +29,7 @@ from tests.support.workers import publish_model, version
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra ('.[test]')")
 
-SPEC = EnvSpec(name="chat", path="data/chat.jsonl", n_prompts=1, env="arithmetic", max_new_tokens=8, max_turns=3)
+SPEC = EnvEntry(name="chat", path="data/chat.jsonl", n_prompts=1, env="arithmetic", max_new_tokens=8, max_turns=3)
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "evaluate",
                                             "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
 
@@ -214,7 +214,7 @@ def test_a_verifiers_episode_reads_the_answer_and_a_turn_that_never_stops_thinki
 
 
 def test_the_endpoint_replies_with_the_answer_as_content_and_the_thoughts_as_reasoning_content(tmp_path: Path) -> None:
-    spec = EnvSpec(name="chat", path="data/chat.jsonl", n_prompts=1, env="arithmetic", max_new_tokens=8,
+    spec = EnvEntry(name="chat", path="data/chat.jsonl", n_prompts=1, env="arithmetic", max_new_tokens=8,
                    reasoning={"end": "</think>", "start": "<think>"})
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
     replies = {"a": "<think>ANSWER: 5</think>ANSWER: 4", "b": f"<think>{call}</think>no call", "c": ("<think>4 4 4", "length")}

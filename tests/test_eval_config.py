@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.run.manifest import DatasetSpec, load_manifest, parse_manifest, subset_rows
+from ckpteval.coord.entries.generate import GenerateEntry
+from ckpteval.coord.entries.rows import subset_rows
+from ckpteval.coord.run.manifest import load_manifest, parse_manifest
 from ckpteval.jobs.eval.engines.factory import normalize_spec, spec_kind
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_dataset
 from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config, read_eval_config
@@ -29,7 +31,7 @@ def _config(tmp: Path, rows: int = 10, **entry: object) -> Path:
 
 def test_n_prompts_is_filled_from_the_file_when_the_run_is_created(tmp_path: Path) -> None:
     run = create_run_from_config(tmp_path / "run", _config(tmp_path), (tmp_path / "ckpts",))
-    (spec,) = load_manifest(run.manifest_path).eval.datasets
+    (spec,) = load_manifest(run.manifest_path).eval.entries
     assert spec.n_prompts == 10 and spec.n_shards == 1
     assert json.loads(run.manifest_path.read_text())["eval"]["datasets"][0]["n_prompts"] == 10
     with pytest.raises(ValueError, match=r"file .*qa.jsonl has 10 rows, n_prompts says 12"):
@@ -38,7 +40,7 @@ def test_n_prompts_is_filled_from_the_file_when_the_run_is_created(tmp_path: Pat
 
 def test_a_subset_is_the_first_n_rows_or_a_seeded_sample_recorded_in_run_json(tmp_path: Path) -> None:
     first = create_run_from_config(tmp_path / "first", _config(tmp_path, subset=3), (tmp_path / "ckpts",))
-    (spec,) = first.manifest().eval.datasets
+    (spec,) = first.manifest().eval.entries
     assert (spec.n_prompts, spec.subset, spec.subset_seed) == (3, 3, None)
     assert [r["prompt"] for r in load_dataset(first, spec)] == ["0+1=", "1+1=", "2+1="]
 
@@ -46,7 +48,7 @@ def test_a_subset_is_the_first_n_rows_or_a_seeded_sample_recorded_in_run_json(tm
                                      (tmp_path / "ckpts",))
     on_disk = json.loads(sampled.manifest_path.read_text())["eval"]["datasets"][0]
     assert (on_disk["n_prompts"], on_disk["subset"], on_disk["subset_seed"]) == (4, 4, 7)
-    (spec,) = sampled.manifest().eval.datasets
+    (spec,) = sampled.manifest().eval.entries
     picked = subset_rows(10, spec)
     assert picked == sorted(picked) and len(set(picked)) == 4 and picked != [0, 1, 2, 3]
     assert [r["prompt"] for r in load_dataset(sampled, spec)] == [f"{i}+1=" for i in picked]
@@ -58,11 +60,11 @@ def test_a_subset_is_the_first_n_rows_or_a_seeded_sample_recorded_in_run_json(tm
 
 
 def test_dataset_defaults_are_declared_once_on_the_dataclass() -> None:
-    """The parser derives from DatasetSpec: an entry with only the required keys gets the dataclass's
+    """The parser derives from GenerateEntry: an entry with only the required keys gets the dataclass's
     defaults, field for field."""
     obj = {"run_id": "r", "snapshot_roots": [], "eval": {"datasets": [{"name": "d", "path": "p", "n_prompts": 1}]}}
-    (spec,) = parse_manifest(obj, Path("run.json")).eval.datasets
-    assert spec == DatasetSpec(name="d", path="p", n_prompts=1)
+    (spec,) = parse_manifest(obj, Path("run.json")).eval.entries
+    assert spec == GenerateEntry(name="d", path="p", n_prompts=1)
 
 
 @pytest.mark.parametrize("where, edit, key, close", [

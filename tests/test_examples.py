@@ -56,7 +56,7 @@ def test_example_code_set_has_both_test_formats_and_a_valid_config() -> None:
     """20 problems: assert-style (MBPP lists and HumanEval check/entry_point) and stdin/stdout cases;
     that their reference solutions pass is tests/test_code_scorer.py's."""
     config = read_eval_config(EXAMPLES / "evalsets" / "code.eval.json")
-    (spec,) = config.spec.datasets
+    (spec,) = config.spec.entries
     assert (spec.scorer, spec.n_prompts, spec.pass_k) == ("code", 20, (1, 4))
     rows = load_rows(EXAMPLES / "evalsets" / "code.jsonl", scorer_class("code"))
     assert sum(isinstance(r.get("tests"), list) for r in rows) >= 5
@@ -67,7 +67,7 @@ def test_example_code_set_has_both_test_formats_and_a_valid_config() -> None:
 @pytest.mark.parametrize("name", ["gsm8k_style.eval.json", "latex_answers.eval.json", "chat.eval.json"])
 def test_example_eval_configs_are_valid_eval_configs(name: str) -> None:
     config = read_eval_config(EXAMPLES / "evalsets" / name)
-    assert [d.n_prompts for d in config.spec.datasets] == [32]
+    assert [d.n_prompts for d in config.spec.entries] == [32]
     assert all(src.is_file() for src in config.sources.values())
 
 
@@ -78,7 +78,7 @@ def _demo_fit(config_name: str) -> str | None:
 
     tokenizer = build_tokenizer()
     config = read_eval_config(EXAMPLES / "evalsets" / config_name)
-    for spec in config.spec.datasets:
+    for spec in config.spec.entries:
         rows = load_rows(config.sources[spec.name])
         if spec.prompt_format == "chat":
             return "chat prompts need a chat template"
@@ -142,7 +142,7 @@ def test_trainer_eval_config_replaces_the_builtin_set_and_logs_every_dataset_and
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = RunDir.open(run_dir).manifest()
     assert manifest.run_id == "from-config" and manifest.lease.duration_s == 20
-    assert [d.name for d in manifest.eval.datasets] == ["gsm"]  # the built-in addition set is not there
+    assert [d.name for d in manifest.eval.entries] == ["gsm"]  # the built-in addition set is not there
     assert (run_dir / "data" / "gsm.jsonl").read_bytes() == (EXAMPLES / "evalsets" / "gsm8k_style.jsonl").read_bytes()
     points = {m["eval/step"]: m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/step" in m}
     assert sorted(points) == [0, 10, 20]  # step 0: the initial weights (on by default)

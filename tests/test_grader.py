@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
 from ckpteval.coord.results.points import derive_point, point_metrics
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
@@ -47,7 +48,7 @@ def test_math_verify_rejects_wrong_answers_and_extracts_nothing_from_prose() -> 
 def test_math_scorer_grades_in_the_pool_from_a_non_main_thread() -> None:
     """math-verify's own timeouts need the main thread; the pool works from the worker's unit thread."""
     out: dict[str, object] = {}
-    scorer = make_scorer(DatasetSpec("m", "m.jsonl", n_prompts=2, scorer="math"), ScorerContext(Path(".")))
+    scorer = make_scorer(GenerateEntry("m", "m.jsonl", n_prompts=2, scorer="math"), ScorerContext(Path(".")))
     samples = [Sample(r"\boxed{\frac{1}{2}}", {"answer": "0.5"}, ""), Sample("7", {"answer": "8"}, "")]
     thread = threading.Thread(target=lambda: out.update(r=scorer.score(samples)))
     thread.start()
@@ -71,7 +72,7 @@ def test_a_grader_timeout_neither_hangs_nor_crashes_and_the_rest_is_still_graded
 @pytest.mark.timeout(240)
 def test_grader_timeouts_are_counted_in_the_result_and_the_point(tmp_path: Path, tiny_snapshot: Path) -> None:
     """A unit whose gold answers blow up the grader still finishes: 0 for those, and the count is a metric."""
-    spec = DatasetSpec("mathy", "data/mathy.jsonl", n_prompts=3, shard_size=3, scorer="math", max_new_tokens=3,
+    spec = GenerateEntry("mathy", "data/mathy.jsonl", n_prompts=3, shard_size=3, scorer="math", max_new_tokens=3,
                        grader_timeout_s=2.0)
     manifest = RunManifest(run_id="g", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(tmp_path / "snaps"),),
                            lease=LeaseSettings(30.0, 5.0))

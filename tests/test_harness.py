@@ -13,16 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.entries.lm_eval import LmEvalEntry
 from ckpteval.coord.results.files import parse_result
 from ckpteval.coord.results.points import derive_point, point_metrics
-from ckpteval.coord.run.manifest import (
-    EvalSpec,
-    HarnessSpec,
-    LeaseSettings,
-    RunManifest,
-    load_manifest,
-    parse_manifest,
-)
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, load_manifest, parse_manifest
 from ckpteval.coord.run.rundir import RunDir, unit_dir
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.kinds.env.endpoint import reply_version
@@ -42,7 +36,7 @@ def harness_run(tmp: Path, **fields: object) -> RunDir:
 
     run = RunDir.create(tmp / "run")
     spec = write_addition_dataset(run, n=4, shard_size=4)
-    harness = HarnessSpec(name="harness", tasks=TASKS, include_path=str(TASK_DIR), include_defaults=False,
+    harness = LmEvalEntry(name="harness", tasks=TASKS, include_path=str(TASK_DIR), include_defaults=False,
                           batch_size=4, **fields)  # type: ignore[arg-type]
     manifest = RunManifest(
         run_id="harness-run",
@@ -260,8 +254,8 @@ def test_chat_template_kwargs_reach_lm_evals_chat_rendering_on_both_adapters(tmp
     save_thinking_tokenizer(thinking)
     tokenizer = AutoTokenizer.from_pretrained(thinking)
     chat = [{"role": "user", "content": "2+2?"}]
-    off = HarnessSpec(name="h", tasks=("t",), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False})
-    on = HarnessSpec(name="h", tasks=("t",), apply_chat_template=True)
+    off = LmEvalEntry(name="h", tasks=("t",), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False})
+    on = LmEvalEntry(name="h", tasks=("t",), apply_chat_template=True)
     want_off = render_chat(tokenizer, chat, "t", template_kwargs={"enable_thinking": False})
     assert want_off.endswith("<|assistant|><think>\n\n</think>\n\n")
     engine = HFEngine(device="cpu")
@@ -282,8 +276,8 @@ def test_a_harness_results_scorer_identity_tells_chat_template_kwargs_apart() ->
     from ckpteval.jobs.decide.scorers import scorer_difference
     from ckpteval.jobs.eval.kinds.lm_eval import identity
 
-    off = identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False}))
-    on = identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True))
+    off = identity(LmEvalEntry(name="h", tasks=("t",), apply_chat_template=True, chat_template_kwargs={"enable_thinking": False}))
+    on = identity(LmEvalEntry(name="h", tasks=("t",), apply_chat_template=True))
     assert off["chat_template_kwargs"] == {"enable_thinking": False} and on["chat_template_kwargs"] == {}
     assert "chat_template_kwargs" in (scorer_difference(on, off) or "")
-    assert scorer_difference(on, identity(HarnessSpec(name="h", tasks=("t",), apply_chat_template=True))) is None
+    assert scorer_difference(on, identity(LmEvalEntry(name="h", tasks=("t",), apply_chat_template=True))) is None

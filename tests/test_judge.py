@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.verdicts import VerdictCache, cache_key, publish_judge
-from ckpteval.coord.run.manifest import DatasetSpec
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerInfraError
 from ckpteval.jobs.eval.scorers.judge.scorer import JudgeOptions, JudgeScorer, RewardModelScorer, read_verdict
@@ -38,7 +38,7 @@ def stats(url: str) -> dict[str, int]:
 
 def scorer(tmp: Path, options: dict[str, Any], cls: type = JudgeScorer, **ctx: Any) -> JudgeScorer:
     run = RunDir.create(tmp / "run")
-    spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, scorer="judge",
+    spec = GenerateEntry(name="qa", path="data/qa.jsonl", n_prompts=4, scorer="judge",
                        scorer_options={"retries": 0, "timeout_s": 5.0, **options})
     return cls(spec, ScorerContext(run_dir=run.path, options=ctx))
 
@@ -211,7 +211,7 @@ def test_what_judged_goes_into_the_wandb_config(tmp_path: Path, monkeypatch: pyt
 
     for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(k, v)
-    spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=2, scorer="judge", shard_size=1)
+    spec = GenerateEntry(name="qa", path="data/qa.jsonl", n_prompts=2, scorer="judge", shard_size=1)
     manifest = RunManifest(run_id="judged", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
     ident = {"kind": "judge", "model": "judge-a", "template_sha256": "ab" * 32}
     results = {u: ok_result(u, [1.0], [f"{u.step}"], scorer=ident) for u in units_for_step(manifest, 0)}
@@ -262,7 +262,7 @@ def test_example_judge_configs_are_valid(name: str) -> None:
     from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 
     config = read_eval_config(Path(__file__).resolve().parents[1] / "examples" / "judge" / name)
-    assert [d.scorer for d in config.spec.datasets] == [name.split(".")[0].replace("judged", "judge")]
+    assert [d.scorer for d in config.spec.entries] == [name.split(".")[0].replace("judged", "judge")]
 
 
 def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact_judge: str) -> None:
@@ -275,7 +275,7 @@ def test_units_judged_by_two_judge_models_are_never_pooled(tmp_path: Path, exact
 
     other_url, other = start_judge("exact", tmp_path / "other.log", "--served-model-name", "judge-b")
     try:
-        spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
+        spec = GenerateEntry(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
         manifest = RunManifest(run_id="r", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
         results = {}
         for unit, url, pairs in zip(units_for_step(manifest, 0), (exact_judge, other_url), (PAIRS[:2], PAIRS[2:]),

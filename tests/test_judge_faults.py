@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ok_result, write_result
 from ckpteval.coord.results.points import derive_point, point_metrics
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, RunManifest
+from ckpteval.coord.run.manifest import EvalSpec, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.scorers import Sample, ScorerContext, ScorerCrashed, ScorerInfraError, score_samples
@@ -78,7 +79,7 @@ def judge_at(judge: str) -> Iterator[Any]:
 
 def scorer(tmp: Path, url: str, options: dict[str, Any], cls: type = JudgeScorer) -> JudgeScorer:
     run = RunDir(tmp / "run") if (tmp / "run" / "run.json").exists() else RunDir.create(tmp / "run")
-    spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, scorer=cls.name,
+    spec = GenerateEntry(name="qa", path="data/qa.jsonl", n_prompts=4, scorer=cls.name,
                        scorer_options={"retries": 0, "timeout_s": 5.0, "url": url, **options})
     return cls(spec, ScorerContext(run_dir=run.path))
 
@@ -286,7 +287,7 @@ def test_the_model_that_answered_is_recorded_and_a_moved_alias_is_never_pooled(t
     answered by another model than /v1/models lists counts ``judge_model_mismatch`` (``record``, the
     default) or is judge_failed (``skip``); units answered by different models are not pooled, and status
     says so."""
-    spec = DatasetSpec(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
+    spec = GenerateEntry(name="qa", path="data/qa.jsonl", n_prompts=4, shard_size=2, scorer="judge")
     manifest = RunManifest(run_id="r", eval=EvalSpec(entries=(spec,)), snapshot_roots=())
     results = {}
     for unit, answering, pairs in zip(units_for_step(manifest, 0), (None, "judge-a-2026-01-01"),

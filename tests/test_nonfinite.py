@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from ckpteval.coord.atomic import dumps, tag_nonfinite, untag_nonfinite, write_json_atomic
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ResultIndex, ok_result, parse_result, write_result
 from ckpteval.coord.results.summary import read_step_facts
 from ckpteval.coord.run.ledger import Ledger
-from ckpteval.coord.run.manifest import DatasetSpec
 from ckpteval.coord.run.rundir import STEP_SUMMARY, step_dir_name
 from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.fn import parse_output
@@ -61,7 +61,7 @@ def _samples(completions: list[str]) -> list[Sample]:
 def test_a_user_scorer_returning_a_non_finite_or_huge_score_is_its_units_crashed_skip(tmp_path: Path, value: str) -> None:
     """nan, ±inf, 1e308 (whose sum overflows to inf) and -1e16 (beyond ±1e15): the unit's ``crashed`` skip,
     naming the scorer and the sample, never a score; honest scores beside them (0.5, the bound) are kept."""
-    spec = DatasetSpec(name="d", path="data/d.jsonl", n_prompts=3, scorer="tests.test_nonfinite:hostile")
+    spec = GenerateEntry(name="d", path="data/d.jsonl", n_prompts=3, scorer="tests.test_nonfinite:hostile")
     scorer = make_scorer(spec, ScorerContext(run_dir=tmp_path))
     assert [s.score for s in score_samples(scorer, _samples(["0.5", "1e15", "-1e15"]))] == [0.5, 1e15, -1e15]
     with pytest.raises(ScorerCrashed, match=r"scorer 'tests.test_nonfinite:hostile' (raised|returned).*"

@@ -18,9 +18,10 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
 from ckpteval.coord.results.points import derive_point, point_metrics
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
 from ckpteval.coord.snapshots.snapshot import publish_snapshot
@@ -59,7 +60,7 @@ def chat_run(tmp: Path, chat_template: bool) -> tuple[RunDir, RunManifest, Path]
     """A run with one chat dataset and one published snapshot (step 3) with or without a chat template."""
     base = save_base_model_dir(tmp / "base")
     save_tokenizer(base, chat=chat_template)
-    spec = DatasetSpec("chat", "data/chat.jsonl", n_prompts=len(CHAT_ROWS), shard_size=2, max_new_tokens=4,
+    spec = GenerateEntry("chat", "data/chat.jsonl", n_prompts=len(CHAT_ROWS), shard_size=2, max_new_tokens=4,
                        prompt_format="chat", system_prompt="1")
     manifest = RunManifest(run_id="chat", eval=EvalSpec(entries=(spec,)),
                            snapshot_roots=(str(tmp / "run" / "snapshots"),), lease=LeaseSettings(30.0, 5.0))
@@ -220,7 +221,7 @@ def test_sharding_leaves_samples_and_every_metric_unchanged(tmp_path: Path, tiny
     metrics = []
     try:
         for shard_size in (6, 2):
-            spec = DatasetSpec("s", "data/s.jsonl", n_prompts=6, shard_size=shard_size, n_samples=4,
+            spec = GenerateEntry("s", "data/s.jsonl", n_prompts=6, shard_size=shard_size, n_samples=4,
                                temperature=1.5, max_new_tokens=3, pass_k=(1, 4),
                                scorer="tests.support.workers:digit_overlap")
             manifest = RunManifest(run_id="s", eval=EvalSpec(entries=(spec,)), lease=LeaseSettings(30.0, 5.0),

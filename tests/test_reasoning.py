@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from ckpteval.coord.entries import EnvSpec
+from ckpteval.coord.entries.env import EnvEntry
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ResultIndex
 from ckpteval.coord.results.points import derive_point, pass_at_k, pass_hat_k, point_metrics
 from ckpteval.coord.run.identity import run_key, weight_version
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import units_for_step
 from ckpteval.jobs.eval.engines.base import Generation
@@ -97,9 +98,9 @@ TRACES: dict[str, list] = {
 def reasoning_run(tmp: Path) -> tuple[RunDir, RunManifest]:
     sampled = dict(n_prompts=4, shard_size=2, n_samples=4, temperature=1.0, pass_k=(1, 2, 4), scorer="math",
                    max_new_tokens=64)
-    specs = (DatasetSpec("think", "data/q.jsonl", reasoning={"end": "</think>", "start": "<think>"},
+    specs = (GenerateEntry("think", "data/q.jsonl", reasoning={"end": "</think>", "start": "<think>"},
                          samples_per_unit=2, **sampled),
-             DatasetSpec("plain", "data/q.jsonl", **sampled))  # the same completions, scored whole
+             GenerateEntry("plain", "data/q.jsonl", **sampled))  # the same completions, scored whole
     manifest = RunManifest(run_id="think", eval=EvalSpec(entries=specs), created=1.0,
                            snapshot_roots=(str(tmp / "run" / "snapshots"),), lease=LeaseSettings(30.0, 5.0))
     run = RunDir.create(tmp / "run", manifest)
@@ -182,15 +183,15 @@ def test_chat_template_kwargs_reach_the_template_and_decide_where_reasoning_star
     snap = tmp_path / "snap"
     save_thinking_tokenizer(snap)
     rows = [{"prompt": "q", "answer": "42"}]
-    on = DatasetSpec("on", "d.jsonl", 1, prompt_format="chat")
-    off = DatasetSpec("off", "d.jsonl", 1, prompt_format="chat", chat_template_kwargs={"enable_thinking": False})
+    on = GenerateEntry("on", "d.jsonl", 1, prompt_format="chat")
+    off = GenerateEntry("off", "d.jsonl", 1, prompt_format="chat", chat_template_kwargs={"enable_thinking": False})
     (prompt_on,), (prompt_off,) = render_prompts(on, rows, str(snap)), render_prompts(off, rows, str(snap))
     assert prompt_on.endswith("<|assistant|><think>\n") and prompt_off.endswith("</think>\n\n")
     assert split_reasoning("42", THINK, prompt_on).answer is None
     assert split_reasoning("42", THINK, prompt_off).answer == "42"
     assert split_reasoning("41</think>42", THINK, prompt_on).answer == "42"
     # the multi-turn path (env episodes, and the pinned OpenAI endpoint, which renders through the same Renderer)
-    env = EnvSpec(name="e", path="e.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
+    env = EnvEntry(name="e", path="e.jsonl", n_prompts=1, env="arithmetic", prompt_format="chat",
                   chat_template_kwargs={"enable_thinking": False})
     episode = Episode(0, 0, {}, messages=[{"role": "user", "content": "q"}], tools=[])
     assert Renderer(env, str(snap))(episode) == prompt_off
@@ -215,7 +216,7 @@ def test_every_engine_reports_how_a_generation_stopped() -> None:
 def test_reasoning_end_tokenizer_reads_the_snapshot_tokenizers_own_pair(tmp_path: Path) -> None:
     """``{"end": "tokenizer"}``: the pair in the tokenizer's vocabulary; none, or an end that decoding drops
     (a special token), is a clear error naming the dataset and snapshot, never a silent no-strip."""
-    spec = DatasetSpec("d", "d.jsonl", 1, reasoning={"end": "tokenizer"})
+    spec = GenerateEntry("d", "d.jsonl", 1, reasoning={"end": "tokenizer"})
     plain, thinking, special = tmp_path / "plain", tmp_path / "thinking", tmp_path / "special"
     for path in (plain, thinking, special):
         save_tokenizer(path)

@@ -217,5 +217,5 @@ def test_submit_backfill_from_run_validates_on_dry_run_and_creates_the_new_run_b
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     assert submit.main(argv) == 0
     manifest = RunDir.open(new).manifest()  # the array tasks find run.json ready
-    assert manifest.trainer["steps"] == "0:40:20" and manifest.eval.datasets[0].name == "bench"
+    assert manifest.trainer["steps"] == "0:40:20" and manifest.eval.entries[0].name == "bench"
     assert fingerprint(old_run.path) == before

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
 from ckpteval.coord.results.points import derive_point, point_metrics
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest, parse_manifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
@@ -46,7 +47,7 @@ def length_scorer(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_the_run_json_parser_asks_the_registry(length_scorer: str) -> None:
     src = Path("run.json")
-    spec = parse_manifest(_manifest(scorer=length_scorer, scorer_options={"limit": 3}), src).eval.datasets[0]
+    spec = parse_manifest(_manifest(scorer=length_scorer, scorer_options={"limit": 3}), src).eval.entries[0]
     assert spec.scorer == "length" and spec.scorer_options == {"limit": 3}
     with pytest.raises(ValueError, match=r"eval.datasets\[0\].scorer 'exakt' is not a scorer \(did you mean 'exact'"):
         parse_manifest(_manifest(scorer="exakt"), src)
@@ -57,12 +58,12 @@ def test_the_run_json_parser_asks_the_registry(length_scorer: str) -> None:
     with pytest.raises(ValueError, match=r"scorer_options.x is not a setting of this scorer"):
         parse_manifest(_manifest(scorer="exact", scorer_options={"x": 1}), src)
     # a module:function is not imported when run.json is parsed (the trust check comes later)
-    assert parse_manifest(_manifest(scorer="no_such_module:f"), src).eval.datasets[0].scorer == "no_such_module:f"
+    assert parse_manifest(_manifest(scorer="no_such_module:f"), src).eval.entries[0].scorer == "no_such_module:f"
 
 
 def test_rows_keep_their_fields_and_the_scorer_s_needs_are_checked_at_load(tmp_path: Path, length_scorer: str) -> None:
     run = RunDir.create(tmp_path / "run")
-    spec = DatasetSpec("d", "data/d.jsonl", n_prompts=2, scorer=length_scorer)
+    spec = GenerateEntry("d", "data/d.jsonl", n_prompts=2, scorer=length_scorer)
     write_jsonl(run.data / "d.jsonl", [{"prompt": "a", "want_len": 1, "tests": ["t"]}, {"prompt": "b", "want_len": 2}])
     rows = load_dataset(run, spec)  # no "answer": this scorer does not need one
     assert rows[0] == {"prompt": "a", "want_len": 1, "tests": ["t"]}
@@ -71,11 +72,11 @@ def test_rows_keep_their_fields_and_the_scorer_s_needs_are_checked_at_load(tmp_p
         load_dataset(run, spec)
     write_jsonl(run.data / "d.jsonl", [{"prompt": "a", "answer": 1}, {"prompt": "b"}])
     with pytest.raises(ValueError, match=r"d\.jsonl:2: the row has no 'answer'"):
-        load_dataset(run, DatasetSpec("d", "data/d.jsonl", n_prompts=2))
+        load_dataset(run, GenerateEntry("d", "data/d.jsonl", n_prompts=2))
 
 
 def _length_run(tmp: Path, scorer: str, options: dict | None = None) -> tuple[RunDir, RunManifest]:
-    spec = DatasetSpec("len", "data/len.jsonl", n_prompts=4, shard_size=2, scorer=scorer, max_new_tokens=3,
+    spec = GenerateEntry("len", "data/len.jsonl", n_prompts=4, shard_size=2, scorer=scorer, max_new_tokens=3,
                        scorer_options=options or {})
     manifest = RunManifest(run_id="len", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(tmp / "snaps"),),
                            lease=LeaseSettings(30.0, 5.0))

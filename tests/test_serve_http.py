@@ -594,16 +594,16 @@ def test_the_lm_eval_path_sends_the_sglang_key_not_openais(
     """lm-eval's local-completions sends ``Bearer $OPENAI_API_KEY`` by default: a key-protected sglang
     answers 401. The harness passes the engine's own key (CKPTEVAL_SGLANG_API_KEY)."""
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
-    from ckpteval.coord.run.manifest import HarnessSpec
+    from ckpteval.coord.entries.lm_eval import LmEvalEntry
     from ckpteval.jobs.eval.kinds.lm_eval import completions_lm
 
     monkeypatch.setenv(API_KEY_ENV, "user-secret")
     monkeypatch.setenv("OPENAI_API_KEY", "an-openai-key")
     with in_process(tiny_snapshot, api_keys=("user-secret", None)) as (_, url):
-        lm = completions_lm(HTTPEngine(url), str(tiny_snapshot), HarnessSpec(name="h", tasks=("t",)))
+        lm = completions_lm(HTTPEngine(url), str(tiny_snapshot), LmEvalEntry(name="h", tasks=("t",)))
         body = {"model": str(tiny_snapshot), "prompt": "1+1=", "max_tokens": 2, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, headers=lm.header).status_code == 200
         monkeypatch.delenv(API_KEY_ENV)
-        keyless = completions_lm(HTTPEngine(url), str(tiny_snapshot), HarnessSpec(name="h", tasks=("t",)))
+        keyless = completions_lm(HTTPEngine(url), str(tiny_snapshot), LmEvalEntry(name="h", tasks=("t",)))
         assert "an-openai-key" not in str(keyless.header)  # never another service's key
         assert httpx.post(url + "/v1/completions", json=body, headers=keyless.header).status_code == 401

@@ -442,7 +442,7 @@ def test_a_sample_spanning_a_weight_update_fails_the_pin_and_counts_as_mixed(
 def _with_dataset(run: RunDir, **fields: Any) -> RunDir:
     """``run`` with its one dataset's settings changed (run.json rewritten, as a run is created)."""
     manifest = run.manifest()
-    datasets = tuple(replace(d, **fields) for d in manifest.eval.datasets)
+    datasets = tuple(replace(d, **fields) for d in manifest.eval.entries)
     return RunDir.create(run.path, replace(manifest, eval=replace(manifest.eval, entries=datasets)))
 
 

@@ -305,7 +305,7 @@ def test_lm_eval_addresses_the_adapter_and_tokenizes_with_the_base(stub: LoRAStu
     """sglang's OpenAI layer selects an adapter only from model="<base>:<adapter>" (serving_base.py
     _parse_model_parameter); the adapter dir has no tokenizer, the base has."""
     pytest.importorskip("lm_eval", reason="the harness extra (lm-eval) is not installed")
-    from ckpteval.coord.run.manifest import HarnessSpec
+    from ckpteval.coord.entries.lm_eval import LmEvalEntry
     from ckpteval.jobs.eval.kinds.lm_eval import completions_lm
     from tests.support.workers import base_dir
 
@@ -315,7 +315,7 @@ def test_lm_eval_addresses_the_adapter_and_tokenizes_with_the_base(stub: LoRAStu
     engine.load(str(step), "10")
     model, tokenizer = engine.lm_eval_model(str(step))
     assert (model, tokenizer) == (f"{stub.base}:{adapter_name('10', str(step))}", stub.base)
-    lm = completions_lm(engine, str(step), HarnessSpec(name="h", tasks=("t",)))
+    lm = completions_lm(engine, str(step), LmEvalEntry(name="h", tasks=("t",)))
     assert lm.model == model and lm.tokenizer is not None
     stub.base = "/not/here"  # an attached server whose base is not on this worker: one line, rejected
     with pytest.raises(UnservableAdapter, match="tokenizer") as caught:

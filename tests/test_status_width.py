@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import ok_result, write_result
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.snapshot import publish_snapshot
 from ckpteval.coord.work.units import units_for_step
@@ -26,7 +27,7 @@ RUN_ID = "grpo-qwen3-8b-math-lr3e-6-warmup-20261203-a"  # long, as real run ids 
 
 
 def _run(tmp_path: Path, run_id: str = RUN_ID, datasets: tuple[str, ...] = ("gsm8k_style", "math500")) -> RunDir:
-    specs = tuple(DatasetSpec(name=n, path=f"data/{n}.jsonl", n_prompts=4, shard_size=2) for n in datasets)
+    specs = tuple(GenerateEntry(name=n, path=f"data/{n}.jsonl", n_prompts=4, shard_size=2) for n in datasets)
     manifest = RunManifest(run_id=run_id, eval=EvalSpec(entries=specs),
                            snapshot_roots=(str(tmp_path / "a-rather-long-staging-root" / "snapshots"),),
                            lease=LeaseSettings(30.0, 5.0))

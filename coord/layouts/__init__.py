@@ -26,29 +26,31 @@ Adding a layout (a trainer not listed):
    ``signal`` and ``no_weights_hint`` (what to run when a finished save has no HF weights), ``locate``
    (entry -> :class:`~ckpteval.coord.layouts.base.Located`, ``complete=None`` only if the trainer gives no
    signal) and ``looks_like`` (true only for saves no other trainer writes).
-3. Add ``"<name>": "ckpteval.coord.layouts.<trainer>:<Class>"`` to :data:`LAYOUTS`.
+3. Add ``("<name>", "ckpteval.coord.layouts.<trainer>:<Class>")`` to :data:`LAYOUTS`.
 4. Add the trainer's exact tree to ``tests/test_layouts.py`` (``TREES``): written slowly and rotated.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 from pathlib import Path
 
 from ckpteval.coord.layouts.base import Layout, Located
+from ckpteval.coord.registry import Registry
 
 AUTO = "auto"
 FALLBACK = "plain"
-LAYOUTS: dict[str, str] = {
-    "plain": "ckpteval.coord.layouts.plain:PlainLayout",
-    "hf-trainer": "ckpteval.coord.layouts.hf_trainer:HFTrainerLayout",
-    "verl": "ckpteval.coord.layouts.verl:VerlLayout",
-    "openrlhf": "ckpteval.coord.layouts.openrlhf:OpenRLHFLayout",
-    "prime-rl": "ckpteval.coord.layouts.prime_rl:PrimeRLLayout",
-    "nemo-rl": "ckpteval.coord.layouts.nemo_rl:NemoRLLayout",
-    "miles": "ckpteval.coord.layouts.miles:MilesLayout",
-}
-_LOADED: dict[str, Layout] = {}
+LAYOUTS: Registry[str] = Registry(
+    "a layout",
+    ("plain", "ckpteval.coord.layouts.plain:PlainLayout"),
+    ("hf-trainer", "ckpteval.coord.layouts.hf_trainer:HFTrainerLayout"),
+    ("verl", "ckpteval.coord.layouts.verl:VerlLayout"),
+    ("openrlhf", "ckpteval.coord.layouts.openrlhf:OpenRLHFLayout"),
+    ("prime-rl", "ckpteval.coord.layouts.prime_rl:PrimeRLLayout"),
+    ("nemo-rl", "ckpteval.coord.layouts.nemo_rl:NemoRLLayout"),
+    ("miles", "ckpteval.coord.layouts.miles:MilesLayout"),
+    unknown="--layout {name!r}: unknown; expected one of " + AUTO + ", {known} ({hint}see --help)",
+)
 
 
 def layout_choices() -> tuple[str, ...]:
@@ -56,14 +58,10 @@ def layout_choices() -> tuple[str, ...]:
     return (AUTO, *LAYOUTS)
 
 
+@functools.cache
 def get_layout(name: str) -> Layout:
     """The layout registered as ``name`` (imported on first use); ValueError names the known ones."""
-    if name not in LAYOUTS:
-        raise ValueError(f"--layout {name!r}: unknown; expected one of {', '.join(layout_choices())}")
-    if name not in _LOADED:
-        module, cls = LAYOUTS[name].split(":")
-        _LOADED[name] = getattr(importlib.import_module(module), cls)()
-    return _LOADED[name]
+    return LAYOUTS.load(name)()  # type: ignore[no-any-return]
 
 
 def detect_layouts(root: Path) -> list[str]:

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ckpteval.coord.entries import DatasetSpec, Entry
+from ckpteval.coord.entries import Entry, SamplesEntry, scored_per_sample
 from ckpteval.coord.results.engine_identity import differing_fields, parse_identity
 from ckpteval.coord.results.files import Result, skip_result
 from ckpteval.coord.run.identity import run_key, version_matches, version_runs, version_step
@@ -144,7 +144,7 @@ class PromptMajor:
     answers: list[str | None] | None  # None: some unit carries no answers (results from before them)
 
 
-def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
+def prompt_major(spec: SamplesEntry, units: list[Result]) -> PromptMajor:
     """The samples of a dataset's unit results (in :meth:`~ckpteval.coord.entries.Entry.units` order) pooled per
     prompt across the units of a shard's sample ranges (``samples_per_unit``); unsplit: concatenated."""
     with_answers = all(len(r.answers) == len(r.scores) for r in units)
@@ -164,7 +164,7 @@ def prompt_major(spec: DatasetSpec, units: list[Result]) -> PromptMajor:
     return out
 
 
-def dataset_score(spec: DatasetSpec, key: str, step: int, shards: list[Result]) -> DatasetScore:
+def dataset_score(spec: SamplesEntry, key: str, step: int, shards: list[Result]) -> DatasetScore:
     """Every metric of one dataset at one step from its units' results (in :meth:`~ckpteval.coord.entries.Entry.units`
     order), pooled per prompt (:func:`prompt_major`)."""
     pooled = prompt_major(spec, shards)
@@ -301,7 +301,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         if not entry.due(step):
             continue
         mine = [results.get(u) for u in entry.units(step)]
-        if entry.POINT_RULE == "metrics":
+        if not scored_per_sample(entry):
             metrics.update(unit_metrics(entry, key, step, mine))
         elif all(r is not None and r.ok for r in mine):
             if not scorers_agree(mine):  # type: ignore[arg-type]
@@ -344,7 +344,7 @@ def replay_facts(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
     if not settings.due(step):
         return out
     for entry in manifest.eval.entries:
-        if not entry.due(step) or entry.POINT_RULE != "samples":
+        if not entry.due(step) or not scored_per_sample(entry):
             continue
         own = _prompt_means(entry, [results.get(u) for u in entry.units(step)])
         if own is None:
@@ -361,7 +361,7 @@ def replay_facts(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
     return out
 
 
-def _prompt_means(spec: Entry, results: list[Result | None]) -> list[float] | None:
+def _prompt_means(spec: SamplesEntry, results: list[Result | None]) -> list[float] | None:
     """Per-prompt mean scores of one evaluation of a dataset (None unless every unit has an ok result)."""
     if not results or any(r is None or not r.ok for r in results):
         return None

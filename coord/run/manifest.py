@@ -13,37 +13,33 @@ an unknown key of a dataset entry (``temprature``) is refused naming the closest
 entry setting and its default is declared once, on its kind's settings dataclass
 (:mod:`ckpteval.coord.entries`); the parser (:func:`ckpteval.coord.run.fields.parse_dataclass`) derives from them.
 
-Scorers: coord knows no scorer (it imports nothing from ``jobs/``). The scorer registry
-(:mod:`ckpteval.jobs.eval.scorers`) installs a pure function with :func:`set_scorer_check` when it is imported
-(``import jobs`` imports it, so every ckpteval program has it before it reads a run.json); the parser
-calls it with a dataset's ``scorer`` name and its ``scorer_options`` block, so a scorer added to the
-registry is accepted — and its settings validated, unknown keys refused — wherever run.json is parsed.
-Limits: a process that imports only ``coord`` (no ``jobs``) checks scorer names and options
-structurally only (a non-empty name, an object); the manifest is written once at run creation;
-changing it under running workers is not detected (workers read it at start).
+Registry checks: coord knows no scorer and no environment (it imports nothing from ``jobs/``). A program installs
+their checks at start (:func:`install_checks`; every ckpteval program does, through
+:func:`ckpteval.jobs.eval.kinds.evaluate.install_checks`); the parser then calls the check of each name field an
+entry's kind lists (``CHECKED``: ``scorer``, ``env``) with the name and its options block.
+Limits: a process that installs no checks validates those names structurally only (a non-empty name, an
+object); the manifest is written once at run creation; changing it under running workers is not detected.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckpteval.coord import PROTOCOL_VERSION
 from ckpteval.coord.atomic import read_json_object, write_json_atomic
-from ckpteval.coord.entries import KINDS, DatasetSpec, Entry, EnvSpec, HarnessSpec, entry_class, subset_rows
+from ckpteval.coord.entries import Entry, entry_class
 from ckpteval.coord.results.replays import ReplaySettings
 from ckpteval.coord.run.fields import NAME_RE, FieldError, Fields, parse_dataclass
 
 CANARY_ON_FAIL = ("skip", "flag")
 
-# Their home is coord.entries / coord.fields; readers import them from here too.
-__all__ = ["DatasetSpec", "Entry", "EnvSpec", "HarnessSpec", "FieldError", "Fields", "parse_dataclass", "subset_rows"]
+__all__ = ["Entry", "FieldError", "Fields", "parse_dataclass"]  # their home is coord.entries / coord.run.fields
 
 
 @dataclass(frozen=True)
@@ -94,11 +90,6 @@ class EvalSpec:
     canary: CanarySettings = CanarySettings()
     replay: ReplaySettings = ReplaySettings()  # ``eval.replay``: steps evaluated again (ckpteval.coord.results.replays)
 
-    @property
-    def datasets(self) -> tuple[DatasetSpec, ...]:
-        """The entries scored per sample (point rule ``samples``: JSONL rows, per-sample scores), in order."""
-        return tuple(e for e in self.entries if e.POINT_RULE == "samples")  # type: ignore[misc]
-
 
 @dataclass(frozen=True)
 class RunManifest:
@@ -123,39 +114,28 @@ class RunManifest:
         return obj
 
 
-# -- the registries' hooks (coord knows no scorer and no environment; see the module docstring) -----------
-ScorerCheck = Callable[[str, Fields], None]
-_checks: dict[str, ScorerCheck] = {}  # an entry's name field ("scorer", "env") -> its registry's check
+# -- the registries' checks (coord knows no scorer and no environment; see the module docstring) ----------
+NameCheck = Callable[[str, Fields], None]
+_checks: dict[str, NameCheck] = {}  # an entry's name field ("scorer", "env") -> its registry's check
 
 
-def set_scorer_check(check: ScorerCheck) -> None:
-    """Install the scorer registry's check of a dataset's ``scorer`` and ``scorer_options``
-    (``check(name, options_fields)`` raises ValueError). :mod:`ckpteval.jobs.eval.scorers` installs its own when
-    it is imported (``import jobs`` does that)."""
-    _checks["scorer"] = check
-
-
-def set_env_check(check: ScorerCheck) -> None:
-    """Install the environment registry's check of an ``env`` entry's ``env`` name and ``env_options``
-    (:mod:`ckpteval.jobs.eval.kinds.env` installs it when imported, as the scorer registry does its own)."""
-    _checks["env"] = check
+def install_checks(checks: Mapping[str, NameCheck]) -> None:
+    """Install registries' checks of the names entries carry: ``{name field: check(name, options_fields)}``,
+    each raising ValueError (:func:`ckpteval.jobs.eval.kinds.evaluate.install_checks` installs jobs' own)."""
+    _checks.update(checks)
 
 
 def parse_entry(f: Fields) -> Entry:
-    """One entry of ``eval.datasets``, validated by its kind's settings class and the registry hooks it names."""
+    """One entry of ``eval.datasets``, validated by its kind's settings class and the registry checks it names."""
     kind = f.get("kind", str, "generate")
-    if kind not in KINDS:
-        close = difflib.get_close_matches(kind, list(KINDS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise f.error("kind", f"{kind!r} must be one of {', '.join(KINDS)} ({hint}default generate)")
-    cls = entry_class(kind)
-    spec = parse_dataclass(f, cls, what=f"a dataset of kind {kind!r}")
-    for name_field, options_field in cls.CHECKED:
-        if name_field in _checks:
-            try:
+    try:
+        cls = entry_class(kind)
+        spec = parse_dataclass(f, cls, what=f"a dataset of kind {kind!r}")
+        for name_field, options_field in cls.CHECKED:
+            if name_field in _checks:
                 _checks[name_field](getattr(spec, name_field), f.sub(options_field, {}))
-            except FieldError as e:  # the registry's verdict on the name itself (key "scorer")
-                raise f.error(e.key, e.why) from None
+    except FieldError as e:  # a registry's verdict on a name (key "kind", "scorer", "env")
+        raise f.error(e.key, e.why) from None
     return spec  # type: ignore[no-any-return]
 
 

@@ -8,7 +8,8 @@ the entries due at it; an entry that is not due has none there (it is not skippe
 
 from __future__ import annotations
 
-from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.entries import SamplesEntry, scored_per_sample
+from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.work.workunit import WorkUnit
 
 
@@ -27,7 +28,7 @@ def replay_units(manifest: RunManifest, step: int) -> list[WorkUnit]:
     if not settings.due(step):
         return []
     return [u.as_replay(k) for k in range(1, settings.copies + 1)
-            for e in manifest.eval.entries if e.due(step) and e.POINT_RULE == "samples" for u in e.units(step)]
+            for e in manifest.eval.entries if e.due(step) and scored_per_sample(e) for u in e.units(step)]
 
 
 def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
@@ -35,7 +36,7 @@ def shard_range(manifest: RunManifest, unit: WorkUnit) -> range:
     return prompt_range(manifest.entry(unit.dataset), unit.shard)
 
 
-def prompt_range(ds: DatasetSpec, shard: int) -> range:
+def prompt_range(ds: SamplesEntry, shard: int) -> range:
     """The prompt indices of shard ``shard`` of ``ds``."""
     start = shard * ds.shard_size
     return range(start, min(start + ds.shard_size, ds.n_prompts))

@@ -3,7 +3,7 @@
 A metric name is ``eval/<ds>`` (mean over the prompt's samples), ``eval/<ds>/pass@k`` (the unbiased
 pass@k of each prompt), ``eval/<ds>/pass^k`` (the unbiased pass^k of each prompt, C(c, k) / C(n, k):
 :func:`ckpteval.coord.results.points.pass_hat_k`; logged for each k > 1 of ``pass_k``) or ``eval/<ds>/maj@n`` (majority
-vote), the same per-prompt quantities whose average is the logged point (:func:`ckpteval.coord.results.files.dataset_score`). Prompts are the dataset's rows in
+vote), the same per-prompt quantities whose average is the logged point (:func:`ckpteval.coord.results.points.dataset_score`). Prompts are the dataset's rows in
 order; shard results are concatenated in shard order, so index ``i`` is the same prompt at every step.
 
 Guarantee: a step is used only when its point has this dataset (every shard an ok result of this
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ckpteval.coord.entries import scored_per_sample
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.points import (
     correct,
     derive_point,
@@ -31,7 +33,7 @@ from ckpteval.coord.results.points import (
 )
 from ckpteval.coord.results.scorings import scoring_results
 from ckpteval.coord.run.identity import run_key, version_matches
-from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import RunDir
 
 
@@ -49,13 +51,18 @@ class Metric:
         return f"eval/{self.dataset}" + suffix[self.kind]
 
 
+def default_metric(manifest: RunManifest) -> str:
+    """What ``--metric`` defaults to: ``eval/<the first entry scored per sample>``."""
+    return f"eval/{[e for e in manifest.eval.entries if scored_per_sample(e)][0].name}"
+
+
 def parse_metric(text: str, manifest: RunManifest) -> Metric:
     """``eval/<ds>[/pass@k|/pass^k|/maj@n]`` checked against the run's datasets; ValueError names what is wrong."""
     parts = text.split("/")
     if parts[0] != "eval" or len(parts) not in (2, 3):
         raise ValueError(f"--metric {text!r}: expected eval/<dataset>, eval/<dataset>/pass@k, eval/<dataset>/pass^k "
                          "or eval/<dataset>/maj@n")
-    names = [d.name for d in manifest.eval.datasets]
+    names = [d.name for d in manifest.eval.entries if scored_per_sample(d)]
     if parts[1] not in names:
         raise ValueError(f"--metric {text!r}: no dataset {parts[1]!r} in this run (datasets: {', '.join(names)})")
     spec = manifest.entry(parts[1])
@@ -141,7 +148,7 @@ class RunValues:
         return pairs
 
 
-def _data_digest(run: RunDir, spec: DatasetSpec) -> str:
+def _data_digest(run: RunDir, spec: GenerateEntry) -> str:
     try:
         return hashlib.sha256(run.resolve_data_path(spec.path).read_bytes()).hexdigest()
     except FileNotFoundError:

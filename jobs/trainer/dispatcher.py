@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ckpteval.coord.entries import scored_per_sample
 from ckpteval.coord.results.conditions import Condition, parse_condition, point_value, top_steps
 from ckpteval.coord.results.files import Result, ResultIndex, write_point_skip
 from ckpteval.coord.results.points import Point, derive_point, point_metrics
@@ -60,7 +61,7 @@ def _snapshot_root(config: DispatchConfig, run: RunDir, manifest: RunManifest, k
 
 def _check_cadence(config: DispatchConfig, run: RunDir, manifest: RunManifest) -> None:
     interval = config.eval_interval or 1
-    for i, ds in enumerate(manifest.eval.datasets):
+    for i, ds in enumerate(manifest.eval.entries):  # i: the entry's index in run.json's eval.datasets
         if ds.every > 1 and ds.every % interval:
             raise ValueError(
                 f"{run.manifest_path}: field eval.datasets[{i}].every is {ds.every}, not a multiple of "
@@ -379,7 +380,7 @@ class EvalDispatcher:
         """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""
         if self.config.keep_best < 1:
             return set()
-        metric = self.config.best_metric or f"eval/{self.manifest.eval.datasets[0].name}"
+        metric = self.config.best_metric or f"eval/{[e for e in self.manifest.eval.entries if scored_per_sample(e)][0].name}"
         results = self.index.refresh(only_steps=self.ledger.state.retired - set(self._ranked))
         for step in self.ledger.state.retired - set(self._ranked):
             self._ranked[step] = point_value(self.manifest, results, step, metric)

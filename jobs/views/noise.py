@@ -33,7 +33,7 @@ def noise_status(run: RunDir, points: list[dict[str, Any]]) -> dict[str, Any]:
         for name in p.get("datasets") or {}:
             newest[name] = max(newest.get(name, p["step"]), p["step"])
     replayed = {p["step"] for p in points if manifest.eval.replay.due(p["step"])}
-    wanted = [d.name for d in manifest.eval.datasets if d.name in newest]
+    wanted = [d.name for d in manifest.eval.entries if d.name in newest]  # newest: per-sample entries
     out: dict[str, Any] = {"datasets": {}, "replay_share": replay_share(points)}
     if not wanted:
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ckpteval.coord.entries import EngineNeed, PointRule
 from ckpteval.coord.run.fields import NAME_RE, FieldError
 from ckpteval.coord.work.workunit import WorkUnit
 from ckpteval.jobs.eval.engines.base import SamplingParams
@@ -38,8 +39,8 @@ class EchoEntry:
     """Due at steps that are multiples of it."""
 
     KIND: ClassVar[str] = "echo"
-    POINT_RULE: ClassVar[str] = "samples"
-    ENGINES: ClassVar[str] = "generating"
+    POINT_RULE: ClassVar[PointRule] = PointRule.SAMPLES
+    ENGINES: ClassVar[EngineNeed] = EngineNeed.GENERATING
     CHECKED: ClassVar[tuple[tuple[str, str], ...]] = ()
     shard_size: ClassVar[int] = 1
     n_samples: ClassVar[int] = 1

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckpteval.coord.run.manifest import DatasetSpec, EvalSpec, LeaseSettings, RunManifest
+from ckpteval.coord.entries.generate import GenerateEntry
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 
 
 def make_run(tmp: Path, n_prompts: int = 10, shard_size: int = 5, lease: LeaseSettings | None = None,
              datasets: tuple[str, ...] = ("add",)) -> RunDir:
-    specs = tuple(DatasetSpec(name=n, path=f"data/{n}.jsonl", n_prompts=n_prompts, shard_size=shard_size)
+    specs = tuple(GenerateEntry(name=n, path=f"data/{n}.jsonl", n_prompts=n_prompts, shard_size=shard_size)
                   for n in datasets)
     manifest = RunManifest(
         run_id="test-run",

@@ -18,8 +18,8 @@ Specs (what ``--engine`` accepts) are ``KIND`` or ``KIND:ARG``, ``KIND`` a name 
 
 Adding an engine: write ``jobs/eval/engines/<name>.py`` with a class implementing
 :class:`~ckpteval.jobs.eval.engines.base.Engine` (import-light at module level), then add one line to
-:data:`ENGINES`: ``"<name>": EngineKind("ckpteval.jobs.eval.engines.<name>:MyEngine", arg=..., device=...,
-lora=...)``. Nothing else: ``--engine <name>`` is parsed, checked, built, pooled and pinned from there
+:data:`ENGINES`: ``("<name>", EngineKind("ckpteval.jobs.eval.engines.<name>:MyEngine", arg=..., device=...,
+lora=...))``. Nothing else: ``--engine <name>`` is parsed, checked, built, pooled and pinned from there
 (an engine that subclasses :class:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine` also runs lm-eval tasks).
 
 Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
@@ -42,8 +42,6 @@ load beyond an even split of each call's prompts.
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import importlib.util
 import os
 import threading
@@ -52,6 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpteval.coord.registry import Registry
 from ckpteval.jobs.eval.engines.base import Engine, EngineError, Generation, SamplingParams, gpu_count
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn
 
@@ -82,18 +81,19 @@ class EngineKind:
     honours per-sample seeds only then."""
 
 
-ENGINES: dict[str, EngineKind] = {
-    "hf": EngineKind("ckpteval.jobs.eval.engines.hf.engine:HFEngine", device=True, check_device=True, lora="ckpteval.jobs.eval.engines.hf.lora:HFLoRAEngine"),
-    "http": EngineKind("ckpteval.jobs.eval.engines.http.engine:HTTPEngine", arg="URL", lora="ckpteval.jobs.eval.engines.sglang.lora:HTTPLoRAEngine",
-                       lora_takes_base=False),
-    "sglang": EngineKind("ckpteval.jobs.eval.engines.sglang.engine:SGLangEngine", device=True,
-                         lora="ckpteval.jobs.eval.engines.sglang.lora:SGLangLoRAEngine", deterministic_mode=True),
-    "fn": EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True),
-}
-KINDS = tuple(ENGINES)
-
-
 AUTO = "auto"
+ENGINES: Registry[EngineKind] = Registry(
+    "an engine kind",
+    ("hf", EngineKind("ckpteval.jobs.eval.engines.hf.engine:HFEngine", device=True, check_device=True,
+                      lora="ckpteval.jobs.eval.engines.hf.lora:HFLoRAEngine")),
+    ("http", EngineKind("ckpteval.jobs.eval.engines.http.engine:HTTPEngine", arg="URL",
+                        lora="ckpteval.jobs.eval.engines.sglang.lora:HTTPLoRAEngine", lora_takes_base=False)),
+    ("sglang", EngineKind("ckpteval.jobs.eval.engines.sglang.engine:SGLangEngine", device=True,
+                          lora="ckpteval.jobs.eval.engines.sglang.lora:SGLangLoRAEngine", deterministic_mode=True)),
+    ("vllm", EngineKind("ckpteval.jobs.eval.engines.vllm.engine:VLLMEngine")),  # attach: eval.engine.vllm.url
+    ("fn", EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True)),
+    unknown="unknown kind {name!r} ({hint}known: {known} or " + AUTO + ")",
+)
 
 
 def resolve_auto(device: str, env: Mapping[str, str] | None = None) -> str:
@@ -141,9 +141,7 @@ def spec_kind(spec: str) -> str:
         return AUTO
     kind, _, rest = normalize_spec(spec).partition(":")
     if kind not in ENGINES:
-        close = difflib.get_close_matches(kind, [*ENGINES, AUTO], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"--engine {spec!r}: unknown kind {kind!r}{hint}; expected {_forms()}")
+        raise ValueError(f"--engine {spec!r}: {ENGINES.refusal(kind, also=(AUTO,))}; expected {_forms()}")
     arg = ENGINES[kind].arg
     if arg and not rest:
         raise ValueError(f"--engine {spec!r}: {kind} needs a {arg} after ':'")
@@ -182,11 +180,6 @@ def check_device(device: str) -> None:
             raise EngineError(f"--device {device}: this machine has {count} usable CUDA device(s)")
 
 
-def _load(target: str) -> Callable[..., Any]:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
-
-
 def make_engine(
     spec: str, device: str, extra: dict[str, Any], base_model: str | None = None
 ) -> Engine | CheckpointEvalFn:
@@ -199,7 +192,7 @@ def make_engine(
     kind = ENGINES[spec_kind(spec)]
     rest = spec.partition(":")[2]
     if kind.unit_backend:
-        return _load(kind.target)(rest, extra)  # type: ignore[no-any-return]
+        return ENGINES.load(spec, kind.target)(rest, extra)  # type: ignore[no-any-return]
     target, kwargs = kind.target, dict(extra)
     if base_model is not None:
         if kind.lora is None:
@@ -211,7 +204,7 @@ def make_engine(
         check_device(str(kwargs.get("device", device)))
     if kind.device:
         kwargs = {"device": device, **kwargs}
-    return _construct(spec, _load(target), *([rest] if kind.arg else []), **kwargs)  # type: ignore[no-any-return]
+    return _construct(spec, ENGINES.load(spec, target), *([rest] if kind.arg else []), **kwargs)  # type: ignore[no-any-return]
 
 
 def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:

@@ -18,7 +18,7 @@ backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
       {"run_id": str, "step": int, "weight_version": str,          # str(step): stamp it on samples
        "unit": {"step", "dataset", "shard"[, "samples"]}, "unit_id": str,
        "dataset": {name, path, n_prompts, scorer, shard_size, n_samples, max_new_tokens,
-                   temperature, top_p, top_k, seed, samples_per_unit},  # run.json's DatasetSpec
+                   temperature, top_p, top_k, seed, samples_per_unit},  # run.json's GenerateEntry
        "samples": [start, stop],                                  # the sample indices of each row to
                                                                  #   generate: [0, n_samples) unless the
                                                                  #   set splits samples (samples_per_unit)
@@ -65,8 +65,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.files import SCORE_BOUND
-from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.work.units import WorkUnit
 
 
@@ -136,7 +137,7 @@ def make_fn_backend(path: str, extra: dict[str, Any]) -> CheckpointEvalFn:
 
 def build_input(
     manifest: RunManifest,
-    spec: DatasetSpec,
+    spec: GenerateEntry,
     unit: WorkUnit,
     rows: list[dict[str, Any]],
     prompts: list[str] | None = None,

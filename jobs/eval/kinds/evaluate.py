@@ -19,8 +19,8 @@ run at worker start), and one line in :data:`ckpteval.coord.entries.KINDS` namin
 (a library's task, a scorer) raises anything: wrap it with :func:`user_code` so its failure is the unit's
 ``crashed`` skip at once, never the engine's.
 
-Limits: a kind's point is one of the two rules of :mod:`ckpteval.coord.results.files` (its ``POINT_RULE``): per-sample
-scores (``samples``: ``generate``, ``env``) or per-unit metrics (``metrics``: ``lm_eval``).
+Limits: a kind's point is one of the two rules of :mod:`ckpteval.coord.results.points` (its ``POINT_RULE``): per-sample
+scores (``SAMPLES``: ``generate``, ``env``) or per-unit metrics (``METRICS``: ``lm_eval``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpteval.coord.entries import KINDS, load_target
+from ckpteval.coord.entries import KINDS
 from ckpteval.coord.results.files import Result, harness_result, ok_result
+from ckpteval.coord.run.manifest import install_checks as install_parser_checks
 from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import EngineError
-from ckpteval.jobs.eval.scorers import last_line
+from ckpteval.jobs.eval.scorers import check_scorer, last_line
 from ckpteval.jobs.eval.skips import WorkerSkip
 
 
@@ -67,14 +68,23 @@ class UserCodeFailed(WorkerSkip):
 def evaluate_pinned(engine: Any, cache: Any, unit: WorkUnit, snapshot: str, want: str) -> Evaluation:
     """Evaluate ``unit`` on ``engine`` (pinned to version ``want``) by its entry's kind (``KINDS[kind].evaluate``)."""
     spec = cache.manifest.entry(unit.dataset)
-    return load_target(KINDS[spec.kind].evaluate)(engine, cache, spec, unit, snapshot, want)  # type: ignore[no-any-return]
+    return KINDS.load(spec.kind, KINDS[spec.kind].evaluate)(engine, cache, spec, unit, snapshot, want)  # type: ignore[no-any-return]
 
 
 def check_entries(cache: Any) -> None:
     """At worker (or shared-posture) start: every entry's kind check (rows, scorer, library), if it has one."""
     for spec in cache.manifest.eval.entries:
         if KINDS[spec.kind].check:
-            load_target(KINDS[spec.kind].check)(cache, spec)
+            KINDS.load(spec.kind, KINDS[spec.kind].check)(cache, spec)
+
+
+def install_checks() -> None:
+    """Install the scorer and environment registries' checks into the run.json parser
+    (:func:`ckpteval.coord.run.manifest.install_checks`). Every ckpteval program calls it at start (the ``ckpteval``
+    command, the trainer library's :func:`~ckpteval.jobs.trainer.session.prepare_eval_run` and ``open_dispatcher``)."""
+    from ckpteval.jobs.eval.kinds.env import check_env
+
+    install_parser_checks({"scorer": check_scorer, "env": check_env})
 
 
 def unit_result(unit: WorkUnit, ev: Evaluation, **kw: Any) -> Result:

@@ -1,6 +1,6 @@
 """lm-evaluation-harness tasks as work units: the glue between a pinned engine and ``lm_eval``.
 
-A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`ckpteval.coord.run.manifest.HarnessSpec`) has one unit per
+A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`ckpteval.coord.entries.lm_eval.LmEvalEntry`) has one unit per
 task (shard ``i`` runs ``tasks[i]``). The worker pins its engine to the step exactly as for any unit
 (:meth:`ckpteval.jobs.eval.worker.evaluators.EngineEvaluator._pin`), then :func:`run_task` runs the task through the
 harness's *own* model adapters — nothing of the harness is re-implemented here:
@@ -46,7 +46,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.run.manifest import HarnessSpec
+from ckpteval.coord.entries.lm_eval import LmEvalEntry
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import ServesLmEval
@@ -67,7 +67,7 @@ def require_lm_eval() -> None:
         raise ValueError(f"{INSTALL_HINT} ({e})") from None
 
 
-def include_path(run: RunDir, spec: HarnessSpec) -> Path | None:
+def include_path(run: RunDir, spec: LmEvalEntry) -> Path | None:
     """The entry's local task configs (relative to the run dir unless absolute)."""
     return None if spec.include_path is None else run.resolve_data_path(spec.include_path)
 
@@ -79,7 +79,7 @@ def _task_manager(path: str | None, include_defaults: bool) -> Any:
     return TaskManager(include_path=path, include_defaults=include_defaults)
 
 
-def task_manager(run: RunDir, spec: HarnessSpec) -> Any:
+def task_manager(run: RunDir, spec: LmEvalEntry) -> Any:
     """The harness's task index for this entry (built once per process per include path)."""
     require_lm_eval()
     path = include_path(run, spec)
@@ -88,7 +88,7 @@ def task_manager(run: RunDir, spec: HarnessSpec) -> Any:
     return _task_manager(None if path is None else str(path), spec.include_defaults)
 
 
-def check_harness(run: RunDir, specs: tuple[HarnessSpec, ...]) -> None:
+def check_harness(run: RunDir, specs: tuple[LmEvalEntry, ...]) -> None:
     """At worker start: lm-eval importable, every entry's tasks known to the harness."""
     for spec in specs:
         tm = task_manager(run, spec)
@@ -123,7 +123,7 @@ def _quiet() -> None:
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 
-def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
+def hf_lm(model: Any, tokenizer: Any, spec: LmEvalEntry) -> Any:
     """The harness's in-process adapter around a loaded transformers model."""
     from lm_eval.models.huggingface import HFLM
 
@@ -133,7 +133,7 @@ def hf_lm(model: Any, tokenizer: Any, spec: HarnessSpec) -> Any:
                 chat_template_args=dict(spec.chat_template_kwargs))
 
 
-def completions_lm(engine: Any, snapshot_dir: str, spec: HarnessSpec) -> Any:
+def completions_lm(engine: Any, snapshot_dir: str, spec: LmEvalEntry) -> Any:
     """The harness's ``local-completions`` adapter against the HTTP engine's ``/v1/completions``: the
     model and tokenizer the engine names (:meth:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine.lm_eval_model`),
     its key in the header (a non-empty header: lm-eval would otherwise send ``OPENAI_API_KEY``)."""
@@ -168,7 +168,7 @@ def completions_lm(engine: Any, snapshot_dir: str, spec: HarnessSpec) -> Any:
         raise RuntimeError(f"{INSTALL_HINT} ({e})") from None
 
 
-def evaluate_task(lm: Any, run: RunDir, spec: HarnessSpec, task: str) -> dict[str, float]:
+def evaluate_task(lm: Any, run: RunDir, spec: LmEvalEntry, task: str) -> dict[str, float]:
     """Run one task of ``spec`` on ``lm`` with lm-eval's ``simple_evaluate``; its flattened metrics."""
     from lm_eval import simple_evaluate
 
@@ -197,7 +197,7 @@ def evaluate_task(lm: Any, run: RunDir, spec: HarnessSpec, task: str) -> dict[st
     return metrics
 
 
-def run_task(engine: Any, run: RunDir, spec: HarnessSpec, task: str, snapshot_dir: str) -> dict[str, float]:
+def run_task(engine: Any, run: RunDir, spec: LmEvalEntry, task: str, snapshot_dir: str) -> dict[str, float]:
     """Run ``task`` on ``engine`` (already pinned by the caller) through the matching lm-eval adapter."""
     from ckpteval.jobs.eval.engines.hf.engine import HFEngine
     from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
@@ -213,7 +213,7 @@ def run_task(engine: Any, run: RunDir, spec: HarnessSpec, task: str, snapshot_di
     )
 
 
-def evaluate_harness(engine: Any, cache: Any, spec: HarnessSpec, unit: WorkUnit, snapshot: str, want: str) -> Evaluation:
+def evaluate_harness(engine: Any, cache: Any, spec: LmEvalEntry, unit: WorkUnit, snapshot: str, want: str) -> Evaluation:
     """The ``lm_eval`` kind (:mod:`ckpteval.jobs.eval.kinds.evaluate`): one task on the pinned engine, the version read back
     before and after it. The library's own failure (an assertion, a task that cannot run on this model)
     is the unit's ``crashed`` skip with lm-eval's message."""
@@ -231,7 +231,7 @@ def evaluate_harness(engine: Any, cache: Any, spec: HarnessSpec, unit: WorkUnit,
     return Evaluation([], [before, after], metrics=metrics, generate_s=elapsed, scored={"scorer": identity(spec)})
 
 
-def identity(spec: HarnessSpec) -> dict[str, Any]:
+def identity(spec: LmEvalEntry) -> dict[str, Any]:
     """What scored the unit (the result's ``scorer``): lm-eval's version and the entry's settings that change a
     task's metrics (few-shot, limit, generation overrides, chat template and its arguments, seed, local tasks).
     ``compare`` and ``best`` refuse points whose identities differ (:mod:`ckpteval.jobs.decide.scorers`)."""
@@ -249,6 +249,6 @@ def lm_eval_version() -> str:
         return "unknown"
 
 
-def check_harness_entry(cache: Any, spec: HarnessSpec) -> None:
+def check_harness_entry(cache: Any, spec: LmEvalEntry) -> None:
     """At start: lm-eval importable and the entry's tasks known (:func:`check_harness`)."""
     check_harness(cache.run, (spec,))

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.entries.rows import RowsEntry
 from ckpteval.jobs.eval.proof.logprobs import teacher_forced
 
 PROBE_ROWS = 4
@@ -153,7 +154,8 @@ class TrainerCanary:
             model.train(was_training)
 
     def _load(self) -> tuple[Any, list[tuple[str, str]]]:
-        if self.base is None or not self.manifest.eval.datasets:
+        rows = [e for e in self.manifest.eval.entries if isinstance(e, RowsEntry)]
+        if self.base is None or not rows:
             return None, []
         from transformers import AutoTokenizer
 
@@ -161,7 +163,7 @@ class TrainerCanary:
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.base, local_files_only=True)
-            return tokenizer, probe_rows(load_dataset(self.run, self.manifest.eval.datasets[0]))
+            return tokenizer, probe_rows(load_dataset(self.run, rows[0]))
         except (OSError, ValueError) as e:
             print(f"ckpteval: no canary for this run ({e})", file=sys.stderr)
             return None, []

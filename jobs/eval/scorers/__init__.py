@@ -4,7 +4,7 @@ A dataset's ``scorer`` (run.json ``eval.datasets[i].scorer``) is a name of :data
 ``module:function`` — a per-sample ``(completion, answer) -> float | (float, answer)`` function
 (:class:`ckpteval.jobs.eval.scorers.basic.FunctionScorer`). Its settings are the dataset entry's
 ``scorer_options`` object, validated by the scorer class's ``parse_options`` wherever run.json is parsed
-(:func:`check_scorer`, installed into :mod:`ckpteval.coord.run.manifest` at import: coord imports nothing from jobs).
+(:func:`check_scorer`, installed by :func:`ckpteval.jobs.eval.kinds.evaluate.install_checks`: coord imports nothing from jobs).
 
 Adding a scorer (nothing else to edit; the worker, the shared posture, backfill and the run.json
 parser all go through this registry):
@@ -28,7 +28,7 @@ parser all go through this registry):
 
    ``__init__(spec, ctx)`` (:class:`BaseScorer`'s) sets ``self.spec``, ``self.ctx`` (a
    :class:`ScorerContext`) and ``self.options`` (``parse_options``' value).
-2. Add one line to :data:`SCORERS`: ``"mine": "ckpteval.jobs.eval.scorers.mine:MyScorer"``.
+2. Add one line to :data:`SCORERS`: ``("mine", "ckpteval.jobs.eval.scorers.mine:MyScorer")``.
 
 Failures: raise :class:`ScorerInfraError` (reason e.g. ``judge_failed``) when something the scorer
 depends on failed (a judge server, a sandbox): the unit is skipped with that reason, never scored 0,
@@ -48,8 +48,6 @@ only under the trust rule, :mod:`ckpteval.jobs.eval.proof.trust`); scoring is sy
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib
 import math
 import traceback
 from collections.abc import Mapping
@@ -57,17 +55,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from ckpteval.coord.entries.generate import GenerateEntry
+from ckpteval.coord.registry import Registry
 from ckpteval.coord.results.files import SCORE_BOUND
-from ckpteval.coord.run.manifest import DatasetSpec, FieldError, Fields, set_scorer_check
+from ckpteval.coord.run.manifest import FieldError, Fields
 from ckpteval.jobs.eval.skips import WorkerSkip
 
-SCORERS: dict[str, str] = {
-    "exact": "ckpteval.jobs.eval.scorers.basic:ExactScorer",
-    "math": "ckpteval.jobs.eval.scorers.basic:MathScorer",
-    "code": "ckpteval.jobs.eval.scorers.code.scorer:CodeScorer",
-    "judge": "ckpteval.jobs.eval.scorers.judge.scorer:JudgeScorer",
-    "reward_model": "ckpteval.jobs.eval.scorers.judge.scorer:RewardModelScorer",
-}
+SCORERS: Registry[str] = Registry(
+    "a scorer",
+    ("exact", "ckpteval.jobs.eval.scorers.basic:ExactScorer"),
+    ("math", "ckpteval.jobs.eval.scorers.basic:MathScorer"),
+    ("code", "ckpteval.jobs.eval.scorers.code.scorer:CodeScorer"),
+    ("judge", "ckpteval.jobs.eval.scorers.judge.scorer:JudgeScorer"),
+    ("reward_model", "ckpteval.jobs.eval.scorers.judge.scorer:RewardModelScorer"),
+    unknown="{name!r} is not a scorer ({hint}known: {known}, or module:function)", key="scorer",
+)
 FUNCTION_SCORER = "ckpteval.jobs.eval.scorers.basic:FunctionScorer"  # every "module:function" name
 
 
@@ -158,7 +160,7 @@ class BaseScorer:
     required_row_fields: ClassVar[tuple[str, ...]] = ()
     needs_answer: ClassVar[bool] = True
 
-    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+    def __init__(self, spec: GenerateEntry, ctx: ScorerContext) -> None:
         self.spec, self.ctx = spec, ctx
         self.options = type(self).parse_options(options_fields(spec))
 
@@ -179,40 +181,26 @@ class BaseScorer:
         return not sample.completion.strip()
 
 
-def options_fields(spec: DatasetSpec) -> Fields:
+def options_fields(spec: GenerateEntry) -> Fields:
     """A dataset's ``scorer_options`` for its scorer's ``parse_options``, errors naming run.json."""
     return Fields(Path("run.json"), dict(spec.scorer_options), f"dataset {spec.name!r}: scorer_options")
-
-
-def _import(target: str, name: str) -> type:
-    module_name, _, attr = target.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except ImportError as e:
-        raise FieldError("scorer", f"{name!r} is registered but its module cannot be imported ({e})") from None
-    except AttributeError:
-        raise FieldError("scorer", f"{name!r} is registered as {target}, which does not exist") from None
 
 
 def scorer_class(name: str) -> type:
     """The class of scorer ``name`` (a ``module:function`` name: the function wrapper; the function
     itself is not imported here). :class:`FieldError` (key ``scorer``) for an unknown name."""
-    if name in SCORERS:
-        return _import(SCORERS[name], name)
     module_name, _, func_name = name.partition(":")
-    if module_name and func_name:
-        return _import(FUNCTION_SCORER, name)
-    close = difflib.get_close_matches(name, list(SCORERS), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    raise FieldError("scorer", f"{name!r} is not a scorer ({hint}known: {', '.join(SCORERS)}, or module:function)")
+    if name not in SCORERS and module_name and func_name:
+        return SCORERS.load(name, FUNCTION_SCORER)  # type: ignore[no-any-return]
+    return SCORERS.load(name)  # type: ignore[no-any-return]
 
 
 def check_scorer(name: str, options: Fields) -> None:
-    """The run.json parser's check (:func:`ckpteval.coord.run.manifest.set_scorer_check`): a known name, valid options."""
+    """The run.json parser's check (:func:`ckpteval.coord.run.manifest.install_checks`): a known name, valid options."""
     scorer_class(name).parse_options(options)
 
 
-def make_scorer(spec: DatasetSpec, ctx: ScorerContext) -> Scorer:
+def make_scorer(spec: GenerateEntry, ctx: ScorerContext) -> Scorer:
     """The scorer of ``spec`` (its ``module:function`` imported now: call after the trust check)."""
     try:
         cls = scorer_class(spec.scorer)
@@ -295,5 +283,3 @@ class UnitTally:
     def as_result_fields(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-
-set_scorer_check(check_scorer)

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ckpteval.coord.run.manifest import DatasetSpec
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext
 
 
@@ -44,7 +44,7 @@ def exact(completion: str, answer: str) -> Scored:
 class MathScorer(BaseScorer):
     """math-verify in the grading pool, ``grader_timeout_s`` per answer (see the module docstring)."""
 
-    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+    def __init__(self, spec: GenerateEntry, ctx: ScorerContext) -> None:
         super().__init__(spec, ctx)
         try:
             importlib.import_module("math_verify")
@@ -68,7 +68,7 @@ class MathScorer(BaseScorer):
 class FunctionScorer(BaseScorer):
     """A per-sample ``(completion, answer)`` function named ``module:function``, called in this thread."""
 
-    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+    def __init__(self, spec: GenerateEntry, ctx: ScorerContext) -> None:
         super().__init__(spec, ctx)
         self.fn = import_function(spec.scorer)
 

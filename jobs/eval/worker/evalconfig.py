@@ -21,14 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
-from ckpteval.coord.run.manifest import (
-    EvalSpec,
-    Fields,
-    LeaseSettings,
-    RunManifest,
-    parse_manifest,
-    subset_rows,
-)
+from ckpteval.coord.entries.rows import subset_rows
+from ckpteval.coord.run.manifest import EvalSpec, Fields, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_entry_rows
 

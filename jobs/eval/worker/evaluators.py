@@ -15,14 +15,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from ckpteval.coord.entries import EngineNeed
 from ckpteval.coord.results.engine_identity import EngineIdentity
 from ckpteval.coord.results.files import Result, skip_result
-from ckpteval.coord.run.identity import run_key, weight_version
+from ckpteval.coord.run.identity import run_key, snapshots_key, weight_version
 from ckpteval.coord.run.manifest import RunManifest
-from ckpteval.coord.snapshots.discovery import SnapshotRef
+from ckpteval.coord.snapshots.discovery import SnapshotRef, overwritten
 from ckpteval.coord.snapshots.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
+    SnapshotMissing,
     VerifiedSnapshots,
     verify_snapshot,
 )
@@ -68,6 +70,8 @@ class Unhealthy(WorkerSkip):
 
 # -- evaluators: the part between claim and result ------------------------------------------------------
 class Evaluator(Protocol):
+    cache: DatasetCache  # the run's datasets and manifest
+
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation: ...
 
     def probe(self) -> None:
@@ -263,6 +267,9 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
     check = verify_snapshot if verified is None else verified.verify
     try:
         marker = check(ref.path, verify, ref.marker if ref.foreign else None)
+        own = snapshots_key(evaluator.cache.manifest)
+        if not ref.foreign and marker.run is not None and marker.run != own:  # e.g. reached by the dispatch ledger
+            raise SnapshotMissing(ref.path, overwritten(ref.path, marker.run, own))
         if marker.step != unit.step:
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0
@@ -288,17 +295,17 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
 
 
 def check_entry_engines(manifest: RunManifest, kinds: list[str], replicas: int) -> None:
-    """Entries that need exactly one engine (``ENGINES == "one"``: lm_eval, through lm-eval's own adapters)
-    get one hf, http or sglang engine, no pool; entries that need an engine (``"generating"``: env) get no
+    """Entries that need exactly one engine (:attr:`EngineNeed.ONE`: lm_eval, through lm-eval's own adapters)
+    get one hf, http or sglang engine, no pool; entries that need an engine (``GENERATING``: env) get no
     fn: backend (it scores whole units, one completion per prompt)."""
     unit_backend = len(kinds) == 1 and ENGINES[kinds[0]].unit_backend
-    one = [e for e in manifest.eval.entries if e.ENGINES == "one"]
+    one = [e for e in manifest.eval.entries if e.ENGINES is EngineNeed.ONE]
     if one and (len(kinds) != 1 or replicas != 1 or unit_backend):
         raise ValueError(
             f"run {manifest.run_id} has {one[0].kind} entries {[e.name for e in one]}: they need exactly one hf, "
             f"http:URL or sglang engine (got --engine {'+'.join(kinds)} x{replicas})"
         )
-    generating = [e for e in manifest.eval.entries if e.ENGINES == "generating"]
+    generating = [e for e in manifest.eval.entries if e.ENGINES is EngineNeed.GENERATING]
     if generating and unit_backend:
         raise ValueError(f"run {manifest.run_id} has {generating[0].kind} entries {[e.name for e in generating]}: "
                          "they need an engine (hf, http:URL, sglang), not an fn: backend (it scores whole units, "

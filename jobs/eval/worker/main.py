@@ -107,6 +107,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ckpteval.coord.entries import scored_per_sample
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.eval.kinds.evaluate import check_entries
@@ -226,8 +227,8 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
     cache = DatasetCache(run, manifest, ScorerContext(run.path, scorer_options(opts)))
     check_datasets(cache)
-    for d in manifest.eval.datasets:  # legal, but almost always a mistake: say it once, at start
-        if d.n_samples > 1 and d.temperature == 0:
+    for d in manifest.eval.entries:  # legal, but almost always a mistake: say it once, at start
+        if scored_per_sample(d) and d.n_samples > 1 and not d.samples_randomly:
             print(f"ckpteval worker: warning: dataset {d.name!r} draws n_samples={d.n_samples} at temperature 0: "
                   "greedy samples are identical (pass@k = pass@1); set a temperature > 0", file=sys.stderr, flush=True)
     evaluator = build_evaluator(opts, manifest, cache)

@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.completions import Completions, completions_path, read_completions, rows_digest
 from ckpteval.coord.results.files import Result, ResultIndex, ok_result, skip_result, write_result
 from ckpteval.coord.results.scorings import SCORING_FILE, check_name, scoring_dir
 from ckpteval.coord.run.chat_settings import check_reasoning
-from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.snapshot import producer_identity
 from ckpteval.coord.work.claims import Claim, UnitClaimer
@@ -78,7 +79,7 @@ class Rescoring:
         base = (self.scorer or "own").replace(":", ".").replace("/", ".")[:60]
         return check_name(f"{base}-{digest}")
 
-    def spec(self, spec: DatasetSpec) -> DatasetSpec:
+    def spec(self, spec: GenerateEntry) -> GenerateEntry:
         """``spec`` as this scoring scores it (its other fields unchanged; run.json's checks run again)."""
         changes: dict[str, Any] = {}
         if self.scorer is not None:
@@ -118,7 +119,7 @@ class Rescorer:
         self.originals = ResultIndex(run.results)
         self.index = ResultIndex(root / "results")
         self.claimer = UnitClaimer(root / "leases", manifest.lease, root / "results")
-        self._specs: dict[str, DatasetSpec] = {}
+        self._specs: dict[str, GenerateEntry] = {}
         self.written = self.passed = 0
 
     def candidates(self, steps_text: str, datasets: set[str] | None) -> list[WorkUnit]:
@@ -126,7 +127,7 @@ class Rescorer:
         selection = parse_steps(steps_text)
         originals = self.originals.refresh()
         steps = set(selection.select({u.step for u in originals}))
-        names = {e.name for e in self.manifest.eval.entries if e.kind == "generate"}
+        names = {e.name for e in self.manifest.eval.entries if isinstance(e, GenerateEntry)}
         if datasets is not None:
             unknown = datasets - names
             if unknown:
@@ -174,14 +175,14 @@ class Rescorer:
         finally:
             claim.release()
 
-    def reasoning(self, spec: DatasetSpec) -> Reasoning:
+    def reasoning(self, spec: GenerateEntry) -> Reasoning:
         """The scoring's reasoning strip for ``spec``; a tokenizer-named one needs the snapshot, gone here."""
         try:
             return resolve_reasoning(spec, None)
         except RuntimeError as e:
             raise Unscorable(f"reasoning setting: {e}") from None
 
-    def spec(self, dataset: str) -> DatasetSpec:
+    def spec(self, dataset: str) -> GenerateEntry:
         if dataset not in self._specs:
             self._specs[dataset] = self.rescoring.spec(self.manifest.entry(dataset))
         return self._specs[dataset]
@@ -240,10 +241,10 @@ class Rescorer:
         """Before any claim: the scorer of every selected dataset builds with its options (a typo is one error
         line, never a crashed skip per unit)."""
         for entry in self.manifest.eval.entries:
-            if entry.kind == "generate" and (datasets is None or entry.name in datasets):
+            if isinstance(entry, GenerateEntry) and (datasets is None or entry.name in datasets):
                 self.cache.scorer(self.spec(entry.name))
 
-    def rows_of(self, unit: WorkUnit, spec: DatasetSpec, kept: Completions) -> list[Any]:
+    def rows_of(self, unit: WorkUnit, spec: GenerateEntry, kept: Completions) -> list[Any]:
         try:
             rows = [self.cache.rows(spec)[i] for i in shard_range(self.manifest, unit)]
         except (OSError, ValueError, IndexError) as e:

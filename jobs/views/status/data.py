@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import read_json_object, read_jsonl
+from ckpteval.coord.entries import scored_per_sample
 from ckpteval.coord.layouts import AUTO
 from ckpteval.coord.results.scorings import StepFacts, scoring_step_facts, step_facts
 from ckpteval.coord.results.training_cost import run_fraction
@@ -161,7 +162,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         "training_done": run.training_done(),
         "interrupted": run.interrupted(),
         "reeval": {k: manifest.trainer.get(k) for k in ("from_run", "steps")} if selection is not None else None,
-        "datasets": [d.name for d in manifest.eval.datasets],
+        "datasets": [d.name for d in manifest.eval.entries if scored_per_sample(d)],
         "harness_metrics": harness_columns(points),
         "snapshots": snapshots,
         "waiting": waiting,

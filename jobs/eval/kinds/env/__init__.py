@@ -1,6 +1,6 @@
 """The environment registry and contract: multi-turn, tool-using episodes as an eval set (``kind: "env"``).
 
-An ``env`` entry of run.json's ``eval.datasets`` (:class:`ckpteval.coord.run.manifest.EnvSpec`) names an environment
+An ``env`` entry of run.json's ``eval.datasets`` (:class:`ckpteval.coord.entries.env.EnvEntry`) names an environment
 (``env``): a name of :data:`ENVIRONMENTS`, or ``module:Class`` (imported only under the run-code trust
 rule, :mod:`ckpteval.jobs.eval.proof.trust`). Its rows are a JSONL file of objects (any fields: the environment reads
 them); ``n_samples`` episodes run per row, each of at most ``max_turns`` model turns. The episode loop is
@@ -37,7 +37,8 @@ How an episode ends (recorded per episode, ``ended``) and who is to blame (``bla
   is re-run up to ``infra_retries`` times, then its unit is skipped ``env_failed`` with the cause.
 
 Adding an environment: write the class (import-light module: the run.json parser imports this package,
-not the environment), add one line to :data:`ENVIRONMENTS`.
+not the environment), add one line to :data:`ENVIRONMENTS`. :func:`check_env` is the parser's check
+(installed by :func:`ckpteval.jobs.eval.kinds.evaluate.install_checks`).
 
 Limits: an environment object runs in the worker's process (its ``start``/``step`` are trusted code, as a
 scorer is); only tools run sandboxed, as Python with the standard library only; episodes of a unit run
@@ -46,19 +47,20 @@ in lockstep (one batched generate per turn), so a unit takes as long as its long
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpteval.coord.run.manifest import FieldError, Fields, set_env_check
+from ckpteval.coord.registry import Registry
+from ckpteval.coord.run.manifest import FieldError, Fields
 
-ENVIRONMENTS: dict[str, str] = {
-    "arithmetic": "ckpteval.jobs.eval.kinds.env.examples:ArithmeticEnv",
-    "guess": "ckpteval.jobs.eval.kinds.env.examples:GuessEnv",
-    "verifiers": "ckpteval.jobs.eval.kinds.env.verifiers_env:VerifiersEnv",  # optional extra: pip install 'ckpteval[envs]'
-}
+ENVIRONMENTS: Registry[str] = Registry(
+    "an environment",
+    ("arithmetic", "ckpteval.jobs.eval.kinds.env.examples:ArithmeticEnv"),
+    ("guess", "ckpteval.jobs.eval.kinds.env.examples:GuessEnv"),
+    ("verifiers", "ckpteval.jobs.eval.kinds.env.verifiers_env:VerifiersEnv"),  # optional extra: pip install 'ckpteval[envs]'
+    unknown="{name!r} is not an environment ({hint}known: {known}, or module:Class)", key="env",
+)
 ENDINGS_INFRA = ("env_error", "tool_error", "tool_timeout", "sandbox_failed")  # any other ending is the model's
 
 
@@ -98,22 +100,12 @@ class Environment(Protocol):
 def env_class(name: str) -> type:
     """The class of environment ``name`` (registered, or ``module:Class`` imported now: call after the
     trust check). :class:`FieldError` (key ``env``) if it cannot be found."""
-    target = ENVIRONMENTS.get(name, name)
-    module_name, _, attr = target.partition(":")
-    if not (module_name and attr):
-        close = difflib.get_close_matches(name, list(ENVIRONMENTS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise FieldError("env", f"{name!r} is not an environment ({hint}known: {', '.join(ENVIRONMENTS)}, or module:Class)")
-    try:
-        return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
-    except ImportError as e:
-        raise FieldError("env", f"{name!r}: its module cannot be imported ({e})") from None
-    except AttributeError:
-        raise FieldError("env", f"{name!r}: {target} does not exist") from None
+    module_name, _, attr = name.partition(":")
+    return ENVIRONMENTS.load(name, None if name in ENVIRONMENTS or not (module_name and attr) else name)  # type: ignore[no-any-return]
 
 
 def check_env(name: str, options: Fields) -> None:
-    """The run.json parser's check (:func:`ckpteval.coord.run.manifest.set_env_check`): a registered name whose
+    """The run.json parser's check (:func:`ckpteval.coord.run.manifest.install_checks`): a registered name whose
     constructor takes ``env_options``, or a ``module:Class`` form (not imported here: run.json's code is
     imported only after the trust check)."""
     if name in ENVIRONMENTS:
@@ -126,5 +118,3 @@ def check_env(name: str, options: Fields) -> None:
     if not (module_name and attr.isidentifier()):
         env_class(name)  # raises the FieldError with the closest name
 
-
-set_env_check(check_env)

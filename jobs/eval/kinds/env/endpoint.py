@@ -50,7 +50,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ckpteval.coord.run.manifest import EnvSpec
+from ckpteval.coord.entries.env import EnvEntry
 from ckpteval.jobs.eval.engines.base import Engine, EngineError
 from ckpteval.jobs.eval.engines.http.generate import sample_version
 from ckpteval.jobs.eval.kinds.env import Tool
@@ -126,7 +126,7 @@ class Endpoint:
     (``render``: the entry's :class:`~ckpteval.jobs.eval.kinds.env.runner.Renderer`). A context manager: the server
     runs from ``__enter__`` to ``__exit__``."""
 
-    def __init__(self, engine: Engine, want: str, spec: EnvSpec, render: Any) -> None:
+    def __init__(self, engine: Engine, want: str, spec: EnvEntry, render: Any) -> None:
         self.engine, self.want, self.spec, self.render = engine, want, spec, render
         self.params = sampling_params(spec)
         self.episodes: dict[tuple[int, int], Turns] = {}

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpteval.coord.run.manifest import EnvSpec
+from ckpteval.coord.entries.env import EnvEntry
 from ckpteval.coord.work.units import WorkUnit, shard_range, unit_samples
 from ckpteval.jobs.eval.engines.base import Engine
 from ckpteval.jobs.eval.kinds.env import ENDINGS_INFRA, Done, Tool, env_class
@@ -127,7 +127,7 @@ def render_transcript(messages: list[dict[str, str]], tools: list[Tool]) -> str:
 class Renderer:
     """An entry's conversations as prompt text, for one snapshot."""
 
-    def __init__(self, spec: EnvSpec, snapshot: str | None) -> None:
+    def __init__(self, spec: EnvEntry, snapshot: str | None) -> None:
         self.spec, self.snapshot = spec, snapshot
         self.tokenizer = snapshot_tokenizer(snapshot) if spec.prompt_format == "chat" and snapshot else None
         if spec.prompt_format == "chat" and self.tokenizer is None:
@@ -176,7 +176,7 @@ def _check_messages(messages: Any, what: str) -> list[dict[str, str]]:
     return [dict(m) for m in messages]
 
 
-def start(ep: Episode, cls: type, spec: EnvSpec) -> None:
+def start(ep: Episode, cls: type, spec: EnvEntry) -> None:
     """A fresh environment for the episode and its first messages; its failure ends the episode ``env_error``."""
     try:
         ep.env = cls(**spec.env_options)
@@ -221,7 +221,7 @@ def run_tools(pending: list[tuple[Episode, list[Call]]], sandbox: Sandbox, timeo
             break
 
 
-def play(engine: Engine, spec: EnvSpec, episodes: list[Episode], render: Renderer, sandbox: Sandbox) -> float:
+def play(engine: Engine, spec: EnvEntry, episodes: list[Episode], render: Renderer, sandbox: Sandbox) -> float:
     """Run ``episodes`` (already started) to their end; returns the seconds spent generating."""
     params, generate_s = sampling_params(spec), 0.0
     for turn in range(spec.max_turns):
@@ -263,7 +263,7 @@ def play(engine: Engine, spec: EnvSpec, episodes: list[Episode], render: Rendere
     return generate_s
 
 
-def play_driven(engine: Engine, want: str, spec: EnvSpec, episodes: list[Episode], render: Renderer,
+def play_driven(engine: Engine, want: str, spec: EnvEntry, episodes: list[Episode], render: Renderer,
                 cls: type) -> float:
     """Run ``episodes`` of an environment that drives the model itself (``DRIVES_MODEL``: its
     ``play(episodes, endpoint, spec)`` ends each episode) against the pinned engine's loopback endpoint
@@ -295,14 +295,14 @@ def env_sandbox(cache: DatasetCache) -> Sandbox:
     return shared_sandbox(mode, cache.ctx.option("sandbox_concurrency", 0) or None)
 
 
-def identity(spec: EnvSpec, sandbox: Sandbox, tool_format: str, reasoning: Reasoning) -> dict[str, Any]:
+def identity(spec: EnvEntry, sandbox: Sandbox, tool_format: str, reasoning: Reasoning) -> dict[str, Any]:
     """What scored the unit (the result's ``scorer``): units disagreeing on it are never pooled."""
     return {"env": spec.env, "env_options": dict(spec.env_options), "max_turns": spec.max_turns,
             "tool_format": tool_format, "prompt_format": spec.prompt_format, "sandbox": sandbox.mode,
             **chat_identity(spec, reasoning)}
 
 
-def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit, snapshot: str | None,
+def run_unit(engine: Engine, cache: DatasetCache, spec: EnvEntry, unit: WorkUnit, snapshot: str | None,
              want: str) -> tuple[list[Episode], float, Renderer]:
     """The unit's episodes, infra ones re-run within the budget, pinned (every turn) before returning; the
     seconds spent generating; the renderer used (its tool-call format and reasoning setting)."""
@@ -333,7 +333,7 @@ def run_unit(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit,
     return episodes, generate_s, render
 
 
-def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkUnit, snapshot: str,
+def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvEntry, unit: WorkUnit, snapshot: str,
                  want: str) -> Evaluation:
     """The ``env`` kind (:mod:`ckpteval.jobs.eval.kinds.evaluate`): the unit's episodes, their rewards as its scores."""
     episodes, generate_s, render = run_unit(engine, cache, spec, unit, snapshot, want)
@@ -347,7 +347,7 @@ def evaluate_env(engine: Engine, cache: DatasetCache, spec: EnvSpec, unit: WorkU
                       answers=[s.answer for s in scored], scored=fields, generate_s=generate_s)
 
 
-def check_env_entry(cache: DatasetCache, spec: EnvSpec) -> None:
+def check_env_entry(cache: DatasetCache, spec: EnvEntry) -> None:
     """At worker start: the environment imports, takes ``env_options``, and every row passes its optional
     ``check_row``."""
     try:

@@ -35,7 +35,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from ckpteval.coord.run.manifest import EnvSpec
+from ckpteval.coord.entries.env import EnvEntry
 
 LOOP_HARNESS = "ckpteval.jobs.eval.kinds.env.verifiers_loop"
 INSTALL = "pip install 'ckpteval[envs]'"
@@ -76,11 +76,11 @@ class VerifiersEnv:
         if not (isinstance(row.get("task"), int) and row["task"] >= 0):
             raise ValueError(f"{where}: a verifiers row needs 'task', the index (>= 0) of a task of the taskset")
 
-    def play(self, episodes: list[Any], endpoint: Any, spec: EnvSpec) -> None:
+    def play(self, episodes: list[Any], endpoint: Any, spec: EnvEntry) -> None:
         """Every episode through verifiers, concurrently; each ended with its attribution."""
         asyncio.run(self._play(episodes, endpoint, spec))
 
-    def _env(self, spec: EnvSpec) -> Any:
+    def _env(self, spec: EnvEntry) -> Any:
         import verifiers.v1 as vf
         from verifiers.v1.utils.loaders import environment_class
 
@@ -93,7 +93,7 @@ class VerifiersEnv:
         })
         return environment_class(taskset)(config)
 
-    async def _play(self, episodes: list[Any], endpoint: Any, spec: EnvSpec) -> None:
+    async def _play(self, episodes: list[Any], endpoint: Any, spec: EnvEntry) -> None:
         import verifiers.v1 as vf
 
         env = self._env(spec)

@@ -1,6 +1,6 @@
 """Eval sets: JSONL files of prompt/answer rows, and the built-in addition set.
 
-The eval config lives in ``run.json`` (:class:`ckpteval.coord.run.manifest.DatasetSpec`); this module turns a spec
+The eval config lives in ``run.json`` (:class:`ckpteval.coord.entries.generate.GenerateEntry`); this module turns a spec
 into rows (scorers are :mod:`ckpteval.jobs.eval.scorers`'). Worker flags never change what is scored.
 
 Rows: ``{"prompt": str, "answer": any, ...}``, or for ``prompt_format: "chat"`` datasets
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import read_jsonl_file, write_bytes_atomic
-from ckpteval.coord.run.manifest import DatasetSpec, subset_rows
+from ckpteval.coord.entries.generate import GenerateEntry
+from ckpteval.coord.entries.rows import RowsEntry, subset_rows
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.scorers import check_row, scorer_class
 
@@ -70,10 +71,10 @@ def load_rows(path: Path, scorer: type | None = None) -> list[Row]:
     return rows
 
 
-def load_entry_rows(path: Path, spec: DatasetSpec) -> list[Row]:
-    """Every row of an entry's file: checked against its scorer's needs, or, for an entry whose rows no
-    scorer reads (``SCORER_ROWS`` false: an ``env`` entry), any JSON objects (checked at worker start)."""
-    if not spec.SCORER_ROWS:
+def load_entry_rows(path: Path, spec: RowsEntry) -> list[Row]:
+    """Every row of an entry's file: checked against its scorer's needs (a ``generate`` entry), or, for an
+    entry whose rows no scorer reads (an ``env`` entry), any JSON objects (checked at worker start)."""
+    if not isinstance(spec, GenerateEntry):
         if not Path(path).is_file():
             raise FileNotFoundError(f"{path}: eval set not found")
         return [row for _lineno, row in read_jsonl_file(Path(path), what="env row")]
@@ -84,8 +85,8 @@ def load_entry_rows(path: Path, spec: DatasetSpec) -> list[Row]:
     return load_rows(path, scorer)
 
 
-def load_dataset(run: RunDir, spec: DatasetSpec) -> list[Row]:
-    """The rows a dataset evaluates (its ``subset`` of the file, :func:`ckpteval.coord.run.manifest.subset_rows`),
+def load_dataset(run: RunDir, spec: RowsEntry) -> list[Row]:
+    """The rows a dataset evaluates (its ``subset`` of the file, :func:`ckpteval.coord.entries.rows.subset_rows`),
     checked by :func:`load_entry_rows`; their count must match ``n_prompts``."""
     path = run.resolve_data_path(spec.path)
     rows = load_entry_rows(path, spec)
@@ -106,17 +107,17 @@ def write_jsonl(path: Path, rows: list[Row]) -> None:
 
 def write_addition_dataset(
     run: RunDir, name: str = "addition", n: int = 128, seed: int = 1234, shard_size: int = 64, **sampling: Any
-) -> DatasetSpec:
+) -> GenerateEntry:
     """The built-in eval set of the reference task, written into the run's ``data/`` dir.
 
-    ``sampling``: further :class:`~ckpteval.coord.run.manifest.DatasetSpec` fields (``n_samples``, ``temperature``,
+    ``sampling``: further :class:`~ckpteval.coord.entries.generate.GenerateEntry` fields (``n_samples``, ``temperature``,
     ``pass_k``, ``every``, ...); greedy, one sample per prompt by default.
     """
     from ckpteval.jobs.reference.model import make_addition_examples
 
     rows = make_addition_examples(n, seed)
     write_jsonl(run.data / f"{name}.jsonl", rows)
-    return DatasetSpec(
+    return GenerateEntry(
         name=name,
         path=f"data/{name}.jsonl",
         n_prompts=n,

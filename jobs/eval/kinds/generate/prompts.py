@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from ckpteval.coord.run.manifest import DatasetSpec
+from ckpteval.coord.entries.generate import GenerateEntry
 
 _CACHE_SIZE = 4
 
@@ -69,7 +69,7 @@ def snapshot_tokenizer(snapshot_dir: str) -> Any:
     return _TOKENIZERS.get(snapshot_dir)
 
 
-def row_messages(spec: DatasetSpec, row: dict[str, Any]) -> list[dict[str, str]]:
+def row_messages(spec: GenerateEntry, row: dict[str, Any]) -> list[dict[str, str]]:
     """The chat messages of a row: its ``messages`` or its ``prompt`` as a user turn, system prompt first."""
     messages = [dict(m) for m in row["messages"]] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
     if spec.system_prompt is not None and not (messages and messages[0].get("role") == "system"):
@@ -93,7 +93,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], where: str,
 
 
 def render_prompts(
-    spec: DatasetSpec, rows: list[dict[str, Any]], snapshot_dir: str | None, tokenizers: TokenizerCache | None = None
+    spec: GenerateEntry, rows: list[dict[str, Any]], snapshot_dir: str | None, tokenizers: TokenizerCache | None = None
 ) -> list[str]:
     """The prompt text of each row, for the snapshot at ``snapshot_dir`` (see the module doc)."""
     if spec.prompt_format == "raw":

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import publish_exclusive
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.completions import (
     SUFFIX,
     Completions,
@@ -141,7 +142,7 @@ class CompletionStore:
         """The unit's key and rendered input; None when the store cannot serve it (not a ``generate`` unit,
         an engine without identity, a snapshot without tensor digests)."""
         spec = cache.manifest.entry(unit.dataset)
-        if self.engine is None or spec.kind != "generate":
+        if self.engine is None or not isinstance(spec, GenerateEntry):
             return None
         where = str(ref.path)
         if where not in self._weights:

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.run.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from ckpteval.coord.entries.generate import GenerateEntry
+from ckpteval.coord.run.manifest import FieldError, Fields, parse_dataclass
 from ckpteval.jobs.eval.sandbox.core import Limits, Outcome, SandboxUnavailable, probe_bwrap, shared_sandbox
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 
@@ -201,7 +202,7 @@ class CodeScorer(BaseScorer):
         """When rows load: one of the two test formats, well formed (ValueError naming ``where``)."""
         row_tests(row, where)
 
-    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+    def __init__(self, spec: GenerateEntry, ctx: ScorerContext) -> None:
         super().__init__(spec, ctx)
         self.mode = "rlimits-only" if ctx.option("unsafe_code_rlimits_only", False) else "bwrap"
         if self.mode == "bwrap" and (why := _probe(probe_bwrap)) is not None:

@@ -61,8 +61,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.verdicts import VerdictCache, cache_key, read_judge
-from ckpteval.coord.run.manifest import DatasetSpec, FieldError, Fields, parse_dataclass
+from ckpteval.coord.run.manifest import FieldError, Fields, parse_dataclass
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
 from ckpteval.jobs.eval.scorers.judge.http import JudgeEndpoint, JudgeUnavailable
@@ -141,7 +142,7 @@ class JudgeScorer(BaseScorer):
             raise f.error(e.key, e.why) from None
         return opts
 
-    def __init__(self, spec: DatasetSpec, ctx: ScorerContext) -> None:
+    def __init__(self, spec: GenerateEntry, ctx: ScorerContext) -> None:
         super().__init__(spec, ctx)
         self.opts: JudgeOptions = self.options
         self.template = self.opts.template or self.default_template
