@@ -62,7 +62,7 @@ def test_hf_trainer_staging_through_the_entry_point(tmp_path: Path) -> None:
     assert sorted(r["eval/step"] for r in eval_lines(run.path)) == [0, 2, 4, 5] and run.training_done() == 5
     assert (run.snapshots / snapshot_dirname(5) / "tokenizer.json").is_file()  # the base dir's tokenizer
     manifest = run.manifest()
-    assert [d.name for d in manifest.eval.datasets] == ["sums"] and manifest.lease.duration_s == 5
+    assert [d.name for d in manifest.eval.entries] == ["sums"] and manifest.lease.duration_s == 5
     assert manifest.trainer["program"] == "library"
 
 

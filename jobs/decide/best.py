@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ckpteval.coord.atomic import write_json_atomic
-from ckpteval.jobs.decide.data import open_run, parse_metric
+from ckpteval.jobs.decide.data import default_metric, open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
 from ckpteval.jobs.decide.scorers import ALLOW_SCORER_FLAG, check_scorers, point_scorer
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
             parser.error(f"--{flag} must be in (0, 1), got {getattr(args, flag)}")
     try:
         side = open_run(args.run)
-        metric = parse_metric(args.metric or f"eval/{side.manifest.eval.datasets[0].name}", side.manifest)
+        metric = parse_metric(args.metric or default_metric(side.manifest), side.manifest)
         values = {s: side.values(s, metric) for s in side.steps_with(metric.dataset)}
         if not values:
             raise ValueError(f"{side.run.path}: no step has a complete {metric.dataset} point yet")

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, open_run, parse_metric
+from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, default_metric, open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
 from ckpteval.jobs.decide.scorers import ALLOW_SCORER_FLAG, check_scorers, point_scorer
@@ -70,11 +70,11 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
     of different scorer identities (:func:`ckpteval.jobs.decide.scorers.check_scorers`) unless ``allow_scorer_mismatch``."""
     rows = []
     chosen = None if metric_text is None else parse_metric(metric_text, a.manifest)
-    for spec in a.manifest.eval.datasets:
+    for spec in a.manifest.eval.entries:  # an entry without per-sample points has no steps_with
         name = spec.name
         if chosen is not None and name != chosen.dataset:
             continue
-        if name not in {d.name for d in b.manifest.eval.datasets}:
+        if name not in {d.name for d in b.manifest.eval.entries}:
             continue
         if step_a not in a.steps_with(name) or step_b not in b.steps_with(name):
             continue
@@ -99,15 +99,15 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
 
 
 def _common_newest(a: RunValues, b: RunValues) -> int:
-    steps = {s for d in a.manifest.eval.datasets for s in a.steps_with(d.name)}
-    steps &= {s for d in b.manifest.eval.datasets for s in b.steps_with(d.name)}
+    steps = {s for d in a.manifest.eval.entries for s in a.steps_with(d.name)}
+    steps &= {s for d in b.manifest.eval.entries for s in b.steps_with(d.name)}
     if not steps:
         raise ValueError(f"{a.run.path} and {b.run.path} have no step with a complete point in common; give --step")
     return max(steps)
 
 
 def _best_of(side: RunValues, metric_text: str | None, level: float) -> int:
-    metric_text = metric_text or f"eval/{side.manifest.eval.datasets[0].name}"
+    metric_text = metric_text or default_metric(side.manifest)
     metric: Metric = parse_metric(metric_text, side.manifest)
     values = {s: side.values(s, metric) for s in side.steps_with(metric.dataset)}
     return best_step(values, level=level).step

@@ -43,6 +43,7 @@ from ckpteval.coord.run.identity import run_key
 from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.snapshot import producer_identity
+from ckpteval.jobs.eval.kinds.evaluate import install_checks
 from ckpteval.jobs.eval.worker.evalconfig import EvalConfig, install_eval_data, read_eval_config
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.pathchecks import check_dir_creatable
@@ -110,6 +111,7 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
 
     ``build_eval`` writes RUN/base and the datasets of a new run and returns its eval section
     (default: the eval-config file's, and ``base_model_dir`` copied). ValueError names what is wrong."""
+    install_checks()
     run = RunDir(spec.run_dir)
     config = read_eval_config(spec.eval_config) if spec.eval_config is not None else None
     if run.manifest_path.is_file():
@@ -161,6 +163,7 @@ def open_dispatcher(spec: EvalRun, run: RunDir, sink: MetricsSink | None = None,
     (``shared``, ``should_stop``)."""
     if spec.dispatch is None:
         raise ValueError("no dispatch config: this run trains without evaluation")
+    install_checks()
     return EvalDispatcher.open(spec.dispatch, run, sink or MetricsSink(run.metrics_path), run.base, **kw)
 
 

@@ -45,6 +45,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ckpteval.coord.atomic import write_json_atomic
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.conditions import (
     Condition,
     check_metric,
@@ -117,10 +118,11 @@ def judge_problem(opts: WorkerOptions) -> str | None:
     except OSError:
         return None
     try:
-        datasets = run.manifest().eval.datasets
+        entries = run.manifest().eval.entries
     except (ValueError, OSError):
         return None  # a bad or unreadable run.json: the worker reports it, in one line, where it opens the run
-    judged = [d.name for d in datasets if d.scorer in JUDGED and not d.scorer_options.get("url")]
+    judged = [d.name for d in entries if isinstance(d, GenerateEntry) and d.scorer in JUDGED
+              and not d.scorer_options.get("url")]
     if not judged:
         return None
     return (f"dataset(s) {', '.join(judged)} are judged but no judge is known: no scorer_options.url, no --judge-url, "

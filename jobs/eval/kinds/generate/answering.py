@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ckpteval.coord.run.manifest import DatasetSpec
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.jobs.eval.engines.base import Generation
 from ckpteval.jobs.eval.kinds.generate.prompts import snapshot_tokenizer
 from ckpteval.jobs.eval.kinds.generate.reasoning import (
@@ -51,7 +51,7 @@ class Reasoning:
     count_tokens: Callable[[str], int] | None = None
 
 
-def resolve_reasoning(spec: DatasetSpec, snapshot_dir: str | None) -> Reasoning:
+def resolve_reasoning(spec: GenerateEntry, snapshot_dir: str | None) -> Reasoning:
     """``spec.reasoning`` for the snapshot at ``snapshot_dir`` (its tokenizer: ``end: "tokenizer"``, and the
     reasoning token count; RuntimeError when ``tokenizer`` mode cannot read one)."""
     if spec.reasoning is None:
@@ -69,7 +69,7 @@ def resolve_reasoning(spec: DatasetSpec, snapshot_dir: str | None) -> Reasoning:
     return Reasoning(setting, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
 
 
-def chat_identity(spec: DatasetSpec, reasoning: Reasoning) -> dict[str, Any]:
+def chat_identity(spec: GenerateEntry, reasoning: Reasoning) -> dict[str, Any]:
     """What a result's scoring identity records of the chat settings: the template kwargs and the resolved
     reasoning strip, each only when set (``generate`` and ``env`` sets alike)."""
     out: dict[str, Any] = {}
@@ -80,7 +80,7 @@ def chat_identity(spec: DatasetSpec, reasoning: Reasoning) -> dict[str, Any]:
     return out
 
 
-def scoring_identity(scorer: Scorer, spec: DatasetSpec, reasoning: Reasoning) -> dict[str, Any]:
+def scoring_identity(scorer: Scorer, spec: GenerateEntry, reasoning: Reasoning) -> dict[str, Any]:
     """The result's ``scorer`` identity: the scorer's own, plus :func:`chat_identity`."""
     return {**scorer.identity(), **chat_identity(spec, reasoning)}
 

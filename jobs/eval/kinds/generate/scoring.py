@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ckpteval.coord.entries.generate import GenerateEntry
 from ckpteval.coord.results.completions import Completions, record_generations, rows_digest
-from ckpteval.coord.run.manifest import DatasetSpec, RunManifest
+from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.work.units import WorkUnit, shard_range, unit_samples
 from ckpteval.jobs.eval.engines.base import Engine, Generation, SamplingParams
@@ -50,7 +51,7 @@ def sample_seed(dataset_seed: int, prompt_index: int, sample_index: int, turn: i
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & SEED_MASK
 
 
-def unit_seeds(spec: DatasetSpec, prompt_indices: range, samples: range | None = None) -> list[int] | None:
+def unit_seeds(spec: GenerateEntry, prompt_indices: range, samples: range | None = None) -> list[int] | None:
     """Per-sample seeds of a unit, prompt-major (None for greedy datasets: nothing to seed). ``samples``: the
     unit's sample indices (default: all ``n_samples``); a seed depends on the absolute index, never on the
     position in the unit, so splitting samples over units (``samples_per_unit``) draws the same samples."""
@@ -88,18 +89,18 @@ class DatasetCache:
         self._rows: dict[str, list[Row]] = {}
         self._scorers: dict[str, Scorer] = {}
 
-    def rows(self, spec: DatasetSpec) -> list[Row]:
+    def rows(self, spec: GenerateEntry) -> list[Row]:
         if spec.name not in self._rows:
             self._rows[spec.name] = load_dataset(self.run, spec)
         return self._rows[spec.name]
 
-    def scorer(self, spec: DatasetSpec) -> Scorer:
+    def scorer(self, spec: GenerateEntry) -> Scorer:
         if spec.name not in self._scorers:
             self._scorers[spec.name] = make_scorer(spec, self.ctx)
         return self._scorers[spec.name]
 
 
-def sampling_params(spec: DatasetSpec) -> SamplingParams:
+def sampling_params(spec: GenerateEntry) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=spec.max_new_tokens,
         temperature=spec.temperature,
@@ -114,7 +115,7 @@ def sampling_params(spec: DatasetSpec) -> SamplingParams:
 class UnitInput:
     """What a unit asks of an engine: the prompt text of each sample, its seed, its gold answer."""
 
-    spec: DatasetSpec
+    spec: GenerateEntry
     prompt_indices: range
     prompts: list[str]  # one per sample (prompt-major)
     seeds: list[int] | None
@@ -170,7 +171,7 @@ def kept_generations(kept: Completions, versions: list[str | None] | None = None
             in zip(kept.text, versions, kept.n_tokens, kept.prompt_tokens, kept.finish_reason, strict=True)]
 
 
-def unit_scores(scorer: Scorer, spec: DatasetSpec, generations: list[Generation], rows: list[Row], prompts: list[str],
+def unit_scores(scorer: Scorer, spec: GenerateEntry, generations: list[Generation], rows: list[Row], prompts: list[str],
                 reasoning: Reasoning, *, generate_s: float = 0.0, kept: Completions | None = None) -> UnitScores:
     """Score a unit's generations (one per sample, prompt-major, with its row and prompt) through ``reasoning``
     (answers only, :mod:`ckpteval.jobs.eval.kinds.generate.answering`): the one scoring path of a fresh generation, a re-score
@@ -195,7 +196,7 @@ def unit_scores(scorer: Scorer, spec: DatasetSpec, generations: list[Generation]
 
 
 def evaluate_generate(
-    engine: Engine, cache: DatasetCache, spec: DatasetSpec, unit: WorkUnit, snapshot: str, want: str
+    engine: Engine, cache: DatasetCache, spec: GenerateEntry, unit: WorkUnit, snapshot: str, want: str
 ) -> Evaluation:
     """The ``generate`` kind (:mod:`ckpteval.jobs.eval.kinds.evaluate`): score the unit, then check every sample's version."""
     scored = score_unit(engine, cache, unit, snapshot)
@@ -206,7 +207,7 @@ def evaluate_generate(
                       generate_s=scored.generate_s, cost=cost, kept=scored.kept)
 
 
-def check_generate(cache: DatasetCache, spec: DatasetSpec) -> None:
+def check_generate(cache: DatasetCache, spec: GenerateEntry) -> None:
     """At start: the rows load (and meet the scorer's needs) and the scorer builds."""
     cache.rows(spec)
     cache.scorer(spec)
