@@ -1,17 +1,12 @@
 """Entries of run.json's ``eval.datasets``: one module per kind, named as the kind's room in ``jobs/eval/kinds/``.
 
-Each kind is one frozen dataclass (:class:`GenerateEntry`, :class:`LmEvalEntry`, :class:`EnvEntry`) whose fields
-are its run.json settings (parsed by :func:`ckpteval.coord.run.fields.parse_dataclass`; checks in
-``__post_init__``) and which answers the :class:`Entry` protocol for everyone who would otherwise branch on
-``kind``; a kind scored per sample also has the :class:`SamplesEntry` fields. :data:`KINDS` names both halves of
-each kind as ``module:attr`` strings, imported on first use (coord itself never imports ``jobs``).
-
-Adding a kind: a module holding its settings dataclass and a jobs-side
-``evaluate(engine, cache, spec, unit, snapshot, want) -> Evaluation`` (optionally ``check(cache, spec)``), and one
-line in :data:`KINDS`. ``tests/support/echo_kind.py`` is such a kind, defined only in the tests.
-
-Guarantee: an entry is validated when run.json is parsed; an unknown kind is refused naming the closest one.
-Limits: a kind's module is imported by every process that parses a run.json using it.
+Each kind is a frozen dataclass (:class:`~.generate.GenerateEntry`, :class:`~.lm_eval.LmEvalEntry`,
+:class:`~.env.EnvEntry`): its fields are its run.json settings, and it answers :class:`Entry` (a per-sample kind also
+:class:`SamplesEntry`). :data:`KINDS` names each kind's two halves (``module:attr``, imported on first use; coord
+never imports ``jobs``). Adding a kind: a module with its settings class and jobs-side ``evaluate(engine, cache,
+spec, unit, snapshot, want)`` (optionally ``check(cache, spec)``), and one line in :data:`KINDS`
+(``tests/support/echo_kind.py`` is one). Guarantee: an entry is validated when run.json is parsed; an unknown
+kind is refused naming the closest. Limits: a kind's module is imported by every process parsing a run using it.
 """
 
 from __future__ import annotations

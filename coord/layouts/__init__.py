@@ -1,33 +1,13 @@
-"""Checkpoint layouts of the trainers people run: a registry of name -> lazily imported ``module:Class``.
+"""Checkpoint layouts of the trainers people run: the registry :data:`LAYOUTS` (name -> lazily imported class).
 
-What it owns: for a watched directory (``ckpteval worker --watch``, ``backfill``), how to find each save's
-step, the directory holding its Hugging Face weights, and the trainer's own "this save is finished"
-signal (:class:`ckpteval.coord.layouts.base.Layout`). Discovery (:mod:`ckpteval.coord.snapshots.discovery`) admits a save as soon as
-the signal is there and every indexed shard is present, and falls back to quiescence only for a
-trainer that gives no signal.
-
-Names (``--layout NAME``): ``plain`` (step dirs, no signal), ``hf-trainer`` (HF Trainer / TRL),
-``verl``, ``openrlhf``, ``prime-rl``, ``nemo-rl``, ``miles`` (and slime's ``--save-hf``, which falls back to
-quiescence). ``auto`` (the default) asks every layout but ``plain`` whether the dir holds a save only its
-trainer writes (:func:`detect_layouts`): one answer is used from then on; none leaves ``plain`` in
-effect and asks again next poll (a first save is often not finished yet); two or more is refused with
-one line (:func:`resolve_layout`) — give ``--layout NAME``.
+A layout tells, for a watched directory, each save's step, where its Hugging Face weights are and the trainer's own
+"this save is finished" signal (:class:`ckpteval.coord.layouts.base.Layout`). ``auto`` asks every layout but
+``plain`` (:func:`detect_layouts`, :func:`resolve_layout`). Names, detection and adding a layout (a module, one line
+in :data:`LAYOUTS`, its tree in ``tests/test_layouts.py``): docs/USER_GUIDE.md "Checkpoint layouts".
 
 Guarantee: importing this module imports no layout; a layout module imports nothing of engines or
 SLURM. Limits: a layout reads names and small files only; it cannot tell a crashed trainer's
 never-finished save from a slow one (such a save simply never becomes admissible).
-
-Adding a layout (a trainer not listed):
-
-1. Read the trainer's save code for the dir names, where the HF weights go, the order files are
-   written in, any marker or tracker written last, and its rotation; cite what you read in the module
-   docstring.
-2. Write ``coord/layouts/<trainer>.py`` with a :class:`~ckpteval.coord.layouts.base.Layout` subclass: ``name``,
-   ``signal`` and ``no_weights_hint`` (what to run when a finished save has no HF weights), ``locate``
-   (entry -> :class:`~ckpteval.coord.layouts.base.Located`, ``complete=None`` only if the trainer gives no
-   signal) and ``looks_like`` (true only for saves no other trainer writes).
-3. Add ``("<name>", "ckpteval.coord.layouts.<trainer>:<Class>")`` to :data:`LAYOUTS`.
-4. Add the trainer's exact tree to ``tests/test_layouts.py`` (``TREES``): written slowly and rotated.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
-"""Building eval backends from the worker's ``--engine`` spec (the engine registry), and pooling several
-engines as one.
+"""The engine registry (:data:`ENGINES`): building eval backends from the worker's ``--engine`` spec, and pooling
+several engines as one.
 
-Specs (what ``--engine`` accepts) are ``KIND`` or ``KIND:ARG``, ``KIND`` a name of :data:`ENGINES`:
-
-========================  =====================================================================
-``hf``                    :class:`ckpteval.jobs.eval.engines.hf.engine.HFEngine` in this process on ``--device``
-``http:URL``              :class:`ckpteval.jobs.eval.engines.http.engine.HTTPEngine` talking to a server at ``URL``
-                          (sglang's native API: ``ckpteval serve`` or a real sglang server). Also
-                          written ``http://HOST:PORT``, ``https://HOST:PORT`` or ``http:HOST:PORT``
-                          (:func:`normalize_spec`)
-``sglang``                :class:`ckpteval.jobs.eval.engines.sglang.engine.SGLangEngine`: launches its own sglang server
-``fn:module:Class``       a :class:`ckpteval.jobs.eval.engines.fn.CheckpointEvalFn` (scores whole units; not an Engine)
-``auto``                  resolved on the node when the worker starts (:func:`resolve_auto`): ``sglang`` when
-                          sglang is importable and the worker has GPUs (``--device cuda*`` and at least one
-                          GPU in ``CUDA_VISIBLE_DEVICES``), else ``hf``. The sbatch scripts' default.
-========================  =====================================================================
-
-Adding an engine: write ``jobs/eval/engines/<name>.py`` with a class implementing
-:class:`~ckpteval.jobs.eval.engines.base.Engine` (import-light at module level), then add one line to
-:data:`ENGINES`: ``("<name>", EngineKind("ckpteval.jobs.eval.engines.<name>:MyEngine", arg=..., device=...,
-lora=...))``. Nothing else: ``--engine <name>`` is parsed, checked, built, pooled and pinned from there
-(an engine that subclasses :class:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine` also runs lm-eval tasks).
-
-Settings come from ``run.json`` (never from worker flags, so every consumer of a run evaluates the same
-way): ``eval.engine`` may hold one object per kind, passed as keyword arguments to that kind's
-constructor, e.g. ``{"hf": {"dtype": "bfloat16", "max_batch_size": 64}, "fn": {"k": 1}}``. Keys of other
-kinds are ignored; a key the constructor rejects is a ``ValueError`` naming the spec.
-
-A run whose ``run.json`` names ``eval.base_model`` has LoRA adapter snapshots: each kind then builds
-its LoRA variant (:attr:`EngineKind.lora`; a kind without one refuses such a run).
-
-Engine modules are imported lazily, so a worker running an ``fn`` backend never imports torch.
+Specs are ``KIND`` or ``KIND:ARG`` (``hf``, ``http:URL``, ``sglang``, ``fn:module:Class``; :func:`normalize_spec`
+takes a URL as people type it) or ``auto`` (:func:`resolve_auto`). Settings come from run.json's
+``eval.engine.<kind>`` object (constructor keywords; never from worker flags); ``eval.base_model`` builds each
+kind's LoRA variant (:attr:`EngineKind.lora`). Adding an engine: a module and one line in :data:`ENGINES`
+(docs/USER_GUIDE.md "Dataset kinds and engines"). Engine modules are imported lazily (an ``fn`` worker never
+imports torch).
 
 :class:`EnginePool` makes N engines look like one :class:`~ckpteval.jobs.eval.engines.base.Engine`: loads go to all (in turn),
 prompts are split across all (one thread each), and its ``weight_version`` is the common version only

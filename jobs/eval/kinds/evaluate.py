@@ -1,26 +1,12 @@
-"""Dataset kinds, and the one path that evaluates a unit on an engine already pinned to its step.
+"""Dataset kinds' jobs side, and the one path that evaluates a unit on an engine already pinned to its step.
 
-An entry of run.json's ``eval.datasets`` has a ``kind``: one line of :data:`ckpteval.coord.entries.KINDS` names its
-settings dataclass and the two jobs-side functions this module calls (coord knows no engine): ``generate`` (the default) —
-prompts from a JSONL file, sampled on the engine and scored by the dataset's scorer
-(:func:`ckpteval.jobs.eval.kinds.generate.scoring.evaluate_generate`); ``lm_eval`` — one EleutherAI lm-evaluation-harness task per
-unit (:func:`ckpteval.jobs.eval.kinds.lm_eval.evaluate_harness`); ``env`` — multi-turn episodes of a Python environment
-(:func:`ckpteval.jobs.eval.kinds.env.runner.evaluate_env`).
-
-:func:`evaluate_pinned` is the only place a unit is evaluated: the fleet's
-:class:`ckpteval.jobs.eval.worker.evaluators.EngineEvaluator` and the shared posture's :func:`ckpteval.jobs.trainer.gate.shared_eval`
-both call it after pinning, and turn what it returns into a result with :func:`unit_result`. Every kind
-checks the pin itself (each sample's version, or the version read back around a library task) and
-raises :class:`~ckpteval.jobs.eval.proof.pinning.PinViolation` when it does not hold.
-
-Adding a kind: see :mod:`ckpteval.coord.entries` — a module with the settings dataclass and
-``evaluate(engine, cache, spec, unit, snapshot, want) -> Evaluation`` (and optionally ``check(cache, spec)``,
-run at worker start), and one line in :data:`ckpteval.coord.entries.KINDS` naming them. User code a kind runs
-(a library's task, a scorer) raises anything: wrap it with :func:`user_code` so its failure is the unit's
-``crashed`` skip at once, never the engine's.
-
-Limits: a kind's point is one of the two rules of :mod:`ckpteval.coord.results.points` (its ``POINT_RULE``): per-sample
-scores (``SAMPLES``: ``generate``, ``env``) or per-unit metrics (``METRICS``: ``lm_eval``).
+An entry's ``kind`` names, in :data:`ckpteval.coord.entries.KINDS`, its settings class and the jobs-side functions
+this module calls (coord knows no engine). :func:`evaluate_pinned` is the only place a unit is evaluated (the fleet's
+:class:`~ckpteval.jobs.eval.worker.evaluators.EngineEvaluator` and the shared posture's
+:func:`~ckpteval.jobs.trainer.gate.shared_eval`, after pinning); every kind checks the pin itself and raises
+:class:`~ckpteval.jobs.eval.proof.pinning.PinViolation` when it does not hold. User code a kind runs goes inside
+:func:`user_code` (its failure is the unit's ``crashed`` skip, never the engine's). Adding a kind: see
+:mod:`ckpteval.coord.entries`.
 """
 
 from __future__ import annotations

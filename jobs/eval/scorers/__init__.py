@@ -1,45 +1,9 @@
-"""The scorer registry: name -> lazily imported scorer class, and the interface every scorer speaks.
+"""The scorer registry (:data:`SCORERS`: name -> lazily imported class) and the interface every scorer speaks.
 
-A dataset's ``scorer`` (run.json ``eval.datasets[i].scorer``) is a name of :data:`SCORERS`, or
-``module:function`` — a per-sample ``(completion, answer) -> float | (float, answer)`` function
-(:class:`ckpteval.jobs.eval.scorers.basic.FunctionScorer`). Its settings are the dataset entry's
-``scorer_options`` object, validated by the scorer class's ``parse_options`` wherever run.json is parsed
-(:func:`check_scorer`, installed by :func:`ckpteval.jobs.eval.kinds.evaluate.install_checks`: coord imports nothing from jobs).
-
-Adding a scorer (nothing else to edit; the worker, the shared posture, backfill and the run.json
-parser all go through this registry):
-
-1. Write a class in a module of this package (or anywhere importable), import-light (heavy imports
-   inside methods: the run.json parser imports the module to validate settings)::
-
-       class MyScorer(BaseScorer):
-           required_row_fields = ("tests",)   # checked when rows load; the error names file:line
-           needs_answer = False               # rows may then omit "answer"
-           # optional: @classmethod check_row(cls, row, where) -> None, raising ValueError(f"{where}: ...")
-           # for row checks a list of fields cannot say (the code scorer: "tests" OR "inputs"/"outputs")
-
-           @classmethod
-           def parse_options(cls, f: Fields) -> MyOptions:   # f: the "scorer_options" block
-               return parse_dataclass(f, MyOptions, what="scorer 'mine'")   # unknown keys refused
-
-           def score(self, samples: list[Sample]) -> list[Scored]: ...
-           def identity(self) -> dict[str, Any]: ...          # what scored (model id, hashes, mode)
-           # optional: def no_answer(self, sample, scored) -> bool: nothing extracted (default: empty answer)
-
-   ``__init__(spec, ctx)`` (:class:`BaseScorer`'s) sets ``self.spec``, ``self.ctx`` (a
-   :class:`ScorerContext`) and ``self.options`` (``parse_options``' value).
-2. Add one line to :data:`SCORERS`: ``("mine", "ckpteval.jobs.eval.scorers.mine:MyScorer")``.
-
-Failures: raise :class:`ScorerInfraError` (reason e.g. ``judge_failed``) when something the scorer
-depends on failed (a judge server, a sandbox): the unit is skipped with that reason, never scored 0,
-never blamed on the engine. Any other exception out of ``score`` is the scorer's own failure
-(:func:`score_samples`): the unit's ``crashed`` skip is written at once with the exception's last line,
-the engine is not restarted and its health is not counted.
-
-Counters and extras: ``Scored.counters`` (per-sample counts) are summed per unit into the result's
-``counters`` and per point into ``eval/<ds>/<counter>``; ``Scored.extras`` (per-sample numbers) are
-averaged per point into ``eval/<ds>/<name>``. ``identity()`` is recorded in every unit's result
-(``scorer``); a point whose units disagree on it is not pooled (:mod:`ckpteval.coord.results.files`).
+A dataset's ``scorer`` is a name of :data:`SCORERS` or a ``module:function`` (:class:`~ckpteval.jobs.eval.scorers.basic.FunctionScorer`);
+its ``scorer_options`` are validated by the class's ``parse_options`` wherever run.json is parsed (:func:`check_scorer`,
+installed by :func:`ckpteval.jobs.eval.kinds.evaluate.install_checks`). Adding a scorer (a class and one line in
+:data:`SCORERS`), failures, counters and extras: docs/USER_GUIDE.md "Adding a scorer".
 
 Limits: a scorer runs in the worker's process with its privileges (``module:function`` code is imported
 only under the trust rule, :mod:`ckpteval.jobs.eval.proof.trust`); scoring is synchronous per unit.

@@ -1,48 +1,13 @@
-"""The environment registry and contract: multi-turn, tool-using episodes as an eval set (``kind: "env"``).
+"""The environment registry (:data:`ENVIRONMENTS`) and contract: multi-turn, tool-using episodes as an eval set.
 
-An ``env`` entry of run.json's ``eval.datasets`` (:class:`ckpteval.coord.entries.env.EnvEntry`) names an environment
-(``env``): a name of :data:`ENVIRONMENTS`, or ``module:Class`` (imported only under the run-code trust
-rule, :mod:`ckpteval.jobs.eval.proof.trust`). Its rows are a JSONL file of objects (any fields: the environment reads
-them); ``n_samples`` episodes run per row, each of at most ``max_turns`` model turns. The episode loop is
-:mod:`ckpteval.jobs.eval.kinds.env.runner`'s; tools run in the sandbox (:mod:`ckpteval.jobs.eval.kinds.env.tools`).
+An ``env`` entry (:class:`ckpteval.coord.entries.env.EnvEntry`) names an environment: a name of :data:`ENVIRONMENTS`, or
+``module:Class`` (imported only under the run-code trust rule, :mod:`ckpteval.jobs.eval.proof.trust`). The contract
+(``start``/``step``, or ``DRIVES_MODEL`` and ``play``), tool calls and how an episode ends and who is to blame:
+docs/USER_GUIDE.md "Environments"; the episode loop is :mod:`ckpteval.jobs.eval.kinds.env.runner`'s. Adding one: an
+import-light class and one line in :data:`ENVIRONMENTS`; :func:`check_env` is the run.json parser's check.
 
-The contract (a new instance per episode, ``Class(**env_options)``)::
-
-    class MyEnv:
-        def start(self, row: dict) -> tuple[list[dict], list[Tool]]:
-            # the first messages ({"role", "content"}) and the tools the model may call
-        def step(self, reply: str) -> list[dict] | Done:
-            # the model's reply (one without tool calls): the next messages, or Done(reward, answer)
-        # optional: @classmethod check_row(cls, row, where) -> None  (ValueError naming `where`)
-
-Or, for an environment that runs its own loop and calls the model itself (``verifiers``): a class
-attribute ``DRIVES_MODEL = True`` and ``play(self, episodes, endpoint, spec)``, which plays every
-:class:`~ckpteval.jobs.eval.kinds.env.runner.Episode` against its OpenAI ``base_url`` ``endpoint.base_url(ep.index,
-ep.sample)`` (:mod:`ckpteval.jobs.eval.kinds.env.endpoint`: the pinned engine, each turn version-stamped) and ends each
-with ``ep.end(ending, cause, reward, answer)`` — the endings and blame below.
-
-A reply that calls tools (in the model's format where its tokenizer defines one, else
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Hermes/Qwen format; see
-:mod:`ckpteval.jobs.eval.kinds.env.tools`) is not shown to ``step``: the runner runs each
-call's :class:`Tool` in the sandbox and appends its result as a ``{"role": "tool"}`` message.
-
-How an episode ends (recorded per episode, ``ended``) and who is to blame (``blame``):
-
-- ``model``: ``done`` (``step`` returned :class:`Done`; its reward, wrong answers included),
-  ``malformed_tool_call`` (not JSON, an unknown tool, arguments the tool's function does not take),
-  ``out_of_turns``, ``no_answer`` (a turn whose reasoning never ended, with the entry's ``reasoning`` setting:
-  :mod:`ckpteval.jobs.eval.kinds.env.runner`) — reward 0 unless ``done``;
-- ``infra``: ``env_error`` (``start``/``step`` raised), ``tool_error`` (a tool raised, exited non-zero or
-  was killed), ``tool_timeout`` (past ``tool_timeout_s``), ``sandbox_failed`` — never scored: the episode
-  is re-run up to ``infra_retries`` times, then its unit is skipped ``env_failed`` with the cause.
-
-Adding an environment: write the class (import-light module: the run.json parser imports this package,
-not the environment), add one line to :data:`ENVIRONMENTS`. :func:`check_env` is the parser's check
-(installed by :func:`ckpteval.jobs.eval.kinds.evaluate.install_checks`).
-
-Limits: an environment object runs in the worker's process (its ``start``/``step`` are trusted code, as a
-scorer is); only tools run sandboxed, as Python with the standard library only; episodes of a unit run
-in lockstep (one batched generate per turn), so a unit takes as long as its longest episode.
+Limits: an environment object runs in the worker's process (trusted code, as a scorer is); only tools run
+sandboxed; episodes of a unit run in lockstep, so a unit takes as long as its longest episode.
 """
 
 from __future__ import annotations
