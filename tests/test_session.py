@@ -8,6 +8,7 @@ written. (The plain PyTorch loop is the user guide's "Your trainer" block, run b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -80,6 +81,10 @@ def test_hf_trainer_reuse_through_the_entry_point_and_resume(tmp_path: Path) -> 
     spec.resume = True
     again = start_eval(spec)  # the same run, its ledger replayed: nothing logged twice
     assert again.landed == 4 and sorted(r["eval/step"] for r in eval_lines(again.run.path)) == [0, 2, 4, 5]
+    second = dataclasses.replace(spec, run_dir=tmp_path / "run2", resume=False)  # another run, the same output dir
+    with pytest.raises(ValueError, match=r"save_hf_dir \(--save-hf\) .* holds 4 checkpoint\(s\) of another run"):
+        start_eval(second)
+    assert not (tmp_path / "run2" / "run.json").exists()
 
 
 @pytest.mark.parametrize("change, dispatch, says", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from tests.support.training import (
     make_train_run,
     read_jsonl,
 )
+from tests.support.workers import results
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -315,3 +317,41 @@ def test_the_eval_flags_are_the_dispatch_config_and_its_defaults_are_stated_once
     assert helps["drain_timeout_s"].startswith("longest wait at the end for outstanding points (default: 300.0)")
     with pytest.raises(SystemExit):
         parse_args([run, "--eval-overflow-policy", "drop"])
+
+
+def _train_into(run_dir: Path, save: Path, seed: int) -> subprocess.CompletedProcess:
+    """``ckpteval train`` writing marked checkpoints 0, 5, 10 into ``save`` (no fleet: the steps stay pending)."""
+    cmd = [w for w in _train_cmd(run_dir, "--steps", "10", "--seed", str(seed), "--save-hf", str(save),
+                                 "--save-interval", "5", "--eval-interval", "5", "--eval-fleet", "none")]
+    cmd[cmd.index("--eval-drain-timeout") + 1] = "1"
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_a_save_hf_dir_holding_another_runs_checkpoints_is_refused_and_never_scored_as_this_run(tmp_path: Path) -> None:
+    """Two runs given one --save-hf dir (#37): the second is refused before it overwrites anything; and where
+    another run's checkpoints did land there (copied over, an older ckpteval), a backfill of the first run
+    scores none of them as its own: each unit is ckpt_missing, naming the run that overwrote it."""
+    save = tmp_path / "hf"
+    first = _train_into(tmp_path / "A", save, seed=1)
+    assert first.returncode == 0, first.stderr[-2000:]
+    key_a = read_marker(save / "checkpoint-5").run
+    refused = _train_into(tmp_path / "B", save, seed=2)
+    assert refused.returncode != 0 and not (tmp_path / "B" / "run.json").exists()
+    assert f"--save-hf {save} holds 3 checkpoint(s) of another run" in refused.stderr and key_a in refused.stderr
+    assert read_marker(save / "checkpoint-5").run == key_a  # nothing overwritten
+    resumed = subprocess.run([*_train_cmd(tmp_path / "A", "--resume", "--steps", "10", "--save-hf", str(save),
+                                          "--save-interval", "5", "--eval-interval", "5", "--eval-fleet", "none")],
+                             env=ENV, capture_output=True, text=True, timeout=300)
+    assert "another run" not in resumed.stderr  # its own checkpoints are no other run's
+    other = _train_into(tmp_path / "B", tmp_path / "hf-b", seed=2)
+    assert other.returncode == 0, other.stderr[-2000:]
+    key_b = read_marker(tmp_path / "hf-b" / "checkpoint-5").run
+    for step in (0, 5, 10):  # B's checkpoints over A's, markers included
+        shutil.rmtree(save / f"checkpoint-{step}")
+        shutil.copytree(tmp_path / "hf-b" / f"checkpoint-{step}", save / f"checkpoint-{step}")
+    out = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "backfill", str(tmp_path / "A")], env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    got = results(RunDir.open(tmp_path / "A"))
+    assert len(got) == 6 and {r.status for r in got.values()} == {"skipped"}, out.stdout[-2000:] + out.stderr[-2000:]
+    assert {r.skip_reason for r in got.values()} == {"ckpt_missing"}
+    assert all(f"names run {key_b}, not this run's {key_a}: overwritten" in r.message for r in got.values())

@@ -20,6 +20,8 @@ Guarantees:
   another run is never reported as this run's — under a watched (foreign) root it is adopted like any
   finished checkpoint into this run's own ``adoption_dir``, elsewhere ignored. In a run's own root (not
   ``admit_foreign``: its staging or reuse dir, where its trainer stamps every marker with its key) a
+  marker naming another run is ignored with one line in :attr:`SnapshotDiscovery.problems` (overwritten by
+  that run: two runs given one output dir; :func:`refuse_other_runs` is the trainers' check), and a
   marker *without* a run key is ignored too, with one line in :attr:`SnapshotDiscovery.problems`: it was
   written by an older ckpteval or another tool, and in a staging dir several runs share it could be
   anyone's weights. Under a watched root such a marker is a finished checkpoint and is reported as it is,
@@ -216,6 +218,8 @@ class SnapshotDiscovery:
         if marker.run is None:  # in this run's own root every marker its trainer writes names the run
             self.problems.setdefault(f"runless:{path.name}", f"{path}: ignored: marker without a run key: written by "
                                      f"an older ckpteval or another tool; not this run's ({self.run}) snapshot")
+        elif marker.mode == "reuse":  # a trainer's save dir (checkpoint-N) of another run in this run's root
+            self.problems.setdefault(f"otherrun:{path.name}", overwritten(path, marker.run, self.run))
         return None  # another run's snapshot (a shared staging dir): never ours
 
     def _adoption_path(self, step: int) -> Path:
@@ -356,6 +360,41 @@ class SnapshotDiscovery:
         return SnapshotRef(marker.step, path, marker)
 
 
+def overwritten(path: Path, other: str, own: str) -> str:
+    """One line: ``path``, in run ``own``'s own snapshot root, holds run ``other``'s snapshot."""
+    return (f"{path}: ignored: its marker names run {other}, not this run's {own}: overwritten by that run "
+            "(two runs given one output dir); never scored as this run's step")
+
+
+def other_runs(root: Path, own: str | None) -> dict[str, str]:
+    """Marked snapshot dirs directly under ``root`` whose marker names a run other than ``own`` (None: a
+    run not created yet, so any run): dir name -> that run's key. Unreadable markers are skipped here."""
+    try:
+        names = sorted(e.name for e in os.scandir(root) if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    found = {}
+    for name in names:
+        try:
+            marker = read_marker(Path(root) / name)
+        except (OSError, ValueError):
+            continue
+        if marker.run is not None and marker.run != own:
+            found[name] = marker.run
+    return found
+
+
+def refuse_other_runs(root: Path, own: str | None, what: str) -> None:
+    """ValueError when the output dir ``root`` (named ``what``, e.g. ``--save-hf``) holds another run's
+    snapshots: this run would overwrite them, and that run's evaluation would score this run's weights."""
+    found = other_runs(root, own)
+    if found:
+        name, other = next(iter(found.items()))
+        raise ValueError(f"{what} {root} holds {len(found)} checkpoint(s) of another run ({name}: run {other}): "
+                         "this run would overwrite them, and that run's evaluation would score this run's "
+                         "weights as its own; give this run an output dir of its own (or remove them)")
+
+
 def adopted_refs(adoption_dir: Path, origin: str | None = None) -> list[SnapshotRef]:
     """The foreign checkpoints this run adopted (``RUN/adopted/<step>.json``), as snapshot refs (a torn or
     foreign file is left out); with ``origin``, only the captures of that watched root."""
@@ -393,4 +432,4 @@ def _link_or_copy(src: Path, dst: Path) -> tuple[int, int, int]:
     return before
 
 
-__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "adopted_refs", "shards_present", "step_from_dir"]
+__all__ = ["MARKER", "SnapshotDiscovery", "SnapshotRef", "adopted_refs", "other_runs", "overwritten", "refuse_other_runs", "shards_present", "step_from_dir"]

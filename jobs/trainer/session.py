@@ -42,6 +42,7 @@ from ckpteval.coord.results.conditions import check_metric, eval_names, parse_co
 from ckpteval.coord.run.identity import run_key
 from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import refuse_other_runs
 from ckpteval.coord.snapshots.snapshot import producer_identity
 from ckpteval.jobs.eval.kinds.evaluate import install_checks
 from ckpteval.jobs.eval.worker.evalconfig import EvalConfig, install_eval_data, read_eval_config
@@ -120,6 +121,7 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
         if config is not None and run.manifest().eval != config.spec:
             raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
         _check_stop_when(spec, run.manifest())
+        _check_output_dir(spec, run_key(run.manifest()))
         run.clear_interrupted()  # running again: readers must not take it as ended
         return run
     if config is None and build_eval is None:
@@ -130,6 +132,7 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
                          "HF model dir the trainer started from")
     if config is not None:  # checked before anything is written
         _check_stop_when(spec, RunManifest(run_id="check", eval=config.spec, snapshot_roots=()))
+    _check_output_dir(spec, None)  # before anything is written
     run = RunDir.create(spec.run_dir)
     eval_spec = (build_eval or _default_eval(spec))(run, config)
     manifest = RunManifest(
@@ -145,6 +148,13 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
         manifest = replace(manifest, snapshot_roots=(str(spec.dispatch.run_snapshot_root(run_key(manifest), run.path)),))
     RunDir.create(run.path, manifest)
     return run
+
+
+def _check_output_dir(spec: EvalRun, own: str | None) -> None:
+    """A ``save_hf_dir`` holding another run's checkpoints is refused (``refuse_other_runs``; ``own``: this
+    run's key, None for a run not created yet)."""
+    if spec.dispatch is not None and spec.dispatch.save_hf_dir is not None:
+        refuse_other_runs(Path(spec.dispatch.save_hf_dir), own, "save_hf_dir (--save-hf)")
 
 
 def _check_stop_when(spec: EvalRun, manifest: RunManifest) -> None:

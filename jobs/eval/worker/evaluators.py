@@ -18,12 +18,13 @@ from typing import Any, Protocol
 from ckpteval.coord.entries import EngineNeed
 from ckpteval.coord.results.engine_identity import EngineIdentity
 from ckpteval.coord.results.files import Result, skip_result
-from ckpteval.coord.run.identity import run_key, weight_version
+from ckpteval.coord.run.identity import run_key, snapshots_key, weight_version
 from ckpteval.coord.run.manifest import RunManifest
-from ckpteval.coord.snapshots.discovery import SnapshotRef
+from ckpteval.coord.snapshots.discovery import SnapshotRef, overwritten
 from ckpteval.coord.snapshots.snapshot import (
     SnapshotCorrupt,
     SnapshotError,
+    SnapshotMissing,
     VerifiedSnapshots,
     verify_snapshot,
 )
@@ -69,6 +70,8 @@ class Unhealthy(WorkerSkip):
 
 # -- evaluators: the part between claim and result ------------------------------------------------------
 class Evaluator(Protocol):
+    cache: DatasetCache  # the run's datasets and manifest
+
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation: ...
 
     def probe(self) -> None:
@@ -264,6 +267,9 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
     check = verify_snapshot if verified is None else verified.verify
     try:
         marker = check(ref.path, verify, ref.marker if ref.foreign else None)
+        own = snapshots_key(evaluator.cache.manifest)
+        if not ref.foreign and marker.run is not None and marker.run != own:  # e.g. reached by the dispatch ledger
+            raise SnapshotMissing(ref.path, overwritten(ref.path, marker.run, own))
         if marker.step != unit.step:
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0

@@ -19,6 +19,7 @@ from ckpteval.coord.results.conditions import check_metric, parse_condition
 from ckpteval.coord.run.identity import run_key
 from ckpteval.coord.run.manifest import LeaseSettings
 from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import refuse_other_runs
 from ckpteval.jobs.eval.worker.evalconfig import read_eval_config
 from ckpteval.jobs.flags import (
     Parser,
@@ -145,6 +146,16 @@ def check_existing_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> Non
         dispatch.listed_snapshot_root(manifest.snapshot_roots, run_key(manifest), run.path, run.manifest_path)
 
 
+def check_output_dir(cfg: TrainConfig) -> None:
+    """Refuse a ``--save-hf`` dir holding another run's checkpoints (ValueError naming one), before writing:
+    this run would overwrite them and that run's evaluation would score these weights as its own."""
+    if cfg.dispatch.save_hf_dir is None:
+        return
+    run = RunDir(cfg.run_dir)
+    own = run_key(run.manifest()) if run.manifest_path.is_file() else None
+    refuse_other_runs(cfg.dispatch.save_hf_dir, own, "--save-hf")
+
+
 def make_output_dirs(cfg: TrainConfig) -> None:
     """Create the snapshot dirs the flags name (``--eval-staging-dir``, ``--save-hf``) and prove them
     writable, after every check and before run.json: ValueError naming the flag otherwise."""
@@ -161,6 +172,7 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)  # a config breaking a rule of its own (DispatchConfig) fails here, in one line
         dispatch = cfg.validate()  # fail fast: before anything is written or trained
         check_existing_run(cfg, dispatch)  # a run already there: checked before anything is written
+        check_output_dir(cfg)  # another run's checkpoints in --save-hf: refused before they are overwritten
         make_output_dirs(cfg)  # the first write: a staging dir the filesystem refuses fails here, no run.json
     except (ValueError, FileNotFoundError) as e:
         return fail("ckpteval train", e)
