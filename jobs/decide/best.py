@@ -29,7 +29,7 @@ import numpy as np
 from ckpteval.coord.atomic import write_json_atomic
 from ckpteval.jobs.decide.data import default_metric, open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
-from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
+from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, mde_text, pair_view
 from ckpteval.jobs.decide.scorers import ALLOW_SCORER_FLAG, check_scorers, point_scorer
 from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, Best, best_step
 from ckpteval.jobs.flags import Parser, fail, output_width, wrap
@@ -59,7 +59,9 @@ def noise_rule(best: Best, values: dict[int, np.ndarray], noise: EngineNoise | N
     per_step: dict[str, dict[str, Any]] = {}
     for step, iv in best.differences.items():
         view = pair_view(values[best.step], values[step], iv.level, noise, power)
-        per_step[str(step)] = {"mde": view.verdict.mde, "bootstrap": view.to_json()["bootstrap"]}
+        per_step[str(step)] = {"mde": view.verdict.mde, **({"mde_undefined": view.verdict.undefined}
+                                                             if view.verdict.undefined else {}),
+                               "bootstrap": view.to_json()["bootstrap"]}
         if step in best.tied or not (view.engine_interval or iv).distinguishable:
             reasons[str(step)] = "interval contains 0" if step in best.tied else "engine interval contains 0"
         elif view.verdict.below:
@@ -85,7 +87,7 @@ def render(rec: dict[str, Any], width: int = 10_000) -> str:
     for step, row in rec["steps"].items():
         d = row.get("diff_to_best")
         diff = f"  diff {d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else "  (best)"
-        extra = f"  MDE {row['mde']:.4f}" if "mde" in row else ""
+        extra = f"  {mde_text(row['mde'], row.get('mde_undefined'))}" if "mde" in row else ""
         why = f"  <- {rec['reasons'][step]}" if step in rec["reasons"] else ""
         lines += wrap(f"  step {step:>8}  mean {row['mean']:.4f}{diff}{extra}{why}", width)
     return "\n".join(lines)

@@ -24,9 +24,16 @@ from typing import Any
 
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, default_metric, open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
-from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, pair_view
+from ckpteval.jobs.decide.noise import (
+    DEFAULT_POWER,
+    EngineNoise,
+    effective_df,
+    engine_noise,
+    mde_text,
+    pair_view,
+)
 from ckpteval.jobs.decide.scorers import ALLOW_SCORER_FLAG, check_scorers, point_scorer
-from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval
+from ckpteval.jobs.decide.stats import DEFAULT_LEVEL, best_step, paired_interval, t_quantile
 from ckpteval.jobs.flags import Parser, fail, output_width, wrap
 
 PROG = "ckpteval compare"
@@ -162,12 +169,22 @@ def _span(row: dict[str, Any]) -> str:
 def noise_line(r: dict[str, Any]) -> str:
     """What follows a compared row: bootstrap interval, MDE, engine-widened interval."""
     boot = r["bootstrap"]
-    text = (f"bootstrap [{boot['low']:+.4f}, {boot['high']:+.4f}]  MDE {r['mde']:.4f}"
+    text = (f"bootstrap [{boot['low']:+.4f}, {boot['high']:+.4f}]  {mde_text(r['mde'], r.get('mde_undefined'))}"
             f"{' (difference below the MDE)' if r['below_mde'] else ''}")
     if "engine_interval" in r:
-        wide = r["engine_interval"]
-        return text + f"  engine interval [{wide['low']:+.4f}, {wide['high']:+.4f}] ({r['engine']['pairs']} replays)"
+        wide, pairs = r["engine_interval"], r["engine"]["pairs"]
+        return text + (f"  engine interval [{wide['low']:+.4f}, {wide['high']:+.4f}] ({pairs} replay "
+                       f"pair{'s' if pairs != 1 else ''}{few_pairs_note(r['engine'], r['n_prompts'], r['level'])})")
     return text + "  (engine noise not measured: no replays)"
+
+
+def few_pairs_note(engine: dict[str, Any], prompts: int, level: float) -> str:
+    """Why the engine interval is wide with few replay pairs (empty once its t is within 1.3x of the prompts'
+    own; :func:`ckpteval.jobs.decide.noise.effective_df`)."""
+    p, pairs = 0.5 + level / 2, engine["pairs"] if engine["changed"] > 0 else 0
+    widen = t_quantile(p, effective_df(prompts, pairs)) / t_quantile(p, effective_df(prompts))
+    return "" if widen <= 1.3 else (f": t at {pairs} df, {widen:.1f}x the prompts' own; 6 or more pairs bring it "
+                                    "within 1.3x")
 
 
 def main(argv: list[str]) -> int:

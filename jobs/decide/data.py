@@ -158,10 +158,14 @@ def _data_digest(run: RunDir, spec: GenerateEntry) -> str:
 def check_paired(a: RunValues, b: RunValues, dataset: str) -> None:
     """ValueError unless both runs evaluate ``dataset`` on the same rows with the same sampling."""
     sa, sb = a.manifest.entry(dataset), b.manifest.entry(dataset)
-    same = (sa.n_prompts, sa.n_samples, sa.seed, sa.temperature) == (sb.n_prompts, sb.n_samples, sb.seed, sb.temperature)
-    if not same or _data_digest(a.run, sa) != _data_digest(b.run, sb):
-        raise ValueError(f"{a.run.path} and {b.run.path}: dataset {dataset!r} differs (rows, n_samples, seed or "
-                         "temperature): the scores are not paired prompt by prompt")
+    fields = {"prompts": (sa.n_prompts, sb.n_prompts), "samples per prompt (n_samples)": (sa.n_samples, sb.n_samples),
+              "seed": (sa.seed, sb.seed), "temperature": (sa.temperature, sb.temperature)}
+    differ = [f"{name} {x} vs {y}" for name, (x, y) in fields.items() if x != y]
+    if _data_digest(a.run, sa) != _data_digest(b.run, sb):
+        differ.append("the rows' bytes (sha256 of the data file)")
+    if differ:
+        raise ValueError(f"{a.run.path} and {b.run.path}: dataset {dataset!r} differs ({'; '.join(differ)}): the "
+                         "scores are not paired prompt by prompt")
 
 
 def open_run(path: Path, scoring: str | None = None) -> RunValues:

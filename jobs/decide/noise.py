@@ -31,9 +31,15 @@ detected with that power:
 
     MDE = (z_{1-alpha/2} + z_{1-beta}) * sqrt(sd2 / n + 2 tau2)           (:func:`mde`)
 
-Both ``sd2`` and ``tau2`` are estimated, so the quantiles used are Student t's at the Welch-Satterthwaite
-degrees of freedom of the sum (:func:`effective_df`: ``n - 1`` for the prompts' part, one per replay pair for
-the engine's) — with few replays the band is wider, as it must be to keep its level.
+**Few replays.** Both ``sd2`` and ``tau2`` are estimated, so the quantiles are Student t's (scipy's). The
+estimate of ``2 tau2`` from ``K`` replay pairs has ``K`` degrees of freedom; one or two pairs often give ~0
+even when the engine shifts whole evaluations, and a Welch-Satterthwaite df estimated from those same
+numbers then jumps to ``n - 1`` exactly when the band is too narrow (at a true difference 0, "better" 13.7 %
+of the time with 1 pair, 9 % with 2, nominal 5 %). :func:`effective_df` therefore takes ``min(n - 1, K)``:
+the studentised difference lies between t with ``n - 1`` df (no engine shift) and t with ``K`` df (the
+engine's shift dominates), so the smaller df keeps the level whatever the unknown share — the conservative
+(Hsu) bound. Its price with few pairs is width: t_0.975 at 1, 2, 6, 20 pairs is 12.7, 4.30, 2.45, 2.09
+(1.97 at 200 prompts without replays). Coverage by simulation: bench/bench_coverage.py, docs/USER_GUIDE.md.
 
 With no replays ``tau2`` is taken as 0 and the MDE says so (``engine`` not measured). ``ckpteval status``
 shows, per dataset, the MDE of comparing its newest point with another step *unpaired*
@@ -45,15 +51,12 @@ the prompts (fixed seed: deterministic). A prompt is resampled with all its ``n`
 value is their mean), so with ``n`` samples per prompt it is the *clustered* bootstrap — a sample-level
 bootstrap would treat a prompt's samples as independent and be too narrow.
 
-Guarantee: numpy and the standard library only; deterministic. Limits: ``tau2`` from a handful of replay
-pairs is itself noisy (one pair is one degree of freedom: its estimate can be several times the truth or 0;
-the t quantiles at the effective degrees of freedom pay for that), clipped at 0 (so where the engine has no
-shared shift the band is a little wide, never narrow), and assumed the same at every step of the run. The MDE
-takes the variance under the alternative to be the compared pair's own (``compare``/``best``: the effect is
-in it); for a variance measured without the effect see ``mde(..., bounded=True)``. Measured by simulation
-(tests/test_noise.py, :mod:`tests.support.noise_sim`): coverage of a same-true-score difference 0.94-0.96 at
-nominal 0.95 (the t interval alone: 0.90 when the engine shifts whole evaluations), power at the MDE
-0.77-0.85 at nominal 0.80.
+Guarantee: numpy and scipy; deterministic. No MDE is given (:func:`mde_undefined`) for one prompt, or
+where nothing varies (identical steps, every score 1.0): an MDE of 0 would claim any difference is seen.
+Limits: ``tau2`` is clipped at 0 and assumed the same at every step of the run. The MDE takes the variance
+under the alternative to be the compared pair's own (``compare``/``best``: the effect is in it); for a
+variance measured without the effect see ``mde(..., bounded=True)``. Coverage and power by simulation:
+tests/test_noise.py (:mod:`tests.support.noise_sim`) and bench/bench_coverage.py.
 """
 
 from __future__ import annotations
@@ -61,12 +64,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
-from ckpteval.jobs.decide.stats import Interval, score_bounds, t_quantile
+from ckpteval.jobs.decide.stats import Interval, bounded_interval, score_bounds, t_quantile
 
 DEFAULT_POWER = 0.8
 BOOTSTRAP_REPS = 2000
@@ -84,6 +86,12 @@ class EngineNoise:
     changed: float  # mean fraction of prompts whose value moved between the two evaluations of a pair
     max_abs_diff: float  # the largest |mean replay difference| of a pair
     rms_diff: float  # root mean square of the pairs' mean replay differences
+
+    @property
+    def df_pairs(self) -> int:
+        """The replay pairs the engine term's degrees of freedom count (:func:`effective_df`): 0 when every
+        replay equalled its point prompt for prompt (a deterministic engine shows no shift to allow for)."""
+        return self.pairs if self.changed > 0 else 0
 
     def to_json(self) -> dict[str, float | int]:
         return {"pairs": self.pairs, "prompts": self.prompts, "prompt_var": self.prompt_var,
@@ -111,25 +119,29 @@ def engine_noise(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> EngineNoise 
                        float(np.max(np.abs(means))), float(math.sqrt(np.mean(means**2))))
 
 
-def z(p: float) -> float:
-    """The standard normal quantile."""
-    return NormalDist().inv_cdf(p)
-
-
-def effective_df(diff_var: float, n: int, shared_var: float = 0.0, pairs: int = 0) -> float:
-    """Welch-Satterthwaite degrees of freedom of ``diff_var/n + 2 shared_var``: ``n - 1`` for the first
-    term, the number of replay ``pairs`` for the second (each pair is one squared mean difference)."""
-    a, b = max(diff_var, 0.0) / max(n, 1), 2 * max(shared_var, 0.0)
-    if b == 0.0 or pairs < 1:
-        return float(max(n - 1, 1))
-    if a == 0.0:
-        return float(pairs)
-    return max(1.0, (a + b) ** 2 / (a * a / max(n - 1, 1) + b * b / pairs))
+def effective_df(n: int, pairs: int = 0) -> float:
+    """The degrees of freedom of ``s2_d/n + 2 tau2_hat``: ``n - 1`` without replays; with ``pairs`` replay pairs
+    ``min(n - 1, pairs)``, the worst case over the unknown share of the engine's part (module docstring,
+    *Few replays*), never a Welch-Satterthwaite estimate from the same data."""
+    own = float(max(n - 1, 1))
+    return own if pairs < 1 else min(own, float(pairs))
 
 
 def quantile(p: float, df: float) -> float:
-    """Student-t quantile at ``df`` (the normal one past 10^6)."""
-    return z(p) if df > 1e6 else t_quantile(p, max(1, round(df)))
+    """Student-t quantile at ``df`` (scipy's, fractional df as is)."""
+    return t_quantile(p, df)
+
+
+def mde_undefined(diff_var: float, n: int, shared_var: float = 0.0) -> str | None:
+    """Why no MDE can be given for this comparison (None: it can): one prompt has no spread to measure, and
+    a zero spread with no measured engine variance (identical steps, every score 1.0) says nothing about how
+    large a difference the next evaluation would show — an MDE of 0 would claim any difference is seen."""
+    if n < 2:
+        return f"{n} prompt{'s' if n != 1 else ''}: no spread to size an effect against (2 or more needed)"
+    if diff_var <= 0.0 and shared_var <= 0.0:
+        return ("every prompt's value is the same on both sides' differences (identical steps, or every score at "
+                "its bound): the data show no spread to size an effect against")
+    return None
 
 
 def mde(diff_var: float, n: int, shared_var: float = 0.0, level: float = 0.95, power: float = DEFAULT_POWER,
@@ -145,13 +157,15 @@ def mde(diff_var: float, n: int, shared_var: float = 0.0, level: float = 0.95, p
     it the power at such an MDE falls short: 0.61 instead of 0.80 in tests/test_noise.py's simulation).
     ``compare`` and ``best`` do not use it: their ``diff_var`` is the compared pair's own, effect included.
     """
-    if n < 1 or not 0 < level < 1 or not 0 < power < 1:
-        raise ValueError(f"an MDE needs n >= 1, level and power in (0, 1), got n={n} level={level} power={power}")
+    if not 0 < level < 1 or not 0 < power < 1:
+        raise ValueError(f"an MDE needs level and power in (0, 1), got level={level} power={power}")
     diff_var, shared_var = max(diff_var, 0.0), max(shared_var, 0.0)
+    if (why := mde_undefined(diff_var, n, shared_var)) is not None:
+        raise ValueError(f"no MDE: {why}")
+    df = effective_df(n, pairs)
     delta, extra = 0.0, 0.0
     for _ in range(50 if bounded else 1):
         var = diff_var + extra
-        df = effective_df(var, n, shared_var, pairs)
         new = (quantile(0.5 + level / 2, df) + quantile(power, df)) * math.sqrt(var / n + 2 * shared_var)
         if abs(new - delta) < 1e-9:
             break
@@ -166,12 +180,9 @@ def noise_interval(d: np.ndarray, level: float, noise: EngineNoise, bounds: tupl
     d = np.asarray(d, dtype=float)
     if d.size < 2:
         raise ValueError(f"an interval needs at least 2 prompts, got {d.size}")
-    var = float(d.var(ddof=1))
-    df = effective_df(var, d.size, noise.shared_var, noise.pairs)
-    half = quantile(0.5 + level / 2, df) * math.sqrt(var / d.size + 2 * noise.shared_var)
-    mean = float(d.mean())
-    lo, hi = bounds if bounds is not None else (-math.inf, math.inf)
-    return Interval(mean, max(lo, mean - half), min(hi, mean + half), int(d.size), level)
+    t = quantile(0.5 + level / 2, effective_df(d.size, noise.df_pairs))
+    half = t * math.sqrt(float(d.var(ddof=1)) / d.size + 2 * noise.shared_var)
+    return bounded_interval(float(d.mean()), t, half, int(d.size), level, bounds)
 
 
 def bootstrap_interval(d: np.ndarray, level: float, reps: int = BOOTSTRAP_REPS, seed: int = BOOTSTRAP_SEED) -> Interval:
@@ -189,22 +200,31 @@ def bootstrap_interval(d: np.ndarray, level: float, reps: int = BOOTSTRAP_REPS, 
 class MdeVerdict:
     """A paired difference against its MDE."""
 
-    mde: float
+    mde: float | None  # None: no MDE can be given (``undefined`` says why)
     below: bool  # |mean difference| < MDE: too small for this many prompts and this engine to tell
     engine_measured: bool  # replays measured the shared engine variance (else it was taken as 0)
     power: float
+    undefined: str | None = None  # why there is no MDE (one prompt; no spread at all)
 
-    def to_json(self) -> dict[str, float | bool]:
+    def to_json(self) -> dict[str, float | bool | str | None]:
         return {"mde": self.mde, "below_mde": self.below, "engine_measured": self.engine_measured,
-                "power": self.power}
+                "power": self.power, **({"mde_undefined": self.undefined} if self.undefined else {})}
+
+
+def mde_text(value: float | None, why: str | None) -> str:
+    """How every output shows an MDE: ``MDE 0.0123``, or ``MDE undefined (why)``."""
+    return f"MDE {value:.4f}" if value is not None else f"MDE undefined ({why})"
 
 
 def mde_verdict(d: np.ndarray, level: float, noise: EngineNoise | None, power: float = DEFAULT_POWER) -> MdeVerdict:
     """The MDE of the comparison whose per-prompt differences are ``d`` (their own variance: the effect's
     included) and whether ``mean(d)`` is under it."""
     d = np.asarray(d, dtype=float)
-    shared, pairs = (noise.shared_var, noise.pairs) if noise is not None else (0.0, 0)
-    value = mde(float(d.var(ddof=1)) if d.size > 1 else 0.0, int(d.size), shared, level, power, pairs)
+    shared, pairs = (noise.shared_var, noise.df_pairs) if noise is not None else (0.0, 0)
+    var = float(d.var(ddof=1)) if d.size > 1 else 0.0
+    if (why := mde_undefined(var, int(d.size), shared)) is not None:
+        return MdeVerdict(None, False, noise is not None, power, why)
+    value = mde(var, int(d.size), shared, level, power, pairs)
     return MdeVerdict(value, abs(float(d.mean())) < value, noise is not None, power)
 
 

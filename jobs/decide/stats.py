@@ -9,7 +9,7 @@ interval excludes 0. :func:`best_step` picks the step with the best mean and cal
 Bonferroni-corrected level ``1 - α/(m-1)`` for ``m`` steps compared, contains 0 (so with probability
 at least ``1 - α`` no step whose true mean equals the best's is wrongly excluded).
 
-Guarantee: numpy and the standard library only; deterministic. Limits: the interval treats prompts
+Guarantee: numpy and scipy's t distribution (exact quantiles); deterministic. Limits: the interval treats prompts
 as drawn from a population (a t interval, accurate when the mean of per-prompt differences is near
 normal — tens of prompts or more); the best step's own interval is not corrected for having been
 selected as the best; ties in the mean go to the earlier step.
@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
 import numpy as np
+from scipy.stats import t as student_t
 
 DEFAULT_LEVEL = 0.95
 
 
-def t_quantile(p: float, df: int) -> float:
-    """Student-t quantile (Cornish-Fisher expansion around the normal one; < 1e-3 off for df >= 5)."""
-    if not 0.0 < p < 1.0 or df < 1:
-        raise ValueError(f"t quantile needs 0 < p < 1 and df >= 1, got p={p}, df={df}")
-    z = NormalDist().inv_cdf(p)
-    v = float(df)
-    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
-            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
+def t_quantile(p: float, df: float) -> float:
+    """Student-t quantile at ``df`` degrees of freedom (scipy's, exact; ``df`` may be fractional: a
+    Welch-Satterthwaite df is never rounded)."""
+    if not 0.0 < p < 1.0 or not df > 0.0:
+        raise ValueError(f"t quantile needs 0 < p < 1 and df > 0, got p={p}, df={df}")
+    return float(student_t.ppf(p, df))
 
 
 @dataclass(frozen=True)
@@ -68,15 +65,21 @@ def mean_interval(values: np.ndarray, level: float = DEFAULT_LEVEL,
         raise ValueError(f"an interval needs at least 2 prompts, got {x.size}")
     if not 0.0 < level < 1.0:
         raise ValueError(f"confidence level must be in (0, 1), got {level}")
-    mean = float(x.mean())
     t = t_quantile(0.5 + level / 2, x.size - 1)
-    half = t * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return bounded_interval(float(x.mean()), t, t * float(x.std(ddof=1)) / math.sqrt(x.size), int(x.size), level,
+                            bounds)
+
+
+def bounded_interval(mean: float, t: float, half: float, n: int, level: float,
+                     bounds: tuple[float, float] | None) -> Interval:
+    """``mean ± half`` (``half`` from the quantile ``t``), clipped to ``bounds``; with bounds a zero ``half`` is
+    not certainty (:func:`mean_interval`)."""
     if bounds is None:
-        return Interval(mean, mean - half, mean + half, int(x.size), level)
+        return Interval(mean, mean - half, mean + half, n, level)
     lo, hi = bounds
     if half == 0.0:
-        half = (hi - lo) * t * t / (x.size + t * t)
-    return Interval(mean, max(lo, mean - half), min(hi, mean + half), int(x.size), level)
+        half = (hi - lo) * t * t / (n + t * t)
+    return Interval(mean, max(lo, mean - half), min(hi, mean + half), n, level)
 
 
 def score_bounds(*arrays: np.ndarray) -> tuple[float, float] | None:

@@ -6,7 +6,8 @@ variance ``s2_y``, what the run's replays (``eval.replay``) measured of the engi
 replay difference of the mean, the shared engine variance ``tau2``), and the MDE of comparing that point
 with another step of the run at level 0.95 and power 0.8, *unpaired*:
 ``MDE = (t_0.975 + t_0.8) sqrt(2 s2_y / n + 2 tau2)`` (:func:`ckpteval.jobs.decide.noise.mde`; an upper bound for steps whose prompts agree, which
-``ckpteval compare`` pairs; ``tau2`` 0 and said so without replays). Also the replays' share of the run's
+``ckpteval compare`` pairs; ``tau2`` 0 and said so without replays; undefined, with the reason, for one prompt or
+no spread: :func:`ckpteval.jobs.decide.noise.mde_undefined`). Also the replays' share of the run's
 eval compute (``eval/cost/replay_share`` over every point).
 
 Guarantee: reads only the result files of the steps it needs (the newest complete point of each dataset and
@@ -20,7 +21,7 @@ from typing import Any
 
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.decide.data import Metric, RunValues
-from ckpteval.jobs.decide.noise import DEFAULT_POWER, engine_noise, mde
+from ckpteval.jobs.decide.noise import DEFAULT_POWER, engine_noise, mde, mde_text, mde_undefined
 
 LEVEL = 0.95
 
@@ -46,10 +47,12 @@ def noise_status(run: RunDir, points: list[dict[str, Any]]) -> dict[str, Any]:
         except ValueError:
             continue  # its point is not whole in what was read (a result landed meanwhile): next time
         s2 = float(values.var(ddof=1)) if values.size > 1 else 0.0
+        shared, pairs = (noise.shared_var, noise.df_pairs) if noise else (0.0, 0)
+        why = mde_undefined(2 * s2, int(values.size), shared)
         out["datasets"][name] = {
             "step": newest[name], "prompts": int(values.size), "prompt_var": s2,
-            "mde": mde(2 * s2, max(int(values.size), 1), noise.shared_var if noise else 0.0, LEVEL, DEFAULT_POWER,
-                       noise.pairs if noise else 0),
+            "mde": None if why else mde(2 * s2, int(values.size), shared, LEVEL, DEFAULT_POWER, pairs),
+            **({"mde_undefined": why} if why else {}),
             "level": LEVEL, "power": DEFAULT_POWER, "engine": noise.to_json() if noise else None}
     return out
 
@@ -76,7 +79,7 @@ def noise_lines(section: dict[str, Any] | None) -> list[str]:
         e = d["engine"]
         spread = (f"replays {e['pairs']}: {e['changed']:.1%} of prompts changed, |diff| <= {e['max_abs_diff']:.4f}, "
                   f"shared sd {math.sqrt(e['shared_var']):.4f}" if e else "engine noise not measured (no replays)")
-        lines.append(f"noise {name}: MDE {d['mde']:.4f} (step {d['step']}, {d['prompts']} prompts, "
+        lines.append(f"noise {name}: {mde_text(d['mde'], d.get('mde_undefined'))} (step {d['step']}, {d['prompts']} prompts, "
                      f"{d['level']:.0%}/power {d['power']:.0%}) | {spread}")
     if section.get("replay_share") is not None:
         lines.append(f"replays cost {section['replay_share']:.1%} of eval compute")

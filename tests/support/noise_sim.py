@@ -64,17 +64,17 @@ def measure(rng: np.random.Generator, engine: Engine, n: int, replays: int, chur
     p = 0.6
     truth = population(rng, n, p)
     noise: EngineNoise | None = engine_noise([(engine(truth, rng), engine(truth, rng)) for _ in range(replays)])
-    shared, k = (noise.shared_var, noise.pairs) if noise is not None else (0.0, 0)
+    shared, k = (noise.shared_var, noise.df_pairs) if noise is not None else (0.0, 0)
     other = churned(truth, rng, churn, p)
     d = engine(other, rng) - engine(truth, rng)
     var = float(d.var(ddof=1))
-    within = abs(d.mean()) <= quantile(0.5 + level / 2, effective_df(var, n, shared, k)) * np.sqrt(var / n + 2 * shared)
+    within = abs(d.mean()) <= quantile(0.5 + level / 2, effective_df(n, k)) * np.sqrt(var / n + 2 * shared)
     within_t = abs(d.mean()) <= quantile(0.5 + level / 2, n - 1) * np.sqrt(var / n)
     effect = mde(var, n, shared, level, power, k, bounded=True)
     better = churned(truth, rng, churn, p, gained=min(effect / gain, (1 - p) * (1 - churn)))
     d_eff = engine(better, rng) - engine(truth, rng)
     v_eff = float(d_eff.var(ddof=1))
-    detected = d_eff.mean() > quantile(0.5 + level / 2, effective_df(v_eff, n, shared, k)) * np.sqrt(v_eff / n + 2 * shared)
+    detected = d_eff.mean() > quantile(0.5 + level / 2, effective_df(n, k)) * np.sqrt(v_eff / n + 2 * shared)
     return bool(within), bool(within_t), bool(detected), effect
 
 
