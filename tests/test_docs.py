@@ -113,3 +113,47 @@ def test_no_doc_has_an_empty_fenced_block() -> None:
     assert empty_fenced_blocks("a\n```text\n\n```\nb\n```bash\nls\n```\n") == [2]  # the check itself works
     empty = {doc.name: lines for doc in DOCS if (lines := empty_fenced_blocks(doc.read_text()))}
     assert not empty, f"empty fenced blocks (file: opening lines): {empty}"
+
+
+# -- the code the docs name exists --------------------------------------------------------------------
+NAMED_CODE_DOCS = (ROOT / "docs" / "ARCHITECTURE.md", ROOT / "README.md")
+DOTTED = re.compile(r"`(ckpteval(?:\.\w+)+)`")
+ROOM_PATH = re.compile(r"`((?:jobs|coord)/[\w./]*)`")
+
+
+def _layout_text(path: Path) -> str:
+    """ARCHITECTURE.md whole; README.md's Layout section."""
+    text = path.read_text()
+    return text if path.name != "README.md" else text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+
+
+def _resolves(dotted: str) -> bool:
+    """A module importable, or an attribute of the longest importable prefix (nested attributes allowed)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 1, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", NAMED_CODE_DOCS, ids=lambda p: p.name)
+def test_every_module_name_and_path_a_doc_names_exists(doc: Path) -> None:
+    text = _layout_text(doc)
+    dotted, paths = set(DOTTED.findall(text)), set(ROOM_PATH.findall(text))
+    assert dotted and paths, f"{doc.name}: no code named (the pattern broke?)"
+    assert not sorted(d for d in dotted if not _resolves(d)), f"{doc.name} names code that does not exist"
+    assert not sorted(p for p in paths if not (ROOT / p).exists()), f"{doc.name} names paths that do not exist"
+
+
+def test_the_resolver_refuses_what_is_gone() -> None:
+    assert _resolves("ckpteval.coord.run.rundir.RunDir") and _resolves("ckpteval.jobs.trainer.start_eval")
+    assert not _resolves("ckpteval.jobs.eval.kinds.UNIT_KINDS") and not _resolves("ckpteval.jobs.eval.envs")
