@@ -52,13 +52,6 @@ RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure
 WAIT_SLICE_S = 0.1
 
 
-def _snapshot_root(config: DispatchConfig, run: RunDir, manifest: RunManifest, key: str) -> Path:
-    """This run's snapshot root as run.json lists it (:meth:`DispatchConfig.listed_snapshot_root`), made."""
-    root = config.listed_snapshot_root(manifest.snapshot_roots, key, run.path, run.manifest_path)
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
 def _check_cadence(config: DispatchConfig, run: RunDir, manifest: RunManifest) -> None:
     interval = config.eval_interval or 1
     for i, ds in enumerate(manifest.eval.entries):  # i: the entry's index in run.json's eval.datasets
@@ -126,7 +119,8 @@ class EvalDispatcher:
         config = config.for_run(run.path)
         manifest = run.manifest()
         key = run_key(manifest)
-        root = _snapshot_root(config, run, manifest, key)
+        root = config.listed_snapshot_root(manifest.snapshot_roots, key, run.path, run.manifest_path)  # as listed
+        root.mkdir(parents=True, exist_ok=True)
         _check_cadence(config, run, manifest)
         ledger = Ledger(run.ledger_path)
         canary = TrainerCanary(run, manifest, base_model_dir)
