@@ -6,6 +6,7 @@ Run A generates and files its units; run B (another run from the same base) is a
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import shutil
 import threading
@@ -196,3 +197,22 @@ def test_concurrent_writers_of_one_key_leave_one_whole_entry(tmp_path: Path) -> 
     entry = read_completions(store.path(key))
     assert entry.store_key == key and entry.text[0].startswith("text ")
     assert [p.name for p in store.path(key).parent.iterdir()] == [store.path(key).name]  # no temp file left
+
+
+def test_an_entry_whose_text_was_edited_is_a_logged_miss_never_a_hit(
+        filled: tuple[RunDir, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry's text edited in place (its key and everything else as written) fails the sha256 written with
+    it (#37): a miss naming the entry, regenerated, never served as a hit."""
+    a, filled_store = filled
+    store = shutil.copytree(filled_store, tmp_path / "store")
+    entry = sorted(store.rglob("*.completions.json.gz"))[0]
+    body = json.loads(gzip.decompress(entry.read_bytes()))
+    body["text"] = ["999" for _ in body["text"]]
+    entry.write_bytes(gzip.compress(json.dumps(body).encode()))
+    b = _run(tmp_path, "b")
+    assert _work(b, store) == EXIT_DONE
+    err = capsys.readouterr().err
+    assert str(entry) in err and "does not match the sha256 written with it" in err
+    got, expected = results(b), results(a)
+    assert sum(r.cost.get("store_misses", 0) for r in got.values()) == 1
+    assert all(r.scores == expected[unit].scores for unit, r in got.items())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results.completions import completions_path, read_completions, rows_digest
+from ckpteval.coord.results.completions import completions_path, encode, read_completions, rows_digest
 from ckpteval.coord.results.files import ResultIndex
 from ckpteval.coord.results.scorings import scoring_results
 from ckpteval.coord.run.rundir import RunDir
@@ -87,6 +87,27 @@ def test_a_partial_or_corrupt_completions_file_is_refused_naming_it(run: RunDir)
     path.write_bytes(gzip.compress(json.dumps(body).encode()))
     with pytest.raises(ValueError, match="texts but"):
         read_completions(path)
+
+
+def test_kept_text_edited_after_scoring_is_refused_naming_the_file(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:
+    """The result binds its kept text (#37): a text edited under an unchanged lease token is refused by the
+    reader (the file's own sha256), and one rewritten whole (a fresh sha256) by rescore (the result's)."""
+    unit = sorted(results(run))[0]
+    path = completions_path(run.results, unit)
+    body = json.loads(gzip.decompress(path.read_bytes()))
+    assert results(run)[unit].completions_sha256 == body["sha256"]
+    body["text"][0] += "7"  # one sample's text changed; lease token and everything else as written
+    path.write_bytes(gzip.compress(json.dumps(body).encode()))
+    with pytest.raises(ValueError, match=f"{path}: its text does not match the sha256 written with it"):
+        read_completions(path)
+    del body["sha256"]
+    path.write_bytes(gzip.compress(json.dumps(body).encode()))
+    path.write_bytes(encode(read_completions(path)))  # rewritten whole: the file agrees with itself again
+    assert rescore_main([str(run.path), "--name", "x"]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}: its text does not match the completions_sha256 its result recorded" in err
+    own = ResultIndex(run.path / "scorings" / "x" / "results").refresh()
+    assert unit not in own and len(own) == len(results(run)) - 1
 
 
 def test_rescore_with_the_same_scorer_equals_the_original_exactly(run: RunDir, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,8 +8,11 @@ scorer options or a reasoning setting can be applied later on CPU (``ckpteval re
 
 ``{"format": "ckpteval-completions", "version": 1, "unit": {...}, "generation": k, "lease_token": t,
 "rows_sha256": h, "prompts": [one rendered prompt per prompt row], "text": [...], "finish_reason": [...],
-"n_tokens": [...], "prompt_tokens": [...], "seed": [...], "weight_version": [...]}`` (a completion store's
-entry adds ``"store_key"``, the content key it is filed under).
+"n_tokens": [...], "prompt_tokens": [...], "seed": [...], "weight_version": [...], "sha256": d}`` (a completion
+store's entry adds ``"store_key"``, the content key it is filed under). ``sha256`` (:func:`content_digest`) is
+over everything but the stamps; the unit's result records it too (``completions_sha256``), so the kept text is
+bound to the number scored from it: a file whose text was edited is refused by its reader, and one rewritten
+whole (text and digest) no longer matches its result (``ckpteval rescore`` refuses it, naming the file).
 
 Guarantees: the file is published after its unit's result won first-writer-wins, itself first-writer-wins (temp
 name, fsync, ``renameat2(RENAME_NOREPLACE)`` or link), so a name never holds a torn file and never a loser's
@@ -94,11 +97,24 @@ class Completions:
         """The rendered prompt of every sample (prompt-major)."""
         return [p for p in self.prompts for _ in range(self.per_prompt)]
 
+    def content(self) -> dict[str, Any]:
+        """What the samples are (unit, rows, prompts, every per-sample field): the record less its stamps
+        (generation, lease token, store key), which are set after the text is."""
+        return {"unit": self.unit.to_json(), "rows_sha256": self.rows_sha256, "prompts": list(self.prompts),
+                **{name: list(getattr(self, name)) for name in PER_SAMPLE}}
+
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "unit": self.unit.to_json(), "generation": self.generation,
-                "lease_token": self.lease_token, "rows_sha256": self.rows_sha256, "prompts": list(self.prompts),
-                **{name: list(getattr(self, name)) for name in PER_SAMPLE},
+        content = self.content()
+        return {"format": FORMAT, "version": VERSION, "generation": self.generation, "lease_token": self.lease_token,
+                **content, "sha256": content_digest(content),
                 **({"store_key": self.store_key} if self.store_key is not None else {})}
+
+
+def content_digest(content: Completions | dict[str, Any]) -> str:
+    """SHA-256 of a record's :meth:`Completions.content` (canonical JSON): what a result binds its kept text by
+    (``Result.completions_sha256``) and what each file carries as ``sha256``, checked when it is read."""
+    obj = content.content() if isinstance(content, Completions) else content
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
 
 
 def encode(record: Completions) -> bytes:
@@ -117,7 +133,7 @@ def decode(data: bytes, source: Path) -> Completions:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT or obj.get("version") != VERSION:
         raise ValueError(f"{source}: not a {FORMAT} v{VERSION} file")
     try:
-        return Completions(
+        record = Completions(
             unit=WorkUnit.from_json(obj["unit"]),
             prompts=tuple(_strs(obj["prompts"], "prompts", nullable=False)),
             text=tuple(_strs(obj["text"], "text", nullable=False)),
@@ -133,6 +149,9 @@ def decode(data: bytes, source: Path) -> Completions:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{source}: malformed kept completions ({type(e).__name__}: {e})") from None
+    if "sha256" in obj and obj["sha256"] != content_digest(record):  # absent: written before the digest
+        raise ValueError(f"{source}: its text does not match the sha256 written with it (edited or damaged)")
+    return record
 
 
 def _str(v: Any, name: str) -> str:

@@ -42,7 +42,7 @@ import math
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,7 @@ class Result:
     # never part of the result's JSON
     kept: Any = field(default=None, repr=False, compare=False)
     engine: dict[str, Any] = field(default_factory=dict)  # the engine's identity (coord.engine_identity); {}: none
+    completions_sha256: str | None = None  # the kept completions' content digest (coord.results.completions)
 
     @property
     def ok(self) -> bool:
@@ -131,6 +132,7 @@ class Result:
             **({"blame": self.blame} if self.blame else {}),
             **({"attest": self.attest} if self.attest else {}),
             **({"cost": self.cost} if self.cost else {}),
+            **({"completions_sha256": self.completions_sha256} if self.completions_sha256 else {}),
             **({"fidelity": {k: v if math.isfinite(v) else None for k, v in self.fidelity.items()}}
                if self.fidelity else {}),  # null: infinite (the canary's token ids differed), never bare
             **({"episodes": list(self.episodes)} if self.episodes else {}),
@@ -241,6 +243,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         episodes=episodes,
         notes=notes,
         engine=engine,
+        completions_sha256=obj["completions_sha256"] if isinstance(obj.get("completions_sha256"), str) else None,
     )
 
 
@@ -250,6 +253,10 @@ def write_result(results_dir: Path, result: Result, generation: int = 0) -> bool
 
     It goes in ``results/step-<N>/``, created (and made durable) by the first result of the step."""
     results_dir = Path(results_dir)
+    if result.kept is not None:  # bound to the text it was scored from (a worker has coord.completions loaded)
+        from ckpteval.coord.results.completions import content_digest
+
+        result = replace(result, completions_sha256=content_digest(result.kept))
     stamped = stamp(result)
     data = dumps(stamped.to_json())
     final = unit_dir(results_dir, result.unit.step) / result.unit.result_name_at(generation)

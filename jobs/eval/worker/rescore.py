@@ -35,7 +35,13 @@ from typing import Any
 
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object
 from ckpteval.coord.entries.generate import GenerateEntry
-from ckpteval.coord.results.completions import Completions, completions_path, read_completions, rows_digest
+from ckpteval.coord.results.completions import (
+    Completions,
+    completions_path,
+    content_digest,
+    read_completions,
+    rows_digest,
+)
 from ckpteval.coord.results.files import Result, ResultIndex, ok_result, skip_result, write_result
 from ckpteval.coord.results.scorings import SCORING_FILE, check_name, scoring_dir
 from ckpteval.coord.run.chat_settings import check_reasoning
@@ -232,6 +238,9 @@ class Rescorer:
         if kept.unit != unit or kept.lease_token != original.lease_token:
             raise Unscorable(f"{path}: belongs to another result (unit {kept.unit.id}, lease token "
                              f"{kept.lease_token} vs the result's {original.lease_token})")
+        if original.completions_sha256 is not None and content_digest(kept) != original.completions_sha256:
+            raise Unscorable(f"{path}: its text does not match the completions_sha256 its result recorded "
+                             "(rewritten after it was scored); not re-scored")
         if len(kept.text) != len(original.scores) or tuple(kept.weight_version) != tuple(original.weight_versions):
             raise Unscorable(f"{path}: {len(kept.text)} completions / versions do not match the result's "
                              f"{len(original.scores)} samples")

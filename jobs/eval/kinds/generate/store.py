@@ -26,6 +26,11 @@ safe and the first entry stands. An entry that cannot be read whole, is malforme
 not fit the unit is a miss with one line on stderr naming it (never a crash, never its contents), and is
 replaced whole (temp + rename) by the unit's fresh completions.
 
+Integrity: every entry carries the SHA-256 of its content (:func:`ckpteval.coord.results.completions.content_digest`),
+checked on read: an entry whose text was edited or damaged is such a logged miss, never a hit. What a writer of the
+store can still forge: an entry rewritten whole, text and digest together (the digest is no signature), so a hit
+is only as honest as whoever may write the store; keep a store shared across users writable by trusted workers only.
+
 Limits: the store trusts its writers: an entry is as right as the pin checks and attestation of the worker that
 generated it. An ``http:URL`` engine (a server this worker did not launch) has no identity the worker can vouch
 for: units on it are neither stored nor answered. Only ``generate`` units are stored. Nothing is ever deleted.
