@@ -76,7 +76,7 @@ def test_hf_trainer_reuse_through_the_entry_point_and_resume(tmp_path: Path) -> 
     _train(out, start_eval(spec), save_strategy="steps", save_steps=2)
     for step in (0, 2, 4, 5):
         assert read_marker(out / f"checkpoint-{step}").mode == "reuse"
-    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+    with pytest.raises(ValueError, match=r"already holds a run; pass EvalRun\(resume=True\)"):
         start_eval(spec)
     spec.resume = True
     again = start_eval(spec)  # the same run, its ledger replayed: nothing logged twice
@@ -108,13 +108,14 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, change: di
 def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
     """``import ckpteval.jobs.trainer.session`` (what a training loop imports) loads neither the eval worker
     nor the shared posture's scoring stack, nor the engines, the canary's engine side, unit claims (leases) or
-    kept completions, nor snapshot discovery: 47 ckpteval modules (53 before #27 cut those five chains). The rest
+    kept completions, nor snapshot discovery: 47 ckpteval modules, packages not counted (53 before #27 cut those five chains). The rest
     is what the dispatcher imports at its top (GC, ledger, points, ingest, export, the canary's
     trainer side) and what run.json parsing needs."""
     import subprocess
     import sys
 
-    code = "import sys, ckpteval.jobs.trainer.session; print(' '.join(m for m in sys.modules if m.startswith('ckpteval')))"
+    code = ("import sys, ckpteval.jobs.trainer.session; print(' '.join(m for m, mod in sys.modules.items() "
+            "if m.startswith('ckpteval') and not hasattr(mod, '__path__')))")  # modules, not their folders' packages
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
     unwanted = {"ckpteval.jobs.eval.worker.main", "ckpteval.jobs.eval.worker.loop", "ckpteval.jobs.eval.kinds.generate.scoring",
                 "ckpteval.jobs.eval.kinds.evaluate", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.proof.attest",
