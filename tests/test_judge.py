@@ -5,6 +5,7 @@ fails (connection refused: a killed server; 5xx; a timeout; an unreadable verdic
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import urllib.request
 from pathlib import Path
@@ -313,3 +314,23 @@ def test_an_infra_skip_is_superseded_by_the_next_generation_never_overwritten(tm
     assert index.refresh()[unit].ok and index.generation(unit) == 1
     assert sorted(p.name for p in results.glob("step-*/*.json")) == [unit.result_name, unit.result_name_at(1)]
     assert ResultIndex(results).refresh()[unit].scores == (1.0,)
+
+
+def _boundaries(run: Path) -> list[str]:
+    return sorted(json.loads(p.read_text())["answer"]["boundary"] for p in (run / "judge_cache").glob("*/*.json"))
+
+
+def test_a_rejudged_sample_sends_the_same_prompt_and_another_run_a_different_one(tmp_path: Path,
+                                                                                 exact_judge: str) -> None:
+    """The boundary around each graded answer is derived from the run's secret and the sample (#37): a
+    re-judge (its cache entry gone) quotes it identically; another run, with its own secret, differently."""
+    scorer(tmp_path, {"url": exact_judge}).score(samples(PAIRS))
+    first = _boundaries(tmp_path / "run")
+    assert len(set(first)) == 4 and all(len(b) == 32 for b in first)
+    shutil.rmtree(tmp_path / "run" / "judge_cache")
+    again = JudgeScorer(scorer(tmp_path / "x", {"url": exact_judge}).spec,
+                        ScorerContext(run_dir=tmp_path / "run", options={}))  # a fresh scorer of the same run
+    assert [x.score for x in again.score(samples(PAIRS))] == EXPECTED
+    assert _boundaries(tmp_path / "run") == first
+    scorer(tmp_path / "other", {"url": exact_judge}).score(samples(PAIRS))
+    assert not set(_boundaries(tmp_path / "other" / "run")) & set(first)

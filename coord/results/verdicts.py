@@ -34,7 +34,9 @@ server launched for this run (``ckpteval submit train-eval --judge-model``) answ
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,27 @@ def cache_key(parts: dict[str, Any]) -> str:
     """The hex SHA-256 of the canonical JSON (sorted keys, no spaces) of ``parts``."""
     blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+JUDGE_SECRET = "judge_secret"  # RUN/judge_secret: 256 random bits, hex; the run's key for judge boundaries
+
+
+def judge_secret(run_dir: Path) -> bytes:
+    """The run's judge secret (``RUN/judge_secret``, created by the first caller, first writer wins): what a
+    sample's quoting boundary is derived from, so a re-judge sends the same prompt and the policy, which never
+    reads the run dir, cannot predict it. OSError when the run dir cannot hold it; ValueError when malformed."""
+    path = Path(run_dir) / JUDGE_SECRET
+    if not path.exists():
+        publish_exclusive(path, secrets.token_hex(32).encode())
+    text = path.read_text().strip()
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"{path}: not a judge secret (64 lowercase hex digits)")
+    return bytes.fromhex(text)
+
+
+def derive_boundary(secret: bytes, key: str) -> str:
+    """A sample's quoting boundary (32 hex digits): HMAC-SHA256 of its verdict cache ``key`` under ``secret``."""
+    return hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 class VerdictCache:

@@ -5,7 +5,7 @@ the judge's prompt, and how a score is read from the judge's reply — the part 
 Guarantees (each tested against a real judge server in ``tests/test_judge_faults.py``):
 
 - The response is fenced in the prompt by two lines carrying a per-request boundary
-  (:func:`quote_response`, 128 random bits, :func:`new_boundary`): no completion can close the fence.
+  (:func:`quote_response`, 128 bits derived from the run's secret and the sample): no completion can close the fence.
 - :func:`read_verdict` reads the judge's own words only: what the reply quotes between the boundary
   lines is dropped (:func:`unquoted`), and so is every verbatim copy of text the response itself holds
   that the rule would read as a verdict (:func:`planted`); when the response planted one, the verdicts
@@ -46,7 +46,9 @@ QUOTED_RESPONSE = re.compile(r"<<<BEGIN RESPONSE ([0-9a-f]{32})>>>\n(.*?)\n<<<EN
 
 
 def new_boundary() -> str:
-    """A per-request boundary: 128 random bits, which no completion can guess."""
+    """A random boundary of 128 bits, which no completion can guess (the scorer derives each sample's from the
+    run's secret instead, :func:`ckpteval.coord.results.verdicts.derive_boundary`, so a re-judge is the same
+    request; this is its fallback where the run dir cannot hold the secret)."""
     return secrets.token_hex(16)
 
 

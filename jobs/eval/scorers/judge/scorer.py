@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpteval.coord.entries.generate import GenerateEntry
-from ckpteval.coord.results.verdicts import VerdictCache, cache_key, read_judge
+from ckpteval.coord.results.verdicts import VerdictCache, cache_key, derive_boundary, judge_secret, read_judge
 from ckpteval.coord.run.manifest import FieldError, Fields, parse_dataclass
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.scorers import BaseScorer, Sample, Scored, ScorerContext, ScorerInfraError
@@ -151,6 +151,7 @@ class JudgeScorer(BaseScorer):
         self._model: str | None = None
         self._endpoint: JudgeEndpoint | None = None
         self._answered_by: tuple[str, ...] = ()
+        self._secret: bytes | None = None  # the run's judge secret, read at the first request
 
     # -- where and who the judge is
     def _url(self) -> str:
@@ -231,22 +232,33 @@ class JudgeScorer(BaseScorer):
     def _response_format(self) -> dict[str, Any] | None:
         return verdict_schema(self.opts) if self.opts.is_structured() else None
 
-    def _ask(self, endpoint: JudgeEndpoint, texts: dict[str, str]) -> dict[str, Any]:
-        """The judge's answer for one distinct input (not cached yet): the reply, the boundary the response
-        was quoted with (the reply is read without what it quotes inside it), the model that answered."""
-        boundary = new_boundary()
+    def _ask(self, endpoint: JudgeEndpoint, texts: dict[str, str], key: str) -> dict[str, Any]:
+        """The judge's answer for one distinct input (not cached yet, cache ``key``): the reply, the boundary the
+        response was quoted with (the reply is read without what it quotes inside it), the model that answered."""
+        boundary = self._boundary(key)
         prompt = self.template.format(**{**texts, "response": quote_response(texts["response"], boundary)})
         messages = [{"role": "system", "content": self.opts.system_prompt}] if self.opts.system_prompt else []
         messages.append({"role": "user", "content": prompt})
         reply = endpoint.chat(self._model or "", messages, self.opts.sampling(), self._response_format())
         return {"reply": reply.content, "boundary": boundary, "model": reply.model}
 
+    def _boundary(self, key: str) -> str:
+        """The sample's boundary: derived from the run's secret and its cache key (a re-judge sends the same
+        prompt; the policy cannot predict it); a fresh random one where the run dir cannot hold the secret."""
+        if self._secret is None:
+            try:
+                self._secret = judge_secret(self.ctx.run_dir)
+            except (OSError, ValueError) as e:
+                print(f"ckpteval judge: {e}; boundaries are random per request", file=sys.stderr, flush=True)
+                self._secret = b""
+        return derive_boundary(self._secret, key) if self._secret else new_boundary()
+
     def _ask_and_cache(self, endpoint: JudgeEndpoint, key: str, parts: dict[str, Any],
                        replace: bool) -> tuple[dict[str, Any], str | None]:
         """One judge request and its answer published in the cache (in the pool: cache fsyncs overlap too),
         unless the verdict rule cannot read it (the unit's retry or backfill asks again); ``replace``: over
         an unreadable entry. Also what went wrong writing the cache (None: nothing): never the unit's loss."""
-        answer = self._ask(endpoint, {k: parts[k] for k in self.fields})
+        answer = self._ask(endpoint, {k: parts[k] for k in self.fields}, key)
         if self._score_of(answer, parts["response"]) is None:
             return answer, None
         try:
@@ -390,7 +402,7 @@ class RewardModelScorer(JudgeScorer):
     def _range(self) -> tuple[float, float]:
         return self.opts.range(REWARD_RANGE)
 
-    def _ask(self, endpoint: JudgeEndpoint, texts: dict[str, str]) -> dict[str, Any]:
+    def _ask(self, endpoint: JudgeEndpoint, texts: dict[str, str], key: str) -> dict[str, Any]:
         return {"reward": endpoint.classify(self._model or "", [self.template.format(**texts)])[0]}
 
     def _usable(self, answer: dict[str, Any]) -> bool:
