@@ -208,11 +208,12 @@ def test_no_folder_in_jobs_or_coord_has_many_loose_modules() -> None:
 
 
 def test_readme_layout_table_matches_the_tree() -> None:
-    """Every path README's Layout table names exists, and every room of jobs/ is named there."""
+    """Every path README's Layout table names exists, and every room of jobs/ (of jobs/eval/, its rooms) is named there."""
     readme = (ROOT / "README.md").read_text()
     table = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
     missing = sorted(p for p in named if not (ROOT / p.rstrip("/")).exists())
     assert not missing, f"README's Layout names paths that do not exist: {missing}"
-    rooms = {f"jobs/{r}/" for r in ROOMS} | {"coord/", "sbatch/", "tests/", "bench/", "docs/"}
+    eval_rooms = {f"jobs/eval/{d.name}/" for d in (ROOT / "jobs" / "eval").iterdir() if (d / "__init__.py").exists()}
+    rooms = {f"jobs/{r}/" for r in ROOMS if r != "eval"} | eval_rooms | {"coord/", "sbatch/", "tests/", "bench/", "docs/"}
     assert rooms <= named, f"README's Layout does not name {sorted(rooms - named)}"
