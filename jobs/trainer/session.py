@@ -42,9 +42,7 @@ from ckpteval.coord.results.conditions import check_metric, eval_names, parse_co
 from ckpteval.coord.run.identity import run_key
 from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest
 from ckpteval.coord.run.rundir import RunDir
-from ckpteval.coord.snapshots.discovery import refuse_other_runs
 from ckpteval.coord.snapshots.snapshot import producer_identity
-from ckpteval.jobs.eval.kinds.evaluate import install_checks
 from ckpteval.jobs.eval.worker.evalconfig import EvalConfig, install_eval_data, read_eval_config
 from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.pathchecks import check_dir_creatable
@@ -112,7 +110,7 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
 
     ``build_eval`` writes RUN/base and the datasets of a new run and returns its eval section
     (default: the eval-config file's, and ``base_model_dir`` copied). ValueError names what is wrong."""
-    install_checks()
+    _install_checks()
     run = RunDir(spec.run_dir)
     config = read_eval_config(spec.eval_config) if spec.eval_config is not None else None
     if run.manifest_path.is_file():
@@ -154,7 +152,16 @@ def _check_output_dir(spec: EvalRun, own: str | None) -> None:
     """A ``save_hf_dir`` holding another run's checkpoints is refused (``refuse_other_runs``; ``own``: this
     run's key, None for a run not created yet)."""
     if spec.dispatch is not None and spec.dispatch.save_hf_dir is not None:
+        from ckpteval.coord.snapshots.discovery import refuse_other_runs  # lazy: keeps the trainer library light
+
         refuse_other_runs(Path(spec.dispatch.save_hf_dir), own, "save_hf_dir (--save-hf)")
+
+
+def _install_checks() -> None:
+    """jobs' run.json name checks (imported here, not at the top: the kinds pull the engines' base)."""
+    from ckpteval.jobs.eval.kinds.evaluate import install_checks
+
+    install_checks()
 
 
 def _check_stop_when(spec: EvalRun, manifest: RunManifest) -> None:
@@ -173,7 +180,7 @@ def open_dispatcher(spec: EvalRun, run: RunDir, sink: MetricsSink | None = None,
     (``shared``, ``should_stop``)."""
     if spec.dispatch is None:
         raise ValueError("no dispatch config: this run trains without evaluation")
-    install_checks()
+    _install_checks()
     return EvalDispatcher.open(spec.dispatch, run, sink or MetricsSink(run.metrics_path), run.base, **kw)
 
 
