@@ -152,7 +152,8 @@ def _check_output_dir(spec: EvalRun, own: str | None) -> None:
     """A ``save_hf_dir`` holding another run's checkpoints is refused (``refuse_other_runs``; ``own``: this
     run's key, None for a run not created yet)."""
     if spec.dispatch is not None and spec.dispatch.save_hf_dir is not None:
-        from ckpteval.coord.snapshots.discovery import refuse_other_runs  # lazy: keeps the trainer library light
+        # imported here, not at the top: keeps the trainer library light
+        from ckpteval.coord.snapshots.discovery import refuse_other_runs
 
         refuse_other_runs(Path(spec.dispatch.save_hf_dir), own, "save_hf_dir (--save-hf)")
 
