@@ -115,8 +115,8 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
     config = read_eval_config(spec.eval_config) if spec.eval_config is not None else None
     if run.manifest_path.is_file():
         if not spec.resume:
-            raise ValueError(f"{run.path} already holds a run; pass --resume to continue it")
-        if config is not None and run.manifest().eval != config.spec:
+            raise ValueError(f"{run.path} already holds a run; pass EvalRun(resume=True) to continue it")
+        if config is not None and not same_eval(run.manifest().eval, config.spec):
             raise ValueError(f"{run.manifest_path} holds a different eval than --eval-config {config.path}")
         _check_stop_when(spec, run.manifest())
         _check_output_dir(spec, run_key(run.manifest()))
@@ -146,6 +146,14 @@ def prepare_eval_run(spec: EvalRun, build_eval: BuildEval | None = None) -> RunD
         manifest = replace(manifest, snapshot_roots=(str(spec.dispatch.run_snapshot_root(run_key(manifest), run.path)),))
     RunDir.create(run.path, manifest)
     return run
+
+
+def same_eval(recorded: EvalSpec, config: EvalSpec) -> bool:
+    """Whether a resumed run's recorded eval is the eval-config's: a config naming no ``base_model``
+    matches the one the trainer recorded (``ckpteval train --lora`` adds its own base)."""
+    if config.base_model is None:
+        recorded = replace(recorded, base_model=None)
+    return recorded == config
 
 
 def _check_output_dir(spec: EvalRun, own: str | None) -> None:

@@ -70,7 +70,7 @@ class Worker:
         self.manifest = self.rundir.manifest()
         self.selection = run_step_selection(self.manifest.trainer, str(self.rundir.manifest_path))
         self.claimer = UnitClaimer(self.rundir.leases, self.manifest.lease, results_dir=self.rundir.results)
-        self.index = ResultIndex(self.rundir.results)
+        self.index = ResultIndex(self.rundir.results, self.manifest)
         self.discoveries = self._make_discoveries()
         self.identity = {
             **producer_identity(),

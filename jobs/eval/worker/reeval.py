@@ -3,7 +3,8 @@
 ``ckpteval backfill --run-dir NEW --from-run OLD --eval-config F [--steps S]`` (and
 ``ckpteval submit backfill`` with the same flags) creates NEW whose ``run.json`` has the eval of ``F``
 (:func:`ckpteval.jobs.eval.worker.evalconfig.read_eval_config`), OLD's snapshot roots (and foreign roots) as its own, and
-``trainer = {"kind": "reeval", "from_run", "from_run_id", "steps"}``; then NEW is backfilled like any
+``trainer = {"kind": "reeval", "from_run", "from_run_id", "steps"}``, and what OLD's engine needed that ``F``
+leaves out (its ``base_model`` — a LoRA run's adapters load on it — and engine settings; :func:`engine_needs`); then NEW is backfilled like any
 run. ``steps`` (:mod:`ckpteval.coord.work.steps`; ``latest`` resolved to a number at creation) limits the steps
 every consumer of NEW considers — workers, backfill array tasks, status.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.run.identity import run_key
@@ -102,7 +104,7 @@ def plan_reeval(new_dir: Path, old_dir: Path, config_path: Path, steps_text: str
     foreign = list(dict.fromkeys(_roots(old_manifest) + _foreign_roots(old_manifest)))
     obj = {
         "run_id": config.raw.get("run_id", new.path.name),
-        "eval": config.eval,
+        "eval": engine_needs(config.eval, old_manifest),
         "snapshot_roots": _roots(old_manifest),
         "trainer": {"kind": REEVAL_KIND, "from_run": str(old.path), "from_run_id": old_manifest.run_id,
                     "from_run_key": run_key(old_manifest),
@@ -114,6 +116,18 @@ def plan_reeval(new_dir: Path, old_dir: Path, config_path: Path, steps_text: str
     if new.manifest_path.exists():
         _check_same(new, manifest)
     return ReevalPlan(new, old, old_manifest, config, selection, selected, manifest)
+
+
+def engine_needs(eval_section: dict[str, Any], old: RunManifest) -> dict[str, Any]:
+    """``eval_section`` with what OLD's engine needed to load OLD's snapshots, where the config leaves it
+    out: ``base_model`` (a LoRA run's snapshots are adapters on it) and OLD's engine settings under the
+    config's own (``dtype``, ...). The config's values win."""
+    out = dict(eval_section)
+    if old.eval.base_model is not None and "base_model" not in out:
+        out["base_model"] = old.eval.base_model
+    if old.eval.engine:
+        out["engine"] = {**old.eval.engine, **out.get("engine", {})}
+    return out
 
 
 def _check_same(new: RunDir, manifest: RunManifest) -> None:

@@ -36,6 +36,7 @@ from ckpteval.jobs.eval.kinds.generate.prompts import snapshot_tokenizer
 from ckpteval.jobs.eval.kinds.generate.reasoning import (
     TOKENIZER,
     ReasoningSetting,
+    ReasoningUnresolved,
     Split,
     parse_setting,
     split_reasoning,
@@ -53,16 +54,18 @@ class Reasoning:
 
 def resolve_reasoning(spec: GenerateEntry, snapshot_dir: str | None) -> Reasoning:
     """``spec.reasoning`` for the snapshot at ``snapshot_dir`` (its tokenizer: ``end: "tokenizer"``, and the
-    reasoning token count; RuntimeError when ``tokenizer`` mode cannot read one)."""
+    reasoning token count). A ``tokenizer`` setting the snapshot cannot resolve raises
+    :class:`ReasoningUnresolved` (a ``bad_config`` skip): callers resolve it before generating."""
     if spec.reasoning is None:
         return Reasoning(None)
     tokenizer = None
     if snapshot_dir is not None:
         try:
             tokenizer = snapshot_tokenizer(snapshot_dir)
-        except RuntimeError:
+        except RuntimeError as e:
             if spec.reasoning["end"] == TOKENIZER:
-                raise
+                raise ReasoningUnresolved(f"dataset {spec.name!r} on {snapshot_dir}: setting reasoning.end='tokenizer' "
+                                          f"needs the snapshot's tokenizer: {e}") from e
     setting = parse_setting(spec.reasoning, tokenizer, f"dataset {spec.name!r} on {snapshot_dir}")
     if tokenizer is None:
         return Reasoning(setting)

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ckpteval.jobs.eval.skips import WorkerSkip
+
 TOKENIZER = "tokenizer"  # "end": "tokenizer" -> the snapshot tokenizer's own pair
 
 # The pairs sglang 0.5.23's reasoning parsers know (srt/parser/reasoning_parser.py): DeepSeekR1Detector,
@@ -40,6 +42,13 @@ KNOWN_PAIRS: tuple[tuple[str, str], ...] = (
     ("[THINK]", "[/THINK]"),
     ("<|START_THINKING|>", "<|END_THINKING|>"),
 )
+
+
+class ReasoningUnresolved(WorkerSkip):
+    """``{"end": "tokenizer"}`` on a snapshot whose tokenizer gives no usable pair: a configuration error,
+    written at once as a ``bad_config`` skip naming the setting — never a crash, never an engine restart."""
+
+    reason = "bad_config"
 
 
 @dataclass(frozen=True)
@@ -102,22 +111,23 @@ def parse_setting(value: dict[str, Any] | None, tokenizer: Any = None, where: st
         return None
     if value["end"] == TOKENIZER:
         if tokenizer is None:
-            raise RuntimeError(f"{where}: reasoning end 'tokenizer' needs the snapshot's tokenizer")
+            raise ReasoningUnresolved(f"{where}: setting reasoning.end='tokenizer' needs the snapshot's tokenizer")
         start, end = tokenizer_pair(tokenizer, where)
         return ReasoningSetting(end, value.get("start", start), bool(value.get("always", False)))
     return ReasoningSetting(value["end"], value.get("start"), bool(value.get("always", False)))
 
 
 def tokenizer_pair(tokenizer: Any, where: str = "") -> tuple[str, str]:
-    """The first of :data:`KNOWN_PAIRS` whose both tags are in the tokenizer's vocabulary; RuntimeError
-    when none is, or when its end tag is a special token (decoding would drop it: every answer lost)."""
+    """The first of :data:`KNOWN_PAIRS` whose both tags are in the tokenizer's vocabulary;
+    :class:`ReasoningUnresolved` when none is, or when its end tag is a special token (decoding would drop it: every answer lost)."""
     vocab = set(tokenizer.get_vocab())
     for start, end in KNOWN_PAIRS:
         if start in vocab and end in vocab:
             if end in set(getattr(tokenizer, "all_special_tokens", ()) or ()):
-                raise RuntimeError(f"{where}: the tokenizer's reasoning end {end!r} is a special token; engines "
-                                   "decode with skip_special_tokens, so it never reaches the text")
+                raise ReasoningUnresolved(f"{where}: setting reasoning.end='tokenizer': the tokenizer's end {end!r} is "
+                                          "a special token; engines decode with skip_special_tokens, so it never "
+                                          "reaches the text; name another delimiter in run.json")
             return start, end
     known = ", ".join(end for _, end in KNOWN_PAIRS)
-    raise RuntimeError(f"{where}: reasoning end 'tokenizer', but the tokenizer has none of the known pairs "
-                       f"(ends {known}); name the delimiter in run.json instead")
+    raise ReasoningUnresolved(f"{where}: setting reasoning.end='tokenizer', but the tokenizer has none of the known "
+                              f"pairs (ends {known}); name the delimiter in run.json instead")

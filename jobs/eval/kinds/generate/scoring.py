@@ -147,6 +147,7 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
     ``snapshot_dir``: the snapshot being evaluated (its tokenizer renders ``chat`` datasets).
     """
     work = unit_input(cache, unit, snapshot_dir)
+    reasoning = resolve_reasoning(work.spec, snapshot_dir)  # a setting the snapshot cannot resolve: before generating
     t0 = time.perf_counter()
     params = sampling_params(work.spec)
     # greedy: no seeds, so an engine that predates per-sample seeds still serves raw greedy sets
@@ -161,7 +162,7 @@ def score_unit(engine: Engine, cache: DatasetCache, unit: WorkUnit, snapshot_dir
     kept = record_generations(unit, work.prompts[::per_prompt], rows_digest(work.rows[::per_prompt]), work.seeds,
                               generations)
     return unit_scores(cache.scorer(work.spec), work.spec, generations, work.rows, work.prompts,
-                       resolve_reasoning(work.spec, snapshot_dir), generate_s=elapsed, kept=kept)
+                       reasoning, generate_s=elapsed, kept=kept)
 
 
 def kept_generations(kept: Completions, versions: list[str | None] | None = None) -> list[Generation]:

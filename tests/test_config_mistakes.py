@@ -1,0 +1,84 @@
+"""A configuration mistake never reads as a dead engine (issue #38): each path through the real ``ckpteval``
+entry points on a real LoRA run of the reference model — a refusal is one line and exit 2, or a skip naming
+the setting; never exit 4 (which the batch scripts read as "requeue")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpteval.coord.results.files import ResultIndex
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.jobs.lifecycle import EXIT_UNHEALTHY
+
+ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+QA = {"name": "qa", "path": "qa.jsonl", "n_prompts": 1, "scorer": "exact", "shard_size": 1, "max_new_tokens": 2}
+
+
+def ckpteval(*argv: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ckpteval", *map(str, argv)], env=ENV, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def write_config(path: Path, **dataset: object) -> Path:
+    path.write_text(json.dumps({"eval": {"datasets": [{**QA, **dataset}]}}))
+    return path
+
+
+def train_argv(root: Path) -> list[str | Path]:
+    """The guide's LoRA command line (trainer alone, no fleet)."""
+    return ["train", "--run-dir", root / "lora", "--steps", "2", "--eval-interval", "2", "--eval-config",
+            root / "plain.json", "--lora", "--eval-fleet", "none", "--save-hf", root / "lora" / "hf",
+            "--save-interval", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished ``ckpteval train --lora --eval-config`` run (adapter snapshots at steps 0 and 2)."""
+    root = tmp_path_factory.mktemp("lora")
+    (root / "qa.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    write_config(root / "plain.json")
+    proc = ckpteval(*train_argv(root))
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def skips(run: Path) -> list[tuple[str | None, str | None]]:
+    return [(r.skip_reason, r.message) for _, r in sorted(ResultIndex(RunDir(run).results).refresh().items())]
+
+
+def test_a_lora_run_resumes_with_the_guides_command_line(lora_run: Path) -> None:
+    proc = ckpteval(*train_argv(lora_run), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert "holds a different eval" not in proc.stderr
+
+
+def test_backfill_from_a_lora_run_carries_its_base_model(lora_run: Path) -> None:
+    new = lora_run / "reeval-plain"
+    proc = ckpteval("backfill", "--run-dir", new, "--from-run", lora_run / "lora", "--eval-config",
+                    lora_run / "plain.json", "--engine", "hf")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert RunDir(new).manifest().eval.base_model == str((lora_run / "lora" / "base").resolve())
+    assert [r[0] for r in skips(new)] == [None, None]  # both steps scored
+
+
+def test_reasoning_end_tokenizer_without_a_pair_is_a_skip_naming_the_setting_not_a_dead_engine(lora_run: Path) -> None:
+    """The reference tokenizer knows no think pair: each unit is a ``bad_config`` skip naming the setting,
+    written at once; the engine is never reloaded and the backfill never exits 4."""
+    base = str((lora_run / "lora" / "base").resolve())  # given: this test does not lean on the --from-run fix
+    config = lora_run / "reasoning.json"
+    config.write_text(json.dumps({"eval": {"base_model": base, "datasets": [{**QA, "reasoning": {"end": "tokenizer"}}]}}))
+    new = lora_run / "reeval-reasoning"
+    proc = ckpteval("backfill", "--run-dir", new, "--from-run", lora_run / "lora", "--eval-config", config,
+                    "--engine", "hf")
+    assert proc.returncode == 0 and proc.returncode != EXIT_UNHEALTHY, proc.stdout + proc.stderr
+    found = skips(new)
+    assert [r for r, _ in found] == ["bad_config", "bad_config"], found
+    assert all("reasoning.end='tokenizer'" in str(m) and "name the delimiter" in str(m) for _, m in found)
+    assert "restart" not in proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if "SKIP bad_config" in x)
+    assert "name the delimiter in run.json instead" in line  # the console line keeps the fix
