@@ -82,3 +82,26 @@ def test_reasoning_end_tokenizer_without_a_pair_is_a_skip_naming_the_setting_not
     assert "restart" not in proc.stdout + proc.stderr
     line = next(x for x in proc.stdout.splitlines() if "SKIP bad_config" in x)
     assert "name the delimiter in run.json instead" in line  # the console line keeps the fix
+
+
+def test_a_trainer_learns_that_the_fleet_refused_the_config_and_skips_instead_of_waiting(tmp_path: Path) -> None:
+    """A worker refusing the run's eval sets at start (exit 2) writes RUN/CONFIG_REFUSED; the trainer,
+    under backpressure with a 600 s bound, skips its points ``config_refused`` at once and finishes."""
+    from tests.support.workers import finish, spawn, wait_for
+
+    run_dir = tmp_path / "run"
+    argv = ["--run-dir", str(run_dir), "--steps", "6", "--batch-size", "8", "--threads", "1", "--no-progress",
+            "--ckpt-interval", "1000", "--eval-interval", "2", "--save-hf", str(tmp_path / "hf"), "--save-interval", "2",
+            "--eval-max-in-flight", "1", "--eval-n-prompts", "4", "--eval-shard-size", "2", "--eval-poll-interval",
+            "0.05", "--no-eval-at-start", "--eval-backpressure-timeout", "600", "--eval-drain-timeout", "0.5"]
+    trainer = spawn("train", *argv)
+    wait_for(lambda: (run_dir / "run.json").is_file(), 60)
+    for data in (run_dir / "data").glob("*.jsonl"):
+        data.write_text("not json\n")  # the run's eval set, broken: no worker can evaluate it
+    worker = ckpteval("worker", "--run-dir", run_dir, "--engine", "hf")
+    assert worker.returncode == 2 and worker.returncode != EXIT_UNHEALTHY, worker.stderr
+    assert RunDir(run_dir).config_refused() is not None
+    code, out = finish(trainer, 120)
+    assert code == 0, out
+    skipped = {r.skip_reason for r in ResultIndex(RunDir(run_dir).results).refresh().values()}
+    assert skipped == {"config_refused"}, skipped

@@ -18,6 +18,7 @@ own. Layout::
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json
     RUN/TRAINING_DONE     written once when training has finished (final step)
+    RUN/CONFIG_REFUSED    written by a worker that refused the run's configuration at start (exit 2)
     RUN/INTERRUPTED       written when a supervisor (``ckpteval demo``) stopped the run early; removed on --resume
     RUN/service_ledger.jsonl   the checkpoint-watching service's ingest record (ckpteval.coord.run.ledger)
     RUN/service_metrics.jsonl  every point the service logged (ckpteval.jobs.metrics)
@@ -133,6 +134,10 @@ class RunDir:
         return self.path / "INTERRUPTED"
 
     @property
+    def refused_path(self) -> Path:
+        return self.path / "CONFIG_REFUSED"
+
+    @property
     def service_ledger_path(self) -> Path:
         return self.path / "service_ledger.jsonl"
 
@@ -231,6 +236,19 @@ class RunDir:
     def clear_interrupted(self) -> None:
         """A resumed run is running again (``ckpteval train --resume``)."""
         self.interrupted_path.unlink(missing_ok=True)
+
+    # -- config refused ------------------------------------------------------------------------------
+    def refuse_config(self, by: str, message: str) -> None:
+        """Record that a consumer refused this run's configuration at start (it can never evaluate a unit;
+        docs/PROTOCOL.md): the trainer then skips points instead of waiting for a fleet that cannot run."""
+        write_json_atomic(self.refused_path, {"by": by, "message": message, "time": time.time()})
+
+    def config_refused(self) -> dict | None:
+        """The CONFIG_REFUSED record (``by``, ``message``, ``time``), else None (also when unreadable)."""
+        try:
+            return read_json_object(self.refused_path)
+        except (FileNotFoundError, ValueError):
+            return None
 
     def ended(self) -> bool:
         """No trainer will publish another snapshot: training is done or the run was interrupted."""

@@ -14,6 +14,7 @@ the copy is copied as it is then. This module imports no worker loop (the traine
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -79,7 +80,22 @@ def read_eval_config(config_path: Path) -> EvalConfig:
         if want != spec.n_prompts:
             raise ValueError(f"{config_path}: dataset {name!r} file {src} has {len(rows)} rows, n_prompts says "
                              f"{spec.n_prompts}{'' if spec.subset is None else f' (subset {spec.subset})'}")
+    check_task_names(config_path, checked.eval.entries)
     return EvalConfig(config_path, cfg, eval_section, sources, checked.eval, checked.lease if "lease" in cfg else None)
+
+
+def check_task_names(config_path: Path, entries: tuple[Any, ...]) -> None:
+    """lm_eval entries' task names, checked where lm-eval is installed (train, submit and backfill hosts as
+    well as workers): a misspelt task is refused at start, naming the config, never left to the fleet."""
+    harness = tuple(e for e in entries if e.kind == "lm_eval")
+    if not harness or importlib.util.find_spec("lm_eval") is None:
+        return
+    from ckpteval.jobs.eval.kinds.lm_eval import check_harness  # lm-eval's task index: only when needed
+
+    try:
+        check_harness(RunDir(config_path.parent), harness)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"{config_path}: {e}") from None
 
 
 def _existing(config_path: Path, name: str, src: Path) -> Path:

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -226,7 +227,11 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     run.ended()  # a malformed TRAINING_DONE or INTERRUPTED stops the worker here, named, not mid-loop
     check_run_code(run, manifest, trusted=opts.trust_run_code)  # before any scorer is imported
     cache = DatasetCache(run, manifest, ScorerContext(run.path, scorer_options(opts)))
-    check_datasets(cache)
+    try:
+        check_datasets(cache)
+    except (ValueError, FileNotFoundError) as e:  # the run's eval sets: no worker can evaluate them
+        run.refuse_config(f"{socket.gethostname()}:{os.getpid()}", str(e))
+        raise
     for d in manifest.eval.entries:  # legal, but almost always a mistake: say it once, at start
         if scored_per_sample(d) and d.n_samples > 1 and not d.samples_randomly:
             print(f"ckpteval worker: warning: dataset {d.name!r} draws n_samples={d.n_samples} at temperature 0: "
