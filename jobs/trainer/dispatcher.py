@@ -211,7 +211,11 @@ class EvalDispatcher:
                 waited = self._wait_for_slot()
             if len(self.pending) >= self.config.max_in_flight and not self.should_stop():
                 message = f"{len(self.pending)} points in flight (max {self.config.max_in_flight})"
-                self._skip(step, "busy", message, extra={"backpressure_wait_seconds": waited})
+                refused = self.run.config_refused()  # RUN/CONFIG_REFUSED: no worker can run this config
+                reason = "busy" if refused is None else "config_refused"
+                if refused is not None:
+                    message = f"{message}; a worker refused the run's configuration: {refused.get('message')}"
+                self._skip(step, reason, message, extra={"backpressure_wait_seconds": waited})
                 return
         self.ledger.append("dispatched", step, mode=self.config.mode, backpressure_wait_seconds=waited,
                            train_gpu_s=train_gpu_s, trainer_gpus=self._training.gpus)
@@ -321,7 +325,8 @@ class EvalDispatcher:
         """Backpressure: wait (ingesting) until a slot frees or the timeout passes; returns the wait."""
         start = self.clock()
         deadline = start + self.waits.backpressure_timeout_s
-        while len(self.pending) >= self.config.max_in_flight and self.clock() < deadline and not self.should_stop():
+        while (len(self.pending) >= self.config.max_in_flight and self.clock() < deadline and not self.should_stop()
+               and self.run.config_refused() is None):  # a refused config: no fleet will free a slot
             self._sleep_and_poll()
         return self.clock() - start
 
