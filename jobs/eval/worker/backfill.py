@@ -302,7 +302,7 @@ class Tally:
         skipped = self.skipped
         if skipped:
             n = sum(count for count, _ in skipped.values())
-            why = "; ".join(f"{reason} x{count}: {message[:100]}" for reason, (count, message) in skipped.items())
+            why = "; ".join(f"{reason} x{count}: {message}" for reason, (count, message) in skipped.items())
             text += f", {n} skipped ({why})"
         if not self.ok and skipped and set(skipped) <= INFRA_SKIPS:
             text += " — NOTHING SCORED: an outside service failed; fix it and run backfill again (it retries these)"
