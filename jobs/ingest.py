@@ -109,7 +109,7 @@ class ServiceIngester:
         self.sink = sink
         self.manifest = run.manifest()
         self.ledger = Ledger(run.service_ledger_path)
-        self.index = ResultIndex(run.results)
+        self.index = ResultIndex(run.results, self.manifest)
 
     def poll(self) -> list[int]:
         """Log every newly complete point; returns their steps."""

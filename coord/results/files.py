@@ -58,7 +58,7 @@ from ckpteval.coord.results.engine_identity import parse_identity
 from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import DUPLICATES, step_dir_name, step_of_dir, unit_dir
 from ckpteval.coord.snapshots.snapshot import producer_identity
-from ckpteval.coord.work.units import WorkUnit, units_for_step
+from ckpteval.coord.work.units import WorkUnit, check_score_count, expected_scores, units_for_step
 
 # Skips blaming a service outside the unit (judge server, sandbox, environment server): a later evaluation
 # may supersede them with a result of the next generation (module docstring).
@@ -319,11 +319,14 @@ class ResultIndex:
 
     Malformed result files are not trusted and not fatal to readers: they are collected in
     :attr:`errors` (name relative to ``results/`` → message) so status can show them, and the unit counts
-    as unfinished.
+    as unfinished. With the run's ``manifest``, an ok result of a per-sample entry whose number of scores is
+    not its unit's (:func:`~ckpteval.coord.work.units.expected_scores`) is malformed too: pooled, its samples
+    would move across prompts.
     """
 
-    def __init__(self, results_dir: Path) -> None:
+    def __init__(self, results_dir: Path, manifest: RunManifest | None = None) -> None:
         self.results_dir = Path(results_dir)
+        self.manifest = manifest
         self._by_unit: dict[WorkUnit, Result] = {}
         self._by_step: dict[int, dict[WorkUnit, Result]] = {}
         self._generation: dict[WorkUnit, int] = {}
@@ -342,7 +345,7 @@ class ResultIndex:
             name = f"{directory}/{base}"
             path = self.results_dir / name
             try:
-                result = parse_result(read_json_object(path), path)
+                result = self._checked(parse_result(read_json_object(path), path), path)
             except (ValueError, FileNotFoundError) as e:
                 self.errors[name] = str(e)
                 continue
@@ -358,8 +361,27 @@ class ResultIndex:
             return False
         directory, base = step_dir_name(result.unit.step), result.unit.result_name_at(generation)
         path = self.results_dir / directory / base
-        self._take(directory, base, parse_result(json.loads(dumps(stamped.to_json())), path))
+        try:  # published, so every reader with the manifest refuses it: so does this index
+            self._take(directory, base, self._checked(parse_result(json.loads(dumps(stamped.to_json())), path), path))
+        except ValueError as e:
+            self.errors[f"{directory}/{base}"] = str(e)
         return True
+
+    def _checked(self, result: Result, source: Path) -> Result:
+        """``result``, or ValueError naming ``source`` when it is ok but carries a number of scores other than
+        its unit's (known only with the manifest; a unit of a dataset the run lacks is not checked)."""
+        if self.manifest is None or not result.ok:
+            return result
+        try:
+            expected = expected_scores(self.manifest, result.unit)
+        except KeyError:
+            return result
+        if expected is not None and len(result.scores) != expected:
+            try:
+                check_score_count(self.manifest.entry(result.unit.dataset), result.unit, len(result.scores))
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
+        return result
 
     def _take(self, directory: str, base: str, result: Result) -> None:
         """Index one result read (or published) as ``directory/base`` under ``results/``."""

@@ -30,7 +30,7 @@ from ckpteval.coord.results.engine_identity import differing_fields, parse_ident
 from ckpteval.coord.results.files import Result, skip_result
 from ckpteval.coord.run.identity import run_key, version_matches, version_runs, version_step
 from ckpteval.coord.run.manifest import RunManifest
-from ckpteval.coord.work.units import WorkUnit, prompt_range, units_for_step
+from ckpteval.coord.work.units import WorkUnit, check_score_count, prompt_range, units_for_step
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,11 @@ class PromptMajor:
 
 def prompt_major(spec: SamplesEntry, units: list[Result]) -> PromptMajor:
     """The samples of a dataset's unit results (in :meth:`~ckpteval.coord.entries.Entry.units` order) pooled per
-    prompt across the units of a shard's sample ranges (``samples_per_unit``); unsplit: concatenated."""
+    prompt across the units of a shard's sample ranges (``samples_per_unit``); unsplit: concatenated.
+    ValueError naming the unit if a result's number of scores is not its unit's (it would regroup samples
+    across prompts; :class:`~ckpteval.coord.results.files.ResultIndex` refuses such a file when it is read)."""
+    for r in units:
+        check_score_count(spec, r.unit, len(r.scores))
     with_answers = all(len(r.answers) == len(r.scores) for r in units)
     if spec.sample_parts == 1:
         return PromptMajor([s for r in units for s in r.scores], [v for r in units for v in r.weight_versions],

@@ -78,11 +78,12 @@ def scoring_results(run: RunDir, name: str | None,
                     only_steps: Collection[int] | None = None) -> tuple[dict[WorkUnit, Result], dict[str, str]]:
     """Every unit's result (of ``only_steps``; None: every step) as the scoring ``name`` shows it (None: the
     original results), and the malformed result files read (name -> why)."""
-    base = ResultIndex(run.results)
+    manifest = run.manifest()
+    base = ResultIndex(run.results, manifest)
     results = dict(base.refresh(only_steps=only_steps))
     if name is None:
         return results, dict(base.errors)
-    index = ResultIndex(open_scoring(run, name) / "results")
+    index = ResultIndex(open_scoring(run, name) / "results", manifest)
     merged = overlay(results, index.refresh(only_steps=only_steps))
     return merged, {**base.errors, **{f"{SCORINGS}/{name}/{k}": v for k, v in index.errors.items()}}
 
@@ -93,10 +94,10 @@ def scoring_step_facts(run: RunDir, manifest: RunManifest,
     facts, errors = read_step_facts(run.results, manifest)
     if name is None:
         return facts, errors
-    index = ResultIndex(open_scoring(run, name) / "results")
+    index = ResultIndex(open_scoring(run, name) / "results", manifest)
     rescored = index.refresh()
     steps = {u.step for u in rescored}
-    base = ResultIndex(run.results)
+    base = ResultIndex(run.results, manifest)
     base.refresh(only_steps=steps)
     for step in steps:
         mine = {u: r for u, r in rescored.items() if u.step == step}

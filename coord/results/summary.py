@@ -184,7 +184,7 @@ def read_step_facts(results_dir: Path, manifest: RunManifest) -> tuple[dict[int,
             stale.append(step)
         else:
             facts[step] = found
-    index = ResultIndex(results_dir)
+    index = ResultIndex(results_dir, manifest)
     index.refresh(only_steps=stale)
     again = index.steps() & set(facts)  # a result moved by hand into another step's directory: read both
     if again:

@@ -37,7 +37,7 @@ def vanished_units(run: RunDir) -> list[WorkUnit]:
     present = {ref.step for root in manifest.snapshot_roots for ref in SnapshotDiscovery(Path(root), run=key).poll()}
     dispatched = set(Ledger(run.ledger_path, repair=False).state.dispatched)
     selection = run_step_selection(manifest.trainer, str(run.manifest_path))
-    results = ResultIndex(run.results).refresh()
+    results = ResultIndex(run.results, manifest).refresh()
     return [
         unit
         for step in sorted(dispatched - present)

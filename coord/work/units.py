@@ -45,3 +45,27 @@ def prompt_range(ds: SamplesEntry, shard: int) -> range:
 def unit_samples(manifest: RunManifest, unit: WorkUnit) -> range:
     """The sample indices (of each prompt) a unit generates."""
     return unit.sample_range(manifest.entry(unit.dataset).n_samples)
+
+
+def expected_scores(manifest: RunManifest, unit: WorkUnit) -> int | None:
+    """How many scores an ok result of ``unit`` carries: (prompts in its shard) x (samples in its range); None
+    for a kind scored per unit (its point reads the unit's metrics: ``lm_eval``). A replay counts like its unit.
+    KeyError naming the run if it has no entry of the unit's dataset."""
+    entry = manifest.entry(unit.dataset)
+    if not scored_per_sample(entry):
+        return None
+    prompts, samples = _shape(entry, unit)
+    return prompts * samples
+
+
+def check_score_count(spec: SamplesEntry, unit: WorkUnit, n: int) -> None:
+    """ValueError unless ``n`` is the number of scores ``unit`` of ``spec`` carries (:func:`expected_scores`):
+    a wrong count would regroup samples across prompts."""
+    prompts, samples = _shape(spec, unit)
+    if n != prompts * samples:
+        raise ValueError(f"{n} scores, but unit {unit.id} has {prompts} prompts x {samples} samples = {prompts * samples}")
+
+
+def _shape(spec: SamplesEntry, unit: WorkUnit) -> tuple[int, int]:
+    """(prompts in the unit's shard, samples of each prompt in its range)."""
+    return len(prompt_range(spec, unit.shard)), len(unit.sample_range(spec.n_samples))

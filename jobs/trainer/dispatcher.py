@@ -87,7 +87,7 @@ class EvalDispatcher:
         """Only assigns the built parts; :meth:`open` builds them for a run dir."""
         self.config, self.waits, self.run, self.manifest = config, config.waits, run, manifest
         self.sink, self.ledger, self.root, self.key = sink, ledger, root, run_key(manifest)
-        self.index = ResultIndex(run.results)
+        self.index = ResultIndex(run.results, manifest)
         self.exporter, self.gc, self._canary, self._training = exporter, gc, canary, training
         self.shared, self._cache = shared, cache
         self.clock = clock

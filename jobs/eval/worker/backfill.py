@@ -179,7 +179,8 @@ def until_plan(args: argparse.Namespace) -> Condition | None:
 def write_until_record(opts: WorkerOptions, condition: Condition) -> int | None:
     """``RUN/until.json``: the condition, the first passing step (or None) and the steps evaluated."""
     run = RunDir(opts.run_dir)
-    manifest, results = run.manifest(), ResultIndex(run.results).refresh()
+    manifest = run.manifest()
+    results = ResultIndex(run.results, manifest).refresh()
     passing = first_passing(manifest, results, condition)
     evaluated = sorted({u.step for u in results if passing is None or u.step <= passing})
     write_json_atomic(run.until_path, {"condition": condition.text, "order": "ascending", "passing_step": passing,
@@ -253,7 +254,7 @@ def write_summaries(run: RunDir, steps: set[int]) -> None:
     if not steps:
         return
     manifest = run.manifest()
-    index = ResultIndex(run.results)
+    index = ResultIndex(run.results, manifest)
     index.refresh(only_steps=steps)
     for step in sorted(steps):
         write_step_summary(index, manifest, step)

@@ -122,8 +122,8 @@ class Rescorer:
     def __init__(self, run: RunDir, manifest: RunManifest, rescoring: Rescoring, root: Path) -> None:
         self.run, self.manifest, self.rescoring, self.root = run, manifest, rescoring, root
         self.cache = DatasetCache(run, manifest)
-        self.originals = ResultIndex(run.results)
-        self.index = ResultIndex(root / "results")
+        self.originals = ResultIndex(run.results, manifest)
+        self.index = ResultIndex(root / "results", manifest)
         self.claimer = UnitClaimer(root / "leases", manifest.lease, root / "results")
         self._specs: dict[str, GenerateEntry] = {}
         self.written = self.passed = 0
