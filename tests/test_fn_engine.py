@@ -13,7 +13,7 @@ import pytest
 
 from ckpteval.coord.results.points import derive_point, point_metrics
 from ckpteval.coord.work.units import WorkUnit
-from ckpteval.jobs.eval.engines.factory import engine_settings, make_engine, spec_kind
+from ckpteval.jobs.eval.engines.factory import engine_settings, make_engine, normalize_spec, spec_kind
 from ckpteval.jobs.eval.engines.fn import EvalSkip, load_fn_class, parse_output
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_UNHEALTHY
@@ -107,8 +107,10 @@ def test_sharding_does_not_change_the_point_fn(tmp_path: Path) -> None:
 
 def test_factory_specs_and_errors(tmp_path: Path) -> None:
     assert [spec_kind(s) for s in ("hf", "http:http://h:1", "sglang", "fn:a.b:C")] == ["hf", "http", "sglang", "fn"]
-    for bad, why in [("vllm", "unknown kind"), ("http", "needs a URL"), ("fn:", "needs a module:Class"),
-                     ("hf:x", "takes no argument")]:
+    assert [spec_kind(s) for s in ("vllm", "vllm:http://h:1", "vllm:h:1")] == ["vllm"] * 3  # launch, attach
+    assert normalize_spec("vllm:h:1") == "vllm:http://h:1" and normalize_spec("vllm") == "vllm"
+    for bad, why in [("vlm", "unknown kind.*vllm"), ("http", "needs a URL"), ("fn:", "needs a module:Class"),
+                     ("hf:x", "takes no argument"), ("vllm:h:x", "not a server URL; write vllm:http")]:
         with pytest.raises(ValueError, match=why):
             spec_kind(bad)
     assert engine_settings({"hf": {"dtype": "float32"}, "fn": {"k": 1}}, "hf") == {"dtype": "float32"}

@@ -40,6 +40,8 @@ class EngineKind:
     :attr:`device`), ``base_model=`` (LoRA variants that take it) and run.json's settings as keywords."""
     arg: str | None = None
     """What follows ``KIND:`` (``"URL"``, ``"module:Class"``); None: the kind takes no argument."""
+    arg_optional: bool = False
+    """``KIND`` alone is also a spec (``vllm`` launches, ``vllm:URL`` attaches): built without the argument."""
     device: bool = False
     """Gets the worker's ``--device`` (``device=``)."""
     check_device: bool = False
@@ -58,6 +60,7 @@ class EngineKind:
 
 
 AUTO = "auto"
+URL_KINDS = ("http", "vllm")  # kinds whose argument is a server URL (:func:`normalize_spec`)
 ENGINES: Registry[EngineKind] = Registry(
     "an engine kind",
     ("hf", EngineKind("ckpteval.jobs.eval.engines.hf.engine:HFEngine", device=True, check_device=True,
@@ -66,7 +69,7 @@ ENGINES: Registry[EngineKind] = Registry(
                         lora="ckpteval.jobs.eval.engines.sglang.lora:HTTPLoRAEngine", lora_takes_base=False)),
     ("sglang", EngineKind("ckpteval.jobs.eval.engines.sglang.engine:SGLangEngine", device=True,
                           lora="ckpteval.jobs.eval.engines.sglang.lora:SGLangLoRAEngine", deterministic_mode=True)),
-    ("vllm", EngineKind("ckpteval.jobs.eval.engines.vllm.engine:VLLMEngine")),  # attach: eval.engine.vllm.url
+    ("vllm", EngineKind("ckpteval.jobs.eval.engines.vllm.engine:VLLMEngine", arg="URL", arg_optional=True)),
     ("fn", EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True)),
     unknown="unknown kind {name!r} ({hint}known: {known} or " + AUTO + ")",
 )
@@ -87,18 +90,22 @@ def resolve_specs(specs: tuple[str, ...] | list[str], device: str) -> list[str]:
 
 
 def _forms() -> str:
-    return ", ".join(f"{k}:{e.arg}" if e.arg else k for k, e in ENGINES.items()) + f" or {AUTO}"
+    def form(k: str, e: EngineKind) -> str:
+        return (f"{k}[:{e.arg}]" if e.arg_optional else f"{k}:{e.arg}") if e.arg else k
+
+    return ", ".join(form(k, e) for k, e in ENGINES.items()) + f" or {AUTO}"
 
 
 def normalize_spec(spec: str) -> str:
     """The canonical form of an ``--engine`` spec: ``http://HOST:PORT`` and ``https://...`` (a URL as
-    people type it) become ``http:http://HOST:PORT`` / ``http:https://...``, ``http:HOST:PORT`` becomes
-    ``http:http://HOST:PORT``; an ``http`` spec whose URL has no host is a ValueError with the right form."""
+    people type it) become ``http:http://HOST:PORT`` / ``http:https://...``, ``http:HOST:PORT`` (or
+    ``vllm:HOST:PORT``, :data:`URL_KINDS`) becomes ``http:http://HOST:PORT``; a URL without a host is a
+    ValueError with the right form."""
     typed = spec
     if spec.startswith(("http://", "https://")):
         spec = f"http:{spec}"
     kind, _, rest = spec.partition(":")
-    if kind != "http" or not rest:
+    if kind not in URL_KINDS or not rest:
         return spec
     url = rest if rest.startswith(("http://", "https://")) else f"http://{rest.lstrip('/')}"
     parsed = urllib.parse.urlsplit(url)
@@ -107,8 +114,8 @@ def normalize_spec(spec: str) -> str:
     except ValueError:
         parsed = parsed._replace(netloc="")
     if not parsed.hostname:
-        raise ValueError(f"--engine {typed!r}: not a server URL; write http://HOST:PORT (or https://HOST:PORT)")
-    return f"http:{url}"
+        raise ValueError(f"--engine {typed!r}: not a server URL; write {kind}:http://HOST:PORT (or https://HOST:PORT)")
+    return f"{kind}:{url}"
 
 
 def spec_kind(spec: str) -> str:
@@ -119,7 +126,7 @@ def spec_kind(spec: str) -> str:
     if kind not in ENGINES:
         raise ValueError(f"--engine {spec!r}: {ENGINES.refusal(kind, also=(AUTO,))}; expected {_forms()}")
     arg = ENGINES[kind].arg
-    if arg and not rest:
+    if arg and not rest and not ENGINES[kind].arg_optional:
         raise ValueError(f"--engine {spec!r}: {kind} needs a {arg} after ':'")
     if not arg and rest:
         raise ValueError(f"--engine {spec!r}: {kind} takes no argument")
@@ -180,7 +187,7 @@ def make_engine(
         check_device(str(kwargs.get("device", device)))
     if kind.device:
         kwargs = {"device": device, **kwargs}
-    return _construct(spec, ENGINES.load(spec, target), *([rest] if kind.arg else []), **kwargs)  # type: ignore[no-any-return]
+    return _construct(spec, ENGINES.load(spec, target), *([rest] if kind.arg and rest else []), **kwargs)  # type: ignore[no-any-return]
 
 
 def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:
