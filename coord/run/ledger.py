@@ -1,38 +1,7 @@
 """The trainer's ledger, ``ledger.jsonl``: what it dispatched, exported, skipped, ingested and retired.
 
-Append-only, one JSON object per line ``{"event": E, "step": N, ...}``, one event per fact:
-
-- ``dispatched`` — the trainer made ``step`` evaluable (``mode``, ``backpressure_wait_seconds``, and its
-  running GPU-seconds ``train_gpu_s`` with ``trainer_gpus``: ``ckpteval.jobs.trainer.cost``);
-  starts a fresh record for the step (a lost dispatch that is dispatched again starts over);
-- ``exported`` — a staging export of ``step`` was published (``snapshot``, ``export_time_seconds``,
-  ``export_blocked_seconds``);
-- ``evaluated_shared`` — the shared posture evaluated ``step`` in-process (``shared_eval_seconds``);
-- ``skipped`` — the whole point is skipped (``reason``, ``message``, and what the trainer knew, e.g.
-  export times); a step skipped before any dispatch (``busy``) has only this record;
-- ``ingested`` — the point's metrics were logged (``outcome``, ``lag_steps``, ``time``, ``eval_gpu_s``, ...);
-- ``retired`` — the point is final; its staging snapshot may be collected.
-
-Replaying it on restart tells a requeued trainer which points it already logged (so each is
-ingested exactly once) and which are still pending (re-adopted): :class:`LedgerState` folds every
-event of a step into one record (``dispatched[step]``, the fields of its latest dispatch and of the
-events after it).
-
-One format: a ledger of the older one (export times, the shared eval time and skips re-appended as
-``dispatched`` records) is refused on open, in one line naming the file, the line and the field.
-
-Guarantees: each append is one ``write`` of a whole line followed by fsync, and "ingested" is appended
-only *after* the point's metrics were written, so a crash between the two re-ingests at most the
-metrics line the crash interrupted — callers make metric logging idempotent per step (see
-``ckpteval.jobs.metrics``). Read with :func:`ckpteval.coord.atomic.read_jsonl_numbered`: a torn last line (crash
-mid-append) is detected on open and cut off (repaired); a malformed line anywhere else is an error
-naming the file and line, never silently skipped.
-
-Only the writer repairs: a reader of a live run (status, a worker) opens it with ``repair=False``,
-which ignores an incomplete last line instead of truncating the file — on a shared filesystem a
-reader can see an append half-arrived, and cutting it off would destroy the writer's record.
-
-Limits: one writer per ledger (the trainer); concurrent appenders are not coordinated.
+Guarantee: each append is one whole line and fsync; "ingested" follows the point's metrics, so a crash
+re-ingests at most one metrics line. Limits: one writer (the trainer). See docs/PROTOCOL.md §8.
 """
 
 from __future__ import annotations

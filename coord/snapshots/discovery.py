@@ -1,51 +1,9 @@
 """Discovery: which complete snapshots exist under a root, cheaply and repeatedly.
 
-Guarantees:
-- Only directories with a valid ``.complete`` marker are reported (``.tmp-*`` and dot names are never
-  looked at), so a torn or unfinished snapshot is never discovered.
-- An idle poll costs one directory listing: a directory already known complete is not re-read; a
-  vanished one is dropped from the cache. Metadata calls are the expensive thing on Lustre.
-- Foreign checkpoints without a marker (an HF Trainer ``checkpoint-500/``) are admitted only when
-  ``admit_foreign`` is on, after quiescence: no file's size or mtime changed for ``quiescence_s``
-  (measured on this process's monotonic clock), *subdirectories included* (DeepSpeed's
-  ``global_stepN/`` optimizer shards come after the weights), *and* every shard named by
-  ``model.safetensors.index.json`` (or ``model.safetensors``; for a LoRA adapter checkpoint
-  ``adapter_model.safetensors`` + ``adapter_config.json``) is present. The admission computes full
-  checksums once, of exactly the files eval loads (:func:`ckpteval.coord.snapshots.snapshot.is_eval_file`: config,
-  tokenizer, weights + index — not optimizer shards, ``rng_state*.pth``, ``trainer_state.json``), and
-  records an *adopted* marker in ``adoption_dir`` — the foreign dir is never written to — so later
-  verification has something to compare against. A checkpoint that vanishes at any moment (rotation by
-  ``save_total_limit``: before, during or after admission) is silence here, never an exception.
-- Run identity: with ``run`` (this run's key, :mod:`ckpteval.coord.run.identity`), a snapshot whose marker names
-  another run is never reported as this run's — under a watched (foreign) root it is adopted like any
-  finished checkpoint into this run's own ``adoption_dir``, elsewhere ignored. In a run's own root (not
-  ``admit_foreign``: its staging or reuse dir, where its trainer stamps every marker with its key) a
-  marker naming another run is ignored with one line in :attr:`SnapshotDiscovery.problems` (overwritten by
-  that run: two runs given one output dir; :func:`refuse_other_runs` is the trainers' check), and a
-  marker *without* a run key is ignored too, with one line in :attr:`SnapshotDiscovery.problems`: it was
-  written by an older ckpteval or another tool, and in a staging dir several runs share it could be
-  anyone's weights. Under a watched root such a marker is a finished checkpoint and is reported as it is,
-  unless ``adopt_only`` names a run key: then (a re-evaluation of that run's own snapshot dirs) only markers
-  naming that key are adopted, the rest ignored with one line each.
-
-- Never trusted: symlinked entries (a link can point anywhere; publish and checkpoint saves create
-  real directories), and a marked directory whose name's trailing digits disagree with its marker's
-  step (a snapshot copied or moved under another step's name would be scored as the wrong step).
-
-- Layouts (:mod:`ckpteval.coord.layouts`, ``layout``): under a foreign root, *which* entries are saves, their
-  step, where their HF weights are and whether the trainer's own completion signal is there (HF
-  Trainer's ``trainer_state.json``, prime-rl's ``STABLE``, verl's tracker, NeMo-RL's rename, miles'
-  ``.complete``). A save with the signal is admitted at once (every indexed shard present, no
-  quiescence wait); a save whose trainer gives no signal waits for quiescence as above. ``auto`` uses
-  the layout the dir reveals (:func:`ckpteval.coord.layouts.resolve_layout`), ``plain`` until one does.
-- Never silently absent: a save seen but gone before admission (rotated by ``save_total_limit``,
-  ``max_ckpt_num``, ``keep_last``...) is counted (:attr:`SnapshotDiscovery.lost`) and, with ``lost_dir``,
-  recorded there as ``<step>.json`` for ``ckpteval status``; a finished save without HF weights, or an
-  ambiguous ``auto``, is reported once in :attr:`SnapshotDiscovery.problems` (the worker prints it).
-
-Limits: a directory already reported is not re-verified here (the worker verifies before use); a save
-its layout cannot place (no step) is ignored. Pending foreign dirs cost one listing + one stat per
-file per poll until admitted.
+Owns listing a root (``.complete`` markers; marker-less foreign saves through their layout, after quiescence or
+their trainer's signal), adoption records and :func:`refuse_other_runs` (an output dir holding another run's
+snapshots). Guarantee: only complete snapshots are reported. Limits: a reported directory is not re-verified
+here (the worker verifies before use). See docs/PROTOCOL.md §4.
 """
 
 from __future__ import annotations

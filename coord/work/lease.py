@@ -1,53 +1,9 @@
 """Unit leases: a marker file per claimed unit, refreshed by its holder, taken over once it stops changing.
 
-Owns the lease file's life — create, heartbeat, release, the takeover of an expired one — and its
-content: the holder record (:class:`LeaseHolder`, one JSON object of < 300 bytes: format, pid,
-hostname, host identity, process start, token, duration), parsed by :func:`parse_holder` (also for
-:func:`ckpteval.coord.work.claims.read_lease_holder`), and the liveness check (:meth:`LeaseHolder.dead_here`).
-
-Why this module owns the format rather than filelock (issue 27): until then the record and the liveness
-check were filelock's *private* ``_identity`` and ``_soft._records`` modules, so a filelock minor release
-could break every claim, and the version had to be pinned to one minor. What we need of them is a few
-lines — and the check below only ever errs towards waiting — so ckpteval depends on no filelock name at
-all (``tests/test_coord_leases.py`` fails if coord/ or jobs/ import a private one). A marker in another
-format (filelock's ``filelock/2`` record, written by an older ckpteval) is never parsed as a holder: it
-counts as held and is taken over once it expires, like a torn one.
-
-Liveness (take over at once instead of after ``duration_s``): only when the holder ran on *this* host —
-its host identity (hostname, boot id, PID and time namespace inodes) equals ours, so two containers that
-share a hostname, two boots of a node, or a reader whose process start times are shifted by another time
-namespace never match — and its pid is gone, or alive with another process start time (a recycled pid;
-Linux ``/proc/<pid>/stat``). Anything unknown (no ``/proc``, so no PID namespace: every non-Linux host;
-an unreadable start time) counts as alive: the claim then expires on time. Limits: a node with two hostnames' worth of identity (a changed hostname
-while a worker runs) waits for expiry.
-
-Why not ``filelock.SoftFileLease``: on a shared filesystem every path operation is a round trip to the
-metadata server (issue 20); filelock's lease costs ~11 per claim and release and a heartbeat thread per
-claim, this module **one** ``open(O_CREAT|O_EXCL)`` to claim, **one** ``unlink`` to release (plus one
-``mkdir`` per step) and one heartbeat thread per :class:`LeaseKeeper` (per worker).
-
-Guarantees:
-
-- **Exclusive creation.** A claim is the ``O_EXCL`` create of the marker: of two contenders at once one wins.
-- **Expiry on the contender's clock.** A contender takes a claim over only after observing the marker's
-  identity (inode, mtime, ctime) *unchanged* for ``duration_s`` on its own monotonic clock — clock skew
-  between nodes cannot expire a live claim — or at once when the holder is dead on this host (above).
-  The takeover renames the marker aside, checks that what it moved is the marker it watched, and puts
-  back (``link``) one it did not watch.
-- **Release without a check while fresh.** A takeover needs ``duration_s`` of an unchanged marker after the
-  holder's last touch (the create counts as one), so within ``duration_s / 2`` of its last touch on the
-  holder's ``CLOCK_BOOTTIME`` (which runs through suspend) nobody can have taken it: the holder unlinks
-  (release) or answers "still mine" without a syscall. Later it checks the marker's identity first.
-- **Loss is reported.** The heartbeat (every ``heartbeat_s``) checks the marker's identity before touching
-  it; a marker missing or replaced on two refreshes in a row (one miss is allowed: a takeover that moved it
-  aside by mistake puts it back) marks the lease compromised and calls ``on_compromise``.
-
-Limits: a lease is **a hint about who should be working, not a fence**: a holder stalled past
-``duration_s`` can come back after a takeover and still finish; results are first-writer-wins
-(:mod:`ckpteval.coord.results.files`), so that costs compute, never correctness. The unlink of a release that is
-no longer fresh is a check-then-act (``lstat`` then ``unlink``): a takeover in between is possible in
-principle and costs at most one more evaluation. Every participant must use the run's ``duration_s``;
-a marker with another duration raises :class:`LeaseMismatch` naming the file.
+Owns the lease file's life (``O_EXCL`` create to claim, heartbeat, unlink to release, takeover of an expired
+one) and its holder record (:class:`LeaseHolder`, :func:`parse_holder`, :meth:`LeaseHolder.dead_here`).
+Guarantee: of two contenders one wins. Limits: a lease is a hint about who should be working, not a fence
+(results are first-writer-wins). See docs/PROTOCOL.md §5.
 """
 
 from __future__ import annotations

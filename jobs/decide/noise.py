@@ -1,62 +1,11 @@
 """The engine's noise floor and the minimum detectable effect (MDE): what a decision can and cannot see.
 
-**Model.** The score of prompt ``i`` at step ``s`` in evaluation ``r`` of that step's snapshot is
-
-    y[s,i,r] = mu[s] + a[s,i] + g[s,r] + e[s,i,r]
-
-with ``a`` the prompt's own effect (fixed per-sample seeds make it fixed too), ``g`` a shift the engine
-gives a whole evaluation (batch composition, kernels, concurrency: every prompt of one evaluation shares it;
-variance ``tau2``) and ``e`` the engine's per-prompt noise (a generation that comes out differently;
-variance ``s2e``), both mean 0 and independent across evaluations. A comparison of two single evaluations
-of steps A and B over the same ``n`` prompts looks at ``D = mean_i d_i``, ``d_i = y[B,i] - y[A,i]``:
-
-    Var(D) = sd2 / n + 2 tau2,     sd2 = Var_i(a[B,i] - a[A,i] + e[B,i] - e[A,i])
-
-The paired t interval (:func:`ckpteval.jobs.decide.stats.paired_interval`) estimates ``sd2`` by the sample
-variance of the ``d_i`` — so the per-prompt engine noise ``2 s2e`` is already inside it — but it cannot see
-``2 tau2``: a shift common to every prompt of an evaluation looks like a real difference. Only evaluating a
-snapshot twice shows it.
-
-**Replays** (:mod:`ckpteval.coord.results.replays`) give pairs of evaluations of one snapshot; per pair ``k`` the
-per-prompt replay differences ``r_i = y[s,i,1] - y[s,i,0] = (g1 - g0) + (e_i1 - e_i0)``, so
-``Var_i(r_i) = 2 s2e`` and ``E[mean(r)^2] = 2 tau2 + 2 s2e / n``. The estimates (:func:`engine_noise`):
-
-    s2e_hat  = pooled within-pair variance of r_i / 2
-    tau2_hat = max(0, mean_k mean(r)_k^2 / 2 - s2e_hat / n)
-
-**MDE.** The test "B differs from A" rejects at two-sided level ``alpha`` when ``|D| > z_{1-alpha/2} SE``,
-``SE = sqrt(sd2/n + 2 tau2)``. For a true difference ``delta`` it rejects with probability about
-``Phi(delta/SE - z_{1-alpha/2})``; setting that to the power ``1 - beta`` gives the smallest difference
-detected with that power:
-
-    MDE = (z_{1-alpha/2} + z_{1-beta}) * sqrt(sd2 / n + 2 tau2)           (:func:`mde`)
-
-**Few replays.** Both ``sd2`` and ``tau2`` are estimated, so the quantiles are Student t's (scipy's). The
-estimate of ``2 tau2`` from ``K`` replay pairs has ``K`` degrees of freedom; one or two pairs often give ~0
-even when the engine shifts whole evaluations, and a Welch-Satterthwaite df estimated from those same
-numbers then jumps to ``n - 1`` exactly when the band is too narrow (at a true difference 0, "better" 13.7 %
-of the time with 1 pair, 9 % with 2, nominal 5 %). :func:`effective_df` therefore takes ``min(n - 1, K)``:
-the studentised difference lies between t with ``n - 1`` df (no engine shift) and t with ``K`` df (the
-engine's shift dominates), so the smaller df keeps the level whatever the unknown share — the conservative
-(Hsu) bound. Its price with few pairs is width: t_0.975 at 1, 2, 6, 20 pairs is 12.7, 4.30, 2.45, 2.09
-(1.97 at 200 prompts without replays). Coverage by simulation: bench/bench_coverage.py, docs/USER_GUIDE.md.
-
-With no replays ``tau2`` is taken as 0 and the MDE says so (``engine`` not measured). ``ckpteval status``
-shows, per dataset, the MDE of comparing its newest point with another step *unpaired*
-(``sd2 = 2 s2_y``, the newest point's per-prompt variance twice: what the issue's ``2 s2_prompt / n``
-states; pairing only lowers it for steps whose prompts agree, so it is an upper bound for them).
-
-**Bootstrap** (:func:`bootstrap_interval`): the percentile interval of ``mean(d)`` over ``B`` resamples of
-the prompts (fixed seed: deterministic). A prompt is resampled with all its ``n`` samples (its per-prompt
-value is their mean), so with ``n`` samples per prompt it is the *clustered* bootstrap — a sample-level
-bootstrap would treat a prompt's samples as independent and be too narrow.
-
-Guarantee: numpy and scipy; deterministic. No MDE is given (:func:`mde_undefined`) for one prompt, or
-where nothing varies (identical steps, every score 1.0): an MDE of 0 would claim any difference is seen.
-Limits: ``tau2`` is clipped at 0 and assumed the same at every step of the run. The MDE takes the variance
-under the alternative to be the compared pair's own (``compare``/``best``: the effect is in it); for a
-variance measured without the effect see ``mde(..., bounded=True)``. Coverage and power by simulation:
-tests/test_noise.py (:mod:`tests.support.noise_sim`) and bench/bench_coverage.py.
+Owns the model ``y[s,i,r] = mu[s] + a[s,i] + g[s,r] + e[s,i,r]``, the estimates of the engine's per-prompt
+(``s2e``) and per-evaluation (``tau2``) noise from replay pairs (:func:`engine_noise`), the MDE
+(:func:`mde`, Student t with :func:`effective_df` ``min(n - 1, pairs)``: the conservative bound) and the
+clustered bootstrap (:func:`bootstrap_interval`). Guarantee: scipy, deterministic; no MDE where it is undefined
+(:func:`mde_undefined`). Limits: ``tau2`` clipped at 0 and the same at every step. See docs/USER_GUIDE.md
+"Engine noise, replays and the minimum detectable effect".
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
 """The Python API for notebooks: eval fleets, backfills and services as submitit jobs.
 
-What it owns: wrapping ``ckpteval worker`` / ``ckpteval backfill`` as requeueable submitit jobs, and
-handing heterogeneous train+eval jobs (which submitit cannot express, its issue #1741) to the
-rendered ``sbatch/train_eval.sbatch``::
-
-    import submitit
-    from ckpteval.jobs.launch import api
-
-    ex = submitit.AutoExecutor("runs/submitit")            # cluster="local" where there is no SLURM
-    ex.update_parameters(timeout_min=240, gpus_per_node=1, slurm_partition="eval")
-    fleet = api.submit_fleet(ex, "runs/r1", n_workers=4, engine="hf")
-    backfill = api.submit_backfill(ex, "runs/r0", n_tasks=8, parallelism=4)
-    service = api.submit_service(ex, "runs/svc", "/ckpts/any-trainer", eval_config="eval.json")
-    job = api.submit_train_eval("runs/r2", partition="gpu", workers=2, trainer_args=["--steps", "1000"])
-    job.state(); job.status()["points"]; job.wait()
-
-Promises:
-
-- A worker job is a :class:`WorkerTask` (a ``submitit.helpers.Checkpointable``): it runs the worker as
-  a child process and, when submitit signals a timeout or preemption (USR2), its :meth:`checkpoint`
-  first stops the child with USR1 (the worker releases its lease at once and exits
-  ``EXIT_PREEMPTED``), then returns a fresh ``DelayedSubmission`` of itself, so submitit requeues it.
-  Nothing is lost or repeated: the worker is idempotent (a unit with a result is never redone).
-- The child ignores USR2 (submitit's signal reaches every process of the job step), so only the
-  worker's own preemption path runs in it.
-- A child that ends ``EXIT_PREEMPTED`` without being asked (SLURM's SIGTERM on ``scontrol requeue`` or
-  preemption) makes the task wait ``preempted_wait_s`` for SLURM to finish it rather than report a
-  failure that the requeued job would contradict; then it raises.
-- Backfill uses ``executor.map_array`` (one task per index, ``slurm_array_parallelism`` at once).
-
-Limits: submitit's local executor runs every job on this machine, and requeues in place; submitit
-needs ``sacct`` (slurmdbd) to follow SLURM jobs. The worker's own flags are passed through unchecked
-until the worker parses them in the job.
+Owns wrapping ``ckpteval worker`` / ``backfill`` as requeueable submitit jobs (:class:`WorkerTask`) and handing
+heterogeneous train+eval jobs to ``ckpteval submit``. Limits: submitit needs ``sacct`` to follow SLURM jobs; the
+worker's flags are checked in the job. See docs/USER_GUIDE.md "Running on an existing SLURM cluster".
 """
 
 from __future__ import annotations

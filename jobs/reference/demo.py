@@ -1,33 +1,8 @@
 """``ckpteval demo``: the embedded default — a real run on this machine, no SLURM, no GPU.
 
-It starts the reference trainer (``ckpteval train``) and, depending on the posture, an eval fleet of
-worker processes (``ckpteval worker --engine hf``) or a checkpoint-watching service, all as separate
-OS processes talking only through the run directory. It shows live progress (training step, points
-landed / pending), then prints the per-point table, writes a PNG curve and says where everything is.
-
-Postures (docs/USER_GUIDE.md "Postures"; each a composition of the same flags):
-
-=================  =====================================================================================
-``fleet-staging``  default: trainer exports snapshots to a staging dir (/dev/shm when it has room, else
-                   RUN/snapshots); ``--workers`` fleet workers evaluate them
-``fleet-reuse``    trainer saves HF checkpoints every ``--eval-interval`` steps into RUN/hf; those *are*
-                   the snapshots (marked ``.complete``, zero extra export); fleet workers evaluate them
-``shared``         no fleet: the trainer pauses its own producer and evaluates in-process
-                   (pause-the-world), version pinned by call order
-``service``        the trainer only saves HF checkpoints (no eval flags at all); a long-running
-                   ``ckpteval worker --watch RUN/hf`` admits them after quiescence and evaluates them
-=================  =====================================================================================
-
-Stopping it: Ctrl-C (SIGINT) or SIGTERM stops the trainer and every worker (SIGTERM to each process
-group, SIGKILL after a grace period: no orphans), removes this run's tmpfs staging, marks the run
-``RUN/INTERRUPTED`` and makes each unit whose snapshot is gone a ``ckpt_missing`` result
-(:mod:`ckpteval.coord.work.settle`), so ``ckpteval status`` and ``ckpteval backfill`` agree on what is left; then it
-prints one line and exits 130 (SIGINT) or 143 (SIGTERM). Snapshots kept in ``RUN/snapshots``
-(``--staging run``) stay pending: ``ckpteval backfill --run-dir RUN`` evaluates them.
-
-Limits: it is a demonstration, not a launcher — processes are children of this one and end with it;
-on 2 cores the workers and the trainer share CPU (see bench/RESULTS.md for what that costs).
-A SIGKILL to the demo itself cannot be caught: its children then keep running.
+Starts the reference trainer and a worker fleet or a checkpoint-watching service as child processes. Limits: a
+demonstration, not a launcher (children end with it; a SIGKILL to the demo leaves them running). See
+docs/USER_GUIDE.md "A run on one machine (CPU)".
 """
 
 from __future__ import annotations

@@ -1,33 +1,7 @@
-"""The shared-engine posture: evaluate on the trainer's own engine without aborting anything.
+"""The shared-engine posture: evaluate on the trainer's own engine without aborting anything (:class:`ProducerGate`).
 
-With no dedicated eval GPUs, an eval point runs on the engine that serves the trainer's producers
-(rollout generation). :class:`ProducerGate` makes that safe:
-
-- every producer request runs inside ``with gate.submission():``;
-- ``with gate.paused():`` stops *new* submissions from starting (they wait at the gate), waits until
-  the submissions already in flight have finished — none is aborted — and holds the engine for the
-  caller until the block ends; then waiting producers resume.
-
-:func:`shared_eval` is one blocking eval point under the gate: it loads the step's snapshot from
-disk into the engine (weights reach an engine only from disk) and reads the engine's version back
-(must be ``<run key>@<step>``, :func:`ckpteval.coord.run.identity.weight_version`), scores every unit of the step
-with the one unit path, :func:`ckpteval.jobs.eval.kinds.evaluate.evaluate_pinned` (which checks the version again) — the
-fleet's pin routine and check (:mod:`ckpteval.jobs.eval.proof.pinning`, which says why the settings differ) — then
-writes one result per unit. A unit whose scorer or library task fails is that unit's skip; training
-goes on.
-A version other than that before or
-after, or on any sample, makes *every* unit of the point a ``pin_violation`` skip: the point did not
-provably measure the intended weights. Pinning comes from call order: nothing else may load weights
-while the gate is paused, and nothing else can submit.
-
-:class:`SharedEval` is what a trainer hands its dispatcher for this posture (engine, gate, drain bound,
-trust): :meth:`SharedEval.attach` checks run.json's scorer code once, with a worker's trust rule
-(:func:`ckpteval.jobs.eval.proof.trust.check_run_code`), and :meth:`SharedEval.evaluate` is one timed :func:`shared_eval`.
-
-Limits: a producer that calls the engine without ``gate.submission()`` is not gated; the gate is not
-reentrant (a thread must not enter ``submission()`` while it holds ``paused()``: that deadlocks, so
-it raises ``RuntimeError`` instead); an engine reloaded by another *process* is detected (the
-version read-back), not prevented.
+Limits: a producer that calls the engine without ``gate.submission()`` is not gated; the gate is not reentrant
+(``RuntimeError`` instead of a deadlock). See docs/USER_GUIDE.md "Postures".
 """
 
 from __future__ import annotations

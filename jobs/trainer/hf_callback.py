@@ -1,35 +1,7 @@
-"""Plugging the eval dispatcher into any Hugging Face ``transformers.Trainer``.
+"""Plugging the eval dispatcher into any Hugging Face ``transformers.Trainer``: :class:`EvalDispatchCallback`.
 
-:class:`EvalDispatchCallback` drives an :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher` from the Trainer's
-events:
-
-- staging mode: ``on_step_end`` → ``maybe_dispatch(global_step, model)`` (the export snapshots the
-  live model's weights; training goes on while they are written);
-- reuse mode (:func:`reuse_config`: the ``DispatchConfig`` whose save dir and interval are the
-  ``TrainingArguments``'): ``on_save`` → ``maybe_dispatch`` — the Trainer calls it right after writing
-  ``<output_dir>/checkpoint-<step>``, which is then marked ``.complete`` in place (zero extra
-  export); ``on_step_end`` only ingests. ``on_train_begin`` checks (before the first step) that the
-  dispatcher's save dir is ``args.output_dir``, its save interval ``args.save_steps``, and that
-  ``save_total_limit`` keeps every checkpoint a point may still need (:func:`min_total_limit`:
-  ``max_in_flight x eval_interval / save_steps + 1`` saves; fewer is refused with the number to set).
-  A dispatched checkpoint the Trainer rotates away before it is evaluated anyway is recorded at the
-  next save as a ``ckpt_missing`` skip saying "rotated away by save_total_limit", never left pending.
-- step 0: ``on_train_begin`` of a fresh run makes the initial weights a point (reuse mode saves them
-  as ``checkpoint-0`` first — weights and tokenizer, no ``trainer_state.json``: a Trainer resumed with
-  ``resume_from_checkpoint=True`` before its first own save would pick it and fail; give the path), as
-  ``dispatch_initial`` does for a plain loop.
-- the last step (``global_step >= max_steps``) is dispatched as the final point (never skipped as
-  busy, whatever ``max_steps % eval_interval``).
-- ``on_train_end`` → ``close(global_step, model)``: the final point. In reuse mode a final step the
-  Trainer did not save is saved here first (``save_pretrained`` + the processing class), so the final
-  point is never lost to a save schedule.
-
-Only the main process (``state.is_world_process_zero``) dispatches.
-
-Limits: staging export copies ``model.state_dict()`` as the main process sees it, so sharded
-weights (FSDP, DeepSpeed ZeRO-3) are not gathered — use reuse mode there. The save_total_limit check
-assumes the fleet keeps up within ``max_in_flight`` points (backpressure); with ``overflow_policy="skip"``
-or a stalled fleet a slow point can still be rotated away (recorded as above).
+Limits: staging export copies ``model.state_dict()`` as the main process sees it (no FSDP/ZeRO-3 gather: use
+reuse mode there). See docs/USER_GUIDE.md "Your trainer".
 """
 
 from __future__ import annotations

@@ -1,61 +1,10 @@
 """The ``CheckpointEvalFn`` contract: black-box eval backends that score a whole work unit.
 
-An engine (:mod:`ckpteval.jobs.eval.engines.base`) generates and the worker scores; a ``CheckpointEvalFn`` does
-everything in between claiming a unit and writing its result itself: load the checkpoint however it
-likes (a LoRA adapter on a base model, a vLLM server, a reward model, a harness in a container), run
-the unit's rows, score them. It is loaded by import path with ``ckpteval worker --engine
-fn:package.module:ClassName``; the class is constructed once per worker process with the keyword
-arguments of ``run.json``'s ``eval.engine.fn`` section (``{}`` when absent).
-
-The worker owns claiming, leases, snapshot verification, results and skips around the call; the
-backend owns what happens inside :meth:`CheckpointEvalFn.evaluate_checkpoint`:
-
-``evaluate_checkpoint(checkpoint_dir, input) -> output``
-
-* ``checkpoint_dir``: a verified snapshot directory (HF layout, read-only: never write into it).
-* ``input`` (JSON-able dict, built by :func:`build_input`)::
-
-      {"run_id": str, "step": int, "weight_version": str,          # str(step): stamp it on samples
-       "unit": {"step", "dataset", "shard"[, "samples"]}, "unit_id": str,
-       "dataset": {name, path, n_prompts, scorer, shard_size, n_samples, max_new_tokens,
-                   temperature, top_p, top_k, seed, samples_per_unit},  # run.json's GenerateEntry
-       "samples": [start, stop],                                  # the sample indices of each row to
-                                                                 #   generate: [0, n_samples) unless the
-                                                                 #   set splits samples (samples_per_unit)
-       "rows": [{"prompt": str, "answer": str, ...}, ...],        # the shard's rows (every field), in order
-                                                                 #   ({"messages": [...], ...} in chat sets)
-       "prompts": [str, ...],                                     # each row's final prompt text (chat
-                                                                 #   sets rendered with the snapshot's
-                                                                 #   chat template: ckpteval.jobs.eval.kinds.generate.prompts)
-       "seeds": [int, ...] | None,                                # per-sample seeds, prompt-major, of
-                                                                 #   the samples above (sample_seed of
-                                                                 #   the absolute index: ckpteval.jobs.eval.kinds.generate.scoring);
-                                                                 #   None for greedy sets
-       "adapters": [...], "engine": {...},                        # run.json's eval.adapters / engine
-       "base_model": str | None}                                  # eval.base_model: set = LoRA snapshots
-
-* ``output`` (dict, checked by :func:`parse_output`)::
-
-      {"scores": [float, ...],              # required: len(rows) * (stop - start), prompt-major order
-       "weight_versions": [str, ...],        # optional: the version that produced each sample;
-                                             #   omitted means every sample is input["weight_version"]
-       "answers": [str | None, ...],         # optional: each sample's extracted answer (maj@n)
-       "finish_reasons": ["stop" | "length" | None, ...],  # optional: how each sample's generation
-                                             #   stopped (eval/<ds>/truncated; None: not known)
-       "message": str}                        # optional: kept in the result
-
-  A version differing from ``input["weight_version"]`` on any sample makes the unit a
-  ``pin_violation`` skip. A malformed output is a ``crashed`` skip.
-
-* ``raise EvalSkip(reason)`` to record the unit as skipped with that reason (e.g. ``adapter_missing``);
-  it becomes the metric ``eval/skipped_<reason>`` at the unit's step. Any other exception of the kinds
-  the worker expects (``RuntimeError``, ``ValueError``, ``OSError``) is a ``crashed`` skip.
-
-``dispose()`` is called once when the worker exits (release GPUs, stop servers). Idempotent.
-
-Limits: the call is not interruptible; on SIGTERM the worker releases the unit's lease at once and
-exits without waiting for the call, so a backend must tolerate being killed mid-call. The backend runs
-in the worker's process with its privileges (it is trusted code, like a custom scorer).
+Owns the call's ``input`` (:func:`build_input`) and the check of its ``output`` (:func:`parse_output`); the
+worker owns claiming, leases, verification, results and skips around it. A version differing from the
+step's on any sample is a ``pin_violation``, a malformed output a ``crashed`` skip. Limits: the call is not
+interruptible; the backend runs with the worker's privileges (trusted code). See docs/USER_GUIDE.md "Your own
+eval backend (``CheckpointEvalFn``)".
 """
 
 from __future__ import annotations

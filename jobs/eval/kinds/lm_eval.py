@@ -1,37 +1,7 @@
 """lm-evaluation-harness tasks as work units: the glue between a pinned engine and ``lm_eval``.
 
-A ``kind: "lm_eval"`` entry of ``eval.datasets`` (:class:`ckpteval.coord.entries.lm_eval.LmEvalEntry`) has one unit per
-task (shard ``i`` runs ``tasks[i]``). The worker pins its engine to the step exactly as for any unit
-(:meth:`ckpteval.jobs.eval.worker.evaluators.EngineEvaluator._pin`), then :func:`run_task` runs the task through the
-harness's *own* model adapters — nothing of the harness is re-implemented here:
-
-* ``hf`` engine: ``lm_eval.models.huggingface.HFLM`` wrapping the engine's already-loaded model and
-  tokenizer (:meth:`ckpteval.jobs.eval.engines.hf.engine.HFEngine.held`, which also keeps loads out while it runs);
-* an HTTP engine (``http:URL``, ``sglang``): the harness's ``local-completions`` backend
-  (``LocalCompletionsAPI``) against the server's OpenAI-compatible ``/v1/completions``, with the
-  snapshot's tokenizer; on a LoRA engine ``model`` is ``<base>:<adapter name>`` (how sglang's OpenAI
-  layer selects an adapter: ``srt/entrypoints/openai/serving_base.py`` ``_parse_model_parameter``) and
-  the tokenizer the base's (:meth:`ckpteval.jobs.eval.engines.sglang.lora._LoRAClient.lm_eval_model`).
-  The chat template (``apply_chat_template``) is rendered here with the snapshot's tokenizer, as the
-  ``hf`` adapter renders it (lm-eval's ``local-completions`` would send the messages as JSON, which
-  ``/v1/completions`` refuses). The request carries the engine's sglang key (``CKPTEVAL_SGLANG_API_KEY``,
-  :mod:`ckpteval.jobs.eval.engines.http.auth`), never ``OPENAI_API_KEY`` (lm-eval's default).
-
-An entry's ``chat_template_kwargs`` (with ``apply_chat_template``) reach every rendering on both adapters:
-HFLM's own ``chat_template_args``, and the ``local-completions`` rendering above.
-
-The metrics come back as ``{"<metric>": value}`` (``"<metric>/<filter>"`` for a task's named filters,
-``"<metric>_stderr"`` when bootstrapped); non-numeric values (``"N/A"``) are dropped. The worker logs
-them as ``eval/<task>/<metric>``.
-
-Guarantees: the harness runs offline when the task's data is local (``HF_DATASETS_OFFLINE`` /
-``HF_HUB_OFFLINE`` are honoured as set; ``HF_UPDATE_DOWNLOAD_COUNTS`` defaults to 0 so a local task
-costs no Hub ping); a missing ``lm-eval`` or an unknown task is a ``ValueError``
-naming the entry at worker start (:func:`check_harness`), not a crash per unit. Limits: lm-eval's
-adapters report no weight version per sample, so the pin is checked before and after the whole task
-(the result's ``weight_versions`` are those read-backs); an engine pool is not supported (one engine per
-worker); relative ``data_files`` paths in a task YAML are resolved by the harness against the worker's
-working directory (use absolute paths); lm-eval seeds Python's, numpy's and torch's global RNGs.
+One unit per task; the harness's exceptions are user code (a ``crashed`` skip naming the task). Guarantee: offline
+when the task's data is local. See docs/USER_GUIDE.md "lm-evaluation-harness tasks".
 """
 
 from __future__ import annotations

@@ -1,50 +1,9 @@
 """Attestation: after a load, the engine proves which weights it holds — not only which label it wears.
 
-A version label says what an engine was *asked* to load; another client can relabel it
-(``/update_weight_version``) and a buggy load can keep stale tensors under the right label. After
-every load the worker asks the engine about its weights and compares (:func:`attest`, then
-:func:`settle` once the canary has run). Every result records its :class:`Attestation` (``attest``):
-``attested`` (whether something was actually compared and matched), ``how``, ``state`` (what was
-compared: ``compared`` | ``reference`` | ``unverified`` | ``incomparable`` | ``none``), ``detail`` and
-``by`` — which engine, which instance (server URL and launch), when, and whether it loaded the snapshot
-itself (``loaded: "self"``) or was found holding it (``"adopted"``).
-
-* ``tensor_digests`` — an engine that digests what it holds (the in-process hf engine,
-  :meth:`~ckpteval.jobs.eval.engines.hf.engine.HFEngine.weight_digests`): every tensor cast to the snapshot's dtype,
-  XXH3-64 of its bytes (CRC-32 for a marker written before XXH3), compared with the digests the
-  exporter recorded in the snapshot's marker (:mod:`ckpteval.coord.snapshots.digests`). Any missing, extra or
-  different tensor fails. **Proves**: the engine holds bit for bit the tensors the marker lists (up to
-  digest collisions, not a defence against forgery), on every load, first or not. An engine holding a
-  narrower dtype than the file (bf16 for an F32 snapshot) cannot match: ``attested: false``, state
-  ``incomparable``, not failed.
-* ``consistency`` — an engine that reports checksums in its own layout (sglang's ``/weights_checker``
-  ``checksum``: fused, sharded tensors that no file can be compared with). The record is
-  :mod:`ckpteval.coord.snapshots.weight_checksums` (``RUN/weight_checksums/``), keyed by the snapshot (its marker's
-  identity) and the *checksum layout* (parallelism and roles, dtype, quantization, sglang version and the
-  device the hash runs on: :func:`~ckpteval.jobs.eval.engines.http.server_info.checksum_layout`). Only an engine that
-  loaded the snapshot from disk itself, and whose canary did not fail or flag, adds an observation; a
-  checksum *stands* only once two engine instances (two servers, or two launches of one — never an
-  in-place reload on the same launch) observed it. Then:
-
-  - a checksum equal to the one that stands, or reproducing another instance's observation (which
-    makes it stand), is ``compared``: ``attested: true``;
-  - the first observation, with nothing to compare against, is ``reference``: ``attested: false``
-    (scored, but it proves nothing yet);
-  - a checksum that differs from the one that stands fails (:class:`AttestFailed`);
-  - one that differs from every other instance's observation while none stands is *disputed*
-    (:class:`AttestDisputed`, skip ``attest_disputed``): both observations are kept, neither stands,
-    the unit is left for another load (the worker releases it; a launched engine is relaunched first),
-    and the next independent load that reproduces one of them decides;
-  - an engine that did not load the snapshot itself (``loaded=False``) is compared with what stands,
-    never recorded: ``unverified`` (``attested: false``) when nothing stands.
-
-  **Proves**: the engine holds what two independent loads of the snapshot held. **Does not prove**
-  that a bug every instance of the layout shares is absent, nor anything across layouts.
-* ``none`` — an engine that reports nothing (an fn backend, a foreign HTTP server without the route, a
-  legacy marker without tensor digests): recorded as not attested, never failed.
-
-A failed comparison raises :class:`AttestFailed` (skip ``attest_failed``, the message says what
-differed): never a scored point.
+Owns checking an engine's per-tensor checksums against the snapshot's (hf: computed from the files) or, for
+sglang, against the checksum that stands for the snapshot (:mod:`ckpteval.coord.snapshots.weight_checksums`),
+and the skips that follow (``attest_failed``, ``attest_disputed``). See docs/PROTOCOL.md §4 "Attestation" and
+docs/USER_GUIDE.md "Proving which weights scored".
 """
 
 from __future__ import annotations

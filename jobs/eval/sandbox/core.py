@@ -1,69 +1,11 @@
 """Run an untrusted Python program and report how it ended: the one place ckpteval executes model code.
 
-:class:`Sandbox` runs a program's source (with optional stdin bytes) and returns an :class:`Outcome`
-whose ``status`` is the program's own ending: ``passed`` (exit 0), ``failed`` (a non-zero exit),
-``timeout`` (the wall-clock deadline or the CPU limit's SIGXCPU), ``oom`` (``MemoryError`` under the
-address-space limit, or a kill by the program's memory cgroup) or ``crashed`` (killed by any other
-signal, stdout/stderr over the output cap, or a source that is not valid UTF-8). Those are the model's
-failures. When the sandbox itself cannot start (bwrap refused, no process could be forked, the runner
-died) or the program's init is killed by a signal it was not sent by this module, it is
-retried, then :class:`SandboxUnavailable` is raised: an infrastructure failure the caller must never
-score as 0.
-
-Isolation (``mode="bwrap"``, the default): each pool thread starts one bubblewrap (``bwrap``) sandbox whose
-PID 1 is a trusted *runner* (:mod:`ckpteval.jobs.eval.sandbox.runner`); every program is a fork of it into
-namespaces of its own, so each program has
-
-- new PID (its own init as PID 1, the program PID 2, a fresh ``/proc`` of that namespace), mount, network
-  (an empty namespace with its loopback up: no network at all), IPC, UTS and cgroup namespaces, inside
-  bwrap's (``--unshare-all`` when not root, and then also a user namespace of the program's own; as root
-  the same list without user namespaces, so that the launcher can drop to an unprivileged uid, see
-  below), ``--die-with-parent`` and ``--new-session``: nothing one program leaves (a process, a file, a
-  SysV or POSIX IPC object, a kernel key of its uid) is there for the next;
-- a root made of read-only binds of only what the interpreter needs: ``/usr`` (and the ``/bin``,
-  ``/lib*`` links or dirs), the interpreter's own prefix (``sys.base_prefix``; e.g. a pyenv build
-  under ``/root``, whose parent dirs are created empty), ``/etc/ld.so.cache``; a minimal ``/dev``
-  (null, zero, full, random, urandom, the fd links); the program at ``/sandbox/main.py`` (a host dir of
-  the runner's that holds the current program only); the root remounted read-only;
-- a private writable tmpfs ``/tmp`` capped in bytes (``file_mb``) and in inodes (``tmp_inodes``),
-  mounted by the program's init as the working directory. Nothing else of the host is visible: no run
-  dir, results, leases, home directory or environment (``--clearenv``).
-
-The program's process (:data:`~ckpteval.jobs.eval.sandbox.launch.LAUNCH`) sets the rlimits (CPU seconds,
-address space, file size, process count, open files), drops to a fresh unprivileged uid per program when
-it runs as root (RLIMIT_NPROC is never enforced for uid 0, and counts per uid: a fork bomb still being
-torn down must not count against the next program) or gives up every capability in its user namespace,
-checks that none is left, tells the host it is up (one byte on an inherited pipe), closes that pipe and
-runs the program in its interpreter: the runner's, already started, so a program does not pay an
-interpreter's start-up (what programs of one runner share is what a fork shares: the hash seed and the
-C modules the runner loaded, no state a program can write). A wall-clock deadline is enforced from
-outside: the host SIGKILLs the program's init through a pidfd, and its PID namespace dies with it (every
-process the program forked, daemonized or ``setsid``-ed included), whatever the program did with its
-stdout/stderr. stdout and stderr are read as they come and capped (``output_bytes``): a program that writes more is
-killed, never buffered whole. Memory: where :class:`MemoryCgroup` finds a cgroup this process may
-create children in (v2 with the memory controller delegated, or v1's memory hierarchy), each pool thread
-has its own child, limited to ``memory_mb``, holding its runner and one program (and all its processes)
-at a time, born there; else the bound is ``memory_mb`` × ``nproc``. :meth:`Sandbox.bounds` states which
-holds (recorded with results).
-
-``mode="rlimits-only"`` (the worker's ``--unsafe-code-rlimits-only`` opt-in, for nodes that cannot
-start bwrap) runs the same launcher as a plain subprocess in a new session, in a private temp dir, with
-an empty environment and the same rlimits and deadline (the process group is killed, and the memory
-cgroup's processes where there is one). It does NOT isolate: the program can read and write whatever the
-worker's user can and open network connections; without a cgroup a process that leaves the process
-group outlives the deadline; /tmp's inodes are not capped; RLIMIT_NPROC is not enforced for root.
-Results record the mode (the code scorer's identity), so such points are never pooled with sandboxed ones.
-
-Limits: programs are Python source run by the worker's own base interpreter with its standard library
-only (``-I -S``: no site-packages, neither the base installation's nor the worker's virtualenv); the CPU
-limit is per process (a program that forks many CPU-bound children is stopped by the wall clock, not the
-CPU limit); without a cgroup, memory is bounded per process (address space) only; concurrent sandboxes
-run in a bounded pool (:attr:`Sandbox.concurrency`).
-
-The parts: :mod:`ckpteval.jobs.eval.sandbox.launch` (limits, bwrap command line, trusted launcher),
-:mod:`ckpteval.jobs.eval.sandbox.cgroup` (memory cgroups), :mod:`ckpteval.jobs.eval.sandbox.spawn` (the
-per-thread spawner or runner and the deadline/output loop); this module runs programs with them and
-classifies how they ended.
+:class:`Sandbox` returns an :class:`Outcome` (``passed``, ``failed``, ``timeout``, ``oom``, ``crashed``: the
+program's own ending) or raises :class:`SandboxUnavailable` when the sandbox itself cannot run (never scored as
+0). Isolation (bwrap namespaces, a read-only root, a capped /tmp, rlimits, a per-thread memory cgroup, an outside
+deadline) is :mod:`~ckpteval.jobs.eval.sandbox.launch`, :mod:`~ckpteval.jobs.eval.sandbox.cgroup` and
+:mod:`~ckpteval.jobs.eval.sandbox.spawn`'s; ``mode="rlimits-only"`` does not isolate. Limits: standard library
+only; the CPU limit is per process. See docs/USER_GUIDE.md "Code (sandboxed execution)".
 """
 
 from __future__ import annotations

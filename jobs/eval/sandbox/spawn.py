@@ -1,39 +1,9 @@
 """Starting programs inside their memory cgroup, and reading each until it ends or its deadline.
 
-Each pool thread of a :class:`ckpteval.jobs.eval.sandbox.core.Sandbox` owns a :class:`Spawner`: a small trusted
-process (``python -I -S -c SPAWNER``) that lives in the thread's own memory cgroup and starts every program
-of that thread there, one at a time. A process *born* in a cgroup costs nothing to place; *moving* one in
-(writing ``cgroup.procs``) takes the kernel's cgroup threadgroup lock for writing, which on cgroup v1 waits
-for an RCU grace period (~8 ms median here, per program). The spawner is moved once, after its own start-up
-(so the pages it touched stay charged where the host's are: v1 and v2 never move charges), and it asks the
-OOM killer to spare it (``oom_score_adj`` -1000, where the worker holds ``CAP_SYS_RESOURCE``: the host writes it
-for the runner, whom bwrap leaves without that capability); its programs then reset theirs to 0. Where it
-cannot be spared, its programs' processes are the OOM killer's first choice instead (1000), so a program
-that exhausts its cgroup is what gets killed, never the spawner.
-
-In bwrap mode the spawner is the *warm runner* (:mod:`ckpteval.jobs.eval.sandbox.runner`): PID 1 of a bwrap
-sandbox started once per spawner, which forks each program into namespaces of its own. In rlimits-only mode
-the spawner exec's the launcher in a new session instead.
-
-Guarantee (:class:`_Run`): the program's stdout and stderr are read as they come and capped; the outside
-wall-clock deadline holds whatever the program does with its stdio (the program's init is SIGKILLed through
-a pidfd, and its PID namespace with it, or in rlimits-only mode the process group; with a cgroup, every
-process in it but the spawner too); the exit status comes from the spawner, which keeps its child a zombie
-until the next program, so the pid the host kills is never a reused one. Before each program the thread's
-cgroup holds the spawner only (else the spawner and its cgroup are replaced), so a program never shares its
-memory limit with what is left of the previous one. When the host dies bwrap's ``--die-with-parent`` and the
-runner's own parent-death signal end the runner and every program namespace nested in its own; a plain
-spawner sees its socket close and kills its child and everything in its cgroup. A spawner that dies, hangs or
-answers out of protocol raises :class:`SandboxUnavailable` (the caller retries with a new one): never the
-program's failure.
-
-Limits: the spawner's own memory after it joined counts against the program's limit (the runner's pages a
-program's process writes are copied into the program's charge); where the spawner cannot be spared, a program
-that lowers its own processes' score back to 0 can still make the OOM killer pick the spawner (then the run is
-:class:`SandboxUnavailable`, and retried), and its programs are the node's first choice too. Without a memory cgroup the spawner
-still starts the processes (no cgroup, memory bounded per process). Programs of one runner share what a fork
-shares: the interpreter's hash seed and the C modules the runner imported (only C modules, so a program's
-``sys.modules`` holds nothing a fresh ``python -I -S`` would not load on demand).
+Each pool thread of a :class:`ckpteval.jobs.eval.sandbox.core.Sandbox` owns a :class:`Spawner` in its own cgroup.
+Guarantee (:class:`_Run`): stdout/stderr are capped as read; the outside deadline holds whatever the program does
+(its init SIGKILLed through a pidfd). Limits: the spawner's memory counts against the program's limit. See
+docs/USER_GUIDE.md "Code (sandboxed execution)".
 """
 
 from __future__ import annotations

@@ -1,41 +1,8 @@
 """``ckpteval serve --judge MODE``: a judge stand-in answering like an OpenAI-compatible server, for tests.
 
-A real judge is an LLM on a GPU (sglang, vLLM, a hosted API); this answers the same routes, with a
-verdict a test can compute, and fails in each way a real one does:
-
-- ``GET /v1/models``: ``{"object": "list", "data": [{"id": NAME, "object": "model", "root": NAME,
-  "owned_by": "ckpteval", ...}]}`` (``--served-model-name``, sglang's flag).
-- ``POST /v1/chat/completions``: OpenAI's ``chat.completion`` object; its ``model`` is the request's,
-  as sglang 0.5.23 answers (``srt/entrypoints/openai/serving_chat.py`` builds every response with
-  ``model=request.model``) unless a fault sets another (an alias that moved). The verdict ``v`` is the
-  exact rule: the response — between the scorer's per-request boundary lines
-  (:data:`~ckpteval.jobs.eval.scorers.judge.rule.QUOTED_RESPONSE`), else the last ``<response>…</response>`` —
-  equals the last ``<reference>…</reference>``, whitespace-stripped (1) or not (0). It is written as
-  the request asks: with ``response_format`` ``{"type": "json_schema", "json_schema": {"schema"}}``
-  (served by sglang, ``ResponseFormat`` in ``srt/entrypoints/openai/protocol.py``; a json_schema without
-  a schema is sglang's 400) exactly one JSON object filling the schema's required field path — as a
-  grammar-constrained server can write nothing else; else ``{"verdict": v}`` when the prompt (outside the
-  response) shows ``{"verdict"``; else ``VERDICT: v``.
-
-  Modes: ``exact`` that verdict; ``garbage`` a reply no rule reads; ``error`` 500 with an OpenAI error
-  body; ``slow`` ``exact`` after ``--judge-delay`` s; ``quote-after`` / ``quote-before`` the verdict,
-  then (before it) the response quoted verbatim without its boundary lines (a judge that quotes what it
-  grades — where a completion plants its own verdict); set at run time only (``POST /judge_fault``):
-  ``fixed`` the text ``reply`` (and the reward ``reward`` on ``/classify``), ``body`` the raw ``body``
-  with status 200 on chat and ``/classify`` (non-JSON, empty, wrongly shaped). A judge that refuses
-  connections is no server at all (kill it, or use a closed port).
-- ``POST /classify`` (sglang's reward-model route): ``{"text": str | list[str]}`` -> per text
-  ``{"embedding": [len(text) / 1000], "meta_info": {...}}`` (a list for list input); ``error``: 500;
-  ``fixed``: the reward ``reward``.
-- ``GET /judge_stats`` (stand-in only): ``{"chat_completions": n, "classify": m}`` answered so far
-  (texts, not requests, for ``/classify``), so tests can count what the judge was paid.
-- ``POST /judge_fault`` (stand-in only): ``{"mode", "reply", "reward", "body", "answer_model"}``, each
-  optional, replaces the fault state (``answer_model``: the ``model`` chat replies carry instead of the
-  request's; null: the request's) and answers it, so one server plays every fault in turn.
-
-Limits: one model; no streaming, tools, logprobs or ``n`` > 1 (ignored); sampling settings are
-accepted and ignored (the verdict is deterministic); of a JSON schema only the path of required object
-fields is honoured (no bounds: a range check is the scorer's).
+Answers the routes a real judge does with a verdict a test can compute, and fails in each way a real one does
+(per MODE). Limits: one model; no streaming, tools, logprobs or ``n`` > 1; sampling settings ignored. See
+docs/USER_GUIDE.md "Judges and reward models".
 """
 
 from __future__ import annotations

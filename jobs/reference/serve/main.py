@@ -1,87 +1,12 @@
-"""``ckpteval serve``: an HTTP engine speaking sglang 0.5.23's native API, on CPU or CUDA.
+"""``ckpteval serve``: an HTTP engine speaking sglang 0.5.23's native API, on CPU or CUDA (and a judge stand-in).
 
-It lets every eval path that talks to sglang (``HTTPEngine``, version pinning through
-``update_weights_from_disk`` + ``model_info``) run on machines without a GPU or sglang, against the
-contract real sglang has. Each behaviour below was read from the sglang 0.5.23 wheel (paths inside
-it); the server reports ``"version": "0.5.23"`` on ``/server_info``.
-
-Routes (``srt/entrypoints/http_server.py``; nothing that release lacks, e.g. no
-``/get_weight_version``, removed in 0.5.21):
-
-- ``POST|PUT /generate``: ``text`` (str or list) or ``input_ids`` (list[int] or list[list[int]]),
-  ``sampling_params`` (one dict, or one per prompt), ``rid``. Reply per prompt ``{"text",
-  "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "weight_version",
-  "weight_versions", "num_retractions", "completion_tokens", "cached_tokens", "e2e_latency"}}``, a
-  list for list input. ``finish_reason`` is ``{"type": "stop", "matched": id}``, ``{"type":
-  "length", "length": n}`` or ``{"type": "abort", "message", "status_code": null, "err_type": null}``
-  (``srt/managers/schedule_batch.py`` FINISH_*). ``weight_versions`` spans the output tokens
-  (``srt/utils/weight_versions.py``); ``weight_version`` is the label when the output is produced.
-- ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?, "abort_all_requests"?:
-  false, "load_format"?}``: 200/400 ``{"success", "message", "num_paused_requests"}``; the label and
-  ``model_path`` change only on success (``srt/managers/tokenizer_manager.py``).
-- ``POST /update_weight_version`` ``{"new_version", "abort_all_requests"?: true}``: relabels without
-  touching weights, aborting in-flight requests by default (``srt/managers/io_struct.py``).
-- ``GET|POST /weights_checker`` ``{"action": "checksum"}``: per-tensor checksums of the weights held
-  (``srt/utils/weight_checker.py``), ``{"success", "message", "ranks": [{"checksums", "per_gpu_checksum",
-  "parallelism_info"}], "per_engine_checksum"}``; other actions 400 ``{"success": false, "message"}``.
-- ``POST /abort_request`` ``{"rid", "abort_all"?}``: only an rid a live request carries exactly is
-  forwarded (``tokenizer_manager.py`` ``abort_request``), which then aborts every live rid starting with
-  it (``scheduler.py`` ``abort_request``); a batch's prefix rid aborts nothing;
-  ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}`` (abort: aborts everything in
-  flight, waits for it to end; new requests wait until ``POST /continue_generation``).
-- ``GET /model_info`` (and the deprecated ``/get_model_info``), ``GET /server_info`` (and
-  ``/get_server_info``) with ``"version"`` and ``enable_deterministic_inference``.
-- ``GET /health`` and ``/health_generate`` (the same handler in sglang): a one-token generate, 200
-  with an empty body, 503 when it gets no answer within ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s),
-  while paused, or before a model is loaded; 200 at once while a generation is running.
-
-Status codes and bodies for bad requests, as sglang answers them:
-
-- a body FastAPI cannot parse: 400 ``{"object": "error", "message", "type": "Bad Request", "param":
-  null, "code": 400}`` (``validation_exception_handler``);
-- ``sampling_params`` violating the schema (an unknown key, a float where an int belongs, a bool for a
-  number): 400 ``{"error": "<text>"}`` (``srt/entrypoints/api_contract.py``, ``sglang/api/v1/api_types.py``);
-- what the tokenizer manager refuses (``SamplingParams.verify`` ranges: ``top_k`` 0, ``top_p`` 0,
-  negative temperature or ``max_new_tokens``; a prompt at or over the context length; an explicit
-  ``max_new_tokens`` that overflows it; a LoRA request; no prompt): 400 ``{"error": {"message"}}``;
-- ``max_new_tokens: 0`` is valid (empty output, ``{"type": "length", "length": 0}``); an absent one
-  defaults to 128, capped at the context length as the scheduler does; temperature below 1e-6 is greedy;
-- an unknown route: 404 ``{"detail": "Not Found"}``; an engine failure: 500;
-- a request without the key its route needs, on a server started with ``--api-key``/``--admin-api-key``:
-  401 ``{"error": "Unauthorized"}`` (``srt/utils/auth.py``: ``/health*`` always open, admin-optional
-  routes such as weight loads and aborts want the admin key when set, the rest the api key);
-- a request shed under load (``--max-queued-requests N``: its prompts plus those already waiting exceed
-  N, counted in prompts as sglang's scheduler does), a batch over ``--max-total-tokens`` (retraction) or
-  one running past ``SGLANG_REQ_RUNNING_TIMEOUT`` (see ``ckpteval.jobs.reference.serve.engine``): 503 ``{"object": "error", "message": "The request queue is full.", "type": "503",
-  "param": null, "code": 503}`` (``scheduler.py`` ``_abort_on_queued_limit``; the ``HTTPException`` of
-  ``tokenizer_manager.py`` ``_handle_abort_finish_reason`` rendered by ``http_server.py``
-  ``validation_exception_handler``).
-
-Deterministic mode (``--enable-deterministic-inference``; what sglang's covers:
-:mod:`ckpteval.jobs.eval.engines.sglang.deterministic`): ``sampling_seed`` is validated always and applied
-only in this mode (``srt/sampling/sampling_batch_info.py``; unseeded requests then use 42), and a
-completion depends on its prompt, settings and seed only, never on its batch-mates — greedy included (each
-distinct prompt runs alone: the stand-in's batch invariance, paid in throughput as sglang pays for its
-kernels). An ``--attention-backend`` sglang refuses in this mode is refused at start with sglang's message
-(exit 2); ``/server_info`` reports the backend, ``sampling_backend`` and ``disable_radix_cache`` as sglang
-resolves them (``srt/arg_groups/overrides.py``, on a Hopper-or-older GPU).
-
-Limits (stand-in, not sglang): the engine service's (one lock for generation and loads,
-:mod:`ckpteval.jobs.reference.serve.engine`); sglang fields the stand-in cannot honour (streaming, output logprobs, ``n`` > 1, stop strings, grammars,
-multimodal input, ...) are refused with 400 ``{"error": {"message"}}`` naming them; out-of-vocabulary
-``input_ids`` are refused (sglang leaves them undefined).
-
-Input logprobs (the canary's path, :mod:`ckpteval.jobs.eval.engines.sglang.logprobs`): ``return_logprob`` with
-``logprob_start_len`` and ``top_logprobs_num`` on a prefill-only request (``max_new_tokens: 0``) adds
-``input_token_logprobs`` / ``input_top_logprobs`` to ``meta_info`` as sglang does (``[logprob, id,
-null]`` per prompt token from ``logprob_start_len``, the first one's logprob null). Like sglang, the
-server keeps the tokenizer it was launched with across ``/update_weights_from_disk``
-(``srt/managers/tokenizer_manager.py``: built once, in ``init_tokenizer_and_processor``).
-
-The request side (schema, ranges, 400 bodies) lives in ``ckpteval.jobs.reference.serve.requests``; the engine
-service (generation, aborts, pause, weight versions) in ``ckpteval.jobs.reference.serve.engine``; the
-OpenAI-compatible ``/v1/completions`` in ``ckpteval.jobs.reference.serve.openai``; the HTTP routes in
-``ckpteval.jobs.reference.serve.http``; this module holds the command line.
+Owns the routes and the status codes and bodies sglang answers with (``/generate``,
+``/update_weights_from_disk``, ``/update_weight_version``, ``/weights_checker``, ``/abort_request``,
+``/pause_generation``, ``/model_info``, ``/server_info``, ``/health*``), read from the sglang 0.5.23 wheel, so
+every eval path that talks to sglang runs without a GPU. Limits (stand-in, not sglang): one engine lock
+(:mod:`ckpteval.jobs.reference.serve.engine`); fields it cannot honour (streaming, output logprobs, ``n`` > 1,
+stop strings, grammars) are refused with 400 naming them. See docs/USER_GUIDE.md "sglang: what the worker
+relies on".
 """
 
 from __future__ import annotations

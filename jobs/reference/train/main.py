@@ -1,48 +1,10 @@
 """``ckpteval train``: the reference trainer — a tiny decoder learning 2-digit addition on CPU.
 
-It exists to drive the eval machinery with a real model whose score climbs from 0 to ~1, and to
-show how a training loop uses it: build an :class:`~ckpteval.jobs.trainer.dispatcher.EvalDispatcher`, call
-``maybe_dispatch(step, model)`` after each optimizer step and ``close(final_step, model)`` at the
-end. Read top to bottom:
-
-1. :class:`TrainConfig` from the command line (:mod:`ckpteval.jobs.reference.train.config`, importable without
-   torch); every flag, the eval flags as one (:class:`ckpteval.jobs.trainer.config.DispatchConfig`),
-   and an existing run are checked before anything is written or trained.
-2. The run directory: ``run.json`` (the eval config every consumer reads: the built-in addition set,
-   or the datasets and lm-eval tasks of ``--eval-config FILE`` (read by
-   :func:`ckpteval.jobs.eval.worker.evalconfig.read_eval_config`, the service's reader, and checked before anything is
-   written), sampling, lease settings, snapshot roots, trainer identity), ``base/`` (config + tokenizer, which
-   exports copy), ``data/addition.jsonl``. Written once; a resumed run keeps them.
-3. Model, optimizer, and — with ``--resume`` — the latest training checkpoint.
-4. Step 0 (unless ``--no-eval-at-start``): the initial weights are dispatched as the point of step
-   0 before the first optimizer step (once per run: a resumed run finds it in the ledger).
-5. The loop: learning rate (linear warmup + cosine decay to lr/10 by default: the constant rate
-   plateaus near 0.92 exact match at 600 steps, the schedule reaches 1.0 by step 400), batch, loss,
-   step; in reuse mode save the HF checkpoint ``checkpoint-<step>`` every
-   ``--save-interval``; ``maybe_dispatch``; log ``train/*``; save a training checkpoint every
-   ``--ckpt-interval``.
-6. The end: final training checkpoint (and, in reuse mode, the final HF checkpoint, whatever the
-   save interval), ``dispatcher.close`` (final point, training done, drain).
-
-Training checkpoints (``RUN/train_ckpt/step-<N>/``, no pickles) are :mod:`ckpteval.jobs.reference.train.ckpt`'s.
-Batches are a pure function of ``(seed, step)``, so a resumed run sees exactly the data the killed one
-would have.
-
-Preemption: SIGTERM or SIGUSR1 (SLURM's pre-timeout signal) makes the loop save a training
-checkpoint at the next step boundary, wait (bounded) for an export in flight, and exit with status
-75 (``EX_TEMPFAIL``); run it again with ``--resume`` (a requeued job does). Every wait of the
-dispatcher (backpressure, the final export, the drain) ends at once on the signal. Training is not
-marked done if the signal came before the final snapshot was published. Ctrl-C (SIGINT) does the same and
-exits 130 with one line; a second Ctrl-C while the checkpoint is being saved stops at once (the last
-complete training checkpoint still resumes).
-
-``--lora``: the same loop trains only a LoRA adapter (peft, rank ``--lora-rank`` on every linear layer)
-on the fixed seed-initialised base, which is written with its weights to ``RUN/base`` and named in
-run.json ``eval.base_model``; exported snapshots are then adapters (``adapter_config.json`` +
-``adapter_model.safetensors``) and reuse-mode checkpoints are peft's ``save_pretrained`` output.
-
-Limits: CPU only, one process; the shared posture here has no producer of its own (the gate is
-exercised by the tests), it shows the blocking eval path.
+It drives the eval machinery with a real model whose score climbs from 0 to ~1 and shows how a training loop
+uses it (``start_eval``, ``maybe_dispatch`` per step, ``close``). Guarantee: every flag and an existing run are
+checked before anything is written; batches are a pure function of ``(seed, step)``, so ``--resume`` sees the
+data the killed run would have; SIGTERM/SIGUSR1 save a training checkpoint and exit 75, SIGINT 130. Limits: CPU
+only, one process. See docs/USER_GUIDE.md "A run on one machine (CPU)" and "Stopping things".
 """
 
 from __future__ import annotations

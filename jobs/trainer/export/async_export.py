@@ -1,33 +1,6 @@
-"""Asynchronous snapshot export: the trainer blocks only for the copy off its device.
+"""Asynchronous snapshot export: the trainer blocks only for the copy off its device (:class:`AsyncExporter`).
 
-:meth:`AsyncExporter.submit` does, in the caller's (training) thread:
-
-1. wait for the previous export to finish — at most one export is in flight;
-2. check free space on the staging filesystem for the state dict's bytes (:func:`ckpteval.coord.snapshots.gc.has_room`;
-   a full /dev/shm takes the node down) — no room is an ``export_failed`` outcome, nothing written;
-3. copy every tensor into host memory (:func:`ckpteval.jobs.trainer.export.hf_files.snapshot_host_copy`);
-
-and then returns. A background thread writes the HF files from the host copy
-(:func:`~ckpteval.jobs.trainer.export.hf_files.write_hf_files`, checksums computed while writing) and publishes them
-atomically with their ``.complete`` marker (:func:`ckpteval.coord.snapshots.snapshot.publish_snapshot`, which fsyncs
-every file before the marker).
-
-Times, per export (an :class:`ExportOutcome`): ``blocked_s`` is what the trainer waited (steps 1-3,
-the wait for a previous export included); ``total_s`` runs from the call to the published marker.
-
-Host memory bound: **one extra copy of the weights**. The copy of export *n* is released when its
-thread ends, and export *n+1* copies only after that (step 1), so at most one host copy exists
-(plus, on CUDA, torch's caching host allocator keeping those pinned blocks for reuse).
-
-Failures never reach the training loop as exceptions: ``OSError`` (ENOSPC, EIO), ``ValueError``
-(a state dict that cannot be written) and ``RuntimeError`` become ``ExportOutcome(ok=False)``. Any
-other exception in the background thread is a bug and is re-raised from the next :meth:`poll`.
-
-A PEFT model (``peft.PeftModel``, a LoRA run) exports its active adapter only: the host copy and
-the files are ``adapter_model.safetensors`` + ``adapter_config.json``
-(:func:`~ckpteval.jobs.trainer.export.hf_files.write_adapter_files`), published with the same marker.
-
-Limits: tensors must be gathered (no DTensor); the staging root must exist or be creatable.
+Limits: tensors must be gathered (no DTensor); the staging root must exist or be creatable. See docs/PROTOCOL.md §4.
 """
 
 from __future__ import annotations

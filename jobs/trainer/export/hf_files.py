@@ -1,38 +1,8 @@
 """Write the *files* of a Hugging Face snapshot into a directory, and copy weights off the trainer.
 
-This module owns two steps of an export:
-
-* :func:`snapshot_host_copy` — the only part that blocks the trainer: one copy of every tensor of a
-  model (or state dict) into host memory (page-locked when the source is on CUDA), so training can
-  go on mutating its weights while the files are written from the copy.
-* :func:`write_hf_files` — writes safetensors shards (``model.safetensors`` or
-  ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``), ``config.json`` and the
-  base model's metadata files (generation config, tokenizer files, chat templates) into a directory,
-  and returns ``{relative_path: {"bytes": n, "crc32": c}}`` for every file it wrote, each shard's
-  record also holding ``"tensors"``: every tensor's dtype, shape and digest (:mod:`ckpteval.coord.snapshots.digests`),
-  computed on the bytes as they are written (the marker's attestation record).
-
-Promises:
-
-* The directory is loadable by ``AutoModelForCausalLM.from_pretrained(dir, use_safetensors=True)``;
-  tensors are written bit-exactly (the shards are byte-identical to ``safetensors.torch.save_file``
-  of the same tensors with ``{"format": "pt"}`` metadata).
-* Checksums are computed on the bytes as they are written (no second read of the files): a helper
-  thread checksums chunk *i* while the main thread writes it, and tensor bytes are written straight
-  from tensor memory, without a serialized copy (:mod:`ckpteval.jobs.trainer.export.safetensors_io`). Measured on /dev/shm (see ``bench/bench_export.py``) this beats ``cp`` of the same bytes.
-* Only metadata is taken from ``base_model_dir`` (an allow-list, :data:`METADATA_FILES`); the base's
-  weights (``*.safetensors``, ``*.bin``, ...) and weight index are never copied.
-* Tied embeddings: when the config ties word embeddings, ``lm_head.weight`` is dropped, but only after
-  checking it is the same tensor as (shares storage with, or equals) another tensor of the state
-  dict; otherwise a ``ValueError`` — weights are never lost silently.
-* Files are created exclusively: a file that already exists in ``out_dir`` is an error
-  (``FileExistsError``), never overwritten.
-
-Limits: publishing (the ``.complete`` marker and the atomic rename) is ``ckpteval.coord.snapshots.snapshot``'s job, not
-this module's. Tensors must be contiguous, dense CPU tensors that nobody mutates while they are
-written (that is what :func:`snapshot_host_copy` is for). Sharded/distributed tensors (DTensor, TP or
-PP shards) must be gathered by the caller first. ``max_shard_bytes`` is a target: a single tensor
-larger than it gets a shard of its own.
+Guarantee: the directory loads with ``AutoModelForCausalLM.from_pretrained(dir, use_safetensors=True)``. Limits:
+publishing (marker, rename) is :mod:`ckpteval.coord.snapshots.snapshot`'s; tensors must be dense CPU tensors nobody
+mutates while written (:func:`snapshot_host_copy`); no DTensor. See docs/PROTOCOL.md §4.
 """
 
 from __future__ import annotations

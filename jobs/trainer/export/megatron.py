@@ -1,36 +1,7 @@
 """Direct conversion of a megatron-core ``GPTModel`` state dict to the HF Llama / Qwen2 layout.
 
-This module owns the mapping from megatron-core parameter names and layouts to transformers'
-``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` ones, for Llama/Qwen2-style models (RoPE, RMSNorm,
-SwiGLU, GQA, tied or untied embeddings, optional qkv bias), and the matching HF config
-(:func:`megatron_to_hf_config`). It reads megatron's layouts directly — no intermediate
-checkpoint format, no megatron import (megatron-core is not needed at run time).
-
-Layouts (megatron-core, TP=1):
-
-* ``self_attention.linear_qkv``: rows grouped per KV group ``g``:
-  ``[q heads of group g (num_heads / num_kv_heads of them), k_g, v_g]``, each ``head_dim`` rows.
-  Query head ``g * q_per_group + j`` uses KV head ``g`` — the same pairing as HF's ``repeat_kv``.
-* ``mlp.linear_fc1``: ``[gate; up]`` (SwiGLU: ``silu(gate) * up``), see :func:`split_fc1`.
-* Norms: the local spec's ``input_layernorm`` / ``pre_mlp_layernorm`` or Transformer Engine's fused
-  names ``self_attention.linear_qkv.layer_norm_weight`` / ``mlp.linear_fc1.layer_norm_weight``.
-
-Promises — it never exports wrong or zero weights silently; it raises ``ValueError`` naming them for:
-
-* any megatron entry it has no mapping for (only ``*._extra_state`` entries, which Transformer Engine
-  and megatron add as non-weight state, and rotary ``inv_freq`` buffers are ignored, see
-  :data:`IGNORED_SUFFIXES`), and any HF parameter filled twice (e.g. both norm spellings present);
-* any parameter of the HF model (its expected state dict, built from the HF config on the meta
-  device) left unfilled, filled but not expected, or of the wrong shape;
-* a tied ``output_layer.weight`` that differs from the input embedding;
-* any megatron config option that changes the maths in a way HF Llama/Qwen2 cannot express (LayerNorm,
-  non-SwiGLU MLPs, MoE, MLA, qk-norm, interleaved RoPE, zero-centred gamma, sliding windows, ...).
-
-Limits: takes a *full* (TP=PP=1 or already gathered) state dict with global layer numbers; no MoE,
-no multi-token-prediction layers, no RoPE scaling (plain RoPE with ``rotary_base``). Embedding /
-output rows beyond ``vocab_size`` (megatron's vocab padding) are dropped. The returned tensors may be
-views of the input tensors (no copy where the layout allows): convert a host copy
-(``snapshot_host_copy``) if the source keeps training.
+Guarantee: never exports wrong or zero weights silently (an unmapped or missing entry is a ValueError naming it).
+Limits: a full (gathered) state dict; no MoE, MTP or RoPE scaling; vocab padding rows dropped.
 """
 
 from __future__ import annotations

@@ -1,58 +1,11 @@
 """``HFEngine``: the in-process transformers engine (CPU or CUDA) behind ``ckpteval serve``.
 
-What it owns and promises:
-
-- The first :meth:`HFEngine.load` builds the model from the snapshot
-  (``AutoModelForCausalLM.from_pretrained(dir, use_safetensors=True, local_files_only=True)``) and its
-  tokenizer. A later load whose ``config.json`` matches the loaded one (every key except bookkeeping
-  such as ``transformers_version``/``dtype``) copies the snapshot's safetensors shards into the *same*
-  model object; anything else re-instantiates.
-- ``dtype="auto"`` (the default) builds the model in the snapshot's own dtype (config.json's
-  ``dtype``/``torch_dtype``, else the first shard's tensor dtype): a bf16 checkpoint stays bf16 (half
-  the memory of an upcast). On CPU a dtype whose matmul kernels this torch build lacks (probed once
-  with a 4x4 matmul) falls back to float32; torch 2.13's CPU build runs bf16 and fp16, so there a
-  bf16 snapshot is served in bf16 (measured on the tiny model: same speed as float32 on this CPU).
-  ``"float32"``/``"bfloat16"``/``"float16"`` force a dtype.
-- In-place reloads read straight into the resident parameters: the safetensors headers are indexed
-  first (names and shapes checked against the model, tied partners absent from the file covered by
-  the tensor they share storage with) so a bad snapshot leaves the old weights and version in place;
-  then each tensor's bytes are read from the file straight into its parameter (``readinto`` the
-  parameter's memory when it is a CPU tensor of the file's dtype, else through one reused host buffer
-  and one ``copy_``; no intermediate state dict: peak extra memory is one tensor), under the lock every
-  generation holds, so a generation sees either the old weights with the old version or the new with
-  the new (a reload therefore pauses generation for the read; the worker never overlaps them). Should
-  a copy fail midway (a file truncated after verification), the version becomes ``None`` (weights
-  undefined) and :class:`EngineError` is raised. ``make bench`` reports the reload's GB/s next to a
-  plain read of the same bytes (``bench/bench_reload.py``).
-- A prompt that does not fit the model's context (``max_position_embeddings``: prompt tokens at or over it,
-  or prompt + ``max_new_tokens`` over it) is refused with :class:`RequestRejected` and sglang's message,
-  the same rule ``ckpteval serve`` answers with HTTP 400, so a unit ends ``rejected`` on either path.
-- Generation: batched, left-padded, KV cache, greedy when ``temperature == 0`` else sampled with
-  ``top_p``/``top_k``; ``seed`` makes a sampled call reproducible (same prompts, batch and seed) via
-  a forked RNG that leaves the global RNG untouched. Per-sample ``seeds`` (one per prompt) keep the
-  batch and give each row its own ``torch.Generator``: a logits processor draws each row's token
-  from the temperature/top-k/top-p distribution with that row's generator and the (then greedy)
-  decoder takes it, so a row's sample depends on its prompt and seed only, not on its batch-mates
-  (up to the float noise of padding), and identical prompts with distinct seeds draw independently
-  (the checks, the seeded RNG and the per-row sampler are :mod:`ckpteval.jobs.eval.engines.hf.sampling`'s). Only
-  new tokens are decoded, cut at the first ``eos``; ``n_tokens`` counts generated tokens including that ``eos``
-  (the decoder's settings and the reading of its output are :mod:`ckpteval.jobs.eval.engines.hf.decode`'s).
-- Only safetensors are ever read; a snapshot with only pickled ``*.bin`` weights is refused (reading and
-  checking a snapshot's weights is :mod:`ckpteval.jobs.eval.engines.hf.weights`'s).
-- Several engines in one process (a pool) are safe: model builds, which transformers runs under
-  process-global contexts, take turns on a module lock; in-place reloads and generation do not.
-
-- :meth:`HFEngine.restart` rebuilds the model object from the last snapshot (version kept) or, when
-  that snapshot is gone (GC'd), from the remembered config with version ``None``; a later load then
-  reloads in place as usual.
-
-- The tokenizer comes from the snapshot, else (a checkpoint saved without one) from
-  ``tokenizer_fallback`` (the worker sets the run's ``RUN/base``); with neither the load raises
-  :class:`~ckpteval.jobs.eval.kinds.generate.tokenizer_files.TokenizerMissing` (a ``no_tokenizer`` skip, not a dead engine).
-
-Limits: the tokenizer is read on (re-)instantiation only, not on in-place reloads (training does not
-change it); the snapshot's ``generation_config.json`` is ignored (every request states its sampling);
-an architecture change holds the old and the new model in memory until the swap.
+Owns building the model from a snapshot (safetensors only; ``dtype="auto"`` keeps the snapshot's dtype) and
+reloading a same-config snapshot in place, under the lock every generation holds (a generation sees old weights
+with the old version or new with new; a copy failing midway makes the version ``None``); batched generation,
+greedy or seeded per row (:mod:`~ckpteval.jobs.eval.engines.hf.sampling`); prompts over the context refused as
+sglang does. Limits: the tokenizer is read on (re-)instantiation only; ``generation_config.json`` is ignored.
+See docs/USER_GUIDE.md "Dataset kinds and engines".
 """
 
 from __future__ import annotations

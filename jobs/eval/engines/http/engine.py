@@ -1,60 +1,12 @@
 """``HTTPEngine``: the :class:`~ckpteval.jobs.eval.engines.base.Engine` protocol over sglang's native HTTP API.
 
-Written against the sglang source (0.5.19 .. 0.5.23, the range ``ckpteval[sglang]`` pins; file
-names below are inside the sglang wheel) and ``ckpteval serve``, which mirrors 0.5.23. Routes used:
-``/update_weights_from_disk``, ``/model_info`` (``/get_model_info`` on servers that 404 it),
-``/server_info`` (``/get_server_info`` likewise), ``/generate`` and ``/health_generate``.
-
-Promises:
-
-- **Version floor**: before its first request (other than the health probe) the engine reads the
-  server's sglang version from ``/server_info`` ``"version"`` (``srt/entrypoints/http_server.py``
-  ``server_info``) and refuses a server outside :data:`SUPPORTED_SGLANG` with
-  :class:`UnsupportedServer` (a ``ValueError``: a configuration error, not a dead engine).
-- :meth:`HTTPEngine.load` asks the server to load the snapshot and stamp ``weight_version``, then
-  reads the version back; a read-back that differs raises :class:`WeightVersionMismatch`. A load that
-  fails in any way (HTTP 400 ``success: false``, a timeout, a dropped connection) raises
-  :class:`EngineError` **and leaves the engine's version unknown**: sglang loads in place and its
-  "rollback" re-reads the new checkpoint (``srt/model_executor/model_runner_components/
-  weight_updater.py`` ``update_weights_from_disk``), while the label the server reports stays the old
-  one (``srt/managers/tokenizer_manager.py`` only sets it on success). Until the next successful load
-  :meth:`HTTPEngine.weight_version` answers ``None``, so the worker reloads before the next unit
-  whatever label the server reports.
-- :meth:`HTTPEngine.generate` sends each batch (up to ``max_batch_size`` prompts, and at most half the
-  server's ``max_queued_requests``: a batch larger than sglang's queue can never pass; a queue-full
-  503 halves it, finished chunks kept: :mod:`ckpteval.jobs.eval.engines.http.limits`) as one request.
-  ``seeds`` (one per prompt, sampled decoding only) go as ``sampling_seed`` per prompt; sglang applies them
-  only when launched with ``--enable-deterministic-inference`` (``srt/sampling/sampling_batch_info.py``),
-  which the engine reports once on stderr when missing.
-- **Aborts are never scored**: sglang answers HTTP 200 with ``meta_info.finish_reason.type ==
-  "abort"`` and partial text for requests cut by ``/abort_request``, ``/pause_generation`` (abort
-  mode), a weight update with ``abort_all_requests`` or ``/update_weight_version``
-  (``tokenizer_manager.py`` ``_handle_abort_finish_reason`` turns only aborts carrying a status code
-  into errors). Aborted samples are resent (``abort_retries`` times, same seeds); still aborted, the
-  call raises :class:`~ckpteval.jobs.eval.engines.base.SamplesAborted`.
-- **Versions per sample**: a sample's version is its ``meta_info.weight_versions`` spans, joined by ``|``
-  when they differ, so a sample that spans a weight update fails the pin check (the request body and the
-  reply items are :mod:`ckpteval.jobs.eval.engines.http.generate`'s; what ``/server_info`` says,
-  :mod:`ckpteval.jobs.eval.engines.http.server_info`'s).
-- **Rejected is not dead**: a 4xx from ``/generate`` (other than 408/429) is the request's fault
-  (too long a prompt, a bad setting: ``tokenizer_manager.py`` ``_validate_one_request``,
-  ``srt/sampling/sampling_params.py`` ``verify``) and raises
-  :class:`~ckpteval.jobs.eval.engines.base.RequestRejected` with the server's message; transport errors,
-  timeouts and 5xx raise plain :class:`EngineError` (restart), except a 503 with a message: a busy
-  server, retried with backoff and never restarted (:mod:`ckpteval.jobs.eval.engines.http.limits`, which also
-  sizes each ``/generate`` timeout from ``max_new_tokens`` and the batch); a 401 is
-  :class:`~ckpteval.jobs.eval.engines.http.auth.Unauthorized` (keys come from the environment only:
-  :mod:`ckpteval.jobs.eval.engines.http.auth`); the server's message is read in every shape sglang uses
-  (:func:`~ckpteval.jobs.eval.engines.http.limits.error_message`).
-- **The canary** (:meth:`HTTPEngine.teacher_forced`): the probe's input-token log-probs from one
-  ``/generate`` (:mod:`ckpteval.jobs.eval.engines.sglang.logprobs`), for every engine of this API.
-- :meth:`HTTPEngine.healthy` waits :data:`HEALTH_TIMEOUT_S`, longer than sglang's own 20 s
-  ``HEALTH_CHECK_TIMEOUT`` for ``/health_generate`` (which polls once a second), and returns False
-  instead of raising, catching only httpx transport errors.
-
-Limits: an attached server cannot be restarted (:meth:`HTTPEngine.restart` raises) unless a
-``launcher`` callback is given; sampling settings are validated by the server. Another client
-reloading a shared server is detected (per-sample versions, read-back), not prevented.
+Owns loads with read-back (a failed load leaves the version unknown, ``None``, so the next unit reloads),
+generation with per-sample versions from ``weight_versions`` spans, aborted samples resent and never scored
+(:class:`~ckpteval.jobs.eval.engines.base.SamplesAborted`), a 4xx as the request's fault
+(:class:`~ckpteval.jobs.eval.engines.base.RequestRejected`), the canary's teacher forcing, and the sglang
+version floor (:class:`UnsupportedServer`). Busy servers and timeouts: :mod:`~ckpteval.jobs.eval.engines.http.limits`.
+Limits: an attached server is restarted only through a ``launcher``; another client reloading it is detected,
+not prevented. See docs/USER_GUIDE.md "sglang: what the worker relies on".
 """
 
 from __future__ import annotations

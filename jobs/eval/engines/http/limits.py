@@ -1,50 +1,11 @@
 """How long one ``/generate`` may take, and when a busy sglang server is retried instead of restarted.
 
-Owns two rules of :class:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine`, read from sglang 0.5.23's source:
-
-- **Busy is not dead.** sglang answers HTTP 503 with a message when it sheds load, in
-  ``ErrorResponse`` form ``{"object": "error", "message", "type": "503", "code": 503}``
-  (``srt/entrypoints/http_server.py`` ``validation_exception_handler`` renders the ``HTTPException``
-  that ``srt/managers/tokenizer_manager.py`` ``_handle_abort_finish_reason`` raises for an abort
-  carrying a status code). The messages of 0.5.23 are :data:`BUSY_MESSAGES`: a full waiting queue
-  (``--max-queued-requests``; ``srt/managers/scheduler.py`` ``_abort_on_queued_limit``), a request-timeout
-  abort (``SGLANG_REQ_WAITING_TIMEOUT`` / ``SGLANG_REQ_RUNNING_TIMEOUT``; ``scheduler.py``
-  ``_poll_timeout_aborts``) and a retraction without a KV backup (``srt/managers/schedule_batch.py``
-  ``retract_decode``). Any 503 whose body carries a message is retried (:func:`send_retrying_busy`:
-  ``retries`` more times, exponential backoff from ``delay``), never answered with a restart; still busy,
-  it raises :class:`ServerBusy` (skip reason ``overloaded``, no restart). A 503 without a message (a
-  proxy, a server shutting down: ``health_generate`` answers a bare 503) and every other 5xx stay
-  :class:`~ckpteval.jobs.eval.engines.base.EngineError` (restart).
-- **A long batch is given its time.** :func:`generate_timeout` is the base timeout plus
-  ``token_timeout_s`` per new token per *wave*: ``ceil(prompts / R)``, ``R`` the requests the server
-  runs at once — the sum over DP ranks of ``internal_states[].effective_max_running_requests_per_dp``
-  in ``/server_info`` (``srt/managers/scheduler_components/internal_state.py`` ``_add_topology``),
-  else its ``max_running_requests`` server arg, else one wave. A 32k-token chain of thought is not
-  cut at a flat 300 s. A timed-out client disconnects, and sglang
-  aborts a non-streaming request whose client is gone (``tokenizer_manager.py`` ``generate_request``,
-  ``request.is_disconnected``), so a timeout too short is never recovered by resending.
-- **A dataset may set its own bound.** ``generate_timeout_s`` of a dataset (run.json; it travels as
-  :attr:`~ckpteval.jobs.eval.engines.base.SamplingParams.timeout_s`) replaces the derived timeout for
-  that dataset's requests. A request that outlives it raises :class:`GenerateTimedOut` (skip reason
-  ``generate_timeout``, no restart: sglang aborts a request whose client left, ``tokenizer_manager.py``
-  ``_wait_one_response``; the server is not dead, and resending would only time out again). A derived timeout that expires stays an
-  :class:`~ckpteval.jobs.eval.engines.base.EngineError` (a server that slow is presumed hung: restart).
-
-- **A batch fits the server's queue.** sglang queues a ``/generate`` batch's items one by one and sheds
-  every item past ``--max-queued-requests`` (``scheduler.py`` ``_abort_on_queued_limit``: the limit counts
-  *prompts* in the waiting queue); one shed item fails the whole batch with a 503 and the items that
-  finished are thrown away (``tokenizer_manager.py`` ``_collect_batch_responses`` gathers every item).
-  :func:`queue_chunk` sizes each ``/generate`` to :data:`QUEUE_MARGIN` of the server's
-  ``max_queued_requests`` (``/server_info``; per DP rank, the smallest unit sglang queues against),
-  so other clients' prompts fit beside ours; a queue-full 503 that persists (or a retraction without a KV
-  backup: a smaller batch needs less KV) halves the chunk, down to one prompt, and resends only the
-  prompts still missing (:class:`BatchTooLarge`).
-- **A running timeout recurs.** ``SGLANG_REQ_RUNNING_TIMEOUT`` aborts a request that has *run* longer than
-  the bound (``scheduler.py`` ``_poll_timeout_aborts``); the same prompt and settings run as long again,
-  so it is not retried (:class:`RunningTimedOut`, skip ``generate_timeout``, no restart).
-
-Limits: the backoff sleeps in the calling thread; a server that stays overloaded past the retries
-skips the unit ``overloaded`` (the point lacks it until a backfill), it is not queued client-side.
+Owns, as sglang 0.5.23 answers: a 503 with a message is busy, retried with backoff, then :class:`ServerBusy`
+(skip ``overloaded``); the derived timeout per wave of new tokens (:func:`generate_timeout`), or a dataset's
+``generate_timeout_s`` (:class:`GenerateTimedOut`); a batch sized to the server's queue and halved on a
+persistent queue-full (:func:`queue_chunk`, :class:`BatchTooLarge`); a running timeout is not retried
+(:class:`RunningTimedOut`). Limits: backoff sleeps in the calling thread. See docs/USER_GUIDE.md "sglang: what the
+worker relies on" and "Skip reasons and what to do".
 """
 
 from __future__ import annotations

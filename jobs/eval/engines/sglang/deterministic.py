@@ -1,39 +1,8 @@
-"""sglang's deterministic mode (``--enable-deterministic-inference``): what it covers, what it costs, and
-which launch options it refuses or adjusts — as sglang 0.5.23 resolves them, so ckpteval's launch
-(:class:`~ckpteval.jobs.eval.engines.sglang.engine.SGLangEngine`) and its stand-in (``ckpteval serve``) agree with it.
+"""sglang's deterministic mode (``--enable-deterministic-inference``): what it covers, what it costs, and which launch
+options it refuses or adjusts, as sglang 0.5.23 resolves them, so the launch and ``ckpteval serve`` agree with it.
 
-What the flag covers (paths inside the 0.5.23 wheel, ``sglang/srt/``):
-
-- batch-invariant kernels: ``model_executor/model_runner.py`` ``maybe_enable_batch_invariant_mode``
-  registers ``batch_invariant_ops/batch_invariant_ops.py`` for ``aten::mm``, ``addmm``, ``bmm``,
-  ``_log_softmax``, ``mean.dim`` and ``rms_norm``: a row's result no longer depends on how many rows share
-  the batch (greedy decoding included);
-- attention: ``arg_groups/overrides.py`` ``_deterministic_attention_backend`` accepts only
-  :data:`DETERMINISTIC_ATTENTION_BACKENDS` (``arg_groups/choices.py``) — any other explicit
-  ``--attention-backend`` is a ``ValueError`` at start — and, given none, picks ``fa3`` on Hopper and
-  older, ``flashinfer`` on Blackwell (``triton`` for DeepSeek-style models there): the kernels depend on
-  the GPU generation, which is why a result records the backend;
-- prefix cache: ``arg_groups/attention_hook.py`` ``handle_deterministic_inference`` disables the radix
-  cache for a backend outside :data:`RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKENDS` (flashinfer);
-- chunked prefill: ``managers/scheduler.py`` ``init_deterministic_inference_config`` truncates chunks to
-  the flashinfer prefill split tile (``SGLANG_FLASHINFER_PREFILL_SPLIT_TILE_SIZE``, 4096);
-- sampling: ``arg_groups/overrides.py`` ``_deterministic_sampling_backend`` forces ``--sampling-backend
-  pytorch``; ``sampling/sampling_batch_info.py`` applies ``sampling_seed`` only in this mode (unseeded
-  requests use 42); ``layers/sampler.py`` reads the flag;
-- tensor parallelism: at ``--tp-size`` > 1 on CUDA, NCCL's tree all-reduce with a pinned channel count,
-  custom and symmetric-memory all-reduce off (``attention_hook.py``); so a completion repeats only at one
-  TP size, and on ROCm above TP 2 ``--disable-custom-all-reduce`` is refused (``overrides.py``
-  ``_deterministic_rocm_rccl_check``);
-- not covered: LoRA (``lora/backend/`` is outside it); UNO speculative decoding refuses the flag
-  (``arg_groups/speculative_hook.py``).
-
-What it costs: throughput, never correctness — fixed-split kernels instead of the fastest per shape,
-the pytorch sampler, no prefix reuse on flashinfer, shorter prefill chunks, a slower all-reduce at TP > 1.
-Its size depends on the model and GPU and is not measured here (no GPU in CI).
-
-Limits: only ``--attention-backend``'s check is reproduced (the DeepSeek/MLA and ROCm checks need the
-model's config and the platform, which only the launched server knows; sglang still refuses those at
-start, and the worker then stops with the log's path).
+Limits: only ``--attention-backend``'s check is reproduced. See docs/USER_GUIDE.md "sglang: what the worker relies
+on".
 """
 
 from __future__ import annotations

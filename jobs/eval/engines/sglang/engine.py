@@ -1,50 +1,10 @@
 """``SGLangEngine``: an :class:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine` that launches (or attaches to) sglang.
 
-Launching runs ``python -m sglang.launch_server --model-path DIR --host H --port P --tp-size N
-[--weight-version V] [--base-gpu-id I] [extra args...]`` (flag names from sglang's
-``srt/server_args.py``) in its own process group, output to a log file, and waits — bounded by
-``startup_timeout`` — until ``/health_generate`` answers 200, failing early if the process exits.
-``N`` defaults to the number of GPUs in ``CUDA_VISIBLE_DEVICES`` (else ``torch.cuda.device_count()``),
-or 1 for ``device="cuda:I"``. Given no ``model_path``, the server is launched by the first
-:meth:`SGLangEngine.load`, on that snapshot and version (what the worker's engine factory does).
-
-Promises: :meth:`SGLangEngine.close` terminates the whole process group (SIGTERM, then SIGKILL after
-a grace period) and is idempotent; :meth:`SGLangEngine.restart` tears the server down and relaunches
-it on the same port with the last loaded snapshot and version (so the restarted server's weights and
-version agree). Attached to a ``url`` it never launches anything and ``restart`` raises
-:class:`EngineError`.
-
-Launch bounds: a launch (the first load of a lazy engine, every restart) is bounded by
-``startup_timeout`` (weight loading, CUDA-graph capture and warm-up all happen before
-``/health_generate`` stops answering 503 while ``ServerStatus.Starting``: ``srt/entrypoints/
-http_server.py`` ``health_generate``, ``_wait_and_warmup``; minutes on a big model), never by the
-worker's weight-load timeout: :attr:`SGLangEngine.launch_timeout_s`
-is what a caller bounding a launch must allow (:func:`ckpteval.jobs.eval.engines.base.launch_timeout`). One
-launch at a time: a launch abandoned by its caller (a timed-out call keeps running in its thread) is
-cancelled by the next :meth:`~SGLangEngine.restart` or :meth:`~SGLangEngine.close`, which wait for it
-to tear its own server down before launching again on the same port.
-
-Version floor: an engine that will launch sglang first reads the installed sglang's version in the
-launch interpreter (``importlib.metadata``, no import of sglang) and refuses one outside
-:data:`~ckpteval.jobs.eval.engines.sglang.version.SUPPORTED_SGLANG` with
-:class:`~ckpteval.jobs.eval.engines.sglang.version.UnsupportedServer` at construction, i.e. at worker start (0.4.x
-rejects ``--weight-version`` at start, 0.5.1/0.5.2 know no ``sampling_seed``, spans need 0.5.19);
-the running server's ``/server_info`` version is checked again on first contact (also when attached).
-
-Determinism: ``deterministic=True`` adds ``--enable-deterministic-inference`` (the worker sets it unless
-every dataset of the run opts out, ``"deterministic": false``), after refusing launch options sglang refuses
-in that mode (:func:`~ckpteval.jobs.eval.engines.sglang.deterministic.launch_flags`; what the mode covers and
-costs: :mod:`ckpteval.jobs.eval.engines.sglang.deterministic`). Seeds: sglang applies ``sampling_seed`` only in that mode
-(``srt/sampling/sampling_batch_info.py``), and there an unseeded request uses seed 42, which is why
-the client sends one seed per sample. A seeded sample repeats only on the same GPU generation, TP size
-and sglang version (``srt/arg_groups/overrides.py`` ``_deterministic_attention_backend`` picks kernels
-by architecture; ``srt/arg_groups/attention_hook.py`` ``handle_deterministic_inference`` fixes the
-all-reduce for one TP size), and is not promised at all with LoRA (``srt/lora/backend/`` is outside
-the deterministic mode).
-
-Limits: importing this module needs neither sglang nor a GPU (nor torch); launching needs both. A
-port picked automatically is free when picked, not reserved until sglang binds it. ``device="cpu"``
-(the worker's default for in-process engines) is ignored: sglang runs where CUDA_VISIBLE_DEVICES says.
+Owns the server process: launch (``python -m sglang.launch_server``, bounded by ``startup_timeout``, one launch at
+a time), the version floor before launch, ``--enable-deterministic-inference`` unless every dataset opts out
+(:mod:`~ckpteval.jobs.eval.engines.sglang.deterministic`), :meth:`~SGLangEngine.restart` with the last snapshot and
+version, and :meth:`~SGLangEngine.close` of the whole process group. Limits: importing needs neither sglang nor a
+GPU; an attached server is never restarted. See docs/USER_GUIDE.md "sglang: what the worker relies on".
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
 """The canary over sglang's ``/generate``: teacher-forced input-token log-probs, tokenized by the server.
 
-What it owns: the request that makes an sglang server (or ``ckpteval serve``) score a probe
-(:func:`teacher_forced_request`) and the reading of its reply into the canary's per-probe records
-(:func:`parse_teacher_forced`, the shape :func:`ckpteval.jobs.eval.proof.logprobs.teacher_forced` gives), and the
-round trip (:func:`server_teacher_forced`) behind
-:meth:`ckpteval.jobs.eval.engines.http.engine.HTTPEngine.teacher_forced`: every engine speaking sglang's native API
-(``http:URL``, ``sglang``, their LoRA variants, whose ``/generate`` names the adapter) runs the canary.
-
-How sglang 0.5.23 answers it (paths inside the sglang package):
-
-- ``POST /generate`` with ``text`` (the server's tokenizer encodes it, ``srt/managers/tokenizer_manager.py``
-  ``_tokenize_texts``: ``self.tokenizer(texts)``, special tokens added as transformers does by default),
-  ``sampling_params: {"max_new_tokens": 0, "temperature": 0}`` (a prefill-only request,
-  ``srt/managers/schedule_batch.py`` ``Req.is_prefill_only``), ``return_logprob: true``,
-  ``logprob_start_len: 0`` and ``top_logprobs_num: 1`` (``srt/managers/io_struct.py``
-  ``GenerateReqInput``); sglang's own tests score prompts exactly so (``test/kits/spec_server_kits.py``).
-- ``meta_info.input_token_logprobs`` is one ``[logprob, token_id, text]`` per input token from
-  ``logprob_start_len``: ``[None] + logprobs[:-1]`` against ``origin_input_ids[logprob_start_len:]``
-  (``srt/managers/scheduler_components/logprob_result_processor.py`` ``_process_input_token_logprobs``;
-  triples built by ``tokenizer_manager.py`` ``detokenize_logprob_tokens``, text None unless
-  ``return_text_in_logprobs``). ``input_top_logprobs`` has, per position, the ``top_logprobs_num``
-  best ``[logprob, id, text]`` (entry 0 None; ``_process_input_top_logprobs``): the argmax.
-- The values are the log-softmax of the raw logits (no temperature), in float32
-  (``srt/layers/logprob_processor.py`` ``InputLogprobProcessor``); a cached prefix never hides a
-  position from ``logprob_start_len`` on (``schedule_batch.py``: the prefix match is capped at it).
-
-The prompts alone ride in the same request so the server's own tokenization says where each
-continuation starts; token ids that differ from the trainer's (another tokenizer: sglang keeps the one
-it was launched with across ``update_weights_from_disk``) make the probe incomparable, as in
-:func:`ckpteval.jobs.eval.proof.canary.compare`.
-
-Input ids ``>= vocab_size - 1`` come back as 0 (``logprob_result_processor.py``
-``_process_input_token_logprobs``): :func:`ckpteval.jobs.eval.proof.canary.compare` matches ids modulo that clip.
-
-Limits: one request for the whole probe (a few short rows); what the reply lacks or garbles raises
-:class:`~ckpteval.jobs.eval.engines.base.EngineError`.
+Owns the request (:func:`teacher_forced_request`) and the reading of its reply into per-probe records. Limits:
+one request per probe; a reply that lacks or garbles a field raises
+:class:`~ckpteval.jobs.eval.engines.base.EngineError`. See docs/PROTOCOL.md §4 "Canary".
 """
 
 from __future__ import annotations

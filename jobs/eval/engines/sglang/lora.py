@@ -1,73 +1,11 @@
-"""LoRA adapter snapshots over sglang's LoRA serving: ``HTTPLoRAEngine`` (attach) and ``SGLangLoRAEngine``.
+"""LoRA snapshots on sglang: each adapter snapshot loaded by name over ``/load_lora_adapter`` on a fixed base.
 
-A run with ``eval.base_model`` publishes adapter snapshots on one fixed base. The server holds the base
-(launched with ``--enable-lora``); each snapshot is registered as an adapter whose *name carries the
-step* and every request names it. Contract read from sglang 0.5.23's source:
-
-- ``POST /load_lora_adapter {"lora_name", "lora_path", "pinned"}`` -> ``{"success", "error_message",
-  "loaded_adapters": {name: path}}``, 200 on success, 400 on failure; a name already loaded fails
-  ("already loaded") — sglang/srt/entrypoints/http_server.py ``load_lora_adapter`` and
-  sglang/srt/managers/tokenizer_control_mixin.py ``load_lora_adapter``;
-  ``POST /unload_lora_adapter {"lora_name"}`` likewise (same files).
-- ``/generate`` ``lora_path`` is the adapter *name* (io_struct.py ``GenerateReqInput.lora_path``); a
-  name loaded once and since evicted or unloaded is loaded again by sglang itself from the path it was
-  registered with (tokenizer_manager.py ``_resolve_lora_path``: ``lora_ref_cache`` is never emptied);
-  a name the server never loaded (it restarted) is a 400 "Got LoRA adapter that has never been loaded",
-  on which the client loads its adapter again and resends once (:data:`NEVER_LOADED`). A 200 answer
-  was produced by exactly the adapter registered under the name (one name, one snapshot path).
-- ``GET /v1/models`` lists loaded adapters as cards ``{"id": name, "root": path, "parent": base}``
-  (http_server.py ``available_models``): the read-back of which weights a name holds.
-- Dynamic loads need ``--enable-lora --max-lora-rank R --lora-target-modules ...`` at launch
-  (sglang/srt/arg_groups/fields/lora.py); :func:`lora_launch_flags` derives them from the first adapter.
-  ``--lora-target-modules`` accepts only :data:`SGLANG_LORA_MODULES` or ``all`` (argparse ``choices``
-  from sglang/srt/utils/common.py ``SUPPORTED_LORA_TARGET_MODULES``; anything else and sglang exits at
-  argument parsing): PEFT's ``"all-linear"`` (a string) becomes ``all``. They are not the same set:
-  PEFT's ``all-linear`` is every linear layer but the output head, while sglang's ``all`` is every entry
-  of ``SUPPORTED_LORA_TARGET_MODULES`` the base model has, ``embed_tokens`` and ``lm_head`` included
-  (sglang/srt/lora/utils.py ``get_normalized_target_modules``; lora_manager.py ``init_lora_shapes``
-  sizes buffers for them): ``all`` is a superset, so the server can hold the adapter (it allocates
-  buffers the adapter leaves empty, i.e. some extra GPU memory), never a subset. Dotted names become their
-  last part (utils.py normalizes ``feed_forward.gate_proj`` alike); any other module is refused before
-  launch, one line naming the adapter config (:class:`UnservableAdapter`: every unit ``rejected``).
-- Host memory stays bounded: the launch passes ``--max-loaded-loras`` (:data:`MAX_LOADED_LORAS`, at
-  least ``--max-loras-per-batch`` as sglang/srt/arg_groups/lora_hook.py requires), past which sglang
-  unloads the least recently used unpinned adapter on each load (tokenizer_control_mixin.py
-  ``load_lora_adapter``); the client also unloads its previous adapter, and a failed unload is reported
-  on stderr, never silently dropped.
-- The pin check tolerates a re-load-on-use: between a unit's last generate and its pin check another
-  worker may unload the same name (it was its previous adapter too) or sglang may evict it past
-  ``--max-loaded-loras``; sglang itself reloads a name from the path it was registered with on its next
-  use (``lora_ref_cache``). So a name missing from ``/v1/models`` is registered again, under the same
-  path, before the version is read back (listed with *another* path, the version is unknown: a pin
-  violation). A load refused because the name "has an incomplete unload" (``pending_lora_unloads``,
-  tokenizer_control_mixin.py ``load_lora_adapter``) retries the unload first, as the message says.
-- Dynamic LoRA needs one DP replica: every adapter route asserts ``dp_size == 1``
-  (tokenizer_control_mixin.py; an ``AssertionError`` is a 500, which a client would take for a dead
-  server). A server whose ``/server_info`` says ``dp_size > 1`` is refused at the first load, one line
-  (:class:`UnservableAdapter`, skip ``rejected``, no restart).
-- lm-eval entries (:meth:`_LoRAClient.lm_eval_model`): sglang's OpenAI layer picks an adapter only from
-  ``model="<base>:<adapter>"`` or ``lora_path`` (srt/entrypoints/openai/serving_base.py
-  ``_parse_model_parameter``, ``_resolve_lora_path``); the harness sends ``<served model>:<adapter name>``
-  and tokenizes with the base's tokenizer (an adapter dir has none); an attached server whose base
-  tokenizer is not a local directory is refused with one line.
-- A shared server: two workers loading the same name race; the loser's 400 says "already loaded"
-  (sglang/srt/lora/lora_manager.py ``validate_new_adapter``) or "already exists" (lora_registry.py
-  ``_register_adapter``). That is not a failure: the client re-reads ``/v1/models`` and accepts the name when it
-  is listed with our path.
-
-Promises: :func:`adapter_name` is ``step-<step>-<crc32 of the path>``, so a name identifies one
-snapshot; ``load(dir, version)`` registers it (or finds it registered under the same path), checks the
-read-back, then unloads the previous adapter; ``weight_version()`` is the step of the current adapter
-only while ``/v1/models`` lists its name with its path; every sample is stamped with that version when
-the server's own ``meta_info.weight_version`` is the base's label (the base unchanged), otherwise with
-``"<label>+<version>"`` (never equal to a step: the worker's pin check rejects it).
-
-Limits: sglang cannot be run here (no GPU): the tests drive these classes against a small real HTTP
-stub that implements the routes above as the source describes them, not against sglang itself.
-Another client unloading our name and loading other weights under it between two of our requests (and
-unloading them again before our pin check) is not detected (names are unique per snapshot path, so that takes deliberate reuse). ``lora_path`` is
-injected into ``/generate`` bodies by overriding ``HTTPEngine._request`` (the base client's single
-request path); the base client's rewrite must keep that method.
+Owns the adapter names (:func:`adapter_name`, ``step-<step>-<crc32 of the path>``: one name per snapshot),
+the launch flags a dynamic-LoRA server needs (:func:`lora_launch_flags`), the load/read-back/unload cycle
+and the version stamp (the adapter's step while ``/v1/models`` lists its name with its path, else
+``"<label>+<version>"``, which fails the pin check). Refused, one line (:class:`UnservableAdapter`, skip
+``rejected``): target modules sglang cannot serve, ``dp_size > 1``. Limits: another client reusing our name
+for other weights between our requests is not detected. See docs/USER_GUIDE.md "LoRA runs".
 """
 
 from __future__ import annotations

@@ -1,42 +1,8 @@
-"""The pinned engine's OpenAI-compatible endpoint: ``POST /v1/chat/completions`` on loopback, stamped
-and checked turn by turn, for environments that drive the model themselves (``verifiers``, through
-:mod:`ckpteval.jobs.eval.kinds.env.verifiers_env`).
+"""The pinned engine's OpenAI-compatible endpoint: ``POST /v1/chat/completions`` on loopback, stamped and checked
+turn by turn, for environments that drive the model themselves (``verifiers``).
 
-Any :class:`~ckpteval.jobs.eval.engines.base.Engine` gets one — the in-process hf engine, the fn backend, an
-sglang server behind :class:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine`: :class:`Endpoint` is a stdlib
-``ThreadingHTTPServer`` bound to ``127.0.0.1`` on a port the OS picks, in a daemon thread of the worker.
-A reply is produced exactly as the lockstep runner's (:mod:`ckpteval.jobs.eval.kinds.env.runner`): the conversation
-rendered by the same :class:`~ckpteval.jobs.eval.kinds.env.runner.Renderer` (the snapshot's chat template with the
-request's ``tools``, or the raw transcript), one ``engine.generate`` with the entry's sampling settings
-and the seed :func:`~ckpteval.jobs.eval.kinds.generate.scoring.sample_seed` ``(seed, row, episode, turn)``, the reply's tool
-calls parsed in the model's format into OpenAI ``tool_calls``. The request's own sampling fields are
-ignored: what is measured is the entry's, whatever the environment asks.
-
-Episodes are told apart by the URL: a client whose ``base_url`` is :meth:`Endpoint.base_url` ``(row,
-sample)`` (``/e/<row>/<sample>/v1``) speaks for that episode; its requests are its turns, in order.
-
-Versions, as sglang stamps them (sglang 0.5.23 ``srt/entrypoints/openai/serving_chat.py``, the
-``ChatCompletionResponse(..., metadata=build_endpoint_weight_version_metadata(ret[0]["meta_info"]))``
-of the non-streaming reply; ``srt/utils/weight_versions.py`` ``build_endpoint_weight_version_metadata``:
-``{"weight_version": ..., "weight_versions": spans}``; ``serving_completions.py`` does the same for
-``/v1/completions``): every reply carries ``metadata.weight_version`` (the generation's version, spans
-resolved by the engine, :func:`ckpteval.jobs.eval.engines.http.generate.sample_version`). :func:`reply_version` reads it
-back from any such reply, this endpoint's or an sglang server's own. A generation whose version is not
-the pinned one is refused (HTTP 409 naming both versions: no further turn is fed by other weights) and
-recorded; :meth:`Endpoint.check` is the one pin check (:func:`ckpteval.jobs.eval.proof.pinning.check_pinned`) over
-every version the endpoint produced, so a unit with such a turn is a ``pin_violation``.
-
-Reasoning, as sglang 0.5.23 serves it with a reasoning parser (``serving_chat.py``, the non-streaming
-choice: ``content=text if text else ""``, ``reasoning_content`` the parsed thoughts or None; tool calls
-parsed from the text after the reasoning): each turn is split by the entry's ``reasoning`` setting
-(:meth:`~ckpteval.jobs.eval.kinds.env.runner.Renderer.reply`), the reply's ``content`` is the answer ("" when the
-reasoning never ended) and its ``reasoning_content`` the thoughts; a request's assistant messages keep
-their ``reasoning_content`` for the template. The turn is recorded (:class:`~ckpteval.jobs.eval.kinds.env.turns.Turns`);
-an episode with a turn whose reasoning never ended is ended ``no_answer`` after ``play`` (the runner's rule).
-
-Limits: non-streaming, one choice (``n`` 1); requests run one ``generate`` at a time (episodes are not
-batched together on this path); ``logprobs`` are not returned; a malformed tool call comes back as the
-reply's text with no ``tool_calls`` (the model's failure, as the environment will judge it).
+Limits: non-streaming, one choice; one ``generate`` at a time; no ``logprobs``. See docs/USER_GUIDE.md
+"The pinned engine's OpenAI endpoint, and ``verifiers`` environments".
 """
 
 from __future__ import annotations

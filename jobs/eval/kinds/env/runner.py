@@ -1,40 +1,8 @@
-"""The ``env`` dataset kind: a unit's episodes on the pinned engine, pinned turn by turn, with failures
-attributed to the model or to the infrastructure (the contract is :mod:`ckpteval.jobs.eval.kinds.env`').
+"""The ``env`` dataset kind: a unit's episodes on the pinned engine, pinned turn by turn, with failures attributed
+to the model or to the infrastructure (the contract is :mod:`ckpteval.jobs.eval.kinds.env`').
 
-A unit is the episodes of its shard's rows (``n_samples`` per row, prompt-major). They run in lockstep:
-each turn renders every live episode's conversation, samples all of them in one ``engine.generate`` (the
-same call, sampling settings and per-sample seeds as every other set; the seed of turn ``t`` of episode
-``j`` of row ``i`` is :func:`ckpteval.jobs.eval.kinds.generate.scoring.sample_seed` ``(seed, i, j, t)``), then runs the tool calls in
-the sandbox and hands the other replies to the environment's ``step``.
-
-Rendering: ``prompt_format: "chat"`` renders the messages (and the tools' schemas) with the snapshot's chat
-template, :func:`ckpteval.jobs.eval.kinds.generate.prompts.render_chat`; ``raw`` renders :func:`render_transcript`, a plain
-``role: content`` transcript ending ``assistant:``, with the tools' schemas and the call format first.
-
-An environment that drives the model itself (``DRIVES_MODEL = True``: ``verifiers``,
-:mod:`ckpteval.jobs.eval.kinds.env.verifiers_env`) plays its episodes through the pinned engine's loopback OpenAI
-endpoint instead (:func:`play_driven`): the same rendering, ``generate``, seeds and tool-call parsing per
-turn, every turn's version recorded by the endpoint; the same re-runs, pin check and records below.
-
-Reasoning (a ``reasoning`` setting, as a ``generate`` set's: :mod:`ckpteval.jobs.eval.kinds.generate.reasoning`): each turn's
-text is split by :func:`~ckpteval.jobs.eval.kinds.generate.reasoning.split_reasoning` (the turn's rendered prompt decides
-whether it began inside its reasoning) before anything reads it: tool calls are parsed from the answer,
-``step`` gets the answer, and the conversation keeps the answer as the assistant's ``content`` with the
-thoughts as ``reasoning_content`` (the field chat templates such as Qwen3's read; the raw transcript shows
-the answer only). A turn whose reasoning never ended has no answer: the environment is not handed it and the
-episode ends ``no_answer`` (the model's, reward 0), as a ``generate`` sample whose reasoning never ended
-scores 0 unseen by its scorer (:mod:`ckpteval.jobs.eval.kinds.generate.answering`). Per episode the result records the
-turns' ``truncated`` / ``no_answer`` / ``completion_tokens`` / ``reasoning_tokens``
-(:mod:`ckpteval.jobs.eval.kinds.env.turns`), which a point averages over episodes like a ``generate`` set's.
-
-Guarantees: every turn's reply carries the engine's version; the unit's result is written only if every
-turn of every episode (retried attempts included) and the engine after the unit carry the pinned version
-(else :class:`~ckpteval.jobs.eval.proof.pinning.PinViolation`). An episode that ended ``infra`` is never scored: it is
-re-run (from its start) up to ``infra_retries`` times, then the unit is skipped ``env_failed`` with the
-cause (:class:`~ckpteval.jobs.eval.scorers.ScorerInfraError`). The result records, per episode: reward, turns,
-tokens, the version of every turn, how it ended, whose fault, its infra retries (field ``episodes``).
-Metrics: ``eval/<env>`` and ``eval/<env>/reward`` (mean reward), ``pass@k`` (reward >= ``pass_threshold``),
-``eval/<env>/turns`` (mean turns), ``eval/<env>/infra_retries`` (summed), and the generation numbers above.
+Guarantee: a result is written only if every turn and the engine after the unit carry the pinned version; an
+episode that ended ``infra`` is never scored. See docs/USER_GUIDE.md "Environments".
 """
 
 from __future__ import annotations

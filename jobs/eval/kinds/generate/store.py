@@ -1,39 +1,9 @@
 """The completion store: a directory shared across runs that answers a unit whose completions are already known.
 
-Two runs from the same base evaluate the same weights at step 0; a resumed or re-evaluated run meets snapshots
-it has seen. ``--completion-store DIR`` (worker, backfill) files every generated unit's completions under a
-*content key* and answers a unit whose key is filed from the store, without loading an engine: the unit is
-scored (by this run's scorer) from the stored completions, its samples stamped with this run's version (the key
-proves the weights are the same), and its result says so — ``attest.how == "completion_store"`` (not
-attested: no engine held the weights) and ``cost.store_hits`` = 1 with no engine or GPU seconds (summed per
-point as ``eval/cost/store_hits``).
-
-The key (:func:`unit_key`) is the SHA-256 of the canonical JSON of everything that changes a completion:
-
-* the snapshot's weights: every tensor's dtype, shape and digests from its marker (:mod:`ckpteval.coord.snapshots.digests`;
-  the file a tensor lies in does not count) and the CRC-32 of every other file eval loads (config, generation
-  config, tokenizer, chat template; the shard index excepted) — a snapshot whose marker lists no tensor digests
-  is never stored or answered;
-* the rows' SHA-256 (:func:`ckpteval.coord.results.completions.rows_digest`) and the rendered prompt of every sample
-  (chat template, system prompt and template kwargs all act through it), plus the dataset's prompt settings;
-* the sampling settings (``max_new_tokens``, temperature, top-p, top-k, seed) and every sample's seed, and
-  the samples' range;
-* the engine (:func:`engine_identity`, the one place that says what of an engine changes completions).
-
-Guarantees: an entry is ``STORE/<k[:2]>/<k>.completions.json.gz``, the kept-completions format with the key
-inside; published first-writer-wins (temp name, fsync, no-replace move), so concurrent writers of one key are
-safe and the first entry stands. An entry that cannot be read whole, is malformed, holds another key or does
-not fit the unit is a miss with one line on stderr naming it (never a crash, never its contents), and is
-replaced whole (temp + rename) by the unit's fresh completions.
-
-Integrity: every entry carries the SHA-256 of its content (:func:`ckpteval.coord.results.completions.content_digest`),
-checked on read: an entry whose text was edited or damaged is such a logged miss, never a hit. What a writer of the
-store can still forge: an entry rewritten whole, text and digest together (the digest is no signature), so a hit
-is only as honest as whoever may write the store; keep a store shared across users writable by trusted workers only.
-
-Limits: the store trusts its writers: an entry is as right as the pin checks and attestation of the worker that
-generated it. An ``http:URL`` engine (a server this worker did not launch) has no identity the worker can vouch
-for: units on it are neither stored nor answered. Only ``generate`` units are stored. Nothing is ever deleted.
+Guarantee: entries are first-writer-wins and checked on read (a bad entry is a logged miss, never a hit).
+Limits: the store trusts its writers; units on an ``http:URL`` engine are neither stored nor answered; only
+``generate`` units; nothing is deleted. See docs/USER_GUIDE.md "Kept completions, re-scoring, and the completion
+store".
 """
 
 from __future__ import annotations

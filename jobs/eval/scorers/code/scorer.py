@@ -1,41 +1,8 @@
 """Scorer ``code``: run the completion's program against the row's tests in the sandbox.
 
-Rows (JSONL; ``answer`` is not needed) carry their tests in one of two formats:
-
-- **assert-style** (HumanEval, MBPP): ``tests`` — a string of Python, or a list of strings, each one
-  test (e.g. ``"assert add(2, 3) == 5"``); optional ``entry_point`` — when the ``tests`` string
-  defines ``check(candidate)`` (HumanEval), the one test is ``check(<entry_point>)``. The sandbox runs
-  :mod:`~ckpteval.jobs.eval.scorers.code.harness` (judge ``split-process``): the solution loads in a process of its own, the tests
-  run in a separate test process where no solution code runs, calling the solution's functions across a
-  pipe with plain-data arguments and results; the test process alone writes the report.
-- **stdin/stdout** (LiveCodeBench, APPS): ``inputs`` and ``outputs`` — equal-length lists of strings.
-  The code runs once per case as ``__main__`` with the input on stdin; a case passes when it exits 0
-  and its stdout equals the expected output, compared line by line with surrounding whitespace
-  stripped and trailing blank lines ignored.
-
-The code is taken from the completion as follows: the last fenced block tagged ``python`` (or ``py``,
-``python3``), else the last fenced block of any tag, else the whole completion. With the option
-``prepend_prompt`` (HumanEval-style continuations) the row's prompt text is put before it.
-
-A sample scores 1 when every test passes, else 0; ``tests_passed_fraction`` (an extra, averaged per
-point) is the fraction of its tests that passed. The model's failures are scored 0 and counted per
-sample: ``code_timeouts`` (a program over its deadline or CPU limit) and ``code_errors`` (out of
-memory, killed by a signal, over the output cap, code that does not load or is not valid UTF-8, or a
-stdin/stdout program exiting non-zero). A sandbox that cannot run is an infrastructure failure: :class:`ScorerInfraError`
-``sandbox_failed`` (after the sandbox's own retries), never a score. A failed sample's result ``notes``
-entry says why in one line (tests passed, what ended the program, its stderr's last line). The extracted
-answer is ``None`` (no ``maj@n`` for code sets); ``pass@k`` works as for any set with ``n_samples``.
-
-Options (the dataset's ``scorer_options``): :class:`CodeOptions`. Worker settings
-(``ScorerContext.options``): ``sandbox_concurrency`` (programs at once; 0 = min(4, CPUs)) and
-``unsafe_code_rlimits_only`` (run without bwrap where it cannot start; recorded in the identity).
-
-Guarantee (bwrap mode): nothing the solution can read or run lets it report a pass it did not earn — the
-tests and the report are in a process it cannot write to, read or inspect (see :mod:`~ckpteval.jobs.eval.scorers.code.harness`), and
-stdin/stdout outputs are compared here, with the expected output never in the sandbox. Limits: a test
-that needs more than plain data to cross (a function or class instance as an argument, a generator or
-object as a result) fails; under ``--unsafe-code-rlimits-only`` the program can read the dataset from
-disk, so its verdicts are not protected (the identity records the mode). Programs are Python only.
+Guarantee (bwrap mode): nothing the solution can read or run lets it report a pass it did not earn (the tests
+run in a separate process: :mod:`~ckpteval.jobs.eval.scorers.code.harness`; stdin/stdout outputs are compared
+here). A sandbox that cannot run is a skip, never a 0. See docs/USER_GUIDE.md "Code (sandboxed execution)".
 """
 
 from __future__ import annotations

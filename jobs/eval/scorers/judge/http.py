@@ -1,42 +1,9 @@
 """Talking to a judge server: an OpenAI-compatible chat endpoint, or a reward model served by sglang.
 
-Owns the HTTP side of :mod:`ckpteval.jobs.eval.scorers.judge.scorer`, through the ``openai`` Python client (its
-``base_url``, per-request ``timeout`` and ``max_retries``: connection errors, timeouts, 408/409/429 and
-5xx answers are retried with exponential backoff, 0.5 s doubling up to 8 s, with jitter). So one request
-costs at most ``(retries + 1) * timeout_s`` plus about 16 s of backoff; after that it raises
-:class:`JudgeUnavailable` with the judge's own message, which the scorer turns into the unit's
-``judge_failed`` skip. Nothing here ever turns a failure into a score.
-
-Endpoints, as sglang 0.5.23 serves them (read in its wheel):
-
-- ``GET /v1/models`` (``srt/entrypoints/http_server.py`` ``available_models``): ``{"object": "list",
-  "data": [{"id": <served model name>, "root": <the same>, ...}]}``; vLLM and hosted APIs answer the
-  same shape. The judge's identity is read from here, never trusted from config.
-- ``POST /v1/chat/completions`` (``srt/entrypoints/openai/serving_chat.py``, request model
-  ``ChatCompletionRequest`` in ``srt/entrypoints/openai/protocol.py``): ``model``, ``messages``,
-  ``temperature``, ``top_p``, ``max_tokens``, ``seed``; the verdict is read from
-  ``choices[0].message.content``.
-- ``POST /classify`` (``srt/entrypoints/http_server.py`` ``classify_request``: "a reward model request.
-  Now the arguments and return values are the same as embedding models"): the body is an
-  ``EmbeddingReqInput`` (``srt/managers/io_struct.py``): ``{"text": str | list[str]}`` — the full
-  conversation already rendered with the reward model's chat template (the server applies none) — and
-  the answer is, per text, ``{"embedding": [float, ...], "meta_info": {...}}`` (a list for list input,
-  ``srt/managers/tokenizer_manager.py``); a reward model's reward is ``embedding[0]``. It lives at the
-  server root, not under ``/v1``.
-- ``POST /v1/score`` (``srt/entrypoints/openai/serving_score.py``, ``ScoringRequest`` in
-  ``protocol.py``) takes ``query``, ``items`` and ``label_token_ids`` and answers ``{"scores":
-  [[p_label, ...] per item], "model", ...}``: per-label-token probabilities (a causal LM) or class logits
-  (a sequence classifier) — a yes/no judge without generation, not a reward. It is not used here; the
-  chat judge with a verdict rule covers the yes/no case on every OpenAI-compatible server.
-
-Every answer is read from its raw body and its shape checked here: a 200 whose body is not JSON, is
-empty, or lacks the fields above (``choices[0].message.content`` a string or null; ``/classify`` items
-with a finite ``embedding[0]``; ``/v1/models`` ``data[].id`` strings) is :class:`JudgeUnavailable` like
-any failure — never an exception the scorer did not expect. A non-JSON 200 is not retried (the client
-retries only what the server marks as failed); the unit's skip is (by ``backfill``).
-
-Limits: ``api_key`` comes from an environment variable named in the settings (never from run.json);
-requests are synchronous, made concurrently by the scorer's thread pool (the client is thread-safe).
+Owns the HTTP side of :mod:`ckpteval.jobs.eval.scorers.judge.scorer` through the ``openai`` client (timeouts,
+retries) and which failures are the judge's infrastructure (a skip) rather than a
+verdict. Limits: ``api_key`` comes from an environment variable named in the settings, never from run.json.
+See docs/USER_GUIDE.md "Judges and reward models".
 """
 
 from __future__ import annotations
