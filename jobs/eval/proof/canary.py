@@ -1,40 +1,8 @@
 """The canary: the eval engine computes what the trainer computed, on a small fixed probe.
 
-Attestation (:mod:`ckpteval.jobs.eval.proof.attest`) proves an engine holds the snapshot's tensors; it cannot see a
-tokenizer, a dtype or a kernel that makes the same tensors compute something else. At export a trainer
-holding an HF-style model stores teacher-forced log-probabilities of a probe — the first
-:data:`PROBE_ROWS` rows (``prompt`` + reference ``answer``) of the run's first eval set — in the
-snapshot as :data:`ckpteval.coord.snapshots.snapshot.CANARY` (listed in the marker like every file): per probe the text,
-the token ids the trainer's tokenizer gave, each continuation token's log-probability and the argmax.
-After pinning, an engine that can (:meth:`~ckpteval.jobs.eval.engines.hf.engine.HFEngine.teacher_forced`, every engine of
-sglang's HTTP API: :meth:`~ckpteval.jobs.eval.engines.http.engine.HTTPEngine.teacher_forced`) recomputes
-them with the tokenizer it generates with; :func:`compare` gives ``max_abs_logprob_diff`` and
-``argmax_agreement`` (``eval/fidelity/*``). Token ids that differ (another tokenizer) make the probe
-incomparable: the difference is infinite and agreement 0.
-
-This module is the probe's format, the trainer's side (:class:`TrainerCanary`), the comparison and the
-bounds; it imports no engine, because the trainer library loads it. The engine side — recomputing on the
-engines and the skip/flag verdict — is :func:`ckpteval.jobs.eval.proof.canary_check.check_canary`.
-
-Bounds (:data:`MEASURED_BOUNDS`): the default threshold is a measurement, per engine kind and dtype
-relation, each entry saying where it was measured. An engine kind with no measurement (``sglang``: every
-engine of sglang's HTTP API, whose GPU kernels — FlashInfer/FA3 attention, fused norms, TP all-reduce —
-no GPU has yet compared against the trainer) gets the narrower-dtype bound *provisionally*: a finite
-difference over it is flagged (scored, one line on stderr, ``bound_unmeasured`` 1 in the result), never
-skipped, until ``bench/canary_gpu.py`` measures the kind and its entry is added. Token ids that differ
-(another tokenizer) stay a failure whatever the bound: that is no kernel's rounding. An explicit
-threshold (``--canary-max-diff``, run.json ``eval.canary.max_abs_logprob_diff``) is the user's own
-measurement and applies as given.
-
-Token-id clip: sglang reports input ids ``>= vocab_size - 1`` as 0 (``srt/managers/scheduler_components/
-logprob_result_processor.py`` ``_process_input_token_logprobs``, meant for image-token hashes); the
-trainer stores its ``vocab_size`` and :func:`compare` matches ids modulo that clip (the log-probs are
-still the real tokens').
-
-Limits: a probe of a few short rows exercises the kernels and the tokenizer on those rows only; a
-trainer that cannot compute it (Megatron, foreign checkpoints) stores none and the canary is reported
-absent, not passed; an engine without teacher forcing (``fn``) or a server that refuses to score prompts
-reports it absent too.
+Owns the probe, ``canary.json`` (written by the trainer at export), the comparison of the engine's teacher-forced
+log-probs with it, and the measured bounds per engine kind (:func:`measured_bounds`). Limits: a few short rows
+only; a snapshot without a canary is reported absent, not passed. See docs/PROTOCOL.md §4 "Canary".
 """
 
 from __future__ import annotations
