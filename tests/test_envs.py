@@ -206,11 +206,14 @@ def test_a_tool_that_stays_down_skips_the_unit_env_failed_with_the_cause(tmp_pat
 
 
 @needs_bwrap
-def test_a_hanging_tool_hits_its_deadline_and_is_infra(tmp_path: Path) -> None:
+def test_a_tool_past_its_deadline_answers_an_error_and_the_episode_scores(tmp_path: Path) -> None:
+    """The model chose the call's arguments (#37): a tool that hangs on them answers an error as its tool
+    message and the episode goes on to its score (0 here), never a skip the policy could choose."""
     run = env_run(tmp_path, [ROWS[0]], env="tests.support.envs:HangingToolEnv", infra_retries=0, tool_timeout_s=1.0)
-    with ScriptedEngine(policy) as url, pytest.raises(ScorerInfraError) as info:
-        evaluate(run, url)
-    assert info.value.reason == "env_failed" and "tool_timeout" in str(info.value) and "1s deadline" in str(info.value)
+    with ScriptedEngine(policy) as url:
+        ev = evaluate(run, url)
+    (episode,) = ev.scored["episodes"]
+    assert (episode["blame"], episode["reward"], episode["infra_retries"]) == ("model", 0.0, 0), episode
 
 
 def test_an_environment_that_raises_is_infra_not_the_models(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from ckpteval.jobs.eval.kinds.env import Done, Tool
 from ckpteval.jobs.eval.kinds.env.examples import CALCULATOR, ArithmeticEnv
 
 CRASHING = Tool(CALCULATOR.name, CALCULATOR.description, CALCULATOR.parameters,
-                "def calculator(expression):\n    raise RuntimeError('calculator backend is down')\n")
+                "import sys\ndef calculator(expression):\n    print('calculator backend is down', file=sys.stderr)\n"
+                "    sys.exit(98)\n")  # TOOL_UNAVAILABLE: the tool says its backend is down
 HANGING = Tool(CALCULATOR.name, CALCULATOR.description, CALCULATOR.parameters,
                "import time\ndef calculator(expression):\n    time.sleep(3600)\n")
 

@@ -12,13 +12,16 @@ function does not take, or the tokenizer's parser rejects the reply.
 
 Running (:func:`run_calls`): each call is one program in :mod:`ckpteval.jobs.eval.sandbox.core` (never in the worker's
 process): the tool's source, then a call of its function with the arguments read from stdin; it prints
-the return value (a string as it is, anything else as JSON). A program that exits 0 gives the tool message's content; the sandbox's
-other outcomes (an exception, a signal, out of memory, past the deadline) and a sandbox that cannot
-start are :class:`ToolFailed` — infrastructure, never the model's.
+the return value (a string as it is, anything else as JSON). A program that exits 0 gives the tool message's content.
+The model chose the arguments, so a tool that raises, is killed, runs out of memory or passes its deadline
+answers ``error: ...`` as its tool message and the episode goes on (never a skip the policy could choose,
+#37); only a tool that exits :data:`TOOL_UNAVAILABLE` (98: its backend is down, it says so itself) and a
+sandbox that cannot start are :class:`ToolFailed` — infrastructure, never the model's.
 
 Limits: the arguments check is Python's signature binding (types are not checked against the schema);
 an argument-binding failure is reported with a reserved exit status (:data:`BAD_ARGUMENTS`), which a
-tool's own ``sys.exit(97)`` would imitate.
+tool's own ``sys.exit(97)`` would imitate; a tool that runs the model's code must keep that code from exiting
+98 itself (it would make the call infrastructure's).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ckpteval.jobs.eval.sandbox.core import Limits, Sandbox, SandboxUnavailable
 CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 FORMAT = "hermes"  # recorded in every result's identity
 BAD_ARGUMENTS = 97
+TOOL_UNAVAILABLE = 98  # a tool's own exit status for "my backend is down": infrastructure, never the model's
 
 RUNNER = """
 import inspect as _inspect, json as _json, sys as _sys
@@ -131,8 +135,10 @@ def run_calls(sandbox: Sandbox, calls: list[Call], timeout_s: float) -> list[str
             out.append(o.stdout.decode(errors="replace").strip())
         elif o.status == "failed" and o.exit_code == BAD_ARGUMENTS:
             out.append(MalformedCall(f"tool {call.tool.name!r} does not take these arguments ({why})"))
-        elif o.status == "timeout":
-            out.append(ToolFailed("tool_timeout", f"tool {call.tool.name!r} passed its {timeout_s:g}s deadline"))
+        elif o.status == "failed" and o.exit_code == TOOL_UNAVAILABLE:
+            out.append(ToolFailed("tool_error", f"tool {call.tool.name!r} is unavailable: {why}"))
+        elif o.status == "timeout":  # on the model's arguments: the model's, told as the tool's answer
+            out.append(f"error: tool {call.tool.name!r} passed its {timeout_s:g}s deadline")
         else:
-            out.append(ToolFailed("tool_error", f"tool {call.tool.name!r} ended {o.status}: {why}"))
+            out.append(f"error: tool {call.tool.name!r} ended {o.status}: {why}")
     return out

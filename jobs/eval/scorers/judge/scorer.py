@@ -20,7 +20,9 @@ Promises:
   skipped, and a later retry or backfill judges it again (cached verdicts are not paid twice).
 - **An unreadable verdict** (see above) is counted per sample (``judge_unparsed``), and
   ``on_unparsed`` decides: ``skip`` (default) skips the unit ``judge_failed`` naming the count and a
-  reply; ``zero`` scores that sample 0 (counted).
+  reply; ``zero`` scores that sample 0 (counted). A response that wrote a verdict itself
+  (``judge_planted``) and left the judge's reply unreadable scores 0 under either: the policy's doing,
+  never a skip it could choose (#37).
 - **Identity.** The judge's model id is read from its ``GET /v1/models`` at every unit (never trusted
   from config: a requested ``model`` must be one it lists); with the template's SHA-256, the system
   prompt's, how the response is quoted, the sampling settings, the structured-output request and the
@@ -351,19 +353,17 @@ class JudgeScorer(BaseScorer):
             seen.add(key)
             counters = {"judge_cache_hits": int(hit), "judge_unparsed": int(value is None),
                         "judge_cache_errors": int(key in unit.cache_errors), **self._planted(sample.completion)}
-            if value is None:
-                unparsed.append((answer, counters.get("judge_planted", 0)))
+            if value is None and not counters.get("judge_planted"):  # a planted one scores 0: the policy's doing
+                unparsed.append(answer)
             if answer.get("model") is not None:
                 counters["judge_model_mismatch"] = int(answer["model"] != self._model)
             out.append(Scored(0.0 if value is None else value, sample.completion.strip(), counters=counters,
                               extras={"judge_cache_hit_rate": float(hit)}))  # averaged per point: the rate
         if unparsed and self.opts.on_unparsed == "skip":
-            plants = sum(p for _, p in unparsed)
             raise ScorerInfraError("judge_failed", f"{len(unparsed)} of {len(keys)} judge replies unreadable by the "
                                    f"verdict rule (judge_unparsed={len(unparsed)}: no verdict, a partial or "
                                    f"disputed one, or one outside verdict_range {list(self._range())}"
-                                   f"{f'; {plants} graded a response that wrote a verdict itself' if plants else ''}"
-                                   f"); first: {self._shown(unparsed[0][0])}")
+                                   f"); first: {self._shown(unparsed[0])}")
         return out
 
     def _range(self) -> tuple[float, float]:
