@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import threading
 import time
@@ -14,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ckpteval.coord.results.files import ResultIndex
-from ckpteval.coord.run.ledger import Ledger, LedgerError
+from ckpteval.coord.run.ledger import Ledger
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.gc import StagingGC
 from ckpteval.coord.snapshots.snapshot import MARKER, read_marker, snapshot_dirname, verify_snapshot
@@ -339,22 +338,6 @@ def test_point_landing_while_a_resumed_trainer_retrains_has_lag_zero_not_negativ
     d2.maybe_dispatch(3, model)
     d2.poll(force=True)
     assert _by_step(run.path)[6]["eval/lag_steps"] == 0
-
-
-def test_a_ledger_of_the_older_format_is_refused_in_one_line(tmp_path: Path) -> None:
-    """A trainer requeued onto a ledger of the older format (facts re-appended as ``dispatched`` records)
-    is refused before anything happens, naming the file, the line and the field; nothing is written."""
-    run, dispatch = make_train_run(tmp_path / "run", eval_interval=2, eval_max_in_flight=4, eval_keep_snapshots=4)
-    old = [
-        {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0},
-        {"event": "dispatched", "step": 2, "mode": "staging", "backpressure_wait_seconds": 0.0,
-         "export_time_seconds": 1.5, "export_blocked_seconds": 0.25, "snapshot": str(run.snapshots / "step-2")},
-    ]
-    run.ledger_path.write_text("".join(json.dumps(r) + "\n" for r in old))
-    with pytest.raises(LedgerError, match=r"ledger\.jsonl:2: a dispatched record carrying export_time_seconds: "
-                                          r"a ledger of the older format"):
-        _dispatcher(run, dispatch)
-    assert not run.metrics_path.exists() and len(run.ledger_path.read_text().splitlines()) == 2
 
 
 def test_gc_keeps_the_best_k_points_snapshots(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from ckpteval.coord.atomic import append_line, read_jsonl_numbered
 
 EVENTS = ("dispatched", "exported", "evaluated_shared", "skipped", "ingested", "retired", "stop_requested")
 RECORD_EVENTS = ("exported", "evaluated_shared", "skipped")  # fold their fields into the step's record
-OLDER_FORMAT_FIELDS = frozenset({"skipped", "export_time_seconds", "shared_eval_seconds"})  # in a dispatched record
 
 
 class LedgerError(ValueError):
@@ -78,10 +77,6 @@ class Ledger:
     def _check(self, rec: dict[str, Any], lineno: int) -> dict[str, Any]:
         if rec.get("event") not in EVENTS or not isinstance(rec.get("step"), int):
             raise LedgerError(f"{self.path}:{lineno}: ledger line needs an 'event' in {EVENTS} and an integer 'step'")
-        if rec["event"] == "dispatched" and (old := sorted(OLDER_FORMAT_FIELDS & set(rec))):
-            raise LedgerError(f"{self.path}:{lineno}: a dispatched record carrying {', '.join(old)}: a ledger of the "
-                              "older format (facts re-appended as dispatched records), which this ckpteval does not "
-                              "read; continue in a new run dir")
         return rec
 
     def append(self, event: str, step: int, **fields: Any) -> None:
