@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from ckpteval.coord.results.files import ResultIndex
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.lifecycle import EXIT_UNHEALTHY
+from tests.support.sbatch import job_outcome
 
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 QA = {"name": "qa", "path": "qa.jsonl", "n_prompts": 1, "scorer": "exact", "shard_size": 1, "max_new_tokens": 2}
@@ -105,3 +107,52 @@ def test_a_trainer_learns_that_the_fleet_refused_the_config_and_skips_instead_of
     assert code == 0, out
     skipped = {r.skip_reason for r in ResultIndex(RunDir(run_dir).results).refresh().values()}
     assert skipped == {"config_refused"}, skipped
+
+
+@pytest.mark.parametrize("form", ["adapters without base_model", "full model with base_model"])
+def test_snapshots_the_config_cannot_load_exit_2_and_the_batch_job_does_not_requeue(
+        lora_run: Path, form: str, tmp_path: Path) -> None:
+    """Adapter snapshots in a run without ``eval.base_model`` (a PEFT trainer's checkpoints watched with a
+    plain config), or full-model snapshots in a run with one: one line naming the snapshot and the setting,
+    exit 2 (was: "engine dead after restart", exit 4), RUN/CONFIG_REFUSED; and sbatch/common.sh, given that
+    exit code, neither restarts the worker nor requeues the job."""
+    if form == "adapters without base_model":
+        watch, config, setting = lora_run / "lora" / "hf", lora_run / "plain.json", "names no eval.base_model"
+    else:
+        watch = tmp_path / "full"
+        shutil.copytree(lora_run / "lora" / "base", watch / "checkpoint-5")
+        base = str((lora_run / "lora" / "base").resolve())
+        config = tmp_path / "based.json"
+        config.write_text(json.dumps({"eval": {"base_model": base, "datasets": [{**QA, "path": str(lora_run / "qa.jsonl")}]}}))
+        setting = "names eval.base_model"
+    run = tmp_path / "run"
+    proc = ckpteval("backfill", "--run-dir", run, "--watch", watch, "--eval-config", config, "--engine", "hf",
+                    "--quiescence", "0.5", "--max-unhealthy", "1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and setting in lines[0] and "checkpoint-" in lines[0], proc.stderr
+    assert "restart" not in proc.stdout + proc.stderr
+    assert RunDir(run).config_refused() is not None
+    job = job_outcome(proc.returncode, tmp_path / "job")
+    assert not job.requeued and job.starts == 1 and job.exit_code == 2, job.log
+
+
+def test_an_adapter_the_engine_cannot_load_is_a_skip_naming_the_file_not_a_dead_engine(
+        lora_run: Path, tmp_path: Path) -> None:
+    """A DoRA adapter (``use_dora`` in adapter_config.json) on the hf engine: each unit is an ``unsupported``
+    skip naming the file, written at once; no restart, exit 0 (was: "engine dead after restart", exit 4)."""
+    snapshot = tmp_path / "dora" / "checkpoint-0"
+    shutil.copytree(lora_run / "lora" / "hf" / "checkpoint-0", snapshot)
+    (snapshot / ".complete").unlink()
+    adapter = json.loads((snapshot / "adapter_config.json").read_text())
+    (snapshot / "adapter_config.json").write_text(json.dumps({**adapter, "use_dora": True}))
+    config = tmp_path / "based.json"
+    config.write_text(json.dumps({"eval": {"base_model": str((lora_run / "lora" / "base").resolve()),
+                                           "datasets": [{**QA, "path": str(lora_run / "qa.jsonl")}]}}))
+    run = tmp_path / "run"
+    proc = ckpteval("backfill", "--run-dir", run, "--watch", snapshot.parent, "--eval-config", config,
+                    "--engine", "hf", "--quiescence", "0.5", "--max-unhealthy", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "restart" not in proc.stdout + proc.stderr
+    [(reason, message)] = skips(run)
+    assert reason == "unsupported" and "adapter_config.json" in str(message) and "DoRA" in str(message), message

@@ -34,6 +34,14 @@ class WeightVersionMismatch(EngineError):
     loaded: not a dead engine (pinning's read-back decides, :func:`ckpteval.jobs.eval.proof.pinning.pin`)."""
 
 
+class UnsupportedSnapshot(EngineError):
+    """A snapshot in a form this engine cannot load on any node (pickled ``*.bin`` weights, a DoRA or
+    non-LoRA adapter): no restart; the unit is skipped ``unsupported`` with the file and what to change."""
+
+    reason = "unsupported"
+    restart_helps = False
+
+
 class RequestRejected(EngineError):
     """The engine refused a request as invalid (an HTTP 4xx from sglang: a prompt longer than the
     context, a bad sampling setting): the request's fault, not a dead engine. No restart; the unit is

@@ -22,6 +22,7 @@ from ckpteval.coord.run.identity import run_key, snapshots_key, weight_version
 from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.snapshots.discovery import SnapshotRef, overwritten
 from ckpteval.coord.snapshots.snapshot import (
+    ADAPTER_CONFIG,
     SnapshotCorrupt,
     SnapshotError,
     SnapshotMissing,
@@ -68,6 +69,27 @@ class Unhealthy(WorkerSkip):
     reason = "unhealthy"
 
 
+class ConfigMismatch(ValueError):
+    """A snapshot the run's configuration cannot load on any node (a LoRA adapter in a run without
+    ``eval.base_model``, or the reverse): the worker stops with one line and exit 2, never 4 (requeue)."""
+
+
+def check_snapshot_form(manifest: RunManifest, snapshot: Path) -> None:
+    """:class:`ConfigMismatch` when ``snapshot``'s form (adapter or full model) is not what run.json says."""
+    adapter = (snapshot / ADAPTER_CONFIG).is_file() and not (snapshot / "config.json").is_file()
+    base = manifest.eval.base_model
+    if adapter and base is None:
+        raise ConfigMismatch(
+            f"snapshot {snapshot} is a LoRA adapter ({ADAPTER_CONFIG}, no config.json) but run.json names no "
+            "eval.base_model: put \"base_model\": \"<the base model's directory>\" under \"eval\" in the eval "
+            "config and use a new run dir (backfill --from-run of a LoRA run carries it)")
+    if base is not None and not adapter and (snapshot / "config.json").is_file():
+        raise ConfigMismatch(
+            f"snapshot {snapshot} is a full model (config.json, no {ADAPTER_CONFIG}) but run.json names "
+            f"eval.base_model {base}, which makes every snapshot a LoRA adapter on it: drop eval.base_model "
+            "from the eval config and use a new run dir")
+
+
 # -- evaluators: the part between claim and result ------------------------------------------------------
 class Evaluator(Protocol):
     cache: DatasetCache  # the run's datasets and manifest
@@ -112,6 +134,7 @@ class EngineEvaluator:
             ev = answer_from_store(self.cache, unit, keyed[1], entry, want, self.store.path(keyed[0]), str(ref.path))
             identity = engine_identity(self.engine)  # the store key holds the engine's: an entry is this identity's
             return replace(ev, engine={} if identity is None else identity.to_json())
+        check_snapshot_form(self.cache.manifest, Path(ref.path))  # before any load: never an engine restart
         t0 = time.perf_counter()
         self._prepare(ref, want)
         timings["load_s"] = time.perf_counter() - t0
@@ -177,7 +200,9 @@ class EngineEvaluator:
             return
         try:
             loaded = self._pin(ref, want)
-        except EngineError:
+        except EngineError as e:
+            if not e.restart_helps:  # the snapshot's form: no restart loads it
+                raise
             self._heal(ref, want)
             return
         if loaded and not self.engine.healthy():
@@ -274,6 +299,8 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
             raise SnapshotCorrupt(ref.path, f"marker says step {marker.step}, expected {unit.step}")
         timings["verify_s"] = time.perf_counter() - t0
         return unit_result(unit, evaluator.evaluate(unit, ref, timings), timings=timings)
+    except ConfigMismatch:  # the run's configuration, not this unit: the worker stops (exit 2)
+        raise
     except WorkerSkip as e:  # blame: user code failed (a scorer, a library task), written at once
         if e.blame is not None:
             return skip_result(unit, e.reason, str(e), timings=timings, blame=e.blame)

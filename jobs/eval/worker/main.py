@@ -66,7 +66,8 @@ Exit codes (``sbatch/`` scripts requeue on 3 and 4):
 =====================  ====  =================================================================
 ``EXIT_DONE``          0     finished (see above)
 ``EXIT_ERROR``         1     unexpected error (a traceback was printed)
-``EXIT_USAGE``         2     bad flags, run dir, run.json, eval set or engine settings; run.json code
+``EXIT_USAGE``         2     bad flags, run dir, run.json, eval set or engine settings; a snapshot no node
+                             can load with run.json (a LoRA adapter without eval.base_model); run.json code
                              others could have written (see ``--trust-run-code``)
 ``EXIT_PREEMPTED``     3     SIGTERM / SIGUSR1: lease released, nothing lost — requeue me
 ``EXIT_UNHEALTHY``     4     the engine could not be started or stayed dead — requeue elsewhere
@@ -117,7 +118,7 @@ from ckpteval.jobs.eval.proof.pinning import call_with_timeout
 from ckpteval.jobs.eval.proof.trust import check_run_code
 from ckpteval.jobs.eval.scorers import ScorerContext
 from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config
-from ckpteval.jobs.eval.worker.evaluators import Evaluator, build_evaluator
+from ckpteval.jobs.eval.worker.evaluators import ConfigMismatch, Evaluator, build_evaluator
 from ckpteval.jobs.eval.worker.loop import Worker
 from ckpteval.jobs.eval.worker.options import (
     WorkerOptions,
@@ -268,7 +269,11 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, prog: str = "
         worker.on_poll, finish_ingestion = service_ingestion(worker, opts)
     previous = install_signal_handlers(worker)
     try:
-        code = worker.run()
+        try:
+            code = worker.run()
+        except ConfigMismatch as e:  # no node can load this run's snapshots: never exit 4 (requeue)
+            worker.rundir.refuse_config(f"{socket.gethostname()}:{os.getpid()}", str(e))
+            return fail(prog, e, EXIT_USAGE)
         if opts.once and code == EXIT_DONE and worker.written == 0 and prog == "ckpteval worker":
             found = f"{len(worker.refs)} snapshot(s) found, every unit has a result" if worker.refs else \
                 "no complete snapshot found under the run's snapshot roots" + (" or --watch" if opts.watch else "")

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ckpteval.coord.snapshots.snapshot import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError, UnsupportedSnapshot
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.engines.hf.weights import TensorIndex, copy_into_resident, index_tensors
 
@@ -52,9 +52,9 @@ def read_adapter_config(snapshot: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise EngineError(f"not a LoRA adapter snapshot: cannot read {path}: {e}") from e
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise EngineError(f"{path}: peft_type must be 'LORA' (got {config.get('peft_type')!r})")
+        raise UnsupportedSnapshot(f"{path}: peft_type must be 'LORA' (got {config.get('peft_type')!r})")
     if config.get("modules_to_save") or config.get("use_dora"):
-        raise EngineError(f"{path}: modules_to_save / DoRA adapters are not supported")
+        raise UnsupportedSnapshot(f"{path}: modules_to_save / DoRA adapters are not supported")
     return config
 
 

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ckpteval.coord.snapshots.digests import tensor_digest
-from ckpteval.jobs.eval.engines.base import EngineError, WeightDigests
+from ckpteval.jobs.eval.engines.base import EngineError, UnsupportedSnapshot, WeightDigests
 
 # config.json keys that say nothing about the weights' layout: a change here still reloads in place.
 _BOOKKEEPING_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache"})
@@ -119,7 +119,8 @@ def weight_files(snapshot: Path) -> list[Path]:
     elif (snapshot / "model.safetensors").is_file():
         names = ["model.safetensors"]
     else:
-        raise EngineError(f"no safetensors weights in {snapshot} (pickled *.bin checkpoints are refused)")
+        raise UnsupportedSnapshot(f"no safetensors weights in {snapshot} (pickled *.bin checkpoints are refused): "
+                                  "save with safetensors (HF Trainer: save_safetensors=True)")
     files = [snapshot / name for name in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
