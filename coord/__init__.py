@@ -8,3 +8,5 @@ Everything two jobs agree on lives here, and nothing else does: this package imp
 # (``results/step-<N>/``, ``leases/step-<N>/``, :mod:`ckpteval.coord.run.rundir`). A run dir of another version
 # (1: flat, never released) is refused naming it (:func:`ckpteval.coord.run.manifest.parse_manifest`).
 PROTOCOL_VERSION = 2
+
+__all__ = ["PROTOCOL_VERSION"]

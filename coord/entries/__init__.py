@@ -108,3 +108,5 @@ KINDS: Registry[Kind] = Registry(
 def entry_class(kind: str) -> type:
     """The settings dataclass of ``kind`` (a FieldError of ``kind`` when it is not registered)."""
     return KINDS.load(kind, KINDS.entry(kind).settings)  # type: ignore[no-any-return]
+
+__all__ = ["KINDS", "Kind", "Entry", "SamplesEntry", "PointRule", "EngineNeed", "scored_per_sample", "entry_class"]

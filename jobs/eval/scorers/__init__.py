@@ -229,12 +229,15 @@ class UnitTally:
     counters: dict[str, int] = field(default_factory=dict)
     extras: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {"sum": s, "n": k}
     notes: tuple[str | None, ...] = ()  # per sample, when any sample has one (Scored.note)
+    truncated: tuple[float | None, ...] = ()  # per sample, its extra "truncated" when any sample has one
 
     @classmethod
     def of(cls, scored: list[Scored]) -> UnitTally:
         notes = tuple(None if s.note is None else s.note[:NOTE_CHARS] for s in scored)
+        cut = tuple(s.extras.get("truncated") for s in scored)
         tally = cls(grader_timeouts=sum(s.timed_out for s in scored),
-                    notes=notes if any(n is not None for n in notes) else ())
+                    notes=notes if any(n is not None for n in notes) else (),
+                    truncated=cut if any(c is not None for c in cut) else ())
         for s in scored:
             for name, n in s.counters.items():
                 tally.counters[name] = tally.counters.get(name, 0) + int(n)
@@ -247,3 +250,4 @@ class UnitTally:
     def as_result_fields(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+__all__ = ["SCORERS", "Sample", "Scored", "ScorerContext", "Scorer", "BaseScorer", "ScorerInfraError", "ScorerCrashed", "UnitTally", "make_scorer", "scorer_class", "check_scorer", "check_row", "score_samples", "check_scored", "last_line"]

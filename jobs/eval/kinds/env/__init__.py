@@ -83,3 +83,4 @@ def check_env(name: str, options: Fields) -> None:
     if not (module_name and attr.isidentifier()):
         env_class(name)  # raises the FieldError with the closest name
 
+__all__ = ["ENVIRONMENTS", "Environment", "Tool", "Done", "ENDINGS_INFRA", "env_class", "check_env"]
