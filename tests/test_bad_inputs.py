@@ -99,6 +99,12 @@ def build_sandbox(root: Path) -> Path:
     _write_json(root / "cfg_typo.json", {"eval": {"datasets": [{**ds, "max_new_token": 4}]}})  # issue 22 §4
     _write_json(root / "cfg_top_typo.json", {"eval": {"datasets": [ds]}, "leases": {}})
     _write_json(root / "cfg_split.json", {"eval": {"datasets": [{**ds, "n_samples": 4, "samples_per_unit": 3}]}})
+    for name, entry in NEWCOMER_CONFIGS.items():  # issue 38: the configuration mistakes a newcomer makes
+        lm_eval = entry.get("kind") == "lm_eval"  # takes no path or n_prompts
+        _write_json(root / f"cfg_{name}.json", {"eval": {"datasets": [{"name": "qa", **entry} if lm_eval else {**ds, **entry}]}})
+    _write_json(root / "cfg_base_missing.json", {"eval": {"base_model": "/no/such/base", "datasets": [ds]}})
+    _write_json(root / "cfg_no_datasets.json", {"eval": {"datasets": []}})
+    _write_json(root / "cfg_same_name.json", {"eval": {"datasets": [ds, ds]}})
     (root / "ckpts").mkdir()
     (root / "model").mkdir()  # enough for serve to get past its model check to the port and host checks
     (root / "model" / "config.json").write_text("{}")
@@ -107,6 +113,38 @@ def build_sandbox(root: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- cases
+NEWCOMER_CONFIGS: dict[str, dict[str, object]] = {  # one dataset entry's mistake -> cfg_<name>.json
+    "scorer_typo": {"scorer": "exct"},
+    "scorer_module": {"scorer": "no_such_module_xyz:score"},
+    "kind_typo": {"kind": "lm-eval"},
+    "task_typo": {"kind": "lm_eval", "tasks": ["hellaswg_xyz"]},  # an entry of its own (below)
+    "env_unknown": {"kind": "env", "env": "no_such_env_xyz"},
+    "reasoning_typo": {"reasoning": {"ends": "</think>"}},
+    "samples_zero": {"n_samples": 0},
+    "template_typo": {"chat_template": "yes please"},
+}
+# (config, what its one line must name): each through every program that reads an eval config
+NEWCOMER_MISTAKES = {
+    "nope": "nope.json", "torn": "torn.json", "missing_data": "nope.jsonl", "typo": "max_new_token",
+    "scorer_typo": "exct", "scorer_module": "no_such_module_xyz", "kind_typo": "lm-eval", "task_typo": "hellaswg_xyz",
+    "env_unknown": "no_such_env_xyz", "reasoning_typo": "ends", "samples_zero": "n_samples",
+    "template_typo": "chat_template", "base_missing": "/no/such/base", "no_datasets": "datasets",
+    "same_name": "qa",
+}
+NEWCOMER_PROGRAMS = {
+    "train": "train --run-dir {S}/new --eval-config {S}/%s.json",
+    "worker": "worker --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/%s.json",
+    "backfill": "backfill --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/%s.json",
+    "submit": "submit service --run-dir {S}/new --watch {S}/ckpts --eval-config {S}/%s.json --dry-run",
+}
+
+
+def newcomer_cases() -> dict[str, str]:
+    """Every newcomer configuration mistake through every program: case -> what its line must name."""
+    return {program % (f"cfg_{name}" if name not in ("nope", "torn") else name): named
+            for name, named in NEWCOMER_MISTAKES.items() for program in NEWCOMER_PROGRAMS.values()}
+
+
 SHAPES = {  # bad values for each kind of flag value (each hits a different check)
     "int>=1": ["0", "x"],
     "int>=0": ["-1", "1.5"],
@@ -525,6 +563,29 @@ def test_every_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     bad = [o for o in outcomes if not o.clean]
     assert not bad, f"{summary(outcomes)}\n" + "\n".join(o.why() for o in bad)
     assert len(outcomes) >= 250  # the sweep covers every flag of every subcommand
+
+
+def test_newcomer_configuration_mistakes_are_one_line_naming_the_setting(tmp_path: Path) -> None:
+    """Issue 38: each configuration mistake a newcomer makes (typos, missing files, unknown scorers, tasks,
+    environments, a base model that is not there) through ``train``, ``worker``, ``backfill`` and ``submit``:
+    exit 2 (never 4, which the batch scripts requeue), one line naming the file or setting, nothing created.
+    ``NEWCOMER_TABLE=path`` also writes the (exit code, line) table there."""
+    cases = newcomer_cases()
+    outcomes = sweep(tmp_path, cases=list(cases), jobs=2)
+    if table := os.environ.get("NEWCOMER_TABLE"):
+        Path(table).write_text(newcomer_table(outcomes, tmp_path))
+    bad = [o for o in outcomes if not o.clean or cases[o.case] not in o.stderr]
+    assert not bad, "\n".join(o.why() for o in bad)
+
+
+def newcomer_table(outcomes: list[Outcome], work: Path) -> str:
+    rows = ["| program | config | exit | line |", "|---|---|---|---|"]
+    for o in outcomes:
+        program = o.case.split(" --")[0]
+        config = re.search(r"/([\w.]+\.json)", o.case)
+        line = re.sub(r"/\S*/case-[0-9a-f]+/", "", o.stderr.strip().replace("|", "\\|"))
+        rows.append(f"| {program} | {config.group(1) if config else ''} | {o.code} | {line} |")
+    return "\n".join(rows) + "\n"
 
 
 def test_cases_cover_every_flag_of_every_subcommand() -> None:

@@ -81,6 +81,7 @@ def read_eval_config(config_path: Path) -> EvalConfig:
             raise ValueError(f"{config_path}: dataset {name!r} file {src} has {len(rows)} rows, n_prompts says "
                              f"{spec.n_prompts}{'' if spec.subset is None else f' (subset {spec.subset})'}")
     check_task_names(config_path, checked.eval.entries)
+    check_names_resolve(config_path, checked.eval)
     return EvalConfig(config_path, cfg, eval_section, sources, checked.eval, checked.lease if "lease" in cfg else None)
 
 
@@ -96,6 +97,25 @@ def check_task_names(config_path: Path, entries: tuple[Any, ...]) -> None:
         check_harness(RunDir(config_path.parent), harness)
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"{config_path}: {e}") from None
+
+
+def check_names_resolve(config_path: Path, spec: EvalSpec) -> None:
+    """What a worker would refuse only after a run dir exists, refused here first, naming the config:
+    ``eval.base_model`` that is not a directory, a ``module:function`` scorer whose module is not importable
+    (found, not executed)."""
+    if spec.base_model is not None and not Path(spec.base_model).is_dir():
+        raise FileNotFoundError(f"{config_path}: field eval.base_model: {spec.base_model} is not a directory")
+    for entry in spec.entries:
+        module, _, function = str(getattr(entry, "scorer", "") or "").partition(":")
+        if not (module and function):
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package that does not exist, a bad name
+            found = False
+        if not found:
+            raise ValueError(f"{config_path}: dataset {entry.name!r}: scorer {entry.scorer!r}: no module named "
+                             f"{module!r} here (a module:function scorer must be importable where workers run)")
 
 
 def _existing(config_path: Path, name: str, src: Path) -> Path:
