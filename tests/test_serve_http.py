@@ -197,6 +197,21 @@ def test_server_info_reports_the_emulated_sglang_release(server: Server) -> None
         assert info["version"] == "0.5.23" and info["enable_deterministic_inference"] is False
 
 
+def test_v1_models_lists_the_served_model_as_sglang_0_5_23_does(server: Server) -> None:
+    """``GET /v1/models``: a ``ModelList`` with one ``ModelCard`` (sglang ``http_server.py`` ``available_models``):
+    id and root the served name (the launch path, as ``/server_info``'s ``served_model_name``), owned by
+    sglang, the model's context length; no adapter cards (no LoRA)."""
+    reply = httpx.get(server.url + "/v1/models")
+    assert reply.status_code == 200
+    body = reply.json()
+    name = httpx.get(server.url + "/server_info").json()["served_model_name"]
+    assert body["object"] == "list" and len(body["data"]) == 1, body
+    card = body["data"][0]
+    assert {k: card[k] for k in ("id", "object", "owned_by", "root", "parent")} == {
+        "id": name, "object": "model", "owned_by": "sglang", "root": name, "parent": None}
+    assert isinstance(card["created"], int) and card["max_model_len"] > 0
+
+
 def test_update_weight_version_relabels_without_a_load(server: Server) -> None:
     reply = post(server, "/update_weight_version", {"new_version": "relabelled"})
     assert reply.status_code == 200

@@ -203,18 +203,21 @@ class EngineEvaluator:
         except EngineError as e:
             if not e.restart_helps:  # the snapshot's form: no restart loads it
                 raise
-            self._heal(ref, want)
+            self._heal(ref, want, cause=e)
             return
         if loaded and not self.engine.healthy():
             self._heal(ref, want)
 
-    def _heal(self, ref: SnapshotRef, want: str) -> None:
+    def _heal(self, ref: SnapshotRef, want: str, cause: EngineError | None = None) -> None:
+        """Restart, reload, re-probe; the skip names ``cause`` (what failed first) before the restart's failure
+        (an attached server's ``cannot restart`` hides nothing: the 404 that started it comes first)."""
         self._self_loaded, self._attested = None, None  # a relaunch: reloaded and attested afresh
         try:
             restart(self.engine, self.load_timeout_s)  # bounded by a launch's start-up timeout
             self._pin(ref, want)
         except EngineError as e:
-            raise Unhealthy(f"engine dead after restart: {e}") from e
+            first = "" if cause is None or str(cause) == str(e) else f"{cause}; then "
+            raise Unhealthy(f"{first}engine dead after restart: {e}") from e
         if not self.engine.healthy():
             raise Unhealthy("engine failed its probe after restart and reload")
 

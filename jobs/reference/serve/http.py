@@ -18,7 +18,7 @@ from typing import Any
 
 from ckpteval.jobs.eval.engines.base import EngineError
 from ckpteval.jobs.reference.serve.engine import EngineService, Overloaded
-from ckpteval.jobs.reference.serve.info import model_info, server_info
+from ckpteval.jobs.reference.serve.info import model_info, models, server_info
 from ckpteval.jobs.reference.serve.openai import openai_completions
 from ckpteval.jobs.reference.serve.requests import (
     BadRequest,
@@ -50,6 +50,7 @@ class Handler(BaseHTTPRequestHandler):
                 "/server_info": self._server_info,
                 "/get_server_info": self._server_info,
                 "/weights_checker": self._weights_checker,
+                "/v1/models": lambda: self._json(HTTPStatus.OK, models(self.server.service)),
             }
         )
 

@@ -9,6 +9,7 @@ only ``checksum`` is answered, the others are refused.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import TYPE_CHECKING, Any
 
 from ckpteval.jobs.reference.serve.requests import Refused
@@ -69,6 +70,20 @@ def model_info(service: EngineService) -> dict[str, Any]:
         "model_type": getattr(config, "model_type", None),
         "architectures": getattr(config, "architectures", None),
     }
+
+
+def model_card(service: EngineService) -> dict[str, Any]:
+    """The base model's card as sglang 0.5.23 answers ``GET /v1/models`` (``http_server.py``
+    ``available_models``, ``protocol.py`` ``ModelCard``): the served name (the launch path; no
+    ``--served-model-name`` here) and the model's context length. No LoRA: no adapter cards."""
+    name = service.launch_model_path
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
+            "parent": None, "max_model_len": service.context_length()}
+
+
+def models(service: EngineService) -> dict[str, Any]:
+    """``GET /v1/models``: sglang's ``ModelList`` of one card."""
+    return {"object": "list", "data": [model_card(service)]}
 
 
 def server_info(service: EngineService) -> dict[str, Any]:
