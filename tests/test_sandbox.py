@@ -181,6 +181,46 @@ def test_programs_of_one_runner_share_no_ipc_no_processes_and_no_files() -> None
     assert survivors(label) == []
 
 
+
+@needs_bwrap
+@pytest.mark.skipif(KEY_SYSCALLS is None, reason=f"add_key/keyctl numbers unknown for {os.uname().machine}")
+@pytest.mark.parametrize("ring", [-3, -4, -5], ids=["session", "user", "user-session"])
+def test_a_key_a_program_adds_with_open_permissions_dies_with_it(ring: int) -> None:
+    """A program adds a key anyone may view and read (perm 0x3f3f3f3f) to one of its keyrings; once it ended,
+    the key is gone from the node (the host's /proc/keys, as root), and a later program, of another uid, can
+    neither list nor read it (each program: a user namespace of its own, where a uid's keyrings live, and an
+    anonymous session keyring, not the worker's)."""
+    add_key, keyctl = KEY_SYSCALLS
+    tag = f"{os.getpid()}-{-ring}"
+    first = (SHM + f"k = libc.syscall({add_key}, b'user', b'ckpt-left-{tag}', b'secret', 6, ctypes.c_int(-3))\n"
+             f"ok = k > 0 and libc.syscall({keyctl}, 5, k, 0x3f3f3f3f) == 0\n"  # KEYCTL_SETPERM, then KEYCTL_LINK
+             f"print(ok and ({ring} == -3 or libc.syscall({keyctl}, 8, k, ctypes.c_int({ring})) == 0), k)\n")
+    box = Sandbox(TIGHT, concurrency=1, label=f"test-keys-{os.getpid()}")
+    try:
+        added = box.run(first)
+        ok, key = added.stdout.split()
+        assert ok == b"True", added
+        gone_by = time.monotonic() + 10  # the kernel's key GC runs after the program's last reference goes
+        while f"ckpt-left-{tag}" in Path("/proc/keys").read_text() and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        assert f"ckpt-left-{tag}" not in Path("/proc/keys").read_text()
+        second = box.run(SHM + "buf = ctypes.create_string_buffer(64)\n"
+                         f"print(libc.syscall({keyctl}, 11, {int(key)}, buf, 64), buf.value)\n"  # KEYCTL_READ by id
+                         f"print([line for line in open('/proc/keys') if 'ckpt-left' in line])\n")
+        assert second.stdout == b"-1 b''\n[]\n", second
+    finally:
+        box.close()
+
+
+@needs_bwrap
+def test_a_program_cannot_make_a_user_namespace_to_mount_past_its_tmp_cap(sandbox: Sandbox) -> None:
+    """A user namespace would give the program the capabilities to mount a tmpfs of its own, past the cap on its
+    /tmp: the program's user namespace allows none nested (max_user_namespaces 0)."""
+    outcome = sandbox.run(SHM + "print(libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())\n"
+                          "with open('/proc/sys/user/max_user_namespaces') as f:\n    print(f.read().strip())\n")
+    assert outcome.stdout.split()[0] == b"-1" and outcome.stdout.split()[-1] == b"0", outcome
+
+
 @needs_bwrap
 def test_a_program_cannot_signal_its_runner_or_init_through_its_process_group() -> None:
     """kill(0, ...) signals the caller's process group: the program has its own (setsid), so its init and the
@@ -381,6 +421,36 @@ def test_memory_is_capped_for_the_program_and_its_children_together(mode: str) -
                                 "nproc": 16, "tmp_mb": 4, "tmp_inodes": 256 if mode == "bwrap" else None}
         small = box.run(CHILDREN_MEMORY.replace("100 << 20", "10 << 20"), limits=Limits(wall_s=10.0, memory_mb=192))
         assert small.stdout == b"all alive\n", small
+    finally:
+        box.close()
+    assert survivors(box.label) == []
+
+
+# 120 MiB of memfds (15 MiB each: RLIMIT_FSIZE) sent with both ends of a socket pair into the pair itself: a cycle
+# of in-flight fds that outlives the program and is freed only when the kernel's unix GC runs (another socket closes)
+PARK = ("import array, os, socket\na, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+        "fds = [os.memfd_create('park') for _ in range(8)]\nfor fd in fds:\n    for _ in range(15):\n"
+        "        os.write(fd, b'x' * (1 << 20))\nrights = (socket.SOL_SOCKET, socket.SCM_RIGHTS)\n"
+        "a.sendmsg([b'x'], [(*rights, array.array('i', [*fds, a.fileno(), b.fileno()]))])\n"
+        "b.sendmsg([b'x'], [(*rights, array.array('i', [a.fileno(), b.fileno()]))])\nprint('parked')\n")
+NEEDS_120 = "x = bytearray(120 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\nprint('ok')\n"
+
+
+@pytest.mark.skipif(CGROUP is None, reason="no memory cgroup can be created here (then the bound is per process)")
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits-only"])
+def test_memory_a_program_parks_past_its_end_is_never_charged_to_the_next(mode: str) -> None:
+    """The attack: a program parks 120 MiB in memfds in a unix-socket cycle and exits; the next program, correct
+    and needing 120 MiB under a 192 MiB limit, in the same runner, passes (each program has a cgroup of its own)."""
+    if mode == "bwrap" and WHY_NOT is not None:
+        pytest.skip(f"bwrap cannot start here: {WHY_NOT}")
+    limits = Limits(wall_s=10.0, cpu_s=5, memory_mb=192)
+    box = Sandbox(limits, mode=mode, concurrency=1, label=f"test-park-{os.getpid()}")
+    try:
+        assert box.run(PARK).stdout == b"parked\n"
+        runner = box._spawners[0]
+        outcomes = [box.run(NEEDS_120) for _ in range(2)]
+        assert [(o.status, o.stdout) for o in outcomes] == [("passed", b"ok\n")] * 2, outcomes
+        assert box._spawners == [runner]  # the same runner ran all three
     finally:
         box.close()
     assert survivors(box.label) == []

@@ -182,10 +182,9 @@ class Sandbox:
         spawner = self._spawner(limits)
         tmp = tempfile.mkdtemp(prefix="ckpteval-sandbox-") if self.mode != "bwrap" else ""
         try:
-            oom_before = spawner.oom_kills()
             run = self._start(spawner, tmp, encoded, stdin, limits)
             rc, wall = run.wait()
-            oom_kills = spawner.oom_kills() - oom_before
+            oom_kills = spawner.oom_kills()  # the program's own cgroup: fresh for it
             if not run.ready and not run.timed_out:
                 why = bytes(run.out["stderr"]).decode(errors="replace").strip().splitlines()
                 raise SandboxUnavailable(why[-1] if why else f"the sandbox exited {rc} before the program started")
@@ -197,6 +196,7 @@ class Sandbox:
                 raise SandboxUnavailable(f"the sandbox was killed by signal {-rc} while the program ran")
             return _classify(run, rc, wall, self.mode == "bwrap", oom_kills)
         finally:
+            spawner.end_program()  # its cgroup goes, with whatever it left charged there
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
 

@@ -55,20 +55,46 @@ def libc_function(name, types={}):
         types.update(func=Func, libc=Libc, errno=_ctypes.get_errno)
     function = types["func"]((name, types["libc"]))
     def call(*args):
-        if function(*args) != 0:
+        if (result := function(*args)) < 0:
             raise OSError(types["errno"](), "%s failed" % name)
+        return result
     return call
+KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 311}.get(posix.uname().machine)  # no libc wrapper
+def own_user_namespace():  # a program's: its own user keyrings, no user namespace inside it, no inherited keys
+    ids = posix.getuid(), posix.getgid()
+    libc_function("prctl")(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE again (a uid change clears it): its /proc/self its own
+    libc_function("unshare")(0x10000000)  # CLONE_NEWUSER: the kernel keeps a uid's keyrings per user namespace
+    for name, line in (("/proc/self/setgroups", b"deny"), ("/proc/self/uid_map", b"%d %d 1" % (ids[0], ids[0])),
+                       ("/proc/self/gid_map", b"%d %d 1" % (ids[1], ids[1])),
+                       ("/proc/sys/user/max_user_namespaces", b"0")):  # none nested: no mounts of its own
+        fd = posix.open(name, posix.O_WRONLY)
+        try:
+            posix.write(fd, line)
+        finally:
+            posix.close(fd)
+    if KEYCTL is not None:  # KEYCTL_JOIN_SESSION_KEYRING, anonymous: not the worker's session keyring
+        libc_function("syscall")(KEYCTL, 1, None)
+def clear_keys():  # in the init that made the program's user namespace, once the program ended: every keyring the
+    if KEYCTL is None:  # program's uid reaches there emptied, its keys gone at once (the init, a zombie until the
+        return  # runner's next message, holds the namespace and its keyrings until then)
+    keyctl = libc_function("syscall")
+    rings = [-3, -4, -5]  # session, user, user-session
+    try:
+        rings.insert(0, keyctl(KEYCTL, 22, -1, -3))  # KEYCTL_GET_PERSISTENT: the uid's persistent keyring
+    except OSError:
+        pass
+    for ring in rings:
+        try:
+            keyctl(KEYCTL, 7, ring)  # KEYCTL_CLEAR
+        except OSError:
+            pass
 def launch(cpu, mem, fsize, nproc, nofile, uid, ready, program, sandboxed):
     if sandboxed:  # the warm runner's program (its namespaces, /proc and /tmp are set up by its init)
         try:
             posix.setsid()  # its own process group: kill(0, ...) must not reach its init or the runner
             libc_function("prctl")(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: as an exec'd process is (its init is not)
-            if uid < 0:  # in a user namespace: give up the capabilities it holds there
-                libc_function("prctl")(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
-                header = (0x20080522).to_bytes(4, sys.byteorder) + bytes(4)  # _LINUX_CAPABILITY_VERSION_3, this process
-                libc_function("capset")(header, bytes(24))  # permitted, effective, inheritable: all 0
         except OSError as e:
-            sys.exit("ckpteval launcher: cannot drop capabilities (%s, errno %d)" % (e.strerror, e.errno))
+            sys.exit("ckpteval launcher: cannot leave the init's session (%s, errno %d)" % (e.strerror, e.errno))
     for res, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
                             (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
                             (resource.RLIMIT_CORE, 0, 0)):
@@ -76,6 +102,15 @@ def launch(cpu, mem, fsize, nproc, nofile, uid, ready, program, sandboxed):
     if uid >= 0 and posix.getuid() == 0:
         posix.setgroups([]); posix.setgid(uid); posix.setuid(uid)
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if sandboxed:  # in a user namespace of its own (root: made here, as the fresh uid): give up its capabilities
+        try:
+            if uid >= 0:
+                own_user_namespace()
+            libc_function("prctl")(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+            header = (0x20080522).to_bytes(4, sys.byteorder) + bytes(4)  # _LINUX_CAPABILITY_VERSION_3, this process
+            libc_function("capset")(header, bytes(24))  # permitted, effective, inheritable: all 0
+        except OSError as e:
+            sys.exit("ckpteval launcher: cannot isolate the program (%s, errno %d)" % (e.strerror, e.errno))
     if sandboxed:  # the program must hold no capability
         with open("/proc/self/status") as status:
             caps = [line.split()[1] for line in status if line.startswith(("CapEff:", "CapPrm:"))]

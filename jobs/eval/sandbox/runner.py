@@ -12,7 +12,9 @@ an fd it only passes on. In rlimits-only mode the spawner exec's the launcher in
 
 Protocol (a SOCK_SEQPACKET socket with the host, :class:`ckpteval.jobs.eval.sandbox.spawn.Spawner`): the
 spawner says ``U`` when it is up; per program the host sends a marshalled message with four fds (stdin,
-stdout, stderr, ready), the spawner answers ``P<pid>`` with a pidfd of its child (or ``E<why>``), then
+stdout, stderr, ready) and, where memory is limited by a cgroup, a fifth: the ``cgroup.procs`` of a fresh memory
+cgroup for this program alone, which the program's first process joins before it does anything else (so its
+pages, and pages it parks past its end, are charged there and never to the next program), the spawner answers ``P<pid>`` with a pidfd of its child (or ``E<why>``), then
 ``X<status>`` when the child ended (Popen's convention: -signal when killed); it keeps the child a zombie
 until the next message, and a closed socket makes it kill what it started and exit.
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 from ckpteval.jobs.eval.sandbox.launch import LAUNCH
 
 # argv: the socket's fd, the cgroup's cgroup.procs (or ""), the mode. The message per program: "exec"
-# (rlimits-only) (argv, env, cwd); "launch" (the warm runner) (launch()'s arguments but the last, /tmp's size in
+# (rlimits-only) (argv, env, cwd, the program's cgroup.procs or ""); "launch" (the warm runner) (launch()'s arguments but the last, /tmp's size in
 # bytes, /tmp's inodes). The init exits as bwrap does: the program's status, or 128 + the signal that killed it.
 SPAWNER = LAUNCH + r"""
 import fcntl, marshal, select, _signal, _socket
@@ -62,17 +64,25 @@ if mode == "launch":  # PID 1 of bwrap's namespace: with SIGINT's default, a sig
     own_pid_ns = posix.open("/proc/self/ns/pid", posix.O_RDONLY | posix.O_CLOEXEC)
     prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: die with bwrap (its --die-with-parent is lost when exec adds caps)
 child = -1
+program_procs = ""  # rlimits-only: the current program's own cgroup, killed with the spawner's
+def join_cgroup(fds):  # in a program's first process: its own memory cgroup (the fifth fd), before anything else
+    if len(fds) > 4:
+        posix.write(fds[4], b"0")
+        posix.close(fds[4])
+    return fds[:4]
 def kill_all():
     for kill in (posix.kill, posix.killpg):  # "launch": the program's init, and with it its PID namespace
         try:
             kill(child, 9) if child > 0 else None
         except OSError:
             pass
-    try:
-        with open(procs) as f:
-            pids = [int(p) for p in f.read().split()] if procs else []
-    except OSError:
-        pids = []
+    pids = []
+    for path in (procs, program_procs):
+        try:
+            with open(path) as f:
+                pids += [int(p) for p in f.read().split()] if path else []
+        except OSError:
+            pass
     for p in pids:
         if p != posix.getpid():
             try:
@@ -84,11 +94,14 @@ def become(fds):  # in a child: fds as its 0, 1, ...; nothing else open
     for i, fd in enumerate(fds):
         posix.dup2(fd, i)
     posix.closerange(len(fds), 1 << 16)
-def start_exec(argv, env, cwd, fds):
+def start_exec(argv, env, cwd, group, fds):
+    global program_procs
+    program_procs = group
     pid = posix.fork()
     if pid:
         return pid
     try:
+        fds = join_cgroup(fds)
         program_oom_score()
         posix.setsid()
         for sig in (13, 25):  # SIGPIPE, SIGXFSZ: ignored by Python, defaults again (as Popen restores them)
@@ -107,6 +120,7 @@ def start_launch(args, tmp_bytes, inodes, fds):
         setns(own_pid_ns, 0x20000000)  # and only that child
         return pid
     try:  # the program's init
+        fds = join_cgroup(fds)
         program_oom_score()
         become(fds)
         unshare(0x00020000 | 0x08000000 | 0x04000000 | 0x40000000 | 0x02000000)  # NEWNS IPC UTS NET CGROUP
@@ -117,16 +131,8 @@ def start_launch(args, tmp_bytes, inodes, fds):
         lo = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
         fcntl.ioctl(lo.fileno(), 0x8914, b"lo".ljust(16, b"\0") + (1).to_bytes(2, sys.byteorder) + bytes(22))
         lo.close()  # SIOCSIFFLAGS IFF_UP: the new network namespace's loopback, as bwrap brings it up
-        if int(args[5]) < 0:  # not root: a user namespace of the program's own (kernel keyrings are per user
-            ids = posix.getuid(), posix.getgid()  # namespace and uid); it owns none of the namespaces above
-            unshare(0x10000000)  # CLONE_NEWUSER
-            for name, line in (("setgroups", b"deny"), ("uid_map", b"%d %d 1" % (ids[0], ids[0])),
-                               ("gid_map", b"%d %d 1" % (ids[1], ids[1]))):
-                fd = posix.open("/proc/self/" + name, posix.O_WRONLY)
-                try:
-                    posix.write(fd, line)
-                finally:
-                    posix.close(fd)
+        if int(args[5]) < 0:  # not root: a user namespace of the program's own (root: the program makes its own
+            own_user_namespace()  # as its fresh uid); it owns none of the namespaces above
         prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no same-uid process may ptrace the init or read its /proc
         program = posix.fork()
     except BaseException as e:
@@ -143,6 +149,8 @@ def start_launch(args, tmp_bytes, inodes, fds):
         except OSError:
             posix._exit(127)
         if pid == program:
+            if int(args[5]) < 0:
+                clear_keys()
             code = posix.waitstatus_to_exitcode(status)
             posix._exit(code if code >= 0 else 128 - code)
 def wait_child(pidfd):
@@ -163,7 +171,7 @@ if mode == "launch":  # the runner's objects in GC's permanent generation: the p
 sock.send(b"U")
 while True:
     try:
-        msg, anc, _, _ = sock.recvmsg(1 << 20, _socket.CMSG_SPACE(4 * 4))
+        msg, anc, _, _ = sock.recvmsg(1 << 20, _socket.CMSG_SPACE(5 * 4))
     except OSError:
         msg, anc = b"", []
     data = b"".join(d for level, kind, d in anc if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS)

@@ -1,9 +1,10 @@
 """Starting programs inside their memory cgroup, and reading each until it ends or its deadline.
 
-Each pool thread of a :class:`ckpteval.jobs.eval.sandbox.core.Sandbox` owns a :class:`Spawner` in its own cgroup.
+Each pool thread of a :class:`ckpteval.jobs.eval.sandbox.core.Sandbox` owns a :class:`Spawner` in its own cgroup,
+and each program runs in a fresh memory cgroup of its own, removed when it ends.
 Guarantee (:class:`_Run`): stdout/stderr are capped as read; the outside deadline holds whatever the program does
-(its init SIGKILLed through a pidfd). Limits: the spawner's memory counts against the program's limit. See
-docs/USER_GUIDE.md "Code (sandboxed execution)".
+(its init SIGKILLed through a pidfd); memory a program leaves charged past its end (memfds parked in a unix-socket
+cycle) stays in its removed cgroup, never in the next program's. See docs/USER_GUIDE.md "Code (sandboxed execution)".
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Spawner:
     def __init__(self, cgroup: MemoryCgroup | None, memory_mb: int, warm: Warm | None = None) -> None:
         self.cgroup, self.memory_mb, self.broken = cgroup, memory_mb, False
         self.warm = warm
+        self.program_group: Path | None = None  # the running (or last) program's own cgroup
         try:
             self.group = cgroup.create(memory_mb) if cgroup is not None else None
         except OSError as e:
@@ -142,13 +144,20 @@ class Spawner:
 
     def spawn(self, message: tuple[object, ...], fds: list[int]) -> tuple[int, int]:
         """Start a program (``message``: the mode's, see :data:`SPAWNER`) with ``fds`` as its fds 0.. (stdin,
-        stdout, stderr, ready): its pid as the spawner sees it, and a pidfd of it."""
+        stdout, stderr, ready): its pid as the spawner sees it, and a pidfd of it. The program's first process
+        joins a fresh memory cgroup of its own (:meth:`end_program` removes it)."""
+        procs_fd = self._program_cgroup()
+        if self.warm is None:
+            message = (*message, str(self.program_group / "cgroup.procs") if self.program_group else "")
         try:
-            self.sock.sendmsg([marshal.dumps(message)],
-                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            self.sock.sendmsg([marshal.dumps(message)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                          array.array("i", [*fds, *([procs_fd] if procs_fd >= 0 else [])]))])
         except OSError as e:
             self.broken = True
             raise SandboxUnavailable(f"the sandbox spawner is gone ({e})") from None
+        finally:
+            if procs_fd >= 0:
+                os.close(procs_fd)
         asked = time.monotonic()
         reply, pidfd = self._reply_fd(REPLY_S)
         if reply.startswith(b"P") and reply[1:].isdigit() and pidfd >= 0:
@@ -161,6 +170,25 @@ class Spawner:
         if not reply and time.monotonic() - asked < REPLY_S:
             raise SandboxUnavailable("the sandbox spawner died before it started the program")
         raise SandboxUnavailable(f"the sandbox spawner did not answer within {REPLY_S:g} s ({reply[:40]!r})")
+
+    def _program_cgroup(self) -> int:
+        """A fresh cgroup for the next program, limited to ``memory_mb``: an fd of its ``cgroup.procs`` open for
+        writing (-1: no cgroup here)."""
+        self.end_program()
+        if self.cgroup is None:
+            return -1
+        try:
+            self.program_group = self.cgroup.create(self.memory_mb)
+            return os.open(self.program_group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as e:
+            self.end_program()
+            raise SandboxUnavailable(f"cannot create a memory cgroup for the program under {self.cgroup.parent}: {e}") from None
+
+    def end_program(self) -> None:
+        """Kill what is left of the last program and remove its cgroup (with whatever it left charged there)."""
+        if self.cgroup is not None and self.program_group is not None:
+            self.cgroup.discard(self.program_group)
+        self.program_group = None
 
     def status(self, timeout: float) -> int | None:
         """The last spawned process's exit status (Popen's convention: -signal when killed), or None."""
@@ -182,9 +210,13 @@ class Spawner:
             pass
         if self.cgroup is not None and self.group is not None:
             self.cgroup.kill(self.group, spare=self.spare)
+        if self.cgroup is not None and self.program_group is not None:
+            self.cgroup.kill(self.program_group)
 
     def oom_kills(self) -> int:
-        return self.cgroup.oom_kills(self.group) if self.cgroup is not None and self.group is not None else 0
+        """The OOM kills in the current program's cgroup (0 before it has one)."""
+        group = self.program_group
+        return self.cgroup.oom_kills(group) if self.cgroup is not None and group is not None else 0
 
     def ready_for(self, memory_mb: int, wait_s: float = 1.0) -> bool:
         """Alive, limited to ``memory_mb`` (set here), and its cgroup holds nothing but itself (waiting for the kernel to
@@ -218,6 +250,7 @@ class Spawner:
         self._drop_dirs()
 
     def _drop_dirs(self) -> None:
+        self.end_program()
         if self.cgroup is not None and self.group is not None:
             self.cgroup.discard(self.group)
         shutil.rmtree(self.dir, ignore_errors=True)
