@@ -69,7 +69,8 @@ def test_a_trainer_run_on_a_vllm_worker_killed_and_requeued_completes_once(tmp_p
     run = tmp_path / "run"
     t0 = time.monotonic()
     trainer = spawn("train", "--run-dir", str(run), "--steps", "4", "--eval-interval", "2", "--eval-config",
-                    str(tmp_path / "eval.json"), "--threads", "1", "--no-progress", "--eval-drain-timeout", "400")
+                    str(tmp_path / "eval.json"), "--threads", "1", "--no-progress", "--eval-drain-timeout", "400",
+                    "--eval-keep-snapshots", "3")  # all three kept: the agreement check reloads each
     worker_args = ("worker", "--run-dir", str(run), "--engine", "vllm", "--poll-interval", "0.2", "--wait-for-run", "120")
     first = spawn(*worker_args, env=SERVER_ENV)
     procs, index = [trainer, first], ResultIndex(run / "results")
@@ -105,6 +106,30 @@ def test_a_trainer_run_on_a_vllm_worker_killed_and_requeued_completes_once(tmp_p
         assert engine["kind"] == "vllm" and engine["version"] == "0.32.0" and engine["device"] == "cpu"
         assert attest["how"] == "consistency" and attest["state"] in ("reference", "compared"), attest
         assert "vllm0.32.0-oncpu-covered6of14" in attest["detail"], attest
+        assert result.fidelity["max_abs_logprob_diff"] < 1e-4, result.fidelity  # fp32 level (a stale reload: 0.044)
+    agree, total = _agreement_with_in_process(results.values(), rows)
+    print(f"vllm: scored answers equal to the in-process engine's on their snapshot {agree} of {total}")
+    assert agree == total == 24
+
+
+def _agreement_with_in_process(results, rows: list[dict]) -> tuple[int, int]:
+    """Per prompt: the answer vLLM scored for a unit equals the in-process engine's greedy answer on the unit's
+    snapshot (exact scorer: the stripped completion); the snapshots' weights differ (asserted)."""
+    from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+    from tests.support.workers import safetensors_sum
+
+    agree, total, sums = 0, 0, set()
+    for result in sorted(results, key=lambda r: (r.unit.step, r.unit.shard)):
+        hf = HFEngine(dtype="float32")
+        hf.load(result.snapshot, "x")
+        sums.add(safetensors_sum(result.snapshot))
+        prompts = [r["prompt"] for r in rows[4 * result.unit.shard: 4 * result.unit.shard + 4]]
+        ours = [g.text.strip() for g in hf.generate(prompts, SamplingParams(max_new_tokens=4))]
+        agree += sum(a == b for a, b in zip(result.answers, ours, strict=True))
+        total += len(ours)
+        hf.close()
+    assert len(sums) == 3, "the run's snapshots should hold different weights"
+    return agree, total
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +143,31 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     t0 = time.monotonic()
     engine.load(a, "a")
     print(f"\nvllm: launch to ready {time.monotonic() - t0:.0f}s")
+    engine.launch_checksum = engine.weights_checksum()  # a's, before any test loads another snapshot
     yield engine, a, b
     engine.close()
+
+
+def _fidelity(engine, snap: str) -> tuple[int, int, float]:
+    """Greedy answers equal to the in-process engine's on ``snap`` (of 16), and the canary's max |d log-prob|."""
+    from ckpteval.jobs.eval.engines.hf.engine import HFEngine
+
+    hf = HFEngine(dtype="float32")
+    hf.load(snap, "x")
+    prompts, params = _prompts(16), SamplingParams(max_new_tokens=8)
+    theirs, ours = engine.generate(prompts, params), hf.generate(prompts, params)
+    agree = sum(x.text == y.text and x.n_tokens == y.n_tokens for x, y in zip(theirs, ours, strict=True))
+    pairs = [(p, y.text) for p, y in zip(prompts[:4], ours[:4], strict=True)]
+    v, h = engine.teacher_forced(pairs), hf.teacher_forced(pairs)
+    assert [r["ids"] for r in v] == [r["ids"] for r in h]
+    diff = max(abs(x - y) for rv, rh in zip(v, h, strict=True) for x, y in zip(rv["logprobs"], rh["logprobs"], strict=True))
+    return agree, len(prompts), diff
 
 
 def test_same_snapshot_same_answers_as_the_in_process_engine(served) -> None:
     from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 
-    engine, a, _ = served
-    engine.load(a, "a")
+    engine, a, _ = served  # as launched on a
     hf = HFEngine(dtype="float32")
     hf.load(a, "a")
     prompts, params = _prompts(16), SamplingParams(max_new_tokens=8)
@@ -143,18 +184,69 @@ def test_same_snapshot_same_answers_as_the_in_process_engine(served) -> None:
     assert [r["argmax"] for r in v] == [r["argmax"] for r in h]
 
 
-def test_reload_swaps_the_weights_stamps_the_version_and_attests_what_it_covers(served) -> None:
+def test_attach_by_url_parses_and_a_cpu_server_is_refused_at_start_in_one_line(served, tmp_path: Path) -> None:
+    """``--engine vllm:URL`` builds an attached engine; on CPU (its reload in place is stale) it is refused before
+    any claim, naming the cause and the fix; a worker so started exits at start and writes no result."""
+    from ckpteval.jobs.eval.engines.factory import make_engine
+    from ckpteval.jobs.eval.engines.vllm.server import ServerRefused
+    from ckpteval.jobs.lifecycle import EXIT_UNHEALTHY
+    from tests.support.workers import make_eval_run, publish_model, results
+
+    engine = served[0]
+    attached = make_engine(f"vllm:{engine.base_url}", "cpu", {})
+    assert not attached.launch_pending and attached.pid is None  # attached: nothing launched
+    with pytest.raises(ServerRefused, match=r"cannot attach: on CPU.*tied lm_head.*--engine vllm") as refused:
+        attached.weight_version()
+    assert "\n" not in str(refused.value)
+    attached.close()
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
+    publish_model(tmp_path, run.snapshots, 1)
+    code, out = finish(spawn("worker", "--run-dir", str(run.path), "--engine", f"vllm:{engine.base_url}", "--once"), 120)
+    assert code == EXIT_UNHEALTHY and "nothing claimed" in out and "cannot attach: on CPU" in out, out[-2000:]
+    assert not results(run)
+
+
+def test_a_stale_reload_in_place_fails_the_canary(served, tmp_path: Path) -> None:
+    """The server reloaded in place (vLLM's own route, behind the engine's back) serves b's embeddings with a's
+    logits: the canary of b, at vLLM's measured bound, fails; the unit would be skipped ``canary_failed``."""
+    import types
+
+    import httpx
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ckpteval.coord.snapshots.snapshot import CANARY
+    from ckpteval.jobs.eval.proof.canary import canary_bytes, default_bound
+    from ckpteval.jobs.eval.proof.canary_check import CanaryFailed, check_canary
+    from ckpteval.jobs.eval.skips import WorkerSkip
+
+    engine, _, b = served
+    pairs = [(p, "12") for p in _prompts(4)]
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(b), AutoTokenizer.from_pretrained(b)
+    snap = tmp_path / "b"
+    snap.mkdir()
+    (snap / CANARY).write_bytes(canary_bytes(model, tokenizer, pairs))
+    marker = types.SimpleNamespace(step=1, files={CANARY: {}})
+    body = {"method": "reload_weights", "kwargs": {"weights_path": b}}
+    assert httpx.post(f"{engine.base_url}/collective_rpc", json=body, timeout=300).status_code == 200
+    assert default_bound("float32", "float32", "vllm").bound == 1e-3  # measured, not provisional
+    with pytest.raises(CanaryFailed, match="exceeds 0.001") as failed:
+        check_canary(engine, snap, marker, None)
+    assert isinstance(failed.value, WorkerSkip) and failed.value.reason == "canary_failed"
+    print(f"\nvllm: a stale in-place reload's canary: {str(failed.value)[:80]}")
+
+
+def test_load_on_cpu_relaunches_the_server_and_computes_the_new_snapshot(served) -> None:
     engine, a, b = served
-    engine.load(a, "a")
-    sum_a = engine.weights_checksum()
+    pid = engine.pid
     t0 = time.monotonic()
     engine.load(b, "b")
-    print(f"\nvllm: reload + stamp + read-back {time.monotonic() - t0:.3f}s")
-    assert engine.weight_version() == "b"
-    sum_b = engine.weights_checksum()
+    print(f"\nvllm: relaunch on a new snapshot + stamp + read-back {time.monotonic() - t0:.1f}s")
+    assert engine.pid != pid and engine.weight_version() == "b"
+    agree, n, diff = _fidelity(engine, b)
+    print(f"vllm: on the relaunched snapshot: {agree} of {n} greedy answers equal, canary |d log-prob| {diff:.2e}")
+    assert agree == n and diff < 1e-4
+    sum_a, sum_b = engine.launch_checksum, engine.weights_checksum()
     assert sum_b.checksum != sum_a.checksum and sum_b.layout == sum_a.layout
-    engine.load(a, "a2")
-    assert engine.weights_checksum().checksum == sum_a.checksum and engine.weight_version() == "a2"
     assert sum_a.layout.endswith("-oncpu-covered6of14") and sum_a.tensors == 6  # embeddings and norms only
     import httpx
 
@@ -165,22 +257,36 @@ def test_reload_swaps_the_weights_stamps_the_version_and_attests_what_it_covers(
     assert coverage.uncovered and all(any(k in n for k in LINEAR) for n in coverage.uncovered)
 
 
-def test_a_reload_that_fails_leaves_the_version_unknown_and_the_server_up(served, tmp_path: Path) -> None:
-    engine, a, _ = served
-    with pytest.raises(EngineError, match="reload_weights.*no-such-snapshot.*failed") as failed:
-        engine.load(str(tmp_path / "no-such-snapshot"), "bad")
-    assert failed.value.restart_helps  # the worker heals it: relaunch (attached: skip 'unhealthy')
-    assert engine.weight_version() is None  # the weights are unknown: nothing scores under a stale label
-    engine.load(a, "a")  # the same server loads the next good snapshot
-    assert engine.weight_version() == "a" and engine.healthy()
-
-
 def test_a_prompt_past_max_model_len_is_rejected_not_a_dead_server(served) -> None:
     from ckpteval.jobs.eval.engines.base import RequestRejected
 
     engine, _, _ = served
     with pytest.raises(RequestRejected, match="maximum context length is 64"):
         engine.generate(["1" * 70], SamplingParams(max_new_tokens=2))
+    assert engine.healthy()
+
+
+def test_a_bad_snapshot_through_the_worker_is_a_skip_and_the_next_is_scored(served, tmp_path: Path) -> None:
+    """Step 1's weights truncated after the worker verified them: the relaunch on it fails, the unit is skipped
+    with a reason (not scored, not a retired worker); step 2 is then scored on the same engine."""
+    from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+    from ckpteval.coord.work.units import WorkUnit
+    from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+    from ckpteval.jobs.eval.worker.evaluators import EngineEvaluator, evaluate_unit
+    from tests.support.workers import make_eval_run, publish_model, version
+
+    engine = served[0]
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
+    for step in (1, 2):
+        publish_model(tmp_path, run.snapshots, step)
+    refs = {r.step: r for r in SnapshotDiscovery(run.snapshots).poll()}
+    evaluator = EngineEvaluator(engine, DatasetCache(run, run.manifest()), 5.0, 300.0)
+    with open(refs[1].path / "model.safetensors", "r+b") as f:
+        f.truncate(4096)
+    bad = evaluate_unit(evaluator, WorkUnit(1, "addition", 0), refs[1], "fast")
+    assert bad.status == "skipped" and bad.skip_reason == "ckpt_corrupt" and bad.message, bad
+    good = evaluate_unit(evaluator, WorkUnit(2, "addition", 0), refs[2], "fast")
+    assert good.ok and len(good.scores) == 4 and set(good.weight_versions) == {version(run, 2)}, good
     assert engine.healthy()
 
 

@@ -98,8 +98,8 @@ def _forms() -> str:
 
 def normalize_spec(spec: str) -> str:
     """The canonical form of an ``--engine`` spec: ``http://HOST:PORT`` and ``https://...`` (a URL as
-    people type it) become ``http:http://HOST:PORT`` / ``http:https://...``, ``http:HOST:PORT`` (or
-    ``vllm:HOST:PORT``, :data:`URL_KINDS`) becomes ``http:http://HOST:PORT``; a URL without a host is a
+    people type it) become ``http:http://HOST:PORT`` / ``http:https://...``, ``http:HOST:PORT`` becomes
+    ``http:http://HOST:PORT`` (``vllm:HOST:PORT`` likewise: :data:`URL_KINDS`); a URL without a host is a
     ValueError with the right form."""
     typed = spec
     if spec.startswith(("http://", "https://")):

