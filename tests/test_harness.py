@@ -281,3 +281,32 @@ def test_a_harness_results_scorer_identity_tells_chat_template_kwargs_apart() ->
     assert off["chat_template_kwargs"] == {"enable_thinking": False} and on["chat_template_kwargs"] == {}
     assert "chat_template_kwargs" in (scorer_difference(on, off) or "")
     assert scorer_difference(on, identity(LmEvalEntry(name="h", tasks=("t",), apply_chat_template=True))) is None
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_a_sampled_tasks_repeats_each_get_their_own_seed_on_deterministic_sglang(tmp_path: Path, batch_size: int) -> None:
+    """lm-eval sends ``seed`` 1234 on every request; deterministic sglang (the stand-in samples as it does: a hash of
+    seed and position) then gives every repeat of a prompt one text, and pass@k is pass@1. Each sampled request
+    now carries its own seed, one prompt per request, so four repeats are four samples; a rerun draws the same."""
+    from lm_eval.api.instance import Instance
+
+    from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
+    from ckpteval.jobs.eval.kinds.lm_eval import completions_lm
+    from tests.support.seeded_sampler import seeded_server
+    from tests.test_reasoning import save_thinking_tokenizer
+
+    snap = tmp_path / "snap"
+    save_thinking_tokenizer(snap)
+    spec = LmEvalEntry(name="h", tasks=("t",), batch_size=batch_size)
+    sampled = {"until": ["\n\n"], "do_sample": True, "temperature": 1.0, "max_gen_toks": 6}
+    repeats = [Instance("generate_until", {}, ("Question: 2+2?", dict(sampled)), idx=0, repeats=4) for _ in range(4)]
+    with seeded_server() as (url, requests):
+        texts = [completions_lm(HTTPEngine(url), str(snap), spec).generate_until(repeats, disable_tqdm=True)
+                 for _ in range(2)]
+        greedy = completions_lm(HTTPEngine(url), str(snap), spec).generate_until(
+            [Instance("generate_until", {}, ("Question: 2+2?", {"until": ["\n\n"], "max_gen_toks": 6}), idx=0)],
+            disable_tqdm=True)
+    assert len(set(texts[0])) == 4, texts[0]
+    assert texts[0] == texts[1]  # the seeds follow the entry's seed and the order: a rerun draws the same
+    sampled_prompts = [r["prompt"] if isinstance(r["prompt"], list) else [r["prompt"]] for r in requests if r["temperature"] > 0]
+    assert greedy and [len(p) for p in sampled_prompts] == [1] * 8

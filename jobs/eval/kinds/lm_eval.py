@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import itertools
 import logging
 import math
 import os
@@ -119,6 +120,24 @@ def completions_lm(engine: Any, snapshot_dir: str, spec: LmEvalEntry) -> Any:
             return self.tokenizer.apply_chat_template(  # type: ignore[no-any-return]
                 chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=not add_generation_prompt, **spec.chat_template_kwargs)
+
+        def model_call(self, messages: Any, *, generate: bool = True, gen_kwargs: dict[str, Any] | None = None,
+                       **kwargs: Any) -> Any:
+            """A sampled generation is sent one prompt per request, each with its own seed (the entry's seed plus
+            a count, so a rerun draws the same): lm-eval sends ``seed`` 1234 on every request, and deterministic
+            sglang samples from a hash of seed and position, so a task's repeats would all be one sample."""
+            if not generate or float((gen_kwargs or {}).get("temperature", 0) or 0) <= 0:
+                return super().model_call(messages, generate=generate, gen_kwargs=gen_kwargs, **kwargs)
+            choices = []
+            for prompt in messages:
+                self._seed = next(seeds)
+                out = super().model_call([prompt], generate=generate, gen_kwargs=gen_kwargs, **kwargs)
+                if out is None:
+                    return None
+                choices += [{**choice, "index": len(choices)} for choice in out["choices"][:1]]
+            return {"choices": choices}
+
+    seeds = itertools.count(spec.seed * 1_000_003 + 1)  # one per sampled request, in lm-eval's (sorted) order
 
     _quiet()
     model, tokenizer = engine.lm_eval_model(snapshot_dir)
