@@ -72,9 +72,11 @@ def test_tool_calls_come_back_as_openai_tool_calls_per_episode_and_a_malformed_o
         if "malformed" in text:
             return "<tool_call>{calculator: 1}</tool_call>"
         if "tool: 4" in text:  # the tool's result, folded into the transcript: the model answers
+            seen.append(text.count('"2+2"'))  # how often the transcript shows the call
             return "ANSWER: 4"
-        return '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+        return 'Let me add. <tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
 
+    seen: list[int] = []
     snap = snapshot(tmp_path)
     with ScriptedEngine(policy) as url:
         engine = make_engine(f"http:{url}", "cpu", {})
@@ -85,10 +87,12 @@ def test_tool_calls_come_back_as_openai_tool_calls_per_episode_and_a_malformed_o
             (call,) = first.choices[0].message.tool_calls or []
             assert first.choices[0].finish_reason == "tool_calls"
             assert (call.function.name, call.function.arguments) == ("calculator", '{"expression": "2+2"}')
+            assert first.choices[0].message.content == "Let me add."  # the markup only in tool_calls, as sglang
             follow = [*ask, first.choices[0].message.model_dump(exclude_none=True),
                       {"role": "tool", "tool_call_id": call.id, "content": "4"}]
             second = client(endpoint, 3, 1).chat.completions.create(model="m", messages=follow, tools=TOOLS)  # type: ignore[arg-type]
             assert second.choices[0].message.content == "ANSWER: 4" and not second.choices[0].message.tool_calls
+            assert seen == [1]  # the follow-up's transcript showed the call once (the policy answered it)
             bad = client(endpoint, 0, 0).chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "malformed"}], tools=TOOLS)  # type: ignore[arg-type]
             assert bad.choices[0].message.content == "<tool_call>{calculator: 1}</tool_call>"

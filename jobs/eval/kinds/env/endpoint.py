@@ -153,7 +153,8 @@ class Endpoint:
             calls = self.render.calls(split.answer, prompt, tools) if split.answer else []
         except MalformedCall:
             calls = []  # the text goes back as it is: the environment judges the model's malformed call
-        if calls:
+        if calls:  # the markup leaves content: else every later prompt would show each call twice
+            message["content"] = self.render.text_beside_calls(split.answer or "", prompt)
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
                                       "function": {"name": c.tool.name, "arguments": json.dumps(c.arguments)}}
                                      for c in calls]

@@ -128,6 +128,19 @@ class Renderer:
             return parse_tool_calls(reply, tools)
         return parse_with_template(self.tokenizer, reply, prompt, tools)
 
+    def text_beside_calls(self, reply: str, prompt: str) -> str:
+        """The ``content`` of a reply that made tool calls, without their markup, as sglang 0.5.23 returns it beside
+        ``tool_calls`` (``srt/function_call/qwen25_detector.py`` ``detect_and_parse``: the text before the first
+        call, stripped); the tokenizer's own ``response_template`` says it where the snapshot has one."""
+        if self.tool_format == FORMAT:
+            return reply.partition("<tool_call>")[0].strip()
+        try:
+            parsed = self.tokenizer.parse_response(reply, prefix=prompt)
+        except (ValueError, TypeError, KeyError):
+            return reply
+        content = parsed.get("content") if isinstance(parsed, dict) else None
+        return content.strip() if isinstance(content, str) else ""
+
 
 def assistant_message(split: Split) -> dict[str, str]:
     """The conversation's record of an answered turn: the answer as ``content``, the thoughts (when any) as
