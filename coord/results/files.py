@@ -101,6 +101,7 @@ class Result:
     kept: Any = field(default=None, repr=False, compare=False)
     engine: dict[str, Any] = field(default_factory=dict)  # the engine's identity (coord.engine_identity); {}: none
     completions_sha256: str | None = None  # the kept completions' content digest (coord.results.completions)
+    truncated: tuple[float | None, ...] = ()  # per sample: 1 cut at the length limit, 0 not, None not said; () none said
 
     @property
     def ok(self) -> bool:
@@ -138,6 +139,7 @@ class Result:
             **({"episodes": list(self.episodes)} if self.episodes else {}),
             **({"notes": list(self.notes)} if self.notes else {}),
             **({"engine": self.engine} if self.engine else {}),
+            **({"truncated": list(self.truncated)} if self.truncated else {}),
         }
 
 
@@ -202,6 +204,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         fidelity = {str(k): math.inf if v is None else float(v) for k, v in (obj.get("fidelity") or {}).items()}
         episodes = tuple(dict(e) for e in obj.get("episodes") or ())
         notes = tuple(None if n is None else str(n) for n in obj.get("notes") or ())
+        truncated = tuple(None if c is None else float(c) for c in obj.get("truncated") or ())
         engine = dict(obj.get("engine") or {})
         parse_identity(engine)  # a malformed identity is a malformed result, never pooled as "none"
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -217,6 +220,8 @@ def parse_result(obj: Any, source: Path) -> Result:
         raise ValueError(f"{source}: {len(scores)} scores but {len(answers)} answers")
     if notes and len(notes) != len(scores):
         raise ValueError(f"{source}: {len(scores)} scores but {len(notes)} notes")
+    if truncated and (len(truncated) != len(scores) or any(c not in (0.0, 1.0, None) for c in truncated)):
+        raise ValueError(f"{source}: field truncated must be one of 0, 1 or null per score ({len(scores)})")
     return Result(
         unit=unit,
         status=status,
@@ -242,6 +247,7 @@ def parse_result(obj: Any, source: Path) -> Result:
         fidelity=fidelity,
         episodes=episodes,
         notes=notes,
+        truncated=truncated,
         engine=engine,
         completions_sha256=obj["completions_sha256"] if isinstance(obj.get("completions_sha256"), str) else None,
     )

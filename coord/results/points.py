@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckpteval.coord.entries import Entry, SamplesEntry, scored_per_sample
+from ckpteval.coord.results import censoring
+from ckpteval.coord.results.censoring import stderr as _stderr
 from ckpteval.coord.results.engine_identity import differing_fields, parse_identity
 from ckpteval.coord.results.files import Result, skip_result
 from ckpteval.coord.run.identity import run_key, version_matches, version_runs, version_step
@@ -45,6 +47,7 @@ class DatasetScore:
     counters: dict[str, int] = field(default_factory=dict)  # the scorer's counts, summed over the shards
     extras: dict[str, float] = field(default_factory=dict)  # the scorer's per-sample numbers, averaged
     attested: float = math.nan  # fraction of the shards whose weights were attested (nan: none recorded)
+    censoring: dict[str, float] = field(default_factory=dict)  # coord.results.censoring.summary ({}: unknown)
 
 
 @dataclass(frozen=True)
@@ -126,14 +129,6 @@ def correct(score: float, threshold: float = 1.0) -> bool:
     return score >= threshold
 
 
-def _stderr(values: list[float]) -> float:
-    if len(values) < 2:
-        return math.nan
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return math.sqrt(var / len(values))
-
-
 @dataclass(frozen=True)
 class PromptMajor:
     """A dataset's samples at one step in prompt-major order: every prompt's ``n_samples`` together, in
@@ -142,6 +137,7 @@ class PromptMajor:
     scores: list[float]
     versions: list[str | None]
     answers: list[str | None] | None  # None: some unit carries no answers (results from before them)
+    truncated: list[float | None] | None = None  # None: some unit recorded no per-sample truncated flags
 
 
 def prompt_major(spec: SamplesEntry, units: list[Result]) -> PromptMajor:
@@ -152,10 +148,12 @@ def prompt_major(spec: SamplesEntry, units: list[Result]) -> PromptMajor:
     for r in units:
         check_score_count(spec, r.unit, len(r.scores))
     with_answers = all(len(r.answers) == len(r.scores) for r in units)
+    with_cut = all(len(r.truncated) == len(r.scores) for r in units)
     if spec.sample_parts == 1:
         return PromptMajor([s for r in units for s in r.scores], [v for r in units for v in r.weight_versions],
-                           [a for r in units for a in r.answers] if with_answers else None)
-    out = PromptMajor([], [], [] if with_answers else None)
+                           [a for r in units for a in r.answers] if with_answers else None,
+                           [c for r in units for c in r.truncated] if with_cut else None)
+    out = PromptMajor([], [], [] if with_answers else None, [] if with_cut else None)
     for first in range(0, len(units), spec.sample_parts):
         parts = units[first : first + spec.sample_parts]
         for p in range(len(prompt_range(spec, parts[0].unit.shard))):
@@ -165,6 +163,8 @@ def prompt_major(spec: SamplesEntry, units: list[Result]) -> PromptMajor:
                 out.versions.extend(r.weight_versions[p * w : (p + 1) * w])
                 if out.answers is not None:
                     out.answers.extend(r.answers[p * w : (p + 1) * w])
+                if out.truncated is not None:
+                    out.truncated.extend(r.truncated[p * w : (p + 1) * w])
     return out
 
 
@@ -198,6 +198,7 @@ def dataset_score(spec: SamplesEntry, key: str, step: int, shards: list[Result])
         counters=_sum_counters(shards),
         extras=_mean_extras(shards),
         attested=_attested(shards),
+        censoring=censoring.summary(censoring.per_prompt(scores, pooled.truncated, n)),
     )
 
 
@@ -401,6 +402,9 @@ def point_metrics(point: Point) -> dict[str, float]:
             metrics[f"eval/{name}/{key}"] = value
         if not math.isnan(ds.attested):
             metrics[f"eval/{name}/attested"] = ds.attested
+        for key in ("lower", "completed", "censored") if ds.censoring else ():  # coord.results.censoring
+            metrics[f"eval/{name}/{key}"] = ds.censoring[key]
+            metrics[f"eval/{name}/{key}/stderr"] = ds.censoring[f"{key}_stderr"]
     for key, value in point.cost.items():
         metrics[f"eval/cost/{key}"] = value
     for key, value in point.fidelity.items():

@@ -25,6 +25,7 @@ import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
+from ckpteval.coord.atomic import read_json_object
 from ckpteval.coord.results.files import Result, ResultIndex
 from ckpteval.coord.results.summary import StepFacts, read_step_facts, step_facts
 from ckpteval.coord.run.manifest import RunManifest
@@ -53,6 +54,18 @@ def scoring_names(run: RunDir) -> list[str]:
     if not root.is_dir():
         return []
     return sorted(p.name for p in root.iterdir() if NAME_RE.match(p.name) and (p / SCORING_FILE).is_file())
+
+
+def budget_scorings(run: RunDir) -> dict[int, str]:
+    """The scorings ``ckpteval rescore --budget N`` made with each dataset's own scorer, options and reasoning:
+    budget -> name (the first by name when two share a budget)."""
+    found: dict[int, str] = {}
+    for name in scoring_names(run):
+        rec = read_json_object(scoring_dir(run, name) / SCORING_FILE)
+        own = all(rec.get(k) is None for k in ("scorer", "scorer_options", "reasoning"))
+        if own and isinstance(rec.get("budget"), int):
+            found.setdefault(rec["budget"], name)
+    return found
 
 
 def open_scoring(run: RunDir, name: str) -> Path:

@@ -43,7 +43,7 @@ from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import STEP_SUMMARY, step_dir_name, step_of_dir
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 
-SUMMARY_VERSION = 3  # 3: points carry mixed_engines and replays; non-finite statistics tagged
+SUMMARY_VERSION = 4  # 3: points carry mixed_engines and replays; non-finite statistics tagged; 4: censoring
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ckpteval.coord.atomic import write_json_atomic
+from ckpteval.jobs.decide import censoring
 from ckpteval.jobs.decide.data import default_metric, open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import DEFAULT_POWER, EngineNoise, engine_noise, mde_text, pair_view
@@ -83,7 +84,8 @@ def render(rec: dict[str, Any], width: int = 10_000) -> str:
                    f"({rec['correction']}; MDE at power {rec['power']:.0%})", width),
              *wrap(noise_summary(rec), width),
              *(part for note in (*rec.get("engine_notes", ()), *rec.get("scorer_notes", ()))
-               for part in wrap(f"warning: {note}", width))]
+               for part in wrap(f"warning: {note}", width)),
+             *(part for line in censoring.best_lines(rec.get("censoring"), rec["best_step"]) for part in wrap(line, width))]
     for step, row in rec["steps"].items():
         d = row.get("diff_to_best")
         diff = f"  diff {d['estimate']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" if d else "  (best)"
@@ -140,6 +142,7 @@ def main(argv: list[str]) -> int:
                                      args.allow_scorer_mismatch)
         best = best_step(values, higher_is_better=args.higher, level=args.level)
         rule = noise_rule(best, values, engine_noise(side.replay_pairs(metric)), args.power)
+        cut = censoring.for_best(side, metric.dataset, best, args.level) if metric.kind == "mean" and args.higher else None
     except (ValueError, FileNotFoundError) as e:
         return fail(PROG, e)
     rec = best_record(best, metric.name, args.higher, {s: float(v.mean()) for s, v in values.items()}, rule)
@@ -147,6 +150,8 @@ def main(argv: list[str]) -> int:
         rec["engine_notes"] = notes
     if scorer_notes:
         rec["scorer_notes"] = scorer_notes
+    if cut is not None:
+        rec["censoring"] = cut
     target = side.run.best_path(metric.name)
     target.parent.mkdir(exist_ok=True)
     write_json_atomic(target, rec)

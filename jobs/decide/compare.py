@@ -22,6 +22,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.jobs.decide import censoring
+from ckpteval.jobs.decide.budget import budget_scoring
 from ckpteval.jobs.decide.data import Metric, RunValues, check_paired, default_metric, open_run, parse_metric
 from ckpteval.jobs.decide.engines import ALLOW_FLAG, check_engines, point_engine
 from ckpteval.jobs.decide.noise import (
@@ -98,6 +101,8 @@ def compare_sides(a: RunValues, step_a: int, b: RunValues, step_b: int, level: f
                "low": iv.low, "high": iv.high, "n_prompts": iv.n, "level": level,
                "verdict": verdict(iv.low, iv.high), **({"engine_notes": notes} if notes else {}),
                **({"scorer_notes": scorer_notes} if scorer_notes else {})}
+        if metric.kind == "mean":  # the cut-off answers' part in it (jobs.decide.censoring)
+            row.update(censoring.for_compare(a, step_a, b, step_b, name, level))
         rows.append({**row, **noise_fields(va, vb, level, side_noise(a, b, metric), power, row["verdict"])})
     if not rows:
         raise ValueError(f"no dataset has a complete point at step {step_a} of {a.run.path} and step {step_b} "
@@ -125,12 +130,17 @@ def plan(args: Any) -> tuple[RunValues, int, RunValues, int]:
     if len(args.runs) == 1:
         if args.steps is None or args.step is not None or args.best:
             raise ValueError("one run: give --steps A B (two steps of it); --step/--best compare two runs")
-        side = open_run(args.runs[0], args.scoring)
+        scoring = args.scoring
+        if args.budget is not None:  # jobs.decide.budget: the kept completions cut at --budget tokens
+            scoring = args.scoring = budget_scoring(RunDir.open(args.runs[0]), args.budget, list(args.steps))
+        side = open_run(args.runs[0], scoring)
         return side, args.steps[0], side, args.steps[1]
     if len(args.runs) != 2:
         raise ValueError(f"give one run (with --steps A B) or two runs, got {len(args.runs)}")
     if args.steps is not None:
         raise ValueError("--steps A B compares two steps of one run; for two runs give --step S or --best")
+    if args.budget is not None:
+        raise ValueError("--budget compares two steps of one run (--steps A B)")
     a, b = open_run(args.runs[0], args.scoring), open_run(args.runs[1], args.scoring)
     if args.best:
         return a, _best_of(a, args.metric, args.level), b, _best_of(b, args.metric, args.level)
@@ -150,11 +160,13 @@ def render(rows: list[dict[str, Any]], a: str, b: str, width: int = 10_000) -> s
         lines.append(head)
         for r, line in zip(rows, wide, strict=True):
             lines += [line, *wrap(f"{'':<16} {noise_line(r)}", width)]
+            lines += wrap(f"{'':<16} {r['censoring_note']}", width) if r.get("censoring_note") else []
     else:
         for r in rows:
             lines += wrap(f"{r['dataset']}: A {r['a']:.4f}, B {r['b']:.4f}, B - A {r['diff']:+.4f} {_span(r)}", width)
             lines += wrap(f"  over {r['n_prompts']} prompts: {r['verdict']}", width)
             lines += wrap(f"  {noise_line(r)}", width)
+            lines += wrap(f"  {r['censoring_note']}", width) if r.get("censoring_note") else []
     lines += wrap(f"(paired t interval over per-prompt differences, {rows[0]['level']:.0%} two-sided; MDE at power "
                   f"{rows[0]['power']:.0%})", width)
     lines += [part for r in rows for note in (*r.get("engine_notes", ()), *r.get("scorer_notes", ()))
@@ -197,6 +209,8 @@ def main(argv: list[str]) -> int:
                         "also what best means (default with --best: eval/<first dataset>)")
     parser.add_argument("--scoring", metavar="NAME", help="compare this ckpteval rescore scoring's scores where it "
                         "re-scored a unit (default: the scores as generated); the output names it")
+    parser.add_argument("--budget", type=int, metavar="N", help="one run: compare the two steps as if both had been "
+                        "capped at N tokens (the scoring ckpteval rescore --budget N made of their kept completions)")
     parser.add_argument("--level", type=float, default=DEFAULT_LEVEL, help="confidence level (default 0.95)")
     parser.add_argument("--power", type=float, default=DEFAULT_POWER, help="power of the minimum detectable effect "
                         "(default 0.8)")
@@ -210,6 +224,8 @@ def main(argv: list[str]) -> int:
                         "judge model, sandbox bounds, chat template arguments, reasoning) anyway, with a warning "
                         "(default: refused, naming the fields that differ)")
     args = parser.parse_args(argv)
+    if args.budget is not None and args.scoring is not None:
+        parser.error("--budget picks its own scoring (the rescore cut at N tokens); give --budget or --scoring")
     for flag in ("level", "power"):
         if not 0.0 < getattr(args, flag) < 1.0:
             parser.error(f"--{flag} must be in (0, 1), got {getattr(args, flag)}")

@@ -53,8 +53,11 @@ from ckpteval.coord.work.steps import parse_steps
 from ckpteval.coord.work.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.kinds.evaluate import UserCodeFailed, user_code
 from ckpteval.jobs.eval.kinds.generate.answering import Reasoning, resolve_reasoning
+from ckpteval.jobs.eval.kinds.generate.budget import cut_at_budget, parse_budgets
+from ckpteval.jobs.eval.kinds.generate.prompts import snapshot_tokenizer
 from ckpteval.jobs.eval.kinds.generate.reasoning import TOKENIZER
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache, kept_generations, unit_scores
+from ckpteval.jobs.eval.kinds.generate.tokenizer_files import TokenizerMissing, tokenizer_dir
 from ckpteval.jobs.eval.skips import WorkerSkip
 from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
 
@@ -70,6 +73,7 @@ class Rescoring:
     scorer: str | None
     scorer_options: dict[str, Any] | None
     reasoning: dict[str, Any] | None = None
+    budget: int | None = None  # cut every kept completion at this many tokens first (jobs.eval.kinds.generate.budget)
 
     def __post_init__(self) -> None:
         check_reasoning(self.reasoning)
@@ -78,11 +82,13 @@ class Rescoring:
                              "not load; name the delimiter (e.g. {\"end\": \"</think>\"})")
 
     def to_json(self) -> dict[str, Any]:
-        return {"scorer": self.scorer, "scorer_options": self.scorer_options, "reasoning": self.reasoning}
+        return {"scorer": self.scorer, "scorer_options": self.scorer_options, "reasoning": self.reasoning,
+                **({"budget": self.budget} if self.budget is not None else {})}
 
     def default_name(self) -> str:
         digest = hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:10]
         base = (self.scorer or "own").replace(":", ".").replace("/", ".")[:60]
+        base = base if self.budget is None else f"budget{self.budget}-{base}"
         return check_name(f"{base}-{digest}")
 
     def spec(self, spec: GenerateEntry) -> GenerateEntry:
@@ -106,7 +112,7 @@ def open_or_create(run: RunDir, name: str, rescoring: Rescoring) -> Path:
     record = {"name": name, **rescoring.to_json()}
     publish_exclusive(root / SCORING_FILE, dumps({**record, "created": time.time()}))
     found = read_json_object(root / SCORING_FILE)
-    if {k: found.get(k) for k in record} != record:
+    if {k: found.get(k) for k in [*record, "budget"]} != {"budget": None, **record}:
         raise ValueError(f"{root / SCORING_FILE}: scoring {name!r} applies {found.get('scorer')!r} with options "
                          f"{found.get('scorer_options')!r}, not this one; pick another --name")
     return root
@@ -188,6 +194,15 @@ class Rescorer:
         except RuntimeError as e:
             raise Unscorable(f"reasoning setting: {e}") from None
 
+    def tokenizer(self, original: Result) -> Any:
+        """The tokenizer of the snapshot that generated ``original`` (else the run's, ``RUN/base``): what a
+        budget counts tokens with."""
+        try:
+            where = tokenizer_dir(Path(original.snapshot) if original.snapshot else None, self.run.base)  # type: ignore[arg-type]
+            return snapshot_tokenizer(str(where))
+        except (TokenizerMissing, RuntimeError, OSError) as e:
+            raise Unscorable(f"--budget counts tokens with the snapshot's tokenizer, which cannot be read ({e})") from None
+
     def spec(self, dataset: str) -> GenerateEntry:
         if dataset not in self._specs:
             self._specs[dataset] = self.rescoring.spec(self.manifest.entry(dataset))
@@ -199,6 +214,8 @@ class Rescorer:
         if original is None or not original.ok:
             raise Unscorable("no ok result to re-score")
         kept = self.kept_of(unit, original)
+        if self.rescoring.budget is not None:
+            kept = cut_at_budget(kept, self.rescoring.budget, self.tokenizer(original))
         spec = self.spec(unit.dataset)
         rows = self.rows_of(unit, spec, kept)
         per_prompt = kept.per_prompt
@@ -295,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "dataset)")
     ap.add_argument("--name", metavar="NAME", help="the scoring's name (default: <scorer>-<hash of scorer and "
                     "options>); status/plot/compare --scoring NAME show it")
+    ap.add_argument("--budget", metavar="N[,N...]", help="cut every kept completion at N tokens (the snapshot's "
+                    "tokenizer) before scoring, as if max_new_tokens had been N; several budgets: one scoring each, "
+                    "named budget<N>-... (a length-budget curve: status/plot --scoring each; compare --budget N)")
     ap.add_argument("--poll-interval", type=float, default=2.0, metavar="S",
                     help="seconds between looks at units other rescore processes hold (default 2)")
     return ap
@@ -305,10 +325,25 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     run_dir = run_dir_from_args(ap, args)
     try:
+        budgets: list[int | None] = [None] if args.budget is None else list(parse_budgets(args.budget))
+        if len(budgets) > 1 and args.name:
+            raise ValueError("--name names one scoring; several --budget values get one default name each")
+        for budget in budgets:
+            code = rescore_into(run_dir, args, budget)
+            if code:
+                return code
+    except ValueError as e:
+        return fail(PROG, e)
+    return 0
+
+
+def rescore_into(run_dir: Path, args: argparse.Namespace, budget: int | None) -> int:
+    """One scoring of ``ckpteval rescore``'s flags (``budget``: one of ``--budget``'s)."""
+    try:
         run = RunDir.open(run_dir)
         manifest = run.manifest()
         rescoring = Rescoring(args.scorer, parse_options(args.scorer_options),
-                              None if args.reasoning is None else parse_options(args.reasoning, "--reasoning"))
+                              None if args.reasoning is None else parse_options(args.reasoning, "--reasoning"), budget)
         name = check_name(args.name) if args.name else rescoring.default_name()
         datasets = set(args.datasets) if args.datasets else None
         rescorer = Rescorer(run, manifest, rescoring, scoring_dir(run, name))
