@@ -156,3 +156,31 @@ def test_an_adapter_the_engine_cannot_load_is_a_skip_naming_the_file_not_a_dead_
     assert "restart" not in proc.stdout + proc.stderr
     [(reason, message)] = skips(run)
     assert reason == "unsupported" and "adapter_config.json" in str(message) and "DoRA" in str(message), message
+
+
+def test_an_attached_server_without_lora_routes_is_a_config_refusal_not_a_dead_engine(
+        lora_run: Path, tmp_path: Path) -> None:
+    """Adapter snapshots against an attached ``ckpteval serve`` (no LoRA routes: ``POST /load_lora_adapter``
+    answers 404): one line naming the route and what the server lacks, exit 2, RUN/CONFIG_REFUSED, and the
+    batch job does not requeue (was: "...HTTP 404; then engine dead after restart: cannot restart", exit 4)."""
+    from tests.support.workers import kill_all, start_serve
+
+    base = (lora_run / "lora" / "base").resolve()
+    url, server = start_serve(base, "base", tmp_path / "serve.log")
+    try:
+        config = tmp_path / "based.json"
+        config.write_text(json.dumps({"eval": {"base_model": str(base),
+                                               "datasets": [{**QA, "path": str(lora_run / "qa.jsonl")}]}}))
+        run = tmp_path / "run"
+        proc = ckpteval("backfill", "--run-dir", run, "--watch", lora_run / "lora" / "hf", "--eval-config", config,
+                        "--engine", f"http:{url}", "--quiescence", "0.5", "--max-unhealthy", "1")
+    finally:
+        kill_all([server])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/load_lora_adapter" in lines[0] and "404" in lines[0], proc.stderr
+    assert "has no such route" in lines[0] and "--enable-lora" in lines[0], lines[0]
+    assert "restart" not in proc.stdout + proc.stderr
+    assert RunDir(run).config_refused() is not None
+    job = job_outcome(proc.returncode, tmp_path / "job")
+    assert not job.requeued and job.starts == 1 and job.exit_code == 2, job.log

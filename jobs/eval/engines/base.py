@@ -42,6 +42,15 @@ class UnsupportedSnapshot(EngineError):
     restart_helps = False
 
 
+class MissingRoute(EngineError):
+    """The server answers HTTP 404 on a route this engine needs (a server of another kind, or one without
+    the feature: ``ckpteval serve`` has no LoRA routes): neither a restart nor a fresh node cures it; the
+    worker refuses the run's configuration (one line, exit 2, ``RUN/CONFIG_REFUSED``), never exit 4."""
+
+    reason = "unsupported"
+    restart_helps = False
+
+
 class RequestRejected(EngineError):
     """The engine refused a request as invalid (an HTTP 4xx from sglang: a prompt longer than the
     context, a bad sampling setting): the request's fault, not a dead engine. No restart; the unit is

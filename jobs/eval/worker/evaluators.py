@@ -30,7 +30,14 @@ from ckpteval.coord.snapshots.snapshot import (
     verify_snapshot,
 )
 from ckpteval.coord.work.units import WorkUnit, shard_range
-from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_gpus, engine_identity, launch_timeout
+from ckpteval.jobs.eval.engines.base import (
+    Engine,
+    EngineError,
+    MissingRoute,
+    engine_gpus,
+    engine_identity,
+    launch_timeout,
+)
 from ckpteval.jobs.eval.engines.factory import (
     ENGINES,
     EnginePool,
@@ -71,7 +78,8 @@ class Unhealthy(WorkerSkip):
 
 class ConfigMismatch(ValueError):
     """A snapshot the run's configuration cannot load on any node (a LoRA adapter in a run without
-    ``eval.base_model``, or the reverse): the worker stops with one line and exit 2, never 4 (requeue)."""
+    ``eval.base_model``, or the reverse; an attached server without a route it needs, :class:`MissingRoute`):
+    the worker stops with one line and exit 2, never 4 (requeue)."""
 
 
 def check_snapshot_form(manifest: RunManifest, snapshot: Path) -> None:
@@ -304,6 +312,8 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
         return unit_result(unit, evaluator.evaluate(unit, ref, timings), timings=timings)
     except ConfigMismatch:  # the run's configuration, not this unit: the worker stops (exit 2)
         raise
+    except MissingRoute as e:  # the attached server lacks a route the run needs: no node cures it (exit 2)
+        raise ConfigMismatch(str(e)) from e
     except WorkerSkip as e:  # blame: user code failed (a scorer, a library task), written at once
         if e.blame is not None:
             return skip_result(unit, e.reason, str(e), timings=timings, blame=e.blame)

@@ -33,6 +33,7 @@ from ckpteval.jobs.eval.engines.http.generate import Sample, check_seeds, parse_
 from ckpteval.jobs.eval.engines.http.limits import (
     DEFAULT_TOKEN_TIMEOUT_S,
     BatchTooLarge,
+    check_route,
     dataset_timeout,
     error_message,
     generate_timeout,
@@ -106,12 +107,15 @@ class HTTPEngine:
             raise unauthorized(method, f"{self._base_url}{path}", self._keys)
         return response
 
-    def _get_json(self, paths: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
-        """GET the first of ``paths`` the server does not 404 (newer route first); its JSON object."""
+    def _get_json(self, paths: tuple[str, ...], lacks: str | None = None) -> tuple[str, dict[str, Any]]:
+        """GET the first of ``paths`` the server does not 404 (newer route first); its JSON object. ``lacks``:
+        a 404 on every path is :class:`MissingRoute` saying so (a route the engine needs), else EngineError."""
         for path in paths:
             response = self._request("GET", path)
             if response.status_code == 404 and path != paths[-1]:
                 continue
+            if lacks is not None:
+                check_route("GET", path, response, self._base_url, lacks)
             if response.status_code != 200:
                 raise EngineError(f"GET {path}: {error_message(response)}")
             body = reply_object(response)
@@ -135,6 +139,8 @@ class HTTPEngine:
         body = {"model_path": str(snapshot_dir), "weight_version": weight_version, "abort_all_requests": False}
         self._weights_unknown = True  # until the server confirms the load
         response = self._request("POST", "/update_weights_from_disk", json=body, timeout=self._load_timeout)
+        check_route("POST", "/update_weights_from_disk", response, self._base_url,
+                    "it cannot load snapshots: attach an sglang server or ckpteval serve")
         reply = reply_object(response)
         if response.status_code != 200 or reply is None or reply.get("success") is not True:
             raise EngineError(f"update_weights_from_disk({snapshot_dir}) failed: {error_message(response)}; the "

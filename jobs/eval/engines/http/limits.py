@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError, MissingRoute
 
 BUSY_STATUS = 503
 BUSY_MESSAGES = (
@@ -91,6 +91,14 @@ def error_message(response: httpx.Response) -> str:
         if "message" in body:
             return f"HTTP {response.status_code}: {body['message']}"
     return f"HTTP {response.status_code}: {body!r}"[:600]
+
+
+def check_route(method: str, path: str, response: httpx.Response, base_url: str, lacks: str) -> None:
+    """:class:`MissingRoute` when ``response`` is a 404 for the route itself: the server at ``base_url`` lacks
+    ``lacks`` (what the engine needs the route for, and where to get it)."""
+    if response.status_code == 404:
+        raise MissingRoute(f"{method} {path}: {error_message(response)}: the server at {base_url} has no such "
+                           f"route, so {lacks}")
 
 
 def reply_object(response: httpx.Response) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from typing import Any
 from ckpteval.coord.snapshots.snapshot import ADAPTER_CONFIG
 from ckpteval.jobs.eval.engines.base import EngineError, Generation, RequestRejected
 from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
-from ckpteval.jobs.eval.engines.http.limits import error_message, reply_object
+from ckpteval.jobs.eval.engines.http.limits import check_route, error_message, reply_object
 from ckpteval.jobs.eval.engines.sglang.engine import SGLangEngine
 
 BASE_LABEL = "base"  # the base model's weight_version on a LoRA server this engine launches
@@ -31,6 +31,8 @@ SGLANG_LORA_MODULES = (
     "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens",
     "lm_head", "qkvr", "wo_ud",
 )  # fmt: skip
+NO_LORA = ("it cannot serve LoRA adapters: attach an sglang server launched with --enable-lora (ckpteval serve has "
+           "no LoRA routes), or use --engine sglang or hf")
 PENDING_UNLOAD = "has an incomplete unload"  # tokenizer_control_mixin.py load_lora_adapter
 DUPLICATE_LOAD = ("already loaded", "already exists")  # lora_manager.py / lora_registry.py, a name taken
 NEVER_LOADED = "has never been loaded"  # tokenizer_manager.py _resolve_lora_path: a server that restarted
@@ -101,6 +103,7 @@ class _LoRAClient:
 
     def _lora_call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         response = self._request("POST", route, json=body)
+        check_route("POST", route, response, self.base_url, NO_LORA)
         reply = reply_object(response)
         if response.status_code != 200 or reply is None or reply.get("success") is not True:
             message = None if reply is None else reply.get("error_message")
@@ -109,7 +112,7 @@ class _LoRAClient:
 
     def loaded_adapters(self) -> dict[str, str]:
         """Adapter name -> path, as ``GET /v1/models`` lists them."""
-        _, reply = self._get_json(("/v1/models",))
+        _, reply = self._get_json(("/v1/models",), lacks=NO_LORA)
         cards = reply.get("data") if isinstance(reply, dict) else None
         if not isinstance(cards, list):
             raise EngineError(f"GET /v1/models: unexpected reply {str(reply)[:200]}")
