@@ -337,6 +337,53 @@ def test_a_stale_layer_server_cannot_make_its_checksum_the_truth(servers: Any, o
     assert "weight checksums: 1 compared" in "\n".join(str(x) for x in render(status))
 
 
+def test_units_a_stale_first_loader_scored_are_re_derived_once_the_honest_checksum_stands(
+        tmp_path: Path, forker: ServeForker) -> None:
+    """The stale-layer server is the first to load step 2: a worker scores both units on it (unverified,
+    ``reference``). An honest load is disputed, a second honest load reproduces it and the honest checksum
+    stands: both units the stale checksum scored are superseded (``attest_overturned``, generation 1) and a
+    worker re-runs them (generation 2, compared), so the point holds no stale score. The old code left the
+    stale units standing in the point."""
+    from ckpteval.coord.results.files import ResultIndex
+    from ckpteval.coord.results.points import derive_point, point_metrics
+    from ckpteval.jobs.eval.worker.options import WorkerOptions
+    from tests.support.workers import run_inprocess
+
+    run = make_eval_run(tmp_path, n_prompts=4, shard_size=2, max_new_tokens=2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    older = publish_model(tmp_path, elsewhere, 1)  # what the stale server held before: not one of the run's
+    publish_model(tmp_path, run.snapshots, 2)
+    refs = {ref.step: ref for ref in SnapshotDiscovery(run.snapshots).poll()}
+    box = Servers(tmp_path, forker)
+    quiet = {"out": lambda _line: None}
+
+    def work(url: str) -> dict[WorkUnit, Any]:
+        opts = WorkerOptions(run_dir=run.path, engines=(f"http:{url}",), once=True, poll_interval_s=0.05)
+        assert run_inprocess(opts, **quiet)[0] == 0
+        index = ResultIndex(run.results)
+        return {u: (r, index.generation(u)) for u, r in index.refresh().items()}
+
+    try:
+        stale = box.start(older, "x", stale=True)
+        first = work(stale)
+        assert len(first) == 2 and all(r.ok and r.attest["state"] == "reference" for r, _ in first.values())
+        disputed = _unit(box.start(refs[2].path, version(run, 2)), run, refs, shard=1)
+        assert disputed.skip_reason == "attest_disputed", disputed.message
+        honest = box.start(refs[2].path, version(run, 2))
+        assert _unit(honest, run, refs, shard=1).attest["attested"] is True  # it stands now
+        index = ResultIndex(run.results)
+        now = index.refresh()
+        assert sorted((r.skip_reason, index.generation(u)) for u, r in now.items()) == [("attest_overturned", 1)] * 2
+        assert "which lost" in next(iter(now.values())).message
+        again = work(honest)
+    finally:
+        box.close()
+    assert all(r.ok and r.attest["state"] == "compared" and g == 2 for r, g in again.values()), again
+    metrics = point_metrics(derive_point(run.manifest(), 2, {u: r for u, (r, _) in again.items()}))
+    assert metrics["eval/addition/attested"] == 1.0
+
+
 def test_a_pool_of_two_servers_is_two_independent_loads(servers: Any) -> None:
     """``--engine http:A+http:B``: the worker loads step 2 into both servers; each member's observation
     witnesses the other's, so the first unit is already compared and the checksum stands."""

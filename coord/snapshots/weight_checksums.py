@@ -37,6 +37,9 @@ from typing import Any
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object
 
 REFERENCE = "reference.json"
+OVERTURNED = "attest_overturned"
+"""The skip that supersedes a result scored by a checksum that lost once one stood: the unit is re-run by
+any worker (no flag needed), writing the next generation (:mod:`ckpteval.coord.results.files`)."""
 OBSERVATION_PREFIX = "obs."
 
 

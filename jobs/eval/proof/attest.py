@@ -17,10 +17,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ckpteval.coord.results.files import Result, ResultIndex, skip_result, write_result
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.digests import compare_digests
 from ckpteval.coord.snapshots.snapshot import Marker, is_adapter_snapshot, producer_identity, read_marker
-from ckpteval.coord.snapshots.weight_checksums import ChecksumRecords, records_dir
+from ckpteval.coord.snapshots.weight_checksums import OVERTURNED, ChecksumRecords, records_dir
+from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.engines.base import (
     ChecksumsWeights,
     DigestsWeights,
@@ -54,6 +56,7 @@ class _Pending:
     report: EngineChecksum
     observation: dict[str, Any]
     loaded: bool
+    run: RunDir
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,13 @@ class Attestation:
     by: dict[str, Any] = field(default_factory=dict)
     pending: tuple[_Pending, ...] = field(default=(), repr=False, compare=False)
     members: tuple[Attestation, ...] = field(default=(), repr=False, compare=False)  # a pool's, one per engine
+    checksums: tuple[tuple[str, str], ...] = ()  # consistency: (records dir name, checksum) per member
 
     def to_json(self) -> dict[str, Any]:
         out = {"attested": self.attested, "how": self.how, "detail": self.detail, "seconds": self.seconds,
                "state": self.state}
+        if self.checksums:  # what scored the unit: a checksum that later loses has its units re-derived
+            out["checksums"] = dict(self.checksums)
         return {**out, "by": dict(self.by)} if self.by else out
 
 
@@ -127,7 +133,8 @@ def _combine(results: list[Attestation], seconds: float) -> Attestation:
     weakest = next((a for a in results if not a.attested), results[0])
     detail = weakest.detail if len(results) == 1 else f"{len(results)} engines: {weakest.detail}"
     pending = tuple(p for a in results for p in a.pending)
-    return replace(weakest, detail=detail, seconds=seconds, pending=pending,
+    checksums = tuple(c for a in results for c in a.checksums)
+    return replace(weakest, detail=detail, seconds=seconds, pending=pending, checksums=checksums,
                    members=tuple(results) if len(results) > 1 else ())
 
 
@@ -188,8 +195,9 @@ def _by_consistency(engine: Any, report: EngineChecksum, snapshot: Path, marker:
     observation = {"step": marker.step, "snapshot": str(snapshot), "layout": report.layout,
                    "checksum": report.checksum, "tensors": report.tensors, "instance": report.instance,
                    "engine": by["engine"], "by": producer_identity(), "at": by["at"], "how": "load from disk"}
-    pending = _Pending(records, report, observation, loaded)
-    return Attestation(False, "consistency", "pending", state="pending", by=by, pending=(pending,))
+    pending = _Pending(records, report, observation, loaded, run)
+    return Attestation(False, "consistency", "pending", state="pending", by=by, pending=(pending,),
+                       checksums=((records.path.name, report.checksum),))
 
 
 def _differs(report: EngineChecksum, step: int, standing: dict[str, Any]) -> str:
@@ -200,7 +208,8 @@ def _differs(report: EngineChecksum, step: int, standing: dict[str, Any]) -> str
 
 def _settle_one(p: _Pending, record: bool) -> Attestation:
     report, layout, step = p.report, p.report.layout, p.observation["step"]
-    done = Attestation(False, "consistency", "", state="reference", by=_by(p))
+    done = Attestation(False, "consistency", "", state="reference", by=_by(p),
+                       checksums=((p.records.path.name, report.checksum),))
     decision = p.records.decide(report.checksum, report.instance)
     if decision.state == "mismatch":
         raise AttestFailed(_differs(report, step, p.records.standing() or {"checksum": decision.reference}))
@@ -211,6 +220,7 @@ def _settle_one(p: _Pending, record: bool) -> Attestation:
         if p.loaded and record:
             standing = p.records.stand(report.checksum, [report.instance, *decision.witnesses],
                                        {"step": step, "layout": layout, "by": producer_identity()})
+            overturn_lost(p.run, step)  # a dispute settled: units a losing checksum scored are re-derived
             if standing["checksum"] != report.checksum:  # another checksum won the race to stand
                 raise AttestFailed(_differs(report, step, standing))
         if not p.loaded:
@@ -232,6 +242,40 @@ def _settle_one(p: _Pending, record: bool) -> Attestation:
     return replace(done, detail=f"first checksum of this snapshot for layout {layout}: nothing to compare; "
                    f"{'recorded' if record else 'not recorded (canary over its bound)'}, it stands once "
                    "an independent load reproduces it")
+
+
+def overturn_lost(run: RunDir, step: int) -> list[WorkUnit]:
+    """Supersede every current result of ``step`` scored by a checksum that is not the one standing for its
+    snapshot and layout with an ``attest_overturned`` skip of the next generation (workers re-run such units:
+    :data:`~ckpteval.coord.snapshots.weight_checksums.OVERTURNED`); the units superseded here.
+
+    Called by whoever makes a checksum stand (after publishing it) and by a worker after publishing a result
+    attested by consistency (after publishing it): of two such racing, at least one sees the other's file."""
+    index = ResultIndex(run.results)
+    overturned = []
+    for unit, result in index.refresh(only_steps=[step]).items():
+        lost = _lost_to(run, result)
+        if lost is None:
+            continue
+        skip = skip_result(unit, OVERTURNED, f"scored by weights checksum {lost[0][:16]}, which lost: "
+                           f"{lost[1][:16]} stands for step {step} ({lost[2]}); the unit is re-derived")
+        if write_result(run.results, skip, index.generation(unit) + 1):
+            overturned.append(unit)
+    return overturned
+
+
+def _lost_to(run: RunDir, result: Result) -> tuple[str, str, str] | None:
+    """(the result's checksum, the one standing, the records dir) when ``result`` was scored by a checksum
+    that lost; None when it stands, nothing stands yet, or the result names no checksum."""
+    checksums = result.attest.get("checksums") if result.ok else None
+    for name, checksum in (checksums or {}).items() if isinstance(checksums, dict) else ():
+        try:
+            standing = ChecksumRecords(run.weight_checksums / str(name)).standing()
+        except ValueError:
+            continue
+        if standing is not None and standing["checksum"] != checksum:
+            return str(checksum), str(standing["checksum"]), str(name)
+    return None
 
 
 def _by(p: _Pending) -> dict[str, Any]:

@@ -27,6 +27,8 @@ from ckpteval.coord.snapshots.snapshot import Marker, VerifiedSnapshots, produce
 from ckpteval.coord.work.claims import Claim, UnitClaimer, order_units
 from ckpteval.coord.work.steps import run_step_selection
 from ckpteval.coord.work.units import WorkUnit, units_for_step
+from ckpteval.jobs.eval.kinds.generate.tokenizer_files import TokenizerMissing, has_tokenizer
+from ckpteval.jobs.eval.proof.attest import overturn_lost
 from ckpteval.jobs.eval.worker.evaluators import Evaluator, evaluate_unit
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.eval.worker.policy import RetryPolicy
@@ -203,10 +205,18 @@ class Worker:
 
     def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
         units = [u for u in units_for_step(self.manifest, step)
-                 if u not in results or self.policy.to_retry(u, results[u])]
+                 if u not in results or self.policy.to_retry(u, results[u]) or self._tokenizer_found(u, results[u])]
         if not units:
             self.settled.add(step)
         return units
+
+    def _tokenizer_found(self, unit: WorkUnit, result: Result) -> bool:
+        """A ``no_tokenizer`` skip whose snapshot or ``RUN/base/`` now holds tokenizer files (the fix its message
+        names was applied): re-evaluated, once per process, as a result of the next generation."""
+        if result.skip_reason != TokenizerMissing.reason or unit in self.policy.retried:
+            return False
+        ref = self.refs.get(unit.step)
+        return ref is not None and (has_tokenizer(ref.path) or has_tokenizer(self.rundir.base))
 
     def _generations(self, units: list[WorkUnit]) -> dict[WorkUnit, int]:
         """The result generation a claim of each unit writes: one past its current result, if it has one."""
@@ -340,6 +350,7 @@ class Worker:
                 kept=result.kept if self.opts.keep_completions else None,
             )
             first = self.index.publish(result, claim.generation)
+            self._overturn_if_lost(result)
             self.written += 1
             if first and self.on_result is not None:
                 self.on_result(result)
@@ -348,6 +359,13 @@ class Worker:
             return result
         finally:
             claim.release()
+
+    def _overturn_if_lost(self, result: Result) -> None:
+        """A result attested by a checksum not yet compared: if another checksum stood meanwhile, the units it
+        scored are superseded (:func:`~ckpteval.jobs.eval.proof.attest.overturn_lost`) and its step is open again."""
+        if result.attest.get("checksums") and result.attest.get("state") != "compared":
+            if overturn_lost(self.rundir, result.unit.step):
+                self.settled.discard(result.unit.step)
 
     def _evaluate_interruptibly(self, unit: WorkUnit, ref: SnapshotRef) -> Result | None:
         """Run the unit in the helper thread so a stop signal can release the lease at once (None then)."""

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckpteval.coord.results.files import INFRA_SKIPS, Result, retry_due
+from ckpteval.coord.snapshots.weight_checksums import OVERTURNED
 from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 
@@ -78,7 +79,10 @@ class RetryPolicy:
 
     # -- retries -------------------------------------------------------------------------------------
     def to_retry(self, unit: WorkUnit, result: Result) -> bool:
-        """With ``--retry-infra-skips``: an infrastructure skip this process has not re-evaluated yet."""
+        """A result overturned by the checksum that stands (always re-run); with ``--retry-infra-skips``, an
+        infrastructure skip this process has not re-evaluated yet."""
+        if result.skip_reason == OVERTURNED:
+            return True
         return self.opts.retry_infra_skips and result.skip_reason in INFRA_SKIPS and unit not in self.retried
 
     def claim_due(self, result: Result | None, generation: int) -> bool:
