@@ -264,3 +264,54 @@ def test_a_restart_cancels_a_launch_still_in_flight_before_launching_again(tmp_p
     with pytest.raises(EngineError, match="closed"):  # a restart arriving after close launches nothing
         engine.restart()
     assert engine.pid is None
+
+
+# -- deterministic mode's fallback attention backend, per GPU and model (#37) --------------------------------
+LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 32}
+DEEPSEEK_V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 512, "q_lora_rank": None}
+
+
+@pytest.mark.parametrize("gpu, capability, config, chosen", [
+    ("V100", (7, 0), LLAMA, ["--attention-backend", "triton"]),  # fa3 asserts SM>=80
+    ("T4", (7, 5), LLAMA, ["--attention-backend", "triton"]),
+    ("A100", (8, 0), LLAMA, []),  # sglang's fa3 runs
+    ("A100", (8, 0), DEEPSEEK_V2_LITE, ["--attention-backend", "triton"]),  # fa3 refuses MLA below SM90
+    ("L40S", (8, 9), {"architectures": ["MiniCPM3ForCausalLM"]}, ["--attention-backend", "triton"]),
+    ("H100", (9, 0), DEEPSEEK_V2_LITE, []),
+    ("B200", (10, 0), DEEPSEEK_V2_LITE, []),  # sglang itself falls back to triton there
+    ("RTX 5090", (12, 0), LLAMA, []),  # ... and to flashinfer
+])
+def test_deterministic_attention_is_chosen_where_sglangs_fa3_fallback_would_die(
+        gpu: str, capability: tuple[int, int], config: dict, chosen: list[str]) -> None:
+    """sglang 0.5.23 falls back to fa3 in deterministic mode on everything but SM100/SM120
+    (srt/arg_groups/overrides.py ``_deterministic_attention_backend``), and its fa3 asserts unless SM90 or SM8x
+    without MLA (srt/layers/attention/attention_registry.py ``create_flashattention_v3_backend``)."""
+    from ckpteval.jobs.eval.engines.sglang.deterministic import attention_choice
+
+    assert attention_choice([DETERMINISTIC_FLAG], capability, config) == chosen, gpu
+    assert attention_choice([], capability, config) == []  # not deterministic: sglang's usual default
+    assert attention_choice([DETERMINISTIC_FLAG, "--attention-backend", "fa3"], capability, config) == []
+
+
+def test_a_deterministic_launch_on_a_v100_passes_triton(tmp_path: Path) -> None:
+    """The launch itself (the fake launcher; ``nvidia-smi`` on the launch's PATH says 7.0) carries
+    ``--attention-backend triton``: the old launch let sglang pick fa3, which dies at model init there."""
+    delay_file = tmp_path / "delay"
+    delay_file.write_text("0")
+    env = fake_launcher.install(tmp_path / "py", delay_file)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 7.0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    engine = SGLangEngine(env=env, deterministic=True, startup_timeout=60, stop_grace=5,
+                          log_path=str(tmp_path / "sglang.log"))
+    try:
+        engine.load(str(snapshot), "1")
+        argv = Path(f"/proc/{engine.pid}/cmdline").read_bytes().decode().split("\0")
+    finally:
+        engine.close()
+    assert argv[argv.index("--attention-backend") + 1] == "triton" and DETERMINISTIC_FLAG in argv

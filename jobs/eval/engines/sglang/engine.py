@@ -25,7 +25,11 @@ from ckpteval.jobs.eval.engines.base import EngineError, WeightVersionMismatch, 
 from ckpteval.jobs.eval.engines.http.engine import HEALTH_TIMEOUT_S, HTTPEngine
 from ckpteval.jobs.eval.engines.sglang.deterministic import (  # noqa: F401 — DETERMINISTIC_FLAG re-exported
     DETERMINISTIC_FLAG,
+    attention_choice,
+    flag_value,
+    gpu_capability,
     launch_flags,
+    model_config,
 )
 from ckpteval.jobs.eval.engines.sglang.version import UnsupportedServer, check_sglang_version
 
@@ -198,8 +202,11 @@ class SGLangEngine(HTTPEngine):
     def _start(self) -> None:
         """Start the server and wait until it is healthy; the caller holds ``_launch_lock``."""
         ls = self._launch_settings
+        base_gpu = flag_value(ls.extra_args, "--base-gpu-id")
+        choice = attention_choice(ls.extra_args, gpu_capability(self._env, int(base_gpu or 0)),
+                                  model_config(self._model_path))  # fa3 would die at model init: triton
         cmd = launch_command(
-            self._model_path, ls.host, ls.port, ls.tp_size, self._version, ls.extra_args, ls.python
+            self._model_path, ls.host, ls.port, ls.tp_size, self._version, (*choice, *ls.extra_args), ls.python
         )
         with open(ls.log_path, "ab") as log:
             self._proc = proc = subprocess.Popen(
