@@ -109,12 +109,15 @@ def best_lines(found: dict[str, Any] | None, best: int) -> list[str]:
         return []
     lines = []
     if found["best_completed"] is not None and found["best_completed"] != best:
-        n = found["steps"]
+        top, own = found["steps"][str(found["best_completed"])], found["steps"][str(best)]
         lines.append(f"censoring: on completed answers step {found['best_completed']} scores highest "
-                     f"({n[str(found['best_completed'])]['completed']:.4f}, censored share "
-                     f"{n[str(found['best_completed'])]['censored']:.2f}) against step {best}'s "
-                     f"{n[str(best)]['completed']:.4f} (censored {n[str(best)]['censored']:.2f})")
+                     f"({_num(top['completed'])}, censored share {_num(top['censored'])}) against step {best}'s "
+                     f"{_num(own['completed'])} (censored {_num(own['censored'])})")
     for s, why in found["within_censoring"].items():
         lines.append(f"censoring: step {s} trails step {best} only within what censoring alone could explain "
                      f"({'; '.join(WHY[w] for w in why)})")
     return lines
+
+
+def _num(x: float | None) -> str:
+    return "none completed" if x is None else f"{x:.4f}"
