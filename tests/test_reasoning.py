@@ -231,3 +231,26 @@ def test_reasoning_end_tokenizer_reads_the_snapshot_tokenizers_own_pair(tmp_path
     tok.save_pretrained(special)
     with pytest.raises(RuntimeError, match="special token"):
         resolve_reasoning(spec, str(special))
+
+
+# -- sglang's named reasoning parsers (#37) ---------------------------------------------------------------
+@pytest.mark.parametrize("parser, text, split", [
+    # DeepSeekR1Detector: force_reasoning, no opening tag needed
+    ("deepseek-r1", "thinking</think>42", ("thinking", "42")),
+    ("deepseek-r1", "thinking, never ended", ("thinking, never ended", None)),
+    # Qwen3/GLM-4.5/Kimi-K2: an unclosed block ends at the tool-call tag, kept in the answer
+    ("qwen3", "<think>plan<tool_call>{\"name\": \"f\"}</tool_call>", ("plan", "<tool_call>{\"name\": \"f\"}</tool_call>")),
+    ("glm45", "<think>plan<tool_call>f", ("plan", "<tool_call>f")),
+    ("kimi_k2", "<think>plan<|tool_calls_section_begin|>x", ("plan", "<|tool_calls_section_begin|>x")),
+    ("qwen3", "<think>a</think>b<tool_call>c", ("a", "b<tool_call>c")),  # closed: the end decides
+    ("qwen3", "no reasoning <tool_call>c", ("", "no reasoning <tool_call>c")),  # qwen3 does not force
+])
+def test_named_parsers_split_as_sglangs_detectors(parser: str, text: str, split: tuple[str, str | None]) -> None:
+    """srt/parser/reasoning_parser.py (0.5.23) ``_detect_and_parse_impl`` with each DetectorMap entry's
+    ``force_reasoning`` and ``tool_start_token``; the old split took an unclosed block with a tool call as no
+    answer, and had no way to say deepseek-r1 forces reasoning with its ``<think>`` known."""
+    from ckpteval.coord.run.chat_settings import check_reasoning
+    from ckpteval.jobs.eval.kinds.generate.reasoning import parse_setting
+
+    check_reasoning({"parser": parser})
+    assert tuple(split_reasoning(text, parse_setting({"parser": parser}))) == split

@@ -14,7 +14,9 @@ from ckpteval.coord.run.fields import FieldError
 
 RENDER_ARGS = frozenset({"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
                          "return_dict", "documents", "chat_template"})  # apply_chat_template's own arguments
-REASONING_KEYS = frozenset({"end", "start", "always"})
+REASONING_KEYS = frozenset({"end", "start", "always", "parser"})
+# sglang 0.5.23's --reasoning-parser names whose rule the split reproduces (srt/parser/reasoning_parser.py)
+REASONING_PARSERS = ("deepseek-r1", "qwen3", "glm45", "kimi_k2")
 
 
 def check_template_kwargs(kwargs: dict[str, Any], prompt_format: str) -> None:
@@ -35,12 +37,18 @@ def check_rendered_kwargs(kwargs: dict[str, Any], renders_chat: bool, needs: str
 
 
 def check_reasoning(value: dict[str, Any] | None) -> None:
-    """``reasoning``: ``{"end": str[, "start": str][, "always": bool]}`` (``end`` may be ``"tokenizer"``)."""
+    """``reasoning``: ``{"end": str[, "start": str][, "always": bool]}`` (``end`` may be ``"tokenizer"``), or
+    ``{"parser": NAME}``: sglang's reasoning parser of that name (:data:`REASONING_PARSERS`)."""
     if value is None:
         return
     unknown = sorted(set(value) - REASONING_KEYS)
     if unknown:
-        raise FieldError("reasoning", f"has {', '.join(unknown)}; its keys are end, start, always")
+        raise FieldError("reasoning", f"has {', '.join(unknown)}; its keys are end, start, always, parser")
+    if "parser" in value:
+        if value["parser"] not in REASONING_PARSERS or set(value) != {"parser"}:
+            raise FieldError("reasoning", f"parser must be one of {', '.join(REASONING_PARSERS)}, alone (it names "
+                             f"sglang's rule, delimiters included), got {value}")
+        return
     for key in ("end", "start"):
         if (key in value or key == "end") and not (isinstance(value.get(key), str) and value[key]):
             raise FieldError("reasoning", f"{key} must be a non-empty string (end: the delimiter, or 'tokenizer')")

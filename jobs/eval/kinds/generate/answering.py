@@ -63,7 +63,7 @@ def resolve_reasoning(spec: GenerateEntry, snapshot_dir: str | None) -> Reasonin
         try:
             tokenizer = snapshot_tokenizer(snapshot_dir)
         except RuntimeError as e:
-            if spec.reasoning["end"] == TOKENIZER:
+            if spec.reasoning.get("end") == TOKENIZER:
                 raise ReasoningUnresolved(f"dataset {spec.name!r} on {snapshot_dir}: setting reasoning.end='tokenizer' "
                                           f"needs the snapshot's tokenizer: {e}") from e
     setting = parse_setting(spec.reasoning, tokenizer, f"dataset {spec.name!r} on {snapshot_dir}")

@@ -12,7 +12,9 @@ snapshot tokenizer's own pair (:func:`tokenizer_setting`). :func:`split_reasonin
   detection calls ``force_reasoning``, ``srt/parser/template_detection.py`` ``REASONING_MODE_RULES``), or
   when ``start`` appears in the completion.
 - In reasoning, the answer is the text after the *first* ``end``; the text before it is the reasoning. No
-  ``end``: the reasoning never ended (cut at the length limit, or the model never stopped thinking) and the
+  ``end`` but a ``tool_start`` tag (sglang's ``qwen3``/``glm45`` ``<tool_call>``, ``kimi_k2``
+  ``<|tool_calls_section_begin|>``: ``{"parser": NAME}``): the reasoning ends there and the answer is the
+  tag and what follows. Neither: the reasoning never ended (cut at the length limit, or the model never stopped thinking) and the
   completion has **no answer** (``None``): it scores 0 and the scorer never sees the trace. sglang returns
   such a completion as all reasoning and empty content, the same verdict.
 - Not in reasoning: the whole completion is the answer (a model that did not think, e.g. with
@@ -44,6 +46,17 @@ KNOWN_PAIRS: tuple[tuple[str, str], ...] = (
 )
 
 
+# {"parser": NAME}: sglang's DetectorMap entries (reasoning_parser.py) -> (start, end, forced, tool start tag):
+# DeepSeekR1Detector forces reasoning; Qwen3Detector, Glm45Detector and KimiK2Detector end an unclosed block
+# at their tool_start_token
+PARSERS: dict[str, tuple[str, str, bool, str | None]] = {
+    "deepseek-r1": ("<think>", "</think>", True, None),
+    "qwen3": ("<think>", "</think>", False, "<tool_call>"),
+    "glm45": ("<think>", "</think>", False, "<tool_call>"),
+    "kimi_k2": ("<think>", "</think>", False, "<|tool_calls_section_begin|>"),
+}
+
+
 class ReasoningUnresolved(WorkerSkip):
     """``{"end": "tokenizer"}`` on a snapshot whose tokenizer gives no usable pair: a configuration error,
     written at once as a ``bad_config`` skip naming the setting — never a crash, never an engine restart."""
@@ -59,6 +72,7 @@ class ReasoningSetting:
     end: str
     start: str | None = None
     always: bool = False
+    tool_start: str | None = None  # a tag that ends an unclosed reasoning block (kept in the answer)
 
     def __post_init__(self) -> None:
         if not self.end or self.end == TOKENIZER:
@@ -72,7 +86,8 @@ class ReasoningSetting:
 
     def identity(self) -> dict[str, Any]:
         """What a result records of the strip applied (part of its scoring identity)."""
-        return {"end": self.end, "start": self.start, "always": self.forced}
+        out = {"end": self.end, "start": self.start, "always": self.forced}
+        return {**out, "tool_start": self.tool_start} if self.tool_start else out
 
 
 class Split(NamedTuple):
@@ -101,7 +116,10 @@ def split_reasoning(text: str, setting: ReasoningSetting | None, prompt: str = "
         while body.lstrip().startswith(setting.start):  # the model's own opening tag(s): not reasoning text
             body = body.lstrip()[len(setting.start):]
     reasoning, found, answer = body.partition(setting.end)
-    return Split(reasoning, answer) if found else Split(body, None)
+    if found:
+        return Split(reasoning, answer)
+    tool = body.find(setting.tool_start) if setting.tool_start else -1
+    return Split(body[:tool], body[tool:]) if tool >= 0 else Split(body, None)
 
 
 def parse_setting(value: dict[str, Any] | None, tokenizer: Any = None, where: str = "") -> ReasoningSetting | None:
@@ -109,6 +127,9 @@ def parse_setting(value: dict[str, Any] | None, tokenizer: Any = None, where: st
     the pair from ``tokenizer`` (:func:`tokenizer_setting`; RuntimeError naming ``where`` when it has none)."""
     if value is None:
         return None
+    if "parser" in value:
+        start, end, forced, tool_start = PARSERS[value["parser"]]
+        return ReasoningSetting(end, start, forced, tool_start)
     if value["end"] == TOKENIZER:
         if tokenizer is None:
             raise ReasoningUnresolved(f"{where}: setting reasoning.end='tokenizer' needs the snapshot's tokenizer")
