@@ -77,7 +77,7 @@ class Rescoring:
 
     def __post_init__(self) -> None:
         check_reasoning(self.reasoning)
-        if self.reasoning is not None and self.reasoning["end"] == TOKENIZER:
+        if self.reasoning is not None and self.reasoning.get("end") == TOKENIZER:
             raise ValueError("--reasoning: end 'tokenizer' needs the snapshot's tokenizer, which a rescore does "
                              "not load; name the delimiter (e.g. {\"end\": \"</think>\"})")
 
