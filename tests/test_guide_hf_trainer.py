@@ -97,15 +97,24 @@ def test_watched_checkpoint_without_any_tokenizer_is_a_named_skip(tmp_path: Path
     cfg = tmp_path / "eval.json"
     cfg.write_text(json.dumps({"eval": {"datasets": [{"name": "sums", "path": "sums.jsonl", "n_prompts": 4,
                                                       "scorer": "exact", "shard_size": 4, "max_new_tokens": 2}]}}))
-    proc = subprocess.run(["ckpteval", "worker", "--run-dir", str(tmp_path / "run"), "--watch", str(watch),
-                           "--eval-config", str(cfg), "--layout", "hf-trainer", "--once", "--engine", "hf"],
-                          env=ENV, capture_output=True, text=True, timeout=300)
+    argv = ["ckpteval", "worker", "--run-dir", str(tmp_path / "run"), "--watch", str(watch),
+            "--eval-config", str(cfg), "--layout", "hf-trainer", "--once", "--engine", "hf"]
+    proc = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = list(ResultIndex(tmp_path / "run" / "results").refresh().values())
     assert [r.skip_reason for r in results] == ["no_tokenizer"], proc.stderr[-2000:]
     assert "tokenizer.json" in results[0].message and "processing_class" in results[0].message
-    save_tokenizer(tmp_path / "run" / "base")  # the fix the message names: the run's tokenizer
-    assert (tmp_path / "run" / "base" / "tokenizer.json").is_file()
+    assert "RUN/base/" in results[0].message and "run the worker again" in results[0].message
+    save_tokenizer(tmp_path / "run" / "base")  # the fix the message names: the run's tokenizer, then a rerun
+    again = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "nothing to do" not in again.stdout, again.stdout  # was: the skip stood, "nothing to do"
+    index = ResultIndex(tmp_path / "run" / "results")
+    [(unit, result)] = index.refresh().items()
+    assert result.skip_reason is None and len(result.scores) == 4, (result.skip_reason, result.message)
+    assert index.generation(unit) == 1  # superseded, the skip's file kept as the record
+    third = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)  # nothing left to redo
+    assert third.returncode == 0 and "nothing to do" in third.stdout, third.stdout + third.stderr[-2000:]
 
 
 def test_prime_rl_broadcast_scored_after_the_trainer_deleted_it(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ the tokenizer is elsewhere. :func:`tokenizer_dir` answers the snapshot itself wh
 files, else the run's own tokenizer (``RUN/base/``, written by ``start_eval``/``ckpteval train`` from
 ``base_model_dir``) when that holds them, else raises :class:`TokenizerMissing` — a skip written at once
 (``no_tokenizer``), naming the files looked for and the fix, never an engine restart (restarting cannot
-create files) and never ``EXIT_UNHEALTHY``.
+create files) and never ``EXIT_UNHEALTHY``. Once the fix is applied, the next worker re-evaluates the skip
+(a result of the next generation, :mod:`ckpteval.coord.results.files`).
 
 Guarantee: only names are read (one listing per directory). Limits: "has a tokenizer" means one of
 :data:`TOKENIZER_FILES` is there; a present but broken tokenizer file still fails the load (as before).
@@ -27,7 +28,7 @@ from ckpteval.jobs.eval.engines.base import ReadsRunTokenizer, members
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 FIX = ("save the tokenizer with every checkpoint (HF Trainer: processing_class=tokenizer; else "
        "tokenizer.save_pretrained(dir)), or put the base model's tokenizer files in RUN/base/ "
-       "(start_eval(base_model_dir=...) does)")
+       "(start_eval(base_model_dir=...) does); then run the worker again: it re-evaluates these skips")
 
 
 class TokenizerMissing(SnapshotError):
