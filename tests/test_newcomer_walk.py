@@ -191,3 +191,23 @@ def test_backfill_tally_counts_a_retried_unit_once_and_says_when_nothing_scored(
     assert tally.summary().startswith("2 evaluated here: 0 scored, 2 skipped") and "NOTHING SCORED" in tally.summary()
     tally(ok_result(unit, [1.0], ["10"]))  # a later retry of the same unit scored
     assert (tally.results, tally.ok) == (2, 1) and "NOTHING SCORED" not in tally.summary()
+
+
+def test_a_backfill_whose_judge_was_down_exits_non_zero_and_says_so(tmp_path: Path) -> None:
+    """The judge down for a whole backfill (connection refused, no wait): every unit is skipped
+    ``judge_failed``; the backfill says nothing was scored and exits 1, not 0 (was: exit 0, a job marked
+    done); nor 4 (no fresh node brings a judge back: the batch scripts must not requeue it)."""
+    from ckpteval.jobs.reference.model import build_model, save_tokenizer
+    from tests.conftest import TINY_CFG
+
+    run = _service_run(tmp_path, options={"url": "http://127.0.0.1:9/v1", "retries": 0, "wait_s": 0, "timeout_s": 2})
+    ckpt = tmp_path / "out" / "checkpoint-5"
+    build_model(TINY_CFG).save_pretrained(ckpt, safe_serialization=True)
+    save_tokenizer(ckpt)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
+    proc = _backfill(run, "--layout", "hf-trainer", "--quiescence", "0.5")
+    assert "judge_failed" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "NOTHING SCORED" in proc.stdout and "run backfill again" in proc.stdout
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("ckpteval backfill: ") and "judge_failed" in line and "run backfill again" in line, line

@@ -60,7 +60,7 @@ from ckpteval.jobs.eval.worker.main import run_worker
 from ckpteval.jobs.eval.worker.options import WorkerOptions, add_worker_flags, options_from_args
 from ckpteval.jobs.eval.worker.reeval import ReevalPlan, create_reeval_run, plan_reeval
 from ckpteval.jobs.flags import Parser, fail, run_dir_from_args
-from ckpteval.jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE
+from ckpteval.jobs.lifecycle import EXIT_CODES_HELP, EXIT_DONE, EXIT_ERROR
 
 JUDGED = ("judge", "reward_model")  # scorers that ask a judge server (ckpteval.jobs.eval.scorers.judge.scorer)
 
@@ -243,6 +243,10 @@ def main(argv: list[str]) -> int:
         else:
             print(f"backfill: done — {progress.total} units had no result when it started; {tally.summary()}",
                   flush=True)
+        if left := tally.infra_skips():  # not done: a job marked done would hide it (never 4: no node cures it)
+            return fail("ckpteval backfill", f"{left} unit(s) not scored: an outside service failed ("
+                        f"{', '.join(sorted(set(tally.skipped) & INFRA_SKIPS))}); fix it and run backfill again",
+                        EXIT_ERROR)
     return code
 
 
@@ -277,6 +281,10 @@ class Tally:
     @property
     def ok(self) -> int:
         return sum(1 for r in self.last.values() if r.ok)
+
+    def infra_skips(self) -> int:
+        """How many units this backfill left skipped because an outside service failed (:data:`INFRA_SKIPS`)."""
+        return sum(1 for r in self.last.values() if r.skip_reason in INFRA_SKIPS)
 
     @property
     def steps(self) -> set[int]:
