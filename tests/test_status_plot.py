@@ -92,6 +92,21 @@ def test_plot_is_a_png_of_the_derived_points(tmp_path: Path) -> None:
     assert data["lag"] == ([10, 20], [3, 3])
 
 
+def test_plot_without_o_writes_into_the_run_dir_not_the_working_dir(tmp_path: Path) -> None:
+    """``ckpteval plot RUN`` (no ``-o``) writes ``RUN/curve.png`` and prints its path (was: ``./curve.png`` in
+    whatever directory the command ran from, one run's curve overwriting another's)."""
+    run, claim = _build_run(tmp_path)
+    claim.release()
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "plot", str(run.path)], capture_output=True,
+                          text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    assert proc.returncode == 0, proc.stderr
+    assert not (cwd / "curve.png").exists()
+    assert proc.stdout.strip() == str(run.path / "curve.png")
+    assert (run.path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _status_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "ckpteval.jobs.cli", "status", *args]
 

@@ -219,13 +219,15 @@ def check_output(out: Path) -> None:
 def main(argv: list[str]) -> int:
     ap = Parser(prog="ckpteval plot", description="plot score vs step per dataset (PNG, PDF, SVG, ...)")
     add_run_dir_argument(ap, many=True)
-    ap.add_argument("-o", "--output", type=Path, default=Path("curve.png"), metavar="FILE",
+    ap.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
                     help="image to write; the suffix picks the format: " + ", ".join(FORMATS)
-                    + " (default: curve.png)")
+                    + " (default: curve.png in the (first) run dir)")
     ap.add_argument("--scoring", metavar="NAME", help="plot this ckpteval rescore scoring's scores where it re-scored "
                     "a unit (default: the scores as generated); the title names it")
     args = ap.parse_args(argv)
     run_dirs = run_dirs_from_args(ap, args)
+    if args.output is None:  # beside the run it plots, never the working dir (one run's curve over another's)
+        args.output = Path(run_dirs[0]) / "curve.png"
     try:
         check_output(args.output)
         if len(run_dirs) == 1:
