@@ -26,7 +26,9 @@ from tests.support.runs import write_tiny_shards
 RUN_ID = "grpo-qwen3-8b-math-lr3e-6-warmup-20261203-a"  # long, as real run ids are
 
 
-def _run(tmp_path: Path, run_id: str = RUN_ID, datasets: tuple[str, ...] = ("gsm8k_style", "math500")) -> RunDir:
+def _run(tmp_path: Path, run_id: str = RUN_ID, datasets: tuple[str, ...] = ("gsm8k_style", "math500"),
+         cut_at: int | None = None) -> RunDir:
+    """A run of two points (one sample per prompt); ``cut_at``: at that step every second gsm8k_style prompt was cut off."""
     specs = tuple(GenerateEntry(name=n, path=f"data/{n}.jsonl", n_prompts=4, shard_size=2) for n in datasets)
     manifest = RunManifest(run_id=run_id, eval=EvalSpec(entries=specs),
                            snapshot_roots=(str(tmp_path / "a-rather-long-staging-root" / "snapshots"),),
@@ -35,7 +37,8 @@ def _run(tmp_path: Path, run_id: str = RUN_ID, datasets: tuple[str, ...] = ("gsm
     for step, score in ((10, 0.25), (20, 0.75)):
         publish_snapshot(Path(manifest.snapshot_roots[0]), step, lambda d: write_tiny_shards(d, n_shards=1, numel=8))
         for unit in units_for_step(manifest, step):
-            write_result(run.results, ok_result(unit, [score, score + 0.125], [str(step)] * 2))
+            cut = {"truncated": (0.0, 1.0)} if step == cut_at and unit.dataset == "gsm8k_style" else {}
+            write_result(run.results, ok_result(unit, [score, score + 0.125], [str(step)] * 2, **cut))
     return run
 
 
@@ -89,3 +92,21 @@ def test_a_dataset_line_renderer_and_an_unpooled_reason_show_up_fitted(tmp_path:
     assert not _too_wide(lines, 80), "\n".join(lines)
     assert sum(line.startswith(("gsm8k_style: a per-dataset line", "math500: a per-dataset line")) for line in lines) == 2
     assert any("not pooled: engines" in line for line in lines), "\n".join(lines)
+
+
+
+def test_status_shows_the_completed_only_score_and_censored_share_fitted_only_when_cut_off(tmp_path: Path) -> None:
+    """#40: where a sample was cut at the length limit, status shows per point the completed-only score ± its stderr
+    and the censored share (``<ds> completed-only``), within the width; with nothing cut off, no such column."""
+    plain = _shown([collect_status(_run(tmp_path / "plain").path)], 250)
+    assert not any("completed-only" in line for line in plain), "\n".join(plain)
+    status = collect_status(_run(tmp_path / "cut", cut_at=20).path)
+    c = next(p for p in status["points"] if p["step"] == 20)["datasets"]["gsm8k_style"]["censoring"]
+    assert (c["completed"], c["censored"]) == (0.75, 0.5)  # step 20: prompts scoring 0.875 cut, 0.75 kept
+    want = f"{c['completed']:.3f}±{c['completed_stderr']:.3f}cut{c['censored']:.0%}"
+    for width in (250, 80, 60):
+        lines = _shown([status], width)
+        assert not _too_wide(lines, width), "\n".join(lines)
+        squeezed = "".join("".join(lines).split())  # a folded cell or header read back whole
+        assert "gsm8k_stylecompleted-only" in squeezed and want in squeezed, (want, "\n".join(lines))
+        assert "math500completed-only" not in squeezed  # nothing of math500 was cut off

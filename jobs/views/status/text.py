@@ -76,6 +76,27 @@ def _length_cell(d: dict[str, Any]) -> str:
     return " ".join(parts) or "-"
 
 
+CENSORED_COLUMN = "{} completed-only"
+"""The column, shown when some sample of ``<ds>`` was cut at the length limit, of its completed-only score ± its
+stderr and the censored share (``DatasetScore.censoring``; docs/USER_GUIDE.md "Cut-off answers (censoring)")."""
+
+
+def _censored_cell(d: dict[str, Any]) -> str:
+    c = d.get("censoring") or {}
+    if not c:
+        return "-"
+    done, se = c.get("completed"), c.get("completed_stderr")
+    score = "none completed" if not isinstance(done, float) or math.isnan(done) else _fmt(done)
+    spread = f"±{se:.3f}" if isinstance(se, float) and math.isfinite(se) and score != "none completed" else ""
+    return f"{score}{spread} cut {c['censored']:.0%}"
+
+
+def _censored(status: dict[str, Any]) -> set[str]:
+    """The datasets some point of which had a sample cut off."""
+    return {ds for p in status["points"] for ds, d in p["datasets"].items()
+            if (d.get("censoring") or {}).get("censored", 0.0) > 0.0}
+
+
 def _pin_cells(datasets: list[dict[str, Any]]) -> list[str]:
     """One wv/mean and one mixed cell for all datasets of a point: the common version (each dataset's,
     comma-separated, if they differ) and the largest mixed-version ratio."""
@@ -97,7 +118,8 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     ``pins`` pick a part of it (all by default). A dataset whose scorer counts things per sample (code:
     errors, timeouts) gets a ``<ds> counts`` column of those counters, summed over the point; a generated set a
     ``<ds> length`` column (:data:`LENGTH_CELL`: truncated and no-answer shares, mean completion and reasoning
-    tokens): :func:`points_tables` splits it so when narrow."""
+    tokens), and where a sample was cut off a ``<ds> completed-only`` column (:data:`CENSORED_COLUMN`):
+    :func:`points_tables` splits it so when narrow."""
     datasets = status["datasets"] if datasets is None else datasets
     harness = status.get("harness_metrics", []) if harness is None else harness
     table = _table(title or f"points of {status['run_id']}{scoring_label(status.get('scoring'))}")
@@ -105,6 +127,7 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
     extra = derived_keys(status)
     counted = {ds for p in status["points"] for ds, d in p["datasets"].items() if d.get("counters")}
     lengths = {ds for p in status["points"] for ds, d in p["datasets"].items() if _length_cell(d) != "-"}
+    cut = _censored(status)
     for ds in datasets:
         table.add_column(f"{ds} ±se", justify="right", overflow="fold")
         for key in extra[ds]:
@@ -113,6 +136,8 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
             table.add_column(f"{ds} counts", overflow="fold")
         if ds in lengths:
             table.add_column(f"{ds} length", overflow="fold")
+        if ds in cut:
+            table.add_column(CENSORED_COLUMN.format(ds), justify="right", overflow="fold")
     for name in harness:
         table.add_column(name, justify="right", overflow="fold")
     for col in ("wv/mean", "mixed", "lag", "units", "skips") if pins else ():
@@ -123,13 +148,15 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
             d = p["datasets"].get(ds)
             if d is None:
                 cells += [_unpooled_cell(p, ds)]
-                cells += ["-"] * (len(extra[ds]) + (ds in counted) + (ds in lengths))
+                cells += ["-"] * (len(extra[ds]) + (ds in counted) + (ds in lengths) + (ds in cut))
             else:
                 cells += [_score_cell(d), *(_fmt(d.get("derived", {}).get(k)) for k in extra[ds])]
                 if ds in counted:  # the scorer's per-sample counters, summed (code errors, timeouts, ...)
                     cells.append(" ".join(f"{k}={v}" for k, v in sorted(d.get("counters", {}).items())) or "-")
                 if ds in lengths:
                     cells.append(_length_cell(d))
+                if ds in cut:
+                    cells.append(_censored_cell(d))
         cells += [_fmt(p["metrics"].get(name)) for name in harness]
         if pins:
             cells += _pin_cells(list(p["datasets"].values()))
