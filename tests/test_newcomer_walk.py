@@ -197,17 +197,35 @@ def test_a_backfill_whose_judge_was_down_exits_non_zero_and_says_so(tmp_path: Pa
     """The judge down for a whole backfill (connection refused, no wait): every unit is skipped
     ``judge_failed``; the backfill says nothing was scored and exits 1, not 0 (was: exit 0, a job marked
     done); nor 4 (no fresh node brings a judge back: the batch scripts must not requeue it)."""
-    from ckpteval.jobs.reference.model import build_model, save_tokenizer
-    from tests.conftest import TINY_CFG
-
     run = _service_run(tmp_path, options={"url": "http://127.0.0.1:9/v1", "retries": 0, "wait_s": 0, "timeout_s": 2})
-    ckpt = tmp_path / "out" / "checkpoint-5"
-    build_model(TINY_CFG).save_pretrained(ckpt, safe_serialization=True)
-    save_tokenizer(ckpt)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
+    _checkpoint(tmp_path / "out" / "checkpoint-5")
     proc = _backfill(run, "--layout", "hf-trainer", "--quiescence", "0.5")
     assert "judge_failed" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "NOTHING SCORED" in proc.stdout and "run backfill again" in proc.stdout
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("ckpteval backfill: ") and "judge_failed" in line and "run backfill again" in line, line
+
+
+def _checkpoint(ckpt: Path) -> None:
+    """A Trainer checkpoint of the reference model, with its tokenizer."""
+    from ckpteval.jobs.reference.model import build_model, save_tokenizer
+    from tests.conftest import TINY_CFG
+
+    build_model(TINY_CFG).save_pretrained(ckpt, safe_serialization=True)
+    save_tokenizer(ckpt)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
+
+
+def test_n_samples_above_1_at_temperature_0_is_warned_once_at_start(tmp_path: Path) -> None:
+    """A set drawing ``n_samples=3`` greedily (temperature 0): the worker says once, at start, that the samples
+    are identical and what to set; the run still scores (legal, almost always a mistake)."""
+    run = _service_run(tmp_path, scorer="exact")
+    manifest = json.loads((run / "run.json").read_text())
+    manifest["eval"]["datasets"][0]["n_samples"] = 3
+    (run / "run.json").write_text(json.dumps(manifest))
+    _checkpoint(tmp_path / "out" / "checkpoint-5")
+    proc = _backfill(run, "--layout", "hf-trainer", "--quiescence", "0.5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "n_samples=3 at temperature 0" in line]
+    assert len(warned) == 1 and "identical" in warned[0] and "temperature > 0" in warned[0], proc.stderr
