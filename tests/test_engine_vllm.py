@@ -186,11 +186,11 @@ def test_same_snapshot_same_answers_as_the_in_process_engine(served) -> None:
 
 def test_attach_by_url_parses_and_a_cpu_server_is_refused_at_start_in_one_line(served, tmp_path: Path) -> None:
     """``--engine vllm:URL`` builds an attached engine; on CPU (its reload in place is stale) it is refused before
-    any claim, naming the cause and the fix; a worker so started exits at start and writes no result."""
+    any claim, naming the cause and the fix; a worker so started exits 2 (no fresh node cures it; was 4, which
+    sbatch requeues) with one line, writes RUN/CONFIG_REFUSED and no result; the batch job does not requeue."""
     from ckpteval.jobs.eval.engines.factory import make_engine
     from ckpteval.jobs.eval.engines.vllm.server import ServerRefused
-    from ckpteval.jobs.lifecycle import EXIT_UNHEALTHY
-    from tests.support.workers import make_eval_run, publish_model, results
+    from tests.support.workers import make_eval_run, publish_model
 
     engine = served[0]
     attached = make_engine(f"vllm:{engine.base_url}", "cpu", {})
@@ -201,9 +201,26 @@ def test_attach_by_url_parses_and_a_cpu_server_is_refused_at_start_in_one_line(s
     attached.close()
     run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
     publish_model(tmp_path, run.snapshots, 1)
-    code, out = finish(spawn("worker", "--run-dir", str(run.path), "--engine", f"vllm:{engine.base_url}", "--once"), 120)
-    assert code == EXIT_UNHEALTHY and "nothing claimed" in out and "cannot attach: on CPU" in out, out[-2000:]
-    assert not results(run)
+    _assert_refused_exit_2(run, f"vllm:{engine.base_url}", "cannot attach: on CPU", tmp_path)
+
+
+def _assert_refused_exit_2(run, spec: str, why: str, tmp_path: Path) -> None:
+    """A worker on ``run`` with ``--engine spec`` refuses the configuration: exit 2, one line naming ``why``,
+    RUN/CONFIG_REFUSED, no result, and sbatch/common.sh neither restarts nor requeues it."""
+    from ckpteval.coord.run.rundir import RunDir
+    from ckpteval.jobs.lifecycle import EXIT_USAGE
+    from tests.support.sbatch import job_outcome
+    from tests.support.workers import results
+
+    proc = spawn("worker", "--run-dir", str(run.path), "--engine", spec, "--once")
+    code, out = finish(proc, 120)
+    lines = [line for line in out.strip().splitlines() if line.startswith("ckpteval worker:")]
+    assert code == EXIT_USAGE and len(lines) == 1 and why in lines[0], out[-2000:]
+    assert "dead after restart" not in out and not results(run)
+    refused = RunDir(run.path).config_refused()
+    assert refused is not None and why in refused["message"], refused
+    job = job_outcome(code, tmp_path / "job")
+    assert not job.requeued and job.starts == 1 and job.exit_code == EXIT_USAGE, job.log
 
 
 def test_a_stale_reload_in_place_fails_the_canary(served, tmp_path: Path) -> None:
@@ -299,8 +316,10 @@ class _NoDevRoutes(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_server_without_the_dev_routes_is_refused_naming_the_variable() -> None:
+def test_a_server_without_the_dev_routes_is_refused_naming_the_variable(tmp_path: Path) -> None:
+    """Directly and through a worker (exit 2, as for the CPU refusal above)."""
     from ckpteval.jobs.eval.engines.vllm.engine import VLLMEngine
+    from tests.support.workers import make_eval_run, publish_model
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoDevRoutes)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -309,6 +328,9 @@ def test_a_server_without_the_dev_routes_is_refused_naming_the_variable() -> Non
         with pytest.raises(EngineError, match="VLLM_SERVER_DEV_MODE=1") as refused:
             engine.weight_version()
         assert not refused.value.restart_helps and "\n" not in str(refused.value)
+        run = make_eval_run(tmp_path, n_prompts=4, shard_size=4)
+        publish_model(tmp_path, run.snapshots, 1)
+        _assert_refused_exit_2(run, f"vllm:{engine.base_url}", "start it with VLLM_SERVER_DEV_MODE=1", tmp_path)
     finally:
         server.shutdown()
 

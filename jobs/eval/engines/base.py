@@ -42,13 +42,18 @@ class UnsupportedSnapshot(EngineError):
     restart_helps = False
 
 
-class MissingRoute(EngineError):
-    """The server answers HTTP 404 on a route this engine needs (a server of another kind, or one without
-    the feature: ``ckpteval serve`` has no LoRA routes): neither a restart nor a fresh node cures it; the
-    worker refuses the run's configuration (one line, exit 2, ``RUN/CONFIG_REFUSED``), never exit 4."""
+class ServerMisconfigured(EngineError):
+    """The server, as started, cannot serve this engine (a route, flag or variable it lacks; a device it cannot
+    reload on): neither a restart nor a fresh node cures it; the worker refuses the run's configuration
+    (one line, exit 2, ``RUN/CONFIG_REFUSED``), never exit 4 (requeue)."""
 
     reason = "unsupported"
     restart_helps = False
+
+
+class MissingRoute(ServerMisconfigured):
+    """The server answers HTTP 404 on a route this engine needs (a server of another kind, or one without
+    the feature: ``ckpteval serve`` has no LoRA routes)."""
 
 
 class RequestRejected(EngineError):

@@ -33,7 +33,7 @@ from ckpteval.coord.work.units import WorkUnit, shard_range
 from ckpteval.jobs.eval.engines.base import (
     Engine,
     EngineError,
-    MissingRoute,
+    ServerMisconfigured,
     engine_gpus,
     engine_identity,
     launch_timeout,
@@ -78,7 +78,7 @@ class Unhealthy(WorkerSkip):
 
 class ConfigMismatch(ValueError):
     """A snapshot the run's configuration cannot load on any node (a LoRA adapter in a run without
-    ``eval.base_model``, or the reverse; an attached server without a route it needs, :class:`MissingRoute`):
+    ``eval.base_model``, or the reverse; a server without a route, flag or variable it needs, :class:`ServerMisconfigured`):
     the worker stops with one line and exit 2, never 4 (requeue)."""
 
 
@@ -312,7 +312,7 @@ def evaluate_unit(evaluator: Evaluator, unit: WorkUnit, ref: SnapshotRef, verify
         return unit_result(unit, evaluator.evaluate(unit, ref, timings), timings=timings)
     except ConfigMismatch:  # the run's configuration, not this unit: the worker stops (exit 2)
         raise
-    except MissingRoute as e:  # the attached server lacks a route the run needs: no node cures it (exit 2)
+    except ServerMisconfigured as e:  # the server lacks a route/flag the run needs: no node cures it (exit 2)
         raise ConfigMismatch(str(e)) from e
     except WorkerSkip as e:  # blame: user code failed (a scorer, a library task), written at once
         if e.blame is not None:

@@ -67,8 +67,9 @@ Exit codes (``sbatch/`` scripts requeue on 3 and 4):
 ``EXIT_DONE``          0     finished (see above)
 ``EXIT_ERROR``         1     unexpected error (a traceback was printed)
 ``EXIT_USAGE``         2     bad flags, run dir, run.json, eval set or engine settings; a snapshot no node
-                             can load with run.json (a LoRA adapter without eval.base_model); run.json code
-                             others could have written (see ``--trust-run-code``)
+                             can load with run.json (a LoRA adapter without eval.base_model); a server
+                             started without a route or flag the engine needs; run.json code others could
+                             have written (see ``--trust-run-code``)
 ``EXIT_PREEMPTED``     3     SIGTERM / SIGUSR1: lease released, nothing lost — requeue me
 ``EXIT_UNHEALTHY``     4     the engine could not be started or stayed dead — requeue elsewhere
 ``EXIT_INTERRUPTED``   130   SIGINT (Ctrl-C): lease released
@@ -111,7 +112,7 @@ from typing import Any
 
 from ckpteval.coord.entries import scored_per_sample
 from ckpteval.coord.run.rundir import RunDir
-from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError, ServerMisconfigured
 from ckpteval.jobs.eval.kinds.evaluate import check_entries
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
 from ckpteval.jobs.eval.proof.pinning import call_with_timeout
@@ -240,6 +241,10 @@ def prepare_worker(opts: WorkerOptions, **kw: Any) -> Worker:
     evaluator = build_evaluator(opts, manifest, cache)
     try:  # before the first claim: a broken engine must not write a single result
         call_with_timeout(evaluator.probe, opts.load_timeout_s, "engine start-up probe")
+    except ServerMisconfigured as e:  # started without a flag/route it needs: no fresh node cures it (exit 2)
+        close_quietly(evaluator, timeout_s=2.0)
+        run.refuse_config(f"{socket.gethostname()}:{os.getpid()}", str(e))
+        raise ConfigMismatch(str(e)) from e
     except EngineError:
         close_quietly(evaluator, timeout_s=2.0)
         raise

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ckpteval.jobs.eval.engines.base import EngineError
+from ckpteval.jobs.eval.engines.base import EngineError, ServerMisconfigured
 
 MODULE = "vllm.entrypoints.openai.api_server"
 DEV_MODE = "VLLM_SERVER_DEV_MODE"
@@ -36,11 +36,9 @@ RELOADABLE_FORMATS = frozenset({"auto", "hf", "safetensors", "pt", "npcache", "f
                                 "mistral", "runai_streamer"})
 
 
-class ServerRefused(EngineError):
-    """The server lacks what the engine needs (dev routes, reloading from disk): fixed only by restarting it
-    with the flag or variable the message names, so never restarted as it is."""
-
-    restart_helps = False
+class ServerRefused(ServerMisconfigured):
+    """The server lacks what the engine needs (dev routes, reloading from disk, a device it reloads on in
+    place): fixed only by restarting it with the flag or variable the message names (exit 2, no requeue)."""
 
 
 def launch_command(python: str, model: str, host: str, port: int, dtype: str, max_model_len: int | None,
