@@ -108,6 +108,34 @@ def define_wandb_metrics(run: Any) -> None:
 
 
 WANDB_JOIN_MODES = ("resume", "shared")
+WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")  # wandb modes that need no login
+WANDB_NO_LOGIN = ("wandb is not logged in on this machine: run `wandb login` (or set WANDB_API_KEY), "
+                  "or set WANDB_MODE=offline to log locally and `wandb sync` later")
+
+
+def check_wandb_login(flag: str = "--wandb") -> None:
+    """Refuse, before anything is written, a wandb run that would need a login this machine lacks
+    (ValueError, one line naming ``wandb login`` and ``WANDB_MODE=offline``). Reads wandb's own
+    credential sources (WANDB_API_KEY, .netrc, its settings files) without a network or a prompt;
+    ValueError too when wandb is not installed."""
+    try:
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+    except ImportError:
+        raise ValueError(f"{flag} needs the wandb package: pip install 'ckpteval[wandb]'") from None
+    settings = wandb_setup.singleton().settings
+    if settings.mode in WANDB_LOCAL_MODES:
+        return
+    host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+    try:
+        auth = wbauth.authenticate_session(host=host, source="ckpteval", prompt=False, verify=False,
+                                           update_session=False)
+    except AuthenticationError as e:  # a key of the wrong form, WANDB_API_KEY beside a token file
+        raise ValueError(f"{flag}: wandb credentials unusable ({e}); fix them with `wandb login`, "
+                         "or set WANDB_MODE=offline") from None
+    if auth is None:
+        raise ValueError(f"{flag}: {WANDB_NO_LOGIN}")
 
 
 def init_wandb(
@@ -134,10 +162,15 @@ def init_wandb(
     if join == "shared" and os.environ.get("WANDB_MODE") != "offline":
         kwargs = {"settings": wandb.Settings(mode="shared", x_primary=False, x_label=label,
                                              x_update_finish_state=False)}
-    return wandb.init(
-        project=os.environ.get("WANDB_PROJECT", project),
-        id=run_id,
-        dir=str(run_dir),
-        config=config,
-        **kwargs,
-    )
+    try:
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT", project),
+            id=run_id,
+            dir=str(run_dir),
+            config=config,
+            **kwargs,
+        )
+    except wandb.errors.UsageError as e:  # no login (a caller that skipped check_wandb_login)
+        raise RuntimeError(f"wandb: {e}: run `wandb login`, or set WANDB_MODE=offline") from None
+    except wandb.errors.CommError as e:  # the server refused the key or did not answer within init_timeout
+        raise RuntimeError(f"wandb: {e}; or set WANDB_MODE=offline to log locally and `wandb sync` later") from None

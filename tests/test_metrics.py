@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -104,3 +107,38 @@ def test_wandb_offline_eval_points_land_at_their_dispatch_step(tmp_path: Path, m
     assert [h["train/step"] for h in train] == [1, 2, 3, 4, 5]
     (point,) = [h for h in history if "eval/addition" in h]
     assert point["eval/step"] == 2 and point["eval/lag_steps"] == 3
+
+
+def no_login_env(home: Path) -> dict[str, str]:
+    """A machine where wandb was never logged in: no WANDB_* setting, no key, an empty HOME (no .netrc, no
+    ~/.config/wandb); the network is not reachable here either, so a wandb that tried it would hang."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    return {**env, "HOME": str(home), "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--steps", "2", "--no-eval", "--no-progress", "--wandb"],
+    ["worker", "--watch", "ckpts", "--eval-config", "eval.json", "--wandb", "--wandb-run-id", "run-abc", "--once"],
+], ids=["train", "service"])
+def test_wandb_without_a_login_is_one_line_before_anything_is_written(tmp_path: Path, argv: list[str]) -> None:
+    (tmp_path / "home").mkdir()
+    (tmp_path / "ckpts").mkdir()
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps({"eval": {"datasets": [
+        {"name": "qa", "path": "qa.jsonl", "n_prompts": 1, "scorer": "exact", "shard_size": 1, "max_new_tokens": 2}]}}))
+    run = tmp_path / "run"
+    proc = subprocess.run(["ckpteval", *argv, "--run-dir", str(run)], env=no_login_env(tmp_path / "home"),
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "wandb login" in proc.stderr and "WANDB_MODE=offline" in proc.stderr
+    assert not run.exists()  # refused before run.json (or any dir) is written
+
+
+@pytest.mark.parametrize("extra,refused", [({}, True), ({"WANDB_MODE": "offline"}, False),
+                                            ({"WANDB_API_KEY": "k" * 40}, False)], ids=["none", "offline", "key"])
+def test_wandb_login_check_reads_the_mode_and_the_key(tmp_path: Path, extra: dict[str, str], refused: bool) -> None:
+    """In a fresh process each time: wandb reads its settings once per process."""
+    proc = subprocess.run([sys.executable, "-c", "from ckpteval.jobs.metrics import check_wandb_login as c; c()"],
+                          env={**no_login_env(tmp_path), **extra}, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode != 0) == refused, proc.stderr
+    assert ("wandb login" in proc.stderr) == refused

@@ -26,6 +26,7 @@ from ckpteval.jobs.flags import (
     http_url,
     option,
 )
+from ckpteval.jobs.metrics import check_wandb_login
 from ckpteval.jobs.pathchecks import check_watch_dir
 
 INGESTION = "logging finished points into the training run's wandb run"
@@ -169,6 +170,8 @@ def validate_options(opts: WorkerOptions) -> None:
         raise ValueError("--eval-config creates a service run: give the checkpoint dir with --watch DIR")
     if opts.wandb and not opts.wandb_run_id:
         raise ValueError("--wandb: the service logs into the training run; give its id with --wandb-run-id ID")
+    if opts.wandb:
+        check_wandb_login()  # before anything is written: no login is one line
     unit_backends = [s for s in opts.engines if s != "auto" and ENGINES[spec_kind(s)].unit_backend]
     if unit_backends and (len(opts.engines) > 1 or opts.replicas > 1):
         raise ValueError(

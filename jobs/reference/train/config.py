@@ -9,7 +9,6 @@ then hands the validated :class:`TrainConfig` to :mod:`ckpteval.jobs.reference.t
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from ckpteval.jobs.flags import (
     option,
     run_dir_from_args,
 )
+from ckpteval.jobs.metrics import check_wandb_login
 from ckpteval.jobs.pathchecks import check_dir_creatable, make_dir_writable
 from ckpteval.jobs.trainer.config import EVAL, DispatchConfig
 
@@ -96,8 +96,8 @@ class TrainConfig:
         if self.lease_heartbeat >= self.lease_duration:
             raise ValueError(f"--lease-heartbeat ({self.lease_heartbeat:g}) must be below --lease-duration "
                              f"({self.lease_duration:g})")
-        if self.wandb and importlib.util.find_spec("wandb") is None:
-            raise ValueError("--wandb needs the wandb package: pip install 'ckpteval[wandb]'")
+        if self.wandb:
+            check_wandb_login()  # not installed, or no login: one line, before run.json is written
         check_dir_creatable("--run-dir", self.run_dir)
         d = self.dispatch
         for flag, path in (("--eval-staging-dir", d.staging_dir), ("--save-hf", d.save_hf_dir)):
