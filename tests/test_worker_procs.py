@@ -220,3 +220,24 @@ def test_preempted_while_starting_up_exits_for_requeue(tmp_path: Path, sig: int)
     finally:
         kill_all([proc])
     assert code == EXIT_PREEMPTED, out
+
+
+def test_ctrl_c_during_a_generation_ends_with_the_stop_line_not_a_failed_close(tmp_path: Path) -> None:
+    """SIGINT while the in-process HF engine is generating (a long generation holds the engine's lock past the
+    close's bound): the close it interrupts is not a failure — the worker's stop line ends it, no 'failed'."""
+    run = make_eval_run(tmp_path, n_prompts=1024, shard_size=1024, max_new_tokens=56,  # the context's whole room
+                        lease=LeaseSettings(60.0, 10.0))
+    publish_model(tmp_path, run.snapshots, 1)
+    proc = spawn("worker", "--run-dir", str(run.path), "--engine", "hf", "--poll-interval", "0.1")
+    try:
+        _wait_mid_unit(run, proc, timeout=120)
+        time.sleep(1.0)  # into the generation itself, past the load
+        proc.send_signal(signal.SIGINT)
+        got, out = finish(proc, timeout=60)
+    finally:
+        kill_all([proc])
+    assert got == EXIT_INTERRUPTED, out
+    assert "failed" not in out and "Traceback" not in out, out
+    assert out.rstrip().splitlines()[-1] == ("ckpteval worker: stopped by SIGINT: leases released, nothing lost; "
+                                              "run it again to continue"), out
+    assert lease_holder_pid(run) == {}

@@ -38,8 +38,13 @@ class PinViolation(WorkerSkip):
     reason = "pin_violation"
 
 
+class CallTimedOut(EngineError):
+    """:func:`call_with_timeout`'s call did not return in time (it may still be running)."""
+
+
 def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
-    """Run ``fn`` in a helper thread; :class:`EngineError` if it has not returned after ``timeout_s``.
+    """Run ``fn`` in a helper thread; :class:`CallTimedOut` (an :class:`EngineError`) if it has not returned
+    after ``timeout_s``.
 
     ``None`` calls it directly, unbounded. The helper thread cannot be killed: a wedged call keeps
     running in the background (and the engine typically stays unusable, which health checks report).
@@ -58,7 +63,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise EngineError(f"{what} did not finish within {timeout_s:g}s")
+        raise CallTimedOut(f"{what} did not finish within {timeout_s:g}s")
     if "error" in box:
         raise box["error"]
     return box.get("value")

@@ -115,7 +115,7 @@ from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.engines.base import EngineError, ServerMisconfigured
 from ckpteval.jobs.eval.kinds.evaluate import check_entries
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
-from ckpteval.jobs.eval.proof.pinning import call_with_timeout
+from ckpteval.jobs.eval.proof.pinning import CallTimedOut, call_with_timeout
 from ckpteval.jobs.eval.proof.trust import check_run_code
 from ckpteval.jobs.eval.scorers import ScorerContext
 from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config
@@ -202,11 +202,15 @@ def check_datasets(cache: DatasetCache) -> None:
 
 
 # -- entry points ---------------------------------------------------------------------------------------
-def close_quietly(evaluator: Evaluator, timeout_s: float = 10.0) -> None:
-    """Close the backend, bounded: a unit still running may hold the engine's locks."""
+def close_quietly(evaluator: Evaluator, timeout_s: float = 10.0, *, abandoned: bool = False) -> None:
+    """Close the backend, bounded: a unit still running may hold the engine's locks. ``abandoned``: a stop
+    signal left a generation running that holds them; a close it keeps from finishing is expected, not a
+    failure (the process's exit frees the engine), and says nothing."""
     try:
         call_with_timeout(evaluator.close, timeout_s, "engine close")
     except (EngineError, RuntimeError, ValueError, OSError) as e:
+        if abandoned and isinstance(e, CallTimedOut):
+            return
         print(f"ckpteval worker: closing the engine failed: {e}", file=sys.stderr, flush=True)
 
 
@@ -288,7 +292,8 @@ def run_worker(opts: WorkerOptions, *, exit_process: bool = False, prog: str = "
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        close_quietly(worker.evaluator, timeout_s=2.0 if worker.busy else 10.0)
+        abandoned = worker.busy and worker.stop_signal is not None
+        close_quietly(worker.evaluator, timeout_s=2.0 if worker.busy else 10.0, abandoned=abandoned)
     if worker.stop_signal is not None:
         worker.out(f"{prog}: stopped by {signal.Signals(worker.stop_signal).name}: leases released, nothing lost; "
                    "run it again to continue")
