@@ -330,6 +330,32 @@ def test_submit_calls_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     assert "#SBATCH --requeue" in Path(args[-1]).read_text()
 
 
+def test_submit_in_a_terminal_says_what_the_id_is_and_how_to_follow_it(tmp_path: Path) -> None:
+    """A person at a terminal gets no bare number: the id with what it is, squeue and status to follow it (a
+    captured stdout still gets the id alone: test_submit_calls_sbatch)."""
+    import pty
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/bash\necho "4242;c1"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    main_fd, term_fd = pty.openpty()
+    proc = subprocess.run(["ckpteval", "submit", "service", "--run-dir", str(run), "--watch", str(tmp_path)],
+                          stdout=term_fd, stderr=subprocess.PIPE, env=env, timeout=120)
+    os.close(term_fd)
+    out = os.read(main_fd, 65536).decode()
+    os.close(main_fd)
+    assert proc.returncode == 0, proc.stderr
+    lines = out.splitlines()
+    assert "4242" not in [line.strip() for line in lines], out
+    assert lines[0] == "ckpteval submit: submitted service as SLURM job 4242; to follow it:", out
+    assert "squeue -j 4242" in out and f"ckpteval status {run}" in out
+
+
 # ------------------------------------------------------------- the scripts, run with stand-ins
 FAKE_SRUN = r"""#!/bin/bash
 # srun stand-in: drop the options, run the command; forward USR1 (srun does), SIGKILL on TERM (srun does)

@@ -337,7 +337,7 @@ def _how_to_watch(prepared: Prepared, job_id: str) -> str:
     log = "%x-%A_%a.out" if prepared.kind == "backfill" else "%x-%j.out"
     runs = " ".join(shlex.quote(str(r)) for r in prepared.run_dirs)
     return "\n".join([
-        f"submitted {prepared.kind} job {job_id}",
+        f"ckpteval submit: submitted {prepared.kind} as SLURM job {job_id}; to follow it:",
         f"  squeue -j {job_id}            # queue state",
         f"  ckpteval status {runs}   # points, units, leases",
         f"  logs: {prepared.log_dir}/ ({log})",
@@ -365,6 +365,9 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, OSError) as e:
         print(f"ckpteval submit: {e}", file=sys.stderr)
         return 1
-    print(job_id)
-    print(_how_to_watch(prepared, job_id), file=sys.stderr)
+    if sys.stdout.isatty():  # a person: the id with what it is and how to follow it, not a bare number
+        print(_how_to_watch(prepared, job_id), flush=True)
+    else:  # captured (JOB=$(ckpteval submit ...)): the id alone on stdout, the rest for the person on stderr
+        print(job_id, flush=True)
+        print(_how_to_watch(prepared, job_id), file=sys.stderr)
     return 0
