@@ -7,6 +7,7 @@ worker's engine factory running a real (fake-sglang) process whose argv is read 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -51,6 +52,54 @@ def test_the_key_changes_with_every_completion_field_but_not_batch_size_when_bat
     assert replace(loose, concurrency=8).key() != loose.key()
     assert EngineIdentity.from_json(json.loads(json.dumps(SGLANG_A.to_json()))).key() == base  # stable via JSON
     assert differing_fields(SGLANG_A, replace(SGLANG_A, tp=2, dtype="float16")) == ["dtype", "tp"]
+
+
+def _server_info_0523(top: dict[str, object], states: list[dict[str, object]]) -> dict[str, object]:
+    """A ``/server_info`` body shaped as sglang 0.5.23 returns it (``entrypoints/http_server.py`` ``server_info``:
+    ``build_server_info`` — ``ServerArgs.resolved_dict()``, ``launch_command``, the scheduler's init info,
+    ``kv_events`` — then ``startup_time``, ``internal_states`` (per DP: ``resolved_server_args_dict()`` with
+    its post-publish overrides, topology, memory), ``version``, ``frontend``), recorded from a T4 launch of a
+    Qwen2 model with ``--enable-deterministic-inference --attention-backend triton`` (values abridged to
+    the args an identity reads and their neighbours)."""
+    args = {"model_path": "/ckpt/step-100", "tokenizer_path": "/ckpt/step-100", "load_format": "auto",
+            "dtype": "auto", "quantization": None, "kv_cache_dtype": "auto", "tp_size": 1, "dp_size": 1,
+            "pp_size": 1, "enable_dp_attention": False, "device": "cuda", "attention_backend": "triton",
+            "prefill_attention_backend": None, "decode_attention_backend": None, "sampling_backend": "pytorch",
+            "enable_deterministic_inference": True, "enable_lora": None, "max_running_requests": None,
+            "max_queued_requests": None, "disable_radix_cache": False, "weight_version": "default", **top}
+    return {**args, "launch_command": "python -m sglang.launch_server --model-path /ckpt/step-100 "
+            "--enable-deterministic-inference --attention-backend triton",
+            "status": "ready", "max_total_num_tokens": 401408, "max_req_input_len": 32762,
+            "hicache_object_layout": {"enabled": False}, "kv_events": None, "startup_time": 1767225600.5,
+            "internal_states": [{**args, **state, "world_size": 1, "startup_time": 1767225600.5,
+                                 "effective_max_running_requests_per_dp": 48, "last_gen_throughput": 0.0,
+                                 "memory_usage": {"weight": 0.93, "kvcache": 4.6}} for state in states],
+            "version": "0.5.23", "frontend": "python"}
+
+
+def test_the_identity_records_the_resolved_dtypes_and_both_attention_backends() -> None:
+    """Before: ``dtype: auto`` (the launch value, though the T4's scheduler runs float16: sglang's SM<80
+    fallback, reported in ``internal_states``), no KV cache dtype, no prefill/decode backends."""
+    from ckpteval.jobs.eval.engines.http.server_info import server_identity
+
+    t4 = server_identity(_server_info_0523({}, [{"dtype": "float16"}]), max_batch_size=64)
+    assert (t4.dtype, t4.kv_cache_dtype, t4.attention_backend) == ("float16", "auto", "triton")
+    assert (t4.prefill_attention_backend, t4.decode_attention_backend) == ("triton", "triton")
+    assert (t4.version, t4.device, t4.deterministic, t4.concurrency) == ("0.5.23", "cuda", True, 48)
+    split = _server_info_0523({"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", "attention_backend": "fa3",
+                               "prefill_attention_backend": "fa3", "decode_attention_backend": "flashinfer",
+                               "dp_size": 2}, [{}, {}])
+    h100 = server_identity(split, max_batch_size=64)
+    assert (h100.dtype, h100.kv_cache_dtype) == ("bfloat16", "fp8_e4m3")
+    assert (h100.prefill_attention_backend, h100.decode_attention_backend) == ("fa3", "flashinfer")
+    assert differing_fields(h100, replace(h100, decode_attention_backend="fa3")) == ["decode_attention_backend"]
+    assert differing_fields(h100, replace(h100, kv_cache_dtype="auto")) == ["kv_cache_dtype"]
+    # an identity recorded before these fields (all None) keeps its key
+    assert SGLANG_A.key() == EngineIdentity.from_json({**SGLANG_A.to_json(), "kv_cache_dtype": None}).key()
+    assert SGLANG_A.key() == "sglang-" + hashlib.blake2b(json.dumps(
+        {k: v for k, v in SGLANG_A.to_json().items() if k not in
+         ("concurrency", "kv_cache_dtype", "prefill_attention_backend", "decode_attention_backend")},
+        sort_keys=True, separators=(",", ":")).encode(), digest_size=8).hexdigest()
 
 
 # -- pooling -------------------------------------------------------------------------------------------

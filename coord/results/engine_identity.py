@@ -31,7 +31,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 FIELDS_ORDER = ("kind", "version", "dtype", "quantization", "tp", "dp", "pp", "deterministic",
-                "attention_backend", "device", "concurrency")
+                "attention_backend", "device", "concurrency", "kv_cache_dtype", "prefill_attention_backend",
+                "decode_attention_backend")
+# fields added after results were recorded: left out of the key while None, so an identity that does not
+# report them (hf, fn, a result written before them) keeps the key it had
+LATER_FIELDS = frozenset({"kv_cache_dtype", "prefill_attention_backend", "decode_attention_backend"})
 UNRECORDED = "engine"  # the field name differing_fields reports when one side recorded no identity
 
 
@@ -62,6 +66,12 @@ class EngineIdentity:
     """Where it ran, as it reports it (``cpu``, ``cuda``, ``cuda:NVIDIA H100 80GB HBM3``)."""
     concurrency: int | None = None
     """The most prompts one engine call had in flight together (the batch it ran at; None: unknown)."""
+    kv_cache_dtype: str | None = None
+    """The KV cache's storage dtype (sglang ``--kv-cache-dtype`` as resolved; ``auto``: the model's)."""
+    prefill_attention_backend: str | None = None
+    """The prefill attention kernels (sglang's split field, else ``attention_backend``)."""
+    decode_attention_backend: str | None = None
+    """The decode attention kernels (sglang's split field, else ``attention_backend``)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,8 +85,10 @@ class EngineIdentity:
         return cls(**{k: v for k, v in obj.items() if k in known})
 
     def completion_fields(self) -> dict[str, Any]:
-        """The fields that change a completion: all, less ``concurrency`` in deterministic mode."""
-        out = {name: getattr(self, name) for name in FIELDS_ORDER}
+        """The fields that change a completion: all, less ``concurrency`` in deterministic mode (and
+        :data:`LATER_FIELDS` not reported)."""
+        out = {name: getattr(self, name) for name in FIELDS_ORDER
+               if name not in LATER_FIELDS or getattr(self, name) is not None}
         if self.deterministic:
             out.pop("concurrency")
         return out
@@ -100,7 +112,8 @@ def differing_fields(a: EngineIdentity | None, b: EngineIdentity | None) -> list
     if a.key() == b.key():
         return []
     fa, fb = a.completion_fields(), b.completion_fields()
-    return [name for name in FIELDS_ORDER if name in fa and name in fb and fa[name] != fb[name]]
+    both = [name for name in FIELDS_ORDER if (name in fa and name in fb) or name in LATER_FIELDS]
+    return [name for name in both if fa.get(name) != fb.get(name)]
 
 
 def explain(fields_: list[str], a: EngineIdentity | None, b: EngineIdentity | None) -> str:

@@ -56,20 +56,41 @@ def server_gpus(info: dict[str, Any]) -> int:
     return tp * pp * (1 if info.get("enable_dp_attention") else dp)
 
 
+def resolved_args(info: dict[str, Any]) -> dict[str, Any]:
+    """The server args in effect: ``/server_info``'s top level (0.5.23 ``srt/utils/common.py``
+    ``build_server_info``: ``ServerArgs.resolved_dict()``, the startup resolution) overlaid with what every
+    scheduler's ``internal_states`` entry agrees on (``scheduler_components/internal_state.py``
+    ``get_internal_state``: ``RuntimeContext.resolved_server_args_dict()``, the same plus post-publish
+    overrides, e.g. ``dtype: float16`` from ``load_model_utils.py`` ``maybe_downgrade_dtype_for_legacy_gpu``
+    on a GPU below SM80). A key the states disagree on keeps the top-level value."""
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)] \
+        if isinstance(info.get("internal_states"), list) else []
+    out = dict(info)
+    for name in set().union(*states) if states else ():
+        values = [s.get(name) for s in states]
+        if all(v == values[0] for v in values) and values[0] is not None:
+            out[name] = values[0]
+    return out
+
+
 def server_identity(info: dict[str, Any], max_batch_size: int) -> EngineIdentity:
     """The :class:`~ckpteval.coord.results.engine_identity.EngineIdentity` of an sglang server from its ``/server_info``
-    (0.5.23 ``srt/utils/common.py`` ``build_server_info``: the resolved server args, so ``attention_backend``
-    is what ``--enable-deterministic-inference`` picked, ``srt/arg_groups/overrides.py``
-    ``_deterministic_attention_backend``); ``deterministic`` only when the mode is on and LoRA is not (the
-    mode does not cover LoRA kernels). ``concurrency``: prompts per ``/generate`` this client sends
-    (:func:`~ckpteval.jobs.eval.engines.http.limits.queue_chunk`), at most what the server runs at once."""
+    read through :func:`resolved_args` (so ``attention_backend`` is what ``--enable-deterministic-inference``
+    picked, ``srt/arg_groups/overrides.py`` ``_deterministic_attention_backend``, and ``dtype`` what the
+    scheduler runs at); the prefill and decode backends are the split fields, else ``attention_backend``
+    (``arg_groups/model_override_base.py`` ``attention_backends_of``). ``deterministic`` only when the mode
+    is on and LoRA is not (the mode does not cover LoRA kernels). ``concurrency``: prompts per ``/generate``
+    this client sends (:func:`~ckpteval.jobs.eval.engines.http.limits.queue_chunk`), at most what the server
+    runs at once. Limits: sglang reports ``dtype: auto`` (the model's own, fp32 served as fp16) unless a
+    resolution or override named one; it is recorded so."""
+    args = resolved_args(info)
 
     def size(name: str) -> int:
-        value = info.get(name)
+        value = args.get(name)
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
-    def text(name: str) -> str | None:
-        value = info.get(name)
+    def text(*names: str) -> str | None:
+        value = next((args[n] for n in names if args.get(n) is not None), None)
         return None if value is None else str(value)
 
     chunk = queue_chunk(max_batch_size, info)
@@ -78,7 +99,10 @@ def server_identity(info: dict[str, Any], max_batch_size: int) -> EngineIdentity
         "sglang", version=text("version"), dtype=text("dtype"), quantization=text("quantization"),
         tp=size("tp_size"), dp=size("dp_size"), pp=size("pp_size"),
         # LoRA kernels are outside the mode (srt/lora/backend/): a LoRA completion still depends on its batch
-        deterministic=info.get("enable_deterministic_inference") is True and info.get("enable_lora") is not True,
+        deterministic=args.get("enable_deterministic_inference") is True and args.get("enable_lora") is not True,
         attention_backend=text("attention_backend"), device=text("device"),
         concurrency=chunk if running is None else min(chunk, running),
+        kv_cache_dtype=text("kv_cache_dtype"),
+        prefill_attention_backend=text("prefill_attention_backend", "attention_backend"),
+        decode_attention_backend=text("decode_attention_backend", "attention_backend"),
     )
