@@ -6,8 +6,6 @@ snapshots of the tiny model (its tokenizer cuts the budgets), real results, ``st
 from __future__ import annotations
 
 import json
-import subprocess
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +14,6 @@ from ckpteval.coord.results import censoring
 from ckpteval.coord.results.completions import completions_path, read_completions
 from ckpteval.coord.results.points import derive_point, point_metrics
 from ckpteval.coord.results.scorings import budget_scorings, scoring_results
-from ckpteval.coord.run.manifest import save_manifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.decide.best import main as best_main
 from ckpteval.jobs.decide.compare import main as compare_main
@@ -26,7 +23,7 @@ from ckpteval.jobs.eval.kinds.generate.prompts import snapshot_tokenizer
 from ckpteval.jobs.eval.worker.rescore import main as rescore_main
 from ckpteval.jobs.views.status.main import collect_status
 from tests.support.canned_engine import ScriptedEngine
-from tests.support.workers import PYTHON, finish, make_eval_run, publish_model, results, worker_env
+from tests.support.workers import results, scripted_run
 
 CAP = 40
 # per step: (samples of 4 cut off, finished samples right, reasoning words of a finished sample) for even / odd prompts
@@ -49,21 +46,8 @@ def policy(text: str, engine: ScriptedEngine) -> tuple[str, str] | str:
 
 @pytest.fixture(scope="module")
 def drifting(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
-    tmp = tmp_path_factory.mktemp("drift")
-    run = make_eval_run(tmp, n_prompts=60, shard_size=30, n_samples=4, max_new_tokens=CAP)
-    manifest = run.manifest()
-    spec = replace(manifest.eval.entries[0], temperature=1.0, seed=3, reasoning={"end": "</think>", "start": "<think>"})
-    save_manifest(run.manifest_path, replace(manifest, eval=replace(manifest.eval, entries=(spec,))))
-    for step in PLAN:
-        publish_model(tmp, run.snapshots, step)
-    with ScriptedEngine(policy) as url:
-        proc = subprocess.Popen([PYTHON, "-m", "ckpteval.jobs.cli", "worker", "--run-dir", str(run.path), "--once",
-                                 "--engine", f"http:{url}", "--poll-interval", "0.05"], env=worker_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        code, out = finish(proc, 240)
-    assert code == 0, out
-    return run
-
+    return scripted_run(tmp_path_factory.mktemp("drift"), policy, tuple(PLAN), reasoning={"end": "</think>", "start": "<think>"},
+                        n_prompts=60, shard_size=30, n_samples=4, max_new_tokens=CAP)
 
 def test_each_point_reports_lower_bound_completed_score_and_censored_share(drifting: RunDir) -> None:
     manifest, got = drifting.manifest(), results(drifting)

@@ -376,3 +376,29 @@ def reloading_scorer(completion: str, answer: str) -> float:
         body = {"model_path": RELOAD["snapshot"], "weight_version": "999"}
         httpx.post(f"{RELOAD['url']}/update_weights_from_disk", json=body, timeout=60).raise_for_status()
     return 0.0
+
+
+def scripted_run(tmp: Path, policy: Callable[..., Any], steps: tuple[int, ...], *, reasoning: dict[str, str],
+                 **run: Any) -> RunDir:
+    """A run (:func:`make_eval_run` with ``run``; sampled at temperature 1, seed 3, ``reasoning``) whose ``steps``
+    are real tiny-model snapshots, evaluated by a real worker (``--once --engine http:``) against a
+    :class:`tests.support.canned_engine.ScriptedEngine` replying by ``policy``."""
+    from dataclasses import replace
+
+    from ckpteval.coord.run.manifest import save_manifest
+    from tests.support.canned_engine import ScriptedEngine
+
+    out = make_eval_run(tmp, **run)
+    manifest = out.manifest()
+    spec = replace(manifest.eval.entries[0], temperature=1.0, seed=3, reasoning=reasoning)
+    save_manifest(out.manifest_path, replace(manifest, eval=replace(manifest.eval, entries=(spec,))))
+    for step in steps:
+        publish_model(tmp, out.snapshots, step)
+    with ScriptedEngine(policy) as url:
+        proc = subprocess.Popen([PYTHON, "-m", "ckpteval.jobs.cli", "worker", "--run-dir", str(out.path), "--once",
+                                 "--engine", f"http:{url}", "--poll-interval", "0.05"], env=worker_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        code, log = finish(proc, 240)
+    if code != 0:
+        raise RuntimeError(f"the worker exited {code}:\n{log}")
+    return out
