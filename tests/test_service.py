@@ -119,3 +119,24 @@ def test_discovery_reports_dirs_awaiting_quiescence(tmp_path: Path) -> None:
     assert d.poll() == [] and d.awaiting_quiescence == ["checkpoint-5"]
     now[0] = 10.0
     assert [r.step for r in d.poll()] == [5] and d.awaiting_quiescence == []
+
+
+def test_status_of_a_watch_run_says_what_it_watches_and_when_it_last_saved(tmp_path: Path) -> None:
+    """A --watch run's trainer is another program whose end nothing signals: status says what it knows (the
+    watched dir, the newest save's age), never 'training running' forever."""
+    watch, run_dir = tmp_path / "ckpts", tmp_path / "svc"
+    watch.mkdir()
+    write_foreign_checkpoint(tmp_path, watch / "checkpoint-10", 10)
+    worker = spawn("worker", "--run-dir", str(run_dir), "--watch", str(watch), "--eval-config", str(_eval_config(tmp_path)),
+                   "--engine", "fn:tests.support.workers:SumBackend", "--once", "--quiescence", "0.5",
+                   "--poll-interval", "0.2")
+    code, out = finish(worker, timeout=90)
+    assert code == EXIT_DONE, out
+    code, text = finish(spawn("status", str(run_dir), env={"COLUMNS": "400"}), timeout=60)
+    assert code == 0, text
+    health = text.rstrip().splitlines()[-1]
+    assert health.startswith(f"watching {watch}: last save 0 min ago (its trainer's end is not signalled to "
+                             "ckpteval) | units done 2"), text
+    code, raw = finish(spawn("status", "--json", str(run_dir)), timeout=60)
+    watching = json.loads(raw)["watching"]
+    assert watching["roots"] == [str(watch)] and watching["last_save_at"] <= time.time()

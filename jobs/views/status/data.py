@@ -166,6 +166,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         "harness_metrics": harness_columns(points),
         "snapshots": snapshots,
         "waiting": waiting,
+        "watching": watching(manifest, snapshots, waiting),
         "units": units,
         "points": points,
         "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points, ledger),
@@ -182,6 +183,22 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
             "lost_before_admission": lost_steps(run.lost),
         },
     }
+
+
+def watching(manifest: RunManifest, snapshots: list[dict[str, Any]], waiting: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A ``--watch`` run's (its trainer is another program, ``trainer.kind: external``) watched dirs and when
+    the newest save there was written (its dir's mtime; None: none yet): nothing tells status when that
+    trainer ends, so this is what it knows. None for any other run."""
+    if manifest.trainer.get("kind") != "external":
+        return None
+    times = [w["since"] for w in waiting if w.get("since") is not None]
+    for row in snapshots:
+        try:
+            times.append(Path(row["path"]).stat().st_mtime)
+        except OSError:  # rotated away since it was listed
+            continue
+    return {"roots": [r for r in manifest.trainer.get("foreign_roots", []) if isinstance(r, str)],
+            "last_save_at": max(times, default=None)}
 
 
 def harness_columns(points: list[dict[str, Any]]) -> list[str]:

@@ -288,7 +288,17 @@ def _training_state(status: dict[str, Any]) -> str:
         return f"training done at step {status['training_done']}"
     if stopped:
         return f"training interrupted ({stopped.get('signal', '?')} to {stopped.get('by', '?')})"
+    if (watch := status.get("watching")) is not None:  # another program trains: its end is not signalled here
+        return _watching_state(watch)
     return "training running"
+
+
+def _watching_state(watch: dict[str, Any], now: float | None = None) -> str:
+    """What status knows of a watched trainer: its dirs and how long ago it last saved."""
+    last = watch.get("last_save_at")
+    ago = "no save yet" if last is None else \
+        f"last save {max(0.0, (time.time() if now is None else now) - last) / 60:.0f} min ago"
+    return f"watching {', '.join(watch['roots'])}: {ago} (its trainer's end is not signalled to ckpteval)"
 
 
 def health_line(status: dict[str, Any]) -> str:
