@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
 from ckpteval.coord.work.units import WorkUnit
+from ckpteval.jobs.eval.engines.base import SamplingParams
 from ckpteval.jobs.eval.engines.hf.engine import HFEngine
 from ckpteval.jobs.eval.engines.http.engine import HTTPEngine
 from ckpteval.jobs.eval.engines.sglang.engine import SGLangEngine
@@ -240,3 +241,80 @@ def test_ids_are_compared_modulo_sglangs_clip_of_the_last_vocabulary_id(served: 
     assert compare({"probes": [probe]}, [got]).max_abs_logprob_diff == float("inf")  # no vocab_size stored
     wrong = got | {"ids": [1, 6, 0, 7]}
     assert compare({"probes": [probe], "vocab_size": vocab}, [wrong]).max_abs_logprob_diff == float("inf")
+
+
+def _canary_pairs(run: Any) -> list[tuple[str, str]]:  # noqa: ANN401
+    return probe_rows(load_dataset(run, run.manifest().eval.entries[0]))
+
+
+def test_the_canary_fits_the_servers_queue(served: tuple[Any, str, EngineService]) -> None:
+    """The stand-in sheds a request whose prompts exceed ``--max-queued-requests`` (503 'The request queue is
+    full.', as sglang 0.5.23): with 4 queued prompts allowed, the canary's 8 texts go 2 per request (half the
+    queue, :func:`queue_chunk`), none is shed, and the records equal one unlimited request's. Before: one
+    request of 8 texts, shed on every retry (``overloaded``)."""
+    run, url, service = served
+    pairs = _canary_pairs(run)
+    assert len(pairs) == 4
+    with HTTPEngine(url) as engine:
+        whole = engine.teacher_forced(pairs)
+    service.max_queued = 4
+    with HTTPEngine(url, busy_retries=1, busy_retry_delay=0.01) as engine:
+        assert engine.teacher_forced(pairs) == whole
+    assert service.shed == 0
+
+
+def test_a_waiting_timeout_halves_the_canarys_and_a_generates_chunk(served: tuple[Any, str, EngineService]) -> None:
+    """A real HTTP server in front of the stand-in answers a ``/generate`` of more than 2 texts as sglang
+    0.5.23 does when they waited past ``SGLANG_REQ_WAITING_TIMEOUT`` (503 'Request waiting timeout
+    reached.', scheduler.py ``_poll_timeout_aborts``): the canary and a generate halve their requests until
+    they pass, and get what an unrefused request gets. Before: ``ServerBusy`` on the first request."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    run, url, _ = served
+    sizes: list[int] = []
+
+    class Front(BaseHTTPRequestHandler):
+        def _forward(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            texts = json.loads(body).get("text") if body and self.path == "/generate" else None
+            if isinstance(texts, list):
+                sizes.append(len(texts))
+            if isinstance(texts, list) and len(texts) > 2:
+                status, payload = 503, json.dumps({"object": "error", "message": "Request waiting timeout reached.",
+                                                   "type": "Service Unavailable", "code": 503}).encode()
+            else:
+                reply = httpx.request(method, url + self.path, content=body or None, timeout=60)
+                status, payload = reply.status_code, reply.content
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._forward("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._forward("POST")
+
+        def log_message(self, *args: Any) -> None:  # noqa: ANN401
+            pass
+
+    front = ThreadingHTTPServer(("127.0.0.1", 0), Front)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    pairs = _canary_pairs(run)
+    prompts = [p for p, _ in pairs]
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0)
+    try:
+        with HTTPEngine(url) as direct:
+            want, want_generated = direct.teacher_forced(pairs), direct.generate(prompts, greedy)
+        with HTTPEngine(f"http://127.0.0.1:{front.server_address[1]}", busy_retries=1,
+                        busy_retry_delay=0.01) as engine:
+            assert engine.teacher_forced(pairs) == want
+            assert sizes == [8, 8, 4, 4, 2, 2, 2, 2]  # each refusal tried twice (busy_retries=1), then halved
+            sizes.clear()
+            assert [s.text for s in engine.generate(prompts, greedy)] == [s.text for s in want_generated]
+            assert sizes == [4, 4, 2, 2]
+    finally:
+        front.shutdown()
+        front.server_close()

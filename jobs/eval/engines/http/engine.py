@@ -272,14 +272,15 @@ class HTTPEngine:
         """The canary's recomputation (:mod:`ckpteval.jobs.eval.proof.canary`) by the server, with the tokenizer it
         generates with: one ``/generate`` of input-token log-probs (:mod:`~ckpteval.jobs.eval.engines.sglang.logprobs`),
         handled like a generate: a busy 503 is retried (:func:`send_retrying_busy`, never a restart), aborted
-        items are resent (``abort_retries``, then :class:`SamplesAborted`)."""
-        self.server_info()
+        items are resent (``abort_retries``, then :class:`SamplesAborted`); the texts go in requests that fit
+        the server's queue (:func:`queue_chunk`), halved on a persistent queue-full or waiting timeout."""
+        chunk = queue_chunk(self._max_batch_size, self.server_info())
 
         def post(body: dict[str, Any]) -> httpx.Response:
             return send_retrying_busy(lambda: self._request("POST", "/generate", json=body), self._busy_retries,
                                       self._busy_retry_delay, "POST /generate (canary log-probs)")
 
-        return server_teacher_forced(post, pairs, self._abort_retries, self._abort_retry_delay)
+        return server_teacher_forced(post, pairs, chunk, self._abort_retries, self._abort_retry_delay)
 
     def lm_eval_model(self, snapshot_dir: str) -> tuple[str, str]:
         """``(model, tokenizer)`` lm-eval's ``local-completions`` names: the snapshot (loaded in place) for

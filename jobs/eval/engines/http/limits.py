@@ -3,7 +3,7 @@
 Owns, as sglang 0.5.23 answers: a 503 with a message is busy, retried with backoff, then :class:`ServerBusy`
 (skip ``overloaded``); the derived timeout per wave of new tokens (:func:`generate_timeout`), or a dataset's
 ``generate_timeout_s`` (:class:`GenerateTimedOut`); a batch sized to the server's queue and halved on a
-persistent queue-full (:func:`queue_chunk`, :class:`BatchTooLarge`); a running timeout is not retried
+persistent queue-full or waiting timeout (:func:`queue_chunk`, :class:`BatchTooLarge`); a running timeout is not retried
 (:class:`RunningTimedOut`). Limits: backoff sleeps in the calling thread. See docs/USER_GUIDE.md "sglang: what the
 worker relies on" and "Skip reasons and what to do".
 """
@@ -28,6 +28,7 @@ BUSY_MESSAGES = (
     "Retracted under decode memory pressure without a KV backup. Retry later.",  # schedule_batch.py
 )
 QUEUE_FULL = BUSY_MESSAGES[0]
+WAITING_TIMEOUT = BUSY_MESSAGES[1]
 RUNNING_TIMEOUT = BUSY_MESSAGES[2]
 RETRACTED = BUSY_MESSAGES[3]
 QUEUE_MARGIN = 0.5  # of --max-queued-requests a client fills with one /generate (others share the queue)
@@ -43,8 +44,9 @@ class ServerBusy(EngineError):
 
 
 class BatchTooLarge(ServerBusy):
-    """The busy answer was sglang's full waiting queue or a retraction under KV pressure: a smaller batch
-    may pass (the caller shrinks it)."""
+    """The busy answer was sglang's full waiting queue, its waiting timeout (``SGLANG_REQ_WAITING_TIMEOUT``:
+    the batch's last prompts waited behind its first) or a retraction under KV pressure: a smaller batch
+    may pass (the caller halves it)."""
 
 
 class GenerateTimedOut(EngineError):
@@ -137,7 +139,7 @@ def send_retrying_busy(
                                   "SGLANG_REQ_RUNNING_TIMEOUT; it would again (not retried, not restarted)")
         if attempt < retries:
             time.sleep(delay * 2**attempt)
-    error = BatchTooLarge if message in (QUEUE_FULL, RETRACTED) else ServerBusy
+    error = BatchTooLarge if message in (QUEUE_FULL, WAITING_TIMEOUT, RETRACTED) else ServerBusy
     raise error(f"{what}: HTTP 503 {message!r} on {retries + 1} tries: the server is overloaded (not restarted)")
 
 

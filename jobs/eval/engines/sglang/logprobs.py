@@ -1,7 +1,7 @@
 """The canary over sglang's ``/generate``: teacher-forced input-token log-probs, tokenized by the server.
 
-Owns the request (:func:`teacher_forced_request`) and the reading of its reply into per-probe records. Limits:
-one request per probe; a reply that lacks or garbles a field raises
+Owns the request (:func:`teacher_forced_request`), its split into requests that fit the server's queue, and
+the reading of the replies into per-probe records. Limits: a reply that lacks or garbles a field raises
 :class:`~ckpteval.jobs.eval.engines.base.EngineError`. See docs/PROTOCOL.md §4 "Canary".
 """
 
@@ -14,19 +14,39 @@ from typing import Any
 import httpx
 
 from ckpteval.jobs.eval.engines.base import EngineError, RequestRejected, SamplesAborted
-from ckpteval.jobs.eval.engines.http.limits import error_message
+from ckpteval.jobs.eval.engines.http.limits import BatchTooLarge, error_message
 from ckpteval.jobs.eval.proof.logprobs import probe_result
 
+Post = Callable[[dict[str, Any]], httpx.Response]
 
-def server_teacher_forced(post: Callable[[dict[str, Any]], httpx.Response], pairs: list[tuple[str, str]],
+
+def server_teacher_forced(post: Post, pairs: list[tuple[str, str]], chunk: int,
                           abort_retries: int = 2, abort_retry_delay: float = 1.0) -> list[dict[str, Any]]:
-    """The canary's records from the server: ``post`` (a ``POST /generate`` of a JSON body, which handles
-    busy 503s) of :func:`teacher_forced_request`, read by :func:`parse_teacher_forced`. A reply with an
-    aborted item (``finish_reason.type == "abort"``: ``/abort_request``, a pause, a weight update) is sent
-    again, ``abort_retries`` times, then :class:`SamplesAborted` (not a restart, as for a generate).
-    :class:`RequestRejected` when the server refuses it (a 4xx: it cannot score prompts; the canary is then
-    absent), else :class:`EngineError`."""
-    body = teacher_forced_request(pairs)
+    """The canary's records from the server: the texts of :func:`teacher_forced_request` sent ``chunk`` at a
+    time (the server's :func:`~ckpteval.jobs.eval.engines.http.limits.queue_chunk`) with ``post`` (a ``POST
+    /generate`` of a JSON body, which retries busy 503s), halved when a request is still refused as too
+    large (:class:`BatchTooLarge`: a full queue, a waiting timeout; finished chunks are kept), read by
+    :func:`parse_teacher_forced`. Aborted items are resent (:func:`_scored_chunk`). :class:`RequestRejected`
+    when the server refuses to score (a 4xx: the canary is then absent), else :class:`EngineError`."""
+    texts = teacher_forced_request(pairs)["text"]
+    reply: list[Any] = []
+    size = max(1, chunk)
+    while len(reply) < len(texts):
+        part = texts[len(reply) : len(reply) + size]
+        try:
+            reply += _scored_chunk(post, part, abort_retries, abort_retry_delay)
+        except BatchTooLarge:
+            if len(part) == 1:
+                raise
+            size = len(part) // 2
+    return parse_teacher_forced(pairs, reply)
+
+
+def _scored_chunk(post: Post, texts: list[str], abort_retries: int, abort_retry_delay: float) -> list[Any]:
+    """The reply items for ``texts``; a reply with an aborted item (``finish_reason.type == "abort"``:
+    ``/abort_request``, a pause, a weight update) is sent again, ``abort_retries`` times, then
+    :class:`SamplesAborted` (not a restart, as for a generate)."""
+    body = {**teacher_forced_request([]), "text": texts}
     message = ""
     for attempt in range(abort_retries + 1):
         if attempt:
@@ -41,7 +61,9 @@ def server_teacher_forced(post: Callable[[dict[str, Any]], httpx.Response], pair
             raise EngineError(f"POST /generate (canary log-probs): reply is not JSON: {response.text[:200]}") from e
         message = _abort_message(reply)
         if message is None:
-            return parse_teacher_forced(pairs, reply)
+            if not isinstance(reply, list) or len(reply) != len(texts):
+                raise EngineError(f"/generate returned {str(reply)[:200]} for {len(texts)} canary texts")
+            return reply
     raise SamplesAborted(f"the canary's /generate came back aborted {abort_retries + 1} times (last: {message!r}); "
                          "not compared")
 
