@@ -75,12 +75,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(model_max_length: int = 64, chat: bool = False) -> PreTrainedTokenizerFast:
+def tokenizer_vocab(extra_chars: str = "") -> dict[str, int]:
+    """:data:`VOCAB`, then each character of ``extra_chars`` it lacks (ids from ``len(VOCAB)`` on)."""
+    vocab = dict(VOCAB)
+    for c in extra_chars:
+        vocab.setdefault(c, len(vocab))
+    return vocab
+
+
+def build_tokenizer(model_max_length: int = 64, chat: bool = False, extra_chars: str = "") -> PreTrainedTokenizerFast:
     """The character-level tokenizer: one token per character, ``<bos>`` prepended on encode.
 
-    ``chat``: with :data:`CHAT_TEMPLATE` as its chat template (default: none).
+    ``chat``: with :data:`CHAT_TEMPLATE` as its chat template (default: none). ``extra_chars``: more
+    characters (:func:`tokenizer_vocab`; e.g. a judge model that must write JSON), the model's vocab to match.
     """
-    core = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token=UNK))
+    core = Tokenizer(models.WordLevel(vocab=tokenizer_vocab(extra_chars), unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char
     core.decoder = decoders.Fuse()  # join characters back without separators
     core.post_processor = processors.TemplateProcessing(
@@ -102,10 +111,10 @@ def build_tokenizer(model_max_length: int = 64, chat: bool = False) -> PreTraine
     return tokenizer
 
 
-def save_tokenizer(path: str | Path, model_max_length: int = 64, chat: bool = False) -> None:
+def save_tokenizer(path: str | Path, model_max_length: int = 64, chat: bool = False, extra_chars: str = "") -> None:
     """Write the tokenizer files into ``path`` (created if missing); ``chat``: with a chat template."""
     path = Path(path)
-    build_tokenizer(model_max_length, chat).save_pretrained(path)
+    build_tokenizer(model_max_length, chat, extra_chars).save_pretrained(path)
     # transformers 5 records its own backend class name; 4.x (what sglang runs on) knows this one.
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())

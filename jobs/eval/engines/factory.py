@@ -69,7 +69,8 @@ ENGINES: Registry[EngineKind] = Registry(
                         lora="ckpteval.jobs.eval.engines.sglang.lora:HTTPLoRAEngine", lora_takes_base=False)),
     ("sglang", EngineKind("ckpteval.jobs.eval.engines.sglang.engine:SGLangEngine", device=True,
                           lora="ckpteval.jobs.eval.engines.sglang.lora:SGLangLoRAEngine", deterministic_mode=True)),
-    ("vllm", EngineKind("ckpteval.jobs.eval.engines.vllm.engine:VLLMEngine", arg="URL", arg_optional=True)),
+    ("vllm", EngineKind("ckpteval.jobs.eval.engines.vllm.engine:VLLMEngine", arg="URL", arg_optional=True,
+                        lora="ckpteval.jobs.eval.engines.vllm.lora:VLLMLoRAEngine")),
     ("fn", EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True)),
     unknown="unknown kind {name!r} ({hint}known: {known} or " + AUTO + ")",
 )

@@ -67,6 +67,7 @@ class VLLMEngine:
     """vLLM behind the Engine protocol; launches its own server unless given ``url`` (module doc)."""
 
     canary_kind = "vllm"
+    reloads_base = True  # each snapshot is a reload of the served model (so on CPU: stale in place)
 
     def __init__(
         self,
@@ -179,7 +180,7 @@ class VLLMEngine:
             elif response.status_code != 404:
                 raise EngineError(f"GET /server_info: {error_message(response)}")
             why = refusal(response.status_code, body if isinstance(body, dict) else None)
-            if why is None and self._launch is None and isinstance(body, dict):
+            if why is None and self._launch is None and self.reloads_base and isinstance(body, dict):
                 stale = reload_in_place(body)
                 why = None if stale is None else (f"cannot attach: {stale}; an attached server is never "
                                                   "restarted, so launch one instead (--engine vllm)")
