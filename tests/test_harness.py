@@ -31,7 +31,8 @@ TASKS = ("ckpteval_addition_gen", "ckpteval_addition_mc")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def harness_run(tmp: Path, **fields: object) -> RunDir:
+def harness_run(tmp: Path, generate: bool = True, **fields: object) -> RunDir:
+    """A run with the lm-eval entry ``harness`` (``generate``: and the built-in addition set before it)."""
     from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 
     run = RunDir.create(tmp / "run")
@@ -40,7 +41,7 @@ def harness_run(tmp: Path, **fields: object) -> RunDir:
                           batch_size=4, **fields)  # type: ignore[arg-type]
     manifest = RunManifest(
         run_id="harness-run",
-        eval=EvalSpec(entries=(spec, harness)),
+        eval=EvalSpec(entries=(spec, harness) if generate else (harness,)),
         snapshot_roots=(str(run.snapshots),),
         lease=LeaseSettings(30.0, 5.0),
     )
@@ -97,7 +98,7 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
         assert r.scorer["name"] == "lm_eval" and r.scorer["lm_eval"] != "unknown", r.scorer  # what scored it
         assert r.scorer["chat_template_kwargs"] == {} and r.scorer["apply_chat_template"] is False
     gen, mc = got[WorkUnit(5, "harness", 0)].metrics, got[WorkUnit(5, "harness", 1)].metrics
-    assert set(gen) == {"exact_match"} and 0.0 <= gen["exact_match"] <= 1.0
+    assert set(gen) == {"exact_match", "n"} and 0.0 <= gen["exact_match"] <= 1.0 and gen["n"] == 8.0
     assert "acc" in mc and mc["acc"] in {i / 8 for i in range(9)}  # 8 docs in the shipped JSONL
     point = derive_point(run.manifest(), 5, got)
     assert point.complete
@@ -111,6 +112,31 @@ def test_an_lm_eval_task_runs_end_to_end_offline_through_a_worker_on_the_pinned_
     assert status["harness_metrics"] == ["ckpteval_addition_gen/exact_match", "ckpteval_addition_mc/acc"]
     assert "ckpteval_addition_mc/acc" in [c.header for c in points_table(status).columns]
     assert plot_series(status)["series"]["ckpteval_addition_mc/acc"] == ([5], [mc["acc"]])
+
+
+def test_status_shows_lm_eval_tasks_where_generate_sets_are_with_stderr_n_and_their_pin_proof(tmp_path: Path) -> None:
+    """A run of lm-eval tasks only: ``status --json`` puts each task in ``points[].datasets`` (no second place),
+    with its score, stderr, n and the versions read back around it; the text view's pin proof shows them."""
+    run = harness_run(tmp_path, generate=False, bootstrap_iters=100)  # > 0: lm-eval computes stderrs (mean: closed form)
+    publish_model(tmp_path, run.snapshots, 5)
+    code, out = finish(spawn("worker", "--run-dir", str(run.path), "--once", "--poll-interval", "0.2", env=OFFLINE),
+                       timeout=300)
+    assert code == 0, out
+    mc = results(run)[WorkUnit(5, "harness", 1)].metrics
+    code, raw = finish(spawn("status", "--json", str(run.path)), timeout=60)
+    (point,) = json.loads(raw)["points"]
+    assert "metrics" not in point
+    task = point["datasets"]["ckpteval_addition_mc"]
+    assert task["kind"] == "lm_eval" and task["metric"] == "acc" and task["score"] == mc["acc"]
+    assert task["stderr"] == mc["acc_stderr"] and task["n"] == 8
+    assert task["weight_version_mean"] == 5.0 and task["mixed_version_ratio"] == 0.0
+    assert point["datasets"]["ckpteval_addition_gen"]["n"] == 8
+    code, text = finish(spawn("status", str(run.path), env={"COLUMNS": "400"}), timeout=60)
+    header, row = next(([c.strip() for c in lines[i].split("┃")[1:-1]], [c.strip() for c in lines[i + 2].split("│")[1:-1]])
+                       for lines in [text.splitlines()] for i in range(len(lines)) if "wv/mean" in lines[i])
+    cells = dict(zip(header, row, strict=True))
+    assert cells["wv/mean"] == "5.0" and cells["mixed"] == "0.00", text
+    assert cells["ckpteval_addition_mc/acc"] == f"{mc['acc']:.3f}±{mc['acc_stderr']:.3f}", text
 
 
 def test_harness_metrics_are_lm_evals_own_numbers_for_the_same_model(tmp_path: Path,
@@ -234,7 +260,7 @@ def test_the_shipped_lm_eval_example_runs_on_the_demo_model(tmp_path: Path) -> N
                              env=OFFLINE), timeout=300)
     assert code == 0, out
     (r,) = results(run).values()
-    assert r.ok and set(r.metrics) == {"exact_match"}, (r.skip_reason, r.message)
+    assert r.ok and set(r.metrics) == {"exact_match", "n"}, (r.skip_reason, r.message)
 
 
 def test_chat_template_kwargs_reach_lm_evals_chat_rendering_on_both_adapters(tmp_path: Path) -> None:

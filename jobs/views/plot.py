@@ -42,6 +42,8 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
         if not p["complete"]:
             continue
         for ds, d in p["datasets"].items():
+            if d.get("kind") == "lm_eval":  # its metrics: the "<task>/<metric>" series below
+                continue
             series[ds][0].append(p["step"])
             series[ds][1].append(d["score"])
             se = d.get("stderr")
@@ -58,9 +60,10 @@ def plot_series(status: dict[str, Any]) -> dict[str, Any]:
                 steps.append(p["step"])
                 values.append(d["extras"][key])
         for name in status.get("harness_metrics", []):  # lm-eval tasks: "<task>/<metric>"
-            if name in p["metrics"]:
+            task, _, metric = name.partition("/")
+            if metric in (m := p["datasets"].get(task, {}).get("metrics", {})):
                 series[name][0].append(p["step"])
-                series[name][1].append(p["metrics"][name])
+                series[name][1].append(m[metric])
         if p["skips"]:
             skipped.append((p["step"], ",".join(sorted(p["skips"]))))
         if p["lag_steps"] is not None:

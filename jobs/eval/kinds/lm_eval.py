@@ -78,8 +78,11 @@ def metric_name(key: str) -> str | None:
 
 
 def flatten_metrics(task_results: dict[str, Any]) -> dict[str, float]:
-    """One task's ``results[task]`` block as ``{metric name: float}``; non-numbers and non-finite ones are dropped."""
+    """One task's ``results[task]`` block as ``{metric name: float}``; non-numbers and non-finite ones are dropped.
+    ``n``: the documents the task scored (lm-eval's ``sample_len``), where it says."""
     out: dict[str, float] = {}
+    if isinstance(n := task_results.get("sample_len"), int) and not isinstance(n, bool):
+        out["n"] = float(n)
     for key, value in task_results.items():
         name = metric_name(key)
         if name is None or isinstance(value, bool) or not isinstance(value, int | float):
@@ -181,7 +184,7 @@ def evaluate_task(lm: Any, run: RunDir, spec: LmEvalEntry, task: str) -> dict[st
     if out is None or task not in out.get("results", {}):
         raise RuntimeError(f"lm-eval returned no results for task {task!r}")
     metrics = flatten_metrics(out["results"][task])
-    if not metrics:
+    if not set(metrics) - {"n"}:
         raise RuntimeError(f"lm-eval task {task!r} produced no numeric metric: {out['results'][task]}")
     return metrics
 

@@ -157,7 +157,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         if os.path.isdir(root):
             st = os.statvfs(root)
             free[root] = st.f_bavail * st.f_frsize
-    return {
+    status = {
         "run_id": manifest.run_id, "run_dir": str(run.path), "scoring": scoring,  # scoring: None: as generated
         "training_done": run.training_done(),
         "interrupted": run.interrupted(),
@@ -183,6 +183,9 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
             "lost_before_admission": lost_steps(run.lost),
         },
     }
+    for p in points:  # last: the readers above take the point as derived
+        p["datasets"].update(harness_scores(p.pop("metrics")))
+    return status
 
 
 def watching(manifest: RunManifest, snapshots: list[dict[str, Any]], waiting: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -202,8 +205,40 @@ def watching(manifest: RunManifest, snapshots: list[dict[str, Any]], waiting: li
 
 
 def harness_columns(points: list[dict[str, Any]]) -> list[str]:
-    """The lm-eval metrics (``"<task>/<metric>"``) any point carries, pin evidence left out."""
-    return sorted({k for p in points for k in p["metrics"] if "/weight_version/" not in k})
+    """The lm-eval metrics (``"<task>/<metric>"``) any point carries, pin evidence, stderrs and ``n`` left out."""
+    return sorted({k for p in points for k in p["metrics"] if "/weight_version/" not in k
+                   and not k.endswith("/n") and "_stderr" not in k})
+
+
+def stderr_name(metric: str) -> str:
+    """lm-eval's name for a metric's standard error: ``acc`` -> ``acc_stderr``, ``exact_match/flex`` ->
+    ``exact_match_stderr/flex`` (the filter stays last)."""
+    name, sep, filt = metric.partition("/")
+    return f"{name}_stderr{sep}{filt}"
+
+
+def harness_scores(flat: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """A point's lm-eval metrics (``"<task>/<metric>"``) as per-task entries shaped as a generate set's in
+    ``points[].datasets``: ``score`` (the task's first metric, named in ``metric``), its ``stderr``, ``n`` (the
+    documents scored; None where not recorded), the pin proof (``weight_version_mean``,
+    ``mixed_version_ratio``: the versions read back before and after the task) and every ``metrics``."""
+    tasks: dict[str, dict[str, float]] = {}
+    for key, value in flat.items():
+        task, _, name = key.partition("/")
+        tasks.setdefault(task, {})[name] = value
+    out = {}
+    for task, m in tasks.items():
+        names = [k for k in m if not k.startswith("weight_version/") and k != "n" and "_stderr" not in k]
+        first = names[0] if names else None
+        out[task] = {
+            "kind": "lm_eval", "metric": first, "score": m.get(first) if first else None,
+            "stderr": m.get(stderr_name(first)) if first else None,
+            "n": int(m["n"]) if "n" in m else None,
+            "weight_version_mean": m.get("weight_version/mean"),
+            "mixed_version_ratio": m.get("weight_version/mixed_version_ratio"),
+            "metrics": {k: v for k, v in m.items() if not k.startswith("weight_version/") and k != "n"},
+        }
+    return out
 
 
 def finite(obj: Any) -> Any:

@@ -23,6 +23,7 @@ from rich.cells import cell_len
 from ckpteval.coord.results.scorings import scoring_label
 from ckpteval.jobs.flags import wrap
 from ckpteval.jobs.views.noise import noise_lines
+from ckpteval.jobs.views.status.data import stderr_name
 from ckpteval.jobs.views.tables import PlainTable
 
 NOT_POOLED = "not pooled: scorers differ"
@@ -157,13 +158,22 @@ def points_table(status: dict[str, Any], datasets: list[str] | None = None, harn
                     cells.append(_length_cell(d))
                 if ds in cut:
                     cells.append(_censored_cell(d))
-        cells += [_fmt(p["metrics"].get(name)) for name in harness]
+        cells += [_harness_cell(p, name) for name in harness]
         if pins:
             cells += _pin_cells(list(p["datasets"].values()))
             skips = ", ".join(f"{k}×{v}" for k, v in p["skips"].items()) or "-"
             cells += [_fmt(p["lag_steps"], 0), f"{p['units_done']}/{p['units_total']}", skips]
         table.add_row(*cells)
     return table
+
+
+def _harness_cell(point: dict[str, Any], name: str) -> str:
+    """An lm-eval metric ``"<task>/<metric>"`` of a point, ± its stderr where lm-eval gave one."""
+    task, _, metric = name.partition("/")
+    m = point["datasets"].get(task, {}).get("metrics", {})
+    if metric not in m:
+        return "-"
+    return _score_cell({"score": m[metric], "stderr": m.get(stderr_name(metric))})
 
 
 def _unpooled_cell(point: dict[str, Any], ds: str) -> str:
