@@ -199,20 +199,25 @@ def test_concurrent_writers_of_one_key_leave_one_whole_entry(tmp_path: Path) -> 
     assert [p.name for p in store.path(key).parent.iterdir()] == [store.path(key).name]  # no temp file left
 
 
+@pytest.mark.parametrize("digest", ["kept", "dropped"])
 def test_an_entry_whose_text_was_edited_is_a_logged_miss_never_a_hit(
-        filled: tuple[RunDir, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        filled: tuple[RunDir, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], digest: str) -> None:
     """An entry's text edited in place (its key and everything else as written) fails the sha256 written with
-    it (#37): a miss naming the entry, regenerated, never served as a hit."""
+    it, and an edit that also drops the sha256 fails for lacking one (#37): a miss naming the entry,
+    regenerated, never served as a hit."""
     a, filled_store = filled
     store = shutil.copytree(filled_store, tmp_path / "store")
     entry = sorted(store.rglob("*.completions.json.gz"))[0]
     body = json.loads(gzip.decompress(entry.read_bytes()))
     body["text"] = ["999" for _ in body["text"]]
+    if digest == "dropped":
+        del body["sha256"]
     entry.write_bytes(gzip.compress(json.dumps(body).encode()))
     b = _run(tmp_path, "b")
     assert _work(b, store) == EXIT_DONE
     err = capsys.readouterr().err
-    assert str(entry) in err and "does not match the sha256 written with it" in err
+    said = "does not match the sha256 written with it" if digest == "kept" else "no sha256 written with its text"
+    assert str(entry) in err and said in err
     got, expected = results(b), results(a)
     assert sum(r.cost.get("store_misses", 0) for r in got.values()) == 1
     assert all(r.scores == expected[unit].scores for unit, r in got.items())

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ckpteval.coord.results.completions import completions_path, encode, read_completions, rows_digest
+from ckpteval.coord.results.completions import (
+    PER_SAMPLE,
+    completions_path,
+    content_digest,
+    read_completions,
+    rows_digest,
+)
 from ckpteval.coord.results.files import ResultIndex
 from ckpteval.coord.results.scorings import scoring_results
 from ckpteval.coord.run.rundir import RunDir
@@ -100,9 +106,9 @@ def test_kept_text_edited_after_scoring_is_refused_naming_the_file(run: RunDir, 
     path.write_bytes(gzip.compress(json.dumps(body).encode()))
     with pytest.raises(ValueError, match=f"{path}: its text does not match the sha256 written with it"):
         read_completions(path)
-    del body["sha256"]
-    path.write_bytes(gzip.compress(json.dumps(body).encode()))
-    path.write_bytes(encode(read_completions(path)))  # rewritten whole: the file agrees with itself again
+    body["sha256"] = content_digest({k: body[k] for k in ("unit", "rows_sha256", "prompts", *PER_SAMPLE)})
+    path.write_bytes(gzip.compress(json.dumps(body).encode()))  # rewritten whole: the file agrees with itself
+    read_completions(path)
     assert rescore_main([str(run.path), "--name", "x"]) == 0
     err = capsys.readouterr().err
     assert f"{path}: its text does not match the completions_sha256 its result recorded" in err

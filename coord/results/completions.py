@@ -149,7 +149,9 @@ def decode(data: bytes, source: Path) -> Completions:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{source}: malformed kept completions ({type(e).__name__}: {e})") from None
-    if "sha256" in obj and obj["sha256"] != content_digest(record):  # absent: written before the digest
+    if "sha256" not in obj:  # every writer writes it: a file without one was edited (or is no ckpteval file)
+        raise ValueError(f"{source}: no sha256 written with its text (edited, or not written by ckpteval)")
+    if obj["sha256"] != content_digest(record):
         raise ValueError(f"{source}: its text does not match the sha256 written with it (edited or damaged)")
     return record
 

@@ -255,7 +255,7 @@ class Rescorer:
         if kept.unit != unit or kept.lease_token != original.lease_token:
             raise Unscorable(f"{path}: belongs to another result (unit {kept.unit.id}, lease token "
                              f"{kept.lease_token} vs the result's {original.lease_token})")
-        if original.completions_sha256 is not None and content_digest(kept) != original.completions_sha256:
+        if content_digest(kept) != original.completions_sha256:  # None: a result that bound no kept text
             raise Unscorable(f"{path}: its text does not match the completions_sha256 its result recorded "
                              "(rewritten after it was scored); not re-scored")
         if len(kept.text) != len(original.scores) or tuple(kept.weight_version) != tuple(original.weight_versions):
