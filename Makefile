@@ -51,8 +51,10 @@ lint: setup
 	$(BIN)/ruff check coord jobs tests bench
 
 # The embedded default: reference trainer + an eval fleet of 2 workers on CPU. make demo ARGS="--help"
-demo: setup
-	$(BIN)/ckpteval demo $(ARGS)
+# ENGINE=vllm: the fleet on a real vLLM server (vllm-setup first; only on this path).
+ENGINE ?= hf
+demo: setup $(if $(filter vllm,$(ENGINE)),vllm-setup)
+	CKPTEVAL_VLLM_PYTHON=$${CKPTEVAL_VLLM_PYTHON:-$(abspath $(VLLM_VENV))/bin/python} $(BIN)/ckpteval demo --engine $(ENGINE) $(ARGS)
 
 bench: setup
 	command -v strace >/dev/null || (apt-get update -qq && apt-get install -y -qq strace >/dev/null)

