@@ -235,3 +235,26 @@ def test_rescore_applies_a_reasoning_strip_to_the_kept_text(run: RunDir, capsys:
     capsys.readouterr()
     assert rescore_main([str(run.path), "--reasoning", '{"end": "tokenizer"}']) == 2
     assert "needs the snapshot's tokenizer" in capsys.readouterr().err
+
+
+def test_rescore_counts_reasoning_tokens_and_can_score_without_a_strip(run: RunDir) -> None:
+    """#37 (lows): a re-scoring counts reasoning tokens with the snapshot's tokenizer, as the worker does (it
+    dropped them); ``--reasoning none`` scores the whole text, the dataset's own strip off."""
+    from dataclasses import replace
+
+    from ckpteval.jobs.eval.worker.rescore import Rescoring
+
+    original = results(run)
+    assert rescore_main([str(run.path), "--reasoning", '{"end": "</think>"}', "--name", "forced"]) == 0
+    forced = ResultIndex(run.path / "scorings" / "forced" / "results").refresh()
+    for unit, r in original.items():  # forced reasoning never ended: every token of every sample is reasoning
+        assert forced[unit].extras["reasoning_tokens"] == pytest.approx(r.extras["completion_tokens"])
+    assert rescore_main([str(run.path), "--reasoning", "none", "--name", "plain"]) == 0
+    plain = ResultIndex(run.path / "scorings" / "plain" / "results").refresh()
+    assert all(plain[unit].scores == r.scores for unit, r in original.items())
+    spec = run.manifest().entry(next(iter(original)).dataset)
+    thinking = replace(spec, reasoning={"end": "</think>"})
+    assert Rescoring(None, None, no_reasoning=True).spec(thinking).reasoning is None
+    assert Rescoring(None, None).spec(thinking).reasoning == thinking.reasoning
+    with pytest.raises(ValueError, match="none, or a strip, not both"):
+        Rescoring(None, None, {"end": "</think>"}, no_reasoning=True)

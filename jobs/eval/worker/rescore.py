@@ -68,21 +68,25 @@ PROG = "ckpteval rescore"
 class Rescoring:
     """What a scoring applies: a scorer (None: each dataset's own), its options (None: the dataset's own) and a
     reasoning strip (None: the dataset's own; :mod:`ckpteval.jobs.eval.kinds.generate.reasoning`, with a named delimiter — the
-    snapshot tokenizer of ``"end": "tokenizer"`` is not at hand here)."""
+    snapshot tokenizer of ``"end": "tokenizer"`` is not at hand here; ``no_reasoning``: no strip at all)."""
 
     scorer: str | None
     scorer_options: dict[str, Any] | None
     reasoning: dict[str, Any] | None = None
     budget: int | None = None  # cut every kept completion at this many tokens first (jobs.eval.kinds.generate.budget)
+    no_reasoning: bool = False  # --reasoning none: score the whole text, the dataset's strip off
 
     def __post_init__(self) -> None:
         check_reasoning(self.reasoning)
+        if self.no_reasoning and self.reasoning is not None:
+            raise ValueError("--reasoning: none, or a strip, not both")
         if self.reasoning is not None and self.reasoning.get("end") == TOKENIZER:
             raise ValueError("--reasoning: end 'tokenizer' needs the snapshot's tokenizer, which a rescore does "
                              "not load; name the delimiter (e.g. {\"end\": \"</think>\"})")
 
     def to_json(self) -> dict[str, Any]:
-        return {"scorer": self.scorer, "scorer_options": self.scorer_options, "reasoning": self.reasoning,
+        return {"scorer": self.scorer, "scorer_options": self.scorer_options,
+                "reasoning": "none" if self.no_reasoning else self.reasoning,
                 **({"budget": self.budget} if self.budget is not None else {})}
 
     def default_name(self) -> str:
@@ -98,8 +102,8 @@ class Rescoring:
             changes["scorer"] = self.scorer
         if self.scorer_options is not None:
             changes["scorer_options"] = dict(self.scorer_options)
-        if self.reasoning is not None:
-            changes["reasoning"] = dict(self.reasoning)
+        if self.reasoning is not None or self.no_reasoning:
+            changes["reasoning"] = None if self.no_reasoning else dict(self.reasoning)  # type: ignore[arg-type]
         return replace(spec, **changes) if changes else spec
 
 
@@ -187,10 +191,16 @@ class Rescorer:
         finally:
             claim.release()
 
-    def reasoning(self, spec: GenerateEntry) -> Reasoning:
-        """The scoring's reasoning strip for ``spec``; a tokenizer-named one needs the snapshot, gone here."""
+    def reasoning(self, spec: GenerateEntry, original: Result) -> Reasoning:
+        """The scoring's reasoning strip for ``spec``, with the tokenizer of the snapshot that generated ``original``
+        (else the run's) to count reasoning tokens as the worker did; without one, no count."""
         try:
-            return resolve_reasoning(spec, None)
+            where: str | None = str(tokenizer_dir(Path(original.snapshot) if original.snapshot else None,  # type: ignore[arg-type]
+                                                  self.run.base))
+        except (TokenizerMissing, OSError):
+            where = None
+        try:
+            return resolve_reasoning(spec, where)
         except RuntimeError as e:
             raise Unscorable(f"reasoning setting: {e}") from None
 
@@ -224,7 +234,7 @@ class Rescorer:
                 scorer = self.cache.scorer(spec)  # the cache only ever sees this scoring's specs
                 scored = unit_scores(scorer, spec, kept_generations(kept, list(original.weight_versions)),
                                      [r for r in rows for _ in range(per_prompt)], kept.sample_prompts(),
-                                     self.reasoning(spec))
+                                     self.reasoning(spec, original))
         except UserCodeFailed as e:
             return skip_result(unit, e.reason, str(e), blame=e.blame, worker=self.identity(original, unit))
         except WorkerSkip as e:  # a judge or sandbox down: not the unit's fault; the next rescore tries again
@@ -304,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: each dataset's own, e.g. after its code changed)")
     ap.add_argument("--scorer-options", metavar="JSON", help="the scorer's options as a JSON object (default: the "
                     "dataset's own scorer_options)")
-    ap.add_argument("--reasoning", metavar="JSON", help="the reasoning strip to apply, e.g. '{\"end\": \"</think>\"}' "
-                    "(default: the dataset's own; see the user guide's reasoning models)")
+    ap.add_argument("--reasoning", metavar="JSON", help="the reasoning strip to apply, e.g. '{\"end\": \"</think>\"}', "
+                    "or none: score the whole text (default: the dataset's own; see the user guide's reasoning models)")
     ap.add_argument("--steps", default="all", metavar="SPEC", help="steps to re-score: all (default), latest, N, "
                     "START:STOP[:EVERY] (inclusive), or a comma list")
     ap.add_argument("--datasets", nargs="+", metavar="NAME", help="datasets to re-score (default: every generate "
@@ -342,8 +352,9 @@ def rescore_into(run_dir: Path, args: argparse.Namespace, budget: int | None) ->
     try:
         run = RunDir.open(run_dir)
         manifest = run.manifest()
-        rescoring = Rescoring(args.scorer, parse_options(args.scorer_options),
-                              None if args.reasoning is None else parse_options(args.reasoning, "--reasoning"), budget)
+        no_reasoning = args.reasoning is not None and args.reasoning.strip().lower() == "none"
+        reasoning = None if args.reasoning is None or no_reasoning else parse_options(args.reasoning, "--reasoning")
+        rescoring = Rescoring(args.scorer, parse_options(args.scorer_options), reasoning, budget, no_reasoning)
         name = check_name(args.name) if args.name else rescoring.default_name()
         datasets = set(args.datasets) if args.datasets else None
         rescorer = Rescorer(run, manifest, rescoring, scoring_dir(run, name))
