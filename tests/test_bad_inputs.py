@@ -6,7 +6,7 @@ per case) in its own copy of a sandbox (a valid run,
 broken runs, files where dirs belong, malformed eval configs) and must end with exit 2, exactly one
 line on stderr (the convention of every ``ckpteval`` parser and check: ``prog: what is wrong``; no
 argparse usage block), no traceback anywhere, and the sandbox tree unchanged (nothing created,
-written or touched). Most cases fail in argument parsing, before torch is imported.
+written or touched, but a worker's refusal record ``RUN/CONFIG_REFUSED``, which tells the trainer not to wait). Most cases fail in argument parsing, before torch is imported.
 
 Run as a script to count a checkout's behaviour (the figures in bench/CHAOS.md)::
 
@@ -302,6 +302,8 @@ def decide_cases() -> list[str]:
         "compare {S}/run --steps 1 2 --power 0", "compare {S}/run --steps 1 2 --scoring",
         "compare {S}/run --steps 1 2 --allow-engine-mismatch=yes", f"{best} --allow-scorer-mismatch=yes",
         "compare {S}/run --steps 1 2 --allow-scorer-mismatch=yes",
+        "compare {S}/run --steps 1 2 --budget x", "compare {S}/run --steps 1 2 --budget 0",
+        "compare {S}/run --steps 1 2 --budget 64",
     ]
 
 
@@ -441,6 +443,8 @@ def demo_cases() -> list[str]:
     base = "demo --run-dir {S}/new"
     return [
         f"{base} --posture bogus",
+        f"{base} --engine bogus",
+        f"{base} --posture shared --engine vllm",
         f"{base} --posture fleet-reuse --workers 0",
         f"{base} --staging bogus",
         "demo --run-dir {S}/file.txt",
@@ -533,6 +537,9 @@ def run_case(case: str, template: Path, work: Path, fork: ForkCli, port: int) ->
     code, out, err = fork.run(argv, sandbox, CASE_TIMEOUT_S)
     after = tree(sandbox)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    # the one write a refusal makes: RUN/CONFIG_REFUSED, the protocol's word to the trainer (docs/PROTOCOL.md)
+    refusals = {k for k in after.keys() - before.keys() if Path(k).name == "CONFIG_REFUSED"}
+    changed = [k for k in changed if k not in refusals | {str(Path(k).parent) for k in refusals}]
     shutil.rmtree(sandbox, ignore_errors=True)
     return Outcome(case, code, out, err, changed)
 
