@@ -89,6 +89,7 @@ def main() -> None:
            "plain_cpu_s_per_1000": plain_s / samples * 1000, "budget_cpu_s_per_1000": budget_s / samples * 1000,
            "ratio_budget_over_plain": budget_s / plain_s}
     print(json.dumps(out, indent=1))
+    print(f"ratio budget/plain (CPU s per 1,000 kept samples): {out['ratio_budget_over_plain']:.2f}")
     if args.json:
         args.json.write_text(json.dumps(out) + "\n")
 

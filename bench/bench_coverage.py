@@ -96,12 +96,16 @@ def main() -> int:
               f"cell, level {LEVEL} (nominal: coverage {LEVEL}, false verdict {1 - LEVEL:.2f})")
         print(f"{'prompts':>7} {'pairs':>5} | {'before: cover':>13} {'false':>6} {'half':>6} | "
               f"{'now: cover':>10} {'false':>6} {'half':>6}")
+        worst = [0.0, 0.0]  # the largest false-verdict rate, before and now
         for n in PROMPTS:
             for k in PAIRS:
                 old = cell(args.seed, before, n, k, args.reps, args.samples, args.tau)
                 new = cell(args.seed, now, n, k, args.reps, args.samples, args.tau)
+                worst = [max(worst[0], old[1]), max(worst[1], new[1])]
                 print(f"{n:>7} {k:>5} | {old[0]:>13.3f} {old[1]:>6.3f} {old[2]:>6.3f} | "
                       f"{new[0]:>10.3f} {new[1]:>6.3f} {new[2]:>6.3f}")
+    print(f"ratio of the worst false-verdict rate to the nominal {1 - LEVEL:.2f}: before {worst[0] / (1 - LEVEL):.2f}, "
+          f"now {worst[1] / (1 - LEVEL):.2f}")
     return 0
 
 

@@ -110,6 +110,8 @@ SMOKE: dict[str, list[str]] = {
     "bench_scale.py": ["--smoke"],
     "bench_fleet.py": ["--workers", "2", "--points", "1", "--datasets", "1", "--shards", "4", "--sleep", "0.01",
                        "--baseline-units", "1", "--bound", "60"],
+    "bench_budget.py": ["--points", "2", "--prompts", "4", "--tokens", "64"],
+    "bench_coverage.py": ["--reps", "50"],
 }
 
 

@@ -1,7 +1,8 @@
 """vLLM (the ``vllm`` engine, a real server on CPU) against the in-process engine on the same prompts.
 
 Prints tokens/s of each and their ratio, and seconds per snapshot reload of each (one run; 2 shared cores
-here: a ratio, not a throughput claim). Needs ``make vllm-setup``. Usage: ``python bench/bench_vllm.py [N]``.
+here: a ratio, not a throughput claim). Needs ``make vllm-setup``; run by hand (a server per snapshot on
+CPU: minutes), not in the smoke run. Usage: ``python bench/vllm_speed.py [N]``.
 """
 
 from __future__ import annotations
