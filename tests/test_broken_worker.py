@@ -7,16 +7,19 @@ snapshots of the tiny model; "burned" means a result file written.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
 
 import pytest
 
+from ckpteval.coord.run.identity import snapshots_key
 from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.snapshot import publish_snapshot
 from ckpteval.coord.work.units import WorkUnit
 from ckpteval.jobs.lifecycle import EXIT_DONE, EXIT_USAGE
-from tests.support.workers import finish, make_eval_run, publish_model, results, spawn, version
+from tests.support.workers import finish, make_eval_run, model_writer, publish_model, results, spawn, version
 
 FN = "fn:tests.support.workers:SumBackend"
 
@@ -83,12 +86,17 @@ def test_worker_started_before_run_json_waits_for_it(tmp_path: Path) -> None:
                  "--wait-for-run", "120")
     time.sleep(2.0)  # the worker is up and waiting; now the trainer writes its run
     assert proc.poll() is None, proc.communicate()[0]
-    run = make_eval_run(tmp_path, n_prompts=4, shard_size=2, name="later")
-    publish_model(tmp_path, run.snapshots, 5)
+    # the run and its snapshot are made aside, then moved in whole: a --once worker that saw run.json before
+    # the snapshot was published would rightly be done with nothing to do
+    staged = make_eval_run(tmp_path / "staging", n_prompts=4, shard_size=2, name="later",
+                           snapshot_root=tmp_path / "snapshots")
+    publish_snapshot(tmp_path / "snapshots", 5, model_writer(tmp_path, 5), run=snapshots_key(staged.manifest()))
+    os.rename(staged.path, run_dir)
+    run = RunDir.open(run_dir)
     code, out = finish(proc, 120)
     assert code == EXIT_DONE, out
     assert "waiting up to 120s" in out
-    assert sorted(results(run)) == [WorkUnit(5, "addition", 0), WorkUnit(5, "addition", 1)]
+    assert sorted(results(run)) == [WorkUnit(5, "addition", 0), WorkUnit(5, "addition", 1)], out
 
 
 def test_wait_for_run_is_bounded(tmp_path: Path) -> None:

@@ -142,7 +142,7 @@ def test_trainer_eval_config_replaces_the_builtin_set_and_logs_every_dataset_and
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = RunDir.open(run_dir).manifest()
     assert manifest.run_id == "from-config" and manifest.lease.duration_s == 20
-    assert [d.name for d in manifest.eval.entries] == ["gsm"]  # the built-in addition set is not there
+    assert [d.name for d in manifest.eval.entries] == ["gsm", "harness"]  # the built-in addition set is not there
     assert (run_dir / "data" / "gsm.jsonl").read_bytes() == (EXAMPLES / "evalsets" / "gsm8k_style.jsonl").read_bytes()
     points = {m["eval/step"]: m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval/step" in m}
     assert sorted(points) == [0, 10, 20]  # step 0: the initial weights (on by default)

@@ -33,6 +33,7 @@ class DamageThenEvaluate:
 
     def __init__(self, inner, damage: Callable[[Path], None]) -> None:
         self.inner, self.damage = inner, damage
+        self.cache = inner.cache  # the Evaluator protocol's run datasets and manifest
 
     def evaluate(self, unit: WorkUnit, ref: SnapshotRef, timings: dict[str, float]) -> Evaluation:
         self.damage(ref.path)

@@ -5,6 +5,8 @@ Owns where a save is (``broadcasts/step_N/``, else ``weights/step_N/``), its com
 else ``STABLE``) and that a broadcast is ephemeral: captured into ``RUN/captured/`` before use, re-checked, a
 capture that raced the trainer's cleanup counted lost, never scored; ckpteval never writes into the trainer's
 dir. Limits: a capture holds full weights until its point is final. See docs/USER_GUIDE.md "Checkpoint layouts".
+Read from prime-rl at commit 559b44772e471d1538537b8805cc77f3824a5e64 (2026-08-21), and before #3316 at commit
+f274fa312 (2026-02-11).
 """
 
 from __future__ import annotations
