@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, TypeGuard
+from typing import Any, ClassVar, Protocol, TypeGuard
 
 from ckpteval.coord.registry import Registry
+from ckpteval.coord.run.fields import NAME_RE, FieldError
 from ckpteval.coord.work.workunit import WorkUnit
 
 
@@ -73,6 +74,15 @@ class SamplesEntry(Entry, Protocol):
 
     @property
     def pass_threshold(self) -> float: ...
+
+
+def check_kind_and_name(entry: Any, what: str) -> None:
+    """An entry's ``kind`` is its class's ``KIND`` and its ``name`` fits file and metric names (``what``: how the
+    refusal calls the entry, e.g. "an lm_eval entry")."""
+    if entry.kind != entry.KIND:
+        raise FieldError("kind", f"{entry.kind!r} is not the kind of {what}")
+    if not NAME_RE.match(entry.name):
+        raise FieldError("name", f"{entry.name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
 
 
 def scored_per_sample(entry: Entry) -> TypeGuard[SamplesEntry]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ckpteval.coord.entries import EngineNeed, PointRule
+from ckpteval.coord.entries import EngineNeed, PointRule, check_kind_and_name
 from ckpteval.coord.run.chat_settings import check_rendered_kwargs
-from ckpteval.coord.run.fields import NAME_RE, FieldError
+from ckpteval.coord.run.fields import FieldError
 from ckpteval.coord.work.workunit import WorkUnit
 
 
@@ -58,10 +58,7 @@ class LmEvalEntry:
     samples_randomly: ClassVar[bool] = False  # not considered when a launched server is made deterministic
 
     def __post_init__(self) -> None:
-        if self.kind != self.KIND:
-            raise FieldError("kind", f"{self.kind!r} is not the kind of an lm_eval entry")
-        if not NAME_RE.match(self.name):
-            raise FieldError("name", f"{self.name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
+        check_kind_and_name(self, "an lm_eval entry")
         object.__setattr__(self, "tasks", tuple(self.tasks))
         if not self.tasks or not all(isinstance(t, str) and t and "/" not in t for t in self.tasks):
             raise FieldError("tasks", "must be a non-empty list of lm-eval task names (strings without '/')")

@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ckpteval.coord.entries import EngineNeed, PointRule
+from ckpteval.coord.entries import EngineNeed, PointRule, check_kind_and_name
 from ckpteval.coord.run.chat_settings import check_reasoning, check_template_kwargs
-from ckpteval.coord.run.fields import NAME_RE, FieldError
+from ckpteval.coord.run.fields import FieldError
 from ckpteval.coord.work.workunit import WorkUnit
 
 PROMPT_FORMATS = ("raw", "chat")
@@ -91,10 +91,7 @@ class RowsEntry:
     CHECKED: ClassVar[tuple[tuple[str, str], ...]] = ()  # (name, options) fields run through a registry check
 
     def __post_init__(self) -> None:
-        if self.kind != self.KIND:
-            raise FieldError("kind", f"{self.kind!r} is not the kind of a {self.KIND} dataset")
-        if not NAME_RE.match(self.name):
-            raise FieldError("name", f"{self.name!r} must match {NAME_RE.pattern} (it is used in file and metric names)")
+        check_kind_and_name(self, f"a {self.KIND} dataset")
         object.__setattr__(self, "pass_k", tuple(self.pass_k))
         for key in ("n_prompts", "shard_size", "n_samples", "max_new_tokens", "every"):
             if getattr(self, key) < 1:
