@@ -264,6 +264,12 @@ def overturn_lost(run: RunDir, step: int) -> list[WorkUnit]:
     return overturned
 
 
+def lost(run: RunDir, result: Result) -> bool:
+    """Whether ``result`` was scored by a checksum that another now stands against (reads the standing records
+    only: the cheap check before :func:`overturn_lost` reads the step's results)."""
+    return _lost_to(run, result) is not None
+
+
 def _lost_to(run: RunDir, result: Result) -> tuple[str, str, str] | None:
     """(the result's checksum, the one standing, the records dir) when ``result`` was scored by a checksum
     that lost; None when it stands, nothing stands yet, or the result names no checksum."""

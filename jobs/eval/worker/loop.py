@@ -28,7 +28,7 @@ from ckpteval.coord.work.claims import Claim, UnitClaimer, order_units
 from ckpteval.coord.work.steps import run_step_selection
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.kinds.generate.tokenizer_files import TokenizerMissing, has_tokenizer
-from ckpteval.jobs.eval.proof.attest import overturn_lost
+from ckpteval.jobs.eval.proof.attest import lost, overturn_lost
 from ckpteval.jobs.eval.worker.evaluators import Evaluator, evaluate_unit
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.eval.worker.policy import RetryPolicy
@@ -362,8 +362,10 @@ class Worker:
 
     def _overturn_if_lost(self, result: Result) -> None:
         """A result attested by a checksum not yet compared: if another checksum stood meanwhile, the units it
-        scored are superseded (:func:`~ckpteval.jobs.eval.proof.attest.overturn_lost`) and its step is open again."""
-        if result.attest.get("checksums") and result.attest.get("state") != "compared":
+        scored are superseded (:func:`~ckpteval.jobs.eval.proof.attest.overturn_lost`) and its step is open again.
+        The step's results are read only when this result's own checksum lost (one look at the standing record
+        otherwise): results already there when a checksum stood were superseded by whoever made it stand."""
+        if result.attest.get("checksums") and result.attest.get("state") != "compared" and lost(self.rundir, result):
             if overturn_lost(self.rundir, result.unit.step):
                 self.settled.discard(result.unit.step)
 
