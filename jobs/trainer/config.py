@@ -25,6 +25,7 @@ from typing import Literal
 
 from ckpteval.coord.results.conditions import parse_condition
 from ckpteval.jobs.flags import check_bounds, nested, option
+from ckpteval.jobs.trainer.plateau import parse_plateau
 
 OverflowPolicy = Literal["backpressure", "skip"]
 Fleet = Literal["attached", "none"]
@@ -75,6 +76,9 @@ class DispatchConfig:
     stop_when: str | None = option(None, flag="--eval-stop-when", metavar="COND", group=EVAL)
     """finish training cleanly (final snapshot, final point) once an ingested point meets COND, e.g.
     'eval/addition >= 0.9' (add 'margin mde' or 'margin 0.02': it must pass by that much)"""
+    stop_plateau: str | None = option(None, flag="--eval-stop-plateau", metavar="RULE", group=EVAL)
+    """finish training cleanly once no point of the last N beats the best before them by its MDE, e.g.
+    'eval/addition over 5' (optionally 'alpha 0.05': the false-stop error, spent across looks)"""
     overflow_policy: OverflowPolicy = option("backpressure", flag="--eval-overflow-policy", group=EVAL)
     """when too many points are in flight: wait for the fleet (backpressure) or skip the point (skip)"""
     fleet: Fleet = option("attached", flag="--eval-fleet", group=EVAL)
@@ -106,6 +110,8 @@ class DispatchConfig:
                              "eval/<dataset>[/...]")
         if self.stop_when is not None:
             parse_condition(self.stop_when, "--eval-stop-when")
+        if self.stop_plateau is not None:
+            parse_plateau(self.stop_plateau, "--eval-stop-plateau")
         if self.fleet == "none" and self.mode != "reuse":
             raise ValueError("--eval-fleet none (fleet) keeps every point pending for a later backfill: use reuse "
                              "mode (--save-hf DIR --save-interval N) so no snapshot piles up in a staging dir")

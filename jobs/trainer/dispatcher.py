@@ -17,6 +17,7 @@ Limits: one dispatcher per run dir; the snapshot root must be listed in run.json
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,6 +43,7 @@ from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
+from ckpteval.jobs.trainer.plateau import PlateauRule, PlateauVerdict, PointValue, parse_plateau
 
 if TYPE_CHECKING:  # the shared posture's parts are imported with a SharedEval (a fleet trainer needs none)
     from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
@@ -81,6 +83,7 @@ class EvalDispatcher:
         shared: SharedEval | None = None,
         cache: DatasetCache | None = None,
         stop_when: Condition | None = None,
+        plateau: PlateauRule | None = None,
         clock: Callable[[], float] = time.monotonic,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -93,6 +96,8 @@ class EvalDispatcher:
         self.clock = clock
         self.should_stop = should_stop  # a stop signal arrived: every wait ends at once
         self.stop_when = stop_when  # --eval-stop-when: a point meeting it asks training to end
+        self.plateau = plateau  # --eval-stop-plateau: a plateau over the last N points asks training to end
+        self._history: dict[int, PointValue] = {}  # retired step -> the plateau metric's value and stderr
         self.stop_requested: int | None = min(ledger.state.stop_requested, default=None)  # that point's step
         self.step = 0  # the trainer's latest step seen
         self.landed = len(ledger.state.ingested)
@@ -130,10 +135,11 @@ class EvalDispatcher:
             gc = StagingGC(root, run.leases, manifest.lease.duration_s, keep=config.keep_snapshots, run=key)
         cache = None if shared is None else shared.attach(run, manifest)
         stop_when = None if config.stop_when is None else parse_condition(config.stop_when, "--eval-stop-when")
+        plateau = None if config.stop_plateau is None else parse_plateau(config.stop_plateau, "--eval-stop-plateau")
         gpus = config.trainer_gpus if config.trainer_gpus is not None else trainer_gpus()
         dispatcher = cls(config, run, manifest, sink, ledger, root=root, canary=canary,
                          training=TrainingClock(gpus, ledger.state, clock), exporter=exporter, gc=gc,
-                         shared=shared, cache=cache, stop_when=stop_when, clock=clock, should_stop=should_stop)
+                         shared=shared, cache=cache, stop_when=stop_when, plateau=plateau, clock=clock, should_stop=should_stop)
         dispatcher._replay()
         return dispatcher
 
@@ -369,11 +375,31 @@ class EvalDispatcher:
                 self.gc.collect(self.ledger.state.retired, self._best_steps())
 
     def _check_stop_when(self, step: int, point: Point) -> None:
-        """``--eval-stop-when``: record (ledger ``stop_requested``) the first point that meets it."""
-        if self.stop_when is not None and self.stop_requested is None and self.stop_when.holds(point_metrics(point)):
-            self.stop_requested = step
-            self.ledger.append("stop_requested", step, condition=self.stop_when.text, at_step=self.step,
-                               time=time.time())
+        """``--eval-stop-when`` or ``--eval-stop-plateau``: record (ledger ``stop_requested``) the first point
+        that meets the target, or whose look finds the plateau."""
+        if self.stop_requested is not None:
+            return
+        if self.stop_when is not None and self.stop_when.holds(point_metrics(point)):
+            self._request_stop(step, self.stop_when.text)
+        elif self.plateau is not None and (verdict := self._plateau_verdict(self.plateau, step, point)) is not None:
+            self._request_stop(step, self.plateau.text, rule="plateau", reason=verdict.message(self.plateau.metric),
+                               best_step=verdict.best_step)
+
+    def _request_stop(self, step: int, condition: str, **fields: Any) -> None:
+        self.stop_requested = step
+        self.ledger.append("stop_requested", step, condition=condition, at_step=self.step, time=time.time(), **fields)
+
+    def _plateau_verdict(self, rule: PlateauRule, step: int, point: Point) -> PlateauVerdict | None:
+        """The plateau rule over every retired point and ``step``'s (restart-safe: earlier points re-derived)."""
+        for earlier in sorted(self.ledger.state.retired - set(self._history) - {step}):
+            self._remember(rule, earlier, self._derive(earlier))
+        self._remember(rule, step, point)
+        return rule.verdict([self._history[s] for s in sorted(self._history)])
+
+    def _remember(self, rule: PlateauRule, step: int, point: Point) -> None:
+        metrics = point_metrics(point)
+        if (value := metrics.get(rule.metric)) is not None:
+            self._history[step] = PointValue(step, float(value), float(metrics.get(f"{rule.metric}/stderr", math.nan)))
 
     def _best_steps(self) -> set[int]:
         """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""

@@ -323,7 +323,8 @@ def train(cfg: TrainConfig, dispatch: DispatchConfig | None, run: RunDir) -> int
         "points_landed": dispatcher.landed if dispatcher else 0,
     }
     if dispatcher is not None and dispatcher.stop_requested is not None:
-        summary["stopped"] = {"reason": f"--eval-stop-when {cfg.dispatch.stop_when}",
+        rule = dispatcher.ledger.state.stop_requested.get(dispatcher.stop_requested, {})
+        summary["stopped"] = {"reason": rule.get("reason") or f"--eval-stop-when {cfg.dispatch.stop_when}",
                               "point_step": dispatcher.stop_requested}
     print(json.dumps(summary), flush=True)
     return 0
