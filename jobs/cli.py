@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("ckpteval.jobs.views.plot", "plot score vs step (PNG)"),
     "compare": ("ckpteval.jobs.decide.compare", "paired difference of two steps or runs, with its interval"),
     "best": ("ckpteval.jobs.decide.best", "best step by a metric and the steps not distinguishable from it"),
+    "contamination": ("ckpteval.jobs.eval.contamination.main", "check eval rows against the trainer's own prompts (exact, "
+                      "n-gram, near-duplicate)"),
     "plan": ("ckpteval.jobs.decide.plan", "prompts or samples per prompt a target MDE needs, and their token cost"),
     "serve": ("ckpteval.jobs.reference.serve.main", "HTTP engine speaking sglang's native API subset (CPU stand-in)"),
     "submit": ("ckpteval.jobs.launch.submit", "render and sbatch the batch scripts"),

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ckpteval.coord.results.contamination import clean_metrics, dirty_rows, read_matches
 from ckpteval.coord.results.files import Result, ResultIndex
 from ckpteval.coord.results.points import Point, derive_point, point_metrics
 from ckpteval.coord.results.summary import write_step_summary
@@ -71,6 +72,7 @@ def ingest_point(
     if give_up:
         metrics["eval/skipped_drain_timeout"] = point.units_total - point.units_done
     metrics["eval/lag_steps"] = lag_steps
+    metrics.update(clean_series(manifest, point, results, sink))
     point_gpu_s = point.cost.get("gpu_s", 0.0)
     if (fraction := fraction_of_training(ledger.state, step, point_gpu_s)) is not None:
         metrics["eval/cost/fraction_of_training"] = fraction
@@ -90,6 +92,17 @@ def ingest_point(
     if index is not None:
         write_step_summary(index, manifest, step)
     return point
+
+
+def clean_series(manifest: RunManifest, point: Point, results: Mapping[WorkUnit, Result],
+                 sink: MetricsSink) -> dict[str, float]:
+    """``eval/<ds>/clean`` of each dataset the contamination gate checked (its record in the run dir, beside
+    the sink's metrics file; none: no series). A malformed record logs none (``status`` names it)."""
+    try:
+        dirty = dirty_rows(read_matches(sink.path.parent))
+    except ValueError:
+        return {}
+    return clean_metrics(manifest, point, results, dirty) if dirty else {}
 
 
 def scorer_config(step: int, results: Mapping[WorkUnit, Result]) -> dict[str, Any]:

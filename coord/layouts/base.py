@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ckpteval.coord.atomic import read_json_object
 
@@ -39,6 +40,13 @@ class Layout:
     no_weights_hint: ClassVar[str] = ""  # what to do when a finished save holds no HF weights
     owns_marker_name: ClassVar[bool] = False  # the trainer itself writes a file named like our .complete
     step_pattern: ClassVar[re.Pattern[str] | None] = None  # a save's whole name; one group: the step
+    train_data_keys: ClassVar[str] = ""  # where the trainer's config names its training data ("": nowhere known)
+
+    def train_data(self, config: Mapping[str, Any]) -> list[str]:
+        """The training data the trainer's ``config`` (its parsed YAML/TOML/JSON) names, as it names them: data
+        files or directories (relative: to the config's directory) or ``verifiers:<id>`` (a verifiers
+        environment's tasks); [] where it names none (the contamination gate, docs/USER_GUIDE.md)."""
+        return []
 
     def containers(self, root: Path) -> list[Path]:
         """The directories whose entries are saves (default: the watched dir itself)."""
@@ -103,3 +111,20 @@ def text_int(path: Path) -> int | None:
 def any_entry(root: Path, test: object) -> bool:
     """Whether some entry of ``root`` passes ``test`` (a callable on the entry path)."""
     return any(test(e) for e in entries(root))  # type: ignore[operator]
+
+
+def config_at(config: Mapping[str, Any], dotted: str) -> Any:
+    """The value at ``dotted`` (``data.train_files``) of a nested config; None where a part is missing."""
+    value: Any = config
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def as_list(value: Any) -> list[Any]:
+    """A config value that may be one item or a list of them (hydra ``ListConfig``s arrive as lists)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]

@@ -20,9 +20,11 @@ step — written last, so the save is admissible at once, with no quiescence wai
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from ckpteval.coord.layouts.base import Layout, Located, json_int
+from ckpteval.coord.layouts.base import Layout, Located, as_list, json_int
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 STATE = "trainer_state.json"
@@ -36,6 +38,17 @@ class HFTrainerLayout(Layout):
                        "or convert with zero_to_fp32.py (DeepSpeed) or accelerate merge-weights (FSDP)")
 
     step_pattern = CHECKPOINT
+    train_data_keys = "dataset_name, or datasets[].path / data_files (TRL's --config YAML)"
+
+    def train_data(self, config: Mapping[str, Any]) -> list[str]:
+        found = [str(config["dataset_name"])] if config.get("dataset_name") else []
+        for mix in as_list(config.get("datasets")):
+            if not isinstance(mix, Mapping) or not mix.get("path"):
+                continue
+            files = mix.get("data_files")
+            files = [f for v in files.values() for f in as_list(v)] if isinstance(files, Mapping) else as_list(files)
+            found += [str(Path(str(mix["path"])) / str(f)) for f in files] if files else [str(mix["path"])]
+        return found
 
     def locate(self, entry: Path) -> Located | None:
         step = self.step_of(entry)

@@ -5,6 +5,9 @@ Owns where a save is (``broadcasts/step_N/``, else ``weights/step_N/``), its com
 else ``STABLE``) and that a broadcast is ephemeral: captured into ``RUN/captured/`` before use, re-checked, a
 capture that raced the trainer's cleanup counted lost, never scored; ckpteval never writes into the trainer's
 dir. Limits: a capture holds full weights until its point is final. See docs/USER_GUIDE.md "Checkpoint layouts".
+Training data: the verifiers environments its config names, each ``id`` (with ``args``) under
+``orchestrator.train.env`` or ``orchestrator.train.envs.envs`` (older: ``orchestrator.env``), read from
+``configs/reverse_text/`` at prime-rl commits 729479d2 and f39ff22f.
 Read from prime-rl at commit 559b44772e471d1538537b8805cc77f3824a5e64 (2026-08-21), and before #3316 at commit
 f274fa312 (2026-02-11).
 """
@@ -12,14 +15,17 @@ f274fa312 (2026-02-11).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from ckpteval.coord.layouts.base import Layout, Located
+from ckpteval.coord.layouts.base import Layout, Located, as_list, config_at
 
 STEP = re.compile(r"step_(\d+)")
 STABLE = "STABLE"
 FINISHED = ".finished"  # the handshake's last stage (#3357)
 MARKERS = (FINISHED, STABLE)  # newest protocol first
+ENV_KEYS = ("orchestrator.train.env", "orchestrator.train.envs.envs", "orchestrator.env")
 BROADCASTS = "broadcasts"
 WEIGHTS = "weights"
 
@@ -38,6 +44,11 @@ class PrimeRLLayout(Layout):
         return [root]
 
     step_pattern = STEP
+    train_data_keys = "the ids of orchestrator.train.env / orchestrator.train.envs.envs (its TOML)"
+
+    def train_data(self, config: Mapping[str, Any]) -> list[str]:
+        envs = [e for key in ENV_KEYS for e in as_list(config_at(config, key)) if isinstance(e, Mapping) and e.get("id")]
+        return [verifiers_source(str(e["id"]), e.get("args")) for e in envs]
 
     def locate(self, entry: Path) -> Located | None:
         step = self.step_of(entry)
@@ -59,3 +70,10 @@ def is_broadcast(entry: Path) -> bool:
     """A broadcast (deleted by the trainer within steps): under ``broadcasts/``, or a watched broadcasts dir
     itself (no ``config.json``: a weight checkpoint of older versions always has one)."""
     return entry.parent.name == BROADCASTS or not (entry / "config.json").is_file()
+
+
+def verifiers_source(env_id: str, args: Any = None) -> str:
+    """``verifiers:<id>`` (with ``?<json args>`` when it has any): a source the contamination gate reads."""
+    import json
+
+    return f"verifiers:{env_id}" + (f"?{json.dumps(args, sort_keys=True)}" if isinstance(args, Mapping) and args else "")

@@ -12,14 +12,18 @@ trainer writes ``latest_checkpointed_iteration.txt`` (the step) into ``default_l
 beyond ``trainer.max_actor_ckpt_to_keep`` are deleted when the next save starts.
 
 Completion signal: the tracker file holds a step >= N. Weights: ``global_step_<N>/actor/huggingface/``.
+Training data: ``data.train_files`` of its hydra config (a parquet path or a list of them; hydra keeps the
+run's resolved config in ``outputs/<date>/<time>/.hydra/config.yaml``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from ckpteval.coord.layouts.base import Layout, Located, text_int
+from ckpteval.coord.layouts.base import Layout, Located, as_list, config_at, text_int
 
 GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -34,6 +38,10 @@ class VerlLayout(Layout):
                        "--target_dir global_step_N/actor/huggingface")
 
     step_pattern = GLOBAL_STEP
+    train_data_keys = "data.train_files (.hydra/config.yaml)"
+
+    def train_data(self, config: Mapping[str, Any]) -> list[str]:
+        return [str(p) for p in as_list(config_at(config, "data.train_files"))]
 
     def locate(self, entry: Path) -> Located | None:
         step = self.step_of(entry)

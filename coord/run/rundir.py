@@ -162,6 +162,11 @@ class RunDir:
         return self.path / "judge.json"
 
     @property
+    def contamination_path(self) -> Path:
+        """``RUN/contamination.json``: the contamination gate's matches (:mod:`ckpteval.coord.results.contamination`)."""
+        return self.path / "contamination.json"
+
+    @property
     def weight_checksums(self) -> Path:
         return self.path / "weight_checksums"
 

@@ -21,6 +21,7 @@ from typing import Any
 from ckpteval.coord.atomic import read_json_object, read_jsonl
 from ckpteval.coord.entries import scored_per_sample
 from ckpteval.coord.layouts import AUTO
+from ckpteval.coord.results.contamination import summary as contamination_summary
 from ckpteval.coord.results.scorings import StepFacts, scoring_step_facts, step_facts
 from ckpteval.coord.results.training_cost import run_fraction
 from ckpteval.coord.run.identity import snapshots_key
@@ -172,6 +173,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         "cost": cost_summary(run, [facts[s] for s in sorted(with_results)], points, ledger),
         "noise": noise_status(run, points),  # MDE and replay spread per dataset (jobs.views.noise)
         "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
+        "contamination": contamination_summary(run.path),  # the gate's last check (ckpteval contamination)
         "health": {
             "expired_leases": len(expired),
             "stuck_units": [p["unit"] for p in expired],

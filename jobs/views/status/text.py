@@ -367,7 +367,21 @@ RUN_LINES: list[Callable[[dict[str, Any], int], list[str]]] = [
 ]
 """The run's closing lines, in order: each renderer takes (status, width) and returns lines <= width."""
 
-DATASET_LINES: list[Callable[[dict[str, Any], str], str | None]] = []
+def contamination_line(status: dict[str, Any], ds: str) -> str | None:
+    """The contamination gate's finding for ``ds`` (``ckpteval contamination``), None when it was not checked."""
+    c = status.get("contamination")
+    if c is not None and "error" in c:
+        return f"contamination {ds}: {c['error']}"
+    if c is None or (d := c["datasets"].get(ds)) is None:
+        return None
+    if not d["matched"]:
+        return f"contamination {ds}: clean (0 of {d['rows']} rows in {c['train_rows']:,} training rows)"
+    tiers = ", ".join(f"{t} {n}" for t, n in sorted(d["tiers"].items()))
+    return (f"contamination {ds}: {d['matched']} of {d['rows']} rows found in training data ({tiers}); "
+            f"eval/{ds}/clean scores the rest")
+
+
+DATASET_LINES: list[Callable[[dict[str, Any], str], str | None]] = [contamination_line]
 """Per-dataset lines under the points tables, in order: each renderer takes (status, dataset name) and
 returns one line (fitted by :func:`render`) or None (nothing to say for that dataset)."""
 

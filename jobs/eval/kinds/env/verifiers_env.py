@@ -58,6 +58,16 @@ def plugin_id(module: str) -> str:
     return alias
 
 
+def taskset_prompts(taskset: str, options: dict[str, Any] | None = None) -> list[Any]:
+    """Every task's prompt of a verifiers taskset, in task order (what a row ``{"task": i}`` asks; the
+    contamination gate's text of such rows and of a prime-rl run's environments)."""
+    check_installed()
+    import verifiers.v1 as vf
+
+    config = vf.TasksetConfig.model_validate({**(options or {}), "id": plugin_id(taskset)})
+    return [task.data.prompt for task in vf.load_taskset(config)]
+
+
 class VerifiersEnv:
     """A verifiers taskset as an environment that drives the model itself (see the module docstring)."""
 
