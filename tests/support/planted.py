@@ -10,6 +10,7 @@ words swapped (the near-duplicate tier: no 13-gram is left).
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import re
 from collections import Counter
@@ -17,20 +18,21 @@ from collections import Counter
 
 @functools.cache
 def vocabulary() -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The 6,000 commonest words and their cumulative counts (``random.choices``' ``cum_weights``)."""
     import pydoc_data.topics
 
     words = Counter(w for text in pydoc_data.topics.topics.values() for w in re.findall(r"[a-z]{2,}", text.lower()))
     common = words.most_common(6000)
-    return tuple(w for w, _ in common), tuple(c for _, c in common)
+    return tuple(w for w, _ in common), tuple(itertools.accumulate(c for _, c in common))
 
 
 def prompts(n: int, seed: int, low: int = 25, high: int = 60) -> list[str]:
     """``n`` prompts of ``low``..``high`` words, each ending in a question."""
     rng = random.Random(seed)
-    words, weights = vocabulary()
+    words, cumulative = vocabulary()
     out = []
     for _ in range(n):
-        body = rng.choices(words, weights, k=rng.randint(low, high))
+        body = rng.choices(words, cum_weights=cumulative, k=rng.randint(low, high))
         out.append(f"{' '.join(body).capitalize()}. What is {rng.randint(2, 999)} times {rng.choice(words)}?")
     return out
 

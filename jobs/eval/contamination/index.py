@@ -59,14 +59,14 @@ class Hit:
     evidence: str = ""  # ngram: the shared n-gram
 
 
-def shingles(words: Sequence[str], k: int) -> set[str]:
+def shingles(words: Sequence[bytes], k: int) -> set[bytes]:
     """The set of ``k``-word shingles of ``words`` (``k`` = 1: the words)."""
     if k == 1:
         return set(words)
-    return {" ".join(g) for g in zip(*(words[i:] for i in range(k)), strict=False)}
+    return {b" ".join(g) for g in zip(*(words[i:] for i in range(k)), strict=False)}
 
 
-def grams(words: Sequence[str], n: int) -> Iterable[tuple[str, ...]]:
+def grams(words: Sequence[bytes], n: int) -> Iterable[tuple[bytes, ...]]:
     """The word ``n``-grams of ``words``, as tuples (hashed in C: no joined strings)."""
     return zip(*(words[i:] for i in range(n)), strict=False)
 
@@ -79,9 +79,9 @@ class EvalIndex:
 
         self.settings = s = settings or Settings()
         self._rensa = rensa
-        self.exact: dict[str, list[int]] = defaultdict(list)
-        self.spans: dict[int, dict[tuple[str, ...], list[int]]] = defaultdict(lambda: defaultdict(list))
-        self.sets: list[set[str]] = []
+        self.exact: dict[bytes, list[int]] = defaultdict(list)
+        self.spans: dict[int, dict[tuple[bytes, ...], list[int]]] = defaultdict(lambda: defaultdict(list))
+        self.sets: list[set[bytes]] = []
         self.lsh = rensa.RMinHashLSH(threshold=s.jaccard, num_perm=s.num_perm, num_bands=s.bands)
         self.size = 0
 
@@ -89,7 +89,7 @@ class EvalIndex:
         """Index one eval row; its id (0, 1, ...)."""
         s, words, eval_id = self.settings, tokens(text), self.size
         self.size += 1
-        self.exact[" ".join(words)].append(eval_id)
+        self.exact[b" ".join(words)].append(eval_id)
         span = s.ngram if len(words) >= s.ngram else len(words)
         if span >= s.min_span:
             for g in set(grams(words, span)):
@@ -97,7 +97,7 @@ class EvalIndex:
         self.sets.append(shingles(words, s.shingle))
         if len(words) >= s.min_span:
             m = self._rensa.RMinHash(num_perm=s.num_perm, seed=s.seed)
-            m.update(list(self.sets[-1]))
+            m.update(self.sets[-1])
             self.lsh.insert(eval_id, m)
         return eval_id
 
@@ -107,7 +107,7 @@ class EvalIndex:
         hits: list[Hit] = []
         batch = [tokens(t) for t in texts]
         for i, words in enumerate(batch):
-            if "exact" in tiers and (found := self.exact.get(" ".join(words))):
+            if "exact" in tiers and (found := self.exact.get(b" ".join(words))):
                 hits += [Hit(e, "exact", i, 1.0) for e in found]
             if "ngram" in tiers:
                 hits += self._ngram_hits(i, words, {h.eval_id for h in hits if h.train == i})
@@ -115,7 +115,7 @@ class EvalIndex:
             hits += self._near_hits(batch, {(h.train, h.eval_id) for h in hits})
         return hits
 
-    def _ngram_hits(self, i: int, words: list[str], seen: set[int]) -> list[Hit]:
+    def _ngram_hits(self, i: int, words: list[bytes], seen: set[int]) -> list[Hit]:
         out: dict[int, Hit] = {}
         for span, table in self.spans.items():
             if len(words) < span or table.keys().isdisjoint(grams(words, span)):
@@ -123,21 +123,20 @@ class EvalIndex:
             for g in grams(words, span):
                 for e in table.get(g, ()):
                     if e not in seen and e not in out:
-                        out[e] = Hit(e, "ngram", i, 1.0, " ".join(g))
+                        out[e] = Hit(e, "ngram", i, 1.0, b" ".join(g).decode("utf-8", "replace"))
         return list(out.values())
 
-    def _near_hits(self, batch: list[list[str]], seen: set[tuple[int, int]]) -> list[Hit]:
+    def _near_hits(self, batch: list[list[bytes]], seen: set[tuple[int, int]]) -> list[Hit]:
         s = self.settings
         rows = [i for i, words in enumerate(batch) if len(words) >= s.min_span]
         sets = [shingles(batch[i], s.shingle) for i in rows]
-        sketches = self._rensa.RMinHash.from_token_sets([list(x) for x in sets], s.num_perm, s.seed)
+        sketches = self._rensa.RMinHash.from_token_sets(sets, s.num_perm, s.seed)
         hits = []
         for i, mine, sketch in zip(rows, sets, sketches, strict=True):
             for e in self.lsh.query(sketch):
-                if (i, e) in seen:
-                    continue
                 theirs = self.sets[e]
-                similarity = len(mine & theirs) / len(mine | theirs)
-                if similarity >= s.jaccard:
+                shared = len(mine & theirs)
+                similarity = shared / (len(mine) + len(theirs) - shared)
+                if similarity >= s.jaccard and (i, e) not in seen:
                     hits.append(Hit(e, "near", i, similarity))
         return hits

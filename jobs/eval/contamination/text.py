@@ -10,15 +10,16 @@ from __future__ import annotations
 import string
 from typing import Any
 
-DELETE = str.maketrans("", "", string.punctuation)
+PUNCTUATION = string.punctuation.encode()
 PROMPT_FIELDS = ("prompt", "messages", "question", "problem", "query", "instruction", "input", "text", "content")
 """The fields a row's prompt is read from, first present wins (verl: ``prompt`` as chat messages; TRL:
 ``prompt``/``messages``/``text``; verifiers: ``question``/``prompt``); a row with none: all its strings."""
 
 
-def tokens(text: str) -> list[str]:
-    """``text`` case folded, punctuation deleted, split on whitespace."""
-    return text.lower().translate(DELETE).split()
+def tokens(text: str) -> list[bytes]:
+    """``text`` case folded, ASCII punctuation deleted, split on whitespace: UTF-8 words (bytes: deleting
+    ASCII bytes never splits a multi-byte character, and it is twice as fast as ``str.translate``)."""
+    return text.lower().encode("utf-8", "surrogatepass").translate(None, PUNCTUATION).split()
 
 
 def _flatten(value: Any) -> str:
