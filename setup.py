@@ -49,5 +49,6 @@ class BuildPyWithSbatch(build_py):
 setup(
     packages=packages(),
     package_dir={f"{ROOT_PACKAGE}.{f}": f for f in FOLDERS},
+    package_data={f"{ROOT_PACKAGE}.jobs.eval.catalog": ["data/*.json", "data/*/*"]},  # the vendored eval sets
     cmdclass={"build_py": BuildPyWithSbatch},
 )

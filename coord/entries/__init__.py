@@ -111,6 +111,9 @@ KINDS: Registry[Kind] = Registry(
                      "ckpteval.jobs.eval.kinds.lm_eval:check_harness_entry")),
     ("env", Kind("ckpteval.coord.entries.env:EnvEntry", "ckpteval.jobs.eval.kinds.env.runner:evaluate_env",
                  "ckpteval.jobs.eval.kinds.env.runner:check_env_entry")),
+    ("catalog", Kind("ckpteval.coord.entries.catalog:CatalogEntry",
+                     "ckpteval.jobs.eval.kinds.generate.scoring:evaluate_generate",
+                     "ckpteval.jobs.eval.catalog.expand:check_catalog_entry")),
     unknown="{name!r} must be one of {known} ({hint}default generate)", key="kind",
 )
 

@@ -78,12 +78,23 @@ def answer_key(parsed: list[Any]) -> str | None:
     return str(obj)
 
 
+def parse_gold(parse: Any, answer: str) -> list[Any]:
+    """A reference answer as math-verify reads it: a bare one (no ``$``, no ``\\boxed``: MATH's ``\\left( 3,
+    \\frac{\\pi}{2} \\right)``, ``p - q``, ``6+9i``) as the content of a ``\\boxed{}``, which its plain-text
+    extraction would read as ``3``, nothing, or ``6``; else (or when that reads nothing) as written."""
+    if "$" not in answer and "\\boxed" not in answer:
+        gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+        if gold:
+            return gold  # type: ignore[no-any-return]
+    return parse(answer, parsing_timeout=None)  # type: ignore[no-any-return]
+
+
 def grade_math(completion: str, answer: str) -> tuple[float, str | None]:
     """math-verify ``verify(gold, prediction)`` with its signal-based timeouts off; see the module doc."""
     from math_verify import parse, verify
 
     _quiet()
-    gold = parse(_pre_extract(str(answer)), parsing_timeout=None)
+    gold = parse_gold(parse, _pre_extract(str(answer)))
     pred = parse(_pre_extract(completion), parsing_timeout=None)
     if not pred:
         return 0.0, None

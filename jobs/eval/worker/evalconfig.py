@@ -4,7 +4,8 @@ The eval-config file (format in :mod:`ckpteval.jobs.eval.worker.main`) is read b
 command that takes one: ``ckpteval worker --eval-config``, ``ckpteval train --eval-config`` (and the trainer
 library, :mod:`ckpteval.jobs.trainer.session`), ``ckpteval backfill --from-run ... --eval-config`` and
 ``ckpteval submit`` on the submit host. Paths in it are relative to the file: JSONL datasets are copied into
-``RUN/data/<name>.jsonl`` (:func:`install_eval_data`), an ``lm_eval`` entry's ``include_path`` is made absolute
+``RUN/data/<name>.jsonl`` (:func:`install_eval_data`; a ``{"catalog": NAME}`` entry is made whole first and its
+vendored rows rendered with its template: :mod:`ckpteval.jobs.eval.catalog`), an ``lm_eval`` entry's ``include_path`` is made absolute
 (its task configs stay where they are).
 
 Guarantee: everything is validated before anything is written, and ``run.json`` is written last (first
@@ -22,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpteval.coord.atomic import dumps, publish_exclusive, read_json_object, write_bytes_atomic
+from ckpteval.coord.entries.catalog import CatalogEntry
 from ckpteval.coord.entries.rows import subset_rows
 from ckpteval.coord.run.manifest import EvalSpec, Fields, LeaseSettings, RunManifest, parse_manifest
 from ckpteval.coord.run.rundir import RunDir
+from ckpteval.jobs.eval.catalog.expand import expand_entry, rendered_rows
 from ckpteval.jobs.eval.kinds.generate.evalsets import load_entry_rows
 
 
@@ -58,6 +61,8 @@ def read_eval_config(config_path: Path) -> EvalConfig:
     for i, ds in enumerate(eval_section.get("datasets") or []):
         if not isinstance(ds, dict):
             continue
+        if "catalog" in ds:  # a catalog benchmark: its settings and vendored rows (jobs/eval/catalog)
+            ds = eval_section["datasets"][i] = expand_entry(ds, f"{config_path}: field eval.datasets[{i}]")
         if isinstance(ds.get("path"), str) and isinstance(ds.get("name"), str):
             src = Path(ds["path"])
             sources[ds["name"]] = src = src if src.is_absolute() else config_path.parent / src
@@ -77,6 +82,11 @@ def read_eval_config(config_path: Path) -> EvalConfig:
             want = len(subset_rows(len(rows), spec))
         except ValueError as e:
             raise ValueError(f"{config_path}: {e} ({src})") from None
+        if isinstance(spec, CatalogEntry):
+            try:
+                rendered_rows(spec)  # a template that cannot render is refused before anything is written
+            except ValueError as e:
+                raise ValueError(f"{config_path}: {e}") from None
         if want != spec.n_prompts:
             raise ValueError(f"{config_path}: dataset {name!r} file {src} has {len(rows)} rows, n_prompts says "
                              f"{spec.n_prompts}{'' if spec.subset is None else f' (subset {spec.subset})'}")
@@ -143,7 +153,9 @@ def _rows_of(config_path: Path, i: int, ds: dict[str, Any], src: Path) -> Any:
 def install_eval_data(run: RunDir, config: EvalConfig) -> None:
     """Copy the config's JSONL datasets into ``RUN/data/<name>.jsonl`` (atomic per file)."""
     for name, src in config.sources.items():
-        write_bytes_atomic(run.data / f"{name}.jsonl", src.read_bytes())
+        entry = config.spec.entries[[e.name for e in config.spec.entries].index(name)]
+        data = rendered_rows(entry) if isinstance(entry, CatalogEntry) else src.read_bytes()
+        write_bytes_atomic(run.data / f"{name}.jsonl", data)
 
 
 def create_run_from_config(run_dir: Path, config_path: Path, roots: tuple[Path, ...]) -> RunDir:

@@ -44,6 +44,9 @@ class CodeOptions:
     """Address-space limit of each process of a program, MiB."""
     prepend_prompt: bool = False
     """Put the row's prompt text before the extracted code (HumanEval-style continuations)."""
+    prepend_field: str | None = None
+    """Put this field of the row before the extracted code: HumanEval's ``prompt`` (its imports and signature)
+    in a chat form, where the text sent to the engine is the rendered chat, not the row's prompt."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
@@ -188,6 +191,7 @@ class CodeScorer(BaseScorer):
         opts: CodeOptions = self.options
         return {"name": "code", "sandbox": self.mode, "timeout_s": opts.timeout_s, "memory_mb": opts.memory_mb,
                 "prepend_prompt": opts.prepend_prompt, "harness": HARNESS_VERSION, "judge": JUDGE,
+                **({"prepend_field": opts.prepend_field} if opts.prepend_field else {}),
                 **self.sandbox.bounds(self.limits)}
 
     def score(self, samples: list[Sample]) -> list[Scored]:
@@ -203,6 +207,8 @@ class CodeScorer(BaseScorer):
         code = extract_code(sample.completion)
         if self.options.prepend_prompt:
             code = sample.prompt + code
+        if self.options.prepend_field:
+            code = f"{sample.row.get(self.options.prepend_field) or ''}\n{code}"
         tests = row_tests(sample.row, f"dataset {self.spec.name!r} sample {index}")
         if isinstance(tests, tuple):
             jobs.extend((code, i.encode()) for i in tests[0])
