@@ -32,6 +32,7 @@ from ckpteval.coord.results.engine_identity import differing_fields, parse_ident
 from ckpteval.coord.results.files import Result, skip_result
 from ckpteval.coord.run.identity import run_key, version_matches, version_runs, version_step
 from ckpteval.coord.run.manifest import RunManifest
+from ckpteval.coord.work.grants import topups
 from ckpteval.coord.work.units import WorkUnit, check_score_count, prompt_range, units_for_step
 
 
@@ -149,14 +150,16 @@ def prompt_major(spec: SamplesEntry, units: list[Result]) -> PromptMajor:
         check_score_count(spec, r.unit, len(r.scores))
     with_answers = all(len(r.answers) == len(r.scores) for r in units)
     with_cut = all(len(r.truncated) == len(r.scores) for r in units)
-    if spec.sample_parts == 1:
+    by_shard: dict[int, list[Result]] = {}  # a shard's sample ranges in order: split parts, then granted top-ups
+    for r in units:
+        by_shard.setdefault(r.unit.shard, []).append(r)
+    if all(len(parts) == 1 for parts in by_shard.values()):
         return PromptMajor([s for r in units for s in r.scores], [v for r in units for v in r.weight_versions],
                            [a for r in units for a in r.answers] if with_answers else None,
                            [c for r in units for c in r.truncated] if with_cut else None)
     out = PromptMajor([], [], [] if with_answers else None, [] if with_cut else None)
-    for first in range(0, len(units), spec.sample_parts):
-        parts = units[first : first + spec.sample_parts]
-        for p in range(len(prompt_range(spec, parts[0].unit.shard))):
+    for shard, parts in by_shard.items():
+        for p in range(len(prompt_range(spec, shard))):
             for r in parts:
                 w = len(r.unit.sample_range(spec.n_samples))
                 out.scores.extend(r.scores[p * w : (p + 1) * w])
@@ -168,13 +171,13 @@ def prompt_major(spec: SamplesEntry, units: list[Result]) -> PromptMajor:
     return out
 
 
-def dataset_score(spec: SamplesEntry, key: str, step: int, shards: list[Result]) -> DatasetScore:
+def dataset_score(spec: SamplesEntry, key: str, step: int, shards: list[Result], n_samples: int | None = None) -> DatasetScore:
     """Every metric of one dataset at one step from its units' results (in :meth:`~ckpteval.coord.entries.Entry.units`
-    order), pooled per prompt (:func:`prompt_major`)."""
+    order, then any granted top-ups: ``n_samples`` per prompt in all), pooled per prompt (:func:`prompt_major`)."""
     pooled = prompt_major(spec, shards)
     scores, versions = pooled.scores, pooled.versions
     mean_v, mixed = _version_stats(key, step, versions)
-    n = spec.n_samples
+    n = n_samples or spec.n_samples
     threshold = spec.pass_threshold
     prompts = [scores[i : i + n] for i in range(0, len(scores), n)]
     derived: dict[str, float] = {}
@@ -209,16 +212,23 @@ def _attested(shards: list[Result]) -> float:
 
 
 def point_fidelity(done: list[Result]) -> dict[str, float]:
-    """The worst canary comparison of a point's units: the largest ``max_abs_logprob_diff``, the smallest
-    ``argmax_agreement``, ``flagged`` 1 if any unit was over the threshold and kept ({} when no unit
-    compared a canary)."""
+    """The worst comparison of a point's units: the canary's largest ``max_abs_logprob_diff``, smallest
+    ``argmax_agreement``, ``flagged`` 1 if any unit was over the threshold and kept; and each other field (the
+    cross-engine check's, ``cross_engine/...``) at its worst: the smallest ``agree``/``agreement``, else the largest
+    ({} when no unit compared)."""
     compared = [r.fidelity for r in done if r.fidelity]
-    if not compared:
-        return {}
-    worst = {"max_abs_logprob_diff": max(f["max_abs_logprob_diff"] for f in compared),
-             "argmax_agreement": min(f["argmax_agreement"] for f in compared)}
-    if any("flagged" in f for f in compared):  # eval.canary.on_fail flag: 1 when a unit was over the threshold
-        worst["flagged"] = max(f.get("flagged", 0.0) for f in compared)
+    canary = [f for f in compared if "max_abs_logprob_diff" in f]
+    worst: dict[str, float] = {}
+    if canary:
+        worst = {"max_abs_logprob_diff": max(f["max_abs_logprob_diff"] for f in canary),
+                 "argmax_agreement": min(f["argmax_agreement"] for f in canary)}
+    if any("flagged" in f for f in canary):  # eval.canary.on_fail flag: 1 when a unit was over the threshold
+        worst["flagged"] = max(f.get("flagged", 0.0) for f in canary)
+    for f in compared:
+        for key, value in f.items():
+            if "/" in key:  # a named comparison (cross_engine/<dataset>/<engines>/<field>)
+                pick = min if key.endswith(("/agree", "/agreement")) else max
+                worst[key] = value if key not in worst else pick(worst[key], value)
     return worst
 
 
@@ -294,6 +304,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
     """
     key = run_key(manifest)
     units = units_for_step(manifest, step)
+    given = results
     results = {u: _attributed(results[u], key) for u in units if u in results}
     done = [results[u] for u in units if u in results]
     skips: dict[str, int] = {}
@@ -302,6 +313,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
             skips[r.skip_reason or "unknown"] = skips.get(r.skip_reason or "unknown", 0) + 1
     datasets, mixed, metrics = {}, [], {}
     mixed_engines: dict[str, tuple[str, ...]] = {}
+    granted: list[Result] = []
     for entry in manifest.eval.entries:
         if not entry.due(step):
             continue
@@ -315,7 +327,10 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
             if differ := engines_differ(mine):  # type: ignore[arg-type]
                 mixed_engines[entry.name] = differ
                 continue
-            datasets[entry.name] = dataset_score(entry, key, step, mine)  # type: ignore[arg-type]
+            extra = topups(entry.n_samples, step, entry.name, given, entry.n_shards)  # granted samples (coord.work.grants)
+            granted += extra
+            n = max([entry.n_samples] + [r.unit.sample_stop for r in extra])
+            datasets[entry.name] = dataset_score(entry, key, step, mine + [_attributed(r, key) for r in extra], n)  # type: ignore[operator]
     complete = len(done) == len(units)
     return Point(
         metrics=metrics,
@@ -327,7 +342,7 @@ def derive_point(manifest: RunManifest, step: int, results: dict[WorkUnit, Resul
         units_done=len(done),
         completed_at=max((r.written_at for r in done), default=None) if complete else None,
         mixed_scorers=tuple(mixed),
-        cost=point_cost(done),
+        cost=point_cost(done + granted),
         fidelity=point_fidelity(done),
         replays=replay_facts(manifest, step, results),
         mixed_engines=mixed_engines,

@@ -14,6 +14,7 @@ own. Layout::
     RUN/lost/             <step>.json per foreign save seen but rotated away before admission (ckpteval.coord.snapshots.discovery)
     RUN/best/<metric>.json  per metric: the best step and the steps not distinguishable from it (ckpteval.jobs.decide)
     RUN/until.json        backfill --until: the condition, the first passing step, the steps evaluated
+    RUN/grants.jsonl      adaptive evaluation's added units and why (ckpteval.coord.work.grants)
     RUN/ledger.jsonl      the trainer's append-only dispatch/ingest record (ckpteval.coord.run.ledger)
     RUN/metrics.jsonl     every metric the trainer logged
     RUN/data/             eval-set JSONL files referenced by run.json

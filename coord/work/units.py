@@ -8,17 +8,24 @@ the entries due at it; an entry that is not due has none there (it is not skippe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ckpteval.coord.entries import SamplesEntry, scored_per_sample
 from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.work.workunit import WorkUnit
 
+if TYPE_CHECKING:
+    from ckpteval.coord.work.grants import Grants
 
-def units_for_step(manifest: RunManifest, step: int) -> list[WorkUnit]:
+
+def units_for_step(manifest: RunManifest, step: int, grants: Grants | None = None) -> list[WorkUnit]:
     """Every unit of one eval point: the units of each entry due at ``step`` (:meth:`Entry.units`), in
     run.json order, then its replays (:func:`replay_units`; scored apart, never pooled into the point). An
     entry with ``every`` > 1 has no units at the steps it is not due (it is not skipped there: it is simply
-    not part of that point)."""
-    return [u for e in manifest.eval.entries if e.due(step) for u in e.units(step)] + replay_units(manifest, step)
+    not part of that point). With ``grants`` (adaptive evaluation, :mod:`ckpteval.coord.work.grants`), the
+    units granted to the step come last."""
+    granted = grants.units(manifest, step) if grants is not None else []
+    return [u for e in manifest.eval.entries if e.due(step) for u in e.units(step)] + replay_units(manifest, step) + granted
 
 
 def replay_units(manifest: RunManifest, step: int) -> list[WorkUnit]:

@@ -35,6 +35,7 @@ from ckpteval.coord.results.scorings import scoring_results
 from ckpteval.coord.run.identity import run_key, version_matches
 from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.work.grants import topups
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,10 @@ class RunValues:
         if replay and not all(version_matches(v, key, step) for r in mine for v in r.weight_versions):  # type: ignore[union-attr]
             raise ValueError(f"{self.run.path}: replay {replay} of step {step} was not all produced by step {step}'s "
                              "weights: not a replay of that point")
-        pooled = prompt_major(spec, mine)  # type: ignore[arg-type]
+        extra = [] if replay else topups(spec.n_samples, step, spec.name, self.results, spec.n_shards)  # granted samples
+        pooled = prompt_major(spec, mine + extra)  # type: ignore[arg-type, operator]
         scores, answers = pooled.scores, pooled.answers
-        n = spec.n_samples
+        n = max([spec.n_samples] + [r.unit.sample_stop for r in extra])
         groups = [scores[i : i + n] for i in range(0, len(scores), n)]
         if metric.kind in ("pass", "pass^"):
             estimate = pass_at_k if metric.kind == "pass" else pass_hat_k

@@ -25,6 +25,7 @@ from typing import Literal
 
 from ckpteval.coord.results.conditions import parse_condition
 from ckpteval.jobs.flags import check_bounds, nested, option
+from ckpteval.jobs.trainer.adaptive.policy import parse_adaptive
 from ckpteval.jobs.trainer.plateau import parse_plateau
 
 OverflowPolicy = Literal["backpressure", "skip"]
@@ -79,6 +80,10 @@ class DispatchConfig:
     stop_plateau: str | None = option(None, flag="--eval-stop-plateau", metavar="RULE", group=EVAL)
     """finish training cleanly once no point of the last N beats the best before them by its MDE, e.g.
     'eval/addition over 5' (optionally 'alpha 0.05': the false-stop error, spent across looks)"""
+    adaptive: str | None = option(None, flag="--eval-adaptive", metavar="SPEC", group=EVAL)
+    """spend more samples where a decision is still open (candidate best steps, steps near the
+    --eval-stop-when target), e.g. 'eval/gsm8k mde 0.03 max-samples 32 budget 0.1' (budget: a fraction of
+    training's GPU-seconds, or 'budget 600s' GPU-seconds per point)"""
     overflow_policy: OverflowPolicy = option("backpressure", flag="--eval-overflow-policy", group=EVAL)
     """when too many points are in flight: wait for the fleet (backpressure) or skip the point (skip)"""
     fleet: Fleet = option("attached", flag="--eval-fleet", group=EVAL)
@@ -110,6 +115,8 @@ class DispatchConfig:
                              "eval/<dataset>[/...]")
         if self.stop_when is not None:
             parse_condition(self.stop_when, "--eval-stop-when")
+        if self.adaptive is not None:
+            parse_adaptive(self.adaptive, "--eval-adaptive")
         if self.stop_plateau is not None:
             parse_plateau(self.stop_plateau, "--eval-stop-plateau")
         if self.fleet == "none" and self.mode != "reuse":

@@ -36,10 +36,13 @@ from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.gc import StagingGC, has_room
 from ckpteval.coord.snapshots.saves import shards_present
 from ckpteval.coord.snapshots.snapshot import mark_complete, read_marker, snapshot_path
+from ckpteval.coord.work.grants import Grants
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.proof.canary import TrainerCanary
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
+from ckpteval.jobs.trainer.adaptive.policy import parse_adaptive
+from ckpteval.jobs.trainer.adaptive.spend import AdaptiveSpender
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
@@ -84,6 +87,7 @@ class EvalDispatcher:
         cache: DatasetCache | None = None,
         stop_when: Condition | None = None,
         plateau: PlateauRule | None = None,
+        adaptive: AdaptiveSpender | None = None,
         clock: Callable[[], float] = time.monotonic,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -97,6 +101,8 @@ class EvalDispatcher:
         self.should_stop = should_stop  # a stop signal arrived: every wait ends at once
         self.stop_when = stop_when  # --eval-stop-when: a point meeting it asks training to end
         self.plateau = plateau  # --eval-stop-plateau: a plateau over the last N points asks training to end
+        self.adaptive = adaptive  # --eval-adaptive: grants more samples where a decision is open
+        self.grants = adaptive.grants if adaptive is not None else None
         self._history: dict[int, PointValue] = {}  # retired step -> the plateau metric's value and stderr
         self.stop_requested: int | None = min(ledger.state.stop_requested, default=None)  # that point's step
         self.step = 0  # the trainer's latest step seen
@@ -136,10 +142,12 @@ class EvalDispatcher:
         cache = None if shared is None else shared.attach(run, manifest)
         stop_when = None if config.stop_when is None else parse_condition(config.stop_when, "--eval-stop-when")
         plateau = None if config.stop_plateau is None else parse_plateau(config.stop_plateau, "--eval-stop-plateau")
+        adaptive = None if config.adaptive is None else AdaptiveSpender(
+            parse_adaptive(config.adaptive, "--eval-adaptive"), manifest, Grants.of(run.path), stop_when)
         gpus = config.trainer_gpus if config.trainer_gpus is not None else trainer_gpus()
         dispatcher = cls(config, run, manifest, sink, ledger, root=root, canary=canary,
                          training=TrainingClock(gpus, ledger.state, clock), exporter=exporter, gc=gc,
-                         shared=shared, cache=cache, stop_when=stop_when, plateau=plateau, clock=clock, should_stop=should_stop)
+                         shared=shared, cache=cache, stop_when=stop_when, plateau=plateau, adaptive=adaptive, clock=clock, should_stop=should_stop)
         dispatcher._replay()
         return dispatcher
 
@@ -342,7 +350,7 @@ class EvalDispatcher:
 
     # -- ingestion -------------------------------------------------------------------------------------
     def _results_for(self, step: int) -> dict[WorkUnit, Result]:
-        return {u: r for u in units_for_step(self.manifest, step) if (r := self.index.get(u)) is not None}
+        return {u: r for u in units_for_step(self.manifest, step, self.grants) if (r := self.index.get(u)) is not None}
 
     def _derive(self, step: int) -> Point:
         self.index.refresh(only_steps={step})
@@ -359,6 +367,8 @@ class EvalDispatcher:
 
     def _ingest(self, step: int, give_up: bool = False) -> None:
         """One point through :func:`ckpteval.jobs.ingest.ingest_point`; then retire it (and collect) if complete."""
+        if self.adaptive is not None and not give_up and self._held(self.adaptive, step):
+            return
         record = self.ledger.state.dispatched.get(step, {})
         extra = {f"eval/{key}": record[key] for key in RECORDED_TIMES if isinstance(record.get(key), int | float)}
         # a resumed trainer restarts below steps its previous incarnation dispatched: a point that lands
@@ -373,6 +383,18 @@ class EvalDispatcher:
             self.ledger.append("retired", step)
             if self.gc is not None:
                 self.gc.collect(self.ledger.state.retired, self._best_steps())
+
+    def _held(self, adaptive: AdaptiveSpender, step: int) -> bool:
+        """``--eval-adaptive``: a complete point waits while units granted to it are out, or when the look its
+        completion makes grants it more (a retired step may be granted more too, while its snapshot is there)."""
+        if not self._derive(step).complete:
+            return False
+        if adaptive.outstanding(step, self._results_for(step)):
+            return True
+        steps = (self.ledger.state.retired | {step}) - set(self.ledger.state.skipped)
+        self.index.refresh(only_steps=steps)
+        made = adaptive.spend({s: self._results_for(s) for s in steps}, self.ledger.state, self._snapshot_published)
+        return any(g.step == step for g in made)
 
     def _check_stop_when(self, step: int, point: Point) -> None:
         """``--eval-stop-when`` or ``--eval-stop-plateau``: record (ledger ``stop_requested``) the first point

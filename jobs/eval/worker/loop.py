@@ -25,6 +25,7 @@ from ckpteval.coord.snapshots.discovery import CAPTURED, SnapshotDiscovery, Snap
 from ckpteval.coord.snapshots.gc import CaptureGC
 from ckpteval.coord.snapshots.snapshot import Marker, VerifiedSnapshots, producer_identity, snapshot_path
 from ckpteval.coord.work.claims import Claim, UnitClaimer, order_units
+from ckpteval.coord.work.grants import GRANTS_FILE, Grants
 from ckpteval.coord.work.steps import run_step_selection
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.kinds.generate.tokenizer_files import TokenizerMissing, has_tokenizer
@@ -82,6 +83,7 @@ class Worker:
         }
         self.refs: dict[int, SnapshotRef] = {}
         self.settled: set[int] = set()
+        self.grants = Grants(self.rundir.path / GRANTS_FILE)  # adaptive evaluation's added units (coord.work.grants)
         self.written = 0
         self.training_done = False  # as of the last poll
         self.stop_signal: int | None = None
@@ -148,6 +150,9 @@ class Worker:
                 self._warn_once(f"{d.discovery.root}:{key}", line)
         self.refs.update(current)  # a vanished snapshot keeps its ref: its units become ckpt_missing
         steps = self._steps()
+        seen = self.grants.version
+        if self.grants.refresh().version != seen:  # new grants reopen their steps
+            self.settled -= set(self.grants.by_step)
         results = self._refresh(steps)
         self._forget_finished(results)
         for name, why in self.index.errors.items():
@@ -204,7 +209,7 @@ class Worker:
         return snapshot_path(root, step, str(record.get("mode", "staging")))
 
     def _open_units(self, step: int, results: dict[WorkUnit, Result]) -> list[WorkUnit]:
-        units = [u for u in units_for_step(self.manifest, step)
+        units = [u for u in units_for_step(self.manifest, step, self.grants)
                  if u not in results or self.policy.to_retry(u, results[u]) or self._tokenizer_found(u, results[u])]
         if not units:
             self.settled.add(step)

@@ -1,0 +1,171 @@
+"""Adaptive evaluation under a GPU budget (#40): grants (``RUN/grants.jsonl``) add samples to a step as ordinary
+units, a point pools them as if they had been asked for up front, and the dispatcher spends them where the
+decision is still open (``--eval-adaptive``), recording why."""
+
+from __future__ import annotations
+
+import json
+import threading
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckpteval.coord.results.files import ResultIndex, ok_result, write_result
+from ckpteval.coord.results.points import derive_point, point_metrics
+from ckpteval.coord.run.manifest import EvalSpec, LeaseSettings, RunManifest, save_manifest
+from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
+from ckpteval.coord.work.grants import GRANTS_FILE, Grant, Grants
+from ckpteval.coord.work.units import shard_range, unit_samples, units_for_step
+from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
+from ckpteval.jobs.eval.worker.options import WorkerOptions
+from ckpteval.jobs.lifecycle import EXIT_DONE
+from ckpteval.jobs.reference.train.main import main
+from ckpteval.jobs.trainer.adaptive.policy import AdaptiveSettings, StepValues, open_steps, parse_adaptive
+from tests.support.training import eval_lines, make_train_run
+from tests.support.workers import publish_model, run_inprocess
+
+STEP = 3
+SEED_FN = "fn:tests.support.workers:SeedBackend"
+
+
+def _seeded_run(tmp: Path, name: str, n_samples: int, grant: tuple[int, int] | None) -> dict[str, float]:
+    """5 prompts (shards of 2) x ``n_samples`` at temperature 1.5, plus a grant of samples ``grant``; one real worker
+    (in this process) claims every unit, granted ones included, through the leases; the point's metrics."""
+    run = RunDir.create(tmp / name)
+    spec = write_addition_dataset(run, n=5, shard_size=2, n_samples=n_samples, temperature=1.5, pass_k=(1, 2))
+    manifest = RunManifest(run_id="adaptive", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),),
+                           lease=LeaseSettings(30.0, 5.0))
+    run = RunDir.create(run.path, manifest)
+    if grant is not None:
+        Grants.of(run.path).append(Grant(STEP, "addition", grant[0], grant[1], "test: more samples"))
+    publish_model(tmp, run.snapshots, STEP, seed=0)
+    code, _ = run_inprocess(WorkerOptions(run_dir=run.path, engines=(SEED_FN,), once=True, poll_interval_s=0.1),
+                            out=lambda _line: None)
+    assert code == EXIT_DONE
+    results = ResultIndex(run.results).refresh()
+    assert all(r.ok for r in results.values()) and (run.leases / "step-0000000003").is_dir()
+    point = derive_point(manifest, STEP, results)
+    assert point.complete
+    return {"_units": len(results), **point_metrics(point)}
+
+
+def test_granted_samples_pool_into_the_point_as_if_asked_for_up_front(tmp_path: Path) -> None:
+    whole = _seeded_run(tmp_path, "whole", 4, None)
+    granted = _seeded_run(tmp_path, "granted", 2, (2, 4))
+    base = _seeded_run(tmp_path, "base", 2, None)
+    assert (whole["_units"], granted["_units"], base["_units"]) == (3, 6, 3)
+    for key in ("eval/addition", "eval/addition/stderr", "eval/addition/pass@1", "eval/addition/pass@2",
+                "eval/addition/maj@4"):
+        assert granted[key] == whole[key], key
+    assert base["eval/addition"] != whole["eval/addition"]  # the grant is what made the difference
+    assert "eval/addition/maj@4" not in base
+
+
+def test_the_grants_file_is_read_back_and_a_bad_line_names_its_place(tmp_path: Path) -> None:
+    grants = Grants.of(tmp_path)
+    grants.append(Grant(10, "addition", 4, 8, "candidate best"))
+    again = Grants.of(tmp_path)
+    assert again.samples(10, "addition") == 8 and again.by_step[10][0].reason == "candidate best"
+    with open(tmp_path / GRANTS_FILE, "a") as f:
+        f.write('{"step": 11, "dataset": "addition", "samples": [8, 4]}\n{"step": 12')  # a bad range; a torn tail
+    with pytest.raises(ValueError, match=rf"{GRANTS_FILE}:2: grant field samples"):
+        Grants.of(tmp_path)
+
+
+def test_units_of_a_step_include_its_grants_one_per_shard(tmp_path: Path) -> None:
+    run = RunDir.create(tmp_path / "r")
+    spec = write_addition_dataset(run, n=5, shard_size=2, n_samples=2, temperature=1.0)
+    manifest = RunManifest(run_id="u", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),))
+    grants = Grants.of(run.path)
+    grants.append(Grant(7, "addition", 2, 6, "why"))
+    units = units_for_step(manifest, 7, grants)
+    assert [u.id for u in units[3:]] == [f"0000000007.addition.{s:05d}.s00002-00006" for s in range(3)]
+    assert units_for_step(manifest, 8, grants) == units_for_step(manifest, 8)
+
+
+def test_the_policy_opens_candidates_and_leaves_far_behind_steps_alone() -> None:
+    rng = np.random.default_rng(1)
+    per_prompt = rng.uniform(0.2, 0.8, 60)
+
+    def step(s: int, shift: float, samples: int = 2) -> StepValues:
+        return StepValues(s, rng.binomial(samples, np.clip(per_prompt + shift, 0, 1)) / samples, samples)
+
+    points = [step(10, -0.5), step(20, 0.0), step(30, 0.01), step(40, 0.0, samples=8)]
+    wants = {w.step: w for w in open_steps(AdaptiveSettings("addition", 0.02), points, cap=8)}
+    assert 10 not in wants  # far behind the best: decided
+    assert 40 not in wants or wants[40].add == 0  # at the cap: nothing to add
+    best = max(points, key=lambda p: p.values.mean()).step
+    assert best in wants and "best step" in wants[best].reason or "candidate best" in wants[best].reason
+    assert all(w.add == 2 for s, w in wants.items() if s != 40) and any("candidate best" in w.reason for w in wants.values())
+    loose = open_steps(AdaptiveSettings("addition", 0.9), points, cap=8)  # every MDE under a loose target: decided
+    assert loose == []
+
+
+def test_the_settings_parse_and_refuse_with_one_line() -> None:
+    s = parse_adaptive("eval/gsm8k mde 0.03 max-samples 32 budget 0.1", "F")
+    assert (s.dataset, s.mde, s.max_samples, s.fraction, s.gpu_s_per_point) == ("gsm8k", 0.03, 32, 0.1, None)
+    assert parse_adaptive("eval/a mde 0.05 budget 600s", "F").gpu_s_per_point == 600
+    for bad in ("eval/a", "eval/a mde 2", "eval/a mde 0.1 max-samples 1", "a mde 0.1", "eval/a mde 0.1 budget 0"):
+        with pytest.raises(ValueError, match="^--eval-adaptive"):
+            parse_adaptive(bad, "--eval-adaptive")
+
+
+MEANS = {0: 0.0, 5: 0.0, 10: 0.5, 15: 0.52, 20: 0.1}  # steps 10 and 15: the open decision; 0, 5, 20 decided
+
+
+def _sample(step: int, prompt: int, sample: int) -> float:
+    """A scripted engine: sample j of prompt i at step s is right with probability MEANS[s] (a hash of (s, i, j))."""
+    return float(zlib.crc32(f"{step}:{prompt}:{sample}".encode()) % 1000 < 1000 * MEANS.get(step, 0.0))
+
+
+def _fleet(run: RunDir, stop: threading.Event) -> None:
+    """Score every open unit of every published step, granted ones included (read from RUN/grants.jsonl)."""
+    manifest, grants = run.manifest(), Grants.of(run.path)
+    discovery, steps = SnapshotDiscovery(Path(manifest.snapshot_roots[0])), set()
+    index = ResultIndex(run.results, manifest)
+    while not stop.is_set():
+        steps |= {ref.step for ref in discovery.poll()}
+        grants.refresh()
+        index.refresh()
+        for step in sorted(steps):
+            for unit in units_for_step(manifest, step, grants):
+                if index.get(unit) is None:
+                    scores = [_sample(step, i, j) for i in shard_range(manifest, unit) for j in unit_samples(manifest, unit)]
+                    write_result(run.results, ok_result(unit, scores, [str(step)] * len(scores)))
+        stop.wait(0.05)
+
+
+def test_the_trainer_spends_samples_where_the_decision_is_open_and_says_why(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "run"
+    run, _ = make_train_run(run_dir, eval_interval=5, eval_n_prompts=40, eval_shard_size=20,
+                            eval_max_in_flight=4, eval_keep_snapshots=6)
+    manifest = run.manifest()
+    spec = replace(manifest.eval.entries[0], n_samples=2, temperature=1.0)
+    save_manifest(run.manifest_path, replace(manifest, eval=replace(manifest.eval, entries=(spec,))))
+    stop = threading.Event()
+    fleet = threading.Thread(target=_fleet, args=(run, stop), daemon=True)
+    fleet.start()
+    try:
+        code = main(["--run-dir", str(run_dir), "--resume", "--steps", "20", "--batch-size", "8", "--no-progress",
+                     "--eval-interval", "5", "--eval-poll-interval", "0", "--eval-max-in-flight", "4",
+                     "--eval-keep-snapshots", "6", "--eval-adaptive", "eval/addition mde 0.05 max-samples 8"])
+    finally:
+        stop.set()
+        fleet.join(5)
+    assert code == 0
+    records = [json.loads(line) for line in (run.path / GRANTS_FILE).read_text().splitlines()]
+    granted = {r["step"] for r in records}
+    assert granted == {10, 15}, records  # steps 0 and 5 tie with no spread; step 20 came in far behind
+    assert all("candidate best" in r["reason"] or "best step" in r["reason"] for r in records)
+    reach = {s: max(r["samples"][1] for r in records if r["step"] == s) for s in granted}
+    assert reach[10] == reach[15] == 8, reach  # the open pair doubled to the cap: 2 -> 4 -> 8
+    logged = {int(m["eval/step"]): m for m in eval_lines(run_dir)}
+    results = ResultIndex(run.results, run.manifest()).refresh()
+    for step in (15, 20):  # a held point is logged once its grants landed: pooled, as status derives it
+        point = point_metrics(derive_point(run.manifest(), step, results))
+        assert logged[step]["eval/addition"] == point["eval/addition"]
+    assert logged[15]["eval/addition/stderr"] > 0
