@@ -69,8 +69,14 @@ class CanarySettings:
     on_fail: str = "skip"
     """``skip``: the unit is skipped ``canary_failed`` (never a scored point); ``flag``: it is scored and
     the failure only logged (``eval/fidelity/flagged``, a line on the worker's stderr)."""
+    cross_engine: int = 0
+    """The cross-engine check on demand: the first N prompts of the first generate entry (the same at every step),
+    answered greedy on each loaded snapshot by the worker's engine and by the in-process transformers engine;
+    agreement and max |Δ log-prob| logged as ``eval/fidelity/cross_engine/<dataset>/<engines>/*``. 0: off."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.cross_engine, bool) or not isinstance(self.cross_engine, int) or self.cross_engine < 0:
+            raise FieldError("cross_engine", f"must be a whole number of prompts >= 0, got {self.cross_engine!r}")
         if self.max_abs_logprob_diff is not None and not (
             math.isfinite(self.max_abs_logprob_diff) and self.max_abs_logprob_diff >= 0
         ):

@@ -1,7 +1,10 @@
 """The shared-engine posture: evaluate on the trainer's own engine without aborting anything (:class:`ProducerGate`).
 
-Limits: a producer that calls the engine without ``gate.submission()`` is not gated; the gate is not reentrant
-(``RuntimeError`` instead of a deadlock). See docs/USER_GUIDE.md "Postures".
+On a server other processes also send rollouts to (a vLLM rollout server: :class:`~ckpteval.jobs.eval.engines.base.PausesRequests`)
+the weight swap is also gated server-side (:func:`server_paused`): pause (``keep``), reload, stamp, read back,
+checksum, resume, then generate. Limits: a producer that calls the engine without ``gate.submission()`` is not
+gated in-process; requests the server froze go on during the eval, on the snapshot's weights; the gate is not
+reentrant (``RuntimeError`` instead of a deadlock). See docs/USER_GUIDE.md "Postures", "vLLM-based trainers".
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.snapshot import producer_identity
 from ckpteval.coord.work.units import WorkUnit, units_for_step
-from ckpteval.jobs.eval.engines.base import Engine, EngineError, engine_identity
+from ckpteval.jobs.eval.engines.base import Engine, EngineError, PausesRequests, engine_identity
 from ckpteval.jobs.eval.kinds.evaluate import Evaluation, evaluate_pinned, unit_result
 from ckpteval.jobs.eval.kinds.generate.prompts import NoChatTemplate
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
@@ -135,8 +138,9 @@ def shared_eval(
     done: list[tuple[WorkUnit, Evaluation | Result]] = []
     with gate.paused(drain_timeout_s, should_stop):
         try:
-            pin(engine, snapshot, version, reload=True)
-            attestation = attest_dir(engine, Path(snapshot_dir), run)
+            with server_paused(engine):
+                pin(engine, snapshot, version, reload=True)
+                attestation = attest_dir(engine, Path(snapshot_dir), run)
             identity = engine_identity(engine)
             for unit in units:
                 try:
@@ -155,6 +159,20 @@ def shared_eval(
             timings={"generate_s": out.generate_s, "attest_s": attestation.seconds, "point_s": elapsed})
         for u, out in done
     ])
+
+
+@contextlib.contextmanager
+def server_paused(engine: Engine) -> Iterator[None]:
+    """Freeze the requests a shared server holds while the block swaps its weights (nothing aborted), then let
+    them go on, also when the block fails; nothing for an engine without a server-side pause."""
+    if not isinstance(engine, PausesRequests):
+        yield
+        return
+    engine.pause_requests()
+    try:
+        yield
+    finally:
+        engine.resume_requests()
 
 
 @dataclass

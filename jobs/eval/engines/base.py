@@ -241,6 +241,17 @@ class TeacherForced(Protocol):
 
 
 @runtime_checkable
+class PausesRequests(Protocol):
+    """A server shared with a trainer's rollout clients (the shared posture, :func:`ckpteval.jobs.trainer.gate.shared_eval`).
+    Promises: ``pause_requests()`` freezes every request the server holds or receives, aborting none, while
+    loads, version stamps and checksums still run; ``resume_requests()`` lets them go on."""
+
+    def pause_requests(self) -> None: ...
+
+    def resume_requests(self) -> None: ...
+
+
+@runtime_checkable
 class ReportsComputeDtype(Protocol):
     """Promises: ``compute_dtype`` is the dtype the engine computes in (``"bfloat16"``...; None: unknown),
     which picks the canary's default bound against the trainer's dtype."""

