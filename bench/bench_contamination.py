@@ -7,7 +7,8 @@ words and a question), ``--eval-rows`` eval rows; among the ``--train-rows`` tra
 and every report that is no plant (false reports). One process, one core. The load average is printed
 first: on a shared machine, numbers mean little when it is high.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_contamination.py [--train-rows 200000] [--eval-rows 500] [--json OUT]
+    PYTHONPATH=. .venv/bin/python bench/bench_contamination.py [--train-rows 200000] [--eval-rows 500] [--procs 2]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def grade(hits: list[Any], plants: dict[int, tuple[int, str]]) -> dict[str, int]
     return {**{f"found_{t}": n for t, n in found.items()}, "false_reports": false}
 
 
-def from_files(evals: list[str], train: list[str], tmp: Path) -> dict[str, float]:
+def from_files(evals: list[str], train: list[str], tmp: Path, procs: int) -> dict[str, float]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -76,10 +77,11 @@ def from_files(evals: list[str], train: list[str], tmp: Path) -> dict[str, float
     jsonl.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in train))
     pq.write_table(pa.table({"prompt": [[{"role": "user", "content": t}] for t in train]}), parquet)
     out = {}
-    for path in (jsonl, parquet):
+    runs = [(jsonl, 1), (parquet, 1)] + ([(jsonl, procs)] if procs > 1 else [])
+    for path, n in runs:
         t0 = time.perf_counter()
-        scan([EvalSet("e", evals)], [path], Settings())
-        out[path.suffix.lstrip(".")] = len(train) / (time.perf_counter() - t0)
+        scan([EvalSet("e", evals)], [path], Settings(), procs=n)
+        out[path.suffix.lstrip(".") + (f", {n} processes" if n > 1 else "")] = len(train) / (time.perf_counter() - t0)
     return out
 
 
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--train-rows", type=int, default=200_000)
     parser.add_argument("--eval-rows", type=int, default=500)
     parser.add_argument("--no-files", action="store_true", help="skip the end-to-end file runs")
+    parser.add_argument("--procs", type=int, default=2, help="also the JSONL run with this many worker processes "
+                        "(1: not)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args(argv)
     print(f"load average {os.getloadavg()}, {os.cpu_count()} cpus")
@@ -104,9 +108,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"ngram {graded['found_ngram']}/10, near {graded['found_near']}/10, false reports {graded['false_reports']}")
     if not args.no_files:
         with tempfile.TemporaryDirectory() as tmp:
-            result["files_rows_per_s"] = from_files(evals, train, Path(tmp))
+            result["files_rows_per_s"] = from_files(evals, train, Path(tmp), args.procs)
         for kind, speed in result["files_rows_per_s"].items():
             print(f"{'all, ' + kind:>12}: {speed:>10,.0f} rows/s  (read from the file, end to end)")
+        if args.procs > 1:
+            procs, one = result["files_rows_per_s"][f"jsonl, {args.procs} processes"], result["files_rows_per_s"]["jsonl"]
+            print(f"ratio {args.procs} processes / 1 (JSONL, all tiers): {procs / one:.2f}")
     base, full = result["tiers"]["exact"]["rows_per_s"], result["tiers"]["all"]["rows_per_s"]
     result["ratio_all_vs_exact"] = full / base
     print(f"ratio all tiers / exact tier alone: {full / base:.2f} ({full:,.0f} vs {base:,.0f} training rows/s)")

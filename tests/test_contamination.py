@@ -72,6 +72,18 @@ def test_planted_overlaps_are_found_each_by_its_tier_and_no_clean_row_is_reporte
     assert record["train_rows"] == len(CLEAN)
 
 
+def test_worker_processes_find_what_one_process_finds(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    files = planted_data(tmp_path)
+    args = [str(run.path), *(a for f in files for a in ("--train", str(f)))]
+    assert main(args) == 0
+    one = read_matches(run.path)
+    assert main([*args, "--procs", "2", "--force"]) == 0
+    two = read_matches(run.path)
+    assert two["checked_at"] != one["checked_at"] and two["datasets"] == one["datasets"]
+    assert two["sources"] == one["sources"] and len(one["datasets"]["qa"]["matched"]) == len(PLANTED)
+
+
 def test_clean_training_data_reports_nothing(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     clean = write_jsonl(tmp_path / "clean.jsonl", [{"question": p} for p in CLEAN])
@@ -88,6 +100,9 @@ def test_each_tier_alone_finds_only_its_own_overlaps() -> None:
     assert {(h.eval_id, h.train) for h in index.scan(planted, ("ngram",))} == {(0, 0), (1, 1)}
     near = {(h.eval_id, h.train) for h in index.scan(planted, ("near",))}
     assert (2, 2) in near and (1, 1) not in near  # a 15-word span in a longer row is no near-duplicate
+    words = EVAL[3].split()
+    shortened = " ".join(words[: int(len(words) * 0.75)])  # a smaller set, still within the size bound
+    assert [(h.eval_id, h.similarity >= 0.6) for h in index.scan([shortened], ("near",))] == [(3, True)]
 
 
 def test_ngrams_are_lm_eval_janitors() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,8 @@ from ckpteval.coord.entries.env import EnvEntry
 from ckpteval.coord.entries.rows import RowsEntry
 from ckpteval.coord.results.contamination import read_matches, write_matches
 from ckpteval.coord.run.rundir import RunDir
-from ckpteval.jobs.eval.contamination.index import TIERS, EvalIndex, Hit, Settings
+from ckpteval.jobs.eval.contamination.index import TIERS, Hit, Settings
+from ckpteval.jobs.eval.contamination.parallel import scanned
 from ckpteval.jobs.eval.contamination.text import row_text
 from ckpteval.jobs.eval.contamination.train_data import VERIFIERS, Batch, batches, data_files
 from ckpteval.jobs.eval.kinds.env.verifiers_env import taskset_prompts
@@ -93,45 +94,40 @@ def identity(sets: Sequence[EvalSet], files: Sequence[Path], settings: Settings,
     return h.hexdigest()
 
 
-def scan(sets: Sequence[EvalSet], files: Iterable[Path], settings: Settings, tiers: Sequence[str] = TIERS,
-         text_field: str | None = None) -> tuple[dict[str, dict[int, Found]], list[dict[str, Any]]]:
-    """Every eval row's matches in the training ``files`` (per dataset, by row) and each file's row count."""
-    index = EvalIndex(settings)
-    owners: list[tuple[str, int]] = []
-    for s in sets:
-        for row, text in enumerate(s.texts):
-            index.add(text)
-            owners.append((s.name, row))
+def scan(sets: Sequence[EvalSet], files: Sequence[Path], settings: Settings, tiers: Sequence[str] = TIERS,
+         text_field: str | None = None, procs: int = 1) -> tuple[dict[str, dict[int, Found]], list[dict[str, Any]]]:
+    """Every eval row's matches in the training ``files`` (per dataset, by row) and each file's row count;
+    ``procs`` > 1: scanned in that many worker processes (:mod:`~ckpteval.jobs.eval.contamination.parallel`)."""
+    owners = [(s.name, row) for s in sets for row in range(len(s.texts))]
     found: dict[str, dict[int, Found]] = {s.name: {} for s in sets}
-    sources = []
-    for path in files:
-        rows = 0
-        for batch in batches(path, text_field):
-            for hit in index.scan(batch.texts, tiers):
-                name, row = owners[hit.eval_id]
-                found[name].setdefault(row, Found(row)).add(hit, batch)
-            rows += len(batch.texts)
-        sources.append({"path": str(path), "rows": rows})
-    return found, sources
+    rows = dict.fromkeys(files, 0)
+    every = (batch for path in files for batch in batches(path, text_field))
+    for batch, hits in scanned([t for s in sets for t in s.texts], settings, tiers, every, procs):
+        rows[batch.path] += len(batch.texts)
+        for hit in hits:
+            name, row = owners[hit.eval_id]
+            found[name].setdefault(row, Found(row)).add(hit, batch)
+    return found, [{"path": str(path), "rows": n} for path, n in rows.items()]
 
 
 def check(run: RunDir, sources: Sequence[Path], settings: Settings | None = None, tiers: Sequence[str] = TIERS,
-          text_field: str | None = None, force: bool = False) -> dict[str, Any]:
+          text_field: str | None = None, force: bool = False, procs: int = 1) -> dict[str, Any]:
     """The run's contamination record: the one already published when its inputs are unchanged (and not
-    ``force``), else a new check, published. Errors name the file at fault before any scan."""
+    ``force``), else a new check (``procs``: worker processes), published. Errors name the file at fault
+    before any scan."""
     settings = settings or Settings()
     unknown = [t for t in tiers if t not in TIERS]
     if unknown or not tiers:
         raise ValueError(f"contamination: tiers must be some of {', '.join(TIERS)}, got {list(tiers)}")
     if not sources:
         raise ValueError("contamination: no training data named (give --train PATH, or --trainer-config with --layout)")
-    files = [f for s in sources for f in data_files(Path(s))]
+    files = list(dict.fromkeys(f for s in sources for f in data_files(s)))
     sets, skipped = eval_sets(run)
     key = identity(sets, files, settings, tiers, text_field)
     if not force and (old := read_matches(run.path)) is not None and old.get("identity") == key:
         return old
     start = time.perf_counter()
-    found, read = scan(sets, files, settings, tiers, text_field)
+    found, read = scan(sets, files, settings, tiers, text_field, procs)
     seconds = time.perf_counter() - start
     train_rows = sum(s["rows"] for s in read)
     record = {

@@ -84,6 +84,7 @@ class EvalIndex:
         self.sets: list[set[bytes]] = []
         self.lsh = rensa.RMinHashLSH(threshold=s.jaccard, num_perm=s.num_perm, num_bands=s.bands)
         self.size = 0
+        self.set_sizes = (0, 0)  # the smallest and largest shingle set of an eval row in the LSH
 
     def add(self, text: str) -> int:
         """Index one eval row; its id (0, 1, ...)."""
@@ -99,6 +100,8 @@ class EvalIndex:
             m = self._rensa.RMinHash(num_perm=s.num_perm, seed=s.seed)
             m.update(self.sets[-1])
             self.lsh.insert(eval_id, m)
+            n, (lo, hi) = len(self.sets[-1]), self.set_sizes
+            self.set_sizes = (min(lo, n) if hi else n, max(hi, n))
         return eval_id
 
     def scan(self, texts: Sequence[str], tiers: Sequence[str] = TIERS) -> list[Hit]:
@@ -127,9 +130,18 @@ class EvalIndex:
         return list(out.values())
 
     def _near_hits(self, batch: list[list[bytes]], seen: set[tuple[int, int]]) -> list[Hit]:
+        """Jaccard needs ``t |B| <= |A| <= |B| / t``: a row whose set is outside the eval rows' sizes so
+        widened is not sketched at all (long training prompts against short questions)."""
         s = self.settings
-        rows = [i for i, words in enumerate(batch) if len(words) >= s.min_span]
-        sets = [shingles(batch[i], s.shingle) for i in rows]
+        lo, hi = self.set_sizes
+        if not hi:
+            return []
+        least, most = s.jaccard * lo, hi / s.jaccard
+        rows, sets = [], []
+        for i, words in enumerate(batch):
+            if len(words) >= max(s.min_span, least) and least <= len(mine := shingles(words, s.shingle)) <= most:
+                rows.append(i)
+                sets.append(mine)
         sketches = self._rensa.RMinHash.from_token_sets(sets, s.num_perm, s.seed)
         hits = []
         for i, mine, sketch in zip(rows, sets, sketches, strict=True):

@@ -104,10 +104,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ngram", type=int, default=Settings.ngram, help="words per n-gram (default 13)")
     parser.add_argument("--jaccard", type=float, default=Settings.jaccard,
                         help="near-duplicate threshold on word-set Jaccard similarity (default 0.6)")
+    parser.add_argument("--procs", type=int, default=1, help="worker processes scanning the training rows (default 1)")
     parser.add_argument("--force", action="store_true", help="check again even if the inputs are unchanged")
     parser.add_argument("--fail-on-match", action="store_true", help="exit 1 when any eval row is matched")
     parser.add_argument("--json", action="store_true", help="print the record (RUN/contamination.json)")
     args = parser.parse_args(argv)
+    if args.procs < 1:
+        parser.error(f"--procs must be >= 1, got {args.procs}")
     if args.trainer_config is not None and args.layout is None:
         parser.error("--trainer-config needs --layout (the trainer that wrote it)")
     try:
@@ -116,7 +119,8 @@ def main(argv: list[str]) -> int:
         if args.trainer_config is not None:
             sources += config_sources(args.trainer_config, args.layout)
         settings = Settings(ngram=args.ngram, min_span=min(Settings.min_span, args.ngram), jaccard=args.jaccard)
-        record = check(run, sources, settings, [t for t in args.tiers.split(",") if t], args.field, args.force)
+        record = check(run, sources, settings, [t for t in args.tiers.split(",") if t], args.field, args.force,
+                       args.procs)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
