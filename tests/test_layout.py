@@ -39,6 +39,8 @@ EXCEPTIONS = {
     ("ckpteval.jobs.launch.submit", "ckpteval.jobs.eval.worker.reeval"): "the re-evaluation plan (validated before sbatch)",
     ("ckpteval.jobs.launch.submit_checks", "ckpteval.jobs.reference.train.config"): "the reference trainer's own flag checks",
     ("ckpteval.jobs.views.noise", "ckpteval.jobs.decide"): "status shows the decisions' MDE, computed one way (#29)",
+    ("ckpteval.jobs.views.status.data", "ckpteval.jobs.eval.catalog.reference"): "status shows the step-0 check against "
+    "the catalog's published scores, computed one way (#41)",
 }
 
 

@@ -23,6 +23,9 @@ class CatalogEntry(GenerateEntry):
     """The catalog set (``gsm8k``, ``math500``, ``aime24``, ``aime25``, ``humaneval``)."""
     template: str = ""
     """The set's prompt template the rows were rendered with (``qwen25-math-cot``, ``deepseek-r1``, ...)."""
+    model: str | None = None
+    """The published name of the model at step 0 (``deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B``): status checks
+    the step-0 point against the catalog's published score for it (docs/USER_GUIDE.md "Published references")."""
 
     KIND: ClassVar[str] = "catalog"
 

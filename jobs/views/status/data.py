@@ -33,6 +33,7 @@ from ckpteval.coord.snapshots.saves import lost_steps, waiting_saves
 from ckpteval.coord.snapshots.weight_checksums import summarize
 from ckpteval.coord.work.claims import lease_path, read_lease_holder
 from ckpteval.coord.work.steps import run_step_selection
+from ckpteval.jobs.eval.catalog.reference import reference_status
 from ckpteval.jobs.views.noise import noise_status
 
 
@@ -174,6 +175,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         "noise": noise_status(run, points),  # MDE and replay spread per dataset (jobs.views.noise)
         "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
         "contamination": contamination_summary(run.path),  # the gate's last check (ckpteval contamination)
+        "reference": reference_status(manifest, points),  # step 0 against published scores (catalog entries)
         "health": {
             "expired_leases": len(expired),
             "stuck_units": [p["unit"] for p in expired],

@@ -381,7 +381,23 @@ def contamination_line(status: dict[str, Any], ds: str) -> str | None:
             f"eval/{ds}/clean scores the rest")
 
 
-DATASET_LINES: list[Callable[[dict[str, Any], str], str | None]] = [contamination_line]
+def reference_line(status: dict[str, Any], ds: str) -> str | None:
+    """The step-0 check of ``ds`` against its published score (:mod:`ckpteval.jobs.eval.catalog.reference`), None
+    when it has none: the differing settings first, and no z-score when one of them refuses the comparison."""
+    r = (status.get("reference") or {}).get(ds)
+    if r is None:
+        return None
+    head = f"reference {ds}: {r['model']} {r['metric']} {r['reference']:.3f} ({r['url']})"
+    if r["differences"]:
+        return f"{head}: not compared, the run differs from the source in: " + "; ".join(r["differences"] + r["warnings"])
+    warn = f" [differs: {'; '.join(r['warnings'])}]" if r["warnings"] else ""
+    if r["score"] is None:
+        return f"{head}: step 0 not scored yet{warn}"
+    z = "n/a (no stderr)" if r["z"] is None else f"{r['z']:+.2f}"
+    return f"{head}: step 0 {r['score']:.3f} ± {r['stderr']:.3f}, z = {z}{warn}"
+
+
+DATASET_LINES: list[Callable[[dict[str, Any], str], str | None]] = [reference_line, contamination_line]
 """Per-dataset lines under the points tables, in order: each renderer takes (status, dataset name) and
 returns one line (fitted by :func:`render`) or None (nothing to say for that dataset)."""
 
