@@ -110,7 +110,7 @@ def scan(sets: Sequence[EvalSet], files: Sequence[Path], settings: Settings, tie
     return found, [{"path": str(path), "rows": n} for path, n in rows.items()]
 
 
-def check(run: RunDir, sources: Sequence[Path], settings: Settings | None = None, tiers: Sequence[str] = TIERS,
+def check(run: RunDir, sources: Sequence[Path | str], settings: Settings | None = None, tiers: Sequence[str] = TIERS,
           text_field: str | None = None, force: bool = False, procs: int = 1) -> dict[str, Any]:
     """The run's contamination record: the one already published when its inputs are unchanged (and not
     ``force``), else a new check (``procs``: worker processes), published. Errors name the file at fault

@@ -1,7 +1,7 @@
 """The text a row is matched on and its normalized tokens (docs/USER_GUIDE.md "Contamination gate").
 
 Normalization follows lm-evaluation-harness's decontamination janitor (``lm_eval/decontamination/janitor.py``,
-``Janitor.normalize_string`` then ``word_ngrams``): case folded, ASCII punctuation deleted, split on
+``Janitor.normalize_string`` then ``word_ngrams``): lowercased, ASCII punctuation deleted, split on
 whitespace; tests/test_contamination.py checks the n-grams agree with the janitor's own.
 """
 
@@ -17,7 +17,7 @@ PROMPT_FIELDS = ("prompt", "messages", "question", "problem", "query", "instruct
 
 
 def tokens(text: str) -> list[bytes]:
-    """``text`` case folded, ASCII punctuation deleted, split on whitespace: UTF-8 words (bytes: deleting
+    """``text`` lowercased, ASCII punctuation deleted, split on whitespace: UTF-8 words (bytes: deleting
     ASCII bytes never splits a multi-byte character, and it is twice as fast as ``str.translate``)."""
     return text.lower().encode("utf-8", "surrogatepass").translate(None, PUNCTUATION).split()
 
