@@ -21,8 +21,9 @@ from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config, read_ev
 
 # Disagreements of our grader with the upstream one on the recorded answers (docs/USER_GUIDE.md "The benchmark
 # catalog"): math500's are answers the two extract differently (an unboxed "final answer is" sentence, \text{}
-# around a number, a $$display$$ answer, a later corrected \boxed{}).
-DISAGREEMENTS = {"gsm8k": 0, "math500": 14, "aime24": 0, "aime25": 0, "humaneval": 0}
+# around a number, a $$display$$ answer, a later corrected \boxed{}); mmlu_stem's are lone lower-case letters and
+# the article "a", which the upstream upper-cases into choices.
+DISAGREEMENTS = {"gsm8k": 0, "math500": 14, "aime24": 0, "aime25": 0, "humaneval": 0, "mmlu_stem": 12}
 WHY_NOT = probe_bwrap()
 
 
@@ -88,6 +89,20 @@ def test_math_grader_disagrees_with_qwen25_math_grader_only_as_counted(name: str
     ours = grade_inline([(r["completion"], rows[r["row"]]["answer"]) for r in recorded])
     assert {r["upstream"] for r in recorded} == {0, 1}  # the recorded answers hold right and wrong ones
     assert sum(int(g.score) != r["upstream"] for g, r in zip(ours, recorded, strict=True)) == DISAGREEMENTS[name]
+
+
+def test_choice_grader_disagrees_with_qwen25_math_choice_extraction_only_as_counted(tmp_path: Path) -> None:
+    install_checks()
+    ds = {**expand_entry({"catalog": "mmlu_stem"}, "test"), "n_prompts": 3018}
+    from ckpteval.coord.run.manifest import Fields, parse_entry
+
+    spec = parse_entry(Fields(tmp_path / "run.json", ds, "eval.datasets[0]"))
+    rows = _jsonl(load_set("mmlu_stem").rows_path)
+    recorded = _jsonl(DATA / "mmlu_stem" / "recorded.jsonl")
+    scored = make_scorer(spec, ScorerContext(tmp_path, {})).score(
+        [Sample(r["completion"], rows[r["row"]], "the rendered chat") for r in recorded])
+    assert {r["upstream"] for r in recorded} == {0, 1}
+    assert sum(int(s.score) != r["upstream"] for s, r in zip(scored, recorded, strict=True)) == DISAGREEMENTS["mmlu_stem"]
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")

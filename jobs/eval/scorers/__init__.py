@@ -30,6 +30,7 @@ SCORERS: Registry[str] = Registry(
     ("exact", "ckpteval.jobs.eval.scorers.basic:ExactScorer"),
     ("math", "ckpteval.jobs.eval.scorers.basic:MathScorer"),
     ("code", "ckpteval.jobs.eval.scorers.code.scorer:CodeScorer"),
+    ("choice", "ckpteval.jobs.eval.scorers.choice:ChoiceScorer"),
     ("judge", "ckpteval.jobs.eval.scorers.judge.scorer:JudgeScorer"),
     ("reward_model", "ckpteval.jobs.eval.scorers.judge.scorer:RewardModelScorer"),
     unknown="{name!r} is not a scorer ({hint}known: {known}, or module:function)", key="scorer",
