@@ -113,6 +113,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_budget.py": ["--points", "2", "--prompts", "4", "--tokens", "64"],
     "bench_coverage.py": ["--reps", "50"],
     "bench_contamination.py": ["--train-rows", "3000", "--eval-rows", "50"],
+    "bench_adaptive.py": ["--reps", "2", "--points", "10", "--prompts", "40"],
     "bench_plateau.py": ["--reps", "50", "--points", "12"],
 }
 

@@ -17,7 +17,6 @@ Limits: one dispatcher per run dir; the snapshot root must be listed in run.json
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -103,7 +102,7 @@ class EvalDispatcher:
         self.plateau = plateau  # --eval-stop-plateau: a plateau over the last N points asks training to end
         self.adaptive = adaptive  # --eval-adaptive: grants more samples where a decision is open
         self.grants = adaptive.grants if adaptive is not None else None
-        self._history: dict[int, PointValue] = {}  # retired step -> the plateau metric's value and stderr
+        self._history: dict[int, PointValue | None] = {}  # retired step -> the plateau metric's value and stderr
         self.stop_requested: int | None = min(ledger.state.stop_requested, default=None)  # that point's step
         self.step = 0  # the trainer's latest step seen
         self.landed = len(ledger.state.ingested)
@@ -266,6 +265,8 @@ class EvalDispatcher:
             self._sleep_and_poll()
         for step in self.pending:
             self._give_up(step)
+        if self.adaptive is not None:
+            self._spend_final(self.adaptive, deadline)
         return True
 
     def suspend(self, timeout_s: float = 60.0) -> None:  # the exit path: bounded, not interrupted
@@ -391,10 +392,23 @@ class EvalDispatcher:
             return False
         if adaptive.outstanding(step, self._results_for(step)):
             return True
-        steps = (self.ledger.state.retired | {step}) - set(self.ledger.state.skipped)
-        self.index.refresh(only_steps=steps)
-        made = adaptive.spend({s: self._results_for(s) for s in steps}, self.ledger.state, self._snapshot_published)
+        made = adaptive.spend(self._complete_results({step}), self.ledger.state, self._snapshot_published)
         return any(g.step == step for g in made)
+
+    def _spend_final(self, adaptive: AdaptiveSpender, deadline: float) -> None:
+        """Training ended: look again (``final``: no lag) until nothing is open or granted units are out, within
+        the drain's deadline; what is still out then is the fleet's to finish."""
+        while self.clock() < deadline and not self.should_stop():
+            by_step = self._complete_results(set())
+            if not any(adaptive.outstanding(s, r) for s, r in by_step.items()) and not adaptive.spend(
+                    by_step, self.ledger.state, self._snapshot_published, final=True):
+                return
+            time.sleep(WAIT_SLICE_S)
+
+    def _complete_results(self, also: set[int]) -> dict[int, dict[WorkUnit, Result]]:
+        steps = (self.ledger.state.retired | also) - set(self.ledger.state.skipped)
+        self.index.refresh(only_steps=steps)
+        return {s: self._results_for(s) for s in steps}
 
     def _check_stop_when(self, step: int, point: Point) -> None:
         """``--eval-stop-when`` or ``--eval-stop-plateau``: record (ledger ``stop_requested``) the first point
@@ -414,14 +428,9 @@ class EvalDispatcher:
     def _plateau_verdict(self, rule: PlateauRule, step: int, point: Point) -> PlateauVerdict | None:
         """The plateau rule over every retired point and ``step``'s (restart-safe: earlier points re-derived)."""
         for earlier in sorted(self.ledger.state.retired - set(self._history) - {step}):
-            self._remember(rule, earlier, self._derive(earlier))
-        self._remember(rule, step, point)
-        return rule.verdict([self._history[s] for s in sorted(self._history)])
-
-    def _remember(self, rule: PlateauRule, step: int, point: Point) -> None:
-        metrics = point_metrics(point)
-        if (value := metrics.get(rule.metric)) is not None:
-            self._history[step] = PointValue(step, float(value), float(metrics.get(f"{rule.metric}/stderr", math.nan)))
+            self._history[earlier] = rule.value_of(earlier, point_metrics(self._derive(earlier)))
+        self._history[step] = rule.value_of(step, point_metrics(point))
+        return rule.verdict([v for _, v in sorted(self._history.items()) if v is not None])
 
     def _best_steps(self) -> set[int]:
         """``--eval-keep-best K``: the retired steps whose points rank in the best K by the best metric."""

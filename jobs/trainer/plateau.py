@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scipy.stats import norm
@@ -56,6 +56,11 @@ class PlateauRule:
     @property
     def text(self) -> str:
         return f"{self.metric} over {self.window} alpha {self.alpha:g}"
+
+    def value_of(self, step: int, metrics: Mapping[str, float]) -> PointValue | None:
+        """The rule's metric and its standard error in a point's logged metrics (None: not there)."""
+        value = metrics.get(self.metric)
+        return None if value is None else PointValue(step, float(value), float(metrics.get(f"{self.metric}/stderr", math.nan)))
 
     def look_alpha(self, look: int) -> float:
         """The error spent at look ``look`` (1, 2, ...): ``alpha * 6 / (pi^2 look^2)``, which sums to ``alpha``

@@ -55,13 +55,13 @@ class AdaptiveSpender:
         return StepValues(step, scores.reshape(-1, n).mean(axis=1), n)
 
     def spend(self, by_step: Mapping[int, Results], state: LedgerState,
-              can_grant: Callable[[int], bool]) -> list[Grant]:
+              can_grant: Callable[[int], bool], final: bool = False) -> list[Grant]:
         """Grant more samples to the open steps among ``by_step`` (complete points) within the budget, most urgent
         first; returns (and records) the grants."""
         points = [v for s, r in sorted(by_step.items()) if (v := self.values(s, r)) is not None]
         spent = math.fsum(r.cost.get("gpu_s", 0.0) for results in by_step.values() for r in results.values())
         made = []
-        for want in open_steps(self.settings, points, self.cap, self.target):
+        for want in open_steps(self.settings, points, self.cap, self.target, final=final):
             if not can_grant(want.step) or self.outstanding(want.step, by_step[want.step]):
                 continue
             cost = self._cost(by_step[want.step], want)
