@@ -67,12 +67,13 @@ def test_another_few_shot_count_refuses_and_fewer_samples_or_a_larger_budget_onl
 def test_status_recovers_a_known_accuracy_at_step_0_and_refuses_wrong_settings_first(tmp_path: Path) -> None:
     install_checks()
     published = reference_for(_entry()).score
-    accuracy = {"aime24": published, "aime24_other": published - 0.15, "aime24_wrong": published}
+    accuracy = {"aime24": published, "aime24_other": published - 0.15, "aime24_wrong": published, "aime24_unlisted": 0.5}
     config = tmp_path / "eval.json"
     config.write_text(json.dumps({"eval": {
         "engine": {"fn": {"accuracy": accuracy}},
         "datasets": [AS_PUBLISHED, {**AS_PUBLISHED, "name": "aime24_other"},
-                     {**AS_PUBLISHED, **WRONG, "name": "aime24_wrong"}]}}))
+                     {**AS_PUBLISHED, **WRONG, "name": "aime24_wrong"},
+                     {**AS_PUBLISHED, "name": "aime24_unlisted", "model": "my-org/my-base", "n_samples": 1}]}}))
     run = create_run_from_config(tmp_path / "run", config, (tmp_path / "run" / "snapshots",))
     save_tokenizer(base_dir(tmp_path), 64, chat=True)  # the snapshot's tokenizer renders the chat rows
     publish_model(tmp_path, run.snapshots, 0)
@@ -90,4 +91,5 @@ def test_status_recovers_a_known_accuracy_at_step_0_and_refuses_wrong_settings_f
     for setting in ("max_new_tokens 2048", "think opener 'none'", "template 'qwen25-math-cot'", "temperature 0.0",
                     "top_p 1.0"):
         assert setting in line, (setting, line)
+    assert "no published score of my-org/my-base on aime24" in text  # a model the catalog has no score for is said
     assert "z =" not in line and "z = " in next(x for x in text.splitlines() if x.startswith("reference aime24:"))

@@ -118,8 +118,14 @@ def reference_status(manifest: Any, points: list[dict[str, Any]]) -> dict[str, d
     step0 = next((p for p in points if p["step"] == REFERENCE_STEP), None)
     out = {}
     for entry in manifest.eval.entries:
-        if isinstance(entry, CatalogEntry) and (ref := reference_for(entry)) is not None:
-            ds = (step0 or {}).get("datasets", {}).get(entry.name)
-            out[entry.name] = check(entry, ref, ds if step0 is not None and step0.get("complete") else None)
+        if not (isinstance(entry, CatalogEntry) and entry.model):
+            continue
+        if (ref := reference_for(entry)) is None:
+            known = sorted({r.model for r in references(entry.catalog)})
+            out[entry.name] = {"model": entry.model, "unknown": f"no published score of {entry.model} on "
+                               f"{entry.catalog} in the catalog (it has: {', '.join(known) or 'none'})"}
+            continue
+        ds = (step0 or {}).get("datasets", {}).get(entry.name)
+        out[entry.name] = check(entry, ref, ds if step0 is not None and step0.get("complete") else None)
     return out
 

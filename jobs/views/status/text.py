@@ -387,6 +387,8 @@ def reference_line(status: dict[str, Any], ds: str) -> str | None:
     r = (status.get("reference") or {}).get(ds)
     if r is None:
         return None
+    if "unknown" in r:
+        return f"reference {ds}: {r['unknown']}"
     head = f"reference {ds}: {r['model']} {r['metric']} {r['reference']:.3f} ({r['url']})"
     if r["differences"]:
         return f"{head}: not compared, the run differs from the source in: " + "; ".join(r["differences"] + r["warnings"])
