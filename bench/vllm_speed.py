@@ -2,7 +2,8 @@
 
 Prints tokens/s of each and their ratio, and seconds per snapshot reload of each (one run; 2 shared cores
 here: a ratio, not a throughput claim). Needs ``make vllm-setup``; run by hand (a server per snapshot on
-CPU: minutes), not in the smoke run. Usage: ``python bench/vllm_speed.py [N]``.
+CPU: minutes), not in the smoke run. Usage: ``python bench/vllm_speed.py [N] [untied]``: ``untied``, the reference
+model with an untied lm_head, which a CPU server reloads in place instead of relaunching.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def timed_reloads(engine: object, snapshots: list[str]) -> float:
     return (time.perf_counter() - t0) / len(snapshots)
 
 
-def main(n: int = 64) -> None:
+def main(n: int = 64, untied: bool = False) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    snaps = [str(save_hf_checkpoint(root / str(s), s, build_model(ModelConfig(), "llama", seed=s))) for s in range(4)]
+    cfg = ModelConfig(tie_word_embeddings=not untied)
+    snaps = [str(save_hf_checkpoint(root / str(s), s, build_model(cfg, "llama", seed=s))) for s in range(4)]
     prompts = [r["prompt"] for r in make_addition_examples(n, seed=5)]
     params = SamplingParams(max_new_tokens=16)
     vllm = VLLMEngine(python=str(VLLM_PYTHON), dtype="float32", max_model_len=64, enforce_eager=True,
@@ -52,6 +54,7 @@ def main(n: int = 64) -> None:
         v_reload, h_reload = timed_reloads(vllm, snaps[1:]), timed_reloads(hf, snaps[1:])
     finally:
         vllm.close()
+    print(f"model: reference, {'untied' if untied else 'tied'} lm_head")
     print(f"vllm launch to ready: {launch:.0f} s")
     print(f"tokens/s on {n} prompts x 16 new tokens, greedy: vllm {v_tps:.0f}, in-process {h_tps:.0f}, "
           f"ratio vllm/in-process {v_tps / h_tps:.2f}")
@@ -59,4 +62,4 @@ def main(n: int = 64) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 64)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 64, "untied" in sys.argv[2:])

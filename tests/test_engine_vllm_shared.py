@@ -229,3 +229,21 @@ def test_batch_invariant_decision_sets_on_vllm_need_a_gpu(rollout_server, tmp_pa
     assert why is not None and why.endswith("start it without VLLM_BATCH_INVARIANT") and "\n" not in why
     on_gpu.close()
     on_cpu.close()
+
+
+def test_the_guides_vllm_trainer_example_runs_on_the_shared_server(rollout_server, tmp_path: Path) -> None:
+    """examples/vllm/shared_trainer.py --attach URL (the guide's "vLLM-based trainers"): a training loop whose rollout
+    client keeps the server busy; every point lands on time, pinned, scored, and no rollout was aborted."""
+    import importlib.util
+
+    from tests.support.workers import REPO
+
+    spec = importlib.util.spec_from_file_location("shared_trainer", REPO / "examples" / "vllm" / "shared_trainer.py")
+    example = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(example)  # type: ignore[union-attr]
+    points = example.main(tmp_path / "run", rollout_server[0].base_url, steps=4, eval_interval=2)
+    assert sorted(p["eval/step"] for p in points) == [0, 2, 4]
+    for p in points:
+        assert p["eval/lag_steps"] == 0 and p["eval/sums/weight_version/mean"] == p["eval/step"], p
+        assert p["eval/sums/weight_version/mixed_version_ratio"] == 0 and not any(k.startswith("eval/skipped") for k in p)
+    rollout_server[0].load(rollout_server[1], "trainer-0")
