@@ -153,3 +153,34 @@ def test_the_paired_completed_difference_covers_at_its_nominal_rate() -> None:
         iv = paired_interval(np.array(censoring.completed_values(a)), np.array(censoring.completed_values(b)), 0.95)
         hits += iv.low <= 0.0 <= iv.high
     assert 0.93 <= hits / sims <= 0.97, hits / sims
+
+
+def test_plot_draws_the_budget_curves_and_logs_them_to_wandb(drifting: RunDir, tmp_path: Path) -> None:
+    """``ckpteval plot``: each step's score at every rescored budget and at the cap (the point as generated),
+    drawn into ``curve.budget.png`` and logged (offline) to wandb as a table and its line chart."""
+    import os
+
+    from ckpteval.jobs.views.budget_curve import budget_path
+    from ckpteval.jobs.views.plot import plot_run
+    from tests.support.workers import finish, spawn
+    from tests.test_metrics import wandb_records
+
+    if sorted(budget_scorings(drifting)) != [8, 20, 40]:
+        assert rescore_main([str(drifting.path), "--budget", "8,20,40"]) == 0
+    manifest, got = drifting.manifest(), results(drifting)
+    curves = plot_run(drifting.path, tmp_path / "curve.png")["budget"]
+    assert budget_path(tmp_path / "curve.png").stat().st_size > 0
+    for step in PLAN:
+        cut = {b: derive_point(manifest, step, scoring_results(drifting, n)[0]).datasets["addition"].score
+               for b, n in budget_scorings(drifting).items()}
+        assert curves["addition"][step] == [(8, cut[8]), (20, cut[20]),
+                                            (CAP, derive_point(manifest, step, got).datasets["addition"].score)]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    code, out = finish(spawn("plot", str(drifting.path), "-o", str(tmp_path / "w.png"), "--wandb-run-id", "drift-1",
+                             env=env), 120)
+    assert code == 0 and str(tmp_path / "w.budget.png") in out, out
+    (wandb_file,) = drifting.path.glob("wandb/offline-run-*/run-drift-1.wandb")
+    logged = {i.key or "/".join(i.nested_key) for r in wandb_records(wandb_file)
+              if r.WhichOneof("record_type") == "history" for i in r.history.item}
+    assert "eval/addition/budget_curve/_type" in logged, logged  # the table, as wandb records it
+    assert any(k.startswith("eval/addition/budget_curve_chart") for k in logged), logged  # its line chart

@@ -20,6 +20,7 @@ from typing import Any
 
 from ckpteval.coord.results.scorings import scoring_label
 from ckpteval.jobs.flags import Parser, add_run_dir_argument, fail, run_dirs_from_args
+from ckpteval.jobs.views.budget_curve import budget_curves, budget_path, curve_figure, write_wandb_curves
 from ckpteval.jobs.views.status.main import collect_status
 
 FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "eps")
@@ -188,10 +189,17 @@ def _min_gap(steps: list[int]) -> float:
     return min(gaps) if gaps else 1
 
 
-def plot_run(run_dir: Path, out: Path, scoring: str | None = None) -> dict[str, Any]:
+def plot_run(run_dir: Path, out: Path, scoring: str | None = None, wandb_run_id: str | None = None) -> dict[str, Any]:
+    """One run's curve into ``out``; with budget scorings (``rescore --budget``) its length-budget curves into
+    :func:`budget_path` too (and, with ``wandb_run_id``, into that wandb run). ``data["budget"]``: those curves."""
     status = collect_status(run_dir, scoring)
     data = plot_series(status)
     draw(data, out, f"ckpteval run {status['run_id']}{scoring_label(scoring)}")
+    data["budget"] = budget_curves(run_dir)
+    if data["budget"]:
+        curve_figure(data["budget"], f"ckpteval run {status['run_id']}").savefig(budget_path(out), dpi=100)
+        if wandb_run_id:
+            write_wandb_curves(run_dir, wandb_run_id, data["budget"])
     return data
 
 
@@ -227,6 +235,8 @@ def main(argv: list[str]) -> int:
                     + " (default: curve.png in the (first) run dir)")
     ap.add_argument("--scoring", metavar="NAME", help="plot this ckpteval rescore scoring's scores where it re-scored "
                     "a unit (default: the scores as generated); the title names it")
+    ap.add_argument("--wandb-run-id", metavar="ID", help="also log one run's length-budget curves (rescore --budget) "
+                    "into this wandb run")
     args = ap.parse_args(argv)
     run_dirs = run_dirs_from_args(ap, args)
     if args.output is None:  # beside the run it plots, never the working dir (one run's curve over another's)
@@ -234,10 +244,13 @@ def main(argv: list[str]) -> int:
     try:
         check_output(args.output)
         if len(run_dirs) == 1:
-            plot_run(run_dirs[0], args.output, args.scoring)
+            data = plot_run(run_dirs[0], args.output, args.scoring, args.wandb_run_id)
         else:
             plot_runs(run_dirs, args.output, args.scoring)
-    except (OSError, ValueError) as e:  # missing, unreadable or malformed run files; unwritable output
+            data = {}
+    except (OSError, ValueError, RuntimeError) as e:  # bad run files; unwritable output; wandb missing
         return fail("ckpteval plot", e)
     print(args.output)
+    if data.get("budget"):
+        print(budget_path(args.output))
     return 0
