@@ -68,6 +68,13 @@ def _running(url: str) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("vllm:num_requests_running"))
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _recorded(engine) -> list[tuple[str, str, float, bool | None]]:
     """Every request the engine's client sends: method, path (+ query), time, and for a reload whether the server
     said it was paused as it came."""
@@ -247,3 +254,43 @@ def test_the_guides_vllm_trainer_example_runs_on_the_shared_server(rollout_serve
         assert p["eval/lag_steps"] == 0 and p["eval/sums/weight_version/mean"] == p["eval/step"], p
         assert p["eval/sums/weight_version/mixed_version_ratio"] == 0 and not any(k.startswith("eval/skipped") for k in p)
     rollout_server[0].load(rollout_server[1], "trainer-0")
+
+
+def test_the_reward_model_scorer_on_a_vllm_pooling_server(tmp_path: Path) -> None:
+    """A sequence-classification reference model served by vLLM (``--runner pooling``, its own short-lived server):
+    the ``reward_model`` scorer's /classify finds vLLM's API (the 400 for sglang's body names ``input``) and scores the
+    raw reward transformers computes for each rendered text."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    from ckpteval.jobs.eval.engines.sglang.engine import free_port
+    from ckpteval.jobs.eval.engines.vllm.server import ServerProcess, launch_command, launch_env
+    from ckpteval.jobs.eval.scorers.judge.scorer import RewardModelScorer
+    from ckpteval.jobs.reference.model import ModelConfig, build_tokenizer, hf_config
+    from tests.test_judge import samples, scorer
+
+    config = hf_config(ModelConfig(), "llama")
+    config.num_labels, config.pad_token_id = 1, build_tokenizer().pad_token_id
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path / "rm")
+    build_tokenizer().save_pretrained(tmp_path / "rm")
+    port = free_port("127.0.0.1")
+    cmd = launch_command(str(VLLM_PYTHON), str(tmp_path / "rm"), "127.0.0.1", port, "float32", 64, True,
+                         ["--runner", "pooling"])
+    server = ServerProcess(cmd, launch_env({**os.environ, **SERVER_ENV}), str(tmp_path / "rm.log"), 20.0)
+    url = f"http://127.0.0.1:{port}"
+    server.start(lambda: _answers(f"{url}/health"), 600)
+    try:
+        rm = scorer(tmp_path, {"url": f"{url}/v1", "model": str(tmp_path / "rm"), "template": "{question}|{response}"},
+                    RewardModelScorer)
+        rows = samples([("4", "4"), ("12", "7")])
+        got = [s.score for s in rm.score(rows)]
+    finally:
+        server.stop()
+    tokenizer = build_tokenizer()
+    with torch.no_grad():
+        want = [float(model(**tokenizer(f"{r.row['prompt']}|{r.completion}", return_tensors="pt")).logits[0, 0])
+                for r in rows]
+    print(f"\nvllm reward model: {got} vs transformers {want}")
+    assert len(got) == 2 and all(abs(g - w) < 1e-4 for g, w in zip(got, want, strict=True)), (got, want)

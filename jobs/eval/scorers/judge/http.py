@@ -1,4 +1,4 @@
-"""Talking to a judge server: an OpenAI-compatible chat endpoint, or a reward model served by sglang.
+"""Talking to a judge server: an OpenAI-compatible chat endpoint, or a reward model served by sglang or vLLM.
 
 Owns the HTTP side of :mod:`ckpteval.jobs.eval.scorers.judge.scorer` through the ``openai`` client (timeouts,
 retries) and which failures are the judge's infrastructure (a skip) rather than a
@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+# vLLM's 400 for sglang's /classify body names the field it lacks ('loc': 'body.input', 'msg': 'Field required')
+VLLM_INPUT = "body.input"
 
 
 class JudgeUnavailable(RuntimeError):
@@ -76,6 +79,7 @@ class JudgeEndpoint:
         kwargs = {"api_key": api_key or "EMPTY", "timeout": timeout_s, "max_retries": retries}
         self.client = openai.OpenAI(base_url=self.base_url, **kwargs)
         self.root = openai.OpenAI(base_url=server_root(self.base_url), **kwargs)
+        self._vllm_classify = False  # /classify answered as vLLM's (classify)
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn``'s raw answer as parsed JSON; every failure (no answer, an error status, a body that is
@@ -116,18 +120,35 @@ class JudgeEndpoint:
         return ChatReply(content or "", answered if isinstance(answered, str) else None)
 
     def classify(self, model: str, texts: list[str]) -> list[float]:
-        """sglang's ``POST /classify``: one reward (``embedding[0]``, a finite number) per rendered text."""
+        """One reward per rendered text from ``POST /classify``: sglang's body (``{"text": [...]}`` ->
+        ``[{"embedding": [reward]}]``); a server that refuses it for lacking ``input`` is vLLM's
+        (``entrypoints/pooling/classify/protocol.py``, a ``--runner pooling`` server): ``{"input": [...],
+        "use_activation": false}`` -> ``{"data": [{"probs": [reward]}]}``, the raw score as sglang's, then used for
+        this endpoint from the start."""
+        if not self._vllm_classify:
+            try:
+                return self._classify("text", {"text": texts}, model, len(texts))
+            except JudgeUnavailable as e:
+                if not (str(e).startswith(f"judge at {self.base_url}: POST /classify: HTTP 400") and VLLM_INPUT in str(e)):
+                    raise
+                self._vllm_classify = True
+        return self._classify("input", {"input": texts, "use_activation": False}, model, len(texts))
+
+    def _classify(self, field: str, body: dict[str, Any], model: str, n: int) -> list[float]:
         what = f"judge at {self.base_url}: POST /classify"
         answer = self._call("POST /classify", self.root.post, "/classify", cast_to=httpx.Response,
-                            body={"model": model, "text": texts})
-        items = answer if isinstance(answer, list) else [answer]
+                            body={"model": model, **body})
+        vllm = field == "input"
+        items = (answer.get("data") if isinstance(answer, dict) else None) if vllm else answer
+        items = items if isinstance(items, list) else [items]
         rewards = []
         for item in items:
-            emb = item.get("embedding") if isinstance(item, dict) else None
-            value = emb[0] if isinstance(emb, list) and emb else None
+            values = item.get("probs" if vllm else "embedding") if isinstance(item, dict) else None
+            value = values[0] if isinstance(values, list) and values else None
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise _shape_error(what, item, "{'embedding': [reward, ...]} with a finite reward")
+                shape = "{'data': [{'probs': [reward]}]}" if vllm else "{'embedding': [reward, ...]}"
+                raise _shape_error(what, item, f"{shape} with a finite reward")
             rewards.append(float(value))
-        if len(rewards) != len(texts):
-            raise JudgeUnavailable(f"{what} answered {len(rewards)} rewards for {len(texts)} texts")
+        if len(rewards) != n:
+            raise JudgeUnavailable(f"{what} answered {len(rewards)} rewards for {n} texts")
         return rewards

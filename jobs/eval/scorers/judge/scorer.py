@@ -379,7 +379,7 @@ class JudgeScorer(BaseScorer):
 
 
 class RewardModelScorer(JudgeScorer):
-    """``scorer: "reward_model"``: a reward model's reward for each (question, response), via sglang's
+    """``scorer: "reward_model"``: a reward model's reward for each (question, response), via sglang's (or vLLM's)
     ``/classify``; the raw reward (finite, within ``verdict_range``), or 1/0 against ``threshold``."""
 
     name = "reward_model"
