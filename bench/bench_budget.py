@@ -1,5 +1,6 @@
 """Length-budget curves (issue 40 §2): CPU seconds per 1,000 kept samples of ``ckpteval rescore --budget N``, against
-plain ``rescore`` of the same run measured in the same process (the ratio).
+plain ``rescore`` of the same run measured in the same process (the ratio); and the CPU seconds of ``ckpteval plot``'s
+budget-curve part (reading the scorings, deriving every point at each budget, drawing) per 1,000 kept samples.
 
 A synthetic run of ``--points`` steps x ``--prompts`` rows (one sample each, a reasoning set ``<think>...</think>``),
 its results and kept completions written as a worker writes them; completions of about ``--tokens`` tokens (the
@@ -73,6 +74,18 @@ def cpu_rescore(run: RunDir, rescoring: Rescoring, name: str) -> tuple[float, in
     return time.process_time() - c0, rescorer.written
 
 
+def cpu_curve(run: RunDir, out: Path) -> float:
+    """``ckpteval plot``'s budget-curve part over the scorings made: read, derive, draw (CPU seconds)."""
+    from ckpteval.jobs.views.budget_curve import budget_curves, curve_figure
+
+    c0 = time.process_time()
+    curves = budget_curves(run.path)
+    if not curves:
+        raise RuntimeError("no budget curve drawn: the budget scoring re-scored nothing")
+    curve_figure(curves, "bench").savefig(out, dpi=100)
+    return time.process_time() - c0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", type=int, default=20)
@@ -85,9 +98,10 @@ def main() -> None:
         samples = args.points * args.prompts
         plain_s, _ = cpu_rescore(run, Rescoring(None, None), "plain")
         budget_s, _ = cpu_rescore(run, Rescoring(None, None, budget=args.tokens // 2), "budget")
+        curve_s = cpu_curve(run, Path(tmp) / "curve.png")
     out = {"samples": samples, "tokens": args.tokens, "budget": args.tokens // 2,
            "plain_cpu_s_per_1000": plain_s / samples * 1000, "budget_cpu_s_per_1000": budget_s / samples * 1000,
-           "ratio_budget_over_plain": budget_s / plain_s}
+           "curve_cpu_s_per_1000": curve_s / samples * 1000, "ratio_budget_over_plain": budget_s / plain_s}
     print(json.dumps(out, indent=1))
     print(f"ratio budget/plain (CPU s per 1,000 kept samples): {out['ratio_budget_over_plain']:.2f}")
     if args.json:
