@@ -48,9 +48,7 @@ def corpus(n_train: int, n_eval: int) -> tuple[list[str], list[str], dict[int, t
 
 
 def in_memory(evals: list[str], train: list[str], tiers: tuple[str, ...]) -> tuple[float, list[Any]]:
-    index = EvalIndex(Settings())
-    for text in evals:
-        index.add(text)
+    index = EvalIndex(evals, Settings())
     hits = []
     t0 = time.perf_counter()
     for first in range(0, len(train), BATCH):

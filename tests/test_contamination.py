@@ -92,9 +92,7 @@ def test_clean_training_data_reports_nothing(tmp_path: Path) -> None:
 
 
 def test_each_tier_alone_finds_only_its_own_overlaps() -> None:
-    index = EvalIndex()
-    for text in EVAL:
-        index.add(text)
+    index = EvalIndex(EVAL)
     planted = [exact_copy(EVAL[0]), ngram_copy(EVAL[1], CLEAN[0]), paraphrase(EVAL[2], seed=2)]
     assert {(h.eval_id, h.train) for h in index.scan(planted, ("exact",))} == {(0, 0)}
     assert {(h.eval_id, h.train) for h in index.scan(planted, ("ngram",))} == {(0, 0), (1, 1)}
@@ -103,6 +101,23 @@ def test_each_tier_alone_finds_only_its_own_overlaps() -> None:
     words = EVAL[3].split()
     shortened = " ".join(words[: int(len(words) * 0.75)])  # a smaller set, still within the size bound
     assert [(h.eval_id, h.similarity >= 0.6) for h in index.scan([shortened], ("near",))] == [(3, True)]
+
+
+TEMPLATE = ("Solve the following math problem efficiently and clearly. The last line of your response should be "
+            "of the form Answer: $ANSWER where $ANSWER is the answer to the problem.\n\n{}\n\nRemember to put "
+            "your answer on its own line after \"Answer:\", and you do not need to use a \\boxed command.")
+
+
+def test_a_prompt_template_shared_with_the_training_prompts_matches_nothing_by_itself() -> None:
+    """A catalog set's template (here simple-evals' math one, 40 words) in every eval row and every training
+    row: no row matches for it, and an eval question under it in training is still found."""
+    index = EvalIndex([TEMPLATE.format(p) for p in EVAL], groups=["qa"] * len(EVAL))
+    train = [TEMPLATE.format(p) for p in CLEAN[:500]]
+    assert index.scan(train) == []
+    planted = [TEMPLATE.format(EVAL[4]), TEMPLATE.format(paraphrase(EVAL[6], seed=6))]
+    assert {(h.eval_id, h.train, h.tier) for h in index.scan(planted)} == {(4, 0, "exact"), (6, 1, "near")}
+    bare = EvalIndex([TEMPLATE.format(p) for p in EVAL], groups=[str(i) for i in range(len(EVAL))])  # sets of one row: no template
+    assert len({h.train for h in bare.scan(train)}) == len(train)  # every training row "matches"
 
 
 def test_ngrams_are_lm_eval_janitors() -> None:

@@ -102,7 +102,8 @@ def scan(sets: Sequence[EvalSet], files: Sequence[Path], settings: Settings, tie
     found: dict[str, dict[int, Found]] = {s.name: {} for s in sets}
     rows = dict.fromkeys(files, 0)
     every = (batch for path in files for batch in batches(path, text_field))
-    for batch, hits in scanned([t for s in sets for t in s.texts], settings, tiers, every, procs):
+    texts, groups = [t for s in sets for t in s.texts], [name for name, _row in owners]
+    for batch, hits in scanned(texts, groups, settings, tiers, every, procs):
         rows[batch.path] += len(batch.texts)
         for hit in hits:
             name, row = owners[hit.eval_id]

@@ -15,31 +15,25 @@ from ckpteval.jobs.eval.contamination.train_data import Batch
 _INDEX: list[EvalIndex] = []  # a worker process's index (set by _start)
 
 
-def build(texts: Sequence[str], settings: Settings) -> EvalIndex:
-    index = EvalIndex(settings)
-    for text in texts:
-        index.add(text)
-    return index
-
-
-def _start(texts: list[str], settings: Settings) -> None:
-    _INDEX[:] = [build(texts, settings)]
+def _start(texts: list[str], settings: Settings, groups: list[str]) -> None:
+    _INDEX[:] = [EvalIndex(texts, settings, groups)]
 
 
 def _scan(texts: list[str], tiers: tuple[str, ...]) -> list[Hit]:
     return _INDEX[0].scan(texts, tiers)
 
 
-def scanned(texts: list[str], settings: Settings, tiers: Sequence[str], batches: Iterable[Batch],
+def scanned(texts: list[str], groups: list[str], settings: Settings, tiers: Sequence[str], batches: Iterable[Batch],
             procs: int = 1) -> Iterator[tuple[Batch, list[Hit]]]:
-    """Each batch with the hits of the eval ``texts`` in it (hit ids: positions in ``texts``), in order."""
+    """Each batch with the hits of the eval ``texts`` (of eval sets ``groups``) in it (hit ids: positions in
+    ``texts``), in order."""
     if procs <= 1:
-        index = build(texts, settings)
+        index = EvalIndex(texts, settings, groups)
         for batch in batches:
             yield batch, index.scan(batch.texts, tiers)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    with ProcessPoolExecutor(procs, mp_context=context, initializer=_start, initargs=(texts, settings)) as pool:
+    with ProcessPoolExecutor(procs, mp_context=context, initializer=_start, initargs=(texts, settings, groups)) as pool:
         pending: deque[tuple[Batch, Future[list[Hit]]]] = deque()
         for batch in batches:
             pending.append((batch, pool.submit(_scan, batch.texts, tuple(tiers))))
