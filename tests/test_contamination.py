@@ -212,3 +212,27 @@ def read_result(run: RunDir, unit):  # type: ignore[no-untyped-def]
     from ckpteval.coord.results.files import ResultIndex
 
     return ResultIndex(run.results, run.manifest()).refresh()[unit]
+
+
+CATALOG = Path(__file__).resolve().parents[1] / "jobs" / "eval" / "catalog" / "data"
+
+
+def catalog_prompts(name: str) -> list[str]:
+    path = CATALOG / name / "rows.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path}: the catalog's vendored rows are not in this tree")
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_real_benchmarks_distinct_sets_share_nothing_and_mmlu_stem_holds_math_problems() -> None:
+    """Real text: GSM8K and AIME 2024/2025 against MATH-500 as training data report nothing; MMLU-STEM holds
+    MATH problems with its answer choices appended (known overlap), each found by the 13-gram tier."""
+    math500 = catalog_prompts("math500")
+    sets = {name: catalog_prompts(name) for name in ("gsm8k", "aime24", "aime25")}
+    distinct = EvalIndex([p for rows in sets.values() for p in rows], groups=[n for n, rows in sets.items() for _ in rows])
+    assert distinct.scan(math500) == []
+    mmlu = catalog_prompts("mmlu_stem")
+    hits = [h for h in EvalIndex(mmlu, groups=["mmlu"] * len(mmlu)).scan(math500) if h.tier == "ngram"]
+    assert len(hits) >= 5
+    for h in hits:  # the MATH problem is the MMLU question, before its choices
+        assert b" ".join(tokens(math500[h.train])) in b" ".join(tokens(mmlu[h.eval_id]))
