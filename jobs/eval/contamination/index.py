@@ -4,7 +4,8 @@
 word n-gram (13, as lm-evaluation-harness's janitor; an eval row shorter than that must appear whole, from
 ``min_span`` words up); ``near``: word-shingle Jaccard similarity at least ``jaccard``, candidates from
 MinHash LSH (rensa, Rust) and every candidate verified on the exact shingle sets, so a report is never a
-sketch's false positive. Limits: eval rows shorter than ``min_span`` words are checked by the exact tier only.
+sketch's false positive. An eval set's template (n-grams and words in half its rows: :func:`boilerplate`)
+never matches by itself. Limits: eval rows shorter than ``min_span`` words are checked by the exact tier only.
 """
 
 from __future__ import annotations
