@@ -202,7 +202,7 @@ def test_the_cross_engine_check_on_demand_logs_what_it_compared(rollout_server, 
     assert all(r.ok for r in results), [r.message for r in results]
     key = "cross_engine/addition/vllm-float32_vs_hf-float32"
     fields = {k.removeprefix(key + "/"): v for k, v in results[0].fidelity.items() if k.startswith(key)}
-    print(f"\nvllm cross-engine: {fields}")
+    print(f"\nvllm cross-engine: {fields}; attestation: {results[0].attest.get('detail')}")
     assert fields["prompts"] == 8 and fields["agree"] == 8 and fields["agreement"] == 1.0
     assert 0 < fields["max_abs_logprob_diff"] < 1e-4  # fp32 on both sides: kernels differ, not weights
     assert results[1].fidelity == results[0].fidelity  # once per load: the same pinned prompts
