@@ -272,8 +272,14 @@ def train_cases() -> list[str]:
         f"{base} --eval-stop-when 'loss < 1'",
         f"{base} --eval-stop-when 'eval/nope >= 1'",
         f"{base} --no-eval --eval-stop-when 'eval/addition >= 1'",
+        f"{base} --eval-stop-plateau 'eval/nope over 3'",  # #40: a plateau rule and adaptive evaluation
+        f"{base} --eval-stop-plateau 'eval/addition over 0'",
+        f"{base} --no-eval --eval-stop-plateau 'eval/addition over 3'",
+        f"{base} --eval-adaptive 'eval/nope mde 0.05'",
+        f"{base} --eval-adaptive 'eval/addition mde 2'",
+        f"{base} --eval-adaptive 'eval/addition budget 0.1'",
         *_no_value(base, "--run-id", "--eval-staging-dir", "--trainer-nodes", "--eval-best-metric",
-                   "--eval-stop-when"),
+                   "--eval-stop-when", "--eval-stop-plateau", "--eval-adaptive"),
     ] + _flag_cases(base, {
         "--steps": "int>=1", "--batch-size": "int>=1", "--lr": "float>0", "--warmup-steps": "int>=0",
         "--seed": "int>=0", "--log-interval": "int>=1", "--ckpt-interval": "int>=1", "--threads": "int>=1",
@@ -318,6 +324,7 @@ def view_cases() -> list[str]:
         "status {S}/run --bogus-flag",
         "status {S}/run --scoring",
         "plot {S}/run -o {S}/out.png --scoring",
+        "plot {S}/run -o {S}/out.png --wandb-run-id",
         "plot {S}/run -o {S}/nope/out.png",
         "plot {S}/run -o {S}/empty",
         "plot {S}/run --output {S}/out.xyz",

@@ -108,7 +108,9 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, change: di
 def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
     """``import ckpteval.jobs.trainer.session`` (what a training loop imports) loads neither the eval worker
     nor the shared posture's scoring stack, nor the engines, the canary's engine side, unit claims (leases) or
-    kept completions, nor snapshot discovery: 47 ckpteval modules, packages not counted (53 before #27 cut those five chains). The rest
+    kept completions, nor snapshot discovery, nor --eval-stop-plateau's and --eval-adaptive's scipy-backed modules: 48
+    ckpteval modules, packages not counted (53 before #27 cut those five chains; +1 in #40: coord.work.grants, with
+    which points pool granted samples). The rest
     is what the dispatcher imports at its top (GC, ledger, points, ingest, export, the canary's
     trainer side) and what run.json parsing needs."""
     import subprocess
@@ -120,5 +122,6 @@ def test_the_trainer_library_does_not_load_the_eval_worker() -> None:
     unwanted = {"ckpteval.jobs.eval.worker.main", "ckpteval.jobs.eval.worker.loop", "ckpteval.jobs.eval.kinds.generate.scoring",
                 "ckpteval.jobs.eval.kinds.evaluate", "ckpteval.jobs.trainer.gate", "ckpteval.jobs.eval.proof.attest",
                 "ckpteval.jobs.eval.engines.base", "ckpteval.jobs.eval.proof.canary_check", "ckpteval.coord.work.claims",
-                "ckpteval.coord.work.lease", "ckpteval.coord.results.completions", "ckpteval.coord.snapshots.discovery"}
-    assert not loaded & unwanted and len(loaded) <= 47, sorted(loaded)
+                "ckpteval.coord.work.lease", "ckpteval.coord.results.completions", "ckpteval.coord.snapshots.discovery",
+                "ckpteval.jobs.trainer.plateau", "ckpteval.jobs.trainer.adaptive.policy"}
+    assert not loaded & unwanted and len(loaded) <= 48, sorted(loaded)

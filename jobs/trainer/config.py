@@ -25,8 +25,6 @@ from typing import Literal
 
 from ckpteval.coord.results.conditions import parse_condition
 from ckpteval.jobs.flags import check_bounds, nested, option
-from ckpteval.jobs.trainer.adaptive.policy import parse_adaptive
-from ckpteval.jobs.trainer.plateau import parse_plateau
 
 OverflowPolicy = Literal["backpressure", "skip"]
 Fleet = Literal["attached", "none"]
@@ -115,10 +113,7 @@ class DispatchConfig:
                              "eval/<dataset>[/...]")
         if self.stop_when is not None:
             parse_condition(self.stop_when, "--eval-stop-when")
-        if self.adaptive is not None:
-            parse_adaptive(self.adaptive, "--eval-adaptive")
-        if self.stop_plateau is not None:
-            parse_plateau(self.stop_plateau, "--eval-stop-plateau")
+        self.metric_flags()  # --eval-stop-plateau and --eval-adaptive parse (one ValueError naming the flag)
         if self.fleet == "none" and self.mode != "reuse":
             raise ValueError("--eval-fleet none (fleet) keeps every point pending for a later backfill: use reuse "
                              "mode (--save-hf DIR --save-interval N) so no snapshot piles up in a staging dir")
@@ -127,6 +122,21 @@ class DispatchConfig:
         if self.save_interval and self.mode == "reuse" and self.eval_interval % self.save_interval:
             raise ValueError(f"eval_interval (--eval-interval {self.eval_interval}) must be a multiple of --save-interval "
                              f"{self.save_interval} (save_interval) in reuse mode: only saved checkpoints can be evaluated")
+
+    def metric_flags(self) -> list[tuple[str, str]]:
+        """(flag, the point metric it names) of the flags that name a dataset's metric, to check
+        against a run's datasets; ValueError naming the flag when one does not parse."""
+        from ckpteval.jobs.trainer.adaptive.policy import parse_adaptive  # scipy: only for a run that asks
+        from ckpteval.jobs.trainer.plateau import parse_plateau
+
+        out = []
+        if self.stop_when is not None:
+            out.append(("--eval-stop-when", parse_condition(self.stop_when, "--eval-stop-when").metric))
+        if self.stop_plateau is not None:
+            out.append(("--eval-stop-plateau", parse_plateau(self.stop_plateau, "--eval-stop-plateau").metric))
+        if self.adaptive is not None:
+            out.append(("--eval-adaptive", f"eval/{parse_adaptive(self.adaptive, '--eval-adaptive').dataset}"))
+        return out
 
     @property
     def mode(self) -> str:

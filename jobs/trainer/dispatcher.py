@@ -35,21 +35,19 @@ from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.gc import StagingGC, has_room
 from ckpteval.coord.snapshots.saves import shards_present
 from ckpteval.coord.snapshots.snapshot import mark_complete, read_marker, snapshot_path
-from ckpteval.coord.work.grants import Grants
 from ckpteval.coord.work.units import WorkUnit, units_for_step
 from ckpteval.jobs.eval.proof.canary import TrainerCanary
 from ckpteval.jobs.ingest import ingest_point
 from ckpteval.jobs.metrics import MetricsSink
-from ckpteval.jobs.trainer.adaptive.policy import parse_adaptive
-from ckpteval.jobs.trainer.adaptive.spend import AdaptiveSpender
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.cost import TrainingClock, trainer_gpus
 from ckpteval.jobs.trainer.export.async_export import AsyncExporter, ExportOutcome, RoomCheck
-from ckpteval.jobs.trainer.plateau import PlateauRule, PlateauVerdict, PointValue, parse_plateau
 
-if TYPE_CHECKING:  # the shared posture's parts are imported with a SharedEval (a fleet trainer needs none)
+if TYPE_CHECKING:  # imported with a SharedEval / --eval-stop-plateau / --eval-adaptive only (scipy: ``open``)
     from ckpteval.jobs.eval.kinds.generate.scoring import DatasetCache
+    from ckpteval.jobs.trainer.adaptive.spend import AdaptiveSpender
     from ckpteval.jobs.trainer.gate import SharedEval
+    from ckpteval.jobs.trainer.plateau import PlateauRule, PlateauVerdict, PointValue
 
 Model = torch.nn.Module | Mapping[str, Any]
 RECORDED_TIMES = ("export_time_seconds", "export_blocked_seconds", "backpressure_wait_seconds", "shared_eval_seconds")
@@ -140,9 +138,13 @@ class EvalDispatcher:
             gc = StagingGC(root, run.leases, manifest.lease.duration_s, keep=config.keep_snapshots, run=key)
         cache = None if shared is None else shared.attach(run, manifest)
         stop_when = None if config.stop_when is None else parse_condition(config.stop_when, "--eval-stop-when")
-        plateau = None if config.stop_plateau is None else parse_plateau(config.stop_plateau, "--eval-stop-plateau")
-        adaptive = None if config.adaptive is None else AdaptiveSpender(
-            parse_adaptive(config.adaptive, "--eval-adaptive"), manifest, Grants.of(run.path), stop_when)
+        plateau = adaptive = None  # their modules (scipy) only for a run that asks for them
+        if config.stop_plateau is not None:
+            from ckpteval.jobs.trainer.plateau import parse_plateau
+            plateau = parse_plateau(config.stop_plateau, "--eval-stop-plateau")
+        if config.adaptive is not None:
+            from ckpteval.jobs.trainer.adaptive.spend import open_spender
+            adaptive = open_spender(config.adaptive, run.path, manifest, stop_when)
         gpus = config.trainer_gpus if config.trainer_gpus is not None else trainer_gpus()
         dispatcher = cls(config, run, manifest, sink, ledger, root=root, canary=canary,
                          training=TrainingClock(gpus, ledger.state, clock), exporter=exporter, gc=gc,
@@ -411,8 +413,7 @@ class EvalDispatcher:
         return {s: self._results_for(s) for s in steps}
 
     def _check_stop_when(self, step: int, point: Point) -> None:
-        """``--eval-stop-when`` or ``--eval-stop-plateau``: record (ledger ``stop_requested``) the first point
-        that meets the target, or whose look finds the plateau."""
+        """Record (ledger ``stop_requested``) the first point meeting --eval-stop-when or --eval-stop-plateau."""
         if self.stop_requested is not None:
             return
         if self.stop_when is not None and self.stop_when.holds(point_metrics(point)):

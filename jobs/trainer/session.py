@@ -48,7 +48,6 @@ from ckpteval.jobs.metrics import MetricsSink
 from ckpteval.jobs.pathchecks import check_dir_creatable
 from ckpteval.jobs.trainer.config import DispatchConfig
 from ckpteval.jobs.trainer.dispatcher import EvalDispatcher
-from ckpteval.jobs.trainer.plateau import parse_plateau
 
 # a trainer-specific builder of the eval section and RUN/base (the reference trainer's built-in set);
 # called only when the run is created, with the eval-config file if one was given
@@ -175,13 +174,10 @@ def _install_checks() -> None:
 
 
 def _check_stop_when(spec: EvalRun, manifest: RunManifest) -> None:
-    if spec.dispatch is not None and spec.dispatch.stop_when is not None:
-        check_metric(parse_condition(spec.dispatch.stop_when, "--eval-stop-when"), eval_names(manifest),
-                     "--eval-stop-when")
-    if spec.dispatch is not None and spec.dispatch.stop_plateau is not None:
-        rule = parse_plateau(spec.dispatch.stop_plateau, "--eval-stop-plateau")
-        check_metric(parse_condition(f"{rule.metric} >= 0", "--eval-stop-plateau"), eval_names(manifest),
-                     "--eval-stop-plateau")
+    """The flags naming a dataset's metric (--eval-stop-when, --eval-stop-plateau, --eval-adaptive) name one of
+    this run's (one ValueError naming the flag otherwise)."""
+    for flag, metric in spec.dispatch.metric_flags() if spec.dispatch is not None else []:
+        check_metric(parse_condition(f"{metric} >= 0", flag), eval_names(manifest), flag)
 
 
 def _run_id(path: Path) -> str:

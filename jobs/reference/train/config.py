@@ -103,13 +103,12 @@ class TrainConfig:
         for flag, path in (("--eval-staging-dir", d.staging_dir), ("--save-hf", d.save_hf_dir)):
             if path is not None:
                 check_dir_creatable(flag, path)
-        if d.stop_when is not None:
+        builtin = {"addition"} | ({"addition-sampled"} if self.eval_samples else set())
+        for flag, metric in d.metric_flags():
             if not self.eval:
-                raise ValueError("--eval-stop-when needs the eval dispatcher: drop --no-eval")
-            condition = parse_condition(d.stop_when, "--eval-stop-when")
+                raise ValueError(f"{flag} needs the eval dispatcher: drop --no-eval")
             if self.eval_config is None:  # the built-in sets: checked before anything is written
-                check_metric(condition, {"addition"} | ({"addition-sampled"} if self.eval_samples else set()),
-                             "--eval-stop-when")
+                check_metric(parse_condition(f"{metric} >= 0", flag), builtin, flag)
         if self.eval and self.eval_config is not None:
             read_eval_config(Path(self.eval_config))  # and its data files: a bad one fails before torch loads
         return self.dispatch.for_run(self.run_dir) if self.eval else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -19,9 +20,20 @@ from ckpteval.coord.run.ledger import LedgerState
 from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.work.grants import Grant, Grants, topups
 from ckpteval.coord.work.workunit import WorkUnit
-from ckpteval.jobs.trainer.adaptive.policy import AdaptiveSettings, StepValues, Want, open_steps
+from ckpteval.jobs.trainer.adaptive.policy import (
+    AdaptiveSettings,
+    StepValues,
+    Want,
+    open_steps,
+    parse_adaptive,
+)
 
 Results = Mapping[WorkUnit, Result]
+
+
+def open_spender(text: str, run_path: Path, manifest: RunManifest, target: Condition | None) -> AdaptiveSpender:
+    """``--eval-adaptive TEXT``'s spender for the run at ``run_path`` (its ``grants.jsonl``)."""
+    return AdaptiveSpender(parse_adaptive(text, "--eval-adaptive"), manifest, Grants.of(run_path), target)
 
 
 class AdaptiveSpender:
