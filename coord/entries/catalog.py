@@ -20,7 +20,7 @@ class CatalogEntry(GenerateEntry):
     kind: str = "catalog"
     """The entry's kind (``catalog``)."""
     catalog: str = ""
-    """The catalog set (``gsm8k``, ``math500``, ``aime24``, ``aime25``, ``humaneval``, ``mmlu_stem``)."""
+    """The catalog set (``gsm8k``, ``math500``, ``aime24``, ``aime25``, ``humaneval``, ``mbpp``, ``mmlu_stem``)."""
     template: str = ""
     """The set's prompt template the rows were rendered with (``qwen25-math-cot``, ``deepseek-r1``, ...)."""
     model: str | None = None
