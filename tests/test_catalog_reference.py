@@ -65,6 +65,7 @@ def test_another_few_shot_count_refuses_and_fewer_samples_or_a_larger_budget_onl
 
 
 def test_status_recovers_a_known_accuracy_at_step_0_and_refuses_wrong_settings_first(tmp_path: Path) -> None:
+    """Step 0, and a later snapshot with step 0's weights (not one with other weights), against the source."""
     install_checks()
     published = reference_for(_entry()).score
     accuracy = {"aime24": published, "aime24_other": published - 0.15, "aime24_wrong": published, "aime24_unlisted": 0.5}
@@ -77,6 +78,8 @@ def test_status_recovers_a_known_accuracy_at_step_0_and_refuses_wrong_settings_f
     run = create_run_from_config(tmp_path / "run", config, (tmp_path / "run" / "snapshots",))
     save_tokenizer(base_dir(tmp_path), 64, chat=True)  # the snapshot's tokenizer renders the chat rows
     publish_model(tmp_path, run.snapshots, 0)
+    publish_model(tmp_path, run.snapshots, 5, seed=0)  # the base again (step 0's weights): checked too
+    publish_model(tmp_path, run.snapshots, 10)  # trained weights: not the base
     opts = WorkerOptions(run_dir=run.path, engines=("fn:tests.support.known_accuracy:KnownAccuracyBackend",),
                          once=True, poll_interval_s=0.1)
     code, _ = run_inprocess(opts, out=lambda _line: None)
@@ -84,6 +87,7 @@ def test_status_recovers_a_known_accuracy_at_step_0_and_refuses_wrong_settings_f
     status = collect_status(run.path)
     same, other, wrong = (status["reference"][n] for n in ("aime24", "aime24_other", "aime24_wrong"))
     assert abs(same["score"] - published) <= 2 * same["stderr"] and abs(same["z"]) <= 2  # recovered within its stderr
+    assert [b["step"] for b in same["base_points"]] == [0, 5] and abs(same["base_points"][1]["z"]) <= 3
     assert other["z"] < -3  # a base 15 points below the source's is told apart
     assert wrong["z"] is None and wrong["score"] is None and len(wrong["differences"]) == 5
     text = "\n".join(str(line) for line in render(status))
@@ -92,4 +96,6 @@ def test_status_recovers_a_known_accuracy_at_step_0_and_refuses_wrong_settings_f
                     "top_p 1.0"):
         assert setting in line, (setting, line)
     assert "no published score of my-org/my-base on aime24" in text  # a model the catalog has no score for is said
-    assert "z =" not in line and "z = " in next(x for x in text.splitlines() if x.startswith("reference aime24:"))
+    same_line = next(x for x in text.splitlines() if x.startswith("reference aime24:"))
+    assert "z =" not in line and "z = " in same_line and "step 5 (step 0's weights)" in same_line
+    assert "step 10" not in same_line

@@ -14,6 +14,8 @@ What it owns:
   so a file's CRC is derived from its header's and its tensors' without checksumming a byte twice;
 * :func:`compare_digests` — what differs between a marker's tensors and an engine's report: missing,
   extra and different tensors, named.
+* :func:`weights_id` — one fingerprint of a marker's tensors: two snapshots with one id hold the same
+  weights (status checks a snapshot with step 0's weights against a published base score too).
 
 Promises: a tensor digest depends only on the tensor's dtype-encoded bytes (not on the file it lies
 in, its offset or shard); :func:`crc32_combine` equals ``zlib.crc32`` of the concatenation.
@@ -25,6 +27,7 @@ digests, which is not in the threat model (see docs/PROTOCOL.md, "Attestation").
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import zlib
@@ -173,3 +176,16 @@ def compare_digests(
             shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
             out.append(f"{label} {len(names)}: {shown}")
     return out
+
+
+def weights_id(tensors: Mapping[str, Mapping[str, Any]] | None) -> str | None:
+    """One fingerprint of a snapshot's weights from its marker's tensors (:attr:`Marker.tensors`): every
+    tensor's name, dtype, shape and ``xxh3``, not the file holding it. Two snapshots with one id hold the same
+    weights (a resharded copy included); None when the marker lists no tensor digests."""
+    if not tensors:
+        return None
+    h = hashlib.blake2b(digest_size=8)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, t.get("dtype"), t.get("shape"), t.get("xxh3")]).encode() + b"\n")
+    return h.hexdigest()

@@ -1,11 +1,13 @@
 """Published reference scores (``data/<set>/references.json``) and the step-0 check against them: first the
 settings the run differs from the source's in, each named (a difference that moves the score refuses the
-comparison), then the step-0 point as a z-score. docs/USER_GUIDE.md "Published references"."""
+comparison), then the step-0 point, and any snapshot's with step 0's weights, as a z-score.
+docs/USER_GUIDE.md "Published references"."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,27 +97,45 @@ def differences(entry: CatalogEntry, ref: Reference) -> list[Difference]:
     return found
 
 
-def check(entry: CatalogEntry, ref: Reference, point: dict[str, Any] | None) -> dict[str, Any]:
-    """What status shows: the differences, then (none refusing, the step-0 point scored) the z-score of the
-    point against the published score, over the point's standard error (over prompts)."""
+def base_steps(snapshots: Sequence[dict[str, Any]]) -> list[int]:
+    """The steps whose point is the base model's: step 0, and every snapshot holding step 0's weights (the same
+    :func:`~ckpteval.coord.snapshots.digests.weights_id`: a re-evaluation of the base at another step, a run
+    that saved it again). Without step 0's snapshot, or without tensor digests in its marker, step 0 alone."""
+    ids = {s["step"]: s.get("weights") for s in snapshots}
+    base = ids.get(REFERENCE_STEP)
+    return [REFERENCE_STEP] + sorted(s for s, w in ids.items() if base is not None and w == base and s != REFERENCE_STEP)
+
+
+def scored(ref: Reference, step: int, point: dict[str, Any]) -> dict[str, Any]:
+    """One base point against the published score: its score, stderr (over prompts) and z-score."""
+    score, stderr = float(point["score"]), float(point["stderr"])
+    z = (score - ref.score) / stderr if math.isfinite(stderr) and stderr > 0 else None
+    return {"step": step, "score": score, "stderr": stderr, "z": z}
+
+
+def check(entry: CatalogEntry, ref: Reference, points: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What status shows: the differences, then (none refusing) each scored base point (``points``: step ->
+    the dataset's complete point, step 0 first) as a z-score against the published score; the first one's
+    also at the top level (``step``, ``score``, ``stderr``, ``z``)."""
     diffs = differences(entry, ref)
     out: dict[str, Any] = {
         "model": ref.model, "reference": ref.score, "metric": ref.metric, "source": ref.source, "url": ref.url,
         "differences": [d.line() for d in diffs if d.refuses], "warnings": [d.line() for d in diffs if not d.refuses],
-        "step": REFERENCE_STEP, "score": None, "stderr": None, "z": None,
+        "step": REFERENCE_STEP, "score": None, "stderr": None, "z": None, "base_points": [],
     }
-    if any(d.refuses for d in diffs) or point is None:
+    if any(d.refuses for d in diffs) or not points:
         return out
-    score, stderr = float(point["score"]), float(point["stderr"])
-    out.update(score=score, stderr=stderr)
-    if math.isfinite(stderr) and stderr > 0:
-        out["z"] = (score - ref.score) / stderr
+    out["base_points"] = [scored(ref, step, point) for step, point in points.items()]
+    out.update(out["base_points"][0])
     return out
 
 
-def reference_status(manifest: Any, points: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each catalog entry with a published reference for its ``model``: :func:`check` against the step-0 point."""
-    step0 = next((p for p in points if p["step"] == REFERENCE_STEP), None)
+def reference_status(manifest: Any, points: list[dict[str, Any]],
+                     snapshots: Sequence[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
+    """Each catalog entry with a published reference for its ``model``: :func:`check` against the base points
+    (step 0 and the snapshots with its weights, :func:`base_steps`) that are complete."""
+    steps = base_steps(snapshots)
+    complete = {p["step"]: p for p in points if p["step"] in steps and p.get("complete")}
     out = {}
     for entry in manifest.eval.entries:
         if not (isinstance(entry, CatalogEntry) and entry.model):
@@ -125,7 +145,7 @@ def reference_status(manifest: Any, points: list[dict[str, Any]]) -> dict[str, d
             out[entry.name] = {"model": entry.model, "unknown": f"no published score of {entry.model} on "
                                f"{entry.catalog} in the catalog (it has: {', '.join(known) or 'none'})"}
             continue
-        ds = (step0 or {}).get("datasets", {}).get(entry.name)
-        out[entry.name] = check(entry, ref, ds if step0 is not None and step0.get("complete") else None)
+        base = {s: complete[s]["datasets"][entry.name] for s in steps
+                if s in complete and entry.name in complete[s].get("datasets", {})}
+        out[entry.name] = check(entry, ref, base)
     return out
-

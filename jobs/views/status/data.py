@@ -28,6 +28,7 @@ from ckpteval.coord.run.identity import snapshots_key
 from ckpteval.coord.run.ledger import Ledger, LedgerState
 from ckpteval.coord.run.manifest import RunManifest
 from ckpteval.coord.run.rundir import RunDir
+from ckpteval.coord.snapshots.digests import weights_id
 from ckpteval.coord.snapshots.discovery import SnapshotDiscovery, adopted_refs
 from ckpteval.coord.snapshots.saves import lost_steps, waiting_saves
 from ckpteval.coord.snapshots.weight_checksums import summarize
@@ -78,6 +79,7 @@ def _snapshot_rows(manifest: RunManifest, retired: set[int], adopted: Path) -> l
                 "mode": ref.marker.mode,
                 "complete": True,
                 "retired": ref.step in retired,
+                "weights": weights_id(ref.marker.tensors),  # same id: same weights (the reference check)
             })
     return sorted(rows, key=lambda r: r["step"])
 
@@ -175,7 +177,7 @@ def collect_status(run_dir: Path, scoring: str | None = None) -> dict[str, Any]:
         "noise": noise_status(run, points),  # MDE and replay spread per dataset (jobs.views.noise)
         "attestation": summarize(run.weight_checksums),  # sglang checksums: compared vs reference-only
         "contamination": contamination_summary(run.path),  # the gate's last check (ckpteval contamination)
-        "reference": reference_status(manifest, points),  # step 0 against published scores (catalog entries)
+        "reference": reference_status(manifest, points, snapshots),  # step 0 against published scores (catalog entries)
         "health": {
             "expired_leases": len(expired),
             "stuck_units": [p["unit"] for p in expired],

@@ -395,8 +395,14 @@ def reference_line(status: dict[str, Any], ds: str) -> str | None:
     warn = f" [differs: {'; '.join(r['warnings'])}]" if r["warnings"] else ""
     if r["score"] is None:
         return f"{head}: step 0 not scored yet{warn}"
-    z = "n/a (no stderr)" if r["z"] is None else f"{r['z']:+.2f}"
-    return f"{head}: step 0 {r['score']:.3f} ± {r['stderr']:.3f}, z = {z}{warn}"
+    return f"{head}: " + "; ".join(_base_point(b) for b in r["base_points"]) + warn
+
+
+def _base_point(b: dict[str, Any]) -> str:
+    """One base point of the reference check: step 0's, or a later snapshot's with step 0's weights."""
+    z = "n/a (no stderr)" if b["z"] is None else f"{b['z']:+.2f}"
+    same = " (step 0's weights)" if b["step"] != 0 else ""
+    return f"step {b['step']}{same} {b['score']:.3f} ± {b['stderr']:.3f}, z = {z}"
 
 
 DATASET_LINES: list[Callable[[dict[str, Any], str], str | None]] = [reference_line, contamination_line]
