@@ -23,9 +23,8 @@ from ckpteval.coord.work.units import shard_range, unit_samples, units_for_step
 from ckpteval.jobs.eval.kinds.generate.evalsets import write_addition_dataset
 from ckpteval.jobs.eval.worker.options import WorkerOptions
 from ckpteval.jobs.lifecycle import EXIT_DONE
-from ckpteval.jobs.reference.train.main import main
 from ckpteval.jobs.trainer.adaptive.policy import AdaptiveSettings, StepValues, open_steps, parse_adaptive
-from tests.support.training import eval_lines, make_train_run
+from tests.support.training import eval_lines, make_train_run, train_beside
 from tests.support.workers import publish_model, run_inprocess
 
 STEP = 3
@@ -152,16 +151,10 @@ def test_the_trainer_spends_samples_where_the_decision_is_open_and_says_why(tmp_
     manifest = run.manifest()
     spec = replace(manifest.eval.entries[0], n_samples=2, temperature=1.0)
     save_manifest(run.manifest_path, replace(manifest, eval=replace(manifest.eval, entries=(spec,))))
-    stop = threading.Event()
-    fleet = threading.Thread(target=_fleet, args=(run, stop), daemon=True)
-    fleet.start()
-    try:
-        code = main(["--run-dir", str(run_dir), "--resume", "--steps", "20", "--batch-size", "8", "--no-progress",
-                     "--eval-interval", "5", "--eval-poll-interval", "0", "--eval-max-in-flight", "4",
-                     "--eval-keep-snapshots", "6", "--eval-adaptive", "eval/addition mde 0.05 max-samples 8 lag 1"])
-    finally:
-        stop.set()
-        fleet.join(5)
+    code = train_beside(run, _fleet, ["--run-dir", str(run_dir), "--resume", "--steps", "20", "--batch-size", "8",
+                                      "--no-progress", "--eval-interval", "5", "--eval-poll-interval", "0",
+                                      "--eval-max-in-flight", "4", "--eval-keep-snapshots", "6",
+                                      "--eval-adaptive", "eval/addition mde 0.05 max-samples 8 lag 1"])
     assert code == 0
     records = [json.loads(line) for line in (run.path / GRANTS_FILE).read_text().splitlines()]
     granted = {r["step"] for r in records}

@@ -17,9 +17,8 @@ from ckpteval.coord.run.ledger import Ledger
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.coord.snapshots.discovery import SnapshotDiscovery
 from ckpteval.coord.work.units import shard_range, units_for_step
-from ckpteval.jobs.reference.train.main import main
 from ckpteval.jobs.trainer.plateau import PlateauRule, PointValue, parse_plateau
-from tests.support.training import make_train_run
+from tests.support.training import make_train_run, train_beside
 
 
 def test_the_rule_parses_and_refuses_with_one_line_naming_the_flag() -> None:
@@ -96,15 +95,10 @@ def test_the_trainer_stops_on_the_plateau(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
     run, _ = make_train_run(run_dir, eval_interval=10, eval_n_prompts=40, eval_shard_size=20,
                             eval_max_in_flight=4, eval_keep_snapshots=4)
-    stop = threading.Event()
-    fleet = threading.Thread(target=_fleet, args=(run, stop), daemon=True)
-    fleet.start()
-    try:
-        code = main(["--run-dir", str(run_dir), "--resume", "--steps", "5000", "--batch-size", "8", "--no-progress",
-                     "--eval-interval", "10", "--eval-poll-interval", "0", "--eval-max-in-flight", "4",
-                     "--eval-keep-snapshots", "4", "--eval-stop-plateau", "eval/addition over 3"])
-    finally:
-        stop.set()
+    code = train_beside(run, _fleet, ["--run-dir", str(run_dir), "--resume", "--steps", "5000", "--batch-size", "8",
+                                      "--no-progress", "--eval-interval", "10", "--eval-poll-interval", "0",
+                                      "--eval-max-in-flight", "4", "--eval-keep-snapshots", "4",
+                                      "--eval-stop-plateau", "eval/addition over 3"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["stopped"]["point_step"] == 90, summary

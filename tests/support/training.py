@@ -195,3 +195,18 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def train_beside(run: RunDir, fleet: Any, argv: list[str]) -> int:
+    """The reference trainer (in this process) with ``argv``, while ``fleet(run, stop)`` runs in a thread (an
+    engine-free fleet that scores what it finds until ``stop`` is set); the trainer's exit code."""
+    from ckpteval.jobs.reference.train.main import main
+
+    stop = threading.Event()
+    thread = threading.Thread(target=fleet, args=(run, stop), daemon=True)
+    thread.start()
+    try:
+        return main(argv)
+    finally:
+        stop.set()
+        thread.join(5)
