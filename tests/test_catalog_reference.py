@@ -99,3 +99,24 @@ def test_status_recovers_a_known_accuracy_at_step_0_and_refuses_wrong_settings_f
     same_line = next(x for x in text.splitlines() if x.startswith("reference aime24:"))
     assert "z =" not in line and "z = " in same_line and "step 5 (step 0's weights)" in same_line
     assert "step 10" not in same_line
+
+
+def test_creating_a_run_warns_once_naming_each_setting_that_differs_from_the_source(tmp_path: Path, capsys) -> None:
+    install_checks()
+    config = tmp_path / "eval.json"
+    config.write_text(json.dumps({"eval": {"datasets": [
+        {**AS_PUBLISHED, **WRONG, "name": "aime24_wrong"}, {**AS_PUBLISHED, "name": "aime24_same"},
+        {**AS_PUBLISHED, "name": "aime24_fewer", "n_samples": 8}, {"catalog": "math500"}]}}))
+    create_run_from_config(tmp_path / "run", config, ())
+    err = capsys.readouterr().err.splitlines()
+    wrong = [x for x in err if "'aime24_wrong'" in x]
+    assert len(wrong) == 1 and wrong[0].startswith("ckpteval: warning: ")
+    for setting in ("max_new_tokens 2048", "think opener 'none'", "template 'qwen25-math-cot'", "temperature 0.0",
+                    "top_p 1.0"):
+        assert setting in wrong[0], (setting, wrong[0])
+    assert "will not compare" in wrong[0]
+    fewer = [x for x in err if "'aime24_fewer'" in x]  # a warning-only difference is said, and not as a refusal
+    assert len(fewer) == 1 and "n_samples 8" in fewer[0] and "will not compare" not in fewer[0]
+    assert not [x for x in err if "aime24_same" in x or "math500" in x]  # as published, or no model: nothing
+    create_run_from_config(tmp_path / "run", config, ())  # the run exists: said once, when it was created
+    assert "warning" not in capsys.readouterr().err

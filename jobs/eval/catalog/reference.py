@@ -149,3 +149,18 @@ def reference_status(manifest: Any, points: list[dict[str, Any]],
                 if s in complete and entry.name in complete[s].get("datasets", {})}
         out[entry.name] = check(entry, ref, base)
     return out
+
+
+def reference_warnings(entries: Sequence[Any]) -> list[str]:
+    """When a run is created: one line per catalog entry whose ``model`` has a published score and whose
+    settings differ from the source's, naming each difference (:func:`differences`, as status will)."""
+    lines = []
+    for entry in entries:
+        if not isinstance(entry, CatalogEntry) or (ref := reference_for(entry)) is None:
+            continue
+        if diffs := differences(entry, ref):
+            refuses = any(d.refuses for d in diffs)
+            lines.append(f"dataset {entry.name!r}: its settings differ from the published {ref.metric} of {ref.model} "
+                         f"({ref.url}): " + "; ".join(d.line() for d in diffs)
+                         + ("; status will not compare its base points with it" if refuses else ""))
+    return lines

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,7 +152,13 @@ def _rows_of(config_path: Path, i: int, ds: dict[str, Any], src: Path) -> Any:
 
 
 def install_eval_data(run: RunDir, config: EvalConfig) -> None:
-    """Copy the config's JSONL datasets into ``RUN/data/<name>.jsonl`` (atomic per file)."""
+    """Copy the config's JSONL datasets into ``RUN/data/<name>.jsonl`` (atomic per file), when a run is created;
+    a catalog entry whose settings differ from its model's published reference is said then, once, on stderr."""
+    # imported here: the trainer library's import stays light (tests/test_session.py)
+    from ckpteval.jobs.eval.catalog.reference import reference_warnings
+
+    for line in reference_warnings(config.spec.entries):
+        print(f"ckpteval: warning: {line}", file=sys.stderr, flush=True)
     for name, src in config.sources.items():
         entry = config.spec.entries[[e.name for e in config.spec.entries].index(name)]
         data = rendered_rows(entry) if isinstance(entry, CatalogEntry) else src.read_bytes()
