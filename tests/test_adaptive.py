@@ -171,3 +171,47 @@ def test_the_trainer_spends_samples_where_the_decision_is_open_and_says_why(tmp_
     pooled = np.mean([_sample(15, i, j) for i in range(40) for j in range(8)])
     assert logged[15]["eval/addition"] == pytest.approx(base)  # logged when it landed (the lag: granted later)
     assert point_metrics(derive_point(run.manifest(), 15, results))["eval/addition"] == pytest.approx(pooled)
+
+
+def test_a_worker_reopens_a_settled_step_when_it_is_granted_more(tmp_path: Path) -> None:
+    """A real worker settles a step once its units have results; a grant appended after that reopens it: its
+    next poll offers the granted units (one per shard) for claiming."""
+    run = RunDir.create(tmp_path / "r")
+    spec = write_addition_dataset(run, n=5, shard_size=2, n_samples=2, temperature=1.5)
+    manifest = RunManifest(run_id="reopen", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),),
+                           lease=LeaseSettings(30.0, 5.0))
+    run = RunDir.create(run.path, manifest)
+    publish_model(tmp_path, run.snapshots, STEP, seed=0)
+    code, worker = run_inprocess(WorkerOptions(run_dir=run.path, engines=(SEED_FN,), once=True, poll_interval_s=0.1),
+                                 out=lambda _line: None)
+    assert code == EXIT_DONE and STEP in worker.settled and worker.poll() == ([], 0)
+    Grants.of(run.path).append(Grant(STEP, "addition", 2, 4, "candidate best"))
+    claimable, outstanding = worker.poll()
+    assert outstanding == 3 and [u.id for u in claimable] == [f"0000000003.addition.{s:05d}.s00002-00004" for s in range(3)]
+
+
+@pytest.mark.parametrize(("budget", "granted"), [("", 1), (" budget 8s", 1), (" budget 7s", 0), (" budget 0.15", 1),
+                                                 (" budget 0.1", 0)])
+def test_grants_stay_within_the_gpu_budget(tmp_path: Path, budget: str, granted: int) -> None:
+    """Two complete points of 40 prompts x 2 samples, one unit each costing 5 GPU-seconds, an open decision: the
+    best first (a grant estimated at 5 GPU-s, its own unit's cost per sample x 2 more samples). ``budget Gs``:
+    at most G GPU-seconds per point on average (10 spent + 5 <= 2 x G); ``budget F``: at most F x the trainer's
+    GPU-seconds (100 recorded by its dispatch)."""
+    from ckpteval.coord.run.ledger import LedgerState
+    from ckpteval.jobs.trainer.adaptive.spend import open_spender
+
+    run = RunDir.create(tmp_path / "r")
+    spec = write_addition_dataset(run, n=40, shard_size=40, n_samples=2, temperature=1.0)
+    manifest = RunManifest(run_id="b", eval=EvalSpec(entries=(spec,)), snapshot_roots=(str(run.snapshots),))
+    spender = open_spender(f"eval/addition mde 0.01 lag 0{budget}", run.path, manifest, None)
+    rng = np.random.default_rng(0)
+    by_step = {}
+    for step in (10, 20):
+        (unit,) = spec.units(step)
+        scores = [float(x) for x in rng.random(80) < 0.5]
+        by_step[step] = {unit: ok_result(unit, scores, [str(step)] * 80, cost={"gpu_s": 5.0})}
+    state = LedgerState()
+    state.dispatched.update({10: {"train_gpu_s": 50.0}, 20: {"train_gpu_s": 100.0}})
+    made = spender.spend(by_step, state, lambda step: True)
+    assert len(made) == granted
+    assert Grants.of(run.path).by_step == ({} if not granted else {made[0].step: made})
