@@ -167,8 +167,8 @@ def test_a_check_runs_once_until_its_inputs_change(tmp_path: Path) -> None:
 
 
 def test_trainer_configs_name_the_data_each_layout_reads(tmp_path: Path) -> None:
-    """verl's data.train_files, TRL's dataset mixture and prime-rl's environments (a verifiers taskset, whose
-    tasks an env entry's rows also name: every task is found in itself)."""
+    """verl's data.train_files, TRL's dataset mixture, NeMo-RL's data.train and prime-rl's environments (a
+    verifiers taskset, whose tasks an env entry's rows also name: every task is found in itself)."""
     taskset = {"taskset": "tests.support.vf_arith"}
     env = EnvEntry(name="arith", path="data/arith.jsonl", n_prompts=2, env="verifiers", env_options=taskset)
     run = make_run(tmp_path, (env,))
@@ -178,7 +178,8 @@ def test_trainer_configs_name_the_data_each_layout_reads(tmp_path: Path) -> None
     (tmp_path / "verl.yaml").write_text("data:\n  train_files: [d/a.jsonl]\n")
     (tmp_path / "trl.yaml").write_text("datasets:\n  - path: d\n    data_files: a.jsonl\n")
     (tmp_path / "orch.toml").write_text('[[orchestrator.train.env]]\nid = "tests.support.vf_arith"\n')
-    for config, layout in [("verl.yaml", "verl"), ("trl.yaml", "hf-trainer")]:
+    (tmp_path / "nemo.yaml").write_text("data:\n  train:\n    data_path: d/a.jsonl\n    input_key: prompt\n")
+    for config, layout in [("verl.yaml", "verl"), ("trl.yaml", "hf-trainer"), ("nemo.yaml", "nemo-rl")]:
         assert main([str(run.path), "--trainer-config", str(tmp_path / config), "--layout", layout]) == 0
         assert [m["row"] for m in read_matches(run.path)["datasets"]["qa"]["matched"]] == [5], layout
     assert main([str(run.path), "--trainer-config", str(tmp_path / "orch.toml"), "--layout", "prime-rl"]) == 0

@@ -15,14 +15,20 @@ default, HF safetensors with ``model_save_format: safetensors``, and a consolida
 Completion signal: the rename — a ``step_<N>/`` dir (with its ``training_info.json``) is finished.
 Weights: the first of ``policy/weights/model/consolidated``, ``policy/weights/consolidated``,
 ``policy/weights/model``, ``policy/weights`` that exists.
+
+Training data: the run's config (each save holds it: ``step_<N>/config.yaml``) names ``data.train``, one
+dataset or a list, each a local ``data_path`` or a ``dataset_name`` (read in ``examples/configs/grpo_math_1B.yaml``
+at commit b26cfeb3a263941c4363ead019f3f837c07bdef9; a hub name is not read: nothing is downloaded).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from ckpteval.coord.layouts.base import Layout, Located
+from ckpteval.coord.layouts.base import Layout, Located, as_list, config_at
 
 STEP = re.compile(r"step_(\d+)")
 INFO = "training_info.json"
@@ -38,6 +44,11 @@ class NemoRLLayout(Layout):
                        "examples/converters/convert_dcp_to_hf.py (Megatron: convert_megatron_to_hf.py)")
 
     step_pattern = STEP
+    train_data_keys = "data.train's data_path or dataset_name (step_N/config.yaml)"
+
+    def train_data(self, config: Mapping[str, Any]) -> list[str]:
+        sets = [d for d in as_list(config_at(config, "data.train")) if isinstance(d, Mapping)]
+        return [str(d.get("data_path") or d.get("dataset_name")) for d in sets if d.get("data_path") or d.get("dataset_name")]
 
     def locate(self, entry: Path) -> Located | None:
         step = self.step_of(entry)
