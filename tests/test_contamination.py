@@ -31,9 +31,10 @@ CLEAN = prompts(3000, seed=2)
 PLANTED = {3: "exact", 7: "ngram", 11: "near", 20: "ngram"}  # eval row -> the tier that must find it (20: after a system turn)
 
 
-def make_run(tmp: Path, entries: tuple = ()) -> RunDir:
+def make_run(tmp: Path, entries: tuple = (), trainer: dict | None = None) -> RunDir:
     entry = GenerateEntry(name="qa", path="data/qa.jsonl", n_prompts=len(EVAL), shard_size=len(EVAL))
-    run = RunDir.create(tmp / "run", RunManifest(run_id="c", eval=EvalSpec(entries=(entry, *entries)), snapshot_roots=()))
+    manifest = RunManifest(run_id="c", eval=EvalSpec(entries=(entry, *entries)), snapshot_roots=(), trainer=trainer or {})
+    run = RunDir.create(tmp / "run", manifest)
     write_jsonl(run.data / "qa.jsonl", [{"prompt": p, "answer": "1"} for p in EVAL])
     return run
 
@@ -186,6 +187,24 @@ def test_trainer_configs_name_the_data_each_layout_reads(tmp_path: Path) -> None
     record = read_matches(run.path)
     assert {m["row"]: m["tier"] for m in record["datasets"]["arith"]["matched"]} == {0: "exact", 1: "exact"}
     assert record["sources"] == [{"path": "verifiers:tests.support.vf_arith", "rows": 4}]
+
+
+def test_a_watched_nemo_rl_run_names_its_data_in_its_saves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No --train: the newest save of the run's watched NeMo-RL dir holds the config naming the data."""
+    data = write_jsonl(tmp_path / "train.jsonl", [{"question": EVAL[9]}])
+    for step, path in [(1, tmp_path / "gone.jsonl"), (3, data)]:
+        save = tmp_path / "ckpts" / f"step_{step}"
+        (save / "policy" / "weights").mkdir(parents=True)
+        (save / "training_info.json").write_text("{}")
+        (save / "config.yaml").write_text(f"data:\n  train:\n    data_path: {path}\n")
+    run = make_run(tmp_path, trainer={"foreign_roots": [str(tmp_path / "ckpts")]})
+    assert main([str(run.path)]) == 0
+    record = read_matches(run.path)
+    assert record["sources"] == [{"path": str(data), "rows": 1}]
+    assert [m["row"] for m in record["datasets"]["qa"]["matched"]] == [9]
+    bare = make_run(tmp_path / "other")
+    assert main([str(bare.path)]) == 2
+    assert "no training data named: give --train PATH" in capsys.readouterr().err
 
 
 def test_the_clean_series_is_logged_beside_the_point_and_status_names_the_finding(tmp_path: Path) -> None:

@@ -41,6 +41,13 @@ class Layout:
     owns_marker_name: ClassVar[bool] = False  # the trainer itself writes a file named like our .complete
     step_pattern: ClassVar[re.Pattern[str] | None] = None  # a save's whole name; one group: the step
     train_data_keys: ClassVar[str] = ""  # where the trainer's config names its training data ("": nowhere known)
+    config_names: ClassVar[tuple[str, ...]] = ()  # files in a save holding the trainer's config (NeMo-RL's)
+
+    def saved_config(self, root: Path) -> Path | None:
+        """The trainer's config as its newest save under ``root`` holds it (:attr:`config_names`), None if none does."""
+        saves = sorted(((step, e) for c in self.containers(root) for e in entries(c)
+                        if (step := self.step_of(e)) is not None), reverse=True)
+        return next((e / name for _step, e in saves for name in self.config_names if (e / name).is_file()), None)
 
     def train_data(self, config: Mapping[str, Any]) -> list[str]:
         """The training data the trainer's ``config`` (its parsed YAML/TOML/JSON) names, as it names them: data

@@ -45,6 +45,7 @@ class NemoRLLayout(Layout):
 
     step_pattern = STEP
     train_data_keys = "data.train's data_path or dataset_name (step_N/config.yaml)"
+    config_names = ("config.yaml",)
 
     def train_data(self, config: Mapping[str, Any]) -> list[str]:
         sets = [d for d in as_list(config_at(config, "data.train")) if isinstance(d, Mapping)]

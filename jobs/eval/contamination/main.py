@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ckpteval.coord.layouts import LAYOUTS, get_layout
+from ckpteval.coord.layouts import AUTO, LAYOUTS, get_layout, resolve_layout
 from ckpteval.coord.run.rundir import RunDir
 from ckpteval.jobs.eval.contamination.gate import check
 from ckpteval.jobs.eval.contamination.index import TIERS, Settings
@@ -68,6 +68,20 @@ def config_sources(config_path: Path, layout: str) -> list[str]:
     return out
 
 
+def watched_sources(run: RunDir, layout: str | None) -> list[str]:
+    """The training data named by the config a watched trainer keeps in its saves (NeMo-RL's
+    ``step_N/config.yaml``), for each of the run's watched dirs (``trainer.foreign_roots``)."""
+    found = []
+    for root in [Path(r) for r in run.manifest().trainer.get("foreign_roots", []) if isinstance(r, str)]:
+        chosen = resolve_layout(root, layout or AUTO)
+        if chosen is not None and (config := chosen.saved_config(root)) is not None:
+            found += config_sources(config, chosen.name)
+    if not found:
+        raise ValueError("contamination: no training data named: give --train PATH or --trainer-config FILE --layout "
+                         "NAME (no watched trainer of this run keeps its config in its saves)")
+    return found
+
+
 def summary(record: dict[str, Any], run: RunDir) -> list[str]:
     """The text ``ckpteval contamination`` prints for a record."""
     files = len(record["sources"])
@@ -95,9 +109,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--train", type=Path, action="append", default=[], metavar="PATH",
                         help="training data: a JSONL, JSON or parquet file, or a directory of them (repeatable)")
     parser.add_argument("--trainer-config", type=Path, metavar="FILE", help="the trainer's config (verl's "
-                        ".hydra/config.yaml, TRL's --config YAML, prime-rl's TOML): its layout finds the data")
+                        ".hydra/config.yaml, TRL's --config YAML, prime-rl's TOML): its layout finds the data "
+                        "(default, with no --train: the config a watched trainer keeps in its saves, NeMo-RL's)")
     parser.add_argument("--layout", choices=[n for n in LAYOUTS if get_layout(n).train_data_keys],
-                        help="the trainer of --trainer-config")
+                        help="the trainer of --trainer-config (without it: of the run's watched dirs, as detected)")
     parser.add_argument("--field", metavar="NAME", help="the training rows' prompt field (default: prompt, "
                         "messages, question, problem, ... the first present)")
     parser.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, of {', '.join(TIERS)} (default all)")
@@ -118,6 +133,8 @@ def main(argv: list[str]) -> int:
         sources = [str(p) for p in args.train]
         if args.trainer_config is not None:
             sources += config_sources(args.trainer_config, args.layout)
+        elif not sources:
+            sources = watched_sources(run, args.layout)
         settings = Settings(ngram=args.ngram, min_span=min(Settings.min_span, args.ngram), jaccard=args.jaccard)
         record = check(run, sources, settings, [t for t in args.tiers.split(",") if t], args.field, args.force,
                        args.procs)
