@@ -262,6 +262,7 @@ def train_cases() -> list[str]:
         f"{base} --eval-config {{S}}/cfg_typo.json",  # issue 22 §4: checked before training starts
         f"{base} --eval-samples -1",
         f"{base} --lora-rank 0",
+        f"{base} --untied-lm-head=yes",
         f"{base} --lora=yes",
         f"{base} --no-eval-at-start=yes",
         f"{base} --eval-fleet bogus",

@@ -67,7 +67,7 @@ def test_lm_eval_entry_round_trips_through_run_json_as_a_dataset_entry(tmp_path:
         ({"tasks": ["a"], "limit": 0}, "limit must be >= 1"),
         ({"tasks": ["a"], "include_defaults": False}, "no include_path"),
         ({"tasks": ["a"], "fewshots": 3}, "fewshots is not a setting of a dataset of kind 'lm_eval' .*did you mean 'num_fewshot'"),
-        ({"tasks": ["a"], "kind": "lmeval"}, "kind 'lmeval' must be one of generate, lm_eval, env \\(did you mean 'lm_eval'"),
+        ({"tasks": ["a"], "kind": "lmeval"}, "kind 'lmeval' must be one of generate, lm_eval, env, catalog \\(did you mean 'lm_eval'"),
         ({"tasks": ["a"], "chat_template_kwargs": {"enable_thinking": False}},
          "chat_template_kwargs needs apply_chat_template true"),
         ({"tasks": ["a"], "apply_chat_template": True, "chat_template_kwargs": {"add_generation_prompt": False}},

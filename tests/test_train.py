@@ -324,6 +324,7 @@ def _train_into(run_dir: Path, save: Path, seed: int) -> subprocess.CompletedPro
     cmd = [w for w in _train_cmd(run_dir, "--steps", "10", "--seed", str(seed), "--save-hf", str(save),
                                  "--save-interval", "5", "--eval-interval", "5", "--eval-fleet", "none")]
     cmd[cmd.index("--eval-drain-timeout") + 1] = "1"
+    cmd += ["--lease-duration", "5", "--lease-heartbeat", "1"]  # a backfill gives up on an unfound step after one lease
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
 
 

@@ -44,7 +44,7 @@ from ckpteval.jobs.views.status.main import collect_status, points_tables, read_
 
 POSTURES = ("fleet-staging", "fleet-reuse", "shared", "service")
 ENGINES = ("hf", "vllm")
-VLLM_WAIT_S = 1800  # --engine vllm: the trainer's fleet waits (a CPU server relaunches per snapshot, 20-60 s)
+VLLM_WAIT_S = 1800  # --engine vllm: the trainer's fleet waits (a CPU server's launch: 20-60 s)
 TABLE_WIDTH = 120
 SHM = Path("/dev/shm")
 
@@ -163,8 +163,9 @@ def trainer_args(cfg: DemoConfig, run_dir: Path) -> list[str]:
             # one core for training, the other for the fleet: a 2-thread trainer whose OpenMP threads
             # spin-wait while the workers start up runs ~40x slower on 2 cores
             "--threads", "1"]
-    if cfg.engine == "vllm":
-        args += ["--eval-backpressure-timeout", str(VLLM_WAIT_S), "--eval-drain-timeout", str(VLLM_WAIT_S)]
+    if cfg.engine == "vllm":  # untied: the CPU server reloads each snapshot in place (a tied one relaunches)
+        args += ["--eval-backpressure-timeout", str(VLLM_WAIT_S), "--eval-drain-timeout", str(VLLM_WAIT_S),
+                 "--untied-lm-head"]
     hf_dir = str(run_dir / "hf")
     if cfg.posture == "fleet-staging":
         args += ["--eval-interval", str(cfg.eval_interval), "--eval-staging-dir", str(staging_dir(cfg, run_dir))]

@@ -65,6 +65,9 @@ class TrainConfig:
                         "RUN/base and named in run.json eval.base_model; snapshots are adapters "
                         "(adapter_config.json + adapter_model.safetensors)")
     lora_rank: int = option(16, "LoRA rank r (alpha = 2r) with --lora", metavar="R", min=1)
+    untied_lm_head: bool = option(False, "an lm_head of its own instead of the input embedding's (tied, the "
+                                  "default): a vLLM server on CPU then reloads each snapshot in place rather "
+                                  "than relaunching (docs/USER_GUIDE.md, vLLM)")
     # evaluation
     eval: bool = option(True, "train without an eval dispatcher (no snapshots, no points)",
                         flag="--no-eval", group=EVAL)

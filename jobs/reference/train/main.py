@@ -125,7 +125,7 @@ def reference_eval(cfg: TrainConfig, run: RunDir, config: EvalConfig | None) -> 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
     """The model's shape: ``cfg.model``, or the reference defaults when not given."""
-    return cfg.model or ModelConfig()
+    return cfg.model or ModelConfig(tie_word_embeddings=not cfg.untied_lm_head)
 
 
 def base_model_dir(run: RunDir) -> Path:
