@@ -88,22 +88,14 @@ def prepare_run(cfg: TrainConfig, dispatch: DispatchConfig | None) -> RunDir:
 
 def check_resume_cadence(cfg: TrainConfig, dispatch: DispatchConfig | None) -> None:
     """``--resume`` with another ``--eval-interval`` than the run was created with is refused: its points
-    would mix two cadences (and a point dispatched under the old one could be skipped as off-cadence); so is
-    another model shape (``--arch``, ``--untied-lm-head``), whose training checkpoint could not be loaded."""
+    would mix two cadences (and a point dispatched under the old one could be skipped as off-cadence)."""
     run = RunDir(cfg.run_dir)
-    if not cfg.resume or not run.manifest_path.is_file():
+    if dispatch is None or not cfg.resume or not run.manifest_path.is_file():
         return
-    trainer = run.manifest().trainer
-    was = trainer.get("eval_interval")
-    if dispatch is not None and isinstance(was, int) and was != dispatch.eval_interval:
+    was = run.manifest().trainer.get("eval_interval")
+    if isinstance(was, int) and was != dispatch.eval_interval:
         raise ValueError(f"--resume: {run.manifest_path} was created with --eval-interval {was}, not "
                          f"{dispatch.eval_interval}; resume with --eval-interval {was} (or start a new --run-dir)")
-    now = {"arch": cfg.arch, **asdict(model_config(cfg))}
-    was_shape = {"arch": trainer.get("arch"), **(trainer.get("model") or {})}
-    if differ := [f"{k} {was_shape[k]!r}, not {v!r}" for k, v in now.items() if k in was_shape and was_shape[k] != v]:
-        raise ValueError(f"--resume: {run.manifest_path} was created with another model ({'; '.join(differ)}): its "
-                         "training checkpoint cannot be loaded; resume with the flags it was created with "
-                         "(--arch, --untied-lm-head) or start a new --run-dir")
 
 
 # `--engine vllm` on the built-in sets: fp32 as trained (vLLM's dtype auto downcasts an fp32 model:
